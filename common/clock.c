@@ -1,0 +1,29 @@
+/* clock.c - millisecond clocks. */
+#include "clock.h"
+
+#include <errno.h>
+#include <time.h>
+
+static int64_t read_ms(clockid_t id)
+{
+    struct timespec ts;
+    clock_gettime(id, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+int64_t clock_now_ms(void)
+{
+    return read_ms(CLOCK_REALTIME);
+}
+
+int64_t clock_mono_ms(void)
+{
+    return read_ms(CLOCK_MONOTONIC);
+}
+
+void clock_sleep_ms(int64_t ms)
+{
+    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}

@@ -1,0 +1,16 @@
+/* clock.h - wall and monotonic time in milliseconds. */
+#ifndef CFLUE_CLOCK_H
+#define CFLUE_CLOCK_H
+
+#include <stdint.h>
+
+/* clock_now_ms returns Unix time in milliseconds (wall clock, for stored timestamps). */
+int64_t clock_now_ms(void);
+
+/* clock_mono_ms returns a monotonic clock in milliseconds, for intervals and deadlines. */
+int64_t clock_mono_ms(void);
+
+/* clock_sleep_ms sleeps at least ms milliseconds (restarting after signals). */
+void clock_sleep_ms(int64_t ms);
+
+#endif

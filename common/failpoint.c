@@ -1,0 +1,58 @@
+/* failpoint.c - crash points armed from the environment. */
+#include "failpoint.h"
+
+#include "log.h"
+
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MAX_POINTS 16
+
+static struct {
+    char name[96];
+    atomic_int remaining;
+} points[MAX_POINTS];
+static int n_points;
+
+void failpoint_init(void)
+{
+    const char *spec = getenv("CFLUE_FAILPOINTS");
+    if (!spec || !*spec) {
+        return;
+    }
+    char copy[1024];
+    strncpy(copy, spec, sizeof(copy) - 1);
+    copy[sizeof(copy) - 1] = '\0';
+    char *save = NULL;
+    for (char *tok = strtok_r(copy, ",", &save); tok && n_points < MAX_POINTS;
+         tok = strtok_r(NULL, ",", &save)) {
+        char *eq = strchr(tok, '=');
+        if (!eq) {
+            continue;
+        }
+        *eq = '\0';
+        int count = 1;
+        char *colon = strchr(eq + 1, ':');
+        if (colon) {
+            count = atoi(colon + 1);
+        }
+        strncpy(points[n_points].name, tok, sizeof(points[n_points].name) - 1);
+        atomic_store(&points[n_points].remaining, count > 0 ? count : 1);
+        log_warn("failpoint_armed", "point=%s count=%d", points[n_points].name, count);
+        n_points++;
+    }
+}
+
+void failpoint_hit(const char *name)
+{
+    for (int i = 0; i < n_points; i++) {
+        if (!strcmp(points[i].name, name) && atomic_fetch_sub(&points[i].remaining, 1) == 1) {
+            log_error("failpoint_crash", "point=%s", name);
+            raise(SIGKILL);
+            _exit(137);
+        }
+    }
+}

@@ -1,0 +1,16 @@
+/* failpoint.h - named crash points at durable boundaries, for crash tests.
+ *
+ * CFLUE_FAILPOINTS="storaged.commit.after=crash,storaged.commit.before=crash:3" makes the
+ * process exit abruptly (as SIGKILL would leave it) the first time, or the Nth time, a named
+ * point is reached. Unset in production: failpoint_hit is then one relaxed load.
+ */
+#ifndef CFLUE_FAILPOINT_H
+#define CFLUE_FAILPOINT_H
+
+/* failpoint_init reads CFLUE_FAILPOINTS once; call at start-up before any thread starts. */
+void failpoint_init(void);
+
+/* failpoint_hit crashes the process if the named point is armed and its count is reached. */
+void failpoint_hit(const char *name);
+
+#endif

@@ -1,0 +1,60 @@
+/* ids.c - ULID-style ids. */
+#include "ids.h"
+
+#include "clock.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/random.h>
+
+static const char crockford[] = "0123456789ABCDEFGHJKMNPQRSTVWXYZ";
+
+void ids_new(char out[IDS_MAX], const char *prefix)
+{
+    uint8_t bytes[16];
+    uint64_t ms = (uint64_t)clock_now_ms();
+    for (int i = 5; i >= 0; i--) {
+        bytes[i] = (uint8_t)(ms & 0xff);
+        ms >>= 8;
+    }
+    size_t got = 0;
+    while (got < 10) {
+        ssize_t n = getrandom(bytes + 6 + got, 10 - got, 0);
+        if (n > 0) {
+            got += (size_t)n;
+        }
+    }
+    /* 128 bits -> 26 base32 characters, most significant first (2 leading pad bits). */
+    char ulid[27];
+    for (int i = 0; i < 26; i++) {
+        int bit = i * 5 - 2; /* position of the character's first bit in the 128-bit value */
+        unsigned v = 0;
+        for (int k = 0; k < 5; k++) {
+            int b = bit + k;
+            v <<= 1;
+            if (b >= 0) {
+                v |= (bytes[b / 8] >> (7 - b % 8)) & 1u;
+            }
+        }
+        ulid[i] = crockford[v];
+    }
+    ulid[26] = '\0';
+    snprintf(out, IDS_MAX, "%.24s_%s", prefix, ulid);
+}
+
+bool ids_valid_name(const char *s, size_t max_len)
+{
+    size_t n = 0;
+    if (!s) {
+        return false;
+    }
+    for (const char *p = s; *p; p++, n++) {
+        char c = *p;
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '.' || c == '_' || c == '-')) {
+            return false;
+        }
+    }
+    return n >= 1 && n <= max_len && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
+}

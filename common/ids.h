@@ -1,0 +1,21 @@
+/* ids.h - prefixed, time-ordered unique ids: PREFIX + "_" + 26-character ULID.
+ *
+ * A ULID is 48 bits of Unix milliseconds followed by 80 random bits, in Crockford base32,
+ * so ids sort by creation time. Examples: sub_01JD..., conv_01JD..., att_01JD....
+ */
+#ifndef CFLUE_IDS_H
+#define CFLUE_IDS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#define IDS_MAX 64 /* enough for any prefix we use, the separator, the ULID and NUL */
+
+/* ids_new writes a new id with the given prefix ("sub", "conv", ...) into out. */
+void ids_new(char out[IDS_MAX], const char *prefix);
+
+/* ids_valid_name reports whether s is a safe caller-chosen name or id: 1..max_len characters
+ * of [A-Za-z0-9._-], not "." or "..". */
+bool ids_valid_name(const char *s, size_t max_len);
+
+#endif

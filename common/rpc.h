@@ -1,0 +1,172 @@
+/* rpc.h - a small layer over the gRPC C core with protobuf-c messages.
+ *
+ * Server: register a handler per method, listen on TCP or unix: addresses, start. A handler
+ * receives the decoded request and a call handle; it replies now or later, from any thread,
+ * with rpc_call_reply (unary), or rpc_call_send then rpc_call_finish (server streaming), or
+ * rpc_call_fail. Every call is finished exactly once. Requests that cannot be decoded get
+ * INVALID_ARGUMENT, unknown methods UNIMPLEMENTED, oversized messages RESOURCE_EXHAUSTED
+ * (from the core). rpc_server_shutdown stops accepting calls, waits for live calls up to a
+ * grace period, cancels the rest and waits for every handler to finish its call.
+ *
+ * Every server also serves grpc.health.v1.Health (Check and Watch).
+ *
+ * Client: rpc_unary and rpc_stream_* make blocking calls on a shared channel.
+ */
+#ifndef CFLUE_RPC_H
+#define CFLUE_RPC_H
+
+#include "status.h"
+
+#include <grpc/grpc.h>
+#include <protobuf-c/protobuf-c.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+struct rpc_server;
+struct rpc_call;
+
+/* Where a handler runs. */
+enum rpc_mode {
+    RPC_INLINE, /* on a poller thread: must not block (no disk, no downstream calls) */
+    RPC_POOL,   /* on the server's worker pool: may block briefly (a database read) */
+    RPC_THREAD, /* on a thread of its own: may block for the life of the call (streams) */
+};
+
+typedef void (*rpc_handler_fn)(struct rpc_call *call, const ProtobufCMessage *req, void *user);
+
+struct rpc_server_opts {
+    int pollers;              /* completion-queue threads; 0: 2 */
+    int workers;              /* RPC_POOL threads; 0: 8 */
+    int max_threads;          /* concurrent RPC_THREAD handlers; 0: 256 */
+    int max_message_bytes;    /* receive and send limit; 0: 16 MiB */
+};
+
+/* rpc_server_new creates a server (not yet listening). Never NULL. */
+struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts);
+
+/* rpc_server_listen binds an address ("127.0.0.1:0", "[::]:7001", "unix:/path"). Stores the
+ * bound TCP port in *port_out (0 for unix sockets) when port_out is not NULL. CF_UNAVAILABLE
+ * with a message when the address cannot be bound. Call before rpc_server_start. */
+enum cf_status rpc_server_listen(struct rpc_server *s, const char *addr, int *port_out,
+                                 struct cf_error *err);
+
+/* rpc_server_add_method registers a handler for a full method path ("/cflue.v1.Store/Admit").
+ * The request is decoded with req_desc. Call before rpc_server_start. */
+void rpc_server_add_method(struct rpc_server *s, const char *path,
+                           const ProtobufCMessageDescriptor *req_desc, rpc_handler_fn fn,
+                           void *user, enum rpc_mode mode);
+
+/* rpc_server_start starts serving; health reports SERVING for "" and every service name whose
+ * methods were registered. */
+void rpc_server_start(struct rpc_server *s);
+
+/* rpc_server_stopping reports whether shutdown has begun (for long-running handlers). */
+bool rpc_server_stopping(const struct rpc_server *s);
+
+/* rpc_server_set_serving changes the health status of every service (false: NOT_SERVING). */
+void rpc_server_set_serving(struct rpc_server *s, bool serving);
+
+/* rpc_server_shutdown stops the server: health turns NOT_SERVING, new calls are refused, live
+ * calls get grace_ms to finish, then are cancelled; returns once every call is finished and
+ * every server thread joined. Idempotent. */
+void rpc_server_shutdown(struct rpc_server *s, int grace_ms);
+
+/* rpc_server_free releases a server after rpc_server_shutdown (NULL is fine). */
+void rpc_server_free(struct rpc_server *s);
+
+/* rpc_call_reply sends the one response of a unary call with status OK and finishes it. */
+void rpc_call_reply(struct rpc_call *c, const ProtobufCMessage *resp);
+
+/* rpc_call_send queues one message of a server stream. Blocks while too many messages are
+ * queued (backpressure). Returns false once the call is dead (cancelled, deadline, client
+ * gone): the handler should stop producing and finish. */
+bool rpc_call_send(struct rpc_call *c, const ProtobufCMessage *msg);
+
+/* rpc_call_finish ends the call with a gRPC status and details (NULL: none). The handle is
+ * invalid afterwards. Exactly once per call. */
+void rpc_call_finish(struct rpc_call *c, grpc_status_code code, const char *details);
+
+/* rpc_call_fail ends the call with the gRPC code of st and a printf-formatted message. */
+void rpc_call_fail(struct rpc_call *c, enum cf_status st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* rpc_call_fail_error ends the call with err's code and message. */
+void rpc_call_fail_error(struct rpc_call *c, const struct cf_error *err);
+
+/* rpc_call_cancelled reports whether the call is over for the client (cancelled, deadline
+ * passed, connection lost) or the server is shutting down. */
+bool rpc_call_cancelled(struct rpc_call *c);
+
+/* rpc_call_wait waits up to ms milliseconds or until the call is cancelled, whichever comes
+ * first; returns rpc_call_cancelled(). */
+bool rpc_call_wait(struct rpc_call *c, int ms);
+
+/* rpc_call_remaining_ms returns the milliseconds left before the client's deadline, or -1 when
+ * the call has none. */
+int64_t rpc_call_remaining_ms(struct rpc_call *c);
+
+/* rpc_call_metadata copies the value of a request metadata key (lower case) into out;
+ * false when absent. */
+bool rpc_call_metadata(struct rpc_call *c, const char *key, char *out, size_t out_len);
+
+/* rpc_call_server returns the server serving the call. */
+struct rpc_server *rpc_call_server(struct rpc_call *c);
+
+/* ---- client ---- */
+
+struct rpc_channel;
+
+/* The outcome of a client call as the server (or the local core) reported it. */
+struct rpc_status {
+    grpc_status_code code;
+    char details[CF_ERROR_MSG_MAX];
+};
+
+/* rpc_channel_new connects lazily to target ("127.0.0.1:7001", "unix:/path"). Never NULL. */
+struct rpc_channel *rpc_channel_new(const char *target, int max_message_bytes);
+
+/* rpc_channel_free closes the channel (NULL is fine). Every call must be over. */
+void rpc_channel_free(struct rpc_channel *ch);
+
+/* rpc_unary makes one blocking unary call. timeout_ms <= 0 means no deadline. On status OK,
+ * *resp_out holds the decoded response (free with protobuf_c_message_free_unpacked);
+ * otherwise it is NULL. Returns st->code == GRPC_STATUS_OK. */
+bool rpc_unary(struct rpc_channel *ch, const char *method, const ProtobufCMessage *req,
+               const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
+               ProtobufCMessage **resp_out, struct rpc_status *st);
+
+struct rpc_stream;
+
+/* rpc_stream_open starts a server-streaming call. Never NULL; errors surface from
+ * rpc_stream_read and rpc_stream_finish. */
+struct rpc_stream *rpc_stream_open(struct rpc_channel *ch, const char *method,
+                                   const ProtobufCMessage *req, int64_t timeout_ms);
+
+/* rpc_stream_read blocks for the next message: 1 with *msg_out set (free it), 0 at the end of
+ * the stream (then call rpc_stream_finish for the status), -1 if a message cannot be
+ * decoded. */
+int rpc_stream_read(struct rpc_stream *s, const ProtobufCMessageDescriptor *desc,
+                    ProtobufCMessage **msg_out);
+
+/* rpc_stream_cancel cancels the call from any thread; reads then end. */
+void rpc_stream_cancel(struct rpc_stream *s);
+
+/* rpc_stream_finish waits for the final status, fills st, and frees the stream. */
+bool rpc_stream_finish(struct rpc_stream *s, struct rpc_status *st);
+
+/* ---- codec ---- */
+
+/* rpc_pack serializes a message into a new byte buffer (caller destroys it). */
+grpc_byte_buffer *rpc_pack(const ProtobufCMessage *msg);
+
+/* rpc_unpack decodes a byte buffer; NULL when the bytes are not a valid message. */
+ProtobufCMessage *rpc_unpack(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *bb);
+
+/* rpc_global_init blocks SIGINT/SIGTERM/SIGPIPE in the calling thread (so gRPC's threads
+ * inherit the mask), routes gRPC logs and calls grpc_init. */
+void rpc_global_init(void);
+
+/* rpc_global_shutdown calls grpc_shutdown_blocking. */
+void rpc_global_shutdown(void);
+
+#endif

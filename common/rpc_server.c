@@ -1,0 +1,914 @@
+/* rpc_server.c - the server side of the gRPC layer.
+ *
+ * Method: one completion queue served by a few poller threads. Each registered method keeps
+ * SLOTS_PER_METHOD request slots posted; a few generic slots catch unknown methods and answer
+ * UNIMPLEMENTED. A call's state (struct rpc_call) holds three tags: new-call, close and
+ * send. It is reference counted: one reference for the RECV_CLOSE_ON_SERVER op, one for the
+ * handler until it finishes the call, one per send batch in flight. Only one send batch is
+ * in flight per call; further messages wait in a small queue (backpressure above
+ * SEND_BACKLOG) and the final status rides on the last batch. Shutdown waits for the core's
+ * shutdown tag and then for our own count of live calls, because the core's notification
+ * does not cover calls a handler still holds.
+ */
+#include "rpc.h"
+
+#include "log.h"
+#include "mem.h"
+
+#include "grpc/health/v1/health.pb-c.h"
+
+#include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SLOTS_PER_METHOD 8
+#define GENERIC_SLOTS 2
+#define SEND_BACKLOG 16
+#define MAX_METHODS 48
+
+enum tag_kind { TAG_NEW_CALL, TAG_NEW_GENERIC, TAG_CLOSE, TAG_SEND, TAG_SHUTDOWN };
+
+struct tag {
+    enum tag_kind kind;
+    void *owner;
+};
+
+struct method {
+    char *path;
+    char *service;
+    const ProtobufCMessageDescriptor *req_desc;
+    rpc_handler_fn fn;
+    void *user;
+    enum rpc_mode mode;
+    void *handle;
+};
+
+struct pending_send {
+    grpc_byte_buffer *bb;
+    struct pending_send *next;
+};
+
+struct rpc_call {
+    struct rpc_server *srv;
+    struct method *m; /* NULL for a generic (unknown-method) slot */
+    grpc_call *call;
+    gpr_timespec deadline;
+    grpc_metadata_array md;
+    grpc_byte_buffer *payload;
+    grpc_call_details details;
+    ProtobufCMessage *req;
+    struct tag t_new, t_close, t_send;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int refs;
+    int cancelled;      /* written by the core when the close op completes */
+    bool closed;        /* the close op completed */
+    bool dead;          /* no more sends possible */
+    bool finished;      /* the handler finished the call */
+    bool sending;       /* a send batch is in flight */
+    bool md_sent;
+    bool status_pending;
+    bool status_sent;
+    grpc_status_code status_code;
+    grpc_slice status_details;
+    bool has_details;
+    struct pending_send *q_head, *q_tail;
+    int q_len;
+    grpc_byte_buffer *inflight;
+    bool live; /* counted in srv->live_calls */
+};
+
+struct work {
+    struct rpc_call *c;
+    struct work *next;
+};
+
+struct rpc_server {
+    struct rpc_server_opts opts;
+    grpc_server *server;
+    grpc_completion_queue *cq;
+    struct method methods[MAX_METHODS];
+    int n_methods;
+    pthread_t *pollers;
+    pthread_t *workers;
+    struct tag t_shutdown;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool started;
+    bool stopping;
+    bool shutdown_done;
+    bool stopped;
+    bool serving;
+    int live_calls;
+    int threads_running;
+    struct work *work_head, *work_tail;
+    bool workers_quit;
+};
+
+static void post_slot(struct rpc_server *s, struct method *m);
+static void post_generic(struct rpc_server *s);
+
+/* ---------- call lifetime ---------- */
+
+static struct rpc_call *call_new(struct rpc_server *s, struct method *m)
+{
+    struct rpc_call *c = mem_alloc(sizeof(*c));
+    c->srv = s;
+    c->m = m;
+    c->t_new = (struct tag){m ? TAG_NEW_CALL : TAG_NEW_GENERIC, c};
+    c->t_close = (struct tag){TAG_CLOSE, c};
+    c->t_send = (struct tag){TAG_SEND, c};
+    grpc_metadata_array_init(&c->md);
+    if (!m) {
+        grpc_call_details_init(&c->details);
+    }
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    return c;
+}
+
+static void call_free(struct rpc_call *c)
+{
+    struct rpc_server *s = c->srv;
+    while (c->q_head) {
+        struct pending_send *p = c->q_head;
+        c->q_head = p->next;
+        grpc_byte_buffer_destroy(p->bb);
+        free(p);
+    }
+    if (c->has_details) {
+        grpc_slice_unref(c->status_details);
+    }
+    if (c->payload) {
+        grpc_byte_buffer_destroy(c->payload);
+    }
+    if (c->req) {
+        protobuf_c_message_free_unpacked(c->req, NULL);
+    }
+    if (c->call) {
+        grpc_call_unref(c->call);
+    }
+    grpc_metadata_array_destroy(&c->md);
+    if (!c->m) {
+        grpc_call_details_destroy(&c->details);
+    }
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+    bool live = c->live;
+    free(c);
+    if (live) {
+        pthread_mutex_lock(&s->mu);
+        s->live_calls--;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+    }
+}
+
+static void call_unref(struct rpc_call *c)
+{
+    pthread_mutex_lock(&c->mu);
+    int left = --c->refs;
+    pthread_mutex_unlock(&c->mu);
+    if (left == 0) {
+        call_free(c);
+    }
+}
+
+/* pump starts the next send batch if none is in flight. Called with c->mu held. */
+static void pump(struct rpc_call *c)
+{
+    grpc_op ops[3];
+    size_t n = 0;
+
+    if (c->sending || c->status_sent) {
+        return;
+    }
+    if (c->dead) {
+        while (c->q_head) {
+            struct pending_send *p = c->q_head;
+            c->q_head = p->next;
+            grpc_byte_buffer_destroy(p->bb);
+            free(p);
+        }
+        c->q_tail = NULL;
+        c->q_len = 0;
+        pthread_cond_broadcast(&c->cv);
+        return;
+    }
+    if (!c->q_head && !c->status_pending) {
+        return;
+    }
+    memset(ops, 0, sizeof(ops));
+    if (!c->md_sent) {
+        ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
+        n++;
+        c->md_sent = true;
+    }
+    if (c->q_head) {
+        struct pending_send *p = c->q_head;
+        c->q_head = p->next;
+        if (!c->q_head) {
+            c->q_tail = NULL;
+        }
+        c->q_len--;
+        c->inflight = p->bb;
+        free(p);
+        ops[n].op = GRPC_OP_SEND_MESSAGE;
+        ops[n].data.send_message.send_message = c->inflight;
+        n++;
+    }
+    if (!c->q_head && c->status_pending) {
+        ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+        ops[n].data.send_status_from_server.status = c->status_code;
+        ops[n].data.send_status_from_server.status_details =
+            c->has_details ? &c->status_details : NULL;
+        ops[n].data.send_status_from_server.trailing_metadata_count = 0;
+        n++;
+        c->status_pending = false;
+        c->status_sent = true;
+    }
+    c->sending = true;
+    c->refs++;
+    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->t_send, NULL);
+    if (e != GRPC_CALL_OK) {
+        log_error("rpc_send_failed", "code=%d", (int)e);
+        c->sending = false;
+        c->refs--;
+        c->dead = true;
+        if (c->inflight) {
+            grpc_byte_buffer_destroy(c->inflight);
+            c->inflight = NULL;
+        }
+    }
+    pthread_cond_broadcast(&c->cv);
+}
+
+static void on_send_done(struct rpc_call *c, int success)
+{
+    pthread_mutex_lock(&c->mu);
+    c->sending = false;
+    if (c->inflight) {
+        grpc_byte_buffer_destroy(c->inflight);
+        c->inflight = NULL;
+    }
+    if (!success) {
+        c->dead = true;
+    }
+    pump(c);
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    call_unref(c);
+}
+
+static void on_close(struct rpc_call *c)
+{
+    pthread_mutex_lock(&c->mu);
+    c->closed = true;
+    if (c->cancelled) {
+        c->dead = true;
+        pump(c);
+    }
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    call_unref(c);
+}
+
+/* ---------- handler side ---------- */
+
+static void enqueue_locked(struct rpc_call *c, grpc_byte_buffer *bb)
+{
+    struct pending_send *p = mem_alloc(sizeof(*p));
+    p->bb = bb;
+    if (c->q_tail) {
+        c->q_tail->next = p;
+    } else {
+        c->q_head = p;
+    }
+    c->q_tail = p;
+    c->q_len++;
+}
+
+static void finish_locked(struct rpc_call *c, grpc_status_code code, const char *details)
+{
+    c->finished = true;
+    c->status_pending = true;
+    c->status_code = code;
+    if (details && *details) {
+        c->status_details = grpc_slice_from_copied_string(details);
+        c->has_details = true;
+    }
+    pump(c);
+}
+
+void rpc_call_reply(struct rpc_call *c, const ProtobufCMessage *resp)
+{
+    grpc_byte_buffer *bb = rpc_pack(resp);
+    pthread_mutex_lock(&c->mu);
+    if (c->finished) {
+        pthread_mutex_unlock(&c->mu);
+        grpc_byte_buffer_destroy(bb);
+        log_error("rpc_double_finish", "method=%s", c->m ? c->m->path : "?");
+        return;
+    }
+    if (c->dead) {
+        grpc_byte_buffer_destroy(bb);
+    } else {
+        enqueue_locked(c, bb);
+    }
+    finish_locked(c, GRPC_STATUS_OK, NULL);
+    pthread_mutex_unlock(&c->mu);
+    call_unref(c);
+}
+
+bool rpc_call_send(struct rpc_call *c, const ProtobufCMessage *msg)
+{
+    grpc_byte_buffer *bb = rpc_pack(msg);
+    pthread_mutex_lock(&c->mu);
+    while (!c->dead && !c->finished && c->q_len >= SEND_BACKLOG) {
+        pthread_cond_wait(&c->cv, &c->mu);
+    }
+    if (c->dead || c->finished) {
+        pthread_mutex_unlock(&c->mu);
+        grpc_byte_buffer_destroy(bb);
+        return false;
+    }
+    enqueue_locked(c, bb);
+    pump(c);
+    pthread_mutex_unlock(&c->mu);
+    return true;
+}
+
+void rpc_call_finish(struct rpc_call *c, grpc_status_code code, const char *details)
+{
+    pthread_mutex_lock(&c->mu);
+    if (c->finished) {
+        pthread_mutex_unlock(&c->mu);
+        log_error("rpc_double_finish", "method=%s", c->m ? c->m->path : "?");
+        return;
+    }
+    finish_locked(c, code, details);
+    pthread_mutex_unlock(&c->mu);
+    call_unref(c);
+}
+
+void rpc_call_fail(struct rpc_call *c, enum cf_status st, const char *fmt, ...)
+{
+    char msg[CF_ERROR_MSG_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    rpc_call_finish(c, status_grpc_code(st), msg);
+}
+
+void rpc_call_fail_error(struct rpc_call *c, const struct cf_error *err)
+{
+    rpc_call_finish(c, status_grpc_code(err->code),
+                    err->msg[0] ? err->msg : status_message(err->code));
+}
+
+bool rpc_call_cancelled(struct rpc_call *c)
+{
+    pthread_mutex_lock(&c->mu);
+    bool dead = c->dead || (c->closed && c->cancelled);
+    pthread_mutex_unlock(&c->mu);
+    return dead || rpc_server_stopping(c->srv);
+}
+
+bool rpc_call_wait(struct rpc_call *c, int ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += ms / 1000;
+    ts.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&c->mu);
+    if (!c->dead && !c->closed) {
+        pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rpc_call_cancelled(c);
+}
+
+int64_t rpc_call_remaining_ms(struct rpc_call *c)
+{
+    if (gpr_time_cmp(c->deadline, gpr_inf_future(c->deadline.clock_type)) == 0) {
+        return -1;
+    }
+    gpr_timespec left = gpr_time_sub(c->deadline, gpr_now(c->deadline.clock_type));
+    int64_t ms = gpr_time_to_millis(left);
+    return ms < 0 ? 0 : ms;
+}
+
+bool rpc_call_metadata(struct rpc_call *c, const char *key, char *out, size_t out_len)
+{
+    for (size_t i = 0; i < c->md.count; i++) {
+        grpc_slice k = c->md.metadata[i].key;
+        if (GRPC_SLICE_LENGTH(k) == strlen(key) &&
+            !memcmp(GRPC_SLICE_START_PTR(k), key, strlen(key))) {
+            grpc_slice v = c->md.metadata[i].value;
+            size_t n = GRPC_SLICE_LENGTH(v);
+            if (n >= out_len) {
+                n = out_len - 1;
+            }
+            memcpy(out, GRPC_SLICE_START_PTR(v), n);
+            out[n] = '\0';
+            return true;
+        }
+    }
+    return false;
+}
+
+struct rpc_server *rpc_call_server(struct rpc_call *c)
+{
+    return c->srv;
+}
+
+/* ---------- dispatch ---------- */
+
+static void *thread_main(void *arg)
+{
+    struct rpc_call *c = arg;
+    struct rpc_server *s = c->srv;
+    c->m->fn(c, c->req, c->m->user);
+    pthread_mutex_lock(&s->mu);
+    s->threads_running--;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+static void run_handler(struct rpc_call *c)
+{
+    struct rpc_server *s = c->srv;
+    switch (c->m->mode) {
+    case RPC_INLINE:
+        c->m->fn(c, c->req, c->m->user);
+        return;
+    case RPC_POOL: {
+        struct work *w = mem_alloc(sizeof(*w));
+        w->c = c;
+        pthread_mutex_lock(&s->mu);
+        if (s->work_tail) {
+            s->work_tail->next = w;
+        } else {
+            s->work_head = w;
+        }
+        s->work_tail = w;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
+    case RPC_THREAD: {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_mutex_lock(&s->mu);
+        if (s->threads_running >= s->opts.max_threads) {
+            pthread_mutex_unlock(&s->mu);
+            rpc_call_fail(c, CF_BUSY, "too many concurrent streams (limit %d); retry later",
+                          s->opts.max_threads);
+            return;
+        }
+        s->threads_running++;
+        pthread_mutex_unlock(&s->mu);
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&t, &attr, thread_main, c) != 0) {
+            pthread_mutex_lock(&s->mu);
+            s->threads_running--;
+            pthread_mutex_unlock(&s->mu);
+            rpc_call_fail(c, CF_BUSY, "could not start a thread for the call");
+        }
+        pthread_attr_destroy(&attr);
+        return;
+    }
+    }
+}
+
+static void *worker_main(void *arg)
+{
+    struct rpc_server *s = arg;
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        while (!s->work_head && !s->workers_quit) {
+            pthread_cond_wait(&s->cv, &s->mu);
+        }
+        struct work *w = s->work_head;
+        if (!w) {
+            pthread_mutex_unlock(&s->mu);
+            return NULL;
+        }
+        s->work_head = w->next;
+        if (!s->work_head) {
+            s->work_tail = NULL;
+        }
+        pthread_mutex_unlock(&s->mu);
+        w->c->m->fn(w->c, w->c->req, w->c->m->user);
+        free(w);
+    }
+}
+
+static bool begin_call(struct rpc_call *c)
+{
+    struct rpc_server *s = c->srv;
+    grpc_op op;
+    pthread_mutex_lock(&s->mu);
+    s->live_calls++;
+    c->live = true;
+    pthread_mutex_unlock(&s->mu);
+    c->refs = 2; /* the close op and the handler */
+    memset(&op, 0, sizeof(op));
+    op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+    op.data.recv_close_on_server.cancelled = &c->cancelled;
+    if (grpc_call_start_batch(c->call, &op, 1, &c->t_close, NULL) != GRPC_CALL_OK) {
+        c->refs = 1;
+        c->closed = true;
+        c->dead = true;
+    }
+    return true;
+}
+
+static void on_new_call(struct rpc_call *c, int success)
+{
+    struct rpc_server *s = c->srv;
+    if (!success) {
+        call_free(c);
+        return;
+    }
+    if (!rpc_server_stopping(s)) {
+        post_slot(s, c->m);
+    }
+    begin_call(c);
+    if (!c->payload) {
+        rpc_call_fail(c, CF_INVALID, "the request carried no message for %s", c->m->path);
+        return;
+    }
+    c->req = rpc_unpack(c->m->req_desc, c->payload);
+    grpc_byte_buffer_destroy(c->payload);
+    c->payload = NULL;
+    if (!c->req) {
+        rpc_call_fail(c, CF_INVALID, "malformed request: the bytes do not decode as %s",
+                      c->m->req_desc->name);
+        return;
+    }
+    run_handler(c);
+}
+
+static void on_new_generic(struct rpc_call *c, int success)
+{
+    struct rpc_server *s = c->srv;
+    char method[256];
+    if (!success) {
+        call_free(c);
+        return;
+    }
+    if (!rpc_server_stopping(s)) {
+        post_generic(s);
+    }
+    begin_call(c);
+    size_t n = GRPC_SLICE_LENGTH(c->details.method);
+    if (n >= sizeof(method)) {
+        n = sizeof(method) - 1;
+    }
+    memcpy(method, GRPC_SLICE_START_PTR(c->details.method), n);
+    method[n] = '\0';
+    char q[300];
+    log_warn("rpc_unknown_method", "method=%s", log_quote(q, sizeof(q), method));
+    rpc_call_fail(c, CF_UNIMPLEMENTED, "unknown method %s", method);
+}
+
+static void *poller_main(void *arg)
+{
+    struct rpc_server *s = arg;
+    for (;;) {
+        grpc_event ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME),
+                                                   NULL);
+        if (ev.type == GRPC_QUEUE_SHUTDOWN) {
+            return NULL;
+        }
+        if (ev.type != GRPC_OP_COMPLETE) {
+            continue;
+        }
+        struct tag *t = ev.tag;
+        switch (t->kind) {
+        case TAG_NEW_CALL:
+            on_new_call(t->owner, ev.success);
+            break;
+        case TAG_NEW_GENERIC:
+            on_new_generic(t->owner, ev.success);
+            break;
+        case TAG_CLOSE:
+            on_close(t->owner);
+            break;
+        case TAG_SEND:
+            on_send_done(t->owner, ev.success);
+            break;
+        case TAG_SHUTDOWN:
+            pthread_mutex_lock(&s->mu);
+            s->shutdown_done = true;
+            pthread_cond_broadcast(&s->cv);
+            pthread_mutex_unlock(&s->mu);
+            break;
+        }
+    }
+}
+
+static void post_slot(struct rpc_server *s, struct method *m)
+{
+    struct rpc_call *c = call_new(s, m);
+    grpc_call_error e = grpc_server_request_registered_call(
+        s->server, m->handle, &c->call, &c->deadline, &c->md, &c->payload, s->cq, s->cq,
+        &c->t_new);
+    if (e != GRPC_CALL_OK) {
+        call_free(c);
+    }
+}
+
+static void post_generic(struct rpc_server *s)
+{
+    struct rpc_call *c = call_new(s, NULL);
+    grpc_call_error e = grpc_server_request_call(s->server, &c->call, &c->details, &c->md, s->cq,
+                                                 s->cq, &c->t_new);
+    if (e != GRPC_CALL_OK) {
+        call_free(c);
+    }
+}
+
+/* ---------- health ---------- */
+
+static grpc_status_code health_status(struct rpc_server *s, const char *service, int *out)
+{
+    if (*service) {
+        bool known = false;
+        for (int i = 0; i < s->n_methods; i++) {
+            if (!strcmp(s->methods[i].service, service)) {
+                known = true;
+            }
+        }
+        if (!known) {
+            return GRPC_STATUS_NOT_FOUND;
+        }
+    }
+    pthread_mutex_lock(&s->mu);
+    *out = s->serving && !s->stopping
+               ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING
+               : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING;
+    pthread_mutex_unlock(&s->mu);
+    return GRPC_STATUS_OK;
+}
+
+static void health_check(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
+{
+    const Grpc__Health__V1__HealthCheckRequest *req = (const void *)msg;
+    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+    int st;
+    if (health_status(c->srv, req->service, &st) != GRPC_STATUS_OK) {
+        rpc_call_fail(c, CF_NOT_FOUND, "unknown service '%s'", req->service);
+        return;
+    }
+    resp.status = st;
+    rpc_call_reply(c, &resp.base);
+}
+
+static void health_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
+{
+    const Grpc__Health__V1__HealthCheckRequest *req = (const void *)msg;
+    Grpc__Health__V1__HealthCheckResponse resp = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+    int st, last = -1;
+    if (health_status(c->srv, req->service, &st) != GRPC_STATUS_OK) {
+        resp.status = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN;
+        rpc_call_send(c, &resp.base);
+        last = (int)resp.status;
+    }
+    for (;;) {
+        if (last != GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN) {
+            health_status(c->srv, req->service, &st);
+            if (st != last) {
+                resp.status = st;
+                if (!rpc_call_send(c, &resp.base)) {
+                    break;
+                }
+                last = st;
+            }
+        }
+        if (rpc_server_stopping(c->srv)) {
+            break;
+        }
+        if (rpc_call_wait(c, 200)) {
+            break;
+        }
+    }
+    rpc_call_finish(c, GRPC_STATUS_OK, NULL);
+}
+
+/* ---------- lifecycle ---------- */
+
+struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
+{
+    struct rpc_server *s = mem_alloc(sizeof(*s));
+    if (opts) {
+        s->opts = *opts;
+    }
+    if (s->opts.pollers <= 0) {
+        s->opts.pollers = 2;
+    }
+    if (s->opts.workers <= 0) {
+        s->opts.workers = 8;
+    }
+    if (s->opts.max_threads <= 0) {
+        s->opts.max_threads = 256;
+    }
+    if (s->opts.max_message_bytes <= 0) {
+        s->opts.max_message_bytes = 16 << 20;
+    }
+    grpc_arg args[2];
+    args[0].type = GRPC_ARG_INTEGER;
+    args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
+    args[0].value.integer = s->opts.max_message_bytes;
+    args[1].type = GRPC_ARG_INTEGER;
+    args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
+    args[1].value.integer = s->opts.max_message_bytes;
+    grpc_channel_args ca = {2, args};
+    s->server = grpc_server_create(&ca, NULL);
+    s->cq = grpc_completion_queue_create_for_next(NULL);
+    grpc_server_register_completion_queue(s->server, s->cq, NULL);
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    s->t_shutdown = (struct tag){TAG_SHUTDOWN, s};
+    s->serving = true;
+    rpc_server_add_method(s, "/grpc.health.v1.Health/Check",
+                          &grpc__health__v1__health_check_request__descriptor, health_check, NULL,
+                          RPC_INLINE);
+    rpc_server_add_method(s, "/grpc.health.v1.Health/Watch",
+                          &grpc__health__v1__health_check_request__descriptor, health_watch, NULL,
+                          RPC_THREAD);
+    return s;
+}
+
+enum cf_status rpc_server_listen(struct rpc_server *s, const char *addr, int *port_out,
+                                 struct cf_error *err)
+{
+    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+    int port = grpc_server_add_http2_port(s->server, addr, creds);
+    grpc_server_credentials_release(creds);
+    if (port == 0) {
+        return cf_error_set(err, CF_UNAVAILABLE,
+                            "cannot listen on '%s' (address in use, bad address, or no "
+                            "permission)",
+                            addr);
+    }
+    if (port_out) {
+        *port_out = strncmp(addr, "unix", 4) == 0 ? 0 : port;
+    }
+    return CF_OK;
+}
+
+void rpc_server_add_method(struct rpc_server *s, const char *path,
+                           const ProtobufCMessageDescriptor *req_desc, rpc_handler_fn fn,
+                           void *user, enum rpc_mode mode)
+{
+    if (s->n_methods >= MAX_METHODS) {
+        log_error("rpc_too_many_methods", "path=%s", path);
+        abort();
+    }
+    struct method *m = &s->methods[s->n_methods++];
+    m->path = mem_strdup(path);
+    const char *slash = strrchr(path, '/');
+    m->service = mem_strndup(path + 1, (size_t)(slash - path - 1));
+    m->req_desc = req_desc;
+    m->fn = fn;
+    m->user = user;
+    m->mode = mode;
+    m->handle = grpc_server_register_method(s->server, m->path, NULL,
+                                            GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
+}
+
+void rpc_server_start(struct rpc_server *s)
+{
+    grpc_server_start(s->server);
+    for (int i = 0; i < s->n_methods; i++) {
+        for (int k = 0; k < SLOTS_PER_METHOD; k++) {
+            post_slot(s, &s->methods[i]);
+        }
+    }
+    for (int k = 0; k < GENERIC_SLOTS; k++) {
+        post_generic(s);
+    }
+    s->pollers = mem_alloc(sizeof(pthread_t) * (size_t)s->opts.pollers);
+    for (int i = 0; i < s->opts.pollers; i++) {
+        pthread_create(&s->pollers[i], NULL, poller_main, s);
+    }
+    s->workers = mem_alloc(sizeof(pthread_t) * (size_t)s->opts.workers);
+    for (int i = 0; i < s->opts.workers; i++) {
+        pthread_create(&s->workers[i], NULL, worker_main, s);
+    }
+    s->started = true;
+}
+
+bool rpc_server_stopping(const struct rpc_server *s)
+{
+    pthread_mutex_lock((pthread_mutex_t *)&s->mu);
+    bool v = s->stopping;
+    pthread_mutex_unlock((pthread_mutex_t *)&s->mu);
+    return v;
+}
+
+void rpc_server_set_serving(struct rpc_server *s, bool serving)
+{
+    pthread_mutex_lock(&s->mu);
+    s->serving = serving;
+    pthread_mutex_unlock(&s->mu);
+}
+
+static bool wait_until(struct rpc_server *s, bool (*cond)(struct rpc_server *), int ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += ms / 1000;
+    ts.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&s->mu);
+    while (!cond(s)) {
+        if (ms < 0) {
+            pthread_cond_wait(&s->cv, &s->mu);
+        } else if (pthread_cond_timedwait(&s->cv, &s->mu, &ts) != 0) {
+            break;
+        }
+    }
+    bool ok = cond(s);
+    pthread_mutex_unlock(&s->mu);
+    return ok;
+}
+
+static bool is_shutdown_done(struct rpc_server *s)
+{
+    return s->shutdown_done;
+}
+
+static bool no_live_calls(struct rpc_server *s)
+{
+    return s->live_calls == 0 && s->threads_running == 0;
+}
+
+void rpc_server_shutdown(struct rpc_server *s, int grace_ms)
+{
+    pthread_mutex_lock(&s->mu);
+    if (s->stopped || !s->started) {
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
+    s->stopping = true;
+    pthread_mutex_unlock(&s->mu);
+
+    grpc_server_shutdown_and_notify(s->server, s->cq, &s->t_shutdown);
+    if (!wait_until(s, is_shutdown_done, grace_ms) || !wait_until(s, no_live_calls, grace_ms)) {
+        log_warn("rpc_shutdown_cancel", "msg=\"grace period over; cancelling live calls\"");
+        grpc_server_cancel_all_calls(s->server);
+    }
+    wait_until(s, is_shutdown_done, -1);
+    wait_until(s, no_live_calls, -1);
+
+    pthread_mutex_lock(&s->mu);
+    s->workers_quit = true;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 0; i < s->opts.workers; i++) {
+        pthread_join(s->workers[i], NULL);
+    }
+    grpc_completion_queue_shutdown(s->cq);
+    for (int i = 0; i < s->opts.pollers; i++) {
+        pthread_join(s->pollers[i], NULL);
+    }
+    s->stopped = true;
+}
+
+void rpc_server_free(struct rpc_server *s)
+{
+    if (!s) {
+        return;
+    }
+    if (s->started && !s->stopped) {
+        rpc_server_shutdown(s, 0);
+    }
+    grpc_server_destroy(s->server);
+    grpc_completion_queue_destroy(s->cq);
+    for (int i = 0; i < s->n_methods; i++) {
+        free(s->methods[i].path);
+        free(s->methods[i].service);
+    }
+    free(s->pollers);
+    free(s->workers);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    free(s);
+}

@@ -1,0 +1,183 @@
+/* db.c - SQLite connections for storaged.
+ *
+ * Durability: the database runs in WAL mode with synchronous=FULL on every connection, so a
+ * commit has reached the disk (WAL fsync) before storaged answers the RPC that caused it. This
+ * is what makes admissions and settlements survive power loss; group commit in writer.c keeps
+ * the cost of that fsync shared between concurrent requests.
+ */
+#include "db.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static const char schema_sql[] =
+    "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+    "CREATE TABLE conversations("
+    "  conversation_id TEXT PRIMARY KEY,"
+    "  agent TEXT NOT NULL,"
+    "  created_at INTEGER NOT NULL,"
+    "  next_pos INTEGER NOT NULL DEFAULT 0,"
+    "  epoch INTEGER NOT NULL DEFAULT 0);"
+    "CREATE TABLE submissions("
+    "  sequence INTEGER PRIMARY KEY AUTOINCREMENT,"
+    "  submission_id TEXT NOT NULL UNIQUE,"
+    "  conversation_id TEXT NOT NULL REFERENCES conversations(conversation_id),"
+    "  agent TEXT NOT NULL,"
+    "  idempotency_key TEXT,"
+    "  payload BLOB NOT NULL,"
+    "  status TEXT NOT NULL CHECK (status IN"
+    "    ('queued','running','terminalizing','settled','joining','joined')),"
+    "  outcome TEXT CHECK (outcome IN ('completed','failed','aborted')),"
+    "  error TEXT,"
+    "  attempt_id TEXT,"
+    "  epoch INTEGER NOT NULL DEFAULT 0,"
+    "  owner_id TEXT,"
+    "  lease_expires_at INTEGER NOT NULL DEFAULT 0,"
+    "  attempt_count INTEGER NOT NULL DEFAULT 0,"
+    "  max_attempts INTEGER NOT NULL DEFAULT 10,"
+    "  timeout_at INTEGER NOT NULL DEFAULT 0,"
+    "  accepted_at INTEGER NOT NULL,"
+    "  started_at INTEGER,"
+    "  input_applied_at INTEGER,"
+    "  abort_requested_at INTEGER,"
+    "  abort_reason TEXT,"
+    "  joined_into TEXT,"
+    "  settled_at INTEGER,"
+    "  answered_by TEXT,"
+    "  reserved_outcome TEXT CHECK (reserved_outcome IN ('completed','failed','aborted')),"
+    "  reserved_error TEXT,"
+    "  admit_pos INTEGER NOT NULL,"
+    "  CHECK ((status = 'settled') = (outcome IS NOT NULL)));"
+    "CREATE UNIQUE INDEX submissions_by_key ON submissions(agent, idempotency_key)"
+    "  WHERE idempotency_key IS NOT NULL;"
+    "CREATE INDEX submissions_by_conversation ON submissions(conversation_id, status, sequence);"
+    "CREATE INDEX submissions_by_status ON submissions(status, sequence);"
+    "CREATE INDEX submissions_by_host ON submissions(joined_into) WHERE joined_into IS NOT NULL;"
+    "CREATE TABLE records("
+    "  conversation_id TEXT NOT NULL,"
+    "  pos INTEGER NOT NULL,"
+    "  record_id TEXT NOT NULL,"
+    "  type TEXT NOT NULL,"
+    "  submission_id TEXT,"
+    "  attempt_id TEXT,"
+    "  ts INTEGER NOT NULL,"
+    "  body TEXT NOT NULL,"
+    "  PRIMARY KEY (conversation_id, pos),"
+    "  UNIQUE (conversation_id, record_id)) WITHOUT ROWID;"
+    "INSERT INTO meta(key, value) VALUES ('schema_version', '" DB_SCHEMA_VERSION "');";
+
+enum cf_status db_fail(sqlite3 *db, const char *what, struct cf_error *err)
+{
+    return cf_error_set(err, CF_DB, "%s: %s", what, sqlite3_errmsg(db));
+}
+
+enum cf_status db_exec(sqlite3 *db, const char *sql, struct cf_error *err)
+{
+    char *msg = NULL;
+    if (sqlite3_exec(db, sql, NULL, NULL, &msg) != SQLITE_OK) {
+        cf_error_set(err, CF_DB, "%s", msg ? msg : sqlite3_errmsg(db));
+        sqlite3_free(msg);
+        return CF_DB;
+    }
+    return CF_OK;
+}
+
+enum cf_status db_prepare(sqlite3 *db, const char *sql, sqlite3_stmt **out, struct cf_error *err)
+{
+    if (sqlite3_prepare_v3(db, sql, -1, SQLITE_PREPARE_PERSISTENT, out, NULL) != SQLITE_OK) {
+        return db_fail(db, "prepare", err);
+    }
+    return CF_OK;
+}
+
+/* check_version reads the stamp; *fresh is set when the database has no tables at all. */
+static enum cf_status check_version(sqlite3 *db, const char *path, bool *fresh,
+                                    struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    int tables = 0;
+    *fresh = false;
+    if (sqlite3_prepare_v2(db, "SELECT count(*) FROM sqlite_master WHERE type='table'", -1, &st,
+                           NULL) != SQLITE_OK) {
+        return cf_error_set(err, CF_CORRUPT, "%s is not a readable SQLite database: %s", path,
+                            sqlite3_errmsg(db));
+    }
+    if (sqlite3_step(st) == SQLITE_ROW) {
+        tables = sqlite3_column_int(st, 0);
+    }
+    sqlite3_finalize(st);
+    if (tables == 0) {
+        *fresh = true;
+        return CF_OK;
+    }
+    if (sqlite3_prepare_v2(db, "SELECT value FROM meta WHERE key='schema_version'", -1, &st,
+                           NULL) != SQLITE_OK) {
+        return cf_error_set(err, CF_VERSION,
+                            "%s holds tables but no cflue schema stamp (meta.schema_version); "
+                            "it was not written by storaged; refusing to open it",
+                            path);
+    }
+    enum cf_status rc = CF_OK;
+    if (sqlite3_step(st) != SQLITE_ROW) {
+        rc = cf_error_set(err, CF_VERSION, "%s has no schema_version stamp; refusing to open it",
+                          path);
+    } else {
+        const char *v = (const char *)sqlite3_column_text(st, 0);
+        if (!v || strcmp(v, DB_SCHEMA_VERSION) != 0) {
+            rc = cf_error_set(err, CF_VERSION,
+                              "%s was written with schema version %s; this storaged reads "
+                              "version %s only; refusing to open it",
+                              path, v ? v : "(null)", DB_SCHEMA_VERSION);
+        }
+    }
+    sqlite3_finalize(st);
+    return rc;
+}
+
+enum cf_status db_open(const char *path, bool writer, sqlite3 **out, struct cf_error *err)
+{
+    sqlite3 *db = NULL;
+    enum cf_status rc;
+    bool fresh;
+    int flags = SQLITE_OPEN_NOMUTEX |
+                (writer ? SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE : SQLITE_OPEN_READONLY);
+
+    *out = NULL;
+    if (sqlite3_open_v2(path, &db, flags, NULL) != SQLITE_OK) {
+        rc = cf_error_set(err, CF_IO, "cannot open database %s: %s", path,
+                          db ? sqlite3_errmsg(db) : "out of memory");
+        sqlite3_close(db);
+        return rc;
+    }
+    sqlite3_busy_timeout(db, 10000);
+    sqlite3_extended_result_codes(db, 1);
+    if ((rc = db_exec(db, "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;"
+                          "PRAGMA foreign_keys=ON;",
+                      err)) != CF_OK) {
+        goto fail;
+    }
+    if ((rc = check_version(db, path, &fresh, err)) != CF_OK) {
+        goto fail;
+    }
+    if (fresh) {
+        if (!writer) {
+            rc = cf_error_set(err, CF_VERSION, "%s has no schema yet", path);
+            goto fail;
+        }
+        if ((rc = db_exec(db, "BEGIN IMMEDIATE", err)) != CF_OK) {
+            goto fail;
+        }
+        if ((rc = db_exec(db, schema_sql, err)) != CF_OK) {
+            db_exec(db, "ROLLBACK", NULL);
+            goto fail;
+        }
+        if ((rc = db_exec(db, "COMMIT", err)) != CF_OK) {
+            goto fail;
+        }
+    }
+    *out = db;
+    return CF_OK;
+fail:
+    sqlite3_close(db);
+    return rc;
+}

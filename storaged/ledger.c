@@ -1,0 +1,1268 @@
+/* ledger.c - submission states, fencing, joins, aborts, settlement and record streams.
+ *
+ * States (column `status`):
+ *
+ *   queued --claim--> running --settle(reserve_only)--> terminalizing --settle--> settled
+ *     ^  \               |  \______________________settle______________________/^
+ *     |   \  requeue     |                                                       |
+ *     |    +<------------+   claim of an expired lease: same status, new attempt |
+ *     |                                                                           |
+ *     +--claim_joinable--> joining --finalize--> joined --(host settles)---------+
+ *            revert / host settles: back to queued
+ *
+ * Invariants, each kept by reading and writing in one transaction:
+ * - FIFO per conversation: a queued row is claimable only when no earlier row of its
+ *   conversation is unsettled (queued, running, terminalizing, joining, joined). So at most one
+ *   submission of a conversation runs at a time, in admission order, and a crashed running row
+ *   keeps blocking its conversation until recovery settles it.
+ * - Fencing: every claim bumps the conversation's epoch and mints a new attempt id; the row
+ *   remembers both. A write on behalf of an attempt must present both and is refused
+ *   (CF_STALE) when either differs, so an attempt whose lease was taken over cannot write.
+ * - Exactly one outcome: `outcome` is set only with status settled (a CHECK constraint), the
+ *   transition to settled happens once, and a repeated identical Settle is answered from the
+ *   row. A reserved outcome (terminalizing) wins over whatever the finishing Settle asks.
+ * - Joined deliveries settle with their host, each with its own settlement record; joining
+ *   rows whose input never landed go back to the queue, so nothing admitted is dropped.
+ * - Streams are append-only; record ids are unique per conversation, which makes a resent
+ *   batch idempotent and the settlement record (id "settled:<submission>") unique.
+ */
+#include "ledger.h"
+
+#include "db.h"
+#include "ids.h"
+#include "mem.h"
+
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SUB_COLS                                                                                 \
+    "sequence, submission_id, conversation_id, agent, idempotency_key, payload, status,"        \
+    " outcome, error, attempt_id, epoch, owner_id, lease_expires_at, attempt_count,"           \
+    " max_attempts, timeout_at, accepted_at, started_at, input_applied_at,"                    \
+    " abort_requested_at, joined_into, settled_at, answered_by, reserved_outcome, admit_pos"
+
+#define UNSETTLED "('queued','running','terminalizing','joining','joined')"
+
+static const char *status_names[] = {"", "queued", "running", "terminalizing",
+                                     "settled", "joining", "joined"};
+static const char *outcome_names[] = {NULL, "completed", "failed", "aborted"};
+
+const char *ledger_status_name(Cflue__V1__SubmissionStatus st)
+{
+    return (int)st >= 1 && (int)st <= 6 ? status_names[st] : "unknown";
+}
+
+const char *ledger_outcome_name(Cflue__V1__Outcome o)
+{
+    return (int)o >= 1 && (int)o <= 3 ? outcome_names[o] : NULL;
+}
+
+static int status_from(const char *s)
+{
+    for (int i = 1; i <= 6; i++) {
+        if (s && !strcmp(s, status_names[i])) {
+            return i;
+        }
+    }
+    return 0;
+}
+
+static int outcome_from(const char *s)
+{
+    for (int i = 1; i <= 3; i++) {
+        if (s && !strcmp(s, outcome_names[i])) {
+            return i;
+        }
+    }
+    return 0;
+}
+
+/* ---------- statement helpers ---------- */
+
+static void bind_opt_text(sqlite3_stmt *st, int i, const char *s)
+{
+    if (s && *s) {
+        sqlite3_bind_text(st, i, s, -1, SQLITE_TRANSIENT);
+    } else {
+        sqlite3_bind_null(st, i);
+    }
+}
+
+static void bind_text(sqlite3_stmt *st, int i, const char *s)
+{
+    sqlite3_bind_text(st, i, s ? s : "", -1, SQLITE_TRANSIENT);
+}
+
+static const char *col_text(struct ledger_ctx *c, sqlite3_stmt *st, int i)
+{
+    const unsigned char *t = sqlite3_column_text(st, i);
+    return t ? arena_memdup(c->arena, t, (size_t)sqlite3_column_bytes(st, i)) : "";
+}
+
+/* step_done runs a statement that returns no rows and finalizes it. */
+static enum cf_status step_done(struct ledger_ctx *c, sqlite3_stmt *st, const char *what,
+                                struct cf_error *err)
+{
+    int rc = sqlite3_step(st);
+    enum cf_status out = CF_OK;
+    if (rc != SQLITE_DONE && rc != SQLITE_ROW) {
+        out = db_fail(c->db, what, err);
+    }
+    sqlite3_finalize(st);
+    return out;
+}
+
+/* ---------- payload ---------- */
+
+static int cmp_entry(const void *a, const void *b)
+{
+    const Cflue__V1__AdmitRequest__MetadataEntry *x = *(void *const *)a, *y = *(void *const *)b;
+    int r = strcmp(x->key, y->key);
+    return r ? r : strcmp(x->value, y->value);
+}
+
+/* canonical_payload packs what identifies an admission: the request with its metadata sorted,
+ * so two clients that order a map differently produce the same bytes. */
+static uint8_t *canonical_payload(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
+                                  size_t *len_out)
+{
+    Cflue__V1__AdmitRequest copy = *req;
+    if (req->n_metadata) {
+        copy.metadata = arena_alloc(c->arena, sizeof(void *) * req->n_metadata);
+        memcpy(copy.metadata, req->metadata, sizeof(void *) * req->n_metadata);
+        qsort(copy.metadata, req->n_metadata, sizeof(void *), cmp_entry);
+    }
+    *len_out = protobuf_c_message_get_packed_size(&copy.base);
+    uint8_t *buf = arena_alloc(c->arena, *len_out + 1);
+    protobuf_c_message_pack(&copy.base, buf);
+    return buf;
+}
+
+/* ---------- rows ---------- */
+
+static void row_to_sub(struct ledger_ctx *c, sqlite3_stmt *st, Cflue__V1__Submission *out)
+{
+    cflue__v1__submission__init(out);
+    out->sequence = sqlite3_column_int64(st, 0);
+    out->submission_id = (char *)col_text(c, st, 1);
+    out->conversation_id = (char *)col_text(c, st, 2);
+    out->agent = (char *)col_text(c, st, 3);
+    out->idempotency_key = (char *)col_text(c, st, 4);
+    const void *blob = sqlite3_column_blob(st, 5);
+    size_t blob_len = (size_t)sqlite3_column_bytes(st, 5);
+    Cflue__V1__AdmitRequest *p =
+        (Cflue__V1__AdmitRequest *)protobuf_c_message_unpack(
+            &cflue__v1__admit_request__descriptor, arena_protobuf_allocator(c->arena), blob_len,
+            blob);
+    if (p) {
+        out->message = p->message;
+        out->source = p->source;
+        out->n_metadata = p->n_metadata;
+        if (p->n_metadata) {
+            out->metadata = arena_alloc(c->arena, sizeof(void *) * p->n_metadata);
+            for (size_t i = 0; i < p->n_metadata; i++) {
+                Cflue__V1__Submission__MetadataEntry *e = arena_alloc(c->arena, sizeof(*e));
+                cflue__v1__submission__metadata_entry__init(e);
+                e->key = p->metadata[i]->key;
+                e->value = p->metadata[i]->value;
+                out->metadata[i] = e;
+            }
+        }
+    }
+    out->status = status_from((const char *)sqlite3_column_text(st, 6));
+    out->outcome = outcome_from((const char *)sqlite3_column_text(st, 7));
+    if (out->status == CFLUE__V1__SUBMISSION_STATUS__TERMINALIZING) {
+        out->outcome = outcome_from((const char *)sqlite3_column_text(st, 23));
+    }
+    out->error = (char *)col_text(c, st, 8);
+    out->attempt_id = (char *)col_text(c, st, 9);
+    out->epoch = sqlite3_column_int64(st, 10);
+    out->owner_id = (char *)col_text(c, st, 11);
+    out->lease_expires_at_ms = sqlite3_column_int64(st, 12);
+    out->attempt_count = sqlite3_column_int(st, 13);
+    out->max_attempts = sqlite3_column_int(st, 14);
+    out->timeout_at_ms = sqlite3_column_int64(st, 15);
+    out->accepted_at_ms = sqlite3_column_int64(st, 16);
+    out->started_at_ms = sqlite3_column_int64(st, 17);
+    out->input_applied_at_ms = sqlite3_column_int64(st, 18);
+    out->abort_requested_at_ms = sqlite3_column_int64(st, 19);
+    out->joined_into = (char *)col_text(c, st, 20);
+    out->settled_at_ms = sqlite3_column_int64(st, 21);
+    out->answered_by = (char *)col_text(c, st, 22);
+}
+
+static enum cf_status load_sub(struct ledger_ctx *c, const char *id, Cflue__V1__Submission *out,
+                               struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    if ((rc = db_prepare(c->db, "SELECT " SUB_COLS " FROM submissions WHERE submission_id = ?",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, id);
+    int r = sqlite3_step(st);
+    if (r == SQLITE_ROW) {
+        row_to_sub(c, st, out);
+        rc = CF_OK;
+    } else if (r == SQLITE_DONE) {
+        rc = cf_error_set(err, CF_NOT_FOUND, "no submission with id '%s'", id);
+    } else {
+        rc = db_fail(c->db, "read submission", err);
+    }
+    sqlite3_finalize(st);
+    return rc;
+}
+
+static Cflue__V1__Submission *new_sub(struct ledger_ctx *c)
+{
+    Cflue__V1__Submission *s = arena_alloc(c->arena, sizeof(*s));
+    cflue__v1__submission__init(s);
+    return s;
+}
+
+/* list_subs runs a query selecting SUB_COLS and collects every row. */
+static enum cf_status list_subs(struct ledger_ctx *c, sqlite3_stmt *st,
+                                Cflue__V1__Submission ***items, size_t *n, struct cf_error *err)
+{
+    size_t cap = 16;
+    *n = 0;
+    *items = arena_alloc(c->arena, sizeof(void *) * cap);
+    int r;
+    while ((r = sqlite3_step(st)) == SQLITE_ROW) {
+        if (*n == cap) {
+            Cflue__V1__Submission **more = arena_alloc(c->arena, sizeof(void *) * cap * 2);
+            memcpy(more, *items, sizeof(void *) * cap);
+            *items = more;
+            cap *= 2;
+        }
+        Cflue__V1__Submission *s = new_sub(c);
+        row_to_sub(c, st, s);
+        (*items)[(*n)++] = s;
+    }
+    enum cf_status rc = r == SQLITE_DONE ? CF_OK : db_fail(c->db, "list submissions", err);
+    sqlite3_finalize(st);
+    return rc;
+}
+
+/* ---------- fencing ---------- */
+
+#define ST_BIT(s) (1u << (CFLUE__V1__SUBMISSION_STATUS__##s))
+
+/* fenced loads the fenced row and checks attempt, epoch and status. */
+static enum cf_status fenced(struct ledger_ctx *c, const Cflue__V1__Fence *f, unsigned allowed,
+                             const char *need, Cflue__V1__Submission *row, struct cf_error *err)
+{
+    enum cf_status rc;
+    if (!f || !*f->submission_id || !*f->attempt_id) {
+        return cf_error_set(err, CF_INVALID,
+                            "fence with submission_id and attempt_id is required");
+    }
+    if ((rc = load_sub(c, f->submission_id, row, err)) != CF_OK) {
+        return rc;
+    }
+    if (strcmp(row->attempt_id, f->attempt_id) != 0 || row->epoch != f->epoch) {
+        return cf_error_set(err, CF_STALE,
+                            "stale fence: attempt %s (epoch %lld) no longer holds submission %s "
+                            "(current attempt '%s', epoch %lld, status %s)",
+                            f->attempt_id, (long long)f->epoch, f->submission_id,
+                            row->attempt_id, (long long)row->epoch,
+                            ledger_status_name(row->status));
+    }
+    if (!(allowed & (1u << row->status))) {
+        return cf_error_set(err, CF_STALE, "submission %s is %s; this write needs it %s",
+                            row->submission_id, ledger_status_name(row->status), need);
+    }
+    return CF_OK;
+}
+
+/* ---------- streams ---------- */
+
+static enum cf_status conversation_head(struct ledger_ctx *c, const char *conv, int64_t *next_pos,
+                                        struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    if ((rc = db_prepare(c->db, "SELECT next_pos FROM conversations WHERE conversation_id = ?",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, conv);
+    int r = sqlite3_step(st);
+    if (r == SQLITE_ROW) {
+        *next_pos = sqlite3_column_int64(st, 0);
+    } else if (r == SQLITE_DONE) {
+        rc = cf_error_set(err, CF_NOT_FOUND, "no conversation with id '%s'", conv);
+    } else {
+        rc = db_fail(c->db, "read conversation", err);
+    }
+    sqlite3_finalize(st);
+    return rc;
+}
+
+/* insert_records appends records at the conversation's head. Ids must be set. */
+static enum cf_status insert_records(struct ledger_ctx *c, const char *conv,
+                                     Cflue__V1__Record *const *recs, size_t n,
+                                     const char *default_sub, const char *attempt,
+                                     int64_t *first_out, struct cf_error *err)
+{
+    int64_t pos;
+    enum cf_status rc;
+    sqlite3_stmt *st;
+    if ((rc = conversation_head(c, conv, &pos, err)) != CF_OK) {
+        return rc;
+    }
+    if ((rc = db_prepare(c->db,
+                         "INSERT INTO records(conversation_id, pos, record_id, type, "
+                         "submission_id, attempt_id, ts, body) VALUES (?,?,?,?,?,?,?,?)",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    *first_out = pos;
+    for (size_t i = 0; i < n; i++) {
+        const Cflue__V1__Record *r = recs[i];
+        sqlite3_reset(st);
+        bind_text(st, 1, conv);
+        sqlite3_bind_int64(st, 2, pos + (int64_t)i);
+        bind_text(st, 3, r->id);
+        bind_text(st, 4, r->type);
+        bind_opt_text(st, 5, *r->submission_id ? r->submission_id : default_sub);
+        bind_opt_text(st, 6, attempt);
+        sqlite3_bind_int64(st, 7, c->now);
+        bind_text(st, 8, *r->body_json ? r->body_json : "{}");
+        if (sqlite3_step(st) != SQLITE_DONE) {
+            rc = db_fail(c->db, "insert record", err);
+            sqlite3_finalize(st);
+            return rc;
+        }
+    }
+    sqlite3_finalize(st);
+    if ((rc = db_prepare(c->db,
+                         "UPDATE conversations SET next_pos = next_pos + ? "
+                         "WHERE conversation_id = ?",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    sqlite3_bind_int64(st, 1, (int64_t)n);
+    bind_text(st, 2, conv);
+    c->appended = true;
+    return step_done(c, st, "advance conversation head", err);
+}
+
+/* ---------- admission ---------- */
+
+enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
+                            Cflue__V1__AdmitResponse *out, struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    size_t payload_len;
+    uint8_t *payload = canonical_payload(c, req, &payload_len);
+    char conv[IDS_MAX], sub[IDS_MAX];
+    int64_t next_pos = 0;
+
+    if (*req->idempotency_key) {
+        if ((rc = db_prepare(c->db,
+                             "SELECT submission_id, payload, admit_pos FROM submissions "
+                             "WHERE agent = ? AND idempotency_key = ?",
+                             &st, err)) != CF_OK) {
+            return rc;
+        }
+        bind_text(st, 1, req->agent);
+        bind_text(st, 2, req->idempotency_key);
+        int r = sqlite3_step(st);
+        if (r == SQLITE_ROW) {
+            const char *existing = col_text(c, st, 0);
+            bool same = (size_t)sqlite3_column_bytes(st, 1) == payload_len &&
+                        !memcmp(sqlite3_column_blob(st, 1), payload, payload_len);
+            int64_t pos = sqlite3_column_int64(st, 2);
+            sqlite3_finalize(st);
+            if (!same) {
+                return cf_error_set(err, CF_EXISTS,
+                                    "idempotency key '%s' of agent '%s' was already used for a "
+                                    "different submission (%s)",
+                                    req->idempotency_key, req->agent, existing);
+            }
+            out->submission = new_sub(c);
+            out->deduplicated = true;
+            out->offset = pos;
+            return load_sub(c, existing, out->submission, err);
+        }
+        sqlite3_finalize(st);
+        if (r != SQLITE_DONE) {
+            return db_fail(c->db, "look up idempotency key", err);
+        }
+    }
+
+    if (*req->conversation_id) {
+        snprintf(conv, sizeof(conv), "%s", req->conversation_id);
+        if ((rc = db_prepare(c->db,
+                             "SELECT agent, next_pos FROM conversations "
+                             "WHERE conversation_id = ?",
+                             &st, err)) != CF_OK) {
+            return rc;
+        }
+        bind_text(st, 1, conv);
+        int r = sqlite3_step(st);
+        if (r == SQLITE_ROW) {
+            const char *owner = col_text(c, st, 0);
+            next_pos = sqlite3_column_int64(st, 1);
+            sqlite3_finalize(st);
+            if (strcmp(owner, req->agent) != 0) {
+                return cf_error_set(err, CF_STALE,
+                                    "conversation '%s' belongs to agent '%s', not '%s'", conv,
+                                    owner, req->agent);
+            }
+        } else {
+            sqlite3_finalize(st);
+            if (r != SQLITE_DONE) {
+                return db_fail(c->db, "read conversation", err);
+            }
+            conv[0] = '\0';
+        }
+    } else {
+        conv[0] = '\0';
+    }
+    if (!conv[0]) {
+        if (*req->conversation_id) {
+            snprintf(conv, sizeof(conv), "%s", req->conversation_id);
+        } else {
+            ids_new(conv, "conv");
+        }
+        if ((rc = db_prepare(c->db,
+                             "INSERT INTO conversations(conversation_id, agent, created_at) "
+                             "VALUES (?,?,?)",
+                             &st, err)) != CF_OK) {
+            return rc;
+        }
+        bind_text(st, 1, conv);
+        bind_text(st, 2, req->agent);
+        sqlite3_bind_int64(st, 3, c->now);
+        if ((rc = step_done(c, st, "create conversation", err)) != CF_OK) {
+            return rc;
+        }
+    }
+
+    ids_new(sub, "sub");
+    if ((rc = db_prepare(c->db,
+                         "INSERT INTO submissions(submission_id, conversation_id, agent, "
+                         "idempotency_key, payload, status, max_attempts, accepted_at, "
+                         "admit_pos) VALUES (?,?,?,?,?,'queued',?,?,?)",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, sub);
+    bind_text(st, 2, conv);
+    bind_text(st, 3, req->agent);
+    bind_opt_text(st, 4, req->idempotency_key);
+    sqlite3_bind_blob(st, 5, payload, (int)payload_len, SQLITE_STATIC);
+    sqlite3_bind_int(st, 6, c->cfg->max_attempts);
+    sqlite3_bind_int64(st, 7, c->now);
+    sqlite3_bind_int64(st, 8, next_pos - 1);
+    if ((rc = step_done(c, st, "insert submission", err)) != CF_OK) {
+        return rc;
+    }
+    out->submission = new_sub(c);
+    out->offset = next_pos - 1;
+    return load_sub(c, sub, out->submission, err);
+}
+
+/* ---------- claims and leases ---------- */
+
+static enum cf_status pick(struct ledger_ctx *c, const char *sql, const Cflue__V1__ClaimRequest *req,
+                           char *id_out, struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    if ((rc = db_prepare(c->db, sql, &st, err)) != CF_OK) {
+        return rc;
+    }
+    sqlite3_bind_int64(st, 1, c->now);
+    bind_text(st, 2, req->submission_id);
+    bind_text(st, 3, req->conversation_id);
+    int r = sqlite3_step(st);
+    id_out[0] = '\0';
+    if (r == SQLITE_ROW) {
+        snprintf(id_out, IDS_MAX * 4, "%s", (const char *)sqlite3_column_text(st, 0));
+    } else if (r != SQLITE_DONE) {
+        rc = db_fail(c->db, "find claimable work", err);
+    }
+    sqlite3_finalize(st);
+    return rc;
+}
+
+enum cf_status ledger_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRequest *req,
+                            Cflue__V1__ClaimResponse *out, struct cf_error *err)
+{
+    static const char expired_sql[] =
+        "SELECT submission_id FROM submissions WHERE status IN ('running','terminalizing') "
+        "AND lease_expires_at > 0 AND lease_expires_at < ?1 "
+        "AND (?2 = '' OR submission_id = ?2) AND (?3 = '' OR conversation_id = ?3) "
+        "ORDER BY sequence LIMIT 1";
+    static const char queued_sql[] =
+        "SELECT s.submission_id FROM submissions s WHERE s.status = 'queued' AND ?1 = ?1 "
+        "AND (?2 = '' OR s.submission_id = ?2) AND (?3 = '' OR s.conversation_id = ?3) "
+        "AND NOT EXISTS (SELECT 1 FROM submissions p WHERE p.conversation_id = "
+        "s.conversation_id AND p.status IN " UNSETTLED " AND p.sequence < s.sequence) "
+        "ORDER BY s.sequence LIMIT 1";
+    char id[IDS_MAX * 4];
+    enum cf_status rc;
+    Cflue__V1__Submission probe;
+    sqlite3_stmt *st;
+    int64_t lease = req->lease_ms > 0 ? req->lease_ms : c->cfg->lease_ms;
+
+    if (*req->submission_id && (rc = load_sub(c, req->submission_id, &probe, err)) != CF_OK) {
+        return rc;
+    }
+    if ((rc = pick(c, expired_sql, req, id, err)) != CF_OK) {
+        return rc;
+    }
+    out->takeover = id[0] != '\0';
+    if (!id[0] && (rc = pick(c, queued_sql, req, id, err)) != CF_OK) {
+        return rc;
+    }
+    if (!id[0]) {
+        return CF_OK; /* nothing claimable */
+    }
+    Cflue__V1__Submission *row = new_sub(c);
+    if ((rc = load_sub(c, id, row, err)) != CF_OK) {
+        return rc;
+    }
+    int64_t epoch = 0;
+    if ((rc = db_prepare(c->db,
+                         "UPDATE conversations SET epoch = epoch + 1 WHERE conversation_id = ? "
+                         "RETURNING epoch",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, row->conversation_id);
+    if (sqlite3_step(st) == SQLITE_ROW) {
+        epoch = sqlite3_column_int64(st, 0);
+    }
+    if ((rc = step_done(c, st, "bump conversation epoch", err)) != CF_OK) {
+        return rc;
+    }
+    char attempt[IDS_MAX];
+    ids_new(attempt, "att");
+    if ((rc = db_prepare(c->db,
+                         "UPDATE submissions SET status = CASE status WHEN 'queued' THEN "
+                         "'running' ELSE status END, attempt_id = ?, epoch = ?, owner_id = ?, "
+                         "lease_expires_at = ?, started_at = ?, attempt_count = attempt_count + 1, "
+                         "timeout_at = CASE timeout_at WHEN 0 THEN ? ELSE timeout_at END "
+                         "WHERE submission_id = ?",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, attempt);
+    sqlite3_bind_int64(st, 2, epoch);
+    bind_text(st, 3, req->owner_id);
+    sqlite3_bind_int64(st, 4, c->now + lease);
+    sqlite3_bind_int64(st, 5, c->now);
+    sqlite3_bind_int64(st, 6, c->now + c->cfg->timeout_ms);
+    bind_text(st, 7, id);
+    if ((rc = step_done(c, st, "claim submission", err)) != CF_OK) {
+        return rc;
+    }
+    if ((rc = load_sub(c, id, row, err)) != CF_OK) {
+        return rc;
+    }
+    out->submission = row;
+    out->fence = arena_alloc(c->arena, sizeof(*out->fence));
+    cflue__v1__fence__init(out->fence);
+    out->fence->submission_id = row->submission_id;
+    out->fence->attempt_id = row->attempt_id;
+    out->fence->epoch = row->epoch;
+    return CF_OK;
+}
+
+enum cf_status ledger_heartbeat(struct ledger_ctx *c, const Cflue__V1__HeartbeatRequest *req,
+                                Cflue__V1__HeartbeatResponse *out, struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    int64_t lease = req->lease_ms > 0 ? req->lease_ms : c->cfg->lease_ms;
+    out->renewed = arena_alloc(c->arena, sizeof(char *) * (req->n_fences + 1));
+    out->lost = arena_alloc(c->arena, sizeof(char *) * (req->n_fences + 1));
+    out->lease_expires_at_ms = c->now + lease;
+    if ((rc = db_prepare(c->db,
+                         "UPDATE submissions SET lease_expires_at = ? WHERE submission_id = ? "
+                         "AND attempt_id = ? AND epoch = ? AND owner_id = ? "
+                         "AND status IN ('running','terminalizing')",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    for (size_t i = 0; i < req->n_fences; i++) {
+        const Cflue__V1__Fence *f = req->fences[i];
+        sqlite3_reset(st);
+        sqlite3_bind_int64(st, 1, c->now + lease);
+        bind_text(st, 2, f->submission_id);
+        bind_text(st, 3, f->attempt_id);
+        sqlite3_bind_int64(st, 4, f->epoch);
+        bind_text(st, 5, req->owner_id);
+        if (sqlite3_step(st) != SQLITE_DONE) {
+            rc = db_fail(c->db, "renew lease", err);
+            break;
+        }
+        if (sqlite3_changes(c->db) == 1) {
+            out->renewed[out->n_renewed++] = f->submission_id;
+        } else {
+            out->lost[out->n_lost++] = f->submission_id;
+        }
+    }
+    sqlite3_finalize(st);
+    return rc;
+}
+
+enum cf_status ledger_mark_input_applied(struct ledger_ctx *c,
+                                         const Cflue__V1__MarkInputAppliedRequest *req,
+                                         Cflue__V1__Submission *out, struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    if ((rc = fenced(c, req->fence, ST_BIT(RUNNING), "running", out, err)) != CF_OK) {
+        return rc;
+    }
+    if ((rc = db_prepare(c->db,
+                         "UPDATE submissions SET input_applied_at = COALESCE(input_applied_at, "
+                         "?1), max_attempts = CASE WHEN input_applied_at IS NULL AND ?2 > 0 THEN "
+                         "?2 ELSE max_attempts END, timeout_at = CASE WHEN input_applied_at IS "
+                         "NULL AND ?3 > 0 THEN started_at + ?3 ELSE timeout_at END "
+                         "WHERE submission_id = ?4",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    sqlite3_bind_int64(st, 1, c->now);
+    sqlite3_bind_int(st, 2, req->max_attempts);
+    sqlite3_bind_int64(st, 3, req->timeout_ms);
+    bind_text(st, 4, req->fence->submission_id);
+    if ((rc = step_done(c, st, "mark input applied", err)) != CF_OK) {
+        return rc;
+    }
+    return load_sub(c, req->fence->submission_id, out, err);
+}
+
+enum cf_status ledger_requeue(struct ledger_ctx *c, const Cflue__V1__Fence *fence,
+                              Cflue__V1__Submission *out, struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    if ((rc = fenced(c, fence, ST_BIT(RUNNING), "running", out, err)) != CF_OK) {
+        return rc;
+    }
+    if ((rc = db_prepare(c->db,
+                         "UPDATE submissions SET status = 'queued', attempt_id = NULL, "
+                         "owner_id = NULL, lease_expires_at = 0, started_at = NULL, "
+                         "input_applied_at = NULL WHERE submission_id = ?",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, fence->submission_id);
+    if ((rc = step_done(c, st, "requeue", err)) != CF_OK) {
+        return rc;
+    }
+    return load_sub(c, fence->submission_id, out, err);
+}
+
+/* ---------- joins ---------- */
+
+enum cf_status ledger_claim_joinable(struct ledger_ctx *c,
+                                     const Cflue__V1__ClaimJoinableRequest *req,
+                                     Cflue__V1__ClaimJoinableResponse *out, struct cf_error *err)
+{
+    Cflue__V1__Submission host, **rows;
+    size_t n;
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    if ((rc = fenced(c, req->host, ST_BIT(RUNNING), "running", &host, err)) != CF_OK) {
+        return rc;
+    }
+    if ((rc = db_prepare(c->db,
+                         "SELECT " SUB_COLS " FROM submissions WHERE conversation_id = ? AND "
+                         "status = 'queued' AND sequence > ? ORDER BY sequence",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, host.conversation_id);
+    sqlite3_bind_int64(st, 2, host.sequence);
+    if ((rc = list_subs(c, st, &rows, &n, err)) != CF_OK) {
+        return rc;
+    }
+    out->submissions = rows;
+    for (size_t i = 0; i < n; i++) {
+        if (rows[i]->abort_requested_at_ms || (req->limit > 0 && i >= (size_t)req->limit)) {
+            break;
+        }
+        if ((rc = db_prepare(c->db,
+                             "UPDATE submissions SET status = 'joining', joined_into = ? "
+                             "WHERE submission_id = ?",
+                             &st, err)) != CF_OK) {
+            return rc;
+        }
+        bind_text(st, 1, host.submission_id);
+        bind_text(st, 2, rows[i]->submission_id);
+        if ((rc = step_done(c, st, "claim joinable", err)) != CF_OK) {
+            return rc;
+        }
+        if ((rc = load_sub(c, rows[i]->submission_id, rows[i], err)) != CF_OK) {
+            return rc;
+        }
+        out->n_submissions++;
+    }
+    return CF_OK;
+}
+
+enum cf_status ledger_finish_join(struct ledger_ctx *c, const Cflue__V1__JoinRequest *req,
+                                  bool finalize, Cflue__V1__Submission *out,
+                                  struct cf_error *err)
+{
+    Cflue__V1__Submission host;
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    if ((rc = fenced(c, req->host, ST_BIT(RUNNING), "running", &host, err)) != CF_OK) {
+        return rc;
+    }
+    if ((rc = load_sub(c, req->submission_id, out, err)) != CF_OK) {
+        return rc;
+    }
+    if (out->status != CFLUE__V1__SUBMISSION_STATUS__JOINING ||
+        strcmp(out->joined_into, host.submission_id) != 0) {
+        return cf_error_set(err, CF_STALE, "submission %s is %s%s%s, not joining into %s",
+                            out->submission_id, ledger_status_name(out->status),
+                            *out->joined_into ? " into " : "", out->joined_into,
+                            host.submission_id);
+    }
+    if (finalize) {
+        rc = db_prepare(c->db,
+                        "UPDATE submissions SET status = 'joined', input_applied_at = "
+                        "COALESCE(input_applied_at, ?), answered_by = ? WHERE submission_id = ?",
+                        &st, err);
+        if (rc == CF_OK) {
+            sqlite3_bind_int64(st, 1, c->now);
+            bind_text(st, 2, host.submission_id);
+            bind_text(st, 3, req->submission_id);
+        }
+    } else {
+        rc = db_prepare(c->db,
+                        "UPDATE submissions SET status = 'queued', joined_into = NULL, "
+                        "input_applied_at = NULL WHERE submission_id = ?",
+                        &st, err);
+        if (rc == CF_OK) {
+            bind_text(st, 1, req->submission_id);
+        }
+    }
+    if (rc != CF_OK) {
+        return rc;
+    }
+    if ((rc = step_done(c, st, finalize ? "finalize join" : "revert join", err)) != CF_OK) {
+        return rc;
+    }
+    return load_sub(c, req->submission_id, out, err);
+}
+
+/* ---------- abort ---------- */
+
+enum cf_status ledger_request_abort(struct ledger_ctx *c,
+                                    const Cflue__V1__RequestAbortRequest *req,
+                                    Cflue__V1__RequestAbortResponse *out, struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    Cflue__V1__Submission one;
+    int64_t head;
+    bool by_conv = *req->conversation_id != '\0';
+    const char *key = by_conv ? req->conversation_id : req->submission_id;
+
+    if (by_conv) {
+        rc = conversation_head(c, key, &head, err);
+    } else {
+        rc = load_sub(c, key, &one, err);
+    }
+    if (rc != CF_OK) {
+        return rc;
+    }
+    const char *where = by_conv ? "conversation_id = ?1" : "submission_id = ?1";
+    char sql[512];
+    snprintf(sql, sizeof(sql),
+             "SELECT submission_id FROM submissions WHERE %s AND status IN "
+             "('queued','running','joining','joined') ORDER BY sequence",
+             where);
+    if ((rc = db_prepare(c->db, sql, &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, key);
+    size_t cap = 8;
+    out->affected = arena_alloc(c->arena, sizeof(char *) * cap);
+    while (sqlite3_step(st) == SQLITE_ROW) {
+        if (out->n_affected == cap) {
+            char **more = arena_alloc(c->arena, sizeof(char *) * cap * 2);
+            memcpy(more, out->affected, sizeof(char *) * cap);
+            out->affected = more;
+            cap *= 2;
+        }
+        out->affected[out->n_affected++] = (char *)col_text(c, st, 0);
+    }
+    sqlite3_finalize(st);
+    snprintf(sql, sizeof(sql),
+             "UPDATE submissions SET abort_requested_at = COALESCE(abort_requested_at, ?2), "
+             "abort_reason = COALESCE(abort_reason, ?3) WHERE %s AND status IN "
+             "('queued','running','joining','joined')",
+             where);
+    if ((rc = db_prepare(c->db, sql, &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, key);
+    sqlite3_bind_int64(st, 2, c->now);
+    bind_opt_text(st, 3, req->reason);
+    return step_done(c, st, "stamp abort", err);
+}
+
+/* ---------- settlement ---------- */
+
+static enum cf_status settlement_offset(struct ledger_ctx *c, const char *sub, const char *conv,
+                                        int64_t *out, struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    char rid[IDS_MAX * 4];
+    snprintf(rid, sizeof(rid), "settled:%s", sub);
+    if ((rc = db_prepare(c->db,
+                         "SELECT pos FROM records WHERE conversation_id = ? AND record_id = ?",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, conv);
+    bind_text(st, 2, rid);
+    *out = sqlite3_step(st) == SQLITE_ROW ? sqlite3_column_int64(st, 0) : -1;
+    sqlite3_finalize(st);
+    return CF_OK;
+}
+
+enum cf_status ledger_settlement_offset(struct ledger_ctx *c, const char *submission_id,
+                                        const char *conversation_id, int64_t *offset_out,
+                                        struct cf_error *err)
+{
+    return settlement_offset(c, submission_id, conversation_id, offset_out, err);
+}
+
+/* finish settles one row and appends its settlement record. */
+static enum cf_status finish_one(struct ledger_ctx *c, const char *sub, const char *conv,
+                                 int outcome, const char *error, const char *answered_by,
+                                 const char *attempt, int64_t *offset_out, struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    if ((rc = db_prepare(c->db,
+                         "UPDATE submissions SET status = 'settled', outcome = ?, error = ?, "
+                         "settled_at = ?, lease_expires_at = 0, answered_by = ?, "
+                         "reserved_outcome = NULL, reserved_error = NULL WHERE submission_id = ?",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, outcome_names[outcome]);
+    bind_opt_text(st, 2, error);
+    sqlite3_bind_int64(st, 3, c->now);
+    bind_text(st, 4, answered_by);
+    bind_text(st, 5, sub);
+    if ((rc = step_done(c, st, "settle", err)) != CF_OK) {
+        return rc;
+    }
+    json_t *body = json_pack("{s:s, s:s, s:s}", "outcome", outcome_names[outcome], "error",
+                             error ? error : "", "answered_by", answered_by);
+    char *text = json_dumps(body, JSON_COMPACT);
+    json_decref(body);
+    char rid[IDS_MAX * 4];
+    snprintf(rid, sizeof(rid), "settled:%s", sub);
+    Cflue__V1__Record rec = CFLUE__V1__RECORD__INIT;
+    Cflue__V1__Record *recs[1] = {&rec};
+    rec.id = rid;
+    rec.type = "submission_settled";
+    rec.submission_id = (char *)sub;
+    rec.body_json = text ? text : "{}";
+    rc = insert_records(c, conv, recs, 1, sub, attempt, offset_out, err);
+    free(text);
+    return rc;
+}
+
+static enum cf_status finish_with_fanout(struct ledger_ctx *c, Cflue__V1__Submission *row,
+                                         int outcome, const char *error,
+                                         Cflue__V1__SettleResponse *out, struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    const char *attempt = *row->attempt_id ? row->attempt_id : NULL;
+    if ((rc = finish_one(c, row->submission_id, row->conversation_id, outcome, error,
+                         row->submission_id, attempt, &out->record_offset, err)) != CF_OK) {
+        return rc;
+    }
+    if ((rc = db_prepare(c->db,
+                         "SELECT submission_id FROM submissions WHERE joined_into = ? "
+                         "AND status = 'joined' ORDER BY sequence",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, row->submission_id);
+    size_t cap = 4;
+    out->settled_with = arena_alloc(c->arena, sizeof(char *) * cap);
+    while (sqlite3_step(st) == SQLITE_ROW) {
+        if (out->n_settled_with == cap) {
+            char **more = arena_alloc(c->arena, sizeof(char *) * cap * 2);
+            memcpy(more, out->settled_with, sizeof(char *) * cap);
+            out->settled_with = more;
+            cap *= 2;
+        }
+        out->settled_with[out->n_settled_with++] = (char *)col_text(c, st, 0);
+    }
+    sqlite3_finalize(st);
+    for (size_t i = 0; i < out->n_settled_with; i++) {
+        int64_t off;
+        if ((rc = finish_one(c, out->settled_with[i], row->conversation_id, outcome, error,
+                             row->submission_id, attempt, &off, err)) != CF_OK) {
+            return rc;
+        }
+    }
+    if ((rc = db_prepare(c->db,
+                         "UPDATE submissions SET status = 'queued', joined_into = NULL, "
+                         "input_applied_at = NULL WHERE joined_into = ? AND status = 'joining'",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, row->submission_id);
+    if ((rc = step_done(c, st, "release joining deliveries", err)) != CF_OK) {
+        return rc;
+    }
+    return load_sub(c, row->submission_id, out->submission, err);
+}
+
+static enum cf_status reserved(struct ledger_ctx *c, const char *sub, int *outcome,
+                               const char **error, struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    if ((rc = db_prepare(c->db,
+                         "SELECT reserved_outcome, reserved_error FROM submissions "
+                         "WHERE submission_id = ?",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, sub);
+    if (sqlite3_step(st) == SQLITE_ROW) {
+        *outcome = outcome_from((const char *)sqlite3_column_text(st, 0));
+        *error = sqlite3_column_type(st, 1) == SQLITE_NULL ? NULL : col_text(c, st, 1);
+    }
+    sqlite3_finalize(st);
+    return CF_OK;
+}
+
+enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleRequest *req,
+                             Cflue__V1__SettleResponse *out, struct cf_error *err)
+{
+    const Cflue__V1__Fence *f = req->fence;
+    Cflue__V1__Submission *row = new_sub(c);
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    const char *error = *req->error ? req->error : NULL;
+    int outcome = req->outcome;
+
+    out->submission = row;
+    out->record_offset = -1;
+    if ((rc = load_sub(c, f->submission_id, row, err)) != CF_OK) {
+        return rc;
+    }
+    if (row->status == CFLUE__V1__SUBMISSION_STATUS__SETTLED) {
+        bool same = *f->attempt_id && !strcmp(f->attempt_id, row->attempt_id) &&
+                    f->epoch == row->epoch && (int)row->outcome == outcome &&
+                    !strcmp(row->error, error ? error : "");
+        if (!same) {
+            return cf_error_set(err, CF_STALE, "submission %s is already settled as %s%s%s",
+                                row->submission_id, outcome_names[row->outcome],
+                                *row->error ? ": " : "", row->error);
+        }
+        out->already_settled = true;
+        return settlement_offset(c, row->submission_id, row->conversation_id,
+                                 &out->record_offset, err);
+    }
+    if (!*f->attempt_id) {
+        if (row->status != CFLUE__V1__SUBMISSION_STATUS__QUEUED) {
+            return cf_error_set(err, CF_STALE,
+                                "submission %s is %s; without an attempt only a queued "
+                                "submission can be settled",
+                                row->submission_id, ledger_status_name(row->status));
+        }
+        if (req->reserve_only) {
+            return cf_error_set(err, CF_INVALID, "reserve_only needs a fence with an attempt");
+        }
+        return finish_with_fanout(c, row, outcome, error, out, err);
+    }
+    if ((rc = fenced(c, f, ST_BIT(RUNNING) | ST_BIT(TERMINALIZING), "running or terminalizing",
+                     row, err)) != CF_OK) {
+        return rc;
+    }
+    if (row->status == CFLUE__V1__SUBMISSION_STATUS__TERMINALIZING) {
+        int r_outcome = 0;
+        const char *r_error = NULL;
+        if ((rc = reserved(c, row->submission_id, &r_outcome, &r_error, err)) != CF_OK) {
+            return rc;
+        }
+        if (req->reserve_only) {
+            if (r_outcome != outcome) {
+                return cf_error_set(err, CF_STALE, "submission %s already reserved outcome %s",
+                                    row->submission_id, outcome_names[r_outcome]);
+            }
+            return CF_OK;
+        }
+        return finish_with_fanout(c, row, r_outcome, r_error, out, err);
+    }
+    if (!req->reserve_only) {
+        return finish_with_fanout(c, row, outcome, error, out, err);
+    }
+    if ((rc = db_prepare(c->db,
+                         "UPDATE submissions SET status = 'terminalizing', reserved_outcome = ?, "
+                         "reserved_error = ? WHERE submission_id = ?",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, outcome_names[outcome]);
+    bind_opt_text(st, 2, error);
+    bind_text(st, 3, row->submission_id);
+    if ((rc = step_done(c, st, "reserve settlement", err)) != CF_OK) {
+        return rc;
+    }
+    return load_sub(c, row->submission_id, row, err);
+}
+
+/* ---------- append ---------- */
+
+enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendRequest *req,
+                             Cflue__V1__AppendResponse *out, struct cf_error *err)
+{
+    Cflue__V1__Submission row, other;
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    size_t n = req->n_records, dups = 0;
+    int64_t first = INT64_MAX, last = -1;
+
+    if ((rc = fenced(c, req->fence, ST_BIT(RUNNING) | ST_BIT(TERMINALIZING),
+                     "running or terminalizing", &row, err)) != CF_OK) {
+        return rc;
+    }
+    Cflue__V1__Record **recs = arena_alloc(c->arena, sizeof(void *) * n);
+    for (size_t i = 0; i < n; i++) {
+        Cflue__V1__Record *r = arena_alloc(c->arena, sizeof(*r));
+        *r = *req->records[i];
+        recs[i] = r;
+        if (!*r->submission_id) {
+            r->submission_id = row.submission_id;
+        } else if (strcmp(r->submission_id, row.submission_id) != 0) {
+            if ((rc = load_sub(c, r->submission_id, &other, err)) != CF_OK) {
+                return rc == CF_NOT_FOUND
+                           ? cf_error_set(err, CF_STALE,
+                                          "record %zu names submission '%s', which does not exist",
+                                          i, r->submission_id)
+                           : rc;
+            }
+            if (strcmp(other.joined_into, row.submission_id) != 0 ||
+                (other.status != CFLUE__V1__SUBMISSION_STATUS__JOINING &&
+                 other.status != CFLUE__V1__SUBMISSION_STATUS__JOINED)) {
+                return cf_error_set(err, CF_STALE,
+                                    "record %zu names submission %s, which is not joined into %s",
+                                    i, r->submission_id, row.submission_id);
+            }
+        }
+        if (!*r->body_json) {
+            r->body_json = "{}";
+        }
+        if (!*r->id) {
+            char id[IDS_MAX];
+            ids_new(id, "rec");
+            r->id = arena_strdup(c->arena, id);
+            continue;
+        }
+        if ((rc = db_prepare(c->db,
+                             "SELECT pos, type, submission_id, body FROM records "
+                             "WHERE conversation_id = ? AND record_id = ?",
+                             &st, err)) != CF_OK) {
+            return rc;
+        }
+        bind_text(st, 1, row.conversation_id);
+        bind_text(st, 2, r->id);
+        if (sqlite3_step(st) == SQLITE_ROW) {
+            int64_t pos = sqlite3_column_int64(st, 0);
+            const char *sub = (const char *)sqlite3_column_text(st, 2);
+            bool same = !strcmp((const char *)sqlite3_column_text(st, 1), r->type) &&
+                        !strcmp(sub ? sub : "", r->submission_id) &&
+                        (size_t)sqlite3_column_bytes(st, 3) == strlen(r->body_json) &&
+                        !memcmp(sqlite3_column_text(st, 3), r->body_json, strlen(r->body_json));
+            sqlite3_finalize(st);
+            if (!same) {
+                return cf_error_set(err, CF_EXISTS,
+                                    "record id '%s' is already stored at offset %lld with "
+                                    "different content",
+                                    r->id, (long long)pos);
+            }
+            dups++;
+            first = pos < first ? pos : first;
+            last = pos > last ? pos : last;
+        } else {
+            sqlite3_finalize(st);
+        }
+    }
+    if (dups == n) {
+        out->first_offset = first;
+        out->last_offset = last;
+        out->deduplicated = true;
+        return CF_OK;
+    }
+    if (dups) {
+        return cf_error_set(err, CF_EXISTS,
+                            "%zu of the batch's %zu records are already stored; resend the "
+                            "original batch unchanged or use new record ids",
+                            dups, n);
+    }
+    if ((rc = insert_records(c, row.conversation_id, recs, n, row.submission_id,
+                             row.attempt_id, &out->first_offset, err)) != CF_OK) {
+        return rc;
+    }
+    out->last_offset = out->first_offset + (int64_t)n - 1;
+    return CF_OK;
+}
+
+/* ---------- reads ---------- */
+
+enum cf_status ledger_get(struct ledger_ctx *c, const char *submission_id,
+                          Cflue__V1__Submission *out, struct cf_error *err)
+{
+    return load_sub(c, submission_id, out, err);
+}
+
+enum cf_status ledger_list(struct ledger_ctx *c, const Cflue__V1__ListRequest *req,
+                           Cflue__V1__ListResponse *out, struct cf_error *err)
+{
+    char sql[1024], in[256] = "";
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    int limit = req->limit > 0 ? (req->limit > 1000 ? 1000 : req->limit) : 100;
+    for (size_t i = 0; i < req->n_statuses && i < 6; i++) {
+        char part[32];
+        snprintf(part, sizeof(part), "%s'%s'", i ? "," : "", ledger_status_name(req->statuses[i]));
+        strncat(in, part, sizeof(in) - strlen(in) - 1);
+    }
+    snprintf(sql, sizeof(sql),
+             "SELECT " SUB_COLS " FROM submissions WHERE sequence > ?1 "
+             "AND (?2 = '' OR conversation_id = ?2) AND (?3 = '' OR joined_into = ?3) %s%s%s "
+             "ORDER BY sequence LIMIT ?4",
+             *in ? "AND status IN (" : "", in, *in ? ")" : "");
+    if ((rc = db_prepare(c->db, sql, &st, err)) != CF_OK) {
+        return rc;
+    }
+    sqlite3_bind_int64(st, 1, req->after_sequence);
+    bind_text(st, 2, req->conversation_id);
+    bind_text(st, 3, req->joined_into);
+    sqlite3_bind_int(st, 4, limit);
+    if ((rc = list_subs(c, st, &out->submissions, &out->n_submissions, err)) != CF_OK) {
+        return rc;
+    }
+    out->next_sequence = out->n_submissions == (size_t)limit
+                             ? out->submissions[out->n_submissions - 1]->sequence
+                             : 0;
+    return CF_OK;
+}
+
+enum cf_status ledger_scan_expired(struct ledger_ctx *c, int32_t limit,
+                                   Cflue__V1__ListResponse *out, struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    if ((rc = db_prepare(c->db,
+                         "SELECT " SUB_COLS " FROM submissions WHERE status IN "
+                         "('running','terminalizing') AND lease_expires_at > 0 AND "
+                         "lease_expires_at < ? ORDER BY sequence LIMIT ?",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    sqlite3_bind_int64(st, 1, c->now);
+    sqlite3_bind_int(st, 2, limit > 0 ? limit : 100);
+    return list_subs(c, st, &out->submissions, &out->n_submissions, err);
+}
+
+enum cf_status ledger_conversation(struct ledger_ctx *c, const char *conversation_id,
+                                   Cflue__V1__Conversation *out, struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    if ((rc = db_prepare(c->db,
+                         "SELECT agent, created_at, next_pos, epoch, (SELECT count(*) FROM "
+                         "submissions s WHERE s.conversation_id = c.conversation_id AND "
+                         "s.status != 'settled') FROM conversations c WHERE conversation_id = ?",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, conversation_id);
+    int r = sqlite3_step(st);
+    if (r == SQLITE_ROW) {
+        out->conversation_id = arena_strdup(c->arena, conversation_id);
+        out->agent = (char *)col_text(c, st, 0);
+        out->created_at_ms = sqlite3_column_int64(st, 1);
+        out->head_offset = sqlite3_column_int64(st, 2) - 1;
+        out->epoch = sqlite3_column_int64(st, 3);
+        out->unsettled = sqlite3_column_int(st, 4);
+    } else if (r == SQLITE_DONE) {
+        rc = cf_error_set(err, CF_NOT_FOUND, "no conversation with id '%s'", conversation_id);
+    } else {
+        rc = db_fail(c->db, "read conversation", err);
+    }
+    sqlite3_finalize(st);
+    return rc;
+}
+
+enum cf_status ledger_read(struct ledger_ctx *c, const Cflue__V1__ReadRequest *req,
+                           Cflue__V1__ReadResponse *out, struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    int64_t next_pos;
+    int limit = req->limit > 0 ? (req->limit > 1000 ? 1000 : req->limit) : 100;
+    if ((rc = conversation_head(c, req->conversation_id, &next_pos, err)) != CF_OK) {
+        return rc;
+    }
+    out->head_offset = next_pos - 1;
+    if (req->after_offset > out->head_offset) {
+        return cf_error_set(err, CF_RANGE,
+                            "offset %lld is beyond the head of conversation %s (%lld)",
+                            (long long)req->after_offset, req->conversation_id,
+                            (long long)out->head_offset);
+    }
+    if ((rc = db_prepare(c->db,
+                         "SELECT pos, record_id, type, submission_id, attempt_id, ts, body "
+                         "FROM records WHERE conversation_id = ? AND pos > ? ORDER BY pos "
+                         "LIMIT ?",
+                         &st, err)) != CF_OK) {
+        return rc;
+    }
+    bind_text(st, 1, req->conversation_id);
+    sqlite3_bind_int64(st, 2, req->after_offset);
+    sqlite3_bind_int(st, 3, limit);
+    out->records = arena_alloc(c->arena, sizeof(void *) * (size_t)limit);
+    out->next_offset = req->after_offset;
+    int r;
+    while ((r = sqlite3_step(st)) == SQLITE_ROW) {
+        Cflue__V1__Record *rec = arena_alloc(c->arena, sizeof(*rec));
+        cflue__v1__record__init(rec);
+        rec->offset = sqlite3_column_int64(st, 0);
+        rec->id = (char *)col_text(c, st, 1);
+        rec->type = (char *)col_text(c, st, 2);
+        rec->submission_id = (char *)col_text(c, st, 3);
+        rec->attempt_id = (char *)col_text(c, st, 4);
+        rec->timestamp_ms = sqlite3_column_int64(st, 5);
+        rec->body_json = (char *)col_text(c, st, 6);
+        out->records[out->n_records++] = rec;
+        out->next_offset = rec->offset;
+    }
+    if (r != SQLITE_DONE) {
+        rc = db_fail(c->db, "read records", err);
+    }
+    sqlite3_finalize(st);
+    out->up_to_date = out->next_offset >= out->head_offset;
+    return rc;
+}

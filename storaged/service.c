@@ -1,0 +1,430 @@
+/* service.c - Store RPC handlers.
+ *
+ * Writes: validated on the receiving thread, then queued to the writer; the reply is sent from
+ * the writer's completion callback, after COMMIT. Reads: run on the server's worker pool, each
+ * inside one read transaction on a pooled reader connection, so a response is one consistent
+ * snapshot. Follow: a thread per stream, woken by the writer's notifier.
+ */
+#include "service.h"
+
+#include "clock.h"
+#include "db.h"
+#include "log.h"
+#include "mem.h"
+#include "validate.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define READERS_MAX 32
+#define FOLLOW_PAGE 200
+#define FOLLOW_POLL_MS 500
+
+struct service {
+    char *db_path;
+    struct writer *writer;
+    struct notifier *notifier;
+    const struct ledger_config *cfg;
+    pthread_mutex_t mu;
+    sqlite3 *idle[READERS_MAX];
+    int n_idle;
+};
+
+typedef enum cf_status (*validate_fn)(const ProtobufCMessage *req, struct cf_error *err);
+typedef enum cf_status (*ledger_fn)(struct ledger_ctx *c, const ProtobufCMessage *req,
+                                    ProtobufCMessage *resp, struct cf_error *err);
+
+struct method {
+    const char *name;
+    const ProtobufCMessageDescriptor *req_desc;
+    const ProtobufCMessageDescriptor *resp_desc;
+    validate_fn validate;
+    ledger_fn run;
+    bool write;
+};
+
+/* ---------- reader connections ---------- */
+
+static enum cf_status reader_take(struct service *svc, sqlite3 **out, struct cf_error *err)
+{
+    pthread_mutex_lock(&svc->mu);
+    if (svc->n_idle > 0) {
+        *out = svc->idle[--svc->n_idle];
+        pthread_mutex_unlock(&svc->mu);
+        return CF_OK;
+    }
+    pthread_mutex_unlock(&svc->mu);
+    return db_open(svc->db_path, false, out, err);
+}
+
+static void reader_give(struct service *svc, sqlite3 *db)
+{
+    pthread_mutex_lock(&svc->mu);
+    if (svc->n_idle < READERS_MAX) {
+        svc->idle[svc->n_idle++] = db;
+        db = NULL;
+    }
+    pthread_mutex_unlock(&svc->mu);
+    sqlite3_close(db);
+}
+
+/* read_snapshot runs fn inside one read transaction. */
+static enum cf_status read_snapshot(struct service *svc, struct arena *a,
+                                    enum cf_status (*fn)(struct ledger_ctx *, const void *,
+                                                         void *, struct cf_error *),
+                                    const void *req, void *resp, struct cf_error *err)
+{
+    sqlite3 *db;
+    enum cf_status rc = reader_take(svc, &db, err);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    struct ledger_ctx ctx = {.db = db, .arena = a, .cfg = svc->cfg, .now = clock_now_ms()};
+    if ((rc = db_exec(db, "BEGIN", err)) == CF_OK) {
+        rc = fn(&ctx, req, resp, err);
+        db_exec(db, "COMMIT", NULL);
+    }
+    reader_give(svc, db);
+    return rc;
+}
+
+/* ---------- adapters from the generic shape to the ledger ---------- */
+
+#define ADAPT(fn_name, call_expr, req_type, resp_type)                                          \
+    static enum cf_status fn_name(struct ledger_ctx *c, const ProtobufCMessage *rq,            \
+                                  ProtobufCMessage *rs, struct cf_error *err)                  \
+    {                                                                                          \
+        const req_type *req = (const req_type *)rq;                                            \
+        resp_type *resp = (resp_type *)rs;                                                     \
+        return call_expr;                                                                      \
+    }
+
+ADAPT(run_admit, ledger_admit(c, req, resp, err), Cflue__V1__AdmitRequest,
+      Cflue__V1__AdmitResponse)
+ADAPT(run_claim, ledger_claim(c, req, resp, err), Cflue__V1__ClaimRequest,
+      Cflue__V1__ClaimResponse)
+ADAPT(run_heartbeat, ledger_heartbeat(c, req, resp, err), Cflue__V1__HeartbeatRequest,
+      Cflue__V1__HeartbeatResponse)
+ADAPT(run_mark, ledger_mark_input_applied(c, req, resp, err),
+      Cflue__V1__MarkInputAppliedRequest, Cflue__V1__Submission)
+ADAPT(run_requeue, ledger_requeue(c, req->fence, resp, err), Cflue__V1__FencedRequest,
+      Cflue__V1__Submission)
+ADAPT(run_claim_joinable, ledger_claim_joinable(c, req, resp, err),
+      Cflue__V1__ClaimJoinableRequest, Cflue__V1__ClaimJoinableResponse)
+ADAPT(run_finalize_join, ledger_finish_join(c, req, true, resp, err), Cflue__V1__JoinRequest,
+      Cflue__V1__Submission)
+ADAPT(run_revert_join, ledger_finish_join(c, req, false, resp, err), Cflue__V1__JoinRequest,
+      Cflue__V1__Submission)
+ADAPT(run_abort, ledger_request_abort(c, req, resp, err), Cflue__V1__RequestAbortRequest,
+      Cflue__V1__RequestAbortResponse)
+ADAPT(run_settle, ledger_settle(c, req, resp, err), Cflue__V1__SettleRequest,
+      Cflue__V1__SettleResponse)
+ADAPT(run_append, ledger_append(c, req, resp, err), Cflue__V1__AppendRequest,
+      Cflue__V1__AppendResponse)
+ADAPT(run_get, ledger_get(c, req->submission_id, resp, err), Cflue__V1__GetRequest,
+      Cflue__V1__Submission)
+ADAPT(run_list, ledger_list(c, req, resp, err), Cflue__V1__ListRequest, Cflue__V1__ListResponse)
+ADAPT(run_scan, ledger_scan_expired(c, req->limit, resp, err), Cflue__V1__ScanExpiredRequest,
+      Cflue__V1__ListResponse)
+ADAPT(run_conversation, ledger_conversation(c, req->conversation_id, resp, err),
+      Cflue__V1__ConversationRequest, Cflue__V1__Conversation)
+ADAPT(run_read, ledger_read(c, req, resp, err), Cflue__V1__ReadRequest, Cflue__V1__ReadResponse)
+
+#define V(fn) ((validate_fn)(fn))
+#define D(x) &cflue__v1__##x##__descriptor
+
+static const struct method methods[] = {
+    {"Admit", D(admit_request), D(admit_response), V(validate_admit), run_admit, true},
+    {"Claim", D(claim_request), D(claim_response), V(validate_claim), run_claim, true},
+    {"Heartbeat", D(heartbeat_request), D(heartbeat_response), V(validate_heartbeat),
+     run_heartbeat, true},
+    {"MarkInputApplied", D(mark_input_applied_request), D(submission),
+     V(validate_mark_input_applied), run_mark, true},
+    {"Requeue", D(fenced_request), D(submission), V(validate_fenced), run_requeue, true},
+    {"ClaimJoinable", D(claim_joinable_request), D(claim_joinable_response),
+     V(validate_claim_joinable), run_claim_joinable, true},
+    {"FinalizeJoin", D(join_request), D(submission), V(validate_join), run_finalize_join, true},
+    {"RevertJoin", D(join_request), D(submission), V(validate_join), run_revert_join, true},
+    {"RequestAbort", D(request_abort_request), D(request_abort_response),
+     V(validate_request_abort), run_abort, true},
+    {"Settle", D(settle_request), D(settle_response), V(validate_settle), run_settle, true},
+    {"Append", D(append_request), D(append_response), V(validate_append), run_append, true},
+    {"ScanExpired", D(scan_expired_request), D(list_response), V(validate_scan_expired),
+     run_scan, false},
+    {"Get", D(get_request), D(submission), V(validate_get), run_get, false},
+    {"List", D(list_request), D(list_response), V(validate_list), run_list, false},
+    {"GetConversation", D(conversation_request), D(conversation), V(validate_conversation),
+     run_conversation, false},
+    {"Read", D(read_request), D(read_response), V(validate_read), run_read, false},
+};
+
+/* ---------- unary calls ---------- */
+
+struct pending {
+    struct writer_job job;
+    struct arena arena;
+    struct rpc_call *call;
+    const struct method *m;
+    const ProtobufCMessage *req;
+    ProtobufCMessage *resp;
+    int64_t started_ms;
+};
+
+static void log_result(const struct pending *p, enum cf_status st, const struct cf_error *err)
+{
+    char q[CF_ERROR_MSG_MAX + 32];
+    int64_t ms = clock_mono_ms() - p->started_ms;
+    if (st != CF_OK) {
+        log_write(st == CF_DB || st == CF_INTERNAL || st == CF_IO ? LOG_ERROR : LOG_INFO,
+                  "store.refused", "method=%s code=%s ms=%lld err=%s", p->m->name,
+                  status_name(st), (long long)ms, log_quote(q, sizeof(q), err->msg));
+        return;
+    }
+    if (!strcmp(p->m->name, "Admit")) {
+        const Cflue__V1__AdmitResponse *r = (const void *)p->resp;
+        log_info("store.admit", "submission=%s conversation=%s dedup=%d ms=%lld",
+                 r->submission->submission_id, r->submission->conversation_id,
+                 (int)r->deduplicated, (long long)ms);
+    } else if (!strcmp(p->m->name, "Claim")) {
+        const Cflue__V1__ClaimResponse *r = (const void *)p->resp;
+        if (r->submission) {
+            log_info("store.claim", "submission=%s attempt=%s epoch=%lld takeover=%d ms=%lld",
+                     r->submission->submission_id, r->fence->attempt_id,
+                     (long long)r->fence->epoch, (int)r->takeover, (long long)ms);
+        }
+    } else if (!strcmp(p->m->name, "Settle")) {
+        const Cflue__V1__SettleResponse *r = (const void *)p->resp;
+        log_info("store.settle", "submission=%s status=%s outcome=%s joined=%zu repeat=%d ms=%lld",
+                 r->submission->submission_id, ledger_status_name(r->submission->status),
+                 ledger_outcome_name(r->submission->outcome)
+                     ? ledger_outcome_name(r->submission->outcome)
+                     : "none",
+                 r->n_settled_with, (int)r->already_settled, (long long)ms);
+    } else {
+        log_debug("store.ok", "method=%s ms=%lld", p->m->name, (long long)ms);
+    }
+}
+
+static void complete(void *arg, enum cf_status st, const struct cf_error *err)
+{
+    struct pending *p = arg;
+    log_result(p, st, err);
+    if (st == CF_OK) {
+        rpc_call_reply(p->call, p->resp);
+    } else {
+        rpc_call_fail_error(p->call, err);
+    }
+    arena_cleanup(&p->arena);
+    free(p);
+}
+
+static enum cf_status run_write(struct ledger_ctx *c, void *arg, struct cf_error *err)
+{
+    struct pending *p = arg;
+    return p->m->run(c, p->req, p->resp, err);
+}
+
+static enum cf_status run_read_adapter(struct ledger_ctx *c, const void *req, void *resp,
+                                       struct cf_error *err)
+{
+    const struct pending *p = resp;
+    return p->m->run(c, req, p->resp, err);
+}
+
+/* The method table is static and shared; each registration binds it to the service. */
+struct binding {
+    const struct method *m;
+    struct service *svc;
+};
+
+static void dispatch(struct rpc_call *call, const ProtobufCMessage *req, void *user)
+{
+    const struct binding *b = user;
+    const struct method *m = b->m;
+    struct pending *p = mem_alloc(sizeof(*p));
+    struct cf_error err;
+    enum cf_status st;
+
+    p->call = call;
+    p->m = m;
+    p->req = req;
+    p->started_ms = clock_mono_ms();
+    arena_init(&p->arena);
+    p->resp = arena_alloc(&p->arena, m->resp_desc->sizeof_message);
+    protobuf_c_message_init(m->resp_desc, p->resp);
+    cf_error_clear(&err);
+    if ((st = m->validate(req, &err)) != CF_OK) {
+        complete(p, st, &err);
+        return;
+    }
+    if (m->write) {
+        p->job.run = run_write;
+        p->job.done = complete;
+        p->job.arg = p;
+        p->job.arena = &p->arena;
+        writer_submit(b->svc->writer, &p->job);
+        return;
+    }
+    st = read_snapshot(b->svc, &p->arena, run_read_adapter, req, p, &err);
+    complete(p, st, &err);
+}
+
+/* ---------- Follow ---------- */
+
+static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *user)
+{
+    struct service *svc = user;
+    const Cflue__V1__FollowRequest *req = (const void *)msg;
+    struct cf_error err;
+    struct arena a;
+    enum cf_status st;
+    char settled_id[256] = "";
+    int64_t cursor = req->after_offset;
+    bool done = false;
+
+    cf_error_clear(&err);
+    if ((st = validate_follow(req, &err)) != CF_OK) {
+        rpc_call_fail_error(call, &err);
+        return;
+    }
+    /* Check the conversation, the offset and the submission to wait for. */
+    arena_init(&a);
+    Cflue__V1__ReadRequest probe = CFLUE__V1__READ_REQUEST__INIT;
+    Cflue__V1__ReadResponse page = CFLUE__V1__READ_RESPONSE__INIT;
+    probe.conversation_id = req->conversation_id;
+    probe.after_offset = req->after_offset;
+    probe.limit = 1;
+    sqlite3 *db;
+    if ((st = reader_take(svc, &db, &err)) == CF_OK) {
+        struct ledger_ctx ctx = {.db = db, .arena = &a, .cfg = svc->cfg, .now = clock_now_ms()};
+        db_exec(db, "BEGIN", NULL);
+        st = ledger_read(&ctx, &probe, &page, &err);
+        if (st == CF_OK && *req->until_settled) {
+            Cflue__V1__Submission sub;
+            st = ledger_get(&ctx, req->until_settled, &sub, &err);
+            if (st == CF_OK && strcmp(sub.conversation_id, req->conversation_id) != 0) {
+                st = cf_error_set(&err, CF_INVALID,
+                                  "until_settled names submission %s of another conversation",
+                                  req->until_settled);
+            }
+            int64_t off = -1;
+            if (st == CF_OK) {
+                st = ledger_settlement_offset(&ctx, req->until_settled, req->conversation_id,
+                                              &off, &err);
+            }
+            if (st == CF_OK && off >= 0 && off <= req->after_offset) {
+                done = true;
+            }
+            snprintf(settled_id, sizeof(settled_id), "settled:%s", req->until_settled);
+        }
+        db_exec(db, "COMMIT", NULL);
+        reader_give(svc, db);
+    }
+    arena_cleanup(&a);
+    if (st != CF_OK) {
+        rpc_call_fail_error(call, &err);
+        return;
+    }
+    if (done) {
+        rpc_call_finish(call, GRPC_STATUS_OK, NULL);
+        return;
+    }
+    log_debug("store.follow", "conversation=%s after=%lld", req->conversation_id,
+              (long long)cursor);
+
+    for (;;) {
+        uint64_t seen = notifier_version(svc->notifier);
+        Cflue__V1__ReadRequest rq = CFLUE__V1__READ_REQUEST__INIT;
+        Cflue__V1__ReadResponse rs = CFLUE__V1__READ_RESPONSE__INIT;
+        rq.conversation_id = req->conversation_id;
+        rq.after_offset = cursor;
+        rq.limit = FOLLOW_PAGE;
+        arena_init(&a);
+        if ((st = reader_take(svc, &db, &err)) == CF_OK) {
+            struct ledger_ctx ctx = {.db = db, .arena = &a, .cfg = svc->cfg,
+                                     .now = clock_now_ms()};
+            db_exec(db, "BEGIN", NULL);
+            st = ledger_read(&ctx, &rq, &rs, &err);
+            db_exec(db, "COMMIT", NULL);
+            reader_give(svc, db);
+        }
+        if (st != CF_OK) {
+            arena_cleanup(&a);
+            rpc_call_fail_error(call, &err);
+            return;
+        }
+        for (size_t i = 0; i < rs.n_records && !done; i++) {
+            if (!rpc_call_send(call, &rs.records[i]->base)) {
+                arena_cleanup(&a);
+                rpc_call_finish(call, GRPC_STATUS_CANCELLED, "the stream was cancelled");
+                return;
+            }
+            cursor = rs.records[i]->offset;
+            done = *settled_id && !strcmp(rs.records[i]->id, settled_id);
+        }
+        bool full = rs.n_records == FOLLOW_PAGE;
+        arena_cleanup(&a);
+        if (done) {
+            rpc_call_finish(call, GRPC_STATUS_OK, NULL);
+            return;
+        }
+        if (rpc_call_cancelled(call)) {
+            rpc_call_finish(call, rpc_server_stopping(rpc_call_server(call))
+                                      ? GRPC_STATUS_UNAVAILABLE
+                                      : GRPC_STATUS_CANCELLED,
+                            "the stream ended; resume from the last offset received");
+            return;
+        }
+        if (!full) {
+            notifier_wait(svc->notifier, seen, FOLLOW_POLL_MS);
+        }
+    }
+}
+
+/* ---------- lifecycle ---------- */
+
+static struct binding bindings[sizeof(methods) / sizeof(methods[0])];
+
+struct service *service_new(const char *db_path, struct writer *w, struct notifier *n,
+                            const struct ledger_config *cfg)
+{
+    struct service *svc = mem_alloc(sizeof(*svc));
+    svc->db_path = mem_strdup(db_path);
+    svc->writer = w;
+    svc->notifier = n;
+    svc->cfg = cfg;
+    pthread_mutex_init(&svc->mu, NULL);
+    return svc;
+}
+
+void service_register(struct service *svc, struct rpc_server *srv)
+{
+    char path[128];
+    for (size_t i = 0; i < sizeof(methods) / sizeof(methods[0]); i++) {
+        bindings[i].m = &methods[i];
+        bindings[i].svc = svc;
+        snprintf(path, sizeof(path), "/cflue.v1.Store/%s", methods[i].name);
+        /* Append parses JSON bodies that may be megabytes: keep it off the pollers. */
+        enum rpc_mode mode = methods[i].write && strcmp(methods[i].name, "Append") != 0
+                                 ? RPC_INLINE
+                                 : RPC_POOL;
+        rpc_server_add_method(srv, path, methods[i].req_desc, dispatch, &bindings[i], mode);
+    }
+    rpc_server_add_method(srv, "/cflue.v1.Store/Follow", &cflue__v1__follow_request__descriptor,
+                          follow, svc, RPC_THREAD);
+}
+
+void service_free(struct service *svc)
+{
+    if (!svc) {
+        return;
+    }
+    for (int i = 0; i < svc->n_idle; i++) {
+        sqlite3_close(svc->idle[i]);
+    }
+    pthread_mutex_destroy(&svc->mu);
+    free(svc->db_path);
+    free(svc);
+}

@@ -1,0 +1,61 @@
+/* writer.h - the single writer thread with group commit.
+ *
+ * Every write of storaged goes through one SQLite connection owned by one thread. Jobs that
+ * arrive while a transaction commits wait and are committed together in the next one, each
+ * inside its own savepoint, so one failing job does not undo the others. A job's completion
+ * callback runs after the COMMIT returned, that is after the WAL was synced (synchronous=FULL):
+ * a reply sent from it promises durability.
+ */
+#ifndef CFLUE_STORAGED_WRITER_H
+#define CFLUE_STORAGED_WRITER_H
+
+#include "ledger.h"
+
+#include <stdint.h>
+
+struct writer;
+struct notifier;
+
+struct writer_job {
+    /* run executes the job's ledger work inside the shared transaction */
+    enum cf_status (*run)(struct ledger_ctx *c, void *arg, struct cf_error *err);
+    /* done is called once, on the writer thread, after commit or rollback */
+    void (*done)(void *arg, enum cf_status st, const struct cf_error *err);
+    void *arg;
+    struct arena *arena; /* where run builds its response */
+    struct writer_job *next;
+    enum cf_status st;
+    struct cf_error err;
+};
+
+/* writer_start starts the writer thread on db (which it then owns and closes). Followers
+ * waiting on n are woken after each commit that appended records. */
+struct writer *writer_start(sqlite3 *db, const struct ledger_config *cfg, struct notifier *n,
+                            int max_batch);
+
+/* writer_submit queues a job; the job must stay valid until its done callback. After
+ * writer_stop began, the job completes at once with CF_UNAVAILABLE. */
+void writer_submit(struct writer *w, struct writer_job *job);
+
+/* writer_stop commits what is queued, stops the thread, closes the database and frees w. */
+void writer_stop(struct writer *w);
+
+/* ---- notifier: wakes Follow streams when records commit ---- */
+
+/* notifier_new creates a notifier (version 0). */
+struct notifier *notifier_new(void);
+
+/* notifier_free frees it (NULL is fine). */
+void notifier_free(struct notifier *n);
+
+/* notifier_bump increments the version and wakes every waiter. */
+void notifier_bump(struct notifier *n);
+
+/* notifier_version returns the current version. */
+uint64_t notifier_version(struct notifier *n);
+
+/* notifier_wait waits until the version differs from seen or timeout_ms passes; returns the
+ * version then. */
+uint64_t notifier_wait(struct notifier *n, uint64_t seen, int timeout_ms);
+
+#endif

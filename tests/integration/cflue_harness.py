@@ -1,0 +1,604 @@
+"""Test harness for the storaged integration tests.
+
+Finds the C build ($CFLUE_BUILD_DIR, default <repo>/build), puts its generated Python
+message modules ($CFLUE_BUILD_DIR/py) on sys.path, and runs storaged in a fresh temporary
+directory. Only the standard library, grpc and google.protobuf are used; methods are called
+generically (no grpc_tools stubs).
+
+    class MyTest(StoragedTestCase):
+        def test_x(self):
+            sd = self.storaged            # started lazily by the first access
+            resp = admit(sd.stub, text='hi')
+
+A StoragedTestCase prints the daemon's stderr when one of its tests fails or errors.
+"""
+
+import atexit
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+import grpc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+BUILD_DIR = os.path.abspath(os.environ.get('CFLUE_BUILD_DIR') or os.path.join(REPO, 'build'))
+PY_DIR = os.path.join(BUILD_DIR, 'py')
+STORAGED_BIN = os.path.join(BUILD_DIR, 'storaged', 'storaged')
+
+if PY_DIR not in sys.path:
+    sys.path.insert(0, PY_DIR)
+
+try:
+    from cflue.v1 import common_pb2, store_pb2  # noqa: E402
+    import health_pb2  # noqa: E402
+except ImportError as e:  # pragma: no cover - reported clearly instead of a bare traceback
+    raise ImportError('cannot import the generated Python modules from %s (build the project '
+                      'first: cmake -S %s -B %s && cmake --build %s): %s'
+                      % (PY_DIR, REPO, BUILD_DIR, BUILD_DIR, e))
+
+MiB = 1024 * 1024
+CLIENT_MAX_MESSAGE = 64 * MiB
+READY_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 20.0
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+# Method name -> (request class, response class, streaming)
+STORE_METHODS = {
+    'Admit': (store_pb2.AdmitRequest, store_pb2.AdmitResponse, False),
+    'Claim': (store_pb2.ClaimRequest, store_pb2.ClaimResponse, False),
+    'Heartbeat': (store_pb2.HeartbeatRequest, store_pb2.HeartbeatResponse, False),
+    'MarkInputApplied': (store_pb2.MarkInputAppliedRequest, common_pb2.Submission, False),
+    'Requeue': (store_pb2.FencedRequest, common_pb2.Submission, False),
+    'ClaimJoinable': (store_pb2.ClaimJoinableRequest, store_pb2.ClaimJoinableResponse, False),
+    'FinalizeJoin': (store_pb2.JoinRequest, common_pb2.Submission, False),
+    'RevertJoin': (store_pb2.JoinRequest, common_pb2.Submission, False),
+    'RequestAbort': (store_pb2.RequestAbortRequest, store_pb2.RequestAbortResponse, False),
+    'Settle': (store_pb2.SettleRequest, store_pb2.SettleResponse, False),
+    'ScanExpired': (store_pb2.ScanExpiredRequest, store_pb2.ListResponse, False),
+    'Get': (store_pb2.GetRequest, common_pb2.Submission, False),
+    'List': (store_pb2.ListRequest, store_pb2.ListResponse, False),
+    'GetConversation': (store_pb2.ConversationRequest, store_pb2.Conversation, False),
+    'Append': (store_pb2.AppendRequest, store_pb2.AppendResponse, False),
+    'Read': (store_pb2.ReadRequest, store_pb2.ReadResponse, False),
+    'Follow': (store_pb2.FollowRequest, common_pb2.Record, True),
+}
+
+
+def _snake(name):
+    return re.sub(r'(?<!^)(?=[A-Z])', '_', name).lower()
+
+
+def now_ms():
+    return int(time.time() * 1000)
+
+
+def channel_options(max_bytes=CLIENT_MAX_MESSAGE):
+    return [
+        ('grpc.max_send_message_length', max_bytes),
+        ('grpc.max_receive_message_length', max_bytes),
+        # reconnect quickly after a restart of the daemon
+        ('grpc.initial_reconnect_backoff_ms', 50),
+        ('grpc.min_reconnect_backoff_ms', 50),
+        ('grpc.max_reconnect_backoff_ms', 250),
+        ('grpc.enable_retries', 0),
+    ]
+
+
+class StoreStub(object):
+    """One method per cflue.v1.Store RPC: admit(req, timeout=5) ... follow(req) (iterator).
+
+    The stub follows its Storaged across restarts (it always uses the current channel)."""
+
+    def __init__(self, channel_getter):
+        self._channel_getter = channel_getter
+        self._lock = threading.Lock()
+        self._channel = None
+        self._callables = {}
+
+    def _callable(self, name):
+        ch = self._channel_getter()
+        with self._lock:
+            if ch is not self._channel:
+                self._channel = ch
+                self._callables = {}
+            c = self._callables.get(name)
+            if c is None:
+                req_cls, resp_cls, streaming = STORE_METHODS[name]
+                path = '/cflue.v1.Store/' + name
+                if streaming:
+                    c = ch.unary_stream(path, request_serializer=req_cls.SerializeToString,
+                                        response_deserializer=resp_cls.FromString)
+                else:
+                    c = ch.unary_unary(path, request_serializer=req_cls.SerializeToString,
+                                       response_deserializer=resp_cls.FromString)
+                self._callables[name] = c
+            return c
+
+    def raw(self, method, data, timeout=5, streaming=False, response_cls=None):
+        """Calls a full method path with raw request bytes; returns the raw response bytes
+        (or a list of them for a stream)."""
+        ch = self._channel_getter()
+        deser = response_cls.FromString if response_cls is not None else (lambda b: b)
+        if streaming:
+            it = ch.unary_stream(method, request_serializer=lambda b: b,
+                                 response_deserializer=deser)(data, timeout=timeout)
+            return list(it)
+        return ch.unary_unary(method, request_serializer=lambda b: b,
+                              response_deserializer=deser)(data, timeout=timeout)
+
+
+def _make_method(name):
+    streaming = STORE_METHODS[name][2]
+    if streaming:
+        def method(self, req, timeout=None, metadata=None):
+            return self._callable(name)(req, timeout=timeout, metadata=metadata)
+    else:
+        def method(self, req, timeout=5, metadata=None, with_call=False):
+            c = self._callable(name)
+            if with_call:
+                return c.with_call(req, timeout=timeout, metadata=metadata)
+            return c(req, timeout=timeout, metadata=metadata)
+    method.__name__ = _snake(name)
+    method.__doc__ = '/cflue.v1.Store/%s' % name
+    return method
+
+
+for _name in STORE_METHODS:
+    setattr(StoreStub, _snake(_name), _make_method(_name))
+
+
+_LIVE = set()
+
+
+@atexit.register
+def _kill_leftovers():
+    for sd in list(_LIVE):
+        try:
+            sd.kill()
+        except Exception:
+            pass
+
+
+class StoragedExited(Exception):
+    pass
+
+
+class Storaged(object):
+    """A storaged process in a fresh temp dir.
+
+    tcp=False: listens on unix:<dir>/store.sock; tcp=True: 127.0.0.1:0 with --port-file.
+    extra_args/env are added to the command line and the environment.
+    """
+
+    def __init__(self, tcp=False, extra_args=(), env=None, db=None, workdir=None,
+                 start=True):
+        if not os.path.exists(STORAGED_BIN):
+            raise unittest.SkipTest('storaged binary not built: %s' % STORAGED_BIN)
+        self.dir = workdir or tempfile.mkdtemp(prefix='cflue-it-')
+        self.tcp = tcp
+        self.db = db or os.path.join(self.dir, 'store.db')
+        self.sock = os.path.join(self.dir, 'store.sock')
+        self.port_file = os.path.join(self.dir, 'port')
+        self.stderr_path = os.path.join(self.dir, 'storaged.stderr')
+        self.extra_args = list(extra_args)
+        self.env = dict(env or {})
+        self.proc = None
+        self.port = None
+        self.target = None
+        self.channel = None
+        self.starts = 0
+        self._chan_lock = threading.Lock()
+        self.stub = StoreStub(self._current_channel)
+        if start:
+            self.start()
+
+    # ---- process control ----
+
+    def command(self):
+        if self.tcp:
+            listen = ['--listen', '127.0.0.1:0', '--port-file', self.port_file]
+        else:
+            listen = ['--listen', 'unix:' + self.sock]
+        return [STORAGED_BIN] + listen + ['--db', self.db] + self.extra_args
+
+    def _spawn(self):
+        if self.tcp and os.path.exists(self.port_file):
+            os.unlink(self.port_file)
+        env = dict(os.environ)
+        env.update(self.env)
+        self.starts += 1
+        with open(self.stderr_path, 'ab') as f:
+            f.write(('---- start #%d: %s\n' % (self.starts, ' '.join(self.command())))
+                    .encode())
+            f.flush()
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
+                                         stdout=f, stderr=f, env=env)
+
+    def start(self, timeout=READY_TIMEOUT_S):
+        self._spawn()
+        _LIVE.add(self)
+        deadline = time.monotonic() + timeout
+        target = self._wait_target(deadline)
+        with self._chan_lock:
+            if self.channel is None or target != self.target:
+                old = self.channel
+                self.target = target
+                self.channel = grpc.insecure_channel(target, options=channel_options())
+                if old is not None:
+                    old.close()
+        self._wait_serving(deadline)
+        return self
+
+    def _wait_target(self, deadline):
+        if not self.tcp:
+            return 'unix:' + self.sock
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                with open(self.port_file) as f:
+                    txt = f.read().strip()
+                if txt:
+                    self.port = int(txt)
+                    return '127.0.0.1:%d' % self.port
+            except (IOError, ValueError):
+                pass
+            time.sleep(0.02)
+        raise AssertionError('storaged did not write its port file within the timeout\n'
+                             + self.stderr_text())
+
+    def _check_alive(self):
+        rc = self.proc.poll()
+        if rc is not None:
+            _LIVE.discard(self)
+            raise StoragedExited('storaged exited with code %d during start-up\n%s'
+                                 % (rc, self.stderr_text()))
+
+    def _wait_serving(self, deadline):
+        last = None
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                st = self.health_check('', timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+                if st == SERVING:
+                    return
+                last = 'status %s' % st
+            except grpc.RpcError as e:
+                last = '%s: %s' % (e.code(), e.details())
+            time.sleep(0.02)
+        raise AssertionError('storaged not SERVING within %.0f s (last: %s)\n%s'
+                             % (READY_TIMEOUT_S, last, self.stderr_text()))
+
+    def _current_channel(self):
+        with self._chan_lock:
+            if self.channel is None:
+                raise RuntimeError('storaged never started')
+            return self.channel
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self):
+        """SIGKILL and reap."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        _LIVE.discard(self)
+
+    def terminate(self, timeout=STOP_TIMEOUT_S):
+        """SIGTERM; returns the exit code (None if it did not exit in time; then SIGKILL)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                return None
+        _LIVE.discard(self)
+        return self.proc.returncode
+
+    def stop(self, timeout=STOP_TIMEOUT_S):
+        """SIGTERM and assert a graceful exit with code 0."""
+        rc = self.terminate(timeout)
+        if rc != 0:
+            raise AssertionError('storaged did not exit 0 on SIGTERM (exit code %r)\n%s'
+                                 % (rc, self.stderr_text()))
+        return rc
+
+    def restart(self, timeout=READY_TIMEOUT_S):
+        """Starts again on the same database (kills the running process first)."""
+        self.kill()
+        return self.start(timeout)
+
+    def run_to_exit(self, timeout=READY_TIMEOUT_S):
+        """Starts the daemon expecting it to exit by itself; returns (exit code, stderr of
+        this run). Fails if it is still running after timeout."""
+        start_len = os.path.getsize(self.stderr_path) if os.path.exists(self.stderr_path) else 0
+        self._spawn()
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError('storaged still running after %.0f s\n%s'
+                                 % (timeout, self.stderr_text()))
+        with open(self.stderr_path, 'rb') as f:
+            f.seek(start_len)
+            return rc, f.read().decode('utf-8', 'replace')
+
+    def close(self):
+        """Kills the process (if any) and closes the channel; keeps the directory."""
+        self.kill()
+        with self._chan_lock:
+            if self.channel is not None:
+                self.channel.close()
+                self.channel = None
+
+    def remove(self):
+        self.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def stderr_text(self):
+        try:
+            with open(self.stderr_path, 'rb') as f:
+                return f.read().decode('utf-8', 'replace')
+        except IOError:
+            return '(no stderr captured)'
+
+    # ---- health ----
+
+    def health_check(self, service='', timeout=5):
+        c = self._current_channel().unary_unary(
+            '/grpc.health.v1.Health/Check',
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        return c(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+
+    def health_watch(self, service='', timeout=None):
+        c = self._current_channel().unary_stream(
+            '/grpc.health.v1.Health/Watch',
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        return c(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+
+
+# ---- request builders ----
+
+def message(text='Hello', attachments=()):
+    m = common_pb2.Message(text=text)
+    for a in attachments:
+        if isinstance(a, common_pb2.Attachment):
+            m.attachments.append(a)
+        else:
+            m.attachments.append(common_pb2.Attachment(**a))
+    return m
+
+
+def admit_request(agent='assistant', conv='', text='Hello', key='', source=0, metadata=None,
+                  attachments=()):
+    req = store_pb2.AdmitRequest(agent=agent, conversation_id=conv,
+                                 message=message(text, attachments), idempotency_key=key,
+                                 source=source)
+    for k, v in (metadata or {}).items():
+        req.metadata[k] = v
+    return req
+
+
+def admit(stub, agent='assistant', conv='', text='Hello', key='', source=0, metadata=None,
+          attachments=(), timeout=5):
+    """Admits a submission; returns the AdmitResponse."""
+    return stub.admit(admit_request(agent, conv, text, key, source, metadata, attachments),
+                      timeout=timeout)
+
+
+def claim(stub, owner='test-owner', lease_ms=30000, submission_id='', conversation_id='',
+          timeout=5):
+    """Claims work; returns the ClaimResponse (check HasField('submission'))."""
+    return stub.claim(store_pb2.ClaimRequest(owner_id=owner, lease_ms=lease_ms,
+                                             submission_id=submission_id,
+                                             conversation_id=conversation_id),
+                      timeout=timeout)
+
+
+def fence(submission_id, attempt_id='', epoch=0):
+    return store_pb2.Fence(submission_id=submission_id, attempt_id=attempt_id, epoch=epoch)
+
+
+def copy_fence(f, **changes):
+    nf = store_pb2.Fence()
+    nf.CopyFrom(f)
+    for k, v in changes.items():
+        setattr(nf, k, v)
+    return nf
+
+
+def settle(stub, fence_, outcome=common_pb2.COMPLETED, error='', reserve_only=False, timeout=5):
+    return stub.settle(store_pb2.SettleRequest(fence=fence_, outcome=outcome, error=error,
+                                               reserve_only=reserve_only), timeout=timeout)
+
+
+def settle_queued(stub, submission_id, outcome=common_pb2.FAILED, error='cannot run'):
+    return settle(stub, fence(submission_id), outcome, error)
+
+
+def record(type_='assistant_message', body=None, id_='', submission_id='', body_json=None):
+    if body_json is None:
+        body_json = json.dumps(body if body is not None else {})
+    return common_pb2.Record(type=type_, body_json=body_json, id=id_, submission_id=submission_id)
+
+
+def append(stub, fence_, records, timeout=10):
+    return stub.append(store_pb2.AppendRequest(fence=fence_, records=records), timeout=timeout)
+
+
+def read(stub, conversation_id, after_offset=-1, limit=0, timeout=10):
+    return stub.read(store_pb2.ReadRequest(conversation_id=conversation_id,
+                                           after_offset=after_offset, limit=limit),
+                     timeout=timeout)
+
+
+def read_all(stub, conversation_id, after_offset=-1):
+    out = []
+    while True:
+        r = read(stub, conversation_id, after_offset, limit=1000)
+        out.extend(r.records)
+        if r.up_to_date or not r.records:
+            return out
+        after_offset = r.next_offset
+
+
+def get(stub, submission_id):
+    return stub.get(store_pb2.GetRequest(submission_id=submission_id))
+
+
+def get_conversation(stub, conversation_id):
+    return stub.get_conversation(store_pb2.ConversationRequest(conversation_id=conversation_id))
+
+
+def list_all(stub, page=100, **filters):
+    """Every submission matching the filters, paging with after_sequence/next_sequence."""
+    out = []
+    after = 0
+    while True:
+        req = store_pb2.ListRequest(after_sequence=after, limit=page, **filters)
+        r = stub.list(req, timeout=10)
+        out.extend(r.submissions)
+        if r.next_sequence == 0:
+            return out
+        if r.next_sequence <= after:
+            raise AssertionError('List next_sequence did not advance (%d after %d)'
+                                 % (r.next_sequence, after))
+        after = r.next_sequence
+
+
+def request_abort(stub, conversation_id='', submission_id='', reason='stop'):
+    return stub.request_abort(store_pb2.RequestAbortRequest(
+        conversation_id=conversation_id, submission_id=submission_id, reason=reason))
+
+
+def heartbeat(stub, owner, fences, lease_ms=30000):
+    return stub.heartbeat(store_pb2.HeartbeatRequest(owner_id=owner, lease_ms=lease_ms,
+                                                     fences=fences))
+
+
+def scan_expired(stub, limit=0):
+    return list(stub.scan_expired(store_pb2.ScanExpiredRequest(limit=limit)).submissions)
+
+
+def claim_joinable(stub, host, limit=0):
+    return list(stub.claim_joinable(store_pb2.ClaimJoinableRequest(host=host, limit=limit))
+                .submissions)
+
+
+def finalize_join(stub, host, submission_id):
+    return stub.finalize_join(store_pb2.JoinRequest(host=host, submission_id=submission_id))
+
+
+def revert_join(stub, host, submission_id):
+    return stub.revert_join(store_pb2.JoinRequest(host=host, submission_id=submission_id))
+
+
+def mark_input_applied(stub, fence_, max_attempts=0, timeout_ms=0):
+    return stub.mark_input_applied(store_pb2.MarkInputAppliedRequest(
+        fence=fence_, max_attempts=max_attempts, timeout_ms=timeout_ms))
+
+
+def requeue(stub, fence_):
+    return stub.requeue(store_pb2.FencedRequest(fence=fence_))
+
+
+# ---- test case base ----
+
+class StoragedTestCase(unittest.TestCase):
+    """Gives each test a fresh storaged (self.storaged, created on first use) and prints the
+    captured stderr of every daemon the test started when the test fails."""
+
+    storaged_kwargs = {}
+
+    def run(self, result=None):
+        self._daemons = []
+        if result is None:
+            return super(StoragedTestCase, self).run(result)
+        before = len(result.failures) + len(result.errors)
+        try:
+            return super(StoragedTestCase, self).run(result)
+        finally:
+            failed = len(result.failures) + len(result.errors) > before
+            for sd in self._daemons:
+                sd.close()
+                if failed:
+                    sys.stderr.write('\n==== storaged stderr for %s (%s) ====\n%s'
+                                     '==== end of storaged stderr ====\n'
+                                     % (self.id(), sd.dir, _tail(sd.stderr_text())))
+                shutil.rmtree(sd.dir, ignore_errors=True)
+
+    def start_storaged(self, **kwargs):
+        sd = Storaged(start=False, **kwargs)
+        self._daemons.append(sd)
+        sd.start()
+        return sd
+
+    @property
+    def storaged(self):
+        sd = getattr(self, '_storaged', None)
+        if sd is None:
+            sd = self.start_storaged(**self.storaged_kwargs)
+            self._storaged = sd
+        return sd
+
+    @property
+    def stub(self):
+        return self.storaged.stub
+
+    def assertRpcError(self, code, fn, *args, **kwargs):
+        """Calls fn and asserts it raises an RpcError with the given status code (or one of a
+        tuple of codes). Returns the error."""
+        details_has = kwargs.pop('details_has', None)
+        try:
+            result = fn(*args, **kwargs)
+        except grpc.RpcError as e:
+            codes = code if isinstance(code, tuple) else (code,)
+            self.assertIn(e.code(), codes, 'expected %s, got %s: %s'
+                          % ('/'.join(c.name for c in codes), e.code(), e.details()))
+            if details_has is not None:
+                for word in ([details_has] if isinstance(details_has, str) else details_has):
+                    self.assertIn(word.lower(), (e.details() or '').lower(),
+                                  'details %r do not name %r' % (e.details(), word))
+            return e
+        self.fail('expected %s, call succeeded with %r'
+                  % (code if isinstance(code, tuple) else code.name, _short(result)))
+
+
+def _short(msg):
+    s = str(msg)
+    return s if len(s) < 2000 else s[:2000] + '...'
+
+
+def _tail(text, max_lines=400):
+    lines = text.splitlines(True)
+    if len(lines) > max_lines:
+        return '... (%d lines omitted)\n' % (len(lines) - max_lines) + ''.join(lines[-max_lines:])
+    return ''.join(lines)
+
+
+OK = grpc.StatusCode.OK
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
+NOT_FOUND = grpc.StatusCode.NOT_FOUND
+ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS
+FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+OUT_OF_RANGE = grpc.StatusCode.OUT_OF_RANGE
+RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED
