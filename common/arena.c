@@ -44,9 +44,9 @@ void arena_cleanup(struct arena *a)
 
 void *arena_alloc(struct arena *a, size_t n)
 {
-    n = (n + sizeof(max_align_t) - 1) & ~(sizeof(max_align_t) - 1);
+    n = (n + _Alignof(max_align_t) - 1) & ~(_Alignof(max_align_t) - 1);
     if (n == 0) {
-        n = sizeof(max_align_t);
+        n = _Alignof(max_align_t);
     }
     struct arena_block *b = a->head;
     if (!b || b->size - b->used < n) {

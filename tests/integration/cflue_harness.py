@@ -525,6 +525,23 @@ class StoragedTestCase(unittest.TestCase):
     captured stderr of every daemon the test started when the test fails."""
 
     storaged_kwargs = {}
+    # True: one daemon for the whole class (started in setUpClass), shared by its tests
+    shared_storaged = False
+    _shared = None
+
+    @classmethod
+    def setUpClass(cls):
+        super(StoragedTestCase, cls).setUpClass()
+        cls._shared = None
+        if cls.shared_storaged:
+            cls._shared = Storaged(**cls.storaged_kwargs)
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls._shared is not None:
+            cls._shared.remove()
+            cls._shared = None
+        super(StoragedTestCase, cls).tearDownClass()
 
     def run(self, result=None):
         self._daemons = []
@@ -535,13 +552,18 @@ class StoragedTestCase(unittest.TestCase):
             return super(StoragedTestCase, self).run(result)
         finally:
             failed = len(result.failures) + len(result.errors) > before
-            for sd in self._daemons:
-                sd.close()
+            shown = list(self._daemons)
+            if failed and type(self)._shared is not None:
+                shown.append(type(self)._shared)
+            for sd in shown:
+                if sd in self._daemons:
+                    sd.close()
                 if failed:
                     sys.stderr.write('\n==== storaged stderr for %s (%s) ====\n%s'
                                      '==== end of storaged stderr ====\n'
                                      % (self.id(), sd.dir, _tail(sd.stderr_text())))
-                shutil.rmtree(sd.dir, ignore_errors=True)
+                if sd in self._daemons:
+                    shutil.rmtree(sd.dir, ignore_errors=True)
 
     def start_storaged(self, **kwargs):
         sd = Storaged(start=False, **kwargs)
@@ -551,6 +573,8 @@ class StoragedTestCase(unittest.TestCase):
 
     @property
     def storaged(self):
+        if type(self)._shared is not None:
+            return type(self)._shared
         sd = getattr(self, '_storaged', None)
         if sd is None:
             sd = self.start_storaged(**self.storaged_kwargs)

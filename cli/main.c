@@ -1,0 +1,254 @@
+/* main.c - the cflue command-line client.
+ *
+ *   cflue health ADDR [SERVICE]
+ *   cflue store get SUBMISSION [--store ADDR]
+ *   cflue store admit --agent NAME [--conversation ID] [--key KEY] TEXT [--store ADDR]
+ *   cflue store list [--conversation ID] [--store ADDR]
+ *   cflue store read CONVERSATION [--after N] [--follow] [--store ADDR]
+ *
+ * Exit codes: 0 success, 1 the server answered with an error, 2 usage error.
+ */
+#include "log.h"
+#include "print.h"
+#include "rpc.h"
+
+#include "cflue/v1/store.pb-c.h"
+#include "grpc/health/v1/health.pb-c.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TIMEOUT_MS 10000
+
+static const char usage_text[] =
+    "usage:\n"
+    "  cflue health ADDR [SERVICE]        check a daemon's gRPC health\n"
+    "  cflue store get SUBMISSION         show one submission\n"
+    "  cflue store admit --agent NAME [--conversation ID] [--key KEY] TEXT\n"
+    "                                     admit a message (prints the submission)\n"
+    "  cflue store list [--conversation ID]\n"
+    "                                     list submissions in admission order\n"
+    "  cflue store read CONVERSATION [--after N] [--follow]\n"
+    "                                     print a conversation's records\n"
+    "store commands take --store ADDR (env CFLUE_STORE, default 127.0.0.1:7101)\n";
+
+struct args {
+    const char *store, *agent, *conversation, *key;
+    long long after;
+    bool follow;
+    const char *pos[4];
+    int n_pos;
+};
+
+static int usage(void)
+{
+    fputs(usage_text, stderr);
+    return 2;
+}
+
+static int parse(int argc, char **argv, int from, struct args *a)
+{
+    a->store = getenv("CFLUE_STORE") ? getenv("CFLUE_STORE") : "127.0.0.1:7101";
+    a->after = -1;
+    for (int i = from; i < argc; i++) {
+        const char *s = argv[i];
+        const char **target = NULL;
+        if (!strcmp(s, "--store")) {
+            target = &a->store;
+        } else if (!strcmp(s, "--agent")) {
+            target = &a->agent;
+        } else if (!strcmp(s, "--conversation")) {
+            target = &a->conversation;
+        } else if (!strcmp(s, "--key")) {
+            target = &a->key;
+        } else if (!strcmp(s, "--follow")) {
+            a->follow = true;
+            continue;
+        } else if (!strcmp(s, "--after")) {
+            if (i + 1 >= argc) {
+                return -1;
+            }
+            a->after = strtoll(argv[++i], NULL, 10);
+            continue;
+        } else if (!strcmp(s, "--help") || !strcmp(s, "-h")) {
+            return -1;
+        } else if (s[0] == '-' && s[1] == '-') {
+            fprintf(stderr, "cflue: unknown flag %s\n", s);
+            return -1;
+        } else {
+            if (a->n_pos == 4) {
+                return -1;
+            }
+            a->pos[a->n_pos++] = s;
+            continue;
+        }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "cflue: %s needs a value\n", s);
+            return -1;
+        }
+        *target = argv[++i];
+    }
+    return 0;
+}
+
+static int fail(const struct rpc_status *st)
+{
+    fprintf(stderr, "cflue: %s (gRPC status %d)\n", st->details[0] ? st->details : "call failed",
+            (int)st->code);
+    return 1;
+}
+
+static int cmd_health(int argc, char **argv)
+{
+    if (argc < 3) {
+        return usage();
+    }
+    struct rpc_channel *ch = rpc_channel_new(argv[2], 0);
+    Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    struct rpc_status st;
+    req.service = argc > 3 ? argv[3] : "";
+    int rc = 1;
+    if (rpc_unary(ch, "/grpc.health.v1.Health/Check", &req.base,
+                  &grpc__health__v1__health_check_response__descriptor, 5000, &resp, &st)) {
+        int s = ((Grpc__Health__V1__HealthCheckResponse *)resp)->status;
+        printf("%s\n", s == 1 ? "SERVING" : s == 2 ? "NOT_SERVING" : "UNKNOWN");
+        rc = s == 1 ? 0 : 1;
+        protobuf_c_message_free_unpacked(resp, NULL);
+    } else {
+        rc = fail(&st);
+    }
+    rpc_channel_free(ch);
+    return rc;
+}
+
+static int store_call(const struct args *a, const char *method, const ProtobufCMessage *req,
+                      const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp)
+{
+    char path[128];
+    struct rpc_status st;
+    snprintf(path, sizeof(path), "/cflue.v1.Store/%s", method);
+    struct rpc_channel *ch = rpc_channel_new(a->store, 0);
+    bool ok = rpc_unary(ch, path, req, desc, TIMEOUT_MS, resp, &st);
+    rpc_channel_free(ch);
+    return ok ? 0 : fail(&st);
+}
+
+static int cmd_store(int argc, char **argv)
+{
+    struct args a = {0};
+    ProtobufCMessage *resp = NULL;
+    int rc;
+    if (argc < 3 || parse(argc, argv, 3, &a) != 0) {
+        return usage();
+    }
+    const char *sub = argv[2];
+    if (!strcmp(sub, "get") && a.n_pos == 1) {
+        Cflue__V1__GetRequest req = CFLUE__V1__GET_REQUEST__INIT;
+        req.submission_id = (char *)a.pos[0];
+        if ((rc = store_call(&a, "Get", &req.base, &cflue__v1__submission__descriptor, &resp))) {
+            return rc;
+        }
+        print_submission(stdout, (Cflue__V1__Submission *)resp);
+    } else if (!strcmp(sub, "admit") && a.n_pos == 1 && a.agent) {
+        Cflue__V1__AdmitRequest req = CFLUE__V1__ADMIT_REQUEST__INIT;
+        Cflue__V1__Message msg = CFLUE__V1__MESSAGE__INIT;
+        msg.text = (char *)a.pos[0];
+        req.agent = (char *)a.agent;
+        req.conversation_id = (char *)(a.conversation ? a.conversation : "");
+        req.idempotency_key = (char *)(a.key ? a.key : "");
+        req.message = &msg;
+        if ((rc = store_call(&a, "Admit", &req.base, &cflue__v1__admit_response__descriptor,
+                             &resp))) {
+            return rc;
+        }
+        Cflue__V1__AdmitResponse *r = (Cflue__V1__AdmitResponse *)resp;
+        print_submission(stdout, r->submission);
+        printf("%-16s %lld%s\n", "offset", (long long)r->offset,
+               r->deduplicated ? " (deduplicated)" : "");
+    } else if (!strcmp(sub, "list") && a.n_pos == 0) {
+        Cflue__V1__ListRequest req = CFLUE__V1__LIST_REQUEST__INIT;
+        req.conversation_id = (char *)(a.conversation ? a.conversation : "");
+        req.limit = 1000;
+        if ((rc = store_call(&a, "List", &req.base, &cflue__v1__list_response__descriptor,
+                             &resp))) {
+            return rc;
+        }
+        Cflue__V1__ListResponse *r = (Cflue__V1__ListResponse *)resp;
+        for (size_t i = 0; i < r->n_submissions; i++) {
+            const Cflue__V1__Submission *s = r->submissions[i];
+            printf("%lld %s %s %s\n", (long long)s->sequence, s->submission_id,
+                   s->conversation_id,
+                   s->status == CFLUE__V1__SUBMISSION_STATUS__SETTLED
+                       ? (s->outcome == 1 ? "completed" : s->outcome == 2 ? "failed" : "aborted")
+                       : "unsettled");
+        }
+    } else if (!strcmp(sub, "read") && a.n_pos == 1) {
+        Cflue__V1__FollowRequest req = CFLUE__V1__FOLLOW_REQUEST__INIT;
+        req.conversation_id = (char *)a.pos[0];
+        req.after_offset = a.after;
+        struct rpc_status st;
+        struct rpc_channel *ch = rpc_channel_new(a.store, 0);
+        if (!a.follow) {
+            Cflue__V1__ReadRequest rq = CFLUE__V1__READ_REQUEST__INIT;
+            rq.conversation_id = req.conversation_id;
+            rq.after_offset = a.after;
+            rq.limit = 1000;
+            for (;;) {
+                if (!rpc_unary(ch, "/cflue.v1.Store/Read", &rq.base,
+                               &cflue__v1__read_response__descriptor, TIMEOUT_MS, &resp, &st)) {
+                    rpc_channel_free(ch);
+                    return fail(&st);
+                }
+                Cflue__V1__ReadResponse *r = (Cflue__V1__ReadResponse *)resp;
+                for (size_t i = 0; i < r->n_records; i++) {
+                    print_record(stdout, r->records[i]);
+                }
+                bool more = !r->up_to_date;
+                rq.after_offset = r->next_offset;
+                protobuf_c_message_free_unpacked(resp, NULL);
+                resp = NULL;
+                if (!more) {
+                    break;
+                }
+            }
+            rpc_channel_free(ch);
+            return 0;
+        }
+        struct rpc_stream *s = rpc_stream_open(ch, "/cflue.v1.Store/Follow", &req.base, 0);
+        ProtobufCMessage *m;
+        while (rpc_stream_read(s, &cflue__v1__record__descriptor, &m) == 1) {
+            print_record(stdout, (Cflue__V1__Record *)m);
+            fflush(stdout);
+            protobuf_c_message_free_unpacked(m, NULL);
+        }
+        bool ok = rpc_stream_finish(s, &st);
+        rpc_channel_free(ch);
+        return ok ? 0 : fail(&st);
+    } else {
+        return usage();
+    }
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    int rc;
+    if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+        fputs(usage_text, argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    log_init("cflue", LOG_WARN);
+    rpc_global_init();
+    if (!strcmp(argv[1], "health")) {
+        rc = cmd_health(argc, argv);
+    } else if (!strcmp(argv[1], "store")) {
+        rc = cmd_store(argc, argv);
+    } else {
+        rc = usage();
+    }
+    rpc_global_shutdown();
+    return rc;
+}

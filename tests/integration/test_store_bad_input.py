@@ -1,0 +1,217 @@
+"""Bad input: malformed bytes, missing fields, oversized messages, unknown ids, conflicting
+settles, out-of-range offsets, unknown methods. One daemon serves the whole class and must
+still be healthy at the end (test_zz_still_serving runs last: unittest sorts by name)."""
+
+import unittest
+
+from cflue_harness import (
+    ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT, MiB, NOT_FOUND, OUT_OF_RANGE,
+    RESOURCE_EXHAUSTED, SERVING, UNIMPLEMENTED, StoragedTestCase, common_pb2, store_pb2,
+    admit, admit_request, append, claim, fence, get, read, record, settle)
+
+GARBAGE = b'\xff\xff\xff'
+
+
+class BadInputTest(StoragedTestCase):
+    shared_storaged = True
+
+    stopped = False
+
+    def tearDown(self):
+        if not type(self).stopped:
+            self.assertTrue(self.storaged.alive(),
+                            'storaged died:\n' + self.storaged.stderr_text())
+
+    def running(self, conv=''):
+        s = admit(self.stub, conv=conv).submission
+        c = claim(self.stub, submission_id=s.submission_id)
+        self.assertTrue(c.HasField('submission'))
+        return c
+
+    def invalid(self, fn, *args, **kwargs):
+        """INVALID_ARGUMENT whose details name `field` (all of a list, or any of a tuple)."""
+        field = kwargs.pop('field', None)
+        e = self.assertRpcError(INVALID_ARGUMENT, fn, *args, **kwargs)
+        if field is not None:
+            details = (e.details() or '').lower()
+            if isinstance(field, tuple):
+                self.assertTrue(any(f.lower() in details for f in field),
+                                'details %r name none of %r' % (e.details(), field))
+            else:
+                self.assertIn(field.lower(), details, 'details %r do not name %r'
+                              % (e.details(), field))
+        return e
+
+    # ---- malformed protobuf ----
+
+    def test_malformed_bytes(self):
+        """Undecodable request bytes → INVALID_ARGUMENT, for unary and streaming methods."""
+        for m in ('Admit', 'Claim', 'Settle', 'Append', 'Get', 'Heartbeat'):
+            self.assertRpcError(INVALID_ARGUMENT, self.stub.raw, '/cflue.v1.Store/' + m, GARBAGE)
+        self.assertRpcError(INVALID_ARGUMENT, self.stub.raw, '/cflue.v1.Store/Follow', GARBAGE,
+                            streaming=True)
+
+    # ---- missing or invalid fields ----
+
+    def test_admit_missing_fields(self):
+        """Admit without agent / without message → INVALID_ARGUMENT naming the field."""
+        self.invalid(self.stub.admit, store_pb2.AdmitRequest(
+            message=common_pb2.Message(text='hi')), field='agent')
+        self.invalid(self.stub.admit, store_pb2.AdmitRequest(agent='assistant'),
+                     field='message')
+
+    def test_admit_invalid_fields(self):
+        """Admit field rules: agent charset/length, conversation id charset/length, text or
+        attachments, mime_type, at most 16 attachments, key at most 256 chars, at most 64
+        metadata entries."""
+        s = self.stub
+        self.invalid(admit, s, agent='bad agent!', field='agent')
+        self.invalid(admit, s, agent='a' * 129, field='agent')
+        self.invalid(admit, s, conv='bad/conv', field='conversation_id')
+        self.invalid(admit, s, conv='c' * 129, field='conversation_id')
+        self.invalid(admit, s, text='', field=('text', 'message', 'attachment'))
+        self.invalid(admit, s, attachments=[{'name': 'x.png', 'data': b'123'}],
+                     field='mime_type')
+        self.invalid(admit, s, attachments=[{'mime_type': 'text/plain', 'data': b'x'}] * 17,
+                     field='attachments')
+        self.invalid(admit, s, key='k' * 257, field='idempotency_key')
+        self.invalid(admit, s, metadata={'k%d' % i: 'v' for i in range(65)},
+                     field='metadata')
+        # the limits themselves are accepted
+        ok = admit(s, agent='a' * 128, conv='c' * 128, key='k' * 256,
+                   metadata={'k%d' % i: 'v' for i in range(64)},
+                   attachments=[{'mime_type': 'text/plain', 'data': b'x'}] * 16)
+        self.assertEqual(ok.submission.conversation_id, 'c' * 128)
+        self.assertEqual(len(ok.submission.message.attachments), 16)
+        ok = admit(s, agent='A-z_0.9', conv='Conv_1.2-3', text='',
+                   attachments=[{'mime_type': 'image/png', 'data': b'x'}])
+        self.assertEqual(ok.submission.agent, 'A-z_0.9')
+
+    def test_claim_missing_owner(self):
+        """Claim without owner_id → INVALID_ARGUMENT naming owner_id."""
+        self.invalid(self.stub.claim, store_pb2.ClaimRequest(lease_ms=1000), field='owner_id')
+
+    def test_append_missing_and_invalid_fields(self):
+        """Append without fence → names fence; 0 or 1001 records; a record without type;
+        body_json that is not a JSON object."""
+        c = self.running()
+        self.invalid(self.stub.append, store_pb2.AppendRequest(records=[record()]),
+                     field='fence')
+        self.invalid(append, self.stub, c.fence, [], field='records')
+        self.invalid(append, self.stub, c.fence, [record() for _ in range(1001)],
+                     field='records')
+        self.invalid(append, self.stub, c.fence, [record(type_='')], field='type')
+        for bad in ('[1, 2]', 'not json', '"text"', '42', '{"a": '):
+            self.invalid(append, self.stub, c.fence, [record(body_json=bad)], field='body_json')
+        conv = c.submission.conversation_id
+        self.assertEqual(read(self.stub, conv).head_offset, -1)
+        r = append(self.stub, c.fence, [record() for _ in range(1000)])
+        self.assertEqual((r.first_offset, r.last_offset), (0, 999))
+
+    def test_settle_missing_fields(self):
+        """Settle without outcome → names outcome; FAILED/ABORTED without error → names
+        error; the row is untouched."""
+        c = self.running()
+        self.invalid(self.stub.settle, store_pb2.SettleRequest(fence=c.fence), field='outcome')
+        self.invalid(settle, self.stub, c.fence, common_pb2.FAILED, '', field='error')
+        self.invalid(settle, self.stub, c.fence, common_pb2.ABORTED, '', field='error')
+        self.invalid(settle, self.stub, c.fence, common_pb2.FAILED, '', reserve_only=True,
+                     field='error')
+        self.assertEqual(get(self.stub, c.fence.submission_id).status, common_pb2.RUNNING)
+
+    # ---- size ----
+
+    def test_oversized_message(self):
+        """A 20 MiB attachment (client send limit 64 MiB) → RESOURCE_EXHAUSTED; nothing
+        admitted."""
+        big = b'\0' * (20 * MiB)
+        self.assertRpcError(RESOURCE_EXHAUSTED, admit, self.stub, key='oversized',
+                            attachments=[{'mime_type': 'application/octet-stream',
+                                          'data': big}], timeout=30)
+        again = admit(self.stub, key='oversized')
+        self.assertFalse(again.deduplicated)
+
+    # ---- unknown ids ----
+
+    def test_unknown_submission(self):
+        """Get / Settle of an unknown submission id → NOT_FOUND."""
+        self.assertRpcError(NOT_FOUND, get, self.stub, 'sub_unknown')
+        self.assertRpcError(NOT_FOUND, settle, self.stub, fence('sub_unknown'),
+                            common_pb2.FAILED, 'x')
+        self.assertRpcError(NOT_FOUND, settle, self.stub, fence('sub_unknown', 'att_x', 3),
+                            common_pb2.COMPLETED)
+
+    # ---- conflicting settles ----
+
+    def test_second_settle_with_other_outcome(self):
+        """A second Settle with another outcome → FAILED_PRECONDITION and the first outcome
+        is kept; the identical Settle by the same attempt → OK, already_settled."""
+        c = self.running()
+        first = settle(self.stub, c.fence, common_pb2.COMPLETED)
+        self.assertFalse(first.already_settled)
+        e = self.assertRpcError(FAILED_PRECONDITION, settle, self.stub, c.fence,
+                                common_pb2.FAILED, 'too late')
+        self.assertTrue(e.details())
+        self.assertRpcError(FAILED_PRECONDITION, settle, self.stub, c.fence,
+                            common_pb2.ABORTED, 'too late')
+        row = get(self.stub, c.fence.submission_id)
+        self.assertEqual((row.status, row.outcome, row.error),
+                         (common_pb2.SETTLED, common_pb2.COMPLETED, ''))
+        again = settle(self.stub, c.fence, common_pb2.COMPLETED)
+        self.assertTrue(again.already_settled)
+        self.assertEqual(again.submission.outcome, common_pb2.COMPLETED)
+        self.assertEqual(again.record_offset, first.record_offset)
+        conv = c.submission.conversation_id
+        self.assertEqual(read(self.stub, conv).head_offset, first.record_offset)
+
+    # ---- offsets ----
+
+    def test_offset_beyond_head(self):
+        """Read/Follow with after_offset beyond the head → OUT_OF_RANGE; unknown
+        conversation → NOT_FOUND."""
+        c = self.running()
+        conv = c.submission.conversation_id
+        self.assertRpcError(OUT_OF_RANGE, read, self.stub, conv, 0)
+        append(self.stub, c.fence, [record(), record()])
+        self.assertRpcError(OUT_OF_RANGE, read, self.stub, conv, 2)
+        self.assertRpcError(OUT_OF_RANGE, read, self.stub, conv, 1000)
+        self.assertEqual(len(read(self.stub, conv, 1).records), 0)
+
+        def follow(after, conversation=conv):
+            return list(self.stub.follow(store_pb2.FollowRequest(
+                conversation_id=conversation, after_offset=after), timeout=5))
+        self.assertRpcError(OUT_OF_RANGE, follow, 2)
+        self.assertRpcError(OUT_OF_RANGE, follow, 99)
+        self.assertRpcError(NOT_FOUND, read, self.stub, 'no-such-conversation', -1)
+        self.assertRpcError(NOT_FOUND, follow, -1, 'no-such-conversation')
+
+    # ---- methods and services ----
+
+    def test_unknown_method(self):
+        """/cflue.v1.Store/Nope and an unknown service → UNIMPLEMENTED; an unknown health
+        service → NOT_FOUND."""
+        self.assertRpcError(UNIMPLEMENTED, self.stub.raw, '/cflue.v1.Store/Nope', b'')
+        self.assertRpcError(UNIMPLEMENTED, self.stub.raw, '/cflue.v1.Nope/Admit', b'')
+        self.assertRpcError(NOT_FOUND, self.storaged.health_check, 'cflue.v1.Nope')
+        self.assertEqual(self.storaged.health_check('cflue.v1.Store'), SERVING)
+
+    def test_conflicting_key_does_not_break_later_admits(self):
+        """ALREADY_EXISTS is an ordinary answer; the same key keeps working afterwards."""
+        a = admit(self.stub, key='bad-input-key', text='one')
+        self.assertRpcError(ALREADY_EXISTS, admit, self.stub, key='bad-input-key', text='two')
+        b = admit(self.stub, key='bad-input-key', text='one')
+        self.assertEqual(a.submission.submission_id, b.submission.submission_id)
+
+    def test_zz_still_serving(self):
+        """After all of the above, Health is SERVING and an Admit still works."""
+        self.assertEqual(self.storaged.health_check(''), SERVING)
+        self.assertEqual(self.storaged.health_check('cflue.v1.Store'), SERVING)
+        r = self.stub.admit(admit_request(text='still here'))
+        self.assertEqual(r.submission.status, common_pb2.QUEUED)
+        self.assertEqual(get(self.stub, r.submission.submission_id).message.text, 'still here')
+        type(self).stopped = True
+        self.storaged.stop()
+
+
+if __name__ == '__main__':
+    unittest.main()

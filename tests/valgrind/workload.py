@@ -1,0 +1,90 @@
+"""A storaged workload for leak checking: every Store method, errors included, then SIGTERM.
+
+Usage: workload.py ADDR   (storaged already listening at ADDR)
+"""
+import os
+import sys
+import threading
+
+sys.path.insert(0, os.path.join(os.environ.get("CFLUE_BUILD_DIR", "build"), "py"))
+import grpc  # noqa: E402
+from cflue.v1 import common_pb2 as c, store_pb2 as s  # noqa: E402
+import health_pb2  # noqa: E402
+
+ch = grpc.insecure_channel(sys.argv[1])
+
+
+def call(method, req, resp, ok=True):
+    fn = ch.unary_unary("/cflue.v1.Store/" + method, request_serializer=type(req).SerializeToString,
+                        response_deserializer=resp.FromString)
+    try:
+        out = fn(req, timeout=30)
+        assert ok, method + " should have failed"
+        return out
+    except grpc.RpcError as e:
+        assert not ok, "%s failed: %s %s" % (method, e.code(), e.details())
+        return e.code()
+
+
+def follow(conv, until):
+    fn = ch.unary_stream("/cflue.v1.Store/Follow", request_serializer=s.FollowRequest.SerializeToString,
+                         response_deserializer=c.Record.FromString)
+    return list(fn(s.FollowRequest(conversation_id=conv, after_offset=-1, until_settled=until), timeout=30))
+
+
+for i in range(20):
+    a = call("Admit", s.AdmitRequest(agent="leak", conversation_id="conv-%d" % (i % 3),
+                                     idempotency_key="k%d" % i, metadata={"i": str(i)},
+                                     message=c.Message(text="m%d" % i, attachments=[
+                                         c.Attachment(name="a", mime_type="text/plain", data=b"x" * 100)])),
+             s.AdmitResponse)
+    call("Admit", s.AdmitRequest(agent="leak", conversation_id="conv-%d" % (i % 3), idempotency_key="k%d" % i,
+                                 metadata={"i": str(i)}, message=c.Message(text="m%d" % i, attachments=[
+                                     c.Attachment(name="a", mime_type="text/plain", data=b"x" * 100)])),
+         s.AdmitResponse)
+    call("Admit", s.AdmitRequest(agent="leak", idempotency_key="k%d" % i, message=c.Message(text="other")),
+         s.AdmitResponse, ok=False)
+for _ in range(3):
+    cl = call("Claim", s.ClaimRequest(owner_id="w"), s.ClaimResponse)
+    f = cl.fence
+    conv = cl.submission.conversation_id
+    t = threading.Thread(target=follow, args=(conv, f.submission_id))
+    t.start()
+    call("Heartbeat", s.HeartbeatRequest(owner_id="w", fences=[f]), s.HeartbeatResponse)
+    call("MarkInputApplied", s.MarkInputAppliedRequest(fence=f, max_attempts=3), c.Submission)
+    js = call("ClaimJoinable", s.ClaimJoinableRequest(host=f, limit=2), s.ClaimJoinableResponse)
+    for j in js.submissions:
+        call("Append", s.AppendRequest(fence=f, records=[c.Record(type="input", submission_id=j.submission_id)]),
+             s.AppendResponse)
+    if js.submissions:
+        call("FinalizeJoin", s.JoinRequest(host=f, submission_id=js.submissions[0].submission_id), c.Submission)
+    if len(js.submissions) > 1:
+        call("RevertJoin", s.JoinRequest(host=f, submission_id=js.submissions[1].submission_id), c.Submission)
+    call("Append", s.AppendRequest(fence=f, records=[c.Record(id="r%d" % i, type="note", body_json='{"a":[1,2]}')
+                                                     for i in range(5)]), s.AppendResponse)
+    call("Append", s.AppendRequest(fence=f, records=[c.Record(type="note", body_json="[1]")]), s.AppendResponse,
+         ok=False)
+    call("RequestAbort", s.RequestAbortRequest(submission_id=f.submission_id, reason="test"), s.RequestAbortResponse)
+    call("Settle", s.SettleRequest(fence=f, outcome=c.FAILED, error="e", reserve_only=True), s.SettleResponse)
+    call("Settle", s.SettleRequest(fence=f, outcome=c.COMPLETED), s.SettleResponse)
+    call("Settle", s.SettleRequest(fence=f, outcome=c.COMPLETED), s.SettleResponse, ok=False)
+    t.join()
+    call("Read", s.ReadRequest(conversation_id=conv, after_offset=-1), s.ReadResponse)
+    call("Read", s.ReadRequest(conversation_id=conv, after_offset=10**6), s.ReadResponse, ok=False)
+    call("GetConversation", s.ConversationRequest(conversation_id=conv), s.Conversation)
+cl = call("Claim", s.ClaimRequest(owner_id="w", lease_ms=100), s.ClaimResponse)
+call("Requeue", s.FencedRequest(fence=cl.fence), c.Submission)
+call("RequestAbort", s.RequestAbortRequest(conversation_id="conv-0"), s.RequestAbortResponse)
+call("ScanExpired", s.ScanExpiredRequest(), s.ListResponse)
+call("List", s.ListRequest(statuses=[c.QUEUED, c.SETTLED], limit=5), s.ListResponse)
+call("Get", s.GetRequest(submission_id="missing"), c.Submission, ok=False)
+call("Get", s.GetRequest(), c.Submission, ok=False)
+raw = ch.unary_unary("/cflue.v1.Store/Admit", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+try:
+    raw(b"\xff\xff\xff", timeout=10)
+except grpc.RpcError as e:
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+h = ch.unary_unary("/grpc.health.v1.Health/Check", request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                   response_deserializer=health_pb2.HealthCheckResponse.FromString)
+assert h(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+print("workload done")
