@@ -171,17 +171,18 @@ static int cmd_store(int argc, char **argv)
         Cflue__V1__ListRequest req = CFLUE__V1__LIST_REQUEST__INIT;
         req.conversation_id = (char *)(a.conversation ? a.conversation : "");
         req.limit = 1000;
-        if ((rc = store_call(&a, "List", &req.base, &cflue__v1__list_response__descriptor,
-                             &resp))) {
+        if ((rc =
+                 store_call(&a, "List", &req.base, &cflue__v1__list_response__descriptor, &resp))) {
             return rc;
         }
         Cflue__V1__ListResponse *r = (Cflue__V1__ListResponse *)resp;
         for (size_t i = 0; i < r->n_submissions; i++) {
             const Cflue__V1__Submission *s = r->submissions[i];
-            printf("%lld %s %s %s\n", (long long)s->sequence, s->submission_id,
-                   s->conversation_id,
+            printf("%lld %s %s %s\n", (long long)s->sequence, s->submission_id, s->conversation_id,
                    s->status == CFLUE__V1__SUBMISSION_STATUS__SETTLED
-                       ? (s->outcome == 1 ? "completed" : s->outcome == 2 ? "failed" : "aborted")
+                       ? (s->outcome == 1   ? "completed"
+                          : s->outcome == 2 ? "failed"
+                                            : "aborted")
                        : "unsettled");
         }
     } else if (!strcmp(sub, "read") && a.n_pos == 1) {

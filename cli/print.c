@@ -5,8 +5,8 @@
 
 static const char *status_text(Cflue__V1__SubmissionStatus st)
 {
-    static const char *names[] = {"unspecified", "queued", "running", "terminalizing",
-                                  "settled", "joining", "joined"};
+    static const char *names[] = {"unspecified", "queued",  "running", "terminalizing",
+                                  "settled",     "joining", "joined"};
     return (int)st >= 0 && (int)st <= 6 ? names[st] : "unknown";
 }
 

@@ -71,8 +71,8 @@ static void print_help(const struct config_opt *opts, size_t n, const char *usag
             snprintf(def, sizeof(def), "%s", *(bool *)opts[i].target ? "true" : "false");
             break;
         }
-        printf("  --%-18s %s\n  %-20s env %s, default %s\n", opts[i].name, opts[i].help, "",
-               env, def);
+        printf("  --%-18s %s\n  %-20s env %s, default %s\n", opts[i].name, opts[i].help, "", env,
+               def);
     }
     printf("  --%-18s %s\n", "help", "print this help and exit");
 }

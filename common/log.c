@@ -103,7 +103,7 @@ static void grpc_log_sink(gpr_log_func_args *args)
     char q[1024];
     enum log_level lv = args->severity == GPR_LOG_SEVERITY_ERROR  ? LOG_ERROR
                         : args->severity == GPR_LOG_SEVERITY_INFO ? LOG_INFO
-                                                                   : LOG_DEBUG;
+                                                                  : LOG_DEBUG;
     const char *file = strrchr(args->file, '/');
     log_write(lv, "grpc", "src=%s:%d msg=%s", file ? file + 1 : args->file, args->line,
               log_quote(q, sizeof(q), args->message));

@@ -7,8 +7,9 @@
 
 static void oom(size_t n)
 {
-    fprintf(stderr, "level=error event=out_of_memory bytes=%zu msg=\"allocation failed; "
-                    "exiting, recovery runs at next start\"\n",
+    fprintf(stderr,
+            "level=error event=out_of_memory bytes=%zu msg=\"allocation failed; "
+            "exiting, recovery runs at next start\"\n",
             n);
     abort();
 }

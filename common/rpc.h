@@ -35,10 +35,10 @@ enum rpc_mode {
 typedef void (*rpc_handler_fn)(struct rpc_call *call, const ProtobufCMessage *req, void *user);
 
 struct rpc_server_opts {
-    int pollers;              /* completion-queue threads; 0: 2 */
-    int workers;              /* RPC_POOL threads; 0: 8 */
-    int max_threads;          /* concurrent RPC_THREAD handlers; 0: 256 */
-    int max_message_bytes;    /* receive and send limit; 0: 16 MiB */
+    int pollers;           /* completion-queue threads; 0: 2 */
+    int workers;           /* RPC_POOL threads; 0: 8 */
+    int max_threads;       /* concurrent RPC_THREAD handlers; 0: 256 */
+    int max_message_bytes; /* receive and send limit; 0: 16 MiB */
 };
 
 /* rpc_server_new creates a server (not yet listening). Never NULL. */

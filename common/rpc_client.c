@@ -199,8 +199,7 @@ struct rpc_stream *rpc_stream_open(struct rpc_channel *ch, const char *method,
     ops[1].data.send_message.send_message = send;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
     if (grpc_call_start_batch(s->call, ops, 3, &s->tag_open, NULL) == GRPC_CALL_OK) {
-        grpc_completion_queue_pluck(s->cq, &s->tag_open, gpr_inf_future(GPR_CLOCK_REALTIME),
-                                    NULL);
+        grpc_completion_queue_pluck(s->cq, &s->tag_open, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     }
     grpc_byte_buffer_destroy(send);
     memset(ops, 0, sizeof(ops));

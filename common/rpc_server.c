@@ -65,11 +65,11 @@ struct rpc_call {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int refs;
-    int cancelled;      /* written by the core when the close op completes */
-    bool closed;        /* the close op completed */
-    bool dead;          /* no more sends possible */
-    bool finished;      /* the handler finished the call */
-    bool sending;       /* a send batch is in flight */
+    int cancelled; /* written by the core when the close op completes */
+    bool closed;   /* the close op completed */
+    bool dead;     /* no more sends possible */
+    bool finished; /* the handler finished the call */
+    bool sending;  /* a send batch is in flight */
     bool md_sent;
     bool status_pending;
     bool status_sent;
@@ -588,8 +588,7 @@ static void *poller_main(void *arg)
 {
     struct rpc_server *s = arg;
     for (;;) {
-        grpc_event ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME),
-                                                   NULL);
+        grpc_event ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
         if (ev.type == GRPC_QUEUE_SHUTDOWN) {
             return NULL;
         }
@@ -624,8 +623,7 @@ static void post_slot(struct rpc_server *s, struct method *m)
 {
     struct rpc_call *c = call_new(s, m);
     grpc_call_error e = grpc_server_request_registered_call(
-        s->server, m->handle, &c->call, &c->deadline, &c->md, &c->payload, s->cq, s->cq,
-        &c->t_new);
+        s->server, m->handle, &c->call, &c->deadline, &c->md, &c->payload, s->cq, s->cq, &c->t_new);
     if (e != GRPC_CALL_OK) {
         call_free(c);
     }
@@ -634,8 +632,8 @@ static void post_slot(struct rpc_server *s, struct method *m)
 static void post_generic(struct rpc_server *s)
 {
     struct rpc_call *c = call_new(s, NULL);
-    grpc_call_error e = grpc_server_request_call(s->server, &c->call, &c->details, &c->md, s->cq,
-                                                 s->cq, &c->t_new);
+    grpc_call_error e =
+        grpc_server_request_call(s->server, &c->call, &c->details, &c->md, s->cq, s->cq, &c->t_new);
     if (e != GRPC_CALL_OK) {
         call_free(c);
     }

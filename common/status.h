@@ -10,24 +10,24 @@
 #include <stddef.h>
 
 /* X(name, message, grpc status code) */
-#define CF_STATUS_MAP(X)                                                                         \
-    X(OK, "ok", GRPC_STATUS_OK)                                                                  \
-    X(INVALID, "invalid argument", GRPC_STATUS_INVALID_ARGUMENT)                                \
-    X(NOT_FOUND, "not found", GRPC_STATUS_NOT_FOUND)                                             \
-    X(EXISTS, "already exists with different content", GRPC_STATUS_ALREADY_EXISTS)              \
-    X(STALE, "precondition failed", GRPC_STATUS_FAILED_PRECONDITION)                            \
-    X(RANGE, "out of range", GRPC_STATUS_OUT_OF_RANGE)                                           \
-    X(TOOBIG, "too big", GRPC_STATUS_RESOURCE_EXHAUSTED)                                         \
-    X(BUSY, "resource exhausted", GRPC_STATUS_RESOURCE_EXHAUSTED)                                \
-    X(NOMEM, "out of memory", GRPC_STATUS_RESOURCE_EXHAUSTED)                                    \
-    X(IO, "input/output error", GRPC_STATUS_INTERNAL)                                            \
-    X(DB, "database error", GRPC_STATUS_INTERNAL)                                                \
-    X(CORRUPT, "stored data is not what cflue wrote", GRPC_STATUS_DATA_LOSS)                    \
-    X(VERSION, "unsupported schema version", GRPC_STATUS_FAILED_PRECONDITION)                   \
-    X(UNAVAILABLE, "unavailable", GRPC_STATUS_UNAVAILABLE)                                       \
-    X(CANCELLED, "cancelled", GRPC_STATUS_CANCELLED)                                             \
-    X(DEADLINE, "deadline exceeded", GRPC_STATUS_DEADLINE_EXCEEDED)                             \
-    X(UNIMPLEMENTED, "not implemented", GRPC_STATUS_UNIMPLEMENTED)                              \
+#define CF_STATUS_MAP(X)                                                                           \
+    X(OK, "ok", GRPC_STATUS_OK)                                                                    \
+    X(INVALID, "invalid argument", GRPC_STATUS_INVALID_ARGUMENT)                                   \
+    X(NOT_FOUND, "not found", GRPC_STATUS_NOT_FOUND)                                               \
+    X(EXISTS, "already exists with different content", GRPC_STATUS_ALREADY_EXISTS)                 \
+    X(STALE, "precondition failed", GRPC_STATUS_FAILED_PRECONDITION)                               \
+    X(RANGE, "out of range", GRPC_STATUS_OUT_OF_RANGE)                                             \
+    X(TOOBIG, "too big", GRPC_STATUS_RESOURCE_EXHAUSTED)                                           \
+    X(BUSY, "resource exhausted", GRPC_STATUS_RESOURCE_EXHAUSTED)                                  \
+    X(NOMEM, "out of memory", GRPC_STATUS_RESOURCE_EXHAUSTED)                                      \
+    X(IO, "input/output error", GRPC_STATUS_INTERNAL)                                              \
+    X(DB, "database error", GRPC_STATUS_INTERNAL)                                                  \
+    X(CORRUPT, "stored data is not what cflue wrote", GRPC_STATUS_DATA_LOSS)                       \
+    X(VERSION, "unsupported schema version", GRPC_STATUS_FAILED_PRECONDITION)                      \
+    X(UNAVAILABLE, "unavailable", GRPC_STATUS_UNAVAILABLE)                                         \
+    X(CANCELLED, "cancelled", GRPC_STATUS_CANCELLED)                                               \
+    X(DEADLINE, "deadline exceeded", GRPC_STATUS_DEADLINE_EXCEEDED)                                \
+    X(UNIMPLEMENTED, "not implemented", GRPC_STATUS_UNIMPLEMENTED)                                 \
     X(INTERNAL, "internal error", GRPC_STATUS_INTERNAL)
 
 enum cf_status {

@@ -151,8 +151,9 @@ enum cf_status db_open(const char *path, bool writer, sqlite3 **out, struct cf_e
     }
     sqlite3_busy_timeout(db, 10000);
     sqlite3_extended_result_codes(db, 1);
-    if ((rc = db_exec(db, "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;"
-                          "PRAGMA foreign_keys=ON;",
+    if ((rc = db_exec(db,
+                      "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;"
+                      "PRAGMA foreign_keys=ON;",
                       err)) != CF_OK) {
         goto fail;
     }

@@ -37,15 +37,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SUB_COLS                                                                                 \
-    "sequence, submission_id, conversation_id, agent, idempotency_key, payload, status,"        \
-    " outcome, error, attempt_id, epoch, owner_id, lease_expires_at, attempt_count,"           \
-    " max_attempts, timeout_at, accepted_at, started_at, input_applied_at,"                    \
+#define SUB_COLS                                                                                   \
+    "sequence, submission_id, conversation_id, agent, idempotency_key, payload, status,"           \
+    " outcome, error, attempt_id, epoch, owner_id, lease_expires_at, attempt_count,"               \
+    " max_attempts, timeout_at, accepted_at, started_at, input_applied_at,"                        \
     " abort_requested_at, joined_into, settled_at, answered_by, reserved_outcome, admit_pos"
 
 #define UNSETTLED "('queued','running','terminalizing','joining','joined')"
 
-static const char *status_names[] = {"", "queued", "running", "terminalizing",
+static const char *status_names[] = {"",        "queued",  "running", "terminalizing",
                                      "settled", "joining", "joined"};
 static const char *outcome_names[] = {NULL, "completed", "failed", "aborted"};
 
@@ -152,10 +152,8 @@ static void row_to_sub(struct ledger_ctx *c, sqlite3_stmt *st, Cflue__V1__Submis
     out->idempotency_key = (char *)col_text(c, st, 4);
     const void *blob = sqlite3_column_blob(st, 5);
     size_t blob_len = (size_t)sqlite3_column_bytes(st, 5);
-    Cflue__V1__AdmitRequest *p =
-        (Cflue__V1__AdmitRequest *)protobuf_c_message_unpack(
-            &cflue__v1__admit_request__descriptor, arena_protobuf_allocator(c->arena), blob_len,
-            blob);
+    Cflue__V1__AdmitRequest *p = (Cflue__V1__AdmitRequest *)protobuf_c_message_unpack(
+        &cflue__v1__admit_request__descriptor, arena_protobuf_allocator(c->arena), blob_len, blob);
     if (p) {
         out->message = p->message;
         out->source = p->source;
@@ -198,8 +196,8 @@ static enum cf_status load_sub(struct ledger_ctx *c, const char *id, Cflue__V1__
 {
     sqlite3_stmt *st;
     enum cf_status rc;
-    if ((rc = db_prepare(c->db, "SELECT " SUB_COLS " FROM submissions WHERE submission_id = ?",
-                         &st, err)) != CF_OK) {
+    if ((rc = db_prepare(c->db, "SELECT " SUB_COLS " FROM submissions WHERE submission_id = ?", &st,
+                         err)) != CF_OK) {
         return rc;
     }
     bind_text(st, 1, id);
@@ -257,8 +255,7 @@ static enum cf_status fenced(struct ledger_ctx *c, const Cflue__V1__Fence *f, un
 {
     enum cf_status rc;
     if (!f || !*f->submission_id || !*f->attempt_id) {
-        return cf_error_set(err, CF_INVALID,
-                            "fence with submission_id and attempt_id is required");
+        return cf_error_set(err, CF_INVALID, "fence with submission_id and attempt_id is required");
     }
     if ((rc = load_sub(c, f->submission_id, row, err)) != CF_OK) {
         return rc;
@@ -267,9 +264,8 @@ static enum cf_status fenced(struct ledger_ctx *c, const Cflue__V1__Fence *f, un
         return cf_error_set(err, CF_STALE,
                             "stale fence: attempt %s (epoch %lld) no longer holds submission %s "
                             "(current attempt '%s', epoch %lld, status %s)",
-                            f->attempt_id, (long long)f->epoch, f->submission_id,
-                            row->attempt_id, (long long)row->epoch,
-                            ledger_status_name(row->status));
+                            f->attempt_id, (long long)f->epoch, f->submission_id, row->attempt_id,
+                            (long long)row->epoch, ledger_status_name(row->status));
     }
     if (!(allowed & (1u << row->status))) {
         return cf_error_set(err, CF_STALE, "submission %s is %s; this write needs it %s",
@@ -285,8 +281,8 @@ static enum cf_status conversation_head(struct ledger_ctx *c, const char *conv, 
 {
     sqlite3_stmt *st;
     enum cf_status rc;
-    if ((rc = db_prepare(c->db, "SELECT next_pos FROM conversations WHERE conversation_id = ?",
-                         &st, err)) != CF_OK) {
+    if ((rc = db_prepare(c->db, "SELECT next_pos FROM conversations WHERE conversation_id = ?", &st,
+                         err)) != CF_OK) {
         return rc;
     }
     bind_text(st, 1, conv);
@@ -471,8 +467,8 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
 
 /* ---------- claims and leases ---------- */
 
-static enum cf_status pick(struct ledger_ctx *c, const char *sql, const Cflue__V1__ClaimRequest *req,
-                           char *id_out, struct cf_error *err)
+static enum cf_status pick(struct ledger_ctx *c, const char *sql,
+                           const Cflue__V1__ClaimRequest *req, char *id_out, struct cf_error *err)
 {
     sqlite3_stmt *st;
     enum cf_status rc;
@@ -714,8 +710,7 @@ enum cf_status ledger_claim_joinable(struct ledger_ctx *c,
 }
 
 enum cf_status ledger_finish_join(struct ledger_ctx *c, const Cflue__V1__JoinRequest *req,
-                                  bool finalize, Cflue__V1__Submission *out,
-                                  struct cf_error *err)
+                                  bool finalize, Cflue__V1__Submission *out, struct cf_error *err)
 {
     Cflue__V1__Submission host;
     sqlite3_stmt *st;
@@ -763,8 +758,7 @@ enum cf_status ledger_finish_join(struct ledger_ctx *c, const Cflue__V1__JoinReq
 
 /* ---------- abort ---------- */
 
-enum cf_status ledger_request_abort(struct ledger_ctx *c,
-                                    const Cflue__V1__RequestAbortRequest *req,
+enum cf_status ledger_request_abort(struct ledger_ctx *c, const Cflue__V1__RequestAbortRequest *req,
                                     Cflue__V1__RequestAbortResponse *out, struct cf_error *err)
 {
     sqlite3_stmt *st;
@@ -828,8 +822,8 @@ static enum cf_status settlement_offset(struct ledger_ctx *c, const char *sub, c
     char rid[IDS_MAX * 4];
     snprintf(rid, sizeof(rid), "settled:%s", sub);
     if ((rc = db_prepare(c->db,
-                         "SELECT pos FROM records WHERE conversation_id = ? AND record_id = ?",
-                         &st, err)) != CF_OK) {
+                         "SELECT pos FROM records WHERE conversation_id = ? AND record_id = ?", &st,
+                         err)) != CF_OK) {
         return rc;
     }
     bind_text(st, 1, conv);
@@ -980,8 +974,8 @@ enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleReques
                                 *row->error ? ": " : "", row->error);
         }
         out->already_settled = true;
-        return settlement_offset(c, row->submission_id, row->conversation_id,
-                                 &out->record_offset, err);
+        return settlement_offset(c, row->submission_id, row->conversation_id, &out->record_offset,
+                                 err);
     }
     if (!*f->attempt_id) {
         if (row->status != CFLUE__V1__SUBMISSION_STATUS__QUEUED) {
@@ -995,8 +989,8 @@ enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleReques
         }
         return finish_with_fanout(c, row, outcome, error, out, err);
     }
-    if ((rc = fenced(c, f, ST_BIT(RUNNING) | ST_BIT(TERMINALIZING), "running or terminalizing",
-                     row, err)) != CF_OK) {
+    if ((rc = fenced(c, f, ST_BIT(RUNNING) | ST_BIT(TERMINALIZING), "running or terminalizing", row,
+                     err)) != CF_OK) {
         return rc;
     }
     if (row->status == CFLUE__V1__SUBMISSION_STATUS__TERMINALIZING) {
@@ -1120,8 +1114,8 @@ enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendReques
                             "original batch unchanged or use new record ids",
                             dups, n);
     }
-    if ((rc = insert_records(c, row.conversation_id, recs, n, row.submission_id,
-                             row.attempt_id, &out->first_offset, err)) != CF_OK) {
+    if ((rc = insert_records(c, row.conversation_id, recs, n, row.submission_id, row.attempt_id,
+                             &out->first_offset, err)) != CF_OK) {
         return rc;
     }
     out->last_offset = out->first_offset + (int64_t)n - 1;
@@ -1228,10 +1222,9 @@ enum cf_status ledger_read(struct ledger_ctx *c, const Cflue__V1__ReadRequest *r
     }
     out->head_offset = next_pos - 1;
     if (req->after_offset > out->head_offset) {
-        return cf_error_set(err, CF_RANGE,
-                            "offset %lld is beyond the head of conversation %s (%lld)",
-                            (long long)req->after_offset, req->conversation_id,
-                            (long long)out->head_offset);
+        return cf_error_set(
+            err, CF_RANGE, "offset %lld is beyond the head of conversation %s (%lld)",
+            (long long)req->after_offset, req->conversation_id, (long long)out->head_offset);
     }
     if ((rc = db_prepare(c->db,
                          "SELECT pos, record_id, type, submission_id, attempt_id, ts, body "

@@ -64,12 +64,10 @@ enum cf_status ledger_claim_joinable(struct ledger_ctx *c,
 
 /* ledger_finish_join moves a joining delivery to joined (finalize) or back to queued. */
 enum cf_status ledger_finish_join(struct ledger_ctx *c, const Cflue__V1__JoinRequest *req,
-                                  bool finalize, Cflue__V1__Submission *out,
-                                  struct cf_error *err);
+                                  bool finalize, Cflue__V1__Submission *out, struct cf_error *err);
 
 /* ledger_request_abort stamps abort intents (first stamp wins; idempotent). */
-enum cf_status ledger_request_abort(struct ledger_ctx *c,
-                                    const Cflue__V1__RequestAbortRequest *req,
+enum cf_status ledger_request_abort(struct ledger_ctx *c, const Cflue__V1__RequestAbortRequest *req,
                                     Cflue__V1__RequestAbortResponse *out, struct cf_error *err);
 
 /* ledger_settle reserves or finishes a submission's terminal outcome, with joined fan-out and

@@ -70,8 +70,7 @@ int main(int argc, char **argv)
          "largest request or response"},
         {"workers", CONFIG_INT, &workers, 1, 256, "threads serving reads"},
         {"group-commit", CONFIG_INT, &group, 1, 10000, "most writes committed together"},
-        {"grace-ms", CONFIG_INT, &grace_ms, 0, 600000,
-         "how long shutdown waits for live calls"},
+        {"grace-ms", CONFIG_INT, &grace_ms, 0, 600000, "how long shutdown waits for live calls"},
         {"log-level", CONFIG_STRING, &level, 0, 0, "debug, info, warn or error"},
     };
 
@@ -102,8 +101,8 @@ int main(int argc, char **argv)
     log_startup_state(db_path);
 
     rpc_global_init();
-    struct ledger_config cfg = {.lease_ms = lease_ms, .timeout_ms = timeout_ms,
-                                .max_attempts = (int32_t)max_attempts};
+    struct ledger_config cfg = {
+        .lease_ms = lease_ms, .timeout_ms = timeout_ms, .max_attempts = (int32_t)max_attempts};
     struct notifier *notifier = notifier_new();
     struct writer *writer = writer_start(db, &cfg, notifier, (int)group);
     struct service *svc = service_new(db_path, writer, notifier, &cfg);
@@ -129,8 +128,7 @@ int main(int argc, char **argv)
             fclose(f);
         }
     }
-    log_info("listening", "addr=%s port=%d db=%s lease_ms=%lld", listen, port, db_path,
-             lease_ms);
+    log_info("listening", "addr=%s port=%d db=%s lease_ms=%lld", listen, port, db_path, lease_ms);
 
     sigset_t set;
     int sig;

@@ -72,8 +72,8 @@ static void reader_give(struct service *svc, sqlite3 *db)
 
 /* read_snapshot runs fn inside one read transaction. */
 static enum cf_status read_snapshot(struct service *svc, struct arena *a,
-                                    enum cf_status (*fn)(struct ledger_ctx *, const void *,
-                                                         void *, struct cf_error *),
+                                    enum cf_status (*fn)(struct ledger_ctx *, const void *, void *,
+                                                         struct cf_error *),
                                     const void *req, void *resp, struct cf_error *err)
 {
     sqlite3 *db;
@@ -92,27 +92,25 @@ static enum cf_status read_snapshot(struct service *svc, struct arena *a,
 
 /* ---------- adapters from the generic shape to the ledger ---------- */
 
-#define ADAPT(fn_name, call_expr, req_type, resp_type)                                          \
-    static enum cf_status fn_name(struct ledger_ctx *c, const ProtobufCMessage *rq,            \
-                                  ProtobufCMessage *rs, struct cf_error *err)                  \
-    {                                                                                          \
-        const req_type *req = (const req_type *)rq;                                            \
-        resp_type *resp = (resp_type *)rs;                                                     \
-        return call_expr;                                                                      \
+#define ADAPT(fn_name, call_expr, req_type, resp_type)                                             \
+    static enum cf_status fn_name(struct ledger_ctx *c, const ProtobufCMessage *rq,                \
+                                  ProtobufCMessage *rs, struct cf_error *err)                      \
+    {                                                                                              \
+        const req_type *req = (const req_type *)rq;                                                \
+        resp_type *resp = (resp_type *)rs;                                                         \
+        return call_expr;                                                                          \
     }
 
-ADAPT(run_admit, ledger_admit(c, req, resp, err), Cflue__V1__AdmitRequest,
-      Cflue__V1__AdmitResponse)
-ADAPT(run_claim, ledger_claim(c, req, resp, err), Cflue__V1__ClaimRequest,
-      Cflue__V1__ClaimResponse)
+ADAPT(run_admit, ledger_admit(c, req, resp, err), Cflue__V1__AdmitRequest, Cflue__V1__AdmitResponse)
+ADAPT(run_claim, ledger_claim(c, req, resp, err), Cflue__V1__ClaimRequest, Cflue__V1__ClaimResponse)
 ADAPT(run_heartbeat, ledger_heartbeat(c, req, resp, err), Cflue__V1__HeartbeatRequest,
       Cflue__V1__HeartbeatResponse)
-ADAPT(run_mark, ledger_mark_input_applied(c, req, resp, err),
-      Cflue__V1__MarkInputAppliedRequest, Cflue__V1__Submission)
+ADAPT(run_mark, ledger_mark_input_applied(c, req, resp, err), Cflue__V1__MarkInputAppliedRequest,
+      Cflue__V1__Submission)
 ADAPT(run_requeue, ledger_requeue(c, req->fence, resp, err), Cflue__V1__FencedRequest,
       Cflue__V1__Submission)
-ADAPT(run_claim_joinable, ledger_claim_joinable(c, req, resp, err),
-      Cflue__V1__ClaimJoinableRequest, Cflue__V1__ClaimJoinableResponse)
+ADAPT(run_claim_joinable, ledger_claim_joinable(c, req, resp, err), Cflue__V1__ClaimJoinableRequest,
+      Cflue__V1__ClaimJoinableResponse)
 ADAPT(run_finalize_join, ledger_finish_join(c, req, true, resp, err), Cflue__V1__JoinRequest,
       Cflue__V1__Submission)
 ADAPT(run_revert_join, ledger_finish_join(c, req, false, resp, err), Cflue__V1__JoinRequest,
@@ -138,8 +136,8 @@ ADAPT(run_read, ledger_read(c, req, resp, err), Cflue__V1__ReadRequest, Cflue__V
 static const struct method methods[] = {
     {"Admit", D(admit_request), D(admit_response), V(validate_admit), run_admit, true},
     {"Claim", D(claim_request), D(claim_response), V(validate_claim), run_claim, true},
-    {"Heartbeat", D(heartbeat_request), D(heartbeat_response), V(validate_heartbeat),
-     run_heartbeat, true},
+    {"Heartbeat", D(heartbeat_request), D(heartbeat_response), V(validate_heartbeat), run_heartbeat,
+     true},
     {"MarkInputApplied", D(mark_input_applied_request), D(submission),
      V(validate_mark_input_applied), run_mark, true},
     {"Requeue", D(fenced_request), D(submission), V(validate_fenced), run_requeue, true},
@@ -147,12 +145,12 @@ static const struct method methods[] = {
      V(validate_claim_joinable), run_claim_joinable, true},
     {"FinalizeJoin", D(join_request), D(submission), V(validate_join), run_finalize_join, true},
     {"RevertJoin", D(join_request), D(submission), V(validate_join), run_revert_join, true},
-    {"RequestAbort", D(request_abort_request), D(request_abort_response),
-     V(validate_request_abort), run_abort, true},
+    {"RequestAbort", D(request_abort_request), D(request_abort_response), V(validate_request_abort),
+     run_abort, true},
     {"Settle", D(settle_request), D(settle_response), V(validate_settle), run_settle, true},
     {"Append", D(append_request), D(append_response), V(validate_append), run_append, true},
-    {"ScanExpired", D(scan_expired_request), D(list_response), V(validate_scan_expired),
-     run_scan, false},
+    {"ScanExpired", D(scan_expired_request), D(list_response), V(validate_scan_expired), run_scan,
+     false},
     {"Get", D(get_request), D(submission), V(validate_get), run_get, false},
     {"List", D(list_request), D(list_response), V(validate_list), run_list, false},
     {"GetConversation", D(conversation_request), D(conversation), V(validate_conversation),
@@ -178,21 +176,21 @@ static void log_result(const struct pending *p, enum cf_status st, const struct 
     int64_t ms = clock_mono_ms() - p->started_ms;
     if (st != CF_OK) {
         log_write(st == CF_DB || st == CF_INTERNAL || st == CF_IO ? LOG_ERROR : LOG_INFO,
-                  "store.refused", "method=%s code=%s ms=%lld err=%s", p->m->name,
-                  status_name(st), (long long)ms, log_quote(q, sizeof(q), err->msg));
+                  "store.refused", "method=%s code=%s ms=%lld err=%s", p->m->name, status_name(st),
+                  (long long)ms, log_quote(q, sizeof(q), err->msg));
         return;
     }
     if (!strcmp(p->m->name, "Admit")) {
         const Cflue__V1__AdmitResponse *r = (const void *)p->resp;
         log_info("store.admit", "submission=%s conversation=%s dedup=%d ms=%lld",
-                 r->submission->submission_id, r->submission->conversation_id,
-                 (int)r->deduplicated, (long long)ms);
+                 r->submission->submission_id, r->submission->conversation_id, (int)r->deduplicated,
+                 (long long)ms);
     } else if (!strcmp(p->m->name, "Claim")) {
         const Cflue__V1__ClaimResponse *r = (const void *)p->resp;
         if (r->submission) {
             log_info("store.claim", "submission=%s attempt=%s epoch=%lld takeover=%d ms=%lld",
-                     r->submission->submission_id, r->fence->attempt_id,
-                     (long long)r->fence->epoch, (int)r->takeover, (long long)ms);
+                     r->submission->submission_id, r->fence->attempt_id, (long long)r->fence->epoch,
+                     (int)r->takeover, (long long)ms);
         }
     } else if (!strcmp(p->m->name, "Settle")) {
         const Cflue__V1__SettleResponse *r = (const void *)p->resp;
@@ -311,8 +309,8 @@ static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *use
             }
             int64_t off = -1;
             if (st == CF_OK) {
-                st = ledger_settlement_offset(&ctx, req->until_settled, req->conversation_id,
-                                              &off, &err);
+                st = ledger_settlement_offset(&ctx, req->until_settled, req->conversation_id, &off,
+                                              &err);
             }
             if (st == CF_OK && off >= 0 && off <= req->after_offset) {
                 done = true;
@@ -343,8 +341,7 @@ static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *use
         rq.limit = FOLLOW_PAGE;
         arena_init(&a);
         if ((st = reader_take(svc, &db, &err)) == CF_OK) {
-            struct ledger_ctx ctx = {.db = db, .arena = &a, .cfg = svc->cfg,
-                                     .now = clock_now_ms()};
+            struct ledger_ctx ctx = {.db = db, .arena = &a, .cfg = svc->cfg, .now = clock_now_ms()};
             db_exec(db, "BEGIN", NULL);
             st = ledger_read(&ctx, &rq, &rs, &err);
             db_exec(db, "COMMIT", NULL);
@@ -371,9 +368,9 @@ static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *use
             return;
         }
         if (rpc_call_cancelled(call)) {
-            rpc_call_finish(call, rpc_server_stopping(rpc_call_server(call))
-                                      ? GRPC_STATUS_UNAVAILABLE
-                                      : GRPC_STATUS_CANCELLED,
+            rpc_call_finish(call,
+                            rpc_server_stopping(rpc_call_server(call)) ? GRPC_STATUS_UNAVAILABLE
+                                                                       : GRPC_STATUS_CANCELLED,
                             "the stream ended; resume from the last offset received");
             return;
         }
@@ -407,9 +404,8 @@ void service_register(struct service *svc, struct rpc_server *srv)
         bindings[i].svc = svc;
         snprintf(path, sizeof(path), "/cflue.v1.Store/%s", methods[i].name);
         /* Append parses JSON bodies that may be megabytes: keep it off the pollers. */
-        enum rpc_mode mode = methods[i].write && strcmp(methods[i].name, "Append") != 0
-                                 ? RPC_INLINE
-                                 : RPC_POOL;
+        enum rpc_mode mode =
+            methods[i].write && strcmp(methods[i].name, "Append") != 0 ? RPC_INLINE : RPC_POOL;
         rpc_server_add_method(srv, path, methods[i].req_desc, dispatch, &bindings[i], mode);
     }
     rpc_server_add_method(srv, "/cflue.v1.Store/Follow", &cflue__v1__follow_request__descriptor,

@@ -187,8 +187,7 @@ enum cf_status validate_join(const Cflue__V1__JoinRequest *r, struct cf_error *e
     return name("submission_id", r->submission_id, true, err);
 }
 
-enum cf_status validate_request_abort(const Cflue__V1__RequestAbortRequest *r,
-                                      struct cf_error *err)
+enum cf_status validate_request_abort(const Cflue__V1__RequestAbortRequest *r, struct cf_error *err)
 {
     enum cf_status rc;
     if (!*r->conversation_id == !*r->submission_id) {
@@ -209,8 +208,7 @@ enum cf_status validate_settle(const Cflue__V1__SettleRequest *r, struct cf_erro
         return rc;
     }
     if (r->outcome < CFLUE__V1__OUTCOME__COMPLETED || r->outcome > CFLUE__V1__OUTCOME__ABORTED) {
-        return cf_error_set(err, CF_INVALID,
-                            "outcome is required: COMPLETED, FAILED or ABORTED");
+        return cf_error_set(err, CF_INVALID, "outcome is required: COMPLETED, FAILED or ABORTED");
     }
     if ((rc = text("error", r->error, VALIDATE_ERROR_MAX, err)) != CF_OK) {
         return rc;
@@ -275,8 +273,8 @@ enum cf_status validate_append(const Cflue__V1__AppendRequest *r, struct cf_erro
         }
         for (size_t k = 0; k < i && *rec->id; k++) {
             if (!strcmp(r->records[k]->id, rec->id)) {
-                return cf_error_set(err, CF_INVALID, "records[%zu].id '%s' repeats records[%zu]",
-                                    i, rec->id, k);
+                return cf_error_set(err, CF_INVALID, "records[%zu].id '%s' repeats records[%zu]", i,
+                                    rec->id, k);
             }
         }
         if ((rc = name("records[].submission_id", rec->submission_id, false, err)) != CF_OK) {
@@ -324,8 +322,7 @@ enum cf_status validate_list(const Cflue__V1__ListRequest *r, struct cf_error *e
     return CF_OK;
 }
 
-enum cf_status validate_conversation(const Cflue__V1__ConversationRequest *r,
-                                     struct cf_error *err)
+enum cf_status validate_conversation(const Cflue__V1__ConversationRequest *r, struct cf_error *err)
 {
     return name("conversation_id", r->conversation_id, true, err);
 }
@@ -360,8 +357,7 @@ enum cf_status validate_follow(const Cflue__V1__FollowRequest *r, struct cf_erro
     return offset(r->after_offset, err);
 }
 
-enum cf_status validate_scan_expired(const Cflue__V1__ScanExpiredRequest *r,
-                                     struct cf_error *err)
+enum cf_status validate_scan_expired(const Cflue__V1__ScanExpiredRequest *r, struct cf_error *err)
 {
     if (r->limit < 0 || r->limit > 1000) {
         return cf_error_set(err, CF_INVALID, "limit must be 0 (100) to 1000");

@@ -9,15 +9,15 @@
 
 #include "cflue/v1/store.pb-c.h"
 
-#define VALIDATE_NAME_MAX 128         /* agent names, conversation and submission ids */
-#define VALIDATE_KEY_MAX 256          /* idempotency keys */
-#define VALIDATE_TEXT_MAX (4 << 20)   /* message text bytes */
+#define VALIDATE_NAME_MAX 128       /* agent names, conversation and submission ids */
+#define VALIDATE_KEY_MAX 256        /* idempotency keys */
+#define VALIDATE_TEXT_MAX (4 << 20) /* message text bytes */
 #define VALIDATE_ATTACHMENTS_MAX 16
 #define VALIDATE_METADATA_MAX 64
 #define VALIDATE_METADATA_VALUE_MAX 4096
-#define VALIDATE_ERROR_MAX 8192       /* settlement error text */
-#define VALIDATE_RECORDS_MAX 1000     /* records per Append */
-#define VALIDATE_FENCES_MAX 1000      /* fences per Heartbeat */
+#define VALIDATE_ERROR_MAX 8192   /* settlement error text */
+#define VALIDATE_RECORDS_MAX 1000 /* records per Append */
+#define VALIDATE_FENCES_MAX 1000  /* fences per Heartbeat */
 #define VALIDATE_LEASE_MAX_MS (24LL * 3600 * 1000)
 
 enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, struct cf_error *err);
@@ -35,11 +35,9 @@ enum cf_status validate_settle(const Cflue__V1__SettleRequest *r, struct cf_erro
 enum cf_status validate_append(const Cflue__V1__AppendRequest *r, struct cf_error *err);
 enum cf_status validate_get(const Cflue__V1__GetRequest *r, struct cf_error *err);
 enum cf_status validate_list(const Cflue__V1__ListRequest *r, struct cf_error *err);
-enum cf_status validate_conversation(const Cflue__V1__ConversationRequest *r,
-                                     struct cf_error *err);
+enum cf_status validate_conversation(const Cflue__V1__ConversationRequest *r, struct cf_error *err);
 enum cf_status validate_read(const Cflue__V1__ReadRequest *r, struct cf_error *err);
 enum cf_status validate_follow(const Cflue__V1__FollowRequest *r, struct cf_error *err);
-enum cf_status validate_scan_expired(const Cflue__V1__ScanExpiredRequest *r,
-                                     struct cf_error *err);
+enum cf_status validate_scan_expired(const Cflue__V1__ScanExpiredRequest *r, struct cf_error *err);
 
 #endif

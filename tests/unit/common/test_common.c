@@ -105,10 +105,10 @@ static void test_utf8(void)
     size_t bad;
     CHECK(utf8_valid("plain", 5, NULL));
     CHECK(utf8_valid("\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80", 9, NULL));
-    CHECK(!utf8_valid("ab\xc3", 3, &bad) && bad == 2);           /* truncated */
-    CHECK(!utf8_valid("\xc0\xaf", 2, &bad) && bad == 0);         /* overlong */
-    CHECK(!utf8_valid("x\xed\xa0\x80", 4, &bad) && bad == 1);    /* surrogate */
-    CHECK(!utf8_valid("\xf4\x90\x80\x80", 4, NULL));             /* > U+10FFFF */
+    CHECK(!utf8_valid("ab\xc3", 3, &bad) && bad == 2);        /* truncated */
+    CHECK(!utf8_valid("\xc0\xaf", 2, &bad) && bad == 0);      /* overlong */
+    CHECK(!utf8_valid("x\xed\xa0\x80", 4, &bad) && bad == 1); /* surrogate */
+    CHECK(!utf8_valid("\xf4\x90\x80\x80", 4, NULL));          /* > U+10FFFF */
     CHECK(!utf8_valid("\xff", 1, NULL));
 }
 
