@@ -371,12 +371,18 @@ void rpc_call_fail_error(struct rpc_call *c, const struct cf_error *err)
                     err->msg[0] ? err->msg : status_message(err->code));
 }
 
-bool rpc_call_cancelled(struct rpc_call *c)
+/* call_dead reports whether the client side of the call is gone. */
+static bool call_dead(struct rpc_call *c)
 {
     pthread_mutex_lock(&c->mu);
     bool dead = c->dead || (c->closed && c->cancelled);
     pthread_mutex_unlock(&c->mu);
-    return dead || rpc_server_stopping(c->srv);
+    return dead;
+}
+
+bool rpc_call_cancelled(struct rpc_call *c)
+{
+    return call_dead(c) || rpc_server_stopping(c->srv);
 }
 
 bool rpc_call_wait(struct rpc_call *c, int ms)
@@ -686,6 +692,7 @@ static void health_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *
         last = (int)resp.status;
     }
     for (;;) {
+        bool stopping = rpc_server_stopping(c->srv);
         if (last != GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN) {
             health_status(c->srv, req->service, &st);
             if (st != last) {
@@ -696,10 +703,12 @@ static void health_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *
                 last = st;
             }
         }
-        if (rpc_server_stopping(c->srv)) {
+        /* the NOT_SERVING of a shutdown has been sent above; then end the stream */
+        if (stopping) {
             break;
         }
-        if (rpc_call_wait(c, 200)) {
+        rpc_call_wait(c, 200);
+        if (call_dead(c)) {
             break;
         }
     }

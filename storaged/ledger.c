@@ -31,6 +31,7 @@
 #include "db.h"
 #include "ids.h"
 #include "mem.h"
+#include "validate.h"
 
 #include <jansson.h>
 #include <stdio.h>
@@ -356,7 +357,7 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
     enum cf_status rc;
     size_t payload_len;
     uint8_t *payload = canonical_payload(c, req, &payload_len);
-    char conv[IDS_MAX], sub[IDS_MAX];
+    char conv[VALIDATE_NAME_MAX + 1], sub[IDS_MAX];
     int64_t next_pos = 0;
 
     if (*req->idempotency_key) {
