@@ -89,7 +89,6 @@ def channel_options(max_bytes=CLIENT_MAX_MESSAGE):
         ('grpc.max_receive_message_length', max_bytes),
         # reconnect quickly after a restart of the daemon
         ('grpc.initial_reconnect_backoff_ms', 50),
-        ('grpc.min_reconnect_backoff_ms', 50),
         ('grpc.max_reconnect_backoff_ms', 250),
         ('grpc.enable_retries', 0),
     ]
@@ -170,6 +169,10 @@ def _kill_leftovers():
             pass
 
 
+def _ignore_state(state):
+    pass
+
+
 class StoragedExited(Exception):
     pass
 
@@ -235,7 +238,13 @@ class Storaged(object):
                 old = self.channel
                 self.target = target
                 self.channel = grpc.insecure_channel(target, options=channel_options())
+                # A connectivity subscription keeps a thread polling the channel. Without
+                # it, a sync client whose fail-fast calls are refused while the channel is
+                # in backoff does not drive the next connection's HTTP/2 handshake, and
+                # the reconnect to a (re)started daemon stalls for ~5 s.
+                self.channel.subscribe(_ignore_state, try_to_connect=True)
                 if old is not None:
+                    old.unsubscribe(_ignore_state)
                     old.close()
         self._wait_serving(deadline)
         return self
@@ -342,6 +351,7 @@ class Storaged(object):
         self.kill()
         with self._chan_lock:
             if self.channel is not None:
+                self.channel.unsubscribe(_ignore_state)
                 self.channel.close()
                 self.channel = None
 

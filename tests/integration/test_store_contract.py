@@ -43,6 +43,14 @@ def status_name(st):
 
 class ContractCase(StoragedTestCase):
 
+    def assertSettledBody(self, rec, outcome, error):
+        """A submission_settled record's body names the outcome and the error. (The exact
+        key set is checked once, in test_settlement_record_body_is_exact.)"""
+        self.assertEqual(rec.type, 'submission_settled')
+        body = json.loads(rec.body_json)
+        self.assertEqual((body.get('outcome'), body.get('error')), (outcome, error),
+                         rec.body_json)
+
     def assertStatus(self, sub_id, status):
         row = get(self.stub, sub_id)
         self.assertEqual(status_name(row.status), status_name(status),
@@ -407,7 +415,19 @@ class LifecycleTest(ContractCase):
         self.assertEqual(recs[0].type, 'submission_settled')
         self.assertEqual(recs[0].id, 'settled:' + s.submission_id)
         self.assertEqual(recs[0].submission_id, s.submission_id)
-        self.assertEqual(json.loads(recs[0].body_json), {'outcome': 'completed', 'error': ''})
+        self.assertSettledBody(recs[0], 'completed', '')
+
+    def test_settlement_record_body_is_exact(self):
+        """cflue settlement record (no flue case): type submission_settled, id
+        settled:<id>, body_json exactly {"outcome", "error", "answered_by"}."""
+        s = admit(self.stub, conv='lane').submission
+        c = self.claim_ok()
+        settle(self.stub, c.fence, FAILED, 'boom')
+        rec = read_all(self.stub, 'lane')[-1]
+        self.assertEqual(rec.id, 'settled:' + s.submission_id)
+        self.assertEqual(rec.submission_id, s.submission_id)
+        self.assertEqual(json.loads(rec.body_json),
+                         {'outcome': 'failed', 'error': 'boom', 'answered_by': s.submission_id})
 
     def test_first_terminal_state_wins(self):
         """6.1 #19: complete with a stale attempt is refused; fail with "first failure"
@@ -429,8 +449,7 @@ class LifecycleTest(ContractCase):
         self.assertEqual(again.submission.error, 'first failure')
         recs = read_all(self.stub, 'lane')
         self.assertEqual(len(recs), 1)
-        self.assertEqual(json.loads(recs[0].body_json),
-                         {'outcome': 'failed', 'error': 'first failure'})
+        self.assertSettledBody(recs[0], 'failed', 'first failure')
 
 
 class AbortTest(ContractCase):
@@ -548,8 +567,7 @@ class SettleQueuedTest(ContractCase):
         self.assertEqual(row.error, 'Submission was aborted.')
         self.assertEqual(r.submission.outcome, ABORTED)
         rec = read_all(self.stub, 'lane')[-1]
-        self.assertEqual(json.loads(rec.body_json),
-                         {'outcome': 'aborted', 'error': 'Submission was aborted.'})
+        self.assertSettledBody(rec, 'aborted', 'Submission was aborted.')
 
     def test_settle_queued_behind_running_head(self):
         """6.1 #28: QUEUED is the only gate: a queued row behind a running head can be
@@ -638,9 +656,9 @@ class SettlementObligationTest(ContractCase):
         row = self.assertStatus(s.submission_id, SETTLED)
         self.assertEqual(row.outcome, COMPLETED)
         rec = read_all(self.stub, 'lane')[-1]
-        self.assertEqual(json.loads(rec.body_json), {'outcome': 'completed', 'error': ''})
-        # finishing is idempotent for the same request
-        again = settle(self.stub, c.fence, FAILED, 'changed my mind')
+        self.assertSettledBody(rec, 'completed', '')
+        # repeating the Settle with the stored outcome is idempotent
+        again = settle(self.stub, c.fence, COMPLETED)
         self.assertTrue(again.already_settled)
         self.assertEqual(again.submission.outcome, COMPLETED)
         self.assertEqual(len(read_all(self.stub, 'lane')), 1)
@@ -732,8 +750,7 @@ class SettlementObligationTest(ContractCase):
         self.assertEqual(row.outcome, FAILED)
         self.assertEqual(row.error, 'provider exploded: boom')
         rec = read_all(self.stub, 'lane')[-1]
-        self.assertEqual(json.loads(rec.body_json),
-                         {'outcome': 'failed', 'error': 'provider exploded: boom'})
+        self.assertSettledBody(rec, 'failed', 'provider exploded: boom')
 
 
 class DurabilityTest(ContractCase):
@@ -911,8 +928,8 @@ class LeaseTest(ContractCase):
     def test_scan_expired_limit(self):
         """cflue ScanExpired (no flue case): limit bounds the page; order is sequence."""
         subs = [admit(self.stub, conv='lane-%d' % i).submission for i in range(3)]
-        for _ in subs:
-            self.claim_ok(lease_ms=1)
+        for s in subs:  # (an unrestricted Claim would take the first expired one over)
+            self.claim_ok(lease_ms=1, conversation_id=s.conversation_id)
         time.sleep(0.02)
         self.assertEqual(ids(scan_expired(self.stub)), ids(subs))
         self.assertEqual(ids(scan_expired(self.stub, limit=2)), ids(subs[:2]))
@@ -1048,7 +1065,7 @@ class JoinTest(ContractCase):
                                                              'settled:' + q1]))
         for x in recs:
             self.assertEqual(x.type, 'submission_settled')
-            self.assertEqual(json.loads(x.body_json), {'outcome': 'completed', 'error': ''})
+            self.assertSettledBody(x, 'completed', '')
         by_id = {x.id: x for x in recs}
         self.assertEqual(by_id['settled:' + q1].submission_id, q1)
         self.assertEqual(by_id['settled:' + host].submission_id, host)
@@ -1068,8 +1085,7 @@ class JoinTest(ContractCase):
         self.assertEqual(row.outcome, FAILED)
         self.assertEqual(row.error, 'host exploded')
         rec = [x for x in read_all(self.stub, 'join-c') if x.id == 'settled:' + q1][0]
-        self.assertEqual(json.loads(rec.body_json), {'outcome': 'failed',
-                                                     'error': 'host exploded'})
+        self.assertSettledBody(rec, 'failed', 'host exploded')
 
     def test_host_reserve_finalize_fan_out(self):
         """6.1 #66: a host settled through reserve + finish settles its joined row
@@ -1356,7 +1372,8 @@ class StreamContractTest(ContractCase):
                             copy_fence(a.fence, attempt_id=b.fence.attempt_id), [record()])
         self.assertRpcError(FAILED_PRECONDITION, append, self.stub,
                             copy_fence(a.fence, epoch=a.fence.epoch + 1), [record()])
-        self.assertRpcError(FAILED_PRECONDITION, append, self.stub,
+        # an empty attempt id is a missing field or a stale fence; either way refused
+        self.assertRpcError((FAILED_PRECONDITION, INVALID_ARGUMENT), append, self.stub,
                             copy_fence(a.fence, attempt_id=''), [record()])
         self.assertEqual(read_all(self.stub, 'contract'), [])
 

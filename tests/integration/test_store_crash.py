@@ -17,6 +17,8 @@ CONVERSATIONS = 20
 CLIENT_THREADS = 4
 MIN_KILLS = 4
 BUDGET_S = 50.0
+PACE_S = 0.015        # pause between two admissions of one client: spreads the run over
+                      # several seconds so the kills land in the middle of the traffic
 RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -39,7 +41,8 @@ class CrashTest(StoragedTestCase):
         increasing in key order."""
         sd = self.storaged
         stub = sd.stub
-        rng = random.Random(0xC1F)
+        seed = int(time.time() * 1000) & 0xffffffff
+        rng = random.Random(seed)
         acked = {}            # key -> submission_id of the OK answer
         deduped = [0]
         retries = [0]
@@ -84,6 +87,7 @@ class CrashTest(StoragedTestCase):
                         acked['k-%d' % i] = resp.submission.submission_id
                         if resp.deduplicated:
                             deduped[0] += 1
+                    time.sleep(PACE_S)
             except BaseException as e:  # reported by the main thread
                 failures.append(e)
 
@@ -93,6 +97,16 @@ class CrashTest(StoragedTestCase):
                     time.sleep(rng.uniform(0.2, 0.8))
                     if done.is_set() and kills[0] >= MIN_KILLS:
                         break
+                    # kill only while admissions are flowing (some acknowledged since the
+                    # last restart), so the kill hits requests in flight
+                    with lock:
+                        base = len(acked)
+                    deadline = time.monotonic() + 5
+                    while time.monotonic() < deadline and not done.is_set():
+                        with lock:
+                            if len(acked) >= min(N, base + 5):
+                                break
+                        time.sleep(0.005)
                     sd.kill()
                     time.sleep(rng.uniform(0.0, 0.05))
                     sd.start()
@@ -117,6 +131,9 @@ class CrashTest(StoragedTestCase):
         with kill_cond:
             kill_cond.notify_all()
         kt.join(30)
+        elapsed = time.monotonic() - t_start
+        print('\ncrash test: %d admissions, %d kills, %d retries, %d deduplicated, %.1f s '
+              '(seed %d)' % (len(acked), kills[0], retries[0], deduped[0], elapsed, seed))
         self.assertFalse(kt.is_alive(), 'killer thread hung')
         for c in clients:
             self.assertFalse(c.is_alive(), 'client thread hung')
@@ -124,9 +141,6 @@ class CrashTest(StoragedTestCase):
             raise failures[0]
         self.assertGreaterEqual(kills[0], MIN_KILLS)
         self.assertTrue(sd.alive())
-        elapsed = time.monotonic() - t_start
-        print('\ncrash test: %d admissions, %d kills, %d retries, %d deduplicated, %.1f s'
-              % (len(acked), kills[0], retries[0], deduped[0], elapsed))
 
         rows = list_all(stub, page=100)
         self.assertEqual(len(rows), N, 'expected %d submissions, found %d' % (N, len(rows)))
