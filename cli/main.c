@@ -5,6 +5,7 @@
  *   cflue store admit --agent NAME [--conversation ID] [--key KEY] TEXT [--store ADDR]
  *   cflue store list [--conversation ID] [--store ADDR]
  *   cflue store read CONVERSATION [--after N] [--follow] [--store ADDR]
+ *   cflue tool ADDR NAME JSON [--sandbox NAME] [--timeout-ms N]
  *
  * Exit codes: 0 success, 1 the server answered with an error, 2 usage error.
  */
@@ -13,6 +14,7 @@
 #include "rpc.h"
 
 #include "cflue/v1/store.pb-c.h"
+#include "cflue/v1/tools.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
 
 #include <stdio.h>
@@ -31,6 +33,9 @@ static const char usage_text[] =
     "                                     list submissions in admission order\n"
     "  cflue store read CONVERSATION [--after N] [--follow]\n"
     "                                     print a conversation's records\n"
+    "  cflue tool ADDR NAME JSON [--sandbox NAME] [--timeout-ms N]\n"
+    "                                     run one tool call on a toold and print the result\n"
+    "                                     and its truncation (sandbox default: debug)\n"
     "store commands take --store ADDR (env CFLUE_STORE, default 127.0.0.1:7101)\n";
 
 struct args {
@@ -234,6 +239,67 @@ static int cmd_store(int argc, char **argv)
     return 0;
 }
 
+static const char *truncated_by(Cflue__V1__TruncatedBy by)
+{
+    static const char *names[] = {"none", "lines", "bytes", "matches", "paths"};
+    return (int)by >= 0 && (int)by <= 4 ? names[by] : "unknown";
+}
+
+static int cmd_tool(int argc, char **argv)
+{
+    const char *sandbox = "debug";
+    long long timeout_ms = 0;
+    const char *pos[3];
+    int n_pos = 0;
+    for (int i = 2; i < argc; i++) {
+        if (!strcmp(argv[i], "--sandbox") && i + 1 < argc) {
+            sandbox = argv[++i];
+        } else if (!strcmp(argv[i], "--timeout-ms") && i + 1 < argc) {
+            timeout_ms = strtoll(argv[++i], NULL, 10);
+        } else if (n_pos < 3) {
+            pos[n_pos++] = argv[i];
+        } else {
+            return usage();
+        }
+    }
+    if (n_pos != 3) {
+        return usage();
+    }
+    Cflue__V1__ToolCall call = CFLUE__V1__TOOL_CALL__INIT;
+    call.sandbox = (char *)sandbox;
+    call.call_id = "cli";
+    call.name = (char *)pos[1];
+    call.arguments_json = (char *)pos[2];
+    call.timeout_ms = timeout_ms;
+    struct rpc_channel *ch = rpc_channel_new(pos[0], 64 << 20);
+    ProtobufCMessage *resp;
+    struct rpc_status st;
+    bool ok = rpc_unary(ch, "/cflue.v1.Tools/Execute", &call.base,
+                        &cflue__v1__tool_result__descriptor, 0, &resp, &st);
+    rpc_channel_free(ch);
+    if (!ok) {
+        return fail(&st);
+    }
+    Cflue__V1__ToolResult *r = (Cflue__V1__ToolResult *)resp;
+    const Cflue__V1__Truncation *t = r->truncation;
+    printf("%s\n", r->text);
+    fprintf(stderr, "-- %s; details %s\n", r->is_error ? "error result" : "result",
+            r->details_json);
+    if (t) {
+        fprintf(
+            stderr,
+            "-- truncation: truncated=%s by=%s total_lines=%lld total_bytes=%lld shown=%lld-%lld "
+            "next_offset=%lld line_too_long=%s\n",
+            t->truncated ? "yes" : "no", truncated_by(t->by), (long long)t->total_lines,
+            (long long)t->total_bytes, (long long)t->shown_first_line,
+            (long long)t->shown_last_line, (long long)t->next_offset,
+            t->line_too_long ? "yes" : "no");
+    }
+    int rc = r->is_error ? 1 : 0;
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     int rc;
@@ -247,6 +313,8 @@ int main(int argc, char **argv)
         rc = cmd_health(argc, argv);
     } else if (!strcmp(argv[1], "store")) {
         rc = cmd_store(argc, argv);
+    } else if (!strcmp(argv[1], "tool")) {
+        rc = cmd_tool(argc, argv);
     } else {
         rc = usage();
     }

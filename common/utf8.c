@@ -44,3 +44,95 @@ bad:
     }
     return false;
 }
+
+#include "buf.h"
+
+/* seq_len returns the length of the valid sequence at p (1..4), or 0 when invalid. */
+static size_t seq_len(const uint8_t *s, size_t n)
+{
+    size_t bad;
+    uint8_t c = s[0];
+    size_t len = c < 0x80             ? 1
+                 : (c & 0xe0) == 0xc0 ? 2
+                 : (c & 0xf0) == 0xe0 ? 3
+                 : (c & 0xf8) == 0xf0 ? 4
+                                      : 0;
+    if (!len || len > n) {
+        return 0;
+    }
+    return utf8_valid((const char *)s, len, &bad) ? len : 0;
+}
+
+enum cf_status utf8_sanitize(struct buf *out, const char *p, size_t n)
+{
+    const uint8_t *s = (const uint8_t *)p;
+    size_t i = 0, run = 0;
+    enum cf_status rc;
+    while (i < n) {
+        size_t len = s[i] < 0x80 ? 1 : seq_len(s + i, n - i);
+        if (len) {
+            i += len;
+            run += len;
+            continue;
+        }
+        if (run && (rc = buf_append(out, p + i - run, run)) != CF_OK) {
+            return rc;
+        }
+        run = 0;
+        if ((rc = buf_append(out, "\xef\xbf\xbd", 3)) != CF_OK) {
+            return rc;
+        }
+        i++;
+    }
+    return run ? buf_append(out, p + n - run, run) : CF_OK;
+}
+
+size_t utf8_prefix_len(const char *p, size_t n, size_t max)
+{
+    if (n <= max) {
+        return n;
+    }
+    size_t k = max;
+    /* step back over continuation bytes so we do not end inside a sequence */
+    while (k > 0 && ((uint8_t)p[k] & 0xc0) == 0x80 && max - k < 3) {
+        k--;
+    }
+    return k;
+}
+
+size_t utf8_suffix_start(const char *p, size_t n, size_t max)
+{
+    if (n <= max) {
+        return 0;
+    }
+    size_t k = n - max;
+    while (k < n && ((uint8_t)p[k] & 0xc0) == 0x80 && k - (n - max) < 3) {
+        k++;
+    }
+    return k;
+}
+
+size_t utf8_count_chars(const char *p, size_t n)
+{
+    size_t count = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (((uint8_t)p[i] & 0xc0) != 0x80) {
+            count++;
+        }
+    }
+    return count;
+}
+
+size_t utf8_chars_prefix_len(const char *p, size_t n, size_t max_chars)
+{
+    size_t count = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (((uint8_t)p[i] & 0xc0) != 0x80) {
+            if (count == max_chars) {
+                return i;
+            }
+            count++;
+        }
+    }
+    return n;
+}

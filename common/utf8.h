@@ -10,4 +10,24 @@
  * offset of the first bad sequence. */
 bool utf8_valid(const char *p, size_t n, size_t *bad_at);
 
+struct buf;
+#include "status.h"
+
+/* utf8_sanitize appends p[0..n) to out, each invalid byte replaced by U+FFFD. A sequence cut
+ * at the end of the input counts as invalid. CF_TOOBIG when out's cap is reached. */
+enum cf_status utf8_sanitize(struct buf *out, const char *p, size_t n);
+
+/* utf8_prefix_len returns the largest length <= max of a prefix of p[0..n) that does not end
+ * inside a multi-byte sequence. */
+size_t utf8_prefix_len(const char *p, size_t n, size_t max);
+
+/* utf8_suffix_start returns the smallest offset k such that p[k..n) has at most max bytes and
+ * does not start inside a multi-byte sequence. */
+size_t utf8_suffix_start(const char *p, size_t n, size_t max);
+
+/* utf8_count_chars counts the code points of p[0..n) (invalid bytes count one each). */
+size_t utf8_count_chars(const char *p, size_t n);
+
+/* utf8_chars_prefix_len returns the byte length of the first max_chars code points. */
+size_t utf8_chars_prefix_len(const char *p, size_t n, size_t max_chars);
 #endif

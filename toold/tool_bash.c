@@ -1,0 +1,317 @@
+/* tool_bash.c - the bash tool: bounded capture, tail view, spill file, deadlines.
+ *
+ * Output (stdout and stderr on one pipe, in arrival order) is never held whole in memory.
+ * While it is small it is kept in `pending`; once it passes the page limits it goes to a spill
+ * file in the workspace (.cflue/spill/) and only the last TAIL_KEEP bytes stay in a ring. The
+ * model sees the tail: at most TOOL_LINES_MAX lines and TOOL_BYTES_MAX bytes, cut at a line
+ * boundary, after a note saying what was left out and where the full output is, with the
+ * offsets `read` needs to page through it.
+ */
+#include "tool.h"
+
+#include "clock.h"
+#include "driver.h"
+#include "ids.h"
+#include "log.h"
+#include "proc.h"
+#include "utf8.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define PENDING_MAX (256 * 1024)
+#define TAIL_KEEP (TOOL_BYTES_MAX + 8)
+
+struct capture {
+    struct tool_ctx *ctx;
+    struct buf pending;   /* all output while no spill file exists */
+    char ring[TAIL_KEEP]; /* the last bytes, once spilling */
+    size_t ring_len, ring_pos;
+    uint64_t total_bytes, newlines;
+    char last_byte;
+    int spill_fd;
+    char spill_rel[128];
+    bool spill_failed;
+};
+
+static void ring_add(struct capture *c, const char *p, size_t n)
+{
+    if (n >= TAIL_KEEP) {
+        memcpy(c->ring, p + n - TAIL_KEEP, TAIL_KEEP);
+        c->ring_len = TAIL_KEEP;
+        c->ring_pos = 0;
+        return;
+    }
+    for (size_t i = 0; i < n;) {
+        size_t room = TAIL_KEEP - c->ring_pos, k = n - i < room ? n - i : room;
+        memcpy(c->ring + c->ring_pos, p + i, k);
+        c->ring_pos = (c->ring_pos + k) % TAIL_KEEP;
+        i += k;
+    }
+    c->ring_len = c->ring_len + n > TAIL_KEEP ? TAIL_KEEP : c->ring_len + n;
+}
+
+static bool write_all(int fd, const char *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            return false;
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+    return true;
+}
+
+static void open_spill(struct capture *c)
+{
+    char id[IDS_MAX];
+    struct cf_error err;
+    int dirfd;
+    char base[256];
+    ids_new(id, "bash");
+    snprintf(c->spill_rel, sizeof(c->spill_rel), ".cflue/spill/%s.log", id);
+    if (ws_open_parent(c->ctx->sb, c->spill_rel, true, c->spill_rel, &dirfd, base, sizeof(base),
+                       &err) != CF_OK) {
+        c->spill_failed = true;
+        return;
+    }
+    c->spill_fd = openat(dirfd, base, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    close(dirfd);
+    if (c->spill_fd < 0 ||
+        !write_all(c->spill_fd, c->pending.data ? c->pending.data : "", c->pending.len)) {
+        c->spill_failed = true;
+    }
+    buf_cleanup(&c->pending);
+}
+
+static bool on_output(void *arg, const char *p, size_t n)
+{
+    struct capture *c = arg;
+    c->total_bytes += n;
+    for (const char *q = p; (q = memchr(q, '\n', n - (size_t)(q - p))); q++) {
+        c->newlines++;
+    }
+    c->last_byte = p[n - 1];
+    ring_add(c, p, n);
+    if (c->spill_fd < 0 && !c->spill_failed) {
+        bool kept = buf_append(&c->pending, p, n) == CF_OK;
+        if (!kept || c->total_bytes > TOOL_BYTES_MAX + 1 || c->newlines > TOOL_LINES_MAX) {
+            open_spill(c);
+            if (!kept && c->spill_fd >= 0 && !write_all(c->spill_fd, p, n)) {
+                c->spill_failed = true;
+            }
+        }
+    } else if (c->spill_fd >= 0 && !c->spill_failed && !write_all(c->spill_fd, p, n)) {
+        c->spill_failed = true;
+    }
+    return true;
+}
+
+static bool cancelled(void *arg)
+{
+    struct capture *c = arg;
+    return tool_cancelled(c->ctx);
+}
+
+/* tail_view copies the last lines of the output (ring order) into a contiguous buffer. */
+static size_t ring_linear(const struct capture *c, char *out)
+{
+    if (c->ring_len < TAIL_KEEP) {
+        memcpy(out, c->ring, c->ring_len);
+        return c->ring_len;
+    }
+    size_t first = TAIL_KEEP - c->ring_pos;
+    memcpy(out, c->ring + c->ring_pos, first);
+    memcpy(out + first, c->ring, c->ring_pos);
+    return TAIL_KEEP;
+}
+
+static void format_seconds(char *out, size_t len, int64_t ms)
+{
+    if (ms % 1000 == 0) {
+        snprintf(out, len, "%lld s", (long long)(ms / 1000));
+    } else {
+        snprintf(out, len, "%.3g s", (double)ms / 1000.0);
+    }
+}
+
+void tool_bash_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
+{
+    const char *command = json_string_value(json_object_get(args, "command"));
+    json_t *jt = json_object_get(args, "timeout");
+    int64_t timeout_ms = ctx->cfg->bash_default_timeout_ms;
+    struct capture *c;
+    struct cf_error err;
+
+    json_object_set_new(res->details, "command", json_string(command));
+    if (jt) {
+        double secs = json_number_value(jt);
+        if (!(secs > 0) || !isfinite(secs)) {
+            tool_fail(res,
+                      "The argument 'timeout' of bash must be a number of seconds above 0; "
+                      "got %g.",
+                      secs);
+            return;
+        }
+        double ms = ceil(secs * 1000.0);
+        if (ms > (double)ctx->cfg->bash_max_timeout_ms) {
+            tool_fail(res,
+                      "The argument 'timeout' of bash is %g s; this server allows at most "
+                      "%lld s.",
+                      secs, (long long)(ctx->cfg->bash_max_timeout_ms / 1000));
+            return;
+        }
+        timeout_ms = (int64_t)ms;
+    }
+    bool by_caller = false;
+    if (ctx->deadline_ms) {
+        int64_t left = ctx->deadline_ms - clock_mono_ms();
+        if (left < timeout_ms) {
+            timeout_ms = left > 1 ? left : 1;
+            by_caller = true;
+        }
+    }
+    if (strlen(command) == 0) {
+        tool_fail(res, "The argument 'command' of bash is empty.");
+        return;
+    }
+
+    c = calloc(1, sizeof(*c));
+    c->ctx = ctx;
+    c->spill_fd = -1;
+    buf_init(&c->pending, PENDING_MAX);
+    const char *argv[PROC_ARGV_MAX];
+    ctx->sb->driver->build_argv(ctx->sb, ctx->sb->root, command, argv);
+    char **env = proc_base_env(NULL, 0);
+    struct proc_spec spec = {.argv = argv,
+                             .cwd = ctx->sb->root,
+                             .envp = env,
+                             .timeout_ms = timeout_ms,
+                             .on_output = on_output,
+                             .cancelled = cancelled,
+                             .ctx = c};
+    struct proc_result pr;
+    enum cf_status rc = proc_run(&spec, &pr, &err);
+    proc_env_free(env);
+    if (rc != CF_OK) {
+        tool_fail(res, "The command could not be started: %s", err.msg);
+        goto out;
+    }
+    uint64_t total_lines = c->newlines + (c->total_bytes && c->last_byte != '\n' ? 1 : 0);
+    uint64_t shown_total = c->total_bytes - (c->total_bytes && c->last_byte == '\n' ? 1 : 0);
+    bool spilled = shown_total > TOOL_BYTES_MAX || total_lines > TOOL_LINES_MAX;
+    if (spilled && c->spill_fd < 0 && !c->spill_failed) {
+        open_spill(c);
+    }
+    if (c->spill_fd >= 0) {
+        close(c->spill_fd);
+    }
+    res->trunc.total_lines = (int64_t)total_lines;
+    res->trunc.total_bytes = (int64_t)c->total_bytes;
+    if (!spilled) {
+        size_t n = c->pending.len;
+        const char *p = buf_cstr(&c->pending);
+        if (n && p[n - 1] == '\n') {
+            n--;
+        }
+        utf8_sanitize(&res->text, p, n);
+        if (total_lines) {
+            res->trunc.shown_first_line = 1;
+            res->trunc.shown_last_line = (int64_t)total_lines;
+        }
+    } else {
+        char *tail = malloc(TAIL_KEEP);
+        size_t n = ring_linear(c, tail);
+        /* the view never includes the final '\n' */
+        if (n && tail[n - 1] == '\n') {
+            n--;
+        }
+        /* choose the start: at most TOOL_LINES_MAX lines and TOOL_BYTES_MAX bytes, whole lines */
+        size_t start = n > TOOL_BYTES_MAX ? n - TOOL_BYTES_MAX : 0;
+        bool line_cut = false;
+        if (start > 0 && tail[start - 1] != '\n') {
+            const char *nl = memchr(tail + start, '\n', n - start);
+            if (nl) {
+                start = (size_t)(nl + 1 - tail);
+            } else {
+                line_cut = true; /* the last line alone is over the budget */
+                start = utf8_suffix_start(tail, n, TOOL_BYTES_MAX);
+            }
+        }
+        uint64_t shown_lines = 1;
+        for (size_t i = start; i < n; i++) {
+            if (tail[i] == '\n') {
+                shown_lines++;
+            }
+        }
+        while (shown_lines > TOOL_LINES_MAX) {
+            start = (size_t)((char *)memchr(tail + start, '\n', n - start) + 1 - tail);
+            shown_lines--;
+        }
+        uint64_t first_line = total_lines - shown_lines + 1;
+        uint64_t shown_bytes = n - start;
+        res->trunc.truncated = true;
+        res->trunc.by = c->newlines > TOOL_LINES_MAX && shown_lines == TOOL_LINES_MAX
+                            ? CFLUE__V1__TRUNCATED_BY__LINES
+                            : CFLUE__V1__TRUNCATED_BY__BYTES;
+        res->trunc.shown_first_line = (int64_t)first_line;
+        res->trunc.shown_last_line = (int64_t)total_lines;
+        res->trunc.line_too_long = line_cut;
+        if (c->spill_failed) {
+            buf_printf(&res->text,
+                       "[Output truncated: %llu earlier lines (%llu bytes) are not shown, and the "
+                       "full output could not be saved.%s]\n",
+                       (unsigned long long)(first_line - 1),
+                       (unsigned long long)(c->total_bytes - shown_bytes),
+                       line_cut ? " The last line is cut: only its end is shown." : "");
+        } else {
+            buf_printf(&res->text,
+                       "[Output truncated: showing lines %llu-%llu of %llu (the last %llu of %llu "
+                       "bytes).%s Full output: %s (read it with offset=1 from the start, or "
+                       "offset=%llu for the part shown here).]\n",
+                       (unsigned long long)first_line, (unsigned long long)total_lines,
+                       (unsigned long long)total_lines, (unsigned long long)shown_bytes,
+                       (unsigned long long)c->total_bytes,
+                       line_cut ? " The last line is longer than the limit; only its end is "
+                                  "shown."
+                                : "",
+                       c->spill_rel, (unsigned long long)first_line);
+            json_object_set_new(res->details, "spill_path", json_string(c->spill_rel));
+            res->trunc.next_offset = (int64_t)first_line;
+        }
+        utf8_sanitize(&res->text, tail + start, n - start);
+        free(tail);
+    }
+    if (c->total_bytes == 0) {
+        buf_append_str(&res->text, "[no output]");
+    }
+    if (pr.timed_out) {
+        char secs[32];
+        format_seconds(secs, sizeof(secs), timeout_ms);
+        buf_printf(&res->text,
+                   "\n\n[Stopped after %s: the %s ran out, so the command and everything it "
+                   "started were killed. Exit code 124.]",
+                   secs, by_caller ? "time left for this call" : "timeout");
+    } else if (pr.cancelled) {
+        tool_fail(res, "The command was cancelled by the caller and killed; its outcome is "
+                       "unknown.");
+    } else if (pr.exit_code != 0) {
+        buf_printf(&res->text, "\n\n[Exit code %d]", pr.exit_code);
+    }
+    json_object_set_new(res->details, "exit_code", json_integer(pr.exit_code));
+    json_object_set_new(res->details, "timed_out", json_boolean(pr.timed_out));
+    json_object_set_new(res->details, "duration_ms", json_integer(pr.duration_ms));
+out:
+    buf_cleanup(&c->pending);
+    free(c);
+}

@@ -1,0 +1,554 @@
+/* tool_search.c - grep and glob.
+ *
+ * grep has three engines that produce the same text: ripgrep run inside the sandbox (when
+ * `rg --version` works there; probed once per sandbox), toold's own walk with PCRE2 (JIT),
+ * and `grep -rnHE` for sandboxes that can only run commands. Whatever the engine, matches are
+ * kept as the first TOOL_GREP_MATCHES_MAX in (path, line) order in a bounded heap, so memory
+ * does not grow with the number of matches, and printed as path:line:text with paths relative
+ * to the working directory. glob walks the tree like `find -name` (every entry, hidden ones
+ * included, regular files only) and keeps the first TOOL_GLOB_PATHS_MAX paths in byte order.
+ */
+#include "tool.h"
+
+#include "driver.h"
+#include "proc.h"
+#include "utf8.h"
+#include "walk.h"
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <errno.h>
+#include <fcntl.h>
+#include <fnmatch.h>
+#include <pcre2.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define BINARY_SNIFF (64 * 1024)
+
+/* ---------- the first-K heap ---------- */
+
+struct hit {
+    char *path;
+    int64_t line;
+    char *text; /* NULL for glob */
+};
+
+struct topk {
+    struct hit *items;
+    size_t n, cap;
+    uint64_t total;
+};
+
+static int hit_cmp(const struct hit *a, const struct hit *b)
+{
+    int c = strcmp(a->path, b->path);
+    return c ? c : (a->line > b->line) - (a->line < b->line);
+}
+
+static void heap_swap(struct hit *a, struct hit *b)
+{
+    struct hit t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* topk_add offers a hit (taking ownership of its strings): a max-heap of the K smallest. */
+static void topk_add(struct topk *k, struct hit h)
+{
+    k->total++;
+    if (k->n < k->cap) {
+        size_t i = k->n++;
+        k->items[i] = h;
+        while (i > 0 && hit_cmp(&k->items[(i - 1) / 2], &k->items[i]) < 0) {
+            heap_swap(&k->items[(i - 1) / 2], &k->items[i]);
+            i = (i - 1) / 2;
+        }
+        return;
+    }
+    if (hit_cmp(&h, &k->items[0]) >= 0) {
+        free(h.path);
+        free(h.text);
+        return;
+    }
+    free(k->items[0].path);
+    free(k->items[0].text);
+    k->items[0] = h;
+    for (size_t i = 0;;) {
+        size_t l = 2 * i + 1, r = l + 1, m = i;
+        if (l < k->n && hit_cmp(&k->items[l], &k->items[m]) > 0) {
+            m = l;
+        }
+        if (r < k->n && hit_cmp(&k->items[r], &k->items[m]) > 0) {
+            m = r;
+        }
+        if (m == i) {
+            break;
+        }
+        heap_swap(&k->items[i], &k->items[m]);
+        i = m;
+    }
+}
+
+static int qsort_hit(const void *a, const void *b)
+{
+    return hit_cmp(a, b);
+}
+
+static void topk_free(struct topk *k)
+{
+    for (size_t i = 0; i < k->n; i++) {
+        free(k->items[i].path);
+        free(k->items[i].text);
+    }
+    free(k->items);
+}
+
+/* ---------- grep ---------- */
+
+struct grep {
+    struct tool_ctx *ctx;
+    struct topk hits;
+    pcre2_code *re;
+    pcre2_match_data *md;
+    const char *include;
+    struct buf line; /* partial output line of an external engine */
+    int engine_errors;
+};
+
+static char *cut_text(const char *p, size_t n)
+{
+    struct buf b;
+    buf_init(&b, TOOL_GREP_LINE_CHARS_MAX * 4 + 64);
+    size_t keep = utf8_chars_prefix_len(p, n, TOOL_GREP_LINE_CHARS_MAX);
+    utf8_sanitize(&b, p, keep);
+    if (keep < n) {
+        buf_append_str(&b, " [... line cut at 500 characters]");
+    }
+    return buf_take(&b);
+}
+
+static bool include_ok(const struct grep *g, const char *rel)
+{
+    if (!g->include) {
+        return true;
+    }
+    const char *name = strrchr(rel, '/');
+    name = name ? name + 1 : rel;
+    if (strchr(g->include, '/')) {
+        return fnmatch(g->include, rel, FNM_PATHNAME) == 0;
+    }
+    return fnmatch(g->include, name, 0) == 0;
+}
+
+static bool grep_visit(void *arg, const char *rel, int fd)
+{
+    struct grep *g = arg;
+    struct stat st;
+    if (!include_ok(g, rel) || fstat(fd, &st) != 0 || st.st_size == 0) {
+        return true;
+    }
+    size_t size = (size_t)st.st_size;
+    char *data = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (data == MAP_FAILED) {
+        return true;
+    }
+    if (memchr(data, '\0', size < BINARY_SNIFF ? size : BINARY_SNIFF)) {
+        munmap(data, size); /* binary: skipped, as ripgrep does */
+        return true;
+    }
+    int64_t line_no = 1;
+    const char *counted = data;
+    size_t pos = 0;
+    while (pos < size) {
+        int rc = pcre2_match(g->re, (PCRE2_SPTR)data, size, pos, 0, g->md, NULL);
+        if (rc < 0) {
+            break;
+        }
+        PCRE2_SIZE *ov = pcre2_get_ovector_pointer(g->md);
+        size_t mstart = ov[0];
+        const char *ls = mstart > 0 ? memrchr(data, '\n', mstart) : NULL;
+        size_t line_start = ls ? (size_t)(ls - data) + 1 : 0;
+        const char *le = memchr(data + mstart, '\n', size - mstart);
+        size_t line_end = le ? (size_t)(le - data) : size;
+        if (mstart == size && line_start == size) {
+            break; /* an empty match after the final newline is not a line */
+        }
+        /* confirm on the line alone: a match must not span lines */
+        int one = ov[1] <= line_end ? 1
+                                    : pcre2_match(g->re, (PCRE2_SPTR)(data + line_start),
+                                                  line_end - line_start, 0, 0, g->md, NULL);
+        if (one >= 0) {
+            for (const char *q = counted; (q = memchr(q, '\n', (size_t)(data + line_start - q)));
+                 q++) {
+                line_no++;
+            }
+            counted = data + line_start;
+            struct hit h = {strdup(rel), line_no,
+                            cut_text(data + line_start, line_end - line_start)};
+            topk_add(&g->hits, h);
+        }
+        pos = line_end + 1;
+    }
+    munmap(data, size);
+    return !tool_cancelled(g->ctx);
+}
+
+static bool walk_cancelled(void *arg)
+{
+    struct grep *g = arg;
+    return tool_cancelled(g->ctx);
+}
+
+/* parse_engine_line handles "path\0line:text" from rg --null or grep -Z. */
+static void parse_engine_line(struct grep *g, const char *p, size_t n)
+{
+    const char *nul = memchr(p, '\0', n);
+    if (!nul) {
+        g->engine_errors++;
+        return;
+    }
+    const char *path = p;
+    if (!strncmp(path, "./", 2)) {
+        path += 2;
+    }
+    const char *num = nul + 1, *colon = memchr(num, ':', n - (size_t)(num - p));
+    if (!colon) {
+        g->engine_errors++;
+        return;
+    }
+    char *end;
+    int64_t line = strtoll(num, &end, 10);
+    if (end != colon) {
+        g->engine_errors++;
+        return;
+    }
+    struct hit h = {strndup(path, (size_t)(nul - path)), line,
+                    cut_text(colon + 1, n - (size_t)(colon + 1 - p))};
+    topk_add(&g->hits, h);
+}
+
+static bool engine_output(void *arg, const char *p, size_t n)
+{
+    struct grep *g = arg;
+    for (size_t i = 0; i < n;) {
+        const char *nl = memchr(p + i, '\n', n - i);
+        size_t k = nl ? (size_t)(nl - (p + i)) : n - i;
+        if (buf_append(&g->line, p + i, k) != CF_OK) {
+            /* a line longer than the buffer: keep its start, which is all we print */
+        }
+        if (!nl) {
+            break;
+        }
+        parse_engine_line(g, buf_cstr(&g->line), g->line.len);
+        buf_reset(&g->line);
+        i += k + 1;
+    }
+    return true;
+}
+
+static bool engine_cancelled(void *arg)
+{
+    struct grep *g = arg;
+    return tool_cancelled(g->ctx);
+}
+
+static void shell_quote(struct buf *b, const char *s)
+{
+    buf_append_str(b, " '");
+    for (const char *p = s; *p; p++) {
+        if (*p == '\'') {
+            buf_append_str(b, "'\\''");
+        } else {
+            buf_append(b, p, 1);
+        }
+    }
+    buf_append_str(b, "'");
+}
+
+static enum cf_status run_engine(struct grep *g, const char *command, int *exit_code,
+                                 struct cf_error *err)
+{
+    const char *argv[PROC_ARGV_MAX];
+    struct sandbox *sb = g->ctx->sb;
+    sb->driver->build_argv(sb, sb->root, command, argv);
+    char **env = proc_base_env((const char *const[]){"LC_ALL=C.UTF-8"}, 1);
+    struct proc_spec spec = {.argv = argv,
+                             .cwd = sb->root,
+                             .envp = env,
+                             .timeout_ms = 600000,
+                             .on_output = engine_output,
+                             .cancelled = engine_cancelled,
+                             .ctx = g};
+    struct proc_result pr;
+    enum cf_status rc = proc_run(&spec, &pr, err);
+    proc_env_free(env);
+    if (g->line.len) {
+        parse_engine_line(g, buf_cstr(&g->line), g->line.len);
+        buf_reset(&g->line);
+    }
+    *exit_code = pr.exit_code;
+    return rc;
+}
+
+static bool rg_available(struct tool_ctx *ctx)
+{
+    struct sandbox *sb = ctx->sb;
+    pthread_mutex_lock(&sb->mu);
+    int state = sb->rg_state;
+    pthread_mutex_unlock(&sb->mu);
+    if (state) {
+        return state > 0;
+    }
+    const char *argv[PROC_ARGV_MAX];
+    sb->driver->build_argv(sb, sb->root, "rg --version >/dev/null 2>&1", argv);
+    char **env = proc_base_env(NULL, 0);
+    struct proc_spec spec = {.argv = argv, .cwd = sb->root, .envp = env, .timeout_ms = 10000};
+    struct proc_result pr;
+    struct cf_error err;
+    bool ok = proc_run(&spec, &pr, &err) == CF_OK && pr.exit_code == 0;
+    proc_env_free(env);
+    pthread_mutex_lock(&sb->mu);
+    sb->rg_state = ok ? 1 : -1;
+    pthread_mutex_unlock(&sb->mu);
+    return ok;
+}
+
+void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
+{
+    json_t *jp = json_object_get(args, "pattern");
+    const char *pattern = json_string_value(jp);
+    const char *path = json_string_value(json_object_get(args, "path"));
+    const char *include = json_string_value(json_object_get(args, "include"));
+    bool literal = json_is_true(json_object_get(args, "literal"));
+    char rel[WS_PATH_MAX];
+    struct cf_error err;
+    struct grep g = {.ctx = ctx, .include = include && *include ? include : NULL};
+    struct stat st;
+    int fd, errcode;
+    PCRE2_SIZE erroff;
+
+    if (!path || !*path) {
+        path = ".";
+    }
+    json_object_set_new(res->details, "pattern", json_string(pattern));
+    json_object_set_new(res->details, "path", json_string(path));
+    if (json_string_length(jp) > TOOL_PATTERN_MAX) {
+        tool_fail(res, "The pattern is %zu bytes; the limit is %d.", json_string_length(jp),
+                  TOOL_PATTERN_MAX);
+        return;
+    }
+    if (!*pattern) {
+        tool_fail(res, "The pattern is empty; give the text or regular expression to find.");
+        return;
+    }
+    if (json_string_length(jp) != strlen(pattern)) {
+        tool_fail(res, "The pattern contains a NUL character.");
+        return;
+    }
+    g.re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED,
+                         PCRE2_UTF | PCRE2_MATCH_INVALID_UTF | PCRE2_MULTILINE |
+                             (literal ? PCRE2_LITERAL : 0),
+                         &errcode, &erroff, NULL);
+    if (!g.re) {
+        PCRE2_UCHAR msg[256];
+        pcre2_get_error_message(errcode, msg, sizeof(msg));
+        tool_fail(res,
+                  "The pattern is not a valid regular expression: %s at position %zu. Escape "
+                  "special characters, or set literal to search for the text as it is.",
+                  (const char *)msg, (size_t)erroff);
+        return;
+    }
+    pcre2_jit_compile(g.re, PCRE2_JIT_COMPLETE);
+    g.md = pcre2_match_data_create_from_pattern(g.re, NULL);
+    if (ws_relative(ctx->sb, path, rel, sizeof(rel), &err) != CF_OK ||
+        ws_open(ctx->sb, rel, O_PATH, 0, path, &fd, &err) != CF_OK) {
+        tool_fail_error(res, &err);
+        goto out;
+    }
+    fstat(fd, &st);
+    close(fd);
+    g.hits.cap = TOOL_GREP_MATCHES_MAX;
+    g.hits.items = calloc(g.hits.cap, sizeof(struct hit));
+    buf_init(&g.line, 8192);
+
+    const char *engine = ctx->cfg->grep_engine;
+    if (!strcmp(engine, "auto")) {
+        engine = rel[0] != '/' && rg_available(ctx) ? "rg" : "pcre2";
+    }
+    json_object_set_new(res->details, "engine", json_string(engine));
+    if (!strcmp(engine, "pcre2") || rel[0] == '/') {
+        struct walk_opts wo = {.skip_hidden = true,
+                               .gitignore = true,
+                               .visit = grep_visit,
+                               .cancelled = walk_cancelled,
+                               .ctx = &g};
+        if (walk_tree(ctx->sb, rel, path, &wo, &err) != CF_OK) {
+            tool_fail_error(res, &err);
+            goto out;
+        }
+    } else {
+        struct buf cmd;
+        int code;
+        buf_init(&cmd, TOOL_PATTERN_MAX * 4 + 8192);
+        if (!strcmp(engine, "rg")) {
+            buf_append_str(&cmd, "exec rg --no-config --null --line-number --with-filename "
+                                 "--no-heading --color=never --no-require-git --pcre2");
+            if (literal) {
+                buf_append_str(&cmd, " --fixed-strings");
+            }
+            if (g.include) {
+                buf_append_str(&cmd, " --glob");
+                shell_quote(&cmd, g.include);
+            }
+        } else {
+            buf_append_str(&cmd, "exec grep -rnHEZ --binary-files=without-match "
+                                 "--exclude='.*' --exclude-dir='.*'");
+            if (literal) {
+                buf_append_str(&cmd, " -F");
+            }
+            if (g.include) {
+                buf_append_str(&cmd, " --include");
+                shell_quote(&cmd, g.include);
+            }
+        }
+        buf_append_str(&cmd, " -e");
+        shell_quote(&cmd, pattern);
+        buf_append_str(&cmd, " --");
+        shell_quote(&cmd, rel);
+        enum cf_status rc = run_engine(&g, buf_cstr(&cmd), &code, &err);
+        buf_cleanup(&cmd);
+        if (rc != CF_OK) {
+            tool_fail(res, "The search could not run: %s", err.msg);
+            goto out;
+        }
+        if (code > 1 && g.hits.total == 0) {
+            tool_fail(res, "The search failed (%s exited with code %d).", engine, code);
+            goto out;
+        }
+    }
+    if (tool_cancelled(ctx)) {
+        tool_fail(res, "The search was cancelled or ran out of time before it finished.");
+        goto out;
+    }
+    qsort(g.hits.items, g.hits.n, sizeof(struct hit), qsort_hit);
+    for (size_t i = 0; i < g.hits.n; i++) {
+        buf_printf(&res->text, "%s%s:%lld:%s", i ? "\n" : "", g.hits.items[i].path,
+                   (long long)g.hits.items[i].line, g.hits.items[i].text);
+    }
+    json_object_set_new(res->details, "matches", json_integer((json_int_t)g.hits.total));
+    if (g.hits.total == 0) {
+        buf_printf(&res->text, "No matches for the pattern in %s.", path);
+    } else if (g.hits.total > g.hits.n) {
+        buf_printf(&res->text,
+                   "\n\n[Showing the first %zu of %llu matching lines, in path and line order. "
+                   "Narrow the search (a more specific pattern, a path, or include) to see the "
+                   "rest.]",
+                   g.hits.n, (unsigned long long)g.hits.total);
+        res->trunc.truncated = true;
+        res->trunc.by = CFLUE__V1__TRUNCATED_BY__MATCHES;
+    }
+    res->trunc.total_lines = (int64_t)g.hits.total;
+out:
+    topk_free(&g.hits);
+    buf_cleanup(&g.line);
+    pcre2_match_data_free(g.md);
+    pcre2_code_free(g.re);
+}
+
+/* ---------- glob ---------- */
+
+struct glob {
+    struct tool_ctx *ctx;
+    const char *pattern;
+    struct topk hits;
+};
+
+static bool glob_visit(void *arg, const char *rel, int fd)
+{
+    struct glob *g = arg;
+    (void)fd;
+    const char *name = strrchr(rel, '/');
+    name = name ? name + 1 : rel;
+    if (fnmatch(g->pattern, name, 0) == 0) {
+        struct hit h = {strdup(rel), 0, NULL};
+        topk_add(&g->hits, h);
+    }
+    return !tool_cancelled(g->ctx);
+}
+
+static bool glob_cancelled(void *arg)
+{
+    struct glob *g = arg;
+    return tool_cancelled(g->ctx);
+}
+
+void tool_glob_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
+{
+    const char *pattern = json_string_value(json_object_get(args, "pattern"));
+    const char *path = json_string_value(json_object_get(args, "path"));
+    char rel[WS_PATH_MAX];
+    struct cf_error err;
+    struct glob g = {.ctx = ctx, .pattern = pattern};
+    int fd;
+    struct stat st;
+
+    if (!path || !*path) {
+        path = ".";
+    }
+    json_object_set_new(res->details, "pattern", json_string(pattern));
+    json_object_set_new(res->details, "path", json_string(path));
+    if (!*pattern) {
+        tool_fail(res, "The pattern is empty; give a file-name pattern such as *.c.");
+        return;
+    }
+    if (strchr(pattern, '/')) {
+        tool_fail(res,
+                  "The pattern '%s' contains '/', but glob matches file names only. Put the "
+                  "directory in path and the name pattern in pattern.",
+                  pattern);
+        return;
+    }
+    if (ws_relative(ctx->sb, path, rel, sizeof(rel), &err) != CF_OK ||
+        ws_open(ctx->sb, rel, O_PATH, 0, path, &fd, &err) != CF_OK) {
+        tool_fail_error(res, &err);
+        return;
+    }
+    int st_ok = fstat(fd, &st);
+    close(fd);
+    if (st_ok != 0 || !S_ISDIR(st.st_mode)) {
+        tool_fail(res, "%s is not a directory; glob searches directories.", path);
+        return;
+    }
+    g.hits.cap = TOOL_GLOB_PATHS_MAX;
+    g.hits.items = calloc(g.hits.cap, sizeof(struct hit));
+    struct walk_opts wo = {.visit = glob_visit, .cancelled = glob_cancelled, .ctx = &g};
+    if (walk_tree(ctx->sb, rel, path, &wo, &err) != CF_OK) {
+        tool_fail_error(res, &err);
+        goto out;
+    }
+    if (tool_cancelled(ctx)) {
+        tool_fail(res, "The search was cancelled or ran out of time before it finished.");
+        goto out;
+    }
+    qsort(g.hits.items, g.hits.n, sizeof(struct hit), qsort_hit);
+    for (size_t i = 0; i < g.hits.n; i++) {
+        buf_printf(&res->text, "%s%s", i ? "\n" : "", g.hits.items[i].path);
+    }
+    json_object_set_new(res->details, "matches", json_integer((json_int_t)g.hits.total));
+    if (g.hits.total == 0) {
+        buf_printf(&res->text, "No files named like %s under %s.", pattern, path);
+    } else if (g.hits.total > g.hits.n) {
+        buf_printf(&res->text,
+                   "\n\n[Showing the first %zu of %llu matching files, sorted by path. Narrow "
+                   "the pattern or the path to see the rest.]",
+                   g.hits.n, (unsigned long long)g.hits.total);
+        res->trunc.truncated = true;
+        res->trunc.by = CFLUE__V1__TRUNCATED_BY__PATHS;
+    }
+out:
+    topk_free(&g.hits);
+}

@@ -1,0 +1,316 @@
+/* walk.c - directory walks with hidden-entry and ignore-file rules.
+ *
+ * Ignore rules (.gitignore, then .ignore, in each directory from the sandbox root down): one
+ * pattern per line; blank lines and lines starting with '#' are skipped; a leading '!'
+ * re-includes; a trailing '/' matches directories only; a pattern with a '/' elsewhere is
+ * anchored to the directory of its file, otherwise it matches a name at any depth below it;
+ * '*', '?', '[...]' as in fnmatch, and '**' for any number of directories. The last matching
+ * rule wins; an ignored directory is not entered.
+ */
+#include "walk.h"
+
+#include "mem.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <fnmatch.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+struct rule {
+    char *pattern; /* without '!', trailing '/', leading '/' */
+    char *base;    /* directory of the ignore file, relative to the root ("" for the root) */
+    bool negate, dir_only, anchored;
+};
+
+struct rules {
+    struct rule *items;
+    size_t n, cap;
+};
+
+/* glob_match matches with '**' support: "**" spans any number of path components. */
+static bool glob_match(const char *pat, const char *str)
+{
+    const char *dstar = strstr(pat, "**");
+    if (!dstar) {
+        return fnmatch(pat, str, FNM_PATHNAME) == 0;
+    }
+    /* split at the first "**": prefix must match a leading part, suffix the rest */
+    size_t plen = (size_t)(dstar - pat);
+    char prefix[1024];
+    if (plen >= sizeof(prefix)) {
+        return false;
+    }
+    memcpy(prefix, pat, plen);
+    prefix[plen] = '\0';
+    const char *rest = dstar + 2;
+    if (*rest == '/') {
+        rest++;
+    }
+    /* try every split point of str at a component boundary */
+    for (const char *s = str;; s++) {
+        if (s == str || s[-1] == '/') {
+            char head[4096];
+            size_t hlen = (size_t)(s - str);
+            if (hlen < sizeof(head)) {
+                memcpy(head, str, hlen);
+                head[hlen] = '\0';
+                /* head must match the prefix (which ends with '/' or is empty) */
+                bool head_ok = plen == 0 ? true : fnmatch(prefix, head, FNM_PATHNAME) == 0;
+                if (head_ok && (!*rest || glob_match(rest, s))) {
+                    return true;
+                }
+            }
+        }
+        if (!*s) {
+            break;
+        }
+    }
+    return false;
+}
+
+static void add_rules(struct rules *r, int dirfd, const char *name, const char *base)
+{
+    int fd = openat(dirfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) {
+        return;
+    }
+    FILE *f = fdopen(fd, "r");
+    if (!f) {
+        close(fd);
+        return;
+    }
+    char line[4096];
+    while (fgets(line, sizeof(line), f)) {
+        size_t n = strcspn(line, "\r\n");
+        line[n] = '\0';
+        while (n > 0 && line[n - 1] == ' ' && (n < 2 || line[n - 2] != '\\')) {
+            line[--n] = '\0';
+        }
+        char *p = line;
+        if (!*p || *p == '#') {
+            continue;
+        }
+        struct rule rule = {0};
+        if (*p == '!') {
+            rule.negate = true;
+            p++;
+        } else if (*p == '\\' && (p[1] == '!' || p[1] == '#')) {
+            p++;
+        }
+        n = strlen(p);
+        if (n && p[n - 1] == '/') {
+            rule.dir_only = true;
+            p[--n] = '\0';
+        }
+        if (!n) {
+            continue;
+        }
+        if (*p == '/') {
+            rule.anchored = true;
+            p++;
+        } else if (strchr(p, '/')) {
+            rule.anchored = strncmp(p, "**/", 3) != 0 || strchr(p + 3, '/') != NULL;
+        }
+        if (!rule.anchored && !strncmp(p, "**/", 3)) {
+            p += 3;
+        }
+        rule.pattern = mem_strdup(p);
+        rule.base = mem_strdup(base);
+        if (r->n == r->cap) {
+            r->cap = r->cap ? r->cap * 2 : 16;
+            r->items = mem_realloc(r->items, sizeof(*r->items) * r->cap);
+        }
+        r->items[r->n++] = rule;
+    }
+    fclose(f);
+}
+
+static void drop_rules(struct rules *r, size_t keep)
+{
+    while (r->n > keep) {
+        r->n--;
+        free(r->items[r->n].pattern);
+        free(r->items[r->n].base);
+    }
+}
+
+static bool ignored(const struct rules *r, const char *rel, const char *name, bool is_dir)
+{
+    bool out = false;
+    for (size_t i = 0; i < r->n; i++) {
+        const struct rule *x = &r->items[i];
+        if (x->dir_only && !is_dir) {
+            continue;
+        }
+        size_t blen = strlen(x->base);
+        const char *sub = rel;
+        if (blen) {
+            if (strncmp(rel, x->base, blen) != 0 || rel[blen] != '/') {
+                continue;
+            }
+            sub = rel + blen + 1;
+        }
+        bool hit = x->anchored ? glob_match(x->pattern, sub) : fnmatch(x->pattern, name, 0) == 0;
+        if (hit) {
+            out = !x->negate;
+        }
+    }
+    return out;
+}
+
+struct walker {
+    const struct walk_opts *o;
+    struct rules rules;
+    bool stop;
+    int depth;
+};
+
+#define WALK_DEPTH_MAX 256
+
+/* walk_dir walks the directory open as dirfd, whose path relative to the root is dir ("." for
+ * the root itself). */
+static void walk_dir(struct walker *w, int dirfd, const char *dir)
+{
+    size_t keep = w->rules.n;
+    const char *base = strcmp(dir, ".") ? dir : "";
+    if (w->depth >= WALK_DEPTH_MAX) {
+        return;
+    }
+    if (w->o->gitignore) {
+        add_rules(&w->rules, dirfd, ".gitignore", base);
+        add_rules(&w->rules, dirfd, ".ignore", base);
+    }
+    int fd = openat(dirfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
+    if (!d) {
+        if (fd >= 0) {
+            close(fd);
+        }
+        drop_rules(&w->rules, keep);
+        return;
+    }
+    char *child = mem_alloc(WS_PATH_MAX);
+    struct dirent *e;
+    w->depth++;
+    while (!w->stop && (e = readdir(d))) {
+        const char *name = e->d_name;
+        if (!strcmp(name, ".") || !strcmp(name, "..") || (w->o->skip_hidden && name[0] == '.')) {
+            continue;
+        }
+        if (w->o->cancelled && w->o->cancelled(w->o->ctx)) {
+            w->stop = true;
+            break;
+        }
+        unsigned char type = e->d_type;
+        if (type == DT_UNKNOWN) {
+            struct stat st;
+            if (fstatat(dirfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+                continue;
+            }
+            type = S_ISDIR(st.st_mode) ? DT_DIR : S_ISREG(st.st_mode) ? DT_REG : DT_LNK;
+        }
+        if (type != DT_DIR && type != DT_REG) {
+            continue; /* symbolic links and special files are neither followed nor listed */
+        }
+        int n = *base ? snprintf(child, WS_PATH_MAX, "%s/%s", base, name)
+                      : snprintf(child, WS_PATH_MAX, "%s", name);
+        if (n < 0 || n >= WS_PATH_MAX) {
+            continue;
+        }
+        if (w->o->gitignore && ignored(&w->rules, child, name, type == DT_DIR)) {
+            continue;
+        }
+        if (type == DT_DIR) {
+            int sub = openat(dirfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            if (sub >= 0) {
+                walk_dir(w, sub, child);
+                close(sub);
+            }
+        } else {
+            int f = openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+            if (f >= 0) {
+                if (!w->o->visit(w->o->ctx, child, f)) {
+                    w->stop = true;
+                }
+                close(f);
+            }
+        }
+    }
+    w->depth--;
+    free(child);
+    closedir(d);
+    drop_rules(&w->rules, keep);
+}
+
+/* load_parent_rules reads ignore files of the directories above the start, root first. */
+static void load_parent_rules(struct walker *w, const struct sandbox *sb, const char *start)
+{
+    char part[WS_PATH_MAX] = "";
+    char copy[WS_PATH_MAX];
+    int fd = openat(sb->root_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) {
+        return;
+    }
+    add_rules(&w->rules, fd, ".gitignore", "");
+    add_rules(&w->rules, fd, ".ignore", "");
+    snprintf(copy, sizeof(copy), "%s", start);
+    char *slash = strrchr(copy, '/');
+    if (!slash) {
+        close(fd);
+        return;
+    }
+    *slash = '\0';
+    char *save = NULL;
+    for (char *seg = strtok_r(copy, "/", &save); seg; seg = strtok_r(NULL, "/", &save)) {
+        int sub = openat(fd, seg, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        close(fd);
+        if (sub < 0) {
+            return;
+        }
+        fd = sub;
+        size_t n = strlen(part);
+        snprintf(part + n, sizeof(part) - n, "%s%s", n ? "/" : "", seg);
+        add_rules(&w->rules, fd, ".gitignore", part);
+        add_rules(&w->rules, fd, ".ignore", part);
+    }
+    close(fd);
+}
+
+enum cf_status walk_tree(const struct sandbox *sb, const char *start_rel, const char *shown_path,
+                         const struct walk_opts *opts, struct cf_error *err)
+{
+    int fd;
+    struct stat st;
+    enum cf_status rc = ws_open(sb, start_rel, O_RDONLY | O_NONBLOCK, 0, shown_path, &fd, err);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    if (fstat(fd, &st) != 0) {
+        close(fd);
+        return ws_errno_error(errno, "stat", shown_path, err);
+    }
+    if (S_ISREG(st.st_mode)) {
+        opts->visit(opts->ctx, start_rel, fd);
+        close(fd);
+        return CF_OK;
+    }
+    if (!S_ISDIR(st.st_mode)) {
+        close(fd);
+        return cf_error_set(err, CF_INVALID, "%s is neither a file nor a directory", shown_path);
+    }
+    struct walker *w = mem_alloc(sizeof(*w));
+    w->o = opts;
+    if (opts->gitignore && strcmp(start_rel, ".") != 0) {
+        load_parent_rules(w, sb, start_rel);
+    }
+    walk_dir(w, fd, start_rel);
+    close(fd);
+    drop_rules(&w->rules, 0);
+    free(w->rules.items);
+    free(w);
+    return CF_OK;
+}

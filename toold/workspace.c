@@ -1,0 +1,399 @@
+/* workspace.c - the sandbox registry and confined file access. */
+#include "workspace.h"
+
+#include "ids.h"
+#include "locks.h"
+#include "log.h"
+#include "mem.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define MAX_SANDBOXES 4096
+
+struct workspaces {
+    char root[PATH_MAX];
+    bool confine;
+    const struct driver *driver;
+    pthread_mutex_t mu;
+    struct sandbox *items[MAX_SANDBOXES];
+    int n;
+};
+
+static int openat2_beneath(int dirfd, const char *path, int flags, mode_t mode)
+{
+    struct open_how how = {.flags = (uint64_t)flags | O_CLOEXEC,
+                           .mode = (flags & O_CREAT) ? mode : 0,
+                           .resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS};
+    return (int)syscall(SYS_openat2, dirfd, path, &how, sizeof(how));
+}
+
+enum cf_status ws_errno_error(int e, const char *op, const char *shown_path, struct cf_error *err)
+{
+    switch (e) {
+    case ENOENT:
+        return cf_error_set(err, CF_NOT_FOUND, "%s: no such file or directory", shown_path);
+    case EXDEV:
+    case ELOOP:
+        return cf_error_set(err, CF_INVALID,
+                            "%s leads outside the sandbox (through '..' or a symbolic link); "
+                            "only paths inside the workspace can be used",
+                            shown_path);
+    case EISDIR:
+        return cf_error_set(err, CF_INVALID, "%s is a directory, not a file", shown_path);
+    case ENOTDIR:
+        return cf_error_set(err, CF_INVALID, "%s: a component of the path is not a directory",
+                            shown_path);
+    case EACCES:
+    case EPERM:
+        return cf_error_set(err, CF_INVALID, "%s: permission denied", shown_path);
+    case EEXIST:
+        return cf_error_set(err, CF_EXISTS, "%s already exists", shown_path);
+    case ENOTEMPTY:
+        return cf_error_set(err, CF_INVALID, "%s is a directory that is not empty", shown_path);
+    case ENOSPC:
+    case EDQUOT:
+        return cf_error_set(err, CF_IO, "%s: no space left on the device", shown_path);
+    case ENAMETOOLONG:
+        return cf_error_set(err, CF_INVALID, "%s: the path is too long", shown_path);
+    default:
+        return cf_error_set(err, CF_IO, "%s failed on %s: %s", op, shown_path, strerror(e));
+    }
+}
+
+enum cf_status ws_relative(const struct sandbox *sb, const char *path, char *out, size_t out_len,
+                           struct cf_error *err)
+{
+    char tmp[WS_PATH_MAX];
+    const char *p = path;
+    size_t root_len = strlen(sb->root);
+
+    if (!*path) {
+        return cf_error_set(err, CF_INVALID, "the path is empty");
+    }
+    if (strlen(path) >= sizeof(tmp)) {
+        return cf_error_set(err, CF_INVALID, "the path is longer than %d bytes", WS_PATH_MAX - 1);
+    }
+    if (path[0] == '/') {
+        if (!strncmp(path, sb->root, root_len) && (path[root_len] == '/' || !path[root_len])) {
+            p = path + root_len;
+        } else if (sb->confine) {
+            return cf_error_set(err, CF_INVALID,
+                                "%s is outside the sandbox; use a path inside %s or relative "
+                                "to it",
+                                path, sb->root);
+        } else {
+            p = path; /* unconfined: absolute host paths pass */
+        }
+    }
+    /* normalize: drop empty and "." segments, pop on ".." */
+    size_t o = 0;
+    strcpy(tmp, p);
+    char *save = NULL;
+    out[0] = '\0';
+    for (char *seg = strtok_r(tmp, "/", &save); seg; seg = strtok_r(NULL, "/", &save)) {
+        if (!strcmp(seg, ".")) {
+            continue;
+        }
+        if (!strcmp(seg, "..")) {
+            if (o == 0) {
+                return cf_error_set(err, CF_INVALID,
+                                    "%s leads outside the sandbox through '..'; only paths "
+                                    "inside the workspace can be used",
+                                    path);
+            }
+            while (o > 0 && out[o - 1] != '/') {
+                o--;
+            }
+            if (o > 0) {
+                o--;
+            }
+            out[o] = '\0';
+            continue;
+        }
+        size_t n = strlen(seg);
+        if (o + n + 2 > out_len) {
+            return cf_error_set(err, CF_INVALID, "the path is too long");
+        }
+        if (o) {
+            out[o++] = '/';
+        }
+        memcpy(out + o, seg, n);
+        o += n;
+        out[o] = '\0';
+    }
+    if (!sb->confine && path[0] == '/' && p == path) {
+        /* unconfined absolute path outside the root: keep it absolute */
+        if (o + 2 > out_len) {
+            return cf_error_set(err, CF_INVALID, "the path is too long");
+        }
+        memmove(out + 1, out, o + 1);
+        out[0] = '/';
+        return CF_OK;
+    }
+    if (o == 0) {
+        snprintf(out, out_len, ".");
+    }
+    return CF_OK;
+}
+
+void ws_host_path(const struct sandbox *sb, const char *rel, char *out, size_t out_len)
+{
+    if (rel[0] == '/') {
+        snprintf(out, out_len, "%s", rel);
+    } else if (!strcmp(rel, ".")) {
+        snprintf(out, out_len, "%s", sb->root);
+    } else {
+        snprintf(out, out_len, "%s/%s", sb->root, rel);
+    }
+}
+
+enum cf_status ws_open(const struct sandbox *sb, const char *rel, int flags, mode_t mode,
+                       const char *shown_path, int *fd_out, struct cf_error *err)
+{
+    int fd;
+    if (rel[0] == '/') { /* only when unconfined */
+        fd = open(rel, flags | O_CLOEXEC, mode);
+    } else if (sb->confine) {
+        fd = openat2_beneath(sb->root_fd, rel, flags, mode);
+        if (fd < 0 && errno == ENOSYS) {
+            /* kernels before 5.6: refuse symlinks anywhere instead */
+            fd = openat(sb->root_fd, rel, flags | O_CLOEXEC | O_NOFOLLOW, mode);
+        }
+    } else {
+        fd = openat(sb->root_fd, rel, flags | O_CLOEXEC, mode);
+    }
+    if (fd < 0) {
+        return ws_errno_error(errno, "open", shown_path, err);
+    }
+    *fd_out = fd;
+    return CF_OK;
+}
+
+enum cf_status ws_open_parent(const struct sandbox *sb, const char *rel, bool create_parents,
+                              const char *shown_path, int *dirfd_out, char *base_out,
+                              size_t base_len, struct cf_error *err)
+{
+    char dir[WS_PATH_MAX];
+    enum cf_status rc;
+    const char *slash = strrchr(rel, '/');
+    if (!strcmp(rel, ".")) {
+        return cf_error_set(err, CF_INVALID, "%s is the workspace directory itself", shown_path);
+    }
+    if (slash) {
+        snprintf(dir, sizeof(dir), "%.*s", (int)(slash - rel), rel);
+        snprintf(base_out, base_len, "%s", slash + 1);
+        if (!*dir) {
+            snprintf(dir, sizeof(dir), "/");
+        }
+    } else {
+        snprintf(dir, sizeof(dir), ".");
+        snprintf(base_out, base_len, "%s", rel);
+    }
+    rc = ws_open(sb, dir, O_PATH | O_DIRECTORY, 0, shown_path, dirfd_out, err);
+    if (rc != CF_NOT_FOUND || !create_parents) {
+        return rc;
+    }
+    /* create each missing directory, one component at a time, each confined */
+    char partial[WS_PATH_MAX] = "";
+    char copy[WS_PATH_MAX];
+    char *save = NULL;
+    snprintf(copy, sizeof(copy), "%s", dir);
+    for (char *seg = strtok_r(copy, "/", &save); seg; seg = strtok_r(NULL, "/", &save)) {
+        int pfd;
+        size_t n = strlen(partial);
+        if (n) {
+            snprintf(partial + n, sizeof(partial) - n, "/%s", seg);
+        } else {
+            snprintf(partial, sizeof(partial), "%s%s", rel[0] == '/' ? "/" : "", seg);
+        }
+        char parent[WS_PATH_MAX], base[NAME_MAX + 1];
+        const char *ps = strrchr(partial, '/');
+        snprintf(parent, sizeof(parent), "%.*s", ps ? (int)(ps - partial) : 1, ps ? partial : ".");
+        if (ps && ps == partial) {
+            snprintf(parent, sizeof(parent), "/");
+        }
+        snprintf(base, sizeof(base), "%s", ps ? ps + 1 : partial);
+        if ((rc = ws_open(sb, parent, O_PATH | O_DIRECTORY, 0, shown_path, &pfd, err)) != CF_OK) {
+            return rc;
+        }
+        if (mkdirat(pfd, base, 0755) != 0 && errno != EEXIST) {
+            int e = errno;
+            close(pfd);
+            return ws_errno_error(e, "mkdir", shown_path, err);
+        }
+        close(pfd);
+    }
+    return ws_open(sb, dir, O_PATH | O_DIRECTORY, 0, shown_path, dirfd_out, err);
+}
+
+enum cf_status ws_write_file(const struct sandbox *sb, const char *rel, const void *data,
+                             size_t len, mode_t mode, const char *shown_path, struct cf_error *err)
+{
+    int dirfd, fd = -1;
+    char base[NAME_MAX + 1], tmp[NAME_MAX + 1];
+    enum cf_status rc;
+    struct stat st;
+
+    if ((rc = ws_open_parent(sb, rel, true, shown_path, &dirfd, base, sizeof(base), err)) !=
+        CF_OK) {
+        return rc;
+    }
+    if (fstatat(dirfd, base, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+        if (S_ISDIR(st.st_mode)) {
+            close(dirfd);
+            return cf_error_set(err, CF_INVALID, "%s is a directory, not a file", shown_path);
+        }
+        if (S_ISREG(st.st_mode)) {
+            mode = st.st_mode & 07777;
+        }
+    }
+    if (!mode) {
+        mode = 0644;
+    }
+    for (int attempt = 0; attempt < 16 && fd < 0; attempt++) {
+        unsigned r = 0;
+        if (getrandom(&r, sizeof(r), 0) < 0) {
+            r = (unsigned)attempt;
+        }
+        snprintf(tmp, sizeof(tmp), ".%.200s.cflue-%08x.tmp", base, r);
+        fd = openat(dirfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
+        if (fd < 0 && errno != EEXIST) {
+            break;
+        }
+    }
+    if (fd < 0) {
+        int e = errno;
+        close(dirfd);
+        return ws_errno_error(e, "create", shown_path, err);
+    }
+    fchmod(fd, mode); /* umask must not narrow an existing file's mode */
+    const char *p = data;
+    size_t left = len;
+    while (left > 0) {
+        ssize_t w = write(fd, p, left);
+        if (w < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            int e = errno;
+            close(fd);
+            unlinkat(dirfd, tmp, 0);
+            close(dirfd);
+            return ws_errno_error(e, "write", shown_path, err);
+        }
+        p += w;
+        left -= (size_t)w;
+    }
+    if (fsync(fd) != 0 || close(fd) != 0) {
+        int e = errno;
+        unlinkat(dirfd, tmp, 0);
+        close(dirfd);
+        return ws_errno_error(e, "write", shown_path, err);
+    }
+    if (renameat(dirfd, tmp, dirfd, base) != 0) {
+        int e = errno;
+        unlinkat(dirfd, tmp, 0);
+        close(dirfd);
+        return ws_errno_error(e, "rename", shown_path, err);
+    }
+    close(dirfd);
+    return CF_OK;
+}
+
+enum cf_status workspaces_new(const char *root, bool confine, const struct driver *driver,
+                              struct workspaces **out, struct cf_error *err)
+{
+    struct workspaces *w = mem_alloc(sizeof(*w));
+    if (mkdir(root, 0755) != 0 && errno != EEXIST) {
+        free(w);
+        return cf_error_set(err, CF_IO, "cannot create the workspace root %s: %s", root,
+                            strerror(errno));
+    }
+    if (!realpath(root, w->root)) {
+        free(w);
+        return cf_error_set(err, CF_IO, "cannot resolve the workspace root %s: %s", root,
+                            strerror(errno));
+    }
+    w->confine = confine;
+    w->driver = driver;
+    pthread_mutex_init(&w->mu, NULL);
+    *out = w;
+    return CF_OK;
+}
+
+void workspaces_free(struct workspaces *w)
+{
+    if (!w) {
+        return;
+    }
+    for (int i = 0; i < w->n; i++) {
+        close(w->items[i]->root_fd);
+        locks_free(w->items[i]->locks);
+        pthread_mutex_destroy(&w->items[i]->mu);
+        free(w->items[i]);
+    }
+    pthread_mutex_destroy(&w->mu);
+    free(w);
+}
+
+enum cf_status workspaces_get(struct workspaces *w, const char *name, struct sandbox **out,
+                              struct cf_error *err)
+{
+    if (!ids_valid_name(name, 128)) {
+        return cf_error_set(err, CF_INVALID,
+                            "sandbox names are 1 to 128 characters of A-Z a-z 0-9 . _ - (not . "
+                            "or ..)");
+    }
+    pthread_mutex_lock(&w->mu);
+    for (int i = 0; i < w->n; i++) {
+        if (!strcmp(w->items[i]->name, name)) {
+            *out = w->items[i];
+            pthread_mutex_unlock(&w->mu);
+            return CF_OK;
+        }
+    }
+    enum cf_status rc = CF_OK;
+    if (w->n == MAX_SANDBOXES) {
+        rc = cf_error_set(err, CF_BUSY, "this toold serves at most %d sandboxes", MAX_SANDBOXES);
+        goto done;
+    }
+    char path[PATH_MAX];
+    if (strlen(w->root) + strlen(name) + 2 > sizeof(path)) {
+        rc = cf_error_set(err, CF_INVALID, "the workspace path would be too long");
+        goto done;
+    }
+    memcpy(path, w->root, strlen(w->root));
+    path[strlen(w->root)] = '/';
+    strcpy(path + strlen(w->root) + 1, name);
+    if (mkdir(path, 0755) != 0 && errno != EEXIST) {
+        rc = cf_error_set(err, CF_IO, "cannot create workspace %s: %s", path, strerror(errno));
+        goto done;
+    }
+    int fd = open(path, O_PATH | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) {
+        rc = cf_error_set(err, CF_IO, "cannot open workspace %s: %s", path, strerror(errno));
+        goto done;
+    }
+    struct sandbox *sb = mem_alloc(sizeof(*sb));
+    snprintf(sb->name, sizeof(sb->name), "%s", name);
+    memcpy(sb->root, path, sizeof(sb->root));
+    sb->root_fd = fd;
+    sb->confine = w->confine;
+    sb->driver = w->driver;
+    sb->locks = locks_new();
+    pthread_mutex_init(&sb->mu, NULL);
+    w->items[w->n++] = sb;
+    log_info("sandbox_created", "sandbox=%s root=%s", name, path);
+    *out = sb;
+done:
+    pthread_mutex_unlock(&w->mu);
+    return rc;
+}

@@ -1,0 +1,84 @@
+/* workspace.h - sandboxes: named workspaces under toold's root, and confined file access.
+ *
+ * A sandbox name (1..128 of [A-Za-z0-9._-], not "." or "..") maps to the directory
+ * ROOT/NAME, created on first use. Every path a caller gives is resolved against that
+ * directory: relative paths join it, absolute paths must lie inside it. With confinement on
+ * (the default) every file operation opens its path with openat2(RESOLVE_BENEATH) from the
+ * workspace's directory descriptor, so neither "..", nor an absolute path, nor a symbolic link
+ * anywhere along the path can reach outside; such an attempt is an error, never a read or a
+ * write outside.
+ */
+#ifndef CFLUE_TOOLD_WORKSPACE_H
+#define CFLUE_TOOLD_WORKSPACE_H
+
+#include "status.h"
+
+#include <limits.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+
+struct driver;
+struct lock_table;
+
+struct sandbox {
+    char name[129];
+    char root[PATH_MAX]; /* absolute, symlink-free path of the workspace directory */
+    int root_fd;         /* O_PATH descriptor of root */
+    bool confine;
+    const struct driver *driver;
+    struct lock_table *locks; /* per-path write/edit locks */
+    pthread_mutex_t mu;
+    int rg_state; /* 0 unknown, 1 present, -1 absent: probed once */
+};
+
+struct workspaces;
+
+/* workspaces_new prepares the registry over root (created if missing). CF_IO when root cannot
+ * be created or opened. */
+enum cf_status workspaces_new(const char *root, bool confine, const struct driver *driver,
+                              struct workspaces **out, struct cf_error *err);
+
+/* workspaces_free closes every sandbox (NULL is fine). */
+void workspaces_free(struct workspaces *w);
+
+/* workspaces_get returns the sandbox for name, creating its directory on first use. The
+ * sandbox lives as long as the registry. CF_INVALID for a bad name. */
+enum cf_status workspaces_get(struct workspaces *w, const char *name, struct sandbox **out,
+                              struct cf_error *err);
+
+#define WS_PATH_MAX 4096
+
+/* ws_relative turns a caller's path into a normalized path relative to the sandbox root
+ * ("." for the root itself). CF_INVALID for an empty path; CF_STALE... no: CF_INVALID with a
+ * message for a path outside the sandbox (when confined). */
+enum cf_status ws_relative(const struct sandbox *sb, const char *path, char *out, size_t out_len,
+                           struct cf_error *err);
+
+/* ws_host_path writes the absolute host path of a relative path into out. */
+void ws_host_path(const struct sandbox *sb, const char *rel, char *out, size_t out_len);
+
+/* ws_open opens rel (from ws_relative) with open(2) flags, confined beneath the root. The
+ * error message names shown_path, the path as the caller wrote it. */
+enum cf_status ws_open(const struct sandbox *sb, const char *rel, int flags, mode_t mode,
+                       const char *shown_path, int *fd_out, struct cf_error *err);
+
+/* ws_open_parent opens the directory containing rel (creating missing directories when
+ * create_parents) and stores the final component in base_out. */
+enum cf_status ws_open_parent(const struct sandbox *sb, const char *rel, bool create_parents,
+                              const char *shown_path, int *dirfd_out, char *base_out,
+                              size_t base_len, struct cf_error *err);
+
+/* ws_write_file replaces rel atomically with data (a temporary file in the same directory,
+ * then rename), creating missing parent directories; keeps the mode of an existing file, or
+ * uses mode (0: 0644) for a new one. */
+enum cf_status ws_write_file(const struct sandbox *sb, const char *rel, const void *data,
+                             size_t len, mode_t mode, const char *shown_path, struct cf_error *err);
+
+/* ws_errno_error turns an errno from an operation on shown_path into a status and message. */
+enum cf_status ws_errno_error(int e, const char *op, const char *shown_path, struct cf_error *err);
+
+#endif
