@@ -16,12 +16,90 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #define BINARY_SNIFF 8192
+#define INDEX_STEP 4096 /* lines between remembered line starts */
+#define INDEX_SLOTS 16
+
+/* A small cache of line counts and line-start marks per file version (device, inode, size,
+ * modification time), so paging through a large file scans from the nearest mark instead of
+ * from the start on every page. */
+struct line_index {
+    dev_t dev;
+    ino_t ino;
+    off_t size;
+    struct timespec mtime;
+    int64_t total;
+    size_t n_marks;
+    size_t *marks; /* marks[i]: byte offset where line 1 + i * INDEX_STEP starts */
+};
+
+static struct line_index index_cache[INDEX_SLOTS];
+static int index_next;
+static pthread_mutex_t index_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static bool same_version(const struct line_index *x, const struct stat *st)
+{
+    return x->marks && x->dev == st->st_dev && x->ino == st->st_ino && x->size == st->st_size &&
+           x->mtime.tv_sec == st->st_mtim.tv_sec && x->mtime.tv_nsec == st->st_mtim.tv_nsec;
+}
+
+/* line_lookup finds the total line count and where line `line` starts (or the nearest mark
+ * before it: *from_line, *from_byte). Builds the index on a miss. */
+static void line_lookup(const struct stat *st, const char *data, size_t size, int64_t line,
+                        int64_t *total, int64_t *from_line, size_t *from_byte)
+{
+    pthread_mutex_lock(&index_mu);
+    for (int i = 0; i < INDEX_SLOTS; i++) {
+        struct line_index *x = &index_cache[i];
+        if (same_version(x, st)) {
+            size_t m = (size_t)((line - 1) / INDEX_STEP);
+            if (m >= x->n_marks) {
+                m = x->n_marks - 1;
+            }
+            *total = x->total;
+            *from_line = 1 + (int64_t)m * INDEX_STEP;
+            *from_byte = x->marks[m];
+            pthread_mutex_unlock(&index_mu);
+            return;
+        }
+    }
+    pthread_mutex_unlock(&index_mu);
+    size_t cap = 16, n = 1;
+    size_t *marks = malloc(sizeof(size_t) * cap);
+    int64_t count = 0;
+    marks[0] = 0;
+    for (const char *p = data, *end = data + size; p < end;) {
+        const char *nl = memchr(p, '\n', (size_t)(end - p));
+        count++;
+        p = nl ? nl + 1 : end;
+        if (count % INDEX_STEP == 0 && p < end) {
+            if (n == cap) {
+                cap *= 2;
+                marks = realloc(marks, sizeof(size_t) * cap);
+            }
+            marks[n++] = (size_t)(p - data);
+        }
+    }
+    size_t m = (size_t)((line - 1) / INDEX_STEP);
+    if (m >= n) {
+        m = n - 1;
+    }
+    *total = count;
+    *from_line = 1 + (int64_t)m * INDEX_STEP;
+    *from_byte = marks[m];
+    pthread_mutex_lock(&index_mu);
+    struct line_index *slot = &index_cache[index_next];
+    index_next = (index_next + 1) % INDEX_SLOTS;
+    free(slot->marks);
+    *slot = (struct line_index){st->st_dev, st->st_ino, st->st_size, st->st_mtim, count, n, marks};
+    pthread_mutex_unlock(&index_mu);
+}
 
 static const char *binary_kind(const unsigned char *p, size_t n)
 {
@@ -107,16 +185,14 @@ void tool_read_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
         goto done;
     }
 
-    /* count lines and find where line `offset` starts */
-    int64_t total = 0;
-    size_t start_byte = 0;
-    for (const char *p = data, *end = data + size; p < end;) {
-        const char *nl = memchr(p, '\n', (size_t)(end - p));
-        total++;
-        if (total == offset - 1) {
-            start_byte = (size_t)((nl ? nl + 1 : end) - data);
-        }
-        p = nl ? nl + 1 : end;
+    /* count lines and find where line `offset` starts, from the nearest indexed mark */
+    int64_t total, line;
+    size_t start_byte;
+    line_lookup(&st, data, size, offset, &total, &line, &start_byte);
+    while (line < offset && start_byte < size) {
+        const char *nl = memchr(data + start_byte, '\n', size - start_byte);
+        start_byte = nl ? (size_t)(nl - data) + 1 : size;
+        line++;
     }
     res->trunc.total_lines = total;
     json_object_set_new(res->details, "lines", json_integer(total));

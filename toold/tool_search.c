@@ -144,15 +144,24 @@ static bool include_ok(const struct grep *g, const char *rel)
     return fnmatch(g->include, name, 0) == 0;
 }
 
-static bool grep_visit(void *arg, const char *rel, int fd)
+static bool grep_visit(void *arg, const char *rel, int dirfd, const char *name)
 {
     struct grep *g = arg;
     struct stat st;
-    if (!include_ok(g, rel) || fstat(fd, &st) != 0 || st.st_size == 0) {
+    if (!include_ok(g, rel)) {
+        return true;
+    }
+    int fd = openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) {
+        return true;
+    }
+    if (fstat(fd, &st) != 0 || st.st_size == 0) {
+        close(fd);
         return true;
     }
     size_t size = (size_t)st.st_size;
     char *data = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
     if (data == MAP_FAILED) {
         return true;
     }
@@ -396,7 +405,7 @@ void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
         buf_init(&cmd, TOOL_PATTERN_MAX * 4 + 8192);
         if (!strcmp(engine, "rg")) {
             buf_append_str(&cmd, "exec rg --no-config --null --line-number --with-filename "
-                                 "--no-heading --color=never --no-require-git --pcre2");
+                                 "--no-heading --color=never --no-require-git --engine=auto");
             if (literal) {
                 buf_append_str(&cmd, " --fixed-strings");
             }
@@ -467,10 +476,11 @@ struct glob {
     struct topk hits;
 };
 
-static bool glob_visit(void *arg, const char *rel, int fd)
+static bool glob_visit(void *arg, const char *rel, int dirfd, const char *name_in_dir)
 {
     struct glob *g = arg;
-    (void)fd;
+    (void)dirfd;
+    (void)name_in_dir;
     const char *name = strrchr(rel, '/');
     name = name ? name + 1 : rel;
     if (fnmatch(g->pattern, name, 0) == 0) {

@@ -230,14 +230,8 @@ static void walk_dir(struct walker *w, int dirfd, const char *dir)
                 walk_dir(w, sub, child);
                 close(sub);
             }
-        } else {
-            int f = openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
-            if (f >= 0) {
-                if (!w->o->visit(w->o->ctx, child, f)) {
-                    w->stop = true;
-                }
-                close(f);
-            }
+        } else if (!w->o->visit(w->o->ctx, child, dirfd, name)) {
+            w->stop = true;
         }
     }
     w->depth--;
@@ -294,8 +288,16 @@ enum cf_status walk_tree(const struct sandbox *sb, const char *start_rel, const 
         return ws_errno_error(errno, "stat", shown_path, err);
     }
     if (S_ISREG(st.st_mode)) {
-        opts->visit(opts->ctx, start_rel, fd);
+        /* a file named explicitly: reopen it through its parent like any walked file */
+        char base[NAME_MAX + 1];
+        int dirfd;
         close(fd);
+        if ((rc = ws_open_parent(sb, start_rel, false, shown_path, &dirfd, base, sizeof(base),
+                                 err)) != CF_OK) {
+            return rc;
+        }
+        opts->visit(opts->ctx, start_rel, dirfd, base);
+        close(dirfd);
         return CF_OK;
     }
     if (!S_ISDIR(st.st_mode)) {

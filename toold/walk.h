@@ -16,9 +16,10 @@
 struct walk_opts {
     bool skip_hidden;
     bool gitignore;
-    /* visit is called for each regular file; fd is open for reading (the callee must not
-     * close it). Returning false stops the walk. */
-    bool (*visit)(void *ctx, const char *rel_path, int fd);
+    /* visit is called for each regular file: its path relative to the root, and the
+     * directory descriptor and name to open it with (openat, never following links).
+     * Returning false stops the walk. */
+    bool (*visit)(void *ctx, const char *rel_path, int dirfd, const char *name);
     bool (*cancelled)(void *ctx);
     void *ctx;
 };

@@ -1,0 +1,189 @@
+/* Unit tests of toold/: path normalization and confinement, per-path locks, process runs. */
+#include "../check.h"
+
+#include "buf.h"
+#include "clock.h"
+#include "driver.h"
+#include "locks.h"
+#include "proc.h"
+#include "workspace.h"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static struct sandbox *sb;
+
+static const char *rel(const char *path)
+{
+    static char out[WS_PATH_MAX];
+    struct cf_error err;
+    if (ws_relative(sb, path, out, sizeof(out), &err) != CF_OK) {
+        snprintf(out, sizeof(out), "ERR");
+    }
+    return out;
+}
+
+static void test_paths(void)
+{
+    char abs[PATH_MAX + 16];
+    CHECK_STR(rel("a/b.txt"), "a/b.txt");
+    CHECK_STR(rel("./a//b/../c"), "a/c");
+    CHECK_STR(rel("."), ".");
+    CHECK_STR(rel("a/.."), ".");
+    CHECK_STR(rel(".."), "ERR");
+    CHECK_STR(rel("a/../../b"), "ERR");
+    CHECK_STR(rel("/etc/passwd"), "ERR");
+    CHECK_STR(rel(""), "ERR");
+    snprintf(abs, sizeof(abs), "%s/x/y", sb->root);
+    CHECK_STR(rel(abs), "x/y");
+    snprintf(abs, sizeof(abs), "%s", sb->root);
+    CHECK_STR(rel(abs), ".");
+    snprintf(abs, sizeof(abs), "%sother", sb->root); /* a sibling sharing the prefix */
+    CHECK_STR(rel(abs), "ERR");
+}
+
+static void test_confined_io(void)
+{
+    struct cf_error err;
+    int fd;
+    CHECK(ws_write_file(sb, "deep/dir/f.txt", "abc", 3, 0, "deep/dir/f.txt", &err) == CF_OK);
+    CHECK(ws_open(sb, "deep/dir/f.txt", O_RDONLY, 0, "f", &fd, &err) == CF_OK);
+    char buf[8] = {0};
+    CHECK(read(fd, buf, sizeof(buf)) == 3 && !strcmp(buf, "abc"));
+    close(fd);
+    char link[PATH_MAX + 16];
+    snprintf(link, sizeof(link), "%s/escape", sb->root);
+    CHECK(symlink("/", link) == 0);
+    CHECK(ws_open(sb, "escape/etc/passwd", O_RDONLY, 0, "escape/etc/passwd", &fd, &err) ==
+          CF_INVALID);
+    CHECK(strstr(err.msg, "outside the sandbox") != NULL);
+    CHECK(ws_write_file(sb, "escape/tmp/cflue-should-not-exist", "x", 1, 0, "p", &err) != CF_OK);
+    CHECK(access("/tmp/cflue-should-not-exist", F_OK) != 0);
+    CHECK(ws_open(sb, "missing", O_RDONLY, 0, "missing", &fd, &err) == CF_NOT_FOUND);
+}
+
+struct order {
+    struct lock_table *t;
+    uint64_t ticket;
+    int id;
+    int *log;
+    int *n;
+    pthread_mutex_t *mu;
+};
+
+static void *take_turn(void *arg)
+{
+    struct order *o = arg;
+    locks_wait(o->t, "same", o->ticket);
+    pthread_mutex_lock(o->mu);
+    o->log[(*o->n)++] = o->id;
+    pthread_mutex_unlock(o->mu);
+    clock_sleep_ms(2);
+    locks_release(o->t, "same");
+    return NULL;
+}
+
+static void test_locks(void)
+{
+    struct lock_table *t = locks_new();
+    int log[8], n = 0;
+    pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    struct order o[8];
+    pthread_t th[8];
+    for (int i = 0; i < 8; i++) {
+        o[i] = (struct order){t, locks_ticket(t, "same"), i, log, &n, &mu};
+    }
+    for (int i = 7; i >= 0; i--) { /* start in reverse: the tickets still decide */
+        pthread_create(&th[i], NULL, take_turn, &o[i]);
+    }
+    for (int i = 0; i < 8; i++) {
+        pthread_join(th[i], NULL);
+    }
+    CHECK(n == 8);
+    for (int i = 0; i < 8; i++) {
+        CHECK(log[i] == i);
+    }
+    /* another key never waits */
+    uint64_t k = locks_ticket(t, "other");
+    locks_wait(t, "other", k);
+    locks_release(t, "other");
+    locks_free(t);
+}
+
+static bool collect(void *ctx, const char *p, size_t n)
+{
+    struct buf *b = ctx;
+    buf_append(b, p, n);
+    return true;
+}
+
+static void test_proc(void)
+{
+    struct cf_error err;
+    struct proc_result r;
+    struct buf out;
+    char **env = proc_base_env((const char *const[]){"CFLUE_X=42"}, 1);
+    const char *argv[] = {"bash", "-c", "echo out; echo err >&2; echo $CFLUE_X; exit 7", NULL};
+    buf_init(&out, 4096);
+    struct proc_spec spec = {.argv = argv,
+                             .cwd = sb->root,
+                             .envp = env,
+                             .timeout_ms = 5000,
+                             .on_output = collect,
+                             .ctx = &out};
+    CHECK(proc_run(&spec, &r, &err) == CF_OK);
+    CHECK(r.exit_code == 7 && !r.timed_out);
+    CHECK_STR(buf_cstr(&out), "out\nerr\n42\n");
+
+    /* a timeout kills the group, background children included, and keeps earlier output */
+    buf_reset(&out);
+    const char *argv2[] = {"bash", "-c", "echo before; sleep 30 & sleep 30", NULL};
+    spec.argv = argv2;
+    spec.timeout_ms = 300;
+    int64_t t0 = clock_mono_ms();
+    CHECK(proc_run(&spec, &r, &err) == CF_OK);
+    CHECK(r.timed_out && r.exit_code == 124);
+    CHECK(clock_mono_ms() - t0 < 3000);
+    CHECK_STR(buf_cstr(&out), "before\n");
+
+    /* the main process exits while a background job holds the pipe: the call still ends */
+    buf_reset(&out);
+    const char *argv3[] = {"bash", "-c", "sleep 30 & echo done", NULL};
+    spec.argv = argv3;
+    spec.timeout_ms = 10000;
+    t0 = clock_mono_ms();
+    CHECK(proc_run(&spec, &r, &err) == CF_OK);
+    CHECK(!r.timed_out && r.exit_code == 0);
+    CHECK(clock_mono_ms() - t0 < 3000);
+
+    const char *argv4[] = {"/nonexistent/cflue-binary", NULL};
+    spec.argv = argv4;
+    CHECK(proc_run(&spec, &r, &err) == CF_UNAVAILABLE);
+    buf_cleanup(&out);
+    proc_env_free(env);
+}
+
+int main(void)
+{
+    char root[] = "/tmp/cflue-test-toold-XXXXXX";
+    struct workspaces *ws;
+    struct cf_error err;
+    CHECK(mkdtemp(root) != NULL);
+    CHECK(workspaces_new(root, true, driver_find("local"), &ws, &err) == CF_OK);
+    CHECK(workspaces_get(ws, "sb1", &sb, &err) == CF_OK);
+    CHECK(workspaces_get(ws, "../x", &sb, &err) == CF_INVALID);
+    CHECK(workspaces_get(ws, "sb1", &sb, &err) == CF_OK);
+    test_paths();
+    test_confined_io();
+    test_locks();
+    test_proc();
+    workspaces_free(ws);
+    char cmd[128];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", root);
+    CHECK(system(cmd) == 0);
+    return check_done("test_toold");
+}
