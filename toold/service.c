@@ -578,7 +578,7 @@ static void on_exec(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
     free(extra);
     const char *argv[PROC_ARGV_MAX];
     sb->driver->build_argv(sb, cwd, req->command, argv);
-    struct exec_out o;
+    struct exec_out o = {.overflow = false};
     buf_init(&o.out, EXEC_OUTPUT_MAX);
     int64_t timeout =
         req->timeout_ms > 0 ? req->timeout_ms : server_state.cfg->bash_default_timeout_ms;

@@ -27,12 +27,56 @@ struct workspaces {
     int n;
 };
 
-static int openat2_beneath(int dirfd, const char *path, int flags, mode_t mode)
+/* open_by_components opens a normalized relative path one component at a time, refusing a
+ * symbolic link anywhere along it (ELOOP). Used where openat2 is missing (kernels before 5.6,
+ * valgrind): stricter than RESOLVE_BENEATH, which allows links that stay inside. */
+static int open_by_components(int dirfd, const char *path, int flags, mode_t mode)
 {
-    struct open_how how = {.flags = (uint64_t)flags | O_CLOEXEC,
-                           .mode = (flags & O_CREAT) ? mode : 0,
-                           .resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS};
-    return (int)syscall(SYS_openat2, dirfd, path, &how, sizeof(how));
+    char copy[WS_PATH_MAX];
+    snprintf(copy, sizeof(copy), "%s", path);
+    char *last = strrchr(copy, '/');
+    int cur = dirfd;
+    if (last) {
+        *last = '\0';
+        char *save = NULL;
+        for (char *seg = strtok_r(copy, "/", &save); seg; seg = strtok_r(NULL, "/", &save)) {
+            int next = openat(cur, seg, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            int e = errno;
+            if (cur != dirfd) {
+                close(cur);
+            }
+            if (next < 0) {
+                errno = e == ENOTDIR ? ELOOP : e;
+                return -1;
+            }
+            cur = next;
+        }
+    }
+    const char *name = last ? last + 1 : copy;
+    int fd = openat(cur, name, flags | O_NOFOLLOW | O_CLOEXEC, mode);
+    int e = errno;
+    if (cur != dirfd) {
+        close(cur);
+    }
+    errno = e;
+    return fd;
+}
+
+static int openat2_missing; /* set once openat2 answered ENOSYS */
+
+static int open_beneath(int dirfd, const char *path, int flags, mode_t mode)
+{
+    if (!__atomic_load_n(&openat2_missing, __ATOMIC_RELAXED)) {
+        struct open_how how = {.flags = (uint64_t)flags | O_CLOEXEC,
+                               .mode = (flags & O_CREAT) ? mode : 0,
+                               .resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS};
+        int fd = (int)syscall(SYS_openat2, dirfd, path, &how, sizeof(how));
+        if (fd >= 0 || errno != ENOSYS) {
+            return fd;
+        }
+        __atomic_store_n(&openat2_missing, 1, __ATOMIC_RELAXED);
+    }
+    return open_by_components(dirfd, path, flags, mode);
 }
 
 enum cf_status ws_errno_error(int e, const char *op, const char *shown_path, struct cf_error *err)
@@ -162,11 +206,7 @@ enum cf_status ws_open(const struct sandbox *sb, const char *rel, int flags, mod
     if (rel[0] == '/') { /* only when unconfined */
         fd = open(rel, flags | O_CLOEXEC, mode);
     } else if (sb->confine) {
-        fd = openat2_beneath(sb->root_fd, rel, flags, mode);
-        if (fd < 0 && errno == ENOSYS) {
-            /* kernels before 5.6: refuse symlinks anywhere instead */
-            fd = openat(sb->root_fd, rel, flags | O_CLOEXEC | O_NOFOLLOW, mode);
-        }
+        fd = open_beneath(sb->root_fd, rel, flags, mode);
     } else {
         fd = openat(sb->root_fd, rel, flags | O_CLOEXEC, mode);
     }

@@ -636,3 +636,310 @@ RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+# ---------------------------------------------------------------------------------------------
+# toold: the sandbox tools daemon (cflue.v1.Tools and cflue.v1.Sandbox)
+# ---------------------------------------------------------------------------------------------
+
+TOOLD_BIN = os.path.join(BUILD_DIR, 'toold', 'toold')
+CLI_BIN = os.path.join(BUILD_DIR, 'cli', 'cflue')
+
+try:
+    from cflue.v1 import tools_pb2, sandbox_pb2  # noqa: E402
+except ImportError:  # pragma: no cover - only the toold tests need them
+    tools_pb2 = sandbox_pb2 = None
+
+# Method name -> (request class, response class, streaming); filled when the modules exist.
+SANDBOX_METHODS = {}
+if sandbox_pb2 is not None:
+    SANDBOX_METHODS = {
+        'ReadFile': (sandbox_pb2.ReadFileRequest, sandbox_pb2.ReadFileResponse),
+        'WriteFile': (sandbox_pb2.WriteFileRequest, sandbox_pb2.WriteFileResponse),
+        'Stat': (sandbox_pb2.PathRequest, sandbox_pb2.FileInfo),
+        'ReadDir': (sandbox_pb2.PathRequest, sandbox_pb2.ReadDirResponse),
+        'Mkdir': (sandbox_pb2.MkdirRequest, sandbox_pb2.MkdirResponse),
+        'Remove': (sandbox_pb2.RemoveRequest, sandbox_pb2.RemoveResponse),
+        'Exec': (sandbox_pb2.ExecRequest, sandbox_pb2.ExecResponse),
+    }
+
+
+class TooldExited(Exception):
+    pass
+
+
+class Toold(object):
+    """A toold process serving workspaces under <dir>/root.
+
+    Listens on unix:<dir>/toold.sock (tcp=False) or 127.0.0.1:0 with --port-file (tcp=True).
+    driver: 'local' or 'bwrap'; grep_engine: None (toold's default) or auto|rg|pcre2|grep;
+    extra_args/env are added to the command line and the environment.
+
+        td = Toold()
+        res = td.execute('sb1', 'read', {'path': 'a.txt'})   # a tools_pb2.ToolResult
+        td.workspace('sb1')                                   # host path of the workspace
+        td.stop()                                             # SIGTERM, asserts exit 0
+    """
+
+    def __init__(self, driver='local', grep_engine=None, extra_args=(), env=None, tcp=False,
+                 workdir=None, start=True):
+        if not os.path.exists(TOOLD_BIN):
+            raise unittest.SkipTest('toold binary not built: %s' % TOOLD_BIN)
+        if tools_pb2 is None:
+            raise unittest.SkipTest('generated tools_pb2/sandbox_pb2 missing in %s' % PY_DIR)
+        self.dir = workdir or tempfile.mkdtemp(prefix='cflue-toold-')
+        self.root = os.path.join(self.dir, 'root')
+        self.driver = driver
+        self.grep_engine = grep_engine
+        self.tcp = tcp
+        self.sock = os.path.join(self.dir, 'toold.sock')
+        self.port_file = os.path.join(self.dir, 'port')
+        self.stderr_path = os.path.join(self.dir, 'toold.stderr')
+        self.extra_args = list(extra_args)
+        self.env = dict(env or {})
+        self.proc = None
+        self.target = None
+        self.channel = None
+        self.starts = 0
+        self._chan_lock = threading.Lock()
+        if start:
+            self.start()
+
+    # ---- process control ----
+
+    @property
+    def pid(self):
+        return self.proc.pid if self.proc is not None else None
+
+    def command(self):
+        if self.tcp:
+            listen = ['--listen', '127.0.0.1:0', '--port-file', self.port_file]
+        else:
+            listen = ['--listen', 'unix:' + self.sock]
+        cmd = [TOOLD_BIN] + listen + ['--root', self.root, '--driver', self.driver]
+        if self.grep_engine:
+            cmd += ['--grep-engine', self.grep_engine]
+        return cmd + self.extra_args
+
+    def start(self, timeout=READY_TIMEOUT_S):
+        if self.tcp and os.path.exists(self.port_file):
+            os.unlink(self.port_file)
+        env = dict(os.environ)
+        env.update(self.env)
+        self.starts += 1
+        with open(self.stderr_path, 'ab') as f:
+            f.write(('---- start #%d: %s\n' % (self.starts, ' '.join(self.command())))
+                    .encode())
+            f.flush()
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
+                                         stdout=f, stderr=f, env=env)
+        _LIVE.add(self)
+        deadline = time.monotonic() + timeout
+        target = self._wait_target(deadline)
+        with self._chan_lock:
+            if self.channel is None or target != self.target:
+                old = self.channel
+                self.target = target
+                self.channel = grpc.insecure_channel(target, options=channel_options())
+                # see Storaged.start: keeps reconnects after a restart fast
+                self.channel.subscribe(_ignore_state, try_to_connect=True)
+                if old is not None:
+                    old.unsubscribe(_ignore_state)
+                    old.close()
+        self._wait_serving(deadline)
+        return self
+
+    def _check_alive(self):
+        rc = self.proc.poll()
+        if rc is not None:
+            _LIVE.discard(self)
+            raise TooldExited('toold exited with code %d during start-up\n%s'
+                              % (rc, self.stderr_text()))
+
+    def _wait_target(self, deadline):
+        if not self.tcp:
+            return 'unix:' + self.sock
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                with open(self.port_file) as f:
+                    txt = f.read().strip()
+                if txt:
+                    return '127.0.0.1:%d' % int(txt)
+            except (IOError, ValueError):
+                pass
+            time.sleep(0.02)
+        raise AssertionError('toold did not write its port file in time\n' + self.stderr_text())
+
+    def _wait_serving(self, deadline):
+        last = None
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                st = self.health_check('', timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+                if st == SERVING:
+                    return
+                last = 'status %s' % st
+            except grpc.RpcError as e:
+                last = '%s: %s' % (e.code(), e.details())
+            time.sleep(0.02)
+        raise AssertionError('toold not SERVING within %.0f s (last: %s)\n%s'
+                             % (READY_TIMEOUT_S, last, self.stderr_text()))
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        _LIVE.discard(self)
+
+    def terminate(self, timeout=STOP_TIMEOUT_S):
+        """SIGTERM; returns the exit code (None if it did not exit in time; then SIGKILL)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                return None
+        _LIVE.discard(self)
+        return self.proc.returncode
+
+    def stop(self, timeout=STOP_TIMEOUT_S):
+        rc = self.terminate(timeout)
+        if rc != 0:
+            raise AssertionError('toold did not exit 0 on SIGTERM (exit code %r)\n%s'
+                                 % (rc, self.stderr_text()))
+        return rc
+
+    def close(self):
+        self.kill()
+        with self._chan_lock:
+            if self.channel is not None:
+                self.channel.unsubscribe(_ignore_state)
+                self.channel.close()
+                self.channel = None
+
+    def remove(self):
+        self.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def stderr_text(self):
+        try:
+            with open(self.stderr_path, 'rb') as f:
+                return f.read().decode('utf-8', 'replace')
+        except IOError:
+            return '(no stderr captured)'
+
+    def _current_channel(self):
+        with self._chan_lock:
+            if self.channel is None:
+                raise RuntimeError('toold never started')
+            return self.channel
+
+    def workspace(self, sandbox, create=False):
+        """The host path of a sandbox's workspace (root resolved like toold does)."""
+        path = os.path.join(os.path.realpath(self.root), sandbox)
+        if create:
+            os.makedirs(path, exist_ok=True)
+        return path
+
+    # ---- health ----
+
+    def health_check(self, service='', timeout=5):
+        c = self._current_channel().unary_unary(
+            '/grpc.health.v1.Health/Check',
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        return c(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+
+    # ---- Tools ----
+
+    def list_tools(self, sandbox='', timeout=10):
+        c = self._current_channel().unary_unary(
+            '/cflue.v1.Tools/List',
+            request_serializer=tools_pb2.ListToolsRequest.SerializeToString,
+            response_deserializer=tools_pb2.ListToolsResponse.FromString)
+        return c(tools_pb2.ListToolsRequest(sandbox=sandbox), timeout=timeout)
+
+    def execute_call(self, call, timeout=120, channel=None):
+        """Runs one tools_pb2.ToolCall; returns the ToolResult."""
+        ch = channel or self._current_channel()
+        c = ch.unary_unary('/cflue.v1.Tools/Execute',
+                           request_serializer=tools_pb2.ToolCall.SerializeToString,
+                           response_deserializer=tools_pb2.ToolResult.FromString)
+        return c(call, timeout=timeout)
+
+    def execute(self, sandbox, name, arguments, timeout_ms=0, call_id='', timeout=120,
+                channel=None):
+        """Runs a tool; arguments is a dict (sent as JSON) or a str (sent as is)."""
+        return self.execute_call(tool_call(sandbox, name, arguments, timeout_ms, call_id),
+                                 timeout=timeout, channel=channel)
+
+    def execute_batch(self, calls, timeout=120):
+        """Runs a ToolBatch; returns the list of BatchResult in arrival order."""
+        c = self._current_channel().unary_stream(
+            '/cflue.v1.Tools/ExecuteBatch',
+            request_serializer=tools_pb2.ToolBatch.SerializeToString,
+            response_deserializer=tools_pb2.BatchResult.FromString)
+        return list(c(tools_pb2.ToolBatch(calls=calls), timeout=timeout))
+
+    # ---- Sandbox ----
+
+    def sandbox(self, method, timeout=60, **fields):
+        """Calls /cflue.v1.Sandbox/<method> with a request built from fields."""
+        req_cls, resp_cls = SANDBOX_METHODS[method]
+        c = self._current_channel().unary_unary(
+            '/cflue.v1.Sandbox/' + method, request_serializer=req_cls.SerializeToString,
+            response_deserializer=resp_cls.FromString)
+        return c(req_cls(**fields), timeout=timeout)
+
+
+def tool_call(sandbox, name, arguments, timeout_ms=0, call_id=''):
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return tools_pb2.ToolCall(sandbox=sandbox, name=name, arguments_json=args,
+                              timeout_ms=timeout_ms, call_id=call_id)
+
+
+def result_details(res):
+    return json.loads(res.details_json) if res.details_json else {}
+
+
+def truncation_dict(res):
+    t = res.truncation
+    return {'truncated': t.truncated, 'by': tools_pb2.TruncatedBy.Name(t.by),
+            'total_lines': t.total_lines, 'total_bytes': t.total_bytes,
+            'shown_first_line': t.shown_first_line, 'shown_last_line': t.shown_last_line,
+            'next_offset': t.next_offset, 'line_too_long': t.line_too_long}
+
+
+class TooldTestCase(unittest.TestCase):
+    """Starts toold daemons through self.start_toold(...) and prints their stderr when a test
+    fails; every daemon a test started is killed and removed afterwards."""
+
+    def run(self, result=None):
+        self._toolds = []
+        if result is None:
+            return super(TooldTestCase, self).run(result)
+        before = len(result.failures) + len(result.errors)
+        try:
+            return super(TooldTestCase, self).run(result)
+        finally:
+            failed = len(result.failures) + len(result.errors) > before
+            for td in self._toolds:
+                td.close()
+                if failed:
+                    sys.stderr.write('\n==== toold stderr for %s (%s) ====\n%s'
+                                     '==== end of toold stderr ====\n'
+                                     % (self.id(), td.dir, _tail(td.stderr_text(), 60)))
+                shutil.rmtree(td.dir, ignore_errors=True)
+
+    def start_toold(self, **kwargs):
+        td = Toold(start=False, **kwargs)
+        self._toolds.append(td)
+        td.start()
+        return td
