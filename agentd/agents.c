@@ -1,0 +1,352 @@
+/* agents.c - loading agent definitions with libyaml. */
+#include "agents.h"
+
+#include "ids.h"
+#include "mem.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <yaml.h>
+
+#define AGENT_FILE_MAX (1 << 20)
+
+static yaml_node_t *map_get(yaml_document_t *doc, yaml_node_t *map, const char *key)
+{
+    for (yaml_node_pair_t *p = map->data.mapping.pairs.start; p < map->data.mapping.pairs.top;
+         p++) {
+        yaml_node_t *k = yaml_document_get_node(doc, p->key);
+        if (k && k->type == YAML_SCALAR_NODE && !strcmp((char *)k->data.scalar.value, key)) {
+            return yaml_document_get_node(doc, p->value);
+        }
+    }
+    return NULL;
+}
+
+static enum cf_status scalar(yaml_node_t *n, const char *file, const char *field, char **out,
+                             struct cf_error *err)
+{
+    if (!n) {
+        return CF_OK;
+    }
+    if (n->type != YAML_SCALAR_NODE) {
+        return cf_error_set(err, CF_INVALID, "%s: %s: expected a string", file, field);
+    }
+    *out = mem_strdup((char *)n->data.scalar.value);
+    return CF_OK;
+}
+
+static enum cf_status integer(yaml_node_t *n, const char *file, const char *field, int64_t min,
+                              int64_t max, int64_t *out, struct cf_error *err)
+{
+    if (!n) {
+        return CF_OK;
+    }
+    char *end;
+    const char *v = n->type == YAML_SCALAR_NODE ? (char *)n->data.scalar.value : "";
+    long long x = strtoll(v, &end, 10);
+    if (n->type != YAML_SCALAR_NODE || !*v || *end || x < min || x > max) {
+        return cf_error_set(err, CF_INVALID, "%s: %s: expected a whole number from %lld to %lld",
+                            file, field, (long long)min, (long long)max);
+    }
+    *out = x;
+    return CF_OK;
+}
+
+static enum cf_status string_list(yaml_document_t *doc, yaml_node_t *n, const char *file,
+                                  const char *field, char ***out, size_t *n_out,
+                                  struct cf_error *err)
+{
+    if (!n) {
+        return CF_OK;
+    }
+    if (n->type != YAML_SEQUENCE_NODE) {
+        return cf_error_set(err, CF_INVALID, "%s: %s: expected a list of strings", file, field);
+    }
+    size_t count = (size_t)(n->data.sequence.items.top - n->data.sequence.items.start);
+    *out = mem_alloc(sizeof(char *) * (count + 1));
+    for (size_t i = 0; i < count; i++) {
+        yaml_node_t *it = yaml_document_get_node(doc, n->data.sequence.items.start[i]);
+        if (!it || it->type != YAML_SCALAR_NODE || !*(char *)it->data.scalar.value) {
+            return cf_error_set(err, CF_INVALID, "%s: %s[%zu]: expected a non-empty string", file,
+                                field, i);
+        }
+        (*out)[(*n_out)++] = mem_strdup((char *)it->data.scalar.value);
+    }
+    return CF_OK;
+}
+
+static const char *known_keys[] = {"name",   "description", "model",      "sandbox",   "agents",
+                                   "skills", "tools",       "compaction", "durability"};
+
+enum cf_status agents_parse(const char *text, const char *name_hint, const char *file,
+                            struct agent_def *a, struct cf_error *err)
+{
+    yaml_parser_t parser;
+    yaml_document_t doc;
+    enum cf_status rc = CF_OK;
+    memset(a, 0, sizeof(*a));
+
+    if (strncmp(text, "---\n", 4) != 0 && strncmp(text, "---\r\n", 5) != 0) {
+        return cf_error_set(err, CF_INVALID,
+                            "%s: the file must start with YAML frontmatter between '---' lines",
+                            file);
+    }
+    const char *fm = strchr(text, '\n') + 1;
+    const char *end = strstr(fm, "\n---");
+    if (!end && !strncmp(fm, "---", 3)) {
+        end = fm - 1;
+    }
+    if (!end) {
+        return cf_error_set(err, CF_INVALID, "%s: the frontmatter has no closing '---' line", file);
+    }
+    const char *body = strchr(end + 1, '\n');
+    body = body ? body + 1 : end + strlen(end);
+    while (*body == '\n' || *body == '\r') {
+        body++;
+    }
+    yaml_parser_initialize(&parser);
+    yaml_parser_set_input_string(&parser, (const unsigned char *)fm,
+                                 end > fm ? (size_t)(end - fm) : 0);
+    if (!yaml_parser_load(&parser, &doc)) {
+        rc = cf_error_set(err, CF_INVALID, "%s: frontmatter line %zu: %s", file,
+                          parser.problem_mark.line + 2,
+                          parser.problem ? parser.problem : "invalid YAML");
+        yaml_parser_delete(&parser);
+        return rc;
+    }
+    yaml_node_t *root = yaml_document_get_root_node(&doc);
+    if (!root || root->type != YAML_MAPPING_NODE) {
+        rc = cf_error_set(err, CF_INVALID, "%s: the frontmatter must be a mapping of fields", file);
+        goto out;
+    }
+    for (yaml_node_pair_t *p = root->data.mapping.pairs.start; p < root->data.mapping.pairs.top;
+         p++) {
+        yaml_node_t *k = yaml_document_get_node(&doc, p->key);
+        bool known = false;
+        for (size_t i = 0; k && k->type == YAML_SCALAR_NODE && i < 9; i++) {
+            known = known || !strcmp((char *)k->data.scalar.value, known_keys[i]);
+        }
+        if (!known) {
+            rc = cf_error_set(
+                err, CF_INVALID,
+                "%s: %s: unknown field (known: name, description, model, sandbox, "
+                "agents, skills, tools, compaction, durability)",
+                file, k && k->type == YAML_SCALAR_NODE ? (char *)k->data.scalar.value : "?");
+            goto out;
+        }
+    }
+    if ((rc = scalar(map_get(&doc, root, "name"), file, "name", &a->name, err)) != CF_OK ||
+        (rc = scalar(map_get(&doc, root, "description"), file, "description", &a->description,
+                     err)) != CF_OK ||
+        (rc = scalar(map_get(&doc, root, "model"), file, "model", &a->model, err)) != CF_OK) {
+        goto out;
+    }
+    if (!a->name) {
+        a->name = mem_strdup(name_hint);
+    } else if (name_hint && strcmp(a->name, name_hint) != 0) {
+        rc = cf_error_set(err, CF_INVALID, "%s: name: '%s' does not match the file name '%s.md'",
+                          file, a->name, name_hint);
+        goto out;
+    }
+    if (!ids_valid_name(a->name, 128)) {
+        rc = cf_error_set(err, CF_INVALID, "%s: name: use 1 to 128 of A-Z a-z 0-9 . _ -", file);
+        goto out;
+    }
+    if (!a->model) {
+        rc = cf_error_set(err, CF_INVALID, "%s: model: required (e.g. anthropic/claude-sonnet-4-5)",
+                          file);
+        goto out;
+    }
+    const char *slash = strchr(a->model, '/');
+    if (!slash || slash == a->model || !slash[1]) {
+        rc = cf_error_set(err, CF_INVALID, "%s: model: '%s' must be provider/model-id", file,
+                          a->model);
+        goto out;
+    }
+    a->provider = mem_strndup(a->model, (size_t)(slash - a->model));
+    a->model_id = mem_strdup(slash + 1);
+    if (strcmp(a->provider, "anthropic") != 0 && strcmp(a->provider, "openai") != 0) {
+        rc = cf_error_set(err, CF_INVALID, "%s: model: unknown provider '%s' (anthropic or openai)",
+                          file, a->provider);
+        goto out;
+    }
+    yaml_node_t *sb = map_get(&doc, root, "sandbox");
+    if (sb) {
+        if (sb->type != YAML_MAPPING_NODE) {
+            rc = cf_error_set(err, CF_INVALID,
+                              "%s: sandbox: expected {tools: ADDRESS, workspace: NAME}", file);
+            goto out;
+        }
+        if ((rc = scalar(map_get(&doc, sb, "tools"), file, "sandbox.tools", &a->sandbox_tools,
+                         err)) != CF_OK ||
+            (rc = scalar(map_get(&doc, sb, "workspace"), file, "sandbox.workspace",
+                         &a->sandbox_workspace, err)) != CF_OK) {
+            goto out;
+        }
+        if (!a->sandbox_tools) {
+            rc = cf_error_set(err, CF_INVALID, "%s: sandbox.tools: required (toold address)", file);
+            goto out;
+        }
+        if (!a->sandbox_workspace) {
+            a->sandbox_workspace = mem_strdup(a->name);
+        }
+    }
+    if ((rc = string_list(&doc, map_get(&doc, root, "agents"), file, "agents", &a->subagents,
+                          &a->n_subagents, err)) != CF_OK ||
+        (rc = string_list(&doc, map_get(&doc, root, "skills"), file, "skills", &a->skills,
+                          &a->n_skills, err)) != CF_OK ||
+        (rc = string_list(&doc, map_get(&doc, root, "tools"), file, "tools", &a->tool_servers,
+                          &a->n_tool_servers, err)) != CF_OK) {
+        goto out;
+    }
+    yaml_node_t *c = map_get(&doc, root, "compaction");
+    if (c && c->type != YAML_MAPPING_NODE) {
+        rc = cf_error_set(err, CF_INVALID, "%s: compaction: expected a mapping", file);
+        goto out;
+    }
+    if (c && ((rc = integer(map_get(&doc, c, "reserve_tokens"), file, "compaction.reserve_tokens",
+                            1, 1000000, &a->reserve_tokens, err)) != CF_OK ||
+              (rc = integer(map_get(&doc, c, "keep_recent_tokens"), file,
+                            "compaction.keep_recent_tokens", 1, 1000000, &a->keep_recent_tokens,
+                            err)) != CF_OK)) {
+        goto out;
+    }
+    yaml_node_t *d = map_get(&doc, root, "durability");
+    if (d && d->type != YAML_MAPPING_NODE) {
+        rc = cf_error_set(err, CF_INVALID, "%s: durability: expected a mapping", file);
+        goto out;
+    }
+    int64_t attempts = 0;
+    if (d && ((rc = integer(map_get(&doc, d, "max_attempts"), file, "durability.max_attempts", 1,
+                            1000, &attempts, err)) != CF_OK ||
+              (rc = integer(map_get(&doc, d, "timeout_ms"), file, "durability.timeout_ms", 1000,
+                            30LL * 86400000, &a->timeout_ms, err)) != CF_OK)) {
+        goto out;
+    }
+    a->max_attempts = (int32_t)attempts;
+    a->instructions = mem_strdup(body);
+out:
+    yaml_document_delete(&doc);
+    yaml_parser_delete(&parser);
+    if (rc != CF_OK) {
+        agents_free_one(a);
+    }
+    return rc;
+}
+
+static int cmp_agent(const void *x, const void *y)
+{
+    return strcmp(((const struct agent_def *)x)->name, ((const struct agent_def *)y)->name);
+}
+
+enum cf_status agents_load(const char *dir, struct agent_set *out, struct cf_error *err)
+{
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    enum cf_status rc = CF_OK;
+    size_t cap = 8;
+    out->items = mem_alloc(sizeof(*out->items) * cap);
+    out->n = 0;
+    if (!d) {
+        return cf_error_set(err, CF_IO, "cannot read the agents directory %s: %s", dir,
+                            strerror(errno));
+    }
+    while ((e = readdir(d))) {
+        size_t len = strlen(e->d_name);
+        if (len < 4 || strcmp(e->d_name + len - 3, ".md") != 0 || e->d_name[0] == '.') {
+            continue;
+        }
+        char path[4096], stem[256];
+        snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+        snprintf(stem, sizeof(stem), "%.*s", (int)(len - 3), e->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f) {
+            rc = cf_error_set(err, CF_IO, "%s: cannot open: %s", path, strerror(errno));
+            break;
+        }
+        char *text = mem_alloc(AGENT_FILE_MAX + 1);
+        size_t n = fread(text, 1, AGENT_FILE_MAX + 1, f);
+        fclose(f);
+        if (n > AGENT_FILE_MAX) {
+            free(text);
+            rc = cf_error_set(err, CF_INVALID, "%s: larger than %d bytes", path, AGENT_FILE_MAX);
+            break;
+        }
+        text[n] = '\0';
+        if (out->n == cap) {
+            cap *= 2;
+            out->items = mem_realloc(out->items, sizeof(*out->items) * cap);
+        }
+        rc = agents_parse(text, stem, path, &out->items[out->n], err);
+        free(text);
+        if (rc != CF_OK) {
+            break;
+        }
+        out->n++;
+    }
+    closedir(d);
+    if (rc == CF_OK && out->n == 0) {
+        rc = cf_error_set(err, CF_INVALID, "%s holds no agent definitions (NAME.md files)", dir);
+    }
+    for (size_t i = 0; rc == CF_OK && i < out->n; i++) {
+        for (size_t k = 0; k < out->items[i].n_subagents; k++) {
+            if (!agents_find(out, out->items[i].subagents[k])) {
+                rc = cf_error_set(err, CF_INVALID, "%s/%s.md: agents: unknown agent '%s'", dir,
+                                  out->items[i].name, out->items[i].subagents[k]);
+            }
+        }
+    }
+    if (rc != CF_OK) {
+        agents_free(out);
+        return rc;
+    }
+    qsort(out->items, out->n, sizeof(*out->items), cmp_agent);
+    return CF_OK;
+}
+
+const struct agent_def *agents_find(const struct agent_set *set, const char *name)
+{
+    for (size_t i = 0; i < set->n; i++) {
+        if (!strcmp(set->items[i].name, name)) {
+            return &set->items[i];
+        }
+    }
+    return NULL;
+}
+
+static void free_list(char **items, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        free(items[i]);
+    }
+    free(items);
+}
+
+void agents_free_one(struct agent_def *a)
+{
+    free(a->name);
+    free(a->description);
+    free(a->model);
+    free(a->provider);
+    free(a->model_id);
+    free(a->instructions);
+    free(a->sandbox_tools);
+    free(a->sandbox_workspace);
+    free_list(a->subagents, a->n_subagents);
+    free_list(a->skills, a->n_skills);
+    free_list(a->tool_servers, a->n_tool_servers);
+    memset(a, 0, sizeof(*a));
+}
+
+void agents_free(struct agent_set *set)
+{
+    for (size_t i = 0; i < set->n; i++) {
+        agents_free_one(&set->items[i]);
+    }
+    free(set->items);
+    set->items = NULL;
+    set->n = 0;
+}

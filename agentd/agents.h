@@ -1,0 +1,69 @@
+/* agents.h - agent definitions: NAME.md files with YAML frontmatter in --agents DIR.
+ *
+ *   ---
+ *   name: coder                      # optional; must match the file name when given
+ *   description: Fixes small bugs
+ *   model: anthropic/claude-sonnet-4-5   # provider/model-id; provider anthropic or openai
+ *   sandbox: {tools: "127.0.0.1:7102", workspace: example}   # absent: no sandbox tools
+ *   agents: [helper]                 # subagents it may delegate to
+ *   skills: [review]
+ *   tools: ["127.0.0.1:7200"]        # extra cflue.v1.Tools servers
+ *   compaction: {reserve_tokens: 20000, keep_recent_tokens: 8000}
+ *   durability: {max_attempts: 10, timeout_ms: 3600000}
+ *   ---
+ *   Markdown body: the agent's instructions.
+ *
+ * Every problem is reported with the file and the field, so a bad definition is found at
+ * start-up rather than at the first submission.
+ */
+#ifndef CFLUE_AGENTD_AGENTS_H
+#define CFLUE_AGENTD_AGENTS_H
+
+#include "status.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct agent_def {
+    char *name;
+    char *description;
+    char *model;    /* "anthropic/..." or "openai/..." */
+    char *provider; /* "anthropic" or "openai" */
+    char *model_id;
+    char *instructions;
+    char *sandbox_tools;     /* toold address, NULL without a sandbox */
+    char *sandbox_workspace; /* sandbox name; "{conversation}" is replaced by the id */
+    char **subagents;
+    size_t n_subagents;
+    char **skills;
+    size_t n_skills;
+    char **tool_servers;
+    size_t n_tool_servers;
+    int64_t reserve_tokens;     /* 0: default */
+    int64_t keep_recent_tokens; /* 0: default */
+    int32_t max_attempts;       /* 0: storaged's default */
+    int64_t timeout_ms;         /* 0: storaged's default */
+};
+
+struct agent_set {
+    struct agent_def *items;
+    size_t n;
+};
+
+/* agents_load reads every *.md file of dir. CF_INVALID with "FILE: field: problem" for the
+ * first bad definition; CF_IO when dir cannot be read. An empty directory is CF_INVALID. */
+enum cf_status agents_load(const char *dir, struct agent_set *out, struct cf_error *err);
+
+/* agents_parse parses one definition from text (name_hint is the file's stem, file is used in
+ * messages). On success fills *out (free with agents_free_one). */
+enum cf_status agents_parse(const char *text, const char *name_hint, const char *file,
+                            struct agent_def *out, struct cf_error *err);
+
+/* agents_find returns the agent named name, or NULL. */
+const struct agent_def *agents_find(const struct agent_set *set, const char *name);
+
+/* agents_free_one / agents_free release definitions. */
+void agents_free_one(struct agent_def *a);
+void agents_free(struct agent_set *set);
+
+#endif

@@ -1,0 +1,23 @@
+/* clients.h - agentd's calls to storaged and toold. */
+#ifndef CFLUE_AGENTD_CLIENTS_H
+#define CFLUE_AGENTD_CLIENTS_H
+
+#include "rpc.h"
+#include "status.h"
+
+#include "cflue/v1/store.pb-c.h"
+#include "cflue/v1/tools.pb-c.h"
+
+/* store_call makes one Store RPC ("Admit", "Claim", ...). On success *resp_out holds the
+ * decoded response (free with protobuf_c_message_free_unpacked). On failure err carries the
+ * server's message and a status mapped back from the gRPC code (FAILED_PRECONDITION ->
+ * CF_STALE, NOT_FOUND -> CF_NOT_FOUND, ...); UNAVAILABLE and DEADLINE_EXCEEDED map to
+ * CF_UNAVAILABLE, which callers may retry. */
+enum cf_status store_call(struct rpc_channel *ch, const char *method, const ProtobufCMessage *req,
+                          const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
+                          ProtobufCMessage **resp_out, struct cf_error *err);
+
+/* status_from_grpc maps a gRPC code to the closest cf_status. */
+enum cf_status status_from_grpc(grpc_status_code code);
+
+#endif

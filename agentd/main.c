@@ -1,0 +1,314 @@
+/* main.c - agentd: the public Agent API and the workers that drive submissions.
+ *
+ * Crash-only: all state is in storaged. Workers claim work (queued heads, and leases that
+ * expired), heartbeat their leases, and poll abort intents every second. With a stable
+ * --owner-id, a restarted agentd takes back its own unfinished work at once instead of
+ * waiting for the leases to run out.
+ */
+#include "agentd.h"
+#include "clients.h"
+#include "clock.h"
+#include "config.h"
+#include "log.h"
+#include "mem.h"
+
+#include <curl/curl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+struct agentd g_agentd;
+
+static const char usage[] =
+    "usage: agentd --agents DIR [options]\n\n"
+    "Serves cflue.v1.Agent (Submit, Watch, GetSubmission, Abort, ListAgents, GetConversation)\n"
+    "and drives submissions: claims them from storaged, calls the agent's model (Anthropic\n"
+    "Messages or OpenAI Chat Completions), runs its tools through toold, and settles each once.\n"
+    "Model credentials come from ANTHROPIC_API_KEY / ANTHROPIC_BASE_URL and OPENAI_API_KEY /\n"
+    "OPENAI_BASE_URL. Also serves grpc.health.v1.Health.";
+
+void agentd_wake(void)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    pthread_cond_broadcast(&g_agentd.wake);
+    pthread_mutex_unlock(&g_agentd.mu);
+}
+
+bool agentd_mark_abort(const char *submission_id)
+{
+    bool here = false;
+    pthread_mutex_lock(&g_agentd.mu);
+    for (int i = 0; i < ACTIVE_MAX; i++) {
+        struct active *a = &g_agentd.active[i];
+        if (a->in_use && !strcmp(a->submission_id, submission_id)) {
+            a->abort_requested = true;
+            here = true;
+        }
+    }
+    pthread_mutex_unlock(&g_agentd.mu);
+    return here;
+}
+
+static void *worker_main(void *arg)
+{
+    struct cf_error err;
+    bool reclaim = true; /* the first claims take back this owner's own unfinished work */
+    for (;;) {
+        pthread_mutex_lock(&g_agentd.mu);
+        bool stop = g_agentd.stopping;
+        pthread_mutex_unlock(&g_agentd.mu);
+        if (stop) {
+            return NULL;
+        }
+        Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
+        ProtobufCMessage *resp = NULL;
+        req.owner_id = (char *)g_agentd.owner_id;
+        req.lease_ms = g_agentd.lease_ms;
+        req.reclaim_own = reclaim;
+        enum cf_status rc = store_call(g_agentd.store, "Claim", &req.base,
+                                       &cflue__v1__claim_response__descriptor, 15000, &resp, &err);
+        Cflue__V1__ClaimResponse *cl = (Cflue__V1__ClaimResponse *)resp;
+        if (rc == CF_OK && cl->submission) {
+            turn_drive(cl);
+            protobuf_c_message_free_unpacked(resp, NULL);
+            continue;
+        }
+        reclaim = false;
+        if (resp) {
+            protobuf_c_message_free_unpacked(resp, NULL);
+        }
+        if (rc != CF_OK) {
+            char q[600];
+            log_warn("claim_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += (rc == CF_OK ? 500 : 2000) * 1000000L;
+        while (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_mutex_lock(&g_agentd.mu);
+        if (!g_agentd.stopping) {
+            pthread_cond_timedwait(&g_agentd.wake, &g_agentd.mu, &ts);
+        }
+        pthread_mutex_unlock(&g_agentd.mu);
+    }
+}
+
+/* heartbeat_main renews leases every heartbeat_ms and polls abort intents every second. */
+static void *heartbeat_main(void *arg)
+{
+    int64_t last_beat = 0;
+    struct cf_error err;
+    for (;;) {
+        pthread_mutex_lock(&g_agentd.mu);
+        bool stop = g_agentd.stopping;
+        struct active snap[ACTIVE_MAX];
+        int n = 0;
+        for (int i = 0; i < ACTIVE_MAX; i++) {
+            if (g_agentd.active[i].in_use) {
+                snap[n++] = g_agentd.active[i];
+            }
+        }
+        pthread_mutex_unlock(&g_agentd.mu);
+        if (stop) {
+            return NULL;
+        }
+        int64_t now = clock_mono_ms();
+        if (n && now - last_beat >= g_agentd.heartbeat_ms) {
+            Cflue__V1__HeartbeatRequest hb = CFLUE__V1__HEARTBEAT_REQUEST__INIT;
+            Cflue__V1__Fence *fences = mem_alloc(sizeof(*fences) * (size_t)n);
+            Cflue__V1__Fence **ptrs = mem_alloc(sizeof(void *) * (size_t)n);
+            for (int i = 0; i < n; i++) {
+                cflue__v1__fence__init(&fences[i]);
+                fences[i].submission_id = snap[i].submission_id;
+                fences[i].attempt_id = snap[i].attempt_id;
+                fences[i].epoch = snap[i].epoch;
+                ptrs[i] = &fences[i];
+            }
+            hb.owner_id = (char *)g_agentd.owner_id;
+            hb.lease_ms = g_agentd.lease_ms;
+            hb.fences = ptrs;
+            hb.n_fences = (size_t)n;
+            ProtobufCMessage *resp = NULL;
+            if (store_call(g_agentd.store, "Heartbeat", &hb.base,
+                           &cflue__v1__heartbeat_response__descriptor, 10000, &resp,
+                           &err) == CF_OK) {
+                Cflue__V1__HeartbeatResponse *r = (Cflue__V1__HeartbeatResponse *)resp;
+                pthread_mutex_lock(&g_agentd.mu);
+                for (size_t k = 0; k < r->n_lost; k++) {
+                    for (int i = 0; i < ACTIVE_MAX; i++) {
+                        struct active *a = &g_agentd.active[i];
+                        if (a->in_use && !strcmp(a->submission_id, r->lost[k])) {
+                            a->lease_lost = true;
+                            log_warn("lease_lost", "submission=%s", r->lost[k]);
+                        }
+                    }
+                }
+                pthread_mutex_unlock(&g_agentd.mu);
+                protobuf_c_message_free_unpacked(resp, NULL);
+                last_beat = now;
+            }
+            free(fences);
+            free(ptrs);
+        }
+        for (int i = 0; i < n; i++) {
+            if (snap[i].abort_requested) {
+                continue;
+            }
+            Cflue__V1__GetRequest gr = CFLUE__V1__GET_REQUEST__INIT;
+            ProtobufCMessage *resp = NULL;
+            gr.submission_id = snap[i].submission_id;
+            if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
+                           5000, &resp, &err) == CF_OK) {
+                if (((Cflue__V1__Submission *)resp)->abort_requested_at_ms) {
+                    agentd_mark_abort(snap[i].submission_id);
+                }
+                protobuf_c_message_free_unpacked(resp, NULL);
+            }
+        }
+        clock_sleep_ms(n ? 500 : 1000);
+    }
+}
+
+int main(int argc, char **argv)
+{
+    const char *listen = "127.0.0.1:7100", *store = "127.0.0.1:7101", *agents_dir = "";
+    const char *owner = "", *level = "info", *port_file = "";
+    long long workers = 4, lease_ms = 30000, heartbeat_ms = 10000, grace_ms = 5000;
+    long long model_timeout = 600000;
+    bool no_stream = false, help;
+    struct cf_error err;
+    const struct config_opt opts[] = {
+        {"listen", CONFIG_STRING, &listen, 0, 0, "address to serve the Agent API on"},
+        {"store", CONFIG_STRING, &store, 0, 0, "storaged address"},
+        {"agents", CONFIG_STRING, &agents_dir, 0, 0, "directory of agent definitions (NAME.md)"},
+        {"owner-id", CONFIG_STRING, &owner, 0, 0,
+         "stable name of this process for leases (default: host and port)"},
+        {"workers", CONFIG_INT, &workers, 1, 1024, "submissions driven at once"},
+        {"lease-ms", CONFIG_INT, &lease_ms, 500, 3600000, "lease on claimed work"},
+        {"heartbeat-ms", CONFIG_INT, &heartbeat_ms, 100, 3600000, "lease renewal interval"},
+        {"model-timeout-ms", CONFIG_INT, &model_timeout, 1000, 3600000, "one model call"},
+        {"no-stream", CONFIG_BOOL, &no_stream, 0, 0, "ask providers for whole responses"},
+        {"port-file", CONFIG_STRING, &port_file, 0, 0, "write the bound TCP port here"},
+        {"grace-ms", CONFIG_INT, &grace_ms, 0, 600000, "how long shutdown waits for calls"},
+        {"log-level", CONFIG_STRING, &level, 0, 0, "debug, info, warn or error"},
+    };
+    log_init("agentd", LOG_INFO);
+    if (config_parse(opts, sizeof(opts) / sizeof(opts[0]), argc, argv, usage, &help, &err) !=
+        CF_OK) {
+        fprintf(stderr, "agentd: %s\n", err.msg);
+        return 2;
+    }
+    if (help) {
+        return 0;
+    }
+    int lv = log_parse_level(level);
+    if (lv < 0 || !*agents_dir) {
+        fprintf(stderr, "agentd: %s\n",
+                lv < 0 ? "--log-level must be debug, info, warn or error"
+                       : "--agents DIR is required (a directory of NAME.md agent definitions)");
+        return 2;
+    }
+    log_init("agentd", (enum log_level)lv);
+    if (heartbeat_ms * 2 > lease_ms) {
+        heartbeat_ms = lease_ms / 3;
+    }
+    if (agents_load(agents_dir, &g_agentd.agents, &err) != CF_OK) {
+        fprintf(stderr, "agentd: %s\n", err.msg);
+        log_error("agents_invalid", "dir=%s", agents_dir);
+        return 1;
+    }
+    char owner_buf[256];
+    if (!*owner) {
+        char host[128] = "host";
+        gethostname(host, sizeof(host) - 1);
+        snprintf(owner_buf, sizeof(owner_buf), "agentd-%s-%s", host, listen);
+        for (char *p = owner_buf; *p; p++) {
+            if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
+                  (*p >= '0' && *p <= '9') || *p == '-' || *p == '_' || *p == '.')) {
+                *p = '_';
+            }
+        }
+        owner = owner_buf;
+    }
+    g_agentd.owner_id = owner;
+    g_agentd.store_addr = store;
+    g_agentd.lease_ms = lease_ms;
+    g_agentd.heartbeat_ms = heartbeat_ms;
+    g_agentd.workers = (int)workers;
+    g_agentd.stream = !no_stream;
+    g_agentd.model_timeout_ms = model_timeout;
+    const char *ab = getenv("ANTHROPIC_BASE_URL"), *ob = getenv("OPENAI_BASE_URL");
+    g_agentd.anthropic =
+        (struct provider_endpoint){.base_url = ab && *ab ? ab : "https://api.anthropic.com",
+                                   .api_key = getenv("ANTHROPIC_API_KEY"),
+                                   .timeout_ms = model_timeout};
+    g_agentd.openai =
+        (struct provider_endpoint){.base_url = ob && *ob ? ob : "https://api.openai.com/v1",
+                                   .api_key = getenv("OPENAI_API_KEY"),
+                                   .timeout_ms = model_timeout};
+    pthread_mutex_init(&g_agentd.mu, NULL);
+    pthread_cond_init(&g_agentd.wake, NULL);
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    rpc_global_init();
+    g_agentd.store = rpc_channel_new(store, 64 << 20);
+
+    struct rpc_server_opts ro = {.workers = 8, .max_threads = 1024};
+    struct rpc_server *srv = rpc_server_new(&ro);
+    api_register(srv);
+    int port = 0;
+    if (rpc_server_listen(srv, listen, &port, &err) != CF_OK) {
+        fprintf(stderr, "agentd: %s\n", err.msg);
+        rpc_server_free(srv);
+        rpc_channel_free(g_agentd.store);
+        rpc_global_shutdown();
+        agents_free(&g_agentd.agents);
+        return 1;
+    }
+    rpc_server_start(srv);
+    if (*port_file) {
+        FILE *f = fopen(port_file, "w");
+        if (f) {
+            fprintf(f, "%d\n", port);
+            fclose(f);
+        }
+    }
+    pthread_t *threads = mem_alloc(sizeof(pthread_t) * (size_t)(workers + 1));
+    for (int i = 0; i < workers; i++) {
+        pthread_create(&threads[i], NULL, worker_main, NULL);
+    }
+    pthread_create(&threads[workers], NULL, heartbeat_main, NULL);
+    log_info("listening", "addr=%s port=%d store=%s agents=%zu owner=%s workers=%lld", listen, port,
+             store, g_agentd.agents.n, owner, workers);
+
+    sigset_t set;
+    int sig;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    sigwait(&set, &sig);
+    log_info("stopping", "signal=%s", sig == SIGTERM ? "TERM" : "INT");
+    pthread_mutex_lock(&g_agentd.mu);
+    g_agentd.stopping = true;
+    for (int i = 0; i < ACTIVE_MAX; i++) {
+        g_agentd.active[i].shutting_down = true;
+    }
+    pthread_cond_broadcast(&g_agentd.wake);
+    pthread_mutex_unlock(&g_agentd.mu);
+    rpc_server_shutdown(srv, (int)grace_ms);
+    for (int i = 0; i <= workers; i++) {
+        pthread_join(threads[i], NULL);
+    }
+    free(threads);
+    rpc_server_free(srv);
+    rpc_channel_free(g_agentd.store);
+    rpc_global_shutdown();
+    curl_global_cleanup();
+    agents_free(&g_agentd.agents);
+    log_info("stopped", "code=0");
+    return 0;
+}

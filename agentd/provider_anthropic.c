@@ -1,0 +1,226 @@
+/* provider_anthropic.c - the Anthropic Messages API wire format.
+ *
+ * Request: {model, max_tokens, system, messages, tools, stream}. User text and tool results are
+ * user-role messages (tool results as tool_result blocks, consecutive ones merged into one
+ * message); assistant messages carry text and tool_use blocks. Streaming events:
+ * message_start, content_block_start (text | tool_use), content_block_delta (text_delta |
+ * input_json_delta), content_block_stop, message_delta (stop_reason, usage), message_stop,
+ * ping, error.
+ */
+#include "provider.h"
+
+#include "mem.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+json_t *anthropic_build(const struct llm_request *req)
+{
+    json_t *msgs = json_array();
+    json_t *pending_user = NULL; /* the user message being filled (results are merged) */
+    for (size_t i = 0; i < req->n_messages; i++) {
+        const struct llm_message *m = &req->messages[i];
+        if (m->role == LLM_ASSISTANT) {
+            json_t *content = json_array();
+            if (m->text && *m->text) {
+                json_array_append_new(content,
+                                      json_pack("{s:s, s:s}", "type", "text", "text", m->text));
+            }
+            for (size_t k = 0; k < m->n_calls; k++) {
+                json_t *input = json_loads(m->calls[k].arguments_json, 0, NULL);
+                if (!json_is_object(input)) {
+                    json_decref(input);
+                    input = json_object();
+                }
+                json_array_append_new(content, json_pack("{s:s, s:s, s:s, s:o}", "type", "tool_use",
+                                                         "id", m->calls[k].id, "name",
+                                                         m->calls[k].name, "input", input));
+            }
+            if (json_array_size(content) == 0) {
+                json_array_append_new(content,
+                                      json_pack("{s:s, s:s}", "type", "text", "text", "(no text)"));
+            }
+            json_array_append_new(msgs,
+                                  json_pack("{s:s, s:o}", "role", "assistant", "content", content));
+            pending_user = NULL;
+            continue;
+        }
+        json_t *block =
+            m->role == LLM_TOOL_RESULT
+                ? json_pack("{s:s, s:s, s:s, s:b}", "type", "tool_result", "tool_use_id",
+                            m->tool_call_id, "content", m->text && *m->text ? m->text : "(empty)",
+                            "is_error", m->is_error)
+                : json_pack("{s:s, s:s}", "type", "text", "text",
+                            m->text && *m->text ? m->text : "(empty)");
+        if (!pending_user) {
+            pending_user = json_pack("{s:s, s:[]}", "role", "user", "content");
+            json_array_append_new(msgs, pending_user);
+        }
+        json_array_append_new(json_object_get(pending_user, "content"), block);
+    }
+    json_t *body = json_pack("{s:s, s:I, s:o, s:b}", "model", req->model, "max_tokens",
+                             (json_int_t)req->max_tokens, "messages", msgs, "stream", req->stream);
+    if (req->system && *req->system) {
+        json_object_set_new(body, "system", json_string(req->system));
+    }
+    if (req->n_tools) {
+        json_t *tools = json_array();
+        for (size_t i = 0; i < req->n_tools; i++) {
+            json_t *schema = json_loads(req->tools[i].schema_json, 0, NULL);
+            json_array_append_new(tools,
+                                  json_pack("{s:s, s:s, s:o}", "name", req->tools[i].name,
+                                            "description", req->tools[i].description,
+                                            "input_schema", schema ? schema : json_object()));
+        }
+        json_object_set_new(body, "tools", tools);
+    }
+    return body;
+}
+
+static void usage_from(json_t *u, struct llm_response *out)
+{
+    json_t *in = json_object_get(u, "input_tokens"), *o = json_object_get(u, "output_tokens");
+    if (json_is_integer(in)) {
+        out->input_tokens = json_integer_value(in);
+    }
+    if (json_is_integer(o)) {
+        out->output_tokens = json_integer_value(o);
+    }
+}
+
+enum cf_status anthropic_parse_body(const char *body, size_t len, struct llm_response *out,
+                                    struct cf_error *err)
+{
+    json_error_t je;
+    json_t *j = json_loadb(body, len, 0, &je);
+    json_t *content = json_object_get(j, "content");
+    if (!json_is_array(content)) {
+        json_decref(j);
+        out->retryable = false;
+        return cf_error_set(err, CF_INVALID,
+                            "the Anthropic API sent a response that is not a message: %s",
+                            j ? "no content array" : je.text);
+    }
+    size_t i;
+    json_t *b;
+    json_array_foreach(content, i, b)
+    {
+        const char *type = json_string_value(json_object_get(b, "type"));
+        if (type && !strcmp(type, "text")) {
+            const char *t = json_string_value(json_object_get(b, "text"));
+            buf_append_str(&out->text, t ? t : "");
+        } else if (type && !strcmp(type, "tool_use")) {
+            char *args = json_dumps(json_object_get(b, "input"), JSON_COMPACT | JSON_ENCODE_ANY);
+            llm_add_call(out, json_string_value(json_object_get(b, "id")),
+                         json_string_value(json_object_get(b, "name")), args);
+            free(args);
+        }
+    }
+    const char *stop = json_string_value(json_object_get(j, "stop_reason"));
+    snprintf(out->stop_reason, sizeof(out->stop_reason), "%s", stop ? stop : "end_turn");
+    usage_from(json_object_get(j, "usage"), out);
+    json_decref(j);
+    return CF_OK;
+}
+
+struct astream {
+    int block_type[256]; /* 1 text, 2 tool_use */
+    int call_index[256];
+    struct buf args; /* partial_json of the open tool_use block */
+};
+
+void *anthropic_stream_new(void)
+{
+    struct astream *s = mem_alloc(sizeof(*s));
+    buf_init(&s->args, PROVIDER_RESPONSE_MAX);
+    return s;
+}
+
+void anthropic_stream_free(void *state)
+{
+    struct astream *s = state;
+    if (s) {
+        buf_cleanup(&s->args);
+        free(s);
+    }
+}
+
+enum cf_status anthropic_parse_event(void *state, const char *event, const char *data,
+                                     const struct llm_events *ev, struct llm_response *out,
+                                     struct cf_error *err)
+{
+    struct astream *s = state;
+    json_error_t je;
+    json_t *j = json_loads(data, 0, &je);
+    enum cf_status rc = CF_OK;
+    if (!j) {
+        return cf_error_set(err, CF_INVALID, "the Anthropic stream sent invalid JSON (%s): %.80s",
+                            je.text, data);
+    }
+    const char *type = json_string_value(json_object_get(j, "type"));
+    if (!type) {
+        type = event;
+    }
+    json_t *idx = json_object_get(j, "index");
+    int i = json_is_integer(idx) ? (int)json_integer_value(idx) : -1;
+    if (!strcmp(type, "message_start")) {
+        usage_from(json_object_get(json_object_get(j, "message"), "usage"), out);
+    } else if (!strcmp(type, "content_block_start") && i >= 0 && i < 256) {
+        json_t *b = json_object_get(j, "content_block");
+        const char *bt = json_string_value(json_object_get(b, "type"));
+        if (bt && !strcmp(bt, "tool_use")) {
+            s->block_type[i] = 2;
+            s->call_index[i] = (int)out->n_calls;
+            llm_add_call(out, json_string_value(json_object_get(b, "id")),
+                         json_string_value(json_object_get(b, "name")), "{}");
+            buf_reset(&s->args);
+        } else {
+            s->block_type[i] = 1;
+        }
+    } else if (!strcmp(type, "content_block_delta") && i >= 0 && i < 256) {
+        json_t *d = json_object_get(j, "delta");
+        const char *dt = json_string_value(json_object_get(d, "type"));
+        if (dt && !strcmp(dt, "text_delta")) {
+            json_t *t = json_object_get(d, "text");
+            if (buf_append(&out->text, json_string_value(t), json_string_length(t)) != CF_OK) {
+                rc = cf_error_set(err, CF_TOOBIG, "the model's text passed %d bytes",
+                                  PROVIDER_TEXT_MAX);
+            } else if (ev && ev->on_text) {
+                ev->on_text(ev->ctx, json_string_value(t), json_string_length(t));
+            }
+        } else if (dt && !strcmp(dt, "input_json_delta")) {
+            json_t *p = json_object_get(d, "partial_json");
+            if (buf_append(&s->args, json_string_value(p), json_string_length(p)) != CF_OK) {
+                rc = cf_error_set(err, CF_TOOBIG, "a tool call's arguments passed %d bytes",
+                                  PROVIDER_RESPONSE_MAX);
+            }
+        }
+    } else if (!strcmp(type, "content_block_stop") && i >= 0 && i < 256) {
+        if (s->block_type[i] == 2 && s->args.len) {
+            struct llm_call *c = &out->calls[s->call_index[i]];
+            free(c->arguments_json);
+            c->arguments_json = mem_strdup(buf_cstr(&s->args));
+        }
+        buf_reset(&s->args);
+    } else if (!strcmp(type, "message_delta")) {
+        const char *stop =
+            json_string_value(json_object_get(json_object_get(j, "delta"), "stop_reason"));
+        if (stop) {
+            snprintf(out->stop_reason, sizeof(out->stop_reason), "%s", stop);
+        }
+        json_t *u = json_object_get(j, "usage");
+        if (json_is_integer(json_object_get(u, "output_tokens"))) {
+            out->output_tokens = json_integer_value(json_object_get(u, "output_tokens"));
+        }
+    } else if (!strcmp(type, "error")) {
+        json_t *e = json_object_get(j, "error");
+        const char *et = json_string_value(json_object_get(e, "type"));
+        const char *m = json_string_value(json_object_get(e, "message"));
+        out->retryable = et && (!strcmp(et, "overloaded_error") || !strcmp(et, "api_error") ||
+                                !strcmp(et, "rate_limit_error"));
+        rc = cf_error_set(err, out->retryable ? CF_UNAVAILABLE : CF_INVALID,
+                          "the Anthropic stream reported %s: %s", et ? et : "an error", m ? m : "");
+    }
+    json_decref(j);
+    return rc;
+}

@@ -1,0 +1,238 @@
+/* provider_openai.c - the OpenAI Chat Completions wire format (and compatible servers).
+ *
+ * Request: {model, messages (system first; assistant tool_calls; role "tool" results),
+ * tools [{type: function, function: {name, description, parameters}}], max_tokens, stream,
+ * stream_options.include_usage}. Streaming: "data: {chat.completion.chunk}" lines with
+ * choices[0].delta.content and delta.tool_calls pieces keyed by index, finish_reason, a usage
+ * chunk, then "data: [DONE]".
+ */
+#include "provider.h"
+
+#include "mem.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+json_t *openai_build(const struct llm_request *req)
+{
+    json_t *msgs = json_array();
+    if (req->system && *req->system) {
+        json_array_append_new(msgs,
+                              json_pack("{s:s, s:s}", "role", "system", "content", req->system));
+    }
+    for (size_t i = 0; i < req->n_messages; i++) {
+        const struct llm_message *m = &req->messages[i];
+        if (m->role == LLM_USER) {
+            json_array_append_new(
+                msgs, json_pack("{s:s, s:s}", "role", "user", "content", m->text ? m->text : ""));
+        } else if (m->role == LLM_TOOL_RESULT) {
+            json_array_append_new(msgs,
+                                  json_pack("{s:s, s:s, s:s}", "role", "tool", "tool_call_id",
+                                            m->tool_call_id, "content", m->text ? m->text : ""));
+        } else {
+            json_t *a = json_pack("{s:s}", "role", "assistant");
+            json_object_set_new(a, "content",
+                                m->text && *m->text ? json_string(m->text) : json_null());
+            if (m->n_calls) {
+                json_t *calls = json_array();
+                for (size_t k = 0; k < m->n_calls; k++) {
+                    json_array_append_new(
+                        calls, json_pack("{s:s, s:s, s:{s:s, s:s}}", "id", m->calls[k].id, "type",
+                                         "function", "function", "name", m->calls[k].name,
+                                         "arguments", m->calls[k].arguments_json));
+                }
+                json_object_set_new(a, "tool_calls", calls);
+            }
+            json_array_append_new(msgs, a);
+        }
+    }
+    json_t *body = json_pack("{s:s, s:o, s:I, s:b}", "model", req->model, "messages", msgs,
+                             "max_tokens", (json_int_t)req->max_tokens, "stream", req->stream);
+    if (req->stream) {
+        json_object_set_new(body, "stream_options", json_pack("{s:b}", "include_usage", 1));
+    }
+    if (req->n_tools) {
+        json_t *tools = json_array();
+        for (size_t i = 0; i < req->n_tools; i++) {
+            json_t *schema = json_loads(req->tools[i].schema_json, 0, NULL);
+            json_array_append_new(tools, json_pack("{s:s, s:{s:s, s:s, s:o}}", "type", "function",
+                                                   "function", "name", req->tools[i].name,
+                                                   "description", req->tools[i].description,
+                                                   "parameters", schema ? schema : json_object()));
+        }
+        json_object_set_new(body, "tools", tools);
+    }
+    return body;
+}
+
+static void usage_from(json_t *u, struct llm_response *out)
+{
+    json_t *in = json_object_get(u, "prompt_tokens"), *o = json_object_get(u, "completion_tokens");
+    if (json_is_integer(in)) {
+        out->input_tokens = json_integer_value(in);
+    }
+    if (json_is_integer(o)) {
+        out->output_tokens = json_integer_value(o);
+    }
+}
+
+static void set_stop(struct llm_response *out, const char *finish)
+{
+    /* normalize to the Anthropic-style names the turn loop uses */
+    const char *s = !strcmp(finish, "tool_calls") || !strcmp(finish, "function_call") ? "tool_use"
+                    : !strcmp(finish, "length")                                       ? "max_tokens"
+                    : !strcmp(finish, "stop")                                         ? "end_turn"
+                                                                                      : finish;
+    snprintf(out->stop_reason, sizeof(out->stop_reason), "%s", s);
+}
+
+enum cf_status openai_parse_body(const char *body, size_t len, struct llm_response *out,
+                                 struct cf_error *err)
+{
+    json_error_t je;
+    json_t *j = json_loadb(body, len, 0, &je);
+    json_t *msg = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "message");
+    if (!json_is_object(msg)) {
+        json_decref(j);
+        return cf_error_set(err, CF_INVALID,
+                            "the OpenAI-compatible API sent a response without a message: %s",
+                            j ? "no choices[0].message" : je.text);
+    }
+    const char *text = json_string_value(json_object_get(msg, "content"));
+    buf_append_str(&out->text, text ? text : "");
+    size_t i;
+    json_t *c;
+    json_array_foreach(json_object_get(msg, "tool_calls"), i, c)
+    {
+        json_t *f = json_object_get(c, "function");
+        llm_add_call(out, json_string_value(json_object_get(c, "id")),
+                     json_string_value(json_object_get(f, "name")),
+                     json_string_value(json_object_get(f, "arguments")));
+    }
+    const char *finish = json_string_value(
+        json_object_get(json_array_get(json_object_get(j, "choices"), 0), "finish_reason"));
+    set_stop(out, finish ? finish : "stop");
+    usage_from(json_object_get(j, "usage"), out);
+    json_decref(j);
+    return CF_OK;
+}
+
+struct ostream {
+    struct buf args[64];
+    bool done;
+};
+
+void *openai_stream_new(void)
+{
+    struct ostream *s = mem_alloc(sizeof(*s));
+    for (int i = 0; i < 64; i++) {
+        buf_init(&s->args[i], PROVIDER_RESPONSE_MAX);
+    }
+    return s;
+}
+
+void openai_stream_free(void *state)
+{
+    struct ostream *s = state;
+    if (s) {
+        for (int i = 0; i < 64; i++) {
+            buf_cleanup(&s->args[i]);
+        }
+        free(s);
+    }
+}
+
+/* flush_args moves the accumulated argument pieces into the calls. */
+static void flush_args(struct ostream *s, struct llm_response *out)
+{
+    for (size_t i = 0; i < out->n_calls && i < 64; i++) {
+        free(out->calls[i].arguments_json);
+        out->calls[i].arguments_json = mem_strdup(s->args[i].len ? buf_cstr(&s->args[i]) : "{}");
+    }
+}
+
+enum cf_status openai_parse_event(void *state, const char *event, const char *data,
+                                  const struct llm_events *ev, struct llm_response *out,
+                                  struct cf_error *err)
+{
+    struct ostream *s = state;
+    if (!strcmp(data, "[DONE]")) {
+        flush_args(s, out);
+        if (!out->stop_reason[0]) {
+            set_stop(out, out->n_calls ? "tool_calls" : "stop");
+        }
+        s->done = true;
+        return CF_OK;
+    }
+    json_error_t je;
+    json_t *j = json_loads(data, 0, &je);
+    if (!j) {
+        return cf_error_set(err, CF_INVALID, "the OpenAI stream sent invalid JSON (%s): %.80s",
+                            je.text, data);
+    }
+    enum cf_status rc = CF_OK;
+    json_t *e = json_object_get(j, "error");
+    if (e) {
+        const char *m = json_string_value(json_object_get(e, "message"));
+        out->retryable = true;
+        rc = cf_error_set(err, CF_UNAVAILABLE, "the OpenAI stream reported an error: %s",
+                          m ? m : "");
+        json_decref(j);
+        return rc;
+    }
+    json_t *choice = json_array_get(json_object_get(j, "choices"), 0);
+    json_t *delta = json_object_get(choice, "delta");
+    json_t *content = json_object_get(delta, "content");
+    if (json_is_string(content) && json_string_length(content)) {
+        if (buf_append(&out->text, json_string_value(content), json_string_length(content)) !=
+            CF_OK) {
+            rc =
+                cf_error_set(err, CF_TOOBIG, "the model's text passed %d bytes", PROVIDER_TEXT_MAX);
+        } else if (ev && ev->on_text) {
+            ev->on_text(ev->ctx, json_string_value(content), json_string_length(content));
+        }
+    }
+    size_t i;
+    json_t *tc;
+    json_array_foreach(json_object_get(delta, "tool_calls"), i, tc)
+    {
+        json_t *jidx = json_object_get(tc, "index");
+        size_t idx = json_is_integer(jidx) ? (size_t)json_integer_value(jidx) : i;
+        if (idx >= 64) {
+            rc = cf_error_set(err, CF_INVALID, "the model made more than 64 tool calls");
+            break;
+        }
+        json_t *f = json_object_get(tc, "function");
+        while (out->n_calls <= idx) {
+            llm_add_call(out, "", "", "{}");
+        }
+        const char *id = json_string_value(json_object_get(tc, "id"));
+        const char *name = json_string_value(json_object_get(f, "name"));
+        if (id && *id) {
+            free(out->calls[idx].id);
+            out->calls[idx].id = mem_strdup(id);
+        }
+        if (name && *name) {
+            free(out->calls[idx].name);
+            out->calls[idx].name = mem_strdup(name);
+        }
+        json_t *args = json_object_get(f, "arguments");
+        if (json_is_string(args) &&
+            buf_append(&s->args[idx], json_string_value(args), json_string_length(args)) != CF_OK) {
+            rc = cf_error_set(err, CF_TOOBIG, "a tool call's arguments passed %d bytes",
+                              PROVIDER_RESPONSE_MAX);
+        }
+    }
+    const char *finish = json_string_value(json_object_get(choice, "finish_reason"));
+    if (finish) {
+        set_stop(out, finish);
+        flush_args(s, out);
+    }
+    json_t *u = json_object_get(j, "usage");
+    if (json_is_object(u)) {
+        usage_from(u, out);
+    }
+    json_decref(j);
+    (void)event;
+    return rc;
+}

@@ -1,0 +1,88 @@
+/* sse.c - text/event-stream parsing (WHATWG rules: field "event", "data" lines joined with
+ * '\n', dispatch on a blank line, ':' comments ignored, optional single space after ':'). */
+#include "sse.h"
+
+#include <string.h>
+
+void sse_init(struct sse *s, size_t max, bool (*on_event)(void *, const char *, const char *),
+              void *ctx)
+{
+    buf_init(&s->line, max);
+    buf_init(&s->event, 256);
+    buf_init(&s->data, max);
+    s->on_event = on_event;
+    s->ctx = ctx;
+    s->too_big = false;
+}
+
+void sse_cleanup(struct sse *s)
+{
+    buf_cleanup(&s->line);
+    buf_cleanup(&s->event);
+    buf_cleanup(&s->data);
+}
+
+static bool line_done(struct sse *s)
+{
+    const char *l = buf_cstr(&s->line);
+    size_t n = s->line.len;
+    if (n && l[n - 1] == '\r') {
+        n--;
+    }
+    if (n == 0) {
+        bool go = true;
+        if (s->data.len || s->event.len) {
+            go = s->on_event(s->ctx, buf_cstr(&s->event), buf_cstr(&s->data));
+        }
+        buf_reset(&s->event);
+        buf_reset(&s->data);
+        return go;
+    }
+    if (l[0] == ':') {
+        return true;
+    }
+    const char *colon = memchr(l, ':', n);
+    size_t flen = colon ? (size_t)(colon - l) : n;
+    const char *v = colon ? colon + 1 : l + n;
+    size_t vlen = colon ? n - flen - 1 : 0;
+    if (vlen && *v == ' ') {
+        v++;
+        vlen--;
+    }
+    if (flen == 5 && !memcmp(l, "event", 5)) {
+        buf_reset(&s->event);
+        if (buf_append(&s->event, v, vlen) != CF_OK) {
+            s->too_big = true;
+            return false;
+        }
+    } else if (flen == 4 && !memcmp(l, "data", 4)) {
+        if ((s->data.len && buf_append(&s->data, "\n", 1) != CF_OK) ||
+            buf_append(&s->data, v, vlen) != CF_OK) {
+            s->too_big = true;
+            return false;
+        }
+    }
+    return true;
+}
+
+bool sse_feed(struct sse *s, const char *p, size_t n)
+{
+    for (size_t i = 0; i < n;) {
+        const char *nl = memchr(p + i, '\n', n - i);
+        size_t k = nl ? (size_t)(nl - (p + i)) : n - i;
+        if (buf_append(&s->line, p + i, k) != CF_OK) {
+            s->too_big = true;
+            return false;
+        }
+        if (!nl) {
+            break;
+        }
+        bool go = line_done(s);
+        buf_reset(&s->line);
+        if (!go) {
+            return false;
+        }
+        i += k + 1;
+    }
+    return true;
+}
