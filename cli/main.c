@@ -9,6 +9,7 @@
  *
  * Exit codes: 0 success, 1 the server answered with an error, 2 usage error.
  */
+#include "agent_cmd.h"
 #include "log.h"
 #include "print.h"
 #include "rpc.h"
@@ -25,6 +26,15 @@
 
 static const char usage_text[] =
     "usage:\n"
+    "  cflue up --agents DIR [--data DIR]  start storaged, toold and agentd on loopback\n"
+    "  cflue submit --agent NAME [--conversation ID] TEXT\n"
+    "                                     send a message; stream the answer and tool activity\n"
+    "                                     (exit 0 completed, 1 failed, 3 aborted)\n"
+    "  cflue watch CONVERSATION [--from N] [--follow]\n"
+    "  cflue status SUBMISSION            show a submission\n"
+    "  cflue abort SUBMISSION | --conversation ID\n"
+    "  cflue agents                       list the agents agentd serves\n"
+    "agent commands take --agentd ADDR (env CFLUE_AGENTD, default 127.0.0.1:7100)\n"
     "  cflue health ADDR [SERVICE]        check a daemon's gRPC health\n"
     "  cflue store get SUBMISSION         show one submission\n"
     "  cflue store admit --agent NAME [--conversation ID] [--key KEY] TEXT\n"
@@ -315,6 +325,12 @@ int main(int argc, char **argv)
         rc = cmd_store(argc, argv);
     } else if (!strcmp(argv[1], "tool")) {
         rc = cmd_tool(argc, argv);
+    } else if (!strcmp(argv[1], "up")) {
+        rc = cmd_up(argc, argv);
+    } else if (!strcmp(argv[1], "submit") || !strcmp(argv[1], "watch") ||
+               !strcmp(argv[1], "status") || !strcmp(argv[1], "abort") ||
+               !strcmp(argv[1], "agents")) {
+        rc = cmd_agent(argc, argv);
     } else {
         rc = usage();
     }

@@ -1,0 +1,169 @@
+/* up.c - cflue up: storaged, toold and agentd on loopback, with one data directory.
+ *
+ *   cflue up --agents DIR [--data DIR] [--bin DIR] [--driver local|bwrap]
+ *
+ * Logs go to DATA/{storaged,toold,agentd}.log. The command waits until each daemon answers
+ * its health check, prints the addresses, and stops them (SIGTERM, in reverse order) on
+ * Ctrl-C or SIGTERM. Model credentials are passed through from the environment.
+ */
+#include "agent_cmd.h"
+
+#include "rpc.h"
+
+#include "grpc/health/v1/health.pb-c.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <libgen.h>
+#include <limits.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+extern char **environ;
+
+static bool healthy(const char *addr)
+{
+    struct rpc_channel *ch = rpc_channel_new(addr, 0);
+    Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    struct rpc_status st;
+    req.service = "";
+    bool ok = rpc_unary(ch, "/grpc.health.v1.Health/Check", &req.base,
+                        &grpc__health__v1__health_check_response__descriptor, 1000, &resp, &st) &&
+              ((Grpc__Health__V1__HealthCheckResponse *)resp)->status == 1;
+    if (resp) {
+        protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    rpc_channel_free(ch);
+    return ok;
+}
+
+static pid_t start(const char *bin, const char *name, const char *log, char **args)
+{
+    char path[PATH_MAX + 64];
+    snprintf(path, sizeof(path), "%s/%s/%s", bin, name, name);
+    if (access(path, X_OK) != 0) {
+        snprintf(path, sizeof(path), "%s/%s", bin, name);
+    }
+    posix_spawn_file_actions_t fa;
+    posix_spawnattr_t attr;
+    sigset_t none;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 2, log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+    posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+    posix_spawnattr_init(&attr);
+    sigemptyset(&none);
+    posix_spawnattr_setsigmask(&attr, &none);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
+    args[0] = path;
+    pid_t pid = 0;
+    int rc = posix_spawn(&pid, path, &fa, &attr, args, environ);
+    posix_spawn_file_actions_destroy(&fa);
+    posix_spawnattr_destroy(&attr);
+    if (rc != 0) {
+        fprintf(stderr, "cflue up: cannot start %s: %s\n", path, strerror(rc));
+        return 0;
+    }
+    return pid;
+}
+
+static bool wait_healthy(const char *name, const char *addr, pid_t pid, const char *log)
+{
+    for (int i = 0; i < 150; i++) {
+        int status;
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+            fprintf(stderr, "cflue up: %s exited at start; see %s\n", name, log);
+            return false;
+        }
+        if (healthy(addr)) {
+            return true;
+        }
+        struct timespec ts = {0, 100000000L};
+        nanosleep(&ts, NULL);
+    }
+    fprintf(stderr, "cflue up: %s did not become healthy at %s; see %s\n", name, addr, log);
+    return false;
+}
+
+int cmd_up(int argc, char **argv)
+{
+    const char *data = ".data", *agents = NULL, *bin = NULL, *driver = "local";
+    const char *agentd_addr = "127.0.0.1:7100", *store_addr = "127.0.0.1:7101",
+               *toold_addr = "127.0.0.1:7102";
+    for (int i = 2; i < argc; i++) {
+        if (i + 1 < argc && !strcmp(argv[i], "--data")) {
+            data = argv[++i];
+        } else if (i + 1 < argc && !strcmp(argv[i], "--agents")) {
+            agents = argv[++i];
+        } else if (i + 1 < argc && !strcmp(argv[i], "--bin")) {
+            bin = argv[++i];
+        } else if (i + 1 < argc && !strcmp(argv[i], "--driver")) {
+            driver = argv[++i];
+        } else {
+            fprintf(stderr, "usage: cflue up --agents DIR [--data DIR] [--bin DIR] "
+                            "[--driver local|bwrap]\n");
+            return 2;
+        }
+    }
+    if (!agents) {
+        fprintf(stderr, "cflue up: --agents DIR is required (a directory of NAME.md files)\n");
+        return 2;
+    }
+    char self[PATH_MAX], bin_buf[PATH_MAX];
+    if (!bin) {
+        ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+        self[n > 0 ? n : 0] = '\0';
+        snprintf(bin_buf, sizeof(bin_buf), "%s/..", dirname(self));
+        bin = bin_buf;
+    }
+    mkdir(data, 0755);
+    char db[PATH_MAX], ws[PATH_MAX], logs[3][PATH_MAX];
+    snprintf(db, sizeof(db), "%s/store.db", data);
+    snprintf(ws, sizeof(ws), "%s/workspaces", data);
+    const char *names[3] = {"storaged", "toold", "agentd"};
+    const char *addrs[3] = {store_addr, toold_addr, agentd_addr};
+    for (int i = 0; i < 3; i++) {
+        snprintf(logs[i], sizeof(logs[i]), "%s/%s.log", data, names[i]);
+    }
+    char *a0[] = {NULL, "--listen", (char *)store_addr, "--db", db, NULL};
+    char *a1[] = {NULL, "--listen", (char *)toold_addr, "--root",
+                  ws,   "--driver", (char *)driver,     NULL};
+    char *a2[] = {
+        NULL,           "--listen", (char *)agentd_addr, "--store", (char *)store_addr, "--agents",
+        (char *)agents, NULL};
+    char **args[3] = {a0, a1, a2};
+    pid_t pids[3] = {0};
+    int rc = 0;
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    for (int i = 0; i < 3; i++) {
+        pids[i] = start(bin, names[i], logs[i], args[i]);
+        if (!pids[i] || !wait_healthy(names[i], addrs[i], pids[i], logs[i])) {
+            rc = 1;
+            break;
+        }
+        printf("%-9s %s  (log %s)\n", names[i], addrs[i], logs[i]);
+    }
+    if (rc == 0) {
+        printf("cflue is up. Try: cflue submit --agent NAME \"your request\"   (Ctrl-C stops)\n");
+        fflush(stdout);
+        int sig;
+        sigwait(&set, &sig);
+    }
+    for (int i = 2; i >= 0; i--) {
+        if (pids[i] > 0) {
+            kill(pids[i], SIGTERM);
+            waitpid(pids[i], NULL, 0);
+        }
+    }
+    return rc;
+}
