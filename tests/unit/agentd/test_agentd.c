@@ -1,0 +1,205 @@
+/* Unit tests of agentd/: agent definitions, the SSE parser, the providers' wire formats. */
+#include "../check.h"
+
+#include "agents.h"
+#include "provider.h"
+#include "sse.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static void test_agents(void)
+{
+    struct agent_def a;
+    struct cf_error err;
+    const char *ok = "---\nname: coder\nmodel: anthropic/claude-x\nsandbox:\n  tools: "
+                     "\"127.0.0.1:7102\"\n  workspace: ex\ndurability: {max_attempts: 3, "
+                     "timeout_ms: 60000}\n---\n\nBe careful.\n";
+    CHECK(agents_parse(ok, "coder", "coder.md", &a, &err) == CF_OK);
+    CHECK_STR(a.provider, "anthropic");
+    CHECK_STR(a.model_id, "claude-x");
+    CHECK_STR(a.sandbox_tools, "127.0.0.1:7102");
+    CHECK_STR(a.sandbox_workspace, "ex");
+    CHECK(a.max_attempts == 3 && a.timeout_ms == 60000);
+    CHECK_STR(a.instructions, "Be careful.\n");
+    agents_free_one(&a);
+
+    CHECK(agents_parse("---\nname: x\n---\nbody", "x", "x.md", &a, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "x.md: model") != NULL);
+    CHECK(agents_parse("---\nmodel: google/gemini\n---\n", "x", "x.md", &a, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "unknown provider 'google'") != NULL);
+    CHECK(agents_parse("---\nmodel: openai/gpt\ncolour: red\n---\n", "x", "x.md", &a, &err) ==
+          CF_INVALID);
+    CHECK(strstr(err.msg, "colour: unknown field") != NULL);
+    CHECK(agents_parse("---\nname: y\nmodel: openai/gpt\n---\n", "x", "x.md", &a, &err) ==
+          CF_INVALID);
+    CHECK(strstr(err.msg, "does not match the file name") != NULL);
+    CHECK(agents_parse("---\nmodel: [unclosed\n---\n", "x", "x.md", &a, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "frontmatter line") != NULL);
+    CHECK(agents_parse("no frontmatter", "x", "x.md", &a, &err) == CF_INVALID);
+    CHECK(agents_parse("---\nmodel: openai/gpt\ndurability: {max_attempts: 0}\n---\n", "x", "x.md",
+                       &a, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "durability.max_attempts") != NULL);
+}
+
+struct seen {
+    char events[8][32];
+    char data[8][128];
+    int n;
+};
+
+static bool collect(void *ctx, const char *event, const char *data)
+{
+    struct seen *s = ctx;
+    if (s->n < 8) {
+        snprintf(s->events[s->n], sizeof(s->events[0]), "%s", event);
+        snprintf(s->data[s->n], sizeof(s->data[0]), "%s", data);
+        s->n++;
+    }
+    return true;
+}
+
+static void test_sse(void)
+{
+    struct sse p;
+    struct seen s = {0};
+    sse_init(&p, 1024, collect, &s);
+    const char *stream =
+        ": comment\r\nevent: a\r\ndata: one\r\ndata:two\r\n\r\ndata: {\"x\":1}\n\n";
+    /* feed byte by byte: events must not depend on how the bytes arrive */
+    for (size_t i = 0; i < strlen(stream); i++) {
+        CHECK(sse_feed(&p, stream + i, 1));
+    }
+    CHECK(s.n == 2);
+    CHECK_STR(s.events[0], "a");
+    CHECK_STR(s.data[0], "one\ntwo");
+    CHECK_STR(s.events[1], "");
+    CHECK_STR(s.data[1], "{\"x\":1}");
+    sse_cleanup(&p);
+    sse_init(&p, 16, collect, &s);
+    CHECK(!sse_feed(&p, "data: this line is far too long\n", 33));
+    CHECK(p.too_big);
+    sse_cleanup(&p);
+}
+
+static void test_anthropic_stream(void)
+{
+    struct llm_response r;
+    struct cf_error err;
+    llm_response_init(&r);
+    void *st = anthropic_stream_new();
+    const char *events[][2] = {
+        {"message_start",
+         "{\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":12}}}"},
+        {"content_block_start", "{\"type\":\"content_block_start\",\"index\":0,\"content_block\":{"
+                                "\"type\":\"text\",\"text\":\"\"}}"},
+        {"content_block_delta", "{\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":"
+                                "\"text_delta\",\"text\":\"Hi \"}}"},
+        {"content_block_delta", "{\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":"
+                                "\"text_delta\",\"text\":\"there\"}}"},
+        {"content_block_stop", "{\"type\":\"content_block_stop\",\"index\":0}"},
+        {"content_block_start",
+         "{\"type\":\"content_block_start\",\"index\":1,\"content_block\":{\"type\":\"tool_use\","
+         "\"id\":\"toolu_1\",\"name\":\"bash\",\"input\":{}}}"},
+        {"content_block_delta", "{\"type\":\"content_block_delta\",\"index\":1,\"delta\":{\"type\":"
+                                "\"input_json_delta\",\"partial_json\":\"{\\\"comm\"}}"},
+        {"content_block_delta", "{\"type\":\"content_block_delta\",\"index\":1,\"delta\":{\"type\":"
+                                "\"input_json_delta\",\"partial_json\":\"and\\\":\\\"ls\\\"}\"}}"},
+        {"content_block_stop", "{\"type\":\"content_block_stop\",\"index\":1}"},
+        {"message_delta", "{\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"tool_use\"},"
+                          "\"usage\":{\"output_tokens\":7}}"},
+    };
+    for (size_t i = 0; i < sizeof(events) / sizeof(events[0]); i++) {
+        CHECK(anthropic_parse_event(st, events[i][0], events[i][1], NULL, &r, &err) == CF_OK);
+    }
+    CHECK_STR(buf_cstr(&r.text), "Hi there");
+    CHECK(r.n_calls == 1);
+    CHECK_STR(r.calls[0].id, "toolu_1");
+    CHECK_STR(r.calls[0].arguments_json, "{\"command\":\"ls\"}");
+    CHECK_STR(r.stop_reason, "tool_use");
+    CHECK(r.input_tokens == 12 && r.output_tokens == 7);
+    CHECK(anthropic_parse_event(st, "message_start", "{not json", NULL, &r, &err) == CF_INVALID);
+    anthropic_stream_free(st);
+    llm_response_cleanup(&r);
+}
+
+static void test_openai_stream(void)
+{
+    struct llm_response r;
+    struct cf_error err;
+    llm_response_init(&r);
+    void *st = openai_stream_new();
+    const char *chunks[] = {
+        "{\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"Ok\"}}]}",
+        "{\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"call_1\","
+        "\"type\":\"function\",\"function\":{\"name\":\"read\",\"arguments\":\"{\\\"pa\"}}]}}]}",
+        "{\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{"
+        "\"arguments\":\"th\\\":\\\"a\\\"}\"}}]}}]}",
+        "{\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}",
+        "{\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":3}}",
+        "[DONE]",
+    };
+    for (size_t i = 0; i < sizeof(chunks) / sizeof(chunks[0]); i++) {
+        CHECK(openai_parse_event(st, "", chunks[i], NULL, &r, &err) == CF_OK);
+    }
+    CHECK_STR(buf_cstr(&r.text), "Ok");
+    CHECK(r.n_calls == 1);
+    CHECK_STR(r.calls[0].name, "read");
+    CHECK_STR(r.calls[0].arguments_json, "{\"path\":\"a\"}");
+    CHECK_STR(r.stop_reason, "tool_use");
+    CHECK(r.input_tokens == 5 && r.output_tokens == 3);
+    openai_stream_free(st);
+    llm_response_cleanup(&r);
+}
+
+static void test_build(void)
+{
+    struct llm_call call = {"toolu_1", "bash", "{\"command\":\"ls\"}"};
+    struct llm_message msgs[] = {
+        {.role = LLM_USER, .text = "hi"},
+        {.role = LLM_ASSISTANT, .text = "", .calls = &call, .n_calls = 1},
+        {.role = LLM_TOOL_RESULT, .text = "a\nb", .tool_call_id = "toolu_1", .tool_name = "bash"},
+        {.role = LLM_USER, .text = "also this"},
+    };
+    struct llm_request req = {.provider = "anthropic",
+                              .model = "m",
+                              .system = "sys",
+                              .messages = msgs,
+                              .n_messages = 4,
+                              .max_tokens = 100};
+    json_t *a = anthropic_build(&req);
+    json_t *m = json_object_get(a, "messages");
+    CHECK(json_array_size(m) == 3); /* the tool result and the next user text share a message */
+    json_t *last = json_object_get(json_array_get(m, 2), "content");
+    CHECK(json_array_size(last) == 2);
+    CHECK_STR(json_string_value(json_object_get(json_array_get(last, 0), "type")), "tool_result");
+    CHECK_STR(json_string_value(json_object_get(a, "system")), "sys");
+    json_decref(a);
+    req.provider = "openai";
+    json_t *o = openai_build(&req);
+    m = json_object_get(o, "messages");
+    CHECK(json_array_size(m) == 5); /* system, user, assistant, tool, user */
+    CHECK_STR(json_string_value(json_object_get(json_array_get(m, 3), "role")), "tool");
+    json_decref(o);
+
+    struct llm_response r;
+    struct cf_error err;
+    llm_response_init(&r);
+    const char *body = "{\"content\":[{\"type\":\"text\",\"text\":\"done\"}],\"stop_reason\":"
+                       "\"end_turn\",\"usage\":{\"input_tokens\":1,\"output_tokens\":2}}";
+    CHECK(anthropic_parse_body(body, strlen(body), &r, &err) == CF_OK);
+    CHECK_STR(buf_cstr(&r.text), "done");
+    CHECK(anthropic_parse_body("<html>", 6, &r, &err) == CF_INVALID);
+    CHECK(openai_parse_body("{}", 2, &r, &err) == CF_INVALID);
+    llm_response_cleanup(&r);
+}
+
+int main(void)
+{
+    test_agents();
+    test_sse();
+    test_anthropic_stream();
+    test_openai_stream();
+    test_build();
+    return check_done("test_agentd");
+}
