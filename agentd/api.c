@@ -155,6 +155,7 @@ static void on_get(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
         rpc_call_fail(c, CF_INVALID, "submission_id is required");
         return;
     }
+    bool followed = false;
     for (;;) {
         ProtobufCMessage *resp = NULL;
         if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
@@ -167,6 +168,36 @@ static void on_get(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
             rpc_call_reply(c, resp);
             protobuf_c_message_free_unpacked(resp, NULL);
             return;
+        }
+        if (!followed) {
+            /* wait for the settlement record: follow the stream from its current head */
+            followed = true;
+            Cflue__V1__ConversationRequest cr = CFLUE__V1__CONVERSATION_REQUEST__INIT;
+            ProtobufCMessage *conv = NULL;
+            cr.conversation_id = s->conversation_id;
+            if (store_call(g_agentd.store, "GetConversation", &cr.base,
+                           &cflue__v1__conversation__descriptor, STORE_TIMEOUT_MS, &conv,
+                           &err) == CF_OK) {
+                Cflue__V1__FollowRequest fr = CFLUE__V1__FOLLOW_REQUEST__INIT;
+                fr.conversation_id = s->conversation_id;
+                fr.after_offset = ((Cflue__V1__Conversation *)conv)->head_offset;
+                fr.until_settled = s->submission_id;
+                int64_t left = rpc_call_remaining_ms(c);
+                struct rpc_stream *fs = rpc_stream_open(g_agentd.store, "/cflue.v1.Store/Follow",
+                                                        &fr.base, left > 0 ? left : 0);
+                ProtobufCMessage *m;
+                while (rpc_stream_read(fs, &cflue__v1__record__descriptor, &m) == 1) {
+                    protobuf_c_message_free_unpacked(m, NULL);
+                    if (rpc_call_cancelled(c)) {
+                        rpc_stream_cancel(fs);
+                    }
+                }
+                struct rpc_status st;
+                rpc_stream_finish(fs, &st);
+                protobuf_c_message_free_unpacked(conv, NULL);
+            }
+            protobuf_c_message_free_unpacked(resp, NULL);
+            continue;
         }
         protobuf_c_message_free_unpacked(resp, NULL);
         if (rpc_call_wait(c, 100)) {

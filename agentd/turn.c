@@ -328,9 +328,33 @@ static void build_context(struct drive *d, struct context *c, json_t *bodies)
 
 /* ---------- system prompt ---------- */
 
+/* tools_channel returns the shared channel to the agent's toold (one per address, kept for
+ * the life of the process so calls reuse the connection), or NULL without a sandbox. */
 static struct rpc_channel *tools_channel(struct drive *d)
 {
-    return d->agent->sandbox_tools ? rpc_channel_new(d->agent->sandbox_tools, 64 << 20) : NULL;
+    static struct {
+        char *addr;
+        struct rpc_channel *ch;
+    } cache[32];
+    static int n;
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    const char *addr = d->agent->sandbox_tools;
+    struct rpc_channel *ch = NULL;
+    if (!addr) {
+        return NULL;
+    }
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < n && !ch; i++) {
+        if (!strcmp(cache[i].addr, addr)) {
+            ch = cache[i].ch;
+        }
+    }
+    if (!ch && n < 32) {
+        cache[n].addr = mem_strdup(addr);
+        ch = cache[n++].ch = rpc_channel_new(addr, 64 << 20);
+    }
+    pthread_mutex_unlock(&mu);
+    return ch;
 }
 
 static char *compose_system_prompt(struct drive *d, const Cflue__V1__ListToolsResponse *tools)
@@ -380,23 +404,8 @@ static char *compose_system_prompt(struct drive *d, const Cflue__V1__ListToolsRe
         struct rpc_status st;
         rq.sandbox = d->workspace;
         rq.path = ".";
-        if (rpc_unary(ch, "/cflue.v1.Sandbox/Stat", &rq.base, &cflue__v1__file_info__descriptor,
-                      10000, &resp, &st)) {
-            protobuf_c_message_free_unpacked(resp, NULL);
-        }
-        Cflue__V1__ExecRequest ex = CFLUE__V1__EXEC_REQUEST__INIT;
-        ex.sandbox = d->workspace;
-        ex.command = "pwd";
-        ex.timeout_ms = 10000;
-        if (rpc_unary(ch, "/cflue.v1.Sandbox/Exec", &ex.base, &cflue__v1__exec_response__descriptor,
-                      15000, &resp, &st)) {
-            Cflue__V1__ExecResponse *e = (Cflue__V1__ExecResponse *)resp;
-            size_t n = e->stdout.len;
-            while (n && e->stdout.data[n - 1] == '\n') {
-                n--;
-            }
-            buf_printf(&b, "\nWorking directory: %.*s", (int)n, (const char *)e->stdout.data);
-            protobuf_c_message_free_unpacked(resp, NULL);
+        if (tools && *tools->working_directory) {
+            buf_printf(&b, "\nWorking directory: %s", tools->working_directory);
         }
         if (rpc_unary(ch, "/cflue.v1.Sandbox/ReadDir", &rq.base,
                       &cflue__v1__read_dir_response__descriptor, 10000, &resp, &st)) {
@@ -412,7 +421,6 @@ static char *compose_system_prompt(struct drive *d, const Cflue__V1__ListToolsRe
             }
             protobuf_c_message_free_unpacked(resp, NULL);
         }
-        rpc_channel_free(ch);
     }
     return buf_take(&b);
 }
@@ -527,7 +535,6 @@ static void load_tools(struct drive *d, struct toolset *ts)
         log_warn("tools_unavailable", "submission=%s addr=%s err=%d", d->sub->submission_id,
                  d->agent->sandbox_tools, (int)st.code);
     }
-    rpc_channel_free(ch);
 }
 
 /* run_tools executes the calls of one assistant message that have no result yet, through
@@ -601,7 +608,6 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
             }
         }
         free(done);
-        rpc_channel_free(ch);
     }
     free(calls);
     free(ptrs);

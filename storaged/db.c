@@ -1,9 +1,9 @@
 /* db.c - SQLite connections for storaged.
  *
- * Durability: the database runs in WAL mode with synchronous=FULL on every connection, so a
- * commit has reached the disk (WAL fsync) before storaged answers the RPC that caused it. This
- * is what makes admissions and settlements survive power loss; group commit in writer.c keeps
- * the cost of that fsync shared between concurrent requests.
+ * Durability: the database runs in WAL mode. Connections open with synchronous=FULL; the
+ * writer (writer.c) keeps FULL for batches that admit, settle or record abort intents, so those
+ * reach the disk (WAL fsync) before storaged answers, and uses NORMAL for the rest of the
+ * stream. Group commit shares the cost of each fsync between concurrent requests.
  */
 #include "db.h"
 

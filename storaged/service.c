@@ -43,6 +43,7 @@ struct method {
     validate_fn validate;
     ledger_fn run;
     bool write;
+    bool durable; /* commit with synchronous=FULL before answering */
 };
 
 /* ---------- reader connections ---------- */
@@ -134,28 +135,29 @@ ADAPT(run_read, ledger_read(c, req, resp, err), Cflue__V1__ReadRequest, Cflue__V
 #define D(x) &cflue__v1__##x##__descriptor
 
 static const struct method methods[] = {
-    {"Admit", D(admit_request), D(admit_response), V(validate_admit), run_admit, true},
-    {"Claim", D(claim_request), D(claim_response), V(validate_claim), run_claim, true},
+    {"Admit", D(admit_request), D(admit_response), V(validate_admit), run_admit, true, true},
+    {"Claim", D(claim_request), D(claim_response), V(validate_claim), run_claim, true, false},
     {"Heartbeat", D(heartbeat_request), D(heartbeat_response), V(validate_heartbeat), run_heartbeat,
-     true},
+     true, false},
     {"MarkInputApplied", D(mark_input_applied_request), D(submission),
-     V(validate_mark_input_applied), run_mark, true},
-    {"Requeue", D(fenced_request), D(submission), V(validate_fenced), run_requeue, true},
+     V(validate_mark_input_applied), run_mark, true, false},
+    {"Requeue", D(fenced_request), D(submission), V(validate_fenced), run_requeue, true, false},
     {"ClaimJoinable", D(claim_joinable_request), D(claim_joinable_response),
-     V(validate_claim_joinable), run_claim_joinable, true},
-    {"FinalizeJoin", D(join_request), D(submission), V(validate_join), run_finalize_join, true},
-    {"RevertJoin", D(join_request), D(submission), V(validate_join), run_revert_join, true},
-    {"RequestAbort", D(request_abort_request), D(request_abort_response), V(validate_request_abort),
-     run_abort, true},
-    {"Settle", D(settle_request), D(settle_response), V(validate_settle), run_settle, true},
-    {"Append", D(append_request), D(append_response), V(validate_append), run_append, true},
-    {"ScanExpired", D(scan_expired_request), D(list_response), V(validate_scan_expired), run_scan,
+     V(validate_claim_joinable), run_claim_joinable, true, false},
+    {"FinalizeJoin", D(join_request), D(submission), V(validate_join), run_finalize_join, true,
      false},
-    {"Get", D(get_request), D(submission), V(validate_get), run_get, false},
-    {"List", D(list_request), D(list_response), V(validate_list), run_list, false},
+    {"RevertJoin", D(join_request), D(submission), V(validate_join), run_revert_join, true, false},
+    {"RequestAbort", D(request_abort_request), D(request_abort_response), V(validate_request_abort),
+     run_abort, true, true},
+    {"Settle", D(settle_request), D(settle_response), V(validate_settle), run_settle, true, true},
+    {"Append", D(append_request), D(append_response), V(validate_append), run_append, true, false},
+    {"ScanExpired", D(scan_expired_request), D(list_response), V(validate_scan_expired), run_scan,
+     false, false},
+    {"Get", D(get_request), D(submission), V(validate_get), run_get, false, false},
+    {"List", D(list_request), D(list_response), V(validate_list), run_list, false, false},
     {"GetConversation", D(conversation_request), D(conversation), V(validate_conversation),
-     run_conversation, false},
-    {"Read", D(read_request), D(read_response), V(validate_read), run_read, false},
+     run_conversation, false, false},
+    {"Read", D(read_request), D(read_response), V(validate_read), run_read, false, false},
 };
 
 /* ---------- unary calls ---------- */
@@ -262,6 +264,7 @@ static void dispatch(struct rpc_call *call, const ProtobufCMessage *req, void *u
         p->job.done = complete;
         p->job.arg = p;
         p->job.arena = &p->arena;
+        p->job.durable = m->durable;
         writer_submit(b->svc->writer, &p->job);
         return;
     }

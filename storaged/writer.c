@@ -27,14 +27,22 @@ struct writer {
     pthread_cond_t cv;
     struct writer_job *head, *tail;
     bool stopping;
+    bool synced; /* the connection is at synchronous=FULL */
 };
 
 static void run_batch(struct writer *w, struct writer_job *jobs)
 {
     struct cf_error err;
     struct ledger_ctx ctx = {.db = w->db, .cfg = w->cfg, .now = clock_now_ms()};
-    bool any_ok = false;
+    bool any_ok = false, durable = false;
 
+    for (struct writer_job *j = jobs; j; j = j->next) {
+        durable = durable || j->durable;
+    }
+    if (durable != w->synced) {
+        db_exec(w->db, durable ? "PRAGMA synchronous=FULL" : "PRAGMA synchronous=NORMAL", NULL);
+        w->synced = durable;
+    }
     if (db_exec(w->db, "BEGIN IMMEDIATE", &err) != CF_OK) {
         for (struct writer_job *j = jobs; j; j = j->next) {
             j->st = cf_error_set(&j->err, CF_DB, "cannot begin transaction: %s", err.msg);
@@ -115,6 +123,7 @@ struct writer *writer_start(sqlite3 *db, const struct ledger_config *cfg, struct
     w->cfg = cfg;
     w->notifier = n;
     w->max_batch = max_batch > 0 ? max_batch : 256;
+    w->synced = true; /* db_open sets FULL */
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
     pthread_create(&w->thread, NULL, writer_main, w);

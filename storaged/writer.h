@@ -3,8 +3,11 @@
  * Every write of storaged goes through one SQLite connection owned by one thread. Jobs that
  * arrive while a transaction commits wait and are committed together in the next one, each
  * inside its own savepoint, so one failing job does not undo the others. A job's completion
- * callback runs after the COMMIT returned, that is after the WAL was synced (synchronous=FULL):
- * a reply sent from it promises durability.
+ * callback runs after the COMMIT returned. A batch holding a job marked `durable` (admission,
+ * settlement, abort intents) commits with synchronous=FULL: the WAL is synced before anyone is
+ * answered, so it survives power loss. Other batches (record appends, claims, leases) commit
+ * with synchronous=NORMAL: safe against any process crash, and made power-safe by the next
+ * synced commit, as the durability statement allows.
  */
 #ifndef CFLUE_STORAGED_WRITER_H
 #define CFLUE_STORAGED_WRITER_H
@@ -23,6 +26,7 @@ struct writer_job {
     void (*done)(void *arg, enum cf_status st, const struct cf_error *err);
     void *arg;
     struct arena *arena; /* where run builds its response */
+    bool durable;        /* must survive power loss before done is called */
     struct writer_job *next;
     enum cf_status st;
     struct cf_error err;

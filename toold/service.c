@@ -39,6 +39,13 @@ static struct toold server_state;
 
 static void on_list(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
+    const Cflue__V1__ListToolsRequest *req = (const void *)msg;
+    struct sandbox *sb = NULL;
+    struct cf_error err;
+    if (*req->sandbox && workspaces_get(server_state.ws, req->sandbox, &sb, &err) != CF_OK) {
+        rpc_call_fail_error(c, &err);
+        return;
+    }
     int n;
     const struct tool_def *defs = tool_all(&n);
     Cflue__V1__ListToolsResponse resp = CFLUE__V1__LIST_TOOLS_RESPONSE__INIT;
@@ -54,6 +61,7 @@ static void on_list(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
     }
     resp.tools = ptrs;
     resp.n_tools = (size_t)n;
+    resp.working_directory = sb ? sb->root : "";
     rpc_call_reply(c, &resp.base);
     for (int i = 0; i < n && i < 8; i++) {
         free(schemas[i]);
@@ -617,7 +625,7 @@ void toold_register(struct rpc_server *srv, struct workspaces *ws, const struct 
     server_state.ws = ws;
     server_state.cfg = cfg;
     rpc_server_add_method(srv, "/cflue.v1.Tools/List", &cflue__v1__list_tools_request__descriptor,
-                          on_list, NULL, RPC_INLINE);
+                          on_list, NULL, RPC_POOL);
     rpc_server_add_method(srv, "/cflue.v1.Tools/Execute", &cflue__v1__tool_call__descriptor,
                           on_execute, NULL, RPC_THREAD);
     rpc_server_add_method(srv, "/cflue.v1.Tools/ExecuteBatch", &cflue__v1__tool_batch__descriptor,
