@@ -6,6 +6,7 @@
  * waiting for the leases to run out.
  */
 #include "agentd.h"
+#include "catalog.h"
 #include "clients.h"
 #include "clock.h"
 #include "config.h"
@@ -177,7 +178,7 @@ static void *heartbeat_main(void *arg)
 int main(int argc, char **argv)
 {
     const char *listen = "127.0.0.1:7100", *store = "127.0.0.1:7101", *agents_dir = "";
-    const char *owner = "", *level = "info", *port_file = "";
+    const char *owner = "", *level = "info", *port_file = "", *models = "";
     long long workers = 4, lease_ms = 30000, heartbeat_ms = 10000, grace_ms = 5000;
     long long model_timeout = 600000;
     bool no_stream = false, help;
@@ -193,6 +194,8 @@ int main(int argc, char **argv)
         {"heartbeat-ms", CONFIG_INT, &heartbeat_ms, 100, 3600000, "lease renewal interval"},
         {"model-timeout-ms", CONFIG_INT, &model_timeout, 1000, 3600000, "one model call"},
         {"no-stream", CONFIG_BOOL, &no_stream, 0, 0, "ask providers for whole responses"},
+        {"models", CONFIG_STRING, &models, 0, 0,
+         "model catalog JSON (context window, output limit, prices)"},
         {"port-file", CONFIG_STRING, &port_file, 0, 0, "write the bound TCP port here"},
         {"grace-ms", CONFIG_INT, &grace_ms, 0, 600000, "how long shutdown waits for calls"},
         {"log-level", CONFIG_STRING, &level, 0, 0, "debug, info, warn or error"},
@@ -221,6 +224,19 @@ int main(int argc, char **argv)
         fprintf(stderr, "agentd: %s\n", err.msg);
         log_error("agents_invalid", "dir=%s", agents_dir);
         return 1;
+    }
+    if (*models && catalog_load(models, &err) != CF_OK) {
+        fprintf(stderr, "agentd: %s\n", err.msg);
+        agents_free(&g_agentd.agents);
+        return 1;
+    }
+    for (size_t i = 0; i < g_agentd.agents.n; i++) {
+        if (!catalog_lookup(g_agentd.agents.items[i].model).known) {
+            log_warn("model_unknown",
+                     "agent=%s model=%s msg=\"not in the catalog: using a 128k window, 8192 "
+                     "output tokens and no price\"",
+                     g_agentd.agents.items[i].name, g_agentd.agents.items[i].model);
+        }
     }
     char owner_buf[256];
     if (!*owner) {
@@ -309,6 +325,7 @@ int main(int argc, char **argv)
     rpc_global_shutdown();
     curl_global_cleanup();
     agents_free(&g_agentd.agents);
+    catalog_free();
     log_info("stopped", "code=0");
     return 0;
 }

@@ -18,6 +18,7 @@
  * joined submissions with their host in the same transaction.
  */
 #include "agentd.h"
+#include "catalog.h"
 #include "clients.h"
 #include "clock.h"
 #include "ids.h"
@@ -168,6 +169,21 @@ static void settle(struct drive *d, Cflue__V1__Outcome outcome, const char *erro
         cut[utf8_prefix_len(cut, strlen(cut), 8000)] = '\0';
     }
     req.error = outcome == CFLUE__V1__OUTCOME__COMPLETED ? "" : (char *)(error ? cut : "failed");
+    /* usage of every turn this submission recorded, across attempts */
+    sync_records(d);
+    const Cflue__V1__Record *r;
+    FOR_EACH_RECORD(d, r)
+    {
+        if (!strcmp(r->type, "assistant_message") &&
+            !strcmp(r->submission_id, d->sub->submission_id)) {
+            json_t *b = json_loads(r->body_json, 0, NULL);
+            json_t *u = json_object_get(b, "usage");
+            req.input_tokens += json_integer_value(json_object_get(u, "input_tokens"));
+            req.output_tokens += json_integer_value(json_object_get(u, "output_tokens"));
+            req.cost_usd += json_number_value(json_object_get(b, "cost_usd"));
+            json_decref(b);
+        }
+    }
     enum cf_status rc = CF_UNAVAILABLE;
     for (int attempt = 0; attempt < 8 && rc == CF_UNAVAILABLE; attempt++) {
         if (attempt) {
@@ -178,12 +194,12 @@ static void settle(struct drive *d, Cflue__V1__Outcome outcome, const char *erro
     }
     char q[600];
     if (rc == CF_OK) {
-        Cflue__V1__SettleResponse *r = (Cflue__V1__SettleResponse *)resp;
+        Cflue__V1__SettleResponse *sr = (Cflue__V1__SettleResponse *)resp;
         log_info("settled", "submission=%s outcome=%s joined=%zu err=%s", d->sub->submission_id,
                  outcome == 1   ? "completed"
                  : outcome == 2 ? "failed"
                                 : "aborted",
-                 r->n_settled_with, log_quote(q, sizeof(q), req.error));
+                 sr->n_settled_with, log_quote(q, sizeof(q), req.error));
         protobuf_c_message_free_unpacked(resp, NULL);
     } else {
         log_warn("settle_failed", "submission=%s err=%s", d->sub->submission_id,
@@ -537,6 +553,38 @@ static void load_tools(struct drive *d, struct toolset *ts)
     }
 }
 
+struct batch_watch {
+    struct drive *d;
+    struct rpc_stream *s;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool over;
+};
+
+/* watch_batch cancels the batch's stream as soon as the submission must stop (abort, lease
+ * lost, shutdown); toold then kills the commands of the cancelled calls. */
+static void *watch_batch(void *arg)
+{
+    struct batch_watch *w = arg;
+    pthread_mutex_lock(&w->mu);
+    while (!w->over) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 100000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+        if (!w->over && stopped(w->d)) {
+            rpc_stream_cancel(w->s);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&w->mu);
+    return NULL;
+}
+
 /* run_tools executes the calls of one assistant message that have no result yet, through
  * toold's ExecuteBatch, recording each result as it arrives. */
 static void run_tools(struct drive *d, const struct llm_response *resp, const struct toolset *ts)
@@ -578,8 +626,11 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
         struct rpc_stream *s = rpc_stream_open(ch, "/cflue.v1.Tools/ExecuteBatch", &batch.base, 0);
         bool *done = mem_alloc(sizeof(bool) * (m + 1));
         ProtobufCMessage *msg;
-        /* a watcher thread is not needed: abort cancels the stream between results, and toold
-         * kills the commands of a cancelled call */
+        struct batch_watch w = {.d = d, .s = s};
+        pthread_t watcher;
+        pthread_mutex_init(&w.mu, NULL);
+        pthread_cond_init(&w.cv, NULL);
+        pthread_create(&watcher, NULL, watch_batch, &w);
         while (rpc_stream_read(s, &cflue__v1__batch_result__descriptor, &msg) == 1) {
             Cflue__V1__BatchResult *br = (Cflue__V1__BatchResult *)msg;
             if (br->index >= 0 && (size_t)br->index < m && br->result && !done[br->index]) {
@@ -591,10 +642,14 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
                 }
             }
             protobuf_c_message_free_unpacked(msg, NULL);
-            if (stopped(d)) {
-                rpc_stream_cancel(s);
-            }
         }
+        pthread_mutex_lock(&w.mu);
+        w.over = true;
+        pthread_cond_signal(&w.cv);
+        pthread_mutex_unlock(&w.mu);
+        pthread_join(watcher, NULL);
+        pthread_mutex_destroy(&w.mu);
+        pthread_cond_destroy(&w.cv);
         struct rpc_status st;
         rpc_stream_finish(s, &st);
         for (size_t k = 0; k < m; k++) {

@@ -50,6 +50,10 @@ void print_submission(FILE *out, const Cflue__V1__Submission *s)
     if (*s->answered_by) {
         fprintf(out, "%-16s %s\n", "answered by", s->answered_by);
     }
+    if (s->input_tokens || s->output_tokens) {
+        fprintf(out, "%-16s %lld in, %lld out, $%.4f\n", "usage", (long long)s->input_tokens,
+                (long long)s->output_tokens, s->cost_usd);
+    }
     if (*s->idempotency_key) {
         fprintf(out, "%-16s %s\n", "idempotency key", s->idempotency_key);
     }

@@ -42,7 +42,8 @@
     "sequence, submission_id, conversation_id, agent, idempotency_key, payload, status,"           \
     " outcome, error, attempt_id, epoch, owner_id, lease_expires_at, attempt_count,"               \
     " max_attempts, timeout_at, accepted_at, started_at, input_applied_at,"                        \
-    " abort_requested_at, joined_into, settled_at, answered_by, reserved_outcome, admit_pos"
+    " abort_requested_at, joined_into, settled_at, answered_by, reserved_outcome, admit_pos,"      \
+    " input_tokens, output_tokens, cost_usd"
 
 #define UNSETTLED "('queued','running','terminalizing','joining','joined')"
 
@@ -190,6 +191,9 @@ static void row_to_sub(struct ledger_ctx *c, sqlite3_stmt *st, Cflue__V1__Submis
     out->joined_into = (char *)col_text(c, st, 20);
     out->settled_at_ms = sqlite3_column_int64(st, 21);
     out->answered_by = (char *)col_text(c, st, 22);
+    out->input_tokens = sqlite3_column_int64(st, 25);
+    out->output_tokens = sqlite3_column_int64(st, 26);
+    out->cost_usd = sqlite3_column_double(st, 27);
 }
 
 static enum cf_status load_sub(struct ledger_ctx *c, const char *id, Cflue__V1__Submission *out,
@@ -886,6 +890,7 @@ static enum cf_status finish_one(struct ledger_ctx *c, const char *sub, const ch
 
 static enum cf_status finish_with_fanout(struct ledger_ctx *c, Cflue__V1__Submission *row,
                                          int outcome, const char *error,
+                                         const Cflue__V1__SettleRequest *usage,
                                          Cflue__V1__SettleResponse *out, struct cf_error *err)
 {
     sqlite3_stmt *st;
@@ -894,6 +899,21 @@ static enum cf_status finish_with_fanout(struct ledger_ctx *c, Cflue__V1__Submis
     if ((rc = finish_one(c, row->submission_id, row->conversation_id, outcome, error,
                          row->submission_id, attempt, &out->record_offset, err)) != CF_OK) {
         return rc;
+    }
+    if (usage && (usage->input_tokens || usage->output_tokens || usage->cost_usd > 0)) {
+        if ((rc = db_prepare(c->db,
+                             "UPDATE submissions SET input_tokens = ?, output_tokens = ?, "
+                             "cost_usd = ? WHERE submission_id = ?",
+                             &st, err)) != CF_OK) {
+            return rc;
+        }
+        sqlite3_bind_int64(st, 1, usage->input_tokens);
+        sqlite3_bind_int64(st, 2, usage->output_tokens);
+        sqlite3_bind_double(st, 3, usage->cost_usd);
+        bind_text(st, 4, row->submission_id);
+        if ((rc = step_done(c, st, "record usage", err)) != CF_OK) {
+            return rc;
+        }
     }
     if ((rc = db_prepare(c->db,
                          "SELECT submission_id FROM submissions WHERE joined_into = ? "
@@ -992,7 +1012,7 @@ enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleReques
         if (req->reserve_only) {
             return cf_error_set(err, CF_INVALID, "reserve_only needs a fence with an attempt");
         }
-        return finish_with_fanout(c, row, outcome, error, out, err);
+        return finish_with_fanout(c, row, outcome, error, req, out, err);
     }
     if ((rc = fenced(c, f, ST_BIT(RUNNING) | ST_BIT(TERMINALIZING), "running or terminalizing", row,
                      err)) != CF_OK) {
@@ -1011,10 +1031,10 @@ enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleReques
             }
             return CF_OK;
         }
-        return finish_with_fanout(c, row, r_outcome, r_error, out, err);
+        return finish_with_fanout(c, row, r_outcome, r_error, req, out, err);
     }
     if (!req->reserve_only) {
-        return finish_with_fanout(c, row, outcome, error, out, err);
+        return finish_with_fanout(c, row, outcome, error, req, out, err);
     }
     if ((rc = db_prepare(c->db,
                          "UPDATE submissions SET status = 'terminalizing', reserved_outcome = ?, "

@@ -216,6 +216,9 @@ enum cf_status validate_settle(const Cflue__V1__SettleRequest *r, struct cf_erro
     if (r->outcome == CFLUE__V1__OUTCOME__COMPLETED && *r->error) {
         return cf_error_set(err, CF_INVALID, "error must be empty when outcome is COMPLETED");
     }
+    if (r->input_tokens < 0 || r->output_tokens < 0 || !(r->cost_usd >= 0) || r->cost_usd > 1e9) {
+        return cf_error_set(err, CF_INVALID, "usage must not be negative");
+    }
     if (r->outcome != CFLUE__V1__OUTCOME__COMPLETED && !*r->error) {
         return cf_error_set(err, CF_INVALID, "error is required when outcome is %s",
                             r->outcome == CFLUE__V1__OUTCOME__FAILED ? "FAILED" : "ABORTED");
