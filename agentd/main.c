@@ -52,10 +52,59 @@ bool agentd_mark_abort(const char *submission_id)
     return here;
 }
 
+/* Work this process held before it restarted, taken back at start-up (reclaim_own) before the
+ * workers begin claiming anything else. */
+static Cflue__V1__ClaimResponse *reclaimed[256];
+static int n_reclaimed;
+
+static void reclaim_own_work(void)
+{
+    struct cf_error err;
+    int64_t started = clock_now_ms();
+    while (n_reclaimed < 256) {
+        Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
+        ProtobufCMessage *resp = NULL;
+        req.owner_id = (char *)g_agentd.owner_id;
+        req.lease_ms = g_agentd.lease_ms;
+        req.reclaim_started_before_ms = started;
+        if (store_call(g_agentd.store, "Claim", &req.base, &cflue__v1__claim_response__descriptor,
+                       15000, &resp, &err) != CF_OK) {
+            return;
+        }
+        Cflue__V1__ClaimResponse *cl = (Cflue__V1__ClaimResponse *)resp;
+        if (!cl->submission) {
+            protobuf_c_message_free_unpacked(resp, NULL);
+            return;
+        }
+        bool again = false;
+        for (int i = 0; i < n_reclaimed; i++) {
+            again = again ||
+                    !strcmp(reclaimed[i]->submission->submission_id, cl->submission->submission_id);
+        }
+        if (again) { /* clocks disagree: never take one submission twice */
+            protobuf_c_message_free_unpacked(resp, NULL);
+            return;
+        }
+        log_info("reclaimed", "submission=%s takeover=%d", cl->submission->submission_id,
+                 (int)cl->takeover);
+        reclaimed[n_reclaimed++] = cl;
+    }
+}
+
+static Cflue__V1__ClaimResponse *next_reclaimed(void)
+{
+    Cflue__V1__ClaimResponse *cl = NULL;
+    pthread_mutex_lock(&g_agentd.mu);
+    if (n_reclaimed > 0) {
+        cl = reclaimed[--n_reclaimed];
+    }
+    pthread_mutex_unlock(&g_agentd.mu);
+    return cl;
+}
+
 static void *worker_main(void *arg)
 {
     struct cf_error err;
-    bool reclaim = true; /* the first claims take back this owner's own unfinished work */
     for (;;) {
         pthread_mutex_lock(&g_agentd.mu);
         bool stop = g_agentd.stopping;
@@ -63,11 +112,16 @@ static void *worker_main(void *arg)
         if (stop) {
             return NULL;
         }
+        Cflue__V1__ClaimResponse *own = next_reclaimed();
+        if (own) {
+            turn_drive(own);
+            protobuf_c_message_free_unpacked(&own->base, NULL);
+            continue;
+        }
         Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
         ProtobufCMessage *resp = NULL;
         req.owner_id = (char *)g_agentd.owner_id;
         req.lease_ms = g_agentd.lease_ms;
-        req.reclaim_own = reclaim;
         enum cf_status rc = store_call(g_agentd.store, "Claim", &req.base,
                                        &cflue__v1__claim_response__descriptor, 15000, &resp, &err);
         Cflue__V1__ClaimResponse *cl = (Cflue__V1__ClaimResponse *)resp;
@@ -76,7 +130,6 @@ static void *worker_main(void *arg)
             protobuf_c_message_free_unpacked(resp, NULL);
             continue;
         }
-        reclaim = false;
         if (resp) {
             protobuf_c_message_free_unpacked(resp, NULL);
         }
@@ -293,6 +346,7 @@ int main(int argc, char **argv)
             fclose(f);
         }
     }
+    reclaim_own_work();
     pthread_t *threads = mem_alloc(sizeof(pthread_t) * (size_t)(workers + 1));
     for (int i = 0; i < workers; i++) {
         pthread_create(&threads[i], NULL, worker_main, NULL);

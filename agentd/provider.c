@@ -47,11 +47,11 @@ struct transfer {
     struct sse sse;
     void *stream_state;
     long status;
-    bool status_known;
     int64_t retry_after_ms;
     enum cf_status parse_rc;
     struct cf_error parse_err;
     bool cancelled;
+    bool not_sse; /* a 2xx answer to a streaming request that is not text/event-stream */
 };
 
 static bool on_sse(void *ctx, const char *event, const char *data)
@@ -85,11 +85,7 @@ static size_t on_body(char *p, size_t size, size_t n, void *ctx)
 {
     struct transfer *t = ctx;
     size_t len = size * n;
-    if (!t->status_known) {
-        /* CURLINFO is not available here; the status arrives with the headers */
-        t->status_known = true;
-    }
-    if (t->req->stream && t->status >= 200 && t->status < 300) {
+    if (t->req->stream && t->status >= 200 && t->status < 300 && !t->not_sse) {
         if (!sse_feed(&t->sse, p, len)) {
             if (t->parse_rc == CF_OK) {
                 t->parse_rc = cf_error_set(&t->parse_err, CF_INVALID,
@@ -116,20 +112,16 @@ static int on_progress(void *ctx, curl_off_t a, curl_off_t b, curl_off_t c, curl
     return 0;
 }
 
-static int on_header_status(CURL *curl, struct transfer *t)
-{
-    long code = 0;
-    curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &code);
-    t->status = code;
-    return 0;
-}
-
 static size_t on_header_with_status(char *p, size_t size, size_t n, void *ctx)
 {
     struct transfer *t = ctx;
     if (size * n > 5 && !strncmp(p, "HTTP/", 5)) {
         const char *sp = strchr(p, ' ');
         t->status = sp ? strtol(sp + 1, NULL, 10) : 0;
+        t->not_sse = false;
+    }
+    if (size * n > 13 && !strncasecmp(p, "content-type:", 13)) {
+        t->not_sse = !strstr(p, "text/event-stream");
     }
     return on_header(p, size, n, ctx);
 }
@@ -218,7 +210,6 @@ enum cf_status llm_complete(const struct provider_endpoint *ep, const struct llm
     curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME, 60L);
     curl_easy_setopt(curl, CURLOPT_USERAGENT, "cflue-agentd/0.1");
     CURLcode cc = curl_easy_perform(curl);
-    (void)on_header_status;
     curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &t.status);
     enum cf_status rc = CF_OK;
     if (t.cancelled) {
@@ -233,6 +224,11 @@ enum cf_status llm_complete(const struct provider_endpoint *ep, const struct llm
                           req->provider, url, curl_easy_strerror(cc));
     } else if (t.status < 200 || t.status >= 300) {
         rc = classify(&t, err);
+    } else if (req->stream && t.not_sse) {
+        /* a whole JSON message is acceptable; anything else is a broken provider */
+        rc = anthropic ? anthropic_parse_body(buf_cstr(&t.body), t.body.len, out, err)
+                       : openai_parse_body(buf_cstr(&t.body), t.body.len, out, err);
+        out->retryable = false;
     } else if (!req->stream) {
         rc = anthropic ? anthropic_parse_body(buf_cstr(&t.body), t.body.len, out, err)
                        : openai_parse_body(buf_cstr(&t.body), t.body.len, out, err);

@@ -815,6 +815,11 @@ void turn_drive(const Cflue__V1__ClaimResponse *claim)
     }
     char input_id[256];
     snprintf(input_id, sizeof(input_id), "input:%s", d.sub->submission_id);
+    if (d.act->abort_requested && !find_record(&d, input_id)) {
+        /* aborted before it started: its message never enters the conversation */
+        settle(&d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request before it started");
+        goto out;
+    }
     if (!find_record(&d, input_id)) {
         json_t *body = json_pack("{s:s}", "text", d.sub->message ? d.sub->message->text : "");
         if (d.sub->message && d.sub->message->n_attachments) {

@@ -56,6 +56,15 @@ void rpc_server_add_method(struct rpc_server *s, const char *path,
                            const ProtobufCMessageDescriptor *req_desc, rpc_handler_fn fn,
                            void *user, enum rpc_mode mode);
 
+/* rpc_server_lenient_strings makes a registered method accept requests whose text fields hold
+ * NUL bytes or invalid UTF-8 (refused with INVALID_ARGUMENT otherwise): the handler runs and
+ * learns of the problem from rpc_call_input_problem (the decoded strings are cut at the NUL).
+ * For methods that must answer such input in their own way. */
+void rpc_server_lenient_strings(struct rpc_server *s, const char *path);
+
+/* rpc_call_input_problem describes a bad text field of a lenient method's request, or NULL. */
+const char *rpc_call_input_problem(struct rpc_call *c);
+
 /* rpc_server_start starts serving; health reports SERVING for "" and every service name whose
  * methods were registered. */
 void rpc_server_start(struct rpc_server *s);
@@ -96,6 +105,11 @@ void rpc_call_fail_error(struct rpc_call *c, const struct cf_error *err);
 /* rpc_call_cancelled reports whether the call is over for the client (cancelled, deadline
  * passed, connection lost) or the server is shutting down. */
 bool rpc_call_cancelled(struct rpc_call *c);
+
+/* rpc_call_client_gone reports whether the client side of the call is over (cancelled,
+ * deadline passed, connection lost), ignoring server shutdown: for calls that should be let
+ * finish within the shutdown grace period. */
+bool rpc_call_client_gone(struct rpc_call *c);
 
 /* rpc_call_wait waits up to ms milliseconds or until the call is cancelled, whichever comes
  * first; returns rpc_call_cancelled(). */

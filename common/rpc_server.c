@@ -14,9 +14,11 @@
 
 #include "log.h"
 #include "mem.h"
+#include "pbcheck.h"
 
 #include "grpc/health/v1/health.pb-c.h"
 
+#include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
 #include <pthread.h>
@@ -45,6 +47,7 @@ struct method {
     void *user;
     enum rpc_mode mode;
     void *handle;
+    bool lenient_strings; /* bad text fields are reported to the handler, not refused */
 };
 
 struct pending_send {
@@ -79,7 +82,8 @@ struct rpc_call {
     struct pending_send *q_head, *q_tail;
     int q_len;
     grpc_byte_buffer *inflight;
-    bool live; /* counted in srv->live_calls */
+    bool live;           /* counted in srv->live_calls */
+    char *input_problem; /* lenient methods: what pbcheck found, or NULL */
 };
 
 struct work {
@@ -149,6 +153,7 @@ static void call_free(struct rpc_call *c)
     if (c->req) {
         protobuf_c_message_free_unpacked(c->req, NULL);
     }
+    free(c->input_problem);
     if (c->call) {
         grpc_call_unref(c->call);
     }
@@ -380,6 +385,25 @@ static bool call_dead(struct rpc_call *c)
     return dead;
 }
 
+const char *rpc_call_input_problem(struct rpc_call *c)
+{
+    return c->input_problem;
+}
+
+void rpc_server_lenient_strings(struct rpc_server *s, const char *path)
+{
+    for (int i = 0; i < s->n_methods; i++) {
+        if (!strcmp(s->methods[i].path, path)) {
+            s->methods[i].lenient_strings = true;
+        }
+    }
+}
+
+bool rpc_call_client_gone(struct rpc_call *c)
+{
+    return call_dead(c);
+}
+
 bool rpc_call_cancelled(struct rpc_call *c)
 {
     return call_dead(c) || rpc_server_stopping(c->srv);
@@ -556,9 +580,27 @@ static void on_new_call(struct rpc_call *c, int success)
         rpc_call_fail(c, CF_INVALID, "the request carried no message for %s", c->m->path);
         return;
     }
-    c->req = rpc_unpack(c->m->req_desc, c->payload);
+    grpc_byte_buffer_reader reader;
+    grpc_slice bytes = grpc_empty_slice();
+    if (grpc_byte_buffer_reader_init(&reader, c->payload)) {
+        bytes = grpc_byte_buffer_reader_readall(&reader);
+        grpc_byte_buffer_reader_destroy(&reader);
+    }
     grpc_byte_buffer_destroy(c->payload);
     c->payload = NULL;
+    struct cf_error err;
+    if (pbcheck_strings(c->m->req_desc, GRPC_SLICE_START_PTR(bytes), GRPC_SLICE_LENGTH(bytes),
+                        &err) != CF_OK) {
+        if (!c->m->lenient_strings) {
+            grpc_slice_unref(bytes);
+            rpc_call_fail(c, CF_INVALID, "malformed request: %s", err.msg);
+            return;
+        }
+        c->input_problem = mem_strdup(err.msg);
+    }
+    c->req = protobuf_c_message_unpack(c->m->req_desc, NULL, GRPC_SLICE_LENGTH(bytes),
+                                       GRPC_SLICE_START_PTR(bytes));
+    grpc_slice_unref(bytes);
     if (!c->req) {
         rpc_call_fail(c, CF_INVALID, "malformed request: the bytes do not decode as %s",
                       c->m->req_desc->name);

@@ -484,7 +484,7 @@ static enum cf_status pick(struct ledger_ctx *c, const char *sql,
     bind_text(st, 2, req->submission_id);
     bind_text(st, 3, req->conversation_id);
     if (sqlite3_bind_parameter_count(st) >= 5) {
-        sqlite3_bind_int(st, 4, req->reclaim_own ? 1 : 0);
+        sqlite3_bind_int64(st, 4, req->reclaim_started_before_ms);
         bind_text(st, 5, req->owner_id);
     }
     int r = sqlite3_step(st);
@@ -503,7 +503,8 @@ enum cf_status ledger_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRequest 
 {
     static const char expired_sql[] =
         "SELECT submission_id FROM submissions WHERE status IN ('running','terminalizing') "
-        "AND ((lease_expires_at > 0 AND lease_expires_at < ?1) OR (?4 = 1 AND owner_id = ?5)) "
+        "AND ((lease_expires_at > 0 AND lease_expires_at < ?1) OR "
+        "(?4 > 0 AND owner_id = ?5 AND started_at < ?4)) "
         "AND (?2 = '' OR submission_id = ?2) AND (?3 = '' OR conversation_id = ?3) "
         "ORDER BY sequence LIMIT 1";
     static const char queued_sql[] =

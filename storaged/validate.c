@@ -123,6 +123,9 @@ enum cf_status validate_claim(const Cflue__V1__ClaimRequest *r, struct cf_error 
         return cf_error_set(err, CF_INVALID, "lease_ms must be 0 (default) to %lld",
                             VALIDATE_LEASE_MAX_MS);
     }
+    if (r->reclaim_started_before_ms < 0) {
+        return cf_error_set(err, CF_INVALID, "reclaim_started_before_ms must not be negative");
+    }
     return CF_OK;
 }
 

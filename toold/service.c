@@ -68,9 +68,11 @@ static void on_list(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
     }
 }
 
+/* call_gone: the client went away. Server shutdown is not a reason to stop a tool call: the
+ * shutdown grace period lets it finish, and after it the call is cancelled (and then gone). */
 static bool call_gone(void *arg)
 {
-    return arg && rpc_call_cancelled(arg);
+    return arg && rpc_call_client_gone(arg);
 }
 
 /* run_call executes one ToolCall into res (with gRPC-level problems in *err). A batch passes
@@ -134,8 +136,19 @@ static void on_execute(struct rpc_call *c, const ProtobufCMessage *msg, void *us
     const Cflue__V1__ToolCall *call = (const void *)msg;
     struct tool_result res;
     struct cf_error err;
+    const char *problem = rpc_call_input_problem(c);
+    if (problem && strncmp(problem, "arguments_json", 14) != 0) {
+        /* a name that was cut short must not select another sandbox or tool */
+        rpc_call_fail(c, CF_INVALID, "malformed request: %s", problem);
+        return;
+    }
     tool_result_init(&res);
-    if (call->timeout_ms < 0) {
+    if (problem) {
+        tool_fail(&res,
+                  "The arguments are not valid JSON text: %s. Send one JSON object of "
+                  "UTF-8 text.",
+                  problem);
+    } else if (call->timeout_ms < 0) {
         tool_fail(&res, "timeout_ms must not be negative");
     } else if (run_call(call, c, NULL, 0, &res, &err) != CF_OK) {
         tool_result_cleanup(&res);
@@ -628,6 +641,7 @@ void toold_register(struct rpc_server *srv, struct workspaces *ws, const struct 
                           on_list, NULL, RPC_POOL);
     rpc_server_add_method(srv, "/cflue.v1.Tools/Execute", &cflue__v1__tool_call__descriptor,
                           on_execute, NULL, RPC_THREAD);
+    rpc_server_lenient_strings(srv, "/cflue.v1.Tools/Execute");
     rpc_server_add_method(srv, "/cflue.v1.Tools/ExecuteBatch", &cflue__v1__tool_batch__descriptor,
                           on_execute_batch, NULL, RPC_THREAD);
     rpc_server_add_method(srv, "/cflue.v1.Sandbox/ReadFile",

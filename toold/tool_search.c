@@ -111,6 +111,8 @@ static void topk_free(struct topk *k)
 
 struct grep {
     struct tool_ctx *ctx;
+    struct ignore_filter *filter; /* for engines run as commands */
+    const char *start_rel;
     struct topk hits;
     pcre2_code *re;
     pcre2_match_data *md;
@@ -235,8 +237,12 @@ static void parse_engine_line(struct grep *g, const char *p, size_t n)
         g->engine_errors++;
         return;
     }
-    struct hit h = {strndup(path, (size_t)(nul - path)), line,
-                    cut_text(colon + 1, n - (size_t)(colon + 1 - p))};
+    char *rel = strndup(path, (size_t)(nul - path));
+    if (g->filter && ignore_filter_skips(g->filter, rel, g->start_rel)) {
+        free(rel);
+        return;
+    }
+    struct hit h = {rel, line, cut_text(colon + 1, n - (size_t)(colon + 1 - p))};
     topk_add(&g->hits, h);
 }
 
@@ -359,8 +365,8 @@ void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
         return;
     }
     g.re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED,
-                         PCRE2_UTF | PCRE2_MATCH_INVALID_UTF | PCRE2_MULTILINE |
-                             (literal ? PCRE2_LITERAL : 0),
+                         PCRE2_UTF | PCRE2_MATCH_INVALID_UTF |
+                             (literal ? PCRE2_LITERAL : PCRE2_MULTILINE),
                          &errcode, &erroff, NULL);
     if (!g.re) {
         PCRE2_UCHAR msg[256];
@@ -405,29 +411,39 @@ void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
         buf_init(&cmd, TOOL_PATTERN_MAX * 4 + 8192);
         if (!strcmp(engine, "rg")) {
             buf_append_str(&cmd, "exec rg --no-config --null --line-number --with-filename "
-                                 "--no-heading --color=never --no-require-git --engine=auto");
+                                 "--no-heading --color=never --no-require-git --engine=auto "
+                                 "--no-ignore-global --no-ignore-exclude --no-ignore-parent");
             if (literal) {
                 buf_append_str(&cmd, " --fixed-strings");
             }
             if (g.include) {
-                buf_append_str(&cmd, " --glob");
-                shell_quote(&cmd, g.include);
+                /* a file type filters without overriding hidden and ignore rules */
+                struct buf t;
+                buf_init(&t, TOOL_PATTERN_MAX);
+                buf_printf(&t, "cflueinclude:%s", g.include);
+                buf_append_str(&cmd, " --type-add");
+                shell_quote(&cmd, buf_cstr(&t));
+                buf_append_str(&cmd, " --type cflueinclude");
+                buf_cleanup(&t);
             }
         } else {
-            buf_append_str(&cmd, "exec grep -rnHEZ --binary-files=without-match "
-                                 "--exclude='.*' --exclude-dir='.*'");
-            if (literal) {
-                buf_append_str(&cmd, " -F");
-            }
+            buf_append_str(&cmd,
+                           literal ? "LC_ALL=C exec grep -rnHZF" : "LC_ALL=C exec grep -rnHZE");
+            buf_append_str(&cmd, " --binary-files=without-match");
             if (g.include) {
+                /* before the excludes: with both, the last matching option wins */
                 buf_append_str(&cmd, " --include");
                 shell_quote(&cmd, g.include);
             }
+            /* hidden entries, but not the starting "." itself */
+            buf_append_str(&cmd, " --exclude='.*' --exclude-dir='.[!.]*' --exclude-dir='..?*'");
         }
         buf_append_str(&cmd, " -e");
         shell_quote(&cmd, pattern);
         buf_append_str(&cmd, " --");
         shell_quote(&cmd, rel);
+        g.filter = ignore_filter_new(ctx->sb);
+        g.start_rel = rel;
         enum cf_status rc = run_engine(&g, buf_cstr(&cmd), &code, &err);
         buf_cleanup(&cmd);
         if (rc != CF_OK) {
@@ -462,6 +478,7 @@ void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
     }
     res->trunc.total_lines = (int64_t)g.hits.total;
 out:
+    ignore_filter_free(g.filter);
     topk_free(&g.hits);
     buf_cleanup(&g.line);
     pcre2_match_data_free(g.md);

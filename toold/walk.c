@@ -316,3 +316,123 @@ enum cf_status walk_tree(const struct sandbox *sb, const char *start_rel, const 
     free(w);
     return CF_OK;
 }
+
+/* ---------- ignore filter ---------- */
+
+struct dir_rules {
+    char *dir; /* "" for the root */
+    struct rules rules;
+    struct dir_rules *next;
+};
+
+struct ignore_filter {
+    const struct sandbox *sb;
+    struct dir_rules *dirs;
+    char last_file[WS_PATH_MAX];
+    bool last_skip;
+};
+
+struct ignore_filter *ignore_filter_new(const struct sandbox *sb)
+{
+    struct ignore_filter *f = mem_alloc(sizeof(*f));
+    f->sb = sb;
+    return f;
+}
+
+void ignore_filter_free(struct ignore_filter *f)
+{
+    if (!f) {
+        return;
+    }
+    while (f->dirs) {
+        struct dir_rules *d = f->dirs;
+        f->dirs = d->next;
+        drop_rules(&d->rules, 0);
+        free(d->rules.items);
+        free(d->dir);
+        free(d);
+    }
+    free(f);
+}
+
+/* rules_of returns the rules of the ignore files in dir (loaded once). */
+static struct rules *rules_of(struct ignore_filter *f, const char *dir)
+{
+    for (struct dir_rules *d = f->dirs; d; d = d->next) {
+        if (!strcmp(d->dir, dir)) {
+            return &d->rules;
+        }
+    }
+    struct dir_rules *d = mem_alloc(sizeof(*d));
+    d->dir = mem_strdup(dir);
+    d->next = f->dirs;
+    f->dirs = d;
+    int fd;
+    struct cf_error err;
+    if (ws_open(f->sb, *dir ? dir : ".", O_RDONLY | O_DIRECTORY, 0, dir, &fd, &err) == CF_OK) {
+        add_rules(&d->rules, fd, ".gitignore", dir);
+        add_rules(&d->rules, fd, ".ignore", dir);
+        close(fd);
+    }
+    return &d->rules;
+}
+
+/* excluded_by checks the component path[0..upto) against the rules of every directory above
+ * it, root first; the last matching rule wins, as in the walk. */
+static bool excluded_by(struct ignore_filter *f, const char *path, size_t upto, bool is_dir)
+{
+    char partial[WS_PATH_MAX], dir[WS_PATH_MAX];
+    snprintf(partial, sizeof(partial), "%.*s", (int)upto, path);
+    const char *name = strrchr(partial, '/');
+    name = name ? name + 1 : partial;
+    struct rules all = {0};
+    for (size_t i = 0; i < upto; i++) {
+        if (i == 0 || path[i - 1] == '/') {
+            snprintf(dir, sizeof(dir), "%.*s", i ? (int)(i - 1) : 0, path);
+            struct rules *r = rules_of(f, dir);
+            if (r->n) {
+                all.items = mem_realloc(all.items, sizeof(struct rule) * (all.n + r->n));
+                memcpy(all.items + all.n, r->items, sizeof(struct rule) * r->n);
+                all.n += r->n;
+            }
+        }
+    }
+    bool out = ignored(&all, partial, name, is_dir);
+    free(all.items);
+    return out;
+}
+
+bool ignore_filter_skips(struct ignore_filter *f, const char *rel, const char *start_rel)
+{
+    if (!strcmp(rel, f->last_file)) {
+        return f->last_skip;
+    }
+    snprintf(f->last_file, sizeof(f->last_file), "%s", rel);
+    size_t start_len = strcmp(start_rel, ".") ? strlen(start_rel) : 0;
+    bool skip = false;
+    /* hidden components and ignore rules, below the start path */
+    for (size_t i = 0, n = strlen(rel); i <= n && !skip; i++) {
+        if (i == n || rel[i] == '/') {
+            size_t comp_start = i;
+            while (comp_start > 0 && rel[comp_start - 1] != '/') {
+                comp_start--;
+            }
+            if (i <= start_len) {
+                continue; /* part of the path the caller named */
+            }
+            skip = rel[comp_start] == '.' || excluded_by(f, rel, i, i != n);
+        }
+    }
+    if (!skip) {
+        int fd;
+        struct cf_error err;
+        if (ws_open(f->sb, rel, O_RDONLY | O_NONBLOCK, 0, rel, &fd, &err) == CF_OK) {
+            char buf[64 * 1024];
+            ssize_t r = read(fd, buf, sizeof(buf));
+            skip = r > 0 && memchr(buf, 0, (size_t)r) != NULL;
+            close(fd);
+        }
+    }
+    f->last_skip = skip;
+    return skip;
+}

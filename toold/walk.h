@@ -30,4 +30,20 @@ struct walk_opts {
 enum cf_status walk_tree(const struct sandbox *sb, const char *start_rel, const char *shown_path,
                          const struct walk_opts *opts, struct cf_error *err);
 
+/* An ignore filter answers, for paths an external engine (rg, grep) reported, whether toold's
+ * own walk would have skipped them: a hidden component, an ignore-file rule on the file or a
+ * directory above it, or binary content (a NUL in the first 64 KiB). Engines then agree
+ * exactly. Rules of each directory are read once per filter. */
+struct ignore_filter;
+
+/* ignore_filter_new prepares a filter for one search in sb (never NULL). */
+struct ignore_filter *ignore_filter_new(const struct sandbox *sb);
+
+/* ignore_filter_skips reports whether rel (relative to the root) is excluded. The search's
+ * start path itself (explicitly given) is never treated as hidden. */
+bool ignore_filter_skips(struct ignore_filter *f, const char *rel, const char *start_rel);
+
+/* ignore_filter_free releases it (NULL is fine). */
+void ignore_filter_free(struct ignore_filter *f);
+
 #endif

@@ -274,17 +274,59 @@ enum cf_status ws_open_parent(const struct sandbox *sb, const char *rel, bool cr
     return ws_open(sb, dir, O_PATH | O_DIRECTORY, 0, shown_path, dirfd_out, err);
 }
 
+/* resolve_link turns rel, a symbolic link, into the path (relative to the root) of the file
+ * it leads to; an error when that is outside the sandbox or missing. */
+static enum cf_status resolve_link(const struct sandbox *sb, const char *rel,
+                                   const char *shown_path, char *out, size_t out_len,
+                                   struct cf_error *err)
+{
+    int fd;
+    char proc[64], real[PATH_MAX];
+    enum cf_status rc = ws_open(sb, rel, O_PATH, 0, shown_path, &fd, err);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    snprintf(proc, sizeof(proc), "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(proc, real, sizeof(real) - 1);
+    close(fd);
+    size_t root_len = strlen(sb->root);
+    if (n <= 0 || (size_t)n <= root_len + 1 || strncmp(real, sb->root, root_len) != 0 ||
+        real[root_len] != '/') {
+        return cf_error_set(err, CF_INVALID, "%s is a symbolic link that leads outside the sandbox",
+                            shown_path);
+    }
+    real[n] = '\0';
+    snprintf(out, out_len, "%s", real + root_len + 1);
+    return CF_OK;
+}
+
 enum cf_status ws_write_file(const struct sandbox *sb, const char *rel, const void *data,
                              size_t len, mode_t mode, const char *shown_path, struct cf_error *err)
 {
     int dirfd, fd = -1;
-    char base[NAME_MAX + 1], tmp[NAME_MAX + 1];
+    char base[NAME_MAX + 1], tmp[NAME_MAX + 1], target[WS_PATH_MAX];
     enum cf_status rc;
     struct stat st;
 
-    if ((rc = ws_open_parent(sb, rel, true, shown_path, &dirfd, base, sizeof(base), err)) !=
-        CF_OK) {
-        return rc;
+    for (int hops = 0;; hops++) {
+        if ((rc = ws_open_parent(sb, rel, true, shown_path, &dirfd, base, sizeof(base), err)) !=
+            CF_OK) {
+            return rc;
+        }
+        if (!sb->confine || fstatat(dirfd, base, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+            !S_ISLNK(st.st_mode)) {
+            break;
+        }
+        /* writing through a link replaces the file it leads to, never the link itself */
+        close(dirfd);
+        if (hops == 8) {
+            return cf_error_set(err, CF_INVALID, "%s: too many levels of symbolic links",
+                                shown_path);
+        }
+        if ((rc = resolve_link(sb, rel, shown_path, target, sizeof(target), err)) != CF_OK) {
+            return rc;
+        }
+        rel = target;
     }
     if (fstatat(dirfd, base, &st, AT_SYMLINK_NOFOLLOW) == 0) {
         if (S_ISDIR(st.st_mode)) {

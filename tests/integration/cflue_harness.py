@@ -943,3 +943,370 @@ class TooldTestCase(unittest.TestCase):
         self._toolds.append(td)
         td.start()
         return td
+
+
+# ---------------------------------------------------------------------------------------------
+# agentd (cflue.v1.Agent) and the offline model server (tests/fake_model/fake_model.py)
+# ---------------------------------------------------------------------------------------------
+
+AGENTD_BIN = os.path.join(BUILD_DIR, 'agentd', 'agentd')
+FAKE_MODEL_PY = os.path.join(REPO, 'tests', 'fake_model', 'fake_model.py')
+FAKE_MODEL_PYTHON = '/usr/bin/python3' if os.path.exists('/usr/bin/python3') else sys.executable
+
+try:
+    from cflue.v1 import agent_pb2  # noqa: E402
+except ImportError:  # pragma: no cover - only the agentd tests need it
+    agent_pb2 = None
+
+# Method name -> (request class, response class, streaming); filled when the module exists.
+AGENT_METHODS = {}
+if agent_pb2 is not None:
+    AGENT_METHODS = {
+        'Submit': (agent_pb2.SubmitRequest, agent_pb2.Admission, False),
+        'Watch': (agent_pb2.WatchRequest, common_pb2.Record, True),
+        'GetSubmission': (agent_pb2.GetSubmissionRequest, common_pb2.Submission, False),
+        'Abort': (agent_pb2.AbortRequest, agent_pb2.AbortResponse, False),
+        'Compact': (agent_pb2.CompactRequest, agent_pb2.CompactResponse, False),
+        'ListAgents': (agent_pb2.ListAgentsRequest, agent_pb2.ListAgentsResponse, False),
+        'GetConversation': (agent_pb2.GetConversationRequest, agent_pb2.ConversationView, False),
+    }
+
+
+class FakeModelExited(Exception):
+    pass
+
+
+class FakeModel(object):
+    """tests/fake_model/fake_model.py on 127.0.0.1:<ephemeral>, logging every request.
+
+        fm = FakeModel(steps=[{"text": "hi"}])   # or steps=None for the demo brain
+        fm.anthropic_base_url / fm.openai_base_url
+        fm.set_scenario([...])                    # replaces the script of the running server
+        fm.requests()                             # the parsed --log entries so far
+    """
+
+    def __init__(self, steps=None, require_key=None, extra_args=(), workdir=None, start=True):
+        if not os.path.exists(FAKE_MODEL_PY):
+            raise unittest.SkipTest('fake model server missing: %s' % FAKE_MODEL_PY)
+        self.dir = workdir or tempfile.mkdtemp(prefix='cflue-fake-')
+        self.log_path = os.path.join(self.dir, 'requests.jsonl')
+        self.stdout_path = os.path.join(self.dir, 'fake.stdout')
+        self.stderr_path = os.path.join(self.dir, 'fake.stderr')
+        self.scenario_path = None
+        if steps is not None:
+            self.scenario_path = os.path.join(self.dir, 'scenario.json')
+            with open(self.scenario_path, 'w') as f:
+                json.dump({'steps': list(steps)}, f)
+        self.require_key = require_key
+        self.extra_args = list(extra_args)
+        self.proc = None
+        self.port = None
+        if start:
+            self.start()
+
+    def command(self):
+        cmd = [FAKE_MODEL_PYTHON, FAKE_MODEL_PY, '--port', '0', '--log', self.log_path]
+        if self.scenario_path:
+            cmd += ['--scenario', self.scenario_path]
+        if self.require_key is not None:
+            cmd += ['--require-key', self.require_key]
+        return cmd + self.extra_args
+
+    def start(self, timeout=READY_TIMEOUT_S):
+        with open(self.stdout_path, 'wb') as out, open(self.stderr_path, 'ab') as err:
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=err)
+        _LIVE.add(self)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rc = self.proc.poll()
+            if rc is not None:
+                _LIVE.discard(self)
+                raise FakeModelExited('fake model exited with code %d\n%s'
+                                      % (rc, self.stderr_text()))
+            with open(self.stdout_path, 'rb') as f:
+                m = re.match(br'listening on (\d+)\n', f.read())
+            if m:
+                self.port = int(m.group(1))
+                return self
+            time.sleep(0.02)
+        raise AssertionError('fake model did not print its port in time\n' + self.stderr_text())
+
+    @property
+    def base_url(self):
+        return 'http://127.0.0.1:%d' % self.port
+
+    @property
+    def anthropic_base_url(self):
+        return self.base_url
+
+    @property
+    def openai_base_url(self):
+        return self.base_url + '/v1'
+
+    def _http(self, method, path, body=None, timeout=10):
+        import urllib.request
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.base_url + path, data=data, method=method,
+                                     headers={'content-type': 'application/json'})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read().decode())
+
+    def set_scenario(self, steps):
+        return self._http('POST', '/_fake/scenario', {'steps': list(steps)})
+
+    def health(self):
+        return self._http('GET', '/_fake/health')
+
+    def requests(self):
+        """Every request logged so far, in arrival order (parsed JSON lines)."""
+        out = []
+        try:
+            with open(self.log_path, 'rb') as f:
+                for line in f:
+                    if line.endswith(b'\n'):
+                        out.append(json.loads(line.decode('utf-8')))
+        except IOError:
+            pass
+        return out
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        _LIVE.discard(self)
+
+    def close(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def remove(self):
+        self.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def stderr_text(self):
+        try:
+            with open(self.stderr_path, 'rb') as f:
+                return f.read().decode('utf-8', 'replace')
+        except IOError:
+            return '(no stderr captured)'
+
+
+class AgentdExited(Exception):
+    pass
+
+
+class Agentd(object):
+    """An agentd process on 127.0.0.1:<ephemeral> (--port-file), serving the agent
+    definitions in agents_dir against the storaged at store_target.
+
+    restart() kills it with SIGKILL and starts it again with the same flags (same --owner-id);
+    its port changes, and the Agent methods follow the current channel.
+
+        ad = Agentd(sd.target, agents_dir, owner_id='a1', env={'ANTHROPIC_BASE_URL': ...})
+        adm = ad.submit('coder', 'fix it')
+        ad.get_submission(adm.submission_id, wait=True, timeout=30)
+    """
+
+    def __init__(self, store_target, agents_dir, owner_id='', env=None, extra_args=(),
+                 workdir=None, start=True):
+        if not os.path.exists(AGENTD_BIN):
+            raise unittest.SkipTest('agentd binary not built: %s' % AGENTD_BIN)
+        if agent_pb2 is None:
+            raise unittest.SkipTest('generated agent_pb2 missing in %s' % PY_DIR)
+        self.dir = workdir or tempfile.mkdtemp(prefix='cflue-agentd-')
+        self.store_target = store_target
+        self.agents_dir = agents_dir
+        self.owner_id = owner_id
+        self.env = dict(env or {})
+        self.extra_args = list(extra_args)
+        self.port_file = os.path.join(self.dir, 'port')
+        self.stderr_path = os.path.join(self.dir, 'agentd.stderr')
+        self.proc = None
+        self.target = None
+        self.channel = None
+        self.starts = 0
+        self._chan_lock = threading.Lock()
+        if start:
+            self.start()
+
+    @property
+    def pid(self):
+        return self.proc.pid if self.proc is not None else None
+
+    def command(self):
+        cmd = [AGENTD_BIN, '--listen', '127.0.0.1:0', '--port-file', self.port_file,
+               '--store', self.store_target, '--agents', self.agents_dir]
+        if self.owner_id:
+            cmd += ['--owner-id', self.owner_id]
+        return cmd + self.extra_args
+
+    def start(self, timeout=READY_TIMEOUT_S):
+        if os.path.exists(self.port_file):
+            os.unlink(self.port_file)
+        env = dict(os.environ)
+        env.update(self.env)
+        self.starts += 1
+        with open(self.stderr_path, 'ab') as f:
+            f.write(('---- start #%d: %s\n' % (self.starts, ' '.join(self.command())))
+                    .encode())
+            f.flush()
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
+                                         stdout=f, stderr=f, env=env)
+        _LIVE.add(self)
+        deadline = time.monotonic() + timeout
+        target = None
+        while time.monotonic() < deadline and target is None:
+            self._check_alive()
+            try:
+                with open(self.port_file) as f:
+                    txt = f.read().strip()
+                if txt:
+                    target = '127.0.0.1:%d' % int(txt)
+            except (IOError, ValueError):
+                pass
+            if target is None:
+                time.sleep(0.02)
+        if target is None:
+            raise AssertionError('agentd did not write its port file in time\n'
+                                 + self.stderr_text())
+        with self._chan_lock:
+            old = self.channel
+            self.target = target
+            self.channel = grpc.insecure_channel(target, options=channel_options())
+            # see Storaged.start: keeps reconnects after a restart fast
+            self.channel.subscribe(_ignore_state, try_to_connect=True)
+            if old is not None:
+                old.unsubscribe(_ignore_state)
+                old.close()
+        last = None
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                st = self.health_check('', timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+                if st == SERVING:
+                    return self
+                last = 'status %s' % st
+            except grpc.RpcError as e:
+                last = '%s: %s' % (e.code(), e.details())
+            time.sleep(0.02)
+        raise AssertionError('agentd not SERVING in time (last: %s)\n%s'
+                             % (last, self.stderr_text()))
+
+    def _check_alive(self):
+        rc = self.proc.poll()
+        if rc is not None:
+            _LIVE.discard(self)
+            raise AgentdExited('agentd exited with code %d during start-up\n%s'
+                               % (rc, self.stderr_text()))
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self):
+        """SIGKILL and reap."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        _LIVE.discard(self)
+
+    def terminate(self, timeout=STOP_TIMEOUT_S):
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                return None
+        _LIVE.discard(self)
+        return self.proc.returncode
+
+    def restart(self, timeout=READY_TIMEOUT_S):
+        """kill -9, then start again with the same command line."""
+        self.kill()
+        return self.start(timeout)
+
+    def close(self):
+        self.kill()
+        with self._chan_lock:
+            if self.channel is not None:
+                self.channel.unsubscribe(_ignore_state)
+                self.channel.close()
+                self.channel = None
+
+    def remove(self):
+        self.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def stderr_text(self):
+        try:
+            with open(self.stderr_path, 'rb') as f:
+                return f.read().decode('utf-8', 'replace')
+        except IOError:
+            return '(no stderr captured)'
+
+    def _current_channel(self):
+        with self._chan_lock:
+            if self.channel is None:
+                raise RuntimeError('agentd never started')
+            return self.channel
+
+    def health_check(self, service='', timeout=5):
+        c = self._current_channel().unary_unary(
+            '/grpc.health.v1.Health/Check',
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        return c(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+
+    # ---- cflue.v1.Agent ----
+
+    def call(self, method, req, timeout=10):
+        """Calls /cflue.v1.Agent/<method>; a streaming method returns the call iterator."""
+        req_cls, resp_cls, streaming = AGENT_METHODS[method]
+        ch = self._current_channel()
+        path = '/cflue.v1.Agent/' + method
+        if streaming:
+            return ch.unary_stream(path, request_serializer=req_cls.SerializeToString,
+                                   response_deserializer=resp_cls.FromString)(req, timeout=timeout)
+        return ch.unary_unary(path, request_serializer=req_cls.SerializeToString,
+                              response_deserializer=resp_cls.FromString)(req, timeout=timeout)
+
+    def submit(self, agent, text, conversation_id='', idempotency_key='', attachments=(),
+               timeout=10):
+        return self.call('Submit', agent_pb2.SubmitRequest(
+            agent=agent, conversation_id=conversation_id, message=message(text, attachments),
+            idempotency_key=idempotency_key), timeout=timeout)
+
+    def watch(self, conversation_id, from_offset=-1, follow=False, timeout=30):
+        """The Watch call (an iterator of Records; cancel() it to stop a follow)."""
+        return self.call('Watch', agent_pb2.WatchRequest(
+            conversation_id=conversation_id, from_offset=from_offset, follow=follow),
+            timeout=timeout)
+
+    def watch_all(self, conversation_id, from_offset=-1, timeout=30):
+        return list(self.watch(conversation_id, from_offset, False, timeout))
+
+    def get_submission(self, submission_id, wait=False, timeout=10):
+        return self.call('GetSubmission', agent_pb2.GetSubmissionRequest(
+            submission_id=submission_id, wait=wait), timeout=timeout)
+
+    def abort(self, submission_id='', conversation_id='', timeout=10):
+        return self.call('Abort', agent_pb2.AbortRequest(
+            submission_id=submission_id, conversation_id=conversation_id), timeout=timeout)
+
+    def list_agents(self, timeout=10):
+        return self.call('ListAgents', agent_pb2.ListAgentsRequest(), timeout=timeout)
+
+    def get_conversation(self, conversation_id, include_records=False, timeout=10):
+        return self.call('GetConversation', agent_pb2.GetConversationRequest(
+            conversation_id=conversation_id, include_records=include_records), timeout=timeout)

@@ -1,0 +1,1058 @@
+"""End-to-end tests of agentd: real storaged, toold and agentd processes on loopback (unix
+sockets and ephemeral ports, temp dirs), with tests/fake_model/fake_model.py as the model
+provider (Anthropic Messages and OpenAI Chat Completions wire formats).
+
+    cd tests/integration && CFLUE_BUILD_DIR=/work/main/build /usr/bin/python3 -m unittest -v test_agentd
+
+Each class starts its own stack in setUpClass. Tests in a class share the stack and use
+their own conversations (client-chosen ids with a random suffix); every fake-model step is
+bound to its conversation with "match": {"system_contains": <conversation id>} (agent
+workspaces are "{conversation}", so the id is in the system prompt's working directory).
+When a test fails, the tails of the daemons' stderr are printed.
+
+Coverage (the acceptance list of the agentd issue):
+ 1. TestAgentdRun.test_run_anthropic_stream: read -> bash (truncated) -> edit -> answer;
+    tool results seen by the model == tool_result records == toold's own output; Watch
+    replay, resume from every offset, follow live.
+ 2. TestAgentdRun / TestAgentdNoStream: the same scenario through both wire formats,
+    streaming and --no-stream.
+ 3. TestAgentdJoinsAndAbort.test_joins_during_long_tool_call
+ 4. TestAgentdJoinsAndAbort.test_abort_*
+ 5. TestAgentdCrash (kill -9 agentd, restart with the same --owner-id)
+ 6. TestAgentdTwoProcesses (two agentds, one storaged, 200 submissions, 20 conversations)
+ 7. TestAgentdBadInput
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+import uuid
+
+import grpc
+
+import cflue_harness as H
+from cflue_harness import (Agentd, FakeModel, Storaged, Toold, agent_pb2, common_pb2,
+                           read_all, _tail)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURES = os.path.join(HERE, 'agentd_fixtures')
+
+COMPLETED = common_pb2.COMPLETED
+FAILED = common_pb2.FAILED
+ABORTED = common_pb2.ABORTED
+SETTLED = common_pb2.SETTLED
+
+SPILL_RE = re.compile(r'\.cflue/spill/[A-Za-z0-9_.-]+')
+
+
+def outcome_name(o):
+    return common_pb2.Outcome.Name(o)
+
+
+def new_conv(tag):
+    return 'c-%s-%s' % (tag, uuid.uuid4().hex[:10])
+
+
+def body(rec):
+    return json.loads(rec.body_json) if rec.body_json else {}
+
+
+def load_scenario(name, conv, **subs):
+    """A fixture scenario's steps with placeholders filled in and every step bound to conv."""
+    with open(os.path.join(FIXTURES, 'scenarios', name + '.json')) as f:
+        text = f.read()
+    for k, v in subs.items():
+        text = text.replace('@%s@' % k, str(v))
+    steps = json.loads(text)['steps']
+    return bind(steps, conv)
+
+
+def bind(steps, conv):
+    out = []
+    for s in steps:
+        s = dict(s)
+        s.setdefault('match', {'system_contains': conv})
+        out.append(s)
+    return out
+
+
+def long_text(words=400):
+    return ' '.join('word%03d' % i for i in range(words))
+
+
+def find_procs(needle):
+    """PIDs of live (non-zombie) processes whose command line contains needle."""
+    out = []
+    for pid in os.listdir('/proc'):
+        if not pid.isdigit():
+            continue
+        try:
+            with open('/proc/%s/cmdline' % pid, 'rb') as f:
+                cmd = f.read().replace(b'\0', b' ').decode('utf-8', 'replace')
+            with open('/proc/%s/stat' % pid) as f:
+                state = f.read().rsplit(')', 1)[1].split()[0]
+        except (IOError, OSError, IndexError):
+            continue
+        if needle in cmd and state != 'Z' and int(pid) != os.getpid():
+            out.append(int(pid))
+    return out
+
+
+def read_text(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except (IOError, OSError):
+        return ''
+
+
+def pid_alive(pid):
+    try:
+        with open('/proc/%d/stat' % pid) as f:
+            state = f.read().rsplit(')', 1)[1].split()[0]
+        return state != 'Z'
+    except (IOError, OSError, IndexError):
+        return False
+
+
+# ---- the model's view (fake model --log entries) ----
+
+def request_system(entry):
+    b = entry.get('body') or {}
+    if not isinstance(b, dict):
+        return ''
+    if entry['provider'] == 'anthropic':
+        s = b.get('system') or ''
+        if isinstance(s, list):
+            s = '\n'.join(x.get('text', '') for x in s if isinstance(x, dict))
+        return s
+    return '\n'.join(m.get('content') or '' for m in b.get('messages') or []
+                     if isinstance(m, dict) and m.get('role') in ('system', 'developer')
+                     and isinstance(m.get('content'), str))
+
+
+def block_text(content):
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return '\n'.join(b.get('text', '') for b in content
+                         if isinstance(b, dict) and b.get('type') == 'text')
+    return ''
+
+
+def request_tail_tool_results(entry):
+    """[(call_id, text, is_error or None)] after the last assistant message of a request."""
+    msgs = entry['body']['messages']
+    last = max([i for i, m in enumerate(msgs) if m.get('role') == 'assistant'] or [-1])
+    out = []
+    for m in msgs[last + 1:]:
+        if entry['provider'] == 'anthropic':
+            if m.get('role') == 'user' and isinstance(m.get('content'), list):
+                for b in m['content']:
+                    if b.get('type') == 'tool_result':
+                        out.append((b.get('tool_use_id'), block_text(b.get('content')),
+                                    bool(b.get('is_error'))))
+        elif m.get('role') == 'tool':
+            out.append((m.get('tool_call_id'), block_text(m.get('content')), None))
+    return out
+
+
+def request_user_texts(entry):
+    """Every user-authored text of a request (not tool results)."""
+    out = []
+    for m in entry['body']['messages']:
+        if m.get('role') != 'user':
+            continue
+        c = m.get('content')
+        if isinstance(c, str):
+            out.append(c)
+        elif isinstance(c, list):
+            out.extend(b.get('text', '') for b in c if isinstance(b, dict)
+                       and b.get('type') == 'text')
+    return out
+
+
+def request_assistant_calls(entry):
+    """[[(id, name, args)] per assistant message] of a request."""
+    out = []
+    for m in entry['body']['messages']:
+        if m.get('role') != 'assistant':
+            continue
+        calls = []
+        if entry['provider'] == 'anthropic':
+            for b in m.get('content') or []:
+                if isinstance(b, dict) and b.get('type') == 'tool_use':
+                    calls.append((b.get('id'), b.get('name'), b.get('input')))
+        else:
+            for tc in m.get('tool_calls') or []:
+                fn = tc.get('function') or {}
+                try:
+                    args = json.loads(fn.get('arguments') or '{}')
+                except ValueError:
+                    args = fn.get('arguments')
+                calls.append((tc.get('id'), fn.get('name'), args))
+        out.append(calls)
+    return out
+
+
+# ---- the stack ----
+
+class Stack(object):
+    """storaged + toold + fake model + N agentd processes, all in temp dirs."""
+
+    def __init__(self, agents=('runner-anthropic', 'runner-openai'), n_agentd=1,
+                 agentd_args=(), owner_ids=None, with_toold=True):
+        self.dir = tempfile.mkdtemp(prefix='cflue-agentd-it-')
+        self.daemons = []
+        self.agentds = []
+        try:
+            self.sd = Storaged(workdir=self._sub('storaged'))
+            self.daemons.append(('storaged', self.sd))
+            self.td = None
+            if with_toold:
+                self.td = Toold(workdir=self._sub('toold'))
+                self.daemons.append(('toold', self.td))
+            self.fm = FakeModel(steps=[], workdir=self._sub('fake_model'))
+            self.daemons.append(('fake_model', self.fm))
+            self.agents_dir = self._sub('agents')
+            for name in agents:
+                with open(os.path.join(FIXTURES, 'agents', name + '.md')) as f:
+                    text = f.read()
+                if self.td is not None:
+                    text = text.replace('@TOOLS@', self.td.target)
+                with open(os.path.join(self.agents_dir, name + '.md'), 'w') as f:
+                    f.write(text)
+            self.env = {'ANTHROPIC_BASE_URL': self.fm.anthropic_base_url,
+                        'ANTHROPIC_API_KEY': 'test-anthropic-key',
+                        'OPENAI_BASE_URL': self.fm.openai_base_url,
+                        'OPENAI_API_KEY': 'test-openai-key'}
+            for i in range(n_agentd):
+                owner = owner_ids[i] if owner_ids else 'agentd-it-%d' % i
+                ad = Agentd(self.sd.target, self.agents_dir, owner_id=owner, env=self.env,
+                            extra_args=agentd_args, workdir=self._sub('agentd%d' % i))
+                self.agentds.append(ad)
+                self.daemons.append(('agentd%d' % i, ad))
+        except BaseException:
+            self.remove()
+            raise
+
+    def _sub(self, name):
+        p = os.path.join(self.dir, name)
+        os.makedirs(p, exist_ok=True)
+        return p
+
+    @property
+    def ad(self):
+        return self.agentds[0]
+
+    def remove(self):
+        for _, d in reversed(self.daemons):
+            try:
+                d.close()
+            except Exception:
+                pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def dump(self, out, lines=80):
+        for name, d in self.daemons:
+            out.write('\n==== %s stderr (%s) ====\n%s==== end of %s stderr ====\n'
+                      % (name, d.dir, _tail(d.stderr_text(), lines), name))
+
+
+class AgentdCase(unittest.TestCase):
+    stack_kwargs = {}
+    stack = None
+
+    @classmethod
+    def setUpClass(cls):
+        super(AgentdCase, cls).setUpClass()
+        cls.stack = Stack(**cls.stack_kwargs)
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls.stack is not None:
+            cls.stack.remove()
+            cls.stack = None
+        super(AgentdCase, cls).tearDownClass()
+
+    def run(self, result=None):
+        if result is None:
+            return super(AgentdCase, self).run(result)
+        before = len(result.failures) + len(result.errors)
+        try:
+            return super(AgentdCase, self).run(result)
+        finally:
+            if len(result.failures) + len(result.errors) > before and self.stack is not None:
+                sys.stderr.write('\n#### daemon logs for %s\n' % self.id())
+                self.stack.dump(sys.stderr)
+
+    # ---- shortcuts ----
+
+    @property
+    def ad(self):
+        return self.stack.ad
+
+    @property
+    def fm(self):
+        return self.stack.fm
+
+    @property
+    def td(self):
+        return self.stack.td
+
+    def workspace(self, conv, files=None):
+        ws = self.td.workspace(conv, create=True)
+        for name, content in (files or {}).items():
+            with open(os.path.join(ws, name), 'w') as f:
+                f.write(content)
+        return ws
+
+    def records(self, conv):
+        """The conversation's records, read from storaged directly (ground truth)."""
+        return read_all(self.stack.sd.stub, conv)
+
+    def wait_settled(self, sid, timeout=30, ad=None):
+        ad = ad or self.ad
+        try:
+            sub = ad.get_submission(sid, wait=True, timeout=timeout)
+        except grpc.RpcError as e:
+            cur = ad.get_submission(sid)
+            self.fail('submission %s did not settle within %.0f s (%s); now: status=%s '
+                      'attempts=%d' % (sid, timeout, e.code(),
+                                       common_pb2.SubmissionStatus.Name(cur.status),
+                                       cur.attempt_count))
+        self.assertEqual(sub.status, SETTLED, sub)
+        return sub
+
+    def wait_for(self, what, fn, timeout=10, interval=0.05):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            v = fn()
+            if v:
+                return v
+            time.sleep(interval)
+        self.fail('timed out after %.0f s waiting for %s' % (timeout, what))
+
+    def model_requests(self, conv):
+        """The fake model's log entries of requests made for conv, in arrival order."""
+        return [e for e in self.fm.requests()
+                if 'rejected' not in e and conv in request_system(e)]
+
+    def assert_settled_once(self, conv, sids):
+        """Exactly one submission_settled record per submission; none for others."""
+        recs = self.records(conv)
+        settled = [body(r) for r in recs if r.type == 'submission_settled']
+        counts = {}
+        for r in recs:
+            if r.type == 'submission_settled':
+                counts[r.submission_id] = counts.get(r.submission_id, 0) + 1
+        for sid in sids:
+            self.assertEqual(counts.get(sid, 0), 1,
+                             'submission %s has %d submission_settled records: %s'
+                             % (sid, counts.get(sid, 0), settled))
+        return recs
+
+    def assert_consecutive(self, recs, first=0):
+        self.assertEqual([r.offset for r in recs], list(range(first, first + len(recs))),
+                         'offsets are not consecutive from %d' % first)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1 + 2: a scripted run, both providers, streaming and not
+# ---------------------------------------------------------------------------------------------
+
+DATA_TXT = ''.join('data line %04d\n' % i for i in range(1, 2101))  # 2100 lines: read truncates
+CALC_PY = 'def add(a, b):\n    return a - b\n'
+
+
+class RunMixin(object):
+    """Runs fixtures/scenarios/run.json and checks it end to end."""
+
+    def run_scenario(self, agent, tag, stream, follow=False):
+        conv = new_conv(tag)
+        ws = self.workspace(conv, {'data.txt': DATA_TXT, 'calc.py': CALC_PY})
+        steps = load_scenario('run', conv)
+        if follow:
+            steps[0]['delay_ms'] = 400  # keeps the run going while the follower attaches
+        self.fm.set_scenario(steps)
+        live = {}
+        adm = self.ad.submit(agent, 'Please fix calc.py (%s).' % conv, conversation_id=conv)
+        self.assertEqual(adm.conversation_id, conv)
+        self.assertFalse(adm.deduplicated)
+        follower = None
+        if follow:
+            follower = Follower(self.ad, conv, -1, stop_on_settled=adm.submission_id)
+        sub = self.wait_settled(adm.submission_id, timeout=30)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertEqual(sub.error, '')
+        live['settled_at_ms'] = sub.settled_at_ms
+        sid = adm.submission_id
+
+        # --- the records ---
+        recs = self.assert_settled_once(conv, [sid])
+        self.assert_consecutive(recs)
+        types = [r.type for r in recs if r.type != 'assistant_delta']
+        self.assertEqual(types, ['user_message', 'system_prompt',
+                                 'assistant_message', 'tool_result',
+                                 'assistant_message', 'tool_result',
+                                 'assistant_message', 'tool_result',
+                                 'assistant_message', 'submission_settled'],
+                         [(r.offset, r.type, r.id) for r in recs])
+        by_id = {r.id: r for r in recs}
+        self.assertIn('input:' + sid, by_id)
+        self.assertIn('system:1', by_id)
+        self.assertEqual(body(by_id['input:' + sid])['text'], 'Please fix calc.py (%s).' % conv)
+        assistants = [r for r in recs if r.type == 'assistant_message']
+        for turn, r in enumerate(assistants):
+            self.assertEqual(r.id, 'assistant:%s:%d' % (sid, turn))
+            self.assertEqual(r.submission_id, sid)
+            self.assertEqual(body(r)['turn'], turn)
+        results = [r for r in recs if r.type == 'tool_result']
+        expected_calls = [('read', {'path': 'data.txt'}),
+                          ('bash', {'command': 'seq 1 2500; echo bash-done'}),
+                          ('edit', {'path': 'calc.py', 'oldText': 'return a - b',
+                                    'newText': 'return a + b'})]
+        for turn, (name, args) in enumerate(expected_calls):
+            b = body(assistants[turn])
+            self.assertEqual(len(b['tool_calls']), 1, b)
+            call = b['tool_calls'][0]
+            self.assertEqual(call['name'], name)
+            self.assertEqual(json.loads(call['arguments']), args)
+            # agentd records the provider-neutral (Anthropic-style) stop reason
+            self.assertEqual(b['stop_reason'], 'tool_use', b)
+            res = results[turn]
+            self.assertEqual(res.id, 'tool:%s:%d:%s' % (sid, turn, call['id']))
+            rb = body(res)
+            self.assertEqual(rb['name'], name)
+            self.assertEqual(rb['index'], 0)
+            self.assertFalse(rb['is_error'], rb['text'][:500])
+        final = body(assistants[3])
+        self.assertEqual(final['text'], 'Fixed add() in calc.py: it subtracted instead of adding.')
+        self.assertEqual(final['tool_calls'], [])
+        self.assertEqual(final['stop_reason'], 'end_turn', final)
+        self.assertEqual(body(assistants[0])['text'], 'Let me read the data first.')
+        settled = body(recs[-1])
+        self.assertEqual(settled.get('outcome'), 'completed', settled)
+        self.assertEqual(recs[-1].submission_id, sid)
+
+        # truncation: both the read (2100 lines) and the bash (2501 lines) were cut
+        read_b, bash_b, edit_b = [body(r) for r in results]
+        self.assertIn('[Showing lines 1-2000 of 2100. Use offset=2001 to continue.]',
+                      read_b['text'])
+        self.assertTrue(read_b.get('truncation', {}).get('truncated'), read_b.get('truncation'))
+        self.assertIn('[Output truncated', bash_b['text'])
+        self.assertTrue(bash_b['text'].rstrip('\n').endswith('2500\nbash-done'),
+                        bash_b['text'][-200:])
+        self.assertTrue(bash_b.get('truncation', {}).get('truncated'), bash_b.get('truncation'))
+        self.assertEqual(bash_b['truncation']['total_lines'], 2501)
+        with open(os.path.join(ws, 'calc.py')) as f:
+            self.assertEqual(f.read(), 'def add(a, b):\n    return a + b\n')
+
+        # --- what the model received ---
+        reqs = self.model_requests(conv)
+        self.assertEqual([e['step'] for e in reqs], [0, 1, 2, 3],
+                         'expected one request per scenario step, got %s'
+                         % [(e['n'], e['step']) for e in reqs])
+        for e in reqs:
+            self.assertEqual(e['stream'], stream, 'request #%d stream flag' % e['n'])
+            self.assertEqual(e['provider'], 'anthropic' if 'anthropic' in agent else 'openai')
+            self.assertIn('Please fix calc.py (%s).' % conv, request_user_texts(e))
+        self.assertEqual(request_tail_tool_results(reqs[0]), [])
+        for turn in range(3):
+            got = request_tail_tool_results(reqs[turn + 1])
+            rb = body(results[turn])
+            call_id = body(assistants[turn])['tool_calls'][0]['id']
+            self.assertEqual(len(got), 1, got)
+            self.assertEqual(got[0][0], call_id)
+            self.assertEqual(got[0][1], rb['text'],
+                             'turn %d: the model received other text than the tool_result '
+                             'record' % turn)
+            if got[0][2] is not None:
+                self.assertEqual(got[0][2], rb['is_error'])
+            # the history it was sent replays every earlier call with its id and arguments
+            calls = request_assistant_calls(reqs[turn + 1])
+            self.assertEqual(len(calls), turn + 1)
+            for t in range(turn + 1):
+                cb = body(assistants[t])['tool_calls'][0]
+                self.assertEqual(calls[t], [(cb['id'], cb['name'], json.loads(cb['arguments']))])
+
+        # --- toold's own output for the same calls on an identical fresh workspace ---
+        fresh = 'fresh-' + conv
+        self.workspace(fresh, {'data.txt': DATA_TXT, 'calc.py': CALC_PY})
+        direct_read = self.td.execute(fresh, 'read', {'path': 'data.txt'})
+        self.assertEqual(read_b['text'], direct_read.text)
+        self.assertEqual(read_b['is_error'], direct_read.is_error)
+        self.assertEqual(read_b['truncation']['total_lines'], direct_read.truncation.total_lines)
+        self.assertEqual(read_b['truncation']['next_offset'], direct_read.truncation.next_offset)
+        cli = subprocess.run([H.CLI_BIN, 'tool', self.td.target, 'read',
+                              json.dumps({'path': 'data.txt'}), '--sandbox', fresh],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
+        self.assertEqual(cli.returncode, 0, cli.stderr)
+        # `cflue tool` prints the result text followed by one newline
+        self.assertEqual(cli.stdout.decode('utf-8'), read_b['text'] + '\n',
+                         '`cflue tool` printed other text than the recorded read result')
+        direct_bash = self.td.execute(fresh, 'bash', {'command': 'seq 1 2500; echo bash-done'})
+        # the spill file name is unique per run; everything else must be identical
+        self.assertEqual(SPILL_RE.sub('SPILL', bash_b['text']),
+                         SPILL_RE.sub('SPILL', direct_bash.text))
+        self.assertEqual(bash_b['truncation']['total_bytes'], direct_bash.truncation.total_bytes)
+        direct_edit = self.td.execute(fresh, 'edit', expected_calls[2][1])
+        self.assertEqual(edit_b['text'], direct_edit.text)
+
+        # --- Watch: replay, resume from every offset ---
+        full = self.ad.watch_all(conv, -1)
+        self.assertEqual([(r.offset, r.id, r.type, r.body_json, r.attempt_id) for r in full],
+                         [(r.offset, r.id, r.type, r.body_json, r.attempt_id) for r in recs])
+        self.assert_consecutive(full)
+        head = full[-1].offset
+        for k in range(-1, head + 1):
+            part = self.ad.watch_all(conv, k)
+            self.assertEqual([r.offset for r in part], list(range(k + 1, head + 1)),
+                             'Watch from %d' % k)
+            self.assertEqual([r.id for r in part], [r.id for r in full[k + 1:]])
+            self.assertEqual([r.id for r in full[:k + 1]] + [r.id for r in part],
+                             [r.id for r in full])
+        if stream:
+            deltas = [r for r in recs if r.type == 'assistant_delta']
+            texts = ''.join(body(r)['text'] for r in deltas if body(r)['turn'] == 3)
+            self.assertEqual(texts, final['text'], 'the streamed deltas of the final turn')
+
+        # --- Watch with follow ---
+        if follower is not None:
+            follower.join(10)
+            self.assertIsNone(follower.error, follower.error)
+            got = follower.records
+            self.assertTrue(got and got[-1].type == 'submission_settled', [r.type for r in got])
+            self.assertEqual([(r.offset, r.id) for r in got],
+                             [(r.offset, r.id) for r in full[:len(got)]])
+            self.assertEqual(len(got), len(full))
+            # delivered live: the input arrived well before the submission settled
+            self.assertLess(follower.arrivals[0], live['settled_at_ms'] - 300,
+                            'the first record reached the follower only at settlement')
+            self.assertTrue(follower.still_open_after_last,
+                            'the follow stream ended by itself instead of staying open')
+        return conv, sid, recs
+
+
+class Follower(threading.Thread):
+    """Watch(follow=True) in a thread: collects records until stop_on_settled's
+    submission_settled record, then checks the stream is still open and cancels it."""
+
+    def __init__(self, ad, conv, from_offset, stop_on_settled):
+        super(Follower, self).__init__(daemon=True)
+        self.call = ad.watch(conv, from_offset, follow=True, timeout=60)
+        self.stop_on = stop_on_settled
+        self.records = []
+        self.arrivals = []
+        self.error = None
+        self.still_open_after_last = None
+        self.start()
+
+    def run(self):
+        try:
+            for r in self.call:
+                self.records.append(r)
+                self.arrivals.append(int(time.time() * 1000))
+                if r.type == 'submission_settled' and r.submission_id == self.stop_on:
+                    time.sleep(0.3)
+                    self.still_open_after_last = self.call.is_active()
+                    self.call.cancel()
+                    return
+            self.still_open_after_last = False
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                self.error = '%s: %s' % (e.code(), e.details())
+
+
+class TestAgentdRun(AgentdCase, RunMixin):
+    """Acceptance 1 and 2 (streaming agentd)."""
+
+    def test_run_anthropic_stream(self):
+        self.run_scenario('runner-anthropic', 'run-a-s', stream=True, follow=True)
+
+    def test_run_openai_stream(self):
+        self.run_scenario('runner-openai', 'run-o-s', stream=True, follow=True)
+
+
+class TestAgentdNoStream(AgentdCase, RunMixin):
+    """Acceptance 2 with --no-stream."""
+    stack_kwargs = {'agentd_args': ['--no-stream']}
+
+    def test_run_anthropic_no_stream(self):
+        self.run_scenario('runner-anthropic', 'run-a-n', stream=False)
+
+    def test_run_openai_no_stream(self):
+        self.run_scenario('runner-openai', 'run-o-n', stream=False)
+
+    def test_garbage_no_stream(self):
+        for agent in ('runner-anthropic', 'runner-openai'):
+            with self.subTest(agent=agent):
+                conv = new_conv('gbn')
+                self.workspace(conv)
+                self.fm.set_scenario(bind([{'garbage': '<html>not json</html>'}] * 4, conv))
+                sid = self.ad.submit(agent, 'hello', conversation_id=conv).submission_id
+                s = self.wait_settled(sid, timeout=20)
+                self.assertEqual(outcome_name(s.outcome), 'FAILED', s.error)
+                self.assertIn('model call failed', s.error)
+                self.assertIn(agent.split('-')[1], s.error.lower())
+                self.assert_settled_once(conv, [sid])
+        self.assertEqual(self.ad.health_check(), H.SERVING)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3 + 4: joins and aborts
+# ---------------------------------------------------------------------------------------------
+
+class TestAgentdJoinsAndAbort(AgentdCase):
+
+    def start_host_with_tool(self, scenario, tag):
+        conv = new_conv(tag)
+        ws = self.workspace(conv)
+        self.fm.set_scenario(load_scenario(scenario, conv))
+        host = self.ad.submit('runner-anthropic', 'host message %s' % conv, conversation_id=conv)
+        self.wait_for('the host tool call to start',
+                      lambda: os.path.exists(os.path.join(ws, 'started.txt')), timeout=10)
+        return conv, ws, host.submission_id
+
+    def test_joins_during_long_tool_call(self):
+        conv, ws, host = self.start_host_with_tool('joins', 'join')
+        texts = ['follow-up %d for %s' % (i, conv) for i in range(3)]
+        joined = [self.ad.submit('runner-anthropic', t, conversation_id=conv).submission_id
+                  for t in texts]
+        # the tool is still running: all three arrived during the long call
+        self.assertEqual(self.ad.get_submission(host).status, common_pb2.RUNNING)
+        subs = {sid: self.wait_settled(sid, timeout=30) for sid in [host] + joined}
+        for sid, s in subs.items():
+            self.assertEqual(outcome_name(s.outcome), 'COMPLETED', (sid, s.error))
+            self.assertTrue(s.answered_by, 'answered_by is empty for %s' % sid)
+        recs = self.assert_settled_once(conv, [host] + joined)
+        offsets = {r.id: r.offset for r in recs}
+        host_final = [r for r in recs if r.type == 'assistant_message'
+                      and r.submission_id == host][-1]
+        reqs = self.model_requests(conv)
+        seen_by_model = set()
+        for e in reqs:
+            seen_by_model.update(request_user_texts(e))
+        for sid, text in zip(joined, texts):
+            s = subs[sid]
+            self.assertIn('input:' + sid, offsets, 'the input of %s is not in the stream' % sid)
+            self.assertEqual(body(recs[offsets['input:' + sid]])['text'], text)
+            self.assertIn(text, seen_by_model, 'the model never saw %r' % text)
+            if s.answered_by == host:
+                self.assertEqual(s.joined_into, host)
+                self.assertLess(offsets['input:' + sid], host_final.offset,
+                                'joined input after the host\'s final answer')
+                self.assertFalse([r for r in recs if r.type == 'assistant_message'
+                                  and r.submission_id == sid])
+            else:
+                self.assertEqual(s.answered_by, sid)
+                own = [r for r in recs if r.type == 'assistant_message' and r.submission_id == sid]
+                self.assertTrue(own, '%s was neither joined nor answered on its own' % sid)
+                self.assertGreater(offsets['input:' + sid], host_final.offset)
+        self.assertEqual(subs[host].answered_by, host)
+        # while a long tool call ran, every follow-up waited for it and then joined the host
+        self.assertEqual([subs[s].answered_by for s in joined], [host] * 3,
+                         'expected the three follow-ups to join the running host')
+
+    def test_abort_one_of_two_queued(self):
+        conv, ws, host = self.start_host_with_tool('abort_queued', 'abq')
+        a = self.ad.submit('runner-anthropic', 'queued A %s' % conv, conversation_id=conv)
+        b = self.ad.submit('runner-anthropic', 'queued B %s' % conv, conversation_id=conv)
+        self.assertEqual(self.ad.get_submission(a.submission_id).status, common_pb2.QUEUED)
+        resp = self.ad.abort(submission_id=a.submission_id)
+        self.assertTrue(resp.aborted)
+        self.assertEqual(list(resp.affected), [a.submission_id])
+        sa = self.wait_settled(a.submission_id)
+        sb = self.wait_settled(b.submission_id)
+        sh = self.wait_settled(host)
+        self.assertEqual(outcome_name(sa.outcome), 'ABORTED', sa.error)
+        self.assertEqual(outcome_name(sb.outcome), 'COMPLETED', sb.error)
+        self.assertEqual(outcome_name(sh.outcome), 'COMPLETED', sh.error)
+        self.assertTrue(sb.answered_by)
+        recs = self.assert_settled_once(conv, [host, a.submission_id, b.submission_id])
+        self.assertFalse([r for r in recs if r.type == 'assistant_message'
+                          and r.submission_id == a.submission_id],
+                         'the aborted submission was answered')
+        self.assertNotEqual(sa.answered_by, b.submission_id)
+        self.assertNotEqual(sa.answered_by, host)
+        self.assertIn('queued B %s' % conv,
+                      [t for e in self.model_requests(conv) for t in request_user_texts(e)])
+
+    def test_abort_during_model_stream(self):
+        conv = new_conv('abs')
+        self.workspace(conv)
+        self.fm.set_scenario(load_scenario('abort_stream', conv, LONG_TEXT=long_text()))
+        sid = self.ad.submit('runner-anthropic', 'talk a lot', conversation_id=conv).submission_id
+        self.wait_for('streamed text', lambda: [r for r in self.records(conv)
+                                                if r.type == 'assistant_delta'], timeout=10)
+        t0 = time.monotonic()
+        resp = self.ad.abort(submission_id=sid)
+        self.assertEqual(list(resp.affected), [sid])
+        s = self.wait_settled(sid, timeout=10)
+        elapsed = time.monotonic() - t0
+        self.assertEqual(outcome_name(s.outcome), 'ABORTED', s.error)
+        self.assertLessEqual(elapsed, 2.0, 'settled %.2f s after Abort' % elapsed)
+        self.assert_settled_once(conv, [sid])
+        self.assertEqual(len(self.model_requests(conv)), 1)
+
+    def test_abort_during_long_bash(self):
+        conv = new_conv('abb')
+        ws = self.workspace(conv)
+        sleep_arg = '30.%04d' % random.randint(1000, 9999)
+        self.fm.set_scenario(load_scenario('abort_bash', conv, SLEEP=sleep_arg))
+        sid = self.ad.submit('runner-anthropic', 'run something long',
+                             conversation_id=conv).submission_id
+        pid_file = os.path.join(ws, 'sleep.pid')
+        try:
+            self.wait_for('the long bash to start',
+                          lambda: read_text(pid_file).strip(),
+                          timeout=10)
+            time.sleep(0.2)
+            self.assertTrue(find_procs('sleep ' + sleep_arg), 'sleep is not running')
+            t0 = time.monotonic()
+            self.ad.abort(submission_id=sid)
+            try:
+                s = self.ad.get_submission(sid, wait=True, timeout=5)
+            except grpc.RpcError as e:
+                s = self.ad.get_submission(sid)
+            elapsed = time.monotonic() - t0
+            self.assertEqual(s.status, SETTLED,
+                             'not settled %.1f s after Abort during a long bash (status %s)'
+                             % (elapsed, common_pb2.SubmissionStatus.Name(s.status)))
+            self.assertEqual(outcome_name(s.outcome), 'ABORTED', s.error)
+            self.assertLessEqual(elapsed, 2.0, 'settled %.2f s after Abort' % elapsed)
+            self.wait_for('the bash command to be gone',
+                          lambda: not find_procs('sleep ' + sleep_arg), timeout=3)
+            self.assert_settled_once(conv, [sid])
+        finally:
+            # never leave the 30 s command behind (only processes this test started)
+            for pid in find_procs('sleep ' + sleep_arg):
+                try:
+                    os.kill(pid, 9)
+                except OSError:
+                    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# 5: crashes (kill -9 agentd, restart with the same --owner-id)
+# ---------------------------------------------------------------------------------------------
+
+class TestAgentdCrash(AgentdCase):
+    stack_kwargs = {'agentd_args': ['--lease-ms', '2000', '--heartbeat-ms', '500'],
+                    'owner_ids': ['agentd-crash-owner']}
+
+    def crash_and_restart(self):
+        self.ad.kill()
+        self.ad.start()
+
+    def settled(self, conv, sid):
+        """Waits for the single outcome; checks invariants that hold whatever it is."""
+        s = self.wait_settled(sid, timeout=30)
+        recs = self.assert_settled_once(conv, [sid])
+        self.assert_consecutive(recs)
+        assistants = [r for r in recs if r.type == 'assistant_message']
+        self.assertEqual([body(r)['turn'] for r in assistants], list(range(len(assistants))),
+                         'one assistant_message per turn')
+        return s, recs, assistants
+
+    def assert_completed(self, s):
+        self.assertEqual(outcome_name(s.outcome), 'COMPLETED',
+                         'after the restart: %s (attempt_count=%d)' % (s.error, s.attempt_count))
+
+    def test_crash_during_model_stream(self):
+        conv = new_conv('crs')
+        self.workspace(conv)
+        self.fm.set_scenario(load_scenario('crash_stream', conv, LONG_TEXT=long_text()))
+        sid = self.ad.submit('runner-anthropic', 'stream then crash',
+                             conversation_id=conv).submission_id
+        self.wait_for('streamed text', lambda: [r for r in self.records(conv)
+                                                if r.type == 'assistant_delta'], timeout=10)
+        self.crash_and_restart()
+        s, recs, assistants = self.settled(conv, sid)
+        self.assertLessEqual(len(assistants), 1)
+        self.assert_completed(s)
+        self.assertEqual(len(assistants), 1)
+        self.assertEqual(body(assistants[0])['text'], 'The answer after the restart.')
+        self.assertEqual([e['step'] for e in self.model_requests(conv)], [0, 1])
+        self.assertGreaterEqual(s.attempt_count, 2)
+
+    def test_crash_during_tool_batch(self):
+        conv = new_conv('crt')
+        ws = self.workspace(conv)
+        self.fm.set_scenario(load_scenario('crash_tool', conv))
+        sid = self.ad.submit('runner-anthropic', 'count then crash',
+                             conversation_id=conv).submission_id
+        counter = os.path.join(ws, 'counter')
+        self.wait_for('the tool to run', lambda: os.path.exists(counter), timeout=10)
+        time.sleep(0.2)
+        self.crash_and_restart()
+        s, recs, assistants = self.settled(conv, sid)
+        with open(counter) as f:
+            self.assertEqual(f.read(), 'x\n', 'the tool call ran again after the restart')
+        results = [r for r in recs if r.type == 'tool_result']
+        call = body(assistants[0])['tool_calls'][0]
+        self.assertEqual([r.id for r in results], ['tool:%s:0:%s' % (sid, call['id'])])
+        rb = body(results[0])
+        self.assertTrue(rb['is_error'], rb)
+        self.assertIn('unknown', rb['text'].lower(), rb['text'])
+        self.assert_completed(s)
+        self.assertEqual(body(assistants[-1])['text'],
+                         'The tool call was interrupted; carrying on.')
+        reqs = self.model_requests(conv)
+        self.assertEqual([e['step'] for e in reqs], [0, 1])
+        got = request_tail_tool_results(reqs[1])
+        self.assertEqual(got, [(call['id'], rb['text'], True)])
+
+    def test_crash_between_tool_result_and_model_call(self):
+        conv = new_conv('crb')
+        ws = self.workspace(conv)
+        self.fm.set_scenario(load_scenario('crash_between', conv))
+        sid = self.ad.submit('runner-anthropic', 'count, think, crash',
+                             conversation_id=conv).submission_id
+        self.wait_for('the second model call',
+                      lambda: [e for e in self.model_requests(conv) if e['step'] == 1],
+                      timeout=10)
+        self.assertTrue([r for r in self.records(conv) if r.type == 'tool_result'])
+        self.crash_and_restart()
+        s, recs, assistants = self.settled(conv, sid)
+        with open(os.path.join(ws, 'counter')) as f:
+            self.assertEqual(f.read(), 'x\n', 'the recorded tool call ran again')
+        results = [r for r in recs if r.type == 'tool_result']
+        self.assertEqual(len(results), 1, [(r.id, body(r)) for r in results])
+        rb = body(results[0])
+        self.assertFalse(rb['is_error'], rb)
+        self.assertEqual(rb['text'].strip(), 'ran-once')
+        self.assert_completed(s)
+        self.assertEqual(len(assistants), 2)
+        self.assertEqual(body(assistants[1])['text'], 'The answer after the restart.')
+        reqs = self.model_requests(conv)
+        self.assertEqual([e['step'] for e in reqs], [0, 1, 2])
+        self.assertEqual(request_tail_tool_results(reqs[2]), request_tail_tool_results(reqs[1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# 6: two agentd processes, one storaged
+# ---------------------------------------------------------------------------------------------
+
+class TestAgentdTwoProcesses(AgentdCase):
+    stack_kwargs = {'agents': ('plain',), 'n_agentd': 2, 'with_toold': False,
+                    'owner_ids': ['agentd-left', 'agentd-right']}
+
+    N_CONV = 20
+    PER_CONV = 10
+
+    def test_two_agentds_200_submissions(self):
+        self.fm.set_scenario([])  # every request: the text "(scenario finished)", at once
+        convs = [new_conv('two%02d' % i) for i in range(self.N_CONV)]
+        submitted = {c: [] for c in convs}
+        errors = []
+
+        def submitter(k):
+            # rounds 0-4: bursts (later messages join a running host); rounds 5-9: each
+            # message only after the previous one of its conversation settled, so most of
+            # them are claimed on their own by either process
+            try:
+                mine = [(i, c) for i, c in enumerate(convs) if i % 4 == k]
+                for j in range(self.PER_CONV):
+                    round_sids = []
+                    for i, c in mine:
+                        ad = self.stack.agentds[(i + j) % 2]
+                        adm = ad.submit('plain', 'message %d of %s' % (j, c), conversation_id=c)
+                        submitted[c].append(adm.submission_id)
+                        round_sids.append(adm.submission_id)
+                    if j >= self.PER_CONV // 2:
+                        for n, sid in enumerate(round_sids):
+                            self.stack.agentds[n % 2].get_submission(sid, wait=True, timeout=60)
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=submitter, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+        all_sids = [s for c in convs for s in submitted[c]]
+        self.assertEqual(len(set(all_sids)), self.N_CONV * self.PER_CONV)
+        subs = {}
+        deadline = time.monotonic() + 90
+        for sid in all_sids:
+            subs[sid] = self.wait_settled(sid, timeout=max(1, deadline - time.monotonic()),
+                                          ad=self.stack.agentds[len(subs) % 2])
+        bad = [(sid, outcome_name(s.outcome), s.error) for sid, s in subs.items()
+               if s.outcome != COMPLETED]
+        self.assertEqual(bad, [], 'submissions that did not complete')
+        problems = []
+        for c in convs:
+            recs = self.records(c)
+            sids = submitted[c]
+            order = sorted(sids, key=lambda s: subs[s].sequence)
+            self.assertEqual(order, sids, 'admission order differs from submission order')
+            settled = [r.submission_id for r in recs if r.type == 'submission_settled']
+            if sorted(settled) != sorted(sids) or len(settled) != len(set(settled)):
+                problems.append('%s: settlement records %s for %s' % (c, settled, sids))
+            if settled != sids:
+                problems.append('%s: settlement records out of order %s' % (c, settled))
+            inputs = [r.submission_id for r in recs if r.type == 'user_message']
+            if inputs != sids:
+                problems.append('%s: user_message records out of order or missing: %s'
+                                % (c, inputs))
+            for sid in sids:
+                mine = [r for r in recs if r.submission_id == sid
+                        and r.type != 'submission_settled']
+                turns = [body(r)['turn'] for r in mine if r.type == 'assistant_message']
+                if turns != list(range(len(turns))):
+                    problems.append('%s: assistant turns %s' % (sid, turns))
+                attempts = set(r.attempt_id for r in mine)
+                if len(attempts) > 1 and subs[sid].attempt_count <= 1:
+                    problems.append('%s: records from %d attempts (%s) without a takeover'
+                                    % (sid, len(attempts), sorted(attempts)))
+                if subs[sid].answered_by == sid and not turns:
+                    problems.append('%s: answered by itself but has no assistant_message' % sid)
+                if subs[sid].answered_by not in sids:
+                    problems.append('%s: answered_by %r' % (sid, subs[sid].answered_by))
+        self.assertEqual(problems, [], '\n'.join(problems[:40]))
+        drove = [len(re.findall(r'\bdrive\b', ad.stderr_text())) for ad in self.stack.agentds]
+        sys.stderr.write('\n[two agentds] drives per process: %s; joined: %d of %d\n'
+                         % (drove, sum(1 for s in subs.values() if s.answered_by != s.submission_id),
+                            len(subs)))
+        for ad in self.stack.agentds:
+            self.assertTrue(ad.alive())
+
+
+# ---------------------------------------------------------------------------------------------
+# 7: bad input
+# ---------------------------------------------------------------------------------------------
+
+class TestAgentdBadInput(AgentdCase):
+
+    def assertRpcError(self, code, fn, *args, **kwargs):
+        try:
+            r = fn(*args, **kwargs)
+            if hasattr(r, '__iter__') and not hasattr(r, 'SerializeToString'):
+                r = list(r)
+        except grpc.RpcError as e:
+            self.assertEqual(e.code(), code, e.details())
+            return e
+        self.fail('expected %s, got %r' % (code, r))
+
+    def submit(self, agent, steps, text='hello'):
+        conv = new_conv('bad')
+        self.workspace(conv)
+        self.fm.set_scenario(bind(steps, conv))
+        t0 = time.monotonic()
+        sid = self.ad.submit(agent, text, conversation_id=conv).submission_id
+        return conv, sid, t0
+
+    def test_empty_text_is_invalid_argument(self):
+        e = self.assertRpcError(grpc.StatusCode.INVALID_ARGUMENT, self.ad.submit,
+                                'runner-anthropic', '')
+        self.assertIn('text', e.details())
+
+    def test_unknown_agent_is_not_found(self):
+        e = self.assertRpcError(grpc.StatusCode.NOT_FOUND, self.ad.submit, 'no-such-agent', 'hi')
+        self.assertIn('no-such-agent', e.details())
+
+    def test_watch_unknown_conversation_is_not_found(self):
+        self.assertRpcError(grpc.StatusCode.NOT_FOUND, self.ad.watch_all, 'c-never-seen-1234')
+        self.assertRpcError(grpc.StatusCode.NOT_FOUND,
+                            lambda: list(self.ad.watch('c-never-seen-1234', -1, follow=True,
+                                                       timeout=5)))
+
+    def test_garbage_from_provider_fails(self):
+        conv, sid, t0 = self.submit('runner-anthropic',
+                                    [{'garbage': 'this is <html> not a model response'}] * 4)
+        s = self.wait_settled(sid, timeout=20)
+        self.assertEqual(outcome_name(s.outcome), 'FAILED', s.error)
+        self.assertIn('model call failed', s.error)
+        self.assertIn('anthropic', s.error.lower())
+        self.assert_settled_once(conv, [sid])
+        self.assertTrue(self.ad.alive())
+        self.assertEqual(self.ad.health_check(), H.SERVING)
+
+    def test_broken_event_stream_fails(self):
+        for agent in ('runner-anthropic', 'runner-openai'):
+            with self.subTest(agent=agent):
+                conv, sid, t0 = self.submit(agent, [
+                    {'garbage': 'event: message_start\ndata: {"type": "message_start", broken\n\n'
+                                'data: {not json at all\n\n'}] * 4)
+                s = self.wait_settled(sid, timeout=20)
+                self.assertEqual(outcome_name(s.outcome), 'FAILED', s.error)
+                self.assertIn('model call failed', s.error)
+                self.assertIn(agent.split('-')[1], s.error.lower())
+                self.assert_settled_once(conv, [sid])
+
+    def check_invalid_tool_arguments(self, agent):
+        conv, sid, t0 = self.submit(agent, [
+            {'tool_calls': [{'name': 'read', 'arguments': '{"path": "x.txt", '}]},
+            {'text': 'I see the arguments were broken.'}])
+        s = self.wait_settled(sid, timeout=20)
+        self.assertEqual(outcome_name(s.outcome), 'COMPLETED', s.error)
+        recs = self.assert_settled_once(conv, [sid])
+        results = [r for r in recs if r.type == 'tool_result']
+        self.assertEqual(len(results), 1, [r.type for r in recs])
+        rb = body(results[0])
+        self.assertTrue(rb['is_error'], rb)
+        reqs = self.model_requests(conv)
+        self.assertEqual([e['step'] for e in reqs], [0, 1])
+        got = request_tail_tool_results(reqs[1])
+        self.assertEqual(len(got), 1)
+        self.assertEqual(got[0][1], rb['text'])
+        if got[0][2] is not None:
+            self.assertTrue(got[0][2])
+        final = [r for r in recs if r.type == 'assistant_message'][-1]
+        self.assertEqual(body(final)['text'], 'I see the arguments were broken.')
+
+    def test_invalid_tool_arguments_anthropic(self):
+        self.check_invalid_tool_arguments('runner-anthropic')
+
+    def test_invalid_tool_arguments_openai(self):
+        self.check_invalid_tool_arguments('runner-openai')
+
+    def test_http_401_fails_fast(self):
+        for agent in ('runner-anthropic', 'runner-openai'):
+            with self.subTest(agent=agent):
+                conv, sid, t0 = self.submit(agent, [{'error': {'status': 401}}] * 3)
+                s = self.wait_settled(sid, timeout=20)
+                elapsed = time.monotonic() - t0
+                self.assertEqual(outcome_name(s.outcome), 'FAILED', s.error)
+                self.assertLess(elapsed, 3.0, 'a 401 took %.1f s to fail' % elapsed)
+                self.assertEqual(len(self.model_requests(conv)), 1, 'the 401 was retried')
+                self.assertTrue('credential' in s.error.lower() or 'api key' in s.error.lower(),
+                                s.error)
+                self.assertIn('401', s.error)
+
+    def test_http_5xx_once_then_success(self):
+        for agent, status in (('runner-anthropic', 529), ('runner-anthropic', 500),
+                              ('runner-openai', 500), ('runner-openai', 529)):
+            with self.subTest(agent=agent, status=status):
+                conv, sid, t0 = self.submit(agent, [{'error': {'status': status}},
+                                                    {'text': 'fine after %d' % status}])
+                s = self.wait_settled(sid, timeout=20)
+                self.assertEqual(outcome_name(s.outcome), 'COMPLETED', s.error)
+                self.assertEqual([e['step'] for e in self.model_requests(conv)], [0, 1])
+                recs = self.assert_settled_once(conv, [sid])
+                final = [r for r in recs if r.type == 'assistant_message']
+                self.assertEqual([body(r)['text'] for r in final], ['fine after %d' % status])
+
+    def test_zz_healthy_after_everything(self):
+        self.assertTrue(self.ad.alive(), 'agentd exited')
+        self.assertEqual(self.ad.health_check(), H.SERVING)
+        names = sorted(a.name for a in self.ad.list_agents().agents)
+        self.assertEqual(names, ['runner-anthropic', 'runner-openai'])
+        conv, sid, t0 = self.submit('runner-openai', [{'text': 'still here'}])
+        s = self.wait_settled(sid, timeout=20)
+        self.assertEqual(outcome_name(s.outcome), 'COMPLETED', s.error)
+        self.assertNotIn('AddressSanitizer', self.ad.stderr_text())
+
+
+if __name__ == '__main__':
+    unittest.main()

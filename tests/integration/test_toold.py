@@ -1,0 +1,955 @@
+"""toold over gRPC: the tool list, batches and per-path locks, bounded memory on huge output,
+bad input, the Sandbox service, the bwrap driver, process hygiene and shutdown.
+
+The single-call behaviour of each tool is covered case by case in test_toold_cases.py
+(tests/tools/cases); this file holds what needs several calls, threads, processes or a
+particular daemon.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import unittest
+
+import grpc
+
+from cflue_harness import (INVALID_ARGUMENT, NOT_FOUND, SERVING, TooldTestCase, result_details,
+                           sandbox_pb2, tool_call, tools_pb2, truncation_dict)
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+TOOL_ORDER = ['read', 'write', 'edit', 'bash', 'grep', 'glob']
+TOOL_PARAMS = {
+    'read': (['path', 'offset', 'limit'], ['path']),
+    'write': (['path', 'content'], ['path', 'content']),
+    'edit': (['path', 'oldText', 'newText', 'replaceAll'], ['path', 'oldText', 'newText']),
+    'bash': (['command', 'timeout'], ['command']),
+    'grep': (['pattern', 'path', 'include', 'literal'], ['pattern']),
+    'glob': (['pattern', 'path'], ['pattern']),
+}
+NOT_FOUND_TEXT = 'Could not find'
+
+
+# ---- /proc helpers ----
+
+def _proc_status(pid):
+    out = {}
+    with open('/proc/%d/status' % pid) as f:
+        for line in f:
+            k, _, v = line.partition(':')
+            out[k] = v.strip()
+    return out
+
+
+def _kib(value):
+    return int(value.split()[0])
+
+
+def _stat_fields(pid):
+    """(state, ppid) of a process, or None when it is gone."""
+    try:
+        with open('/proc/%s/stat' % pid) as f:
+            data = f.read()
+    except (IOError, OSError):
+        return None
+    rest = data[data.rindex(')') + 2:].split()
+    return rest[0], int(rest[1])
+
+
+def _cmdline(pid):
+    try:
+        with open('/proc/%s/cmdline' % pid, 'rb') as f:
+            return f.read().split(b'\0')
+    except (IOError, OSError):
+        return []
+
+
+def _pids():
+    return [int(p) for p in os.listdir('/proc') if p.isdigit()]
+
+
+def processes_running(argv):
+    """Pids of live (non-zombie) processes whose argv is exactly argv."""
+    want = [a.encode() for a in argv]
+    out = []
+    for pid in _pids():
+        args = [a for a in _cmdline(pid) if a != b''] if _cmdline(pid) else []
+        if args == want:
+            st = _stat_fields(pid)
+            if st and st[0] != 'Z':
+                out.append(pid)
+    return out
+
+
+def wait_no_process(argv, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = processes_running(argv)
+        if not left:
+            return []
+        time.sleep(0.05)
+    return processes_running(argv)
+
+
+def zombie_children(pid):
+    out = []
+    for p in _pids():
+        st = _stat_fields(p)
+        if st and st[1] == pid and st[0] == 'Z':
+            out.append(p)
+    return out
+
+
+class _Sampler(threading.Thread):
+    """Samples VmRSS/VmHWM of a process every 10 ms until stopped."""
+
+    def __init__(self, pid):
+        super(_Sampler, self).__init__(daemon=True)
+        self.pid = pid
+        self.max_rss_kib = 0
+        self.max_hwm_kib = 0
+        self.samples = 0
+        self._stop_ev = threading.Event()
+
+    def run(self):
+        while not self._stop_ev.is_set():
+            self.sample()
+            time.sleep(0.01)
+
+    def sample(self):
+        try:
+            st = _proc_status(self.pid)
+        except (IOError, OSError):
+            return
+        self.max_rss_kib = max(self.max_rss_kib, _kib(st['VmRSS']))
+        self.max_hwm_kib = max(self.max_hwm_kib, _kib(st['VmHWM']))
+        self.samples += 1
+
+    def stop(self):
+        self._stop_ev.set()
+        self.join()
+        self.sample()
+
+
+class TooldBase(TooldTestCase):
+    """A fresh local-driver toold per test (self.td) and helpers."""
+
+    toold_kwargs = {}
+
+    def setUp(self):
+        self.td = self.start_toold(**self.toold_kwargs)
+
+    def call(self, sandbox, name, args, **kw):
+        return self.td.execute(sandbox, name, args, **kw)
+
+    def assertOk(self, res, contains=None):
+        self.assertFalse(res.is_error, 'unexpected error result: %r' % res.text)
+        if contains is not None:
+            self.assertIn(contains, res.text)
+
+    def assertErrorResult(self, res, *words):
+        self.assertTrue(res.is_error, 'expected an error result, got %r' % res.text[:500])
+        self.assertTrue(res.text.strip(), 'error result without a message')
+        for w in words:
+            self.assertIn(w.lower(), res.text.lower(),
+                          'error %r does not mention %r' % (res.text[:500], w))
+
+    def assertHealthy(self):
+        self.assertTrue(self.td.alive(), 'toold died\n' + self.td.stderr_text())
+        self.assertEqual(self.td.health_check(), SERVING)
+        res = self.call('health-probe', 'bash', {'command': 'echo alive'})
+        self.assertEqual(res.text, 'alive')
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) List
+# ---------------------------------------------------------------------------------------------
+
+class TestList(TooldBase):
+
+    def test_list_order_and_schemas(self):
+        resp = self.td.list_tools(sandbox='s1')
+        self.assertEqual([t.name for t in resp.tools], TOOL_ORDER)
+        for t in resp.tools:
+            self.assertTrue(t.description.strip(), '%s has no description' % t.name)
+            schema = json.loads(t.parameters_json)
+            self.assertEqual(schema.get('type'), 'object', t.name)
+            props, required = TOOL_PARAMS[t.name]
+            self.assertEqual(sorted(schema['properties']), sorted(props), t.name)
+            self.assertEqual(sorted(schema.get('required', [])), sorted(required), t.name)
+            for p, spec in schema['properties'].items():
+                self.assertIn(spec.get('type'), ('string', 'integer', 'number', 'boolean'),
+                              '%s.%s' % (t.name, p))
+        # the list does not depend on the sandbox name
+        self.assertEqual([t.name for t in self.td.list_tools(sandbox='').tools], TOOL_ORDER)
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) batches and per-path locks
+# ---------------------------------------------------------------------------------------------
+
+N_EDITS = 20
+
+
+def _lines_file(n):
+    return ''.join('line %02d original\n' % i for i in range(n))
+
+
+def _edit(sandbox, i, path='f.txt'):
+    return tool_call(sandbox, 'edit', {'path': path, 'oldText': 'line %02d original' % i,
+                                       'newText': 'line %02d edited' % i}, call_id='e%d' % i)
+
+
+class TestBatch(TooldBase):
+
+    def write(self, sandbox, path, content):
+        self.assertOk(self.call(sandbox, 'write', {'path': path, 'content': content}))
+
+    def file(self, sandbox, path):
+        with open(os.path.join(self.td.workspace(sandbox), path), 'rb') as f:
+            return f.read().decode('utf-8')
+
+    def test_parallel_edits_from_threads(self):
+        sb = 'threads'
+        self.write(sb, 'f.txt', _lines_file(N_EDITS))
+        results = [None] * N_EDITS
+        errors = []
+        barrier = threading.Barrier(N_EDITS)
+
+        def worker(i):
+            try:
+                barrier.wait(10)
+                results[i] = self.td.execute_call(_edit(sb, i))
+            except Exception as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(N_EDITS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        self.assertEqual(errors, [])
+        for i, r in enumerate(results):
+            self.assertOk(r)
+        self.assertEqual(self.file(sb, 'f.txt'),
+                         ''.join('line %02d edited\n' % i for i in range(N_EDITS)))
+
+    def test_parallel_edits_in_one_batch(self):
+        sb = 'batch'
+        self.write(sb, 'f.txt', _lines_file(N_EDITS))
+        out = self.td.execute_batch([_edit(sb, i) for i in range(N_EDITS)])
+        self.assertEqual(sorted(r.index for r in out), list(range(N_EDITS)))
+        for r in out:
+            self.assertOk(r.result)
+        self.assertEqual(self.file(sb, 'f.txt'),
+                         ''.join('line %02d edited\n' % i for i in range(N_EDITS)))
+
+    def test_conflicting_edits_first_by_index_wins(self):
+        sb = 'conflict'
+        for attempt in range(5):  # the outcome must not depend on scheduling
+            self.write(sb, 'a.txt', 'x\n')
+            out = self.td.execute_batch([
+                tool_call(sb, 'edit', {'path': 'a.txt', 'oldText': 'x', 'newText': 'y'}),
+                tool_call(sb, 'edit', {'path': './a.txt', 'oldText': 'x', 'newText': 'z'}),
+            ])
+            by_index = {r.index: r.result for r in out}
+            self.assertEqual(sorted(by_index), [0, 1])
+            self.assertOk(by_index[0])
+            self.assertErrorResult(by_index[1], NOT_FOUND_TEXT)
+            self.assertEqual(self.file(sb, 'a.txt'), 'y\n')
+
+    def test_same_path_calls_apply_in_call_order(self):
+        sb = 'chain'
+        n = 12
+        calls = [tool_call(sb, 'write', {'path': 'c.txt', 'content': 'v0'})]
+        calls += [tool_call(sb, 'edit', {'path': 'c.txt', 'oldText': 'v%d' % i,
+                                         'newText': 'v%d' % (i + 1)}) for i in range(n)]
+        out = self.td.execute_batch(calls)
+        self.assertEqual(len(out), n + 1)
+        for r in out:
+            self.assertOk(r.result)
+        self.assertEqual(self.file(sb, 'c.txt'), 'v%d' % n)
+
+    def test_write_then_edit_in_one_batch(self):
+        sb = 'write-edit'
+        out = self.td.execute_batch([
+            tool_call(sb, 'write', {'path': 'f', 'content': 'A'}),
+            tool_call(sb, 'edit', {'path': 'f', 'oldText': 'A', 'newText': 'B'}),
+            tool_call(sb, 'edit', {'path': 'g', 'oldText': 'nothing', 'newText': 'x'}),
+            tool_call(sb, 'write', {'path': 'h', 'content': 'H'}),
+        ])
+        by_index = {r.index: r.result for r in out}
+        self.assertOk(by_index[0])
+        self.assertOk(by_index[1])
+        self.assertErrorResult(by_index[2])
+        self.assertOk(by_index[3])
+        self.assertEqual(self.file(sb, 'f'), 'B')
+        self.assertEqual(self.file(sb, 'h'), 'H')
+
+    def test_batch_streams_results_as_they_finish(self):
+        sb = 'stream'
+        t0 = time.monotonic()
+        c = self.td.channel.unary_stream(
+            '/cflue.v1.Tools/ExecuteBatch',
+            request_serializer=tools_pb2.ToolBatch.SerializeToString,
+            response_deserializer=tools_pb2.BatchResult.FromString)
+        stream = c(tools_pb2.ToolBatch(calls=[
+            tool_call(sb, 'bash', {'command': 'sleep 1.5; echo slow'}),
+            tool_call(sb, 'bash', {'command': 'echo fast'}),
+        ]), timeout=30)
+        first = next(stream)
+        t_first = time.monotonic() - t0
+        rest = list(stream)
+        self.assertEqual(first.index, 1)
+        self.assertEqual(first.result.text, 'fast')
+        self.assertLess(t_first, 1.2, 'the fast result waited for the slow one')
+        self.assertEqual([(r.index, r.result.text) for r in rest], [(0, 'slow')])
+
+    def test_different_files_run_concurrently(self):
+        sb = 'concurrent'
+        t0 = time.monotonic()
+        out = self.td.execute_batch([
+            tool_call(sb, 'bash', {'command': 'sleep 1; echo a > a.txt'}),
+            tool_call(sb, 'bash', {'command': 'sleep 1; echo b > b.txt'}),
+            tool_call(sb, 'bash', {'command': 'sleep 1; echo c > c.txt'}),
+        ])
+        self.assertEqual(len(out), 3)
+        self.assertLess(time.monotonic() - t0, 2.5, 'batch calls did not run in parallel')
+
+    def test_batch_limit(self):
+        calls = [tool_call('lim', 'read', {'path': 'x'}) for _ in range(65)]
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.td.execute_batch(calls)
+        self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
+        self.assertEqual(len(self.td.execute_batch(calls[:64])), 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# grep engines: rg and the built-in PCRE2 engine print the same thing for the same tree
+# ---------------------------------------------------------------------------------------------
+
+def _make_tree(root, seed=1234):
+    """A reproducible tree with hidden entries, ignore files, binaries, long and non-ASCII
+    lines, CRLF, invalid UTF-8 and files without a final newline."""
+    rnd = random.Random(seed)
+    words = ['needle', 'hay', 'x1', 'caf\u00e9', 'a.b', 'axb', '123', 'Needle', 'neeedle',
+             'it\'s', '(paren', 'tab\there']
+    dirs = ['', 'src/', 'src/deep/', '.hidden/', 'build/', 'docs/', 'node_modules/pkg/',
+            'sub/', 'sub/.cache/', 'sub/inner/', 'a-b/', 'a/']
+    files = {'.gitignore': b'build/\n*.log\n!keep.log\nnode_modules\n',
+             'sub/.gitignore': b'*.md\n', 'keep.log': b'needle kept\n',
+             '.ignore': b'docs/secret.txt\n', 'docs/secret.txt': b'needle secret\n'}
+    for i in range(300):
+        d = rnd.choice(dirs)
+        name = rnd.choice(['f', 'g', 'h', '.dot', 'A', '_u']) + str(i) + rnd.choice(
+            ['.txt', '.py', '.log', '.md', ''])
+        lines = [' '.join(rnd.choice(words) for _ in range(rnd.randint(0, 6)))
+                 for _ in range(rnd.randint(0, 40))]
+        if rnd.random() < 0.1:
+            lines.insert(rnd.randint(0, len(lines)), 'needle ' + 'z\u00e9' * 400)
+        data = '\n'.join(lines).encode()
+        r = rnd.random()
+        if r < 0.08:
+            data = data[:20] + b'\x00' + data[20:]
+        elif r < 0.16:
+            data = data.replace(b'\n', b'\r\n')
+        elif r < 0.22:
+            data = data.replace(b'hay', b'h\xffy')
+        if lines and rnd.random() < 0.8:
+            data += b'\r\n' if r < 0.16 and 0.08 <= r else b'\n'
+        files[d + name] = data
+    for rel, data in files.items():
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, 'wb') as f:
+            f.write(data)
+    os.symlink('/', os.path.join(root, 'rootlink'))
+    os.symlink('src', os.path.join(root, 'srclink'))
+
+
+ENGINE_QUERIES = [
+    {'pattern': 'needle'},
+    {'pattern': 'ne+dle'},
+    {'pattern': 'hay'},
+    {'pattern': '^x1'},
+    {'pattern': 'caf\u00e9 (hay|123)$'},
+    {'pattern': '[0-9]{3}'},
+    {'pattern': 'a.b', 'literal': True},
+    {'pattern': '(paren', 'literal': True},
+    {'pattern': "it's"},
+    {'pattern': '\\bNeedle\\b'},
+    {'pattern': 'tab\there'},
+    {'pattern': 'needle', 'include': '*.py'},
+    {'pattern': 'needle', 'path': 'sub'},
+    {'pattern': 'hay', 'path': 'src/deep', 'include': 'f*'},
+    {'pattern': 'z\u00e9z'},
+    {'pattern': 'no such text anywhere'},
+]
+
+
+class TestEngineParity(TooldTestCase):
+
+    def test_rg_and_pcre2_agree(self):
+        if not shutil.which('rg'):
+            self.skipTest('rg is not installed')
+        servers = {e: self.start_toold(grep_engine=e) for e in ('rg', 'pcre2')}
+        for td in servers.values():
+            _make_tree(td.workspace('tree', create=True))
+        for q in ENGINE_QUERIES:
+            with self.subTest(query=q):
+                out = {}
+                for e, td in servers.items():
+                    r = td.execute('tree', 'grep', q)
+                    d = result_details(r)
+                    self.assertEqual(d.get('engine'), e)
+                    out[e] = (r.is_error, r.text, truncation_dict(r), d.get('matches'))
+                self.assertFalse(out['rg'][0], out['rg'][1][:300])
+                self.assertEqual(out['rg'], out['pcre2'])
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) bounded memory: 1 GiB of output
+# ---------------------------------------------------------------------------------------------
+
+class TestHugeOutput(TooldBase):
+
+    def test_one_gib_of_output(self):
+        sb = 'huge'
+        # 127 characters + '\n' per line: 2^30 bytes are exactly 2^23 lines, and 51,200 bytes
+        # hold 400 of them (400*128-1 = 51,199), so the byte budget (not the 2000-line cap,
+        # which plain `yes` output would hit first) decides the tail.
+        line = '0' * 127
+        cmd = "yes %s | head -c 1G" % line
+        timeout_s = 120
+        pid = self.td.pid
+        sampler = _Sampler(pid)
+        sampler.start()
+        t0 = time.monotonic()
+        try:
+            res = self.call(sb, 'bash', {'command': cmd, 'timeout': timeout_s},
+                            timeout=timeout_s + 30)
+        finally:
+            sampler.stop()
+        elapsed = time.monotonic() - t0
+        self.assertLess(elapsed, timeout_s)
+        self.assertOk(res)
+        d = result_details(res)
+        self.assertEqual(d.get('exit_code'), 0)
+        self.assertFalse(d.get('timed_out'))
+        tr = truncation_dict(res)
+        self.assertTrue(tr['truncated'])
+        self.assertEqual(tr['by'], 'BYTES')
+        self.assertEqual(tr['total_bytes'], GiB)
+        self.assertEqual(tr['total_lines'], GiB // 128)
+        self.assertEqual(tr['shown_last_line'], GiB // 128)
+        self.assertEqual(tr['shown_first_line'], GiB // 128 - 399)
+        self.assertEqual(tr['next_offset'], GiB // 128 - 399)
+        marker, _, tail = res.text.partition('\n')
+        self.assertTrue(marker.startswith('[Output truncated'), marker)
+        self.assertIn(d['spill_path'], marker)
+        self.assertIn('offset=%d' % (GiB // 128 - 399), marker)
+        self.assertEqual(tail, '\n'.join([line] * 400))
+        self.assertEqual(len(tail.encode()), 51199)
+        spill = os.path.join(self.td.workspace(sb), d['spill_path'])
+        self.assertEqual(os.path.getsize(spill), GiB)
+        with open(spill, 'rb') as f:
+            f.seek(GiB - 256)
+            self.assertEqual(f.read(), ((line + '\n') * 2).encode())
+        rss_mib = sampler.max_rss_kib / 1024.0
+        hwm_mib = sampler.max_hwm_kib / 1024.0
+        self.assertGreater(sampler.samples, 5)
+        self.assertLess(rss_mib, 64, 'toold VmRSS reached %.1f MiB' % rss_mib)
+        self.assertLess(hwm_mib, 64, 'toold VmHWM reached %.1f MiB' % hwm_mib)
+        os.unlink(spill)
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) bad input
+# ---------------------------------------------------------------------------------------------
+
+class TestBadInput(TooldBase):
+
+    def test_bad_arguments_are_error_results(self):
+        sb = 'bad'
+        cases = [
+            ('read', '{"path": "a.txt"', ['json']),
+            ('read', '{"path": "a.txt"} trailing', ['json']),
+            ('read', '{"path": "a", "path": "b"}', ['json']),
+            ('read', 'null', ['object']),
+            ('read', '{"path": ["a"]}', ['path', 'string']),
+            ('bash', '{"command": 42}', ['command', 'string']),
+            ('bash', '{"command": "echo", "timeout": "soon"}', ['timeout', 'number']),
+            ('edit', '{"path": "a", "oldText": "x", "newText": "y", "replaceAll": 1}',
+             ['replaceAll', 'boolean']),
+            ('grep', '{"pattern": "a(b"}', ['regular expression', 'position 3']),
+            ('grep', '{"pattern": "[z"}', ['regular expression', 'position']),
+            ('bash', '{"command": "echo", "timeout": -1}', ['timeout']),
+            ('bash', '{"command": "echo", "timeout": 0}', ['timeout']),
+            ('read', '{"path": "a\\u0000b"}', ['json']),
+            ('nosuchtool', '{}', ['nosuchtool']),
+            ('', '{}', []),
+        ]
+        for name, args, words in cases:
+            with self.subTest(tool=name, args=args):
+                res = self.call(sb, name, args)
+                self.assertErrorResult(res, *words)
+        self.assertHealthy()
+
+    def test_raw_nul_bytes(self):
+        sb = 'nul'
+        self.assertOk(self.call(sb, 'write', {'path': 'a.txt', 'content': 'secret-a\n'}))
+        # a raw NUL inside the JSON text (valid UTF-8 in a protobuf string)
+        for name, args in [
+            ('read', '{"path": "a.txt\x00../../etc/passwd"}'),
+            ('read', '{"path": "a.txt\x00"}'),
+            ('write', '{"path": "b.txt\x00x", "content": "x"}'),
+            ('read', '\x00{"path": "a.txt"}'),
+        ]:
+            with self.subTest(args=repr(args)):
+                res = self.call(sb, name, args)
+                self.assertErrorResult(res)
+                self.assertNotIn('secret-a', res.text)
+        self.assertFalse(os.path.exists(os.path.join(self.td.workspace(sb), 'b.txt')))
+        # a raw NUL in the sandbox name: not a valid name
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.call('nul\x00x', 'read', {'path': 'a.txt'})
+        self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
+        self.assertHealthy()
+
+    def test_huge_arguments(self):
+        sb = 'huge-args'
+        big = 'x' * (5 * MiB)
+        res = self.call(sb, 'write', {'path': 'big.txt', 'content': big})
+        self.assertOk(res)
+        self.assertEqual(os.path.getsize(os.path.join(self.td.workspace(sb), 'big.txt')),
+                         5 * MiB)
+        res = self.call(sb, 'grep', {'pattern': big})
+        self.assertErrorResult(res, '65536')
+        res = self.call(sb, 'bash', {'command': 'echo ' + big})
+        self.assertTrue(res.is_error or 'Exit code' in res.text,
+                        'a 5 MB command line neither failed nor ran: %r' % res.text[:300])
+        self.assertLess(len(res.text), 100000)
+        res = self.call(sb, 'edit', {'path': 'big.txt', 'oldText': big, 'newText': 'small'})
+        self.assertOk(res)
+        with open(os.path.join(self.td.workspace(sb), 'big.txt')) as f:
+            self.assertEqual(f.read(), 'small')
+        self.assertHealthy()
+
+    def test_bad_sandbox_names(self):
+        bad = ['..', '.', 'a/b', '', '../x', 'a b', 'x' * 129, 'é']
+        for name in bad:
+            with self.subTest(sandbox=name):
+                with self.assertRaises(grpc.RpcError) as cm:
+                    self.call(name, 'bash', {'command': 'echo hi'})
+                self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
+                self.assertTrue(cm.exception.details())
+                with self.assertRaises(grpc.RpcError) as cm:
+                    self.td.execute_batch([tool_call(name, 'read', {'path': 'x'})])
+                self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
+                with self.assertRaises(grpc.RpcError) as cm:
+                    self.td.sandbox('ReadFile', sandbox=name, path='x')
+                self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
+        # nothing was created outside the root, and the longest valid name works
+        self.assertEqual(sorted(os.listdir(self.td.dir)),
+                         sorted(['root', 'toold.sock', 'toold.stderr']))
+        self.assertEqual(self.call('y' * 128, 'bash', {'command': 'echo ok'}).text, 'ok')
+        self.assertHealthy()
+
+    def test_negative_timeout_ms(self):
+        res = self.td.execute_call(tools_pb2.ToolCall(sandbox='t', name='bash',
+                                                      arguments_json='{"command":"echo"}',
+                                                      timeout_ms=-5))
+        self.assertErrorResult(res, 'timeout_ms')
+        self.assertHealthy()
+
+    def test_undecodable_request(self):
+        c = self.td.channel.unary_unary('/cflue.v1.Tools/Execute',
+                                        request_serializer=lambda b: b,
+                                        response_deserializer=lambda b: b)
+        with self.assertRaises(grpc.RpcError) as cm:
+            c(b'\xff\xff\xff\xff\x0f garbage', timeout=10)
+        self.assertIn(cm.exception.code(), (INVALID_ARGUMENT, grpc.StatusCode.INTERNAL))
+        self.assertHealthy()
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) the Sandbox service
+# ---------------------------------------------------------------------------------------------
+
+ESCAPE_CODES = (INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
+
+
+class TestSandboxService(TooldBase):
+    sb = 'svc'
+
+    def sbx(self, method, **fields):
+        return self.td.sandbox(method, sandbox=self.sb, **fields)
+
+    def host(self, rel=''):
+        return os.path.join(self.td.workspace(self.sb, create=True), rel)
+
+    def test_write_read_round_trip(self):
+        data = os.urandom(3 * MiB) + b'\x00\n\xff'
+        resp = self.sbx('WriteFile', path='deep/er/blob.bin', data=data)
+        self.assertEqual(resp.bytes_written, len(data))
+        self.assertTrue(os.path.isdir(self.host('deep/er')))
+        self.assertEqual(self.sbx('ReadFile', path='deep/er/blob.bin').data, data)
+        self.assertEqual(self.sbx('ReadFile', path='./deep/../deep/er/blob.bin').data, data)
+        self.assertEqual(self.sbx('ReadFile', path=self.host('deep/er/blob.bin')).data, data)
+        # overwrite, with a mode for a new file
+        self.sbx('WriteFile', path='deep/er/blob.bin', data=b'small')
+        self.assertEqual(self.sbx('ReadFile', path='deep/er/blob.bin').data, b'small')
+        self.sbx('WriteFile', path='x.sh', data=b'#!/bin/sh\n', mode=0o755)
+        self.assertEqual(os.stat(self.host('x.sh')).st_mode & 0o777, 0o755)
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.sbx('ReadFile', path='missing.bin')
+        self.assertEqual(cm.exception.code(), NOT_FOUND)
+
+    def test_stat(self):
+        self.sbx('WriteFile', path='five.txt', data=b'12345')
+        os.symlink('five.txt', self.host('link.txt'))
+        st = self.sbx('Stat', path='five.txt')
+        self.assertEqual((st.name, st.type, st.size), ('five.txt', sandbox_pb2.REGULAR, 5))
+        self.assertGreater(st.modified_at_ms, 0)
+        self.assertEqual(self.sbx('Stat', path='link.txt').type, sandbox_pb2.SYMLINK)
+        self.sbx('Mkdir', path='d')
+        self.assertEqual(self.sbx('Stat', path='d').type, sandbox_pb2.DIRECTORY)
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.sbx('Stat', path='nope')
+        self.assertEqual(cm.exception.code(), NOT_FOUND)
+
+    def test_read_dir_sorted(self):
+        for name in ['b.txt', 'a.txt', 'C.txt', '.hidden', '_u']:
+            self.sbx('WriteFile', path='dir/' + name, data=b'x')
+        self.sbx('Mkdir', path='dir/sub')
+        entries = self.sbx('ReadDir', path='dir').entries
+        names = [e.name for e in entries]
+        self.assertEqual(names, sorted(['b.txt', 'a.txt', 'C.txt', '.hidden', '_u', 'sub'],
+                                       key=lambda s: s.encode()))
+        types = {e.name: e.type for e in entries}
+        self.assertEqual(types['sub'], sandbox_pb2.DIRECTORY)
+        self.assertEqual(types['a.txt'], sandbox_pb2.REGULAR)
+        with self.assertRaises(grpc.RpcError):
+            self.sbx('ReadDir', path='dir/a.txt')
+
+    def test_mkdir_and_remove(self):
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.sbx('Mkdir', path='m/n/o')
+        self.assertEqual(cm.exception.code(), NOT_FOUND)
+        self.sbx('Mkdir', path='m/n/o', parents=True)
+        self.assertTrue(os.path.isdir(self.host('m/n/o')))
+        self.sbx('Mkdir', path='m/n/o', parents=True)  # existing: fine with parents
+        with self.assertRaises(grpc.RpcError):
+            self.sbx('Mkdir', path='m/n/o')  # existing without parents: an error
+        self.sbx('WriteFile', path='m/n/o/f.txt', data=b'f')
+        with self.assertRaises(grpc.RpcError):
+            self.sbx('Remove', path='m')  # not empty, not recursive
+        self.assertTrue(os.path.exists(self.host('m/n/o/f.txt')))
+        self.sbx('Remove', path='m/n/o/f.txt')
+        self.assertFalse(os.path.exists(self.host('m/n/o/f.txt')))
+        self.sbx('WriteFile', path='m/n/o/g.txt', data=b'g')
+        self.sbx('Remove', path='m', recursive=True)
+        self.assertFalse(os.path.exists(self.host('m')))
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.sbx('Remove', path='m')
+        self.assertEqual(cm.exception.code(), NOT_FOUND)
+
+    def test_exec(self):
+        os.makedirs(self.host('data'))
+        r = self.sbx('Exec', command='pwd')
+        self.assertEqual(r.stdout, (self.host('') .rstrip('/') + '\n').encode())
+        self.assertEqual(r.exit_code, 0)
+        r = self.sbx('Exec', command='pwd', cwd='data')
+        self.assertEqual(r.stdout, (self.host('data') + '\n').encode())
+        r = self.sbx('Exec', command='echo "$LAYER/$PATH_SET"; cat',
+                     env={'LAYER': 'command', 'PATH_SET': 'yes'}, stdin=b'from stdin\n')
+        self.assertEqual(r.stdout, b'command/yes\nfrom stdin\n')
+        r = self.sbx('Exec', command="printf 'stdout text'; printf 'stderr text' >&2; exit 7")
+        self.assertEqual(r.exit_code, 7)
+        self.assertFalse(r.timed_out)
+        both = r.stdout + r.stderr
+        self.assertIn(b'stdout text', both)
+        self.assertIn(b'stderr text', both)
+        t0 = time.monotonic()
+        r = self.sbx('Exec', command='echo before; sleep 5', timeout_ms=500)
+        self.assertLess(time.monotonic() - t0, 4)
+        self.assertEqual((r.exit_code, r.timed_out), (124, True))
+        self.assertIn(b'before', r.stdout)
+        r = self.sbx('Exec', command='printf "\\x00\\xff"')
+        self.assertEqual(r.stdout, b'\x00\xff')
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.sbx('Exec', command='pwd', cwd='no/such/dir')
+        self.assertEqual(cm.exception.code(), NOT_FOUND)
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.sbx('Exec', command='')
+        self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
+
+    def test_escapes_refused(self):
+        outside = os.path.join(self.td.dir, 'outside')
+        os.makedirs(outside)
+        canary = os.path.join(outside, 'canary.txt')
+        with open(canary, 'w') as f:
+            f.write('canary\n')
+        ws = self.host('')
+        os.symlink(canary, os.path.join(ws, 'outlink'))
+        os.symlink(outside, os.path.join(ws, 'dirlink'))
+        os.symlink('/', os.path.join(ws, 'rootlink'))
+        rel_canary = os.path.relpath(canary, ws)
+        attempts = [
+            ('ReadFile', {'path': '../../outside/canary.txt'}),
+            ('ReadFile', {'path': rel_canary}),
+            ('ReadFile', {'path': canary}),
+            ('ReadFile', {'path': '/etc/passwd'}),
+            ('ReadFile', {'path': 'outlink'}),
+            ('ReadFile', {'path': 'dirlink/canary.txt'}),
+            ('ReadFile', {'path': 'rootlink/etc/passwd'}),
+            ('WriteFile', {'path': rel_canary, 'data': b'pwned'}),
+            ('WriteFile', {'path': canary, 'data': b'pwned'}),
+            ('WriteFile', {'path': 'dirlink/new.txt', 'data': b'pwned'}),
+            ('WriteFile', {'path': 'dirlink/a/b/new.txt', 'data': b'pwned'}),
+            ('WriteFile', {'path': 'rootlink' + outside + '/new.txt', 'data': b'pwned'}),
+            ('WriteFile', {'path': 'outlink', 'data': b'pwned'}),
+            ('Stat', {'path': '../..'}),
+            ('Stat', {'path': 'dirlink/canary.txt'}),
+            ('ReadDir', {'path': 'dirlink'}),
+            ('ReadDir', {'path': '/'}),
+            ('Mkdir', {'path': 'dirlink/newdir', 'parents': True}),
+            ('Mkdir', {'path': outside + '/newdir'}),
+            ('Remove', {'path': 'dirlink/canary.txt'}),
+            ('Remove', {'path': rel_canary}),
+            ('Remove', {'path': '..', 'recursive': True}),
+            ('Exec', {'command': 'pwd', 'cwd': '../..'}),
+            ('Exec', {'command': 'pwd', 'cwd': 'dirlink'}),
+            ('Exec', {'command': 'pwd', 'cwd': '/tmp'}),
+        ]
+        for method, fields in attempts:
+            with self.subTest(method=method, fields={k: v for k, v in fields.items()
+                                                     if k != 'data'}):
+                with self.assertRaises(grpc.RpcError) as cm:
+                    resp = self.sbx(method, **fields)
+                    raise AssertionError('%s %r succeeded: %r' % (method, fields,
+                                                                   str(resp)[:200]))
+                self.assertIn(cm.exception.code(), ESCAPE_CODES + (NOT_FOUND,),
+                              cm.exception.details())
+                with open(canary) as f:
+                    self.assertEqual(f.read(), 'canary\n')
+                self.assertEqual(sorted(os.listdir(outside)), ['canary.txt'])
+        # removing the link itself stays inside: the target survives
+        self.sbx('Remove', path='outlink')
+        self.assertFalse(os.path.lexists(os.path.join(ws, 'outlink')))
+        with open(canary) as f:
+            self.assertEqual(f.read(), 'canary\n')
+
+    def test_raw_nul_in_path(self):
+        self.sbx('WriteFile', path='a.txt', data=b'secret')
+        for method, fields in [('ReadFile', {'path': 'a.txt\x00../../etc/passwd'}),
+                               ('WriteFile', {'path': 'b.txt\x00c', 'data': b'x'}),
+                               ('Stat', {'path': 'a.txt\x00'})]:
+            with self.subTest(method=method):
+                with self.assertRaises(grpc.RpcError) as cm:
+                    self.sbx(method, **fields)
+                self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
+        self.assertFalse(os.path.exists(self.host('b.txt')))
+
+
+# ---------------------------------------------------------------------------------------------
+# (f) the bwrap driver
+# ---------------------------------------------------------------------------------------------
+
+def _bwrap_works():
+    try:
+        return subprocess.run(['bwrap', '--ro-bind', '/', '/', 'true'],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+BWRAP_OK = _bwrap_works()
+
+
+@unittest.skipUnless(BWRAP_OK, 'bwrap --ro-bind / / true does not work on this machine')
+class TestBwrapDriver(TooldBase):
+    toold_kwargs = {'driver': 'bwrap'}
+    sb = 'bw'
+
+    def bash(self, command, **kw):
+        res = self.call(self.sb, 'bash', {'command': command}, **kw)
+        self.assertFalse(res.is_error, res.text)
+        return res
+
+    def test_workspace_writable(self):
+        res = self.bash('echo inside > made.txt && cat made.txt && pwd')
+        self.assertEqual(res.text, 'inside\n' + self.td.workspace(self.sb))
+        with open(os.path.join(self.td.workspace(self.sb), 'made.txt')) as f:
+            self.assertEqual(f.read(), 'inside\n')
+
+    def test_system_read_only(self):
+        for target in ['/etc/cflue-bwrap-test', '/usr/cflue-bwrap-test']:
+            with self.subTest(target=target):
+                res = self.bash('touch %s; echo "rc=$?"' % target)
+                self.assertIn('rc=1', res.text)
+                self.assertIn('Read-only file system', res.text)
+                self.assertFalse(os.path.exists(target))
+        res = self.bash('echo x > /tmp/cflue-bwrap-tmp && cat /tmp/cflue-bwrap-tmp')
+        self.assertEqual(res.text, 'x')
+        self.assertFalse(os.path.exists('/tmp/cflue-bwrap-tmp'))
+        # toold's other files (its root, outside this workspace) are read-only too
+        other = self.td.workspace('other', create=True)
+        res = self.bash('touch %s/x; echo "rc=$?"' % other)
+        self.assertIn('rc=1', res.text)
+        self.assertFalse(os.path.exists(os.path.join(other, 'x')))
+
+    def test_no_network(self):
+        res = self.bash("tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '")
+        self.assertEqual(res.text.split(), ['lo'])
+        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(('127.0.0.1', 0))
+        srv.listen(5)
+        srv.settimeout(0.5)
+        port = srv.getsockname()[1]
+        try:
+            res = self.bash('(exec 3<>/dev/tcp/127.0.0.1/%d && echo connected) 2>/dev/null '
+                            '|| echo refused' % port)
+            self.assertEqual(res.text, 'refused')
+            with self.assertRaises(socket.timeout):
+                conn, _ = srv.accept()
+                conn.close()
+        finally:
+            srv.close()
+
+    def test_own_pid_namespace(self):
+        res = self.bash('echo $$')
+        self.assertLess(int(res.text), 10)
+        res = self.bash('ps -eo pid=,comm=')
+        comms = [line.split(None, 1)[1] for line in res.text.splitlines() if line.strip()]
+        self.assertNotIn('toold', comms)
+        self.assertLess(len(comms), 10, res.text)
+        res = self.bash('kill -0 %d 2>/dev/null && echo visible || echo invisible' % self.td.pid)
+        # the pid may exist inside by chance only if tiny; toold's own pid is not small here
+        if self.td.pid > 10:
+            self.assertEqual(res.text, 'invisible')
+
+    def test_background_child_killed(self):
+        res = self.bash('sleep 876.5 & echo started')
+        self.assertEqual(res.text, 'started')
+        self.assertEqual(wait_no_process(['sleep', '876.5']), [])
+        res = self.call(self.sb, 'bash', {'command': 'sleep 876.5 & sleep 876.5', 'timeout': 1})
+        self.assertEqual(result_details(res).get('exit_code'), 124)
+        self.assertEqual(wait_no_process(['sleep', '876.5']), [])
+        self.assertEqual(zombie_children(self.td.pid), [])
+
+    def test_grep_and_files_under_bwrap(self):
+        self.assertFalse(self.call(self.sb, 'write', {'path': 'g/a.txt',
+                                                      'content': 'needle\n'}).is_error)
+        res = self.call(self.sb, 'grep', {'pattern': 'needle'})
+        self.assertEqual(res.text, 'g/a.txt:1:needle')
+        r = self.td.sandbox('Exec', sandbox=self.sb, command='cat /proc/net/dev | wc -l')
+        self.assertEqual(r.exit_code, 0)
+        self.assertEqual(r.stdout.strip(), b'3')
+
+
+# ---------------------------------------------------------------------------------------------
+# (g) process hygiene
+# ---------------------------------------------------------------------------------------------
+
+class TestProcessHygiene(TooldBase):
+
+    def test_timeout_kills_everything_and_reaps(self):
+        sb = 'hyg'
+        t0 = time.monotonic()
+        res = self.call(sb, 'bash', {'command': 'sleep 1000 & sleep 1000', 'timeout': 1})
+        self.assertLess(time.monotonic() - t0, 5)
+        self.assertFalse(res.is_error)
+        d = result_details(res)
+        self.assertEqual((d.get('exit_code'), d.get('timed_out')), (124, True))
+        self.assertIn('124', res.text)
+        self.assertEqual(wait_no_process(['sleep', '1000']), [])
+        # a few more calls of every kind that spawn processes
+        self.call(sb, 'bash', {'command': 'sleep 0.1 & echo x; (sleep 0.2 &)'})
+        self.call(sb, 'grep', {'pattern': 'x'})
+        self.td.sandbox('Exec', sandbox=sb, command='sleep 1000 & sleep 1000', timeout_ms=300)
+        self.td.sandbox('Exec', sandbox=sb, command='true')
+        self.assertEqual(wait_no_process(['sleep', '1000']), [])
+        time.sleep(0.3)
+        self.assertEqual(zombie_children(self.td.pid), [])
+
+    def test_cancelled_call_kills_its_command(self):
+        sb = 'cancel'
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.call(sb, 'bash', {'command': 'sleep 1000'}, timeout=1)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.assertEqual(wait_no_process(['sleep', '1000'], timeout=5), [])
+        time.sleep(0.3)
+        self.assertEqual(zombie_children(self.td.pid), [])
+        self.assertHealthy()
+
+    def test_caller_deadline_ends_command(self):
+        t0 = time.monotonic()
+        res = self.call('deadline', 'bash', {'command': 'echo early; sleep 1000'},
+                        timeout_ms=800)
+        self.assertLess(time.monotonic() - t0, 5)
+        self.assertFalse(res.is_error)
+        self.assertTrue(res.text.startswith('early\n'))
+        self.assertEqual(result_details(res).get('exit_code'), 124)
+        self.assertEqual(wait_no_process(['sleep', '1000']), [])
+
+
+# ---------------------------------------------------------------------------------------------
+# (h) shutdown
+# ---------------------------------------------------------------------------------------------
+
+class TestShutdown(TooldBase):
+
+    def test_sigterm_exits_zero(self):
+        self.assertEqual(self.call('s', 'bash', {'command': 'echo hi'}).text, 'hi')
+        self.assertEqual(self.td.terminate(), 0)
+
+    def test_sigterm_during_a_call_exits_zero(self):
+        box = {}
+
+        def run():
+            try:
+                box['res'] = self.call('s', 'bash', {'command': 'sleep 1; echo done'})
+            except grpc.RpcError as e:
+                box['err'] = e
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(0.3)
+        self.td.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(self.td.proc.wait(20), 0)
+        t.join(20)
+        self.assertEqual(wait_no_process(['sleep', '1']), [])
+
+    def test_sigterm_lets_a_running_call_finish_within_grace(self):
+        # --grace-ms (default 5 s) is "how long shutdown waits for calls": a call that ends
+        # within it completes normally instead of being killed as if its caller had left.
+        box = {}
+
+        def run():
+            try:
+                box['res'] = self.call('s', 'bash', {'command': 'sleep 1; echo done'})
+            except grpc.RpcError as e:
+                box['err'] = e
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(0.3)
+        self.td.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(self.td.proc.wait(20), 0)
+        t.join(20)
+        self.assertNotIn('err', box, box.get('err'))
+        self.assertFalse(box['res'].is_error, box['res'].text)
+        self.assertEqual(box['res'].text, 'done')
+
+
+if __name__ == '__main__':
+    unittest.main()

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+printf 'hello\n' | cmp - f.txt

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+test -f e.txt && test ! -s e.txt

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+printf c | cmp - b/c.txt

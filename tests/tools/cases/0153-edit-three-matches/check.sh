@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+printf 'foo foo foo' | cmp - f.txt

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+printf 'a b a' | cmp - f

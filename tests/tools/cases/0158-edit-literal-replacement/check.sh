@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+printf 'a $&$&\\1 b' | cmp - f

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+printf 'first\r\nREPLACED\r\nthird\r\n' | cmp - f

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+printf '\xef\xbb\xbffirst\r\nREPLACED\r\nthird\r\n' | cmp - f

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+printf 'Hello bye HELLO' | cmp - f

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+printf 'hello\r\nworld\r\n---\r\nX\n' | cmp - f

@@ -1,0 +1,5 @@
+def a():
+    return 1
+
+def b():
+    return 1

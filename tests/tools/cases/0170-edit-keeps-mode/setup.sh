@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+chmod 755 run.sh

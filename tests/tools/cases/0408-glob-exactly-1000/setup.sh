@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+mkdir d && cd d && for i in $(seq -w 1 1000); do : > "f$i.txt"; done

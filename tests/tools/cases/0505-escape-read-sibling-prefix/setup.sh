@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+mkdir -p "$WS-other" && echo secret > "$WS-other/f.txt"
