@@ -723,6 +723,30 @@ static const Cflue__V1__Record *last_assistant(struct drive *d)
     return last;
 }
 
+/* answered reports whether an earlier attempt already finished the work: the submission's
+ * last assistant message asked for no tools and no input arrived after it. Such work settles
+ * completed, whatever the budgets say: a finished answer is never thrown away. */
+static bool answered(struct drive *d)
+{
+    const Cflue__V1__Record *r, *last = last_assistant(d);
+    bool after = false, done = false;
+    if (!last) {
+        return false;
+    }
+    json_t *b = json_loads(last->body_json, 0, NULL);
+    done = json_array_size(json_object_get(b, "tool_calls")) == 0;
+    json_decref(b);
+    FOR_EACH_RECORD(d, r)
+    {
+        if (r == last) {
+            after = true;
+        } else if (after && !strcmp(r->type, "user_message")) {
+            done = false;
+        }
+    }
+    return done;
+}
+
 /* repair gives every unresolved call of the last assistant message a recorded outcome. */
 static void repair(struct drive *d, const Cflue__V1__Record *last)
 {
@@ -797,6 +821,11 @@ void turn_drive(const Cflue__V1__ClaimResponse *claim)
     if (sync_records(&d) != CF_OK) {
         log_warn("read_failed", "submission=%s err=%s", d.sub->submission_id,
                  log_quote(q, sizeof(q), d.err.msg));
+        goto out;
+    }
+    if (claim->takeover && answered(&d)) {
+        log_info("recovered_answer", "submission=%s", d.sub->submission_id);
+        settle(&d, CFLUE__V1__OUTCOME__COMPLETED, NULL);
         goto out;
     }
     if (d.sub->max_attempts && d.sub->attempt_count > d.sub->max_attempts) {

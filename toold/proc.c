@@ -78,7 +78,7 @@ static void kill_group(pid_t pgid, int sig)
 
 enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out, struct cf_error *err)
 {
-    int pipefd[2], in_fd = -1;
+    int pipefd[2], errfd[2] = {-1, -1}, in_fd = -1;
     posix_spawn_file_actions_t fa;
     posix_spawnattr_t attr;
     sigset_t none, all;
@@ -89,6 +89,11 @@ enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out, s
 
     memset(out, 0, sizeof(*out));
     if (pipe2(pipefd, O_CLOEXEC) != 0) {
+        return cf_error_set(err, CF_UNAVAILABLE, "cannot create a pipe: %s", strerror(errno));
+    }
+    if (spec->on_stderr && pipe2(errfd, O_CLOEXEC) != 0) {
+        close(pipefd[0]);
+        close(pipefd[1]);
         return cf_error_set(err, CF_UNAVAILABLE, "cannot create a pipe: %s", strerror(errno));
     }
     if (spec->stdin_data) {
@@ -103,7 +108,7 @@ enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out, s
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_adddup2(&fa, spec->stdin_data ? stdin_pipe[0] : in_fd, 0);
     posix_spawn_file_actions_adddup2(&fa, pipefd[1], 1);
-    posix_spawn_file_actions_adddup2(&fa, pipefd[1], 2);
+    posix_spawn_file_actions_adddup2(&fa, errfd[1] >= 0 ? errfd[1] : pipefd[1], 2);
     if (spec->cwd) {
         posix_spawn_file_actions_addchdir_np(&fa, spec->cwd);
     }
@@ -118,6 +123,9 @@ enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out, s
     posix_spawn_file_actions_destroy(&fa);
     posix_spawnattr_destroy(&attr);
     close(pipefd[1]);
+    if (errfd[1] >= 0) {
+        close(errfd[1]);
+    }
     if (in_fd >= 0) {
         close(in_fd);
     }
@@ -126,6 +134,9 @@ enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out, s
     }
     if (rc != 0) {
         close(pipefd[0]);
+        if (errfd[0] >= 0) {
+            close(errfd[0]);
+        }
         if (stdin_pipe[1] >= 0) {
             close(stdin_pipe[1]);
         }
@@ -142,10 +153,10 @@ enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out, s
 
     int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
     char buf[65536];
-    bool exited = false, pipe_open = true, killing = false;
+    bool exited = false, pipe_open = true, err_open = errfd[0] >= 0, killing = false;
     int64_t kill_at = 0, drain_until = 0;
     int status = 0;
-    while (pipe_open || !exited) {
+    while (pipe_open || err_open || !exited) {
         int64_t now = clock_mono_ms();
         if (!killing && now >= deadline) {
             out->timed_out = true;
@@ -163,14 +174,19 @@ enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out, s
             kill_group(pid, SIGKILL);
             kill_at = INT64_MAX;
         }
-        if (exited && pipe_open && now >= drain_until) {
+        if (exited && (pipe_open || err_open) && now >= drain_until) {
             /* the main process is gone; stop whatever it left behind holding the pipe */
             kill_group(pid, SIGKILL);
         }
-        struct pollfd pfd[2];
-        int n = 0;
+        struct pollfd pfd[3];
+        int n = 0, out_i = -1, err_i = -1;
         if (pipe_open) {
+            out_i = n;
             pfd[n++] = (struct pollfd){.fd = pipefd[0], .events = POLLIN};
+        }
+        if (err_open) {
+            err_i = n;
+            pfd[n++] = (struct pollfd){.fd = errfd[0], .events = POLLIN};
         }
         if (!exited && pidfd >= 0) {
             pfd[n++] = (struct pollfd){.fd = pidfd, .events = POLLIN};
@@ -183,7 +199,18 @@ enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out, s
         if (pr < 0 && errno != EINTR) {
             break;
         }
-        if (pipe_open && pr > 0 && (pfd[0].revents & (POLLIN | POLLHUP | POLLERR))) {
+        if (err_i >= 0 && pr > 0 && (pfd[err_i].revents & (POLLIN | POLLHUP | POLLERR))) {
+            ssize_t r = read(errfd[0], buf, sizeof(buf));
+            if (r > 0) {
+                if (!spec->on_stderr(spec->ctx, buf, (size_t)r) && !killing) {
+                    killing = true;
+                    out->cancelled = true;
+                }
+            } else if (r == 0 || (errno != EINTR && errno != EAGAIN)) {
+                err_open = false;
+            }
+        }
+        if (out_i >= 0 && pr > 0 && (pfd[out_i].revents & (POLLIN | POLLHUP | POLLERR))) {
             ssize_t r = read(pipefd[0], buf, sizeof(buf));
             if (r > 0) {
                 if (spec->on_output && !spec->on_output(spec->ctx, buf, (size_t)r) && !killing) {
@@ -203,6 +230,9 @@ enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out, s
         }
     }
     close(pipefd[0]);
+    if (errfd[0] >= 0) {
+        close(errfd[0]);
+    }
     if (pidfd >= 0) {
         close(pidfd);
     }

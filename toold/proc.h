@@ -27,6 +27,8 @@ struct proc_spec {
     size_t stdin_len;
     /* on_output receives each chunk as it arrives; returning false kills the group */
     bool (*on_output)(void *ctx, const char *p, size_t n);
+    /* on_stderr, when set, receives stderr separately (else stderr shares on_output's pipe) */
+    bool (*on_stderr)(void *ctx, const char *p, size_t n);
     void *ctx;
     /* cancelled is polled every 100 ms; true kills the group (NULL: never) */
     bool (*cancelled)(void *ctx);

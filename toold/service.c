@@ -551,18 +551,29 @@ static void on_remove(struct rpc_call *c, const ProtobufCMessage *msg, void *use
 }
 
 struct exec_out {
-    struct buf out;
+    struct buf out, err; /* share EXEC_OUTPUT_MAX between them */
     bool overflow;
 };
 
-static bool exec_collect(void *arg, const char *p, size_t n)
+static bool exec_collect_to(struct exec_out *o, struct buf *b, const char *p, size_t n)
 {
-    struct exec_out *o = arg;
-    if (buf_append(&o->out, p, n) != CF_OK) {
+    if (o->out.len + o->err.len + n > EXEC_OUTPUT_MAX || buf_append(b, p, n) != CF_OK) {
         o->overflow = true;
         return false;
     }
     return true;
+}
+
+static bool exec_collect(void *arg, const char *p, size_t n)
+{
+    struct exec_out *o = arg;
+    return exec_collect_to(o, &o->out, p, n);
+}
+
+static bool exec_collect_err(void *arg, const char *p, size_t n)
+{
+    struct exec_out *o = arg;
+    return exec_collect_to(o, &o->err, p, n);
 }
 
 static void on_exec(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
@@ -601,6 +612,7 @@ static void on_exec(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
     sb->driver->build_argv(sb, cwd, req->command, argv);
     struct exec_out o = {.overflow = false};
     buf_init(&o.out, EXEC_OUTPUT_MAX);
+    buf_init(&o.err, EXEC_OUTPUT_MAX);
     int64_t timeout =
         req->timeout_ms > 0 ? req->timeout_ms : server_state.cfg->bash_default_timeout_ms;
     struct proc_spec spec = {.argv = argv,
@@ -610,12 +622,14 @@ static void on_exec(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
                              .stdin_data = req->stdin.len ? req->stdin.data : NULL,
                              .stdin_len = req->stdin.len,
                              .on_output = exec_collect,
+                             .on_stderr = exec_collect_err,
                              .ctx = &o};
     struct proc_result pr;
     enum cf_status rc = proc_run(&spec, &pr, &err);
     proc_env_free(env);
     if (rc != CF_OK) {
         buf_cleanup(&o.out);
+        buf_cleanup(&o.err);
         rpc_call_fail_error(c, &err);
         return;
     }
@@ -625,12 +639,14 @@ static void on_exec(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
     resp.exit_code = pr.exit_code;
     resp.timed_out = pr.timed_out;
     if (o.overflow) {
-        static const char note[] = "output exceeded 8 MiB; the command was stopped";
-        resp.stderr.data = (uint8_t *)note;
-        resp.stderr.len = sizeof(note) - 1;
+        buf_reset(&o.err);
+        buf_append_str(&o.err, "[output exceeded 8 MiB in all; the command was stopped]");
     }
+    resp.stderr.data = (uint8_t *)o.err.data;
+    resp.stderr.len = o.err.len;
     rpc_call_reply(c, &resp.base);
     buf_cleanup(&o.out);
+    buf_cleanup(&o.err);
 }
 
 void toold_register(struct rpc_server *srv, struct workspaces *ws, const struct toold_config *cfg)
