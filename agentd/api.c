@@ -13,6 +13,7 @@
 
 #include "cflue/v1/agent.pb-c.h"
 
+#include <jansson.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -371,11 +372,134 @@ static void on_get_conversation(struct rpc_call *c, const ProtobufCMessage *msg,
     }
 }
 
+/* wait_settled blocks until the submission is settled (following its conversation's stream),
+ * or the caller goes away; returns the settled submission or NULL with err set. */
+static Cflue__V1__Submission *wait_settled(struct rpc_call *c, const char *submission_id,
+                                           struct cf_error *err)
+{
+    Cflue__V1__GetRequest gr = CFLUE__V1__GET_REQUEST__INIT;
+    gr.submission_id = (char *)submission_id;
+    for (int round = 0;; round++) {
+        ProtobufCMessage *resp = NULL;
+        if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
+                       STORE_TIMEOUT_MS, &resp, err) != CF_OK) {
+            return NULL;
+        }
+        Cflue__V1__Submission *s = (Cflue__V1__Submission *)resp;
+        if (s->status == CFLUE__V1__SUBMISSION_STATUS__SETTLED) {
+            return s;
+        }
+        Cflue__V1__FollowRequest fr = CFLUE__V1__FOLLOW_REQUEST__INIT;
+        fr.conversation_id = s->conversation_id;
+        fr.after_offset = -1;
+        fr.until_settled = s->submission_id;
+        int64_t left = rpc_call_remaining_ms(c);
+        struct rpc_stream *fs = rpc_stream_open(g_agentd.store, "/cflue.v1.Store/Follow", &fr.base,
+                                                left > 0 ? left : 0);
+        ProtobufCMessage *m;
+        struct relay relay;
+        relay_start(&relay, c, fs);
+        while (rpc_stream_read(fs, &cflue__v1__record__descriptor, &m) == 1) {
+            protobuf_c_message_free_unpacked(m, NULL);
+        }
+        relay_stop(&relay);
+        struct rpc_status st;
+        rpc_stream_finish(fs, &st);
+        protobuf_c_message_free_unpacked(resp, NULL);
+        if (rpc_call_cancelled(c) || (round > 0 && rpc_call_wait(c, 200))) {
+            cf_error_set(err, CF_CANCELLED, "the caller went away or the server stops");
+            return NULL;
+        }
+    }
+}
+
 static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
-    rpc_call_fail(c, CF_UNIMPLEMENTED,
-                  "Compact is not available yet in this version of agentd; conversations are "
-                  "kept whole");
+    const Cflue__V1__CompactRequest *req = (const void *)msg;
+    struct cf_error err;
+    ProtobufCMessage *conv = NULL, *resp = NULL;
+    Cflue__V1__ConversationRequest cr = CFLUE__V1__CONVERSATION_REQUEST__INIT;
+    cr.conversation_id = req->conversation_id;
+    if (!*req->conversation_id) {
+        rpc_call_fail(c, CF_INVALID, "conversation_id is required");
+        return;
+    }
+    if (store_call(g_agentd.store, "GetConversation", &cr.base,
+                   &cflue__v1__conversation__descriptor, STORE_TIMEOUT_MS, &conv, &err) != CF_OK) {
+        fail_err(c, &err);
+        return;
+    }
+    /* compaction runs as a submission of its own: durable, in order with the conversation's
+     * other work, fenced like any turn */
+    Cflue__V1__AdmitRequest ar = CFLUE__V1__ADMIT_REQUEST__INIT;
+    Cflue__V1__Message m = CFLUE__V1__MESSAGE__INIT;
+    Cflue__V1__AdmitRequest__MetadataEntry kind = CFLUE__V1__ADMIT_REQUEST__METADATA_ENTRY__INIT;
+    Cflue__V1__AdmitRequest__MetadataEntry *md[1] = {&kind};
+    kind.key = "cflue.kind";
+    kind.value = "compact";
+    m.text = "(compact the conversation)";
+    ar.agent = ((Cflue__V1__Conversation *)conv)->agent;
+    ar.conversation_id = req->conversation_id;
+    ar.message = &m;
+    ar.metadata = md;
+    ar.n_metadata = 1;
+    enum cf_status rc =
+        store_call(g_agentd.store, "Admit", &ar.base, &cflue__v1__admit_response__descriptor,
+                   STORE_TIMEOUT_MS, &resp, &err);
+    protobuf_c_message_free_unpacked(conv, NULL);
+    if (rc != CF_OK) {
+        fail_err(c, &err);
+        return;
+    }
+    char sid[128];
+    snprintf(sid, sizeof(sid), "%s", ((Cflue__V1__AdmitResponse *)resp)->submission->submission_id);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    agentd_wake();
+    Cflue__V1__Submission *done = wait_settled(c, sid, &err);
+    if (!done) {
+        fail_err(c, &err);
+        return;
+    }
+    Cflue__V1__CompactResponse out = CFLUE__V1__COMPACT_RESPONSE__INIT;
+    out.record_offset = -1;
+    /* the compaction record this submission wrote, if there was anything to compact */
+    Cflue__V1__ReadRequest rq = CFLUE__V1__READ_REQUEST__INIT;
+    rq.conversation_id = req->conversation_id;
+    rq.after_offset = -1;
+    rq.limit = 1000;
+    for (;;) {
+        ProtobufCMessage *page = NULL;
+        if (store_call(g_agentd.store, "Read", &rq.base, &cflue__v1__read_response__descriptor,
+                       STORE_TIMEOUT_MS, &page, &err) != CF_OK) {
+            break;
+        }
+        Cflue__V1__ReadResponse *p = (Cflue__V1__ReadResponse *)page;
+        for (size_t i = 0; i < p->n_records; i++) {
+            if (!strcmp(p->records[i]->type, "compaction") &&
+                !strcmp(p->records[i]->submission_id, sid)) {
+                json_t *b = json_loads(p->records[i]->body_json, 0, NULL);
+                out.tokens_before = json_integer_value(json_object_get(b, "tokens_before"));
+                out.tokens_after = json_integer_value(json_object_get(b, "tokens_after"));
+                out.record_offset = p->records[i]->offset;
+                json_decref(b);
+            }
+        }
+        bool more = !p->up_to_date;
+        rq.after_offset = p->next_offset;
+        protobuf_c_message_free_unpacked(page, NULL);
+        if (!more) {
+            break;
+        }
+    }
+    bool failed = done->outcome != CFLUE__V1__OUTCOME__COMPLETED;
+    char why[600];
+    snprintf(why, sizeof(why), "the compaction did not complete: %s", done->error);
+    protobuf_c_message_free_unpacked(&done->base, NULL);
+    if (failed) {
+        rpc_call_fail(c, CF_UNAVAILABLE, "%s", why);
+        return;
+    }
+    rpc_call_reply(c, &out.base);
 }
 
 void api_register(struct rpc_server *srv)
@@ -389,7 +513,7 @@ void api_register(struct rpc_server *srv)
     rpc_server_add_method(srv, "/cflue.v1.Agent/Abort", &cflue__v1__abort_request__descriptor,
                           on_abort, NULL, RPC_POOL);
     rpc_server_add_method(srv, "/cflue.v1.Agent/Compact", &cflue__v1__compact_request__descriptor,
-                          on_compact, NULL, RPC_INLINE);
+                          on_compact, NULL, RPC_THREAD);
     rpc_server_add_method(srv, "/cflue.v1.Agent/ListAgents",
                           &cflue__v1__list_agents_request__descriptor, on_list_agents, NULL,
                           RPC_INLINE);

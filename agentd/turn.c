@@ -54,6 +54,7 @@ struct drive {
     int64_t delta_flushed_ms;
     int delta_seq;
     int turn;
+    bool quiet; /* a call whose text is not shown to watchers (summaries) */
     struct cf_error err;
 };
 
@@ -278,11 +279,37 @@ static const char *str(json_t *o, const char *k)
 
 /* build_context turns the records into provider-neutral messages. json bodies are kept in
  * `bodies` (freed by the caller) because messages point into them. */
-static void build_context(struct drive *d, struct context *c, json_t *bodies)
+static void build_context(struct drive *d, struct context *c, json_t *bodies, int64_t before)
 {
-    const Cflue__V1__Record *r;
+    const Cflue__V1__Record *r, *compaction = NULL;
+    int64_t first_kept = -1;
     FOR_EACH_RECORD(d, r)
     {
+        if (r->offset < before && !strcmp(r->type, "compaction")) {
+            compaction = r;
+        }
+    }
+    if (compaction) {
+        /* the summary stands in for everything before the first kept record */
+        json_t *b = json_loads(compaction->body_json, 0, NULL);
+        json_array_append_new(bodies, b);
+        first_kept = json_integer_value(json_object_get(b, "first_kept_offset"));
+        char *t = NULL;
+        if (asprintf(&t,
+                     "<context_summary>\nThe earlier part of this conversation was compacted "
+                     "into this summary:\n\n%s\n</context_summary>",
+                     str(b, "summary")) < 0) {
+            t = mem_strdup(str(b, "summary"));
+        }
+        struct llm_message *m = push(c);
+        m->role = LLM_USER;
+        m->text = keep(c, t);
+    }
+    FOR_EACH_RECORD(d, r)
+    {
+        if (r->offset >= before || r->offset < first_kept) {
+            continue;
+        }
         json_t *b = json_loads(r->body_json, 0, NULL);
         if (!b) {
             continue;
@@ -460,6 +487,9 @@ static void flush_delta(struct drive *d)
 static void on_text(void *ctx, const char *p, size_t n)
 {
     struct drive *d = ctx;
+    if (d->quiet) {
+        return;
+    }
     if (buf_append(&d->delta, p, n) != CF_OK ||
         clock_mono_ms() - d->delta_flushed_ms > DELTA_FLUSH_MS) {
         flush_delta(d);
@@ -708,6 +738,158 @@ static int absorb_joins(struct drive *d)
     return joined;
 }
 
+/* ---------- compaction ----------
+ *
+ * When the next request would not leave the reserve free in the model's context window (or
+ * the provider said the context overflowed, or someone asked with Compact), the older part of
+ * the conversation is replaced by a summary the model writes. The most recent
+ * keep_recent_tokens stay verbatim; the cut falls only before a user or assistant message, so
+ * a tool call never loses its result. The summary and the offset of the first kept record go
+ * into a `compaction` record; the system prompt is composed again (`system_prompt` record). */
+
+static int64_t estimate_tokens(const char *system, const struct context *c,
+                               const struct toolset *ts)
+{
+    size_t chars = strlen(system ? system : "");
+    for (size_t i = 0; i < c->n; i++) {
+        chars += strlen(c->msgs[i].text ? c->msgs[i].text : "") + 16;
+        for (size_t k = 0; k < c->msgs[i].n_calls; k++) {
+            chars += strlen(c->msgs[i].calls[k].arguments_json) + strlen(c->msgs[i].calls[k].name);
+        }
+    }
+    for (size_t i = 0; ts && i < ts->n; i++) {
+        chars += strlen(ts->tools[i].description) + strlen(ts->tools[i].schema_json);
+    }
+    return (int64_t)(chars / 4);
+}
+
+static int64_t reserve_tokens(const struct agent_def *a, const struct model_info *mi)
+{
+    if (a->reserve_tokens) {
+        return a->reserve_tokens;
+    }
+    if (mi->context_window < 60000) {
+        return mi->context_window / 3;
+    }
+    return mi->max_output_tokens < 20000 ? mi->max_output_tokens : 20000;
+}
+
+static bool over_threshold(struct drive *d, const char *system, const struct context *c,
+                           const struct toolset *ts)
+{
+    struct model_info mi = catalog_lookup(d->agent->model);
+    int64_t out = mi.max_output_tokens < 16384 ? mi.max_output_tokens : 16384;
+    return estimate_tokens(system, c, ts) + out > mi.context_window - reserve_tokens(d->agent, &mi);
+}
+
+static bool is_message_start(const Cflue__V1__Record *r)
+{
+    return !strcmp(r->type, "user_message") || !strcmp(r->type, "assistant_message");
+}
+
+/* compact summarizes what comes before the cut; returns true when a compaction was recorded.
+ * *system_text is replaced by the recomposed system prompt. */
+static bool compact(struct drive *d, char **system_text, struct toolset *ts, const char *reason)
+{
+    const Cflue__V1__Record *r, *last_compaction = NULL;
+    int64_t keep = d->agent->keep_recent_tokens ? d->agent->keep_recent_tokens : 8000;
+    int64_t first = -1, cut = -1, tail = 0;
+    FOR_EACH_RECORD(d, r)
+    {
+        if (!strcmp(r->type, "compaction")) {
+            last_compaction = r;
+        }
+    }
+    if (last_compaction) {
+        json_t *b = json_loads(last_compaction->body_json, 0, NULL);
+        first = json_integer_value(json_object_get(b, "first_kept_offset"));
+        json_decref(b);
+    }
+    /* walk back from the end until keep tokens are behind us, then to a message start */
+    for (size_t p = d->n_pages; p-- > 0 && cut < 0;) {
+        for (size_t i = d->pages[p]->n_records; i-- > 0;) {
+            r = d->pages[p]->records[i];
+            if (r->offset < first) {
+                break;
+            }
+            if (strcmp(r->type, "assistant_delta") != 0) {
+                tail += (int64_t)strlen(r->body_json) / 4;
+            }
+            if (tail >= keep && is_message_start(r)) {
+                cut = r->offset;
+                break;
+            }
+        }
+    }
+    /* nothing older than the kept tail, or only the kept tail itself */
+    if (cut < 0) {
+        log_info("compaction_skipped", "submission=%s reason=%s", d->sub->submission_id, reason);
+        return false;
+    }
+    bool older = false;
+    FOR_EACH_RECORD(d, r)
+    {
+        older = older || (r->offset >= first && r->offset < cut && is_message_start(r));
+    }
+    if (!older) {
+        log_info("compaction_skipped", "submission=%s reason=%s", d->sub->submission_id, reason);
+        return false;
+    }
+    struct context ctx = {0};
+    json_t *bodies = json_array();
+    build_context(d, &ctx, bodies, cut);
+    int64_t before = estimate_tokens(*system_text, &ctx, ts);
+    struct llm_message *ask = push(&ctx);
+    ask->role = LLM_USER;
+    ask->text = "Write a summary of the conversation above for your own later use; it will "
+                "replace those messages. Keep: the user's goals and requests, decisions made and "
+                "why, facts learned, files read or changed and their current state, commands "
+                "run and their results, and what is still open. Be complete but brief. Answer "
+                "with the summary only.";
+    struct llm_response resp;
+    llm_response_init(&resp);
+    d->quiet = true;
+    enum cf_status rc =
+        call_model(d, "You write faithful, compact summaries of agent work.", &ctx, NULL, 0, &resp);
+    d->quiet = false;
+    context_free(&ctx);
+    json_decref(bodies);
+    if (rc != CF_OK || !resp.text.len) {
+        char q[600];
+        log_warn("compaction_failed", "submission=%s err=%s", d->sub->submission_id,
+                 log_quote(q, sizeof(q), rc == CF_OK ? "empty summary" : d->err.msg));
+        llm_response_cleanup(&resp);
+        return false;
+    }
+    char id[256];
+    int n = 1;
+    FOR_EACH_RECORD(d, r)
+    {
+        n += !strcmp(r->type, "compaction");
+    }
+    snprintf(id, sizeof(id), "compaction:%s:%d", d->sub->submission_id, n);
+    int64_t after = (int64_t)resp.text.len / 4 + tail;
+    append_one(d, id, "compaction", d->sub->submission_id,
+               json_pack("{s:s%, s:I, s:I, s:I, s:s}", "summary", buf_cstr(&resp.text),
+                         resp.text.len, "first_kept_offset", (json_int_t)cut, "tokens_before",
+                         (json_int_t)(before + tail), "tokens_after", (json_int_t)after, "reason",
+                         reason));
+    llm_response_cleanup(&resp);
+    /* the system prompt is composed again after a compaction */
+    char *fresh = compose_system_prompt(d, ts->list);
+    snprintf(id, sizeof(id), "system:%d", n + 1);
+    append_one(d, id, "system_prompt", "", json_pack("{s:s}", "text", fresh));
+    free(*system_text);
+    *system_text = fresh;
+    log_info("compacted",
+             "submission=%s reason=%s first_kept=%lld tokens_before=%lld "
+             "tokens_after=%lld",
+             d->sub->submission_id, reason, (long long)cut, (long long)(before + tail),
+             (long long)after);
+    sync_records(d);
+    return true;
+}
+
 /* ---------- the drive ---------- */
 
 static const Cflue__V1__Record *last_assistant(struct drive *d)
@@ -842,6 +1024,11 @@ void turn_drive(const Cflue__V1__ClaimResponse *claim)
         settle(&d, CFLUE__V1__OUTCOME__FAILED, "the submission ran past its time limit");
         goto out;
     }
+    bool compact_request = false;
+    for (size_t i = 0; i < d.sub->n_metadata; i++) {
+        compact_request = compact_request || (!strcmp(d.sub->metadata[i]->key, "cflue.kind") &&
+                                              !strcmp(d.sub->metadata[i]->value, "compact"));
+    }
     char input_id[256];
     snprintf(input_id, sizeof(input_id), "input:%s", d.sub->submission_id);
     if (d.act->abort_requested && !find_record(&d, input_id)) {
@@ -849,7 +1036,7 @@ void turn_drive(const Cflue__V1__ClaimResponse *claim)
         settle(&d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request before it started");
         goto out;
     }
-    if (!find_record(&d, input_id)) {
+    if (!compact_request && !find_record(&d, input_id)) {
         json_t *body = json_pack("{s:s}", "text", d.sub->message ? d.sub->message->text : "");
         if (d.sub->message && d.sub->message->n_attachments) {
             json_t *atts = json_array();
@@ -889,8 +1076,15 @@ void turn_drive(const Cflue__V1__ClaimResponse *claim)
 
     struct toolset ts;
     load_tools(&d, &ts);
-    /* the system prompt is frozen: composed once per conversation, then read back */
-    const Cflue__V1__Record *sys = find_record(&d, "system:1");
+    /* the system prompt is frozen: composed once per conversation (and after each
+     * compaction), then read back */
+    const Cflue__V1__Record *sys = NULL, *sr;
+    FOR_EACH_RECORD(&d, sr)
+    {
+        if (!strcmp(sr->type, "system_prompt")) {
+            sys = sr;
+        }
+    }
     char *system_text = NULL;
     if (!sys) {
         system_text = compose_system_prompt(&d, ts.list);
@@ -900,7 +1094,9 @@ void turn_drive(const Cflue__V1__ClaimResponse *claim)
         system_text = mem_strdup(str(b, "text"));
         json_decref(b);
     }
-    absorb_joins(&d);
+    if (!compact_request) {
+        absorb_joins(&d);
+    }
     {
         const Cflue__V1__Record *r;
         d.turn = 0;
@@ -914,18 +1110,43 @@ void turn_drive(const Cflue__V1__ClaimResponse *claim)
     }
     Cflue__V1__Outcome outcome = CFLUE__V1__OUTCOME__COMPLETED;
     char error[1024] = "";
+    bool overflow_retried = false;
+    if (compact_request) {
+        /* a Compact request: compact now, whatever the size, and answer nothing else */
+        compact(&d, &system_text, &ts, "requested");
+        settle(&d, CFLUE__V1__OUTCOME__COMPLETED, NULL);
+        goto done;
+    }
     for (int guard = 0; guard < MAX_TURNS; guard++) {
         if (stopped(&d) || sync_records(&d) != CF_OK) {
             break;
         }
         struct context ctx = {0};
         json_t *bodies = json_array();
-        build_context(&d, &ctx, bodies);
+        build_context(&d, &ctx, bodies, INT64_MAX);
+        if (over_threshold(&d, system_text, &ctx, &ts)) {
+            context_free(&ctx);
+            json_decref(bodies);
+            compact(&d, &system_text, &ts, "threshold");
+            ctx = (struct context){0};
+            bodies = json_array();
+            build_context(&d, &ctx, bodies, INT64_MAX);
+        }
         struct llm_response resp;
         llm_response_init(&resp);
         enum cf_status rc = call_model(&d, system_text, &ctx, ts.tools, ts.n, &resp);
         context_free(&ctx);
         json_decref(bodies);
+        if (rc != CF_OK && resp.context_overflow && !overflow_retried) {
+            /* the provider says the context is too long: compact once, then ask again */
+            overflow_retried = true;
+            llm_response_cleanup(&resp);
+            if (compact(&d, &system_text, &ts, "overflow")) {
+                guard--;
+                continue;
+            }
+            llm_response_init(&resp);
+        }
         if (rc == CF_CANCELLED || stopped(&d)) {
             llm_response_cleanup(&resp);
             break;
@@ -944,11 +1165,13 @@ void turn_drive(const Cflue__V1__ClaimResponse *claim)
         }
         char id[256];
         snprintf(id, sizeof(id), "assistant:%s:%d", d.sub->submission_id, d.turn);
-        json_t *body = json_pack("{s:i, s:s, s:o, s:s, s:s, s:{s:I, s:I}}", "turn", d.turn, "text",
-                                 buf_cstr(&resp.text), "tool_calls", calls, "stop_reason",
+        struct model_info mi = catalog_lookup(d.agent->model);
+        json_t *body = json_pack("{s:i, s:s, s:o, s:s, s:s, s:{s:I, s:I}, s:f}", "turn", d.turn,
+                                 "text", buf_cstr(&resp.text), "tool_calls", calls, "stop_reason",
                                  resp.stop_reason, "model", d.agent->model, "usage", "input_tokens",
                                  (json_int_t)resp.input_tokens, "output_tokens",
-                                 (json_int_t)resp.output_tokens);
+                                 (json_int_t)resp.output_tokens, "cost_usd",
+                                 catalog_cost(&mi, resp.input_tokens, resp.output_tokens));
         if (append_one(&d, id, "assistant_message", d.sub->submission_id, body) != CF_OK) {
             llm_response_cleanup(&resp);
             break;
@@ -985,6 +1208,7 @@ void turn_drive(const Cflue__V1__ClaimResponse *claim)
     } else {
         settle(&d, outcome, error[0] ? error : NULL);
     }
+done:
     free(system_text);
     if (ts.list) {
         protobuf_c_message_free_unpacked(&ts.list->base, NULL);

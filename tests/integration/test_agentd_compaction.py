@@ -1,0 +1,95 @@
+"""Compaction in agentd: the Compact RPC, the threshold before a model call, and the retry
+after a context-overflow error. Real storaged, toold and agentd; the offline model."""
+import json
+import os
+import sys
+import tempfile
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cflue_harness import agent_pb2, common_pb2  # noqa: E402
+from test_agentd import AgentdCase  # noqa: E402
+
+MODELS = {"models": {"anthropic/tiny-window": {
+    "context_window": 3000, "max_output_tokens": 500,
+    "input_usd_per_mtok": 1, "output_usd_per_mtok": 2}}}
+
+
+def models_file():
+    fd, path = tempfile.mkstemp(prefix='cflue-models-', suffix='.json')
+    with os.fdopen(fd, 'w') as f:
+        json.dump(MODELS, f)
+    return path
+
+
+class CompactionTest(AgentdCase):
+    stack_kwargs = {'agents': ('compactor',), 'agentd_args': ('--models', models_file())}
+
+    def run_one(self, text, steps, conversation_id=''):
+        self.stack.fm.set_scenario(steps)
+        adm = self.ad.submit('compactor', text, conversation_id=conversation_id)
+        sub = self.ad.get_submission(adm.submission_id, wait=True, timeout=60)
+        return adm, sub
+
+    def records(self, conv):
+        return self.ad.watch_all(conv)
+
+    def last_request(self):
+        return self.stack.fm.requests()[-1]['body']
+
+    def test_compact_rpc_summarizes_and_later_turns_start_from_the_summary(self):
+        adm, sub = self.run_one('list some numbers', [
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 300'}}]},
+            {'text': 'Here are the numbers.'}])
+        self.assertEqual(sub.outcome, common_pb2.COMPLETED, sub.error)
+        self.stack.fm.set_scenario([{'text': 'SUMMARY-RPC: numbers 1..300 were listed.'}])
+        r = self.ad.call('Compact', agent_pb2.CompactRequest(conversation_id=adm.conversation_id),
+                         timeout=60)
+        self.assertGreaterEqual(r.record_offset, 0)
+        self.assertGreater(r.tokens_before, r.tokens_after)
+        recs = self.records(adm.conversation_id)
+        comp = [x for x in recs if x.type == 'compaction']
+        self.assertEqual(len(comp), 1)
+        self.assertEqual(comp[0].offset, r.record_offset)
+        body = json.loads(comp[0].body_json)
+        self.assertIn('SUMMARY-RPC', body['summary'])
+        self.assertEqual(body['reason'], 'requested')
+        self.assertEqual(len([x for x in recs if x.type == 'system_prompt']), 2)
+        # the next submission's request starts with the summary, not the old messages
+        adm2, sub2 = self.run_one('and now?', [{'text': 'still fine'}], adm.conversation_id)
+        self.assertEqual(sub2.outcome, common_pb2.COMPLETED, sub2.error)
+        first = self.last_request()['messages'][0]['content'][0]['text']
+        self.assertIn('<context_summary>', first)
+        self.assertIn('SUMMARY-RPC', first)
+        self.assertNotIn('list some numbers', json.dumps(self.last_request()['messages']))
+
+    def test_threshold_compacts_before_the_model_call(self):
+        adm, sub = self.run_one('print a long list', [
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 2500'}}]},
+            {'text': 'SUMMARY-THRESHOLD: a long list was printed.'},
+            {'text': 'Done.'}])
+        self.assertEqual(sub.outcome, common_pb2.COMPLETED, sub.error)
+        comp = [json.loads(x.body_json) for x in self.records(adm.conversation_id)
+                if x.type == 'compaction']
+        self.assertEqual(len(comp), 1, comp)
+        self.assertEqual(comp[0]['reason'], 'threshold')
+        self.assertIn('SUMMARY-THRESHOLD', comp[0]['summary'])
+        self.assertIn('<context_summary>', self.last_request()['messages'][0]['content'][0]['text'])
+
+    def test_overflow_error_compacts_and_retries_once(self):
+        long_answer = 'word ' * 400
+        adm, sub = self.run_one('tell me a lot', [{'text': long_answer}])
+        self.assertEqual(sub.outcome, common_pb2.COMPLETED, sub.error)
+        adm2, sub2 = self.run_one('and more', [
+            {'error': {'status': 400, 'type': 'invalid_request_error',
+                       'message': 'prompt is too long: 250000 tokens > 200000 maximum'}},
+            {'text': 'SUMMARY-OVERFLOW'},
+            {'text': 'Fine.'}], adm.conversation_id)
+        self.assertEqual(sub2.outcome, common_pb2.COMPLETED, sub2.error)
+        comp = [json.loads(x.body_json) for x in self.records(adm.conversation_id)
+                if x.type == 'compaction']
+        self.assertEqual([c['reason'] for c in comp], ['overflow'])
+
+
+if __name__ == '__main__':
+    unittest.main()
