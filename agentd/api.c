@@ -8,6 +8,7 @@
 #include "agentd.h"
 #include "clients.h"
 #include "clock.h"
+#include "guard.h"
 #include "log.h"
 #include "mem.h"
 
@@ -27,60 +28,10 @@ static void fail_err(struct rpc_call *c, const struct cf_error *err)
     rpc_call_fail_error(c, err);
 }
 
-/* A relay forwards a storaged stream to one of our calls. Reading the upstream blocks until
- * storaged sends something, so a watcher thread cancels the upstream as soon as our caller
- * goes away or the server stops; otherwise an idle conversation would hold the call (and a
- * thread) until its next record. */
-struct relay {
-    struct rpc_call *call;
-    struct rpc_stream *up;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    bool over;
-    pthread_t thread;
-};
-
-static void *relay_watch(void *arg)
+/* call_over tells a stream guard that our caller went away or the server stops. */
+static bool call_over(void *call)
 {
-    struct relay *r = arg;
-    pthread_mutex_lock(&r->mu);
-    while (!r->over) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 100000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
-        pthread_cond_timedwait(&r->cv, &r->mu, &ts);
-        if (!r->over && rpc_call_cancelled(r->call)) {
-            rpc_stream_cancel(r->up);
-            break;
-        }
-    }
-    pthread_mutex_unlock(&r->mu);
-    return NULL;
-}
-
-static void relay_start(struct relay *r, struct rpc_call *call, struct rpc_stream *up)
-{
-    r->call = call;
-    r->up = up;
-    r->over = false;
-    pthread_mutex_init(&r->mu, NULL);
-    pthread_cond_init(&r->cv, NULL);
-    pthread_create(&r->thread, NULL, relay_watch, r);
-}
-
-static void relay_stop(struct relay *r)
-{
-    pthread_mutex_lock(&r->mu);
-    r->over = true;
-    pthread_cond_signal(&r->cv);
-    pthread_mutex_unlock(&r->mu);
-    pthread_join(r->thread, NULL);
-    pthread_mutex_destroy(&r->mu);
-    pthread_cond_destroy(&r->cv);
+    return rpc_call_cancelled(call);
 }
 
 static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
@@ -188,13 +139,13 @@ static void on_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *user
     struct rpc_stream *s = rpc_stream_open(g_agentd.store, "/cflue.v1.Store/Follow", &fr.base, 0);
     ProtobufCMessage *m;
     bool alive = true;
-    struct relay relay;
-    relay_start(&relay, c, s);
+    struct stream_guard guard;
+    guard_start(&guard, s, call_over, c);
     while (alive && rpc_stream_read(s, &cflue__v1__record__descriptor, &m) == 1) {
         alive = rpc_call_send(c, m);
         protobuf_c_message_free_unpacked(m, NULL);
     }
-    relay_stop(&relay);
+    guard_end(&guard);
     alive = alive && !rpc_call_cancelled(c);
     if (!alive) {
         rpc_stream_cancel(s);
@@ -249,12 +200,12 @@ static void on_get(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
                 struct rpc_stream *fs = rpc_stream_open(g_agentd.store, "/cflue.v1.Store/Follow",
                                                         &fr.base, left > 0 ? left : 0);
                 ProtobufCMessage *m;
-                struct relay relay;
-                relay_start(&relay, c, fs);
+                struct stream_guard guard;
+                guard_start(&guard, fs, call_over, c);
                 while (rpc_stream_read(fs, &cflue__v1__record__descriptor, &m) == 1) {
                     protobuf_c_message_free_unpacked(m, NULL);
                 }
-                relay_stop(&relay);
+                guard_end(&guard);
                 struct rpc_status st;
                 rpc_stream_finish(fs, &st);
                 protobuf_c_message_free_unpacked(conv, NULL);
@@ -397,12 +348,12 @@ static Cflue__V1__Submission *wait_settled(struct rpc_call *c, const char *submi
         struct rpc_stream *fs = rpc_stream_open(g_agentd.store, "/cflue.v1.Store/Follow", &fr.base,
                                                 left > 0 ? left : 0);
         ProtobufCMessage *m;
-        struct relay relay;
-        relay_start(&relay, c, fs);
+        struct stream_guard guard;
+        guard_start(&guard, fs, call_over, c);
         while (rpc_stream_read(fs, &cflue__v1__record__descriptor, &m) == 1) {
             protobuf_c_message_free_unpacked(m, NULL);
         }
-        relay_stop(&relay);
+        guard_end(&guard);
         struct rpc_status st;
         rpc_stream_finish(fs, &st);
         protobuf_c_message_free_unpacked(resp, NULL);

@@ -10,6 +10,7 @@
 #include "clients.h"
 #include "clock.h"
 #include "config.h"
+#include "daemon.h"
 #include "log.h"
 #include "mem.h"
 
@@ -138,12 +139,7 @@ static void *worker_main(void *arg)
             log_warn("claim_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
         }
         struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += (rc == CF_OK ? 500 : 2000) * 1000000L;
-        while (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        clock_deadline(&ts, rc == CF_OK ? 500 : 2000);
         pthread_mutex_lock(&g_agentd.mu);
         if (!g_agentd.stopping) {
             pthread_cond_timedwait(&g_agentd.wake, &g_agentd.mu, &ts);
@@ -339,13 +335,7 @@ int main(int argc, char **argv)
         return 1;
     }
     rpc_server_start(srv);
-    if (*port_file) {
-        FILE *f = fopen(port_file, "w");
-        if (f) {
-            fprintf(f, "%d\n", port);
-            fclose(f);
-        }
-    }
+    daemon_port_file(port_file, port);
     reclaim_own_work();
     pthread_t *threads = mem_alloc(sizeof(pthread_t) * (size_t)(workers + 1));
     for (int i = 0; i < workers; i++) {
@@ -355,13 +345,7 @@ int main(int argc, char **argv)
     log_info("listening", "addr=%s port=%d store=%s agents=%zu owner=%s workers=%lld", listen, port,
              store, g_agentd.agents.n, owner, workers);
 
-    sigset_t set;
-    int sig;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    sigwait(&set, &sig);
-    log_info("stopping", "signal=%s", sig == SIGTERM ? "TERM" : "INT");
+    daemon_wait_for_stop();
     pthread_mutex_lock(&g_agentd.mu);
     g_agentd.stopping = true;
     for (int i = 0; i < ACTIVE_MAX; i++) {

@@ -21,6 +21,7 @@
 #include "catalog.h"
 #include "clients.h"
 #include "clock.h"
+#include "guard.h"
 #include "ids.h"
 #include "log.h"
 #include "mem.h"
@@ -583,36 +584,11 @@ static void load_tools(struct drive *d, struct toolset *ts)
     }
 }
 
-struct batch_watch {
-    struct drive *d;
-    struct rpc_stream *s;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    bool over;
-};
-
-/* watch_batch cancels the batch's stream as soon as the submission must stop (abort, lease
- * lost, shutdown); toold then kills the commands of the cancelled calls. */
-static void *watch_batch(void *arg)
+/* drive_stopped adapts stopped() for a stream guard: the batch is cancelled on abort, lost
+ * lease or shutdown, and toold then kills the commands of the cancelled calls. */
+static bool drive_stopped(void *d)
 {
-    struct batch_watch *w = arg;
-    pthread_mutex_lock(&w->mu);
-    while (!w->over) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 100000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
-        pthread_cond_timedwait(&w->cv, &w->mu, &ts);
-        if (!w->over && stopped(w->d)) {
-            rpc_stream_cancel(w->s);
-            break;
-        }
-    }
-    pthread_mutex_unlock(&w->mu);
-    return NULL;
+    return stopped(d);
 }
 
 /* run_tools executes the calls of one assistant message that have no result yet, through
@@ -656,11 +632,8 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
         struct rpc_stream *s = rpc_stream_open(ch, "/cflue.v1.Tools/ExecuteBatch", &batch.base, 0);
         bool *done = mem_alloc(sizeof(bool) * (m + 1));
         ProtobufCMessage *msg;
-        struct batch_watch w = {.d = d, .s = s};
-        pthread_t watcher;
-        pthread_mutex_init(&w.mu, NULL);
-        pthread_cond_init(&w.cv, NULL);
-        pthread_create(&watcher, NULL, watch_batch, &w);
+        struct stream_guard guard;
+        guard_start(&guard, s, drive_stopped, d);
         while (rpc_stream_read(s, &cflue__v1__batch_result__descriptor, &msg) == 1) {
             Cflue__V1__BatchResult *br = (Cflue__V1__BatchResult *)msg;
             if (br->index >= 0 && (size_t)br->index < m && br->result && !done[br->index]) {
@@ -673,13 +646,7 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
             }
             protobuf_c_message_free_unpacked(msg, NULL);
         }
-        pthread_mutex_lock(&w.mu);
-        w.over = true;
-        pthread_cond_signal(&w.cv);
-        pthread_mutex_unlock(&w.mu);
-        pthread_join(watcher, NULL);
-        pthread_mutex_destroy(&w.mu);
-        pthread_cond_destroy(&w.cv);
+        guard_end(&guard);
         struct rpc_status st;
         rpc_stream_finish(s, &st);
         for (size_t k = 0; k < m; k++) {

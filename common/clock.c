@@ -27,3 +27,14 @@ void clock_sleep_ms(int64_t ms)
     while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
     }
 }
+
+void clock_deadline(struct timespec *ts, int64_t ms)
+{
+    clock_gettime(CLOCK_REALTIME, ts);
+    ts->tv_sec += ms / 1000;
+    ts->tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (ts->tv_nsec >= 1000000000L) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000L;
+    }
+}

@@ -10,6 +10,12 @@ int64_t clock_now_ms(void);
 /* clock_mono_ms returns a monotonic clock in milliseconds, for intervals and deadlines. */
 int64_t clock_mono_ms(void);
 
+struct timespec;
+
+/* clock_deadline fills ts with the wall-clock time ms milliseconds from now, the form
+ * pthread_cond_timedwait takes. */
+void clock_deadline(struct timespec *ts, int64_t ms);
+
 /* clock_sleep_ms sleeps at least ms milliseconds (restarting after signals). */
 void clock_sleep_ms(int64_t ms);
 

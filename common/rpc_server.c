@@ -12,6 +12,7 @@
  */
 #include "rpc.h"
 
+#include "clock.h"
 #include "log.h"
 #include "mem.h"
 #include "pbcheck.h"
@@ -412,13 +413,7 @@ bool rpc_call_cancelled(struct rpc_call *c)
 bool rpc_call_wait(struct rpc_call *c, int ms)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += ms / 1000;
-    ts.tv_nsec += (long)(ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
+    clock_deadline(&ts, ms);
     pthread_mutex_lock(&c->mu);
     if (!c->dead && !c->closed) {
         pthread_cond_timedwait(&c->cv, &c->mu, &ts);
@@ -879,13 +874,7 @@ void rpc_server_set_serving(struct rpc_server *s, bool serving)
 static bool wait_until(struct rpc_server *s, bool (*cond)(struct rpc_server *), int ms)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += ms / 1000;
-    ts.tv_nsec += (long)(ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
+    clock_deadline(&ts, ms);
     pthread_mutex_lock(&s->mu);
     while (!cond(s)) {
         if (ms < 0) {

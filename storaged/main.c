@@ -6,6 +6,7 @@
  */
 #include "clock.h"
 #include "config.h"
+#include "daemon.h"
 #include "db.h"
 #include "failpoint.h"
 #include "ledger.h"
@@ -121,22 +122,10 @@ int main(int argc, char **argv)
         return 1;
     }
     rpc_server_start(srv);
-    if (*port_file) {
-        FILE *f = fopen(port_file, "w");
-        if (f) {
-            fprintf(f, "%d\n", port);
-            fclose(f);
-        }
-    }
+    daemon_port_file(port_file, port);
     log_info("listening", "addr=%s port=%d db=%s lease_ms=%lld", listen, port, db_path, lease_ms);
 
-    sigset_t set;
-    int sig;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    sigwait(&set, &sig);
-    log_info("stopping", "signal=%s", sig == SIGTERM ? "TERM" : "INT");
+    daemon_wait_for_stop();
 
     rpc_server_shutdown(srv, (int)grace_ms);
     writer_stop(writer);

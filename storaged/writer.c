@@ -199,13 +199,7 @@ uint64_t notifier_version(struct notifier *n)
 uint64_t notifier_wait(struct notifier *n, uint64_t seen, int timeout_ms)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += timeout_ms / 1000;
-    ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
+    clock_deadline(&ts, timeout_ms);
     pthread_mutex_lock(&n->mu);
     while (n->version == seen) {
         if (pthread_cond_timedwait(&n->cv, &n->mu, &ts) != 0) {

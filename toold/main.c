@@ -5,6 +5,7 @@
  * groups; bwrap sandboxes die with toold (--die-with-parent).
  */
 #include "config.h"
+#include "daemon.h"
 #include "driver.h"
 #include "log.h"
 #include "rpc.h"
@@ -99,22 +100,10 @@ int main(int argc, char **argv)
         return 1;
     }
     rpc_server_start(srv);
-    if (*port_file) {
-        FILE *f = fopen(port_file, "w");
-        if (f) {
-            fprintf(f, "%d\n", port);
-            fclose(f);
-        }
-    }
+    daemon_port_file(port_file, port);
     log_info("listening", "addr=%s port=%d root=%s driver=%s confine=%d", listen, port, root,
              driver_name, (int)!no_confine);
-    sigset_t set;
-    int sig;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    sigwait(&set, &sig);
-    log_info("stopping", "signal=%s", sig == SIGTERM ? "TERM" : "INT");
+    daemon_wait_for_stop();
     rpc_server_shutdown(srv, (int)grace_ms);
     rpc_server_free(srv);
     workspaces_free(ws);
