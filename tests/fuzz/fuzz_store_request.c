@@ -1,0 +1,30 @@
+/* Fuzz target: Store requests as they arrive over gRPC: the text-field check, the protobuf
+ * decoder and storaged's validation. */
+#include "pbcheck.h"
+#include "validate.h"
+
+#include <stdint.h>
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+#define TRY(desc, type, fn)                                                                        \
+    do {                                                                                           \
+        struct cf_error err;                                                                       \
+        pbcheck_strings(&desc, data, size, &err);                                                  \
+        ProtobufCMessage *m = protobuf_c_message_unpack(&desc, NULL, size, data);                  \
+        if (m) {                                                                                   \
+            fn((const type *)m, &err);                                                             \
+            protobuf_c_message_free_unpacked(m, NULL);                                             \
+        }                                                                                          \
+    } while (0)
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    TRY(cflue__v1__admit_request__descriptor, Cflue__V1__AdmitRequest, validate_admit);
+    TRY(cflue__v1__append_request__descriptor, Cflue__V1__AppendRequest, validate_append);
+    TRY(cflue__v1__settle_request__descriptor, Cflue__V1__SettleRequest, validate_settle);
+    TRY(cflue__v1__claim_request__descriptor, Cflue__V1__ClaimRequest, validate_claim);
+    TRY(cflue__v1__heartbeat_request__descriptor, Cflue__V1__HeartbeatRequest, validate_heartbeat);
+    TRY(cflue__v1__list_request__descriptor, Cflue__V1__ListRequest, validate_list);
+    return 0;
+}
