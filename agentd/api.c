@@ -159,66 +159,81 @@ static void on_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *user
     }
 }
 
+/* wait_settled blocks until the submission is settled, following its conversation's stream
+ * from the current head (so no history is replayed), or until the caller goes away; returns
+ * the settled submission (caller frees) or NULL with err set. */
+static Cflue__V1__Submission *wait_settled(struct rpc_call *c, const char *submission_id,
+                                           struct cf_error *err)
+{
+    Cflue__V1__GetRequest gr = CFLUE__V1__GET_REQUEST__INIT;
+    gr.submission_id = (char *)submission_id;
+    for (int round = 0;; round++) {
+        ProtobufCMessage *resp = NULL, *conv = NULL;
+        if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
+                       STORE_TIMEOUT_MS, &resp, err) != CF_OK) {
+            return NULL;
+        }
+        Cflue__V1__Submission *s = (Cflue__V1__Submission *)resp;
+        if (s->status == CFLUE__V1__SUBMISSION_STATUS__SETTLED) {
+            return s;
+        }
+        Cflue__V1__ConversationRequest cr = CFLUE__V1__CONVERSATION_REQUEST__INIT;
+        cr.conversation_id = s->conversation_id;
+        if (store_call(g_agentd.store, "GetConversation", &cr.base,
+                       &cflue__v1__conversation__descriptor, STORE_TIMEOUT_MS, &conv,
+                       err) == CF_OK) {
+            /* a settlement that lands between Get and here is at or before the head, and
+             * Follow then ends at once */
+            Cflue__V1__FollowRequest fr = CFLUE__V1__FOLLOW_REQUEST__INIT;
+            fr.conversation_id = s->conversation_id;
+            fr.after_offset = ((Cflue__V1__Conversation *)conv)->head_offset;
+            fr.until_settled = s->submission_id;
+            int64_t left = rpc_call_remaining_ms(c);
+            struct rpc_stream *fs = rpc_stream_open(g_agentd.store, "/cflue.v1.Store/Follow",
+                                                    &fr.base, left > 0 ? left : 0);
+            ProtobufCMessage *m;
+            struct stream_guard guard;
+            guard_start(&guard, fs, call_over, c);
+            while (rpc_stream_read(fs, &cflue__v1__record__descriptor, &m) == 1) {
+                protobuf_c_message_free_unpacked(m, NULL);
+            }
+            guard_end(&guard);
+            struct rpc_status st;
+            rpc_stream_finish(fs, &st);
+            protobuf_c_message_free_unpacked(conv, NULL);
+        }
+        protobuf_c_message_free_unpacked(resp, NULL);
+        if (rpc_call_cancelled(c) || (round > 0 && rpc_call_wait(c, 200))) {
+            cf_error_set(err, CF_CANCELLED, "the caller went away or the server stops");
+            return NULL;
+        }
+    }
+}
+
 static void on_get(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__GetSubmissionRequest *req = (const void *)msg;
     struct cf_error err;
     Cflue__V1__GetRequest gr = CFLUE__V1__GET_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
     gr.submission_id = req->submission_id;
     if (!*req->submission_id) {
         rpc_call_fail(c, CF_INVALID, "submission_id is required");
         return;
     }
-    bool followed = false;
-    for (;;) {
-        ProtobufCMessage *resp = NULL;
-        if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
-                       STORE_TIMEOUT_MS, &resp, &err) != CF_OK) {
-            fail_err(c, &err);
-            return;
-        }
-        Cflue__V1__Submission *s = (Cflue__V1__Submission *)resp;
-        if (!req->wait || s->status == CFLUE__V1__SUBMISSION_STATUS__SETTLED) {
-            rpc_call_reply(c, resp);
-            protobuf_c_message_free_unpacked(resp, NULL);
-            return;
-        }
-        if (!followed) {
-            /* wait for the settlement record: follow the stream from its current head */
-            followed = true;
-            Cflue__V1__ConversationRequest cr = CFLUE__V1__CONVERSATION_REQUEST__INIT;
-            ProtobufCMessage *conv = NULL;
-            cr.conversation_id = s->conversation_id;
-            if (store_call(g_agentd.store, "GetConversation", &cr.base,
-                           &cflue__v1__conversation__descriptor, STORE_TIMEOUT_MS, &conv,
-                           &err) == CF_OK) {
-                Cflue__V1__FollowRequest fr = CFLUE__V1__FOLLOW_REQUEST__INIT;
-                fr.conversation_id = s->conversation_id;
-                fr.after_offset = ((Cflue__V1__Conversation *)conv)->head_offset;
-                fr.until_settled = s->submission_id;
-                int64_t left = rpc_call_remaining_ms(c);
-                struct rpc_stream *fs = rpc_stream_open(g_agentd.store, "/cflue.v1.Store/Follow",
-                                                        &fr.base, left > 0 ? left : 0);
-                ProtobufCMessage *m;
-                struct stream_guard guard;
-                guard_start(&guard, fs, call_over, c);
-                while (rpc_stream_read(fs, &cflue__v1__record__descriptor, &m) == 1) {
-                    protobuf_c_message_free_unpacked(m, NULL);
-                }
-                guard_end(&guard);
-                struct rpc_status st;
-                rpc_stream_finish(fs, &st);
-                protobuf_c_message_free_unpacked(conv, NULL);
-            }
-            protobuf_c_message_free_unpacked(resp, NULL);
-            continue;
-        }
-        protobuf_c_message_free_unpacked(resp, NULL);
-        if (rpc_call_wait(c, 100)) {
-            rpc_call_finish(c, GRPC_STATUS_CANCELLED, "the caller went away or the server stops");
-            return;
-        }
+    if (req->wait) {
+        Cflue__V1__Submission *settled = wait_settled(c, req->submission_id, &err);
+        resp = settled ? &settled->base : NULL;
+    } else if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
+                          STORE_TIMEOUT_MS, &resp, &err) != CF_OK) {
+        resp = NULL;
     }
+    if (!resp) {
+        fail_err(c, &err);
+        return;
+    }
+    rpc_call_reply(c, resp);
+    protobuf_c_message_free_unpacked(resp, NULL);
 }
 
 static void on_abort(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
@@ -320,47 +335,6 @@ static void on_get_conversation(struct rpc_call *c, const ProtobufCMessage *msg,
     protobuf_c_message_free_unpacked(list, NULL);
     if (page) {
         protobuf_c_message_free_unpacked(page, NULL);
-    }
-}
-
-/* wait_settled blocks until the submission is settled (following its conversation's stream),
- * or the caller goes away; returns the settled submission or NULL with err set. */
-static Cflue__V1__Submission *wait_settled(struct rpc_call *c, const char *submission_id,
-                                           struct cf_error *err)
-{
-    Cflue__V1__GetRequest gr = CFLUE__V1__GET_REQUEST__INIT;
-    gr.submission_id = (char *)submission_id;
-    for (int round = 0;; round++) {
-        ProtobufCMessage *resp = NULL;
-        if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
-                       STORE_TIMEOUT_MS, &resp, err) != CF_OK) {
-            return NULL;
-        }
-        Cflue__V1__Submission *s = (Cflue__V1__Submission *)resp;
-        if (s->status == CFLUE__V1__SUBMISSION_STATUS__SETTLED) {
-            return s;
-        }
-        Cflue__V1__FollowRequest fr = CFLUE__V1__FOLLOW_REQUEST__INIT;
-        fr.conversation_id = s->conversation_id;
-        fr.after_offset = -1;
-        fr.until_settled = s->submission_id;
-        int64_t left = rpc_call_remaining_ms(c);
-        struct rpc_stream *fs = rpc_stream_open(g_agentd.store, "/cflue.v1.Store/Follow", &fr.base,
-                                                left > 0 ? left : 0);
-        ProtobufCMessage *m;
-        struct stream_guard guard;
-        guard_start(&guard, fs, call_over, c);
-        while (rpc_stream_read(fs, &cflue__v1__record__descriptor, &m) == 1) {
-            protobuf_c_message_free_unpacked(m, NULL);
-        }
-        guard_end(&guard);
-        struct rpc_status st;
-        rpc_stream_finish(fs, &st);
-        protobuf_c_message_free_unpacked(resp, NULL);
-        if (rpc_call_cancelled(c) || (round > 0 && rpc_call_wait(c, 200))) {
-            cf_error_set(err, CF_CANCELLED, "the caller went away or the server stops");
-            return NULL;
-        }
     }
 }
 
