@@ -824,7 +824,7 @@ enum cf_status ledger_request_abort(struct ledger_ctx *c, const Cflue__V1__Reque
 
 /* ---------- settlement ---------- */
 
-static enum cf_status settlement_offset(struct ledger_ctx *c, const char *sub, const char *conv,
+enum cf_status ledger_settlement_offset(struct ledger_ctx *c, const char *sub, const char *conv,
                                         int64_t *out, struct cf_error *err)
 {
     sqlite3_stmt *st;
@@ -841,13 +841,6 @@ static enum cf_status settlement_offset(struct ledger_ctx *c, const char *sub, c
     *out = sqlite3_step(st) == SQLITE_ROW ? sqlite3_column_int64(st, 0) : -1;
     sqlite3_finalize(st);
     return CF_OK;
-}
-
-enum cf_status ledger_settlement_offset(struct ledger_ctx *c, const char *submission_id,
-                                        const char *conversation_id, int64_t *offset_out,
-                                        struct cf_error *err)
-{
-    return settlement_offset(c, submission_id, conversation_id, offset_out, err);
 }
 
 /* finish settles one row and appends its settlement record. */
@@ -1000,8 +993,8 @@ enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleReques
                                 *row->error ? ": " : "", row->error);
         }
         out->already_settled = true;
-        return settlement_offset(c, row->submission_id, row->conversation_id, &out->record_offset,
-                                 err);
+        return ledger_settlement_offset(c, row->submission_id, row->conversation_id,
+                                        &out->record_offset, err);
     }
     if (!*f->attempt_id) {
         if (row->status != CFLUE__V1__SUBMISSION_STATUS__QUEUED) {

@@ -71,11 +71,10 @@ static void reader_give(struct service *svc, sqlite3 *db)
     sqlite3_close(db);
 }
 
-/* read_snapshot runs fn inside one read transaction. */
-static enum cf_status read_snapshot(struct service *svc, struct arena *a,
-                                    enum cf_status (*fn)(struct ledger_ctx *, const void *, void *,
-                                                         struct cf_error *),
-                                    const void *req, void *resp, struct cf_error *err)
+/* read_snapshot runs a read method's ledger function inside one read transaction. */
+static enum cf_status read_snapshot(struct service *svc, struct arena *a, ledger_fn fn,
+                                    const ProtobufCMessage *req, ProtobufCMessage *resp,
+                                    struct cf_error *err)
 {
     sqlite3 *db;
     enum cf_status rc = reader_take(svc, &db, err);
@@ -226,13 +225,6 @@ static enum cf_status run_write(struct ledger_ctx *c, void *arg, struct cf_error
     return p->m->run(c, p->req, p->resp, err);
 }
 
-static enum cf_status run_read_adapter(struct ledger_ctx *c, const void *req, void *resp,
-                                       struct cf_error *err)
-{
-    const struct pending *p = resp;
-    return p->m->run(c, req, p->resp, err);
-}
-
 /* The method table is static and shared; each registration binds it to the service. */
 struct binding {
     const struct method *m;
@@ -268,7 +260,7 @@ static void dispatch(struct rpc_call *call, const ProtobufCMessage *req, void *u
         writer_submit(b->svc->writer, &p->job);
         return;
     }
-    st = read_snapshot(b->svc, &p->arena, run_read_adapter, req, p, &err);
+    st = read_snapshot(b->svc, &p->arena, m->run, req, p->resp, &err);
     complete(p, st, &err);
 }
 
