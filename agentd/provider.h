@@ -33,9 +33,16 @@ struct llm_call {
 
 enum llm_role { LLM_USER, LLM_ASSISTANT, LLM_TOOL_RESULT };
 
+struct llm_image {
+    const char *mime_type; /* image/png, image/jpeg, image/gif, image/webp */
+    const char *base64;
+};
+
 struct llm_message {
     enum llm_role role;
-    const char *text;             /* user / assistant text, or the tool result text */
+    const char *text;               /* user / assistant text, or the tool result text */
+    const struct llm_image *images; /* user images, after the text */
+    size_t n_images;
     const struct llm_call *calls; /* assistant tool calls */
     size_t n_calls;
     const char *tool_call_id; /* tool result */

@@ -57,6 +57,12 @@ json_t *anthropic_build(const struct llm_request *req)
             json_array_append_new(msgs, pending_user);
         }
         json_array_append_new(json_object_get(pending_user, "content"), block);
+        for (size_t k = 0; k < m->n_images; k++) {
+            json_array_append_new(json_object_get(pending_user, "content"),
+                                  json_pack("{s:s, s:{s:s, s:s, s:s}}", "type", "image", "source",
+                                            "type", "base64", "media_type", m->images[k].mime_type,
+                                            "data", m->images[k].base64));
+        }
     }
     json_t *body = json_pack("{s:s, s:I, s:o, s:b}", "model", req->model, "max_tokens",
                              (json_int_t)req->max_tokens, "messages", msgs, "stream", req->stream);

@@ -10,6 +10,7 @@
 
 #include "mem.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -22,7 +23,22 @@ json_t *openai_build(const struct llm_request *req)
     }
     for (size_t i = 0; i < req->n_messages; i++) {
         const struct llm_message *m = &req->messages[i];
-        if (m->role == LLM_USER) {
+        if (m->role == LLM_USER && m->n_images) {
+            json_t *parts = json_array();
+            json_array_append_new(
+                parts, json_pack("{s:s, s:s}", "type", "text", "text", m->text ? m->text : ""));
+            for (size_t k = 0; k < m->n_images; k++) {
+                char *url = NULL;
+                if (asprintf(&url, "data:%s;base64,%s", m->images[k].mime_type,
+                             m->images[k].base64) < 0) {
+                    continue;
+                }
+                json_array_append_new(parts, json_pack("{s:s, s:{s:s}}", "type", "image_url",
+                                                       "image_url", "url", url));
+                free(url);
+            }
+            json_array_append_new(msgs, json_pack("{s:s, s:o}", "role", "user", "content", parts));
+        } else if (m->role == LLM_USER) {
             json_array_append_new(
                 msgs, json_pack("{s:s, s:s}", "role", "user", "content", m->text ? m->text : ""));
         } else if (m->role == LLM_TOOL_RESULT) {

@@ -263,6 +263,7 @@ static void context_free(struct context *c)
         if (c->msgs[i].role == LLM_ASSISTANT) {
             free((void *)c->msgs[i].calls);
         }
+        free((void *)c->msgs[i].images);
     }
     for (size_t i = 0; i < c->n_strings; i++) {
         free(c->strings[i]);
@@ -276,6 +277,72 @@ static const char *str(json_t *o, const char *k)
 {
     const char *s = json_string_value(json_object_get(o, k));
     return s ? s : "";
+}
+
+static char *base64(const uint8_t *p, size_t n)
+{
+    static const char tab[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    char *out = mem_alloc(((n + 2) / 3) * 4 + 1), *o = out;
+    for (size_t i = 0; i < n; i += 3) {
+        uint32_t v = (uint32_t)p[i] << 16 | (i + 1 < n ? (uint32_t)p[i + 1] << 8 : 0) |
+                     (i + 2 < n ? p[i + 2] : 0);
+        *o++ = tab[(v >> 18) & 63];
+        *o++ = tab[(v >> 12) & 63];
+        *o++ = i + 1 < n ? tab[(v >> 6) & 63] : '=';
+        *o++ = i + 2 < n ? tab[v & 63] : '=';
+    }
+    *o = '\0';
+    return out;
+}
+
+#define ATTACHMENT_TEXT_MAX (64 * 1024)
+#define ATTACHMENT_IMAGE_MAX (5 << 20)
+
+/* add_attachments gives the model what a message carried: images as image blocks, text files
+ * inline after the message (up to 64 KiB each), and a note for anything else. The bytes come
+ * from the submission in storaged, which keeps them with the admitted message. */
+static void add_attachments(struct context *c, struct llm_message *m, const char *submission_id)
+{
+    Cflue__V1__GetRequest gr = CFLUE__V1__GET_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    struct cf_error err;
+    gr.submission_id = (char *)submission_id;
+    if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
+                   STORE_TIMEOUT_MS, &resp, &err) != CF_OK) {
+        return;
+    }
+    const Cflue__V1__Message *msg = ((Cflue__V1__Submission *)resp)->message;
+    struct buf text;
+    buf_init(&text, PROVIDER_TEXT_MAX);
+    buf_append_str(&text, m->text);
+    struct llm_image *images = mem_alloc(sizeof(*images) * (msg ? msg->n_attachments + 1 : 1));
+    size_t n_images = 0;
+    for (size_t i = 0; msg && i < msg->n_attachments; i++) {
+        const Cflue__V1__Attachment *a = msg->attachments[i];
+        const char *mt = a->mime_type;
+        bool image = !strcmp(mt, "image/png") || !strcmp(mt, "image/jpeg") ||
+                     !strcmp(mt, "image/gif") || !strcmp(mt, "image/webp");
+        if (image && a->data.len <= ATTACHMENT_IMAGE_MAX) {
+            images[n_images].mime_type = keep(c, mem_strdup(mt));
+            images[n_images].base64 = keep(c, base64(a->data.data, a->data.len));
+            n_images++;
+            buf_printf(&text, "\n\n[Attached image %s (%s) follows.]", a->name, mt);
+        } else if (!strncmp(mt, "text/", 5) || !strcmp(mt, "application/json")) {
+            size_t n = a->data.len < ATTACHMENT_TEXT_MAX ? a->data.len : ATTACHMENT_TEXT_MAX;
+            buf_printf(&text, "\n\n[Attached file %s (%s, %zu bytes)%s:]\n", a->name, mt,
+                       a->data.len, n < a->data.len ? ", first 64 KiB" : "");
+            utf8_sanitize(&text, (const char *)a->data.data, n);
+        } else {
+            buf_printf(&text,
+                       "\n\n[Attached file %s (%s, %zu bytes): its content cannot be shown "
+                       "here.]",
+                       a->name, mt, a->data.len);
+        }
+    }
+    m->text = keep(c, buf_take(&text));
+    m->images = images;
+    m->n_images = n_images;
+    protobuf_c_message_free_unpacked(resp, NULL);
 }
 
 /* build_context turns the records into provider-neutral messages. json bodies are kept in
@@ -320,6 +387,9 @@ static void build_context(struct drive *d, struct context *c, json_t *bodies, in
             struct llm_message *m = push(c);
             m->role = LLM_USER;
             m->text = str(b, "text");
+            if (json_array_size(json_object_get(b, "attachments"))) {
+                add_attachments(c, m, r->submission_id);
+            }
         } else if (!strcmp(r->type, "signal")) {
             struct llm_message *m = push(c);
             char *t = NULL;
