@@ -25,7 +25,8 @@ struct agentd g_agentd;
 
 static const char usage[] =
     "usage: agentd --agents DIR [options]\n\n"
-    "Serves cflue.v1.Agent (Submit, Watch, GetSubmission, Abort, ListAgents, GetConversation)\n"
+    "Serves cflue.v1.Agent (Submit, Watch, GetSubmission, Abort, Compact, ListAgents,\n"
+    "GetConversation) "
     "and drives submissions: claims them from storaged, calls the agent's model (Anthropic\n"
     "Messages or OpenAI Chat Completions), runs its tools through toold, and settles each once.\n"
     "Model credentials come from ANTHROPIC_API_KEY / ANTHROPIC_BASE_URL and OPENAI_API_KEY /\n"
