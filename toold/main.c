@@ -28,7 +28,7 @@ int main(int argc, char **argv)
     const char *listen = "127.0.0.1:7102", *root = "workspaces", *driver_name = "local";
     const char *level = "info", *port_file = "", *grep_engine = "auto";
     long long default_timeout = 300000, max_timeout = 3600000, max_msg = 64 << 20;
-    long long workers = 8, grace_ms = 5000, max_calls = 256;
+    long long workers = 8, grace_ms = 5000, max_calls = 256, spill_keep = 50;
     bool no_confine = false, help;
     struct cf_error err;
     const struct config_opt opts[] = {
@@ -41,6 +41,8 @@ int main(int argc, char **argv)
         {"bash-max-timeout-ms", CONFIG_INT, &max_timeout, 1000, 86400000,
          "longest timeout a bash call may ask for"},
         {"grep-engine", CONFIG_STRING, &grep_engine, 0, 0, "auto, rg, pcre2 or grep"},
+        {"spill-keep", CONFIG_INT, &spill_keep, 1, 100000,
+         "bash full-output files kept per sandbox (oldest removed)"},
         {"no-confine", CONFIG_BOOL, &no_confine, 0, 0,
          "let paths reach outside the workspace (trusted use only)"},
         {"max-message-bytes", CONFIG_INT, &max_msg, 1 << 20, 1 << 30,
@@ -74,7 +76,8 @@ int main(int argc, char **argv)
     log_init("toold", (enum log_level)lv);
     struct toold_config cfg = {.bash_default_timeout_ms = default_timeout,
                                .bash_max_timeout_ms = max_timeout,
-                               .grep_engine = grep_engine};
+                               .grep_engine = grep_engine,
+                               .spill_keep = (int)spill_keep};
     if (cfg.bash_default_timeout_ms > cfg.bash_max_timeout_ms) {
         cfg.bash_default_timeout_ms = cfg.bash_max_timeout_ms;
     }

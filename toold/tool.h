@@ -29,6 +29,7 @@ struct toold_config {
     int64_t bash_default_timeout_ms; /* when the model gives no timeout */
     int64_t bash_max_timeout_ms;     /* the most a call may ask for */
     const char *grep_engine;         /* "auto", "rg", "pcre2" or "grep" */
+    int spill_keep;                  /* bash spill files kept per sandbox, newest first */
 };
 
 struct tool_ctx {

@@ -16,6 +16,7 @@
 #include "proc.h"
 #include "utf8.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -72,6 +73,44 @@ static bool write_all(int fd, const char *p, size_t n)
     return true;
 }
 
+static int cmp_name(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* prune_spills removes the oldest spill files so that, with the one about to be created, at
+ * most keep remain. Names carry a time-ordered id, so name order is age order. */
+static void prune_spills(int dirfd, int keep)
+{
+    int fd = openat(dirfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
+    char **names = NULL;
+    size_t n = 0;
+    struct dirent *e;
+    while (d && (e = readdir(d))) {
+        size_t len = strlen(e->d_name);
+        if (!strncmp(e->d_name, "bash_", 5) && len > 4 && !strcmp(e->d_name + len - 4, ".log")) {
+            names = realloc(names, sizeof(char *) * (n + 1));
+            names[n++] = strdup(e->d_name);
+        }
+    }
+    if (d) {
+        closedir(d);
+    } else if (fd >= 0) {
+        close(fd);
+    }
+    if (names) {
+        qsort(names, n, sizeof(char *), cmp_name);
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (n - i >= (size_t)keep) {
+            unlinkat(dirfd, names[i], 0);
+        }
+        free(names[i]);
+    }
+    free(names);
+}
+
 static void open_spill(struct capture *c)
 {
     char id[IDS_MAX];
@@ -84,6 +123,9 @@ static void open_spill(struct capture *c)
                        &err) != CF_OK) {
         c->spill_failed = true;
         return;
+    }
+    if (c->ctx->cfg->spill_keep > 0) {
+        prune_spills(dirfd, c->ctx->cfg->spill_keep);
     }
     c->spill_fd = openat(dirfd, base, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     close(dirfd);

@@ -75,7 +75,8 @@ int main(int argc, char **argv)
     snprintf(sock, sizeof(sock), "%s/t.sock", dir);
     snprintf(addr, sizeof(addr), "unix:%s", sock);
     snprintf(root, sizeof(root), "%s/ws", dir);
-    char *args[] = {argv[1], "--listen", addr, "--root", root, "--log-level", "warn", NULL};
+    char *args[] = {argv[1],       "--listen", addr,           "--root", root,
+                    "--log-level", "warn",     "--spill-keep", "2",      NULL};
     pid_t pid;
     CHECK(posix_spawn(&pid, argv[1], NULL, NULL, args, environ) == 0);
     rpc_global_init();
@@ -180,6 +181,32 @@ int main(int argc, char **argv)
         Cflue__V1__ReadFileResponse *f = (Cflue__V1__ReadFileResponse *)resp;
         CHECK(f->data.len == strlen(content));
         CHECK(f->data.len && !memchr(f->data.data, 'l', f->data.len)); /* no lowercase line left */
+        protobuf_c_message_free_unpacked(resp, NULL);
+    }
+
+    /* spill files: only the newest --spill-keep remain, and the newest is the last one named */
+    char last_spill[256] = "";
+    for (int i = 0; i < 4; i++) {
+        Cflue__V1__ToolResult *r = call("bash", "{\"command\":\"seq 1 3000\"}");
+        CHECK(r && r->truncation && r->truncation->truncated);
+        if (r) {
+            const char *p = strstr(r->text, ".cflue/spill/");
+            const char *end = p ? strchr(p, ' ') : NULL;
+            if (p && end) {
+                snprintf(last_spill, sizeof(last_spill), "%.*s", (int)(end - p), p);
+            }
+            protobuf_c_message_free_unpacked(&r->base, NULL);
+        }
+    }
+    Cflue__V1__PathRequest dr = CFLUE__V1__PATH_REQUEST__INIT;
+    dr.sandbox = "grpc-c";
+    dr.path = ".cflue/spill";
+    CHECK(rpc_unary(ch, "/cflue.v1.Sandbox/ReadDir", &dr.base,
+                    &cflue__v1__read_dir_response__descriptor, 5000, &resp, &st));
+    if (resp) {
+        Cflue__V1__ReadDirResponse *d = (Cflue__V1__ReadDirResponse *)resp;
+        CHECK(d->n_entries == 2);
+        CHECK(d->n_entries == 2 && strstr(last_spill, d->entries[1]->name) != NULL);
         protobuf_c_message_free_unpacked(resp, NULL);
     }
 
