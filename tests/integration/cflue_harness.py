@@ -173,27 +173,21 @@ def _ignore_state(state):
     pass
 
 
-class StoragedExited(Exception):
-    pass
+class Daemon(object):
+    """What the daemon wrappers share: start (unix socket, or TCP port 0 with --port-file) with
+    stderr captured to a file, wait until grpc.health.v1 says SERVING, one channel that follows
+    restarts, and SIGKILL / SIGTERM / cleanup. Subclasses set NAME and EXITED, call
+    _init_daemon and define command()."""
 
+    NAME = 'daemon'
+    EXITED = RuntimeError
 
-class Storaged(object):
-    """A storaged process in a fresh temp dir.
-
-    tcp=False: listens on unix:<dir>/store.sock; tcp=True: 127.0.0.1:0 with --port-file.
-    extra_args/env are added to the command line and the environment.
-    """
-
-    def __init__(self, tcp=False, extra_args=(), env=None, db=None, workdir=None,
-                 start=True):
-        if not os.path.exists(STORAGED_BIN):
-            raise unittest.SkipTest('storaged binary not built: %s' % STORAGED_BIN)
-        self.dir = workdir or tempfile.mkdtemp(prefix='cflue-it-')
+    def _init_daemon(self, workdir, prefix, tcp, env, extra_args):
+        self.dir = workdir or tempfile.mkdtemp(prefix=prefix)
         self.tcp = tcp
-        self.db = db or os.path.join(self.dir, 'store.db')
-        self.sock = os.path.join(self.dir, 'store.sock')
+        self.sock = os.path.join(self.dir, self.NAME + '.sock')
         self.port_file = os.path.join(self.dir, 'port')
-        self.stderr_path = os.path.join(self.dir, 'storaged.stderr')
+        self.stderr_path = os.path.join(self.dir, self.NAME + '.stderr')
         self.extra_args = list(extra_args)
         self.env = dict(env or {})
         self.proc = None
@@ -202,18 +196,15 @@ class Storaged(object):
         self.channel = None
         self.starts = 0
         self._chan_lock = threading.Lock()
-        self.stub = StoreStub(self._current_channel)
-        if start:
-            self.start()
 
-    # ---- process control ----
-
-    def command(self):
+    def listen_args(self):
         if self.tcp:
-            listen = ['--listen', '127.0.0.1:0', '--port-file', self.port_file]
-        else:
-            listen = ['--listen', 'unix:' + self.sock]
-        return [STORAGED_BIN] + listen + ['--db', self.db] + self.extra_args
+            return ['--listen', '127.0.0.1:0', '--port-file', self.port_file]
+        return ['--listen', 'unix:' + self.sock]
+
+    @property
+    def pid(self):
+        return self.proc.pid if self.proc is not None else None
 
     def _spawn(self):
         if self.tcp and os.path.exists(self.port_file):
@@ -263,15 +254,15 @@ class Storaged(object):
             except (IOError, ValueError):
                 pass
             time.sleep(0.02)
-        raise AssertionError('storaged did not write its port file within the timeout\n'
-                             + self.stderr_text())
+        raise AssertionError('%s did not write its port file within the timeout\n%s'
+                             % (self.NAME, self.stderr_text()))
 
     def _check_alive(self):
         rc = self.proc.poll()
         if rc is not None:
             _LIVE.discard(self)
-            raise StoragedExited('storaged exited with code %d during start-up\n%s'
-                                 % (rc, self.stderr_text()))
+            raise self.EXITED('%s exited with code %d during start-up\n%s'
+                              % (self.NAME, rc, self.stderr_text()))
 
     def _wait_serving(self, deadline):
         last = None
@@ -285,13 +276,13 @@ class Storaged(object):
             except grpc.RpcError as e:
                 last = '%s: %s' % (e.code(), e.details())
             time.sleep(0.02)
-        raise AssertionError('storaged not SERVING within %.0f s (last: %s)\n%s'
-                             % (READY_TIMEOUT_S, last, self.stderr_text()))
+        raise AssertionError('%s not SERVING within %.0f s (last: %s)\n%s'
+                             % (self.NAME, READY_TIMEOUT_S, last, self.stderr_text()))
 
     def _current_channel(self):
         with self._chan_lock:
             if self.channel is None:
-                raise RuntimeError('storaged never started')
+                raise RuntimeError('%s never started' % self.NAME)
             return self.channel
 
     def alive(self):
@@ -322,29 +313,14 @@ class Storaged(object):
         """SIGTERM and assert a graceful exit with code 0."""
         rc = self.terminate(timeout)
         if rc != 0:
-            raise AssertionError('storaged did not exit 0 on SIGTERM (exit code %r)\n%s'
-                                 % (rc, self.stderr_text()))
+            raise AssertionError('%s did not exit 0 on SIGTERM (exit code %r)\n%s'
+                                 % (self.NAME, rc, self.stderr_text()))
         return rc
 
     def restart(self, timeout=READY_TIMEOUT_S):
-        """Starts again on the same database (kills the running process first)."""
+        """kill -9, then start again with the same command line (and the same data)."""
         self.kill()
         return self.start(timeout)
-
-    def run_to_exit(self, timeout=READY_TIMEOUT_S):
-        """Starts the daemon expecting it to exit by itself; returns (exit code, stderr of
-        this run). Fails if it is still running after timeout."""
-        start_len = os.path.getsize(self.stderr_path) if os.path.exists(self.stderr_path) else 0
-        self._spawn()
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError('storaged still running after %.0f s\n%s'
-                                 % (timeout, self.stderr_text()))
-        with open(self.stderr_path, 'rb') as f:
-            f.seek(start_len)
-            return rc, f.read().decode('utf-8', 'replace')
 
     def close(self):
         """Kills the process (if any) and closes the channel; keeps the directory."""
@@ -366,8 +342,6 @@ class Storaged(object):
         except IOError:
             return '(no stderr captured)'
 
-    # ---- health ----
-
     def health_check(self, service='', timeout=5):
         c = self._current_channel().unary_unary(
             '/grpc.health.v1.Health/Check',
@@ -382,6 +356,49 @@ class Storaged(object):
             response_deserializer=health_pb2.HealthCheckResponse.FromString)
         return c(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
 
+
+class StoragedExited(Exception):
+    pass
+
+
+class Storaged(Daemon):
+    """A storaged process in a fresh temp dir.
+
+    tcp=False: listens on unix:<dir>/store.sock; tcp=True: 127.0.0.1:0 with --port-file.
+    extra_args/env are added to the command line and the environment.
+    """
+
+    NAME = 'storaged'
+    EXITED = StoragedExited
+
+    def __init__(self, tcp=False, extra_args=(), env=None, db=None, workdir=None,
+                 start=True):
+        if not os.path.exists(STORAGED_BIN):
+            raise unittest.SkipTest('storaged binary not built: %s' % STORAGED_BIN)
+        self._init_daemon(workdir, 'cflue-it-', tcp, env, extra_args)
+        self.db = db or os.path.join(self.dir, 'store.db')
+        self.stub = StoreStub(self._current_channel)
+        if start:
+            self.start()
+
+
+    def command(self):
+        return [STORAGED_BIN] + self.listen_args() + ['--db', self.db] + self.extra_args
+
+    def run_to_exit(self, timeout=READY_TIMEOUT_S):
+        """Starts the daemon expecting it to exit by itself; returns (exit code, stderr of
+        this run). Fails if it is still running after timeout."""
+        start_len = os.path.getsize(self.stderr_path) if os.path.exists(self.stderr_path) else 0
+        self._spawn()
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError('storaged still running after %.0f s\n%s'
+                                 % (timeout, self.stderr_text()))
+        with open(self.stderr_path, 'rb') as f:
+            f.seek(start_len)
+            return rc, f.read().decode('utf-8', 'replace')
 
 # ---- request builders ----
 
@@ -668,7 +685,7 @@ class TooldExited(Exception):
     pass
 
 
-class Toold(object):
+class Toold(Daemon):
     """A toold process serving workspaces under <dir>/root.
 
     Listens on unix:<dir>/toold.sock (tcp=False) or 127.0.0.1:0 with --port-file (tcp=True).
@@ -681,165 +698,28 @@ class Toold(object):
         td.stop()                                             # SIGTERM, asserts exit 0
     """
 
+    NAME = 'toold'
+    EXITED = TooldExited
+
     def __init__(self, driver='local', grep_engine=None, extra_args=(), env=None, tcp=False,
                  workdir=None, start=True):
         if not os.path.exists(TOOLD_BIN):
             raise unittest.SkipTest('toold binary not built: %s' % TOOLD_BIN)
         if tools_pb2 is None:
             raise unittest.SkipTest('generated tools_pb2/sandbox_pb2 missing in %s' % PY_DIR)
-        self.dir = workdir or tempfile.mkdtemp(prefix='cflue-toold-')
+        self._init_daemon(workdir, 'cflue-toold-', tcp, env, extra_args)
         self.root = os.path.join(self.dir, 'root')
         self.driver = driver
         self.grep_engine = grep_engine
-        self.tcp = tcp
-        self.sock = os.path.join(self.dir, 'toold.sock')
-        self.port_file = os.path.join(self.dir, 'port')
-        self.stderr_path = os.path.join(self.dir, 'toold.stderr')
-        self.extra_args = list(extra_args)
-        self.env = dict(env or {})
-        self.proc = None
-        self.target = None
-        self.channel = None
-        self.starts = 0
-        self._chan_lock = threading.Lock()
         if start:
             self.start()
 
-    # ---- process control ----
-
-    @property
-    def pid(self):
-        return self.proc.pid if self.proc is not None else None
 
     def command(self):
-        if self.tcp:
-            listen = ['--listen', '127.0.0.1:0', '--port-file', self.port_file]
-        else:
-            listen = ['--listen', 'unix:' + self.sock]
-        cmd = [TOOLD_BIN] + listen + ['--root', self.root, '--driver', self.driver]
+        cmd = [TOOLD_BIN] + self.listen_args() + ['--root', self.root, '--driver', self.driver]
         if self.grep_engine:
             cmd += ['--grep-engine', self.grep_engine]
         return cmd + self.extra_args
-
-    def start(self, timeout=READY_TIMEOUT_S):
-        if self.tcp and os.path.exists(self.port_file):
-            os.unlink(self.port_file)
-        env = dict(os.environ)
-        env.update(self.env)
-        self.starts += 1
-        with open(self.stderr_path, 'ab') as f:
-            f.write(('---- start #%d: %s\n' % (self.starts, ' '.join(self.command())))
-                    .encode())
-            f.flush()
-            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
-                                         stdout=f, stderr=f, env=env)
-        _LIVE.add(self)
-        deadline = time.monotonic() + timeout
-        target = self._wait_target(deadline)
-        with self._chan_lock:
-            if self.channel is None or target != self.target:
-                old = self.channel
-                self.target = target
-                self.channel = grpc.insecure_channel(target, options=channel_options())
-                # see Storaged.start: keeps reconnects after a restart fast
-                self.channel.subscribe(_ignore_state, try_to_connect=True)
-                if old is not None:
-                    old.unsubscribe(_ignore_state)
-                    old.close()
-        self._wait_serving(deadline)
-        return self
-
-    def _check_alive(self):
-        rc = self.proc.poll()
-        if rc is not None:
-            _LIVE.discard(self)
-            raise TooldExited('toold exited with code %d during start-up\n%s'
-                              % (rc, self.stderr_text()))
-
-    def _wait_target(self, deadline):
-        if not self.tcp:
-            return 'unix:' + self.sock
-        while time.monotonic() < deadline:
-            self._check_alive()
-            try:
-                with open(self.port_file) as f:
-                    txt = f.read().strip()
-                if txt:
-                    return '127.0.0.1:%d' % int(txt)
-            except (IOError, ValueError):
-                pass
-            time.sleep(0.02)
-        raise AssertionError('toold did not write its port file in time\n' + self.stderr_text())
-
-    def _wait_serving(self, deadline):
-        last = None
-        while time.monotonic() < deadline:
-            self._check_alive()
-            try:
-                st = self.health_check('', timeout=max(0.1, min(1.0, deadline - time.monotonic())))
-                if st == SERVING:
-                    return
-                last = 'status %s' % st
-            except grpc.RpcError as e:
-                last = '%s: %s' % (e.code(), e.details())
-            time.sleep(0.02)
-        raise AssertionError('toold not SERVING within %.0f s (last: %s)\n%s'
-                             % (READY_TIMEOUT_S, last, self.stderr_text()))
-
-    def alive(self):
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-        _LIVE.discard(self)
-
-    def terminate(self, timeout=STOP_TIMEOUT_S):
-        """SIGTERM; returns the exit code (None if it did not exit in time; then SIGKILL)."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                return None
-        _LIVE.discard(self)
-        return self.proc.returncode
-
-    def stop(self, timeout=STOP_TIMEOUT_S):
-        rc = self.terminate(timeout)
-        if rc != 0:
-            raise AssertionError('toold did not exit 0 on SIGTERM (exit code %r)\n%s'
-                                 % (rc, self.stderr_text()))
-        return rc
-
-    def close(self):
-        self.kill()
-        with self._chan_lock:
-            if self.channel is not None:
-                self.channel.unsubscribe(_ignore_state)
-                self.channel.close()
-                self.channel = None
-
-    def remove(self):
-        self.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def stderr_text(self):
-        try:
-            with open(self.stderr_path, 'rb') as f:
-                return f.read().decode('utf-8', 'replace')
-        except IOError:
-            return '(no stderr captured)'
-
-    def _current_channel(self):
-        with self._chan_lock:
-            if self.channel is None:
-                raise RuntimeError('toold never started')
-            return self.channel
 
     def workspace(self, sandbox, create=False):
         """The host path of a sandbox's workspace (root resolved like toold does)."""
@@ -848,16 +728,7 @@ class Toold(object):
             os.makedirs(path, exist_ok=True)
         return path
 
-    # ---- health ----
-
-    def health_check(self, service='', timeout=5):
-        c = self._current_channel().unary_unary(
-            '/grpc.health.v1.Health/Check',
-            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString)
-        return c(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
-
-    # ---- Tools ----
+    # ---- the Tools and Sandbox services ----
 
     def list_tools(self, sandbox='', timeout=10):
         c = self._current_channel().unary_unary(
@@ -1104,7 +975,7 @@ class AgentdExited(Exception):
     pass
 
 
-class Agentd(object):
+class Agentd(Daemon):
     """An agentd process on 127.0.0.1:<ephemeral> (--port-file), serving the agent
     definitions in agents_dir against the storaged at store_target.
 
@@ -1116,159 +987,29 @@ class Agentd(object):
         ad.get_submission(adm.submission_id, wait=True, timeout=30)
     """
 
+    NAME = 'agentd'
+    EXITED = AgentdExited
+
     def __init__(self, store_target, agents_dir, owner_id='', env=None, extra_args=(),
                  workdir=None, start=True):
         if not os.path.exists(AGENTD_BIN):
             raise unittest.SkipTest('agentd binary not built: %s' % AGENTD_BIN)
         if agent_pb2 is None:
             raise unittest.SkipTest('generated agent_pb2 missing in %s' % PY_DIR)
-        self.dir = workdir or tempfile.mkdtemp(prefix='cflue-agentd-')
+        # TCP on port 0: each restart gets a new port, and the channel follows it
+        self._init_daemon(workdir, 'cflue-agentd-', True, env, extra_args)
         self.store_target = store_target
         self.agents_dir = agents_dir
         self.owner_id = owner_id
-        self.env = dict(env or {})
-        self.extra_args = list(extra_args)
-        self.port_file = os.path.join(self.dir, 'port')
-        self.stderr_path = os.path.join(self.dir, 'agentd.stderr')
-        self.proc = None
-        self.target = None
-        self.channel = None
-        self.starts = 0
-        self._chan_lock = threading.Lock()
         if start:
             self.start()
 
-    @property
-    def pid(self):
-        return self.proc.pid if self.proc is not None else None
-
     def command(self):
-        cmd = [AGENTD_BIN, '--listen', '127.0.0.1:0', '--port-file', self.port_file,
-               '--store', self.store_target, '--agents', self.agents_dir]
+        cmd = [AGENTD_BIN] + self.listen_args() + ['--store', self.store_target, '--agents',
+                                                    self.agents_dir]
         if self.owner_id:
             cmd += ['--owner-id', self.owner_id]
         return cmd + self.extra_args
-
-    def start(self, timeout=READY_TIMEOUT_S):
-        if os.path.exists(self.port_file):
-            os.unlink(self.port_file)
-        env = dict(os.environ)
-        env.update(self.env)
-        self.starts += 1
-        with open(self.stderr_path, 'ab') as f:
-            f.write(('---- start #%d: %s\n' % (self.starts, ' '.join(self.command())))
-                    .encode())
-            f.flush()
-            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
-                                         stdout=f, stderr=f, env=env)
-        _LIVE.add(self)
-        deadline = time.monotonic() + timeout
-        target = None
-        while time.monotonic() < deadline and target is None:
-            self._check_alive()
-            try:
-                with open(self.port_file) as f:
-                    txt = f.read().strip()
-                if txt:
-                    target = '127.0.0.1:%d' % int(txt)
-            except (IOError, ValueError):
-                pass
-            if target is None:
-                time.sleep(0.02)
-        if target is None:
-            raise AssertionError('agentd did not write its port file in time\n'
-                                 + self.stderr_text())
-        with self._chan_lock:
-            old = self.channel
-            self.target = target
-            self.channel = grpc.insecure_channel(target, options=channel_options())
-            # see Storaged.start: keeps reconnects after a restart fast
-            self.channel.subscribe(_ignore_state, try_to_connect=True)
-            if old is not None:
-                old.unsubscribe(_ignore_state)
-                old.close()
-        last = None
-        while time.monotonic() < deadline:
-            self._check_alive()
-            try:
-                st = self.health_check('', timeout=max(0.1, min(1.0, deadline - time.monotonic())))
-                if st == SERVING:
-                    return self
-                last = 'status %s' % st
-            except grpc.RpcError as e:
-                last = '%s: %s' % (e.code(), e.details())
-            time.sleep(0.02)
-        raise AssertionError('agentd not SERVING in time (last: %s)\n%s'
-                             % (last, self.stderr_text()))
-
-    def _check_alive(self):
-        rc = self.proc.poll()
-        if rc is not None:
-            _LIVE.discard(self)
-            raise AgentdExited('agentd exited with code %d during start-up\n%s'
-                               % (rc, self.stderr_text()))
-
-    def alive(self):
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self):
-        """SIGKILL and reap."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-        _LIVE.discard(self)
-
-    def terminate(self, timeout=STOP_TIMEOUT_S):
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                return None
-        _LIVE.discard(self)
-        return self.proc.returncode
-
-    def restart(self, timeout=READY_TIMEOUT_S):
-        """kill -9, then start again with the same command line."""
-        self.kill()
-        return self.start(timeout)
-
-    def close(self):
-        self.kill()
-        with self._chan_lock:
-            if self.channel is not None:
-                self.channel.unsubscribe(_ignore_state)
-                self.channel.close()
-                self.channel = None
-
-    def remove(self):
-        self.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def stderr_text(self):
-        try:
-            with open(self.stderr_path, 'rb') as f:
-                return f.read().decode('utf-8', 'replace')
-        except IOError:
-            return '(no stderr captured)'
-
-    def _current_channel(self):
-        with self._chan_lock:
-            if self.channel is None:
-                raise RuntimeError('agentd never started')
-            return self.channel
-
-    def health_check(self, service='', timeout=5):
-        c = self._current_channel().unary_unary(
-            '/grpc.health.v1.Health/Check',
-            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString)
-        return c(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
-
-    # ---- cflue.v1.Agent ----
 
     def call(self, method, req, timeout=10):
         """Calls /cflue.v1.Agent/<method>; a streaming method returns the call iterator."""
