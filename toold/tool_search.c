@@ -208,7 +208,8 @@ static bool grep_visit(void *arg, const char *rel, int dirfd, const char *name)
     return !tool_cancelled(g->ctx);
 }
 
-static bool walk_cancelled(void *arg)
+/* grep_cancelled: the caller went away or the deadline passed (walks and engines). */
+static bool grep_cancelled(void *arg)
 {
     struct grep *g = arg;
     return tool_cancelled(g->ctx);
@@ -265,12 +266,6 @@ static bool engine_output(void *arg, const char *p, size_t n)
     return true;
 }
 
-static bool engine_cancelled(void *arg)
-{
-    struct grep *g = arg;
-    return tool_cancelled(g->ctx);
-}
-
 static void shell_quote(struct buf *b, const char *s)
 {
     buf_append_str(b, " '");
@@ -296,7 +291,7 @@ static enum cf_status run_engine(struct grep *g, const char *command, int *exit_
                              .envp = env,
                              .timeout_ms = 600000,
                              .on_output = engine_output,
-                             .cancelled = engine_cancelled,
+                             .cancelled = grep_cancelled,
                              .ctx = g};
     struct proc_result pr;
     enum cf_status rc = proc_run(&spec, &pr, err);
@@ -342,7 +337,6 @@ void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
     char rel[WS_PATH_MAX];
     struct cf_error err;
     struct grep g = {.ctx = ctx, .include = include && *include ? include : NULL};
-    struct stat st;
     int fd, errcode;
     PCRE2_SIZE erroff;
 
@@ -384,8 +378,7 @@ void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
         tool_fail_error(res, &err);
         goto out;
     }
-    fstat(fd, &st);
-    close(fd);
+    close(fd); /* the path exists and is reachable; the engines do the rest */
     g.hits.cap = TOOL_GREP_MATCHES_MAX;
     g.hits.items = calloc(g.hits.cap, sizeof(struct hit));
     buf_init(&g.line, 8192);
@@ -399,7 +392,7 @@ void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
         struct walk_opts wo = {.skip_hidden = true,
                                .gitignore = true,
                                .visit = grep_visit,
-                               .cancelled = walk_cancelled,
+                               .cancelled = grep_cancelled,
                                .ctx = &g};
         if (walk_tree(ctx->sb, rel, path, &wo, &err) != CF_OK) {
             tool_fail_error(res, &err);
