@@ -40,6 +40,11 @@
 #define DELTA_FLUSH_MS 250
 #define MODEL_RETRIES 3
 
+/* The result a tool call gets when an attempt ended before its outcome was recorded. */
+#define INTERRUPTED_RESULT                                                                         \
+    "{\"type\":\"interrupted\",\"message\":\"This tool call was interrupted before its "           \
+    "result was recorded; whether it took effect is unknown.\"}"
+
 struct drive {
     const Cflue__V1__Submission *sub;
     Cflue__V1__Fence fence;
@@ -347,15 +352,40 @@ static void add_attachments(struct context *c, struct llm_message *m, const char
 
 /* build_context turns the records into provider-neutral messages. json bodies are kept in
  * `bodies` (freed by the caller) because messages point into them. */
+static int cmp_record_id(const void *a, const void *b)
+{
+    return strcmp((*(const Cflue__V1__Record *const *)a)->id,
+                  (*(const Cflue__V1__Record *const *)b)->id);
+}
+
+/* result_of finds a tool_result record by id in the sorted index. */
+static const Cflue__V1__Record *result_of(const Cflue__V1__Record **index, size_t n, const char *id)
+{
+    Cflue__V1__Record key = CFLUE__V1__RECORD__INIT;
+    const Cflue__V1__Record *k = &key, **hit;
+    key.id = (char *)id;
+    hit = bsearch(&k, index, n, sizeof(*index), cmp_record_id);
+    return hit ? *hit : NULL;
+}
+
 static void build_context(struct drive *d, struct context *c, json_t *bodies, int64_t before)
 {
-    const Cflue__V1__Record *r, *compaction = NULL;
+    const Cflue__V1__Record *r, *compaction = NULL, **results = NULL;
     int64_t first_kept = -1;
+    size_t n_results = 0;
+    /* one pass: the latest compaction, and an index of tool results by id (a conversation's
+     * results are looked up once per call instead of by scanning the stream each time) */
     FOR_EACH_RECORD(d, r)
     {
         if (r->offset < before && !strcmp(r->type, "compaction")) {
             compaction = r;
+        } else if (!strcmp(r->type, "tool_result")) {
+            results = mem_realloc(results, sizeof(*results) * (n_results + 1));
+            results[n_results++] = r;
         }
+    }
+    if (results) {
+        qsort(results, n_results, sizeof(*results), cmp_record_id);
     }
     if (compaction) {
         /* the summary stands in for everything before the first kept record */
@@ -419,7 +449,7 @@ static void build_context(struct drive *d, struct context *c, json_t *bodies, in
                 char id[512];
                 snprintf(id, sizeof(id), "tool:%s:%lld:%s", r->submission_id,
                          (long long)json_integer_value(json_object_get(b, "turn")), cs[k].id);
-                const Cflue__V1__Record *res = find_record(d, id);
+                const Cflue__V1__Record *res = result_of(results, n_results, id);
                 json_t *rb = res ? json_loads(res->body_json, 0, NULL) : NULL;
                 struct llm_message *t = push(c);
                 t->role = LLM_TOOL_RESULT;
@@ -430,14 +460,13 @@ static void build_context(struct drive *d, struct context *c, json_t *bodies, in
                     t->text = str(rb, "text");
                     t->is_error = json_is_true(json_object_get(rb, "is_error"));
                 } else {
-                    t->text = "{\"type\":\"interrupted\",\"message\":\"This tool call was "
-                              "interrupted before its result was recorded; whether it took "
-                              "effect is unknown.\"}";
+                    t->text = INTERRUPTED_RESULT;
                     t->is_error = true;
                 }
             }
         }
     }
+    free(results);
 }
 
 /* ---------- system prompt ---------- */
@@ -979,10 +1008,7 @@ static void repair(struct drive *d, const Cflue__V1__Record *last)
         if (!find_record(d, id)) {
             int saved = d->turn;
             d->turn = turn;
-            record_result(d, (int)k, str(c, "id"), str(c, "name"),
-                          "{\"type\":\"interrupted\",\"message\":\"This tool call was interrupted "
-                          "before its result was recorded; whether it took effect is unknown.\"}",
-                          true, NULL);
+            record_result(d, (int)k, str(c, "id"), str(c, "name"), INTERRUPTED_RESULT, true, NULL);
             d->turn = saved;
             log_info("tool_outcome_unknown", "submission=%s call=%s", d->sub->submission_id,
                      str(c, "id"));
