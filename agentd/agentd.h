@@ -27,12 +27,9 @@ struct active {
 
 struct agentd {
     const char *owner_id;
-    const char *store_addr;
     int64_t lease_ms;
     int64_t heartbeat_ms;
-    int workers;
     bool stream; /* ask providers to stream */
-    int64_t model_timeout_ms;
     struct provider_endpoint anthropic, openai;
     struct agent_set agents;
     struct rpc_channel *store;

@@ -302,12 +302,9 @@ int main(int argc, char **argv)
         owner = owner_buf;
     }
     g_agentd.owner_id = owner;
-    g_agentd.store_addr = store;
     g_agentd.lease_ms = lease_ms;
     g_agentd.heartbeat_ms = heartbeat_ms;
-    g_agentd.workers = (int)workers;
     g_agentd.stream = !no_stream;
-    g_agentd.model_timeout_ms = model_timeout;
     const char *ab = getenv("ANTHROPIC_BASE_URL"), *ob = getenv("OPENAI_BASE_URL");
     g_agentd.anthropic =
         (struct provider_endpoint){.base_url = ab && *ab ? ab : "https://api.anthropic.com",
