@@ -1,6 +1,7 @@
 /* mem.c - allocation with abort on out-of-memory. */
 #include "mem.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,5 +43,21 @@ char *mem_strndup(const char *s, size_t n)
     size_t len = strnlen(s, n);
     char *p = mem_alloc(len + 1);
     memcpy(p, s, len);
+    return p;
+}
+
+char *mem_asprintf(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0) {
+        return mem_strdup("");
+    }
+    char *p = mem_alloc((size_t)n + 1);
+    va_start(ap, fmt);
+    vsnprintf(p, (size_t)n + 1, fmt, ap);
+    va_end(ap);
     return p;
 }

@@ -20,4 +20,8 @@ char *mem_strdup(const char *s);
 /* mem_strndup copies at most n bytes of s and terminates the copy. */
 char *mem_strndup(const char *s, size_t n);
 
+/* mem_asprintf returns a newly allocated printf-formatted string; never NULL. The caller frees
+ * it with free(). */
+char *mem_asprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
 #endif

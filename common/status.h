@@ -37,6 +37,10 @@ enum cf_status {
         CF_STATUS_COUNT
 };
 
+/* CF_MUST_CHECK marks a fallible function: ignoring its result fails the build
+ * (-Werror=unused-result). Put it before the declaration in the header. */
+#define CF_MUST_CHECK __attribute__((warn_unused_result))
+
 #define CF_ERROR_MSG_MAX 512
 
 /* A status with the precise reason, as the caller should read it. */
