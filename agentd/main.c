@@ -11,6 +11,7 @@
 #include "clock.h"
 #include "config.h"
 #include "daemon.h"
+#include "failpoint.h"
 #include "log.h"
 #include "mem.h"
 
@@ -267,6 +268,7 @@ int main(int argc, char **argv)
         return 2;
     }
     log_init("agentd", (enum log_level)lv);
+    failpoint_init();
     if (heartbeat_ms * 2 > lease_ms) {
         heartbeat_ms = lease_ms / 3;
     }

@@ -21,6 +21,7 @@
 #include "catalog.h"
 #include "clients.h"
 #include "clock.h"
+#include "failpoint.h"
 #include "guard.h"
 #include "ids.h"
 #include "log.h"
@@ -191,6 +192,7 @@ static void settle(struct drive *d, Cflue__V1__Outcome outcome, const char *erro
             json_decref(b);
         }
     }
+    failpoint_hit("agentd.settle.before");
     enum cf_status rc = CF_UNAVAILABLE;
     for (int attempt = 0; attempt < 8 && rc == CF_UNAVAILABLE; attempt++) {
         if (attempt) {
@@ -201,6 +203,7 @@ static void settle(struct drive *d, Cflue__V1__Outcome outcome, const char *erro
     }
     char q[600];
     if (rc == CF_OK) {
+        failpoint_hit("agentd.settle.after");
         Cflue__V1__SettleResponse *sr = (Cflue__V1__SettleResponse *)resp;
         log_info("settled", "submission=%s outcome=%s joined=%zu err=%s", d->sub->submission_id,
                  outcome == 1   ? "completed"
@@ -738,6 +741,7 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
             if (br->index >= 0 && (size_t)br->index < m && br->result && !done[br->index]) {
                 done[br->index] = true;
                 const Cflue__V1__ToolCall *c = &calls[br->index];
+                failpoint_hit("agentd.tools.before_record");
                 if (!stopped(d) || d->act->abort_requested) {
                     record_result(d, index[br->index], c->call_id, c->name, br->result->text,
                                   br->result->is_error, br->result->truncation);
@@ -1220,6 +1224,7 @@ void turn_drive(const Cflue__V1__ClaimResponse *claim)
             llm_response_cleanup(&resp);
             break;
         }
+        failpoint_hit("agentd.model.after");
         json_t *calls = json_array();
         for (size_t i = 0; i < resp.n_calls; i++) {
             json_array_append_new(calls, json_pack("{s:s, s:s, s:s}", "id", resp.calls[i].id,
