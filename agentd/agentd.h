@@ -48,9 +48,17 @@ void agentd_wake(void);
  * here. */
 bool agentd_mark_abort(const char *submission_id);
 
-/* turn_drive runs one claimed submission to settlement (or until its lease is lost or the
- * process stops). The claim response is owned by the caller. */
-void turn_drive(const Cflue__V1__ClaimResponse *claim);
+/* How a drive ended. */
+enum drive_end {
+    DRIVE_SETTLED,     /* the submission has its outcome */
+    DRIVE_STOPPED,     /* lease lost, or this process is stopping: someone else resumes it */
+    DRIVE_INTERRUPTED, /* storaged or toold failed: unsettled; claim it again later */
+};
+
+/* turn_drive runs one claimed submission until it settles, its lease is lost, the process
+ * stops, or storaged/toold fail past their retry window (see turn.c). The claim response is
+ * owned by the caller. */
+enum drive_end turn_drive(const Cflue__V1__ClaimResponse *claim);
 
 /* api_register adds the Agent service to srv. */
 void api_register(struct rpc_server *srv);

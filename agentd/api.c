@@ -140,8 +140,9 @@ static void on_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *user
     ProtobufCMessage *m;
     bool alive = true;
     struct stream_guard guard;
-    guard_start(&guard, s, call_over, c);
-    while (alive && rpc_stream_read(s, &cflue__v1__record__descriptor, &m) == 1) {
+    struct cf_error gerr;
+    bool guarded = guard_start(&guard, s, call_over, c, &gerr) == CF_OK;
+    while (guarded && alive && rpc_stream_read(s, &cflue__v1__record__descriptor, &m) == 1) {
         alive = rpc_call_send(c, m);
         protobuf_c_message_free_unpacked(m, NULL);
     }
@@ -152,7 +153,9 @@ static void on_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *user
     }
     struct rpc_status st;
     rpc_stream_finish(s, &st);
-    if (!alive) {
+    if (!guarded) {
+        rpc_call_finish(c, GRPC_STATUS_RESOURCE_EXHAUSTED, gerr.msg);
+    } else if (!alive) {
         rpc_call_finish(c, GRPC_STATUS_CANCELLED, "the watcher went away");
     } else {
         rpc_call_finish(c, st.code, st.details);
@@ -193,7 +196,9 @@ static Cflue__V1__Submission *wait_settled(struct rpc_call *c, const char *submi
                                                     &fr.base, left > 0 ? left : 0);
             ProtobufCMessage *m;
             struct stream_guard guard;
-            guard_start(&guard, fs, call_over, c);
+            struct cf_error gerr;
+            /* unguarded, the stream is cancelled at once and this loop polls instead */
+            (void)!guard_start(&guard, fs, call_over, c, &gerr);
             while (rpc_stream_read(fs, &cflue__v1__record__descriptor, &m) == 1) {
                 protobuf_c_message_free_unpacked(m, NULL);
             }
@@ -422,6 +427,12 @@ static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *us
     protobuf_c_message_free_unpacked(&done->base, NULL);
     if (failed) {
         rpc_call_fail(c, CF_UNAVAILABLE, "%s", why);
+        return;
+    }
+    if (out.record_offset < 0) {
+        rpc_call_fail(c, CF_STALE,
+                      "nothing to compact: the conversation is no longer than the recent part "
+                      "that compaction keeps verbatim");
         return;
     }
     rpc_call_reply(c, &out.base);

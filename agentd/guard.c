@@ -2,6 +2,7 @@
 #include "guard.h"
 
 #include "clock.h"
+#include "thread.h"
 
 #include <time.h>
 
@@ -22,8 +23,8 @@ static void *watch(void *arg)
     return NULL;
 }
 
-void guard_start(struct stream_guard *g, struct rpc_stream *stream, bool (*stop)(void *ctx),
-                 void *ctx)
+enum cf_status guard_start(struct stream_guard *g, struct rpc_stream *stream,
+                           bool (*stop)(void *ctx), void *ctx, struct cf_error *err)
 {
     g->stream = stream;
     g->stop = stop;
@@ -31,7 +32,12 @@ void guard_start(struct stream_guard *g, struct rpc_stream *stream, bool (*stop)
     g->over = false;
     pthread_mutex_init(&g->mu, NULL);
     pthread_cond_init(&g->cv, NULL);
-    pthread_create(&g->thread, NULL, watch, g);
+    enum cf_status rc = thread_start(&g->thread, 64 * 1024, watch, g, err);
+    g->started = rc == CF_OK;
+    if (rc != CF_OK) {
+        rpc_stream_cancel(stream);
+    }
+    return rc;
 }
 
 void guard_end(struct stream_guard *g)
@@ -40,7 +46,9 @@ void guard_end(struct stream_guard *g)
     g->over = true;
     pthread_cond_signal(&g->cv);
     pthread_mutex_unlock(&g->mu);
-    pthread_join(g->thread, NULL);
+    if (g->started) {
+        pthread_join(g->thread, NULL);
+    }
     pthread_mutex_destroy(&g->mu);
     pthread_cond_destroy(&g->cv);
 }

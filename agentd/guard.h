@@ -7,6 +7,7 @@
 #define CFLUE_AGENTD_GUARD_H
 
 #include "rpc.h"
+#include "status.h"
 
 #include <pthread.h>
 #include <stdbool.h>
@@ -18,12 +19,15 @@ struct stream_guard {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     bool over;
+    bool started;
     pthread_t thread;
 };
 
-/* guard_start watches stream until guard_end; stop(ctx) true cancels the stream. */
-void guard_start(struct stream_guard *g, struct rpc_stream *stream, bool (*stop)(void *ctx),
-                 void *ctx);
+/* guard_start watches stream until guard_end; stop(ctx) true cancels the stream. When the
+ * watching thread cannot start, the stream is cancelled at once (so a reader never blocks
+ * unguarded) and CF_BUSY is returned with the reason in err; guard_end is still called. */
+CF_MUST_CHECK enum cf_status guard_start(struct stream_guard *g, struct rpc_stream *stream,
+                                         bool (*stop)(void *ctx), void *ctx, struct cf_error *err);
 
 /* guard_end stops watching and joins the thread; the stream stays the caller's. */
 void guard_end(struct stream_guard *g);

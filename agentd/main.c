@@ -4,6 +4,11 @@
  * expired), heartbeat their leases, and poll abort intents every second. With a stable
  * --owner-id, a restarted agentd takes back its own unfinished work at once instead of
  * waiting for the leases to run out.
+ *
+ * A drive that storaged or toold interrupted (turn.c) is not settled: its submission goes on
+ * the resume list, and a worker claims it again (own-owner reclaim of that one submission)
+ * after a backoff of 1 s doubling to 30 s, until the claim succeeds or finds it settled or
+ * taken by someone else. Each such claim is a new attempt and counts against max_attempts.
  */
 #include "agentd.h"
 #include "catalog.h"
@@ -14,6 +19,7 @@
 #include "failpoint.h"
 #include "log.h"
 #include "mem.h"
+#include "thread.h"
 
 #include <curl/curl.h>
 #include <signal.h>
@@ -94,6 +100,99 @@ static void reclaim_own_work(void)
     }
 }
 
+/* Submissions whose drive was interrupted, to claim again when due. */
+#define RESUME_MAX ACTIVE_MAX
+#define RESUME_FIRST_MS 1000
+#define RESUME_MAX_MS 30000
+static struct resume {
+    char submission_id[64];
+    int64_t due_ms;   /* monotonic */
+    int64_t delay_ms; /* the next backoff */
+} resumes[RESUME_MAX];
+static int n_resumes;
+
+/* resume_later puts an interrupted submission on the resume list (or backs it off again). */
+static void resume_later(const char *submission_id, int64_t delay_ms)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    struct resume *r = NULL;
+    for (int i = 0; i < n_resumes && !r; i++) {
+        r = !strcmp(resumes[i].submission_id, submission_id) ? &resumes[i] : NULL;
+    }
+    if (!r && n_resumes < RESUME_MAX) {
+        r = &resumes[n_resumes++];
+        snprintf(r->submission_id, sizeof(r->submission_id), "%s", submission_id);
+    }
+    if (r) {
+        r->delay_ms = delay_ms;
+        r->due_ms = clock_mono_ms() + delay_ms + thread_jitter_ms(delay_ms / 4 + 1);
+    }
+    /* a full list leaves the rest to lease expiry: another claim takes them in time */
+    pthread_mutex_unlock(&g_agentd.mu);
+}
+
+/* take_due_resume removes and returns a resume whose time has come. */
+static bool take_due_resume(struct resume *out)
+{
+    bool found = false;
+    int64_t now = clock_mono_ms();
+    pthread_mutex_lock(&g_agentd.mu);
+    for (int i = 0; i < n_resumes && !found; i++) {
+        if (resumes[i].due_ms <= now) {
+            *out = resumes[i];
+            resumes[i] = resumes[--n_resumes];
+            found = true;
+        }
+    }
+    pthread_mutex_unlock(&g_agentd.mu);
+    return found;
+}
+
+/* after_drive files an interrupted drive for a later claim. */
+static void after_drive(enum drive_end end, const char *submission_id, int64_t delay_ms)
+{
+    if (end == DRIVE_INTERRUPTED) {
+        resume_later(submission_id, delay_ms);
+    }
+}
+
+/* resume_one claims a due interrupted submission again and drives it. Returns whether there
+ * was one due. */
+static bool resume_one(void)
+{
+    struct resume r;
+    struct cf_error err;
+    if (!take_due_resume(&r)) {
+        return false;
+    }
+    int64_t next = r.delay_ms * 2 < RESUME_MAX_MS ? r.delay_ms * 2 : RESUME_MAX_MS;
+    Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    req.owner_id = (char *)g_agentd.owner_id;
+    req.lease_ms = g_agentd.lease_ms;
+    req.submission_id = r.submission_id;
+    req.reclaim_started_before_ms = clock_now_ms() + 1;
+    enum cf_status rc = store_call(g_agentd.store, "Claim", &req.base,
+                                   &cflue__v1__claim_response__descriptor, 15000, &resp, &err);
+    Cflue__V1__ClaimResponse *cl = (Cflue__V1__ClaimResponse *)resp;
+    if (rc == CF_OK && cl->submission) {
+        log_info("resumed", "submission=%s attempt=%s count=%d", r.submission_id,
+                 cl->fence->attempt_id, cl->submission->attempt_count);
+        after_drive(turn_drive(cl), r.submission_id, next);
+    } else if (rc == CF_UNAVAILABLE || rc == CF_BUSY) {
+        resume_later(r.submission_id, next);
+    } else if (rc != CF_OK) {
+        char q[600];
+        log_warn("resume_dropped", "submission=%s err=%s", r.submission_id,
+                 log_quote(q, sizeof(q), err.msg));
+    }
+    /* else: settled, or another process holds it now */
+    if (resp) {
+        protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    return true;
+}
+
 static Cflue__V1__ClaimResponse *next_reclaimed(void)
 {
     Cflue__V1__ClaimResponse *cl = NULL;
@@ -117,8 +216,11 @@ static void *worker_main(void *arg)
         }
         Cflue__V1__ClaimResponse *own = next_reclaimed();
         if (own) {
-            turn_drive(own);
+            after_drive(turn_drive(own), own->submission->submission_id, RESUME_FIRST_MS);
             protobuf_c_message_free_unpacked(&own->base, NULL);
+            continue;
+        }
+        if (resume_one()) {
             continue;
         }
         Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
@@ -129,7 +231,7 @@ static void *worker_main(void *arg)
                                        &cflue__v1__claim_response__descriptor, 15000, &resp, &err);
         Cflue__V1__ClaimResponse *cl = (Cflue__V1__ClaimResponse *)resp;
         if (rc == CF_OK && cl->submission) {
-            turn_drive(cl);
+            after_drive(turn_drive(cl), cl->submission->submission_id, RESUME_FIRST_MS);
             protobuf_c_message_free_unpacked(resp, NULL);
             continue;
         }
@@ -141,7 +243,7 @@ static void *worker_main(void *arg)
             log_warn("claim_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
         }
         struct timespec ts;
-        clock_deadline(&ts, rc == CF_OK ? 500 : 2000);
+        clock_deadline(&ts, rc == CF_OK ? 500 : 1000);
         pthread_mutex_lock(&g_agentd.mu);
         if (!g_agentd.stopping) {
             pthread_cond_timedwait(&g_agentd.wake, &g_agentd.mu, &ts);
@@ -338,10 +440,35 @@ int main(int argc, char **argv)
     daemon_port_file(port_file, port);
     reclaim_own_work();
     pthread_t *threads = mem_alloc(sizeof(pthread_t) * (size_t)(workers + 1));
-    for (int i = 0; i < workers; i++) {
-        pthread_create(&threads[i], NULL, worker_main, NULL);
+    int started = 0;
+    enum cf_status trc = CF_OK;
+    for (; started < workers && trc == CF_OK; started++) {
+        trc = thread_start(&threads[started], 0, worker_main, NULL, &err);
     }
-    pthread_create(&threads[workers], NULL, heartbeat_main, NULL);
+    if (trc == CF_OK) {
+        trc = thread_start(&threads[workers], 0, heartbeat_main, NULL, &err);
+    } else {
+        started--;
+    }
+    if (trc != CF_OK) {
+        /* crash-only: stop what started, exit non-zero; a restart resumes the work */
+        fprintf(stderr, "agentd: %s\n", err.msg);
+        log_error("start_failed", "err=\"%s\"", err.msg);
+        pthread_mutex_lock(&g_agentd.mu);
+        g_agentd.stopping = true;
+        pthread_cond_broadcast(&g_agentd.wake);
+        pthread_mutex_unlock(&g_agentd.mu);
+        for (int i = 0; i < started; i++) {
+            pthread_join(threads[i], NULL);
+        }
+        free(threads);
+        rpc_server_shutdown(srv, 0);
+        rpc_server_free(srv);
+        rpc_channel_free(g_agentd.store);
+        rpc_global_shutdown();
+        agents_free(&g_agentd.agents);
+        return 1;
+    }
     log_info("listening", "addr=%s port=%d store=%s agents=%zu owner=%s workers=%lld", listen, port,
              store, g_agentd.agents.n, owner, workers);
 

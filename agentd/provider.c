@@ -203,8 +203,11 @@ enum cf_status llm_complete(const struct provider_endpoint *ep, const struct llm
     curl_easy_setopt(curl, CURLOPT_NOPROGRESS, 0L);
     curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, 10000L);
-    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS,
-                     (long)(ep->timeout_ms > 0 ? ep->timeout_ms : 600000));
+    int64_t timeout = ep->timeout_ms > 0 ? ep->timeout_ms : 600000;
+    if (req->timeout_ms > 0 && req->timeout_ms < timeout) {
+        timeout = req->timeout_ms;
+    }
+    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, (long)timeout);
     /* a stalled stream (no byte for 60 s) is a network failure */
     curl_easy_setopt(curl, CURLOPT_LOW_SPEED_LIMIT, 1L);
     curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME, 60L);

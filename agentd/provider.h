@@ -60,6 +60,7 @@ struct llm_request {
     size_t n_tools;
     int64_t max_tokens;
     bool stream;
+    int64_t timeout_ms; /* the whole call, if shorter than the endpoint's timeout (0: none) */
 };
 
 struct llm_response {

@@ -16,6 +16,21 @@
  *
  * Settlement is one Store.Settle: storaged writes the submission_settled record and settles
  * joined submissions with their host in the same transaction.
+ *
+ * Failure paths. A drive ends in one of three ways (enum drive_end):
+ *  - settled: an outcome was recorded. `completed` only when the stream, read back, ends with
+ *    this work's assistant message asking for no tool (every call has its result); `failed`
+ *    for a model error, the turn cap, the time limit or too many attempts; `aborted` on an
+ *    abort intent. Calls still without a result get the outcome-unknown result first.
+ *  - stopped: the lease was lost or the process is stopping; whoever holds the work next
+ *    continues it.
+ *  - interrupted: storaged or toold failed past the retry window (the first such failure is
+ *    kept in d->fault). Nothing is settled: the worker claims the submission again later
+ *    (main.c, own-owner reclaim), or another agentd takes it when the lease runs out, and
+ *    recovery continues from the records. Every such attempt counts against max_attempts,
+ *    which is checked before anything that can fail.
+ * A sandboxed agent never reaches the model without its tool set, and a system prompt is
+ * frozen only when every part of it (notes, tool roster, working directory, listing) was read.
  */
 #include "agentd.h"
 #include "catalog.h"
@@ -26,6 +41,7 @@
 #include "ids.h"
 #include "log.h"
 #include "mem.h"
+#include "thread.h"
 #include "utf8.h"
 
 #include "cflue/v1/sandbox.pb-c.h"
@@ -37,9 +53,12 @@
 #include <time.h>
 
 #define STORE_TIMEOUT_MS 15000
+#define STORE_RETRY_MIN_MS 5000 /* a Store call is retried at least this long */
+#define TOOLS_TIMEOUT_MS 10000  /* Tools.List and the Sandbox reads of the system prompt */
 #define MAX_TURNS 200
 #define DELTA_FLUSH_MS 250
 #define MODEL_RETRIES 3
+#define MODEL_MIN_MS 1000 /* a model call needs at least this much of the time limit */
 
 /* The result a tool call gets when an attempt ended before its outcome was recorded. */
 #define INTERRUPTED_RESULT                                                                         \
@@ -61,8 +80,11 @@ struct drive {
     int64_t delta_flushed_ms;
     int delta_seq;
     int turn;
-    bool quiet; /* a call whose text is not shown to watchers (summaries) */
+    bool quiet;            /* a call whose text is not shown to watchers (summaries) */
+    bool compact_request;  /* this submission asks for a compaction, not an answer */
+    int64_t timeout_at_ms; /* the time limit (epoch ms, 0: none), as storaged installed it */
     struct cf_error err;
+    struct cf_error fault; /* the first storaged/toold failure: the attempt ends unsettled */
 };
 
 static bool stopped(struct drive *d)
@@ -73,8 +95,78 @@ static bool stopped(struct drive *d)
     return s;
 }
 
+static bool abort_seen(struct drive *d)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    bool a = d->act->abort_requested;
+    pthread_mutex_unlock(&g_agentd.mu);
+    return a;
+}
+
+static void mark_lease_lost(struct drive *d)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    d->act->lease_lost = true;
+    pthread_mutex_unlock(&g_agentd.mu);
+}
+
+/* fault records why this attempt cannot go on (the first reason wins) and logs it. */
+static void fault(struct drive *d, const char *what, const struct cf_error *e)
+{
+    if (d->fault.code != CF_OK) {
+        return;
+    }
+    char q[600];
+    cf_error_set(&d->fault, e->code != CF_OK ? e->code : CF_UNAVAILABLE, "%s: %s", what, e->msg);
+    log_warn("drive_fault", "submission=%s attempt=%s err=%s", d->sub->submission_id,
+             d->fence.attempt_id, log_quote(q, sizeof(q), d->fault.msg));
+}
+
+/* halted reports whether the drive must stop taking steps: stopped, or a fault. */
+static bool halted(struct drive *d)
+{
+    return d->fault.code != CF_OK || stopped(d);
+}
+
+/* transient reports whether a status from storaged or toold says "try again later". */
+static bool transient(enum cf_status rc)
+{
+    return rc == CF_UNAVAILABLE || rc == CF_BUSY;
+}
+
+/* store_retry makes one Store call, retrying transient failures with backoff and jitter for
+ * as long as this attempt may still hold its lease (at least STORE_RETRY_MIN_MS), unless the
+ * drive stops. Every method retried here is idempotent for the same request. A stale fence
+ * marks the lease lost. The last failure is in d->err. */
+static enum cf_status store_retry(struct drive *d, const char *method, const ProtobufCMessage *req,
+                                  const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp)
+{
+    int64_t start = clock_mono_ms(), wait = 100;
+    int64_t window =
+        g_agentd.lease_ms > STORE_RETRY_MIN_MS ? g_agentd.lease_ms : STORE_RETRY_MIN_MS;
+    for (;;) {
+        *resp = NULL;
+        enum cf_status rc =
+            store_call(g_agentd.store, method, req, desc, STORE_TIMEOUT_MS, resp, &d->err);
+        if (rc == CF_STALE && strcmp(method, "FinalizeJoin") != 0) {
+            mark_lease_lost(d);
+        }
+        if (!transient(rc) || stopped(d) || clock_mono_ms() - start + wait > window) {
+            return rc;
+        }
+        int64_t nap = wait + thread_jitter_ms(wait / 2 + 1);
+        for (int64_t slept = 0; slept < nap && !stopped(d); slept += 50) {
+            clock_sleep_ms(50);
+        }
+        wait = wait * 2 < 2000 ? wait * 2 : 2000;
+    }
+}
+
 /* ---------- records ---------- */
 
+/* append writes records under the fence. Any failure but a stale fence (lease lost) is a
+ * fault: a record the drive meant to write is missing, so it must not go on as if it were
+ * there. */
 static enum cf_status append(struct drive *d, Cflue__V1__Record **recs, size_t n)
 {
     Cflue__V1__AppendRequest req = CFLUE__V1__APPEND_REQUEST__INIT;
@@ -82,25 +174,19 @@ static enum cf_status append(struct drive *d, Cflue__V1__Record **recs, size_t n
     req.fence = &d->fence;
     req.records = recs;
     req.n_records = n;
-    enum cf_status rc = CF_UNAVAILABLE;
-    for (int attempt = 0; attempt < 5 && rc == CF_UNAVAILABLE; attempt++) {
-        if (attempt) {
-            clock_sleep_ms(200 << attempt);
-        }
-        rc = store_call(g_agentd.store, "Append", &req.base,
-                        &cflue__v1__append_response__descriptor, STORE_TIMEOUT_MS, &resp, &d->err);
-    }
+    enum cf_status rc =
+        store_retry(d, "Append", &req.base, &cflue__v1__append_response__descriptor, &resp);
     if (resp) {
         protobuf_c_message_free_unpacked(resp, NULL);
     }
-    if (rc == CF_STALE) {
-        pthread_mutex_lock(&g_agentd.mu);
-        d->act->lease_lost = true;
-        pthread_mutex_unlock(&g_agentd.mu);
+    if (rc != CF_OK && rc != CF_STALE) {
+        fault(d, "recording to the conversation failed", &d->err);
     }
     return rc;
 }
 
+/* append_one appends one record; body is consumed. Its result is the drive's to check
+ * through halted(): a failure is also kept as d->fault. */
 static enum cf_status append_one(struct drive *d, const char *id, const char *type,
                                  const char *submission_id, json_t *body)
 {
@@ -116,7 +202,7 @@ static enum cf_status append_one(struct drive *d, const char *id, const char *ty
     return rc;
 }
 
-/* sync reads every record after the cursor into d->pages. */
+/* sync_records reads every record after the cursor into d->pages. A failure is a fault. */
 static enum cf_status sync_records(struct drive *d)
 {
     for (;;) {
@@ -126,9 +212,9 @@ static enum cf_status sync_records(struct drive *d)
         req.after_offset = d->cursor;
         req.limit = 1000;
         enum cf_status rc =
-            store_call(g_agentd.store, "Read", &req.base, &cflue__v1__read_response__descriptor,
-                       STORE_TIMEOUT_MS, &resp, &d->err);
+            store_retry(d, "Read", &req.base, &cflue__v1__read_response__descriptor, &resp);
         if (rc != CF_OK) {
+            fault(d, "reading the conversation failed", &d->err);
             return rc;
         }
         Cflue__V1__ReadResponse *page = (Cflue__V1__ReadResponse *)resp;
@@ -165,11 +251,37 @@ static const Cflue__V1__Record *find_record(struct drive *d, const char *id)
 
 /* ---------- settlement ---------- */
 
-static void settle(struct drive *d, Cflue__V1__Outcome outcome, const char *error)
+static bool answered(struct drive *d);
+static void repair(struct drive *d);
+
+/* drive_ended names how a drive ended when it did not settle: lease lost or shutdown (stopped)
+ * or a fault (interrupted). */
+static enum drive_end drive_ended(struct drive *d)
+{
+    char q[600];
+    pthread_mutex_lock(&g_agentd.mu);
+    bool lost = d->act->lease_lost, down = d->act->shutting_down;
+    pthread_mutex_unlock(&g_agentd.mu);
+    if (lost || down) {
+        log_info("drive_stopped", "submission=%s reason=%s", d->sub->submission_id,
+                 lost ? "lease_lost" : "shutdown");
+        return DRIVE_STOPPED;
+    }
+    log_warn("drive_interrupted", "submission=%s attempt=%s err=%s", d->sub->submission_id,
+             d->fence.attempt_id, log_quote(q, sizeof(q), d->fault.msg));
+    return DRIVE_INTERRUPTED;
+}
+
+/* settle records the outcome, with the usage of every turn this submission recorded across
+ * attempts. Before a failed or aborted outcome, calls still without a result get the
+ * outcome-unknown result. `completed` is recorded only when the stream, read back, shows the
+ * finished answer (a Compact request excepted: it answers nothing); otherwise the attempt
+ * ends interrupted and recovery continues the work. */
+static enum drive_end settle(struct drive *d, Cflue__V1__Outcome outcome, const char *error)
 {
     Cflue__V1__SettleRequest req = CFLUE__V1__SETTLE_REQUEST__INIT;
     ProtobufCMessage *resp = NULL;
-    char cut[8192];
+    char cut[8192], q[600];
     req.fence = &d->fence;
     req.outcome = outcome;
     if (error) {
@@ -177,8 +289,26 @@ static void settle(struct drive *d, Cflue__V1__Outcome outcome, const char *erro
         cut[utf8_prefix_len(cut, strlen(cut), 8000)] = '\0';
     }
     req.error = outcome == CFLUE__V1__OUTCOME__COMPLETED ? "" : (char *)(error ? cut : "failed");
-    /* usage of every turn this submission recorded, across attempts */
-    sync_records(d);
+    bool have_records = sync_records(d) == CF_OK;
+    if (outcome == CFLUE__V1__OUTCOME__COMPLETED) {
+        if (!have_records) {
+            return drive_ended(d);
+        }
+        if (!d->compact_request && !answered(d)) {
+            struct cf_error e;
+            cf_error_set(&e, CF_INTERNAL,
+                         "the stream does not end with a finished answer; not settling completed");
+            fault(d, "settle", &e);
+            return drive_ended(d);
+        }
+    } else if (have_records) {
+        repair(d);
+        if (d->fault.code != CF_OK) {
+            return drive_ended(d);
+        }
+    }
+    /* a drive that could not read its records (it is giving up, or aborting) still settles:
+     * the outcome matters more than the usage figures */
     const Cflue__V1__Record *r;
     FOR_EACH_RECORD(d, r)
     {
@@ -193,33 +323,31 @@ static void settle(struct drive *d, Cflue__V1__Outcome outcome, const char *erro
         }
     }
     failpoint_hit("agentd.settle.before");
-    enum cf_status rc = CF_UNAVAILABLE;
-    for (int attempt = 0; attempt < 8 && rc == CF_UNAVAILABLE; attempt++) {
-        if (attempt) {
-            clock_sleep_ms(250 << (attempt < 5 ? attempt : 5));
-        }
-        rc = store_call(g_agentd.store, "Settle", &req.base,
-                        &cflue__v1__settle_response__descriptor, STORE_TIMEOUT_MS, &resp, &d->err);
-    }
-    char q[600];
-    if (rc == CF_OK) {
-        failpoint_hit("agentd.settle.after");
-        Cflue__V1__SettleResponse *sr = (Cflue__V1__SettleResponse *)resp;
-        log_info("settled", "submission=%s outcome=%s joined=%zu err=%s", d->sub->submission_id,
-                 outcome == 1   ? "completed"
-                 : outcome == 2 ? "failed"
-                                : "aborted",
-                 sr->n_settled_with, log_quote(q, sizeof(q), req.error));
-        protobuf_c_message_free_unpacked(resp, NULL);
-    } else {
+    enum cf_status rc =
+        store_retry(d, "Settle", &req.base, &cflue__v1__settle_response__descriptor, &resp);
+    agentd_wake();
+    if (rc != CF_OK) {
         log_warn("settle_failed", "submission=%s err=%s", d->sub->submission_id,
                  log_quote(q, sizeof(q), d->err.msg));
+        if (rc != CF_STALE) {
+            fault(d, "settling failed", &d->err);
+        }
+        return drive_ended(d);
     }
-    agentd_wake();
+    failpoint_hit("agentd.settle.after");
+    Cflue__V1__SettleResponse *sr = (Cflue__V1__SettleResponse *)resp;
+    log_info("settled", "submission=%s outcome=%s joined=%zu err=%s", d->sub->submission_id,
+             outcome == CFLUE__V1__OUTCOME__COMPLETED ? "completed"
+             : outcome == CFLUE__V1__OUTCOME__FAILED  ? "failed"
+                                                      : "aborted",
+             sr->n_settled_with, log_quote(q, sizeof(q), req.error));
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return DRIVE_SETTLED;
 }
 
 /* ---------- tool results ---------- */
 
+/* record_result appends a tool call's result; a failure is a fault (see append). */
 static void record_result(struct drive *d, int index, const char *call_id, const char *name,
                           const char *text, bool is_error, const Cflue__V1__Truncation *t)
 {
@@ -309,14 +437,15 @@ static char *base64(const uint8_t *p, size_t n)
 /* add_attachments gives the model what a message carried: images as image blocks, text files
  * inline after the message (up to 64 KiB each), and a note for anything else. The bytes come
  * from the submission in storaged, which keeps them with the admitted message. */
-static void add_attachments(struct context *c, struct llm_message *m, const char *submission_id)
+static void add_attachments(struct drive *d, struct context *c, struct llm_message *m,
+                            const char *submission_id)
 {
     Cflue__V1__GetRequest gr = CFLUE__V1__GET_REQUEST__INIT;
     ProtobufCMessage *resp = NULL;
-    struct cf_error err;
     gr.submission_id = (char *)submission_id;
-    if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
-                   STORE_TIMEOUT_MS, &resp, &err) != CF_OK) {
+    if (store_retry(d, "Get", &gr.base, &cflue__v1__submission__descriptor, &resp) != CF_OK) {
+        /* the model must not see the message without what it carried */
+        fault(d, "reading a message's attachments failed", &d->err);
         return;
     }
     const Cflue__V1__Message *msg = ((Cflue__V1__Submission *)resp)->message;
@@ -421,7 +550,7 @@ static void build_context(struct drive *d, struct context *c, json_t *bodies, in
             m->role = LLM_USER;
             m->text = str(b, "text");
             if (json_array_size(json_object_get(b, "attachments"))) {
-                add_attachments(c, m, r->submission_id);
+                add_attachments(d, c, m, r->submission_id);
             }
         } else if (!strcmp(r->type, "signal")) {
             struct llm_message *m = push(c);
@@ -503,6 +632,34 @@ static struct rpc_channel *tools_channel(struct drive *d)
     return ch;
 }
 
+/* toold_failed reports whether a Tools/Sandbox call's status means toold itself failed (down,
+ * overloaded, timed out, broken) rather than answering about the sandbox's files. Such a
+ * failure is a fault: the drive ends interrupted and is resumed later. */
+static bool toold_failed(struct drive *d, const char *what, const struct rpc_status *st)
+{
+    switch (st->code) {
+    case GRPC_STATUS_OK:
+    case GRPC_STATUS_NOT_FOUND:
+    case GRPC_STATUS_INVALID_ARGUMENT:
+    case GRPC_STATUS_FAILED_PRECONDITION:
+    case GRPC_STATUS_PERMISSION_DENIED:
+    case GRPC_STATUS_OUT_OF_RANGE:
+    case GRPC_STATUS_ALREADY_EXISTS:
+        return false;
+    default: {
+        struct cf_error e;
+        cf_error_set(&e, status_from_grpc(st->code), "toold at %s: %s (grpc status %d)",
+                     d->agent->sandbox_tools, st->details[0] ? st->details : "call failed",
+                     (int)st->code);
+        fault(d, what, &e);
+        return true;
+    }
+    }
+}
+
+/* compose_system_prompt composes the frozen system prompt: instructions, project notes, tool
+ * roster, date, working directory and top-level listing. Returns NULL (with a fault) when
+ * toold could not be read: no prompt is ever frozen from a partial environment. */
 static char *compose_system_prompt(struct drive *d, const Cflue__V1__ListToolsResponse *tools)
 {
     struct buf b;
@@ -524,13 +681,18 @@ static char *compose_system_prompt(struct drive *d, const Cflue__V1__ListToolsRe
             rq.sandbox = d->workspace;
             rq.path = (char *)notes[i];
             if (rpc_unary(ch, "/cflue.v1.Sandbox/ReadFile", &rq.base,
-                          &cflue__v1__read_file_response__descriptor, 10000, &resp, &st)) {
+                          &cflue__v1__read_file_response__descriptor, TOOLS_TIMEOUT_MS, &resp,
+                          &st)) {
                 Cflue__V1__ReadFileResponse *f = (Cflue__V1__ReadFileResponse *)resp;
                 buf_printf(&b, "\n\n## Project notes (%s)\n\n", notes[i]);
                 utf8_sanitize(&b, (const char *)f->data.data,
                               f->data.len > 65536 ? 65536 : f->data.len);
                 protobuf_c_message_free_unpacked(resp, NULL);
                 break;
+            }
+            if (toold_failed(d, "reading the project notes failed", &st)) {
+                buf_cleanup(&b);
+                return NULL;
             }
         }
     }
@@ -554,7 +716,7 @@ static char *compose_system_prompt(struct drive *d, const Cflue__V1__ListToolsRe
             buf_printf(&b, "\nWorking directory: %s", tools->working_directory);
         }
         if (rpc_unary(ch, "/cflue.v1.Sandbox/ReadDir", &rq.base,
-                      &cflue__v1__read_dir_response__descriptor, 10000, &resp, &st)) {
+                      &cflue__v1__read_dir_response__descriptor, TOOLS_TIMEOUT_MS, &resp, &st)) {
             Cflue__V1__ReadDirResponse *r = (Cflue__V1__ReadDirResponse *)resp;
             buf_append_str(&b, "\nTop-level entries of the working directory:");
             size_t shown = r->n_entries < 200 ? r->n_entries : 200;
@@ -566,6 +728,9 @@ static char *compose_system_prompt(struct drive *d, const Cflue__V1__ListToolsRe
                 buf_printf(&b, "\n  ... and %zu more", r->n_entries - shown);
             }
             protobuf_c_message_free_unpacked(resp, NULL);
+        } else if (toold_failed(d, "listing the working directory failed", &st)) {
+            buf_cleanup(&b);
+            return NULL;
         }
     }
     return buf_take(&b);
@@ -573,16 +738,41 @@ static char *compose_system_prompt(struct drive *d, const Cflue__V1__ListToolsRe
 
 /* ---------- model calls ---------- */
 
+/* flush_delta sends the streamed text so far to watchers. Deltas are a courtesy, not part of
+ * the conversation: one quick try, no retry, no fault (the assistant_message that follows is
+ * what counts). Ids carry the attempt, so a turn asked again never collides with the deltas
+ * of an earlier attempt. */
 static void flush_delta(struct drive *d)
 {
     if (!d->delta.len) {
         return;
     }
     char id[512];
-    snprintf(id, sizeof(id), "delta:%s:%d:%d", d->sub->submission_id, d->turn, d->delta_seq++);
-    append_one(
-        d, id, "assistant_delta", d->sub->submission_id,
-        json_pack("{s:i, s:s%}", "turn", d->turn, "text", buf_cstr(&d->delta), d->delta.len));
+    snprintf(id, sizeof(id), "delta:%s:%d:%s:%d", d->sub->submission_id, d->turn,
+             d->fence.attempt_id, d->delta_seq++);
+    Cflue__V1__Record rec = CFLUE__V1__RECORD__INIT, *recs[1] = {&rec};
+    Cflue__V1__AppendRequest req = CFLUE__V1__APPEND_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    json_t *body =
+        json_pack("{s:i, s:s%}", "turn", d->turn, "text", buf_cstr(&d->delta), d->delta.len);
+    char *text = json_dumps(body, JSON_COMPACT);
+    json_decref(body);
+    rec.id = id;
+    rec.type = "assistant_delta";
+    rec.submission_id = (char *)d->sub->submission_id;
+    rec.body_json = text;
+    req.fence = &d->fence;
+    req.records = recs;
+    req.n_records = 1;
+    struct cf_error err;
+    if (store_call(g_agentd.store, "Append", &req.base, &cflue__v1__append_response__descriptor,
+                   2000, &resp, &err) == CF_STALE) {
+        mark_lease_lost(d);
+    }
+    if (resp) {
+        protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    free(text);
     buf_reset(&d->delta);
     d->delta_flushed_ms = clock_mono_ms();
 }
@@ -607,6 +797,21 @@ static bool model_cancelled(void *ctx)
     return stopped(ctx);
 }
 
+/* output_tokens is the output budget of every request to the agent's model: what the request
+ * asks for (max_tokens) and what the compaction threshold counts are the same number. */
+static int64_t output_tokens(const struct agent_def *a)
+{
+    struct model_info mi = catalog_lookup(a->model);
+    return mi.max_output_tokens < 16384 ? mi.max_output_tokens : 16384;
+}
+
+/* time_left returns the milliseconds left before the submission's time limit, or INT64_MAX
+ * when it has none. */
+static int64_t time_left(struct drive *d)
+{
+    return d->timeout_at_ms ? d->timeout_at_ms - clock_now_ms() : INT64_MAX;
+}
+
 static enum cf_status call_model(struct drive *d, const char *system, struct context *c,
                                  const struct llm_tool *tools, size_t n_tools,
                                  struct llm_response *out)
@@ -620,7 +825,7 @@ static enum cf_status call_model(struct drive *d, const char *system, struct con
                               .n_messages = c->n,
                               .tools = tools,
                               .n_tools = n_tools,
-                              .max_tokens = 8192,
+                              .max_tokens = output_tokens(a),
                               .stream = g_agentd.stream};
     struct llm_events ev = {.on_text = on_text, .cancelled = model_cancelled, .ctx = d};
     const struct provider_endpoint *ep = anthropic ? &g_agentd.anthropic : &g_agentd.openai;
@@ -630,13 +835,18 @@ static enum cf_status call_model(struct drive *d, const char *system, struct con
         llm_response_init(out);
         buf_reset(&d->delta);
         d->delta_flushed_ms = clock_mono_ms();
+        int64_t left = time_left(d);
+        if (left < MODEL_MIN_MS) {
+            return cf_error_set(&d->err, CF_DEADLINE, "the submission reached its time limit");
+        }
+        req.timeout_ms = left;
         rc = llm_complete(ep, &req, &ev, out, &d->err);
         flush_delta(d);
         if (rc == CF_OK || rc == CF_CANCELLED || !out->retryable || attempt == MODEL_RETRIES) {
             break;
         }
         int64_t wait = out->retry_after_ms > 0 ? out->retry_after_ms : (500LL << attempt);
-        wait += rand() % 250;
+        wait += thread_jitter_ms(250);
         char q[600];
         log_warn("model_retry", "submission=%s attempt=%d wait_ms=%lld err=%s",
                  d->sub->submission_id, attempt + 1, (long long)wait,
@@ -659,6 +869,8 @@ struct toolset {
     size_t n;
 };
 
+/* load_tools lists the sandbox's tools. A sandboxed agent whose toold cannot be reached gets a
+ * fault, never an empty tool set. */
 static void load_tools(struct drive *d, struct toolset *ts)
 {
     memset(ts, 0, sizeof(*ts));
@@ -671,7 +883,7 @@ static void load_tools(struct drive *d, struct toolset *ts)
     struct rpc_status st;
     rq.sandbox = d->workspace;
     if (rpc_unary(ch, "/cflue.v1.Tools/List", &rq.base, &cflue__v1__list_tools_response__descriptor,
-                  10000, &resp, &st)) {
+                  TOOLS_TIMEOUT_MS, &resp, &st)) {
         ts->list = (Cflue__V1__ListToolsResponse *)resp;
         ts->n = ts->list->n_tools;
         ts->tools = mem_alloc(sizeof(*ts->tools) * (ts->n + 1));
@@ -680,21 +892,26 @@ static void load_tools(struct drive *d, struct toolset *ts)
             ts->tools[i].description = ts->list->tools[i]->description;
             ts->tools[i].schema_json = ts->list->tools[i]->parameters_json;
         }
-    } else {
-        log_warn("tools_unavailable", "submission=%s addr=%s err=%d", d->sub->submission_id,
-                 d->agent->sandbox_tools, (int)st.code);
+    } else if (!toold_failed(d, "listing the sandbox's tools failed", &st)) {
+        /* toold answered but refused: that is no tool set either */
+        struct cf_error e;
+        cf_error_set(&e, status_from_grpc(st.code), "toold at %s refused Tools.List: %s",
+                     d->agent->sandbox_tools, st.details);
+        fault(d, "listing the sandbox's tools failed", &e);
     }
 }
 
-/* drive_stopped adapts stopped() for a stream guard: the batch is cancelled on abort, lost
- * lease or shutdown, and toold then kills the commands of the cancelled calls. */
-static bool drive_stopped(void *d)
+/* drive_halted adapts halted() for a stream guard: the batch is cancelled on abort, lost
+ * lease, shutdown or a fault, and toold then kills the commands of the cancelled calls. */
+static bool drive_halted(void *d)
 {
-    return stopped(d);
+    return halted(d);
 }
 
-/* run_tools executes the calls of one assistant message that have no result yet, through
- * toold's ExecuteBatch, recording each result as it arrives. */
+/* run_tools executes the calls of one assistant message, through toold's ExecuteBatch,
+ * recording each result as it arrives. toold failing mid-batch is a fault: the calls left
+ * without a result get the outcome-unknown result when the work resumes. Each call's
+ * timeout_ms is what is left of the submission's time (the caller checked some is left). */
 static void run_tools(struct drive *d, const struct llm_response *resp, const struct toolset *ts)
 {
     size_t n = resp->n_calls;
@@ -702,8 +919,8 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
     Cflue__V1__ToolCall **ptrs = mem_alloc(sizeof(void *) * (n + 1));
     int *index = mem_alloc(sizeof(int) * (n + 1));
     size_t m = 0;
-    int64_t remaining = d->sub->timeout_at_ms ? d->sub->timeout_at_ms - clock_now_ms() : 0;
-    for (size_t i = 0; i < n; i++) {
+    int64_t left = time_left(d);
+    for (size_t i = 0; i < n && d->fault.code == CF_OK; i++) {
         const struct llm_call *c = &resp->calls[i];
         bool known = false;
         for (size_t k = 0; k < ts->n; k++) {
@@ -721,12 +938,12 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
         calls[m].call_id = c->id;
         calls[m].name = c->name;
         calls[m].arguments_json = c->arguments_json;
-        calls[m].timeout_ms = remaining > 0 ? remaining : 0;
+        calls[m].timeout_ms = left == INT64_MAX ? 0 : (left > 1 ? left : 1);
         ptrs[m] = &calls[m];
         index[m] = (int)i;
         m++;
     }
-    if (m) {
+    if (m && d->fault.code == CF_OK) {
         struct rpc_channel *ch = tools_channel(d);
         Cflue__V1__ToolBatch batch = CFLUE__V1__TOOL_BATCH__INIT;
         batch.calls = ptrs;
@@ -735,14 +952,17 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
         bool *done = mem_alloc(sizeof(bool) * (m + 1));
         ProtobufCMessage *msg;
         struct stream_guard guard;
-        guard_start(&guard, s, drive_stopped, d);
+        struct cf_error gerr;
+        if (guard_start(&guard, s, drive_halted, d, &gerr) != CF_OK) {
+            fault(d, "the tool batch could not be watched", &gerr);
+        }
         while (rpc_stream_read(s, &cflue__v1__batch_result__descriptor, &msg) == 1) {
             Cflue__V1__BatchResult *br = (Cflue__V1__BatchResult *)msg;
             if (br->index >= 0 && (size_t)br->index < m && br->result && !done[br->index]) {
                 done[br->index] = true;
                 const Cflue__V1__ToolCall *c = &calls[br->index];
                 failpoint_hit("agentd.tools.before_record");
-                if (!stopped(d) || d->act->abort_requested) {
+                if (d->fault.code == CF_OK && (!stopped(d) || abort_seen(d))) {
                     record_result(d, index[br->index], c->call_id, c->name, br->result->text,
                                   br->result->is_error, br->result->truncation);
                 }
@@ -752,14 +972,25 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
         guard_end(&guard);
         struct rpc_status st;
         rpc_stream_finish(s, &st);
+        bool missing = false;
         for (size_t k = 0; k < m; k++) {
-            if (!done[k] && !stopped(d)) {
-                char text[CF_ERROR_MSG_MAX + 128];
-                snprintf(text, sizeof(text),
-                         "The tool server did not return a result for this call (%.300s); "
-                         "whether it took effect is unknown.",
-                         st.details[0] ? st.details : "connection failed");
-                record_result(d, index[k], calls[k].call_id, calls[k].name, text, true, NULL);
+            missing = missing || !done[k];
+        }
+        if (missing && !halted(d) && st.code == GRPC_STATUS_OK) {
+            /* a stream that ended OK short of results is toold failing too */
+            st.code = GRPC_STATUS_INTERNAL;
+            snprintf(st.details, sizeof(st.details), "the batch ended with results missing");
+        }
+        if (missing && !halted(d) && !toold_failed(d, "the tool batch failed", &st)) {
+            /* toold refused the batch (bad request): the model hears why */
+            for (size_t k = 0; k < m && d->fault.code == CF_OK; k++) {
+                if (!done[k]) {
+                    char text[CF_ERROR_MSG_MAX + 128];
+                    snprintf(text, sizeof(text),
+                             "The tool server refused this call (%.300s); it did not run.",
+                             st.details);
+                    record_result(d, index[k], calls[k].call_id, calls[k].name, text, true, NULL);
+                }
             }
         }
         free(done);
@@ -772,15 +1003,18 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
 /* ---------- joins ---------- */
 
 /* absorb_joins appends the input of queued submissions behind this one and marks them
- * joined; returns how many joined. */
+ * joined; returns how many joined. A failure is a fault (deliveries left JOINING go back to
+ * the queue when this submission settles). */
 static int absorb_joins(struct drive *d)
 {
     Cflue__V1__ClaimJoinableRequest req = CFLUE__V1__CLAIM_JOINABLE_REQUEST__INIT;
     ProtobufCMessage *resp = NULL;
     req.host = &d->fence;
-    if (store_call(g_agentd.store, "ClaimJoinable", &req.base,
-                   &cflue__v1__claim_joinable_response__descriptor, STORE_TIMEOUT_MS, &resp,
-                   &d->err) != CF_OK) {
+    if (store_retry(d, "ClaimJoinable", &req.base, &cflue__v1__claim_joinable_response__descriptor,
+                    &resp) != CF_OK) {
+        if (!stopped(d)) {
+            fault(d, "claiming joinable messages failed", &d->err);
+        }
         return 0;
     }
     Cflue__V1__ClaimJoinableResponse *r = (Cflue__V1__ClaimJoinableResponse *)resp;
@@ -797,12 +1031,18 @@ static int absorb_joins(struct drive *d)
         ProtobufCMessage *jresp = NULL;
         jr.host = &d->fence;
         jr.submission_id = s->submission_id;
-        if (store_call(g_agentd.store, "FinalizeJoin", &jr.base, &cflue__v1__submission__descriptor,
-                       STORE_TIMEOUT_MS, &jresp, &d->err) == CF_OK) {
-            joined++;
+        enum cf_status rc =
+            store_retry(d, "FinalizeJoin", &jr.base, &cflue__v1__submission__descriptor, &jresp);
+        if (rc == CF_OK) {
             log_info("joined", "submission=%s host=%s", s->submission_id, d->sub->submission_id);
             protobuf_c_message_free_unpacked(jresp, NULL);
+        } else if (rc != CF_STALE) {
+            fault(d, "finishing a join failed", &d->err);
+            break;
         }
+        /* its input is in the stream either way: the model answers it now (a delivery that
+         * was not finalized goes back to the queue and finds its input already there) */
+        joined++;
     }
     protobuf_c_message_free_unpacked(resp, NULL);
     return joined;
@@ -848,8 +1088,8 @@ static bool over_threshold(struct drive *d, const char *system, const struct con
                            const struct toolset *ts)
 {
     struct model_info mi = catalog_lookup(d->agent->model);
-    int64_t out = mi.max_output_tokens < 16384 ? mi.max_output_tokens : 16384;
-    return estimate_tokens(system, c, ts) + out > mi.context_window - reserve_tokens(d->agent, &mi);
+    return estimate_tokens(system, c, ts) + output_tokens(d->agent) >
+           mi.context_window - reserve_tokens(d->agent, &mi);
 }
 
 static bool is_message_start(const Cflue__V1__Record *r)
@@ -857,9 +1097,16 @@ static bool is_message_start(const Cflue__V1__Record *r)
     return !strcmp(r->type, "user_message") || !strcmp(r->type, "assistant_message");
 }
 
-/* compact summarizes what comes before the cut; returns true when a compaction was recorded.
- * *system_text is replaced by the recomposed system prompt. */
-static bool compact(struct drive *d, char **system_text, struct toolset *ts, const char *reason)
+enum compact_result {
+    COMPACT_DONE,    /* a compaction record and a recomposed system prompt were recorded */
+    COMPACT_NOTHING, /* nothing older than the kept tail: nothing to do */
+    COMPACT_FAILED,  /* the summary could not be had from the model (d->err), or a fault */
+};
+
+/* compact summarizes what comes before the cut. On COMPACT_DONE, *system_text is replaced by
+ * the recomposed system prompt. */
+static enum compact_result compact(struct drive *d, char **system_text, struct toolset *ts,
+                                   const char *reason)
 {
     const Cflue__V1__Record *r, *last_compaction = NULL;
     int64_t keep = d->agent->keep_recent_tokens ? d->agent->keep_recent_tokens : 8000;
@@ -894,7 +1141,7 @@ static bool compact(struct drive *d, char **system_text, struct toolset *ts, con
     /* nothing older than the kept tail, or only the kept tail itself */
     if (cut < 0) {
         log_info("compaction_skipped", "submission=%s reason=%s", d->sub->submission_id, reason);
-        return false;
+        return COMPACT_NOTHING;
     }
     bool older = false;
     FOR_EACH_RECORD(d, r)
@@ -903,11 +1150,16 @@ static bool compact(struct drive *d, char **system_text, struct toolset *ts, con
     }
     if (!older) {
         log_info("compaction_skipped", "submission=%s reason=%s", d->sub->submission_id, reason);
-        return false;
+        return COMPACT_NOTHING;
     }
     struct context ctx = {0};
     json_t *bodies = json_array();
     build_context(d, &ctx, bodies, cut);
+    if (d->fault.code != CF_OK) {
+        context_free(&ctx);
+        json_decref(bodies);
+        return COMPACT_FAILED;
+    }
     int64_t before = estimate_tokens(*system_text, &ctx, ts);
     struct llm_message *ask = push(&ctx);
     ask->role = LLM_USER;
@@ -929,7 +1181,7 @@ static bool compact(struct drive *d, char **system_text, struct toolset *ts, con
         log_warn("compaction_failed", "submission=%s err=%s", d->sub->submission_id,
                  log_quote(q, sizeof(q), rc == CF_OK ? "empty summary" : d->err.msg));
         llm_response_cleanup(&resp);
-        return false;
+        return COMPACT_FAILED;
     }
     char id[256];
     int n = 1;
@@ -945,8 +1197,15 @@ static bool compact(struct drive *d, char **system_text, struct toolset *ts, con
                          (json_int_t)(before + tail), "tokens_after", (json_int_t)after, "reason",
                          reason));
     llm_response_cleanup(&resp);
-    /* the system prompt is composed again after a compaction */
+    if (d->fault.code != CF_OK) {
+        return COMPACT_FAILED;
+    }
+    /* the system prompt is composed again after a compaction (a fault here leaves the
+     * compaction without its prompt; the next attempt composes it, see turn_drive) */
     char *fresh = compose_system_prompt(d, ts->list);
+    if (!fresh) {
+        return COMPACT_FAILED;
+    }
     snprintf(id, sizeof(id), "system:%d", n + 1);
     append_one(d, id, "system_prompt", "", json_pack("{s:s}", "text", fresh));
     free(*system_text);
@@ -957,7 +1216,7 @@ static bool compact(struct drive *d, char **system_text, struct toolset *ts, con
              d->sub->submission_id, reason, (long long)cut, (long long)(before + tail),
              (long long)after);
     sync_records(d);
-    return true;
+    return d->fault.code == CF_OK ? COMPACT_DONE : COMPACT_FAILED;
 }
 
 /* ---------- the drive ---------- */
@@ -975,9 +1234,48 @@ static const Cflue__V1__Record *last_assistant(struct drive *d)
     return last;
 }
 
-/* answered reports whether an earlier attempt already finished the work: the submission's
- * last assistant message asked for no tools and no input arrived after it. Such work settles
- * completed, whatever the budgets say: a finished answer is never thrown away. */
+/* unresolved_calls counts this submission's tool calls that have no recorded result; with
+ * fix set, it records the outcome-unknown result for each (failures are faults). */
+static size_t unresolved_calls(struct drive *d, bool fix)
+{
+    const Cflue__V1__Record *r;
+    size_t missing = 0;
+    FOR_EACH_RECORD(d, r)
+    {
+        if (strcmp(r->type, "assistant_message") != 0 ||
+            strcmp(r->submission_id, d->sub->submission_id) != 0) {
+            continue;
+        }
+        json_t *b = json_loads(r->body_json, 0, NULL);
+        json_t *calls = json_object_get(b, "tool_calls");
+        int turn = (int)json_integer_value(json_object_get(b, "turn"));
+        for (size_t k = 0; k < json_array_size(calls) && d->fault.code == CF_OK; k++) {
+            json_t *c = json_array_get(calls, k);
+            char id[512];
+            snprintf(id, sizeof(id), "tool:%s:%d:%s", d->sub->submission_id, turn, str(c, "id"));
+            if (find_record(d, id)) {
+                continue;
+            }
+            missing++;
+            if (fix) {
+                int saved = d->turn;
+                d->turn = turn;
+                record_result(d, (int)k, str(c, "id"), str(c, "name"), INTERRUPTED_RESULT, true,
+                              NULL);
+                d->turn = saved;
+                log_info("tool_outcome_unknown", "submission=%s call=%s", d->sub->submission_id,
+                         str(c, "id"));
+            }
+        }
+        json_decref(b);
+    }
+    return missing;
+}
+
+/* answered reports whether the work is finished, as the stream shows it: the submission's last
+ * assistant message asked for no tools, every call before it has its result, and no input
+ * arrived after it. Such work settles completed, whatever the budgets say: a finished answer
+ * is never thrown away. */
 static bool answered(struct drive *d)
 {
     const Cflue__V1__Record *r, *last = last_assistant(d);
@@ -986,7 +1284,7 @@ static bool answered(struct drive *d)
         return false;
     }
     json_t *b = json_loads(last->body_json, 0, NULL);
-    done = json_array_size(json_object_get(b, "tool_calls")) == 0;
+    done = b && json_array_size(json_object_get(b, "tool_calls")) == 0;
     json_decref(b);
     FOR_EACH_RECORD(d, r)
     {
@@ -996,29 +1294,14 @@ static bool answered(struct drive *d)
             done = false;
         }
     }
-    return done;
+    return done && unresolved_calls(d, false) == 0;
 }
 
-/* repair gives every unresolved call of the last assistant message a recorded outcome. */
-static void repair(struct drive *d, const Cflue__V1__Record *last)
+/* repair gives every call of this submission still without a result the outcome-unknown
+ * result (the call may or may not have happened). Failures are faults. */
+static void repair(struct drive *d)
 {
-    json_t *b = json_loads(last->body_json, 0, NULL);
-    json_t *calls = json_object_get(b, "tool_calls");
-    int turn = (int)json_integer_value(json_object_get(b, "turn"));
-    for (size_t k = 0; k < json_array_size(calls); k++) {
-        json_t *c = json_array_get(calls, k);
-        char id[512];
-        snprintf(id, sizeof(id), "tool:%s:%d:%s", d->sub->submission_id, turn, str(c, "id"));
-        if (!find_record(d, id)) {
-            int saved = d->turn;
-            d->turn = turn;
-            record_result(d, (int)k, str(c, "id"), str(c, "name"), INTERRUPTED_RESULT, true, NULL);
-            d->turn = saved;
-            log_info("tool_outcome_unknown", "submission=%s call=%s", d->sub->submission_id,
-                     str(c, "id"));
-        }
-    }
-    json_decref(b);
+    unresolved_calls(d, true);
 }
 
 static void finish(struct drive *d)
@@ -1030,199 +1313,168 @@ static void finish(struct drive *d)
     buf_cleanup(&d->delta);
 }
 
-void turn_drive(const Cflue__V1__ClaimResponse *claim)
+/* begin_drive takes a slot in the active table (heartbeats and abort polling see it). */
+static bool begin_drive(struct drive *d)
 {
-    struct drive d = {.sub = claim->submission, .cursor = -1};
-    char q[600];
-    d.fence = *claim->fence;
-    buf_init(&d.delta, 64 * 1024);
     pthread_mutex_lock(&g_agentd.mu);
-    for (int i = 0; i < ACTIVE_MAX && !d.act; i++) {
+    for (int i = 0; i < ACTIVE_MAX && !d->act; i++) {
         if (!g_agentd.active[i].in_use) {
-            d.act = &g_agentd.active[i];
-            memset(d.act, 0, sizeof(*d.act));
-            d.act->in_use = true;
-            snprintf(d.act->submission_id, sizeof(d.act->submission_id), "%s",
-                     d.sub->submission_id);
-            snprintf(d.act->attempt_id, sizeof(d.act->attempt_id), "%s", d.fence.attempt_id);
-            d.act->epoch = d.fence.epoch;
-            d.act->abort_requested = d.sub->abort_requested_at_ms != 0;
+            d->act = &g_agentd.active[i];
+            memset(d->act, 0, sizeof(*d->act));
+            d->act->in_use = true;
+            snprintf(d->act->submission_id, sizeof(d->act->submission_id), "%s",
+                     d->sub->submission_id);
+            snprintf(d->act->attempt_id, sizeof(d->act->attempt_id), "%s", d->fence.attempt_id);
+            d->act->epoch = d->fence.epoch;
+            d->act->abort_requested = d->sub->abort_requested_at_ms != 0;
+            d->act->shutting_down = g_agentd.stopping;
         }
     }
     pthread_mutex_unlock(&g_agentd.mu);
-    if (!d.act) {
-        finish(&d);
-        return; /* lease expires; another worker or process takes it */
-    }
-    log_info("drive", "submission=%s conversation=%s attempt=%s count=%d takeover=%d",
-             d.sub->submission_id, d.sub->conversation_id, d.fence.attempt_id, d.sub->attempt_count,
-             (int)claim->takeover);
-    d.agent = agents_find(&g_agentd.agents, d.sub->agent);
-    if (!d.agent) {
-        settle(&d, CFLUE__V1__OUTCOME__FAILED, "this agentd has no agent with that name");
-        goto out;
-    }
-    snprintf(d.workspace, sizeof(d.workspace), "%s",
-             d.agent->sandbox_workspace ? d.agent->sandbox_workspace : d.agent->name);
-    if (d.agent->sandbox_workspace && !strcmp(d.agent->sandbox_workspace, "{conversation}")) {
-        snprintf(d.workspace, sizeof(d.workspace), "%s", d.sub->conversation_id);
-    }
-    if (sync_records(&d) != CF_OK) {
-        log_warn("read_failed", "submission=%s err=%s", d.sub->submission_id,
-                 log_quote(q, sizeof(q), d.err.msg));
-        goto out;
-    }
-    if (claim->takeover && answered(&d)) {
-        log_info("recovered_answer", "submission=%s", d.sub->submission_id);
-        settle(&d, CFLUE__V1__OUTCOME__COMPLETED, NULL);
-        goto out;
-    }
-    if (d.sub->max_attempts && d.sub->attempt_count > d.sub->max_attempts) {
-        const Cflue__V1__Record *last = last_assistant(&d);
-        if (last) {
-            repair(&d, last);
-        }
-        snprintf(q, sizeof(q), "gave up after %d attempts: the work was interrupted each time",
-                 d.sub->attempt_count - 1);
-        settle(&d, CFLUE__V1__OUTCOME__FAILED, q);
-        goto out;
-    }
-    if (d.sub->timeout_at_ms && clock_now_ms() >= d.sub->timeout_at_ms) {
-        settle(&d, CFLUE__V1__OUTCOME__FAILED, "the submission ran past its time limit");
-        goto out;
-    }
-    bool compact_request = false;
-    for (size_t i = 0; i < d.sub->n_metadata; i++) {
-        compact_request = compact_request || (!strcmp(d.sub->metadata[i]->key, "cflue.kind") &&
-                                              !strcmp(d.sub->metadata[i]->value, "compact"));
-    }
-    char input_id[256];
-    snprintf(input_id, sizeof(input_id), "input:%s", d.sub->submission_id);
-    if (d.act->abort_requested && !find_record(&d, input_id)) {
-        /* aborted before it started: its message never enters the conversation */
-        settle(&d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request before it started");
-        goto out;
-    }
-    if (!compact_request && !find_record(&d, input_id)) {
-        json_t *body = json_pack("{s:s}", "text", d.sub->message ? d.sub->message->text : "");
-        if (d.sub->message && d.sub->message->n_attachments) {
-            json_t *atts = json_array();
-            for (size_t i = 0; i < d.sub->message->n_attachments; i++) {
-                json_array_append_new(
-                    atts, json_pack("{s:s, s:s, s:I}", "name", d.sub->message->attachments[i]->name,
-                                    "mime_type", d.sub->message->attachments[i]->mime_type, "bytes",
-                                    (json_int_t)d.sub->message->attachments[i]->data.len));
-            }
-            json_object_set_new(body, "attachments", atts);
-        }
-        if (append_one(&d, input_id, "user_message", d.sub->submission_id, body) != CF_OK) {
-            goto out;
-        }
-    }
-    {
-        Cflue__V1__MarkInputAppliedRequest mr = CFLUE__V1__MARK_INPUT_APPLIED_REQUEST__INIT;
-        ProtobufCMessage *resp = NULL;
-        mr.fence = &d.fence;
-        mr.max_attempts = d.agent->max_attempts;
-        mr.timeout_ms = d.agent->timeout_ms;
-        if (store_call(g_agentd.store, "MarkInputApplied", &mr.base,
-                       &cflue__v1__submission__descriptor, STORE_TIMEOUT_MS, &resp,
-                       &d.err) != CF_OK) {
-            goto out;
-        }
-        protobuf_c_message_free_unpacked(resp, NULL);
-    }
-    const Cflue__V1__Record *last = last_assistant(&d);
-    if (last) {
-        repair(&d, last);
-    }
-    if (d.act->abort_requested) {
-        settle(&d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request");
-        goto out;
-    }
+    return d->act != NULL;
+}
 
-    struct toolset ts;
-    load_tools(&d, &ts);
-    /* the system prompt is frozen: composed once per conversation (and after each
-     * compaction), then read back */
-    const Cflue__V1__Record *sys = NULL, *sr;
-    FOR_EACH_RECORD(&d, sr)
+/* append_input puts the submission's message into the conversation (once). */
+static void append_input(struct drive *d, const char *input_id)
+{
+    const Cflue__V1__Message *msg = d->sub->message;
+    json_t *body = json_pack("{s:s}", "text", msg ? msg->text : "");
+    if (msg && msg->n_attachments) {
+        json_t *atts = json_array();
+        for (size_t i = 0; i < msg->n_attachments; i++) {
+            json_array_append_new(atts,
+                                  json_pack("{s:s, s:s, s:I}", "name", msg->attachments[i]->name,
+                                            "mime_type", msg->attachments[i]->mime_type, "bytes",
+                                            (json_int_t)msg->attachments[i]->data.len));
+        }
+        json_object_set_new(body, "attachments", atts);
+    }
+    append_one(d, input_id, "user_message", d->sub->submission_id, body);
+}
+
+/* mark_input_applied stamps the input as applied and installs the agent's budgets. */
+static void mark_input_applied(struct drive *d)
+{
+    Cflue__V1__MarkInputAppliedRequest mr = CFLUE__V1__MARK_INPUT_APPLIED_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    mr.fence = &d->fence;
+    mr.max_attempts = d->agent->max_attempts;
+    mr.timeout_ms = d->agent->timeout_ms;
+    if (store_retry(d, "MarkInputApplied", &mr.base, &cflue__v1__submission__descriptor, &resp) !=
+        CF_OK) {
+        if (!stopped(d)) {
+            fault(d, "marking the input applied failed", &d->err);
+        }
+        return;
+    }
+    /* the budgets as now installed (the claim carried the defaults) */
+    const Cflue__V1__Submission *now = (const Cflue__V1__Submission *)resp;
+    d->timeout_at_ms = now->timeout_at_ms;
+    protobuf_c_message_free_unpacked(resp, NULL);
+}
+
+/* frozen_system_prompt returns the conversation's system prompt: the latest one recorded, or
+ * a new one composed and recorded when there is none yet or a compaction came after it.
+ * NULL on a fault. */
+static char *frozen_system_prompt(struct drive *d, const struct toolset *ts)
+{
+    const Cflue__V1__Record *r, *sys = NULL;
+    int64_t compacted_at = -1;
+    int compactions = 0;
+    FOR_EACH_RECORD(d, r)
     {
-        if (!strcmp(sr->type, "system_prompt")) {
-            sys = sr;
+        if (!strcmp(r->type, "system_prompt")) {
+            sys = r;
+        } else if (!strcmp(r->type, "compaction")) {
+            compacted_at = r->offset;
+            compactions++;
         }
     }
-    char *system_text = NULL;
-    if (!sys) {
-        system_text = compose_system_prompt(&d, ts.list);
-        append_one(&d, "system:1", "system_prompt", "", json_pack("{s:s}", "text", system_text));
-    } else {
+    if (sys && sys->offset > compacted_at) {
         json_t *b = json_loads(sys->body_json, 0, NULL);
-        system_text = mem_strdup(str(b, "text"));
+        char *text = mem_strdup(str(b, "text"));
         json_decref(b);
+        return text;
     }
-    if (!compact_request) {
-        absorb_joins(&d);
+    char *text = compose_system_prompt(d, ts->list);
+    if (!text) {
+        return NULL;
     }
-    {
-        const Cflue__V1__Record *r;
-        d.turn = 0;
-        FOR_EACH_RECORD(&d, r)
-        {
-            if (!strcmp(r->type, "assistant_message") &&
-                !strcmp(r->submission_id, d.sub->submission_id)) {
-                d.turn++;
-            }
-        }
+    char id[64];
+    snprintf(id, sizeof(id), "system:%d", compactions + 1);
+    append_one(d, id, "system_prompt", "", json_pack("{s:s}", "text", text));
+    if (d->fault.code != CF_OK) {
+        free(text);
+        return NULL;
     }
-    Cflue__V1__Outcome outcome = CFLUE__V1__OUTCOME__COMPLETED;
-    char error[1024] = "";
+    return text;
+}
+
+/* run_turns asks the model and runs its tools until it answers without a tool call and no
+ * message is waiting to join. On a failed outcome, *error says why; on a fault or a stop it
+ * just returns (the caller tells them apart). */
+static Cflue__V1__Outcome run_turns(struct drive *d, char **system_text, struct toolset *ts,
+                                    char *error, size_t error_len)
+{
     bool overflow_retried = false;
-    if (compact_request) {
-        /* a Compact request: compact now, whatever the size, and answer nothing else */
-        compact(&d, &system_text, &ts, "requested");
-        settle(&d, CFLUE__V1__OUTCOME__COMPLETED, NULL);
-        goto done;
-    }
-    for (int guard = 0; guard < MAX_TURNS; guard++) {
-        if (stopped(&d) || sync_records(&d) != CF_OK) {
-            break;
+    for (;;) {
+        if (halted(d) || sync_records(d) != CF_OK) {
+            return CFLUE__V1__OUTCOME__COMPLETED;
+        }
+        if (d->turn >= MAX_TURNS) {
+            snprintf(error, error_len,
+                     "stopped after %d model turns, the most one message may take; the work is "
+                     "not finished",
+                     MAX_TURNS);
+            return CFLUE__V1__OUTCOME__FAILED;
+        }
+        if (time_left(d) < MODEL_MIN_MS) {
+            snprintf(error, error_len, "ran past its time limit before the work was finished");
+            return CFLUE__V1__OUTCOME__FAILED;
         }
         struct context ctx = {0};
         json_t *bodies = json_array();
-        build_context(&d, &ctx, bodies, INT64_MAX);
-        if (over_threshold(&d, system_text, &ctx, &ts)) {
+        build_context(d, &ctx, bodies, INT64_MAX);
+        if (d->fault.code == CF_OK && over_threshold(d, *system_text, &ctx, ts)) {
             context_free(&ctx);
             json_decref(bodies);
-            compact(&d, &system_text, &ts, "threshold");
+            compact(d, system_text, ts, "threshold");
             ctx = (struct context){0};
             bodies = json_array();
-            build_context(&d, &ctx, bodies, INT64_MAX);
+            build_context(d, &ctx, bodies, INT64_MAX);
+        }
+        if (halted(d)) {
+            context_free(&ctx);
+            json_decref(bodies);
+            return CFLUE__V1__OUTCOME__COMPLETED;
         }
         struct llm_response resp;
         llm_response_init(&resp);
-        enum cf_status rc = call_model(&d, system_text, &ctx, ts.tools, ts.n, &resp);
+        enum cf_status rc = call_model(d, *system_text, &ctx, ts->tools, ts->n, &resp);
         context_free(&ctx);
         json_decref(bodies);
         if (rc != CF_OK && resp.context_overflow && !overflow_retried) {
             /* the provider says the context is too long: compact once, then ask again */
             overflow_retried = true;
             llm_response_cleanup(&resp);
-            if (compact(&d, &system_text, &ts, "overflow")) {
-                guard--;
+            if (compact(d, system_text, ts, "overflow") == COMPACT_DONE) {
                 continue;
             }
             llm_response_init(&resp);
         }
-        if (rc == CF_CANCELLED || stopped(&d)) {
+        if (rc == CF_CANCELLED || halted(d)) {
             llm_response_cleanup(&resp);
-            break;
+            return CFLUE__V1__OUTCOME__COMPLETED;
+        }
+        if (rc == CF_DEADLINE) {
+            llm_response_cleanup(&resp);
+            snprintf(error, error_len, "ran past its time limit before the work was finished");
+            return CFLUE__V1__OUTCOME__FAILED;
         }
         if (rc != CF_OK) {
-            outcome = CFLUE__V1__OUTCOME__FAILED;
-            snprintf(error, sizeof(error), "model call failed: %s", d.err.msg);
+            snprintf(error, error_len, "model call failed: %s", d->err.msg);
             llm_response_cleanup(&resp);
-            break;
+            return CFLUE__V1__OUTCOME__FAILED;
         }
         failpoint_hit("agentd.model.after");
         json_t *calls = json_array();
@@ -1232,59 +1484,165 @@ void turn_drive(const Cflue__V1__ClaimResponse *claim)
                                                    resp.calls[i].arguments_json));
         }
         char id[256];
-        snprintf(id, sizeof(id), "assistant:%s:%d", d.sub->submission_id, d.turn);
-        struct model_info mi = catalog_lookup(d.agent->model);
-        json_t *body = json_pack("{s:i, s:s, s:o, s:s, s:s, s:{s:I, s:I}, s:f}", "turn", d.turn,
+        snprintf(id, sizeof(id), "assistant:%s:%d", d->sub->submission_id, d->turn);
+        struct model_info mi = catalog_lookup(d->agent->model);
+        json_t *body = json_pack("{s:i, s:s, s:o, s:s, s:s, s:{s:I, s:I}, s:f}", "turn", d->turn,
                                  "text", buf_cstr(&resp.text), "tool_calls", calls, "stop_reason",
-                                 resp.stop_reason, "model", d.agent->model, "usage", "input_tokens",
-                                 (json_int_t)resp.input_tokens, "output_tokens",
+                                 resp.stop_reason, "model", d->agent->model, "usage",
+                                 "input_tokens", (json_int_t)resp.input_tokens, "output_tokens",
                                  (json_int_t)resp.output_tokens, "cost_usd",
                                  catalog_cost(&mi, resp.input_tokens, resp.output_tokens));
-        if (append_one(&d, id, "assistant_message", d.sub->submission_id, body) != CF_OK) {
+        if (append_one(d, id, "assistant_message", d->sub->submission_id, body) != CF_OK) {
             llm_response_cleanup(&resp);
-            break;
+            return CFLUE__V1__OUTCOME__COMPLETED;
         }
         bool more = resp.n_calls > 0;
         if (more) {
-            run_tools(&d, &resp, &ts);
+            run_tools(d, &resp, ts);
         }
         llm_response_cleanup(&resp);
-        d.turn++;
-        if (stopped(&d)) {
-            break;
+        d->turn++;
+        if (halted(d)) {
+            return CFLUE__V1__OUTCOME__COMPLETED;
         }
-        if (absorb_joins(&d) > 0) {
+        if (absorb_joins(d) > 0) {
             more = true;
         }
         if (!more) {
-            break;
+            return CFLUE__V1__OUTCOME__COMPLETED;
         }
     }
-    pthread_mutex_lock(&g_agentd.mu);
-    bool aborted = d.act->abort_requested, lost = d.act->lease_lost, down = d.act->shutting_down;
-    pthread_mutex_unlock(&g_agentd.mu);
-    if (lost || (down && !aborted)) {
-        log_info("drive_stopped", "submission=%s reason=%s", d.sub->submission_id,
-                 lost ? "lease_lost" : "shutdown");
-    } else if (aborted) {
-        sync_records(&d);
-        const Cflue__V1__Record *l = last_assistant(&d);
-        if (l) {
-            repair(&d, l);
+}
+
+static bool has_metadata(const Cflue__V1__Submission *sub, const char *key, const char *value)
+{
+    for (size_t i = 0; i < sub->n_metadata; i++) {
+        if (!strcmp(sub->metadata[i]->key, key) && !strcmp(sub->metadata[i]->value, value)) {
+            return true;
         }
-        settle(&d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request");
-    } else {
-        settle(&d, outcome, error[0] ? error : NULL);
     }
-done:
+    return false;
+}
+
+/* drive runs the claimed submission; see the essay at the top for the ways it ends. */
+static enum drive_end drive(struct drive *d, bool takeover)
+{
+    char q[600];
+    d->agent = agents_find(&g_agentd.agents, d->sub->agent);
+    if (!d->agent) {
+        return settle(d, CFLUE__V1__OUTCOME__FAILED, "this agentd has no agent with that name");
+    }
+    /* attempts first: whatever fails later, this attempt has been counted */
+    if (d->sub->max_attempts && d->sub->attempt_count > d->sub->max_attempts) {
+        if (sync_records(d) == CF_OK && answered(d)) {
+            return settle(d, CFLUE__V1__OUTCOME__COMPLETED, NULL);
+        }
+        snprintf(q, sizeof(q), "gave up after %d attempts: the work was interrupted each time",
+                 d->sub->attempt_count - 1);
+        return settle(d, CFLUE__V1__OUTCOME__FAILED, q);
+    }
+    snprintf(d->workspace, sizeof(d->workspace), "%s",
+             d->agent->sandbox_workspace ? d->agent->sandbox_workspace : d->agent->name);
+    if (d->agent->sandbox_workspace && !strcmp(d->agent->sandbox_workspace, "{conversation}")) {
+        snprintf(d->workspace, sizeof(d->workspace), "%s", d->sub->conversation_id);
+    }
+    if (sync_records(d) != CF_OK) {
+        return drive_ended(d);
+    }
+    if (takeover && answered(d)) {
+        log_info("recovered_answer", "submission=%s", d->sub->submission_id);
+        return settle(d, CFLUE__V1__OUTCOME__COMPLETED, NULL);
+    }
+    if (time_left(d) <= 0) {
+        return settle(d, CFLUE__V1__OUTCOME__FAILED, "the submission ran past its time limit");
+    }
+    d->compact_request = has_metadata(d->sub, "cflue.kind", "compact");
+    char input_id[256];
+    snprintf(input_id, sizeof(input_id), "input:%s", d->sub->submission_id);
+    if (abort_seen(d) && !find_record(d, input_id)) {
+        /* aborted before it started: its message never enters the conversation */
+        return settle(d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request before it started");
+    }
+    if (!d->compact_request && !find_record(d, input_id)) {
+        append_input(d, input_id);
+    }
+    if (!halted(d)) {
+        mark_input_applied(d);
+    }
+    if (!halted(d)) {
+        repair(d);
+    }
+    if (abort_seen(d)) {
+        return settle(d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request");
+    }
+    if (halted(d)) {
+        return drive_ended(d);
+    }
+
+    struct toolset ts;
+    load_tools(d, &ts);
+    char *system_text = halted(d) ? NULL : frozen_system_prompt(d, &ts);
+    Cflue__V1__Outcome outcome = CFLUE__V1__OUTCOME__COMPLETED;
+    char error[1024] = "";
+    if (system_text && d->compact_request) {
+        /* a Compact request: compact now, whatever the size, and answer nothing else */
+        enum compact_result cr = compact(d, &system_text, &ts, "requested");
+        if (cr == COMPACT_FAILED && d->fault.code == CF_OK && !stopped(d)) {
+            outcome = CFLUE__V1__OUTCOME__FAILED;
+            snprintf(error, sizeof(error), "the compaction failed: %s", d->err.msg);
+        }
+    } else if (system_text) {
+        absorb_joins(d);
+        d->turn = 0;
+        const Cflue__V1__Record *r;
+        FOR_EACH_RECORD(d, r)
+        {
+            if (!strcmp(r->type, "assistant_message") &&
+                !strcmp(r->submission_id, d->sub->submission_id)) {
+                d->turn++;
+            }
+        }
+        outcome = run_turns(d, &system_text, &ts, error, sizeof(error));
+    }
     free(system_text);
     if (ts.list) {
         protobuf_c_message_free_unpacked(&ts.list->base, NULL);
     }
     free(ts.tools);
-out:
+
+    pthread_mutex_lock(&g_agentd.mu);
+    bool aborted = d->act->abort_requested, lost = d->act->lease_lost;
+    bool down = d->act->shutting_down;
+    pthread_mutex_unlock(&g_agentd.mu);
+    if (lost || (down && !aborted)) {
+        return drive_ended(d);
+    }
+    if (aborted) {
+        return settle(d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request");
+    }
+    if (d->fault.code != CF_OK) {
+        return drive_ended(d);
+    }
+    return settle(d, outcome, error[0] ? error : NULL);
+}
+
+enum drive_end turn_drive(const Cflue__V1__ClaimResponse *claim)
+{
+    struct drive d = {.sub = claim->submission, .cursor = -1};
+    d.fence = *claim->fence;
+    d.timeout_at_ms = d.sub->timeout_at_ms;
+    buf_init(&d.delta, 64 * 1024);
+    if (!begin_drive(&d)) {
+        finish(&d);
+        return DRIVE_STOPPED; /* lease expires; another worker or process takes it */
+    }
+    log_info("drive", "submission=%s conversation=%s attempt=%s count=%d takeover=%d",
+             d.sub->submission_id, d.sub->conversation_id, d.fence.attempt_id, d.sub->attempt_count,
+             (int)claim->takeover);
+    enum drive_end end = drive(&d, claim->takeover);
     pthread_mutex_lock(&g_agentd.mu);
     d.act->in_use = false;
     pthread_mutex_unlock(&g_agentd.mu);
     finish(&d);
+    return end;
 }
