@@ -34,11 +34,22 @@ enum rpc_mode {
 
 typedef void (*rpc_handler_fn)(struct rpc_call *call, const ProtobufCMessage *req, void *user);
 
+/* Admission control: an RPC_POOL call (or an RPC_INLINE call whose request is over 64 KiB)
+ * waits in a FIFO for a worker. When max_queue calls are waiting, or the undecoded requests
+ * waiting add up to max_queue_bytes (one call is always let in), a new call is refused at
+ * once with RESOURCE_EXHAUSTED ("server busy ... retry later"). A worker drops a call whose
+ * deadline passed while it waited (DEADLINE_EXCEEDED) or whose client left (CANCELLED)
+ * without running its handler. Requests are decoded on the worker (or the call's own thread),
+ * never on a poller, except small RPC_INLINE requests such as health checks, which are
+ * therefore answered while the queue is full. RPC_THREAD calls beyond max_threads, or whose
+ * thread cannot start, get RESOURCE_EXHAUSTED. */
 struct rpc_server_opts {
     int pollers;           /* completion-queue threads; 0: 2 */
     int workers;           /* RPC_POOL threads; 0: 8 */
     int max_threads;       /* concurrent RPC_THREAD handlers; 0: 256 */
     int max_message_bytes; /* receive and send limit; 0: 16 MiB */
+    int max_queue;         /* calls waiting for a worker; 0: 256 */
+    int max_queue_bytes;   /* undecoded request bytes waiting for a worker; 0: 64 MiB */
 };
 
 /* rpc_server_new creates a server (not yet listening). Never NULL. */
@@ -47,8 +58,8 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts);
 /* rpc_server_listen binds an address ("127.0.0.1:0", "[::]:7001", "unix:/path"). Stores the
  * bound TCP port in *port_out (0 for unix sockets) when port_out is not NULL. CF_UNAVAILABLE
  * with a message when the address cannot be bound. Call before rpc_server_start. */
-enum cf_status rpc_server_listen(struct rpc_server *s, const char *addr, int *port_out,
-                                 struct cf_error *err);
+CF_MUST_CHECK enum cf_status rpc_server_listen(struct rpc_server *s, const char *addr,
+                                               int *port_out, struct cf_error *err);
 
 /* rpc_server_add_method registers a handler for a full method path ("/cflue.v1.Store/Admit").
  * The request is decoded with req_desc. Call before rpc_server_start. */
@@ -65,9 +76,12 @@ void rpc_server_lenient_strings(struct rpc_server *s, const char *path);
 /* rpc_call_input_problem describes a bad text field of a lenient method's request, or NULL. */
 const char *rpc_call_input_problem(struct rpc_call *c);
 
-/* rpc_server_start starts serving; health reports SERVING for "" and every service name whose
- * methods were registered. */
-void rpc_server_start(struct rpc_server *s);
+/* rpc_server_start starts the server's threads, then serving; health reports SERVING for ""
+ * and every service name whose methods were registered. When a thread cannot start it stops
+ * those it started, logs the reason (rpc_start_failed) and returns CF_BUSY: the server never
+ * accepted a call and must only be freed. (Not yet CF_MUST_CHECK: the daemons' main.c must
+ * check it first.) */
+enum cf_status rpc_server_start(struct rpc_server *s);
 
 /* rpc_server_stopping reports whether shutdown has begun (for long-running handlers). */
 bool rpc_server_stopping(const struct rpc_server *s);
@@ -89,7 +103,7 @@ void rpc_call_reply(struct rpc_call *c, const ProtobufCMessage *resp);
 /* rpc_call_send queues one message of a server stream. Blocks while too many messages are
  * queued (backpressure). Returns false once the call is dead (cancelled, deadline, client
  * gone): the handler should stop producing and finish. */
-bool rpc_call_send(struct rpc_call *c, const ProtobufCMessage *msg);
+CF_MUST_CHECK bool rpc_call_send(struct rpc_call *c, const ProtobufCMessage *msg);
 
 /* rpc_call_finish ends the call with a gRPC status and details (NULL: none). The handle is
  * invalid afterwards. Exactly once per call. */

@@ -9,6 +9,15 @@
  * SEND_BACKLOG) and the final status rides on the last batch. Shutdown waits for the core's
  * shutdown tag and then for our own count of live calls, because the core's notification
  * does not cover calls a handler still holds.
+ *
+ * Admission: a poller never decodes a large request and never waits. A new RPC_POOL call
+ * joins a bounded FIFO (max_queue calls, max_queue_bytes of undecoded request bytes) or is
+ * refused at once with RESOURCE_EXHAUSTED; a worker takes it, drops it with
+ * DEADLINE_EXCEEDED if its deadline passed while it waited (or CANCELLED if the client left),
+ * and only then decodes the request and runs the handler. RPC_THREAD calls are decoded on
+ * their own thread. RPC_INLINE calls (health checks among them) run on the poller when their
+ * request is small (INLINE_DECODE_MAX), so they keep being answered while the queue is full;
+ * a larger one goes through the queue like a pool call. Workers are woken one per job.
  */
 #include "rpc.h"
 
@@ -16,6 +25,7 @@
 #include "log.h"
 #include "mem.h"
 #include "pbcheck.h"
+#include "thread.h"
 
 #include "grpc/health/v1/health.pb-c.h"
 
@@ -32,6 +42,9 @@
 #define GENERIC_SLOTS 2
 #define SEND_BACKLOG 16
 #define MAX_METHODS 48
+#define INLINE_DECODE_MAX (64 << 10) /* larger RPC_INLINE requests are decoded on a worker */
+#define DEFAULT_QUEUE 256
+#define DEFAULT_QUEUE_BYTES (64 << 20)
 
 enum tag_kind { TAG_NEW_CALL, TAG_NEW_GENERIC, TAG_CLOSE, TAG_SEND, TAG_SHUTDOWN };
 
@@ -83,13 +96,10 @@ struct rpc_call {
     struct pending_send *q_head, *q_tail;
     int q_len;
     grpc_byte_buffer *inflight;
-    bool live;           /* counted in srv->live_calls */
-    char *input_problem; /* lenient methods: what pbcheck found, or NULL */
-};
-
-struct work {
-    struct rpc_call *c;
-    struct work *next;
+    bool live;                    /* counted in srv->live_calls */
+    char *input_problem;          /* lenient methods: what pbcheck found, or NULL */
+    struct rpc_call *next_queued; /* the server's pending-call queue */
+    size_t queued_bytes;          /* undecoded request bytes counted in srv->queue_bytes */
 };
 
 struct rpc_server {
@@ -100,9 +110,11 @@ struct rpc_server {
     int n_methods;
     pthread_t *pollers;
     pthread_t *workers;
+    int n_pollers, n_workers; /* threads started */
     struct tag t_shutdown;
     pthread_mutex_t mu;
-    pthread_cond_t cv;
+    pthread_cond_t cv;      /* live calls, shutdown */
+    pthread_cond_t work_cv; /* a job was queued, or workers must quit */
     bool started;
     bool stopping;
     bool shutdown_done;
@@ -110,8 +122,12 @@ struct rpc_server {
     bool serving;
     int live_calls;
     int threads_running;
-    struct work *work_head, *work_tail;
+    struct rpc_call *queue_head, *queue_tail; /* calls waiting for a worker */
+    int queue_len;
+    size_t queue_bytes;
     bool workers_quit;
+    int64_t rejected, expired; /* calls refused because the queue was full; dropped late */
+    int64_t last_reject_log_ms;
 };
 
 static void post_slot(struct rpc_server *s, struct method *m);
@@ -458,11 +474,56 @@ struct rpc_server *rpc_call_server(struct rpc_call *c)
 
 /* ---------- dispatch ---------- */
 
+/* decode turns the call's payload into c->req. On failure the call is finished (bad request)
+ * and false is returned. Runs on a worker or a call's own thread, or on a poller for small
+ * RPC_INLINE requests. */
+static bool decode(struct rpc_call *c)
+{
+    if (!c->payload) {
+        rpc_call_fail(c, CF_INVALID, "the request carried no message for %s", c->m->path);
+        return false;
+    }
+    grpc_byte_buffer_reader reader;
+    grpc_slice bytes = grpc_empty_slice();
+    if (grpc_byte_buffer_reader_init(&reader, c->payload)) {
+        bytes = grpc_byte_buffer_reader_readall(&reader);
+        grpc_byte_buffer_reader_destroy(&reader);
+    }
+    grpc_byte_buffer_destroy(c->payload);
+    c->payload = NULL;
+    struct cf_error err;
+    if (pbcheck_strings(c->m->req_desc, GRPC_SLICE_START_PTR(bytes), GRPC_SLICE_LENGTH(bytes),
+                        &err) != CF_OK) {
+        if (!c->m->lenient_strings) {
+            grpc_slice_unref(bytes);
+            rpc_call_fail(c, CF_INVALID, "malformed request: %s", err.msg);
+            return false;
+        }
+        c->input_problem = mem_strdup(err.msg);
+    }
+    c->req = protobuf_c_message_unpack(c->m->req_desc, NULL, GRPC_SLICE_LENGTH(bytes),
+                                       GRPC_SLICE_START_PTR(bytes));
+    grpc_slice_unref(bytes);
+    if (!c->req) {
+        rpc_call_fail(c, CF_INVALID, "malformed request: the bytes do not decode as %s",
+                      c->m->req_desc->name);
+        return false;
+    }
+    return true;
+}
+
+static void decode_and_run(struct rpc_call *c)
+{
+    if (decode(c)) {
+        c->m->fn(c, c->req, c->m->user);
+    }
+}
+
 static void *thread_main(void *arg)
 {
     struct rpc_call *c = arg;
     struct rpc_server *s = c->srv;
-    c->m->fn(c, c->req, c->m->user);
+    decode_and_run(c);
     pthread_mutex_lock(&s->mu);
     s->threads_running--;
     pthread_cond_broadcast(&s->cv);
@@ -470,51 +531,98 @@ static void *thread_main(void *arg)
     return NULL;
 }
 
-static void run_handler(struct rpc_call *c)
+static void start_thread(struct rpc_call *c)
 {
     struct rpc_server *s = c->srv;
-    switch (c->m->mode) {
-    case RPC_INLINE:
-        c->m->fn(c, c->req, c->m->user);
+    struct cf_error err;
+    pthread_mutex_lock(&s->mu);
+    if (s->threads_running >= s->opts.max_threads) {
+        pthread_mutex_unlock(&s->mu);
+        rpc_call_fail(c, CF_BUSY, "too many concurrent streams (limit %d); retry later",
+                      s->opts.max_threads);
         return;
-    case RPC_POOL: {
-        struct work *w = mem_alloc(sizeof(*w));
-        w->c = c;
+    }
+    s->threads_running++;
+    pthread_mutex_unlock(&s->mu);
+    if (thread_start_detached(0, thread_main, c, &err) != CF_OK) {
         pthread_mutex_lock(&s->mu);
-        if (s->work_tail) {
-            s->work_tail->next = w;
-        } else {
-            s->work_head = w;
-        }
-        s->work_tail = w;
+        s->threads_running--;
         pthread_cond_broadcast(&s->cv);
         pthread_mutex_unlock(&s->mu);
-        return;
+        log_warn("rpc_thread_start_failed", "method=%s", c->m->path);
+        rpc_call_fail(c, CF_BUSY, "the server cannot start a thread for the call (%s); retry later",
+                      err.msg);
     }
-    case RPC_THREAD: {
-        pthread_t t;
-        pthread_attr_t attr;
-        pthread_mutex_lock(&s->mu);
-        if (s->threads_running >= s->opts.max_threads) {
-            pthread_mutex_unlock(&s->mu);
-            rpc_call_fail(c, CF_BUSY, "too many concurrent streams (limit %d); retry later",
-                          s->opts.max_threads);
-            return;
+}
+
+/* enqueue puts a call in the pending-call queue for the workers, or refuses it with
+ * RESOURCE_EXHAUSTED when the queue is full (by count, or by bytes unless it is empty). Never
+ * waits: runs on a poller. */
+static void enqueue(struct rpc_call *c, size_t bytes)
+{
+    struct rpc_server *s = c->srv;
+    pthread_mutex_lock(&s->mu);
+    if (s->queue_len >= s->opts.max_queue ||
+        (s->queue_len > 0 && s->queue_bytes + bytes > (size_t)s->opts.max_queue_bytes)) {
+        int len = s->queue_len;
+        size_t qbytes = s->queue_bytes;
+        int64_t now = clock_mono_ms();
+        bool log_now = now - s->last_reject_log_ms >= 1000;
+        s->rejected++;
+        int64_t rejected = s->rejected;
+        if (log_now) {
+            s->last_reject_log_ms = now;
         }
-        s->threads_running++;
         pthread_mutex_unlock(&s->mu);
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        if (pthread_create(&t, &attr, thread_main, c) != 0) {
-            pthread_mutex_lock(&s->mu);
-            s->threads_running--;
-            pthread_mutex_unlock(&s->mu);
-            rpc_call_fail(c, CF_BUSY, "could not start a thread for the call");
+        if (log_now) {
+            log_warn("rpc_queue_full",
+                     "method=%s queued=%d queued_bytes=%zu limit=%d limit_bytes=%d rejected=%lld",
+                     c->m->path, len, qbytes, s->opts.max_queue, s->opts.max_queue_bytes,
+                     (long long)rejected);
         }
-        pthread_attr_destroy(&attr);
+        rpc_call_fail(c, CF_BUSY, "server busy: %d calls are waiting (limit %d); retry later", len,
+                      s->opts.max_queue);
         return;
     }
+    c->queued_bytes = bytes;
+    s->queue_len++;
+    s->queue_bytes += bytes;
+    if (s->queue_tail) {
+        s->queue_tail->next_queued = c;
+    } else {
+        s->queue_head = c;
     }
+    s->queue_tail = c;
+    pthread_cond_signal(&s->work_cv); /* one job, one worker */
+    pthread_mutex_unlock(&s->mu);
+}
+
+static bool deadline_passed(const struct rpc_call *c)
+{
+    return gpr_time_cmp(c->deadline, gpr_inf_future(c->deadline.clock_type)) != 0 &&
+           gpr_time_cmp(gpr_now(c->deadline.clock_type), c->deadline) >= 0;
+}
+
+/* run_queued is a worker's turn at one call: drop it if it is already over for the client,
+ * otherwise decode the request and run the handler. */
+static void run_queued(struct rpc_call *c)
+{
+    struct rpc_server *s = c->srv;
+    bool late = deadline_passed(c);
+    if (late || call_dead(c)) {
+        pthread_mutex_lock(&s->mu);
+        s->expired++;
+        pthread_mutex_unlock(&s->mu);
+        if (late) {
+            rpc_call_finish(c, GRPC_STATUS_DEADLINE_EXCEEDED,
+                            "the deadline passed while the call waited for a worker");
+        } else {
+            rpc_call_finish(c, GRPC_STATUS_CANCELLED,
+                            "the client left while the call waited for a worker");
+        }
+        return;
+    }
+    decode_and_run(c);
 }
 
 static void *worker_main(void *arg)
@@ -522,25 +630,27 @@ static void *worker_main(void *arg)
     struct rpc_server *s = arg;
     for (;;) {
         pthread_mutex_lock(&s->mu);
-        while (!s->work_head && !s->workers_quit) {
-            pthread_cond_wait(&s->cv, &s->mu);
+        while (!s->queue_head && !s->workers_quit) {
+            pthread_cond_wait(&s->work_cv, &s->mu);
         }
-        struct work *w = s->work_head;
-        if (!w) {
+        struct rpc_call *c = s->queue_head;
+        if (!c) {
             pthread_mutex_unlock(&s->mu);
             return NULL;
         }
-        s->work_head = w->next;
-        if (!s->work_head) {
-            s->work_tail = NULL;
+        s->queue_head = c->next_queued;
+        if (!s->queue_head) {
+            s->queue_tail = NULL;
         }
+        c->next_queued = NULL;
+        s->queue_len--;
+        s->queue_bytes -= c->queued_bytes;
         pthread_mutex_unlock(&s->mu);
-        w->c->m->fn(w->c, w->c->req, w->c->m->user);
-        free(w);
+        run_queued(c);
     }
 }
 
-static bool begin_call(struct rpc_call *c)
+static void begin_call(struct rpc_call *c)
 {
     struct rpc_server *s = c->srv;
     grpc_op op;
@@ -557,9 +667,10 @@ static bool begin_call(struct rpc_call *c)
         c->closed = true;
         c->dead = true;
     }
-    return true;
 }
 
+/* on_new_call runs on a poller: it reposts the slot and hands the call on without decoding
+ * anything but a small RPC_INLINE request. */
 static void on_new_call(struct rpc_call *c, int success)
 {
     struct rpc_server *s = c->srv;
@@ -571,37 +682,22 @@ static void on_new_call(struct rpc_call *c, int success)
         post_slot(s, c->m);
     }
     begin_call(c);
-    if (!c->payload) {
-        rpc_call_fail(c, CF_INVALID, "the request carried no message for %s", c->m->path);
-        return;
-    }
-    grpc_byte_buffer_reader reader;
-    grpc_slice bytes = grpc_empty_slice();
-    if (grpc_byte_buffer_reader_init(&reader, c->payload)) {
-        bytes = grpc_byte_buffer_reader_readall(&reader);
-        grpc_byte_buffer_reader_destroy(&reader);
-    }
-    grpc_byte_buffer_destroy(c->payload);
-    c->payload = NULL;
-    struct cf_error err;
-    if (pbcheck_strings(c->m->req_desc, GRPC_SLICE_START_PTR(bytes), GRPC_SLICE_LENGTH(bytes),
-                        &err) != CF_OK) {
-        if (!c->m->lenient_strings) {
-            grpc_slice_unref(bytes);
-            rpc_call_fail(c, CF_INVALID, "malformed request: %s", err.msg);
+    size_t bytes = c->payload ? grpc_byte_buffer_length(c->payload) : 0;
+    switch (c->m->mode) {
+    case RPC_INLINE:
+        if (bytes <= INLINE_DECODE_MAX) {
+            decode_and_run(c);
             return;
         }
-        c->input_problem = mem_strdup(err.msg);
-    }
-    c->req = protobuf_c_message_unpack(c->m->req_desc, NULL, GRPC_SLICE_LENGTH(bytes),
-                                       GRPC_SLICE_START_PTR(bytes));
-    grpc_slice_unref(bytes);
-    if (!c->req) {
-        rpc_call_fail(c, CF_INVALID, "malformed request: the bytes do not decode as %s",
-                      c->m->req_desc->name);
+        enqueue(c, bytes);
+        return;
+    case RPC_POOL:
+        enqueue(c, bytes);
+        return;
+    case RPC_THREAD:
+        start_thread(c);
         return;
     }
-    run_handler(c);
 }
 
 static void on_new_generic(struct rpc_call *c, int success)
@@ -725,7 +821,10 @@ static void health_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *
     int st, last = -1;
     if (health_status(c->srv, req->service, &st) != GRPC_STATUS_OK) {
         resp.status = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN;
-        rpc_call_send(c, &resp.base);
+        if (!rpc_call_send(c, &resp.base)) {
+            rpc_call_finish(c, GRPC_STATUS_OK, NULL);
+            return;
+        }
         last = (int)resp.status;
     }
     for (;;) {
@@ -772,6 +871,12 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
     if (s->opts.max_message_bytes <= 0) {
         s->opts.max_message_bytes = 16 << 20;
     }
+    if (s->opts.max_queue <= 0) {
+        s->opts.max_queue = DEFAULT_QUEUE;
+    }
+    if (s->opts.max_queue_bytes <= 0) {
+        s->opts.max_queue_bytes = DEFAULT_QUEUE_BYTES;
+    }
     grpc_arg args[2];
     args[0].type = GRPC_ARG_INTEGER;
     args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
@@ -785,6 +890,7 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
     grpc_server_register_completion_queue(s->server, s->cq, NULL);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
+    pthread_cond_init(&s->work_cv, NULL);
     s->t_shutdown = (struct tag){TAG_SHUTDOWN, s};
     s->serving = true;
     rpc_server_add_method(s, "/grpc.health.v1.Health/Check",
@@ -834,8 +940,43 @@ void rpc_server_add_method(struct rpc_server *s, const char *path,
                                             GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
 }
 
-void rpc_server_start(struct rpc_server *s)
+/* stop_threads asks the workers to quit once the queue is empty, shuts the completion queue
+ * down, and joins every thread started. */
+static void stop_threads(struct rpc_server *s)
 {
+    pthread_mutex_lock(&s->mu);
+    s->workers_quit = true;
+    pthread_cond_broadcast(&s->work_cv);
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 0; i < s->n_workers; i++) {
+        pthread_join(s->workers[i], NULL);
+    }
+    s->n_workers = 0;
+    grpc_completion_queue_shutdown(s->cq);
+    for (int i = 0; i < s->n_pollers; i++) {
+        pthread_join(s->pollers[i], NULL);
+    }
+    s->n_pollers = 0;
+}
+
+enum cf_status rpc_server_start(struct rpc_server *s)
+{
+    struct cf_error err;
+    s->pollers = mem_alloc(sizeof(pthread_t) * (size_t)s->opts.pollers);
+    s->workers = mem_alloc(sizeof(pthread_t) * (size_t)s->opts.workers);
+    /* threads first: a server that cannot start them never accepts a call */
+    for (int i = 0; i < s->opts.workers; i++) {
+        if (thread_start(&s->workers[i], 0, worker_main, s, &err) != CF_OK) {
+            goto fail;
+        }
+        s->n_workers++;
+    }
+    for (int i = 0; i < s->opts.pollers; i++) {
+        if (thread_start(&s->pollers[i], 0, poller_main, s, &err) != CF_OK) {
+            goto fail;
+        }
+        s->n_pollers++;
+    }
     grpc_server_start(s->server);
     for (int i = 0; i < s->n_methods; i++) {
         for (int k = 0; k < SLOTS_PER_METHOD; k++) {
@@ -845,15 +986,16 @@ void rpc_server_start(struct rpc_server *s)
     for (int k = 0; k < GENERIC_SLOTS; k++) {
         post_generic(s);
     }
-    s->pollers = mem_alloc(sizeof(pthread_t) * (size_t)s->opts.pollers);
-    for (int i = 0; i < s->opts.pollers; i++) {
-        pthread_create(&s->pollers[i], NULL, poller_main, s);
-    }
-    s->workers = mem_alloc(sizeof(pthread_t) * (size_t)s->opts.workers);
-    for (int i = 0; i < s->opts.workers; i++) {
-        pthread_create(&s->workers[i], NULL, worker_main, s);
-    }
     s->started = true;
+    return CF_OK;
+
+fail : {
+    char q[CF_ERROR_MSG_MAX + 16];
+    log_error("rpc_start_failed", "workers=%d/%d pollers=%d/%d err=%s", s->n_workers,
+              s->opts.workers, s->n_pollers, s->opts.pollers, log_quote(q, sizeof(q), err.msg));
+    stop_threads(s);
+    return CF_BUSY;
+}
 }
 
 bool rpc_server_stopping(const struct rpc_server *s)
@@ -916,17 +1058,7 @@ void rpc_server_shutdown(struct rpc_server *s, int grace_ms)
     wait_until(s, is_shutdown_done, -1);
     wait_until(s, no_live_calls, -1);
 
-    pthread_mutex_lock(&s->mu);
-    s->workers_quit = true;
-    pthread_cond_broadcast(&s->cv);
-    pthread_mutex_unlock(&s->mu);
-    for (int i = 0; i < s->opts.workers; i++) {
-        pthread_join(s->workers[i], NULL);
-    }
-    grpc_completion_queue_shutdown(s->cq);
-    for (int i = 0; i < s->opts.pollers; i++) {
-        pthread_join(s->pollers[i], NULL);
-    }
+    stop_threads(s);
     s->stopped = true;
 }
 
@@ -948,5 +1080,6 @@ void rpc_server_free(struct rpc_server *s)
     free(s->workers);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
+    pthread_cond_destroy(&s->work_cv);
     free(s);
 }

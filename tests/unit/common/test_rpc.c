@@ -12,8 +12,19 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+static int handler_runs; /* "count" calls whose handler ran */
+static pthread_mutex_t runs_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static int runs(void)
+{
+    pthread_mutex_lock(&runs_mu);
+    int n = handler_runs;
+    pthread_mutex_unlock(&runs_mu);
+    return n;
+}
+
 /* Get: "ok" answers a submission echoing the id, "slow" answers after 500 ms (worker pool),
- * anything else fails NOT_FOUND with a message. */
+ * "count" answers and counts its runs, anything else fails NOT_FOUND with a message. */
 static void on_get(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__GetRequest *req = (const void *)msg;
@@ -21,7 +32,13 @@ static void on_get(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
     if (!strcmp(req->submission_id, "slow")) {
         clock_sleep_ms(500);
     }
-    if (!strcmp(req->submission_id, "ok") || !strcmp(req->submission_id, "slow")) {
+    if (!strcmp(req->submission_id, "count")) {
+        pthread_mutex_lock(&runs_mu);
+        handler_runs++;
+        pthread_mutex_unlock(&runs_mu);
+    }
+    if (!strcmp(req->submission_id, "ok") || !strcmp(req->submission_id, "slow") ||
+        !strcmp(req->submission_id, "count")) {
         resp.submission_id = req->submission_id;
         resp.attempt_count = 7;
         rpc_call_reply(c, &resp.base);
@@ -59,9 +76,8 @@ static void on_follow(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     rpc_call_finish(c, GRPC_STATUS_OK, NULL);
 }
 
-static struct rpc_server *start(const char *addr, int *port)
+static struct rpc_server *start_opts(const char *addr, int *port, struct rpc_server_opts o)
 {
-    struct rpc_server_opts o = {.workers = 2, .max_message_bytes = 1 << 20};
     struct rpc_server *s = rpc_server_new(&o);
     struct cf_error err;
     rpc_server_add_method(s, "/cflue.v1.Store/Get", &cflue__v1__get_request__descriptor, on_get,
@@ -69,8 +85,14 @@ static struct rpc_server *start(const char *addr, int *port)
     rpc_server_add_method(s, "/cflue.v1.Store/Follow", &cflue__v1__follow_request__descriptor,
                           on_follow, NULL, RPC_THREAD);
     CHECK(rpc_server_listen(s, addr, port, &err) == CF_OK);
-    rpc_server_start(s);
+    CHECK(rpc_server_start(s) == CF_OK);
     return s;
+}
+
+static struct rpc_server *start(const char *addr, int *port)
+{
+    struct rpc_server_opts o = {.workers = 2, .max_message_bytes = 1 << 20};
+    return start_opts(addr, port, o);
 }
 
 static bool get(struct rpc_channel *ch, const char *id, int64_t timeout, struct rpc_status *st,
@@ -230,6 +252,115 @@ static void test_cancel_and_shutdown(void)
     rpc_channel_free(ch);
 }
 
+static bool health(struct rpc_channel *ch, int64_t timeout_ms)
+{
+    Grpc__Health__V1__HealthCheckRequest h = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    ProtobufCMessage *resp;
+    struct rpc_status st;
+    h.service = "";
+    if (!rpc_unary(ch, "/grpc.health.v1.Health/Check", &h.base,
+                   &grpc__health__v1__health_check_response__descriptor, timeout_ms, &resp, &st)) {
+        return false;
+    }
+    bool serving = ((Grpc__Health__V1__HealthCheckResponse *)resp)->status == 1;
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return serving;
+}
+
+#define FLOOD 40
+
+struct flood_call {
+    struct rpc_channel *ch;
+    const char *id;
+    int64_t timeout_ms;
+    struct rpc_status st;
+    bool ok;
+    int64_t took_ms;
+};
+
+static void *flood_one(void *p)
+{
+    struct flood_call *f = p;
+    int count;
+    int64_t t0 = clock_mono_ms();
+    f->ok = get(f->ch, f->id, f->timeout_ms, &f->st, &count);
+    f->took_ms = clock_mono_ms() - t0;
+    return NULL;
+}
+
+/* Admission control: with one worker and room for four waiting calls, a flood of 40 slow calls
+ * gets RESOURCE_EXHAUSTED at once for all but the five admitted; health checks are answered
+ * during the flood, and the admitted calls are served. (The old unbounded queue took every
+ * call and let them time out.) */
+static void test_admission_flood(void)
+{
+    int port;
+    char target[64];
+    struct rpc_server_opts o = {.workers = 1, .max_queue = 4, .max_message_bytes = 1 << 20};
+    struct rpc_server *s = start_opts("127.0.0.1:0", &port, o);
+    snprintf(target, sizeof(target), "127.0.0.1:%d", port);
+    struct rpc_channel *ch = rpc_channel_new(target, 0);
+    CHECK(health(ch, 2000)); /* connected before the flood */
+
+    static struct flood_call calls[FLOOD];
+    pthread_t th[FLOOD];
+    for (int i = 0; i < FLOOD; i++) {
+        calls[i] = (struct flood_call){.ch = ch, .id = "slow", .timeout_ms = 10000};
+        CHECK(pthread_create(&th[i], NULL, flood_one, &calls[i]) == 0);
+    }
+    clock_sleep_ms(200);
+    /* health is answered during the flood, promptly */
+    for (int i = 0; i < 5; i++) {
+        int64_t t0 = clock_mono_ms();
+        CHECK(health(ch, 1000));
+        CHECK(clock_mono_ms() - t0 < 500);
+        clock_sleep_ms(20);
+    }
+    int ok = 0, busy = 0, other = 0;
+    int64_t slowest_busy = 0;
+    for (int i = 0; i < FLOOD; i++) {
+        pthread_join(th[i], NULL);
+        if (calls[i].ok) {
+            ok++;
+        } else if (calls[i].st.code == GRPC_STATUS_RESOURCE_EXHAUSTED) {
+            busy++;
+            slowest_busy = calls[i].took_ms > slowest_busy ? calls[i].took_ms : slowest_busy;
+        } else {
+            other++;
+            fprintf(stderr, "flood call %d: status %d %s\n", i, (int)calls[i].st.code,
+                    calls[i].st.details);
+        }
+    }
+    fprintf(stderr, "flood: %d served, %d refused (slowest refusal %lld ms), %d other\n", ok, busy,
+            (long long)slowest_busy, other);
+    CHECK(ok >= 5);    /* the worker's call and the four queued ones */
+    CHECK(busy >= 30); /* the rest refused ... */
+    CHECK(other == 0);
+    CHECK(slowest_busy < 1000); /* ... quickly, not after the queue drained */
+    int count;
+    struct rpc_status st;
+    CHECK(get(ch, "ok", 2000, &st, &count)); /* served once the flood is over */
+
+    /* A call whose deadline passes while it waits in the queue is dropped, not run. */
+    struct flood_call slow = {.ch = ch, .id = "slow", .timeout_ms = 5000};
+    pthread_t t;
+    int before = runs();
+    CHECK(pthread_create(&t, NULL, flood_one, &slow) == 0);
+    clock_sleep_ms(100); /* the worker is busy with it */
+    CHECK(!get(ch, "count", 100, &st, &count));
+    CHECK(st.code == GRPC_STATUS_DEADLINE_EXCEEDED);
+    pthread_join(t, NULL);
+    CHECK(slow.ok);
+    clock_sleep_ms(100);
+    CHECK(runs() == before); /* the handler never ran for the expired call */
+    CHECK(get(ch, "count", 2000, &st, &count));
+    CHECK(runs() == before + 1);
+
+    rpc_channel_free(ch);
+    rpc_server_shutdown(s, 1000);
+    rpc_server_free(s);
+}
+
 int main(void)
 {
     char sock[128], listen_addr[160];
@@ -240,6 +371,7 @@ int main(void)
     test_basic(listen_addr);
     unlink(sock);
     test_cancel_and_shutdown();
+    test_admission_flood();
     rpc_global_shutdown();
     return check_done("test_rpc");
 }
