@@ -7,16 +7,20 @@
 #include "config.h"
 #include "daemon.h"
 #include "driver.h"
+#include "failpoint.h"
 #include "log.h"
+#include "proc.h"
 #include "rpc.h"
 #include "service.h"
 #include "tool.h"
 #include "workspace.h"
 
+#include <limits.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static const char usage[] =
     "usage: toold [options]\n\n"
@@ -25,6 +29,9 @@ static const char usage[] =
 
 int main(int argc, char **argv)
 {
+    if (argc > 1 && !strcmp(argv[1], PROC_RUNNER_FLAG)) {
+        return proc_runner_main(argc, argv); /* a command's runner (proc.h), not the daemon */
+    }
     const char *listen = "127.0.0.1:7102", *root = "workspaces", *driver_name = "local";
     const char *level = "info", *port_file = "", *grep_engine = "auto";
     long long default_timeout = 300000, max_timeout = 3600000, max_msg = 64 << 20;
@@ -74,6 +81,16 @@ int main(int argc, char **argv)
         return 2;
     }
     log_init("toold", (enum log_level)lv);
+    failpoint_init();
+    /* commands run under toold's own binary as their runner (proc.h); a binary replaced or
+     * removed since start is still reachable as /proc/self/exe */
+    char exe[PATH_MAX];
+    ssize_t exe_len = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    exe[exe_len > 0 ? exe_len : 0] = '\0';
+    if (exe_len <= 0 || exe[0] != '/' || strstr(exe, " (deleted)") || access(exe, X_OK) != 0) {
+        snprintf(exe, sizeof(exe), "/proc/self/exe");
+    }
+    proc_set_runner(exe);
     struct toold_config cfg = {.bash_default_timeout_ms = default_timeout,
                                .bash_max_timeout_ms = max_timeout,
                                .grep_engine = grep_engine,

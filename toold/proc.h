@@ -2,10 +2,22 @@
  *
  * The command runs in a new session (its own process group) with stdin from /dev/null and
  * stdout and stderr on one pipe, so output arrives in the order it was written. Output is
- * handed to a callback chunk by chunk; proc keeps none of it. At the deadline, or when the
- * caller cancels, the whole group gets SIGTERM and, 2 s later, SIGKILL. When the command's
- * main process exits, whatever it left running in its group is killed, so a background job
- * cannot hold the call open, and the main process is always reaped.
+ * handed to a callback chunk by chunk; proc keeps none of it.
+ *
+ * Method: the command does not run as toold's child but under a runner, toold's own binary
+ * re-executed with PROC_RUNNER_FLAG (see proc_set_runner). The runner makes itself a child
+ * subreaper (prctl PR_SET_CHILD_SUBREAPER), so every descendant of the command, including one
+ * that left the session with setsid and lost its parent, stays in the runner's subtree instead
+ * of going to init. When the command's main process exits, the runner gives what is left
+ * DRAIN_AFTER_EXIT_MS to finish, then SIGKILLs every descendant (repeatedly, as killing one
+ * hands its children to the runner) and exits with the main process's status. At the deadline,
+ * or when the caller cancels, toold sends the runner SIGTERM: it passes SIGTERM to the command's
+ * group and to every process it adopted, and after KILL_GRACE_MS kills them all. The runner
+ * also gets SIGTERM when toold dies (PR_SET_PDEATHSIG), so commands do not outlive toold.
+ * Whatever happens to the command, toold stops reading its pipes a moment after the runner
+ * is gone: a process that escaped (one given the pipe over a socket) cannot hold the call.
+ * Without a runner (proc_set_runner never called: unit tests of other modules) the command is
+ * spawned directly and only its process group is killed.
  */
 #ifndef CFLUE_TOOLD_PROC_H
 #define CFLUE_TOOLD_PROC_H
@@ -41,10 +53,22 @@ struct proc_result {
     int64_t duration_ms;
 };
 
+/* PROC_RUNNER_FLAG as argv[1] makes a program that calls proc_runner_main act as the runner. */
+#define PROC_RUNNER_FLAG "--proc-runner"
+
+/* proc_set_runner makes proc_run start commands under the runner found at exe (an absolute
+ * path of a program whose main calls proc_runner_main when argv[1] is PROC_RUNNER_FLAG). NULL
+ * or "" turns the runner off. Call once at start-up, before any proc_run. */
+void proc_set_runner(const char *exe);
+
+/* proc_runner_main is the runner's whole life (argv: exe PROC_RUNNER_FLAG parent_pid -- argv
+ * of the command...); returns the exit code for main to return. Only for the runner process. */
+int proc_runner_main(int argc, char **argv);
+
 /* proc_run runs the command to completion. CF_UNAVAILABLE when it cannot be started (the
  * message says why); every command that started yields CF_OK with its result. */
-enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out,
-                        struct cf_error *err);
+CF_MUST_CHECK enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out,
+                                      struct cf_error *err);
 
 /* proc_base_env builds the environment commands get: a fixed allow-list from toold's own
  * environment (PATH HOME USER LOGNAME LANG LC_ALL LC_CTYPE TZ TERM TMPDIR), then extra

@@ -9,7 +9,9 @@
 #include "workspace.h"
 
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -174,8 +176,77 @@ static void test_proc(void)
     proc_env_free(env);
 }
 
-int main(void)
+static bool pid_alive(const char *pidfile)
 {
+    char text[32] = "";
+    FILE *f = fopen(pidfile, "r");
+    if (!f) {
+        return false;
+    }
+    bool got = fgets(text, sizeof(text), f) != NULL;
+    fclose(f);
+    return got && atoi(text) > 1 && kill(atoi(text), 0) == 0;
+}
+
+/* A child that leaves the session (setsid) keeps the output pipe open; it must neither hold
+ * the call past the command's end or deadline nor be left running (defect 5). */
+static void test_proc_setsid(void)
+{
+    struct cf_error err;
+    struct proc_result r;
+    struct buf out;
+    char **env = proc_base_env(NULL, 0);
+    char pidfile[PATH_MAX + 16], cmd[PATH_MAX * 2];
+    snprintf(pidfile, sizeof(pidfile), "%s/orphan.pid", sb->root);
+    buf_init(&out, 4096);
+    const char *argv[] = {"bash", "-c", cmd, NULL};
+    struct proc_spec spec = {.argv = argv,
+                             .cwd = sb->root,
+                             .envp = env,
+                             .timeout_ms = 10000,
+                             .on_output = collect,
+                             .ctx = &out};
+
+    snprintf(cmd, sizeof(cmd), "setsid sh -c 'echo $$ > %s; exec sleep 300' & echo hi", pidfile);
+    int64_t t0 = clock_mono_ms();
+    CHECK(proc_run(&spec, &r, &err) == CF_OK);
+    CHECK(!r.timed_out && r.exit_code == 0);
+    CHECK(clock_mono_ms() - t0 < 3000);
+    CHECK_STR(buf_cstr(&out), "hi\n");
+    CHECK(!pid_alive(pidfile));
+
+    /* an orphan from a subshell, and a deadline that passes while the main process runs */
+    unlink(pidfile);
+    buf_reset(&out);
+    snprintf(cmd, sizeof(cmd), "(setsid sh -c 'echo $$ > %s; exec sleep 300' &) ; sleep 5",
+             pidfile);
+    spec.timeout_ms = 1000;
+    t0 = clock_mono_ms();
+    CHECK(proc_run(&spec, &r, &err) == CF_OK);
+    CHECK(r.timed_out && r.exit_code == 124);
+    CHECK(clock_mono_ms() - t0 < 4000);
+    CHECK(!pid_alive(pidfile));
+
+    /* a process that ignores SIGTERM is killed after the grace */
+    buf_reset(&out);
+    snprintf(cmd, sizeof(cmd),
+             "(setsid sh -c 'trap \"\" TERM; echo $$ > %s; sleep 300' &); "
+             "sleep 5",
+             pidfile);
+    t0 = clock_mono_ms();
+    CHECK(proc_run(&spec, &r, &err) == CF_OK);
+    CHECK(r.timed_out && r.exit_code == 124);
+    CHECK(clock_mono_ms() - t0 < 6000);
+    CHECK(!pid_alive(pidfile));
+    buf_cleanup(&out);
+    proc_env_free(env);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1 && !strcmp(argv[1], PROC_RUNNER_FLAG)) {
+        return proc_runner_main(argc, argv);
+    }
     char root[] = "/tmp/cflue-test-toold-XXXXXX";
     struct workspaces *ws;
     struct cf_error err;
@@ -188,6 +259,9 @@ int main(void)
     test_confined_io();
     test_locks();
     test_proc();
+    proc_set_runner("/proc/self/exe");
+    test_proc();
+    test_proc_setsid();
     workspaces_free(ws);
     char cmd[128];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", root);
