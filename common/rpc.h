@@ -150,18 +150,31 @@ struct rpc_status {
     char details[CF_ERROR_MSG_MAX];
 };
 
-/* rpc_channel_new connects lazily to target ("127.0.0.1:7001", "unix:/path"). Never NULL. */
+/* rpc_channel_new connects lazily to target ("127.0.0.1:7001", "unix:/path"). Never NULL.
+ * Reconnection is bounded: after a lost or refused connection the channel retries after
+ * 100 ms, then backs off to at most 1 s between attempts (each attempt may take 1 s to
+ * connect); a call that finds the channel in TRANSIENT_FAILURE, or fails UNAVAILABLE, makes
+ * the next attempt start at once. So a peer that comes back is used again within about a
+ * second, however long or often it was away. Calls still fail UNAVAILABLE at once while the
+ * peer is down (no wait-for-ready): retrying is the caller's policy. */
 struct rpc_channel *rpc_channel_new(const char *target, int max_message_bytes);
 
 /* rpc_channel_free closes the channel (NULL is fine). Every call must be over. */
 void rpc_channel_free(struct rpc_channel *ch);
 
+/* rpc_channel_cancel_all cancels every call in flight on ch (they end CANCELLED with why as
+ * details) and makes every later call on ch fail CANCELLED at once without being sent.
+ * Thread-safe, for a watchdog or signal thread while other threads are blocked in calls;
+ * idempotent (the first why is kept). The channel must still be freed by its owner. */
+void rpc_channel_cancel_all(struct rpc_channel *ch, const char *why);
+
 /* rpc_unary makes one blocking unary call. timeout_ms <= 0 means no deadline. On status OK,
  * *resp_out holds the decoded response (free with protobuf_c_message_free_unpacked);
  * otherwise it is NULL. Returns st->code == GRPC_STATUS_OK. */
-bool rpc_unary(struct rpc_channel *ch, const char *method, const ProtobufCMessage *req,
-               const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
-               ProtobufCMessage **resp_out, struct rpc_status *st);
+CF_MUST_CHECK bool rpc_unary(struct rpc_channel *ch, const char *method,
+                             const ProtobufCMessage *req,
+                             const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
+                             ProtobufCMessage **resp_out, struct rpc_status *st);
 
 struct rpc_stream;
 
@@ -173,8 +186,8 @@ struct rpc_stream *rpc_stream_open(struct rpc_channel *ch, const char *method,
 /* rpc_stream_read blocks for the next message: 1 with *msg_out set (free it), 0 at the end of
  * the stream (then call rpc_stream_finish for the status), -1 if a message cannot be
  * decoded. */
-int rpc_stream_read(struct rpc_stream *s, const ProtobufCMessageDescriptor *desc,
-                    ProtobufCMessage **msg_out);
+CF_MUST_CHECK int rpc_stream_read(struct rpc_stream *s, const ProtobufCMessageDescriptor *desc,
+                                  ProtobufCMessage **msg_out);
 
 /* rpc_stream_cancel cancels the call from any thread; reads then end. */
 void rpc_stream_cancel(struct rpc_stream *s);

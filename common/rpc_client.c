@@ -2,21 +2,50 @@
  *
  * Each call gets its own pluck completion queue, created and drained with the call. Channels
  * are shared between threads; calls on one channel multiplex over one HTTP/2 connection.
+ *
+ * Reconnection: the core's defaults back off up to two minutes between connection attempts,
+ * so a peer that returns after a few outages would go unused for a long time. Channels are
+ * created with a bounded backoff (first retry after RECONNECT_INITIAL_MS, never more than
+ * RECONNECT_MAX_MS apart), and a call that finds the channel in TRANSIENT_FAILURE, or that
+ * fails UNAVAILABLE, resets the backoff so the next attempt starts at once (at most one reset
+ * per RESET_INTERVAL_MS per channel, so a tight retry loop cannot turn into a connect storm).
+ *
+ * Every call in flight is linked into its channel so rpc_channel_cancel_all can end them from
+ * another thread (the CLI's signal and deadline watchdog).
  */
 #include "rpc.h"
 
+#include "clock.h"
 #include "log.h"
 #include "mem.h"
 
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc_security.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#define RECONNECT_INITIAL_MS 100
+#define RECONNECT_MAX_MS 1000
+#define CONNECT_TIMEOUT_MS 1000 /* GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: a connect attempt's floor */
+#define RESET_INTERVAL_MS 100
+
+/* One call in flight on a channel, linked while it may block. */
+struct live_call {
+    grpc_call *call;
+    struct live_call *prev, *next;
+};
+
 struct rpc_channel {
     grpc_channel *ch;
+    pthread_mutex_t mu;
+    struct live_call *calls; /* in flight, for rpc_channel_cancel_all */
+    bool cancelled;          /* rpc_channel_cancel_all was called */
+    char cancel_why[128];
+    _Atomic int64_t last_reset_ms;
 };
 
 grpc_byte_buffer *rpc_pack(const ProtobufCMessage *msg)
@@ -60,21 +89,32 @@ void rpc_global_shutdown(void)
     grpc_shutdown_blocking();
 }
 
+static grpc_arg int_arg(char *key, int value)
+{
+    grpc_arg a;
+    memset(&a, 0, sizeof(a));
+    a.type = GRPC_ARG_INTEGER;
+    a.key = key;
+    a.value.integer = value;
+    return a;
+}
+
 struct rpc_channel *rpc_channel_new(const char *target, int max_message_bytes)
 {
     struct rpc_channel *c = mem_alloc(sizeof(*c));
     grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-    grpc_arg args[2];
     int max = max_message_bytes > 0 ? max_message_bytes : 16 << 20;
-    args[0].type = GRPC_ARG_INTEGER;
-    args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-    args[0].value.integer = max;
-    args[1].type = GRPC_ARG_INTEGER;
-    args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
-    args[1].value.integer = max;
-    grpc_channel_args ca = {2, args};
+    grpc_arg args[] = {
+        int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max),
+        int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max),
+        int_arg(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, RECONNECT_INITIAL_MS),
+        int_arg(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, CONNECT_TIMEOUT_MS),
+        int_arg(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, RECONNECT_MAX_MS),
+    };
+    grpc_channel_args ca = {sizeof(args) / sizeof(args[0]), args};
     c->ch = grpc_channel_create(target, creds, &ca);
     grpc_channel_credentials_release(creds);
+    pthread_mutex_init(&c->mu, NULL);
     return c;
 }
 
@@ -82,16 +122,92 @@ void rpc_channel_free(struct rpc_channel *ch)
 {
     if (ch) {
         grpc_channel_destroy(ch->ch);
+        pthread_mutex_destroy(&ch->mu);
         free(ch);
     }
+}
+
+/* reset_backoff makes the channel's next connection attempt start now, at most once per
+ * RESET_INTERVAL_MS. */
+static void reset_backoff(struct rpc_channel *ch)
+{
+    int64_t now = clock_mono_ms();
+    int64_t last = atomic_load(&ch->last_reset_ms);
+    if (now - last >= RESET_INTERVAL_MS &&
+        atomic_compare_exchange_strong(&ch->last_reset_ms, &last, now)) {
+        grpc_channel_reset_connect_backoff(ch->ch);
+    }
+}
+
+/* call_begin links a new call into its channel, or returns false (the call must not start)
+ * when the channel was cancelled. A call that finds the channel failing asks for a fresh
+ * connect. */
+static bool call_begin(struct rpc_channel *ch, struct live_call *lc, grpc_call *call)
+{
+    lc->call = call;
+    lc->prev = NULL;
+    pthread_mutex_lock(&ch->mu);
+    if (ch->cancelled) {
+        pthread_mutex_unlock(&ch->mu);
+        return false;
+    }
+    lc->next = ch->calls;
+    if (ch->calls) {
+        ch->calls->prev = lc;
+    }
+    ch->calls = lc;
+    pthread_mutex_unlock(&ch->mu);
+    if (grpc_channel_check_connectivity_state(ch->ch, 0) == GRPC_CHANNEL_TRANSIENT_FAILURE) {
+        reset_backoff(ch);
+    }
+    return true;
+}
+
+/* call_end unlinks a call; afterwards rpc_channel_cancel_all no longer touches it. */
+static void call_end(struct rpc_channel *ch, struct live_call *lc, grpc_status_code code)
+{
+    pthread_mutex_lock(&ch->mu);
+    if (lc->prev) {
+        lc->prev->next = lc->next;
+    } else {
+        ch->calls = lc->next;
+    }
+    if (lc->next) {
+        lc->next->prev = lc->prev;
+    }
+    pthread_mutex_unlock(&ch->mu);
+    if (code == GRPC_STATUS_UNAVAILABLE) {
+        reset_backoff(ch);
+    }
+}
+
+static void set_cancelled_status(struct rpc_channel *ch, struct rpc_status *st)
+{
+    pthread_mutex_lock(&ch->mu);
+    st->code = GRPC_STATUS_CANCELLED;
+    snprintf(st->details, sizeof(st->details), "%s", ch->cancel_why);
+    pthread_mutex_unlock(&ch->mu);
+}
+
+void rpc_channel_cancel_all(struct rpc_channel *ch, const char *why)
+{
+    pthread_mutex_lock(&ch->mu);
+    if (!ch->cancelled) {
+        ch->cancelled = true;
+        snprintf(ch->cancel_why, sizeof(ch->cancel_why), "%s", why ? why : "cancelled");
+    }
+    for (struct live_call *lc = ch->calls; lc; lc = lc->next) {
+        grpc_call_cancel_with_status(lc->call, GRPC_STATUS_CANCELLED, ch->cancel_why, NULL);
+    }
+    pthread_mutex_unlock(&ch->mu);
 }
 
 static gpr_timespec deadline_in(int64_t ms)
 {
     if (ms <= 0) {
-        return gpr_inf_future(GPR_CLOCK_REALTIME);
+        return gpr_inf_future(GPR_CLOCK_MONOTONIC);
     }
-    return gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_millis(ms, GPR_TIMESPAN));
+    return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(ms, GPR_TIMESPAN));
 }
 
 static void drain_cq(grpc_completion_queue *cq)
@@ -128,8 +244,16 @@ bool rpc_unary(struct rpc_channel *ch, const char *method, const ProtobufCMessag
     grpc_slice details = grpc_empty_slice();
     grpc_op ops[6];
     int tag = 0;
+    struct live_call lc;
 
     *resp_out = NULL;
+    if (!call_begin(ch, &lc, call)) {
+        set_cancelled_status(ch, st);
+        grpc_byte_buffer_destroy(send);
+        grpc_call_unref(call);
+        drain_cq(cq);
+        return false;
+    }
     grpc_metadata_array_init(&init_md);
     grpc_metadata_array_init(&trail_md);
     memset(ops, 0, sizeof(ops));
@@ -148,6 +272,7 @@ bool rpc_unary(struct rpc_channel *ch, const char *method, const ProtobufCMessag
     if (grpc_call_start_batch(call, ops, 6, &tag, NULL) == GRPC_CALL_OK) {
         grpc_completion_queue_pluck(cq, &tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     }
+    call_end(ch, &lc, code);
     copy_status(st, code, details);
     if (code == GRPC_STATUS_OK) {
         if (!recv || !(*resp_out = rpc_unpack(resp_desc, recv))) {
@@ -169,6 +294,9 @@ bool rpc_unary(struct rpc_channel *ch, const char *method, const ProtobufCMessag
 }
 
 struct rpc_stream {
+    struct rpc_channel *ch;
+    struct live_call lc;
+    bool linked; /* lc is in ch's list */
     grpc_completion_queue *cq;
     grpc_call *call;
     grpc_metadata_array init_md, trail_md;
@@ -176,6 +304,7 @@ struct rpc_stream {
     grpc_slice details;
     bool got_md;
     bool ended;
+    bool failed_early; /* never started: the channel was cancelled */
     int tag_open, tag_status, tag_read;
 };
 
@@ -192,6 +321,18 @@ struct rpc_stream *rpc_stream_open(struct rpc_channel *ch, const char *method,
     grpc_metadata_array_init(&s->trail_md);
     s->code = GRPC_STATUS_UNKNOWN;
     s->details = grpc_empty_slice();
+    s->ch = ch;
+    s->linked = call_begin(ch, &s->lc, s->call);
+    if (!s->linked) {
+        struct rpc_status st;
+        set_cancelled_status(ch, &st);
+        grpc_slice_unref(s->details);
+        s->code = st.code;
+        s->details = grpc_slice_from_copied_string(st.details);
+        s->ended = true;
+        s->failed_early = true;
+        return s;
+    }
     grpc_byte_buffer *send = rpc_pack(req);
     memset(ops, 0, sizeof(ops));
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
@@ -255,7 +396,13 @@ bool rpc_stream_finish(struct rpc_stream *s, struct rpc_status *st)
     if (!s->ended) {
         grpc_call_cancel(s->call, NULL);
     }
-    grpc_completion_queue_pluck(s->cq, &s->tag_status, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    if (!s->failed_early) {
+        grpc_completion_queue_pluck(s->cq, &s->tag_status, gpr_inf_future(GPR_CLOCK_REALTIME),
+                                    NULL);
+    }
+    if (s->linked) {
+        call_end(s->ch, &s->lc, s->code);
+    }
     copy_status(st, s->code, s->details);
     grpc_slice_unref(s->details);
     grpc_metadata_array_destroy(&s->init_md);
