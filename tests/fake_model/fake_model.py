@@ -3,7 +3,7 @@
 Completions wire protocols, for cflue's tests and for the README's demo.
 
     fake_model.py --port 0 [--host 127.0.0.1] [--scenario FILE.json] [--log FILE.jsonl]
-                  [--require-key KEY] [--no-validate] [--quiet]
+                  [--require-key KEY] [--no-validate] [--quiet] [--brain demo|chaos]
 
 Endpoints:
     POST /v1/messages                          Anthropic Messages API (x-api-key,
@@ -606,6 +606,78 @@ def demo_id(provider, n):
 
 
 # ---------------------------------------------------------------------------------------
+# The chaos brain (--brain chaos): the workload of tests/chaos. Stateless like the demo
+# brain: every step is decided from the conversation it is sent.
+#
+# A user message "chaos tag=TAG plan=S1.S2..." asks for one turn per step; the plan of the
+# first such message after the last final answer is followed (messages that joined later are
+# answered by the same final answer). Steps:
+#   l        bash: append the call's ledger line
+#   sMS      bash: append the ledger line, then sleep MS milliseconds
+#   oBYTES   bash: append the ledger line, then print BYTES bytes of output
+#   r        read the ledger file
+#   p        two bash calls in one turn (each appends its own line)
+# Every bash command first appends "<call id> <tag> <step index>" to CHAOS_LEDGER in the
+# sandbox's working directory, so a command that ran leaves exactly one line per run. Call ids
+# are unique per server start. When the plan is done: a final text naming every tag seen
+# since the last final answer. Without the bash tool offered it answers the text
+# CHAOS_NO_TOOLS at once (the harness counts that as a model reached without its tools).
+
+CHAOS_LEDGER = "chaos-ledger.txt"
+CHAOS_NO_TOOLS = "CHAOS-NO-TOOLS"
+CHAOS_RE = re.compile(r"chaos tag=(\S+) plan=(\S*)")
+_CHAOS_NONCE = "%06x" % ((int(time.time() * 1000) ^ (id(object()) >> 4)) & 0xFFFFFF)
+
+
+def chaos_call(ids, name, args):
+    with ids.lock:
+        ids.tool += 1
+        n = ids.tool
+    return {"name": name, "arguments": args, "id": "chx%s_%d" % (_CHAOS_NONCE, n)}
+
+
+def chaos_bash(call, tag, k, tail):
+    line = "%s %s %d" % (call["id"], tag, k)
+    call["arguments"] = {"command": "echo '%s' >> %s%s" % (line, CHAOS_LEDGER, tail)}
+    return call
+
+
+def chaos_decide(provider, body, ids):
+    system, msgs = normalize(provider, body)
+    if "bash" not in offered_tools(provider, body):
+        return {"text": "%s: the request offered no bash tool" % CHAOS_NO_TOOLS}
+    start = 0
+    for i, m in enumerate(msgs):
+        if m["role"] == "assistant" and not m["tool_calls"]:
+            start = i + 1
+    recent = msgs[start:]
+    plans = [CHAOS_RE.search(m["text"]) for m in recent if m["role"] == "user" and m["text"]]
+    plans = [p for p in plans if p]
+    tags = [p.group(1) for p in plans]
+    done = sum(1 for m in recent if m["role"] == "assistant" and m["tool_calls"])
+    steps = [s for s in plans[0].group(2).split(".") if s] if plans else []
+    if done >= len(steps):
+        return {"text": "chaos done tag=%s answered=%s" % (tags[0] if tags else "-",
+                                                            ",".join(tags))}
+    tag, step = tags[0], steps[done]
+    kind, num = step[:1], int(step[1:] or 0)
+    if kind == "s":
+        calls = [chaos_bash(chaos_call(ids, "bash", {}), tag, done,
+                            "; sleep %.3f; echo slept" % (num / 1000.0))]
+    elif kind == "o":
+        calls = [chaos_bash(chaos_call(ids, "bash", {}), tag, done,
+                            "; head -c %d /dev/zero | tr '\\0' x | fold -w 100" % num)]
+    elif kind == "r":
+        calls = [chaos_call(ids, "read", {"path": CHAOS_LEDGER})]
+    elif kind == "p":
+        calls = [chaos_bash(chaos_call(ids, "bash", {}), tag, done, "; echo one"),
+                 chaos_bash(chaos_call(ids, "bash", {}), tag, done, "; echo two")]
+    else:
+        calls = [chaos_bash(chaos_call(ids, "bash", {}), tag, done, "; echo ok")]
+    return {"text": "chaos step %d of %s" % (done, tag), "tool_calls": calls}
+
+
+# ---------------------------------------------------------------------------------------
 # Responses
 
 
@@ -1008,6 +1080,8 @@ class Handler(BaseHTTPRequestHandler):
                 step, label = {"text": "(scenario finished)"}, "finished"
             else:
                 label = index
+        elif self.server.brain == "chaos":
+            step, label = chaos_decide(provider, body, self.server.ids), "chaos"
         else:
             step, label = demo_decide(provider, body), "demo"
         entry["step"] = label
@@ -1071,7 +1145,7 @@ class Server(ThreadingHTTPServer):
     block_on_close = False
     allow_reuse_address = True
 
-    def __init__(self, addr, script, log_path, require_key, validate, quiet):
+    def __init__(self, addr, script, log_path, require_key, validate, quiet, brain="demo"):
         if ":" in addr[0]:
             self.address_family = socket.AF_INET6
         super().__init__(addr, Handler)
@@ -1079,6 +1153,7 @@ class Server(ThreadingHTTPServer):
         self.require_key = require_key
         self.validate = validate
         self.quiet = quiet
+        self.brain = brain
         self.ids = Ids()
         self.log_lock = threading.Lock()
         self.log_file = open(log_path, "a", encoding="utf-8") if log_path else None
@@ -1101,6 +1176,9 @@ def main(argv=None):
     ap.add_argument("--no-validate", action="store_true",
                     help="skip the request checks the real APIs make (400 errors)")
     ap.add_argument("--quiet", action="store_true", help="no per-request lines on stderr")
+    ap.add_argument("--brain", choices=("demo", "chaos"), default="demo",
+                    help="who answers without --scenario: the demo brain (repairs "
+                         "examples/project) or the chaos brain (tests/chaos's workload)")
     args = ap.parse_args(argv)
 
     script = None
@@ -1113,7 +1191,7 @@ def main(argv=None):
             return 2
     try:
         server = Server((args.host, args.port), script, args.log, args.require_key,
-                        not args.no_validate, args.quiet)
+                        not args.no_validate, args.quiet, args.brain)
     except OSError as e:
         sys.stderr.write("fake_model: cannot listen on %s:%d: %s\n" % (args.host, args.port, e))
         return 1
