@@ -69,18 +69,47 @@ static const char schema_sql[] =
     "  UNIQUE (conversation_id, record_id)) WITHOUT ROWID;"
     "INSERT INTO meta(key, value) VALUES ('schema_version', '" DB_SCHEMA_VERSION "');";
 
+enum cf_status db_code(int sqlite_rc)
+{
+    switch (sqlite_rc & 0xff) {
+    case SQLITE_BUSY:
+    case SQLITE_LOCKED:
+        return CF_UNAVAILABLE;
+    case SQLITE_CORRUPT:
+    case SQLITE_NOTADB:
+        return CF_CORRUPT;
+    case SQLITE_FULL:
+    case SQLITE_IOERR:
+    case SQLITE_READONLY:
+    case SQLITE_CANTOPEN:
+        return CF_IO;
+    default:
+        return CF_DB;
+    }
+}
+
+enum cf_status db_step_fail(sqlite3 *db, int step_rc, const char *what, struct cf_error *err)
+{
+    return cf_error_set(err, db_code(step_rc), "%s: %s (%s)", what, sqlite3_errmsg(db),
+                        sqlite3_errstr(step_rc));
+}
+
 enum cf_status db_fail(sqlite3 *db, const char *what, struct cf_error *err)
 {
-    return cf_error_set(err, CF_DB, "%s: %s", what, sqlite3_errmsg(db));
+    int rc = sqlite3_extended_errcode(db);
+    return cf_error_set(err, db_code(rc == SQLITE_OK ? SQLITE_ERROR : rc), "%s: %s", what,
+                        sqlite3_errmsg(db));
 }
 
 enum cf_status db_exec(sqlite3 *db, const char *sql, struct cf_error *err)
 {
     char *msg = NULL;
-    if (sqlite3_exec(db, sql, NULL, NULL, &msg) != SQLITE_OK) {
-        cf_error_set(err, CF_DB, "%s", msg ? msg : sqlite3_errmsg(db));
+    int rc = sqlite3_exec(db, sql, NULL, NULL, &msg);
+    if (rc != SQLITE_OK) {
+        enum cf_status st =
+            cf_error_set(err, db_code(rc), "%s: %s", sql, msg ? msg : sqlite3_errmsg(db));
         sqlite3_free(msg);
-        return CF_DB;
+        return st;
     }
     return CF_OK;
 }
@@ -93,20 +122,26 @@ enum cf_status db_prepare(sqlite3 *db, const char *sql, sqlite3_stmt **out, stru
     return CF_OK;
 }
 
-/* check_version reads the stamp; *fresh is set when the database has no tables at all. */
+/* check_version reads the stamp; *fresh is set when the database has no tables at all. A
+ * failed read is an error, never taken for "no tables" (which would write a schema over it). */
 static enum cf_status check_version(sqlite3 *db, const char *path, bool *fresh,
                                     struct cf_error *err)
 {
     sqlite3_stmt *st;
-    int tables = 0;
+    int tables = 0, r;
     *fresh = false;
     if (sqlite3_prepare_v2(db, "SELECT count(*) FROM sqlite_master WHERE type='table'", -1, &st,
                            NULL) != SQLITE_OK) {
         return cf_error_set(err, CF_CORRUPT, "%s is not a readable SQLite database: %s", path,
                             sqlite3_errmsg(db));
     }
-    if (sqlite3_step(st) == SQLITE_ROW) {
+    r = sqlite3_step(st);
+    if (r == SQLITE_ROW) {
         tables = sqlite3_column_int(st, 0);
+    } else {
+        enum cf_status rc = db_step_fail(db, r, "read the schema", err);
+        sqlite3_finalize(st);
+        return rc;
     }
     sqlite3_finalize(st);
     if (tables == 0) {
@@ -121,9 +156,12 @@ static enum cf_status check_version(sqlite3 *db, const char *path, bool *fresh,
                             path);
     }
     enum cf_status rc = CF_OK;
-    if (sqlite3_step(st) != SQLITE_ROW) {
+    r = sqlite3_step(st);
+    if (r == SQLITE_DONE) {
         rc = cf_error_set(err, CF_VERSION, "%s has no schema_version stamp; refusing to open it",
                           path);
+    } else if (r != SQLITE_ROW) {
+        rc = db_step_fail(db, r, "read the schema version", err);
     } else {
         const char *v = (const char *)sqlite3_column_text(st, 0);
         if (!v || strcmp(v, DB_SCHEMA_VERSION) != 0) {
@@ -172,7 +210,7 @@ enum cf_status db_open(const char *path, bool writer, sqlite3 **out, struct cf_e
             goto fail;
         }
         if ((rc = db_exec(db, schema_sql, err)) != CF_OK) {
-            db_exec(db, "ROLLBACK", NULL);
+            /* closing the connection below rolls the open transaction back */
             goto fail;
         }
         if ((rc = db_exec(db, "COMMIT", err)) != CF_OK) {

@@ -14,15 +14,31 @@
  * or by something other than storaged with CF_VERSION and a message saying what was found.
  * Reader connections are read-only and expect the schema to exist. On success *out is an open
  * connection the caller closes with sqlite3_close. */
-enum cf_status db_open(const char *path, bool writer, sqlite3 **out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status db_open(const char *path, bool writer, sqlite3 **out,
+                                     struct cf_error *err);
 
-/* db_exec runs SQL without results; CF_DB with SQLite's message on failure. */
+/* db_exec runs SQL without results; on failure the status db_code gives, with SQLite's
+ * message. (Not CF_MUST_CHECK yet only because bench/bench_admit.c ignores two results;
+ * every call in storaged checks it.) */
 enum cf_status db_exec(sqlite3 *db, const char *sql, struct cf_error *err);
 
 /* db_prepare compiles one statement (cached by SQLite's prepare_v3 persistent flag). */
-enum cf_status db_prepare(sqlite3 *db, const char *sql, sqlite3_stmt **out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status db_prepare(sqlite3 *db, const char *sql, sqlite3_stmt **out,
+                                        struct cf_error *err);
 
-/* db_fail turns the current SQLite error into CF_DB with a message naming what failed. */
-enum cf_status db_fail(sqlite3 *db, const char *what, struct cf_error *err);
+/* db_code maps an SQLite result code to the status a client sees: SQLITE_BUSY and
+ * SQLITE_LOCKED (the busy timeout ran out) are CF_UNAVAILABLE, so the caller retries;
+ * SQLITE_CORRUPT and SQLITE_NOTADB are CF_CORRUPT (DATA_LOSS); SQLITE_FULL, SQLITE_IOERR,
+ * SQLITE_READONLY and SQLITE_CANTOPEN are CF_IO; anything else is CF_DB. Never CF_OK. */
+enum cf_status db_code(int sqlite_rc);
+
+/* db_fail turns the connection's current SQLite error into the status db_code gives, with a
+ * message naming what failed and SQLite's own message. Returns that status (never CF_OK). */
+CF_MUST_CHECK enum cf_status db_fail(sqlite3 *db, const char *what, struct cf_error *err);
+
+/* db_step_fail is db_fail for a statement whose sqlite3_step returned step_rc, something other
+ * than SQLITE_ROW or SQLITE_DONE. */
+CF_MUST_CHECK enum cf_status db_step_fail(sqlite3 *db, int step_rc, const char *what,
+                                          struct cf_error *err);
 
 #endif

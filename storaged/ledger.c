@@ -103,15 +103,28 @@ static const char *col_text(struct ledger_ctx *c, sqlite3_stmt *st, int i)
     return t ? arena_memdup(c->arena, t, (size_t)sqlite3_column_bytes(st, i)) : "";
 }
 
-/* step_done runs a statement that returns no rows and finalizes it. */
+/* step_done runs a statement that returns no rows and finalizes it. Anything but
+ * SQLITE_DONE is an error with SQLite's message. */
 static enum cf_status step_done(struct ledger_ctx *c, sqlite3_stmt *st, const char *what,
                                 struct cf_error *err)
 {
     int rc = sqlite3_step(st);
     enum cf_status out = CF_OK;
-    if (rc != SQLITE_DONE && rc != SQLITE_ROW) {
-        out = db_fail(c->db, what, err);
+    if (rc != SQLITE_DONE) {
+        out = rc == SQLITE_ROW ? cf_error_set(err, CF_INTERNAL, "%s returned a row", what)
+                               : db_step_fail(c->db, rc, what, err);
     }
+    sqlite3_finalize(st);
+    return out;
+}
+
+/* step_rows ends a loop of sqlite3_step over rows: the loop stopped with rc, which must be
+ * SQLITE_DONE (every row was seen); anything else is an error, never "no more rows". Finalizes
+ * the statement. */
+static enum cf_status step_rows(struct ledger_ctx *c, sqlite3_stmt *st, int rc, const char *what,
+                                struct cf_error *err)
+{
+    enum cf_status out = rc == SQLITE_DONE ? CF_OK : db_step_fail(c->db, rc, what, err);
     sqlite3_finalize(st);
     return out;
 }
@@ -213,7 +226,7 @@ static enum cf_status load_sub(struct ledger_ctx *c, const char *id, Cflue__V1__
     } else if (r == SQLITE_DONE) {
         rc = cf_error_set(err, CF_NOT_FOUND, "no submission with id '%s'", id);
     } else {
-        rc = db_fail(c->db, "read submission", err);
+        rc = db_step_fail(c->db, r, "read submission", err);
     }
     sqlite3_finalize(st);
     return rc;
@@ -245,9 +258,7 @@ static enum cf_status list_subs(struct ledger_ctx *c, sqlite3_stmt *st,
         row_to_sub(c, st, s);
         (*items)[(*n)++] = s;
     }
-    enum cf_status rc = r == SQLITE_DONE ? CF_OK : db_fail(c->db, "list submissions", err);
-    sqlite3_finalize(st);
-    return rc;
+    return step_rows(c, st, r, "list submissions", err);
 }
 
 /* ---------- fencing ---------- */
@@ -297,7 +308,7 @@ static enum cf_status conversation_head(struct ledger_ctx *c, const char *conv, 
     } else if (r == SQLITE_DONE) {
         rc = cf_error_set(err, CF_NOT_FOUND, "no conversation with id '%s'", conv);
     } else {
-        rc = db_fail(c->db, "read conversation", err);
+        rc = db_step_fail(c->db, r, "read conversation", err);
     }
     sqlite3_finalize(st);
     return rc;
@@ -333,8 +344,9 @@ static enum cf_status insert_records(struct ledger_ctx *c, const char *conv,
         bind_opt_text(st, 6, attempt);
         sqlite3_bind_int64(st, 7, c->now);
         bind_text(st, 8, *r->body_json ? r->body_json : "{}");
-        if (sqlite3_step(st) != SQLITE_DONE) {
-            rc = db_fail(c->db, "insert record", err);
+        int r2 = sqlite3_step(st);
+        if (r2 != SQLITE_DONE) {
+            rc = db_step_fail(c->db, r2, "insert record", err);
             sqlite3_finalize(st);
             return rc;
         }
@@ -391,9 +403,8 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
             out->offset = pos;
             return load_sub(c, existing, out->submission, err);
         }
-        sqlite3_finalize(st);
-        if (r != SQLITE_DONE) {
-            return db_fail(c->db, "look up idempotency key", err);
+        if ((rc = step_rows(c, st, r, "look up idempotency key", err)) != CF_OK) {
+            return rc;
         }
     }
 
@@ -417,9 +428,8 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
                                     owner, req->agent);
             }
         } else {
-            sqlite3_finalize(st);
-            if (r != SQLITE_DONE) {
-                return db_fail(c->db, "read conversation", err);
+            if ((rc = step_rows(c, st, r, "read conversation", err)) != CF_OK) {
+                return rc;
             }
             conv[0] = '\0';
         }
@@ -492,7 +502,7 @@ static enum cf_status pick(struct ledger_ctx *c, const char *sql,
     if (r == SQLITE_ROW) {
         snprintf(id_out, IDS_MAX * 4, "%s", (const char *)sqlite3_column_text(st, 0));
     } else if (r != SQLITE_DONE) {
-        rc = db_fail(c->db, "find claimable work", err);
+        rc = db_step_fail(c->db, r, "find claimable work", err);
     }
     sqlite3_finalize(st);
     return rc;
@@ -544,9 +554,15 @@ enum cf_status ledger_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRequest 
         return rc;
     }
     bind_text(st, 1, row->conversation_id);
-    if (sqlite3_step(st) == SQLITE_ROW) {
-        epoch = sqlite3_column_int64(st, 0);
+    int r = sqlite3_step(st);
+    if (r != SQLITE_ROW) {
+        rc = r == SQLITE_DONE ? cf_error_set(err, CF_INTERNAL, "conversation %s has no row",
+                                             row->conversation_id)
+                              : db_step_fail(c->db, r, "bump conversation epoch", err);
+        sqlite3_finalize(st);
+        return rc;
     }
+    epoch = sqlite3_column_int64(st, 0);
     if ((rc = step_done(c, st, "bump conversation epoch", err)) != CF_OK) {
         return rc;
     }
@@ -607,8 +623,9 @@ enum cf_status ledger_heartbeat(struct ledger_ctx *c, const Cflue__V1__Heartbeat
         bind_text(st, 3, f->attempt_id);
         sqlite3_bind_int64(st, 4, f->epoch);
         bind_text(st, 5, req->owner_id);
-        if (sqlite3_step(st) != SQLITE_DONE) {
-            rc = db_fail(c->db, "renew lease", err);
+        int r = sqlite3_step(st);
+        if (r != SQLITE_DONE) {
+            rc = db_step_fail(c->db, r, "renew lease", err);
             break;
         }
         if (sqlite3_changes(c->db) == 1) {
@@ -797,8 +814,9 @@ enum cf_status ledger_request_abort(struct ledger_ctx *c, const Cflue__V1__Reque
     }
     bind_text(st, 1, key);
     size_t cap = 8;
+    int r;
     out->affected = arena_alloc(c->arena, sizeof(char *) * cap);
-    while (sqlite3_step(st) == SQLITE_ROW) {
+    while ((r = sqlite3_step(st)) == SQLITE_ROW) {
         if (out->n_affected == cap) {
             char **more = arena_alloc(c->arena, sizeof(char *) * cap * 2);
             memcpy(more, out->affected, sizeof(char *) * cap);
@@ -807,7 +825,9 @@ enum cf_status ledger_request_abort(struct ledger_ctx *c, const Cflue__V1__Reque
         }
         out->affected[out->n_affected++] = (char *)col_text(c, st, 0);
     }
-    sqlite3_finalize(st);
+    if ((rc = step_rows(c, st, r, "list submissions to abort", err)) != CF_OK) {
+        return rc;
+    }
     snprintf(sql, sizeof(sql),
              "UPDATE submissions SET abort_requested_at = COALESCE(abort_requested_at, ?2), "
              "abort_reason = COALESCE(abort_reason, ?3) WHERE %s AND status IN "
@@ -838,9 +858,13 @@ enum cf_status ledger_settlement_offset(struct ledger_ctx *c, const char *sub, c
     }
     bind_text(st, 1, conv);
     bind_text(st, 2, rid);
-    *out = sqlite3_step(st) == SQLITE_ROW ? sqlite3_column_int64(st, 0) : -1;
-    sqlite3_finalize(st);
-    return CF_OK;
+    int r = sqlite3_step(st);
+    *out = -1;
+    if (r == SQLITE_ROW) {
+        *out = sqlite3_column_int64(st, 0);
+        r = SQLITE_DONE;
+    }
+    return step_rows(c, st, r, "find settlement record", err);
 }
 
 /* finish settles one row and appends its settlement record. */
@@ -917,8 +941,9 @@ static enum cf_status finish_with_fanout(struct ledger_ctx *c, Cflue__V1__Submis
     }
     bind_text(st, 1, row->submission_id);
     size_t cap = 4;
+    int r;
     out->settled_with = arena_alloc(c->arena, sizeof(char *) * cap);
-    while (sqlite3_step(st) == SQLITE_ROW) {
+    while ((r = sqlite3_step(st)) == SQLITE_ROW) {
         if (out->n_settled_with == cap) {
             char **more = arena_alloc(c->arena, sizeof(char *) * cap * 2);
             memcpy(more, out->settled_with, sizeof(char *) * cap);
@@ -927,7 +952,9 @@ static enum cf_status finish_with_fanout(struct ledger_ctx *c, Cflue__V1__Submis
         }
         out->settled_with[out->n_settled_with++] = (char *)col_text(c, st, 0);
     }
-    sqlite3_finalize(st);
+    if ((rc = step_rows(c, st, r, "list joined submissions", err)) != CF_OK) {
+        return rc;
+    }
     for (size_t i = 0; i < out->n_settled_with; i++) {
         int64_t off;
         if ((rc = finish_one(c, out->settled_with[i], row->conversation_id, outcome, error,
@@ -960,12 +987,16 @@ static enum cf_status reserved(struct ledger_ctx *c, const char *sub, int *outco
         return rc;
     }
     bind_text(st, 1, sub);
-    if (sqlite3_step(st) == SQLITE_ROW) {
+    int r = sqlite3_step(st);
+    if (r == SQLITE_ROW) {
         *outcome = outcome_from((const char *)sqlite3_column_text(st, 0));
         *error = sqlite3_column_type(st, 1) == SQLITE_NULL ? NULL : col_text(c, st, 1);
+        r = SQLITE_DONE;
+    } else if (r == SQLITE_DONE) {
+        sqlite3_finalize(st);
+        return cf_error_set(err, CF_NOT_FOUND, "no submission with id '%s'", sub);
     }
-    sqlite3_finalize(st);
-    return CF_OK;
+    return step_rows(c, st, r, "read reserved outcome", err);
 }
 
 enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleRequest *req,
@@ -1100,7 +1131,8 @@ enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendReques
         }
         bind_text(st, 1, row.conversation_id);
         bind_text(st, 2, r->id);
-        if (sqlite3_step(st) == SQLITE_ROW) {
+        int found = sqlite3_step(st);
+        if (found == SQLITE_ROW) {
             int64_t pos = sqlite3_column_int64(st, 0);
             const char *sub = (const char *)sqlite3_column_text(st, 2);
             bool same = !strcmp((const char *)sqlite3_column_text(st, 1), r->type) &&
@@ -1117,8 +1149,8 @@ enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendReques
             dups++;
             first = pos < first ? pos : first;
             last = pos > last ? pos : last;
-        } else {
-            sqlite3_finalize(st);
+        } else if ((rc = step_rows(c, st, found, "look up record id", err)) != CF_OK) {
+            return rc;
         }
     }
     if (dups == n) {
@@ -1223,7 +1255,7 @@ enum cf_status ledger_conversation(struct ledger_ctx *c, const char *conversatio
     } else if (r == SQLITE_DONE) {
         rc = cf_error_set(err, CF_NOT_FOUND, "no conversation with id '%s'", conversation_id);
     } else {
-        rc = db_fail(c->db, "read conversation", err);
+        rc = db_step_fail(c->db, r, "read conversation", err);
     }
     sqlite3_finalize(st);
     return rc;
@@ -1272,7 +1304,7 @@ enum cf_status ledger_read(struct ledger_ctx *c, const Cflue__V1__ReadRequest *r
         out->next_offset = rec->offset;
     }
     if (r != SQLITE_DONE) {
-        rc = db_fail(c->db, "read records", err);
+        rc = db_step_fail(c->db, r, "read records", err);
     }
     sqlite3_finalize(st);
     out->up_to_date = out->next_offset >= out->head_offset;

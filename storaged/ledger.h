@@ -36,77 +36,88 @@ struct ledger_ctx {
  * function's work back (savepoint). None of them is idempotent unless stated. */
 
 /* ledger_admit admits a submission (idempotent per agent + idempotency key). */
-enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
-                            Cflue__V1__AdmitResponse *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
+                                          Cflue__V1__AdmitResponse *out, struct cf_error *err);
 
 /* ledger_claim claims the next claimable work (see store.proto). An empty response (no
  * submission) is CF_OK. */
-enum cf_status ledger_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRequest *req,
-                            Cflue__V1__ClaimResponse *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ledger_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRequest *req,
+                                          Cflue__V1__ClaimResponse *out, struct cf_error *err);
 
 /* ledger_heartbeat renews the leases the owner still holds. */
-enum cf_status ledger_heartbeat(struct ledger_ctx *c, const Cflue__V1__HeartbeatRequest *req,
-                                Cflue__V1__HeartbeatResponse *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ledger_heartbeat(struct ledger_ctx *c,
+                                              const Cflue__V1__HeartbeatRequest *req,
+                                              Cflue__V1__HeartbeatResponse *out,
+                                              struct cf_error *err);
 
 /* ledger_mark_input_applied stamps the input and installs budgets (first call only). */
-enum cf_status ledger_mark_input_applied(struct ledger_ctx *c,
-                                         const Cflue__V1__MarkInputAppliedRequest *req,
-                                         Cflue__V1__Submission *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status
+ledger_mark_input_applied(struct ledger_ctx *c, const Cflue__V1__MarkInputAppliedRequest *req,
+                          Cflue__V1__Submission *out, struct cf_error *err);
 
 /* ledger_requeue returns a claimed submission to the queue. */
-enum cf_status ledger_requeue(struct ledger_ctx *c, const Cflue__V1__Fence *fence,
-                              Cflue__V1__Submission *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ledger_requeue(struct ledger_ctx *c, const Cflue__V1__Fence *fence,
+                                            Cflue__V1__Submission *out, struct cf_error *err);
 
 /* ledger_claim_joinable takes the contiguous queued run behind a running host. */
-enum cf_status ledger_claim_joinable(struct ledger_ctx *c,
-                                     const Cflue__V1__ClaimJoinableRequest *req,
-                                     Cflue__V1__ClaimJoinableResponse *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ledger_claim_joinable(struct ledger_ctx *c,
+                                                   const Cflue__V1__ClaimJoinableRequest *req,
+                                                   Cflue__V1__ClaimJoinableResponse *out,
+                                                   struct cf_error *err);
 
 /* ledger_finish_join moves a joining delivery to joined (finalize) or back to queued. */
-enum cf_status ledger_finish_join(struct ledger_ctx *c, const Cflue__V1__JoinRequest *req,
-                                  bool finalize, Cflue__V1__Submission *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ledger_finish_join(struct ledger_ctx *c,
+                                                const Cflue__V1__JoinRequest *req, bool finalize,
+                                                Cflue__V1__Submission *out, struct cf_error *err);
 
 /* ledger_request_abort stamps abort intents (first stamp wins; idempotent). */
-enum cf_status ledger_request_abort(struct ledger_ctx *c, const Cflue__V1__RequestAbortRequest *req,
-                                    Cflue__V1__RequestAbortResponse *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ledger_request_abort(struct ledger_ctx *c,
+                                                  const Cflue__V1__RequestAbortRequest *req,
+                                                  Cflue__V1__RequestAbortResponse *out,
+                                                  struct cf_error *err);
 
 /* ledger_settle reserves or finishes a submission's terminal outcome, with joined fan-out and
  * settlement records. Repeating an identical finished Settle is answered already_settled. */
-enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleRequest *req,
-                             Cflue__V1__SettleResponse *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ledger_settle(struct ledger_ctx *c,
+                                           const Cflue__V1__SettleRequest *req,
+                                           Cflue__V1__SettleResponse *out, struct cf_error *err);
 
 /* ledger_append appends a fenced batch of records (idempotent for identical resends). */
-enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendRequest *req,
-                             Cflue__V1__AppendResponse *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ledger_append(struct ledger_ctx *c,
+                                           const Cflue__V1__AppendRequest *req,
+                                           Cflue__V1__AppendResponse *out, struct cf_error *err);
 
 /* Reads: run on a reader connection, outside the writer. */
 
 /* ledger_get reads one submission; CF_NOT_FOUND when unknown. */
-enum cf_status ledger_get(struct ledger_ctx *c, const char *submission_id,
-                          Cflue__V1__Submission *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ledger_get(struct ledger_ctx *c, const char *submission_id,
+                                        Cflue__V1__Submission *out, struct cf_error *err);
 
 /* ledger_list lists submissions in sequence order (see ListRequest). */
-enum cf_status ledger_list(struct ledger_ctx *c, const Cflue__V1__ListRequest *req,
-                           Cflue__V1__ListResponse *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ledger_list(struct ledger_ctx *c, const Cflue__V1__ListRequest *req,
+                                         Cflue__V1__ListResponse *out, struct cf_error *err);
 
 /* ledger_scan_expired lists running or terminalizing rows whose lease expired. */
-enum cf_status ledger_scan_expired(struct ledger_ctx *c, int32_t limit,
-                                   Cflue__V1__ListResponse *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ledger_scan_expired(struct ledger_ctx *c, int32_t limit,
+                                                 Cflue__V1__ListResponse *out,
+                                                 struct cf_error *err);
 
 /* ledger_conversation summarizes a conversation; CF_NOT_FOUND when unknown. */
-enum cf_status ledger_conversation(struct ledger_ctx *c, const char *conversation_id,
-                                   Cflue__V1__Conversation *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ledger_conversation(struct ledger_ctx *c, const char *conversation_id,
+                                                 Cflue__V1__Conversation *out,
+                                                 struct cf_error *err);
 
 /* ledger_read returns records after an offset; CF_RANGE past the head, CF_NOT_FOUND for an
  * unknown conversation. */
-enum cf_status ledger_read(struct ledger_ctx *c, const Cflue__V1__ReadRequest *req,
-                           Cflue__V1__ReadResponse *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ledger_read(struct ledger_ctx *c, const Cflue__V1__ReadRequest *req,
+                                         Cflue__V1__ReadResponse *out, struct cf_error *err);
 
 /* ledger_settlement_offset finds the offset of a submission's settlement record in its
  * conversation: CF_OK with *offset_out (-1 when not settled yet); CF_NOT_FOUND if unknown. */
-enum cf_status ledger_settlement_offset(struct ledger_ctx *c, const char *submission_id,
-                                        const char *conversation_id, int64_t *offset_out,
-                                        struct cf_error *err);
+CF_MUST_CHECK enum cf_status ledger_settlement_offset(struct ledger_ctx *c,
+                                                      const char *submission_id,
+                                                      const char *conversation_id,
+                                                      int64_t *offset_out, struct cf_error *err);
 
 /* ledger_status_name is the column value of a status ("queued", ...). */
 const char *ledger_status_name(Cflue__V1__SubmissionStatus st);

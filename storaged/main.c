@@ -105,7 +105,15 @@ int main(int argc, char **argv)
     struct ledger_config cfg = {
         .lease_ms = lease_ms, .timeout_ms = timeout_ms, .max_attempts = (int32_t)max_attempts};
     struct notifier *notifier = notifier_new();
-    struct writer *writer = writer_start(db, &cfg, notifier, (int)group);
+    struct writer *writer;
+    if (writer_start(&writer, db, &cfg, notifier, (int)group, &err) != CF_OK) {
+        log_error("writer_start_failed", "err=%s", err.msg);
+        fprintf(stderr, "storaged: cannot start the writer thread: %s\n", err.msg);
+        sqlite3_close(db);
+        notifier_free(notifier);
+        rpc_global_shutdown();
+        return 1;
+    }
     struct service *svc = service_new(db_path, writer, notifier, &cfg);
     struct rpc_server_opts ro = {.workers = (int)workers, .max_message_bytes = (int)max_msg};
     struct rpc_server *srv = rpc_server_new(&ro);

@@ -71,22 +71,49 @@ static void reader_give(struct service *svc, sqlite3 *db)
     sqlite3_close(db);
 }
 
+/* reader_begin takes a reader connection and opens a read transaction on it, so everything
+ * read until reader_end is one snapshot. */
+static enum cf_status reader_begin(struct service *svc, sqlite3 **out, struct cf_error *err)
+{
+    enum cf_status rc = reader_take(svc, out, err);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    if ((rc = db_exec(*out, "BEGIN", err)) != CF_OK) {
+        sqlite3_close(*out);
+        *out = NULL;
+    }
+    return rc;
+}
+
+/* reader_end ends the read transaction and pools the connection again; a connection that
+ * cannot end it is closed instead, so no pooled connection keeps an old snapshot. What was
+ * read stays valid either way: the snapshot was consistent. */
+static void reader_end(struct service *svc, sqlite3 *db)
+{
+    struct cf_error err;
+    if (db_exec(db, "COMMIT", &err) != CF_OK) {
+        char q[CF_ERROR_MSG_MAX + 16];
+        log_warn("reader_end_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
+        sqlite3_close(db);
+        return;
+    }
+    reader_give(svc, db);
+}
+
 /* read_snapshot runs a read method's ledger function inside one read transaction. */
 static enum cf_status read_snapshot(struct service *svc, struct arena *a, ledger_fn fn,
                                     const ProtobufCMessage *req, ProtobufCMessage *resp,
                                     struct cf_error *err)
 {
     sqlite3 *db;
-    enum cf_status rc = reader_take(svc, &db, err);
+    enum cf_status rc = reader_begin(svc, &db, err);
     if (rc != CF_OK) {
         return rc;
     }
     struct ledger_ctx ctx = {.db = db, .arena = a, .cfg = svc->cfg, .now = clock_now_ms()};
-    if ((rc = db_exec(db, "BEGIN", err)) == CF_OK) {
-        rc = fn(&ctx, req, resp, err);
-        db_exec(db, "COMMIT", NULL);
-    }
-    reader_give(svc, db);
+    rc = fn(&ctx, req, resp, err);
+    reader_end(svc, db);
     return rc;
 }
 
@@ -290,9 +317,8 @@ static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *use
     probe.after_offset = req->after_offset;
     probe.limit = 1;
     sqlite3 *db;
-    if ((st = reader_take(svc, &db, &err)) == CF_OK) {
+    if ((st = reader_begin(svc, &db, &err)) == CF_OK) {
         struct ledger_ctx ctx = {.db = db, .arena = &a, .cfg = svc->cfg, .now = clock_now_ms()};
-        db_exec(db, "BEGIN", NULL);
         st = ledger_read(&ctx, &probe, &page, &err);
         if (st == CF_OK && *req->until_settled) {
             Cflue__V1__Submission sub;
@@ -312,8 +338,7 @@ static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *use
             }
             snprintf(settled_id, sizeof(settled_id), "settled:%s", req->until_settled);
         }
-        db_exec(db, "COMMIT", NULL);
-        reader_give(svc, db);
+        reader_end(svc, db);
     }
     arena_cleanup(&a);
     if (st != CF_OK) {
@@ -335,12 +360,10 @@ static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *use
         rq.after_offset = cursor;
         rq.limit = FOLLOW_PAGE;
         arena_init(&a);
-        if ((st = reader_take(svc, &db, &err)) == CF_OK) {
+        if ((st = reader_begin(svc, &db, &err)) == CF_OK) {
             struct ledger_ctx ctx = {.db = db, .arena = &a, .cfg = svc->cfg, .now = clock_now_ms()};
-            db_exec(db, "BEGIN", NULL);
             st = ledger_read(&ctx, &rq, &rs, &err);
-            db_exec(db, "COMMIT", NULL);
-            reader_give(svc, db);
+            reader_end(svc, db);
         }
         if (st != CF_OK) {
             arena_cleanup(&a);

@@ -6,8 +6,10 @@
 #include "failpoint.h"
 #include "log.h"
 #include "mem.h"
+#include "thread.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 
@@ -30,56 +32,129 @@ struct writer {
     bool synced; /* the connection is at synchronous=FULL */
 };
 
+/* fail_rest gives every job of the batch that succeeded or never ran the batch's error: when
+ * the transaction cannot be trusted, nothing in it is committed and nobody is told otherwise.
+ * Jobs that failed on their own keep their own reason. */
+static void fail_rest(struct writer_job *jobs, enum cf_status st, const char *what, const char *why)
+{
+    for (struct writer_job *j = jobs; j; j = j->next) {
+        if (j->st == CF_OK || j->st == CF_UNAVAILABLE) {
+            j->st = cf_error_set(&j->err, st, "%s%s", what, why);
+        }
+    }
+}
+
+/* end_transaction rolls back an open transaction (after a failed statement, COMMIT or
+ * savepoint). SQLite may have rolled back already (then the connection is in autocommit mode
+ * and there is nothing to do). If ROLLBACK itself fails, the connection stays inside the
+ * transaction: the next batch finds it so and tries again before doing anything, and fails
+ * its jobs until that works, so no later job can commit on top of half a batch. */
+static bool end_transaction(struct writer *w)
+{
+    struct cf_error err;
+    if (sqlite3_get_autocommit(w->db)) {
+        return true;
+    }
+    if (db_exec(w->db, "ROLLBACK", &err) != CF_OK) {
+        char q[CF_ERROR_MSG_MAX + 16];
+        log_error("rollback_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
+        return false;
+    }
+    return true;
+}
+
+/* set_sync puts the connection at synchronous=FULL (durable) or NORMAL. A batch that needs
+ * FULL and cannot get it is not run: its jobs would be answered with less durability than
+ * promised. Failing to leave FULL only costs speed. */
+static enum cf_status set_sync(struct writer *w, bool durable, struct cf_error *err)
+{
+    if (durable == w->synced) {
+        return CF_OK;
+    }
+    enum cf_status st =
+        db_exec(w->db, durable ? "PRAGMA synchronous=FULL" : "PRAGMA synchronous=NORMAL", err);
+    if (st == CF_OK) {
+        w->synced = durable;
+        return CF_OK;
+    }
+    if (!durable) {
+        char q[CF_ERROR_MSG_MAX + 16];
+        log_warn("sync_normal_failed", "err=%s", log_quote(q, sizeof(q), err->msg));
+        return CF_OK; /* stays FULL */
+    }
+    return st;
+}
+
 static void run_batch(struct writer *w, struct writer_job *jobs)
 {
     struct cf_error err;
+    enum cf_status st;
     struct ledger_ctx ctx = {.db = w->db, .cfg = w->cfg, .now = clock_now_ms()};
     bool any_ok = false, durable = false;
 
     for (struct writer_job *j = jobs; j; j = j->next) {
         durable = durable || j->durable;
+        /* not run yet: what fail_rest reports if the batch stops before this job */
+        j->st = cf_error_set(&j->err, CF_UNAVAILABLE, "not run");
     }
-    if (durable != w->synced) {
-        db_exec(w->db, durable ? "PRAGMA synchronous=FULL" : "PRAGMA synchronous=NORMAL", NULL);
-        w->synced = durable;
+    if (!end_transaction(w)) {
+        fail_rest(jobs, CF_DB,
+                  "the database connection is stuck in a transaction that cannot be rolled "
+                  "back (see the log); nothing was written",
+                  "");
+        return;
     }
-    if (db_exec(w->db, "BEGIN IMMEDIATE", &err) != CF_OK) {
-        for (struct writer_job *j = jobs; j; j = j->next) {
-            j->st = cf_error_set(&j->err, CF_DB, "cannot begin transaction: %s", err.msg);
-        }
+    if ((st = set_sync(w, durable, &err)) != CF_OK) {
+        fail_rest(jobs, st, "cannot set synchronous=FULL: ", err.msg);
+        return;
+    }
+    if ((st = db_exec(w->db, "BEGIN IMMEDIATE", &err)) != CF_OK) {
+        fail_rest(jobs, st, "cannot begin transaction: ", err.msg);
         return;
     }
     for (struct writer_job *j = jobs; j; j = j->next) {
-        cf_error_clear(&j->err);
         ctx.arena = j->arena;
-        db_exec(w->db, "SAVEPOINT job", NULL);
-        j->st = j->run(&ctx, j->arg, &j->err);
-        if (j->st != CF_OK) {
-            db_exec(w->db, "ROLLBACK TO job", NULL);
-        } else {
-            any_ok = true;
+        if ((st = db_exec(w->db, "SAVEPOINT job", &err)) != CF_OK) {
+            goto broken;
         }
-        db_exec(w->db, "RELEASE job", NULL);
+        cf_error_clear(&j->err);
+        j->st = j->run(&ctx, j->arg, &j->err);
+        if (j->st != CF_OK && (st = db_exec(w->db, "ROLLBACK TO job", &err)) != CF_OK) {
+            goto broken;
+        }
+        if ((st = db_exec(w->db, "RELEASE job", &err)) != CF_OK) {
+            goto broken;
+        }
+        any_ok = any_ok || j->st == CF_OK;
     }
     if (!any_ok) {
-        db_exec(w->db, "ROLLBACK", NULL);
+        end_transaction(w);
         return;
     }
     failpoint_hit("storaged.commit.before");
-    if (db_exec(w->db, "COMMIT", &err) != CF_OK) {
-        log_error("commit_failed", "err=%s", status_name(err.code));
-        db_exec(w->db, "ROLLBACK", NULL);
-        for (struct writer_job *j = jobs; j; j = j->next) {
-            if (j->st == CF_OK) {
-                j->st = cf_error_set(&j->err, CF_DB, "commit failed: %s", err.msg);
-            }
-        }
+    if ((st = db_exec(w->db, "COMMIT", &err)) != CF_OK) {
+        char q[CF_ERROR_MSG_MAX + 16];
+        log_error("commit_failed", "code=%s err=%s", status_name(st),
+                  log_quote(q, sizeof(q), err.msg));
+        end_transaction(w);
+        fail_rest(jobs, st, "commit failed: ", err.msg);
         return;
     }
     failpoint_hit("storaged.commit.after");
     if (ctx.appended) {
         notifier_bump(w->notifier);
     }
+    return;
+
+broken : {
+    /* A savepoint statement failed: which work is inside the transaction is unknown, so all
+     * of it is rolled back and every job not refused on its own fails. */
+    char q[CF_ERROR_MSG_MAX + 16];
+    log_error("savepoint_failed", "code=%s err=%s", status_name(st),
+              log_quote(q, sizeof(q), err.msg));
+    end_transaction(w);
+    fail_rest(jobs, st, "the batch was rolled back: ", err.msg);
+}
 }
 
 static void *writer_main(void *arg)
@@ -115,10 +190,11 @@ static void *writer_main(void *arg)
     }
 }
 
-struct writer *writer_start(sqlite3 *db, const struct ledger_config *cfg, struct notifier *n,
-                            int max_batch)
+enum cf_status writer_start(struct writer **out, sqlite3 *db, const struct ledger_config *cfg,
+                            struct notifier *n, int max_batch, struct cf_error *err)
 {
     struct writer *w = mem_alloc(sizeof(*w));
+    enum cf_status st;
     w->db = db;
     w->cfg = cfg;
     w->notifier = n;
@@ -126,8 +202,15 @@ struct writer *writer_start(sqlite3 *db, const struct ledger_config *cfg, struct
     w->synced = true; /* db_open sets FULL */
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
-    pthread_create(&w->thread, NULL, writer_main, w);
-    return w;
+    if ((st = thread_start(&w->thread, 0, writer_main, w, err)) != CF_OK) {
+        pthread_mutex_destroy(&w->mu);
+        pthread_cond_destroy(&w->cv);
+        free(w);
+        *out = NULL;
+        return st;
+    }
+    *out = w;
+    return CF_OK;
 }
 
 void writer_submit(struct writer *w, struct writer_job *job)

@@ -32,10 +32,18 @@ struct writer_job {
     struct cf_error err;
 };
 
-/* writer_start starts the writer thread on db (which it then owns and closes). Followers
- * waiting on n are woken after each commit that appended records. */
-struct writer *writer_start(sqlite3 *db, const struct ledger_config *cfg, struct notifier *n,
-                            int max_batch);
+/* writer_start starts the writer thread on db, which it then owns and closes, and stores it
+ * in *out. Followers waiting on n are woken after each commit that appended records. When the
+ * thread cannot be started it returns the status of thread_start with err set, *out is NULL
+ * and db still belongs to the caller.
+ *
+ * Failures inside a batch: a job whose work fails is rolled back to its savepoint alone. When
+ * SAVEPOINT, ROLLBACK TO, RELEASE or COMMIT fail, the whole batch is rolled back and every job
+ * that had not failed on its own gets that error: nothing is answered as written unless its
+ * COMMIT returned. SQLITE_BUSY/LOCKED after the busy timeout are CF_UNAVAILABLE (retry). */
+CF_MUST_CHECK enum cf_status writer_start(struct writer **out, sqlite3 *db,
+                                          const struct ledger_config *cfg, struct notifier *n,
+                                          int max_batch, struct cf_error *err);
 
 /* writer_submit queues a job; the job must stay valid until its done callback. After
  * writer_stop began, the job completes at once with CF_UNAVAILABLE. */

@@ -1,0 +1,90 @@
+"""A database that fails under storaged: every SQLite step error reaches the client as an
+error status (DATA_LOSS for corruption, INTERNAL or UNAVAILABLE otherwise), never as an empty
+or "not found" answer. The fault is real: a page of the database file is overwritten while
+storaged is stopped, the way a bad disk sector or a stray writer would.
+"""
+
+import os
+import sqlite3
+import unittest
+
+import grpc
+
+from cflue_harness import (
+    StoragedTestCase, admit, append, claim, common_pb2, read_all, record, settle, store_pb2)
+
+ERROR_CODES = (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.INTERNAL,
+               grpc.StatusCode.UNAVAILABLE)
+
+
+def corrupt_index(db_path, index_name):
+    """Overwrites every page of one index b-tree with garbage. The database must be closed
+    (storaged stopped, so its WAL is checkpointed into the file)."""
+    con = sqlite3.connect(db_path)
+    try:
+        page_size = con.execute('PRAGMA page_size').fetchone()[0]
+        root = con.execute('SELECT rootpage FROM sqlite_master WHERE name = ?',
+                           (index_name,)).fetchone()
+        assert root, 'no index named %s' % index_name
+        count = con.execute('PRAGMA page_count').fetchone()[0]
+    finally:
+        con.close()
+    assert not os.path.exists(db_path + '-wal') or os.path.getsize(db_path + '-wal') == 0, \
+        'the WAL was not checkpointed'
+    # The test's index is tiny: its root page is its only page (a leaf).
+    assert 1 < root[0] <= count
+    with open(db_path, 'r+b') as f:
+        f.seek((root[0] - 1) * page_size)
+        f.write(b'\xff' * page_size)
+
+
+class StepErrorTest(StoragedTestCase):
+
+    def settled_conversation(self):
+        stub = self.stub
+        sub = admit(stub, conv='dberr-c', text='hello').submission
+        c = claim(stub, submission_id=sub.submission_id)
+        append(stub, c.fence, [record(id_='r1', body={'n': 1}), record(id_='r2', body={'n': 2})])
+        s = settle(stub, c.fence, common_pb2.FAILED, 'boom')
+        self.assertGreaterEqual(s.record_offset, 0)
+        return sub, c.fence, s.record_offset
+
+    def test_corrupt_record_index_is_an_error_not_an_empty_answer(self):
+        """The records' (conversation, record id) index is corrupted. Follow until_settled
+        looks the settlement record up through it: the old code read the step error as "not
+        settled yet" and waited for a settlement that had happened (DEADLINE_EXCEEDED); now
+        the stream fails at once with an error status. A repeated identical Settle fails at
+        the same lookup, naming it (the old code answered its job OK with record_offset -1 and
+        only the COMMIT failed). Reads by offset (another b-tree) still work."""
+        sd = self.storaged
+        sub, fence_, offset = self.settled_conversation()
+        sd.stop()
+        corrupt_index(sd.db, 'sqlite_autoindex_records_2')
+        sd.start()
+        stub = sd.stub
+
+        # the records themselves are intact and readable by offset
+        self.assertEqual([r.id for r in read_all(stub, 'dberr-c')][:2], ['r1', 'r2'])
+
+        stream = stub.follow(store_pb2.FollowRequest(conversation_id='dberr-c',
+                                                     after_offset=offset,
+                                                     until_settled=sub.submission_id),
+                             timeout=5)
+        with self.assertRaises(grpc.RpcError) as cm:
+            list(stream)
+        self.assertIn(cm.exception.code(), ERROR_CODES, cm.exception.details())
+
+        e = self.assertRpcError(ERROR_CODES, settle, stub, fence_, common_pb2.FAILED, 'boom')
+        self.assertIn('settlement record', e.details())
+
+        # a resent record goes through the same index: an error, not a second copy
+        self.assertRpcError(ERROR_CODES + (grpc.StatusCode.FAILED_PRECONDITION,), append, stub,
+                            fence_, [record(id_='r1', body={'n': 1})])
+
+        # storaged keeps serving what it can
+        self.assertEqual(stub.get(store_pb2.GetRequest(submission_id=sub.submission_id)).status,
+                         common_pb2.SETTLED)
+
+
+if __name__ == '__main__':
+    unittest.main()
