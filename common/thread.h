@@ -1,4 +1,5 @@
-/* thread.h - starting threads, and a per-thread random source for jitter.
+/* thread.h - starting threads, a per-thread random source for jitter, and the hand-off marks
+ * ThreadSanitizer needs where gRPC moves our objects between threads.
  *
  * Every thread the project starts goes through thread_start, so a failure to start one is a
  * status the caller must handle (a batch that cannot start a worker fails that call; a daemon
@@ -30,5 +31,51 @@ uint64_t thread_random(void);
 
 /* thread_jitter_ms returns a uniformly random duration in [0, max_ms). 0 when max_ms <= 0. */
 int64_t thread_jitter_ms(int64_t max_ms);
+
+/* Hand-offs through gRPC, for ThreadSanitizer (scripts/test --tsan).
+ *
+ * gRPC is not built with -fsanitize=thread, so the ordering its completion queue gives (a tag
+ * passed to grpc_call_start_batch or grpc_server_request_*call on one thread comes back from
+ * grpc_completion_queue_next on another, after everything the first thread wrote) is invisible
+ * to TSan, which then reports every later access to the tagged object as a race. Name the
+ * edge instead of suppressing the report:
+ *
+ *     thread_handoff_release(c);                   just before handing c's tag to gRPC
+ *     grpc_call_start_batch(c->call, ops, n, &c->t_close, NULL);
+ *     ...
+ *     ev = grpc_completion_queue_next(cq, ...);    on the thread that receives it
+ *     thread_handoff_acquire(<the object the tag points to>);
+ *
+ * Both take the same address (the object, not the tag, when several tags share one object).
+ * They only order memory for TSan: they are no-ops, with no cost, in every other build, and
+ * never replace a lock or an atomic for a hand-off that gRPC does not order. */
+#if defined(__SANITIZE_THREAD__)
+#define CF_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define CF_TSAN 1
+#endif
+#endif
+
+#ifdef CF_TSAN
+#include <sanitizer/tsan_interface.h>
+static inline void thread_handoff_release(void *obj)
+{
+    __tsan_release(obj);
+}
+static inline void thread_handoff_acquire(void *obj)
+{
+    __tsan_acquire(obj);
+}
+#else
+static inline void thread_handoff_release(void *obj)
+{
+    (void)obj;
+}
+static inline void thread_handoff_acquire(void *obj)
+{
+    (void)obj;
+}
+#endif
 
 #endif
