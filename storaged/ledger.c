@@ -690,6 +690,19 @@ enum cf_status ledger_requeue(struct ledger_ctx *c, const Cflue__V1__Fence *fenc
 
 /* ---------- joins ---------- */
 
+/* is_compact tells a Compact submission (agentd admits it with metadata cflue.kind=compact).
+ * It is its own ordered work: never joined into a running submission, and nothing joins it. */
+static bool is_compact(const Cflue__V1__Submission *s)
+{
+    for (size_t i = 0; i < s->n_metadata; i++) {
+        if (!strcmp(s->metadata[i]->key, LEDGER_KIND_KEY) &&
+            !strcmp(s->metadata[i]->value, LEDGER_KIND_COMPACT)) {
+            return true;
+        }
+    }
+    return false;
+}
+
 enum cf_status ledger_claim_joinable(struct ledger_ctx *c,
                                      const Cflue__V1__ClaimJoinableRequest *req,
                                      Cflue__V1__ClaimJoinableResponse *out, struct cf_error *err)
@@ -713,8 +726,13 @@ enum cf_status ledger_claim_joinable(struct ledger_ctx *c,
         return rc;
     }
     out->submissions = rows;
+    if (is_compact(&host)) {
+        return CF_OK; /* a compaction delivers no input: nothing joins it */
+    }
     for (size_t i = 0; i < n; i++) {
-        if (rows[i]->abort_requested_at_ms || (req->limit > 0 && i >= (size_t)req->limit)) {
+        /* The run stops at the first row that cannot join (never skips it: FIFO holds). */
+        if (rows[i]->abort_requested_at_ms || is_compact(rows[i]) ||
+            (req->limit > 0 && i >= (size_t)req->limit)) {
             break;
         }
         if ((rc = db_prepare(c->db,

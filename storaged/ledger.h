@@ -17,6 +17,11 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+/* Submission metadata naming the kind of work: a Compact submission carries
+ * cflue.kind=compact and is never joined (ledger_claim_joinable). */
+#define LEDGER_KIND_KEY "cflue.kind"
+#define LEDGER_KIND_COMPACT "compact"
+
 struct ledger_config {
     int64_t lease_ms;     /* default lease when a Claim asks for 0 */
     int64_t timeout_ms;   /* default submission deadline, from the first claim */
@@ -59,7 +64,9 @@ ledger_mark_input_applied(struct ledger_ctx *c, const Cflue__V1__MarkInputApplie
 CF_MUST_CHECK enum cf_status ledger_requeue(struct ledger_ctx *c, const Cflue__V1__Fence *fence,
                                             Cflue__V1__Submission *out, struct cf_error *err);
 
-/* ledger_claim_joinable takes the contiguous queued run behind a running host. */
+/* ledger_claim_joinable takes the contiguous queued run behind a running host: it stops before
+ * the first row with an abort intent or a Compact submission (never skipping one, so FIFO
+ * holds), and a Compact host takes none. */
 CF_MUST_CHECK enum cf_status ledger_claim_joinable(struct ledger_ctx *c,
                                                    const Cflue__V1__ClaimJoinableRequest *req,
                                                    Cflue__V1__ClaimJoinableResponse *out,
