@@ -461,9 +461,10 @@ class Nemesis(object):
         names = list(self.stack.daemons)
         if kind == 'kill':
             name = rng.choice(names)
-            self.stack.kill(name)
-            time.sleep(rng.uniform(0, 0.5))
-            self.stack.start(name)
+            with self.stack.locks[name]:  # the monitor must not restart it meanwhile
+                self.stack.kill(name)
+                time.sleep(rng.uniform(0, 0.5))
+                self.stack.start(name)
             self.note('kill', name)
         elif kind.startswith('outage'):
             name = rng.choice(names)
