@@ -38,15 +38,14 @@ int64_t thread_jitter_ms(int64_t max_ms);
  * passed to grpc_call_start_batch or grpc_server_request_*call on one thread comes back from
  * grpc_completion_queue_next on another, after everything the first thread wrote) is invisible
  * to TSan, which then reports every later access to the tagged object as a race. Name the
- * edge instead of suppressing the report:
+ * edge instead of suppressing the report, with the tag itself (the pointer gRPC carries):
  *
- *     thread_handoff_release(c);                   just before handing c's tag to gRPC
- *     grpc_call_start_batch(c->call, ops, n, &c->t_close, NULL);
+ *     thread_handoff_release(&c->t_send);         just before handing the tag to gRPC
+ *     grpc_call_start_batch(c->call, ops, n, &c->t_send, NULL);
  *     ...
- *     ev = grpc_completion_queue_next(cq, ...);    on the thread that receives it
- *     thread_handoff_acquire(<the object the tag points to>);
+ *     ev = grpc_completion_queue_next(cq, ...);   on the thread that receives it,
+ *     thread_handoff_acquire(ev.tag);             before the first read through the tag
  *
- * Both take the same address (the object, not the tag, when several tags share one object).
  * They only order memory for TSan: they are no-ops, with no cost, in every other build, and
  * never replace a lock or an atomic for a hand-off that gRPC does not order. */
 #if defined(__SANITIZE_THREAD__)
