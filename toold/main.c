@@ -82,12 +82,16 @@ int main(int argc, char **argv)
     }
     log_init("toold", (enum log_level)lv);
     failpoint_init();
-    /* commands run under toold's own binary as their runner (proc.h); a binary replaced or
-     * removed since start is still reachable as /proc/self/exe */
+    /* commands run under a runner (proc.h): toold-runner next to this binary, else toold
+     * itself (a binary replaced or removed since start is still reachable as /proc/self/exe) */
     char exe[PATH_MAX];
     ssize_t exe_len = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
     exe[exe_len > 0 ? exe_len : 0] = '\0';
-    if (exe_len <= 0 || exe[0] != '/' || strstr(exe, " (deleted)") || access(exe, X_OK) != 0) {
+    char *slash = strrchr(exe, '/');
+    if (slash && !strstr(exe, " (deleted)") && (size_t)(slash - exe) + 16 < sizeof(exe)) {
+        strcpy(slash + 1, "toold-runner");
+    }
+    if (exe_len <= 0 || exe[0] != '/' || access(exe, X_OK) != 0) {
         snprintf(exe, sizeof(exe), "/proc/self/exe");
     }
     proc_set_runner(exe);

@@ -53,6 +53,15 @@ struct proc_result {
     int64_t duration_ms;
 };
 
+#define PROC_KILL_GRACE_MS 2000      /* SIGTERM to SIGKILL */
+#define PROC_DRAIN_AFTER_EXIT_MS 100 /* what a finished command's background jobs get */
+
+/* What the runner tells toold on its fd 3 once the command started (or could not start). */
+struct runner_report {
+    int32_t err; /* errno of the failed start, 0 when the command runs */
+    int32_t pid; /* the command's main process (leader of its own process group) */
+};
+
 /* PROC_RUNNER_FLAG as argv[1] makes a program that calls proc_runner_main act as the runner. */
 #define PROC_RUNNER_FLAG "--proc-runner"
 
