@@ -27,6 +27,7 @@ const struct driver *driver_find(const char *name);
 
 /* driver_available checks that the driver can run commands on this machine (bwrap present and
  * allowed to create namespaces); CF_UNAVAILABLE with the reason otherwise. */
-enum cf_status driver_available(const struct driver *d, const char *root, struct cf_error *err);
+CF_MUST_CHECK enum cf_status driver_available(const struct driver *d, const char *root,
+                                              struct cf_error *err);
 
 #endif

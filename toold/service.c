@@ -8,11 +8,13 @@
 
 #include "clock.h"
 #include "driver.h"
+#include "failpoint.h"
 #include "ids.h"
 #include "locks.h"
 #include "log.h"
 #include "mem.h"
 #include "proc.h"
+#include "thread.h"
 #include "utf8.h"
 
 #include "cflue/v1/sandbox.pb-c.h"
@@ -114,6 +116,7 @@ static enum cf_status run_call(const Cflue__V1__ToolCall *call, struct rpc_call 
         locks_wait(sb->locks, ticket_key, ticket);
         locks_release(sb->locks, ticket_key);
     }
+    failpoint_hit("toold.tool.after_run"); /* ran; its result not yet sent */
     char q[256];
     log_info("tool.call", "sandbox=%s tool=%s call=%s error=%d truncated=%d ms=%lld", sb->name,
              log_quote(q, sizeof(q), call->name), *call->call_id ? call->call_id : "-",
@@ -180,6 +183,7 @@ struct batch_item {
     enum cf_status st;
     struct cf_error err;
     bool done, sent;
+    bool started; /* thread holds a joinable handle */
     pthread_t thread;
 };
 
@@ -246,7 +250,24 @@ static void on_execute_batch(struct rpc_call *c, const ProtobufCMessage *msg, vo
         reserve(&items[i]);
     }
     for (size_t i = 0; i < req->n_calls; i++) {
-        pthread_create(&items[i].thread, NULL, batch_worker, &items[i]);
+        if (thread_start(&items[i].thread, 0, batch_worker, &items[i], &items[i].err) != CF_OK) {
+            /* this call gets an error result; its per-path turn is passed on unused */
+            if (items[i].has_ticket) {
+                struct sandbox *sb;
+                struct cf_error e2;
+                if (workspaces_get(server_state.ws, items[i].call->sandbox, &sb, &e2) == CF_OK) {
+                    locks_wait(sb->locks, items[i].key, items[i].ticket);
+                    locks_release(sb->locks, items[i].key);
+                }
+            }
+            tool_fail(&items[i].res, "The call could not start (%s); it did not run.",
+                      items[i].err.msg);
+            pthread_mutex_lock(&b.mu);
+            items[i].done = true;
+            pthread_mutex_unlock(&b.mu);
+        } else {
+            items[i].started = true;
+        }
     }
     size_t sent = 0;
     bool alive = true;
@@ -282,7 +303,9 @@ static void on_execute_batch(struct rpc_call *c, const ProtobufCMessage *msg, vo
         free(details);
     }
     for (size_t i = 0; i < req->n_calls; i++) {
-        pthread_join(items[i].thread, NULL);
+        if (items[i].started) {
+            pthread_join(items[i].thread, NULL);
+        }
         tool_result_cleanup(&items[i].res);
     }
     free(items);
@@ -309,6 +332,53 @@ static bool sandbox_for(struct rpc_call *c, const char *name, const char *path, 
     return true;
 }
 
+/* read_whole reads fd to its end, at most max bytes (CF_TOOBIG past that), in bounded steps
+ * that stop when the caller leaves. The file may change meanwhile: what is returned is what
+ * was read, never more than max. */
+static enum cf_status read_whole(struct rpc_call *c, int fd, const char *shown, size_t max,
+                                 uint8_t **out, size_t *len_out, struct cf_error *err)
+{
+    size_t cap = 64 * 1024, got = 0;
+    uint8_t *data = mem_alloc(cap);
+    for (;;) {
+        if (got == cap) {
+            if (cap > max) {
+                free(data);
+                return cf_error_set(err, CF_TOOBIG,
+                                    "%s is over %zu bytes, the most ReadFile returns", shown, max);
+            }
+            cap *= 2;
+            data = mem_realloc(data, cap);
+        }
+        size_t want = cap - got < (1 << 20) ? cap - got : (1 << 20);
+        ssize_t r = read(fd, data + got, want);
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r < 0) {
+            int e = errno;
+            free(data);
+            return ws_errno_error(e, "read", shown, err);
+        }
+        if (r == 0) {
+            break;
+        }
+        got += (size_t)r;
+        if (got > max) {
+            free(data);
+            return cf_error_set(err, CF_TOOBIG, "%s is over %zu bytes, the most ReadFile returns",
+                                shown, max);
+        }
+        if (rpc_call_client_gone(c)) {
+            free(data);
+            return cf_error_set(err, CF_CANCELLED, "the caller went away");
+        }
+    }
+    *out = data;
+    *len_out = got;
+    return CF_OK;
+}
+
 static void on_read_file(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__ReadFileRequest *req = (const void *)msg;
@@ -316,17 +386,14 @@ static void on_read_file(struct rpc_call *c, const ProtobufCMessage *msg, void *
     struct sandbox *sb;
     struct cf_error err;
     struct stat st;
+    uint8_t *data = NULL;
+    size_t len = 0;
     int fd;
     if (!sandbox_for(c, req->sandbox, req->path, rel, &sb)) {
         return;
     }
-    if (ws_open(sb, rel, O_RDONLY, 0, req->path, &fd, &err) != CF_OK) {
+    if (ws_open_regular(sb, rel, req->path, &fd, &st, &err) != CF_OK) {
         rpc_call_fail_error(c, &err);
-        return;
-    }
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        rpc_call_fail(c, CF_INVALID, "%s is not a regular file", req->path);
         return;
     }
     if (st.st_size > SANDBOX_FILE_MAX) {
@@ -335,16 +402,15 @@ static void on_read_file(struct rpc_call *c, const ProtobufCMessage *msg, void *
                       req->path, (long long)st.st_size, SANDBOX_FILE_MAX);
         return;
     }
-    uint8_t *data = malloc((size_t)st.st_size + 1);
-    size_t got = 0;
-    ssize_t r;
-    while (got < (size_t)st.st_size && (r = read(fd, data + got, (size_t)st.st_size - got)) > 0) {
-        got += (size_t)r;
-    }
+    enum cf_status rc = read_whole(c, fd, req->path, SANDBOX_FILE_MAX, &data, &len, &err);
     close(fd);
+    if (rc != CF_OK) {
+        rpc_call_fail_error(c, &err);
+        return;
+    }
     Cflue__V1__ReadFileResponse resp = CFLUE__V1__READ_FILE_RESPONSE__INIT;
     resp.data.data = data;
-    resp.data.len = got;
+    resp.data.len = len;
     rpc_call_reply(c, &resp.base);
     free(data);
 }
@@ -405,8 +471,13 @@ static void on_stat(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
         rpc_call_fail_error(c, &err);
         return;
     }
-    fstat(fd, &st);
+    int st_rc = fstat(fd, &st);
+    int st_errno = errno;
     close(fd);
+    if (st_rc != 0) {
+        rpc_call_fail(c, ws_errno_error(st_errno, "stat", req->path, &err), "%s", err.msg);
+        return;
+    }
     Cflue__V1__FileInfo fi;
     const char *base = strrchr(rel, '/');
     stat_info(&fi, base ? base + 1 : rel, &st, S_ISLNK(st.st_mode));
@@ -486,8 +557,7 @@ static void on_mkdir(struct rpc_call *c, const ProtobufCMessage *msg, void *user
     close(dirfd);
     snprintf(child, sizeof(child), "%s", rel);
     if (r != 0 && !(e == EEXIST && req->parents)) {
-        ws_errno_error(e, "mkdir", req->path, &err);
-        rpc_call_fail_error(c, &err);
+        rpc_call_fail(c, ws_errno_error(e, "mkdir", req->path, &err), "%s", err.msg);
         return;
     }
     Cflue__V1__MkdirResponse resp = CFLUE__V1__MKDIR_RESPONSE__INIT;
@@ -542,8 +612,7 @@ static void on_remove(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     int e = errno;
     close(dirfd);
     if (r != 0) {
-        ws_errno_error(e, "remove", req->path, &err);
-        rpc_call_fail_error(c, &err);
+        rpc_call_fail(c, ws_errno_error(e, "remove", req->path, &err), "%s", err.msg);
         return;
     }
     Cflue__V1__RemoveResponse resp = CFLUE__V1__REMOVE_RESPONSE__INIT;

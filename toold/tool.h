@@ -107,8 +107,8 @@ void tool_glob_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res);
 
 /* tool_lock_path takes the per-path turn for a mutating call (its own ticket, or the one the
  * batch reserved), returning the lock key (a normalized path) for tool_unlock_path. */
-enum cf_status tool_lock_path(struct tool_ctx *ctx, const char *path, char *key, size_t key_len,
-                              struct cf_error *err);
+CF_MUST_CHECK enum cf_status tool_lock_path(struct tool_ctx *ctx, const char *path, char *key,
+                                            size_t key_len, struct cf_error *err);
 
 /* tool_unlock_path ends the turn taken by tool_lock_path. */
 void tool_unlock_path(struct tool_ctx *ctx, const char *key);

@@ -13,6 +13,7 @@
 #include "driver.h"
 #include "ids.h"
 #include "log.h"
+#include "mem.h"
 #include "proc.h"
 #include "utf8.h"
 
@@ -90,8 +91,8 @@ static void prune_spills(int dirfd, int keep)
     while (d && (e = readdir(d))) {
         size_t len = strlen(e->d_name);
         if (!strncmp(e->d_name, "bash_", 5) && len > 4 && !strcmp(e->d_name + len - 4, ".log")) {
-            names = realloc(names, sizeof(char *) * (n + 1));
-            names[n++] = strdup(e->d_name);
+            names = mem_realloc(names, sizeof(char *) * (n + 1));
+            names[n++] = mem_strdup(e->d_name);
         }
     }
     if (d) {
@@ -228,7 +229,7 @@ void tool_bash_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
         return;
     }
 
-    c = calloc(1, sizeof(*c));
+    c = mem_alloc(sizeof(*c));
     c->ctx = ctx;
     c->spill_fd = -1;
     buf_init(&c->pending, PENDING_MAX);
@@ -272,7 +273,7 @@ void tool_bash_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
             res->trunc.shown_last_line = (int64_t)total_lines;
         }
     } else {
-        char *tail = malloc(TAIL_KEEP);
+        char *tail = mem_alloc(TAIL_KEEP);
         size_t n = ring_linear(c, tail);
         /* the view never includes the final '\n' */
         if (n && tail[n - 1] == '\n') {

@@ -11,6 +11,7 @@
 #include "tool.h"
 
 #include "driver.h"
+#include "mem.h"
 #include "proc.h"
 #include "utf8.h"
 #include "walk.h"
@@ -23,11 +24,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #define BINARY_SNIFF (64 * 1024)
+#define GREP_CHUNK (1 << 20)     /* bytes read at a time by the built-in engine */
+#define GREP_LINE_MAX (16 << 20) /* longer lines are searched in pieces of this size */
 
 /* ---------- the first-K heap ---------- */
 
@@ -107,6 +109,16 @@ static void topk_free(struct topk *k)
     free(k->items);
 }
 
+/* append_path adds a file name as valid UTF-8: names are bytes, and invalid sequences become
+ * U+FFFD (DECISIONS.md), so every protobuf string toold sends parses in any client. Sorting
+ * happens before, on the raw bytes. */
+static void append_path(struct buf *b, const char *path)
+{
+    if (utf8_sanitize(b, path, strlen(path)) != CF_OK) {
+        /* the result buffer is full: the text is cut like any over-long result */
+    }
+}
+
 /* ---------- grep ---------- */
 
 struct grep {
@@ -119,6 +131,8 @@ struct grep {
     const char *include;
     struct buf line; /* partial output line of an external engine */
     int engine_errors;
+    char *data; /* the built-in engine's read buffer */
+    size_t data_cap;
 };
 
 static char *cut_text(const char *p, size_t n)
@@ -146,32 +160,12 @@ static bool include_ok(const struct grep *g, const char *rel)
     return fnmatch(g->include, name, 0) == 0;
 }
 
-static bool grep_visit(void *arg, const char *rel, int dirfd, const char *name)
+/* grep_segment searches data[0..size), whole lines starting at line *line_no, and advances
+ * *line_no past them. A line is reported once even when it was searched in pieces. */
+static void grep_segment(struct grep *g, const char *rel, const char *data, size_t size,
+                         int64_t *line_no_io, int64_t *last_hit)
 {
-    struct grep *g = arg;
-    struct stat st;
-    if (!include_ok(g, rel)) {
-        return true;
-    }
-    int fd = openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0) {
-        return true;
-    }
-    if (fstat(fd, &st) != 0 || st.st_size == 0) {
-        close(fd);
-        return true;
-    }
-    size_t size = (size_t)st.st_size;
-    char *data = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    close(fd);
-    if (data == MAP_FAILED) {
-        return true;
-    }
-    if (memchr(data, '\0', size < BINARY_SNIFF ? size : BINARY_SNIFF)) {
-        munmap(data, size); /* binary: skipped, as ripgrep does */
-        return true;
-    }
-    int64_t line_no = 1;
+    int64_t line_no = *line_no_io;
     const char *counted = data;
     size_t pos = 0;
     while (pos < size) {
@@ -192,19 +186,102 @@ static bool grep_visit(void *arg, const char *rel, int dirfd, const char *name)
         int one = ov[1] <= line_end ? 1
                                     : pcre2_match(g->re, (PCRE2_SPTR)(data + line_start),
                                                   line_end - line_start, 0, 0, g->md, NULL);
-        if (one >= 0) {
-            for (const char *q = counted; (q = memchr(q, '\n', (size_t)(data + line_start - q)));
-                 q++) {
-                line_no++;
-            }
-            counted = data + line_start;
-            struct hit h = {strdup(rel), line_no,
+        for (const char *q = counted; (q = memchr(q, '\n', (size_t)(data + line_start - q))); q++) {
+            line_no++;
+        }
+        counted = data + line_start;
+        if (one >= 0 && line_no != *last_hit) {
+            struct hit h = {mem_strdup(rel), line_no,
                             cut_text(data + line_start, line_end - line_start)};
             topk_add(&g->hits, h);
+            *last_hit = line_no;
         }
         pos = line_end + 1;
     }
-    munmap(data, size);
+    for (const char *q = counted; (q = memchr(q, '\n', (size_t)(data + size - q))); q++) {
+        line_no++;
+    }
+    *line_no_io = line_no;
+}
+
+/* fill reads until want bytes are in or the file ends; false on an error. */
+static bool fill(int fd, char *p, size_t want, size_t *got_out)
+{
+    size_t got = 0;
+    while (got < want) {
+        ssize_t r = read(fd, p + got, want - got);
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r < 0) {
+            return false;
+        }
+        if (r == 0) {
+            break;
+        }
+        got += (size_t)r;
+    }
+    *got_out = got;
+    return true;
+}
+
+/* grep_visit searches one file of the walk: opened only if it is a regular file, read (never
+ * mapped) in GREP_CHUNK steps cut at line ends, up to the size it had when opened. */
+static bool grep_visit(void *arg, const char *rel, int dirfd, const char *name)
+{
+    struct grep *g = arg;
+    struct stat st;
+    struct cf_error err;
+    int fd;
+    if (!include_ok(g, rel)) {
+        return true;
+    }
+    if (ws_open_regular_at(dirfd, name, rel, &fd, &st, &err) != CF_OK) {
+        return true; /* special files (and what vanished) are skipped */
+    }
+    size_t left = (size_t)st.st_size, have = 0;
+    int64_t line_no = 1, last_hit = 0;
+    bool first = true, more = left > 0;
+    while (more) {
+        if (g->data_cap - have < GREP_CHUNK) {
+            g->data_cap = have + GREP_CHUNK;
+            g->data = mem_realloc(g->data, g->data_cap);
+        }
+        size_t want = left < GREP_CHUNK ? left : GREP_CHUNK, got;
+        if (!fill(fd, g->data + have, want, &got)) {
+            break;
+        }
+        have += got;
+        left -= got;
+        more = got == want && left > 0;
+        if (first) {
+            first = false;
+            if (memchr(g->data, '\0', have < BINARY_SNIFF ? have : BINARY_SNIFF)) {
+                break; /* binary: skipped, as ripgrep does */
+            }
+        }
+        size_t upto = have;
+        if (more) {
+            const char *nl = memrchr(g->data, '\n', have);
+            if (nl) {
+                upto = (size_t)(nl - g->data) + 1;
+            } else if (have < GREP_LINE_MAX) {
+                continue; /* a long line: read more of it */
+            }
+        }
+        grep_segment(g, rel, g->data, upto, &line_no, &last_hit);
+        memmove(g->data, g->data + upto, have - upto);
+        have -= upto;
+        if (tool_cancelled(g->ctx)) {
+            break;
+        }
+    }
+    close(fd);
+    if (g->data_cap > 4 * GREP_CHUNK) { /* do not keep a long line's buffer */
+        free(g->data);
+        g->data = NULL;
+        g->data_cap = 0;
+    }
     return !tool_cancelled(g->ctx);
 }
 
@@ -238,7 +315,7 @@ static void parse_engine_line(struct grep *g, const char *p, size_t n)
         g->engine_errors++;
         return;
     }
-    char *rel = strndup(path, (size_t)(nul - path));
+    char *rel = mem_strndup(path, (size_t)(nul - path));
     if (g->filter && ignore_filter_skips(g->filter, rel, g->start_rel)) {
         free(rel);
         return;
@@ -378,9 +455,20 @@ void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
         tool_fail_error(res, &err);
         goto out;
     }
-    close(fd); /* the path exists and is reachable; the engines do the rest */
+    /* the path exists and is reachable; the engines do the rest, but none is handed a FIFO,
+     * socket or device to block on */
+    struct stat st;
+    int st_rc = fstat(fd, &st);
+    close(fd);
+    if (st_rc != 0 || !(S_ISDIR(st.st_mode) || S_ISREG(st.st_mode))) {
+        tool_fail(res,
+                  "%s is neither a regular file nor a directory (a FIFO, socket or device); grep "
+                  "searches files and directories.",
+                  path);
+        goto out;
+    }
     g.hits.cap = TOOL_GREP_MATCHES_MAX;
-    g.hits.items = calloc(g.hits.cap, sizeof(struct hit));
+    g.hits.items = mem_alloc(g.hits.cap * sizeof(struct hit));
     buf_init(&g.line, 8192);
 
     const char *engine = ctx->cfg->grep_engine;
@@ -422,7 +510,7 @@ void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
         } else {
             buf_append_str(&cmd,
                            literal ? "LC_ALL=C exec grep -rnHZF" : "LC_ALL=C exec grep -rnHZE");
-            buf_append_str(&cmd, " --binary-files=without-match");
+            buf_append_str(&cmd, " --binary-files=without-match --devices=skip");
             if (g.include) {
                 /* before the excludes: with both, the last matching option wins */
                 buf_append_str(&cmd, " --include");
@@ -454,8 +542,11 @@ void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
     }
     qsort(g.hits.items, g.hits.n, sizeof(struct hit), qsort_hit);
     for (size_t i = 0; i < g.hits.n; i++) {
-        buf_printf(&res->text, "%s%s:%lld:%s", i ? "\n" : "", g.hits.items[i].path,
-                   (long long)g.hits.items[i].line, g.hits.items[i].text);
+        if (i) {
+            buf_append_str(&res->text, "\n");
+        }
+        append_path(&res->text, g.hits.items[i].path);
+        buf_printf(&res->text, ":%lld:%s", (long long)g.hits.items[i].line, g.hits.items[i].text);
     }
     json_object_set_new(res->details, "matches", json_integer((json_int_t)g.hits.total));
     if (g.hits.total == 0) {
@@ -476,6 +567,7 @@ out:
     buf_cleanup(&g.line);
     pcre2_match_data_free(g.md);
     pcre2_code_free(g.re);
+    free(g.data);
 }
 
 /* ---------- glob ---------- */
@@ -494,7 +586,7 @@ static bool glob_visit(void *arg, const char *rel, int dirfd, const char *name_i
     const char *name = strrchr(rel, '/');
     name = name ? name + 1 : rel;
     if (fnmatch(g->pattern, name, 0) == 0) {
-        struct hit h = {strdup(rel), 0, NULL};
+        struct hit h = {mem_strdup(rel), 0, NULL};
         topk_add(&g->hits, h);
     }
     return !tool_cancelled(g->ctx);
@@ -521,6 +613,11 @@ void tool_glob_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
     }
     json_object_set_new(res->details, "pattern", json_string(pattern));
     json_object_set_new(res->details, "path", json_string(path));
+    if (json_string_length(json_object_get(args, "pattern")) > TOOL_PATTERN_MAX) {
+        tool_fail(res, "The pattern is %zu bytes; the limit is %d.",
+                  json_string_length(json_object_get(args, "pattern")), TOOL_PATTERN_MAX);
+        return;
+    }
     if (!*pattern) {
         tool_fail(res, "The pattern is empty; give a file-name pattern such as *.c.");
         return;
@@ -544,7 +641,7 @@ void tool_glob_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
         return;
     }
     g.hits.cap = TOOL_GLOB_PATHS_MAX;
-    g.hits.items = calloc(g.hits.cap, sizeof(struct hit));
+    g.hits.items = mem_alloc(g.hits.cap * sizeof(struct hit));
     struct walk_opts wo = {.visit = glob_visit, .cancelled = glob_cancelled, .ctx = &g};
     if (walk_tree(ctx->sb, rel, path, &wo, &err) != CF_OK) {
         tool_fail_error(res, &err);
@@ -556,7 +653,10 @@ void tool_glob_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
     }
     qsort(g.hits.items, g.hits.n, sizeof(struct hit), qsort_hit);
     for (size_t i = 0; i < g.hits.n; i++) {
-        buf_printf(&res->text, "%s%s", i ? "\n" : "", g.hits.items[i].path);
+        if (i) {
+            buf_append_str(&res->text, "\n");
+        }
+        append_path(&res->text, g.hits.items[i].path);
     }
     json_object_set_new(res->details, "matches", json_integer((json_int_t)g.hits.total));
     if (g.hits.total == 0) {

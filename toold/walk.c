@@ -20,6 +20,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#define IGNORE_FILE_MAX (1 << 20) /* bytes of one .gitignore or .ignore that are read */
+
 struct rule {
     char *pattern; /* without '!', trailing '/', leading '/' */
     char *base;    /* directory of the ignore file, relative to the root ("" for the root) */
@@ -72,61 +74,86 @@ static bool glob_match(const char *pat, const char *str)
     return false;
 }
 
+/* add_rule parses one ignore-file line (NUL-terminated, modified in place). */
+static void add_rule(struct rules *r, char *line, const char *base)
+{
+    size_t n = strcspn(line, "\r\n");
+    line[n] = '\0';
+    while (n > 0 && line[n - 1] == ' ' && (n < 2 || line[n - 2] != '\\')) {
+        line[--n] = '\0';
+    }
+    char *p = line;
+    if (!*p || *p == '#') {
+        return;
+    }
+    struct rule rule = {0};
+    if (*p == '!') {
+        rule.negate = true;
+        p++;
+    } else if (*p == '\\' && (p[1] == '!' || p[1] == '#')) {
+        p++;
+    }
+    n = strlen(p);
+    if (n && p[n - 1] == '/') {
+        rule.dir_only = true;
+        p[--n] = '\0';
+    }
+    if (!n) {
+        return;
+    }
+    if (*p == '/') {
+        rule.anchored = true;
+        p++;
+    } else if (strchr(p, '/')) {
+        rule.anchored = strncmp(p, "**/", 3) != 0 || strchr(p + 3, '/') != NULL;
+    }
+    if (!rule.anchored && !strncmp(p, "**/", 3)) {
+        p += 3;
+    }
+    rule.pattern = mem_strdup(p);
+    rule.base = mem_strdup(base);
+    if (r->n == r->cap) {
+        r->cap = r->cap ? r->cap * 2 : 16;
+        r->items = mem_realloc(r->items, sizeof(*r->items) * r->cap);
+    }
+    r->items[r->n++] = rule;
+}
+
+/* add_rules reads the ignore file name in dirfd: only a regular file (a FIFO there must not
+ * block the walk), only its first IGNORE_FILE_MAX bytes. */
 static void add_rules(struct rules *r, int dirfd, const char *name, const char *base)
 {
-    int fd = openat(dirfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-    if (fd < 0) {
+    int fd;
+    struct stat st;
+    struct cf_error err;
+    if (ws_open_regular_at(dirfd, name, name, &fd, &st, &err) != CF_OK) {
         return;
     }
-    FILE *f = fdopen(fd, "r");
-    if (!f) {
-        close(fd);
-        return;
-    }
-    char line[4096];
-    while (fgets(line, sizeof(line), f)) {
-        size_t n = strcspn(line, "\r\n");
-        line[n] = '\0';
-        while (n > 0 && line[n - 1] == ' ' && (n < 2 || line[n - 2] != '\\')) {
-            line[--n] = '\0';
-        }
-        char *p = line;
-        if (!*p || *p == '#') {
+    char *text = mem_alloc(IGNORE_FILE_MAX + 1);
+    size_t got = 0;
+    while (got < IGNORE_FILE_MAX) {
+        ssize_t k = read(fd, text + got, IGNORE_FILE_MAX - got);
+        if (k < 0 && errno == EINTR) {
             continue;
         }
-        struct rule rule = {0};
-        if (*p == '!') {
-            rule.negate = true;
-            p++;
-        } else if (*p == '\\' && (p[1] == '!' || p[1] == '#')) {
-            p++;
+        if (k <= 0) {
+            break;
         }
-        n = strlen(p);
-        if (n && p[n - 1] == '/') {
-            rule.dir_only = true;
-            p[--n] = '\0';
-        }
-        if (!n) {
-            continue;
-        }
-        if (*p == '/') {
-            rule.anchored = true;
-            p++;
-        } else if (strchr(p, '/')) {
-            rule.anchored = strncmp(p, "**/", 3) != 0 || strchr(p + 3, '/') != NULL;
-        }
-        if (!rule.anchored && !strncmp(p, "**/", 3)) {
-            p += 3;
-        }
-        rule.pattern = mem_strdup(p);
-        rule.base = mem_strdup(base);
-        if (r->n == r->cap) {
-            r->cap = r->cap ? r->cap * 2 : 16;
-            r->items = mem_realloc(r->items, sizeof(*r->items) * r->cap);
-        }
-        r->items[r->n++] = rule;
+        got += (size_t)k;
     }
-    fclose(f);
+    close(fd);
+    text[got] = '\0';
+    for (char *line = text, *next; line < text + got; line = next) {
+        char *nl = memchr(line, '\n', (size_t)(text + got - line));
+        next = nl ? nl + 1 : text + got;
+        if (nl) {
+            *nl = '\0';
+        }
+        if (!memchr(line, '\0', (size_t)((nl ? nl : text + got) - line))) {
+            add_rule(r, line, base);
+        }
+    }
+    free(text);
 }
 
 static void drop_rules(struct rules *r, size_t keep)
@@ -279,13 +306,15 @@ enum cf_status walk_tree(const struct sandbox *sb, const char *start_rel, const 
 {
     int fd;
     struct stat st;
-    enum cf_status rc = ws_open(sb, start_rel, O_RDONLY | O_NONBLOCK, 0, shown_path, &fd, err);
+    /* O_PATH: the start is looked at before anything is opened for reading */
+    enum cf_status rc = ws_open(sb, start_rel, O_PATH, 0, shown_path, &fd, err);
     if (rc != CF_OK) {
         return rc;
     }
     if (fstat(fd, &st) != 0) {
+        int e = errno;
         close(fd);
-        return ws_errno_error(errno, "stat", shown_path, err);
+        return ws_errno_error(e, "stat", shown_path, err);
     }
     if (S_ISREG(st.st_mode)) {
         /* a file named explicitly: reopen it through its parent like any walked file */
@@ -300,9 +329,15 @@ enum cf_status walk_tree(const struct sandbox *sb, const char *start_rel, const 
         close(dirfd);
         return CF_OK;
     }
+    close(fd);
     if (!S_ISDIR(st.st_mode)) {
-        close(fd);
-        return cf_error_set(err, CF_INVALID, "%s is neither a file nor a directory", shown_path);
+        return cf_error_set(err, CF_INVALID,
+                            "%s is neither a regular file nor a directory (a FIFO, socket or "
+                            "device)",
+                            shown_path);
+    }
+    if ((rc = ws_open(sb, start_rel, O_RDONLY | O_DIRECTORY, 0, shown_path, &fd, err)) != CF_OK) {
+        return rc;
     }
     struct walker *w = mem_alloc(sizeof(*w));
     w->o = opts;
@@ -426,11 +461,15 @@ bool ignore_filter_skips(struct ignore_filter *f, const char *rel, const char *s
     if (!skip) {
         int fd;
         struct cf_error err;
-        if (ws_open(f->sb, rel, O_RDONLY | O_NONBLOCK, 0, rel, &fd, &err) == CF_OK) {
-            char buf[64 * 1024];
-            ssize_t r = read(fd, buf, sizeof(buf));
+        struct stat st;
+        if (ws_open_regular(f->sb, rel, rel, &fd, &st, &err) == CF_OK) {
+            char *buf = mem_alloc(64 * 1024);
+            ssize_t r = read(fd, buf, 64 * 1024);
             skip = r > 0 && memchr(buf, 0, (size_t)r) != NULL;
+            free(buf);
             close(fd);
+        } else {
+            skip = true; /* gone, or not a regular file: the walk would not list it */
         }
     }
     f->last_skip = skip;

@@ -27,8 +27,9 @@ struct walk_opts {
 /* walk_tree walks start_rel (a normalized path from ws_relative). A regular file as start is
  * visited alone (hidden and ignore rules do not apply to it). CF_NOT_FOUND and friends, with
  * messages naming shown_path, when the start cannot be opened. */
-enum cf_status walk_tree(const struct sandbox *sb, const char *start_rel, const char *shown_path,
-                         const struct walk_opts *opts, struct cf_error *err);
+CF_MUST_CHECK enum cf_status walk_tree(const struct sandbox *sb, const char *start_rel,
+                                       const char *shown_path, const struct walk_opts *opts,
+                                       struct cf_error *err);
 
 /* An ignore filter answers, for paths an external engine (rg, grep) reported, whether toold's
  * own walk would have skipped them: a hidden component, an ignore-file rule on the file or a

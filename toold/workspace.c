@@ -217,6 +217,72 @@ enum cf_status ws_open(const struct sandbox *sb, const char *rel, int flags, mod
     return CF_OK;
 }
 
+/* finish_regular checks the O_PATH descriptor pfd (closed here) and reopens it for reading. */
+static enum cf_status finish_regular(int pfd, const char *shown_path, int *fd_out, struct stat *st,
+                                     struct cf_error *err)
+{
+    char proc[64];
+    if (fstat(pfd, st) != 0) {
+        int e = errno;
+        close(pfd);
+        return ws_errno_error(e, "stat", shown_path, err);
+    }
+    if (S_ISDIR(st->st_mode)) {
+        close(pfd);
+        return cf_error_set(err, CF_INVALID, "%s is a directory, not a file", shown_path);
+    }
+    if (!S_ISREG(st->st_mode)) {
+        close(pfd);
+        return cf_error_set(err, CF_INVALID,
+                            "%s is not a regular file (it is a %s); only regular files can be "
+                            "read",
+                            shown_path,
+                            S_ISFIFO(st->st_mode)   ? "FIFO"
+                            : S_ISSOCK(st->st_mode) ? "socket"
+                            : S_ISLNK(st->st_mode)  ? "symbolic link"
+                                                    : "device");
+    }
+    snprintf(proc, sizeof(proc), "/proc/self/fd/%d", pfd);
+    int fd = open(proc, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    int e = errno;
+    close(pfd);
+    if (fd < 0) {
+        return ws_errno_error(e, "open", shown_path, err);
+    }
+    struct stat again;
+    if (fstat(fd, &again) != 0 || again.st_dev != st->st_dev || again.st_ino != st->st_ino) {
+        close(fd);
+        return cf_error_set(err, CF_IO, "%s changed while it was being opened; try again",
+                            shown_path);
+    }
+    *st = again;
+    *fd_out = fd;
+    return CF_OK;
+}
+
+enum cf_status ws_open_regular(const struct sandbox *sb, const char *rel, const char *shown_path,
+                               int *fd_out, struct stat *st_out, struct cf_error *err)
+{
+    int pfd;
+    memset(st_out, 0, sizeof(*st_out));
+    enum cf_status rc = ws_open(sb, rel, O_PATH, 0, shown_path, &pfd, err);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    return finish_regular(pfd, shown_path, fd_out, st_out, err);
+}
+
+enum cf_status ws_open_regular_at(int dirfd, const char *name, const char *shown_path, int *fd_out,
+                                  struct stat *st_out, struct cf_error *err)
+{
+    memset(st_out, 0, sizeof(*st_out));
+    int pfd = openat(dirfd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+    if (pfd < 0) {
+        return ws_errno_error(errno, "open", shown_path, err);
+    }
+    return finish_regular(pfd, shown_path, fd_out, st_out, err);
+}
+
 enum cf_status ws_open_parent(const struct sandbox *sb, const char *rel, bool create_parents,
                               const char *shown_path, int *dirfd_out, char *base_out,
                               size_t base_len, struct cf_error *err)
@@ -426,6 +492,63 @@ void workspaces_free(struct workspaces *w)
     free(w);
 }
 
+/* make_dirs creates path and its missing parents (mode 0755). */
+static int make_dirs(const char *path)
+{
+    char tmp[PATH_MAX];
+    snprintf(tmp, sizeof(tmp), "%s", path);
+    for (char *p = tmp + 1; *p; p++) {
+        if (*p == '/') {
+            *p = '\0';
+            if (mkdir(tmp, 0755) != 0 && errno != EEXIST) {
+                return -1;
+            }
+            *p = '/';
+        }
+    }
+    return mkdir(tmp, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+/* revive checks that the sandbox's directory is still the one root_fd holds; when a command
+ * removed it (or toold's whole root), it is created again and reopened onto the same
+ * descriptor number with dup3, so calls running meanwhile never see a closed or reused
+ * descriptor (at worst the removed directory, and an error from it). */
+static enum cf_status revive(struct sandbox *sb, struct cf_error *err)
+{
+    struct stat held, now;
+    if (fstat(sb->root_fd, &held) == 0 && held.st_nlink > 0 && lstat(sb->root, &now) == 0 &&
+        now.st_dev == held.st_dev && now.st_ino == held.st_ino) {
+        return CF_OK;
+    }
+    enum cf_status rc = CF_OK;
+    pthread_mutex_lock(&sb->mu);
+    if (fstat(sb->root_fd, &held) == 0 && held.st_nlink > 0 && lstat(sb->root, &now) == 0 &&
+        now.st_dev == held.st_dev && now.st_ino == held.st_ino) {
+        goto done; /* another call revived it */
+    }
+    if (make_dirs(sb->root) != 0) {
+        rc = cf_error_set(err, CF_IO, "workspace %s was removed and cannot be created again: %s",
+                          sb->root, strerror(errno));
+        goto done;
+    }
+    int fd = open(sb->root, O_PATH | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) {
+        rc = cf_error_set(err, CF_IO,
+                          "workspace %s was replaced by something that is not a directory: %s",
+                          sb->root, strerror(errno));
+        goto done;
+    }
+    if (dup3(fd, sb->root_fd, O_CLOEXEC) < 0) {
+        rc = cf_error_set(err, CF_IO, "cannot reopen workspace %s: %s", sb->root, strerror(errno));
+    } else {
+        log_warn("sandbox_recreated", "sandbox=%s root=%s", sb->name, sb->root);
+    }
+    close(fd);
+done:
+    pthread_mutex_unlock(&sb->mu);
+    return rc;
+}
+
 enum cf_status workspaces_get(struct workspaces *w, const char *name, struct sandbox **out,
                               struct cf_error *err)
 {
@@ -437,9 +560,13 @@ enum cf_status workspaces_get(struct workspaces *w, const char *name, struct san
     pthread_mutex_lock(&w->mu);
     for (int i = 0; i < w->n; i++) {
         if (!strcmp(w->items[i]->name, name)) {
-            *out = w->items[i];
+            struct sandbox *sb = w->items[i];
             pthread_mutex_unlock(&w->mu);
-            return CF_OK;
+            enum cf_status rc = revive(sb, err);
+            if (rc == CF_OK) {
+                *out = sb;
+            }
+            return rc;
         }
     }
     enum cf_status rc = CF_OK;
@@ -455,7 +582,7 @@ enum cf_status workspaces_get(struct workspaces *w, const char *name, struct san
     memcpy(path, w->root, strlen(w->root));
     path[strlen(w->root)] = '/';
     strcpy(path + strlen(w->root) + 1, name);
-    if (mkdir(path, 0755) != 0 && errno != EEXIST) {
+    if (make_dirs(path) != 0) {
         rc = cf_error_set(err, CF_IO, "cannot create workspace %s: %s", path, strerror(errno));
         goto done;
     }

@@ -27,7 +27,8 @@ struct lock_table;
 struct sandbox {
     char name[129];
     char root[PATH_MAX]; /* absolute, symlink-free path of the workspace directory */
-    int root_fd;         /* O_PATH descriptor of root */
+    int root_fd;         /* O_PATH descriptor of root; the number never changes (see
+                          * workspaces_get: a removed workspace is reopened onto it) */
     bool confine;
     const struct driver *driver;
     struct lock_table *locks; /* per-path write/edit locks */
@@ -39,46 +40,69 @@ struct workspaces;
 
 /* workspaces_new prepares the registry over root (created if missing). CF_IO when root cannot
  * be created or opened. */
-enum cf_status workspaces_new(const char *root, bool confine, const struct driver *driver,
-                              struct workspaces **out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status workspaces_new(const char *root, bool confine,
+                                            const struct driver *driver, struct workspaces **out,
+                                            struct cf_error *err);
 
 /* workspaces_free closes every sandbox (NULL is fine). */
 void workspaces_free(struct workspaces *w);
 
 /* workspaces_get returns the sandbox for name, creating its directory on first use. The
- * sandbox lives as long as the registry. CF_INVALID for a bad name. */
-enum cf_status workspaces_get(struct workspaces *w, const char *name, struct sandbox **out,
-                              struct cf_error *err);
+ * sandbox lives as long as the registry. CF_INVALID for a bad name. A workspace whose
+ * directory a command removed (`rm -rf "$PWD"`, or toold's whole root) is created again and
+ * reopened here, so the next call finds an empty workspace instead of a dead one. */
+CF_MUST_CHECK enum cf_status workspaces_get(struct workspaces *w, const char *name,
+                                            struct sandbox **out, struct cf_error *err);
 
 #define WS_PATH_MAX 4096
 
 /* ws_relative turns a caller's path into a normalized path relative to the sandbox root
  * ("." for the root itself). CF_INVALID for an empty path; CF_STALE... no: CF_INVALID with a
  * message for a path outside the sandbox (when confined). */
-enum cf_status ws_relative(const struct sandbox *sb, const char *path, char *out, size_t out_len,
-                           struct cf_error *err);
+CF_MUST_CHECK enum cf_status ws_relative(const struct sandbox *sb, const char *path, char *out,
+                                         size_t out_len, struct cf_error *err);
 
 /* ws_host_path writes the absolute host path of a relative path into out. */
 void ws_host_path(const struct sandbox *sb, const char *rel, char *out, size_t out_len);
 
 /* ws_open opens rel (from ws_relative) with open(2) flags, confined beneath the root. The
  * error message names shown_path, the path as the caller wrote it. */
-enum cf_status ws_open(const struct sandbox *sb, const char *rel, int flags, mode_t mode,
-                       const char *shown_path, int *fd_out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ws_open(const struct sandbox *sb, const char *rel, int flags,
+                                     mode_t mode, const char *shown_path, int *fd_out,
+                                     struct cf_error *err);
+
+/* ws_open_regular opens rel for reading when it is a regular file, without side effects on
+ * anything else: the path is opened with O_PATH (confined like ws_open), checked with fstat,
+ * and only then reopened for reading (through /proc/self/fd), so a FIFO, socket or device is
+ * never opened for I/O and cannot block the caller. *st_out holds the file's status whenever
+ * it could be taken (also on CF_INVALID, so callers can word a directory error their way).
+ * CF_INVALID naming shown_path for a directory or a special file. */
+CF_MUST_CHECK enum cf_status ws_open_regular(const struct sandbox *sb, const char *rel,
+                                             const char *shown_path, int *fd_out,
+                                             struct stat *st_out, struct cf_error *err);
+
+/* ws_open_regular_at is ws_open_regular for name in the directory dirfd, never following a
+ * symbolic link (for walks). */
+CF_MUST_CHECK enum cf_status ws_open_regular_at(int dirfd, const char *name, const char *shown_path,
+                                                int *fd_out, struct stat *st_out,
+                                                struct cf_error *err);
 
 /* ws_open_parent opens the directory containing rel (creating missing directories when
  * create_parents) and stores the final component in base_out. */
-enum cf_status ws_open_parent(const struct sandbox *sb, const char *rel, bool create_parents,
-                              const char *shown_path, int *dirfd_out, char *base_out,
-                              size_t base_len, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ws_open_parent(const struct sandbox *sb, const char *rel,
+                                            bool create_parents, const char *shown_path,
+                                            int *dirfd_out, char *base_out, size_t base_len,
+                                            struct cf_error *err);
 
 /* ws_write_file replaces rel atomically with data (a temporary file in the same directory,
  * then rename), creating missing parent directories; keeps the mode of an existing file, or
  * uses mode (0: 0644) for a new one. */
-enum cf_status ws_write_file(const struct sandbox *sb, const char *rel, const void *data,
-                             size_t len, mode_t mode, const char *shown_path, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ws_write_file(const struct sandbox *sb, const char *rel,
+                                           const void *data, size_t len, mode_t mode,
+                                           const char *shown_path, struct cf_error *err);
 
 /* ws_errno_error turns an errno from an operation on shown_path into a status and message. */
-enum cf_status ws_errno_error(int e, const char *op, const char *shown_path, struct cf_error *err);
+CF_MUST_CHECK enum cf_status ws_errno_error(int e, const char *op, const char *shown_path,
+                                            struct cf_error *err);
 
 #endif

@@ -1,0 +1,431 @@
+"""A sandboxed command cannot crash, stall or exhaust toold (issue 7, defects 4, 5 and 7).
+
+Each class runs against a real toold: under the local driver as root, under the local driver
+as an unprivileged user (setpriv --reuid=65534, a workspace root that user owns), and under
+the bwrap driver when bubblewrap works on this machine.
+
+- files changed while toold reads them (truncated, replaced by rename, grown): no signal,
+  a consistent result or a clear error (toold used to map files: SIGBUS);
+- FIFOs where files are expected: read, edit, grep (each engine), Sandbox.ReadFile and ignore
+  files answer within the call's deadline, and a flood of such calls leaves other sandboxes
+  served (they used to block a thread each, for ever);
+- `setsid` children holding the output pipe: the call ends when bash ends or at its deadline,
+  and the orphans are killed (they used to hold the call for as long as they ran);
+- `rm -rf "$PWD"` and removal of toold's whole root: the next call recreates the workspace;
+- file names with invalid UTF-8 come back from glob and grep as U+FFFD, so Python's protobuf
+  parses the response (it refused it before), and a glob pattern over 64 KiB is refused.
+"""
+
+import os
+import shutil
+import subprocess
+import time
+import unittest
+
+import grpc
+
+from cflue_harness import (SERVING, Toold, TooldExited, TooldTestCase, result_details,
+                           sandbox_pb2, tool_call, tools_pb2)
+
+NOBODY = 65534
+
+
+def _pids():
+    return [int(p) for p in os.listdir('/proc') if p.isdigit()]
+
+
+def _cmdline(pid):
+    try:
+        with open('/proc/%d/cmdline' % pid, 'rb') as f:
+            return [a for a in f.read().split(b'\0') if a]
+    except (IOError, OSError):
+        return []
+
+
+def _state(pid):
+    try:
+        with open('/proc/%d/stat' % pid) as f:
+            data = f.read()
+        return data[data.rindex(')') + 2:].split()[0]
+    except (IOError, OSError, ValueError):
+        return None
+
+
+def running(argv):
+    want = [a.encode() for a in argv]
+    return [p for p in _pids() if _cmdline(p) == want and _state(p) not in (None, 'Z')]
+
+
+def wait_gone(argv, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not running(argv):
+            return []
+        time.sleep(0.05)
+    return running(argv)
+
+
+def bwrap_works():
+    if not shutil.which('bwrap'):
+        return False
+    try:
+        return subprocess.run(['bwrap', '--ro-bind', '/', '/', '--unshare-pid', 'true'],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              timeout=10).returncode == 0
+    except Exception:
+        return False
+
+
+class NobodyToold(Toold):
+    """toold as uid/gid 65534 (setpriv), over a root directory that user owns."""
+
+    def command(self):
+        return ['setpriv', '--reuid=%d' % NOBODY, '--regid=%d' % NOBODY, '--clear-groups',
+                '--'] + super(NobodyToold, self).command()
+
+
+class HostileBase(TooldTestCase):
+    driver = 'local'
+    unprivileged = False
+
+    def setUp(self):
+        self.td = self.start(self.driver)
+
+    def start(self, driver, **kw):
+        if self.unprivileged:
+            if os.geteuid() != 0 or not shutil.which('setpriv'):
+                raise unittest.SkipTest('needs root and setpriv to start toold as nobody')
+            td = NobodyToold(start=False, driver=driver, **kw)
+            self._toolds.append(td)
+            os.chmod(td.dir, 0o755)
+            os.makedirs(td.root, exist_ok=True)
+            for p in (td.dir, td.root):
+                os.chown(p, NOBODY, NOBODY)
+        else:
+            td = Toold(start=False, driver=driver, **kw)
+            self._toolds.append(td)
+        try:
+            td.start()
+        except TooldExited as e:
+            if driver == 'bwrap':
+                raise unittest.SkipTest('bwrap cannot run here: %s' % str(e)[:200])
+            raise
+        return td
+
+    def call(self, sandbox, name, args, td=None, **kw):
+        return (td or self.td).execute(sandbox, name, args, **kw)
+
+    def bash(self, sandbox, command, **kw):
+        res = self.call(sandbox, 'bash', {'command': command}, **kw)
+        return res
+
+    def assertServing(self, td=None):
+        td = td or self.td
+        self.assertTrue(td.alive(), 'toold died\n' + td.stderr_text())
+        self.assertEqual(td.health_check(), SERVING)
+        self.assertEqual(self.call('probe', 'bash', {'command': 'echo alive'}, td=td).text,
+                         'alive')
+
+    def assertFastError(self, fn, limit=3.0, *words):
+        t0 = time.monotonic()
+        res = fn()
+        self.assertLess(time.monotonic() - t0, limit)
+        self.assertTrue(res.is_error, 'expected an error result, got %r' % res.text[:300])
+        for w in words:
+            self.assertIn(w.lower(), res.text.lower())
+        return res
+
+
+# ---------------------------------------------------------------------------------------------
+# files changed while toold reads them
+# ---------------------------------------------------------------------------------------------
+
+class ChangingFiles(object):
+
+    BIG = 'yes abcdefghijklmnopqrstuvwxyz0123456789 | head -c 60000000 > big.txt'
+
+    def race(self, sb, change, rounds, tool='read', args=None):
+        args = args or {'path': 'big.txt', 'offset': 1000000}
+        outcomes = set()
+        for _ in range(rounds):
+            self.assertFalse(self.bash(sb, self.BIG).is_error)
+            results = self.td.execute_batch([tool_call(sb, tool, args, timeout_ms=30000),
+                                             tool_call(sb, 'bash', {'command': change},
+                                                       timeout_ms=30000)], timeout=60)
+            self.assertEqual(sorted(r.index for r in results), [0, 1])
+            res = [r.result for r in results if r.index == 0][0]
+            outcomes.add(res.is_error)
+            if res.is_error:
+                self.assertTrue(res.text.strip())
+            self.assertTrue(self.td.alive(), 'toold died\n' + self.td.stderr_text())
+        self.assertServing()
+        return outcomes
+
+    def test_read_while_truncated(self):
+        self.race('trunc', 'truncate -s 0 big.txt', 12)
+
+    def test_read_while_replaced_by_rename(self):
+        self.race('rename', 'printf "small\\n" > new.txt && mv new.txt big.txt', 8)
+
+    def test_read_while_grown(self):
+        self.race('grow', 'yes zz | head -c 20000000 >> big.txt', 6)
+
+    def test_edit_while_truncated(self):
+        self.race('edit', 'truncate -s 0 big.txt', 6, tool='edit',
+                  args={'path': 'big.txt', 'oldText': 'no such text', 'newText': 'x'})
+
+    def test_grep_while_truncated(self):
+        td = self.start(self.driver, grep_engine='pcre2')
+        sb = 'greptrunc'
+        for _ in range(8):
+            self.assertFalse(self.call(sb, 'bash', {'command': self.BIG}, td=td).is_error)
+            results = td.execute_batch(
+                [tool_call(sb, 'grep', {'pattern': 'zzz'}, timeout_ms=30000),
+                 tool_call(sb, 'bash', {'command': 'truncate -s 0 big.txt'}, timeout_ms=30000)],
+                timeout=60)
+            self.assertEqual(len(results), 2)
+            self.assertTrue(td.alive(), 'toold died\n' + td.stderr_text())
+        self.assertServing(td)
+
+    def test_read_pages_stay_right(self):
+        sb = 'pages'
+        self.assertFalse(self.bash(sb, 'seq 1 300000 > n.txt').is_error)
+        res = self.call(sb, 'read', {'path': 'n.txt', 'offset': 123456, 'limit': 3})
+        self.assertEqual(res.text, '123456\n123457\n123458\n\n[Showing lines 123456-123458 of '
+                         '300000. Use offset=123459 to continue.]')
+        res = self.call(sb, 'read', {'path': 'n.txt', 'offset': 300000})
+        self.assertEqual(res.text, '300000')
+
+
+# ---------------------------------------------------------------------------------------------
+# FIFOs, sockets and devices where files are expected
+# ---------------------------------------------------------------------------------------------
+
+class SpecialFiles(object):
+
+    def make_fifo(self, sb, name='p.txt'):
+        res = self.bash(sb, 'mkfifo %s && echo made' % name)
+        self.assertEqual(res.text, 'made', res.text)
+
+    def test_read_fifo(self):
+        self.make_fifo('f1')
+        self.assertFastError(lambda: self.call('f1', 'read', {'path': 'p.txt'}, timeout_ms=2000),
+                             3.0, 'FIFO')
+        self.assertServing()
+
+    def test_edit_fifo(self):
+        self.make_fifo('f2')
+        self.assertFastError(lambda: self.call('f2', 'edit', {'path': 'p.txt', 'oldText': 'a',
+                                                             'newText': 'b'}, timeout_ms=2000),
+                             3.0, 'regular file')
+        self.assertServing()
+
+    def test_socket_and_device(self):
+        sb = 'sock'
+        res = self.bash(sb, "python3 -c \"import socket; s=socket.socket(socket.AF_UNIX); "
+                            "s.bind('s.sock')\" && echo ok")
+        self.assertEqual(res.text, 'ok')
+        self.assertFastError(lambda: self.call(sb, 'read', {'path': 's.sock'}), 3.0, 'socket')
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.td.sandbox('ReadFile', sandbox=sb, path='s.sock', timeout=5)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+
+    def test_grep_each_engine(self):
+        for engine in ('rg', 'pcre2', 'grep'):
+            if engine == 'rg' and not shutil.which('rg'):
+                continue
+            td = self.start(self.driver, grep_engine=engine)
+            sb = 'g-' + engine
+            self.assertFalse(self.call(sb, 'write', {'path': 'd/a.txt', 'content': 'needle\n'},
+                                       td=td).is_error)
+            self.assertEqual(self.call(sb, 'bash', {'command': 'mkfifo d/p.txt fifo && echo ok'},
+                                       td=td).text, 'ok')
+            t0 = time.monotonic()
+            res = self.call(sb, 'grep', {'pattern': 'needle'}, td=td, timeout_ms=5000)
+            self.assertLess(time.monotonic() - t0, 4, engine)
+            self.assertEqual(res.text, 'd/a.txt:1:needle', engine)
+            self.assertFastError(lambda: self.call(sb, 'grep', {'pattern': 'x', 'path': 'fifo'},
+                                                   td=td, timeout_ms=5000), 4.0, 'FIFO')
+            # an ignore file that is a FIFO does not block toold's walk or its filter; rg
+            # opens ignore files itself and waits on it, but only until the call's deadline
+            self.assertEqual(self.call(sb, 'bash', {'command': 'mkfifo d/.gitignore && echo ok'},
+                                       td=td).text, 'ok')
+            t0 = time.monotonic()
+            res = self.call(sb, 'grep', {'pattern': 'needle'}, td=td, timeout_ms=3000)
+            if engine == 'rg':
+                self.assertLess(time.monotonic() - t0, 6, engine)
+            else:
+                self.assertLess(time.monotonic() - t0, 2.5, engine)
+                self.assertEqual(res.text, 'd/a.txt:1:needle', engine)
+            self.assertServing(td)
+
+    def test_sandbox_read_file_fifo(self):
+        self.make_fifo('f3')
+        t0 = time.monotonic()
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.td.sandbox('ReadFile', sandbox='f3', path='p.txt', timeout=5)
+        self.assertLess(time.monotonic() - t0, 3)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn('FIFO', cm.exception.details())
+        self.assertServing()
+
+    def test_flood_of_fifo_reads_leaves_others_served(self):
+        sb = 'flood'
+        self.assertEqual(self.bash(sb, 'for i in $(seq 1 40); do mkfifo p$i; done; echo ok').text,
+                         'ok')
+        self.assertFalse(self.call('other', 'write', {'path': 'a.txt',
+                                                      'content': 'fine\n'}).is_error)
+        ch = self.td._current_channel()
+        exec_ = ch.unary_unary('/cflue.v1.Tools/Execute',
+                               request_serializer=tools_pb2.ToolCall.SerializeToString,
+                               response_deserializer=tools_pb2.ToolResult.FromString)
+        futures = []
+        for i in range(300):
+            tool = ('read', 'edit', 'grep')[i % 3]
+            path = 'p%d' % (1 + i % 40)
+            args = {'path': path}
+            if tool == 'edit':
+                args.update(oldText='a', newText='b')
+            if tool == 'grep':
+                args['pattern'] = 'x'
+            futures.append(exec_.future(tool_call(sb, tool, args, timeout_ms=3000), timeout=30))
+        read_file = ch.unary_unary('/cflue.v1.Sandbox/ReadFile',
+                                   request_serializer=lambda m: m.SerializeToString(),
+                                   response_deserializer=lambda b: b)
+        rf = [read_file.future(sandbox_pb2.ReadFileRequest(sandbox=sb, path='p%d' % (1 + i % 40)),
+                               timeout=30) for i in range(60)]
+        # meanwhile, another sandbox is served within its deadline
+        for _ in range(20):
+            res = self.call('other', 'read', {'path': 'a.txt'}, timeout=10)
+            self.assertEqual(res.text, 'fine')
+        t0 = time.monotonic()
+        for f in futures:
+            res = f.result()
+            self.assertTrue(res.is_error, res.text)
+        for f in rf:
+            with self.assertRaises(grpc.RpcError) as cm:
+                f.result()
+            self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertLess(time.monotonic() - t0, 20)
+        self.assertServing()
+
+
+# ---------------------------------------------------------------------------------------------
+# setsid children and removed workspaces
+# ---------------------------------------------------------------------------------------------
+
+class Processes(object):
+
+    def test_setsid_child_holding_stdout(self):
+        t0 = time.monotonic()
+        res = self.bash('ss1', 'setsid sleep 301.25 & echo hi')
+        self.assertLess(time.monotonic() - t0, 4)
+        self.assertEqual(res.text, 'hi')
+        self.assertEqual(wait_gone(['sleep', '301.25']), [])
+
+    def test_setsid_orphan_past_timeout(self):
+        t0 = time.monotonic()
+        res = self.call('ss2', 'bash', {'command': "(setsid sh -c 'sleep 302.25' &) ; sleep 5",
+                                        'timeout': 2})
+        self.assertLess(time.monotonic() - t0, 6)
+        self.assertFalse(res.is_error, res.text)
+        self.assertEqual(result_details(res).get('exit_code'), 124)
+        self.assertEqual(wait_gone(['sleep', '302.25']), [])
+        self.assertEqual(wait_gone(['sh', '-c', 'sleep 302.25']), [])
+
+    def test_setsid_orphan_and_caller_deadline(self):
+        t0 = time.monotonic()
+        res = self.call('ss3', 'bash', {'command': "(setsid sh -c 'sleep 303.25' &) ; sleep 5"},
+                        timeout_ms=1500)
+        self.assertLess(time.monotonic() - t0, 6)
+        self.assertEqual(result_details(res).get('exit_code'), 124)
+        self.assertEqual(wait_gone(['sleep', '303.25']), [])
+
+    def test_exec_with_setsid_child(self):
+        t0 = time.monotonic()
+        r = self.td.sandbox('Exec', sandbox='ss4', command='setsid sleep 304.25 & echo hi',
+                            timeout_ms=10000)
+        self.assertLess(time.monotonic() - t0, 4)
+        self.assertEqual(r.stdout, b'hi\n')
+        self.assertEqual(wait_gone(['sleep', '304.25']), [])
+
+    def test_rm_rf_pwd(self):
+        sb = 'gone'
+        self.assertFalse(self.call(sb, 'write', {'path': 'a.txt', 'content': 'x\n'}).is_error)
+        self.bash(sb, 'rm -rf "$PWD"')
+        res = self.bash(sb, 'echo again > b.txt && cat b.txt && pwd')
+        self.assertFalse(res.is_error, res.text)
+        self.assertEqual(res.text.split('\n')[0], 'again')
+        self.assertFalse(self.call(sb, 'write', {'path': 'c/d.txt', 'content': 'y\n'}).is_error)
+        self.assertEqual(self.call(sb, 'read', {'path': 'c/d.txt'}).text, 'y')
+        self.assertEqual(self.call(sb, 'glob', {'pattern': '*.txt'}).text, 'b.txt\nc/d.txt')
+        self.assertEqual(self.td.sandbox('ReadFile', sandbox=sb, path='b.txt').data, b'again\n')
+
+    def test_rm_rf_whole_root(self):
+        if self.driver != 'local':
+            self.skipTest('under bwrap only the workspace is visible to commands')
+        self.assertFalse(self.call('r1', 'write', {'path': 'a.txt', 'content': 'x\n'}).is_error)
+        self.assertFalse(self.call('r2', 'write', {'path': 'a.txt', 'content': 'x\n'}).is_error)
+        self.bash('r1', 'rm -rf "$(dirname "$PWD")"')
+        self.assertFalse(os.path.exists(self.td.root))
+        for sb in ('r1', 'r2', 'r3'):
+            res = self.bash(sb, 'echo back > f && cat f')
+            self.assertEqual(res.text, 'back', res.text)
+            self.assertEqual(self.call(sb, 'read', {'path': 'f'}).text, 'back')
+        self.assertServing()
+
+
+# ---------------------------------------------------------------------------------------------
+# names that are not UTF-8, and the glob pattern cap
+# ---------------------------------------------------------------------------------------------
+
+class Names(object):
+
+    def make_bad_names(self, td, sb):
+        ws = td.workspace(sb)
+        self.call(sb, 'bash', {'command': 'mkdir -p sub'}, td=td)
+        for name in (b'bad\xffname.txt', b'sub/caf\xe9.txt'):
+            with open(os.path.join(ws.encode(), name), 'wb') as f:
+                f.write(b'needle\n')
+            if self.unprivileged:
+                os.chown(os.path.join(ws.encode(), name), NOBODY, NOBODY)
+
+    def test_glob_invalid_utf8_names(self):
+        self.make_bad_names(self.td, 'u1')
+        res = self.call('u1', 'glob', {'pattern': '*.txt'})
+        self.assertEqual(res.text, 'bad\ufffdname.txt\nsub/caf\ufffd.txt')
+
+    def test_grep_invalid_utf8_names_each_engine(self):
+        for engine in ('rg', 'pcre2', 'grep'):
+            if engine == 'rg' and not shutil.which('rg'):
+                continue
+            td = self.start(self.driver, grep_engine=engine)
+            self.make_bad_names(td, 'u2')
+            res = self.call('u2', 'grep', {'pattern': 'needle'}, td=td)
+            self.assertEqual(res.text, 'bad\ufffdname.txt:1:needle\nsub/caf\ufffd.txt:1:needle',
+                             engine)
+
+    def test_glob_pattern_over_64k(self):
+        res = self.call('u3', 'glob', {'pattern': 'a' * (64 * 1024 + 1)})
+        self.assertTrue(res.is_error)
+        self.assertIn('limit', res.text)
+        res = self.call('u3', 'grep', {'pattern': 'a' * (64 * 1024 + 1)})
+        self.assertTrue(res.is_error)
+        self.assertIn('limit', res.text)
+
+
+class TestLocalRoot(HostileBase, ChangingFiles, SpecialFiles, Processes, Names):
+    pass
+
+
+class TestLocalUnprivileged(HostileBase, ChangingFiles, SpecialFiles, Processes, Names):
+    unprivileged = True
+
+
+@unittest.skipUnless(bwrap_works(), 'bubblewrap cannot create sandboxes here')
+class TestBwrap(HostileBase, SpecialFiles, Processes, Names):
+    driver = 'bwrap'
+
+
+if __name__ == '__main__':
+    unittest.main()
