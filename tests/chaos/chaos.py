@@ -398,6 +398,7 @@ class Nemesis(object):
         self.stop = threading.Event()
         self.monitor_stop = threading.Event()
         self.paused = set()
+        self.crashes = []  # daemons that died without us or an armed failpoint
 
     def note(self, kind, detail):
         self.faults[kind] += 1
@@ -427,8 +428,14 @@ class Nemesis(object):
                     if name in self.stack.down or self.stack.alive(name):
                         continue
                     fp = self.stack.armed.get(name)
+                    d = self.stack.daemons[name]
+                    rc = d.proc.returncode if d.proc is not None else None
                     self.events.append((time.time(), 'died', '%s (armed %s)' % (name, fp)))
-                    log('%s died (armed: %s); restarting' % (name, fp))
+                    log('%s died (armed: %s, exit %s); restarting' % (name, fp, rc))
+                    if not (fp and rc == -signal.SIGKILL):
+                        tail = d.stderr_text().strip().splitlines()[-3:]
+                        self.crashes.append('%s exited with %s (no failpoint armed for it): %s'
+                                            % (name, rc, ' | '.join(tail)[-600:]))
                     self.stack.start(name)
             time.sleep(0.2)
 
@@ -722,6 +729,11 @@ def report(stack, client, nem, form, subs, records, side, violations, notes, ela
         p('  note %-21s %5d' % (cat, len(lst)))
         for ex in lst[:5]:
             p('      e.g. ' + ex)
+    p('  %-26s %5d  %s' % ('daemon_crash', len(nem.crashes),
+                             'a daemon died on its own (not killed, no failpoint armed)'))
+    for ex in nem.crashes[:8]:
+        p('      e.g. ' + ex)
+    total += len(nem.crashes)
     p('total violations: %d' % total)
     if quota:
         p('fault quotas NOT met: ' + '; '.join(quota))
