@@ -1105,6 +1105,15 @@ enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendReques
     size_t n = req->n_records, dups = 0;
     int64_t first = INT64_MAX, last = -1;
 
+    for (size_t i = 0; i < n; i++) {
+        size_t size = protobuf_c_message_get_packed_size(&req->records[i]->base);
+        if ((int64_t)size > ledger_record_bytes_max(c->cfg)) {
+            return cf_error_set(err, CF_INVALID,
+                                "records[%zu] is %zu bytes encoded; the limit per record is %lld "
+                                "(so that every record fits one Read page)",
+                                i, size, (long long)ledger_record_bytes_max(c->cfg));
+        }
+    }
     if ((rc = fenced(c, req->fence, ST_BIT(RUNNING) | ST_BIT(TERMINALIZING),
                      "running or terminalizing", &row, err)) != CF_OK) {
         return rc;
@@ -1279,12 +1288,56 @@ enum cf_status ledger_conversation(struct ledger_ctx *c, const char *conversatio
     return rc;
 }
 
+int64_t ledger_page_bytes(const struct ledger_config *cfg)
+{
+    return cfg && cfg->page_bytes > 0 ? cfg->page_bytes : LEDGER_PAGE_BYTES_MAX;
+}
+
+int64_t ledger_record_bytes_max(const struct ledger_config *cfg)
+{
+    return ledger_page_bytes(cfg) - LEDGER_RECORD_SLACK;
+}
+
+/* varint_len is the length of a protobuf varint holding v. */
+static size_t varint_len(uint64_t v)
+{
+    size_t n = 1;
+    while (v >= 0x80) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
+/* column_view points a record at the current row's columns without copying them (valid until
+ * the next step), so its encoded size is known before anything is copied. */
+static void column_view(sqlite3_stmt *st, Cflue__V1__Record *rec)
+{
+    cflue__v1__record__init(rec);
+    rec->offset = sqlite3_column_int64(st, 0);
+    char **fields[] = {&rec->id, &rec->type, &rec->submission_id, &rec->attempt_id};
+    for (int i = 0; i < 4; i++) {
+        const unsigned char *t = sqlite3_column_text(st, 1 + i);
+        *fields[i] = t ? (char *)t : "";
+    }
+    rec->timestamp_ms = sqlite3_column_int64(st, 5);
+    const unsigned char *body = sqlite3_column_text(st, 6);
+    rec->body_json = body ? (char *)body : "";
+}
+
 enum cf_status ledger_read(struct ledger_ctx *c, const Cflue__V1__ReadRequest *req,
                            Cflue__V1__ReadResponse *out, struct cf_error *err)
+{
+    return ledger_read_bytes(c, req, ledger_page_bytes(c->cfg), out, err);
+}
+
+enum cf_status ledger_read_bytes(struct ledger_ctx *c, const Cflue__V1__ReadRequest *req,
+                                 int64_t budget, Cflue__V1__ReadResponse *out, struct cf_error *err)
 {
     sqlite3_stmt *st;
     enum cf_status rc;
     int64_t next_pos;
+    size_t used = 0;
     int limit = req->limit > 0 ? (req->limit > 1000 ? 1000 : req->limit) : 100;
     if ((rc = conversation_head(c, req->conversation_id, &next_pos, err)) != CF_OK) {
         return rc;
@@ -1309,22 +1362,26 @@ enum cf_status ledger_read(struct ledger_ctx *c, const Cflue__V1__ReadRequest *r
     out->next_offset = req->after_offset;
     int r;
     while ((r = sqlite3_step(st)) == SQLITE_ROW) {
+        Cflue__V1__Record view;
+        column_view(st, &view);
+        size_t size = protobuf_c_message_get_packed_size(&view.base);
+        size_t framed = 1 + varint_len(size) + size; /* as a repeated field of ReadResponse */
+        if (out->n_records > 0 && used + framed > (size_t)budget) {
+            r = SQLITE_DONE; /* the page is full; the rest comes with the next one */
+            break;
+        }
+        used += framed;
         Cflue__V1__Record *rec = arena_alloc(c->arena, sizeof(*rec));
-        cflue__v1__record__init(rec);
-        rec->offset = sqlite3_column_int64(st, 0);
-        rec->id = (char *)col_text(c, st, 1);
-        rec->type = (char *)col_text(c, st, 2);
-        rec->submission_id = (char *)col_text(c, st, 3);
-        rec->attempt_id = (char *)col_text(c, st, 4);
-        rec->timestamp_ms = sqlite3_column_int64(st, 5);
+        *rec = view;
+        rec->id = arena_strdup(c->arena, view.id);
+        rec->type = arena_strdup(c->arena, view.type);
+        rec->submission_id = arena_strdup(c->arena, view.submission_id);
+        rec->attempt_id = arena_strdup(c->arena, view.attempt_id);
         rec->body_json = (char *)col_text(c, st, 6);
         out->records[out->n_records++] = rec;
         out->next_offset = rec->offset;
     }
-    if (r != SQLITE_DONE) {
-        rc = db_step_fail(c->db, r, "read records", err);
-    }
-    sqlite3_finalize(st);
+    rc = step_rows(c, st, r, "read records", err);
     out->up_to_date = out->next_offset >= out->head_offset;
     return rc;
 }

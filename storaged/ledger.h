@@ -22,11 +22,33 @@
 #define LEDGER_KIND_KEY "cflue.kind"
 #define LEDGER_KIND_COMPACT "compact"
 
+/* Byte bounds of the record streams (see docs/storaged.md, "Page and record sizes").
+ *
+ * A Read page holds records while their encoded size stays within the page budget, and always
+ * at least one record. Append refuses a record whose encoded size, plus LEDGER_RECORD_SLACK for
+ * what storaged adds when storing it (offset, timestamp, attempt id, default submission id and
+ * record id), exceeds the page budget, so every stored record fits a page on its own and a page
+ * never exceeds the budget plus a few bytes of ReadResponse framing. storaged sets the budget to
+ * half its --max-message-bytes, at most LEDGER_PAGE_BYTES_MAX (8 MiB): comfortably under its own
+ * send limit and under the 16 MiB receive limit gRPC clients of this project default to. */
+#define LEDGER_PAGE_BYTES_MAX (8 << 20)
+#define LEDGER_RECORD_SLACK 1024
+#define LEDGER_FOLLOW_BYTES (1 << 20) /* what one Follow read holds in memory (at least 1 record)  \
+                                       */
+
 struct ledger_config {
     int64_t lease_ms;     /* default lease when a Claim asks for 0 */
     int64_t timeout_ms;   /* default submission deadline, from the first claim */
     int32_t max_attempts; /* default budget of claims */
+    int64_t page_bytes;   /* Read page budget; 0: LEDGER_PAGE_BYTES_MAX */
 };
+
+/* ledger_page_bytes returns the page budget of cfg (its default when 0). */
+int64_t ledger_page_bytes(const struct ledger_config *cfg);
+
+/* ledger_record_bytes_max returns the largest encoded Record, as sent to Append, that cfg
+ * accepts: the page budget minus LEDGER_RECORD_SLACK. */
+int64_t ledger_record_bytes_max(const struct ledger_config *cfg);
 
 struct ledger_ctx {
     sqlite3 *db;
@@ -89,7 +111,8 @@ CF_MUST_CHECK enum cf_status ledger_settle(struct ledger_ctx *c,
                                            const Cflue__V1__SettleRequest *req,
                                            Cflue__V1__SettleResponse *out, struct cf_error *err);
 
-/* ledger_append appends a fenced batch of records (idempotent for identical resends). */
+/* ledger_append appends a fenced batch of records (idempotent for identical resends). A record
+ * over ledger_record_bytes_max is CF_INVALID naming it. */
 CF_MUST_CHECK enum cf_status ledger_append(struct ledger_ctx *c,
                                            const Cflue__V1__AppendRequest *req,
                                            Cflue__V1__AppendResponse *out, struct cf_error *err);
@@ -114,10 +137,18 @@ CF_MUST_CHECK enum cf_status ledger_conversation(struct ledger_ctx *c, const cha
                                                  Cflue__V1__Conversation *out,
                                                  struct cf_error *err);
 
-/* ledger_read returns records after an offset; CF_RANGE past the head, CF_NOT_FOUND for an
- * unknown conversation. */
+/* ledger_read returns one page of records after an offset: at most req->limit records (0: 100,
+ * at most 1000) and at most the page budget of encoded bytes, always at least one record when
+ * any is left. next_offset is the last record returned; up_to_date says none is left after
+ * it. CF_RANGE past the head, CF_NOT_FOUND for an unknown conversation. */
 CF_MUST_CHECK enum cf_status ledger_read(struct ledger_ctx *c, const Cflue__V1__ReadRequest *req,
                                          Cflue__V1__ReadResponse *out, struct cf_error *err);
+
+/* ledger_read_bytes is ledger_read with an explicit byte budget (> 0) instead of the page
+ * budget (Follow reads smaller batches to bound its memory). */
+CF_MUST_CHECK enum cf_status ledger_read_bytes(struct ledger_ctx *c,
+                                               const Cflue__V1__ReadRequest *req, int64_t budget,
+                                               Cflue__V1__ReadResponse *out, struct cf_error *err);
 
 /* ledger_settlement_offset finds the offset of a submission's settlement record in its
  * conversation: CF_OK with *offset_out (-1 when not settled yet); CF_NOT_FOUND if unknown. */

@@ -102,8 +102,13 @@ int main(int argc, char **argv)
     log_startup_state(db_path);
 
     rpc_global_init();
-    struct ledger_config cfg = {
-        .lease_ms = lease_ms, .timeout_ms = timeout_ms, .max_attempts = (int32_t)max_attempts};
+    /* Read pages stay comfortably under the message limit (see ledger.h). */
+    long long page_bytes =
+        max_msg / 2 < LEDGER_PAGE_BYTES_MAX ? max_msg / 2 : LEDGER_PAGE_BYTES_MAX;
+    struct ledger_config cfg = {.lease_ms = lease_ms,
+                                .timeout_ms = timeout_ms,
+                                .max_attempts = (int32_t)max_attempts,
+                                .page_bytes = page_bytes};
     struct notifier *notifier = notifier_new();
     struct writer *writer;
     if (writer_start(&writer, db, &cfg, notifier, (int)group, &err) != CF_OK) {
@@ -131,7 +136,9 @@ int main(int argc, char **argv)
     }
     rpc_server_start(srv);
     daemon_port_file(port_file, port);
-    log_info("listening", "addr=%s port=%d db=%s lease_ms=%lld", listen, port, db_path, lease_ms);
+    log_info("listening",
+             "addr=%s port=%d db=%s lease_ms=%lld page_bytes=%lld record_bytes_max=%lld", listen,
+             port, db_path, lease_ms, page_bytes, (long long)ledger_record_bytes_max(&cfg));
 
     daemon_wait_for_stop();
 

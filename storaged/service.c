@@ -3,7 +3,9 @@
  * Writes: validated on the receiving thread, then queued to the writer; the reply is sent from
  * the writer's completion callback, after COMMIT. Reads: run on the server's worker pool, each
  * inside one read transaction on a pooled reader connection, so a response is one consistent
- * snapshot. Follow: a thread per stream, woken by the writer's notifier.
+ * snapshot. Follow: a thread per stream, woken by the writer's notifier; it reads in batches of
+ * at most FOLLOW_PAGE records and LEDGER_FOLLOW_BYTES bytes (always one record at least) and
+ * sends one record per message, so no message is larger than one record.
  */
 #include "service.h"
 
@@ -362,7 +364,9 @@ static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *use
         arena_init(&a);
         if ((st = reader_begin(svc, &db, &err)) == CF_OK) {
             struct ledger_ctx ctx = {.db = db, .arena = &a, .cfg = svc->cfg, .now = clock_now_ms()};
-            st = ledger_read(&ctx, &rq, &rs, &err);
+            int64_t budget = ledger_page_bytes(svc->cfg);
+            st = ledger_read_bytes(
+                &ctx, &rq, budget < LEDGER_FOLLOW_BYTES ? budget : LEDGER_FOLLOW_BYTES, &rs, &err);
             reader_end(svc, db);
         }
         if (st != CF_OK) {
@@ -379,7 +383,7 @@ static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *use
             cursor = rs.records[i]->offset;
             done = *settled_id && !strcmp(rs.records[i]->id, settled_id);
         }
-        bool full = rs.n_records == FOLLOW_PAGE;
+        bool more = !rs.up_to_date; /* the batch stopped at its count or byte bound */
         arena_cleanup(&a);
         if (done) {
             rpc_call_finish(call, GRPC_STATUS_OK, NULL);
@@ -392,7 +396,7 @@ static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *use
                             "the stream ended; resume from the last offset received");
             return;
         }
-        if (!full) {
+        if (!more) {
             notifier_wait(svc->notifier, seen, FOLLOW_POLL_MS);
         }
     }

@@ -7,6 +7,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 static sqlite3 *db;
@@ -145,6 +146,117 @@ static void test_idempotency(void)
     CHECK(admit("", "different", "key-1") == NULL);
 }
 
+/* Pages are bounded by bytes (issue 7, defect 3): with a 4 KiB budget, ten records of ~1 KiB
+ * come back three to a page, never an error, and a record over budget - slack is refused. */
+static void test_page_bytes(void)
+{
+    struct ledger_config small = cfg;
+    small.page_bytes = 4096;
+    Cflue__V1__Submission *s = admit("c-pages", "x", "");
+    CHECK(s != NULL);
+    Cflue__V1__ClaimResponse cl;
+    do {
+        cl = claim("P", 30000);
+    } while (cl.submission && strcmp(cl.submission->submission_id, s->submission_id) != 0 &&
+             settle(cl.fence, CFLUE__V1__OUTCOME__COMPLETED, "", &(Cflue__V1__SettleResponse){0}) ==
+                 CF_OK);
+    CHECK(cl.submission != NULL);
+    char body[1100], id[16];
+    memset(body, 'a', sizeof(body));
+    memcpy(body, "{\"p\":\"", 6);
+    body[sizeof(body) - 3] = '"';
+    body[sizeof(body) - 2] = '}';
+    body[sizeof(body) - 1] = '\0';
+    for (int i = 0; i < 10; i++) {
+        snprintf(id, sizeof(id), "p%d", i);
+        CHECK(append_one(cl.fence, id, body) == CF_OK);
+    }
+    int64_t after = -1;
+    int pages = 0, seen = 0;
+    for (;;) {
+        Cflue__V1__ReadRequest rq = CFLUE__V1__READ_REQUEST__INIT;
+        Cflue__V1__ReadResponse rs = CFLUE__V1__READ_RESPONSE__INIT;
+        struct cf_error err;
+        struct ledger_ctx c = ctx();
+        c.cfg = &small;
+        rq.conversation_id = "c-pages";
+        rq.after_offset = after;
+        rq.limit = 1000;
+        CHECK(ledger_read(&c, &rq, &rs, &err) == CF_OK);
+        CHECK(rs.n_records >= 1 && rs.n_records <= 3);
+        CHECK(protobuf_c_message_get_packed_size(&rs.base) <= 4096 + 64);
+        CHECK(rs.records[0]->offset == after + 1);
+        seen += (int)rs.n_records;
+        pages++;
+        after = rs.next_offset;
+        if (rs.up_to_date) {
+            break;
+        }
+        CHECK(pages < 20);
+    }
+    CHECK(seen == 10 && pages >= 4);
+
+    /* a record over the limit is refused before anything is written */
+    char *huge = arena_alloc(&arena, 4096);
+    memset(huge, 'b', 4095);
+    memcpy(huge, "{\"p\":\"", 6);
+    huge[4093] = '"';
+    huge[4094] = '}';
+    Cflue__V1__AppendRequest req = CFLUE__V1__APPEND_REQUEST__INIT;
+    Cflue__V1__AppendResponse out = CFLUE__V1__APPEND_RESPONSE__INIT;
+    Cflue__V1__Record rec = CFLUE__V1__RECORD__INIT;
+    Cflue__V1__Record *recs[1] = {&rec};
+    struct cf_error err;
+    struct ledger_ctx c = ctx();
+    c.cfg = &small;
+    rec.id = "huge";
+    rec.type = "note";
+    rec.body_json = huge;
+    req.fence = cl.fence;
+    req.records = recs;
+    req.n_records = 1;
+    CHECK(ledger_append(&c, &req, &out, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "records[0]") != NULL);
+}
+
+/* A Compact submission is never joined, and the joinable run stops before it (defect 9). */
+static void test_compact_not_joined(void)
+{
+    Cflue__V1__AdmitRequest req = CFLUE__V1__ADMIT_REQUEST__INIT;
+    Cflue__V1__AdmitResponse out = CFLUE__V1__ADMIT_RESPONSE__INIT;
+    Cflue__V1__Message msg = CFLUE__V1__MESSAGE__INIT;
+    Cflue__V1__AdmitRequest__MetadataEntry kind = CFLUE__V1__ADMIT_REQUEST__METADATA_ENTRY__INIT;
+    Cflue__V1__AdmitRequest__MetadataEntry *md[1] = {&kind};
+    struct cf_error err;
+    Cflue__V1__Submission *host = admit("c-compact", "host", "");
+    Cflue__V1__Submission *p1 = admit("c-compact", "p1", "");
+    struct ledger_ctx c = ctx();
+    kind.key = "cflue.kind";
+    kind.value = "compact";
+    msg.text = "(compact)";
+    req.agent = "assistant";
+    req.conversation_id = "c-compact";
+    req.message = &msg;
+    req.metadata = md;
+    req.n_metadata = 1;
+    CHECK(ledger_admit(&c, &req, &out, &err) == CF_OK);
+    Cflue__V1__Submission *p2 = admit("c-compact", "p2", "");
+    CHECK(host && p1 && p2);
+
+    Cflue__V1__ClaimRequest cr = CFLUE__V1__CLAIM_REQUEST__INIT;
+    Cflue__V1__ClaimResponse cl = CFLUE__V1__CLAIM_RESPONSE__INIT;
+    cr.owner_id = "J";
+    cr.submission_id = host->submission_id;
+    c = ctx();
+    CHECK(ledger_claim(&c, &cr, &cl, &err) == CF_OK && cl.submission);
+    Cflue__V1__ClaimJoinableRequest jr = CFLUE__V1__CLAIM_JOINABLE_REQUEST__INIT;
+    Cflue__V1__ClaimJoinableResponse jo = CFLUE__V1__CLAIM_JOINABLE_RESPONSE__INIT;
+    jr.host = cl.fence;
+    c = ctx();
+    CHECK(ledger_claim_joinable(&c, &jr, &jo, &err) == CF_OK);
+    CHECK(jo.n_submissions == 1 && !strcmp(jo.submissions[0]->submission_id, p1->submission_id));
+}
+
 static void test_schema_version(const char *path)
 {
     struct cf_error err;
@@ -165,6 +277,8 @@ int main(void)
     test_fifo_and_fencing();
     test_takeover();
     test_idempotency();
+    test_page_bytes();
+    test_compact_not_joined();
     test_schema_version(path);
     arena_cleanup(&arena);
     sqlite3_close(db);
