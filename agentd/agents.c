@@ -223,10 +223,15 @@ enum cf_status agents_parse(const char *text, const char *name_hint, const char 
     if (d && ((rc = integer(map_get(&doc, d, "max_attempts"), file, "durability.max_attempts", 1,
                             1000, &attempts, err)) != CF_OK ||
               (rc = integer(map_get(&doc, d, "timeout_ms"), file, "durability.timeout_ms", 1000,
-                            30LL * 86400000, &a->timeout_ms, err)) != CF_OK)) {
+                            30LL * 86400000, &a->timeout_ms, err)) != CF_OK ||
+              (rc = integer(map_get(&doc, d, "max_turns"), file, "durability.max_turns", 1,
+                            AGENT_MAX_TURNS_LIMIT, &a->max_turns, err)) != CF_OK)) {
         goto out;
     }
     a->max_attempts = (int32_t)attempts;
+    if (!a->max_turns) {
+        a->max_turns = AGENT_MAX_TURNS_DEFAULT;
+    }
     a->instructions = mem_strdup(body);
 out:
     yaml_document_delete(&doc);

@@ -9,7 +9,7 @@
  *   skills: [review]
  *   tools: ["127.0.0.1:7200"]        # extra cflue.v1.Tools servers
  *   compaction: {reserve_tokens: 20000, keep_recent_tokens: 8000}
- *   durability: {max_attempts: 10, timeout_ms: 3600000}
+ *   durability: {max_attempts: 10, timeout_ms: 3600000, max_turns: 200}
  *   ---
  *   Markdown body: the agent's instructions.
  *
@@ -18,6 +18,9 @@
  */
 #ifndef CFLUE_AGENTD_AGENTS_H
 #define CFLUE_AGENTD_AGENTS_H
+
+#define AGENT_MAX_TURNS_DEFAULT 200
+#define AGENT_MAX_TURNS_LIMIT 10000
 
 #include "status.h"
 
@@ -43,6 +46,7 @@ struct agent_def {
     int64_t keep_recent_tokens; /* 0: default */
     int32_t max_attempts;       /* 0: storaged's default */
     int64_t timeout_ms;         /* 0: storaged's default */
+    int64_t max_turns;          /* model turns one submission may take (then: failed) */
 };
 
 struct agent_set {

@@ -7,8 +7,9 @@
  *
  * A drive that storaged or toold interrupted (turn.c) is not settled: its submission goes on
  * the resume list, and a worker claims it again (own-owner reclaim of that one submission)
- * after a backoff of 1 s doubling to 30 s, until the claim succeeds or finds it settled or
- * taken by someone else. Each such claim is a new attempt and counts against max_attempts.
+ * after a backoff of 1 s doubling to 30 s (at most 2 s while storaged cannot be reached),
+ * until the claim succeeds or finds it settled or taken by someone else. Each such claim is a new
+ * attempt and counts against max_attempts.
  */
 #include "agentd.h"
 #include "catalog.h"
@@ -180,7 +181,8 @@ static bool resume_one(void)
                  cl->fence->attempt_id, cl->submission->attempt_count);
         after_drive(turn_drive(cl), r.submission_id, next);
     } else if (rc == CF_UNAVAILABLE || rc == CF_BUSY) {
-        resume_later(r.submission_id, next);
+        /* storaged is away: no attempt was spent; ask again soon */
+        resume_later(r.submission_id, r.delay_ms < 2000 ? r.delay_ms : 2000);
     } else if (rc != CF_OK) {
         char q[600];
         log_warn("resume_dropped", "submission=%s err=%s", r.submission_id,
@@ -191,6 +193,25 @@ static bool resume_one(void)
         protobuf_c_message_free_unpacked(resp, NULL);
     }
     return true;
+}
+
+/* note_claim_result logs when claims start failing and when they work again, once each,
+ * instead of once per worker per second for as long as storaged is away. */
+static void note_claim_result(enum cf_status rc, const struct cf_error *err)
+{
+    static int64_t failing_since; /* monotonic ms; 0: claims work */
+    char q[600];
+    pthread_mutex_lock(&g_agentd.mu);
+    if (rc != CF_OK && !failing_since) {
+        failing_since = clock_mono_ms();
+        log_warn("claims_failing", "err=%s", log_quote(q, sizeof(q), err->msg));
+    } else if (rc == CF_OK && failing_since) {
+        log_info("claims_working", "after_ms=%lld", (long long)(clock_mono_ms() - failing_since));
+        failing_since = 0;
+    } else if (rc != CF_OK) {
+        log_debug("claim_failed", "err=%s", log_quote(q, sizeof(q), err->msg));
+    }
+    pthread_mutex_unlock(&g_agentd.mu);
 }
 
 static Cflue__V1__ClaimResponse *next_reclaimed(void)
@@ -238,10 +259,7 @@ static void *worker_main(void *arg)
         if (resp) {
             protobuf_c_message_free_unpacked(resp, NULL);
         }
-        if (rc != CF_OK) {
-            char q[600];
-            log_warn("claim_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
-        }
+        note_claim_result(rc, &err);
         struct timespec ts;
         clock_deadline(&ts, rc == CF_OK ? 500 : 1000);
         pthread_mutex_lock(&g_agentd.mu);
@@ -453,7 +471,8 @@ int main(int argc, char **argv)
     if (trc != CF_OK) {
         /* crash-only: stop what started, exit non-zero; a restart resumes the work */
         fprintf(stderr, "agentd: %s\n", err.msg);
-        log_error("start_failed", "err=\"%s\"", err.msg);
+        char q[600];
+        log_error("start_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
         pthread_mutex_lock(&g_agentd.mu);
         g_agentd.stopping = true;
         pthread_cond_broadcast(&g_agentd.wake);

@@ -55,7 +55,6 @@
 #define STORE_TIMEOUT_MS 15000
 #define STORE_RETRY_MIN_MS 5000 /* a Store call is retried at least this long */
 #define TOOLS_TIMEOUT_MS 10000  /* Tools.List and the Sandbox reads of the system prompt */
-#define MAX_TURNS 200
 #define DELTA_FLUSH_MS 250
 #define MODEL_RETRIES 3
 #define MODEL_MIN_MS 1000 /* a model call needs at least this much of the time limit */
@@ -1421,11 +1420,11 @@ static Cflue__V1__Outcome run_turns(struct drive *d, char **system_text, struct 
         if (halted(d) || sync_records(d) != CF_OK) {
             return CFLUE__V1__OUTCOME__COMPLETED;
         }
-        if (d->turn >= MAX_TURNS) {
+        if (d->turn >= d->agent->max_turns) {
             snprintf(error, error_len,
-                     "stopped after %d model turns, the most one message may take; the work is "
-                     "not finished",
-                     MAX_TURNS);
+                     "stopped after %lld model turns, the most this agent may take for one "
+                     "message (durability.max_turns); the work is not finished",
+                     (long long)d->agent->max_turns);
             return CFLUE__V1__OUTCOME__FAILED;
         }
         if (time_left(d) < MODEL_MIN_MS) {

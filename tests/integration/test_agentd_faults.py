@@ -1,0 +1,303 @@
+"""agentd's failure paths: peers down for longer than the retry window, toold unreachable
+when a drive starts, budgets that must end work as `failed`, and Compact never joined into
+running work. Real storaged, toold and agentd processes; the offline model.
+
+    cd tests/integration && CFLUE_BUILD_DIR=/work/main/build /usr/bin/python3 -m unittest -v \
+        test_agentd_faults
+
+The rule every test checks in the end: a submission settles `completed` only when its
+stream ends with a finished answer: the last assistant message asks for no tool and every
+tool call has a recorded result (the real one, or "outcome unknown" after an interruption).
+"""
+
+import json
+import os
+import threading
+import time
+import unittest
+
+import grpc
+
+from cflue_harness import agent_pb2, common_pb2
+from test_agentd import (COMPLETED, FAILED, AgentdCase, bind, body, new_conv, outcome_name,
+                         request_system)
+
+# agentd retries a Store call for max(lease, 5 s); these outages are longer than that.
+LEASE_MS = 3000
+OUTAGE_S = 9
+
+
+def tool_calls(rec):
+    return body(rec).get('tool_calls') or []
+
+
+class FaultsCase(AgentdCase):
+    stack_kwargs = {
+        'agents': ('runner-anthropic', 'capped', 'brief'),
+        'agentd_args': ('--lease-ms', str(LEASE_MS), '--heartbeat-ms', '1000'),
+    }
+
+    def setUp(self):
+        # every test starts with all daemons up and agentd reaching storaged (a failed test
+        # may leave one down)
+        for d in (self.stack.sd, self.stack.td):
+            if not d.alive():
+                d.start()
+
+        def store_reachable():
+            try:
+                self.ad.get_submission('sub_probe')
+            except grpc.RpcError as e:
+                return e.code() == grpc.StatusCode.NOT_FOUND
+            return True
+
+        self.wait_for('agentd to reach storaged', store_reachable, timeout=60, interval=0.2)
+
+    def assert_outcome_true(self, conv, sid):
+        """completed => the stream shows the finished answer, every call with its result."""
+        recs = self.records(conv)
+        by_id = {r.id: r for r in recs}
+        assistants = [r for r in recs if r.type == 'assistant_message'
+                      and r.submission_id == sid]
+        self.assertTrue(assistants, 'no assistant message for %s' % sid)
+        for a in assistants:
+            for c in tool_calls(a):
+                rid = 'tool:%s:%d:%s' % (sid, body(a)['turn'], c['id'])
+                self.assertIn(rid, by_id, 'call %s of %s has no result: %s'
+                              % (c['id'], a.id, [(r.offset, r.type, r.id) for r in recs]))
+        self.assertEqual(tool_calls(assistants[-1]), [],
+                         'settled completed while the last assistant message asks for tools')
+        settled = [r for r in recs if r.type == 'submission_settled' and r.submission_id == sid]
+        self.assertEqual(len(settled), 1)
+        self.assertEqual(body(settled[0])['outcome'], 'completed')
+        self.assertGreater(settled[0].offset, assistants[-1].offset)
+        return recs
+
+    def wait_record(self, conv, pred, what, timeout=20):
+        return self.wait_for(what, lambda: [r for r in self.records(conv) if pred(r)],
+                             timeout=timeout)
+
+    # ---- storaged down past the retry window while a tool call runs ----
+
+    def test_store_outage_during_tool_call_settles_only_a_finished_answer(self):
+        conv = new_conv('outage')
+        ws = self.workspace(conv)
+        self.fm.set_scenario(bind([
+            {'tool_calls': [{'name': 'bash', 'arguments': {
+                'command': 'sleep 2; echo ran >> effects.txt; echo tool-finished'}}]},
+            {'text': 'All done after the outage.'}], conv))
+        adm = self.ad.submit('runner-anthropic', 'run it (%s)' % conv, conversation_id=conv)
+        self.wait_record(conv, lambda r: r.type == 'assistant_message', 'the tool call')
+        self.stack.sd.kill()
+        time.sleep(OUTAGE_S)
+        self.stack.sd.start()
+        sub = self.wait_settled(adm.submission_id, timeout=60)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        recs = self.assert_outcome_true(conv, adm.submission_id)
+        self.assertGreaterEqual(sub.attempt_count, 2, 'the interrupted attempt was not counted')
+        # the tool ran once at most, and the model heard about the call either way
+        with open(os.path.join(ws, 'effects.txt')) as f:
+            self.assertEqual(f.read(), 'ran\n')
+        results = [body(r) for r in recs if r.type == 'tool_result']
+        self.assertEqual(len(results), 1, results)
+        self.assertIn('drive_interrupted', self.ad.stderr_text())
+
+    # ---- toold unreachable when a drive starts ----
+
+    def test_toold_down_at_drive_start_never_reaches_the_model_without_tools(self):
+        conv = new_conv('notools')
+        self.workspace(conv, {'hello.txt': 'hi\n'})
+        self.fm.set_scenario(bind([
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'cat hello.txt'}}]},
+            {'text': 'It says hi.'}], conv))
+        self.stack.td.kill()
+        adm = self.ad.submit('runner-anthropic', 'read it (%s)' % conv, conversation_id=conv)
+        time.sleep(4)  # several attempts to start the drive while toold is down
+        self.assertEqual(self.model_requests(conv), [], 'the model was called without toold')
+        self.assertFalse([r for r in self.records(conv) if r.type == 'system_prompt'],
+                         'a system prompt was frozen without the sandbox')
+        self.stack.td.start()
+        sub = self.wait_settled(adm.submission_id, timeout=60)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assert_outcome_true(conv, adm.submission_id)
+        reqs = self.model_requests(conv)
+        self.assertTrue(reqs)
+        names = sorted(t['name'] for t in reqs[0]['body'].get('tools') or [])
+        self.assertEqual(names, ['bash', 'edit', 'glob', 'grep', 'read', 'write'])
+        system = request_system(reqs[0])
+        self.assertIn('Working directory:', system)
+        self.assertIn('hello.txt', system)
+        self.assertIn('- bash:', system)
+        results = [body(r) for r in self.records(conv) if r.type == 'tool_result']
+        self.assertEqual([r['text'].strip() for r in results], ['hi'])
+
+    # ---- every attempt counts, whatever fails ----
+
+    def test_every_interrupted_attempt_counts_against_max_attempts(self):
+        conv = new_conv('attempts')
+        self.workspace(conv)
+        self.fm.set_scenario(bind([{'text': 'never asked'}], conv))
+        self.stack.td.kill()
+        try:
+            adm = self.ad.submit('capped', 'hello (%s)' % conv, conversation_id=conv)
+            sub = self.wait_settled(adm.submission_id, timeout=60)
+        finally:
+            self.stack.td.start()
+        self.assertEqual(outcome_name(sub.outcome), 'FAILED')
+        self.assertIn('gave up after 3 attempts', sub.error)
+        self.assertEqual(sub.attempt_count, 4)
+        self.assertEqual(self.model_requests(conv), [])
+
+    # ---- limits that are limits ----
+
+    def test_time_limit_settles_failed_and_no_tool_runs_after_it(self):
+        conv = new_conv('deadline')
+        ws = self.workspace(conv)
+        # the model answers after the submission's 4 s are over, asking for a tool
+        self.fm.set_scenario(bind([
+            {'delay_ms': 5500, 'tool_calls': [{'name': 'bash', 'arguments': {
+                'command': 'echo late >> effects.txt'}}]},
+            {'text': 'should not be asked'}], conv))
+        adm = self.ad.submit('brief', 'quick (%s)' % conv, conversation_id=conv)
+        sub = self.wait_settled(adm.submission_id, timeout=30)
+        self.assertEqual(outcome_name(sub.outcome), 'FAILED', sub.error)
+        self.assertIn('time limit', sub.error)
+        time.sleep(2)  # the late answer would have run its tool by now
+        self.assertFalse(os.path.exists(os.path.join(ws, 'effects.txt')),
+                         'a tool ran after the time limit')
+
+    def test_time_limit_bounds_a_running_tool_call(self):
+        conv = new_conv('deadline-tool')
+        self.workspace(conv)
+        self.fm.set_scenario(bind([
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'sleep 30'}}]},
+            {'text': 'should not be asked'}], conv))
+        t0 = time.monotonic()
+        adm = self.ad.submit('brief', 'slow (%s)' % conv, conversation_id=conv)
+        sub = self.wait_settled(adm.submission_id, timeout=30)
+        self.assertLess(time.monotonic() - t0, 15, 'the tool call outlived the time limit')
+        self.assertEqual(outcome_name(sub.outcome), 'FAILED', sub.error)
+        self.assertIn('time limit', sub.error)
+        results = [body(r) for r in self.records(conv) if r.type == 'tool_result']
+        self.assertEqual(len(results), 1, results)
+
+    def test_turn_cap_settles_failed_saying_so(self):
+        conv = new_conv('turns')
+        self.workspace(conv)
+        self.fm.set_scenario(bind(
+            [{'tool_calls': [{'name': 'bash', 'arguments': {'command': 'echo %d' % i}}]}
+             for i in range(6)], conv))
+        adm = self.ad.submit('capped', 'loop (%s)' % conv, conversation_id=conv)
+        sub = self.wait_settled(adm.submission_id, timeout=30)
+        self.assertEqual(outcome_name(sub.outcome), 'FAILED', sub.error)
+        self.assertIn('3 model turns', sub.error)
+        recs = self.records(conv)
+        self.assertEqual(len([r for r in recs if r.type == 'assistant_message']), 3)
+        # the stream is consistent even though the work was cut short
+        self.assertEqual(len([r for r in recs if r.type == 'tool_result']), 3)
+
+    # ---- a returning peer is used again at once ----
+
+    def test_storaged_back_after_a_long_outage_is_used_within_seconds(self):
+        self.stack.sd.kill()
+        # agentd's workers keep calling storaged (claims every second) while it is down
+        time.sleep(16)
+        self.stack.sd.start()
+        t0 = time.monotonic()
+        conv = new_conv('back')
+        self.workspace(conv)
+        self.fm.set_scenario(bind([{'text': 'back again'}], conv))
+        deadline = t0 + 20
+        adm = None
+        while adm is None and time.monotonic() < deadline:
+            try:
+                adm = self.ad.submit('runner-anthropic', 'hi (%s)' % conv, conversation_id=conv,
+                                     idempotency_key='back-' + conv)
+            except grpc.RpcError as e:
+                self.assertEqual(e.code(), grpc.StatusCode.UNAVAILABLE, e.details())
+                time.sleep(0.1)
+        took = time.monotonic() - t0
+        self.assertIsNotNone(adm, 'agentd never reached storaged again')
+        self.assertLess(took, 3.0, 'agentd took %.1f s to use storaged again' % took)
+        sub = self.wait_settled(adm.submission_id, timeout=30)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+
+
+class CompactOrderTest(AgentdCase):
+    """Compact on a conversation with running work runs after it, as its own submission."""
+    stack_kwargs = {'agents': ('compactor',)}
+
+    @classmethod
+    def setUpClass(cls):
+        from test_agentd_compaction import models_file
+        cls.stack_kwargs = dict(cls.stack_kwargs, agentd_args=('--models', models_file()))
+        super(CompactOrderTest, cls).setUpClass()
+
+    def test_compact_during_a_running_submission_is_never_joined(self):
+        conv = new_conv('compact')
+        self.workspace(conv)
+        self.fm.set_scenario(bind([
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 300'}}]},
+            {'text': 'Listed.'},
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'sleep 2; echo slept'}}]},
+            {'text': 'Slept.'},
+            {'text': 'SUMMARY-ORDER: numbers were listed, then a nap.'}], conv))
+        first = self.ad.submit('compactor', 'list numbers (%s)' % conv, conversation_id=conv)
+        self.wait_settled(first.submission_id, timeout=30)
+        second = self.ad.submit('compactor', 'now nap (%s)' % conv, conversation_id=conv)
+        self.wait_for('the nap to start', lambda: len(
+            [r for r in self.records(conv) if r.type == 'assistant_message']) >= 3)
+        out = {}
+
+        def compact():
+            try:
+                out['resp'] = self.ad.call(
+                    'Compact', agent_pb2.CompactRequest(conversation_id=conv), timeout=60)
+            except grpc.RpcError as e:
+                out['err'] = e
+
+        t = threading.Thread(target=compact)
+        t.start()
+        sub = self.wait_settled(second.submission_id, timeout=30)
+        t.join(60)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertNotIn('err', out, out.get('err') and out['err'].details())
+        recs = self.records(conv)
+        users = [body(r).get('text', '') for r in recs if r.type == 'user_message']
+        self.assertFalse([u for u in users if 'compact' in u.lower()],
+                         'the Compact request entered the conversation as a message: %s' % users)
+        for e in self.model_requests(conv):
+            self.assertNotIn('compact the conversation', json.dumps(e['body']['messages']))
+        comp = [r for r in recs if r.type == 'compaction']
+        self.assertEqual(len(comp), 1)
+        self.assertEqual(out['resp'].record_offset, comp[0].offset)
+        settled = {r.submission_id: r.offset for r in recs if r.type == 'submission_settled'}
+        self.assertGreater(comp[0].offset, settled[second.submission_id],
+                           'the compaction ran before the running submission settled')
+        self.assertGreater(out['resp'].tokens_before, out['resp'].tokens_after)
+
+    def test_compact_with_nothing_to_compact_says_so(self):
+        conv = new_conv('compact-empty')
+        self.workspace(conv)
+        self.fm.set_scenario(bind([{'text': 'hi'}], conv))
+        adm = self.ad.submit('compactor', 'hi (%s)' % conv, conversation_id=conv)
+        self.wait_settled(adm.submission_id, timeout=30)
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.ad.call('Compact', agent_pb2.CompactRequest(conversation_id=conv), timeout=30)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn('nothing to compact', cm.exception.details())
+
+    def test_requests_ask_for_the_output_tokens_the_threshold_counts(self):
+        conv = new_conv('max-tokens')
+        self.workspace(conv)
+        self.fm.set_scenario(bind([{'text': 'short'}], conv))
+        adm = self.ad.submit('compactor', 'hi (%s)' % conv, conversation_id=conv)
+        self.wait_settled(adm.submission_id, timeout=30)
+        reqs = self.model_requests(conv)
+        self.assertTrue(reqs)
+        # the catalog says this model writes at most 500 tokens: ask for no more
+        self.assertEqual({e['body']['max_tokens'] for e in reqs}, {500})
+
+
+if __name__ == '__main__':
+    unittest.main()
