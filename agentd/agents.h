@@ -56,12 +56,13 @@ struct agent_set {
 
 /* agents_load reads every *.md file of dir. CF_INVALID with "FILE: field: problem" for the
  * first bad definition; CF_IO when dir cannot be read. An empty directory is CF_INVALID. */
-enum cf_status agents_load(const char *dir, struct agent_set *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status agents_load(const char *dir, struct agent_set *out,
+                                         struct cf_error *err);
 
 /* agents_parse parses one definition from text (name_hint is the file's stem, file is used in
  * messages). On success fills *out (free with agents_free_one). */
-enum cf_status agents_parse(const char *text, const char *name_hint, const char *file,
-                            struct agent_def *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status agents_parse(const char *text, const char *name_hint, const char *file,
+                                          struct agent_def *out, struct cf_error *err);
 
 /* agents_find returns the agent named name, or NULL. */
 const struct agent_def *agents_find(const struct agent_set *set, const char *name);

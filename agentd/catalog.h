@@ -24,7 +24,7 @@ struct model_info {
 
 /* catalog_load adds the entries of a JSON file; CF_INVALID naming the entry and field when
  * the file is malformed. */
-enum cf_status catalog_load(const char *path, struct cf_error *err);
+CF_MUST_CHECK enum cf_status catalog_load(const char *path, struct cf_error *err);
 
 /* catalog_lookup returns what is known of model ("provider/id"). */
 struct model_info catalog_lookup(const char *model);

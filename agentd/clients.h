@@ -13,9 +13,11 @@
  * server's message and a status mapped back from the gRPC code (FAILED_PRECONDITION ->
  * CF_STALE, NOT_FOUND -> CF_NOT_FOUND, ...); UNAVAILABLE and DEADLINE_EXCEEDED map to
  * CF_UNAVAILABLE, which callers may retry. */
-enum cf_status store_call(struct rpc_channel *ch, const char *method, const ProtobufCMessage *req,
-                          const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
-                          ProtobufCMessage **resp_out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status store_call(struct rpc_channel *ch, const char *method,
+                                        const ProtobufCMessage *req,
+                                        const ProtobufCMessageDescriptor *resp_desc,
+                                        int64_t timeout_ms, ProtobufCMessage **resp_out,
+                                        struct cf_error *err);
 
 /* status_from_grpc maps a gRPC code to the closest cf_status. */
 enum cf_status status_from_grpc(grpc_status_code code);

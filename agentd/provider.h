@@ -95,26 +95,27 @@ void llm_response_cleanup(struct llm_response *r);
 /* llm_complete makes one model call. CF_OK with the response filled; CF_CANCELLED when
  * events->cancelled said so (the transfer is abandoned at once); CF_UNAVAILABLE (retryable
  * set when a retry may help) or CF_INVALID for provider errors, with the message in err. */
-enum cf_status llm_complete(const struct provider_endpoint *ep, const struct llm_request *req,
-                            const struct llm_events *events, struct llm_response *out,
-                            struct cf_error *err);
+CF_MUST_CHECK enum cf_status llm_complete(const struct provider_endpoint *ep,
+                                          const struct llm_request *req,
+                                          const struct llm_events *events, struct llm_response *out,
+                                          struct cf_error *err);
 
 /* Provider modules: build the request body; parse a non-streamed body or one SSE event. */
 json_t *anthropic_build(const struct llm_request *req);
-enum cf_status anthropic_parse_body(const char *body, size_t len, struct llm_response *out,
-                                    struct cf_error *err);
-enum cf_status anthropic_parse_event(void *state, const char *event, const char *data,
-                                     const struct llm_events *ev, struct llm_response *out,
-                                     struct cf_error *err);
+CF_MUST_CHECK enum cf_status anthropic_parse_body(const char *body, size_t len,
+                                                  struct llm_response *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status anthropic_parse_event(void *state, const char *event, const char *data,
+                                                   const struct llm_events *ev,
+                                                   struct llm_response *out, struct cf_error *err);
 void *anthropic_stream_new(void);
 void anthropic_stream_free(void *state);
 
 json_t *openai_build(const struct llm_request *req);
-enum cf_status openai_parse_body(const char *body, size_t len, struct llm_response *out,
-                                 struct cf_error *err);
-enum cf_status openai_parse_event(void *state, const char *event, const char *data,
-                                  const struct llm_events *ev, struct llm_response *out,
-                                  struct cf_error *err);
+CF_MUST_CHECK enum cf_status openai_parse_body(const char *body, size_t len,
+                                               struct llm_response *out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status openai_parse_event(void *state, const char *event, const char *data,
+                                                const struct llm_events *ev,
+                                                struct llm_response *out, struct cf_error *err);
 void *openai_stream_new(void);
 void openai_stream_free(void *state);
 

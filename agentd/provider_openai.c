@@ -28,11 +28,8 @@ json_t *openai_build(const struct llm_request *req)
             json_array_append_new(
                 parts, json_pack("{s:s, s:s}", "type", "text", "text", m->text ? m->text : ""));
             for (size_t k = 0; k < m->n_images; k++) {
-                char *url = NULL;
-                if (asprintf(&url, "data:%s;base64,%s", m->images[k].mime_type,
-                             m->images[k].base64) < 0) {
-                    continue;
-                }
+                char *url =
+                    mem_asprintf("data:%s;base64,%s", m->images[k].mime_type, m->images[k].base64);
                 json_array_append_new(parts, json_pack("{s:s, s:{s:s}}", "type", "image_url",
                                                        "image_url", "url", url));
                 free(url);

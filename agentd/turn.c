@@ -523,13 +523,9 @@ static void build_context(struct drive *d, struct context *c, json_t *bodies, in
         json_t *b = json_loads(compaction->body_json, 0, NULL);
         json_array_append_new(bodies, b);
         first_kept = json_integer_value(json_object_get(b, "first_kept_offset"));
-        char *t = NULL;
-        if (asprintf(&t,
-                     "<context_summary>\nThe earlier part of this conversation was compacted "
-                     "into this summary:\n\n%s\n</context_summary>",
-                     str(b, "summary")) < 0) {
-            t = mem_strdup(str(b, "summary"));
-        }
+        char *t = mem_asprintf("<context_summary>\nThe earlier part of this conversation was "
+                               "compacted into this summary:\n\n%s\n</context_summary>",
+                               str(b, "summary"));
         struct llm_message *m = push(c);
         m->role = LLM_USER;
         m->text = keep(c, t);
@@ -553,11 +549,8 @@ static void build_context(struct drive *d, struct context *c, json_t *bodies, in
             }
         } else if (!strcmp(r->type, "signal")) {
             struct llm_message *m = push(c);
-            char *t = NULL;
-            if (asprintf(&t, "<signal type=\"%s\">\n%s\n</signal>", str(b, "type"),
-                         str(b, "text")) < 0) {
-                t = mem_strdup(str(b, "text"));
-            }
+            char *t =
+                mem_asprintf("<signal type=\"%s\">\n%s\n</signal>", str(b, "type"), str(b, "text"));
             m->role = LLM_USER;
             m->text = keep(c, t);
         } else if (!strcmp(r->type, "assistant_message")) {
