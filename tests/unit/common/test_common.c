@@ -6,10 +6,13 @@
 #include "config.h"
 #include "ids.h"
 #include "log.h"
+#include "mem.h"
 #include "status.h"
+#include "thread.h"
 #include "utf8.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 static void test_status(void)
 {
@@ -136,6 +139,49 @@ static void test_log_quote(void)
     CHECK_STR(log_quote(out, 8, "abcdefghij"), "\"abcde\"");
 }
 
+static void *count_up(void *arg)
+{
+    int *n = arg;
+    (*n)++;
+    return NULL;
+}
+
+static void *random_of_thread(void *arg)
+{
+    *(uint64_t *)arg = thread_random();
+    return NULL;
+}
+
+static void test_thread(void)
+{
+    struct cf_error err;
+    pthread_t t;
+    int n = 0;
+    CHECK(thread_start(&t, 0, count_up, &n, &err) == CF_OK);
+    pthread_join(t, NULL);
+    CHECK(n == 1);
+    /* a stack size the system refuses is a status, not a crash or a silent default */
+    CHECK(thread_start(&t, 1, count_up, &n, &err) == CF_BUSY);
+    CHECK(strstr(err.msg, "could not start a thread") != NULL);
+    CHECK(n == 1);
+    /* each thread has its own seeded sequence: two threads do not draw the same value */
+    uint64_t a = 0, b = 0;
+    pthread_t ta, tb;
+    CHECK(thread_start(&ta, 0, random_of_thread, &a, &err) == CF_OK);
+    CHECK(thread_start(&tb, 0, random_of_thread, &b, &err) == CF_OK);
+    pthread_join(ta, NULL);
+    pthread_join(tb, NULL);
+    CHECK(a != b);
+    for (int i = 0; i < 1000; i++) {
+        int64_t j = thread_jitter_ms(250);
+        CHECK(j >= 0 && j < 250);
+    }
+    CHECK(thread_jitter_ms(0) == 0);
+    char *s = mem_asprintf("%s-%d", "x", 42);
+    CHECK_STR(s, "x-42");
+    free(s);
+}
+
 int main(void)
 {
     test_status();
@@ -145,5 +191,6 @@ int main(void)
     test_utf8();
     test_arena();
     test_log_quote();
+    test_thread();
     return check_done("test_common");
 }
