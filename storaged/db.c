@@ -7,6 +7,7 @@
  */
 #include "db.h"
 
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -222,4 +223,95 @@ enum cf_status db_open(const char *path, bool writer, sqlite3 **out, struct cf_e
 fail:
     sqlite3_close(db);
     return rc;
+}
+
+/* meta_get reads one meta value into out ("" when absent); *found tells which. */
+static enum cf_status meta_get(sqlite3 *db, const char *key, char *out, size_t out_len, bool *found,
+                               struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc = CF_OK;
+    *found = false;
+    out[0] = '\0';
+    if ((rc = db_prepare(db, "SELECT value FROM meta WHERE key = ?", &st, err)) != CF_OK) {
+        return rc;
+    }
+    sqlite3_bind_text(st, 1, key, -1, SQLITE_STATIC);
+    int r = sqlite3_step(st);
+    if (r == SQLITE_ROW) {
+        const unsigned char *v = sqlite3_column_text(st, 0);
+        snprintf(out, out_len, "%s", v ? (const char *)v : "");
+        *found = true;
+    } else if (r != SQLITE_DONE) {
+        rc = db_step_fail(db, r, "read meta", err);
+    }
+    sqlite3_finalize(st);
+    return rc;
+}
+
+static enum cf_status meta_set(sqlite3 *db, const char *key, const char *value,
+                               struct cf_error *err)
+{
+    sqlite3_stmt *st;
+    enum cf_status rc;
+    if ((rc = db_prepare(db, "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", &st, err)) !=
+        CF_OK) {
+        return rc;
+    }
+    sqlite3_bind_text(st, 1, key, -1, SQLITE_STATIC);
+    sqlite3_bind_text(st, 2, value, -1, SQLITE_STATIC);
+    int r = sqlite3_step(st);
+    rc = r == SQLITE_DONE ? CF_OK : db_step_fail(db, r, "write meta", err);
+    sqlite3_finalize(st);
+    return rc;
+}
+
+enum cf_status db_boot(sqlite3 *db, const char *boot_id, int *fenced_out, struct cf_error *err)
+{
+    char prev[128], clean[8];
+    bool have_prev, have_clean;
+    enum cf_status rc;
+    *fenced_out = 0;
+    if ((rc = db_exec(db, "PRAGMA synchronous=FULL", err)) != CF_OK ||
+        (rc = db_exec(db, "BEGIN IMMEDIATE", err)) != CF_OK) {
+        return rc;
+    }
+    if ((rc = meta_get(db, "boot_id", prev, sizeof(prev), &have_prev, err)) != CF_OK ||
+        (rc = meta_get(db, "clean_stop", clean, sizeof(clean), &have_clean, err)) != CF_OK) {
+        goto fail;
+    }
+    if (have_prev && strcmp(prev, boot_id) != 0 && strcmp(clean, "1") != 0) {
+        if ((rc = db_exec(db,
+                          "UPDATE submissions SET attempt_id = 'att_fenced_' || "
+                          "lower(hex(randomblob(10))), lease_expires_at = 1 "
+                          "WHERE status IN ('running','terminalizing')",
+                          err)) != CF_OK) {
+            goto fail;
+        }
+        *fenced_out = sqlite3_changes(db);
+    }
+    if ((rc = meta_set(db, "boot_id", boot_id, err)) != CF_OK ||
+        (rc = meta_set(db, "clean_stop", "0", err)) != CF_OK ||
+        (rc = db_exec(db, "COMMIT", err)) != CF_OK) {
+        goto fail;
+    }
+    return CF_OK;
+fail:
+    /* an open transaction is rolled back when the caller closes the connection */
+    *fenced_out = 0;
+    return rc;
+}
+
+enum cf_status db_clean_stop(sqlite3 *db, struct cf_error *err)
+{
+    enum cf_status rc;
+    if ((rc = db_exec(db, "PRAGMA synchronous=FULL", err)) != CF_OK ||
+        (rc = db_exec(db, "BEGIN IMMEDIATE", err)) != CF_OK) {
+        return rc;
+    }
+    if ((rc = meta_set(db, "clean_stop", "1", err)) != CF_OK ||
+        (rc = db_exec(db, "COMMIT", err)) != CF_OK) {
+        return rc; /* closing the connection rolls the transaction back */
+    }
+    return CF_OK;
 }

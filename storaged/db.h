@@ -41,4 +41,24 @@ CF_MUST_CHECK enum cf_status db_fail(sqlite3 *db, const char *what, struct cf_er
 CF_MUST_CHECK enum cf_status db_step_fail(sqlite3 *db, int step_rc, const char *what,
                                           struct cf_error *err);
 
+/* db_boot runs once at start-up on the writer connection, before anything is served. It
+ * detects a restart after the machine itself went down: the kernel's boot id (boot_id, e.g. from
+ * /proc/sys/kernel/random/boot_id; "" when unknown) differs from the one stored by the previous
+ * run and that run did not stop cleanly. Commits made with synchronous=NORMAL since the last
+ * synced one may then have been lost, while the attempts that made them may still be running
+ * elsewhere: every running or terminalizing submission gets a fresh attempt id and an expired
+ * lease, so those attempts are fenced off (FAILED_PRECONDITION) and recovery continues from what
+ * is durable. After a process crash on the same boot nothing was lost (the OS kept the page
+ * cache) and nothing is fenced. A database without a stored boot id (first start) fences nothing.
+ * Stores the boot id and clears the clean-stop stamp, committed with synchronous=FULL. Sets
+ * *fenced_out to the number of attempts fenced off. On failure the caller closes the connection
+ * (rolling back) and must not serve. */
+CF_MUST_CHECK enum cf_status db_boot(sqlite3 *db, const char *boot_id, int *fenced_out,
+                                     struct cf_error *err);
+
+/* db_clean_stop stamps a clean stop, committed with synchronous=FULL (which also syncs every
+ * earlier commit): the next start fences nothing even on a new boot. Call last, when no more
+ * writes will come. On failure the caller closes the connection (rolling back). */
+CF_MUST_CHECK enum cf_status db_clean_stop(sqlite3 *db, struct cf_error *err);
+
 #endif

@@ -33,8 +33,9 @@
  * send limit and under the 16 MiB receive limit gRPC clients of this project default to. */
 #define LEDGER_PAGE_BYTES_MAX (8 << 20)
 #define LEDGER_RECORD_SLACK 1024
-#define LEDGER_FOLLOW_BYTES (1 << 20) /* what one Follow read holds in memory (at least 1 record)  \
-                                       */
+#define LEDGER_FOLLOW_BYTES                                                                        \
+    (1 << 20) /* what one Follow read holds in memory (at least 1 record)                          \
+               */
 
 struct ledger_config {
     int64_t lease_ms;     /* default lease when a Claim asks for 0 */

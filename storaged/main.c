@@ -23,7 +23,9 @@
 static const char usage[] =
     "usage: storaged [options]\n\n"
     "Serves cflue.v1.Store: the submission ledger and the conversation record streams, in one\n"
-    "SQLite database (WAL, synchronous=FULL). Also serves grpc.health.v1.Health.";
+    "SQLite database (WAL; synchronous=FULL for admissions, settlements, abort intents, joins\n"
+    "and input stamps, NORMAL for the rest: see docs/storaged.md). Also serves\n"
+    "grpc.health.v1.Health.";
 
 static void log_startup_state(const char *path)
 {
@@ -50,10 +52,26 @@ static void log_startup_state(const char *path)
     sqlite3_close(db);
 }
 
+/* read_boot_id reads the kernel's boot id (one line); "" when it cannot be read. */
+static void read_boot_id(const char *path, char *out, size_t out_len)
+{
+    out[0] = '\0';
+    FILE *f = *path ? fopen(path, "r") : NULL;
+    if (!f) {
+        return;
+    }
+    if (fgets(out, (int)out_len, f)) {
+        out[strcspn(out, "\r\n")] = '\0';
+    } else {
+        out[0] = '\0';
+    }
+    fclose(f);
+}
+
 int main(int argc, char **argv)
 {
     const char *listen = "127.0.0.1:7101", *db_path = "cflue-store.db", *port_file = "";
-    const char *level = "info";
+    const char *level = "info", *boot_id_file = "/proc/sys/kernel/random/boot_id";
     long long lease_ms = 30000, timeout_ms = 3600000, max_attempts = 10;
     long long max_msg = 16 << 20, workers = 8, group = 256, grace_ms = 5000;
     bool help;
@@ -68,11 +86,14 @@ int main(int argc, char **argv)
          "submission deadline from its first claim"},
         {"max-attempts", CONFIG_INT, &max_attempts, 1, 1000, "claims before recovery gives up"},
         {"max-message-bytes", CONFIG_INT, &max_msg, 1 << 20, 1 << 30,
-         "largest request or response"},
+         "largest request or response; Read pages hold at most half of it (8 MiB at most)"},
         {"workers", CONFIG_INT, &workers, 1, 256, "threads serving reads"},
         {"group-commit", CONFIG_INT, &group, 1, 10000, "most writes committed together"},
         {"grace-ms", CONFIG_INT, &grace_ms, 0, 600000, "how long shutdown waits for live calls"},
         {"log-level", CONFIG_STRING, &level, 0, 0, "debug, info, warn or error"},
+        {"boot-id-file", CONFIG_STRING, &boot_id_file, 0, 0,
+         "where the machine's boot id is read (a new boot after an unclean stop fences running "
+         "attempts)"},
     };
 
     log_init("storaged", LOG_INFO);
@@ -98,6 +119,23 @@ int main(int argc, char **argv)
         log_error("db_open_failed", "db=%s err=%s", db_path, log_quote(q, sizeof(q), err.msg));
         fprintf(stderr, "storaged: %s\n", err.msg);
         return 1;
+    }
+    char boot_id[128];
+    read_boot_id(boot_id_file, boot_id, sizeof(boot_id));
+    int fenced = 0;
+    if (db_boot(db, boot_id, &fenced, &err) != CF_OK) {
+        char q[CF_ERROR_MSG_MAX + 16];
+        log_error("db_boot_failed", "db=%s err=%s", db_path, log_quote(q, sizeof(q), err.msg));
+        fprintf(stderr, "storaged: %s\n", err.msg);
+        sqlite3_close(db);
+        return 1;
+    }
+    if (fenced > 0) {
+        log_warn("fenced_after_reboot",
+                 "attempts=%d boot_id=%s: the machine restarted since the last run, which did "
+                 "not stop cleanly; unsynced commits may be lost, so running attempts were fenced "
+                 "off and recovery continues them",
+                 fenced, boot_id);
     }
     log_startup_state(db_path);
 

@@ -45,7 +45,11 @@ struct method {
     validate_fn validate;
     ledger_fn run;
     bool write;
-    bool durable; /* commit with synchronous=FULL before answering */
+    /* Commit with synchronous=FULL before answering: Admit, Settle, RequestAbort (the
+     * durability statement), MarkInputApplied and FinalizeJoin (once per attempt or join; if
+     * lost while the attempt survives a power loss, a delivery already answered in the host's
+     * response would be queued again). The rest commit with NORMAL: see docs/storaged.md. */
+    bool durable;
 };
 
 /* ---------- reader connections ---------- */
@@ -168,12 +172,12 @@ static const struct method methods[] = {
     {"Heartbeat", D(heartbeat_request), D(heartbeat_response), V(validate_heartbeat), run_heartbeat,
      true, false},
     {"MarkInputApplied", D(mark_input_applied_request), D(submission),
-     V(validate_mark_input_applied), run_mark, true, false},
+     V(validate_mark_input_applied), run_mark, true, true},
     {"Requeue", D(fenced_request), D(submission), V(validate_fenced), run_requeue, true, false},
     {"ClaimJoinable", D(claim_joinable_request), D(claim_joinable_response),
      V(validate_claim_joinable), run_claim_joinable, true, false},
     {"FinalizeJoin", D(join_request), D(submission), V(validate_join), run_finalize_join, true,
-     false},
+     true},
     {"RevertJoin", D(join_request), D(submission), V(validate_join), run_revert_join, true, false},
     {"RequestAbort", D(request_abort_request), D(request_abort_response), V(validate_request_abort),
      run_abort, true, true},

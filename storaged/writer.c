@@ -240,6 +240,11 @@ void writer_stop(struct writer *w)
     pthread_cond_signal(&w->cv);
     pthread_mutex_unlock(&w->mu);
     pthread_join(w->thread, NULL);
+    struct cf_error err;
+    if (db_clean_stop(w->db, &err) != CF_OK) {
+        char q[CF_ERROR_MSG_MAX + 16];
+        log_warn("clean_stop_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
+    }
     sqlite3_close(w->db);
     pthread_mutex_destroy(&w->mu);
     pthread_cond_destroy(&w->cv);

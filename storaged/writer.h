@@ -49,7 +49,8 @@ CF_MUST_CHECK enum cf_status writer_start(struct writer **out, sqlite3 *db,
  * writer_stop began, the job completes at once with CF_UNAVAILABLE. */
 void writer_submit(struct writer *w, struct writer_job *job);
 
-/* writer_stop commits what is queued, stops the thread, closes the database and frees w. */
+/* writer_stop commits what is queued, stops the thread, stamps a clean stop (db_clean_stop),
+ * closes the database and frees w. */
 void writer_stop(struct writer *w);
 
 /* ---- notifier: wakes Follow streams when records commit ---- */
