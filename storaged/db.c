@@ -1,9 +1,11 @@
 /* db.c - SQLite connections for storaged.
  *
  * Durability: the database runs in WAL mode. Connections open with synchronous=FULL; the
- * writer (writer.c) keeps FULL for batches that admit, settle or record abort intents, so those
- * reach the disk (WAL fsync) before storaged answers, and uses NORMAL for the rest of the
- * stream. Group commit shares the cost of each fsync between concurrent requests.
+ * writer (writer.c) keeps FULL for batches holding an admission, settlement, abort intent, join
+ * finalization or input stamp, so those reach the disk (WAL fsync) before storaged answers, and
+ * uses NORMAL for the rest (claims, leases, appends). A power loss can lose only NORMAL commits
+ * made after the last synced one; db_boot fences the attempts that could write on top of such a
+ * loss. Group commit shares the cost of each fsync between concurrent requests.
  */
 #include "db.h"
 

@@ -4,10 +4,12 @@
  * arrive while a transaction commits wait and are committed together in the next one, each
  * inside its own savepoint, so one failing job does not undo the others. A job's completion
  * callback runs after the COMMIT returned. A batch holding a job marked `durable` (admission,
- * settlement, abort intents) commits with synchronous=FULL: the WAL is synced before anyone is
- * answered, so it survives power loss. Other batches (record appends, claims, leases) commit
- * with synchronous=NORMAL: safe against any process crash, and made power-safe by the next
- * synced commit, as the durability statement allows.
+ * settlement, abort intents, join finalization, input stamps) commits with synchronous=FULL:
+ * the WAL is synced before anyone is answered, so it survives power loss. Other batches
+ * (record appends, claims, leases, joins claimed or reverted) commit with synchronous=NORMAL:
+ * safe against any process crash, and made power-safe by the next synced commit, as the
+ * durability statement allows; db_boot fences attempts that a power loss could have left
+ * writing on top of lost commits.
  */
 #ifndef CFLUE_STORAGED_WRITER_H
 #define CFLUE_STORAGED_WRITER_H
