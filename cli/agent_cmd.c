@@ -6,6 +6,7 @@
  */
 #include "agent_cmd.h"
 
+#include "guard.h"
 #include "print.h"
 #include "rpc.h"
 
@@ -16,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+#define AGENT_TIMEOUT_MS 15000 /* one unary call to agentd */
 
 static bool tty;
 
@@ -116,7 +119,8 @@ static int watch_stream(struct rpc_channel *ch, const char *conversation, int64_
     req.conversation_id = (char *)conversation;
     req.from_offset = from;
     req.follow = follow;
-    struct rpc_stream *s = rpc_stream_open(ch, "/cflue.v1.Agent/Watch", &req.base, 0);
+    struct rpc_stream *s =
+        rpc_stream_open(ch, "/cflue.v1.Agent/Watch", &req.base, guard_timeout_ms(0));
     ProtobufCMessage *m;
     bool done = false;
     while (!done && rpc_stream_read(s, &cflue__v1__record__descriptor, &m) == 1) {
@@ -129,8 +133,7 @@ static int watch_stream(struct rpc_channel *ch, const char *conversation, int64_
     struct rpc_status st;
     rpc_stream_finish(s, &st);
     if (!done && st.code != GRPC_STATUS_OK) {
-        fprintf(stderr, "cflue: %s (gRPC status %d)\n", st.details, (int)st.code);
-        return 1;
+        return guard_fail(&st);
     }
     return 0;
 }
@@ -167,14 +170,14 @@ int cmd_agent(int argc, char **argv)
             return 2;
         }
     }
-    struct rpc_channel *ch = rpc_channel_new(agentd_addr(addr), 64 << 20);
+    struct rpc_channel *ch = guard_channel(agentd_addr(addr), 64 << 20);
     struct rpc_status st;
     ProtobufCMessage *resp = NULL;
     int rc = 0;
     if (!strcmp(cmd, "submit")) {
         if (!agent || !pos) {
             fprintf(stderr, "usage: cflue submit --agent NAME [--conversation ID] TEXT\n");
-            rpc_channel_free(ch);
+            guard_channel_free(ch);
             return 2;
         }
         Cflue__V1__SubmitRequest req = CFLUE__V1__SUBMIT_REQUEST__INIT;
@@ -184,9 +187,9 @@ int cmd_agent(int argc, char **argv)
         req.conversation_id = (char *)(conv ? conv : "");
         req.message = &msg;
         if (!rpc_unary(ch, "/cflue.v1.Agent/Submit", &req.base, &cflue__v1__admission__descriptor,
-                       15000, &resp, &st)) {
-            fprintf(stderr, "cflue: %s (gRPC status %d)\n", st.details, (int)st.code);
-            rpc_channel_free(ch);
+                       guard_timeout_ms(AGENT_TIMEOUT_MS), &resp, &st)) {
+            guard_fail(&st);
+            guard_channel_free(ch);
             return 1;
         }
         Cflue__V1__Admission *a = (Cflue__V1__Admission *)resp;
@@ -201,7 +204,7 @@ int cmd_agent(int argc, char **argv)
     } else if (!strcmp(cmd, "watch")) {
         if (!pos) {
             fprintf(stderr, "usage: cflue watch CONVERSATION [--from N] [--follow]\n");
-            rpc_channel_free(ch);
+            guard_channel_free(ch);
             return 2;
         }
         struct view v = {0};
@@ -210,9 +213,9 @@ int cmd_agent(int argc, char **argv)
         Cflue__V1__GetSubmissionRequest req = CFLUE__V1__GET_SUBMISSION_REQUEST__INIT;
         req.submission_id = (char *)(pos ? pos : "");
         if (!rpc_unary(ch, "/cflue.v1.Agent/GetSubmission", &req.base,
-                       &cflue__v1__submission__descriptor, 15000, &resp, &st)) {
-            fprintf(stderr, "cflue: %s (gRPC status %d)\n", st.details, (int)st.code);
-            rc = 1;
+                       &cflue__v1__submission__descriptor, guard_timeout_ms(AGENT_TIMEOUT_MS),
+                       &resp, &st)) {
+            rc = guard_fail(&st);
         } else {
             print_submission(stdout, (Cflue__V1__Submission *)resp);
             protobuf_c_message_free_unpacked(resp, NULL);
@@ -222,9 +225,9 @@ int cmd_agent(int argc, char **argv)
         req.conversation_id = (char *)(conv ? conv : "");
         req.submission_id = (char *)(pos ? pos : "");
         if (!rpc_unary(ch, "/cflue.v1.Agent/Abort", &req.base,
-                       &cflue__v1__abort_response__descriptor, 15000, &resp, &st)) {
-            fprintf(stderr, "cflue: %s (gRPC status %d)\n", st.details, (int)st.code);
-            rc = 1;
+                       &cflue__v1__abort_response__descriptor, guard_timeout_ms(AGENT_TIMEOUT_MS),
+                       &resp, &st)) {
+            rc = guard_fail(&st);
         } else {
             Cflue__V1__AbortResponse *r = (Cflue__V1__AbortResponse *)resp;
             for (size_t i = 0; i < r->n_affected; i++) {
@@ -238,9 +241,9 @@ int cmd_agent(int argc, char **argv)
     } else if (!strcmp(cmd, "agents")) {
         Cflue__V1__ListAgentsRequest req = CFLUE__V1__LIST_AGENTS_REQUEST__INIT;
         if (!rpc_unary(ch, "/cflue.v1.Agent/ListAgents", &req.base,
-                       &cflue__v1__list_agents_response__descriptor, 15000, &resp, &st)) {
-            fprintf(stderr, "cflue: %s (gRPC status %d)\n", st.details, (int)st.code);
-            rc = 1;
+                       &cflue__v1__list_agents_response__descriptor,
+                       guard_timeout_ms(AGENT_TIMEOUT_MS), &resp, &st)) {
+            rc = guard_fail(&st);
         } else {
             Cflue__V1__ListAgentsResponse *r = (Cflue__V1__ListAgentsResponse *)resp;
             for (size_t i = 0; i < r->n_agents; i++) {
@@ -250,6 +253,6 @@ int cmd_agent(int argc, char **argv)
             protobuf_c_message_free_unpacked(resp, NULL);
         }
     }
-    rpc_channel_free(ch);
+    guard_channel_free(ch);
     return rc;
 }

@@ -7,9 +7,14 @@
  *   cflue store read CONVERSATION [--after N] [--follow] [--store ADDR]
  *   cflue tool ADDR NAME JSON [--sandbox NAME] [--timeout-ms N]
  *
- * Exit codes: 0 success, 1 the server answered with an error, 2 usage error.
+ * Every command takes --deadline-ms N (or CFLUE_DEADLINE_MS) and ends promptly on SIGINT or
+ * SIGTERM (guard.h).
+ *
+ * Exit codes: 0 success, 1 the server answered with an error, 2 usage error, 3 aborted
+ * (submit), 4 the deadline passed, 130/143 SIGINT/SIGTERM.
  */
 #include "agent_cmd.h"
+#include "guard.h"
 #include "log.h"
 #include "print.h"
 #include "rpc.h"
@@ -21,8 +26,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
-#define TIMEOUT_MS 10000
+#define TIMEOUT_MS 10000       /* a store call */
+#define HEALTH_TIMEOUT_MS 5000 /* a health check */
+#define TOOL_MARGIN_MS 10000   /* a tool call: its own timeout plus this */
+#define TOOL_DEFAULT_MS 600000 /* a tool call without a timeout */
 
 static const char usage_text[] =
     "usage:\n"
@@ -46,7 +55,12 @@ static const char usage_text[] =
     "  cflue tool ADDR NAME JSON [--sandbox NAME] [--timeout-ms N]\n"
     "                                     run one tool call on a toold and print the result\n"
     "                                     and its truncation (sandbox default: debug)\n"
-    "store commands take --store ADDR (env CFLUE_STORE, default 127.0.0.1:7101)\n";
+    "store commands take --store ADDR (env CFLUE_STORE, default 127.0.0.1:7101)\n"
+    "every command but up takes --deadline-ms N (env CFLUE_DEADLINE_MS): the whole command\n"
+    "ends within N ms (calls cancelled, exit 4). Without it one call may take 5 s (health),\n"
+    "10 s (store), 15 s (agent commands), the tool's --timeout-ms + 10 s or 10 min (tool);\n"
+    "submit, watch --follow and store read --follow wait until done. SIGINT/SIGTERM cancel\n"
+    "the call and exit 130/143.\n";
 
 struct args {
     const char *store, *agent, *conversation, *key;
@@ -109,9 +123,7 @@ static int parse(int argc, char **argv, int from, struct args *a)
 
 static int fail(const struct rpc_status *st)
 {
-    fprintf(stderr, "cflue: %s (gRPC status %d)\n", st->details[0] ? st->details : "call failed",
-            (int)st->code);
-    return 1;
+    return guard_fail(st);
 }
 
 static int cmd_health(int argc, char **argv)
@@ -119,14 +131,15 @@ static int cmd_health(int argc, char **argv)
     if (argc < 3) {
         return usage();
     }
-    struct rpc_channel *ch = rpc_channel_new(argv[2], 0);
+    struct rpc_channel *ch = guard_channel(argv[2], 0);
     Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
     ProtobufCMessage *resp = NULL;
     struct rpc_status st;
     req.service = argc > 3 ? argv[3] : "";
     int rc = 1;
     if (rpc_unary(ch, "/grpc.health.v1.Health/Check", &req.base,
-                  &grpc__health__v1__health_check_response__descriptor, 5000, &resp, &st)) {
+                  &grpc__health__v1__health_check_response__descriptor,
+                  guard_timeout_ms(HEALTH_TIMEOUT_MS), &resp, &st)) {
         int s = ((Grpc__Health__V1__HealthCheckResponse *)resp)->status;
         printf("%s\n", s == 1 ? "SERVING" : s == 2 ? "NOT_SERVING" : "UNKNOWN");
         rc = s == 1 ? 0 : 1;
@@ -134,7 +147,7 @@ static int cmd_health(int argc, char **argv)
     } else {
         rc = fail(&st);
     }
-    rpc_channel_free(ch);
+    guard_channel_free(ch);
     return rc;
 }
 
@@ -144,9 +157,9 @@ static int store_call(const struct args *a, const char *method, const ProtobufCM
     char path[128];
     struct rpc_status st;
     snprintf(path, sizeof(path), "/cflue.v1.Store/%s", method);
-    struct rpc_channel *ch = rpc_channel_new(a->store, 0);
-    bool ok = rpc_unary(ch, path, req, desc, TIMEOUT_MS, resp, &st);
-    rpc_channel_free(ch);
+    struct rpc_channel *ch = guard_channel(a->store, 0);
+    bool ok = rpc_unary(ch, path, req, desc, guard_timeout_ms(TIMEOUT_MS), resp, &st);
+    guard_channel_free(ch);
     return ok ? 0 : fail(&st);
 }
 
@@ -205,7 +218,7 @@ static int cmd_store(int argc, char **argv)
         req.conversation_id = (char *)a.pos[0];
         req.after_offset = a.after;
         struct rpc_status st;
-        struct rpc_channel *ch = rpc_channel_new(a.store, 0);
+        struct rpc_channel *ch = guard_channel(a.store, 0);
         if (!a.follow) {
             Cflue__V1__ReadRequest rq = CFLUE__V1__READ_REQUEST__INIT;
             rq.conversation_id = req.conversation_id;
@@ -213,8 +226,9 @@ static int cmd_store(int argc, char **argv)
             rq.limit = 1000;
             for (;;) {
                 if (!rpc_unary(ch, "/cflue.v1.Store/Read", &rq.base,
-                               &cflue__v1__read_response__descriptor, TIMEOUT_MS, &resp, &st)) {
-                    rpc_channel_free(ch);
+                               &cflue__v1__read_response__descriptor, guard_timeout_ms(TIMEOUT_MS),
+                               &resp, &st)) {
+                    guard_channel_free(ch);
                     return fail(&st);
                 }
                 Cflue__V1__ReadResponse *r = (Cflue__V1__ReadResponse *)resp;
@@ -229,10 +243,11 @@ static int cmd_store(int argc, char **argv)
                     break;
                 }
             }
-            rpc_channel_free(ch);
+            guard_channel_free(ch);
             return 0;
         }
-        struct rpc_stream *s = rpc_stream_open(ch, "/cflue.v1.Store/Follow", &req.base, 0);
+        struct rpc_stream *s =
+            rpc_stream_open(ch, "/cflue.v1.Store/Follow", &req.base, guard_timeout_ms(0));
         ProtobufCMessage *m;
         while (rpc_stream_read(s, &cflue__v1__record__descriptor, &m) == 1) {
             print_record(stdout, (Cflue__V1__Record *)m);
@@ -240,7 +255,7 @@ static int cmd_store(int argc, char **argv)
             protobuf_c_message_free_unpacked(m, NULL);
         }
         bool ok = rpc_stream_finish(s, &st);
-        rpc_channel_free(ch);
+        guard_channel_free(ch);
         return ok ? 0 : fail(&st);
     } else {
         return usage();
@@ -281,12 +296,14 @@ static int cmd_tool(int argc, char **argv)
     call.name = (char *)pos[1];
     call.arguments_json = (char *)pos[2];
     call.timeout_ms = timeout_ms;
-    struct rpc_channel *ch = rpc_channel_new(pos[0], 64 << 20);
+    struct rpc_channel *ch = guard_channel(pos[0], 64 << 20);
     ProtobufCMessage *resp;
     struct rpc_status st;
-    bool ok = rpc_unary(ch, "/cflue.v1.Tools/Execute", &call.base,
-                        &cflue__v1__tool_result__descriptor, 0, &resp, &st);
-    rpc_channel_free(ch);
+    bool ok =
+        rpc_unary(ch, "/cflue.v1.Tools/Execute", &call.base, &cflue__v1__tool_result__descriptor,
+                  guard_timeout_ms(timeout_ms > 0 ? timeout_ms + TOOL_MARGIN_MS : TOOL_DEFAULT_MS),
+                  &resp, &st);
+    guard_channel_free(ch);
     if (!ok) {
         return fail(&st);
     }
@@ -310,15 +327,50 @@ static int cmd_tool(int argc, char **argv)
     return rc;
 }
 
+/* take_deadline removes "--deadline-ms N" from argv and returns N; otherwise CFLUE_DEADLINE_MS
+ * or 0 (none). -1 when the value is not a positive number of milliseconds. */
+static long long take_deadline(int *argc, char **argv)
+{
+    const char *v = getenv("CFLUE_DEADLINE_MS");
+    for (int i = 1; i < *argc; i++) {
+        if (!strcmp(argv[i], "--deadline-ms")) {
+            if (i + 1 >= *argc) {
+                return -1;
+            }
+            v = argv[i + 1];
+            memmove(&argv[i], &argv[i + 2], sizeof(char *) * (size_t)(*argc - i - 1));
+            *argc -= 2;
+            break;
+        }
+    }
+    if (!v || !*v) {
+        return 0;
+    }
+    char *end;
+    long long ms = strtoll(v, &end, 10);
+    return *end || ms <= 0 ? -1 : ms;
+}
+
 int main(int argc, char **argv)
 {
     int rc;
+    long long deadline_ms = take_deadline(&argc, argv);
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
         fputs(usage_text, argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
     }
+    if (deadline_ms < 0) {
+        fprintf(stderr, "cflue: --deadline-ms (or CFLUE_DEADLINE_MS) must be a positive number "
+                        "of milliseconds\n");
+        return 2;
+    }
     log_init("cflue", LOG_WARN);
     rpc_global_init();
+    /* up handles SIGINT/SIGTERM itself: it stops the daemons it started */
+    if (strcmp(argv[1], "up") != 0 && !guard_start(deadline_ms)) {
+        rpc_global_shutdown();
+        return 1;
+    }
     if (!strcmp(argv[1], "health")) {
         rc = cmd_health(argc, argv);
     } else if (!strcmp(argv[1], "store")) {
@@ -333,6 +385,13 @@ int main(int argc, char **argv)
         rc = cmd_agent(argc, argv);
     } else {
         rc = usage();
+    }
+    rc = guard_exit_code(rc);
+    if (guard_fired()) {
+        /* cancelled calls may still hold gRPC's shutdown for a while: end now */
+        fflush(stdout);
+        fflush(stderr);
+        _exit(rc);
     }
     rpc_global_shutdown();
     return rc;

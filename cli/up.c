@@ -74,7 +74,10 @@ static pid_t start(const char *bin, const char *name, const char *log, char **ar
     return pid;
 }
 
-static bool wait_healthy(const char *name, const char *addr, pid_t pid, const char *log)
+/* wait_healthy polls a starting daemon's health for up to 15 s. A SIGINT/SIGTERM meanwhile
+ * (blocked in every thread, so taken here with sigtimedwait) stops the wait: *sig_out is set. */
+static bool wait_healthy(const char *name, const char *addr, pid_t pid, const char *log,
+                         const sigset_t *stop, int *sig_out)
 {
     for (int i = 0; i < 150; i++) {
         int status;
@@ -86,7 +89,13 @@ static bool wait_healthy(const char *name, const char *addr, pid_t pid, const ch
             return true;
         }
         struct timespec ts = {0, 100000000L};
-        nanosleep(&ts, NULL);
+        int sig = sigtimedwait(stop, NULL, &ts);
+        if (sig > 0) {
+            fprintf(stderr, "cflue up: %s while %s was starting; stopping\n",
+                    sig == SIGINT ? "SIGINT" : "SIGTERM", name);
+            *sig_out = sig;
+            return false;
+        }
     }
     fprintf(stderr, "cflue up: %s did not become healthy at %s; see %s\n", name, addr, log);
     return false;
@@ -140,15 +149,15 @@ int cmd_up(int argc, char **argv)
         (char *)agents, NULL};
     char **args[3] = {a0, a1, a2};
     pid_t pids[3] = {0};
-    int rc = 0;
+    int rc = 0, sig = 0;
     sigset_t set;
     sigemptyset(&set);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
     for (int i = 0; i < 3; i++) {
         pids[i] = start(bin, names[i], logs[i], args[i]);
-        if (!pids[i] || !wait_healthy(names[i], addrs[i], pids[i], logs[i])) {
-            rc = 1;
+        if (!pids[i] || !wait_healthy(names[i], addrs[i], pids[i], logs[i], &set, &sig)) {
+            rc = sig ? 128 + sig : 1;
             break;
         }
         printf("%-9s %s  (log %s)\n", names[i], addrs[i], logs[i]);
@@ -156,7 +165,6 @@ int cmd_up(int argc, char **argv)
     if (rc == 0) {
         printf("cflue is up. Try: cflue submit --agent NAME \"your request\"   (Ctrl-C stops)\n");
         fflush(stdout);
-        int sig;
         sigwait(&set, &sig);
     }
     for (int i = 2; i >= 0; i--) {

@@ -1,0 +1,275 @@
+"""The cflue command ends promptly on SIGTERM/SIGINT and at its deadline, whatever the server.
+
+Defect (issue 7, item 7): rpc_global_init blocks SIGINT and SIGTERM in every thread, and
+nothing in cflue waited for them, so a cflue whose call hung (a server that accepts the
+connection and never answers) ignored SIGTERM until the call's own deadline, and `tool`,
+`watch --follow`, `submit` and `store read --follow` had none. Each subcommand here runs
+against:
+  - a gRPC server (Python grpcio) that accepts every call and never answers it;
+  - a listening socket that never speaks (no HTTP/2 handshake);
+  - a real storaged stopped with SIGSTOP.
+and must end on SIGTERM/SIGINT within about a second (exit 143/130, the call cancelled on
+the server) and at --deadline-ms / CFLUE_DEADLINE_MS (exit 4), with a message saying which.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import unittest
+from concurrent import futures
+
+import grpc
+
+from cflue_harness import BUILD_DIR, Storaged
+
+CFLUE_BIN = os.path.join(BUILD_DIR, 'cli', 'cflue')
+
+STREAMING = ('/cflue.v1.Store/Follow', '/cflue.v1.Agent/Watch')
+
+# "Promptly": a dozen cflue processes end together on a shared, often overloaded 2-core
+# machine; the calls they replace took 10-15 s or never ended.
+PROMPT_S = 3.0
+# A deadline counts from cflue's start, which (loading libgrpc) can itself take seconds here.
+STARTUP_S = 3.0
+
+
+def commands(target):
+    """(name, argv) of every subcommand that calls a server, all aimed at target."""
+    return [
+        ('health', ['health', target]),
+        ('store get', ['store', 'get', 'sub-1', '--store', target]),
+        ('store admit', ['store', 'admit', '--agent', 'a', 'hello', '--store', target]),
+        ('store list', ['store', 'list', '--store', target]),
+        ('store read', ['store', 'read', 'conv-1', '--store', target]),
+        ('store read --follow', ['store', 'read', 'conv-1', '--follow', '--store', target]),
+        ('tool', ['tool', target, 'bash', '{"command": "true"}']),
+        ('submit', ['submit', '--agent', 'a', 'hi', '--agentd', target]),
+        ('watch --follow', ['watch', 'conv-1', '--follow', '--agentd', target]),
+        ('status', ['status', 'sub-1', '--agentd', target]),
+        ('abort', ['abort', 'sub-1', '--agentd', target]),
+        ('agents', ['agents', '--agentd', target]),
+    ]
+
+
+class _Hang(grpc.GenericRpcHandler):
+    """Accepts every call and never answers it; counts calls started and calls that ended
+    by cancellation (the client went away or cancelled)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.started = {}
+        self.cancelled = {}
+
+    def _note(self, table, method):
+        with self.lock:
+            table[method] = table.get(method, 0) + 1
+
+    def _wait(self, method, context):
+        self._note(self.started, method)
+        done = threading.Event()
+        context.add_callback(done.set)
+        done.wait(120)
+        self._note(self.cancelled, method)
+
+    def service(self, details):
+        method = details.method
+        if method in STREAMING:
+            def stream(request, context):
+                self._wait(method, context)
+                return iter(())
+            return grpc.unary_stream_rpc_method_handler(stream)
+
+        def unary(request, context):
+            self._wait(method, context)
+            return b''
+        return grpc.unary_unary_rpc_method_handler(unary)
+
+    def counts(self):
+        with self.lock:
+            return sum(self.started.values()), sum(self.cancelled.values())
+
+
+def _silent_socket():
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(('127.0.0.1', 0))
+    s.listen(64)
+    return s
+
+
+class CliGuardTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        if not os.path.exists(CFLUE_BIN):
+            raise unittest.SkipTest('cflue not built: %s' % CFLUE_BIN)
+        cls.hang = _Hang()
+        cls.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
+                                 handlers=[cls.hang])
+        port = cls.server.add_insecure_port('127.0.0.1:0')
+        cls.server.start()
+        cls.target = '127.0.0.1:%d' % port
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.stop(0)
+
+    def spawn(self, argv, env_extra=None):
+        env = dict(os.environ)
+        env.pop('CFLUE_DEADLINE_MS', None)
+        env.update(env_extra or {})
+        return subprocess.Popen([CFLUE_BIN] + argv, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+    def wait_all(self, procs, within_s):
+        """Waits for every (name, proc, t0); returns {name: (rc, stderr, seconds)}. A process
+        still running after within_s is killed and reported with rc None. (The output of a
+        cflue here is far below a pipe's buffer, so polling cannot deadlock.)"""
+        ended = {}
+        deadline = time.monotonic() + within_s
+        while len(ended) < len(procs) and time.monotonic() < deadline:
+            for name, p, t0 in procs:
+                if name not in ended and p.poll() is not None:
+                    ended[name] = time.monotonic() - t0
+            time.sleep(0.01)
+        out = {}
+        for name, p, t0 in procs:
+            if name not in ended:
+                p.kill()
+            _, err = p.communicate()
+            out[name] = (p.returncode if name in ended else None,
+                         err.decode('utf-8', 'replace'), ended.get(name, time.monotonic() - t0))
+        return out
+
+    def wait_started(self, before, n, timeout_s=5.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.hang.counts()[0] >= before + n:
+                return
+            time.sleep(0.02)
+        self.fail('the server saw %d of %d calls' % (self.hang.counts()[0] - before, n))
+
+    def check_signal(self, sig, code, word):
+        cmds = commands(self.target)
+        started0, cancelled0 = self.hang.counts()
+        procs = [(name, self.spawn(argv), time.monotonic()) for name, argv in cmds]
+        self.wait_started(started0, len(cmds))
+        time.sleep(0.3)
+        for name, p, _ in procs:
+            self.assertIsNone(p.poll(), '%s ended before the signal' % name)
+        t_sig = time.monotonic()
+        for _, p, _ in procs:
+            p.send_signal(sig)
+        results = self.wait_all([(n, p, t_sig) for n, p, _ in procs], within_s=6.0)
+        for name, (rc, err, took) in results.items():
+            self.assertEqual(rc, code, '%s: exit %r after the signal (%.1f s); stderr: %s'
+                             % (name, rc, took, err))
+            self.assertLess(took, PROMPT_S, name)
+            self.assertIn(word, err, name)
+            self.assertIn('cancelled', err, name)
+        # the calls were cancelled on the server, not left to run
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            if self.hang.counts()[1] - cancelled0 >= len(cmds):
+                break
+            time.sleep(0.05)
+        self.assertEqual(self.hang.counts()[1] - cancelled0, len(cmds))
+
+    def test_sigterm_ends_every_command(self):
+        self.check_signal(signal.SIGTERM, 143, 'SIGTERM')
+
+    def test_sigint_ends_every_command(self):
+        self.check_signal(signal.SIGINT, 130, 'SIGINT')
+
+    def check_deadline(self, argv_extra, env_extra, deadline_ms):
+        cmds = commands(self.target)
+        procs = [(name, self.spawn(argv + argv_extra, env_extra), time.monotonic())
+                 for name, argv in cmds]
+        results = self.wait_all(procs, within_s=deadline_ms / 1000.0 + 10.0)
+        for name, (rc, err, took) in results.items():
+            self.assertEqual(rc, 4, '%s: exit %r after %.1f s; stderr: %s'
+                             % (name, rc, took, err))
+            self.assertGreater(took, deadline_ms / 1000.0 - 0.2, name)
+            self.assertLess(took, deadline_ms / 1000.0 + STARTUP_S + PROMPT_S,
+                            '%s: %s' % (name, err))
+            self.assertIn('deadline of %d ms passed' % deadline_ms, err, name)
+
+    def test_deadline_flag(self):
+        self.check_deadline(['--deadline-ms', '1500'], None, 1500)
+
+    def test_deadline_env(self):
+        self.check_deadline([], {'CFLUE_DEADLINE_MS': '1200'}, 1200)
+
+    def test_bad_deadline_is_a_usage_error(self):
+        p = self.spawn(['health', self.target, '--deadline-ms', 'soon'])
+        _, err = p.communicate(timeout=10)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn('--deadline-ms', err.decode())
+
+    def test_silent_socket(self):
+        """A socket that accepts and never speaks: every command ends by itself within its
+        deadline, and at once on SIGTERM."""
+        s = _silent_socket()
+        try:
+            target = '127.0.0.1:%d' % s.getsockname()[1]
+            cmds = commands(target)
+            procs = [(n, self.spawn(a + ['--deadline-ms', '3000']), time.monotonic())
+                     for n, a in cmds]
+            for name, (rc, err, took) in self.wait_all(procs, within_s=12.0).items():
+                self.assertIsNotNone(rc, '%s still running after %.1f s' % (name, took))
+                self.assertNotEqual(rc, 0, name)
+                self.assertLess(took, 3.0 + STARTUP_S + PROMPT_S, name)
+                self.assertIn('cflue:', err, name)
+            procs = [(n, self.spawn(a), time.monotonic()) for n, a in cmds]
+            time.sleep(0.3)
+            t_sig = time.monotonic()
+            for _, p, _ in procs:
+                p.send_signal(signal.SIGTERM)
+            results = self.wait_all([(n, p, t_sig) for n, p, _ in procs], within_s=6.0)
+            for name, (rc, err, took) in results.items():
+                self.assertIsNotNone(rc, '%s ignored SIGTERM' % name)
+                self.assertNotEqual(rc, 0, name)
+                self.assertLess(took, PROMPT_S, name)
+        finally:
+            s.close()
+
+    def test_stopped_storaged(self):
+        """A real storaged stopped with SIGSTOP: store commands end at their deadline or on
+        SIGTERM; after SIGCONT the same commands work."""
+        sd = Storaged(tcp=True)
+        try:
+            target = sd.target
+            store_cmds = [(n, a) for n, a in commands(target) if n.startswith('store')]
+            os.kill(sd.pid, signal.SIGSTOP)
+            try:
+                procs = [(n, self.spawn(a + ['--deadline-ms', '2000']), time.monotonic())
+                         for n, a in store_cmds]
+                for name, (rc, err, took) in self.wait_all(procs, within_s=12.0).items():
+                    self.assertIsNotNone(rc, '%s still running after %.1f s' % (name, took))
+                    self.assertNotEqual(rc, 0, name)
+                    self.assertLess(took, 2.0 + STARTUP_S + PROMPT_S,
+                                    '%s took %.1f s: %s' % (name, took, err))
+                procs = [(n, self.spawn(a), time.monotonic()) for n, a in store_cmds]
+                time.sleep(0.5)
+                t_sig = time.monotonic()
+                for _, p, _ in procs:
+                    p.send_signal(signal.SIGTERM)
+                for name, (rc, err, took) in self.wait_all(
+                        [(n, p, t_sig) for n, p, _ in procs], within_s=6.0).items():
+                    self.assertIsNotNone(rc, '%s ignored SIGTERM' % name)
+                    self.assertNotEqual(rc, 0, name)
+                    self.assertLess(took, PROMPT_S, name)
+            finally:
+                os.kill(sd.pid, signal.SIGCONT)
+            p = self.spawn(['store', 'list', '--store', target, '--deadline-ms', '5000'])
+            out, err = p.communicate(timeout=10)
+            self.assertEqual(p.returncode, 0, err.decode())
+        finally:
+            sd.remove()
+
+
+if __name__ == '__main__':
+    unittest.main()
