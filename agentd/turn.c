@@ -147,7 +147,8 @@ static enum cf_status store_retry(struct drive *d, const char *method, const Pro
         *resp = NULL;
         enum cf_status rc =
             store_call(g_agentd.store, method, req, desc, STORE_TIMEOUT_MS, resp, &d->err);
-        if (rc == CF_STALE && strcmp(method, "FinalizeJoin") != 0) {
+        if (rc == CF_STALE && strcmp(method, "FinalizeJoin") != 0 &&
+            strcmp(method, "RevertJoin") != 0) {
             mark_lease_lost(d);
         }
         if (!transient(rc) || stopped(d) || clock_mono_ms() - start + wait > window) {
@@ -1040,6 +1041,51 @@ static int absorb_joins(struct drive *d)
     return joined;
 }
 
+/* settle_earlier_joins finishes what an earlier attempt of this host left half-joined:
+ * deliveries still JOINING into it whose input is already in the stream are finalized (the
+ * model sees them now), the others go back to the queue (ClaimJoinable then takes them in
+ * admission order). Without this, a takeover would join later messages past them. */
+static void settle_earlier_joins(struct drive *d)
+{
+    Cflue__V1__ListRequest lr = CFLUE__V1__LIST_REQUEST__INIT;
+    Cflue__V1__SubmissionStatus joining = CFLUE__V1__SUBMISSION_STATUS__JOINING;
+    ProtobufCMessage *resp = NULL;
+    lr.conversation_id = d->sub->conversation_id;
+    lr.joined_into = d->sub->submission_id;
+    lr.statuses = &joining;
+    lr.n_statuses = 1;
+    lr.limit = 1000;
+    if (store_retry(d, "List", &lr.base, &cflue__v1__list_response__descriptor, &resp) != CF_OK) {
+        if (!stopped(d)) {
+            fault(d, "listing half-joined messages failed", &d->err);
+        }
+        return;
+    }
+    const Cflue__V1__ListResponse *l = (const Cflue__V1__ListResponse *)resp;
+    for (size_t i = 0; i < l->n_submissions && !halted(d); i++) {
+        const char *sid = l->submissions[i]->submission_id;
+        char input_id[256];
+        snprintf(input_id, sizeof(input_id), "input:%s", sid);
+        bool landed = find_record(d, input_id) != NULL;
+        Cflue__V1__JoinRequest jr = CFLUE__V1__JOIN_REQUEST__INIT;
+        ProtobufCMessage *jresp = NULL;
+        jr.host = &d->fence;
+        jr.submission_id = (char *)sid;
+        enum cf_status rc = store_retry(d, landed ? "FinalizeJoin" : "RevertJoin", &jr.base,
+                                        &cflue__v1__submission__descriptor, &jresp);
+        if (jresp) {
+            protobuf_c_message_free_unpacked(jresp, NULL);
+        }
+        if (rc != CF_OK && rc != CF_STALE) {
+            fault(d, "settling a half-joined message failed", &d->err);
+        } else if (rc == CF_OK) {
+            log_info(landed ? "join_adopted" : "join_reverted", "submission=%s host=%s", sid,
+                     d->sub->submission_id);
+        }
+    }
+    protobuf_c_message_free_unpacked(resp, NULL);
+}
+
 /* ---------- compaction ----------
  *
  * When the next request would not leave the reserve free in the model's context window (or
@@ -1540,6 +1586,12 @@ static enum drive_end drive(struct drive *d, bool takeover)
     }
     if (sync_records(d) != CF_OK) {
         return drive_ended(d);
+    }
+    if (takeover) {
+        settle_earlier_joins(d);
+        if (halted(d)) {
+            return drive_ended(d);
+        }
     }
     if (takeover && answered(d)) {
         log_info("recovered_answer", "submission=%s", d->sub->submission_id);

@@ -264,7 +264,7 @@ class CompactOrderTest(AgentdCase):
         self.assertNotIn('err', out, out.get('err') and out['err'].details())
         recs = self.records(conv)
         users = [body(r).get('text', '') for r in recs if r.type == 'user_message']
-        self.assertFalse([u for u in users if 'compact' in u.lower()],
+        self.assertFalse([u for u in users if 'compact the conversation' in u],
                          'the Compact request entered the conversation as a message: %s' % users)
         for e in self.model_requests(conv):
             self.assertNotIn('compact the conversation', json.dumps(e['body']['messages']))
