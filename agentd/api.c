@@ -330,10 +330,17 @@ static void on_get_conversation(struct rpc_call *c, const ProtobufCMessage *msg,
         rq.after_offset = -1;
         rq.limit = 1000;
         if (store_call(g_agentd.store, "Read", &rq.base, &cflue__v1__read_response__descriptor,
-                       STORE_TIMEOUT_MS, &page, &err) == CF_OK) {
-            out.records = ((Cflue__V1__ReadResponse *)page)->records;
-            out.n_records = ((Cflue__V1__ReadResponse *)page)->n_records;
+                       STORE_TIMEOUT_MS, &page, &err) != CF_OK) {
+            protobuf_c_message_free_unpacked(conv, NULL);
+            protobuf_c_message_free_unpacked(list, NULL);
+            fail_err(c, &err);
+            return;
         }
+        /* one page: storaged bounds it by bytes; Watch delivers the rest */
+        const Cflue__V1__ReadResponse *p = (const Cflue__V1__ReadResponse *)page;
+        out.records = p->records;
+        out.n_records = p->n_records;
+        out.records_truncated = !p->up_to_date;
     }
     rpc_call_reply(c, &out.base);
     protobuf_c_message_free_unpacked(conv, NULL);

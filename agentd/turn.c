@@ -1562,6 +1562,21 @@ static bool has_metadata(const Cflue__V1__Submission *sub, const char *key, cons
     return false;
 }
 
+/* unsettled ends a drive that stopped short of an outcome. A fault that trying again cannot
+ * mend (storaged refused a record as invalid or too big, toold refused the sandbox) settles
+ * failed with its reason instead of spending every attempt on it. */
+static enum drive_end unsettled(struct drive *d)
+{
+    enum cf_status code = d->fault.code;
+    if (stopped(d) || (code != CF_INVALID && code != CF_TOOBIG && code != CF_EXISTS)) {
+        return drive_ended(d);
+    }
+    char why[CF_ERROR_MSG_MAX + 64];
+    snprintf(why, sizeof(why), "cannot go on: %s", d->fault.msg);
+    cf_error_clear(&d->fault);
+    return settle(d, CFLUE__V1__OUTCOME__FAILED, why);
+}
+
 /* drive runs the claimed submission; see the essay at the top for the ways it ends. */
 static enum drive_end drive(struct drive *d, bool takeover)
 {
@@ -1585,12 +1600,12 @@ static enum drive_end drive(struct drive *d, bool takeover)
         snprintf(d->workspace, sizeof(d->workspace), "%s", d->sub->conversation_id);
     }
     if (sync_records(d) != CF_OK) {
-        return drive_ended(d);
+        return unsettled(d);
     }
     if (takeover) {
         settle_earlier_joins(d);
         if (halted(d)) {
-            return drive_ended(d);
+            return unsettled(d);
         }
     }
     if (takeover && answered(d)) {
@@ -1620,7 +1635,7 @@ static enum drive_end drive(struct drive *d, bool takeover)
         return settle(d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request");
     }
     if (halted(d)) {
-        return drive_ended(d);
+        return unsettled(d);
     }
 
     struct toolset ts;
@@ -1659,13 +1674,13 @@ static enum drive_end drive(struct drive *d, bool takeover)
     bool down = d->act->shutting_down;
     pthread_mutex_unlock(&g_agentd.mu);
     if (lost || (down && !aborted)) {
-        return drive_ended(d);
+        return unsettled(d);
     }
     if (aborted) {
         return settle(d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request");
     }
     if (d->fault.code != CF_OK) {
-        return drive_ended(d);
+        return unsettled(d);
     }
     return settle(d, outcome, error[0] ? error : NULL);
 }

@@ -148,6 +148,19 @@ class FaultsCase(AgentdCase):
         self.assertEqual(sub.attempt_count, 4)
         self.assertEqual(self.model_requests(conv), [])
 
+    def test_a_record_storaged_refuses_settles_failed_at_once(self):
+        # 2 MiB of control characters is a valid message, but JSON-escaped (6 bytes each) its
+        # input record is larger than storaged takes: retrying cannot help
+        conv = new_conv('toolarge')
+        self.workspace(conv)
+        self.fm.set_scenario(bind([{'text': 'never asked'}], conv))
+        adm = self.ad.submit('runner-anthropic', '\x01' * (2 << 20), conversation_id=conv)
+        sub = self.wait_settled(adm.submission_id, timeout=30)
+        self.assertEqual(outcome_name(sub.outcome), 'FAILED')
+        self.assertIn('cannot go on', sub.error)
+        self.assertEqual(sub.attempt_count, 1)
+        self.assertEqual(self.model_requests(conv), [])
+
     # ---- limits that are limits ----
 
     def test_time_limit_settles_failed_and_no_tool_runs_after_it(self):
