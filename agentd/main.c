@@ -351,7 +351,7 @@ int main(int argc, char **argv)
     const char *listen = "127.0.0.1:7100", *store = "127.0.0.1:7101", *agents_dir = "";
     const char *owner = "", *level = "info", *port_file = "", *models = "";
     long long workers = 4, lease_ms = 30000, heartbeat_ms = 10000, grace_ms = 5000;
-    long long model_timeout = 600000;
+    long long model_timeout = 600000, max_queue = 256;
     bool no_stream = false, help;
     struct cf_error err;
     const struct config_opt opts[] = {
@@ -369,6 +369,8 @@ int main(int argc, char **argv)
          "model catalog JSON (context window, output limit, prices)"},
         {"port-file", CONFIG_STRING, &port_file, 0, 0, "write the bound TCP port here"},
         {"grace-ms", CONFIG_INT, &grace_ms, 0, 600000, "how long shutdown waits for calls"},
+        {"max-queue", CONFIG_INT, &max_queue, 1, 100000,
+         "API calls waiting for a thread; more are refused RESOURCE_EXHAUSTED"},
         {"log-level", CONFIG_STRING, &level, 0, 0, "debug, info, warn or error"},
     };
     log_init("agentd", LOG_INFO);
@@ -442,7 +444,7 @@ int main(int argc, char **argv)
     rpc_global_init();
     g_agentd.store = rpc_channel_new(store, 64 << 20);
 
-    struct rpc_server_opts ro = {.workers = 8, .max_threads = 1024};
+    struct rpc_server_opts ro = {.workers = 8, .max_threads = 1024, .max_queue = (int)max_queue};
     struct rpc_server *srv = rpc_server_new(&ro);
     api_register(srv);
     int port = 0;
@@ -454,7 +456,14 @@ int main(int argc, char **argv)
         agents_free(&g_agentd.agents);
         return 1;
     }
-    rpc_server_start(srv);
+    if (rpc_server_start(srv) != CF_OK) {
+        fprintf(stderr, "agentd: could not start serving (threads); see the log\n");
+        rpc_server_free(srv);
+        rpc_channel_free(g_agentd.store);
+        rpc_global_shutdown();
+        agents_free(&g_agentd.agents);
+        return 1;
+    }
     daemon_port_file(port_file, port);
     reclaim_own_work();
     pthread_t *threads = mem_alloc(sizeof(pthread_t) * (size_t)(workers + 1));

@@ -964,7 +964,7 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
         }
         guard_end(&guard);
         struct rpc_status st;
-        rpc_stream_finish(s, &st);
+        (void)rpc_stream_finish(s, &st); /* st says how it ended, either way */
         bool missing = false;
         for (size_t k = 0; k < m; k++) {
             missing = missing || !done[k];

@@ -73,7 +73,7 @@ int main(int argc, char **argv)
     const char *listen = "127.0.0.1:7101", *db_path = "cflue-store.db", *port_file = "";
     const char *level = "info", *boot_id_file = "/proc/sys/kernel/random/boot_id";
     long long lease_ms = 30000, timeout_ms = 3600000, max_attempts = 10;
-    long long max_msg = 16 << 20, workers = 8, group = 256, grace_ms = 5000;
+    long long max_msg = 16 << 20, workers = 8, group = 256, grace_ms = 5000, max_queue = 256;
     bool help;
     struct cf_error err;
     const struct config_opt opts[] = {
@@ -90,6 +90,8 @@ int main(int argc, char **argv)
         {"workers", CONFIG_INT, &workers, 1, 256, "threads serving reads"},
         {"group-commit", CONFIG_INT, &group, 1, 10000, "most writes committed together"},
         {"grace-ms", CONFIG_INT, &grace_ms, 0, 600000, "how long shutdown waits for live calls"},
+        {"max-queue", CONFIG_INT, &max_queue, 1, 100000,
+         "calls waiting for a thread; more are refused RESOURCE_EXHAUSTED"},
         {"log-level", CONFIG_STRING, &level, 0, 0, "debug, info, warn or error"},
         {"boot-id-file", CONFIG_STRING, &boot_id_file, 0, 0,
          "where the machine's boot id is read (a new boot after an unclean stop fences running "
@@ -158,7 +160,8 @@ int main(int argc, char **argv)
         return 1;
     }
     struct service *svc = service_new(db_path, writer, notifier, &cfg);
-    struct rpc_server_opts ro = {.workers = (int)workers, .max_message_bytes = (int)max_msg};
+    struct rpc_server_opts ro = {
+        .workers = (int)workers, .max_message_bytes = (int)max_msg, .max_queue = (int)max_queue};
     struct rpc_server *srv = rpc_server_new(&ro);
     service_register(svc, srv);
     int port = 0;
@@ -172,7 +175,15 @@ int main(int argc, char **argv)
         rpc_global_shutdown();
         return 1;
     }
-    rpc_server_start(srv);
+    if (rpc_server_start(srv) != CF_OK) {
+        fprintf(stderr, "storaged: could not start serving (threads); see the log\n");
+        rpc_server_free(srv);
+        service_free(svc);
+        writer_stop(writer);
+        notifier_free(notifier);
+        rpc_global_shutdown();
+        return 1;
+    }
     daemon_port_file(port_file, port);
     log_info("listening",
              "addr=%s port=%d db=%s lease_ms=%lld page_bytes=%lld record_bytes_max=%lld", listen,
