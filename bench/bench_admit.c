@@ -62,12 +62,11 @@ static double direct_rate(const char *dir)
         arena_init(&a);
         fill(&req, &msg, conv, text, i);
         struct ledger_ctx c = {.db = db, .arena = &a, .cfg = &cfg, .now = clock_now_ms()};
-        db_exec(db, "BEGIN IMMEDIATE", NULL);
-        if (ledger_admit(&c, &req, &out, &err) != CF_OK) {
+        if (db_exec(db, "BEGIN IMMEDIATE", &err) != CF_OK ||
+            ledger_admit(&c, &req, &out, &err) != CF_OK || db_exec(db, "COMMIT", &err) != CF_OK) {
             fprintf(stderr, "bench: direct admit failed: %s\n", err.msg);
             exit(1);
         }
-        db_exec(db, "COMMIT", NULL);
         arena_cleanup(&a);
     }
     int64_t ms = clock_mono_ms() - t0;

@@ -20,7 +20,7 @@ CF_MUST_CHECK enum cf_status db_open(const char *path, bool writer, sqlite3 **ou
 /* db_exec runs SQL without results; on failure the status db_code gives, with SQLite's
  * message. (Not CF_MUST_CHECK yet only because bench/bench_admit.c ignores two results;
  * every call in storaged checks it.) */
-enum cf_status db_exec(sqlite3 *db, const char *sql, struct cf_error *err);
+CF_MUST_CHECK enum cf_status db_exec(sqlite3 *db, const char *sql, struct cf_error *err);
 
 /* db_prepare compiles one statement (cached by SQLite's prepare_v3 persistent flag). */
 CF_MUST_CHECK enum cf_status db_prepare(sqlite3 *db, const char *sql, sqlite3_stmt **out,

@@ -20,24 +20,31 @@
 #define VALIDATE_FENCES_MAX 1000  /* fences per Heartbeat */
 #define VALIDATE_LEASE_MAX_MS (24LL * 3600 * 1000)
 
-enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, struct cf_error *err);
-enum cf_status validate_claim(const Cflue__V1__ClaimRequest *r, struct cf_error *err);
-enum cf_status validate_heartbeat(const Cflue__V1__HeartbeatRequest *r, struct cf_error *err);
-enum cf_status validate_mark_input_applied(const Cflue__V1__MarkInputAppliedRequest *r,
-                                           struct cf_error *err);
-enum cf_status validate_fenced(const Cflue__V1__FencedRequest *r, struct cf_error *err);
-enum cf_status validate_claim_joinable(const Cflue__V1__ClaimJoinableRequest *r,
-                                       struct cf_error *err);
-enum cf_status validate_join(const Cflue__V1__JoinRequest *r, struct cf_error *err);
-enum cf_status validate_request_abort(const Cflue__V1__RequestAbortRequest *r,
-                                      struct cf_error *err);
-enum cf_status validate_settle(const Cflue__V1__SettleRequest *r, struct cf_error *err);
-enum cf_status validate_append(const Cflue__V1__AppendRequest *r, struct cf_error *err);
-enum cf_status validate_get(const Cflue__V1__GetRequest *r, struct cf_error *err);
-enum cf_status validate_list(const Cflue__V1__ListRequest *r, struct cf_error *err);
-enum cf_status validate_conversation(const Cflue__V1__ConversationRequest *r, struct cf_error *err);
-enum cf_status validate_read(const Cflue__V1__ReadRequest *r, struct cf_error *err);
-enum cf_status validate_follow(const Cflue__V1__FollowRequest *r, struct cf_error *err);
-enum cf_status validate_scan_expired(const Cflue__V1__ScanExpiredRequest *r, struct cf_error *err);
+CF_MUST_CHECK enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, struct cf_error *err);
+CF_MUST_CHECK enum cf_status validate_claim(const Cflue__V1__ClaimRequest *r, struct cf_error *err);
+CF_MUST_CHECK enum cf_status validate_heartbeat(const Cflue__V1__HeartbeatRequest *r,
+                                                struct cf_error *err);
+CF_MUST_CHECK enum cf_status
+validate_mark_input_applied(const Cflue__V1__MarkInputAppliedRequest *r, struct cf_error *err);
+CF_MUST_CHECK enum cf_status validate_fenced(const Cflue__V1__FencedRequest *r,
+                                             struct cf_error *err);
+CF_MUST_CHECK enum cf_status validate_claim_joinable(const Cflue__V1__ClaimJoinableRequest *r,
+                                                     struct cf_error *err);
+CF_MUST_CHECK enum cf_status validate_join(const Cflue__V1__JoinRequest *r, struct cf_error *err);
+CF_MUST_CHECK enum cf_status validate_request_abort(const Cflue__V1__RequestAbortRequest *r,
+                                                    struct cf_error *err);
+CF_MUST_CHECK enum cf_status validate_settle(const Cflue__V1__SettleRequest *r,
+                                             struct cf_error *err);
+CF_MUST_CHECK enum cf_status validate_append(const Cflue__V1__AppendRequest *r,
+                                             struct cf_error *err);
+CF_MUST_CHECK enum cf_status validate_get(const Cflue__V1__GetRequest *r, struct cf_error *err);
+CF_MUST_CHECK enum cf_status validate_list(const Cflue__V1__ListRequest *r, struct cf_error *err);
+CF_MUST_CHECK enum cf_status validate_conversation(const Cflue__V1__ConversationRequest *r,
+                                                   struct cf_error *err);
+CF_MUST_CHECK enum cf_status validate_read(const Cflue__V1__ReadRequest *r, struct cf_error *err);
+CF_MUST_CHECK enum cf_status validate_follow(const Cflue__V1__FollowRequest *r,
+                                             struct cf_error *err);
+CF_MUST_CHECK enum cf_status validate_scan_expired(const Cflue__V1__ScanExpiredRequest *r,
+                                                   struct cf_error *err);
 
 #endif

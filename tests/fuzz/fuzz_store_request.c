@@ -4,6 +4,7 @@
 #include "validate.h"
 
 #include <stdint.h>
+#include <stdlib.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -13,7 +14,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
         pbcheck_strings(&desc, data, size, &err);                                                  \
         ProtobufCMessage *m = protobuf_c_message_unpack(&desc, NULL, size, data);                  \
         if (m) {                                                                                   \
-            fn((const type *)m, &err);                                                             \
+            err.msg[0] = '\0';                                                                     \
+            /* every refusal must name its reason */                                               \
+            if (fn((const type *)m, &err) != CF_OK && !err.msg[0]) {                               \
+                abort();                                                                           \
+            }                                                                                      \
             protobuf_c_message_free_unpacked(m, NULL);                                             \
         }                                                                                          \
     } while (0)
