@@ -84,6 +84,18 @@ class NobodyToold(Toold):
                 '--'] + super(NobodyToold, self).command()
 
 
+class LimitedToold(NobodyToold):
+    """NobodyToold under an RLIMIT_NPROC of limit."""
+
+    def __init__(self, limit, **kw):
+        self.limit = limit
+        super(LimitedToold, self).__init__(**kw)
+
+    def command(self):
+        return ['prlimit', '--nproc=%d:%d' % (self.limit, self.limit)] + \
+            super(LimitedToold, self).command()
+
+
 class HostileBase(TooldTestCase):
     driver = 'local'
     unprivileged = False
@@ -412,6 +424,55 @@ class Names(object):
         res = self.call('u3', 'grep', {'pattern': 'a' * (64 * 1024 + 1)})
         self.assertTrue(res.is_error)
         self.assertIn('limit', res.text)
+
+
+class TestFailpointAndThreads(HostileBase):
+
+    def test_failpoint_after_run(self):
+        td = self.start('local', env={'CFLUE_FAILPOINTS': 'toold.tool.after_run=crash:2'})
+        self.assertEqual(self.call('fp', 'bash', {'command': 'echo one'}, td=td).text, 'one')
+        with self.assertRaises(grpc.RpcError):
+            self.call('fp', 'bash', {'command': 'echo ran > marker'}, td=td, timeout=10)
+        td.proc.wait(10)
+        self.assertFalse(td.alive())
+        with open(os.path.join(td.workspace('fp'), 'marker')) as f:
+            self.assertEqual(f.read(), 'ran\n')  # it ran; its result was never sent
+
+    def test_batch_threads_that_cannot_start(self):
+        """With the process limit reached, calls whose thread cannot start get an error result
+        and the batch still completes (it used to hang and join an unset handle)."""
+        if os.geteuid() != 0 or not shutil.which('prlimit'):
+            self.skipTest('needs root and prlimit')
+        self.unprivileged = True
+        probe = self.start('local')
+        with open('/proc/%d/status' % probe.pid) as f:
+            threads = int([l for l in f if l.startswith('Threads:')][0].split()[1])
+        probe.close()
+        # RLIMIT_NPROC counts the threads of every process of the user: toold's idle threads,
+        # the batch's handler thread and a few more
+        limit = threads + 8
+        td = LimitedToold(start=False, driver='local', limit=limit)
+        self._toolds.append(td)
+        os.chmod(td.dir, 0o755)
+        os.makedirs(td.root, exist_ok=True)
+        for p in (td.dir, td.root):
+            os.chown(p, NOBODY, NOBODY)
+        td.start()
+        sb = 'threads'
+        self.assertFalse(self.call(sb, 'write', {'path': 'a.txt', 'content': 'x\n'},
+                                   td=td).is_error)
+        calls = [tool_call(sb, 'read', {'path': 'a.txt'}, timeout_ms=20000) for _ in range(60)]
+        results = td.execute_batch(calls, timeout=60)
+        self.assertEqual(sorted(r.index for r in results), list(range(60)))
+        failed = [r for r in results if r.result.is_error]
+        ok = [r for r in results if not r.result.is_error]
+        self.assertTrue(failed, 'the limit did not bite')
+        for r in failed:
+            self.assertIn('could not start', r.result.text)
+        for r in ok:
+            self.assertEqual(r.result.text, 'x')
+        self.assertTrue(td.alive())
+        self.assertEqual(self.call(sb, 'read', {'path': 'a.txt'}, td=td).text, 'x')
 
 
 class TestLocalRoot(HostileBase, ChangingFiles, SpecialFiles, Processes, Names):
