@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+mkfifo p.txt
