@@ -488,5 +488,13 @@ class TestBwrap(HostileBase, SpecialFiles, Processes, Names):
     driver = 'bwrap'
 
 
+@unittest.skipUnless(bwrap_works(), 'bubblewrap cannot create sandboxes here')
+class TestBwrapUnprivileged(HostileBase, Processes):
+    """bwrap as nobody needs unprivileged user namespaces; skipped where toold's start-up
+    probe says bubblewrap cannot create a sandbox for that user."""
+    driver = 'bwrap'
+    unprivileged = True
+
+
 if __name__ == '__main__':
     unittest.main()
