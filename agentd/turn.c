@@ -121,6 +121,21 @@ static void fault(struct drive *d, const char *what, const struct cf_error *e)
              d->fence.attempt_id, log_quote(q, sizeof(q), d->fault.msg));
 }
 
+/* broken reports whether this attempt cannot write any more: a fault, a lost lease or a
+ * stopping process (an abort alone still lets it record the aborted outcome). */
+static bool lost_or_down(struct drive *d)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    bool b = d->act->lease_lost || d->act->shutting_down;
+    pthread_mutex_unlock(&g_agentd.mu);
+    return b;
+}
+
+static bool broken(struct drive *d)
+{
+    return d->fault.code != CF_OK || lost_or_down(d);
+}
+
 /* halted reports whether the drive must stop taking steps: stopped, or a fault. */
 static bool halted(struct drive *d)
 {
@@ -1062,7 +1077,7 @@ static void settle_earlier_joins(struct drive *d)
         return;
     }
     const Cflue__V1__ListResponse *l = (const Cflue__V1__ListResponse *)resp;
-    for (size_t i = 0; i < l->n_submissions && !halted(d); i++) {
+    for (size_t i = 0; i < l->n_submissions && !broken(d); i++) {
         const char *sid = l->submissions[i]->submission_id;
         char input_id[256];
         snprintf(input_id, sizeof(input_id), "input:%s", sid);
@@ -1562,13 +1577,22 @@ static bool has_metadata(const Cflue__V1__Submission *sub, const char *key, cons
     return false;
 }
 
-/* unsettled ends a drive that stopped short of an outcome. A fault that trying again cannot
- * mend (storaged refused a record as invalid or too big, toold refused the sandbox) settles
- * failed with its reason instead of spending every attempt on it. */
+/* unsettled ends a drive that stopped short of an outcome. An abort intent settles aborted.
+ * A fault that trying again cannot mend (storaged refused a record as invalid or too big,
+ * toold refused the sandbox) settles failed with its reason instead of spending every
+ * attempt on it. Anything else ends stopped or interrupted. */
 static enum drive_end unsettled(struct drive *d)
 {
     enum cf_status code = d->fault.code;
-    if (stopped(d) || (code != CF_INVALID && code != CF_TOOBIG && code != CF_EXISTS)) {
+    if (lost_or_down(d)) {
+        return drive_ended(d);
+    }
+    if (abort_seen(d)) {
+        /* the abort is what counts now (a store failure comes back here on the next try) */
+        cf_error_clear(&d->fault);
+        return settle(d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request");
+    }
+    if (code != CF_INVALID && code != CF_TOOBIG && code != CF_EXISTS) {
         return drive_ended(d);
     }
     char why[CF_ERROR_MSG_MAX + 64];
@@ -1604,7 +1628,7 @@ static enum drive_end drive(struct drive *d, bool takeover)
     }
     if (takeover) {
         settle_earlier_joins(d);
-        if (halted(d)) {
+        if (broken(d)) {
             return unsettled(d);
         }
     }

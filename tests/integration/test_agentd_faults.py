@@ -18,7 +18,7 @@ import unittest
 
 import grpc
 
-from cflue_harness import agent_pb2, common_pb2
+from cflue_harness import agent_pb2, common_pb2, request_abort
 from test_agentd import (COMPLETED, FAILED, AgentdCase, bind, body, new_conv, outcome_name,
                          request_system)
 
@@ -160,6 +160,25 @@ class FaultsCase(AgentdCase):
         self.assertIn('cannot go on', sub.error)
         self.assertEqual(sub.attempt_count, 1)
         self.assertEqual(self.model_requests(conv), [])
+
+    def test_abort_while_no_agentd_runs_settles_aborted_on_takeover(self):
+        conv = new_conv('abort-takeover')
+        self.workspace(conv)
+        self.fm.set_scenario(bind([
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'sleep 5'}}]},
+            {'text': 'should not be asked'}], conv))
+        adm = self.ad.submit('runner-anthropic', 'nap (%s)' % conv, conversation_id=conv)
+        self.wait_record(conv, lambda r: r.type == 'assistant_message', 'the tool call')
+        self.ad.kill()
+        request_abort(self.stack.sd.stub, submission_id=adm.submission_id)
+        self.ad.start()
+        sub = self.wait_settled(adm.submission_id, timeout=30)
+        self.assertEqual(outcome_name(sub.outcome), 'ABORTED', sub.error)
+        self.assertEqual(sub.attempt_count, 2, 'the takeover did not settle the abort at once')
+        # the interrupted call got its outcome-unknown result before the outcome
+        results = [r for r in self.records(conv) if r.type == 'tool_result']
+        self.assertEqual(len(results), 1)
+        self.assertTrue(body(results[0])['is_error'])
 
     # ---- limits that are limits ----
 
