@@ -8,13 +8,14 @@ RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-ins
       libpcre2-dev libyaml-dev python3 && rm -rf /var/lib/apt/lists/*
 COPY . /src
 RUN cmake -S /src -B /build -DCMAKE_BUILD_TYPE=RelWithDebInfo \
- && cmake --build /build -j"$(nproc)" --target storaged toold agentd cflue
+ && cmake --build /build -j"$(nproc)" --target storaged toold toold-runner agentd cflue
 
 FROM debian:12
 RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       libgrpc29 libprotobuf-c1 libsqlite3-0 libjansson4 libcurl4 libpcre2-8-0 libyaml-0-2 \
       ca-certificates bash bubblewrap ripgrep python3 tini && rm -rf /var/lib/apt/lists/*
-COPY --from=build /build/storaged/storaged /build/toold/toold /build/agentd/agentd \
-                  /build/cli/cflue /usr/local/bin/
-# tini reaps what commands leave behind when toold runs as PID 1
+COPY --from=build /build/storaged/storaged /build/toold/toold /build/toold/toold-runner \
+                  /build/agentd/agentd /build/cli/cflue /usr/local/bin/
+# toold finds toold-runner beside itself; each command's runner is a subreaper that kills
+# what the command leaves behind. tini still reaps anything else when toold runs as PID 1.
 ENTRYPOINT ["/usr/bin/tini", "--"]

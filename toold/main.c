@@ -35,7 +35,7 @@ int main(int argc, char **argv)
     const char *listen = "127.0.0.1:7102", *root = "workspaces", *driver_name = "local";
     const char *level = "info", *port_file = "", *grep_engine = "auto";
     long long default_timeout = 300000, max_timeout = 3600000, max_msg = 64 << 20;
-    long long workers = 8, grace_ms = 5000, max_calls = 256, spill_keep = 50;
+    long long workers = 8, grace_ms = 5000, max_calls = 256, spill_keep = 50, max_queue = 256;
     bool no_confine = false, help;
     struct cf_error err;
     const struct config_opt opts[] = {
@@ -57,6 +57,8 @@ int main(int argc, char **argv)
         {"max-calls", CONFIG_INT, &max_calls, 1, 4096, "concurrent Execute and Exec calls"},
         {"workers", CONFIG_INT, &workers, 1, 256, "threads serving Sandbox file calls"},
         {"grace-ms", CONFIG_INT, &grace_ms, 0, 600000, "how long shutdown waits for calls"},
+        {"max-queue", CONFIG_INT, &max_queue, 1, 100000,
+         "Sandbox calls waiting for a thread; more are refused RESOURCE_EXHAUSTED"},
         {"log-level", CONFIG_STRING, &level, 0, 0, "debug, info, warn or error"},
     };
 
@@ -111,8 +113,10 @@ int main(int argc, char **argv)
         rpc_global_shutdown();
         return 1;
     }
-    struct rpc_server_opts ro = {
-        .workers = (int)workers, .max_threads = (int)max_calls, .max_message_bytes = (int)max_msg};
+    struct rpc_server_opts ro = {.workers = (int)workers,
+                                 .max_threads = (int)max_calls,
+                                 .max_message_bytes = (int)max_msg,
+                                 .max_queue = (int)max_queue};
     struct rpc_server *srv = rpc_server_new(&ro);
     toold_register(srv, ws, &cfg);
     int port = 0;
@@ -123,7 +127,13 @@ int main(int argc, char **argv)
         rpc_global_shutdown();
         return 1;
     }
-    rpc_server_start(srv);
+    if (rpc_server_start(srv) != CF_OK) {
+        fprintf(stderr, "toold: could not start serving (threads); see the log\n");
+        rpc_server_free(srv);
+        workspaces_free(ws);
+        rpc_global_shutdown();
+        return 1;
+    }
     daemon_port_file(port_file, port);
     log_info("listening", "addr=%s port=%d root=%s driver=%s confine=%d", listen, port, root,
              driver_name, (int)!no_confine);
