@@ -79,9 +79,8 @@ const char *rpc_call_input_problem(struct rpc_call *c);
 /* rpc_server_start starts the server's threads, then serving; health reports SERVING for ""
  * and every service name whose methods were registered. When a thread cannot start it stops
  * those it started, logs the reason (rpc_start_failed) and returns CF_BUSY: the server never
- * accepted a call and must only be freed. (Not yet CF_MUST_CHECK: the daemons' main.c must
- * check it first.) */
-enum cf_status rpc_server_start(struct rpc_server *s);
+ * accepted a call and must only be freed. */
+CF_MUST_CHECK enum cf_status rpc_server_start(struct rpc_server *s);
 
 /* rpc_server_stopping reports whether shutdown has begun (for long-running handlers). */
 bool rpc_server_stopping(const struct rpc_server *s);
