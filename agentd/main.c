@@ -101,6 +101,32 @@ static void reclaim_own_work(void)
     }
 }
 
+/* stop_all tells the workers to stop and every drive that it is stopping (recovery resumes
+ * their work). */
+static void stop_all(void)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    g_agentd.stopping = true;
+    for (int i = 0; i < ACTIVE_MAX; i++) {
+        g_agentd.active[i].shutting_down = true;
+    }
+    pthread_cond_broadcast(&g_agentd.wake);
+    pthread_mutex_unlock(&g_agentd.mu);
+}
+
+/* driven_here reports whether a worker of this process holds the submission now. */
+static bool driven_here(const char *submission_id)
+{
+    bool here = false;
+    pthread_mutex_lock(&g_agentd.mu);
+    for (int i = 0; i < ACTIVE_MAX && !here; i++) {
+        here =
+            g_agentd.active[i].in_use && !strcmp(g_agentd.active[i].submission_id, submission_id);
+    }
+    pthread_mutex_unlock(&g_agentd.mu);
+    return here;
+}
+
 /* Submissions whose drive was interrupted, to claim again when due. */
 #define RESUME_MAX ACTIVE_MAX
 #define RESUME_FIRST_MS 1000
@@ -165,6 +191,9 @@ static bool resume_one(void)
     struct cf_error err;
     if (!take_due_resume(&r)) {
         return false;
+    }
+    if (driven_here(r.submission_id)) {
+        return true; /* another worker here took it over meanwhile: never take it back */
     }
     int64_t next = r.delay_ms * 2 < RESUME_MAX_MS ? r.delay_ms * 2 : RESUME_MAX_MS;
     Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
@@ -482,10 +511,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "agentd: %s\n", err.msg);
         char q[600];
         log_error("start_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
-        pthread_mutex_lock(&g_agentd.mu);
-        g_agentd.stopping = true;
-        pthread_cond_broadcast(&g_agentd.wake);
-        pthread_mutex_unlock(&g_agentd.mu);
+        stop_all();
         for (int i = 0; i < started; i++) {
             pthread_join(threads[i], NULL);
         }
@@ -501,13 +527,7 @@ int main(int argc, char **argv)
              store, g_agentd.agents.n, owner, workers);
 
     daemon_wait_for_stop();
-    pthread_mutex_lock(&g_agentd.mu);
-    g_agentd.stopping = true;
-    for (int i = 0; i < ACTIVE_MAX; i++) {
-        g_agentd.active[i].shutting_down = true;
-    }
-    pthread_cond_broadcast(&g_agentd.wake);
-    pthread_mutex_unlock(&g_agentd.mu);
+    stop_all();
     rpc_server_shutdown(srv, (int)grace_ms);
     for (int i = 0; i <= workers; i++) {
         pthread_join(threads[i], NULL);

@@ -121,8 +121,8 @@ static void fault(struct drive *d, const char *what, const struct cf_error *e)
              d->fence.attempt_id, log_quote(q, sizeof(q), d->fault.msg));
 }
 
-/* broken reports whether this attempt cannot write any more: a fault, a lost lease or a
- * stopping process (an abort alone still lets it record the aborted outcome). */
+/* lost_or_down reports whether this attempt must not write any more: its lease was lost or
+ * the process is stopping (an abort alone still lets it record the aborted outcome). */
 static bool lost_or_down(struct drive *d)
 {
     pthread_mutex_lock(&g_agentd.mu);
@@ -131,6 +131,7 @@ static bool lost_or_down(struct drive *d)
     return b;
 }
 
+/* broken reports whether this attempt cannot go on writing: lost_or_down, or a fault. */
 static bool broken(struct drive *d)
 {
     return d->fault.code != CF_OK || lost_or_down(d);
@@ -150,8 +151,9 @@ static bool transient(enum cf_status rc)
 
 /* store_retry makes one Store call, retrying transient failures with backoff and jitter for
  * as long as this attempt may still hold its lease (at least STORE_RETRY_MIN_MS), unless the
- * drive stops. Every method retried here is idempotent for the same request. A stale fence
- * marks the lease lost. The last failure is in d->err. */
+ * lease is lost or the process stops (an abort still retries: the outcome must be recorded). Every
+ * method retried here is idempotent for the same request. A stale fence marks the lease lost. The
+ * last failure is in d->err. */
 static enum cf_status store_retry(struct drive *d, const char *method, const ProtobufCMessage *req,
                                   const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp)
 {
@@ -166,11 +168,11 @@ static enum cf_status store_retry(struct drive *d, const char *method, const Pro
             strcmp(method, "RevertJoin") != 0) {
             mark_lease_lost(d);
         }
-        if (!transient(rc) || stopped(d) || clock_mono_ms() - start + wait > window) {
+        if (!transient(rc) || lost_or_down(d) || clock_mono_ms() - start + wait > window) {
             return rc;
         }
         int64_t nap = wait + thread_jitter_ms(wait / 2 + 1);
-        for (int64_t slept = 0; slept < nap && !stopped(d); slept += 50) {
+        for (int64_t slept = 0; slept < nap && !lost_or_down(d); slept += 50) {
             clock_sleep_ms(50);
         }
         wait = wait * 2 < 2000 ? wait * 2 : 2000;
@@ -321,9 +323,11 @@ static enum drive_end settle(struct drive *d, Cflue__V1__Outcome outcome, const 
         if (d->fault.code != CF_OK) {
             return drive_ended(d);
         }
+    } else if (transient(d->fault.code)) {
+        return drive_ended(d); /* try again when storaged answers: calls need their results */
     }
-    /* a drive that could not read its records (it is giving up, or aborting) still settles:
-     * the outcome matters more than the usage figures */
+    /* records storaged cannot give at all (a damaged database) do not keep a failed or
+     * aborted outcome from being recorded */
     const Cflue__V1__Record *r;
     FOR_EACH_RECORD(d, r)
     {
@@ -497,8 +501,6 @@ static void add_attachments(struct drive *d, struct context *c, struct llm_messa
     protobuf_c_message_free_unpacked(resp, NULL);
 }
 
-/* build_context turns the records into provider-neutral messages. json bodies are kept in
- * `bodies` (freed by the caller) because messages point into them. */
 static int cmp_record_id(const void *a, const void *b)
 {
     return strcmp((*(const Cflue__V1__Record *const *)a)->id,
@@ -515,6 +517,8 @@ static const Cflue__V1__Record *result_of(const Cflue__V1__Record **index, size_
     return hit ? *hit : NULL;
 }
 
+/* build_context turns the records before offset `before` into provider-neutral messages.
+ * json bodies are kept in `bodies` (freed by the caller) because messages point into them. */
 static void build_context(struct drive *d, struct context *c, json_t *bodies, int64_t before)
 {
     const Cflue__V1__Record *r, *compaction = NULL, **results = NULL;
@@ -884,6 +888,14 @@ static void load_tools(struct drive *d, struct toolset *ts)
     memset(ts, 0, sizeof(*ts));
     struct rpc_channel *ch = tools_channel(d);
     if (!ch) {
+        if (d->agent->sandbox_tools) {
+            struct cf_error e;
+            cf_error_set(&e, CF_BUSY,
+                         "no channel to toold at %s: this agentd reaches at most "
+                         "32 tool servers",
+                         d->agent->sandbox_tools);
+            fault(d, "listing the sandbox's tools failed", &e);
+        }
         return;
     }
     Cflue__V1__ListToolsRequest rq = CFLUE__V1__LIST_TOOLS_REQUEST__INIT;
@@ -919,7 +931,8 @@ static bool drive_halted(void *d)
 /* run_tools executes the calls of one assistant message, through toold's ExecuteBatch,
  * recording each result as it arrives. toold failing mid-batch is a fault: the calls left
  * without a result get the outcome-unknown result when the work resumes. Each call's
- * timeout_ms is what is left of the submission's time (the caller checked some is left). */
+ * timeout_ms is what is left of the submission's time (the caller made sure some is left;
+ * at least 1 ms is sent, since toold reads 0 as "no limit"). */
 static void run_tools(struct drive *d, const struct llm_response *resp, const struct toolset *ts)
 {
     size_t n = resp->n_calls;
@@ -970,7 +983,7 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
                 done[br->index] = true;
                 const Cflue__V1__ToolCall *c = &calls[br->index];
                 failpoint_hit("agentd.tools.before_record");
-                if (d->fault.code == CF_OK && (!stopped(d) || abort_seen(d))) {
+                if (d->fault.code == CF_OK && !lost_or_down(d)) {
                     record_result(d, index[br->index], c->call_id, c->name, br->result->text,
                                   br->result->is_error, br->result->truncation);
                 }
@@ -1020,7 +1033,7 @@ static int absorb_joins(struct drive *d)
     req.host = &d->fence;
     if (store_retry(d, "ClaimJoinable", &req.base, &cflue__v1__claim_joinable_response__descriptor,
                     &resp) != CF_OK) {
-        if (!stopped(d)) {
+        if (!lost_or_down(d)) {
             fault(d, "claiming joinable messages failed", &d->err);
         }
         return 0;
@@ -1071,7 +1084,7 @@ static void settle_earlier_joins(struct drive *d)
     lr.n_statuses = 1;
     lr.limit = 1000;
     if (store_retry(d, "List", &lr.base, &cflue__v1__list_response__descriptor, &resp) != CF_OK) {
-        if (!stopped(d)) {
+        if (!lost_or_down(d)) {
             fault(d, "listing half-joined messages failed", &d->err);
         }
         return;
@@ -1254,7 +1267,7 @@ static enum compact_result compact(struct drive *d, char **system_text, struct t
         return COMPACT_FAILED;
     }
     /* the system prompt is composed again after a compaction (a fault here leaves the
-     * compaction without its prompt; the next attempt composes it, see turn_drive) */
+     * compaction without its prompt; the next attempt composes it, see frozen_system_prompt) */
     char *fresh = compose_system_prompt(d, ts->list);
     if (!fresh) {
         return COMPACT_FAILED;
@@ -1415,7 +1428,7 @@ static void mark_input_applied(struct drive *d)
     mr.timeout_ms = d->agent->timeout_ms;
     if (store_retry(d, "MarkInputApplied", &mr.base, &cflue__v1__submission__descriptor, &resp) !=
         CF_OK) {
-        if (!stopped(d)) {
+        if (!lost_or_down(d)) {
             fault(d, "marking the input applied failed", &d->err);
         }
         return;
@@ -1550,6 +1563,18 @@ static Cflue__V1__Outcome run_turns(struct drive *d, char **system_text, struct 
             return CFLUE__V1__OUTCOME__COMPLETED;
         }
         bool more = resp.n_calls > 0;
+        if (more && time_left(d) <= 0) {
+            /* the answer came at the limit: its calls are not started at all */
+            for (size_t i = 0; i < resp.n_calls && d->fault.code == CF_OK; i++) {
+                record_result(d, (int)i, resp.calls[i].id, resp.calls[i].name,
+                              "This call was not run: the submission reached its time limit.", true,
+                              NULL);
+            }
+            llm_response_cleanup(&resp);
+            d->turn++;
+            snprintf(error, error_len, "ran past its time limit before the work was finished");
+            return CFLUE__V1__OUTCOME__FAILED;
+        }
         if (more) {
             run_tools(d, &resp, ts);
         }
@@ -1578,9 +1603,9 @@ static bool has_metadata(const Cflue__V1__Submission *sub, const char *key, cons
 }
 
 /* unsettled ends a drive that stopped short of an outcome. An abort intent settles aborted.
- * A fault that trying again cannot mend (storaged refused a record as invalid or too big,
- * toold refused the sandbox) settles failed with its reason instead of spending every
- * attempt on it. Anything else ends stopped or interrupted. */
+ * A fault that trying again cannot mend (storaged refused a record as invalid, or an id as
+ * taken by other content; toold refused the sandbox) settles failed with its reason instead of
+ * spending every attempt on it. Anything else ends stopped or interrupted. */
 static enum drive_end unsettled(struct drive *d)
 {
     enum cf_status code = d->fault.code;
@@ -1592,7 +1617,7 @@ static enum drive_end unsettled(struct drive *d)
         cf_error_clear(&d->fault);
         return settle(d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request");
     }
-    if (code != CF_INVALID && code != CF_TOOBIG && code != CF_EXISTS) {
+    if (code != CF_INVALID && code != CF_EXISTS) {
         return drive_ended(d);
     }
     char why[CF_ERROR_MSG_MAX + 64];
@@ -1613,6 +1638,9 @@ static enum drive_end drive(struct drive *d, bool takeover)
     if (d->sub->max_attempts && d->sub->attempt_count > d->sub->max_attempts) {
         if (sync_records(d) == CF_OK && answered(d)) {
             return settle(d, CFLUE__V1__OUTCOME__COMPLETED, NULL);
+        }
+        if (abort_seen(d)) {
+            return settle(d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request");
         }
         snprintf(q, sizeof(q), "gave up after %d attempts: the work was interrupted each time",
                  d->sub->attempt_count - 1);

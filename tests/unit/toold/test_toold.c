@@ -176,6 +176,20 @@ static void test_proc(void)
     proc_env_free(env);
 }
 
+/* orphan_started reports whether the orphan wrote its pid (so "not alive" means killed,
+ * not "never ran"). */
+static bool orphan_started(const char *pidfile)
+{
+    char text[32] = "";
+    FILE *f = fopen(pidfile, "r");
+    if (!f) {
+        return false;
+    }
+    bool got = fgets(text, sizeof(text), f) != NULL;
+    fclose(f);
+    return got && atoi(text) > 1;
+}
+
 static bool pid_alive(const char *pidfile)
 {
     char text[32] = "";
@@ -213,7 +227,7 @@ static void test_proc_setsid(void)
     CHECK(!r.timed_out && r.exit_code == 0);
     CHECK(clock_mono_ms() - t0 < 3000);
     CHECK_STR(buf_cstr(&out), "hi\n");
-    CHECK(!pid_alive(pidfile));
+    CHECK(orphan_started(pidfile) && !pid_alive(pidfile));
 
     /* an orphan from a subshell, and a deadline that passes while the main process runs */
     unlink(pidfile);
@@ -225,7 +239,7 @@ static void test_proc_setsid(void)
     CHECK(proc_run(&spec, &r, &err) == CF_OK);
     CHECK(r.timed_out && r.exit_code == 124);
     CHECK(clock_mono_ms() - t0 < 4000);
-    CHECK(!pid_alive(pidfile));
+    CHECK(orphan_started(pidfile) && !pid_alive(pidfile));
 
     /* a process that ignores SIGTERM is killed after the grace */
     buf_reset(&out);
@@ -237,7 +251,7 @@ static void test_proc_setsid(void)
     CHECK(proc_run(&spec, &r, &err) == CF_OK);
     CHECK(r.timed_out && r.exit_code == 124);
     CHECK(clock_mono_ms() - t0 < 6000);
-    CHECK(!pid_alive(pidfile));
+    CHECK(orphan_started(pidfile) && !pid_alive(pidfile));
     buf_cleanup(&out);
     proc_env_free(env);
 }
