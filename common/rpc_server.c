@@ -255,6 +255,7 @@ static void pump(struct rpc_call *c)
     }
     c->sending = true;
     c->refs++;
+    thread_handoff_release(&c->t_send);
     grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->t_send, NULL);
     if (e != GRPC_CALL_OK) {
         log_error("rpc_send_failed", "code=%d", (int)e);
@@ -662,6 +663,7 @@ static void begin_call(struct rpc_call *c)
     memset(&op, 0, sizeof(op));
     op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
     op.data.recv_close_on_server.cancelled = &c->cancelled;
+    thread_handoff_release(&c->t_close);
     if (grpc_call_start_batch(c->call, &op, 1, &c->t_close, NULL) != GRPC_CALL_OK) {
         c->refs = 1;
         c->closed = true;
@@ -734,6 +736,7 @@ static void *poller_main(void *arg)
         if (ev.type != GRPC_OP_COMPLETE) {
             continue;
         }
+        thread_handoff_acquire(ev.tag);
         struct tag *t = ev.tag;
         switch (t->kind) {
         case TAG_NEW_CALL:
@@ -761,6 +764,7 @@ static void *poller_main(void *arg)
 static void post_slot(struct rpc_server *s, struct method *m)
 {
     struct rpc_call *c = call_new(s, m);
+    thread_handoff_release(&c->t_new);
     grpc_call_error e = grpc_server_request_registered_call(
         s->server, m->handle, &c->call, &c->deadline, &c->md, &c->payload, s->cq, s->cq, &c->t_new);
     if (e != GRPC_CALL_OK) {
@@ -771,6 +775,7 @@ static void post_slot(struct rpc_server *s, struct method *m)
 static void post_generic(struct rpc_server *s)
 {
     struct rpc_call *c = call_new(s, NULL);
+    thread_handoff_release(&c->t_new);
     grpc_call_error e =
         grpc_server_request_call(s->server, &c->call, &c->details, &c->md, s->cq, s->cq, &c->t_new);
     if (e != GRPC_CALL_OK) {
@@ -1049,6 +1054,8 @@ void rpc_server_shutdown(struct rpc_server *s, int grace_ms)
     }
     s->stopping = true;
     pthread_mutex_unlock(&s->mu);
+
+    thread_handoff_release(&s->t_shutdown);
 
     grpc_server_shutdown_and_notify(s->server, s->cq, &s->t_shutdown);
     if (!wait_until(s, is_shutdown_done, grace_ms) || !wait_until(s, no_live_calls, grace_ms)) {

@@ -8,6 +8,7 @@
 #include "grpc/health/v1/health.pb-c.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -47,8 +48,8 @@ static void on_get(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
     rpc_call_fail(c, CF_NOT_FOUND, "no submission '%s'", req->submission_id);
 }
 
-static int stream_sent;
-static bool stream_saw_cancel;
+static atomic_int stream_sent;
+static atomic_bool stream_saw_cancel;
 
 /* Follow: sends after_offset+1 records; a negative count streams until cancelled. */
 static void on_follow(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
