@@ -477,16 +477,14 @@ int main(int argc, char **argv)
     struct rpc_server *srv = rpc_server_new(&ro);
     api_register(srv);
     int port = 0;
-    if (rpc_server_listen(srv, listen, &port, &err) != CF_OK) {
+    bool serving = rpc_server_listen(srv, listen, &port, &err) == CF_OK;
+    if (!serving) {
         fprintf(stderr, "agentd: %s\n", err.msg);
-        rpc_server_free(srv);
-        rpc_channel_free(g_agentd.store);
-        rpc_global_shutdown();
-        agents_free(&g_agentd.agents);
-        return 1;
-    }
-    if (rpc_server_start(srv) != CF_OK) {
+    } else if (rpc_server_start(srv) != CF_OK) {
         fprintf(stderr, "agentd: could not start serving (threads); see the log\n");
+        serving = false;
+    }
+    if (!serving) {
         rpc_server_free(srv);
         rpc_channel_free(g_agentd.store);
         rpc_global_shutdown();

@@ -165,18 +165,15 @@ int main(int argc, char **argv)
     struct rpc_server *srv = rpc_server_new(&ro);
     service_register(svc, srv);
     int port = 0;
-    if (rpc_server_listen(srv, listen, &port, &err) != CF_OK) {
+    bool listening = rpc_server_listen(srv, listen, &port, &err) == CF_OK;
+    if (!listening) {
         log_error("listen_failed", "addr=%s", listen);
         fprintf(stderr, "storaged: %s\n", err.msg);
-        rpc_server_free(srv);
-        service_free(svc);
-        writer_stop(writer);
-        notifier_free(notifier);
-        rpc_global_shutdown();
-        return 1;
-    }
-    if (rpc_server_start(srv) != CF_OK) {
+    } else if (rpc_server_start(srv) != CF_OK) {
         fprintf(stderr, "storaged: could not start serving (threads); see the log\n");
+        listening = false;
+    }
+    if (!listening) {
         rpc_server_free(srv);
         service_free(svc);
         writer_stop(writer);

@@ -120,15 +120,14 @@ int main(int argc, char **argv)
     struct rpc_server *srv = rpc_server_new(&ro);
     toold_register(srv, ws, &cfg);
     int port = 0;
-    if (rpc_server_listen(srv, listen, &port, &err) != CF_OK) {
+    bool serving = rpc_server_listen(srv, listen, &port, &err) == CF_OK;
+    if (!serving) {
         fprintf(stderr, "toold: %s\n", err.msg);
-        rpc_server_free(srv);
-        workspaces_free(ws);
-        rpc_global_shutdown();
-        return 1;
-    }
-    if (rpc_server_start(srv) != CF_OK) {
+    } else if (rpc_server_start(srv) != CF_OK) {
         fprintf(stderr, "toold: could not start serving (threads); see the log\n");
+        serving = false;
+    }
+    if (!serving) {
         rpc_server_free(srv);
         workspaces_free(ws);
         rpc_global_shutdown();
