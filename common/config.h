@@ -30,8 +30,9 @@ struct config_opt {
  * prints the usage text and the option table to stdout and sets *help_out. Unknown flags,
  * missing values, bad numbers and values out of bounds are CF_INVALID with a message naming
  * the flag or variable. Positional arguments are not accepted. */
-enum cf_status config_parse(const struct config_opt *opts, size_t n_opts, int argc, char **argv,
-                            const char *usage, bool *help_out, struct cf_error *err);
+CF_MUST_CHECK enum cf_status config_parse(const struct config_opt *opts, size_t n_opts, int argc,
+                                          char **argv, const char *usage, bool *help_out,
+                                          struct cf_error *err);
 
 /* config_env_name writes the environment variable name of a flag into out. */
 void config_env_name(char *out, size_t out_len, const char *flag);

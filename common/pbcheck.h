@@ -17,7 +17,7 @@
 /* pbcheck_strings checks every string field (nested messages included) of the encoded
  * message. CF_INVALID with the field's name when one holds a NUL byte or invalid UTF-8;
  * malformed framing is left for the decoder to report. */
-enum cf_status pbcheck_strings(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
-                               size_t len, struct cf_error *err);
+CF_MUST_CHECK enum cf_status pbcheck_strings(const ProtobufCMessageDescriptor *desc,
+                                             const uint8_t *data, size_t len, struct cf_error *err);
 
 #endif
