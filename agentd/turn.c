@@ -84,6 +84,7 @@ struct drive {
     int64_t timeout_at_ms; /* the time limit (epoch ms, 0: none), as storaged installed it */
     struct cf_error err;
     struct cf_error fault; /* the first storaged/toold failure: the attempt ends unsettled */
+    int store_tries;       /* how many tries the last store_retry took */
 };
 
 static bool stopped(struct drive *d)
@@ -160,7 +161,7 @@ static enum cf_status store_retry(struct drive *d, const char *method, const Pro
     int64_t start = clock_mono_ms(), wait = 100;
     int64_t window =
         g_agentd.lease_ms > STORE_RETRY_MIN_MS ? g_agentd.lease_ms : STORE_RETRY_MIN_MS;
-    for (;;) {
+    for (d->store_tries = 1;; d->store_tries++) {
         *resp = NULL;
         enum cf_status rc =
             store_call(g_agentd.store, method, req, desc, STORE_TIMEOUT_MS, resp, &d->err);
@@ -1023,6 +1024,27 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
 
 /* ---------- joins ---------- */
 
+/* list_joining lists the deliveries JOINING into this host, in admission order. A failure is
+ * a fault. */
+static Cflue__V1__ListResponse *list_joining(struct drive *d)
+{
+    Cflue__V1__ListRequest lr = CFLUE__V1__LIST_REQUEST__INIT;
+    Cflue__V1__SubmissionStatus joining = CFLUE__V1__SUBMISSION_STATUS__JOINING;
+    ProtobufCMessage *resp = NULL;
+    lr.conversation_id = d->sub->conversation_id;
+    lr.joined_into = d->sub->submission_id;
+    lr.statuses = &joining;
+    lr.n_statuses = 1;
+    lr.limit = 1000;
+    if (store_retry(d, "List", &lr.base, &cflue__v1__list_response__descriptor, &resp) != CF_OK) {
+        if (!lost_or_down(d)) {
+            fault(d, "listing joining messages failed", &d->err);
+        }
+        return NULL;
+    }
+    return (Cflue__V1__ListResponse *)resp;
+}
+
 /* absorb_joins appends the input of queued submissions behind this one and marks them
  * joined; returns how many joined. A failure is a fault (deliveries left JOINING go back to
  * the queue when this submission settles). */
@@ -1038,10 +1060,23 @@ static int absorb_joins(struct drive *d)
         }
         return 0;
     }
-    Cflue__V1__ClaimJoinableResponse *r = (Cflue__V1__ClaimJoinableResponse *)resp;
+    Cflue__V1__Submission **subs = ((Cflue__V1__ClaimJoinableResponse *)resp)->submissions;
+    size_t n = ((Cflue__V1__ClaimJoinableResponse *)resp)->n_submissions;
+    if (d->store_tries > 1) {
+        /* an earlier try may have claimed deliveries and lost the answer: they are JOINING
+         * into this host too, and come first. Take the whole set, in admission order. */
+        protobuf_c_message_free_unpacked(resp, NULL);
+        Cflue__V1__ListResponse *l = list_joining(d);
+        if (!l) {
+            return 0;
+        }
+        resp = &l->base;
+        subs = l->submissions;
+        n = l->n_submissions;
+    }
     int joined = 0;
-    for (size_t i = 0; i < r->n_submissions; i++) {
-        const Cflue__V1__Submission *s = r->submissions[i];
+    for (size_t i = 0; i < n; i++) {
+        const Cflue__V1__Submission *s = subs[i];
         char id[256];
         snprintf(id, sizeof(id), "input:%s", s->submission_id);
         if (append_one(d, id, "user_message", s->submission_id,
@@ -1075,21 +1110,10 @@ static int absorb_joins(struct drive *d)
  * admission order). Without this, a takeover would join later messages past them. */
 static void settle_earlier_joins(struct drive *d)
 {
-    Cflue__V1__ListRequest lr = CFLUE__V1__LIST_REQUEST__INIT;
-    Cflue__V1__SubmissionStatus joining = CFLUE__V1__SUBMISSION_STATUS__JOINING;
-    ProtobufCMessage *resp = NULL;
-    lr.conversation_id = d->sub->conversation_id;
-    lr.joined_into = d->sub->submission_id;
-    lr.statuses = &joining;
-    lr.n_statuses = 1;
-    lr.limit = 1000;
-    if (store_retry(d, "List", &lr.base, &cflue__v1__list_response__descriptor, &resp) != CF_OK) {
-        if (!lost_or_down(d)) {
-            fault(d, "listing half-joined messages failed", &d->err);
-        }
+    Cflue__V1__ListResponse *l = list_joining(d);
+    if (!l) {
         return;
     }
-    const Cflue__V1__ListResponse *l = (const Cflue__V1__ListResponse *)resp;
     for (size_t i = 0; i < l->n_submissions && !broken(d); i++) {
         const char *sid = l->submissions[i]->submission_id;
         char input_id[256];
@@ -1111,7 +1135,7 @@ static void settle_earlier_joins(struct drive *d)
                      d->sub->submission_id);
         }
     }
-    protobuf_c_message_free_unpacked(resp, NULL);
+    protobuf_c_message_free_unpacked(&l->base, NULL);
 }
 
 /* ---------- compaction ----------
