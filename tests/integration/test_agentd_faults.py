@@ -19,8 +19,8 @@ import unittest
 import grpc
 
 from cflue_harness import agent_pb2, common_pb2, request_abort
-from test_agentd import (COMPLETED, FAILED, AgentdCase, bind, body, new_conv, outcome_name,
-                         request_system)
+from test_agentd import (COMPLETED, FAILED, SETTLED, AgentdCase, bind, body, new_conv,
+                         outcome_name, request_system)
 
 # agentd retries a Store call for max(lease, 5 s); these outages are longer than that.
 LEASE_MS = 3000
@@ -72,6 +72,26 @@ class FaultsCase(AgentdCase):
         self.assertEqual(body(settled[0])['outcome'], 'completed')
         self.assertGreater(settled[0].offset, assistants[-1].offset)
         return recs
+
+    def wait_settled(self, sid, timeout=30, ad=None):
+        """As AgentdCase.wait_settled, but a storaged that just came back may still refuse
+        agentd's first calls (UNAVAILABLE): the wait is asked again until the timeout."""
+        ad = ad or self.ad
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                sub = ad.get_submission(sid, wait=True,
+                                        timeout=max(1, deadline - time.monotonic()))
+                self.assertEqual(sub.status, SETTLED, sub)
+                return sub
+            except grpc.RpcError as e:
+                last = e
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    break
+                time.sleep(0.2)
+        self.fail('submission %s did not settle within %.0f s (last: %s %s)'
+                  % (sid, timeout, last and last.code(), last and last.details()))
 
     def wait_record(self, conv, pred, what, timeout=20):
         return self.wait_for(what, lambda: [r for r in self.records(conv) if pred(r)],
