@@ -117,16 +117,24 @@ static void test_fifo_and_fencing(void)
     CHECK(c4.fence->epoch == c1.fence->epoch + 1);
 }
 
+/* claim_until claims (settling whatever earlier tests left runnable) until it holds s. */
+static Cflue__V1__ClaimResponse claim_until(const Cflue__V1__Submission *s, const char *owner,
+                                            int64_t lease)
+{
+    Cflue__V1__ClaimResponse cl;
+    do {
+        cl = claim(owner, lease);
+    } while (cl.submission && strcmp(cl.submission->submission_id, s->submission_id) != 0 &&
+             settle(cl.fence, CFLUE__V1__OUTCOME__COMPLETED, "", &(Cflue__V1__SettleResponse){0}) ==
+                 CF_OK);
+    return cl;
+}
+
 static void test_takeover(void)
 {
     Cflue__V1__Submission *s = admit("c3", "x", "");
     CHECK(s != NULL);
-    Cflue__V1__ClaimResponse a;
-    do {
-        a = claim("A", 1);
-    } while (a.submission && strcmp(a.submission->submission_id, s->submission_id) != 0 &&
-             settle(a.fence, CFLUE__V1__OUTCOME__COMPLETED, "", &(Cflue__V1__SettleResponse){0}) ==
-                 CF_OK);
+    Cflue__V1__ClaimResponse a = claim_until(s, "A", 1);
     CHECK(a.submission && !strcmp(a.submission->submission_id, s->submission_id));
     clock_sleep_ms(5);
     Cflue__V1__ClaimResponse b = claim("B", 30000);
@@ -154,12 +162,7 @@ static void test_page_bytes(void)
     small.page_bytes = 4096;
     Cflue__V1__Submission *s = admit("c-pages", "x", "");
     CHECK(s != NULL);
-    Cflue__V1__ClaimResponse cl;
-    do {
-        cl = claim("P", 30000);
-    } while (cl.submission && strcmp(cl.submission->submission_id, s->submission_id) != 0 &&
-             settle(cl.fence, CFLUE__V1__OUTCOME__COMPLETED, "", &(Cflue__V1__SettleResponse){0}) ==
-                 CF_OK);
+    Cflue__V1__ClaimResponse cl = claim_until(s, "P", 30000);
     CHECK(cl.submission != NULL);
     char body[1100], id[16];
     memset(body, 'a', sizeof(body));
