@@ -19,7 +19,5 @@ CF_MUST_CHECK enum cf_status store_call(struct rpc_channel *ch, const char *meth
                                         int64_t timeout_ms, ProtobufCMessage **resp_out,
                                         struct cf_error *err);
 
-/* status_from_grpc maps a gRPC code to the closest cf_status. */
-enum cf_status status_from_grpc(grpc_status_code code);
 
 #endif

@@ -147,6 +147,7 @@ struct rpc_channel;
 struct rpc_status {
     grpc_status_code code;
     char details[CF_ERROR_MSG_MAX];
+    char reason[CF_ERROR_REASON_MAX]; /* the server's ErrorInfo reason; "" when none came */
 };
 
 /* rpc_channel_new connects lazily to target ("127.0.0.1:7001", "unix:/path"). Never NULL.

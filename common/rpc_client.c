@@ -15,6 +15,8 @@
  */
 #include "rpc.h"
 
+#include "errinfo.h"
+
 #include "clock.h"
 #include "log.h"
 #include "mem.h"
@@ -186,6 +188,7 @@ static void set_cancelled_status(struct rpc_channel *ch, struct rpc_status *st)
     pthread_mutex_lock(&ch->mu);
     st->code = GRPC_STATUS_CANCELLED;
     snprintf(st->details, sizeof(st->details), "%s", ch->cancel_why);
+    snprintf(st->reason, sizeof(st->reason), "%s", errinfo_default_reason(st->code));
     pthread_mutex_unlock(&ch->mu);
 }
 
@@ -219,7 +222,10 @@ static void drain_cq(grpc_completion_queue *cq)
     grpc_completion_queue_destroy(cq);
 }
 
-static void copy_status(struct rpc_status *st, grpc_status_code code, grpc_slice details)
+/* copy_status fills st from a finished call: code, details, and the ErrorInfo reason of the
+ * trailer (or, when the server sent none, the reason named after the code). */
+static void copy_status(struct rpc_status *st, grpc_status_code code, grpc_slice details,
+                        const grpc_metadata_array *trailer)
 {
     size_t n = GRPC_SLICE_LENGTH(details);
     st->code = code;
@@ -228,6 +234,10 @@ static void copy_status(struct rpc_status *st, grpc_status_code code, grpc_slice
     }
     memcpy(st->details, GRPC_SLICE_START_PTR(details), n);
     st->details[n] = '\0';
+    st->reason[0] = '\0';
+    if (code != GRPC_STATUS_OK && !errinfo_find_reason(trailer, st->reason, sizeof(st->reason))) {
+        snprintf(st->reason, sizeof(st->reason), "%s", errinfo_default_reason(code));
+    }
 }
 
 bool rpc_unary(struct rpc_channel *ch, const char *method, const ProtobufCMessage *req,
@@ -273,7 +283,7 @@ bool rpc_unary(struct rpc_channel *ch, const char *method, const ProtobufCMessag
         grpc_completion_queue_pluck(cq, &tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     }
     call_end(ch, &lc, code);
-    copy_status(st, code, details);
+    copy_status(st, code, details, &trail_md);
     if (code == GRPC_STATUS_OK) {
         if (!recv || !(*resp_out = rpc_unpack(resp_desc, recv))) {
             st->code = GRPC_STATUS_INTERNAL;
@@ -403,7 +413,7 @@ bool rpc_stream_finish(struct rpc_stream *s, struct rpc_status *st)
     if (s->linked) {
         call_end(s->ch, &s->lc, s->code);
     }
-    copy_status(st, s->code, s->details);
+    copy_status(st, s->code, s->details, &s->trail_md);
     grpc_slice_unref(s->details);
     grpc_metadata_array_destroy(&s->init_md);
     grpc_metadata_array_destroy(&s->trail_md);

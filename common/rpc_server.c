@@ -22,6 +22,7 @@
 #include "rpc.h"
 
 #include "clock.h"
+#include "errinfo.h"
 #include "log.h"
 #include "mem.h"
 #include "pbcheck.h"
@@ -93,6 +94,8 @@ struct rpc_call {
     grpc_status_code status_code;
     grpc_slice status_details;
     bool has_details;
+    grpc_metadata status_trailer; /* errors: google.rpc.Status with an ErrorInfo */
+    bool has_trailer;
     struct pending_send *q_head, *q_tail;
     int q_len;
     grpc_byte_buffer *inflight;
@@ -163,6 +166,9 @@ static void call_free(struct rpc_call *c)
     }
     if (c->has_details) {
         grpc_slice_unref(c->status_details);
+    }
+    if (c->has_trailer) {
+        grpc_slice_unref(c->status_trailer.value);
     }
     if (c->payload) {
         grpc_byte_buffer_destroy(c->payload);
@@ -248,7 +254,9 @@ static void pump(struct rpc_call *c)
         ops[n].data.send_status_from_server.status = c->status_code;
         ops[n].data.send_status_from_server.status_details =
             c->has_details ? &c->status_details : NULL;
-        ops[n].data.send_status_from_server.trailing_metadata_count = 0;
+        ops[n].data.send_status_from_server.trailing_metadata_count = c->has_trailer ? 1 : 0;
+        ops[n].data.send_status_from_server.trailing_metadata =
+            c->has_trailer ? &c->status_trailer : NULL;
         n++;
         c->status_pending = false;
         c->status_sent = true;
@@ -315,7 +323,10 @@ static void enqueue_locked(struct rpc_call *c, grpc_byte_buffer *bb)
     c->q_len++;
 }
 
-static void finish_locked(struct rpc_call *c, grpc_status_code code, const char *details)
+/* finish_locked queues the call's status; an error status also gets its ErrorInfo trailer
+ * (reason NULL or "": the one named after the code). */
+static void finish_locked(struct rpc_call *c, grpc_status_code code, const char *details,
+                          const char *reason)
 {
     c->finished = true;
     c->status_pending = true;
@@ -323,6 +334,11 @@ static void finish_locked(struct rpc_call *c, grpc_status_code code, const char 
     if (details && *details) {
         c->status_details = grpc_slice_from_copied_string(details);
         c->has_details = true;
+    }
+    if (code != GRPC_STATUS_OK) {
+        c->status_trailer.key = grpc_slice_from_static_string(ERRINFO_TRAILER_KEY);
+        c->status_trailer.value = errinfo_pack(code, details, reason);
+        c->has_trailer = true;
     }
     pump(c);
 }
@@ -342,7 +358,7 @@ void rpc_call_reply(struct rpc_call *c, const ProtobufCMessage *resp)
     } else {
         enqueue_locked(c, bb);
     }
-    finish_locked(c, GRPC_STATUS_OK, NULL);
+    finish_locked(c, GRPC_STATUS_OK, NULL, NULL);
     pthread_mutex_unlock(&c->mu);
     call_unref(c);
 }
@@ -365,7 +381,8 @@ bool rpc_call_send(struct rpc_call *c, const ProtobufCMessage *msg)
     return true;
 }
 
-void rpc_call_finish(struct rpc_call *c, grpc_status_code code, const char *details)
+static void finish_with_reason(struct rpc_call *c, grpc_status_code code, const char *details,
+                               const char *reason)
 {
     pthread_mutex_lock(&c->mu);
     if (c->finished) {
@@ -373,9 +390,14 @@ void rpc_call_finish(struct rpc_call *c, grpc_status_code code, const char *deta
         log_error("rpc_double_finish", "method=%s", c->m ? c->m->path : "?");
         return;
     }
-    finish_locked(c, code, details);
+    finish_locked(c, code, details, reason);
     pthread_mutex_unlock(&c->mu);
     call_unref(c);
+}
+
+void rpc_call_finish(struct rpc_call *c, grpc_status_code code, const char *details)
+{
+    finish_with_reason(c, code, details, NULL);
 }
 
 void rpc_call_fail(struct rpc_call *c, enum cf_status st, const char *fmt, ...)
@@ -385,13 +407,13 @@ void rpc_call_fail(struct rpc_call *c, enum cf_status st, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    rpc_call_finish(c, status_grpc_code(st), msg);
+    finish_with_reason(c, status_grpc_code(st), msg, status_reason(st));
 }
 
 void rpc_call_fail_error(struct rpc_call *c, const struct cf_error *err)
 {
-    rpc_call_finish(c, status_grpc_code(err->code),
-                    err->msg[0] ? err->msg : status_message(err->code));
+    finish_with_reason(c, status_grpc_code(err->code),
+                       err->msg[0] ? err->msg : status_message(err->code), cf_error_reason(err));
 }
 
 /* call_dead reports whether the client side of the call is gone. */

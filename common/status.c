@@ -8,8 +8,9 @@ static const struct {
     const char *name;
     const char *message;
     grpc_status_code code;
+    const char *reason;
 } table[] = {
-#define CF_STATUS_ROW(n, msg, c) {#n, msg, c},
+#define CF_STATUS_ROW(n, msg, c, r) {#n, msg, c, r},
     CF_STATUS_MAP(CF_STATUS_ROW)
 #undef CF_STATUS_ROW
 };
@@ -34,13 +35,75 @@ grpc_status_code status_grpc_code(enum cf_status st)
     return valid(st) ? table[st].code : GRPC_STATUS_UNKNOWN;
 }
 
+const char *status_reason(enum cf_status st)
+{
+    return valid(st) ? table[st].reason : "UNKNOWN";
+}
+
+enum cf_status status_from_grpc(grpc_status_code code)
+{
+    switch (code) {
+    case GRPC_STATUS_OK:
+        return CF_OK;
+    case GRPC_STATUS_INVALID_ARGUMENT:
+        return CF_INVALID;
+    case GRPC_STATUS_NOT_FOUND:
+        return CF_NOT_FOUND;
+    case GRPC_STATUS_ALREADY_EXISTS:
+        return CF_EXISTS;
+    case GRPC_STATUS_ABORTED:
+        return CF_STALE;
+    case GRPC_STATUS_FAILED_PRECONDITION:
+        return CF_PRECONDITION;
+    case GRPC_STATUS_OUT_OF_RANGE:
+        return CF_RANGE;
+    case GRPC_STATUS_RESOURCE_EXHAUSTED:
+        return CF_BUSY;
+    case GRPC_STATUS_DATA_LOSS:
+        return CF_CORRUPT;
+    case GRPC_STATUS_UNAVAILABLE:
+    case GRPC_STATUS_DEADLINE_EXCEEDED: /* the peer did not answer in time: as if away */
+        return CF_UNAVAILABLE;
+    case GRPC_STATUS_CANCELLED:
+        return CF_CANCELLED;
+    case GRPC_STATUS_UNIMPLEMENTED:
+        return CF_UNIMPLEMENTED;
+    default:
+        return CF_INTERNAL;
+    }
+}
+
+const char *cf_error_reason(const struct cf_error *err)
+{
+    return err->reason[0] ? err->reason : status_reason(err->code);
+}
+
+static void vset(struct cf_error *err, enum cf_status code, const char *reason, const char *fmt,
+                 va_list ap)
+{
+    err->code = code;
+    vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
+    snprintf(err->reason, sizeof(err->reason), "%s", reason ? reason : "");
+}
+
 enum cf_status cf_error_set(struct cf_error *err, enum cf_status code, const char *fmt, ...)
 {
     if (err) {
         va_list ap;
-        err->code = code;
         va_start(ap, fmt);
-        vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
+        vset(err, code, NULL, fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+enum cf_status cf_error_setr(struct cf_error *err, enum cf_status code, const char *reason,
+                             const char *fmt, ...)
+{
+    if (err) {
+        va_list ap;
+        va_start(ap, fmt);
+        vset(err, code, reason, fmt, ap);
         va_end(ap);
     }
     return code;
@@ -51,5 +114,6 @@ void cf_error_clear(struct cf_error *err)
     if (err) {
         err->code = CF_OK;
         err->msg[0] = '\0';
+        err->reason[0] = '\0';
     }
 }
