@@ -4,7 +4,8 @@
 FROM debian:12 AS build
 RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       build-essential cmake pkg-config libgrpc-dev protobuf-c-compiler libprotobuf-c-dev \
-      protobuf-compiler grpc-proto libsqlite3-dev libjansson-dev libcurl4-openssl-dev \
+      protobuf-compiler grpc-proto libprotobuf-dev golang-github-gogo-googleapis-dev \
+      libsqlite3-dev libjansson-dev libcurl4-openssl-dev \
       libpcre2-dev libyaml-dev python3 && rm -rf /var/lib/apt/lists/*
 COPY . /src
 RUN cmake -S /src -B /build -DCMAKE_BUILD_TYPE=RelWithDebInfo \

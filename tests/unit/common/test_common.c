@@ -4,9 +4,13 @@
 #include "arena.h"
 #include "buf.h"
 #include "config.h"
+#include "errinfo.h"
 #include "ids.h"
 #include "log.h"
 #include "mem.h"
+#include "page_token.h"
+#include "pbtime.h"
+#include "record_kind.h"
 #include "status.h"
 #include "thread.h"
 #include "utf8.h"
@@ -18,13 +22,140 @@ static void test_status(void)
 {
     struct cf_error err;
     CHECK_STR(status_name(CF_NOT_FOUND), "NOT_FOUND");
-    CHECK(status_grpc_code(CF_STALE) == GRPC_STATUS_FAILED_PRECONDITION);
+    CHECK(status_grpc_code(CF_STALE) == GRPC_STATUS_ABORTED);
+    CHECK(status_grpc_code(CF_PRECONDITION) == GRPC_STATUS_FAILED_PRECONDITION);
+    CHECK(status_from_grpc(GRPC_STATUS_FAILED_PRECONDITION) == CF_PRECONDITION);
+    CHECK(status_from_grpc(GRPC_STATUS_DEADLINE_EXCEEDED) == CF_UNAVAILABLE);
+    CHECK_STR(status_reason(CF_STALE), "STALE_FENCE");
+    /* every status has a reason in UPPER_SNAKE_CASE, distinct from the others */
+    for (int i = 1; i < CF_STATUS_COUNT; i++) {
+        const char *r = status_reason((enum cf_status)i);
+        CHECK(*r);
+        for (const char *q = r; *q; q++) {
+            CHECK((*q >= 'A' && *q <= 'Z') || *q == '_');
+        }
+        for (int k = 1; k < i; k++) {
+            CHECK(strcmp(r, status_reason((enum cf_status)k)) != 0);
+        }
+    }
+    CHECK(cf_error_setr(&err, CF_INVALID, "RESERVED_METADATA_KEY", "key %s", "cflue.x") ==
+          CF_INVALID);
+    CHECK_STR(cf_error_reason(&err), "RESERVED_METADATA_KEY");
+    CHECK(cf_error_set(&err, CF_INVALID, "plain") == CF_INVALID);
+    CHECK_STR(cf_error_reason(&err), "INVALID_ARGUMENT"); /* a plain set drops the old reason */
+
     CHECK(status_grpc_code(CF_EXISTS) == GRPC_STATUS_ALREADY_EXISTS);
     CHECK(status_grpc_code(CF_RANGE) == GRPC_STATUS_OUT_OF_RANGE);
     CHECK(status_grpc_code(CF_STATUS_COUNT) == GRPC_STATUS_UNKNOWN);
     CHECK(cf_error_set(&err, CF_INVALID, "field %s", "x") == CF_INVALID);
     CHECK_STR(err.msg, "field x");
     CHECK(cf_error_set(NULL, CF_IO, "ignored") == CF_IO);
+}
+
+static void test_pbtime(void)
+{
+    struct arena a;
+    struct cf_error err;
+    Google__Protobuf__Timestamp ts;
+    Google__Protobuf__Duration d;
+    arena_init(&a);
+    pbtime_set(&ts, 1700000000123);
+    CHECK(ts.seconds == 1700000000 && ts.nanos == 123000000);
+    CHECK(pbtime_ms(&ts) == 1700000000123);
+    pbtime_set(&ts, -1); /* before the epoch: nanos stay positive */
+    CHECK(ts.seconds == -1 && ts.nanos == 999000000 && pbtime_ms(&ts) == -1);
+    CHECK(pbtime_ms(NULL) == 0 && pbtime_in(&a, 0) == NULL);
+    CHECK(pbtime_ms(pbtime_in(&a, 42)) == 42);
+    pbdur_set(&d, 30500);
+    CHECK(d.seconds == 30 && d.nanos == 500000000 && pbdur_ms(&d) == 30500);
+    CHECK(pbdur_in(&a, 0) == NULL && pbdur_ms(pbdur_in(&a, 7)) == 7);
+    CHECK(pbdur_check(NULL, "x", 0, &err) == CF_OK);
+    CHECK(pbdur_check(&d, "lease_duration", 30000, &err) == CF_INVALID);
+    CHECK_STR(err.msg, "lease_duration must be at most 30000 ms");
+    d.seconds = -1;
+    d.nanos = 0;
+    CHECK(pbdur_check(&d, "timeout", 0, &err) == CF_INVALID);
+    d.seconds = 1;
+    d.nanos = -5; /* mixed signs */
+    CHECK(pbdur_check(&d, "timeout", 0, &err) == CF_INVALID);
+    ts.seconds = 0;
+    ts.nanos = 1000000000;
+    CHECK(pbtime_check(&ts, "t", &err) == CF_INVALID);
+    ts.nanos = 0;
+    CHECK(pbtime_check(&ts, "t", &err) == CF_OK);
+    arena_cleanup(&a);
+}
+
+static void test_page_token(void)
+{
+    char tok[PAGE_TOKEN_MAX], pos[PAGE_TOKEN_POSITION_MAX + 1];
+    int64_t off = 0;
+    struct cf_error err;
+    page_token_make_int(tok, "conv_a", 41);
+    CHECK(page_token_parse_int(tok, "conv_a", &off, &err) == CF_OK && off == 41);
+    /* another scope, a changed byte, odd length, non-hex, empty: all refused the same way */
+    CHECK(page_token_parse_int(tok, "conv_b", &off, &err) == CF_INVALID);
+    CHECK_STR(cf_error_reason(&err), "INVALID_PAGE_TOKEN");
+    tok[20] = tok[20] == '0' ? '1' : '0';
+    CHECK(page_token_parse_int(tok, "conv_a", &off, &err) == CF_INVALID);
+    CHECK(page_token_parse_int("abc", "conv_a", &off, &err) == CF_INVALID);
+    CHECK(page_token_parse_int("zz", "conv_a", &off, &err) == CF_INVALID);
+    CHECK(page_token_parse_int("", "conv_a", &off, &err) == CF_INVALID);
+    /* string positions, including the longest file name and bytes that are not UTF-8 */
+    char name[256];
+    memset(name, 0xe9, 255);
+    name[255] = '\0';
+    page_token_make(tok, "sb\n/dir", name);
+    CHECK(page_token_parse(tok, "sb\n/dir", pos, &err) == CF_OK);
+    CHECK_STR(pos, name);
+    page_token_make(tok, "sb\n/dir", "notanumber");
+    CHECK(page_token_parse_int(tok, "sb\n/dir", &off, &err) == CF_INVALID);
+}
+
+static void test_record_kind(void)
+{
+    Cflue__V1__Record r = CFLUE__V1__RECORD__INIT;
+    Cflue__V1__ToolCallResult res = CFLUE__V1__TOOL_CALL_RESULT__INIT;
+    CHECK_STR(record_kind_name(CFLUE__V1__RECORD__BODY_TOOL_RESULT), "tool_result");
+    CHECK_STR(record_kind_name(CFLUE__V1__RECORD__BODY__NOT_SET), "unset");
+    CHECK_STR(record_kind_name((Cflue__V1__Record__BodyCase)99), "unknown");
+    CHECK(record_kind_from_name("submission_settled") ==
+          CFLUE__V1__RECORD__BODY_SUBMISSION_SETTLED);
+    CHECK(record_kind_from_name("nope") == CFLUE__V1__RECORD__BODY__NOT_SET);
+    CHECK(record_body(&r) == NULL);
+    CHECK(record_set_body(&r, &res.base));
+    CHECK(r.body_case == CFLUE__V1__RECORD__BODY_TOOL_RESULT && r.tool_result == &res);
+    CHECK(record_body(&r) == &res.base);
+    CHECK(!record_set_body(&r, NULL));
+    /* every body case of the proto has a name and a descriptor */
+    const ProtobufCFieldDescriptor *f = cflue__v1__record__descriptor.fields;
+    for (unsigned i = 0; i < cflue__v1__record__descriptor.n_fields; i++) {
+        if (f[i].flags & PROTOBUF_C_FIELD_FLAG_ONEOF) {
+            Cflue__V1__Record__BodyCase k = (Cflue__V1__Record__BodyCase)f[i].id;
+            CHECK_STR(record_kind_name(k), f[i].name);
+            CHECK(record_body_descriptor(k) == f[i].descriptor);
+        }
+    }
+}
+
+static void test_errinfo(void)
+{
+    char reason[CF_ERROR_REASON_MAX];
+    grpc_slice v = errinfo_pack(GRPC_STATUS_ABORTED, "stale", "STALE_FENCE");
+    grpc_metadata md = {.key = grpc_slice_from_static_string(ERRINFO_TRAILER_KEY), .value = v};
+    grpc_metadata_array arr = {.count = 1, .capacity = 1, .metadata = &md};
+    CHECK(errinfo_find_reason(&arr, reason, sizeof(reason)));
+    CHECK_STR(reason, "STALE_FENCE");
+    grpc_slice_unref(v);
+    v = errinfo_pack(GRPC_STATUS_UNAVAILABLE, NULL, NULL);
+    md.value = v;
+    CHECK(errinfo_find_reason(&arr, reason, sizeof(reason)));
+    CHECK_STR(reason, "UNAVAILABLE");
+    grpc_slice_unref(v);
+    md.value = grpc_slice_from_static_string("\xff\xff garbage");
+    CHECK(!errinfo_find_reason(&arr, reason, sizeof(reason)) && !*reason);
+    arr.count = 0;
+    CHECK(!errinfo_find_reason(&arr, reason, sizeof(reason)));
 }
 
 static void test_buf(void)
@@ -185,6 +316,10 @@ static void test_thread(void)
 int main(void)
 {
     test_status();
+    test_pbtime();
+    test_page_token();
+    test_record_kind();
+    test_errinfo();
     test_buf();
     test_ids();
     test_config();

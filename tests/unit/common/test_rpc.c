@@ -45,6 +45,18 @@ static void on_get(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
         rpc_call_reply(c, &resp.base);
         return;
     }
+    if (!strcmp(req->submission_id, "stale")) {
+        struct cf_error err;
+        cf_error_set(&err, CF_STALE, "attempt a1 no longer holds it");
+        rpc_call_fail_error(c, &err);
+        return;
+    }
+    if (!strcmp(req->submission_id, "reserved")) {
+        struct cf_error err;
+        cf_error_setr(&err, CF_INVALID, "RESERVED_METADATA_KEY", "metadata key cflue.x is ours");
+        rpc_call_fail_error(c, &err);
+        return;
+    }
     rpc_call_fail(c, CF_NOT_FOUND, "no submission '%s'", req->submission_id);
 }
 
@@ -58,8 +70,11 @@ static void on_follow(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     Cflue__V1__Record rec = CFLUE__V1__RECORD__INIT;
     int n = (int)req->after_offset;
     for (int i = 0; n < 0 || i < n; i++) {
+        Cflue__V1__SystemPrompt body = CFLUE__V1__SYSTEM_PROMPT__INIT;
+        body.text = "t";
         rec.offset = i;
-        rec.type = "t";
+        rec.body_case = CFLUE__V1__RECORD__BODY_SYSTEM_PROMPT;
+        rec.system_prompt = &body;
         if (!rpc_call_send(c, &rec.base) || rpc_call_cancelled(c)) {
             stream_saw_cancel = true;
             rpc_call_finish(c, GRPC_STATUS_CANCELLED, "cancelled");
@@ -145,6 +160,17 @@ static void test_basic(const char *listen_addr)
     CHECK(!get(ch, "missing", 5000, &st, &count));
     CHECK(st.code == GRPC_STATUS_NOT_FOUND);
     CHECK_STR(st.details, "no submission 'missing'");
+    CHECK_STR(st.reason, "NOT_FOUND");
+
+    /* every error carries an ErrorInfo: the code's reason, or the specific one given */
+    CHECK(!get(ch, "stale", 5000, &st, &count));
+    CHECK(st.code == GRPC_STATUS_ABORTED);
+    CHECK_STR(st.reason, "STALE_FENCE");
+    CHECK(status_from_grpc(st.code) == CF_STALE);
+    CHECK(!get(ch, "reserved", 5000, &st, &count));
+    CHECK(st.code == GRPC_STATUS_INVALID_ARGUMENT);
+    CHECK_STR(st.reason, "RESERVED_METADATA_KEY");
+    CHECK_STR(st.details, "metadata key cflue.x is ours");
 
     /* the deadline passes while the handler sleeps */
     CHECK(!get(ch, "slow", 100, &st, &count));
@@ -154,6 +180,7 @@ static void test_basic(const char *listen_addr)
     CHECK(read_stream(ch, 500, "", &st) == 500 && st.code == GRPC_STATUS_OK);
     CHECK(read_stream(ch, 3, "fail", &st) == 3 && st.code == GRPC_STATUS_ABORTED);
     CHECK_STR(st.details, "stopped after the records");
+    CHECK_STR(st.reason, "ABORTED"); /* rpc_call_finish: the reason named after the code */
 
     /* unknown method */
     Cflue__V1__GetRequest req = CFLUE__V1__GET_REQUEST__INIT;
