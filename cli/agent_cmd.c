@@ -2,7 +2,9 @@
  *
  * submit streams the answer as the model writes it (assistant_delta records), shows each tool
  * call and a short view of its result, and exits when the submission settles:
- * 0 completed, 1 failed, 3 aborted (2 is a usage error).
+ * 0 completed, 1 failed, 3 aborted (2 is a usage error). watch shows any conversation the
+ * same way; conversation and agents page through their lists to the end; compact runs
+ * Agent.Compact. Records are typed (common.proto Record.body): each is shown by its case.
  */
 #include "agent_cmd.h"
 
@@ -12,7 +14,6 @@
 
 #include "cflue/v1/agent.pb-c.h"
 
-#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,8 +37,7 @@ struct view {
     const char *submission_id; /* the submission whose settlement ends the watch, or NULL */
     bool streamed_turn;        /* deltas of the current turn were printed */
     bool mid_line;
-    int outcome; /* 0 until settled */
-    char error[1024];
+    Cflue__V1__Outcome outcome; /* UNSPECIFIED until settled */
 };
 
 static void newline(struct view *v)
@@ -51,73 +51,89 @@ static void newline(struct view *v)
 /* show renders one record for a person; returns true when the watched submission settled. */
 static bool show(struct view *v, const Cflue__V1__Record *r)
 {
-    json_t *b = json_loads(r->body_json, 0, NULL);
-    const char *t = r->type;
     bool done = false;
-    if (!strcmp(t, "user_message")) {
+    switch (r->body_case) {
+    case CFLUE__V1__RECORD__BODY_USER_MESSAGE:
         newline(v);
-        printf("%s> %s%s\n", dim(), json_string_value(json_object_get(b, "text")), reset());
-    } else if (!strcmp(t, "assistant_delta")) {
-        const char *text = json_string_value(json_object_get(b, "text"));
-        fputs(text ? text : "", stdout);
+        printf("%s> %s%s\n", dim(), r->user_message->text, reset());
+        for (size_t i = 0; i < r->user_message->n_attachments; i++) {
+            const Cflue__V1__AttachmentRef *a = r->user_message->attachments[i];
+            printf("%s  [attachment %s, %s, %lld bytes]%s\n", dim(), a->name, a->mime_type,
+                   (long long)a->size_bytes, reset());
+        }
+        break;
+    case CFLUE__V1__RECORD__BODY_ASSISTANT_DELTA: {
+        const char *text = r->assistant_delta->text;
+        fputs(text, stdout);
         v->streamed_turn = true;
-        v->mid_line = text && *text && text[strlen(text) - 1] != '\n';
-    } else if (!strcmp(t, "assistant_message")) {
-        if (!v->streamed_turn) {
-            const char *text = json_string_value(json_object_get(b, "text"));
-            if (text && *text) {
-                fputs(text, stdout);
-                v->mid_line = true;
-            }
+        v->mid_line = *text && text[strlen(text) - 1] != '\n';
+        break;
+    }
+    case CFLUE__V1__RECORD__BODY_ASSISTANT_MESSAGE: {
+        const Cflue__V1__AssistantMessage *m = r->assistant_message;
+        if (!v->streamed_turn && *m->text) {
+            fputs(m->text, stdout);
+            v->mid_line = m->text[strlen(m->text) - 1] != '\n';
         }
         newline(v);
         v->streamed_turn = false;
-        size_t i;
-        json_t *c;
-        json_array_foreach(json_object_get(b, "tool_calls"), i, c)
-        {
-            printf("%s  -> %s %s%s\n", dim(), json_string_value(json_object_get(c, "name")),
-                   json_string_value(json_object_get(c, "arguments")), reset());
+        for (size_t i = 0; i < m->n_tool_calls; i++) {
+            printf("%s  -> %s %s%s\n", dim(), m->tool_calls[i]->name,
+                   m->tool_calls[i]->arguments_json, reset());
         }
-    } else if (!strcmp(t, "tool_result")) {
-        const char *text = json_string_value(json_object_get(b, "text"));
-        const char *nl = text ? strchr(text, '\n') : NULL;
-        int lines = 0;
-        for (const char *p = text; p && *p; p++) {
-            lines += *p == '\n';
-        }
-        printf("%s  <- %s%s: %.*s%s%s\n", dim(), json_string_value(json_object_get(b, "name")),
-               json_is_true(json_object_get(b, "is_error")) ? " (error)" : "",
-               nl ? (int)(nl - text) : 200, text ? text : "", lines ? " ..." : "", reset());
-        if (lines) {
-            printf("%s     (%d more lines)%s\n", dim(), lines, reset());
-        }
-    } else if (!strcmp(t, "submission_settled")) {
+        break;
+    }
+    case CFLUE__V1__RECORD__BODY_TOOL_RESULT: {
+        const Cflue__V1__ToolCallResult *t = r->tool_result;
         newline(v);
-        const char *outcome = json_string_value(json_object_get(b, "outcome"));
-        const char *error = json_string_value(json_object_get(b, "error"));
-        if (!v->submission_id || !strcmp(r->submission_id, v->submission_id)) {
-            printf("%s[%s %s%s%s]%s\n", dim(), r->submission_id, outcome ? outcome : "?",
-                   error && *error ? ": " : "", error ? error : "", reset());
+        printf("%s  <- %s%s%s: ", dim(), t->name, t->is_error ? " (error)" : "",
+               t->outcome_unknown ? " (outcome unknown)" : "");
+        int more = print_result_head(stdout, t->text);
+        printf("%s\n", reset());
+        if (more) {
+            printf("%s     (%d more lines)%s\n", dim(), more, reset());
         }
-        if (v->submission_id && !strcmp(r->submission_id, v->submission_id)) {
-            v->outcome = outcome && !strcmp(outcome, "completed") ? 1
-                         : outcome && !strcmp(outcome, "aborted") ? 3
-                                                                  : 2;
+        break;
+    }
+    case CFLUE__V1__RECORD__BODY_SIGNAL:
+        newline(v);
+        printf("%s[signal %s] %s%s\n", dim(), r->signal->kind, r->signal->text, reset());
+        break;
+    case CFLUE__V1__RECORD__BODY_COMPACTION: {
+        const Cflue__V1__Compaction *c = r->compaction;
+        newline(v);
+        printf("%s[compaction (%s): %lld -> %lld tokens, records from offset %lld kept]%s\n", dim(),
+               print_trigger_name(c->trigger), (long long)c->tokens_before,
+               (long long)c->tokens_after, (long long)c->first_kept_offset, reset());
+        break;
+    }
+    case CFLUE__V1__RECORD__BODY_SUBMISSION_SETTLED: {
+        const Cflue__V1__SubmissionSettled *s = r->submission_settled;
+        bool mine = v->submission_id && !strcmp(r->submission_id, v->submission_id);
+        newline(v);
+        if (!v->submission_id || mine) {
+            printf("%s[%s %s%s%s]%s\n", dim(), r->submission_id, print_outcome_name(s->outcome),
+                   *s->error ? ": " : "", s->error, reset());
+        }
+        if (mine) {
+            v->outcome = s->outcome;
             done = true;
         }
+        break;
+    }
+    default: /* system prompts are for the model; bodies this build does not know are skipped */
+        break;
     }
     fflush(stdout);
-    json_decref(b);
     return done;
 }
 
-static int watch_stream(struct rpc_channel *ch, const char *conversation, int64_t from, bool follow,
-                        struct view *v)
+static int watch_stream(struct rpc_channel *ch, const char *conversation, int64_t after,
+                        bool follow, struct view *v)
 {
     Cflue__V1__WatchRequest req = CFLUE__V1__WATCH_REQUEST__INIT;
     req.conversation_id = (char *)conversation;
-    req.from_offset = from;
+    req.after_offset = after;
     req.follow = follow;
     struct rpc_stream *s =
         rpc_stream_open(ch, "/cflue.v1.Agent/Watch", &req.base, guard_timeout_ms(0));
@@ -143,115 +159,244 @@ static const char *agentd_addr(const char *flag)
     return flag ? flag : getenv("CFLUE_AGENTD") ? getenv("CFLUE_AGENTD") : "127.0.0.1:7100";
 }
 
+struct opts {
+    const char *agent, *conv, *pos;
+    long long after;
+    bool follow, records;
+};
+
+/* call makes one unary call to the Agent service; prints the error and returns false when it
+ * failed. */
+static bool call(struct rpc_channel *ch, const char *method, const ProtobufCMessage *req,
+                 const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp)
+{
+    char path[96];
+    struct rpc_status st;
+    snprintf(path, sizeof(path), "/cflue.v1.Agent/%s", method);
+    if (!rpc_unary(ch, path, req, desc, guard_timeout_ms(AGENT_TIMEOUT_MS), resp, &st)) {
+        guard_fail(&st);
+        return false;
+    }
+    return true;
+}
+
+static int do_submit(struct rpc_channel *ch, const struct opts *o)
+{
+    ProtobufCMessage *resp = NULL;
+    if (!o->agent || !o->pos) {
+        fprintf(stderr, "usage: cflue submit --agent NAME [--conversation ID] TEXT\n");
+        return 2;
+    }
+    Cflue__V1__SubmitRequest req = CFLUE__V1__SUBMIT_REQUEST__INIT;
+    Cflue__V1__Message msg = CFLUE__V1__MESSAGE__INIT;
+    msg.text = (char *)o->pos;
+    req.agent = (char *)o->agent;
+    req.conversation_id = (char *)(o->conv ? o->conv : "");
+    req.message = &msg;
+    if (!call(ch, "Submit", &req.base, &cflue__v1__admission__descriptor, &resp)) {
+        return 1;
+    }
+    Cflue__V1__Admission *a = (Cflue__V1__Admission *)resp;
+    fprintf(stderr, "%ssubmission %s in conversation %s%s\n", dim(), a->submission_id,
+            a->conversation_id, reset());
+    struct view v = {.submission_id = a->submission_id};
+    int rc = watch_stream(ch, a->conversation_id, a->offset, true, &v);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    if (!rc) {
+        rc = v.outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED ? 0
+             : v.outcome == CFLUE__V1__OUTCOME__OUTCOME_ABORTED ? 3
+                                                                : 1;
+    }
+    return rc;
+}
+
+static int do_abort(struct rpc_channel *ch, const struct opts *o)
+{
+    ProtobufCMessage *resp = NULL;
+    Cflue__V1__AbortRequest req = CFLUE__V1__ABORT_REQUEST__INIT;
+    if (!o->pos == !o->conv) {
+        fprintf(stderr, "usage: cflue abort SUBMISSION | --conversation ID\n");
+        return 2;
+    }
+    if (o->conv) {
+        req.target_case = CFLUE__V1__ABORT_REQUEST__TARGET_CONVERSATION_ID;
+        req.conversation_id = (char *)o->conv;
+    } else {
+        req.target_case = CFLUE__V1__ABORT_REQUEST__TARGET_SUBMISSION_ID;
+        req.submission_id = (char *)o->pos;
+    }
+    if (!call(ch, "Abort", &req.base, &cflue__v1__abort_response__descriptor, &resp)) {
+        return 1;
+    }
+    Cflue__V1__AbortResponse *r = (Cflue__V1__AbortResponse *)resp;
+    for (size_t i = 0; i < r->n_affected; i++) {
+        printf("abort requested: %s\n", r->affected[i]);
+    }
+    if (!r->n_affected) {
+        printf("nothing to abort: no unsettled submission matched\n");
+    }
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return 0;
+}
+
+/* do_agents prints every agent, paging through ListAgents to the end */
+static int do_agents(struct rpc_channel *ch)
+{
+    Cflue__V1__ListAgentsRequest req = CFLUE__V1__LIST_AGENTS_REQUEST__INIT;
+    ProtobufCMessage *prev = NULL; /* the page whose next_page_token req carries */
+    int rc = 0;
+    for (;;) {
+        ProtobufCMessage *resp = NULL;
+        if (!call(ch, "ListAgents", &req.base, &cflue__v1__list_agents_response__descriptor,
+                  &resp)) {
+            rc = 1;
+            break;
+        }
+        if (prev) {
+            protobuf_c_message_free_unpacked(prev, NULL);
+        }
+        prev = resp;
+        Cflue__V1__ListAgentsResponse *r = (Cflue__V1__ListAgentsResponse *)resp;
+        for (size_t i = 0; i < r->n_agents; i++) {
+            printf("%-20s %-36s %s\n", r->agents[i]->name, r->agents[i]->model,
+                   r->agents[i]->description);
+        }
+        if (!*r->next_page_token) {
+            break;
+        }
+        req.page_token = r->next_page_token;
+    }
+    if (prev) {
+        protobuf_c_message_free_unpacked(prev, NULL);
+    }
+    return rc;
+}
+
+/* do_conversation prints a conversation's summary and, with --records, its whole history,
+ * paging through GetConversation to the end */
+static int do_conversation(struct rpc_channel *ch, const struct opts *o)
+{
+    if (!o->pos) {
+        fprintf(stderr, "usage: cflue conversation CONVERSATION [--records]\n");
+        return 2;
+    }
+    Cflue__V1__GetConversationRequest req = CFLUE__V1__GET_CONVERSATION_REQUEST__INIT;
+    ProtobufCMessage *prev = NULL; /* the page whose next_page_token req carries */
+    req.conversation_id = (char *)o->pos;
+    req.include_records = o->records;
+    int rc = 0;
+    for (;;) {
+        ProtobufCMessage *resp = NULL;
+        if (!call(ch, "GetConversation", &req.base, &cflue__v1__conversation_view__descriptor,
+                  &resp)) {
+            rc = 1;
+            break;
+        }
+        Cflue__V1__ConversationView *r = (Cflue__V1__ConversationView *)resp;
+        if (!prev) {
+            printf("%-16s %s\n%-16s %s\n%-16s %lld\n", "conversation", r->conversation_id, "agent",
+                   r->agent, "head offset", (long long)r->head_offset);
+            for (size_t i = 0; i < r->n_submissions; i++) {
+                const Cflue__V1__Submission *s = r->submissions[i];
+                printf("%-16s %s %s %s\n", "submission", s->submission_id,
+                       print_status_name(s->status), print_outcome_name(s->outcome));
+            }
+        } else {
+            protobuf_c_message_free_unpacked(prev, NULL);
+        }
+        prev = resp;
+        for (size_t i = 0; i < r->n_records; i++) {
+            print_record(stdout, r->records[i]);
+        }
+        if (!*r->next_page_token || !o->records) {
+            break;
+        }
+        req.page_token = r->next_page_token;
+    }
+    if (prev) {
+        protobuf_c_message_free_unpacked(prev, NULL);
+    }
+    return rc;
+}
+
+static int do_compact(struct rpc_channel *ch, const struct opts *o)
+{
+    ProtobufCMessage *resp = NULL;
+    if (!o->pos) {
+        fprintf(stderr, "usage: cflue compact CONVERSATION\n");
+        return 2;
+    }
+    Cflue__V1__CompactRequest req = CFLUE__V1__COMPACT_REQUEST__INIT;
+    req.conversation_id = (char *)o->pos;
+    if (!call(ch, "Compact", &req.base, &cflue__v1__compact_response__descriptor, &resp)) {
+        return 1;
+    }
+    Cflue__V1__CompactResponse *r = (Cflue__V1__CompactResponse *)resp;
+    printf("compacted by %s: %lld -> %lld tokens (compaction record at offset %lld)\n",
+           r->submission_id, (long long)r->tokens_before, (long long)r->tokens_after,
+           (long long)r->record_offset);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return 0;
+}
+
 int cmd_agent(int argc, char **argv)
 {
-    const char *cmd = argv[1], *addr = NULL, *agent = NULL, *conv = NULL, *pos = NULL;
-    long long from = -1;
-    bool follow = false;
+    const char *cmd = argv[1], *addr = NULL;
+    struct opts o = {.after = -1};
     tty = isatty(STDOUT_FILENO);
     for (int i = 2; i < argc; i++) {
         if (!strcmp(argv[i], "--agentd") && i + 1 < argc) {
             addr = argv[++i];
         } else if (!strcmp(argv[i], "--agent") && i + 1 < argc) {
-            agent = argv[++i];
+            o.agent = argv[++i];
         } else if (!strcmp(argv[i], "--conversation") && i + 1 < argc) {
-            conv = argv[++i];
-        } else if (!strcmp(argv[i], "--from") && i + 1 < argc) {
-            from = strtoll(argv[++i], NULL, 10);
+            o.conv = argv[++i];
+        } else if ((!strcmp(argv[i], "--after") || !strcmp(argv[i], "--from")) && i + 1 < argc) {
+            o.after = strtoll(argv[++i], NULL, 10);
         } else if (!strcmp(argv[i], "--follow")) {
-            follow = true;
+            o.follow = true;
+        } else if (!strcmp(argv[i], "--records")) {
+            o.records = true;
         } else if (argv[i][0] == '-' && argv[i][1] == '-') {
             fprintf(stderr, "cflue: unknown flag %s\n", argv[i]);
             return 2;
-        } else if (!pos) {
-            pos = argv[i];
+        } else if (!o.pos) {
+            o.pos = argv[i];
         } else {
             fprintf(stderr, "cflue: unexpected argument %s\n", argv[i]);
             return 2;
         }
     }
     struct rpc_channel *ch = guard_channel(agentd_addr(addr), 64 << 20);
-    struct rpc_status st;
     ProtobufCMessage *resp = NULL;
     int rc = 0;
     if (!strcmp(cmd, "submit")) {
-        if (!agent || !pos) {
-            fprintf(stderr, "usage: cflue submit --agent NAME [--conversation ID] TEXT\n");
-            guard_channel_free(ch);
-            return 2;
-        }
-        Cflue__V1__SubmitRequest req = CFLUE__V1__SUBMIT_REQUEST__INIT;
-        Cflue__V1__Message msg = CFLUE__V1__MESSAGE__INIT;
-        msg.text = (char *)pos;
-        req.agent = (char *)agent;
-        req.conversation_id = (char *)(conv ? conv : "");
-        req.message = &msg;
-        if (!rpc_unary(ch, "/cflue.v1.Agent/Submit", &req.base, &cflue__v1__admission__descriptor,
-                       guard_timeout_ms(AGENT_TIMEOUT_MS), &resp, &st)) {
-            guard_fail(&st);
-            guard_channel_free(ch);
-            return 1;
-        }
-        Cflue__V1__Admission *a = (Cflue__V1__Admission *)resp;
-        fprintf(stderr, "%ssubmission %s in conversation %s%s\n", dim(), a->submission_id,
-                a->conversation_id, reset());
-        struct view v = {.submission_id = a->submission_id};
-        rc = watch_stream(ch, a->conversation_id, a->offset, true, &v);
-        protobuf_c_message_free_unpacked(resp, NULL);
-        if (!rc) {
-            rc = v.outcome == 1 ? 0 : v.outcome == 3 ? 3 : 1;
-        }
+        rc = do_submit(ch, &o);
     } else if (!strcmp(cmd, "watch")) {
-        if (!pos) {
-            fprintf(stderr, "usage: cflue watch CONVERSATION [--from N] [--follow]\n");
-            guard_channel_free(ch);
-            return 2;
+        if (!o.pos) {
+            fprintf(stderr, "usage: cflue watch CONVERSATION [--after N] [--follow]\n");
+            rc = 2;
+        } else {
+            struct view v = {0};
+            rc = watch_stream(ch, o.pos, o.after, o.follow, &v);
         }
-        struct view v = {0};
-        rc = watch_stream(ch, pos, from, follow, &v);
     } else if (!strcmp(cmd, "status")) {
         Cflue__V1__GetSubmissionRequest req = CFLUE__V1__GET_SUBMISSION_REQUEST__INIT;
-        req.submission_id = (char *)(pos ? pos : "");
-        if (!rpc_unary(ch, "/cflue.v1.Agent/GetSubmission", &req.base,
-                       &cflue__v1__submission__descriptor, guard_timeout_ms(AGENT_TIMEOUT_MS),
-                       &resp, &st)) {
-            rc = guard_fail(&st);
+        req.submission_id = (char *)(o.pos ? o.pos : "");
+        if (!call(ch, "GetSubmission", &req.base, &cflue__v1__submission__descriptor, &resp)) {
+            rc = 1;
         } else {
             print_submission(stdout, (Cflue__V1__Submission *)resp);
             protobuf_c_message_free_unpacked(resp, NULL);
         }
     } else if (!strcmp(cmd, "abort")) {
-        Cflue__V1__AbortRequest req = CFLUE__V1__ABORT_REQUEST__INIT;
-        req.conversation_id = (char *)(conv ? conv : "");
-        req.submission_id = (char *)(pos ? pos : "");
-        if (!rpc_unary(ch, "/cflue.v1.Agent/Abort", &req.base,
-                       &cflue__v1__abort_response__descriptor, guard_timeout_ms(AGENT_TIMEOUT_MS),
-                       &resp, &st)) {
-            rc = guard_fail(&st);
-        } else {
-            Cflue__V1__AbortResponse *r = (Cflue__V1__AbortResponse *)resp;
-            for (size_t i = 0; i < r->n_affected; i++) {
-                printf("abort requested: %s\n", r->affected[i]);
-            }
-            if (!r->n_affected) {
-                printf("nothing to abort: no unsettled submission matched\n");
-            }
-            protobuf_c_message_free_unpacked(resp, NULL);
-        }
+        rc = do_abort(ch, &o);
     } else if (!strcmp(cmd, "agents")) {
-        Cflue__V1__ListAgentsRequest req = CFLUE__V1__LIST_AGENTS_REQUEST__INIT;
-        if (!rpc_unary(ch, "/cflue.v1.Agent/ListAgents", &req.base,
-                       &cflue__v1__list_agents_response__descriptor,
-                       guard_timeout_ms(AGENT_TIMEOUT_MS), &resp, &st)) {
-            rc = guard_fail(&st);
-        } else {
-            Cflue__V1__ListAgentsResponse *r = (Cflue__V1__ListAgentsResponse *)resp;
-            for (size_t i = 0; i < r->n_agents; i++) {
-                printf("%-20s %-36s %s\n", r->agents[i]->name, r->agents[i]->model,
-                       r->agents[i]->description);
-            }
-            protobuf_c_message_free_unpacked(resp, NULL);
-        }
+        rc = do_agents(ch);
+    } else if (!strcmp(cmd, "conversation")) {
+        rc = do_conversation(ch, &o);
+    } else if (!strcmp(cmd, "compact")) {
+        rc = do_compact(ch, &o);
     }
     guard_channel_free(ch);
     return rc;

@@ -167,8 +167,9 @@ int guard_fail(const struct rpc_status *st)
         fire(-1); /* gRPC's deadline for the call is the command's: guard_exit_code says so */
     }
     if (!guard_fired()) {
-        fprintf(stderr, "cflue: %s (gRPC status %d)\n",
-                st->details[0] ? st->details : "call failed", (int)st->code);
+        fprintf(stderr, "cflue: %s%s%s%s (gRPC status %d)\n",
+                st->details[0] ? st->details : "call failed", st->reason[0] ? " [" : "", st->reason,
+                st->reason[0] ? "]" : "", (int)st->code);
     }
     return 1;
 }

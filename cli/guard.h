@@ -37,7 +37,8 @@ void guard_channel_free(struct rpc_channel *ch);
  * what is left of the command's deadline (at least 1 ms once it has passed). */
 int64_t guard_timeout_ms(int64_t default_ms);
 
-/* guard_fail prints a failed call's status as "cflue: DETAILS (gRPC status N)", unless the
+/* guard_fail prints a failed call's status as "cflue: DETAILS [REASON] (gRPC status N)"
+ * (REASON: the ErrorInfo reason, left out when there is none), unless the
  * guard ended the call (guard_exit_code then says why), and returns 1. */
 int guard_fail(const struct rpc_status *st);
 

@@ -5,10 +5,15 @@
  *   cflue store admit --agent NAME [--conversation ID] [--key KEY] TEXT [--store ADDR]
  *   cflue store list [--conversation ID] [--store ADDR]
  *   cflue store read CONVERSATION [--after N] [--follow] [--store ADDR]
+ *   (and the Agent API commands of agent_cmd.c: submit, watch, status, abort, agents,
+ *   conversation, compact)
  *   cflue tool ADDR NAME JSON [--sandbox NAME] [--timeout-ms N]
  *
  * Every command takes --deadline-ms N (or CFLUE_DEADLINE_MS) and ends promptly on SIGINT or
  * SIGTERM (guard.h).
+ *
+ * Listing commands page through the server's page tokens to the end. A server error prints
+ * as "cflue: MESSAGE [REASON] (gRPC status N)", REASON the ErrorInfo reason.
  *
  * Exit codes: 0 success, 1 the server answered with an error, 2 usage error, 3 aborted
  * (submit), 4 the deadline passed, 130/143 SIGINT/SIGTERM.
@@ -16,6 +21,7 @@
 #include "agent_cmd.h"
 #include "guard.h"
 #include "log.h"
+#include "pbtime.h"
 #include "print.h"
 #include "rpc.h"
 
@@ -39,10 +45,14 @@ static const char usage_text[] =
     "  cflue submit --agent NAME [--conversation ID] TEXT\n"
     "                                     send a message; stream the answer and tool activity\n"
     "                                     (exit 0 completed, 1 failed, 3 aborted)\n"
-    "  cflue watch CONVERSATION [--from N] [--follow]\n"
+    "  cflue watch CONVERSATION [--after N] [--follow]\n"
+    "                                     show a conversation's records after offset N\n"
     "  cflue status SUBMISSION            show a submission\n"
     "  cflue abort SUBMISSION | --conversation ID\n"
     "  cflue agents                       list the agents agentd serves\n"
+    "  cflue conversation CONVERSATION [--records]\n"
+    "                                     show a conversation (and its whole history)\n"
+    "  cflue compact CONVERSATION         compact a conversation's context now\n"
     "agent commands take --agentd ADDR (env CFLUE_AGENTD, default 127.0.0.1:7100)\n"
     "  cflue health ADDR [SERVICE]        check a daemon's gRPC health\n"
     "  cflue store get SUBMISSION         show one submission\n"
@@ -163,6 +173,75 @@ static int store_call(const struct args *a, const char *method, const ProtobufCM
     return ok ? 0 : fail(&st);
 }
 
+/* store_list prints every submission (of a conversation), paging through List to the end */
+static int store_list(const struct args *a)
+{
+    Cflue__V1__ListRequest req = CFLUE__V1__LIST_REQUEST__INIT;
+    ProtobufCMessage *prev = NULL; /* the page whose next_page_token req carries */
+    int rc = 0;
+    req.conversation_id = (char *)(a->conversation ? a->conversation : "");
+    req.page_size = 1000;
+    for (;;) {
+        ProtobufCMessage *resp = NULL;
+        if ((rc = store_call(a, "List", &req.base, &cflue__v1__list_response__descriptor, &resp))) {
+            break;
+        }
+        if (prev) {
+            protobuf_c_message_free_unpacked(prev, NULL);
+        }
+        prev = resp;
+        Cflue__V1__ListResponse *r = (Cflue__V1__ListResponse *)resp;
+        for (size_t i = 0; i < r->n_submissions; i++) {
+            const Cflue__V1__Submission *s = r->submissions[i];
+            printf("%lld %s %s %s\n", (long long)s->sequence, s->submission_id, s->conversation_id,
+                   s->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_SETTLED
+                       ? print_outcome_name(s->outcome)
+                       : "unsettled");
+        }
+        if (!*r->next_page_token) {
+            break;
+        }
+        req.page_token = r->next_page_token;
+    }
+    if (prev) {
+        protobuf_c_message_free_unpacked(prev, NULL);
+    }
+    return rc;
+}
+
+/* store_read prints a conversation's records after a->after, paging through Read to the end */
+static int store_read(const struct args *a)
+{
+    Cflue__V1__ReadRequest req = CFLUE__V1__READ_REQUEST__INIT;
+    ProtobufCMessage *prev = NULL; /* the page whose next_page_token req carries */
+    int rc = 0;
+    req.conversation_id = (char *)a->pos[0];
+    req.after_offset = a->after;
+    req.page_size = 1000;
+    for (;;) {
+        ProtobufCMessage *resp = NULL;
+        if ((rc = store_call(a, "Read", &req.base, &cflue__v1__read_response__descriptor, &resp))) {
+            break;
+        }
+        if (prev) {
+            protobuf_c_message_free_unpacked(prev, NULL);
+        }
+        prev = resp;
+        Cflue__V1__ReadResponse *r = (Cflue__V1__ReadResponse *)resp;
+        for (size_t i = 0; i < r->n_records; i++) {
+            print_record(stdout, r->records[i]);
+        }
+        if (!*r->next_page_token) {
+            break;
+        }
+        req.page_token = r->next_page_token;
+    }
+    if (prev) {
+        protobuf_c_message_free_unpacked(prev, NULL);
+    }
+    return rc;
+}
+
 static int cmd_store(int argc, char **argv)
 {
     struct args a = {0};
@@ -196,23 +275,7 @@ static int cmd_store(int argc, char **argv)
         printf("%-16s %lld%s\n", "offset", (long long)r->offset,
                r->deduplicated ? " (deduplicated)" : "");
     } else if (!strcmp(sub, "list") && a.n_pos == 0) {
-        Cflue__V1__ListRequest req = CFLUE__V1__LIST_REQUEST__INIT;
-        req.conversation_id = (char *)(a.conversation ? a.conversation : "");
-        req.limit = 1000;
-        if ((rc =
-                 store_call(&a, "List", &req.base, &cflue__v1__list_response__descriptor, &resp))) {
-            return rc;
-        }
-        Cflue__V1__ListResponse *r = (Cflue__V1__ListResponse *)resp;
-        for (size_t i = 0; i < r->n_submissions; i++) {
-            const Cflue__V1__Submission *s = r->submissions[i];
-            printf("%lld %s %s %s\n", (long long)s->sequence, s->submission_id, s->conversation_id,
-                   s->status == CFLUE__V1__SUBMISSION_STATUS__SETTLED
-                       ? (s->outcome == 1   ? "completed"
-                          : s->outcome == 2 ? "failed"
-                                            : "aborted")
-                       : "unsettled");
-        }
+        return store_list(&a);
     } else if (!strcmp(sub, "read") && a.n_pos == 1) {
         Cflue__V1__FollowRequest req = CFLUE__V1__FOLLOW_REQUEST__INIT;
         req.conversation_id = (char *)a.pos[0];
@@ -220,31 +283,8 @@ static int cmd_store(int argc, char **argv)
         struct rpc_status st;
         struct rpc_channel *ch = guard_channel(a.store, 0);
         if (!a.follow) {
-            Cflue__V1__ReadRequest rq = CFLUE__V1__READ_REQUEST__INIT;
-            rq.conversation_id = req.conversation_id;
-            rq.after_offset = a.after;
-            rq.limit = 1000;
-            for (;;) {
-                if (!rpc_unary(ch, "/cflue.v1.Store/Read", &rq.base,
-                               &cflue__v1__read_response__descriptor, guard_timeout_ms(TIMEOUT_MS),
-                               &resp, &st)) {
-                    guard_channel_free(ch);
-                    return fail(&st);
-                }
-                Cflue__V1__ReadResponse *r = (Cflue__V1__ReadResponse *)resp;
-                for (size_t i = 0; i < r->n_records; i++) {
-                    print_record(stdout, r->records[i]);
-                }
-                bool more = !r->up_to_date;
-                rq.after_offset = r->next_offset;
-                protobuf_c_message_free_unpacked(resp, NULL);
-                resp = NULL;
-                if (!more) {
-                    break;
-                }
-            }
             guard_channel_free(ch);
-            return 0;
+            return store_read(&a);
         }
         struct rpc_stream *s =
             rpc_stream_open(ch, "/cflue.v1.Store/Follow", &req.base, guard_timeout_ms(0));
@@ -266,6 +306,7 @@ static int cmd_store(int argc, char **argv)
 
 static const char *truncated_by(Cflue__V1__TruncatedBy by)
 {
+    /* TRUNCATED_BY_UNSPECIFIED: not truncated */
     static const char *names[] = {"none", "lines", "bytes", "matches", "paths"};
     return (int)by >= 0 && (int)by <= 4 ? names[by] : "unknown";
 }
@@ -295,7 +336,11 @@ static int cmd_tool(int argc, char **argv)
     call.call_id = "cli";
     call.name = (char *)pos[1];
     call.arguments_json = (char *)pos[2];
-    call.timeout_ms = timeout_ms;
+    Google__Protobuf__Duration timeout = GOOGLE__PROTOBUF__DURATION__INIT;
+    if (timeout_ms > 0) {
+        pbdur_set(&timeout, timeout_ms);
+        call.timeout = &timeout;
+    }
     struct rpc_channel *ch = guard_channel(pos[0], 64 << 20);
     ProtobufCMessage *resp;
     struct rpc_status st;
@@ -381,7 +426,8 @@ int main(int argc, char **argv)
         rc = cmd_up(argc, argv);
     } else if (!strcmp(argv[1], "submit") || !strcmp(argv[1], "watch") ||
                !strcmp(argv[1], "status") || !strcmp(argv[1], "abort") ||
-               !strcmp(argv[1], "agents")) {
+               !strcmp(argv[1], "agents") || !strcmp(argv[1], "conversation") ||
+               !strcmp(argv[1], "compact")) {
         rc = cmd_agent(argc, argv);
     } else {
         rc = usage();
