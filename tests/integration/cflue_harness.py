@@ -1028,26 +1028,57 @@ class Agentd(Daemon):
             agent=agent, conversation_id=conversation_id, message=message(text, attachments),
             idempotency_key=idempotency_key), timeout=timeout)
 
-    def watch(self, conversation_id, from_offset=-1, follow=False, timeout=30):
+    def watch(self, conversation_id, after_offset=-1, follow=False, timeout=30):
         """The Watch call (an iterator of Records; cancel() it to stop a follow)."""
         return self.call('Watch', agent_pb2.WatchRequest(
-            conversation_id=conversation_id, from_offset=from_offset, follow=follow),
+            conversation_id=conversation_id, after_offset=after_offset, follow=follow),
             timeout=timeout)
 
-    def watch_all(self, conversation_id, from_offset=-1, timeout=30):
-        return list(self.watch(conversation_id, from_offset, False, timeout))
+    def watch_all(self, conversation_id, after_offset=-1, timeout=30):
+        return list(self.watch(conversation_id, after_offset, False, timeout))
 
     def get_submission(self, submission_id, wait=False, timeout=10):
         return self.call('GetSubmission', agent_pb2.GetSubmissionRequest(
             submission_id=submission_id, wait=wait), timeout=timeout)
 
     def abort(self, submission_id='', conversation_id='', timeout=10):
-        return self.call('Abort', agent_pb2.AbortRequest(
-            submission_id=submission_id, conversation_id=conversation_id), timeout=timeout)
+        """Abort of one submission, or (conversation_id given) of a conversation: the request's
+        oneof target holds the one given."""
+        req = agent_pb2.AbortRequest()
+        if conversation_id:
+            req.conversation_id = conversation_id
+        else:
+            req.submission_id = submission_id
+        return self.call('Abort', req, timeout=timeout)
 
-    def list_agents(self, timeout=10):
-        return self.call('ListAgents', agent_pb2.ListAgentsRequest(), timeout=timeout)
+    def list_agents(self, page_size=0, page_token='', timeout=10):
+        """One page of ListAgents."""
+        return self.call('ListAgents', agent_pb2.ListAgentsRequest(
+            page_size=page_size, page_token=page_token), timeout=timeout)
 
-    def get_conversation(self, conversation_id, include_records=False, timeout=10):
+    def list_all_agents(self, page_size=0, timeout=10):
+        """Every agent, paged through ListAgents to the end."""
+        out, token = [], ''
+        while True:
+            page = self.list_agents(page_size, token, timeout)
+            out.extend(page.agents)
+            token = page.next_page_token
+            if not token:
+                return out
+
+    def get_conversation(self, conversation_id, include_records=False, page_size=0,
+                         page_token='', timeout=10):
+        """One GetConversation view (with include_records, one page of records)."""
         return self.call('GetConversation', agent_pb2.GetConversationRequest(
-            conversation_id=conversation_id, include_records=include_records), timeout=timeout)
+            conversation_id=conversation_id, include_records=include_records,
+            page_size=page_size, page_token=page_token), timeout=timeout)
+
+    def conversation_records(self, conversation_id, page_size=0, timeout=10):
+        """A conversation's whole history, paged through GetConversation to the end."""
+        out, token = [], ''
+        while True:
+            view = self.get_conversation(conversation_id, True, page_size, token, timeout)
+            out.extend(view.records)
+            token = view.next_page_token
+            if not token:
+                return out

@@ -45,24 +45,50 @@ from cflue_harness import (Agentd, FakeModel, Storaged, Toold, agent_pb2, common
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, 'agentd_fixtures')
 
-COMPLETED = common_pb2.COMPLETED
-FAILED = common_pb2.FAILED
-ABORTED = common_pb2.ABORTED
-SETTLED = common_pb2.SETTLED
+COMPLETED = common_pb2.OUTCOME_COMPLETED
+FAILED = common_pb2.OUTCOME_FAILED
+ABORTED = common_pb2.OUTCOME_ABORTED
+SETTLED = common_pb2.SUBMISSION_STATUS_SETTLED
+RUNNING = common_pb2.SUBMISSION_STATUS_RUNNING
+QUEUED = common_pb2.SUBMISSION_STATUS_QUEUED
+
+# common.proto: AssistantMessage.turn is "the submission's model turn, from 1"
+FIRST_TURN = 1
+
+# every record type: the body oneof's field names
+RECORD_KINDS = frozenset(f.name for f in common_pb2.Record.DESCRIPTOR.oneofs_by_name['body'].fields)
 
 SPILL_RE = re.compile(r'\.cflue/spill/[A-Za-z0-9_.-]+')
 
 
 def outcome_name(o):
-    return common_pb2.Outcome.Name(o)
+    """'COMPLETED', 'FAILED', 'ABORTED' (the enum value's name without its prefix)."""
+    return common_pb2.Outcome.Name(o)[len('OUTCOME_'):]
+
+
+def status_name(st):
+    return common_pb2.SubmissionStatus.Name(st)[len('SUBMISSION_STATUS_'):]
 
 
 def new_conv(tag):
     return 'c-%s-%s' % (tag, uuid.uuid4().hex[:10])
 
 
+def kind(rec):
+    """A record's type: the name of its body's oneof field ('user_message', ...)."""
+    return rec.WhichOneof('body')
+
+
 def body(rec):
-    return json.loads(rec.body_json) if rec.body_json else {}
+    """A record's typed body (UserMessage, AssistantMessage, ToolCallResult, ...)."""
+    k = rec.WhichOneof('body')
+    assert k is not None, 'record %d (%s) has no body' % (rec.offset, rec.id)
+    return getattr(rec, k)
+
+
+def call_args(call):
+    """A ToolCallRequest's arguments as JSON."""
+    return json.loads(call.arguments_json)
 
 
 def load_scenario(name, conv, **subs):
@@ -327,7 +353,7 @@ class AgentdCase(unittest.TestCase):
             cur = ad.get_submission(sid)
             self.fail('submission %s did not settle within %.0f s (%s); now: status=%s '
                       'attempts=%d' % (sid, timeout, e.code(),
-                                       common_pb2.SubmissionStatus.Name(cur.status),
+                                       status_name(cur.status),
                                        cur.attempt_count))
         self.assertEqual(sub.status, SETTLED, sub)
         return sub
@@ -347,12 +373,15 @@ class AgentdCase(unittest.TestCase):
                 if 'rejected' not in e and conv in request_system(e)]
 
     def assert_settled_once(self, conv, sids):
-        """Exactly one submission_settled record per submission; none for others."""
+        """Exactly one submission_settled record per submission; none for others. Every record
+        decodes as one of the typed bodies."""
         recs = self.records(conv)
-        settled = [body(r) for r in recs if r.type == 'submission_settled']
+        for r in recs:
+            self.assertIn(kind(r), RECORD_KINDS, 'record %d (%s) has no typed body' % (r.offset, r.id))
+        settled = [body(r) for r in recs if kind(r) == 'submission_settled']
         counts = {}
         for r in recs:
-            if r.type == 'submission_settled':
+            if kind(r) == 'submission_settled':
                 counts[r.submission_id] = counts.get(r.submission_id, 0) + 1
         for sid in sids:
             self.assertEqual(counts.get(sid, 0), 1,
@@ -393,66 +422,92 @@ class RunMixin(object):
         sub = self.wait_settled(adm.submission_id, timeout=30)
         self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
         self.assertEqual(sub.error, '')
-        live['settled_at_ms'] = sub.settled_at_ms
+        self.assertEqual(sub.kind, common_pb2.SUBMISSION_KIND_MESSAGE)
+        live['settled_at_ms'] = H.ts_ms(sub.settle_time)
+        self.assertLessEqual(H.ts_ms(sub.create_time), H.ts_ms(sub.start_time))
+        self.assertLessEqual(H.ts_ms(sub.start_time), live['settled_at_ms'])
+        self.assertTrue(sub.HasField('input_apply_time'), sub)
         sid = adm.submission_id
 
         # --- the records ---
         recs = self.assert_settled_once(conv, [sid])
         self.assert_consecutive(recs)
-        types = [r.type for r in recs if r.type != 'assistant_delta']
+        types = [kind(r) for r in recs if kind(r) != 'assistant_delta']
         self.assertEqual(types, ['user_message', 'system_prompt',
                                  'assistant_message', 'tool_result',
                                  'assistant_message', 'tool_result',
                                  'assistant_message', 'tool_result',
                                  'assistant_message', 'submission_settled'],
-                         [(r.offset, r.type, r.id) for r in recs])
+                         [(r.offset, kind(r), r.id) for r in recs])
         by_id = {r.id: r for r in recs}
         self.assertIn('input:' + sid, by_id)
         self.assertIn('system:1', by_id)
-        self.assertEqual(body(by_id['input:' + sid])['text'], 'Please fix calc.py (%s).' % conv)
-        assistants = [r for r in recs if r.type == 'assistant_message']
+        self.assertEqual(body(by_id['input:' + sid]).text, 'Please fix calc.py (%s).' % conv)
+        assistants = [r for r in recs if kind(r) == 'assistant_message']
         for turn, r in enumerate(assistants):
-            self.assertEqual(r.id, 'assistant:%s:%d' % (sid, turn))
+            self.assertEqual(r.id, 'assistant:%s:%d' % (sid, FIRST_TURN + turn))
             self.assertEqual(r.submission_id, sid)
-            self.assertEqual(body(r)['turn'], turn)
-        results = [r for r in recs if r.type == 'tool_result']
+            self.assertEqual(body(r).turn, FIRST_TURN + turn)
+            self.assertTrue(body(r).model, body(r))
+            self.assertGreater(body(r).usage.output_tokens, 0, body(r))
+        results = [r for r in recs if kind(r) == 'tool_result']
         expected_calls = [('read', {'path': 'data.txt'}),
                           ('bash', {'command': 'seq 1 2500; echo bash-done'}),
                           ('edit', {'path': 'calc.py', 'oldText': 'return a - b',
                                     'newText': 'return a + b'})]
         for turn, (name, args) in enumerate(expected_calls):
             b = body(assistants[turn])
-            self.assertEqual(len(b['tool_calls']), 1, b)
-            call = b['tool_calls'][0]
-            self.assertEqual(call['name'], name)
-            self.assertEqual(json.loads(call['arguments']), args)
+            self.assertEqual(len(b.tool_calls), 1, b)
+            call = b.tool_calls[0]
+            self.assertEqual(call.name, name)
+            self.assertEqual(call_args(call), args)
             # agentd records the provider-neutral (Anthropic-style) stop reason
-            self.assertEqual(b['stop_reason'], 'tool_use', b)
+            self.assertEqual(b.stop_reason, 'tool_use', b)
             res = results[turn]
-            self.assertEqual(res.id, 'tool:%s:%d:%s' % (sid, turn, call['id']))
+            self.assertEqual(res.id, 'tool:%s:%d:%s' % (sid, FIRST_TURN + turn, call.id))
             rb = body(res)
-            self.assertEqual(rb['name'], name)
-            self.assertEqual(rb['index'], 0)
-            self.assertFalse(rb['is_error'], rb['text'][:500])
+            self.assertEqual(rb.name, name)
+            self.assertEqual(rb.turn, FIRST_TURN + turn)
+            self.assertEqual(rb.index, 0)
+            self.assertEqual(rb.tool_call_id, call.id)
+            self.assertFalse(rb.is_error, rb.text[:500])
+            self.assertFalse(rb.outcome_unknown, rb)
+        # the submission's usage is the sum of its model calls'
+        self.assertEqual((sub.usage.input_tokens, sub.usage.output_tokens),
+                         (sum(body(r).usage.input_tokens for r in assistants),
+                          sum(body(r).usage.output_tokens for r in assistants)))
+        # each record type this run produces, decoded as its typed body
+        self.assertEqual(set(kind(r) for r in recs),
+                         {'user_message', 'system_prompt', 'assistant_message', 'tool_result',
+                          'submission_settled'} | ({'assistant_delta'} if stream else set()))
+        self.assertTrue(body(by_id['system:1']).text, 'an empty system prompt')
         final = body(assistants[3])
-        self.assertEqual(final['text'], 'Fixed add() in calc.py: it subtracted instead of adding.')
-        self.assertEqual(final['tool_calls'], [])
-        self.assertEqual(final['stop_reason'], 'end_turn', final)
-        self.assertEqual(body(assistants[0])['text'], 'Let me read the data first.')
+        self.assertEqual(final.text, 'Fixed add() in calc.py: it subtracted instead of adding.')
+        self.assertEqual(list(final.tool_calls), [])
+        self.assertEqual(final.stop_reason, 'end_turn', final)
+        self.assertEqual(body(assistants[0]).text, 'Let me read the data first.')
         settled = body(recs[-1])
-        self.assertEqual(settled.get('outcome'), 'completed', settled)
+        self.assertEqual(settled.outcome, COMPLETED, settled)
+        self.assertEqual(settled.error, '')
+        self.assertEqual(settled.answered_by, sid)
+        self.assertEqual(recs[-1].id, 'settled:' + sid)
         self.assertEqual(recs[-1].submission_id, sid)
+        # storaged stamps every record's commit time
+        for r in recs:
+            self.assertTrue(r.HasField('create_time'), r)
 
         # truncation: both the read (2100 lines) and the bash (2501 lines) were cut
         read_b, bash_b, edit_b = [body(r) for r in results]
         self.assertIn('[Showing lines 1-2000 of 2100. Use offset=2001 to continue.]',
-                      read_b['text'])
-        self.assertTrue(read_b.get('truncation', {}).get('truncated'), read_b.get('truncation'))
-        self.assertIn('[Output truncated', bash_b['text'])
-        self.assertTrue(bash_b['text'].rstrip('\n').endswith('2500\nbash-done'),
-                        bash_b['text'][-200:])
-        self.assertTrue(bash_b.get('truncation', {}).get('truncated'), bash_b.get('truncation'))
-        self.assertEqual(bash_b['truncation']['total_lines'], 2501)
+                      read_b.text)
+        self.assertTrue(read_b.truncation.truncated, read_b.truncation)
+        self.assertEqual(read_b.truncation.by, common_pb2.TRUNCATED_BY_LINES, read_b.truncation)
+        self.assertIn('[Output truncated', bash_b.text)
+        self.assertTrue(bash_b.text.rstrip('\n').endswith('2500\nbash-done'),
+                        bash_b.text[-200:])
+        self.assertTrue(bash_b.truncation.truncated, bash_b.truncation)
+        self.assertEqual(bash_b.truncation.total_lines, 2501)
+        self.assertFalse(edit_b.HasField('truncation'), edit_b)
         with open(os.path.join(ws, 'calc.py')) as f:
             self.assertEqual(f.read(), 'def add(a, b):\n    return a + b\n')
 
@@ -469,48 +524,50 @@ class RunMixin(object):
         for turn in range(3):
             got = request_tail_tool_results(reqs[turn + 1])
             rb = body(results[turn])
-            call_id = body(assistants[turn])['tool_calls'][0]['id']
+            call_id = body(assistants[turn]).tool_calls[0].id
             self.assertEqual(len(got), 1, got)
             self.assertEqual(got[0][0], call_id)
-            self.assertEqual(got[0][1], rb['text'],
+            self.assertEqual(got[0][1], rb.text,
                              'turn %d: the model received other text than the tool_result '
                              'record' % turn)
             if got[0][2] is not None:
-                self.assertEqual(got[0][2], rb['is_error'])
+                self.assertEqual(got[0][2], rb.is_error)
             # the history it was sent replays every earlier call with its id and arguments
             calls = request_assistant_calls(reqs[turn + 1])
             self.assertEqual(len(calls), turn + 1)
             for t in range(turn + 1):
-                cb = body(assistants[t])['tool_calls'][0]
-                self.assertEqual(calls[t], [(cb['id'], cb['name'], json.loads(cb['arguments']))])
+                cb = body(assistants[t]).tool_calls[0]
+                self.assertEqual(calls[t], [(cb.id, cb.name, call_args(cb))])
 
         # --- toold's own output for the same calls on an identical fresh workspace ---
         fresh = 'fresh-' + conv
         self.workspace(fresh, {'data.txt': DATA_TXT, 'calc.py': CALC_PY})
         direct_read = self.td.execute(fresh, 'read', {'path': 'data.txt'})
-        self.assertEqual(read_b['text'], direct_read.text)
-        self.assertEqual(read_b['is_error'], direct_read.is_error)
-        self.assertEqual(read_b['truncation']['total_lines'], direct_read.truncation.total_lines)
-        self.assertEqual(read_b['truncation']['next_offset'], direct_read.truncation.next_offset)
+        self.assertEqual(read_b.text, direct_read.text)
+        self.assertEqual(read_b.is_error, direct_read.is_error)
+        # the recorded truncation is toold's, field for field
+        self.assertEqual(read_b.truncation, direct_read.truncation)
         cli = subprocess.run([H.CLI_BIN, 'tool', self.td.target, 'read',
                               json.dumps({'path': 'data.txt'}), '--sandbox', fresh],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=30)
         self.assertEqual(cli.returncode, 0, cli.stderr)
         # `cflue tool` prints the result text followed by one newline
-        self.assertEqual(cli.stdout.decode('utf-8'), read_b['text'] + '\n',
+        self.assertEqual(cli.stdout.decode('utf-8'), read_b.text + '\n',
                          '`cflue tool` printed other text than the recorded read result')
         direct_bash = self.td.execute(fresh, 'bash', {'command': 'seq 1 2500; echo bash-done'})
         # the spill file name is unique per run; everything else must be identical
-        self.assertEqual(SPILL_RE.sub('SPILL', bash_b['text']),
+        self.assertEqual(SPILL_RE.sub('SPILL', bash_b.text),
                          SPILL_RE.sub('SPILL', direct_bash.text))
-        self.assertEqual(bash_b['truncation']['total_bytes'], direct_bash.truncation.total_bytes)
+        self.assertEqual(bash_b.truncation.total_bytes, direct_bash.truncation.total_bytes)
         direct_edit = self.td.execute(fresh, 'edit', expected_calls[2][1])
-        self.assertEqual(edit_b['text'], direct_edit.text)
+        self.assertEqual(edit_b.text, direct_edit.text)
 
         # --- Watch: replay, resume from every offset ---
         full = self.ad.watch_all(conv, -1)
-        self.assertEqual([(r.offset, r.id, r.type, r.body_json, r.attempt_id) for r in full],
-                         [(r.offset, r.id, r.type, r.body_json, r.attempt_id) for r in recs])
+        # the same typed records, field for field (bodies, attempt ids, create times)
+        self.assertEqual(list(full), list(recs))
+        # and GetConversation, paged through with its page tokens, gives the same history
+        self.assertEqual(self.ad.conversation_records(conv, page_size=3), list(recs))
         self.assert_consecutive(full)
         head = full[-1].offset
         for k in range(-1, head + 1):
@@ -521,16 +578,16 @@ class RunMixin(object):
             self.assertEqual([r.id for r in full[:k + 1]] + [r.id for r in part],
                              [r.id for r in full])
         if stream:
-            deltas = [r for r in recs if r.type == 'assistant_delta']
-            texts = ''.join(body(r)['text'] for r in deltas if body(r)['turn'] == 3)
-            self.assertEqual(texts, final['text'], 'the streamed deltas of the final turn')
+            deltas = [r for r in recs if kind(r) == 'assistant_delta']
+            texts = ''.join(body(r).text for r in deltas if body(r).turn == FIRST_TURN + 3)
+            self.assertEqual(texts, final.text, 'the streamed deltas of the final turn')
 
         # --- Watch with follow ---
         if follower is not None:
             follower.join(10)
             self.assertIsNone(follower.error, follower.error)
             got = follower.records
-            self.assertTrue(got and got[-1].type == 'submission_settled', [r.type for r in got])
+            self.assertTrue(got and kind(got[-1]) == 'submission_settled', [kind(r) for r in got])
             self.assertEqual([(r.offset, r.id) for r in got],
                              [(r.offset, r.id) for r in full[:len(got)]])
             self.assertEqual(len(got), len(full))
@@ -546,9 +603,9 @@ class Follower(threading.Thread):
     """Watch(follow=True) in a thread: collects records until stop_on_settled's
     submission_settled record, then checks the stream is still open and cancels it."""
 
-    def __init__(self, ad, conv, from_offset, stop_on_settled):
+    def __init__(self, ad, conv, after_offset, stop_on_settled):
         super(Follower, self).__init__(daemon=True)
-        self.call = ad.watch(conv, from_offset, follow=True, timeout=60)
+        self.call = ad.watch(conv, after_offset, follow=True, timeout=60)
         self.stop_on = stop_on_settled
         self.records = []
         self.arrivals = []
@@ -561,7 +618,7 @@ class Follower(threading.Thread):
             for r in self.call:
                 self.records.append(r)
                 self.arrivals.append(int(time.time() * 1000))
-                if r.type == 'submission_settled' and r.submission_id == self.stop_on:
+                if kind(r) == 'submission_settled' and r.submission_id == self.stop_on:
                     time.sleep(0.3)
                     self.still_open_after_last = self.call.is_active()
                     self.call.cancel()
@@ -628,14 +685,14 @@ class TestAgentdJoinsAndAbort(AgentdCase):
         joined = [self.ad.submit('runner-anthropic', t, conversation_id=conv).submission_id
                   for t in texts]
         # the tool is still running: all three arrived during the long call
-        self.assertEqual(self.ad.get_submission(host).status, common_pb2.RUNNING)
+        self.assertEqual(self.ad.get_submission(host).status, RUNNING)
         subs = {sid: self.wait_settled(sid, timeout=30) for sid in [host] + joined}
         for sid, s in subs.items():
             self.assertEqual(outcome_name(s.outcome), 'COMPLETED', (sid, s.error))
             self.assertTrue(s.answered_by, 'answered_by is empty for %s' % sid)
         recs = self.assert_settled_once(conv, [host] + joined)
         offsets = {r.id: r.offset for r in recs}
-        host_final = [r for r in recs if r.type == 'assistant_message'
+        host_final = [r for r in recs if kind(r) == 'assistant_message'
                       and r.submission_id == host][-1]
         reqs = self.model_requests(conv)
         seen_by_model = set()
@@ -644,17 +701,17 @@ class TestAgentdJoinsAndAbort(AgentdCase):
         for sid, text in zip(joined, texts):
             s = subs[sid]
             self.assertIn('input:' + sid, offsets, 'the input of %s is not in the stream' % sid)
-            self.assertEqual(body(recs[offsets['input:' + sid]])['text'], text)
+            self.assertEqual(body(recs[offsets['input:' + sid]]).text, text)
             self.assertIn(text, seen_by_model, 'the model never saw %r' % text)
             if s.answered_by == host:
                 self.assertEqual(s.joined_into, host)
                 self.assertLess(offsets['input:' + sid], host_final.offset,
                                 'joined input after the host\'s final answer')
-                self.assertFalse([r for r in recs if r.type == 'assistant_message'
+                self.assertFalse([r for r in recs if kind(r) == 'assistant_message'
                                   and r.submission_id == sid])
             else:
                 self.assertEqual(s.answered_by, sid)
-                own = [r for r in recs if r.type == 'assistant_message' and r.submission_id == sid]
+                own = [r for r in recs if kind(r) == 'assistant_message' and r.submission_id == sid]
                 self.assertTrue(own, '%s was neither joined nor answered on its own' % sid)
                 self.assertGreater(offsets['input:' + sid], host_final.offset)
         self.assertEqual(subs[host].answered_by, host)
@@ -666,7 +723,7 @@ class TestAgentdJoinsAndAbort(AgentdCase):
         conv, ws, host = self.start_host_with_tool('abort_queued', 'abq')
         a = self.ad.submit('runner-anthropic', 'queued A %s' % conv, conversation_id=conv)
         b = self.ad.submit('runner-anthropic', 'queued B %s' % conv, conversation_id=conv)
-        self.assertEqual(self.ad.get_submission(a.submission_id).status, common_pb2.QUEUED)
+        self.assertEqual(self.ad.get_submission(a.submission_id).status, QUEUED)
         resp = self.ad.abort(submission_id=a.submission_id)
         self.assertTrue(resp.aborted)
         self.assertEqual(list(resp.affected), [a.submission_id])
@@ -678,7 +735,7 @@ class TestAgentdJoinsAndAbort(AgentdCase):
         self.assertEqual(outcome_name(sh.outcome), 'COMPLETED', sh.error)
         self.assertTrue(sb.answered_by)
         recs = self.assert_settled_once(conv, [host, a.submission_id, b.submission_id])
-        self.assertFalse([r for r in recs if r.type == 'assistant_message'
+        self.assertFalse([r for r in recs if kind(r) == 'assistant_message'
                           and r.submission_id == a.submission_id],
                          'the aborted submission was answered')
         self.assertNotEqual(sa.answered_by, b.submission_id)
@@ -692,7 +749,7 @@ class TestAgentdJoinsAndAbort(AgentdCase):
         self.fm.set_scenario(load_scenario('abort_stream', conv, LONG_TEXT=long_text()))
         sid = self.ad.submit('runner-anthropic', 'talk a lot', conversation_id=conv).submission_id
         self.wait_for('streamed text', lambda: [r for r in self.records(conv)
-                                                if r.type == 'assistant_delta'], timeout=10)
+                                                if kind(r) == 'assistant_delta'], timeout=10)
         t0 = time.monotonic()
         resp = self.ad.abort(submission_id=sid)
         self.assertEqual(list(resp.affected), [sid])
@@ -726,7 +783,7 @@ class TestAgentdJoinsAndAbort(AgentdCase):
             elapsed = time.monotonic() - t0
             self.assertEqual(s.status, SETTLED,
                              'not settled %.1f s after Abort during a long bash (status %s)'
-                             % (elapsed, common_pb2.SubmissionStatus.Name(s.status)))
+                             % (elapsed, status_name(s.status)))
             self.assertEqual(outcome_name(s.outcome), 'ABORTED', s.error)
             self.assertLessEqual(elapsed, 2.0, 'settled %.2f s after Abort' % elapsed)
             self.wait_for('the bash command to be gone',
@@ -758,8 +815,9 @@ class TestAgentdCrash(AgentdCase):
         s = self.wait_settled(sid, timeout=30)
         recs = self.assert_settled_once(conv, [sid])
         self.assert_consecutive(recs)
-        assistants = [r for r in recs if r.type == 'assistant_message']
-        self.assertEqual([body(r)['turn'] for r in assistants], list(range(len(assistants))),
+        assistants = [r for r in recs if kind(r) == 'assistant_message']
+        self.assertEqual([body(r).turn for r in assistants],
+                         list(range(FIRST_TURN, FIRST_TURN + len(assistants))),
                          'one assistant_message per turn')
         return s, recs, assistants
 
@@ -774,13 +832,13 @@ class TestAgentdCrash(AgentdCase):
         sid = self.ad.submit('runner-anthropic', 'stream then crash',
                              conversation_id=conv).submission_id
         self.wait_for('streamed text', lambda: [r for r in self.records(conv)
-                                                if r.type == 'assistant_delta'], timeout=10)
+                                                if kind(r) == 'assistant_delta'], timeout=10)
         self.crash_and_restart()
         s, recs, assistants = self.settled(conv, sid)
         self.assertLessEqual(len(assistants), 1)
         self.assert_completed(s)
         self.assertEqual(len(assistants), 1)
-        self.assertEqual(body(assistants[0])['text'], 'The answer after the restart.')
+        self.assertEqual(body(assistants[0]).text, 'The answer after the restart.')
         self.assertEqual([e['step'] for e in self.model_requests(conv)], [0, 1])
         self.assertGreaterEqual(s.attempt_count, 2)
 
@@ -797,19 +855,23 @@ class TestAgentdCrash(AgentdCase):
         s, recs, assistants = self.settled(conv, sid)
         with open(counter) as f:
             self.assertEqual(f.read(), 'x\n', 'the tool call ran again after the restart')
-        results = [r for r in recs if r.type == 'tool_result']
-        call = body(assistants[0])['tool_calls'][0]
-        self.assertEqual([r.id for r in results], ['tool:%s:0:%s' % (sid, call['id'])])
+        results = [r for r in recs if kind(r) == 'tool_result']
+        call = body(assistants[0]).tool_calls[0]
+        self.assertEqual([r.id for r in results],
+                         ['tool:%s:%d:%s' % (sid, FIRST_TURN, call.id)])
         rb = body(results[0])
-        self.assertTrue(rb['is_error'], rb)
-        self.assertIn('unknown', rb['text'].lower(), rb['text'])
+        self.assertTrue(rb.is_error, rb)
+        # the crash cut the call off: it may or may not have run, and the record says so
+        self.assertTrue(rb.outcome_unknown, rb)
+        self.assertEqual(rb.tool_call_id, call.id)
+        self.assertIn('unknown', rb.text.lower(), rb.text)
         self.assert_completed(s)
-        self.assertEqual(body(assistants[-1])['text'],
+        self.assertEqual(body(assistants[-1]).text,
                          'The tool call was interrupted; carrying on.')
         reqs = self.model_requests(conv)
         self.assertEqual([e['step'] for e in reqs], [0, 1])
         got = request_tail_tool_results(reqs[1])
-        self.assertEqual(got, [(call['id'], rb['text'], True)])
+        self.assertEqual(got, [(call.id, rb.text, True)])
 
     def test_crash_between_tool_result_and_model_call(self):
         conv = new_conv('crb')
@@ -820,19 +882,20 @@ class TestAgentdCrash(AgentdCase):
         self.wait_for('the second model call',
                       lambda: [e for e in self.model_requests(conv) if e['step'] == 1],
                       timeout=10)
-        self.assertTrue([r for r in self.records(conv) if r.type == 'tool_result'])
+        self.assertTrue([r for r in self.records(conv) if kind(r) == 'tool_result'])
         self.crash_and_restart()
         s, recs, assistants = self.settled(conv, sid)
         with open(os.path.join(ws, 'counter')) as f:
             self.assertEqual(f.read(), 'x\n', 'the recorded tool call ran again')
-        results = [r for r in recs if r.type == 'tool_result']
+        results = [r for r in recs if kind(r) == 'tool_result']
         self.assertEqual(len(results), 1, [(r.id, body(r)) for r in results])
         rb = body(results[0])
-        self.assertFalse(rb['is_error'], rb)
-        self.assertEqual(rb['text'].strip(), 'ran-once')
+        self.assertFalse(rb.is_error, rb)
+        self.assertFalse(rb.outcome_unknown, rb)
+        self.assertEqual(rb.text.strip(), 'ran-once')
         self.assert_completed(s)
         self.assertEqual(len(assistants), 2)
-        self.assertEqual(body(assistants[1])['text'], 'The answer after the restart.')
+        self.assertEqual(body(assistants[1]).text, 'The answer after the restart.')
         reqs = self.model_requests(conv)
         self.assertEqual([e['step'] for e in reqs], [0, 1, 2])
         self.assertEqual(request_tail_tool_results(reqs[2]), request_tail_tool_results(reqs[1]))
@@ -896,20 +959,20 @@ class TestAgentdTwoProcesses(AgentdCase):
             sids = submitted[c]
             order = sorted(sids, key=lambda s: subs[s].sequence)
             self.assertEqual(order, sids, 'admission order differs from submission order')
-            settled = [r.submission_id for r in recs if r.type == 'submission_settled']
+            settled = [r.submission_id for r in recs if kind(r) == 'submission_settled']
             if sorted(settled) != sorted(sids) or len(settled) != len(set(settled)):
                 problems.append('%s: settlement records %s for %s' % (c, settled, sids))
             if settled != sids:
                 problems.append('%s: settlement records out of order %s' % (c, settled))
-            inputs = [r.submission_id for r in recs if r.type == 'user_message']
+            inputs = [r.submission_id for r in recs if kind(r) == 'user_message']
             if inputs != sids:
                 problems.append('%s: user_message records out of order or missing: %s'
                                 % (c, inputs))
             for sid in sids:
                 mine = [r for r in recs if r.submission_id == sid
-                        and r.type != 'submission_settled']
-                turns = [body(r)['turn'] for r in mine if r.type == 'assistant_message']
-                if turns != list(range(len(turns))):
+                        and kind(r) != 'submission_settled']
+                turns = [body(r).turn for r in mine if kind(r) == 'assistant_message']
+                if turns != list(range(FIRST_TURN, FIRST_TURN + len(turns))):
                     problems.append('%s: assistant turns %s' % (sid, turns))
                 attempts = set(r.attempt_id for r in mine)
                 if len(attempts) > 1 and subs[sid].attempt_count <= 1:
@@ -960,6 +1023,133 @@ class TestAgentdBadInput(AgentdCase):
     def test_unknown_agent_is_not_found(self):
         e = self.assertRpcError(grpc.StatusCode.NOT_FOUND, self.ad.submit, 'no-such-agent', 'hi')
         self.assertIn('no-such-agent', e.details())
+        self.assertEqual(H.error_reason(e), 'UNKNOWN_AGENT')
+
+    def test_reserved_metadata_key_is_invalid_argument(self):
+        for key in ('cflue.x', 'cflue.kind'):
+            with self.subTest(key=key):
+                e = self.assertRpcError(
+                    grpc.StatusCode.INVALID_ARGUMENT, self.ad.call, 'Submit',
+                    agent_pb2.SubmitRequest(agent='runner-anthropic', message=H.message('hi'),
+                                            metadata={key: 'v', 'channel': 'cli'}))
+                self.assertEqual(H.error_reason(e), 'RESERVED_METADATA_KEY')
+                self.assertIn(key, e.details())
+        # keys outside the reserved prefix are kept with the submission
+        conv = new_conv('meta')
+        self.workspace(conv)
+        self.fm.set_scenario(bind([{'text': 'noted'}], conv))
+        meta = {'channel': 'cli', 'cflue': 'not reserved', 'x.cflue.y': 'nor this'}
+        adm = self.ad.call('Submit', agent_pb2.SubmitRequest(
+            agent='runner-anthropic', conversation_id=conv, message=H.message('hi'),
+            metadata=meta))
+        s = self.wait_settled(adm.submission_id, timeout=20)
+        self.assertEqual(dict(s.metadata), meta)
+        self.assertEqual(s.kind, common_pb2.SUBMISSION_KIND_MESSAGE)
+        self.assertEqual(outcome_name(s.outcome), 'COMPLETED', s.error)
+
+    def settled_conversation(self, texts=('one',)):
+        """A conversation with one settled submission per text, its records (Watch replay)."""
+        conv = new_conv('pages')
+        self.workspace(conv)
+        steps = []
+        for i, _ in enumerate(texts):
+            steps += [{'tool_calls': [{'name': 'bash', 'arguments': {'command': 'echo %d' % i}}]},
+                      {'text': 'answer %d' % i}]
+        self.fm.set_scenario(bind(steps, conv))
+        sids = []
+        for t in texts:
+            sid = self.ad.submit('runner-anthropic', t, conversation_id=conv).submission_id
+            self.assertEqual(outcome_name(self.wait_settled(sid, timeout=20).outcome),
+                             'COMPLETED')
+            sids.append(sid)
+        self.assert_settled_once(conv, sids)
+        return conv, sids, self.ad.watch_all(conv)
+
+    def test_get_conversation_pages_equal_the_watch_replay(self):
+        conv, sids, replay = self.settled_conversation(('one', 'two'))
+        self.assertGreater(len(replay), 8)
+        for size in (1, 2, 3, len(replay), 1000):
+            with self.subTest(page_size=size):
+                views, token = [], ''
+                while True:
+                    view = self.ad.get_conversation(conv, True, size, token)
+                    views.append(view)
+                    self.assertLessEqual(len(view.records), size)
+                    token = view.next_page_token
+                    if not token:
+                        break
+                    self.assertEqual(len(view.records), size, 'a short page before the last')
+                    self.assertLessEqual(len(views), len(replay) + 1, 'pages without end')
+                self.assertEqual([r for v in views for r in v.records], replay)
+                for v in views:
+                    self.assertEqual(v.conversation_id, conv)
+                    self.assertEqual(v.agent, 'runner-anthropic')
+                    self.assertEqual(v.head_offset, replay[-1].offset)
+        self.assertEqual(self.ad.conversation_records(conv), replay)
+        # without include_records: the summary only
+        view = self.ad.get_conversation(conv)
+        self.assertEqual(list(view.records), [])
+        self.assertEqual(view.next_page_token, '')
+        self.assertEqual(sorted(s.submission_id for s in view.submissions), sorted(sids))
+        for s in view.submissions:
+            self.assertEqual(s.status, SETTLED)
+            self.assertEqual(s.kind, common_pb2.SUBMISSION_KIND_MESSAGE)
+        # Watch resumes after any offset; beyond the head is out of range
+        self.assertEqual(self.ad.watch_all(conv, replay[3].offset), replay[4:])
+        e = self.assertRpcError(grpc.StatusCode.OUT_OF_RANGE, self.ad.watch_all, conv,
+                                replay[-1].offset + 5)
+        self.assertEqual(H.error_reason(e), 'OFFSET_BEYOND_HEAD')
+
+    def test_bad_page_tokens_are_invalid_argument(self):
+        conv, _, replay = self.settled_conversation()
+        other, _, _ = self.settled_conversation()
+        token = self.ad.get_conversation(conv, True, 1).next_page_token
+        self.assertTrue(token)
+        agents_token = self.ad.list_agents(page_size=1).next_page_token
+        self.assertTrue(agents_token)
+        bad = [('garbled', conv, 'not a page token!'), ('garbled hex', conv, 'abc'),
+               ('another conversation', other, token), ('a ListAgents token', conv, agents_token)]
+        for what, c, tok in bad:
+            with self.subTest(token=what):
+                e = self.assertRpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                                        self.ad.get_conversation, c, True, 1, tok)
+                self.assertEqual(H.error_reason(e), 'INVALID_PAGE_TOKEN')
+        for what, tok in (('garbled', 'not a page token!'), ('a conversation token', token)):
+            with self.subTest(list_agents=what):
+                e = self.assertRpcError(grpc.StatusCode.INVALID_ARGUMENT, self.ad.list_agents,
+                                        1, tok)
+                self.assertEqual(H.error_reason(e), 'INVALID_PAGE_TOKEN')
+        # the good token still continues where it left off
+        self.assertEqual(list(self.ad.get_conversation(conv, True, 1, token).records),
+                         replay[1:2])
+
+    def test_list_agents_pages(self):
+        names = ['runner-anthropic', 'runner-openai']
+        page = self.ad.list_agents()
+        self.assertEqual(sorted(a.name for a in page.agents), names)
+        self.assertEqual(page.next_page_token, '')
+        first = self.ad.list_agents(page_size=1)
+        self.assertEqual(len(first.agents), 1)
+        self.assertTrue(first.next_page_token)
+        second = self.ad.list_agents(1, first.next_page_token)
+        self.assertEqual(len(second.agents), 1)
+        self.assertEqual(sorted([first.agents[0].name, second.agents[0].name]), names)
+        self.assertEqual(sorted(a.name for a in self.ad.list_all_agents(page_size=1)), names)
+        for a in self.ad.list_all_agents():
+            self.assertTrue(a.model, a)
+
+    def test_abort_target_is_a_oneof(self):
+        # no target at all
+        self.assertRpcError(grpc.StatusCode.INVALID_ARGUMENT, self.ad.call, 'Abort',
+                            agent_pb2.AbortRequest())
+        conv, sids, _ = self.settled_conversation()
+        # a conversation target: nothing unsettled is left to stamp
+        resp = self.ad.abort(conversation_id=conv)
+        self.assertFalse(resp.aborted)
+        self.assertEqual(list(resp.affected), [])
+        resp = self.ad.abort(submission_id=sids[0])
+        self.assertFalse(resp.aborted)
+        self.assertEqual(list(resp.affected), [])
 
     def test_watch_unknown_conversation_is_not_found(self):
         self.assertRpcError(grpc.StatusCode.NOT_FOUND, self.ad.watch_all, 'c-never-seen-1234')
@@ -997,19 +1187,20 @@ class TestAgentdBadInput(AgentdCase):
         s = self.wait_settled(sid, timeout=20)
         self.assertEqual(outcome_name(s.outcome), 'COMPLETED', s.error)
         recs = self.assert_settled_once(conv, [sid])
-        results = [r for r in recs if r.type == 'tool_result']
-        self.assertEqual(len(results), 1, [r.type for r in recs])
+        results = [r for r in recs if kind(r) == 'tool_result']
+        self.assertEqual(len(results), 1, [kind(r) for r in recs])
         rb = body(results[0])
-        self.assertTrue(rb['is_error'], rb)
+        self.assertTrue(rb.is_error, rb)
+        self.assertFalse(rb.outcome_unknown, rb)
         reqs = self.model_requests(conv)
         self.assertEqual([e['step'] for e in reqs], [0, 1])
         got = request_tail_tool_results(reqs[1])
         self.assertEqual(len(got), 1)
-        self.assertEqual(got[0][1], rb['text'])
+        self.assertEqual(got[0][1], rb.text)
         if got[0][2] is not None:
             self.assertTrue(got[0][2])
-        final = [r for r in recs if r.type == 'assistant_message'][-1]
-        self.assertEqual(body(final)['text'], 'I see the arguments were broken.')
+        final = [r for r in recs if kind(r) == 'assistant_message'][-1]
+        self.assertEqual(body(final).text, 'I see the arguments were broken.')
 
     def test_invalid_tool_arguments_anthropic(self):
         self.check_invalid_tool_arguments('runner-anthropic')
@@ -1040,13 +1231,13 @@ class TestAgentdBadInput(AgentdCase):
                 self.assertEqual(outcome_name(s.outcome), 'COMPLETED', s.error)
                 self.assertEqual([e['step'] for e in self.model_requests(conv)], [0, 1])
                 recs = self.assert_settled_once(conv, [sid])
-                final = [r for r in recs if r.type == 'assistant_message']
-                self.assertEqual([body(r)['text'] for r in final], ['fine after %d' % status])
+                final = [r for r in recs if kind(r) == 'assistant_message']
+                self.assertEqual([body(r).text for r in final], ['fine after %d' % status])
 
     def test_zz_healthy_after_everything(self):
         self.assertTrue(self.ad.alive(), 'agentd exited')
         self.assertEqual(self.ad.health_check(), H.SERVING)
-        names = sorted(a.name for a in self.ad.list_agents().agents)
+        names = sorted(a.name for a in self.ad.list_all_agents())
         self.assertEqual(names, ['runner-anthropic', 'runner-openai'])
         conv, sid, t0 = self.submit('runner-openai', [{'text': 'still here'}])
         s = self.wait_settled(sid, timeout=20)

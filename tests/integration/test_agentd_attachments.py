@@ -26,8 +26,21 @@ class AttachmentsTest(AgentdCase):
         self.stack.fm.set_scenario([{'text': 'seen'}])
         adm = self.ad.submit(agent, 'look at these', attachments=ATTACHMENTS)
         sub = self.ad.get_submission(adm.submission_id, wait=True, timeout=60)
-        self.assertEqual(sub.outcome, common_pb2.COMPLETED, sub.error)
+        self.assertEqual(sub.outcome, common_pb2.OUTCOME_COMPLETED, sub.error)
+        self.check_records(adm)
         return self.stack.fm.requests()[-1]['body']
+
+    def check_records(self, adm):
+        """The user_message record names each attachment (the bytes stay with the
+        submission, which keeps them verbatim)."""
+        recs = self.ad.watch_all(adm.conversation_id)
+        users = [r for r in recs if r.WhichOneof('body') == 'user_message']
+        self.assertEqual(len(users), 1)
+        refs = [(a.name, a.mime_type, a.size_bytes) for a in users[0].user_message.attachments]
+        self.assertEqual(refs, [(a['name'], a['mime_type'], len(a['data'])) for a in ATTACHMENTS])
+        sub = self.ad.get_submission(adm.submission_id)
+        self.assertEqual([(a.name, a.mime_type, a.data) for a in sub.message.attachments],
+                         [(a['name'], a['mime_type'], a['data']) for a in ATTACHMENTS])
 
     def test_anthropic_image_block_and_inline_text(self):
         body = self.send('runner-anthropic')

@@ -8,7 +8,9 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cflue_harness import agent_pb2, common_pb2  # noqa: E402
-from test_agentd import AgentdCase  # noqa: E402
+from test_agentd import AgentdCase, kind  # noqa: E402
+
+COMPLETED = common_pb2.OUTCOME_COMPLETED
 
 MODELS = {"models": {"anthropic/tiny-window": {
     "context_window": 3000, "max_output_tokens": 500,
@@ -41,23 +43,40 @@ class CompactionTest(AgentdCase):
         adm, sub = self.run_one('list some numbers', [
             {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 300'}}]},
             {'text': 'Here are the numbers.'}])
-        self.assertEqual(sub.outcome, common_pb2.COMPLETED, sub.error)
+        self.assertEqual(sub.outcome, COMPLETED, sub.error)
         self.stack.fm.set_scenario([{'text': 'SUMMARY-RPC: numbers 1..300 were listed.'}])
         r = self.ad.call('Compact', agent_pb2.CompactRequest(conversation_id=adm.conversation_id),
                          timeout=60)
         self.assertGreaterEqual(r.record_offset, 0)
         self.assertGreater(r.tokens_before, r.tokens_after)
         recs = self.records(adm.conversation_id)
-        comp = [x for x in recs if x.type == 'compaction']
+        comp = [x for x in recs if kind(x) == 'compaction']
         self.assertEqual(len(comp), 1)
         self.assertEqual(comp[0].offset, r.record_offset)
-        body = json.loads(comp[0].body_json)
-        self.assertIn('SUMMARY-RPC', body['summary'])
-        self.assertEqual(body['reason'], 'requested')
-        self.assertEqual(len([x for x in recs if x.type == 'system_prompt']), 2)
+        body = comp[0].compaction
+        self.assertIn('SUMMARY-RPC', body.summary)
+        self.assertEqual(body.trigger, common_pb2.COMPACTION_TRIGGER_REQUEST)
+        self.assertEqual((body.tokens_before, body.tokens_after), (r.tokens_before, r.tokens_after))
+        self.assertGreater(body.first_kept_offset, 0)
+        self.assertLessEqual(body.first_kept_offset, comp[0].offset)
+        # the compaction is a submission of its own: kind COMPACT, no message, completed,
+        # and the Compaction record is its record
+        self.assertTrue(r.submission_id)
+        self.assertEqual(comp[0].submission_id, r.submission_id)
+        csub = self.ad.get_submission(r.submission_id)
+        self.assertEqual(csub.kind, common_pb2.SUBMISSION_KIND_COMPACT, csub)
+        self.assertEqual(csub.outcome, COMPLETED, csub)
+        self.assertFalse(csub.HasField('message'), csub)
+        self.assertEqual(self.ad.get_submission(adm.submission_id).kind,
+                         common_pb2.SUBMISSION_KIND_MESSAGE)
+        settled = [x for x in recs if kind(x) == 'submission_settled'
+                   and x.submission_id == r.submission_id]
+        self.assertEqual(len(settled), 1)
+        self.assertEqual(settled[0].submission_settled.outcome, COMPLETED)
+        self.assertEqual(len([x for x in recs if kind(x) == 'system_prompt']), 2)
         # the next submission's request starts with the summary, not the old messages
         adm2, sub2 = self.run_one('and now?', [{'text': 'still fine'}], adm.conversation_id)
-        self.assertEqual(sub2.outcome, common_pb2.COMPLETED, sub2.error)
+        self.assertEqual(sub2.outcome, COMPLETED, sub2.error)
         first = self.last_request()['messages'][0]['content'][0]['text']
         self.assertIn('<context_summary>', first)
         self.assertIn('SUMMARY-RPC', first)
@@ -68,27 +87,28 @@ class CompactionTest(AgentdCase):
             {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 2500'}}]},
             {'text': 'SUMMARY-THRESHOLD: a long list was printed.'},
             {'text': 'Done.'}])
-        self.assertEqual(sub.outcome, common_pb2.COMPLETED, sub.error)
-        comp = [json.loads(x.body_json) for x in self.records(adm.conversation_id)
-                if x.type == 'compaction']
+        self.assertEqual(sub.outcome, COMPLETED, sub.error)
+        comp = [x.compaction for x in self.records(adm.conversation_id)
+                if kind(x) == 'compaction']
         self.assertEqual(len(comp), 1, comp)
-        self.assertEqual(comp[0]['reason'], 'threshold')
-        self.assertIn('SUMMARY-THRESHOLD', comp[0]['summary'])
+        self.assertEqual(comp[0].trigger, common_pb2.COMPACTION_TRIGGER_THRESHOLD)
+        self.assertIn('SUMMARY-THRESHOLD', comp[0].summary)
+        self.assertGreater(comp[0].tokens_before, comp[0].tokens_after)
         self.assertIn('<context_summary>', self.last_request()['messages'][0]['content'][0]['text'])
 
     def test_overflow_error_compacts_and_retries_once(self):
         long_answer = 'word ' * 400
         adm, sub = self.run_one('tell me a lot', [{'text': long_answer}])
-        self.assertEqual(sub.outcome, common_pb2.COMPLETED, sub.error)
+        self.assertEqual(sub.outcome, COMPLETED, sub.error)
         adm2, sub2 = self.run_one('and more', [
             {'error': {'status': 400, 'type': 'invalid_request_error',
                        'message': 'prompt is too long: 250000 tokens > 200000 maximum'}},
             {'text': 'SUMMARY-OVERFLOW'},
             {'text': 'Fine.'}], adm.conversation_id)
-        self.assertEqual(sub2.outcome, common_pb2.COMPLETED, sub2.error)
-        comp = [json.loads(x.body_json) for x in self.records(adm.conversation_id)
-                if x.type == 'compaction']
-        self.assertEqual([c['reason'] for c in comp], ['overflow'])
+        self.assertEqual(sub2.outcome, COMPLETED, sub2.error)
+        comp = [x.compaction for x in self.records(adm.conversation_id)
+                if kind(x) == 'compaction']
+        self.assertEqual([c.trigger for c in comp], [common_pb2.COMPACTION_TRIGGER_OVERFLOW])
 
 
 if __name__ == '__main__':

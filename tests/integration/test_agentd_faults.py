@@ -18,8 +18,9 @@ import unittest
 
 import grpc
 
+import cflue_harness as H
 from cflue_harness import agent_pb2, common_pb2, request_abort
-from test_agentd import (COMPLETED, FAILED, SETTLED, AgentdCase, bind, body, new_conv,
+from test_agentd import (COMPLETED, SETTLED, AgentdCase, bind, body, kind, new_conv,
                          outcome_name, request_system)
 
 # agentd retries a Store call for max(lease, 5 s); these outages are longer than that.
@@ -28,7 +29,7 @@ OUTAGE_S = 9
 
 
 def tool_calls(rec):
-    return body(rec).get('tool_calls') or []
+    return list(body(rec).tool_calls)
 
 
 class FaultsCase(AgentdCase):
@@ -57,19 +58,21 @@ class FaultsCase(AgentdCase):
         """completed => the stream shows the finished answer, every call with its result."""
         recs = self.records(conv)
         by_id = {r.id: r for r in recs}
-        assistants = [r for r in recs if r.type == 'assistant_message'
+        assistants = [r for r in recs if kind(r) == 'assistant_message'
                       and r.submission_id == sid]
         self.assertTrue(assistants, 'no assistant message for %s' % sid)
         for a in assistants:
             for c in tool_calls(a):
-                rid = 'tool:%s:%d:%s' % (sid, body(a)['turn'], c['id'])
+                rid = 'tool:%s:%d:%s' % (sid, body(a).turn, c.id)
                 self.assertIn(rid, by_id, 'call %s of %s has no result: %s'
-                              % (c['id'], a.id, [(r.offset, r.type, r.id) for r in recs]))
+                              % (c.id, a.id, [(r.offset, kind(r), r.id) for r in recs]))
+                self.assertEqual(kind(by_id[rid]), 'tool_result')
+                self.assertEqual(body(by_id[rid]).tool_call_id, c.id)
         self.assertEqual(tool_calls(assistants[-1]), [],
                          'settled completed while the last assistant message asks for tools')
-        settled = [r for r in recs if r.type == 'submission_settled' and r.submission_id == sid]
+        settled = [r for r in recs if kind(r) == 'submission_settled' and r.submission_id == sid]
         self.assertEqual(len(settled), 1)
-        self.assertEqual(body(settled[0])['outcome'], 'completed')
+        self.assertEqual(body(settled[0]).outcome, COMPLETED)
         self.assertGreater(settled[0].offset, assistants[-1].offset)
         return recs
 
@@ -107,7 +110,7 @@ class FaultsCase(AgentdCase):
                 'command': 'sleep 2; echo ran >> effects.txt; echo tool-finished'}}]},
             {'text': 'All done after the outage.'}], conv))
         adm = self.ad.submit('runner-anthropic', 'run it (%s)' % conv, conversation_id=conv)
-        self.wait_record(conv, lambda r: r.type == 'assistant_message', 'the tool call')
+        self.wait_record(conv, lambda r: kind(r) == 'assistant_message', 'the tool call')
         self.stack.sd.kill()
         time.sleep(OUTAGE_S)
         self.stack.sd.start()
@@ -118,8 +121,11 @@ class FaultsCase(AgentdCase):
         # the tool ran once at most, and the model heard about the call either way
         with open(os.path.join(ws, 'effects.txt')) as f:
             self.assertEqual(f.read(), 'ran\n')
-        results = [body(r) for r in recs if r.type == 'tool_result']
+        results = [body(r) for r in recs if kind(r) == 'tool_result']
         self.assertEqual(len(results), 1, results)
+        # its result is the real one, or says the call may or may not have run
+        if results[0].outcome_unknown:
+            self.assertTrue(results[0].is_error, results[0])
         self.assertIn('drive_interrupted', self.ad.stderr_text())
 
     # ---- toold unreachable when a drive starts ----
@@ -134,7 +140,7 @@ class FaultsCase(AgentdCase):
         adm = self.ad.submit('runner-anthropic', 'read it (%s)' % conv, conversation_id=conv)
         time.sleep(4)  # several attempts to start the drive while toold is down
         self.assertEqual(self.model_requests(conv), [], 'the model was called without toold')
-        self.assertFalse([r for r in self.records(conv) if r.type == 'system_prompt'],
+        self.assertFalse([r for r in self.records(conv) if kind(r) == 'system_prompt'],
                          'a system prompt was frozen without the sandbox')
         self.stack.td.start()
         sub = self.wait_settled(adm.submission_id, timeout=60)
@@ -148,8 +154,8 @@ class FaultsCase(AgentdCase):
         self.assertIn('Working directory:', system)
         self.assertIn('hello.txt', system)
         self.assertIn('- bash:', system)
-        results = [body(r) for r in self.records(conv) if r.type == 'tool_result']
-        self.assertEqual([r['text'].strip() for r in results], ['hi'])
+        results = [body(r) for r in self.records(conv) if kind(r) == 'tool_result']
+        self.assertEqual([r.text.strip() for r in results], ['hi'])
 
     # ---- every attempt counts, whatever fails ----
 
@@ -188,7 +194,7 @@ class FaultsCase(AgentdCase):
             {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'sleep 5'}}]},
             {'text': 'should not be asked'}], conv))
         adm = self.ad.submit('runner-anthropic', 'nap (%s)' % conv, conversation_id=conv)
-        self.wait_record(conv, lambda r: r.type == 'assistant_message', 'the tool call')
+        self.wait_record(conv, lambda r: kind(r) == 'assistant_message', 'the tool call')
         self.ad.kill()
         request_abort(self.stack.sd.stub, submission_id=adm.submission_id)
         self.ad.start()
@@ -196,9 +202,10 @@ class FaultsCase(AgentdCase):
         self.assertEqual(outcome_name(sub.outcome), 'ABORTED', sub.error)
         self.assertEqual(sub.attempt_count, 2, 'the takeover did not settle the abort at once')
         # the interrupted call got its outcome-unknown result before the outcome
-        results = [r for r in self.records(conv) if r.type == 'tool_result']
+        results = [r for r in self.records(conv) if kind(r) == 'tool_result']
         self.assertEqual(len(results), 1)
-        self.assertTrue(body(results[0])['is_error'])
+        self.assertTrue(body(results[0]).is_error)
+        self.assertTrue(body(results[0]).outcome_unknown, body(results[0]))
 
     # ---- limits that are limits ----
 
@@ -230,7 +237,7 @@ class FaultsCase(AgentdCase):
         self.assertLess(time.monotonic() - t0, 15, 'the tool call outlived the time limit')
         self.assertEqual(outcome_name(sub.outcome), 'FAILED', sub.error)
         self.assertIn('time limit', sub.error)
-        results = [body(r) for r in self.records(conv) if r.type == 'tool_result']
+        results = [body(r) for r in self.records(conv) if kind(r) == 'tool_result']
         self.assertEqual(len(results), 1, results)
 
     def test_turn_cap_settles_failed_saying_so(self):
@@ -244,9 +251,9 @@ class FaultsCase(AgentdCase):
         self.assertEqual(outcome_name(sub.outcome), 'FAILED', sub.error)
         self.assertIn('3 model turns', sub.error)
         recs = self.records(conv)
-        self.assertEqual(len([r for r in recs if r.type == 'assistant_message']), 3)
+        self.assertEqual(len([r for r in recs if kind(r) == 'assistant_message']), 3)
         # the stream is consistent even though the work was cut short
-        self.assertEqual(len([r for r in recs if r.type == 'tool_result']), 3)
+        self.assertEqual(len([r for r in recs if kind(r) == 'tool_result']), 3)
 
     # ---- a returning peer is used again at once ----
 
@@ -298,7 +305,7 @@ class CompactOrderTest(AgentdCase):
         self.wait_settled(first.submission_id, timeout=30)
         second = self.ad.submit('compactor', 'now nap (%s)' % conv, conversation_id=conv)
         self.wait_for('the nap to start', lambda: len(
-            [r for r in self.records(conv) if r.type == 'assistant_message']) >= 3)
+            [r for r in self.records(conv) if kind(r) == 'assistant_message']) >= 3)
         out = {}
 
         def compact():
@@ -315,15 +322,25 @@ class CompactOrderTest(AgentdCase):
         self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
         self.assertNotIn('err', out, out.get('err') and out['err'].details())
         recs = self.records(conv)
-        users = [body(r).get('text', '') for r in recs if r.type == 'user_message']
+        users = [body(r).text for r in recs if kind(r) == 'user_message']
         self.assertFalse([u for u in users if 'compact the conversation' in u],
                          'the Compact request entered the conversation as a message: %s' % users)
         for e in self.model_requests(conv):
             self.assertNotIn('compact the conversation', json.dumps(e['body']['messages']))
-        comp = [r for r in recs if r.type == 'compaction']
+        comp = [r for r in recs if kind(r) == 'compaction']
         self.assertEqual(len(comp), 1)
         self.assertEqual(out['resp'].record_offset, comp[0].offset)
-        settled = {r.submission_id: r.offset for r in recs if r.type == 'submission_settled'}
+        # the compaction ran as a submission of its own kind, and its record belongs to it
+        csid = out['resp'].submission_id
+        self.assertTrue(csid)
+        self.assertEqual(comp[0].submission_id, csid)
+        self.assertNotIn(csid, (first.submission_id, second.submission_id))
+        csub = self.ad.get_submission(csid)
+        self.assertEqual(csub.kind, common_pb2.SUBMISSION_KIND_COMPACT, csub)
+        self.assertEqual(csub.outcome, COMPLETED, csub)
+        self.assertFalse(csub.HasField('message'), csub)
+        self.assertEqual(body(comp[0]).trigger, common_pb2.COMPACTION_TRIGGER_REQUEST)
+        settled = {r.submission_id: r.offset for r in recs if kind(r) == 'submission_settled'}
         self.assertGreater(comp[0].offset, settled[second.submission_id],
                            'the compaction ran before the running submission settled')
         self.assertGreater(out['resp'].tokens_before, out['resp'].tokens_after)
@@ -337,7 +354,23 @@ class CompactOrderTest(AgentdCase):
         with self.assertRaises(grpc.RpcError) as cm:
             self.ad.call('Compact', agent_pb2.CompactRequest(conversation_id=conv), timeout=30)
         self.assertEqual(cm.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertEqual(H.error_reason(cm.exception), 'NOTHING_TO_COMPACT')
         self.assertIn('nothing to compact', cm.exception.details())
+        # the Compact ran as its own submission (kind COMPACT) and settled failed; the
+        # conversation got no compaction record and no message from it
+        view = self.ad.get_conversation(conv)
+        compacts = [s for s in view.submissions if s.kind == common_pb2.SUBMISSION_KIND_COMPACT]
+        self.assertEqual(len(compacts), 1, view.submissions)
+        csub = self.ad.get_submission(compacts[0].submission_id)
+        self.assertEqual(csub.kind, common_pb2.SUBMISSION_KIND_COMPACT, csub)
+        self.assertEqual(csub.status, SETTLED, csub)
+        self.assertEqual(outcome_name(csub.outcome), 'FAILED', csub)
+        self.assertFalse(csub.HasField('message'), csub)
+        self.assertIn(adm.submission_id, [s.submission_id for s in view.submissions])
+        recs = self.records(conv)
+        self.assertFalse([r for r in recs if kind(r) == 'compaction'])
+        self.assertEqual([r.submission_id for r in recs if kind(r) == 'user_message'],
+                         [adm.submission_id])
 
     def test_requests_ask_for_the_output_tokens_the_threshold_counts(self):
         conv = new_conv('max-tokens')

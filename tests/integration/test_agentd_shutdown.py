@@ -47,10 +47,12 @@ class ShutdownTest(unittest.TestCase):
                      env=self.stack.env, workdir=self.stack._sub('agentd-b'))
         self.stack.daemons.append(('agentd-b', ad2))
         sub = ad2.get_submission(second.submission_id, wait=True, timeout=60)
-        self.assertEqual(sub.status, common_pb2.SETTLED)
+        self.assertEqual(sub.status, common_pb2.SUBMISSION_STATUS_SETTLED)
         settled = [r for r in ad2.watch_all(first.conversation_id)
-                   if r.type == 'submission_settled' and r.submission_id == second.submission_id]
+                   if r.WhichOneof('body') == 'submission_settled'
+                   and r.submission_id == second.submission_id]
         self.assertEqual(len(settled), 1)
+        self.assertEqual(settled[0].submission_settled.outcome, sub.outcome)
 
     @staticmethod
     def _drain(it):
