@@ -263,6 +263,7 @@ class Client(object):
 
     def abort(self, rng, conv=None, sid=None):
         def fn(ad):
+            # the request's oneof target: the conversation when given, else the submission
             return ad.abort(submission_id=sid or '', conversation_id=conv or '', timeout=8)
         r = self.call(rng, fn, give_up_s=30)
         entry = {'event': 'abort', 'conv': conv, 'sid': sid, 't': time.time(),
@@ -546,38 +547,56 @@ class Nemesis(object):
 # reading the final state
 # ---------------------------------------------------------------------------------------------
 
+def _enum_name(enum, value, prefix):
+    """An enum value's name without its prefix ('COMPLETED' for OUTCOME_COMPLETED)."""
+    name = enum.Name(value)
+    return name[len(prefix):] if name.startswith(prefix) else name
+
+
 def read_ledger(H, stack):
     stub = stack.sd.stub
     subs = {}
     for s in H.list_all(stub, page=500):
         subs[s.submission_id] = {
             'submission_id': s.submission_id, 'conversation_id': s.conversation_id,
-            'sequence': s.sequence, 'status': H.common_pb2.SubmissionStatus.Name(s.status),
-            'outcome': H.common_pb2.Outcome.Name(s.outcome), 'error': s.error,
+            'sequence': s.sequence,
+            'status': _enum_name(H.common_pb2.SubmissionStatus, s.status, 'SUBMISSION_STATUS_'),
+            'outcome': _enum_name(H.common_pb2.Outcome, s.outcome, 'OUTCOME_'), 'error': s.error,
             'answered_by': s.answered_by, 'joined_into': s.joined_into,
             'attempt_count': s.attempt_count, 'max_attempts': s.max_attempts,
-            'abort_requested_at_ms': s.abort_requested_at_ms, 'settled_at_ms': s.settled_at_ms}
+            'abort_request_time_ms': H.ts_ms(s.abort_request_time),
+            'settle_time_ms': H.ts_ms(s.settle_time)}
     return subs
+
+
+def record_body(H, rec):
+    """A record's type (its body's oneof name, None when unset) and the typed body as plain
+    data for the checker: fields by their proto names, turn always present, a settlement's
+    outcome by its name without the prefix ('COMPLETED'); a tool result's text left out
+    (large, and never needed)."""
+    from google.protobuf import json_format  # with the generated modules' path set up
+    kind = rec.WhichOneof('body')
+    if kind is None:
+        return None, {}
+    msg = getattr(rec, kind)
+    body = json_format.MessageToDict(msg, preserving_proto_field_name=True)
+    if kind in ('assistant_delta', 'assistant_message', 'tool_result'):
+        body['turn'] = msg.turn  # MessageToDict leaves out zero values
+    if kind == 'tool_result':
+        body.pop('text', None)
+    if kind == 'submission_settled':
+        body['outcome'] = _enum_name(H.common_pb2.Outcome, msg.outcome, 'OUTCOME_')
+    return kind, body
 
 
 def read_records(H, stack, conv):
     out = []
-    after = -1
-    while True:
-        r = H.read(stack.sd.stub, conv, after, limit=50, timeout=30)
-        for rec in r.records:
-            try:
-                body = json.loads(rec.body_json) if rec.body_json else {}
-            except ValueError:
-                body = {}
-            if rec.type == 'tool_result':
-                body.pop('text', None)  # large, and never needed
-            out.append({'offset': rec.offset, 'id': rec.id, 'type': rec.type,
-                        'submission_id': rec.submission_id, 'attempt_id': rec.attempt_id,
-                        'timestamp_ms': rec.timestamp_ms, 'body': body})
-        if r.up_to_date or not r.records:
-            return out
-        after = r.next_offset
+    for rec in H.read_all(stack.sd.stub, conv):
+        kind, body = record_body(H, rec)
+        out.append({'offset': rec.offset, 'id': rec.id, 'type': kind,
+                    'submission_id': rec.submission_id, 'attempt_id': rec.attempt_id,
+                    'create_time_ms': H.ts_ms(rec.create_time), 'body': body})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,10 +10,13 @@ Inputs (plain Python data, no gRPC objects):
               key that was acknowledged before.
     subs      {sid: submission dict} from Store.List: submission_id, conversation_id,
               sequence, status, outcome, error, answered_by, joined_into, attempt_count,
-              max_attempts, abort_requested_at_ms, settled_at_ms (names as in common.proto;
-              status/outcome as their enum names).
-    records   {conv: [record dict]} from Store.Read: offset, id, type, submission_id,
-              attempt_id, timestamp_ms, body (parsed body_json).
+              max_attempts, abort_request_time_ms, settle_time_ms (names as in common.proto,
+              Timestamps as epoch milliseconds, 0 when unset; status/outcome as their enum
+              value names without the prefix: 'SETTLED', 'COMPLETED').
+    records   {conv: [record dict]} from Store.Read: offset, id, type (the name of the typed
+              body: 'user_message', ...; None when the record has no body), submission_id,
+              attempt_id, create_time_ms, body (the typed body's fields by their proto names,
+              enums as value names without the prefix: a settlement's outcome 'COMPLETED').
     side      {conv: [ledger line]} from each workspace's chaos-ledger.txt: "<call id> <tag>
               <step>" per bash run.
     watched   {conv: [(offset, id)]}: what a Watch showed the client.
@@ -30,8 +33,15 @@ CHAOS_NO_TOOLS = 'CHAOS-NO-TOOLS'
 # stamp, as the runtime spec says).
 ABORT_NOTICE_MS = 3000
 
+# the typed record bodies (common.proto Record.body)
+RECORD_TYPES = frozenset(('user_message', 'system_prompt', 'assistant_delta',
+                          'assistant_message', 'tool_result', 'signal', 'compaction',
+                          'submission_settled'))
+
 CATEGORIES = [
     ('lost', 'an acknowledged submission is not in the ledger'),
+    ('untyped_record', 'a record without a typed body (or of a type this checker does not '
+                       'know)'),
     ('unsettled', 'an acknowledged submission was not settled within the bound'),
     ('settled_twice', 'more than one submission_settled record for a submission'),
     ('settled_without_admission', 'a settlement for a submission the ledger never admitted '
@@ -106,6 +116,9 @@ def check(acks, subs, records, side, watched=None, unsettled_after_bound=()):
             by_id[r['id']] = r
         settled_recs = collections.defaultdict(list)
         for r in recs:
+            if r['type'] not in RECORD_TYPES:
+                v['untyped_record'].append('%s: record %s at offset %d has type %r'
+                                           % (conv, r['id'], r['offset'], r['type']))
             if r['type'] == 'submission_settled':
                 settled_recs[r['submission_id']].append(r)
 
@@ -125,7 +138,7 @@ def check(acks, subs, records, side, watched=None, unsettled_after_bound=()):
             if s['status'] != 'SETTLED':
                 v['settlement_mismatch'].append('%s has a settlement record but is %s'
                                                 % (sid, s['status']))
-            elif (lst[0]['body'] or {}).get('outcome', '').upper() != s['outcome']:
+            elif (lst[0]['body'] or {}).get('outcome') != s['outcome']:
                 v['settlement_mismatch'].append(
                     '%s: record says %s, row says %s' % (sid, (lst[0]['body'] or {})
                                                          .get('outcome'), s['outcome']))
@@ -225,27 +238,27 @@ def check(acks, subs, records, side, watched=None, unsettled_after_bound=()):
 
     # ---- aborts ----
     for sid, s in subs.items():
-        stamp = s.get('abort_requested_at_ms') or 0
+        stamp = s.get('abort_request_time_ms') or 0
         if not stamp or s['status'] != 'SETTLED' or s['outcome'] == 'ABORTED':
             continue
         host = s.get('answered_by') or sid
         if s['outcome'] == 'COMPLETED':
             final = (assistants_of(records.get(s['conversation_id'], []), host) or [None])[-1]
-            if final is not None and final['timestamp_ms'] <= stamp + ABORT_NOTICE_MS:
+            if final is not None and final['create_time_ms'] <= stamp + ABORT_NOTICE_MS:
                 continue  # the response had finished (or was finishing) when the stamp came
             hs = subs.get(host) or {}
-            if host != sid and not hs.get('abort_requested_at_ms'):
+            if host != sid and not hs.get('abort_request_time_ms'):
                 notes['abort_of_joined_member'].append(
                     '%s was stamped alone while joined into %s, which completed' % (sid, host))
                 continue
             v['abort_not_honoured'].append(
                 '%s: stamped at %d, completed with an answer recorded at %s'
-                % (sid, stamp, final['timestamp_ms'] if final else '(none)'))
+                % (sid, stamp, final['create_time_ms'] if final else '(none)'))
         else:
-            if s.get('settled_at_ms', 0) <= stamp + ABORT_NOTICE_MS:
+            if s.get('settle_time_ms', 0) <= stamp + ABORT_NOTICE_MS:
                 continue
             v['abort_not_honoured'].append('%s: stamped at %d, settled %s at %d: %s'
-                                           % (sid, stamp, s['outcome'], s['settled_at_ms'],
+                                           % (sid, stamp, s['outcome'], s['settle_time_ms'],
                                               s.get('error', '')[:200]))
 
     # ---- notes ----

@@ -15,8 +15,8 @@ SYS = '## Tools you can call\n- bash\n\n## Environment\nWorking directory: /w/c1
 def sub(sid, seq, outcome='COMPLETED', answered_by=None, conv='c1', **kw):
     s = {'submission_id': sid, 'conversation_id': conv, 'sequence': seq, 'status': 'SETTLED',
          'outcome': outcome, 'error': '', 'answered_by': answered_by or sid, 'joined_into': '',
-         'attempt_count': 1, 'max_attempts': 10, 'abort_requested_at_ms': 0,
-         'settled_at_ms': 1000 + seq}
+         'attempt_count': 1, 'max_attempts': 10, 'abort_request_time_ms': 0,
+         'settle_time_ms': 1000 + seq}
     s.update(kw)
     return s
 
@@ -34,12 +34,12 @@ class History(object):
         self.add('input:s2', 'user_message', 's2', 'a1', {'text': 'chaos tag=t2 plan=l'})
         self.add('assistant:s1:1', 'assistant_message', 's1', 'a1',
                  {'turn': 1, 'tool_calls': [], 'text': 'done'})
-        self.add('settled:s1', 'submission_settled', 's1', 'a1', {'outcome': 'completed'})
-        self.add('settled:s2', 'submission_settled', 's2', 'a1', {'outcome': 'completed'})
+        self.add('settled:s1', 'submission_settled', 's1', 'a1', {'outcome': 'COMPLETED'})
+        self.add('settled:s2', 'submission_settled', 's2', 'a1', {'outcome': 'COMPLETED'})
         self.add('input:s3', 'user_message', 's3', 'a2', {'text': 'chaos tag=t3 plan='})
         self.add('assistant:s3:0', 'assistant_message', 's3', 'a2',
                  {'turn': 0, 'tool_calls': [], 'text': 'done'})
-        self.add('settled:s3', 'submission_settled', 's3', 'a2', {'outcome': 'completed'})
+        self.add('settled:s3', 'submission_settled', 's3', 'a2', {'outcome': 'COMPLETED'})
         self.subs = {'s1': sub('s1', 1), 's2': sub('s2', 2, answered_by='s1'),
                      's3': sub('s3', 3)}
         self.acks = [{'key': 'k%d' % i, 'tag': 't%d' % i, 'conv': 'c1', 'sid': 's%d' % i,
@@ -49,7 +49,7 @@ class History(object):
     def add(self, rid, rtype, sid, att, body, ts=None):
         self.recs.append({'offset': len(self.recs), 'id': rid, 'type': rtype,
                           'submission_id': sid, 'attempt_id': att,
-                          'timestamp_ms': ts if ts is not None else 100 + len(self.recs),
+                          'create_time_ms': ts if ts is not None else 100 + len(self.recs),
                           'body': body})
 
     def renumber(self):
@@ -87,17 +87,17 @@ class CheckerTest(unittest.TestCase):
 
     def test_settled_twice(self):
         h = History()
-        h.add('settled:s3b', 'submission_settled', 's3', 'a2', {'outcome': 'completed'})
+        h.add('settled:s3b', 'submission_settled', 's3', 'a2', {'outcome': 'COMPLETED'})
         self.only(h, 'settled_twice')
 
     def test_settled_without_admission(self):
         h = History()
-        h.add('settled:s7', 'submission_settled', 's7', 'a2', {'outcome': 'failed'})
+        h.add('settled:s7', 'submission_settled', 's7', 'a2', {'outcome': 'FAILED'})
         self.only(h, 'settled_without_admission')
 
     def test_settlement_mismatch(self):
         h = History()
-        h.find('settled:s3')['body']['outcome'] = 'failed'
+        h.find('settled:s3')['body']['outcome'] = 'FAILED'
         self.only(h, 'settlement_mismatch')
 
     def test_false_completed_pending_call(self):
@@ -112,7 +112,7 @@ class CheckerTest(unittest.TestCase):
         # the member completes with its host; a host that failed is no answer
         h = History()
         h.subs['s1']['outcome'] = 'FAILED'
-        h.find('settled:s1')['body']['outcome'] = 'failed'
+        h.find('settled:s1')['body']['outcome'] = 'FAILED'
         errs = self.only(h, 'outcome_false')
         self.assertTrue(any(e.startswith('s2 ') for e in errs), errs)
 
@@ -126,8 +126,14 @@ class CheckerTest(unittest.TestCase):
 
     def test_outcome_unknown_result_is_a_result(self):
         h = History()
-        h.find('tool:s1:0:x1')['body']['is_error'] = True  # "whether it took effect is unknown"
+        # "whether it took effect is unknown"
+        h.find('tool:s1:0:x1')['body'].update(is_error=True, outcome_unknown=True)
         self.assertEqual(h.check()[0], {})
+
+    def test_untyped_record(self):
+        h = History()
+        h.add('odd:1', None, 's3', 'a2', {})
+        self.only(h, 'untyped_record')
 
     def test_model_without_tools(self):
         h = History()
@@ -155,7 +161,7 @@ class CheckerTest(unittest.TestCase):
     def test_queued_settlement_without_attempt_is_no_stale_write(self):
         h = History()
         h.subs['s4'] = sub('s4', 4, outcome='FAILED')
-        h.add('settled:s4', 'submission_settled', 's4', '', {'outcome': 'failed'})
+        h.add('settled:s4', 'submission_settled', 's4', '', {'outcome': 'FAILED'})
         h.add('settled:s4x', 'assistant_delta', 's3', 'a2', {})  # a2 again after no attempt
         self.assertEqual(h.check()[0], {})
 
@@ -166,19 +172,19 @@ class CheckerTest(unittest.TestCase):
 
     def test_abort_not_honoured(self):
         h = History()
-        h.subs['s3']['abort_requested_at_ms'] = 50  # stamped long before the answer (111)
-        h.find('assistant:s3:0')['timestamp_ms'] = 50 + checker.ABORT_NOTICE_MS + 1
+        h.subs['s3']['abort_request_time_ms'] = 50  # stamped long before the answer (111)
+        h.find('assistant:s3:0')['create_time_ms'] = 50 + checker.ABORT_NOTICE_MS + 1
         self.only(h, 'abort_not_honoured')
 
     def test_abort_after_the_answer_keeps_completed(self):
         h = History()
-        h.subs['s3']['abort_requested_at_ms'] = h.find('assistant:s3:0')['timestamp_ms'] + 5
+        h.subs['s3']['abort_request_time_ms'] = h.find('assistant:s3:0')['create_time_ms'] + 5
         self.assertEqual(h.check()[0], {})
 
     def test_abort_honoured(self):
         h = History()
-        h.subs['s3'].update(outcome='ABORTED', abort_requested_at_ms=50)
-        h.find('settled:s3')['body']['outcome'] = 'aborted'
+        h.subs['s3'].update(outcome='ABORTED', abort_request_time_ms=50)
+        h.find('settled:s3')['body']['outcome'] = 'ABORTED'
         self.assertEqual(h.check()[0], {})
 
     def test_dedupe(self):
