@@ -9,6 +9,8 @@
  */
 #include "db.h"
 
+#include "migrate.h"
+
 #include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
@@ -53,23 +55,14 @@ static const char schema_sql[] =
     "  input_tokens INTEGER NOT NULL DEFAULT 0,"
     "  output_tokens INTEGER NOT NULL DEFAULT 0,"
     "  cost_usd REAL NOT NULL DEFAULT 0,"
+    "  kind INTEGER NOT NULL DEFAULT 1 CHECK (kind IN (1, 2)),"
     "  CHECK ((status = 'settled') = (outcome IS NOT NULL)));"
     "CREATE UNIQUE INDEX submissions_by_key ON submissions(agent, idempotency_key)"
     "  WHERE idempotency_key IS NOT NULL;"
     "CREATE INDEX submissions_by_conversation ON submissions(conversation_id, status, sequence);"
     "CREATE INDEX submissions_by_status ON submissions(status, sequence);"
     "CREATE INDEX submissions_by_host ON submissions(joined_into) WHERE joined_into IS NOT NULL;"
-    "CREATE TABLE records("
-    "  conversation_id TEXT NOT NULL,"
-    "  pos INTEGER NOT NULL,"
-    "  record_id TEXT NOT NULL,"
-    "  type TEXT NOT NULL,"
-    "  submission_id TEXT,"
-    "  attempt_id TEXT,"
-    "  ts INTEGER NOT NULL,"
-    "  body TEXT NOT NULL,"
-    "  PRIMARY KEY (conversation_id, pos),"
-    "  UNIQUE (conversation_id, record_id)) WITHOUT ROWID;"
+    "CREATE TABLE records" DB_RECORDS_TABLE ";"
     "INSERT INTO meta(key, value) VALUES ('schema_version', '" DB_SCHEMA_VERSION "');";
 
 enum cf_status db_code(int sqlite_rc)
@@ -127,12 +120,13 @@ enum cf_status db_prepare(sqlite3 *db, const char *sql, sqlite3_stmt **out, stru
 
 /* check_version reads the stamp; *fresh is set when the database has no tables at all. A
  * failed read is an error, never taken for "no tables" (which would write a schema over it). */
-static enum cf_status check_version(sqlite3 *db, const char *path, bool *fresh,
+static enum cf_status check_version(sqlite3 *db, const char *path, bool *fresh, bool *old,
                                     struct cf_error *err)
 {
     sqlite3_stmt *st;
     int tables = 0, r;
     *fresh = false;
+    *old = false;
     if (sqlite3_prepare_v2(db, "SELECT count(*) FROM sqlite_master WHERE type='table'", -1, &st,
                            NULL) != SQLITE_OK) {
         return cf_error_set(err, CF_CORRUPT, "%s is not a readable SQLite database: %s", path,
@@ -167,11 +161,13 @@ static enum cf_status check_version(sqlite3 *db, const char *path, bool *fresh,
         rc = db_step_fail(db, r, "read the schema version", err);
     } else {
         const char *v = (const char *)sqlite3_column_text(st, 0);
-        if (!v || strcmp(v, DB_SCHEMA_VERSION) != 0) {
+        if (v && !strcmp(v, MIGRATE_FROM_VERSION)) {
+            *old = true;
+        } else if (!v || strcmp(v, DB_SCHEMA_VERSION) != 0) {
             rc = cf_error_set(err, CF_VERSION,
                               "%s was written with schema version %s; this storaged reads "
-                              "version %s only; refusing to open it",
-                              path, v ? v : "(null)", DB_SCHEMA_VERSION);
+                              "version %s (and migrates version %s); refusing to open it",
+                              path, v ? v : "(null)", DB_SCHEMA_VERSION, MIGRATE_FROM_VERSION);
         }
     }
     sqlite3_finalize(st);
@@ -182,7 +178,7 @@ enum cf_status db_open(const char *path, bool writer, sqlite3 **out, struct cf_e
 {
     sqlite3 *db = NULL;
     enum cf_status rc;
-    bool fresh;
+    bool fresh, old;
     int flags = SQLITE_OPEN_NOMUTEX |
                 (writer ? SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE : SQLITE_OPEN_READONLY);
 
@@ -201,7 +197,16 @@ enum cf_status db_open(const char *path, bool writer, sqlite3 **out, struct cf_e
                       err)) != CF_OK) {
         goto fail;
     }
-    if ((rc = check_version(db, path, &fresh, err)) != CF_OK) {
+    if ((rc = check_version(db, path, &fresh, &old, err)) != CF_OK) {
+        goto fail;
+    }
+    if (old && !writer) {
+        rc =
+            cf_error_set(err, CF_VERSION, "%s has schema version %s; storaged's writer migrates it",
+                         path, MIGRATE_FROM_VERSION);
+        goto fail;
+    }
+    if (old && (rc = migrate_v1(db, path, err)) != CF_OK) {
         goto fail;
     }
     if (fresh) {

@@ -7,11 +7,28 @@
 #include <sqlite3.h>
 #include <stdbool.h>
 
-#define DB_SCHEMA_VERSION "1"
+#define DB_SCHEMA_VERSION "2"
+
+/* The records table's columns (after "CREATE TABLE <name>"): a record's body is stored as its
+ * oneof case (`kind`, the Record.body field number) and the body message packed by protobuf-c
+ * (`body`); no JSON. */
+#define DB_RECORDS_TABLE                                                                           \
+    "(conversation_id TEXT NOT NULL,"                                                              \
+    "  pos INTEGER NOT NULL,"                                                                      \
+    "  record_id TEXT NOT NULL,"                                                                   \
+    "  kind INTEGER NOT NULL,"                                                                     \
+    "  submission_id TEXT,"                                                                        \
+    "  attempt_id TEXT,"                                                                           \
+    "  ts INTEGER NOT NULL,"                                                                       \
+    "  body BLOB NOT NULL,"                                                                        \
+    "  PRIMARY KEY (conversation_id, pos),"                                                        \
+    "  UNIQUE (conversation_id, record_id)) WITHOUT ROWID"
 
 /* db_open opens path. The writer connection creates the schema on first use (WAL mode,
- * synchronous=FULL, foreign keys on) and refuses a database written by another schema version
- * or by something other than storaged with CF_VERSION and a message saying what was found.
+ * synchronous=FULL, foreign keys on), migrates a database of the previous schema version
+ * (MIGRATE_FROM_VERSION, migrate.h) in one transaction, and refuses one written by another
+ * schema version or by something other than storaged with CF_VERSION and a message saying what
+ * was found.
  * Reader connections are read-only and expect the schema to exist. On success *out is an open
  * connection the caller closes with sqlite3_close. */
 CF_MUST_CHECK enum cf_status db_open(const char *path, bool writer, sqlite3 **out,
@@ -47,7 +64,7 @@ CF_MUST_CHECK enum cf_status db_step_fail(sqlite3 *db, int step_rc, const char *
  * run and that run did not stop cleanly. Commits made with synchronous=NORMAL since the last
  * synced one may then have been lost, while the attempts that made them may still be running
  * elsewhere: every running or terminalizing submission gets a fresh attempt id and an expired
- * lease, so those attempts are fenced off (FAILED_PRECONDITION) and recovery continues from what
+ * lease, so those attempts are fenced off (ABORTED, STALE_FENCE) and recovery continues from what
  * is durable. After a process crash on the same boot nothing was lost (the OS kept the page
  * cache) and nothing is fenced. A database without a stored boot id (first start) fences nothing.
  * Stores the boot id and clears the clean-stop stamp, committed with synchronous=FULL. Sets

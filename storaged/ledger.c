@@ -31,9 +31,12 @@
 #include "db.h"
 #include "ids.h"
 #include "mem.h"
+#include "page_token.h"
+#include "pbtime.h"
+#include "record_kind.h"
 #include "validate.h"
 
-#include <jansson.h>
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,7 +46,7 @@
     " outcome, error, attempt_id, epoch, owner_id, lease_expires_at, attempt_count,"               \
     " max_attempts, timeout_at, accepted_at, started_at, input_applied_at,"                        \
     " abort_requested_at, joined_into, settled_at, answered_by, reserved_outcome, admit_pos,"      \
-    " input_tokens, output_tokens, cost_usd"
+    " input_tokens, output_tokens, cost_usd, kind"
 
 #define UNSETTLED "('queued','running','terminalizing','joining','joined')"
 
@@ -139,11 +142,15 @@ static int cmp_entry(const void *a, const void *b)
 }
 
 /* canonical_payload packs what identifies an admission: the request with its metadata sorted,
- * so two clients that order a map differently produce the same bytes. */
+ * so two clients that order a map differently produce the same bytes, and its kind MESSAGE
+ * written as UNSPECIFIED (the two mean the same). */
 static uint8_t *canonical_payload(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
                                   size_t *len_out)
 {
     Cflue__V1__AdmitRequest copy = *req;
+    if (copy.kind == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE) {
+        copy.kind = CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_UNSPECIFIED;
+    }
     if (req->n_metadata) {
         copy.metadata = arena_alloc(c->arena, sizeof(void *) * req->n_metadata);
         memcpy(copy.metadata, req->metadata, sizeof(void *) * req->n_metadata);
@@ -186,27 +193,36 @@ static void row_to_sub(struct ledger_ctx *c, sqlite3_stmt *st, Cflue__V1__Submis
     }
     out->status = status_from((const char *)sqlite3_column_text(st, 6));
     out->outcome = outcome_from((const char *)sqlite3_column_text(st, 7));
-    if (out->status == CFLUE__V1__SUBMISSION_STATUS__TERMINALIZING) {
+    if (out->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_TERMINALIZING) {
         out->outcome = outcome_from((const char *)sqlite3_column_text(st, 23));
     }
     out->error = (char *)col_text(c, st, 8);
     out->attempt_id = (char *)col_text(c, st, 9);
     out->epoch = sqlite3_column_int64(st, 10);
     out->owner_id = (char *)col_text(c, st, 11);
-    out->lease_expires_at_ms = sqlite3_column_int64(st, 12);
+    out->lease_expire_time = pbtime_in(c->arena, sqlite3_column_int64(st, 12));
     out->attempt_count = sqlite3_column_int(st, 13);
     out->max_attempts = sqlite3_column_int(st, 14);
-    out->timeout_at_ms = sqlite3_column_int64(st, 15);
-    out->accepted_at_ms = sqlite3_column_int64(st, 16);
-    out->started_at_ms = sqlite3_column_int64(st, 17);
-    out->input_applied_at_ms = sqlite3_column_int64(st, 18);
-    out->abort_requested_at_ms = sqlite3_column_int64(st, 19);
+    out->deadline = pbtime_in(c->arena, sqlite3_column_int64(st, 15));
+    out->create_time = pbtime_in(c->arena, sqlite3_column_int64(st, 16));
+    out->start_time = pbtime_in(c->arena, sqlite3_column_int64(st, 17));
+    out->input_apply_time = pbtime_in(c->arena, sqlite3_column_int64(st, 18));
+    out->abort_request_time = pbtime_in(c->arena, sqlite3_column_int64(st, 19));
     out->joined_into = (char *)col_text(c, st, 20);
-    out->settled_at_ms = sqlite3_column_int64(st, 21);
+    out->settle_time = pbtime_in(c->arena, sqlite3_column_int64(st, 21));
     out->answered_by = (char *)col_text(c, st, 22);
-    out->input_tokens = sqlite3_column_int64(st, 25);
-    out->output_tokens = sqlite3_column_int64(st, 26);
-    out->cost_usd = sqlite3_column_double(st, 27);
+    int64_t in = sqlite3_column_int64(st, 25), outk = sqlite3_column_int64(st, 26);
+    double cost = sqlite3_column_double(st, 27);
+    if (in || outk || cost > 0) {
+        out->usage = arena_alloc(c->arena, sizeof(*out->usage));
+        cflue__v1__usage__init(out->usage);
+        out->usage->input_tokens = in;
+        out->usage->output_tokens = outk;
+        out->usage->cost_usd = cost;
+    }
+    out->kind = sqlite3_column_int(st, 28) == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT
+                    ? CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT
+                    : CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE;
 }
 
 static enum cf_status load_sub(struct ledger_ctx *c, const char *id, Cflue__V1__Submission *out,
@@ -263,7 +279,7 @@ static enum cf_status list_subs(struct ledger_ctx *c, sqlite3_stmt *st,
 
 /* ---------- fencing ---------- */
 
-#define ST_BIT(s) (1u << (CFLUE__V1__SUBMISSION_STATUS__##s))
+#define ST_BIT(s) (1u << (CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_##s))
 
 /* fenced loads the fenced row and checks attempt, epoch and status. */
 static enum cf_status fenced(struct ledger_ctx *c, const Cflue__V1__Fence *f, unsigned allowed,
@@ -284,7 +300,7 @@ static enum cf_status fenced(struct ledger_ctx *c, const Cflue__V1__Fence *f, un
                             (long long)row->epoch, ledger_status_name(row->status));
     }
     if (!(allowed & (1u << row->status))) {
-        return cf_error_set(err, CF_STALE, "submission %s is %s; this write needs it %s",
+        return cf_error_set(err, CF_PRECONDITION, "submission %s is %s; this write needs it %s",
                             row->submission_id, ledger_status_name(row->status), need);
     }
     return CF_OK;
@@ -314,7 +330,19 @@ static enum cf_status conversation_head(struct ledger_ctx *c, const char *conv, 
     return rc;
 }
 
-/* insert_records appends records at the conversation's head. Ids must be set. */
+/* pack_body returns the record's body packed (protobuf-c), in the arena: the `body` column.
+ * The body must be set (validate_append and the settlement path make sure). */
+static uint8_t *pack_body(struct ledger_ctx *c, const Cflue__V1__Record *r, size_t *len_out)
+{
+    const ProtobufCMessage *body = record_body(r);
+    assert(body != NULL);
+    *len_out = protobuf_c_message_get_packed_size(body);
+    uint8_t *buf = arena_alloc(c->arena, *len_out + 1);
+    protobuf_c_message_pack(body, buf);
+    return buf;
+}
+
+/* insert_records appends records at the conversation's head. Ids and bodies must be set. */
 static enum cf_status insert_records(struct ledger_ctx *c, const char *conv,
                                      Cflue__V1__Record *const *recs, size_t n,
                                      const char *default_sub, const char *attempt,
@@ -327,7 +355,7 @@ static enum cf_status insert_records(struct ledger_ctx *c, const char *conv,
         return rc;
     }
     if ((rc = db_prepare(c->db,
-                         "INSERT INTO records(conversation_id, pos, record_id, type, "
+                         "INSERT INTO records(conversation_id, pos, record_id, kind, "
                          "submission_id, attempt_id, ts, body) VALUES (?,?,?,?,?,?,?,?)",
                          &st, err)) != CF_OK) {
         return rc;
@@ -339,11 +367,13 @@ static enum cf_status insert_records(struct ledger_ctx *c, const char *conv,
         bind_text(st, 1, conv);
         sqlite3_bind_int64(st, 2, pos + (int64_t)i);
         bind_text(st, 3, r->id);
-        bind_text(st, 4, r->type);
+        size_t len;
+        const uint8_t *body = pack_body(c, r, &len);
+        sqlite3_bind_int(st, 4, (int)r->body_case);
         bind_opt_text(st, 5, *r->submission_id ? r->submission_id : default_sub);
         bind_opt_text(st, 6, attempt);
         sqlite3_bind_int64(st, 7, c->now);
-        bind_text(st, 8, *r->body_json ? r->body_json : "{}");
+        sqlite3_bind_blob(st, 8, body, (int)len, SQLITE_STATIC);
         int r2 = sqlite3_step(st);
         if (r2 != SQLITE_DONE) {
             rc = db_step_fail(c->db, r2, "insert record", err);
@@ -393,10 +423,10 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
             int64_t pos = sqlite3_column_int64(st, 2);
             sqlite3_finalize(st);
             if (!same) {
-                return cf_error_set(err, CF_EXISTS,
-                                    "idempotency key '%s' of agent '%s' was already used for a "
-                                    "different submission (%s)",
-                                    req->idempotency_key, req->agent, existing);
+                return cf_error_setr(err, CF_EXISTS, "IDEMPOTENCY_CONFLICT",
+                                     "idempotency key '%s' of agent '%s' was already used for a "
+                                     "different submission (%s)",
+                                     req->idempotency_key, req->agent, existing);
             }
             out->submission = new_sub(c);
             out->deduplicated = true;
@@ -423,7 +453,7 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
             next_pos = sqlite3_column_int64(st, 1);
             sqlite3_finalize(st);
             if (strcmp(owner, req->agent) != 0) {
-                return cf_error_set(err, CF_STALE,
+                return cf_error_set(err, CF_PRECONDITION,
                                     "conversation '%s' belongs to agent '%s', not '%s'", conv,
                                     owner, req->agent);
             }
@@ -435,6 +465,13 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
         }
     } else {
         conv[0] = '\0';
+    }
+    bool compact = req->kind == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
+    if (!conv[0] && compact) {
+        return cf_error_set(err, CF_NOT_FOUND,
+                            "no conversation with id '%s' to compact (kind COMPACT needs an "
+                            "existing conversation)",
+                            req->conversation_id);
     }
     if (!conv[0]) {
         if (*req->conversation_id) {
@@ -460,7 +497,7 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
     if ((rc = db_prepare(c->db,
                          "INSERT INTO submissions(submission_id, conversation_id, agent, "
                          "idempotency_key, payload, status, max_attempts, accepted_at, "
-                         "admit_pos) VALUES (?,?,?,?,?,'queued',?,?,?)",
+                         "admit_pos, kind) VALUES (?,?,?,?,?,'queued',?,?,?,?)",
                          &st, err)) != CF_OK) {
         return rc;
     }
@@ -472,6 +509,9 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
     sqlite3_bind_int(st, 6, c->cfg->max_attempts);
     sqlite3_bind_int64(st, 7, c->now);
     sqlite3_bind_int64(st, 8, next_pos - 1);
+    sqlite3_bind_int(st, 9,
+                     compact ? CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT
+                             : CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE);
     if ((rc = step_done(c, st, "insert submission", err)) != CF_OK) {
         return rc;
     }
@@ -494,7 +534,7 @@ static enum cf_status pick(struct ledger_ctx *c, const char *sql,
     bind_text(st, 2, req->submission_id);
     bind_text(st, 3, req->conversation_id);
     if (sqlite3_bind_parameter_count(st) >= 5) {
-        sqlite3_bind_int64(st, 4, req->reclaim_started_before_ms);
+        sqlite3_bind_int64(st, 4, pbtime_ms(req->reclaim_started_before));
         bind_text(st, 5, req->owner_id);
     }
     int r = sqlite3_step(st);
@@ -527,7 +567,7 @@ enum cf_status ledger_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRequest 
     enum cf_status rc;
     Cflue__V1__Submission probe;
     sqlite3_stmt *st;
-    int64_t lease = req->lease_ms > 0 ? req->lease_ms : c->cfg->lease_ms;
+    int64_t lease = req->lease_duration ? pbdur_ms(req->lease_duration) : c->cfg->lease_ms;
 
     if (*req->submission_id && (rc = load_sub(c, req->submission_id, &probe, err)) != CF_OK) {
         return rc;
@@ -604,10 +644,10 @@ enum cf_status ledger_heartbeat(struct ledger_ctx *c, const Cflue__V1__Heartbeat
 {
     sqlite3_stmt *st;
     enum cf_status rc;
-    int64_t lease = req->lease_ms > 0 ? req->lease_ms : c->cfg->lease_ms;
+    int64_t lease = req->lease_duration ? pbdur_ms(req->lease_duration) : c->cfg->lease_ms;
     out->renewed = arena_alloc(c->arena, sizeof(char *) * (req->n_fences + 1));
     out->lost = arena_alloc(c->arena, sizeof(char *) * (req->n_fences + 1));
-    out->lease_expires_at_ms = c->now + lease;
+    out->lease_expire_time = pbtime_in(c->arena, c->now + lease);
     if ((rc = db_prepare(c->db,
                          "UPDATE submissions SET lease_expires_at = ? WHERE submission_id = ? "
                          "AND attempt_id = ? AND epoch = ? AND owner_id = ? "
@@ -658,7 +698,7 @@ enum cf_status ledger_mark_input_applied(struct ledger_ctx *c,
     }
     sqlite3_bind_int64(st, 1, c->now);
     sqlite3_bind_int(st, 2, req->max_attempts);
-    sqlite3_bind_int64(st, 3, req->timeout_ms);
+    sqlite3_bind_int64(st, 3, pbdur_ms(req->timeout));
     bind_text(st, 4, req->fence->submission_id);
     if ((rc = step_done(c, st, "mark input applied", err)) != CF_OK) {
         return rc;
@@ -690,17 +730,11 @@ enum cf_status ledger_requeue(struct ledger_ctx *c, const Cflue__V1__Fence *fenc
 
 /* ---------- joins ---------- */
 
-/* is_compact tells a Compact submission (agentd admits it with metadata cflue.kind=compact).
- * It is its own ordered work: never joined into a running submission, and nothing joins it. */
+/* is_compact tells a Compact submission (the `kind` column). It is its own ordered work: never
+ * joined into a running submission, and nothing joins it. */
 static bool is_compact(const Cflue__V1__Submission *s)
 {
-    for (size_t i = 0; i < s->n_metadata; i++) {
-        if (!strcmp(s->metadata[i]->key, LEDGER_KIND_KEY) &&
-            !strcmp(s->metadata[i]->value, LEDGER_KIND_COMPACT)) {
-            return true;
-        }
-    }
-    return false;
+    return s->kind == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
 }
 
 enum cf_status ledger_claim_joinable(struct ledger_ctx *c,
@@ -731,7 +765,7 @@ enum cf_status ledger_claim_joinable(struct ledger_ctx *c,
     }
     for (size_t i = 0; i < n; i++) {
         /* The run stops at the first row that cannot join (never skips it: FIFO holds). */
-        if (rows[i]->abort_requested_at_ms || is_compact(rows[i]) ||
+        if (rows[i]->abort_request_time || is_compact(rows[i]) ||
             (req->limit > 0 && i >= (size_t)req->limit)) {
             break;
         }
@@ -766,9 +800,9 @@ enum cf_status ledger_finish_join(struct ledger_ctx *c, const Cflue__V1__JoinReq
     if ((rc = load_sub(c, req->submission_id, out, err)) != CF_OK) {
         return rc;
     }
-    if (out->status != CFLUE__V1__SUBMISSION_STATUS__JOINING ||
+    if (out->status != CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_JOINING ||
         strcmp(out->joined_into, host.submission_id) != 0) {
-        return cf_error_set(err, CF_STALE, "submission %s is %s%s%s, not joining into %s",
+        return cf_error_set(err, CF_PRECONDITION, "submission %s is %s%s%s, not joining into %s",
                             out->submission_id, ledger_status_name(out->status),
                             *out->joined_into ? " into " : "", out->joined_into,
                             host.submission_id);
@@ -810,7 +844,7 @@ enum cf_status ledger_request_abort(struct ledger_ctx *c, const Cflue__V1__Reque
     enum cf_status rc;
     Cflue__V1__Submission one;
     int64_t head;
-    bool by_conv = *req->conversation_id != '\0';
+    bool by_conv = req->target_case == CFLUE__V1__REQUEST_ABORT_REQUEST__TARGET_CONVERSATION_ID;
     const char *key = by_conv ? req->conversation_id : req->submission_id;
 
     if (by_conv) {
@@ -907,26 +941,24 @@ static enum cf_status finish_one(struct ledger_ctx *c, const char *sub, const ch
     if ((rc = step_done(c, st, "settle", err)) != CF_OK) {
         return rc;
     }
-    json_t *body = json_pack("{s:s, s:s, s:s}", "outcome", outcome_names[outcome], "error",
-                             error ? error : "", "answered_by", answered_by);
-    char *text = json_dumps(body, JSON_COMPACT);
-    json_decref(body);
+    Cflue__V1__SubmissionSettled body = CFLUE__V1__SUBMISSION_SETTLED__INIT;
+    body.outcome = (Cflue__V1__Outcome)outcome;
+    body.error = (char *)(error ? error : "");
+    body.answered_by = (char *)answered_by;
     char rid[IDS_MAX * 4];
     snprintf(rid, sizeof(rid), "settled:%s", sub);
     Cflue__V1__Record rec = CFLUE__V1__RECORD__INIT;
     Cflue__V1__Record *recs[1] = {&rec};
     rec.id = rid;
-    rec.type = "submission_settled";
     rec.submission_id = (char *)sub;
-    rec.body_json = text ? text : "{}";
-    rc = insert_records(c, conv, recs, 1, sub, attempt, offset_out, err);
-    free(text);
-    return rc;
+    rec.body_case = CFLUE__V1__RECORD__BODY_SUBMISSION_SETTLED;
+    rec.submission_settled = &body;
+    return insert_records(c, conv, recs, 1, sub, attempt, offset_out, err);
 }
 
 static enum cf_status finish_with_fanout(struct ledger_ctx *c, Cflue__V1__Submission *row,
                                          int outcome, const char *error,
-                                         const Cflue__V1__SettleRequest *usage,
+                                         const Cflue__V1__Usage *usage,
                                          Cflue__V1__SettleResponse *out, struct cf_error *err)
 {
     sqlite3_stmt *st;
@@ -1032,22 +1064,22 @@ enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleReques
     if ((rc = load_sub(c, f->submission_id, row, err)) != CF_OK) {
         return rc;
     }
-    if (row->status == CFLUE__V1__SUBMISSION_STATUS__SETTLED) {
+    if (row->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_SETTLED) {
         bool same = *f->attempt_id && !strcmp(f->attempt_id, row->attempt_id) &&
                     f->epoch == row->epoch && (int)row->outcome == outcome &&
                     !strcmp(row->error, error ? error : "");
         if (!same) {
-            return cf_error_set(err, CF_STALE, "submission %s is already settled as %s%s%s",
-                                row->submission_id, outcome_names[row->outcome],
-                                *row->error ? ": " : "", row->error);
+            return cf_error_setr(err, CF_PRECONDITION, "ALREADY_SETTLED",
+                                 "submission %s is already settled as %s%s%s", row->submission_id,
+                                 outcome_names[row->outcome], *row->error ? ": " : "", row->error);
         }
         out->already_settled = true;
         return ledger_settlement_offset(c, row->submission_id, row->conversation_id,
                                         &out->record_offset, err);
     }
     if (!*f->attempt_id) {
-        if (row->status != CFLUE__V1__SUBMISSION_STATUS__QUEUED) {
-            return cf_error_set(err, CF_STALE,
+        if (row->status != CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_QUEUED) {
+            return cf_error_set(err, CF_PRECONDITION,
                                 "submission %s is %s; without an attempt only a queued "
                                 "submission can be settled",
                                 row->submission_id, ledger_status_name(row->status));
@@ -1055,13 +1087,13 @@ enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleReques
         if (req->reserve_only) {
             return cf_error_set(err, CF_INVALID, "reserve_only needs a fence with an attempt");
         }
-        return finish_with_fanout(c, row, outcome, error, req, out, err);
+        return finish_with_fanout(c, row, outcome, error, req->usage, out, err);
     }
     if ((rc = fenced(c, f, ST_BIT(RUNNING) | ST_BIT(TERMINALIZING), "running or terminalizing", row,
                      err)) != CF_OK) {
         return rc;
     }
-    if (row->status == CFLUE__V1__SUBMISSION_STATUS__TERMINALIZING) {
+    if (row->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_TERMINALIZING) {
         int r_outcome = 0;
         const char *r_error = NULL;
         if ((rc = reserved(c, row->submission_id, &r_outcome, &r_error, err)) != CF_OK) {
@@ -1069,15 +1101,16 @@ enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleReques
         }
         if (req->reserve_only) {
             if (r_outcome != outcome) {
-                return cf_error_set(err, CF_STALE, "submission %s already reserved outcome %s",
-                                    row->submission_id, outcome_names[r_outcome]);
+                return cf_error_set(err, CF_PRECONDITION,
+                                    "submission %s already reserved outcome %s", row->submission_id,
+                                    outcome_names[r_outcome]);
             }
             return CF_OK;
         }
-        return finish_with_fanout(c, row, r_outcome, r_error, req, out, err);
+        return finish_with_fanout(c, row, r_outcome, r_error, req->usage, out, err);
     }
     if (!req->reserve_only) {
-        return finish_with_fanout(c, row, outcome, error, req, out, err);
+        return finish_with_fanout(c, row, outcome, error, req->usage, out, err);
     }
     if ((rc = db_prepare(c->db,
                          "UPDATE submissions SET status = 'terminalizing', reserved_outcome = ?, "
@@ -1128,22 +1161,20 @@ enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendReques
         } else if (strcmp(r->submission_id, row.submission_id) != 0) {
             if ((rc = load_sub(c, r->submission_id, &other, err)) != CF_OK) {
                 return rc == CF_NOT_FOUND
-                           ? cf_error_set(err, CF_STALE,
+                           ? cf_error_set(err, CF_PRECONDITION,
                                           "record %zu names submission '%s', which does not exist",
                                           i, r->submission_id)
                            : rc;
             }
             if (strcmp(other.joined_into, row.submission_id) != 0 ||
-                (other.status != CFLUE__V1__SUBMISSION_STATUS__JOINING &&
-                 other.status != CFLUE__V1__SUBMISSION_STATUS__JOINED)) {
-                return cf_error_set(err, CF_STALE,
+                (other.status != CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_JOINING &&
+                 other.status != CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_JOINED)) {
+                return cf_error_set(err, CF_PRECONDITION,
                                     "record %zu names submission %s, which is not joined into %s",
                                     i, r->submission_id, row.submission_id);
             }
         }
-        if (!*r->body_json) {
-            r->body_json = "{}";
-        }
+        assert(record_body(r) != NULL); /* validate_append refused bodiless records */
         if (!*r->id) {
             char id[IDS_MAX];
             ids_new(id, "rec");
@@ -1151,7 +1182,7 @@ enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendReques
             continue;
         }
         if ((rc = db_prepare(c->db,
-                             "SELECT pos, type, submission_id, body FROM records "
+                             "SELECT pos, kind, submission_id, body FROM records "
                              "WHERE conversation_id = ? AND record_id = ?",
                              &st, err)) != CF_OK) {
             return rc;
@@ -1162,16 +1193,18 @@ enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendReques
         if (found == SQLITE_ROW) {
             int64_t pos = sqlite3_column_int64(st, 0);
             const char *sub = (const char *)sqlite3_column_text(st, 2);
-            bool same = !strcmp((const char *)sqlite3_column_text(st, 1), r->type) &&
+            size_t len;
+            const uint8_t *body = pack_body(c, r, &len);
+            bool same = sqlite3_column_int(st, 1) == (int)r->body_case &&
                         !strcmp(sub ? sub : "", r->submission_id) &&
-                        (size_t)sqlite3_column_bytes(st, 3) == strlen(r->body_json) &&
-                        !memcmp(sqlite3_column_text(st, 3), r->body_json, strlen(r->body_json));
+                        (size_t)sqlite3_column_bytes(st, 3) == len &&
+                        (len == 0 || !memcmp(sqlite3_column_blob(st, 3), body, len));
             sqlite3_finalize(st);
             if (!same) {
-                return cf_error_set(err, CF_EXISTS,
-                                    "record id '%s' is already stored at offset %lld with "
-                                    "different content",
-                                    r->id, (long long)pos);
+                return cf_error_setr(err, CF_EXISTS, "RECORD_CONFLICT",
+                                     "record id '%s' is already stored at offset %lld with "
+                                     "different content",
+                                     r->id, (long long)pos);
             }
             dups++;
             first = pos < first ? pos : first;
@@ -1187,10 +1220,10 @@ enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendReques
         return CF_OK;
     }
     if (dups) {
-        return cf_error_set(err, CF_EXISTS,
-                            "%zu of the batch's %zu records are already stored; resend the "
-                            "original batch unchanged or use new record ids",
-                            dups, n);
+        return cf_error_setr(err, CF_EXISTS, "RECORD_CONFLICT",
+                             "%zu of the batch's %zu records are already stored; resend the "
+                             "original batch unchanged or use new record ids",
+                             dups, n);
     }
     if ((rc = insert_records(c, row.conversation_id, recs, n, row.submission_id, row.attempt_id,
                              &out->first_offset, err)) != CF_OK) {
@@ -1208,13 +1241,62 @@ enum cf_status ledger_get(struct ledger_ctx *c, const char *submission_id,
     return load_sub(c, submission_id, out, err);
 }
 
+static int cmp_status(const void *a, const void *b)
+{
+    return *(const int *)a - *(const int *)b;
+}
+
+/* list_scope is the page-token scope of a List: its filters in one canonical string (statuses
+ * sorted and deduplicated), so a token only continues the listing it came from. */
+static const char *list_scope(struct ledger_ctx *c, const Cflue__V1__ListRequest *req)
+{
+    int st[8], n = 0;
+    char *out = arena_alloc(c->arena, 2 * VALIDATE_NAME_MAX + 64);
+    for (size_t i = 0; i < req->n_statuses && n < 8; i++) {
+        st[n++] = (int)req->statuses[i];
+    }
+    qsort(st, (size_t)n, sizeof(int), cmp_status);
+    int len = snprintf(out, 2 * VALIDATE_NAME_MAX + 64, "list\n%s\n%s\n", req->conversation_id,
+                       req->joined_into);
+    for (int i = 0; i < n; i++) {
+        if (i == 0 || st[i] != st[i - 1]) {
+            len += snprintf(out + len, 8, "%d,", st[i]);
+        }
+    }
+    return out;
+}
+
+static int page_limit(int32_t page_size)
+{
+    return page_size > 0 ? (page_size > 1000 ? 1000 : page_size) : 100;
+}
+
+/* page_of trims rows fetched with LIMIT page + 1 to one page and makes the token of the next
+ * page (the last sequence returned) when there was a row more. */
+static void page_of(struct ledger_ctx *c, const char *scope, int limit,
+                    Cflue__V1__ListResponse *out)
+{
+    out->next_page_token = "";
+    if (out->n_submissions > (size_t)limit) {
+        out->n_submissions = (size_t)limit;
+        out->next_page_token = arena_alloc(c->arena, PAGE_TOKEN_MAX);
+        page_token_make_int(out->next_page_token, scope, out->submissions[limit - 1]->sequence);
+    }
+}
+
 enum cf_status ledger_list(struct ledger_ctx *c, const Cflue__V1__ListRequest *req,
                            Cflue__V1__ListResponse *out, struct cf_error *err)
 {
     char sql[1024], in[256] = "";
     sqlite3_stmt *st;
     enum cf_status rc;
-    int limit = req->limit > 0 ? (req->limit > 1000 ? 1000 : req->limit) : 100;
+    int limit = page_limit(req->page_size);
+    int64_t after = 0;
+    const char *scope = list_scope(c, req);
+    if (*req->page_token &&
+        (rc = page_token_parse_int(req->page_token, scope, &after, err)) != CF_OK) {
+        return rc;
+    }
     for (size_t i = 0; i < req->n_statuses && i < 6; i++) {
         char part[32];
         snprintf(part, sizeof(part), "%s'%s'", i ? "," : "", ledger_status_name(req->statuses[i]));
@@ -1228,34 +1310,43 @@ enum cf_status ledger_list(struct ledger_ctx *c, const Cflue__V1__ListRequest *r
     if ((rc = db_prepare(c->db, sql, &st, err)) != CF_OK) {
         return rc;
     }
-    sqlite3_bind_int64(st, 1, req->after_sequence);
+    sqlite3_bind_int64(st, 1, after);
     bind_text(st, 2, req->conversation_id);
     bind_text(st, 3, req->joined_into);
-    sqlite3_bind_int(st, 4, limit);
+    sqlite3_bind_int(st, 4, limit + 1);
     if ((rc = list_subs(c, st, &out->submissions, &out->n_submissions, err)) != CF_OK) {
         return rc;
     }
-    out->next_sequence = out->n_submissions == (size_t)limit
-                             ? out->submissions[out->n_submissions - 1]->sequence
-                             : 0;
+    page_of(c, scope, limit, out);
     return CF_OK;
 }
 
-enum cf_status ledger_scan_expired(struct ledger_ctx *c, int32_t limit,
+enum cf_status ledger_scan_expired(struct ledger_ctx *c, const Cflue__V1__ScanExpiredRequest *req,
                                    Cflue__V1__ListResponse *out, struct cf_error *err)
 {
     sqlite3_stmt *st;
     enum cf_status rc;
+    int limit = page_limit(req->page_size);
+    int64_t after = 0;
+    if (*req->page_token &&
+        (rc = page_token_parse_int(req->page_token, "scan", &after, err)) != CF_OK) {
+        return rc;
+    }
     if ((rc = db_prepare(c->db,
                          "SELECT " SUB_COLS " FROM submissions WHERE status IN "
                          "('running','terminalizing') AND lease_expires_at > 0 AND "
-                         "lease_expires_at < ? ORDER BY sequence LIMIT ?",
+                         "lease_expires_at < ? AND sequence > ? ORDER BY sequence LIMIT ?",
                          &st, err)) != CF_OK) {
         return rc;
     }
     sqlite3_bind_int64(st, 1, c->now);
-    sqlite3_bind_int(st, 2, limit > 0 ? limit : 100);
-    return list_subs(c, st, &out->submissions, &out->n_submissions, err);
+    sqlite3_bind_int64(st, 2, after);
+    sqlite3_bind_int(st, 3, limit + 1);
+    if ((rc = list_subs(c, st, &out->submissions, &out->n_submissions, err)) != CF_OK) {
+        return rc;
+    }
+    page_of(c, "scan", limit, out);
+    return CF_OK;
 }
 
 enum cf_status ledger_conversation(struct ledger_ctx *c, const char *conversation_id,
@@ -1275,7 +1366,7 @@ enum cf_status ledger_conversation(struct ledger_ctx *c, const char *conversatio
     if (r == SQLITE_ROW) {
         out->conversation_id = arena_strdup(c->arena, conversation_id);
         out->agent = (char *)col_text(c, st, 0);
-        out->created_at_ms = sqlite3_column_int64(st, 1);
+        out->create_time = pbtime_in(c->arena, sqlite3_column_int64(st, 1));
         out->head_offset = sqlite3_column_int64(st, 2) - 1;
         out->epoch = sqlite3_column_int64(st, 3);
         out->unsettled = sqlite3_column_int(st, 4);
@@ -1309,20 +1400,54 @@ static size_t varint_len(uint64_t v)
     return n;
 }
 
-/* column_view points a record at the current row's columns without copying them (valid until
- * the next step), so its encoded size is known before anything is copied. */
-static void column_view(sqlite3_stmt *st, Cflue__V1__Record *rec)
+/* row_record builds the current row (pos, record_id, kind, submission_id, attempt_id, ts, body)
+ * as a Record in the arena, its body decoded from the `body` column. *framed_out is its size
+ * as a repeated field of ReadResponse, known before anything is decoded: when it exceeds
+ * `room`, *out is left NULL and nothing is copied. */
+static enum cf_status row_record(struct ledger_ctx *c, sqlite3_stmt *st, size_t room,
+                                 Cflue__V1__Record **out, size_t *framed_out, struct cf_error *err)
 {
-    cflue__v1__record__init(rec);
-    rec->offset = sqlite3_column_int64(st, 0);
-    char **fields[] = {&rec->id, &rec->type, &rec->submission_id, &rec->attempt_id};
-    for (int i = 0; i < 4; i++) {
-        const unsigned char *t = sqlite3_column_text(st, 1 + i);
+    Cflue__V1__Record view = CFLUE__V1__RECORD__INIT;
+    Google__Protobuf__Timestamp ts = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+    char **fields[] = {&view.id, &view.submission_id, &view.attempt_id};
+    const int cols[] = {1, 3, 4};
+    *out = NULL;
+    view.offset = sqlite3_column_int64(st, 0);
+    for (int i = 0; i < 3; i++) {
+        const unsigned char *t = sqlite3_column_text(st, cols[i]);
         *fields[i] = t ? (char *)t : "";
     }
-    rec->timestamp_ms = sqlite3_column_int64(st, 5);
-    const unsigned char *body = sqlite3_column_text(st, 6);
-    rec->body_json = body ? (char *)body : "";
+    pbtime_set(&ts, sqlite3_column_int64(st, 5));
+    view.create_time = &ts;
+    int kind = sqlite3_column_int(st, 2);
+    const void *blob = sqlite3_column_blob(st, 6);
+    size_t blob_len = (size_t)sqlite3_column_bytes(st, 6);
+    const ProtobufCMessageDescriptor *desc = record_body_descriptor(kind);
+    if (!desc) {
+        return cf_error_set(err, CF_CORRUPT, "record %lld has an unknown kind %d",
+                            (long long)view.offset, kind);
+    }
+    size_t size = protobuf_c_message_get_packed_size(&view.base) +
+                  varint_len((uint64_t)kind << 3 | 2) + varint_len(blob_len) + blob_len;
+    *framed_out = 1 + varint_len(size) + size;
+    if (*framed_out > room) {
+        return CF_OK;
+    }
+    ProtobufCMessage *body =
+        protobuf_c_message_unpack(desc, arena_protobuf_allocator(c->arena), blob_len, blob);
+    if (!body) {
+        return cf_error_set(err, CF_CORRUPT, "record %lld: its %s body does not decode",
+                            (long long)view.offset, record_kind_name(kind));
+    }
+    Cflue__V1__Record *rec = arena_alloc(c->arena, sizeof(*rec));
+    *rec = view;
+    rec->id = arena_strdup(c->arena, view.id);
+    rec->submission_id = arena_strdup(c->arena, view.submission_id);
+    rec->attempt_id = arena_strdup(c->arena, view.attempt_id);
+    rec->create_time = pbtime_in(c->arena, sqlite3_column_int64(st, 5));
+    record_set_body(rec, body);
+    *out = rec;
+    return CF_OK;
 }
 
 enum cf_status ledger_read(struct ledger_ctx *c, const Cflue__V1__ReadRequest *req,
@@ -1336,52 +1461,59 @@ enum cf_status ledger_read_bytes(struct ledger_ctx *c, const Cflue__V1__ReadRequ
 {
     sqlite3_stmt *st;
     enum cf_status rc;
-    int64_t next_pos;
+    int64_t next_pos, after = req->after_offset, last;
     size_t used = 0;
-    int limit = req->limit > 0 ? (req->limit > 1000 ? 1000 : req->limit) : 100;
+    int limit = page_limit(req->page_size);
+    if (*req->page_token &&
+        (rc = page_token_parse_int(req->page_token, req->conversation_id, &after, err)) != CF_OK) {
+        return rc;
+    }
     if ((rc = conversation_head(c, req->conversation_id, &next_pos, err)) != CF_OK) {
         return rc;
     }
     out->head_offset = next_pos - 1;
-    if (req->after_offset > out->head_offset) {
-        return cf_error_set(
-            err, CF_RANGE, "offset %lld is beyond the head of conversation %s (%lld)",
-            (long long)req->after_offset, req->conversation_id, (long long)out->head_offset);
+    out->next_page_token = "";
+    if (after > out->head_offset) {
+        return cf_error_setr(err, CF_RANGE, "OFFSET_BEYOND_HEAD",
+                             "offset %lld is beyond the head of conversation %s (%lld)",
+                             (long long)after, req->conversation_id, (long long)out->head_offset);
     }
     if ((rc = db_prepare(c->db,
-                         "SELECT pos, record_id, type, submission_id, attempt_id, ts, body "
+                         "SELECT pos, record_id, kind, submission_id, attempt_id, ts, body "
                          "FROM records WHERE conversation_id = ? AND pos > ? ORDER BY pos "
                          "LIMIT ?",
                          &st, err)) != CF_OK) {
         return rc;
     }
     bind_text(st, 1, req->conversation_id);
-    sqlite3_bind_int64(st, 2, req->after_offset);
+    sqlite3_bind_int64(st, 2, after);
     sqlite3_bind_int(st, 3, limit);
     out->records = arena_alloc(c->arena, sizeof(void *) * (size_t)limit);
-    out->next_offset = req->after_offset;
+    last = after;
     int r;
     while ((r = sqlite3_step(st)) == SQLITE_ROW) {
-        Cflue__V1__Record view;
-        column_view(st, &view);
-        size_t size = protobuf_c_message_get_packed_size(&view.base);
-        size_t framed = 1 + varint_len(size) + size; /* as a repeated field of ReadResponse */
-        if (out->n_records > 0 && used + framed > (size_t)budget) {
+        Cflue__V1__Record *rec;
+        size_t framed;
+        /* the first record always fits (Append bounds every record by the page budget) */
+        size_t room = out->n_records > 0 ? (size_t)budget - used : SIZE_MAX;
+        if ((rc = row_record(c, st, room, &rec, &framed, err)) != CF_OK) {
+            sqlite3_finalize(st);
+            return rc;
+        }
+        if (!rec) {
             r = SQLITE_DONE; /* the page is full; the rest comes with the next one */
             break;
         }
         used += framed;
-        Cflue__V1__Record *rec = arena_alloc(c->arena, sizeof(*rec));
-        *rec = view;
-        rec->id = arena_strdup(c->arena, view.id);
-        rec->type = arena_strdup(c->arena, view.type);
-        rec->submission_id = arena_strdup(c->arena, view.submission_id);
-        rec->attempt_id = arena_strdup(c->arena, view.attempt_id);
-        rec->body_json = (char *)col_text(c, st, 6);
         out->records[out->n_records++] = rec;
-        out->next_offset = rec->offset;
+        last = rec->offset;
     }
-    rc = step_rows(c, st, r, "read records", err);
-    out->up_to_date = out->next_offset >= out->head_offset;
-    return rc;
+    if ((rc = step_rows(c, st, r, "read records", err)) != CF_OK) {
+        return rc;
+    }
+    if (last < out->head_offset) {
+        out->next_page_token = arena_alloc(c->arena, PAGE_TOKEN_MAX);
+        page_token_make_int(out->next_page_token, req->conversation_id, last);
+    }
+    return CF_OK;
 }

@@ -17,11 +17,6 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-/* Submission metadata naming the kind of work: a Compact submission carries
- * cflue.kind=compact and is never joined (ledger_claim_joinable). */
-#define LEDGER_KIND_KEY "cflue.kind"
-#define LEDGER_KIND_COMPACT "compact"
-
 /* Byte bounds of the record streams (see docs/storaged.md, "Page and record sizes").
  *
  * A Read page holds records while their encoded size stays within the page budget, and always
@@ -124,12 +119,16 @@ CF_MUST_CHECK enum cf_status ledger_append(struct ledger_ctx *c,
 CF_MUST_CHECK enum cf_status ledger_get(struct ledger_ctx *c, const char *submission_id,
                                         Cflue__V1__Submission *out, struct cf_error *err);
 
-/* ledger_list lists submissions in sequence order (see ListRequest). */
+/* ledger_list lists submissions in sequence order, one page (see ListRequest): the page
+ * token's scope is the filters, its position the last sequence returned; next_page_token is
+ * empty on the last page. CF_INVALID (INVALID_PAGE_TOKEN) for a token of other filters. */
 CF_MUST_CHECK enum cf_status ledger_list(struct ledger_ctx *c, const Cflue__V1__ListRequest *req,
                                          Cflue__V1__ListResponse *out, struct cf_error *err);
 
-/* ledger_scan_expired lists running or terminalizing rows whose lease expired. */
-CF_MUST_CHECK enum cf_status ledger_scan_expired(struct ledger_ctx *c, int32_t limit,
+/* ledger_scan_expired lists running or terminalizing rows whose lease expired, one page (page
+ * token scope "scan", position the last sequence). CF_INVALID for a foreign token. */
+CF_MUST_CHECK enum cf_status ledger_scan_expired(struct ledger_ctx *c,
+                                                 const Cflue__V1__ScanExpiredRequest *req,
                                                  Cflue__V1__ListResponse *out,
                                                  struct cf_error *err);
 
@@ -138,10 +137,13 @@ CF_MUST_CHECK enum cf_status ledger_conversation(struct ledger_ctx *c, const cha
                                                  Cflue__V1__Conversation *out,
                                                  struct cf_error *err);
 
-/* ledger_read returns one page of records after an offset: at most req->limit records (0: 100,
- * at most 1000) and at most the page budget of encoded bytes, always at least one record when
- * any is left. next_offset is the last record returned; up_to_date says none is left after
- * it. CF_RANGE past the head, CF_NOT_FOUND for an unknown conversation. */
+/* ledger_read returns one page of records after an offset (or after where req->page_token
+ * says): at most req->page_size records (0: 100, at most 1000) and at most the page budget of
+ * encoded bytes, always at least one record when any is left. next_page_token (scope: the
+ * conversation id; position: the last offset returned) is empty when none is left after the
+ * page; head_offset is the head when read. CF_RANGE (OFFSET_BEYOND_HEAD) past the head,
+ * CF_NOT_FOUND for an unknown conversation, CF_INVALID (INVALID_PAGE_TOKEN) for a token of
+ * another conversation, CF_CORRUPT for a stored body that does not decode. */
 CF_MUST_CHECK enum cf_status ledger_read(struct ledger_ctx *c, const Cflue__V1__ReadRequest *req,
                                          Cflue__V1__ReadResponse *out, struct cf_error *err);
 

@@ -157,7 +157,7 @@ ADAPT(run_append, ledger_append(c, req, resp, err), Cflue__V1__AppendRequest,
 ADAPT(run_get, ledger_get(c, req->submission_id, resp, err), Cflue__V1__GetRequest,
       Cflue__V1__Submission)
 ADAPT(run_list, ledger_list(c, req, resp, err), Cflue__V1__ListRequest, Cflue__V1__ListResponse)
-ADAPT(run_scan, ledger_scan_expired(c, req->limit, resp, err), Cflue__V1__ScanExpiredRequest,
+ADAPT(run_scan, ledger_scan_expired(c, req, resp, err), Cflue__V1__ScanExpiredRequest,
       Cflue__V1__ListResponse)
 ADAPT(run_conversation, ledger_conversation(c, req->conversation_id, resp, err),
       Cflue__V1__ConversationRequest, Cflue__V1__Conversation)
@@ -322,7 +322,7 @@ static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *use
     Cflue__V1__ReadResponse page = CFLUE__V1__READ_RESPONSE__INIT;
     probe.conversation_id = req->conversation_id;
     probe.after_offset = req->after_offset;
-    probe.limit = 1;
+    probe.page_size = 1;
     sqlite3 *db;
     if ((st = reader_begin(svc, &db, &err)) == CF_OK) {
         struct ledger_ctx ctx = {.db = db, .arena = &a, .cfg = svc->cfg, .now = clock_now_ms()};
@@ -365,7 +365,7 @@ static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *use
         Cflue__V1__ReadResponse rs = CFLUE__V1__READ_RESPONSE__INIT;
         rq.conversation_id = req->conversation_id;
         rq.after_offset = cursor;
-        rq.limit = FOLLOW_PAGE;
+        rq.page_size = FOLLOW_PAGE;
         arena_init(&a);
         if ((st = reader_begin(svc, &db, &err)) == CF_OK) {
             struct ledger_ctx ctx = {.db = db, .arena = &a, .cfg = svc->cfg, .now = clock_now_ms()};
@@ -388,7 +388,7 @@ static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *use
             cursor = rs.records[i]->offset;
             done = *settled_id && !strcmp(rs.records[i]->id, settled_id);
         }
-        bool more = !rs.up_to_date; /* the batch stopped at its count or byte bound */
+        bool more = *rs.next_page_token != 0; /* the batch stopped at its count or byte bound */
         arena_cleanup(&a);
         if (done) {
             rpc_call_finish(call, GRPC_STATUS_OK, NULL);
@@ -430,7 +430,7 @@ void service_register(struct service *svc, struct rpc_server *srv)
         bindings[i].m = &methods[i];
         bindings[i].svc = svc;
         snprintf(path, sizeof(path), "/cflue.v1.Store/%s", methods[i].name);
-        /* Append parses JSON bodies that may be megabytes: keep it off the pollers. */
+        /* Append checks and packs record bodies that may be megabytes: keep it off the pollers. */
         enum rpc_mode mode =
             methods[i].write && strcmp(methods[i].name, "Append") != 0 ? RPC_INLINE : RPC_POOL;
         rpc_server_add_method(srv, path, methods[i].req_desc, dispatch, &bindings[i], mode);

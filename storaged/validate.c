@@ -2,9 +2,11 @@
 #include "validate.h"
 
 #include "ids.h"
+#include "pbtime.h"
+#include "record_kind.h"
 #include "utf8.h"
 
-#include <jansson.h>
+#include <stdio.h>
 #include <string.h>
 
 static enum cf_status name(const char *field, const char *v, bool required, struct cf_error *err)
@@ -48,28 +50,25 @@ static enum cf_status fence(const char *field, const Cflue__V1__Fence *f, bool n
     return name(sub, f->attempt_id, need_attempt, err);
 }
 
-enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, struct cf_error *err)
+/* message checks an AdmitRequest's message: text or attachments, each attachment typed. */
+static enum cf_status message(const Cflue__V1__Message *m, struct cf_error *err)
 {
     enum cf_status rc;
-    if ((rc = name("agent", r->agent, true, err)) != CF_OK ||
-        (rc = name("conversation_id", r->conversation_id, false, err)) != CF_OK) {
+    if (!m) {
+        return cf_error_set(err, CF_INVALID, "message is required (kind MESSAGE)");
+    }
+    if ((rc = text("message.text", m->text, VALIDATE_TEXT_MAX, err)) != CF_OK) {
         return rc;
     }
-    if (!r->message) {
-        return cf_error_set(err, CF_INVALID, "message is required");
-    }
-    if ((rc = text("message.text", r->message->text, VALIDATE_TEXT_MAX, err)) != CF_OK) {
-        return rc;
-    }
-    if (!*r->message->text && r->message->n_attachments == 0) {
+    if (!*m->text && m->n_attachments == 0) {
         return cf_error_set(err, CF_INVALID, "message needs text or at least one attachment");
     }
-    if (r->message->n_attachments > VALIDATE_ATTACHMENTS_MAX) {
+    if (m->n_attachments > VALIDATE_ATTACHMENTS_MAX) {
         return cf_error_set(err, CF_INVALID, "message has %zu attachments; the limit is %d",
-                            r->message->n_attachments, VALIDATE_ATTACHMENTS_MAX);
+                            m->n_attachments, VALIDATE_ATTACHMENTS_MAX);
     }
-    for (size_t i = 0; i < r->message->n_attachments; i++) {
-        const Cflue__V1__Attachment *a = r->message->attachments[i];
+    for (size_t i = 0; i < m->n_attachments; i++) {
+        const Cflue__V1__Attachment *a = m->attachments[i];
         char f[64];
         if (!*a->mime_type) {
             return cf_error_set(err, CF_INVALID, "message.attachments[%zu].mime_type is required",
@@ -84,6 +83,63 @@ enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, struct cf_error 
             return rc;
         }
     }
+    return CF_OK;
+}
+
+static enum cf_status metadata(Cflue__V1__AdmitRequest__MetadataEntry *const *md, size_t n,
+                               struct cf_error *err)
+{
+    enum cf_status rc;
+    if (n > VALIDATE_METADATA_MAX) {
+        return cf_error_set(err, CF_INVALID, "metadata has %zu entries; the limit is %d", n,
+                            VALIDATE_METADATA_MAX);
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (!*md[i]->key) {
+            return cf_error_set(err, CF_INVALID, "metadata keys must not be empty");
+        }
+        if (!strncmp(md[i]->key, VALIDATE_RESERVED_PREFIX, strlen(VALIDATE_RESERVED_PREFIX))) {
+            return cf_error_setr(err, CF_INVALID, "RESERVED_METADATA_KEY",
+                                 "metadata key '%.128s' is reserved: keys starting with \"%s\" "
+                                 "belong to cflue",
+                                 md[i]->key, VALIDATE_RESERVED_PREFIX);
+        }
+        if ((rc = text("metadata key", md[i]->key, VALIDATE_NAME_MAX, err)) != CF_OK ||
+            (rc = text("metadata value", md[i]->value, VALIDATE_METADATA_VALUE_MAX, err)) !=
+                CF_OK) {
+            return rc;
+        }
+    }
+    return CF_OK;
+}
+
+enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, struct cf_error *err)
+{
+    enum cf_status rc;
+    if ((rc = name("agent", r->agent, true, err)) != CF_OK ||
+        (rc = name("conversation_id", r->conversation_id, false, err)) != CF_OK) {
+        return rc;
+    }
+    switch (r->kind) {
+    case CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_UNSPECIFIED:
+    case CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE:
+        if ((rc = message(r->message, err)) != CF_OK) {
+            return rc;
+        }
+        break;
+    case CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT:
+        if (!*r->conversation_id) {
+            return cf_error_set(err, CF_INVALID,
+                                "conversation_id is required for kind COMPACT (it compacts an "
+                                "existing conversation)");
+        }
+        if (r->message) {
+            return cf_error_set(err, CF_INVALID, "message must be absent for kind COMPACT");
+        }
+        break;
+    default:
+        return cf_error_set(err, CF_INVALID, "kind %d is not a known SubmissionKind", (int)r->kind);
+    }
     if (strlen(r->idempotency_key) > VALIDATE_KEY_MAX) {
         return cf_error_set(err, CF_INVALID, "idempotency_key is longer than %d characters",
                             VALIDATE_KEY_MAX);
@@ -94,19 +150,22 @@ enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, struct cf_error 
     if (r->source > CFLUE__V1__SOURCE__SOURCE_SCHEDULE || (int)r->source < 0) {
         return cf_error_set(err, CF_INVALID, "source %d is not a known Source", (int)r->source);
     }
-    if (r->n_metadata > VALIDATE_METADATA_MAX) {
-        return cf_error_set(err, CF_INVALID, "metadata has %zu entries; the limit is %d",
-                            r->n_metadata, VALIDATE_METADATA_MAX);
+    return metadata(r->metadata, r->n_metadata, err);
+}
+
+/* lease checks an optional lease_duration: unset is the server default; set, whole
+ * milliseconds from VALIDATE_LEASE_MIN_MS to VALIDATE_LEASE_MAX_MS. */
+static enum cf_status lease(const Google__Protobuf__Duration *d, struct cf_error *err)
+{
+    enum cf_status rc;
+    if ((rc = pbdur_check(d, "lease_duration", VALIDATE_LEASE_MAX_MS, err)) != CF_OK) {
+        return rc;
     }
-    for (size_t i = 0; i < r->n_metadata; i++) {
-        if (!*r->metadata[i]->key) {
-            return cf_error_set(err, CF_INVALID, "metadata keys must not be empty");
-        }
-        if ((rc = text("metadata key", r->metadata[i]->key, VALIDATE_NAME_MAX, err)) != CF_OK ||
-            (rc = text("metadata value", r->metadata[i]->value, VALIDATE_METADATA_VALUE_MAX,
-                       err)) != CF_OK) {
-            return rc;
-        }
+    if (d && (pbdur_ms(d) < VALIDATE_LEASE_MIN_MS || d->nanos % 1000000 != 0)) {
+        return cf_error_set(err, CF_INVALID,
+                            "lease_duration must be whole milliseconds from %d ms to %lld ms "
+                            "(or unset for the server default)",
+                            VALIDATE_LEASE_MIN_MS, VALIDATE_LEASE_MAX_MS);
     }
     return CF_OK;
 }
@@ -119,14 +178,10 @@ enum cf_status validate_claim(const Cflue__V1__ClaimRequest *r, struct cf_error 
         (rc = name("conversation_id", r->conversation_id, false, err)) != CF_OK) {
         return rc;
     }
-    if (r->lease_ms < 0 || r->lease_ms > VALIDATE_LEASE_MAX_MS) {
-        return cf_error_set(err, CF_INVALID, "lease_ms must be 0 (default) to %lld",
-                            VALIDATE_LEASE_MAX_MS);
+    if ((rc = lease(r->lease_duration, err)) != CF_OK) {
+        return rc;
     }
-    if (r->reclaim_started_before_ms < 0) {
-        return cf_error_set(err, CF_INVALID, "reclaim_started_before_ms must not be negative");
-    }
-    return CF_OK;
+    return pbtime_check(r->reclaim_started_before, "reclaim_started_before", err);
 }
 
 enum cf_status validate_heartbeat(const Cflue__V1__HeartbeatRequest *r, struct cf_error *err)
@@ -135,9 +190,8 @@ enum cf_status validate_heartbeat(const Cflue__V1__HeartbeatRequest *r, struct c
     if ((rc = name("owner_id", r->owner_id, true, err)) != CF_OK) {
         return rc;
     }
-    if (r->lease_ms < 0 || r->lease_ms > VALIDATE_LEASE_MAX_MS) {
-        return cf_error_set(err, CF_INVALID, "lease_ms must be 0 (default) to %lld",
-                            VALIDATE_LEASE_MAX_MS);
+    if ((rc = lease(r->lease_duration, err)) != CF_OK) {
+        return rc;
     }
     if (r->n_fences > VALIDATE_FENCES_MAX) {
         return cf_error_set(err, CF_INVALID, "at most %d fences per heartbeat",
@@ -161,10 +215,7 @@ enum cf_status validate_mark_input_applied(const Cflue__V1__MarkInputAppliedRequ
     if (r->max_attempts < 0 || r->max_attempts > 1000) {
         return cf_error_set(err, CF_INVALID, "max_attempts must be 0 (keep) to 1000");
     }
-    if (r->timeout_ms < 0) {
-        return cf_error_set(err, CF_INVALID, "timeout_ms must not be negative");
-    }
-    return CF_OK;
+    return pbdur_check(r->timeout, "timeout", 0, err);
 }
 
 enum cf_status validate_fenced(const Cflue__V1__FencedRequest *r, struct cf_error *err)
@@ -193,15 +244,30 @@ enum cf_status validate_join(const Cflue__V1__JoinRequest *r, struct cf_error *e
 enum cf_status validate_request_abort(const Cflue__V1__RequestAbortRequest *r, struct cf_error *err)
 {
     enum cf_status rc;
-    if (!*r->conversation_id == !*r->submission_id) {
-        return cf_error_set(err, CF_INVALID,
-                            "exactly one of conversation_id and submission_id is required");
+    switch (r->target_case) {
+    case CFLUE__V1__REQUEST_ABORT_REQUEST__TARGET_CONVERSATION_ID:
+        rc = name("conversation_id", r->conversation_id, true, err);
+        break;
+    case CFLUE__V1__REQUEST_ABORT_REQUEST__TARGET_SUBMISSION_ID:
+        rc = name("submission_id", r->submission_id, true, err);
+        break;
+    default:
+        rc = cf_error_set(err, CF_INVALID, "target is required: conversation_id or submission_id");
     }
-    if ((rc = name("conversation_id", r->conversation_id, false, err)) != CF_OK ||
-        (rc = name("submission_id", r->submission_id, false, err)) != CF_OK) {
+    if (rc != CF_OK) {
         return rc;
     }
     return text("reason", r->reason, VALIDATE_ERROR_MAX, err);
+}
+
+static enum cf_status usage(const char *field, const Cflue__V1__Usage *u, struct cf_error *err)
+{
+    if (u &&
+        (u->input_tokens < 0 || u->output_tokens < 0 || !(u->cost_usd >= 0) || u->cost_usd > 1e9)) {
+        return cf_error_set(err, CF_INVALID,
+                            "%s must not be negative (cost_usd at most 1e9, not NaN)", field);
+    }
+    return CF_OK;
 }
 
 enum cf_status validate_settle(const Cflue__V1__SettleRequest *r, struct cf_error *err)
@@ -210,36 +276,25 @@ enum cf_status validate_settle(const Cflue__V1__SettleRequest *r, struct cf_erro
     if ((rc = fence("fence", r->fence, false, err)) != CF_OK) {
         return rc;
     }
-    if (r->outcome < CFLUE__V1__OUTCOME__COMPLETED || r->outcome > CFLUE__V1__OUTCOME__ABORTED) {
+    if (r->outcome < CFLUE__V1__OUTCOME__OUTCOME_COMPLETED ||
+        r->outcome > CFLUE__V1__OUTCOME__OUTCOME_ABORTED) {
         return cf_error_set(err, CF_INVALID, "outcome is required: COMPLETED, FAILED or ABORTED");
     }
     if ((rc = text("error", r->error, VALIDATE_ERROR_MAX, err)) != CF_OK) {
         return rc;
     }
-    if (r->outcome == CFLUE__V1__OUTCOME__COMPLETED && *r->error) {
+    if (r->outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED && *r->error) {
         return cf_error_set(err, CF_INVALID, "error must be empty when outcome is COMPLETED");
     }
-    if (r->input_tokens < 0 || r->output_tokens < 0 || !(r->cost_usd >= 0) || r->cost_usd > 1e9) {
-        return cf_error_set(err, CF_INVALID, "usage must not be negative");
+    if ((rc = usage("usage", r->usage, err)) != CF_OK) {
+        return rc;
     }
-    if (r->outcome != CFLUE__V1__OUTCOME__COMPLETED && !*r->error) {
+    if (r->outcome != CFLUE__V1__OUTCOME__OUTCOME_COMPLETED && !*r->error) {
         return cf_error_set(err, CF_INVALID, "error is required when outcome is %s",
-                            r->outcome == CFLUE__V1__OUTCOME__FAILED ? "FAILED" : "ABORTED");
+                            r->outcome == CFLUE__V1__OUTCOME__OUTCOME_FAILED ? "FAILED"
+                                                                             : "ABORTED");
     }
     return CF_OK;
-}
-
-static bool record_type_ok(const char *t)
-{
-    size_t n = 0;
-    for (; t[n]; n++) {
-        char c = t[n];
-        if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' || c == '.' ||
-              c == '-')) {
-            return false;
-        }
-    }
-    return n >= 1 && n <= 64;
 }
 
 static bool record_id_ok(const char *t)
@@ -251,6 +306,176 @@ static bool record_id_ok(const char *t)
         }
     }
     return n <= 256;
+}
+
+static bool signal_kind_ok(const char *t)
+{
+    size_t n = 0;
+    for (; t[n]; n++) {
+        char c = t[n];
+        if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_')) {
+            return false;
+        }
+    }
+    return n >= 1 && n <= 64;
+}
+
+/* The checks of one record body. `at` names the record ("records[3]") in every message; text
+ * fields are valid UTF-8 (their size is bounded by the record's, which the ledger checks). */
+
+static enum cf_status turn(const char *at, const char *type, int32_t t, struct cf_error *err)
+{
+    return t >= 1 ? CF_OK
+                  : cf_error_set(err, CF_INVALID, "%s.%s.turn must be 1 or more (got %d)", at, type,
+                                 (int)t);
+}
+
+static enum cf_status body_text(const char *at, const char *field, const char *v,
+                                struct cf_error *err)
+{
+    char f[96];
+    snprintf(f, sizeof(f), "%s.%s", at, field);
+    return text(f, v, SIZE_MAX, err);
+}
+
+static enum cf_status check_user_message(const char *at, const Cflue__V1__UserMessage *m,
+                                         struct cf_error *err)
+{
+    enum cf_status rc;
+    if ((rc = body_text(at, "user_message.text", m->text, err)) != CF_OK) {
+        return rc;
+    }
+    if (m->n_attachments > VALIDATE_ATTACHMENTS_MAX) {
+        return cf_error_set(err, CF_INVALID, "%s.user_message has %zu attachments; the limit is %d",
+                            at, m->n_attachments, VALIDATE_ATTACHMENTS_MAX);
+    }
+    for (size_t i = 0; i < m->n_attachments; i++) {
+        const Cflue__V1__AttachmentRef *a = m->attachments[i];
+        if (a->size_bytes < 0) {
+            return cf_error_set(err, CF_INVALID,
+                                "%s.user_message.attachments[%zu].size_bytes must not be negative",
+                                at, i);
+        }
+        if ((rc = body_text(at, "user_message.attachments[].name", a->name, err)) != CF_OK ||
+            (rc = body_text(at, "user_message.attachments[].mime_type", a->mime_type, err)) !=
+                CF_OK) {
+            return rc;
+        }
+    }
+    return CF_OK;
+}
+
+static enum cf_status check_assistant_message(const char *at, const Cflue__V1__AssistantMessage *m,
+                                              struct cf_error *err)
+{
+    enum cf_status rc;
+    char f[96];
+    if ((rc = turn(at, "assistant_message", m->turn, err)) != CF_OK ||
+        (rc = body_text(at, "assistant_message.text", m->text, err)) != CF_OK ||
+        (rc = body_text(at, "assistant_message.stop_reason", m->stop_reason, err)) != CF_OK ||
+        (rc = body_text(at, "assistant_message.model", m->model, err)) != CF_OK) {
+        return rc;
+    }
+    snprintf(f, sizeof(f), "%s.assistant_message.usage", at);
+    if ((rc = usage(f, m->usage, err)) != CF_OK) {
+        return rc;
+    }
+    for (size_t i = 0; i < m->n_tool_calls; i++) {
+        const Cflue__V1__ToolCallRequest *c = m->tool_calls[i];
+        if (!*c->id || !*c->name) {
+            return cf_error_set(err, CF_INVALID,
+                                "%s.assistant_message.tool_calls[%zu] needs an id and a name", at,
+                                i);
+        }
+        for (size_t k = 0; k < i; k++) {
+            if (!strcmp(m->tool_calls[k]->id, c->id)) {
+                return cf_error_set(err, CF_INVALID,
+                                    "%s.assistant_message.tool_calls[%zu].id '%.128s' repeats "
+                                    "tool_calls[%zu]",
+                                    at, i, c->id, k);
+            }
+        }
+    }
+    return CF_OK;
+}
+
+static enum cf_status check_tool_result(const char *at, const Cflue__V1__ToolCallResult *t,
+                                        struct cf_error *err)
+{
+    enum cf_status rc;
+    if ((rc = turn(at, "tool_result", t->turn, err)) != CF_OK ||
+        (rc = body_text(at, "tool_result.text", t->text, err)) != CF_OK) {
+        return rc;
+    }
+    if (t->index < 0) {
+        return cf_error_set(err, CF_INVALID, "%s.tool_result.index must not be negative", at);
+    }
+    if (!*t->tool_call_id || !*t->name) {
+        return cf_error_set(err, CF_INVALID, "%s.tool_result needs tool_call_id and name", at);
+    }
+    const Cflue__V1__Truncation *tr = t->truncation;
+    if (tr && ((int)tr->by < 0 || tr->by > CFLUE__V1__TRUNCATED_BY__TRUNCATED_BY_PATHS ||
+               tr->total_lines < 0 || tr->total_bytes < 0 || tr->shown_first_line < 0 ||
+               tr->shown_last_line < 0 || tr->next_offset < 0)) {
+        return cf_error_set(err, CF_INVALID,
+                            "%s.tool_result.truncation: counts must not be negative and `by` "
+                            "must be a known TruncatedBy",
+                            at);
+    }
+    return CF_OK;
+}
+
+static enum cf_status check_body(const char *at, const Cflue__V1__Record *rec, struct cf_error *err)
+{
+    enum cf_status rc;
+    switch (rec->body_case) {
+    case CFLUE__V1__RECORD__BODY_USER_MESSAGE:
+        return check_user_message(at, rec->user_message, err);
+    case CFLUE__V1__RECORD__BODY_SYSTEM_PROMPT:
+        return body_text(at, "system_prompt.text", rec->system_prompt->text, err);
+    case CFLUE__V1__RECORD__BODY_ASSISTANT_DELTA:
+        if ((rc = turn(at, "assistant_delta", rec->assistant_delta->turn, err)) != CF_OK) {
+            return rc;
+        }
+        return body_text(at, "assistant_delta.text", rec->assistant_delta->text, err);
+    case CFLUE__V1__RECORD__BODY_ASSISTANT_MESSAGE:
+        return check_assistant_message(at, rec->assistant_message, err);
+    case CFLUE__V1__RECORD__BODY_TOOL_RESULT:
+        return check_tool_result(at, rec->tool_result, err);
+    case CFLUE__V1__RECORD__BODY_SIGNAL:
+        if (!signal_kind_ok(rec->signal->kind)) {
+            return cf_error_set(err, CF_INVALID,
+                                "%s.signal.kind must be 1 to 64 characters of a-z 0-9 _", at);
+        }
+        return body_text(at, "signal.text", rec->signal->text, err);
+    case CFLUE__V1__RECORD__BODY_COMPACTION: {
+        const Cflue__V1__Compaction *c = rec->compaction;
+        if (c->first_kept_offset < 0 || c->tokens_before < 0 || c->tokens_after < 0) {
+            return cf_error_set(err, CF_INVALID,
+                                "%s.compaction: first_kept_offset and token counts must not be "
+                                "negative",
+                                at);
+        }
+        if (c->trigger < CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_THRESHOLD ||
+            c->trigger > CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_REQUEST) {
+            return cf_error_set(err, CF_INVALID,
+                                "%s.compaction.trigger is required: THRESHOLD, OVERFLOW or "
+                                "REQUEST",
+                                at);
+        }
+        return body_text(at, "compaction.summary", c->summary, err);
+    }
+    case CFLUE__V1__RECORD__BODY_SUBMISSION_SETTLED:
+        return cf_error_setr(err, CF_INVALID, "RESERVED_RECORD_TYPE",
+                             "%s: submission_settled records are written by storaged only (Settle "
+                             "writes them)",
+                             at);
+    default:
+        return cf_error_setr(err, CF_INVALID, "MISSING_RECORD_BODY",
+                             "%s has no body: every record needs one of the record types "
+                             "(user_message, system_prompt, ...)",
+                             at);
+    }
 }
 
 enum cf_status validate_append(const Cflue__V1__AppendRequest *r, struct cf_error *err)
@@ -265,17 +490,19 @@ enum cf_status validate_append(const Cflue__V1__AppendRequest *r, struct cf_erro
     }
     for (size_t i = 0; i < r->n_records; i++) {
         const Cflue__V1__Record *rec = r->records[i];
-        if (!record_type_ok(rec->type)) {
-            return cf_error_set(err, CF_INVALID,
-                                "records[%zu].type is required: 1 to 64 characters of a-z 0-9 "
-                                "_ . -",
-                                i);
-        }
+        char at[32];
+        snprintf(at, sizeof(at), "records[%zu]", i);
         if (!record_id_ok(rec->id)) {
             return cf_error_set(err, CF_INVALID,
                                 "records[%zu].id must be at most 256 printable ASCII characters "
                                 "without spaces",
                                 i);
+        }
+        if (!strncmp(rec->id, "settled:", 8)) {
+            return cf_error_setr(err, CF_INVALID, "RESERVED_RECORD_ID",
+                                 "records[%zu].id: ids starting with \"settled:\" are storaged's "
+                                 "settlement records",
+                                 i);
         }
         for (size_t k = 0; k < i && *rec->id; k++) {
             if (!strcmp(r->records[k]->id, rec->id)) {
@@ -283,19 +510,9 @@ enum cf_status validate_append(const Cflue__V1__AppendRequest *r, struct cf_erro
                                     rec->id, k);
             }
         }
-        if ((rc = name("records[].submission_id", rec->submission_id, false, err)) != CF_OK) {
+        if ((rc = name("records[].submission_id", rec->submission_id, false, err)) != CF_OK ||
+            (rc = check_body(at, rec, err)) != CF_OK) {
             return rc;
-        }
-        if (*rec->body_json) {
-            json_error_t jerr;
-            json_t *j = json_loads(rec->body_json, JSON_REJECT_DUPLICATES, &jerr);
-            bool object = j && json_is_object(j);
-            json_decref(j);
-            if (!object) {
-                return cf_error_set(err, CF_INVALID,
-                                    "records[%zu].body_json must be a JSON object%s%s", i,
-                                    j ? "" : ": ", j ? "" : jerr.text);
-            }
         }
     }
     return CF_OK;
@@ -306,6 +523,13 @@ enum cf_status validate_get(const Cflue__V1__GetRequest *r, struct cf_error *err
     return name("submission_id", r->submission_id, true, err);
 }
 
+/* page_size: 0 is the default (100); above 1000 is read as 1000 (AIP-158); negative is
+ * refused. */
+static enum cf_status page_size(int32_t n, struct cf_error *err)
+{
+    return n < 0 ? cf_error_set(err, CF_INVALID, "page_size must not be negative") : CF_OK;
+}
+
 enum cf_status validate_list(const Cflue__V1__ListRequest *r, struct cf_error *err)
 {
     enum cf_status rc;
@@ -313,12 +537,12 @@ enum cf_status validate_list(const Cflue__V1__ListRequest *r, struct cf_error *e
         (rc = name("joined_into", r->joined_into, false, err)) != CF_OK) {
         return rc;
     }
-    if (r->limit < 0) {
-        return cf_error_set(err, CF_INVALID, "limit must not be negative");
+    if ((rc = page_size(r->page_size, err)) != CF_OK) {
+        return rc;
     }
     for (size_t i = 0; i < r->n_statuses; i++) {
-        if (r->statuses[i] < CFLUE__V1__SUBMISSION_STATUS__QUEUED ||
-            r->statuses[i] > CFLUE__V1__SUBMISSION_STATUS__JOINED) {
+        if (r->statuses[i] < CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_QUEUED ||
+            r->statuses[i] > CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_JOINED) {
             return cf_error_set(err, CF_INVALID, "statuses[%zu] is not a known status", i);
         }
     }
@@ -347,8 +571,8 @@ enum cf_status validate_read(const Cflue__V1__ReadRequest *r, struct cf_error *e
     if ((rc = name("conversation_id", r->conversation_id, true, err)) != CF_OK) {
         return rc;
     }
-    if (r->limit < 0) {
-        return cf_error_set(err, CF_INVALID, "limit must not be negative");
+    if ((rc = page_size(r->page_size, err)) != CF_OK) {
+        return rc;
     }
     return offset(r->after_offset, err);
 }
@@ -365,8 +589,5 @@ enum cf_status validate_follow(const Cflue__V1__FollowRequest *r, struct cf_erro
 
 enum cf_status validate_scan_expired(const Cflue__V1__ScanExpiredRequest *r, struct cf_error *err)
 {
-    if (r->limit < 0 || r->limit > 1000) {
-        return cf_error_set(err, CF_INVALID, "limit must be 0 (100) to 1000");
-    }
-    return CF_OK;
+    return page_size(r->page_size, err);
 }

@@ -18,7 +18,9 @@
 #define VALIDATE_ERROR_MAX 8192   /* settlement error text */
 #define VALIDATE_RECORDS_MAX 1000 /* records per Append */
 #define VALIDATE_FENCES_MAX 1000  /* fences per Heartbeat */
-#define VALIDATE_LEASE_MAX_MS (24LL * 3600 * 1000)
+#define VALIDATE_LEASE_MIN_MS 100
+#define VALIDATE_LEASE_MAX_MS (3600LL * 1000)
+#define VALIDATE_RESERVED_PREFIX "cflue." /* metadata keys cflue keeps for itself */
 
 CF_MUST_CHECK enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, struct cf_error *err);
 CF_MUST_CHECK enum cf_status validate_claim(const Cflue__V1__ClaimRequest *r, struct cf_error *err);

@@ -1,0 +1,374 @@
+/* migrate.c - schema version 1 (JSON record bodies) to 2 (typed record bodies).
+ *
+ * Version 1 stored a record as `type TEXT` + `body TEXT` holding JSON whose shape lived in
+ * agentd's code; version 2 stores the Record.body oneof case (`kind`) and the body message
+ * packed by protobuf-c. This file is the only place in storaged that parses JSON, and it only
+ * runs once per database, inside one transaction with the rest of the upgrade.
+ */
+#include "migrate.h"
+
+#include "arena.h"
+#include "db.h"
+#include "record_kind.h"
+
+#include "cflue/v1/store.pb-c.h"
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <string.h>
+
+#define LEGACY_KIND_KEY "cflue.kind"
+
+static const char *jstr(struct arena *a, const json_t *o, const char *key)
+{
+    return arena_strdup(a, json_string_value(json_object_get(o, key)));
+}
+
+static int64_t jint(const json_t *o, const char *key)
+{
+    const json_t *v = json_object_get(o, key);
+    return json_is_integer(v) ? (int64_t)json_integer_value(v) : (int64_t)json_number_value(v);
+}
+
+static void *zalloc(struct arena *a, size_t n)
+{
+    void *p = arena_alloc(a, n);
+    memset(p, 0, n);
+    return p;
+}
+
+static ProtobufCMessage *user_message(struct arena *a, const json_t *b)
+{
+    Cflue__V1__UserMessage *m = zalloc(a, sizeof(*m));
+    cflue__v1__user_message__init(m);
+    m->text = (char *)jstr(a, b, "text");
+    const json_t *atts = json_object_get(b, "attachments");
+    m->n_attachments = json_array_size(atts);
+    m->attachments = zalloc(a, sizeof(void *) * (m->n_attachments + 1));
+    for (size_t i = 0; i < m->n_attachments; i++) {
+        const json_t *j = json_array_get(atts, i);
+        Cflue__V1__AttachmentRef *r = zalloc(a, sizeof(*r));
+        cflue__v1__attachment_ref__init(r);
+        r->name = (char *)jstr(a, j, "name");
+        r->mime_type = (char *)jstr(a, j, "mime_type");
+        r->size_bytes = jint(j, "bytes");
+        m->attachments[i] = r;
+    }
+    return &m->base;
+}
+
+static ProtobufCMessage *assistant_message(struct arena *a, const json_t *b)
+{
+    Cflue__V1__AssistantMessage *m = zalloc(a, sizeof(*m));
+    cflue__v1__assistant_message__init(m);
+    m->turn = (int32_t)jint(b, "turn");
+    m->text = (char *)jstr(a, b, "text");
+    m->stop_reason = (char *)jstr(a, b, "stop_reason");
+    m->model = (char *)jstr(a, b, "model");
+    const json_t *calls = json_object_get(b, "tool_calls");
+    m->n_tool_calls = json_array_size(calls);
+    m->tool_calls = zalloc(a, sizeof(void *) * (m->n_tool_calls + 1));
+    for (size_t i = 0; i < m->n_tool_calls; i++) {
+        const json_t *j = json_array_get(calls, i);
+        Cflue__V1__ToolCallRequest *c = zalloc(a, sizeof(*c));
+        cflue__v1__tool_call_request__init(c);
+        c->id = (char *)jstr(a, j, "id");
+        c->name = (char *)jstr(a, j, "name");
+        c->arguments_json = (char *)jstr(a, j, "arguments");
+        m->tool_calls[i] = c;
+    }
+    const json_t *u = json_object_get(b, "usage");
+    m->usage = zalloc(a, sizeof(*m->usage));
+    cflue__v1__usage__init(m->usage);
+    m->usage->input_tokens = jint(u, "input_tokens");
+    m->usage->output_tokens = jint(u, "output_tokens");
+    m->usage->cost_usd = json_number_value(json_object_get(b, "cost_usd"));
+    return &m->base;
+}
+
+static Cflue__V1__TruncatedBy truncated_by(const char *s)
+{
+    static const char *names[] = {"", "lines", "bytes", "matches", "paths"};
+    for (int i = 1; s && i < 5; i++) {
+        if (!strcmp(s, names[i])) {
+            return (Cflue__V1__TruncatedBy)i;
+        }
+    }
+    return CFLUE__V1__TRUNCATED_BY__TRUNCATED_BY_UNSPECIFIED;
+}
+
+static ProtobufCMessage *tool_result(struct arena *a, const json_t *b)
+{
+    Cflue__V1__ToolCallResult *m = zalloc(a, sizeof(*m));
+    cflue__v1__tool_call_result__init(m);
+    m->turn = (int32_t)jint(b, "turn");
+    m->index = (int32_t)jint(b, "index");
+    m->tool_call_id = (char *)jstr(a, b, "tool_call_id");
+    m->name = (char *)jstr(a, b, "name");
+    m->text = (char *)jstr(a, b, "text");
+    m->is_error = json_is_true(json_object_get(b, "is_error"));
+    m->outcome_unknown = json_is_true(json_object_get(b, "outcome_unknown"));
+    const json_t *t = json_object_get(b, "truncation");
+    if (json_is_object(t)) {
+        Cflue__V1__Truncation *tr = zalloc(a, sizeof(*tr));
+        cflue__v1__truncation__init(tr);
+        tr->truncated = json_is_true(json_object_get(t, "truncated"));
+        tr->by = truncated_by(json_string_value(json_object_get(t, "by")));
+        tr->total_lines = jint(t, "total_lines");
+        tr->total_bytes = jint(t, "total_bytes");
+        tr->shown_first_line = jint(t, "shown_first_line");
+        tr->shown_last_line = jint(t, "shown_last_line");
+        tr->next_offset = jint(t, "next_offset");
+        tr->line_too_long = json_is_true(json_object_get(t, "line_too_long"));
+        m->truncation = tr;
+    }
+    return &m->base;
+}
+
+static ProtobufCMessage *compaction(struct arena *a, const json_t *b)
+{
+    static const char *reasons[] = {"", "threshold", "overflow", "request"};
+    Cflue__V1__Compaction *m = zalloc(a, sizeof(*m));
+    cflue__v1__compaction__init(m);
+    m->summary = (char *)jstr(a, b, "summary");
+    m->first_kept_offset = jint(b, "first_kept_offset");
+    m->tokens_before = jint(b, "tokens_before");
+    m->tokens_after = jint(b, "tokens_after");
+    const char *r = json_string_value(json_object_get(b, "reason"));
+    for (int i = 1; r && i < 4; i++) {
+        if (!strcmp(r, reasons[i])) {
+            m->trigger = (Cflue__V1__CompactionTrigger)i;
+        }
+    }
+    return &m->base;
+}
+
+static ProtobufCMessage *settled(struct arena *a, const json_t *b)
+{
+    static const char *outcomes[] = {"", "completed", "failed", "aborted"};
+    Cflue__V1__SubmissionSettled *m = zalloc(a, sizeof(*m));
+    cflue__v1__submission_settled__init(m);
+    const char *o = json_string_value(json_object_get(b, "outcome"));
+    for (int i = 1; o && i < 4; i++) {
+        if (!strcmp(o, outcomes[i])) {
+            m->outcome = (Cflue__V1__Outcome)i;
+        }
+    }
+    m->error = (char *)jstr(a, b, "error");
+    m->answered_by = (char *)jstr(a, b, "answered_by");
+    return &m->base;
+}
+
+static ProtobufCMessage *signal_of(struct arena *a, const char *kind, const char *text)
+{
+    Cflue__V1__Signal *m = zalloc(a, sizeof(*m));
+    cflue__v1__signal__init(m);
+    m->kind = arena_strdup(a, kind);
+    m->text = arena_strdup(a, text);
+    return &m->base;
+}
+
+/* legacy keeps a record of a type this version does not know: a Signal "legacy_<type>" (the
+ * type cut to fit and reduced to [a-z0-9_]) whose text is the old JSON body. */
+static ProtobufCMessage *legacy(struct arena *a, const char *type, const char *json)
+{
+    char kind[65];
+    int n = snprintf(kind, sizeof(kind), "legacy_%s", type);
+    n = n < 0 ? 0 : (n >= (int)sizeof(kind) ? (int)sizeof(kind) - 1 : n);
+    for (int i = 7; i < n; i++) {
+        char c = kind[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_')) {
+            kind[i] = '_';
+        }
+    }
+    return signal_of(a, kind, json);
+}
+
+/* typed_body converts one version-1 record body. Never fails: what it cannot read becomes a
+ * legacy Signal, so no record is lost. */
+static ProtobufCMessage *typed_body(struct arena *a, const char *type, const char *json)
+{
+    json_t *b = json_loads(json, 0, NULL);
+    ProtobufCMessage *m = NULL;
+    if (json_is_object(b)) {
+        if (!strcmp(type, "user_message")) {
+            m = user_message(a, b);
+        } else if (!strcmp(type, "system_prompt")) {
+            Cflue__V1__SystemPrompt *p = zalloc(a, sizeof(*p));
+            cflue__v1__system_prompt__init(p);
+            p->text = (char *)jstr(a, b, "text");
+            m = &p->base;
+        } else if (!strcmp(type, "assistant_delta")) {
+            Cflue__V1__AssistantDelta *d = zalloc(a, sizeof(*d));
+            cflue__v1__assistant_delta__init(d);
+            d->turn = (int32_t)jint(b, "turn");
+            d->text = (char *)jstr(a, b, "text");
+            m = &d->base;
+        } else if (!strcmp(type, "assistant_message")) {
+            m = assistant_message(a, b);
+        } else if (!strcmp(type, "tool_result")) {
+            m = tool_result(a, b);
+        } else if (!strcmp(type, "signal")) {
+            m = signal_of(a, jstr(a, b, "type"), jstr(a, b, "text"));
+        } else if (!strcmp(type, "compaction")) {
+            m = compaction(a, b);
+        } else if (!strcmp(type, "submission_settled")) {
+            m = settled(a, b);
+        }
+    }
+    json_decref(b);
+    return m ? m : legacy(a, type, json);
+}
+
+static enum cf_status migrate_records(sqlite3 *db, struct cf_error *err)
+{
+    sqlite3_stmt *rd = NULL, *wr = NULL;
+    enum cf_status rc;
+    int r;
+    if ((rc = db_exec(db, "CREATE TABLE records_v2" DB_RECORDS_TABLE, err)) != CF_OK ||
+        (rc = db_prepare(db,
+                         "SELECT conversation_id, pos, record_id, type, submission_id, "
+                         "attempt_id, ts, body FROM records ORDER BY conversation_id, pos",
+                         &rd, err)) != CF_OK ||
+        (rc = db_prepare(db,
+                         "INSERT INTO records_v2(conversation_id, pos, record_id, kind, "
+                         "submission_id, attempt_id, ts, body) VALUES (?,?,?,?,?,?,?,?)",
+                         &wr, err)) != CF_OK) {
+        goto out;
+    }
+    while ((r = sqlite3_step(rd)) == SQLITE_ROW) {
+        struct arena a;
+        arena_init(&a);
+        const char *type = (const char *)sqlite3_column_text(rd, 3);
+        const char *json = (const char *)sqlite3_column_text(rd, 7);
+        Cflue__V1__Record rec = CFLUE__V1__RECORD__INIT;
+        record_set_body(&rec, typed_body(&a, type ? type : "", json ? json : ""));
+        size_t len = protobuf_c_message_get_packed_size(record_body(&rec));
+        uint8_t *buf = arena_alloc(&a, len + 1);
+        protobuf_c_message_pack(record_body(&rec), buf);
+        sqlite3_reset(wr);
+        for (int i = 0; i < 7; i++) {
+            if (i != 3) {
+                sqlite3_bind_value(wr, i + 1, sqlite3_column_value(rd, i));
+            }
+        }
+        sqlite3_bind_int(wr, 4, (int)rec.body_case);
+        sqlite3_bind_blob(wr, 8, buf, (int)len, SQLITE_STATIC);
+        int w = sqlite3_step(wr);
+        arena_cleanup(&a);
+        if (w != SQLITE_DONE) {
+            rc = db_step_fail(db, w, "migrate a record", err);
+            goto out;
+        }
+    }
+    if (r != SQLITE_DONE) {
+        rc = db_step_fail(db, r, "read version-1 records", err);
+        goto out;
+    }
+    sqlite3_finalize(rd);
+    sqlite3_finalize(wr);
+    rd = wr = NULL;
+    rc = db_exec(db, "DROP TABLE records; ALTER TABLE records_v2 RENAME TO records;", err);
+out:
+    sqlite3_finalize(rd);
+    sqlite3_finalize(wr);
+    return rc;
+}
+
+/* migrate_kinds gives submissions admitted with metadata cflue.kind=compact the kind COMPACT and
+ * removes the (now reserved) key from their stored request, so a retried Admit of kind COMPACT
+ * with the same idempotency key is recognized as the same request. */
+static enum cf_status migrate_kinds(sqlite3 *db, struct cf_error *err)
+{
+    sqlite3_stmt *rd = NULL, *wr = NULL;
+    enum cf_status rc;
+    int r;
+    if ((rc = db_exec(db,
+                      "ALTER TABLE submissions ADD COLUMN kind INTEGER NOT NULL DEFAULT 1 "
+                      "CHECK (kind IN (1, 2))",
+                      err)) != CF_OK ||
+        (rc = db_prepare(db,
+                         "SELECT submission_id, payload FROM submissions "
+                         "WHERE instr(payload, CAST('" LEGACY_KIND_KEY "' AS BLOB)) > 0",
+                         &rd, err)) != CF_OK ||
+        (rc = db_prepare(db, "UPDATE submissions SET payload = ?, kind = ? WHERE submission_id = ?",
+                         &wr, err)) != CF_OK) {
+        goto out;
+    }
+    while ((r = sqlite3_step(rd)) == SQLITE_ROW) {
+        struct arena a;
+        arena_init(&a);
+        Cflue__V1__AdmitRequest *p = (Cflue__V1__AdmitRequest *)protobuf_c_message_unpack(
+            &cflue__v1__admit_request__descriptor, arena_protobuf_allocator(&a),
+            (size_t)sqlite3_column_bytes(rd, 1), sqlite3_column_blob(rd, 1));
+        if (!p) {
+            arena_cleanup(&a);
+            continue; /* the key was only inside some text: nothing to migrate */
+        }
+        bool compact = false, had = false;
+        size_t k = 0;
+        for (size_t i = 0; i < p->n_metadata; i++) {
+            if (!strcmp(p->metadata[i]->key, LEGACY_KIND_KEY)) {
+                had = true;
+                compact = !strcmp(p->metadata[i]->value, "compact");
+            } else {
+                p->metadata[k++] = p->metadata[i];
+            }
+        }
+        p->n_metadata = k;
+        int w = SQLITE_DONE;
+        if (had) {
+            if (compact) {
+                p->kind = CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
+                p->message = NULL;
+            }
+            size_t len = protobuf_c_message_get_packed_size(&p->base);
+            uint8_t *buf = arena_alloc(&a, len + 1);
+            protobuf_c_message_pack(&p->base, buf);
+            sqlite3_reset(wr);
+            sqlite3_bind_blob(wr, 1, buf, (int)len, SQLITE_STATIC);
+            sqlite3_bind_int(wr, 2,
+                             compact ? CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT
+                                     : CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE);
+            sqlite3_bind_value(wr, 3, sqlite3_column_value(rd, 0));
+            w = sqlite3_step(wr);
+        }
+        arena_cleanup(&a);
+        if (w != SQLITE_DONE) {
+            rc = db_step_fail(db, w, "migrate a submission's kind", err);
+            goto out;
+        }
+    }
+    if (r != SQLITE_DONE) {
+        rc = db_step_fail(db, r, "read version-1 submissions", err);
+    }
+out:
+    sqlite3_finalize(rd);
+    sqlite3_finalize(wr);
+    return rc;
+}
+
+enum cf_status migrate_v1(sqlite3 *db, const char *path, struct cf_error *err)
+{
+    enum cf_status rc;
+    if ((rc = db_exec(db, "BEGIN IMMEDIATE", err)) != CF_OK) {
+        return rc;
+    }
+    if ((rc = migrate_kinds(db, err)) != CF_OK || (rc = migrate_records(db, err)) != CF_OK ||
+        (rc = db_exec(db,
+                      "UPDATE meta SET value = '" DB_SCHEMA_VERSION "' "
+                      "WHERE key = 'schema_version'",
+                      err)) != CF_OK ||
+        (rc = db_exec(db, "COMMIT", err)) != CF_OK) {
+        struct cf_error ignored;
+        char why[CF_ERROR_MSG_MAX];
+        snprintf(why, sizeof(why), "%s", err->msg);
+        if (db_exec(db, "ROLLBACK", &ignored) != CF_OK) {
+            /* closing the connection rolls back what is left */
+        }
+        return cf_error_set(err, rc, "cannot migrate %s from schema version %s to %s: %s", path,
+                            MIGRATE_FROM_VERSION, DB_SCHEMA_VERSION, why);
+    }
+    return CF_OK;
+}
