@@ -106,7 +106,7 @@ def main():
                                                message=common_pb2.Message(text="go")), timeout=30)
             conv = "bench-turns"  # the first one creates a conversation; keep it short: new each
             s = get(agent_pb2.GetSubmissionRequest(submission_id=r.submission_id, wait=True), timeout=60)
-            assert s.outcome == common_pb2.COMPLETED, s
+            assert s.outcome == common_pb2.OUTCOME_COMPLETED, s
             conv = ""
         e2e = (time.perf_counter() - t0) / (a.turns * 2)
         # the model's own time: replay the last request agentd sent (same size and shape)

@@ -9,6 +9,7 @@ import threading
 sys.path.insert(0, os.path.join(os.environ.get("CFLUE_BUILD_DIR", "build"), "py"))
 import grpc  # noqa: E402
 from cflue.v1 import common_pb2 as c, store_pb2 as s  # noqa: E402
+from google.protobuf import duration_pb2  # noqa: E402
 import health_pb2  # noqa: E402
 
 ch = grpc.insecure_channel(sys.argv[1])
@@ -44,7 +45,7 @@ for i in range(20):
          s.AdmitResponse)
     call("Admit", s.AdmitRequest(agent="leak", idempotency_key="k%d" % i, message=c.Message(text="other")),
          s.AdmitResponse, ok=False)
-for _ in range(3):
+for n in range(3):
     cl = call("Claim", s.ClaimRequest(owner_id="w"), s.ClaimResponse)
     f = cl.fence
     conv = cl.submission.conversation_id
@@ -54,29 +55,68 @@ for _ in range(3):
     call("MarkInputApplied", s.MarkInputAppliedRequest(fence=f, max_attempts=3), c.Submission)
     js = call("ClaimJoinable", s.ClaimJoinableRequest(host=f, limit=2), s.ClaimJoinableResponse)
     for j in js.submissions:
-        call("Append", s.AppendRequest(fence=f, records=[c.Record(type="input", submission_id=j.submission_id)]),
+        call("Append", s.AppendRequest(fence=f, records=[c.Record(
+            id="input:" + j.submission_id, submission_id=j.submission_id,
+            user_message=c.UserMessage(text="joined", attachments=[
+                c.AttachmentRef(name="a", mime_type="text/plain", size_bytes=100)]))]),
              s.AppendResponse)
     if js.submissions:
         call("FinalizeJoin", s.JoinRequest(host=f, submission_id=js.submissions[0].submission_id), c.Submission)
     if len(js.submissions) > 1:
         call("RevertJoin", s.JoinRequest(host=f, submission_id=js.submissions[1].submission_id), c.Submission)
-    call("Append", s.AppendRequest(fence=f, records=[c.Record(id="r%d" % i, type="note", body_json='{"a":[1,2]}')
-                                                     for i in range(5)]), s.AppendResponse)
-    call("Append", s.AppendRequest(fence=f, records=[c.Record(type="note", body_json="[1]")]), s.AppendResponse,
+    # every record type agentd writes, each body with its nested messages
+    call("Append", s.AppendRequest(fence=f, records=[
+        c.Record(id="system:%d" % n, system_prompt=c.SystemPrompt(text="sys")),
+        c.Record(id="delta:%d" % n, assistant_delta=c.AssistantDelta(turn=1, text="d")),
+        c.Record(id="assistant:%d" % n, assistant_message=c.AssistantMessage(
+            turn=1, text="t", stop_reason="tool_use", model="m/x",
+            tool_calls=[c.ToolCallRequest(id="x", name="bash", arguments_json="{}")],
+            usage=c.Usage(input_tokens=1, output_tokens=2, cost_usd=0.5))),
+        c.Record(id="tool:%d" % n, tool_result=c.ToolCallResult(
+            turn=1, tool_call_id="x", name="bash", text="out", truncation=c.Truncation(
+                truncated=True, by=c.TRUNCATED_BY_LINES, total_lines=3))),
+        c.Record(id="signal:%d" % n, signal=c.Signal(kind="resources", text="s")),
+        c.Record(id="compaction:%d" % n, compaction=c.Compaction(
+            summary="sum", first_kept_offset=1, trigger=c.COMPACTION_TRIGGER_REQUEST))]),
+         s.AppendResponse)
+    # refused: no body; a settlement (storaged's own record type); the same id, other content
+    call("Append", s.AppendRequest(fence=f, records=[c.Record(id="nobody")]), s.AppendResponse,
          ok=False)
+    call("Append", s.AppendRequest(fence=f, records=[c.Record(
+        id="settled:x", submission_settled=c.SubmissionSettled(outcome=c.OUTCOME_COMPLETED))]),
+         s.AppendResponse, ok=False)
+    call("Append", s.AppendRequest(fence=f, records=[c.Record(
+        id="system:%d" % n, system_prompt=c.SystemPrompt(text="other"))]), s.AppendResponse, ok=False)
     call("RequestAbort", s.RequestAbortRequest(submission_id=f.submission_id, reason="test"), s.RequestAbortResponse)
-    call("Settle", s.SettleRequest(fence=f, outcome=c.FAILED, error="e", reserve_only=True), s.SettleResponse)
-    call("Settle", s.SettleRequest(fence=f, outcome=c.COMPLETED), s.SettleResponse)
-    call("Settle", s.SettleRequest(fence=f, outcome=c.COMPLETED), s.SettleResponse, ok=False)
+    call("Settle", s.SettleRequest(fence=f, outcome=c.OUTCOME_FAILED, error="e", reserve_only=True),
+         s.SettleResponse)
+    call("Settle", s.SettleRequest(fence=f, outcome=c.OUTCOME_COMPLETED,
+                                   usage=c.Usage(input_tokens=3, output_tokens=4)), s.SettleResponse)
+    call("Settle", s.SettleRequest(fence=f, outcome=c.OUTCOME_COMPLETED), s.SettleResponse, ok=False)
     t.join()
-    call("Read", s.ReadRequest(conversation_id=conv, after_offset=-1), s.ReadResponse)
+    page = call("Read", s.ReadRequest(conversation_id=conv, after_offset=-1, page_size=2), s.ReadResponse)
+    while page.next_page_token:
+        page = call("Read", s.ReadRequest(conversation_id=conv, page_token=page.next_page_token, page_size=2),
+                    s.ReadResponse)
+    call("Read", s.ReadRequest(conversation_id=conv, page_token="garbled"), s.ReadResponse, ok=False)
     call("Read", s.ReadRequest(conversation_id=conv, after_offset=10**6), s.ReadResponse, ok=False)
     call("GetConversation", s.ConversationRequest(conversation_id=conv), s.Conversation)
-cl = call("Claim", s.ClaimRequest(owner_id="w", lease_ms=100), s.ClaimResponse)
+cl = call("Claim", s.ClaimRequest(owner_id="w", lease_duration=duration_pb2.Duration(nanos=100 * 10**6)),
+          s.ClaimResponse)
 call("Requeue", s.FencedRequest(fence=cl.fence), c.Submission)
 call("RequestAbort", s.RequestAbortRequest(conversation_id="conv-0"), s.RequestAbortResponse)
-call("ScanExpired", s.ScanExpiredRequest(), s.ListResponse)
-call("List", s.ListRequest(statuses=[c.QUEUED, c.SETTLED], limit=5), s.ListResponse)
+call("RequestAbort", s.RequestAbortRequest(), s.RequestAbortResponse, ok=False)
+call("ScanExpired", s.ScanExpiredRequest(page_size=1), s.ListResponse)
+page = call("List", s.ListRequest(statuses=[c.SUBMISSION_STATUS_QUEUED, c.SUBMISSION_STATUS_SETTLED], page_size=5),
+            s.ListResponse)
+while page.next_page_token:
+    page = call("List", s.ListRequest(statuses=[c.SUBMISSION_STATUS_QUEUED, c.SUBMISSION_STATUS_SETTLED],
+                                      page_size=5, page_token=page.next_page_token), s.ListResponse)
+call("List", s.ListRequest(page_token="garbled"), s.ListResponse, ok=False)
+call("Admit", s.AdmitRequest(agent="leak", message=c.Message(text="m"), metadata={"cflue.kind": "x"}),
+     s.AdmitResponse, ok=False)
+call("Admit", s.AdmitRequest(agent="leak", conversation_id="conv-c", kind=c.SUBMISSION_KIND_COMPACT),
+     s.AdmitResponse)
 call("Get", s.GetRequest(submission_id="missing"), c.Submission, ok=False)
 call("Get", s.GetRequest(), c.Submission, ok=False)
 raw = ch.unary_unary("/cflue.v1.Store/Admit", request_serializer=lambda b: b, response_deserializer=lambda b: b)
