@@ -355,3 +355,36 @@ void agents_free(struct agent_set *set)
     set->items = NULL;
     set->n = 0;
 }
+
+enum cf_status agents_page(const struct agent_set *set, int32_t page_size, const char *page_token,
+                           size_t *first, size_t *count, char next_token[PAGE_TOKEN_MAX],
+                           struct cf_error *err)
+{
+    char after[PAGE_TOKEN_POSITION_MAX + 1];
+    size_t start = 0;
+    enum cf_status rc;
+    next_token[0] = '\0';
+    if (page_size < 0) {
+        return cf_error_set(err, CF_INVALID, "page_size must not be negative (got %d)",
+                            (int)page_size);
+    }
+    size_t want = page_size == 0                     ? AGENTS_PAGE_SIZE_DEFAULT
+                  : page_size > AGENTS_PAGE_SIZE_MAX ? AGENTS_PAGE_SIZE_MAX
+                                                     : (size_t)page_size;
+    if (page_token && *page_token) {
+        if ((rc = page_token_parse(page_token, AGENTS_PAGE_SCOPE, after, err)) != CF_OK) {
+            return rc;
+        }
+        /* the first agent named after the last one already returned (names are sorted) */
+        while (start < set->n && strcmp(set->items[start].name, after) <= 0) {
+            start++;
+        }
+    }
+    size_t n = set->n - start < want ? set->n - start : want;
+    *first = start;
+    *count = n;
+    if (start + n < set->n) {
+        page_token_make(next_token, AGENTS_PAGE_SCOPE, set->items[start + n - 1].name);
+    }
+    return CF_OK;
+}

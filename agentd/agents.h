@@ -22,6 +22,7 @@
 #define AGENT_MAX_TURNS_DEFAULT 200
 #define AGENT_MAX_TURNS_LIMIT 10000
 
+#include "page_token.h"
 #include "status.h"
 
 #include <stddef.h>
@@ -66,6 +67,20 @@ CF_MUST_CHECK enum cf_status agents_parse(const char *text, const char *name_hin
 
 /* agents_find returns the agent named name, or NULL. */
 const struct agent_def *agents_find(const struct agent_set *set, const char *name);
+
+/* The page token scope of ListAgents; a token's position is the last name of its page. */
+#define AGENTS_PAGE_SCOPE "agents"
+#define AGENTS_PAGE_SIZE_DEFAULT 100
+#define AGENTS_PAGE_SIZE_MAX 1000
+
+/* agents_page picks one page of set (sorted by name) for ListAgents: page_size agents (0: 100;
+ * above 1000: 1000) after the name page_token carries ("" or NULL: from the first). On CF_OK,
+ * *first and *count name the page's agents in set->items, and next_token holds the token of
+ * the next page ("" when this page is the last). CF_INVALID for a negative page_size, or
+ * (reason INVALID_PAGE_TOKEN) a token that is malformed or not ListAgents'. */
+CF_MUST_CHECK enum cf_status agents_page(const struct agent_set *set, int32_t page_size,
+                                         const char *page_token, size_t *first, size_t *count,
+                                         char next_token[PAGE_TOKEN_MAX], struct cf_error *err);
 
 /* agents_free_one / agents_free release definitions. */
 void agents_free_one(struct agent_def *a);

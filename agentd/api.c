@@ -3,18 +3,24 @@
  * Submit validates against the agents this process serves and admits through storaged; it
  * returns only after storaged committed. Watch and GetSubmission read storaged; Abort records
  * the durable intent in storaged and stops the submission at once when it runs here (other
- * processes see the intent within a second through their abort polling).
+ * processes see the intent within a second through their abort polling). Compact admits a
+ * submission of kind SUBMISSION_KIND_COMPACT and waits for it to settle.
+ *
+ * Errors carry an ErrorInfo reason: UNKNOWN_AGENT, RESERVED_METADATA_KEY, NOTHING_TO_COMPACT,
+ * COMPACTION_FAILED, INVALID_PAGE_TOKEN here; an error storaged answered keeps storaged's
+ * reason (store_call).
  */
 #include "agentd.h"
 #include "clients.h"
 #include "clock.h"
+#include "errinfo.h"
 #include "guard.h"
 #include "log.h"
 #include "mem.h"
+#include "metadata.h"
 
 #include "cflue/v1/agent.pb-c.h"
 
-#include <jansson.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,6 +32,28 @@
 static void fail_err(struct rpc_call *c, const struct cf_error *err)
 {
     rpc_call_fail_error(c, err);
+}
+
+/* finish_stream ends a streaming call the way storaged's stream ended, reason included. */
+static void finish_stream(struct rpc_call *c, const struct rpc_status *st)
+{
+    if (st->code == GRPC_STATUS_OK) {
+        rpc_call_finish(c, GRPC_STATUS_OK, NULL);
+        return;
+    }
+    struct cf_error e;
+    bool specific = st->reason[0] && strcmp(st->reason, errinfo_default_reason(st->code)) != 0;
+    cf_error_setr(&e, status_from_grpc(st->code), specific ? st->reason : NULL, "%s",
+                  st->details[0] ? st->details : "storaged ended the stream");
+    fail_err(c, &e);
+}
+
+/* unknown_agent fails a call naming an agent this agentd does not serve. */
+static void unknown_agent(struct rpc_call *c, const char *name)
+{
+    struct cf_error e;
+    cf_error_setr(&e, CF_NOT_FOUND, "UNKNOWN_AGENT", "no agent named '%s' (see ListAgents)", name);
+    fail_err(c, &e);
 }
 
 /* call_over tells a stream guard that our caller went away or the server stops. */
@@ -43,11 +71,15 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
         return;
     }
     if (!agents_find(&g_agentd.agents, req->agent)) {
-        rpc_call_fail(c, CF_NOT_FOUND, "no agent named '%s' (see ListAgents)", req->agent);
+        unknown_agent(c, req->agent);
         return;
     }
     if (!req->message || (!*req->message->text && !req->message->n_attachments)) {
         rpc_call_fail(c, CF_INVALID, "message needs text or at least one attachment");
+        return;
+    }
+    if (metadata_check(req->metadata, req->n_metadata, &err) != CF_OK) {
+        fail_err(c, &err);
         return;
     }
     Cflue__V1__AdmitRequest ar = CFLUE__V1__ADMIT_REQUEST__INIT;
@@ -57,6 +89,7 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     ar.message = req->message;
     ar.idempotency_key = req->idempotency_key;
     ar.source = req->source;
+    ar.kind = CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE;
     /* the map entries have the same layout; copy them into the Admit type */
     if (req->n_metadata) {
         md = mem_alloc(sizeof(void *) * req->n_metadata);
@@ -103,13 +136,13 @@ static void on_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *user
         return;
     }
     if (!req->follow) {
-        int64_t after = req->from_offset;
+        int64_t after = req->after_offset;
         for (;;) {
             Cflue__V1__ReadRequest rq = CFLUE__V1__READ_REQUEST__INIT;
             ProtobufCMessage *resp = NULL;
             rq.conversation_id = req->conversation_id;
             rq.after_offset = after;
-            rq.limit = 1000;
+            rq.page_size = 1000;
             if (store_call(g_agentd.store, "Read", &rq.base, &cflue__v1__read_response__descriptor,
                            STORE_TIMEOUT_MS, &resp, &err) != CF_OK) {
                 fail_err(c, &err);
@@ -120,8 +153,10 @@ static void on_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *user
             for (size_t i = 0; i < page->n_records && alive; i++) {
                 alive = rpc_call_send(c, &page->records[i]->base);
             }
-            bool done = page->up_to_date || !alive;
-            after = page->next_offset;
+            bool done = !*page->next_page_token || !page->n_records || !alive;
+            if (page->n_records) {
+                after = page->records[page->n_records - 1]->offset;
+            }
             protobuf_c_message_free_unpacked(resp, NULL);
             if (!alive) {
                 rpc_call_finish(c, GRPC_STATUS_CANCELLED, "the watcher went away");
@@ -135,7 +170,7 @@ static void on_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *user
     }
     Cflue__V1__FollowRequest fr = CFLUE__V1__FOLLOW_REQUEST__INIT;
     fr.conversation_id = req->conversation_id;
-    fr.after_offset = req->from_offset;
+    fr.after_offset = req->after_offset;
     struct rpc_stream *s = rpc_stream_open(g_agentd.store, "/cflue.v1.Store/Follow", &fr.base, 0);
     ProtobufCMessage *m;
     bool alive = true;
@@ -158,7 +193,7 @@ static void on_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *user
     } else if (!alive) {
         rpc_call_finish(c, GRPC_STATUS_CANCELLED, "the watcher went away");
     } else {
-        rpc_call_finish(c, st.code, st.details);
+        finish_stream(c, &st);
     }
 }
 
@@ -177,7 +212,7 @@ static Cflue__V1__Submission *wait_settled(struct rpc_call *c, const char *submi
             return NULL;
         }
         Cflue__V1__Submission *s = (Cflue__V1__Submission *)resp;
-        if (s->status == CFLUE__V1__SUBMISSION_STATUS__SETTLED) {
+        if (s->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_SETTLED) {
             return s;
         }
         Cflue__V1__ConversationRequest cr = CFLUE__V1__CONVERSATION_REQUEST__INIT;
@@ -246,8 +281,19 @@ static void on_abort(struct rpc_call *c, const ProtobufCMessage *msg, void *user
     const Cflue__V1__AbortRequest *req = (const void *)msg;
     struct cf_error err;
     Cflue__V1__RequestAbortRequest ar = CFLUE__V1__REQUEST_ABORT_REQUEST__INIT;
-    ar.conversation_id = req->conversation_id;
-    ar.submission_id = req->submission_id;
+    switch (req->target_case) {
+    case CFLUE__V1__ABORT_REQUEST__TARGET_CONVERSATION_ID:
+        ar.target_case = CFLUE__V1__REQUEST_ABORT_REQUEST__TARGET_CONVERSATION_ID;
+        ar.conversation_id = req->conversation_id;
+        break;
+    case CFLUE__V1__ABORT_REQUEST__TARGET_SUBMISSION_ID:
+        ar.target_case = CFLUE__V1__REQUEST_ABORT_REQUEST__TARGET_SUBMISSION_ID;
+        ar.submission_id = req->submission_id;
+        break;
+    default:
+        rpc_call_fail(c, CF_INVALID, "target is required: conversation_id or submission_id");
+        return;
+    }
     ar.reason = "aborted on request";
     ProtobufCMessage *resp = NULL;
     if (store_call(g_agentd.store, "RequestAbort", &ar.base,
@@ -272,12 +318,20 @@ static void on_abort(struct rpc_call *c, const ProtobufCMessage *msg, void *user
 
 static void on_list_agents(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
+    const Cflue__V1__ListAgentsRequest *req = (const void *)msg;
     Cflue__V1__ListAgentsResponse out = CFLUE__V1__LIST_AGENTS_RESPONSE__INIT;
-    size_t n = g_agentd.agents.n;
+    char next[PAGE_TOKEN_MAX];
+    size_t first, n;
+    struct cf_error err;
+    if (agents_page(&g_agentd.agents, req->page_size, req->page_token, &first, &n, next, &err) !=
+        CF_OK) {
+        fail_err(c, &err);
+        return;
+    }
     Cflue__V1__AgentInfo *infos = mem_alloc(sizeof(*infos) * (n + 1));
     Cflue__V1__AgentInfo **ptrs = mem_alloc(sizeof(void *) * (n + 1));
     for (size_t i = 0; i < n; i++) {
-        const struct agent_def *a = &g_agentd.agents.items[i];
+        const struct agent_def *a = &g_agentd.agents.items[first + i];
         cflue__v1__agent_info__init(&infos[i]);
         infos[i].name = a->name;
         infos[i].description = a->description ? a->description : "";
@@ -290,6 +344,7 @@ static void on_list_agents(struct rpc_call *c, const ProtobufCMessage *msg, void
     }
     out.agents = ptrs;
     out.n_agents = n;
+    out.next_page_token = next;
     rpc_call_reply(c, &out.base);
     free(infos);
     free(ptrs);
@@ -309,7 +364,7 @@ static void on_get_conversation(struct rpc_call *c, const ProtobufCMessage *msg,
     }
     Cflue__V1__ListRequest lr = CFLUE__V1__LIST_REQUEST__INIT;
     lr.conversation_id = req->conversation_id;
-    lr.limit = 1000;
+    lr.page_size = 1000;
     if (store_call(g_agentd.store, "List", &lr.base, &cflue__v1__list_response__descriptor,
                    STORE_TIMEOUT_MS, &list, &err) != CF_OK) {
         protobuf_c_message_free_unpacked(conv, NULL);
@@ -325,10 +380,13 @@ static void on_get_conversation(struct rpc_call *c, const ProtobufCMessage *msg,
     out.submissions = ls->submissions;
     out.n_submissions = ls->n_submissions;
     if (req->include_records) {
+        /* one page of storaged's Read: its page token (scoped to the conversation) is this
+         * view's, passed through both ways */
         Cflue__V1__ReadRequest rq = CFLUE__V1__READ_REQUEST__INIT;
         rq.conversation_id = req->conversation_id;
         rq.after_offset = -1;
-        rq.limit = 1000;
+        rq.page_size = req->page_size;
+        rq.page_token = req->page_token;
         if (store_call(g_agentd.store, "Read", &rq.base, &cflue__v1__read_response__descriptor,
                        STORE_TIMEOUT_MS, &page, &err) != CF_OK) {
             protobuf_c_message_free_unpacked(conv, NULL);
@@ -336,17 +394,55 @@ static void on_get_conversation(struct rpc_call *c, const ProtobufCMessage *msg,
             fail_err(c, &err);
             return;
         }
-        /* one page: storaged bounds it by bytes; Watch delivers the rest */
         const Cflue__V1__ReadResponse *p = (const Cflue__V1__ReadResponse *)page;
         out.records = p->records;
         out.n_records = p->n_records;
-        out.records_truncated = !p->up_to_date;
+        out.next_page_token = p->next_page_token;
     }
     rpc_call_reply(c, &out.base);
     protobuf_c_message_free_unpacked(conv, NULL);
     protobuf_c_message_free_unpacked(list, NULL);
     if (page) {
         protobuf_c_message_free_unpacked(page, NULL);
+    }
+}
+
+/* find_compaction looks for the compaction record submission sid wrote, reading the
+ * conversation after offset `after`; fills out's tokens and record_offset (left -1 when there
+ * is none). */
+static enum cf_status find_compaction(const char *conversation_id, const char *sid, int64_t after,
+                                      Cflue__V1__CompactResponse *out, struct cf_error *err)
+{
+    for (;;) {
+        Cflue__V1__ReadRequest rq = CFLUE__V1__READ_REQUEST__INIT;
+        ProtobufCMessage *page = NULL;
+        enum cf_status rc;
+        rq.conversation_id = (char *)conversation_id;
+        rq.after_offset = after;
+        rq.page_size = 1000;
+        if ((rc =
+                 store_call(g_agentd.store, "Read", &rq.base, &cflue__v1__read_response__descriptor,
+                            STORE_TIMEOUT_MS, &page, err)) != CF_OK) {
+            return rc;
+        }
+        Cflue__V1__ReadResponse *p = (Cflue__V1__ReadResponse *)page;
+        for (size_t i = 0; i < p->n_records; i++) {
+            const Cflue__V1__Record *r = p->records[i];
+            if (r->body_case == CFLUE__V1__RECORD__BODY_COMPACTION &&
+                !strcmp(r->submission_id, sid)) {
+                out->tokens_before = r->compaction->tokens_before;
+                out->tokens_after = r->compaction->tokens_after;
+                out->record_offset = r->offset;
+            }
+        }
+        bool more = *p->next_page_token && p->n_records;
+        if (p->n_records) {
+            after = p->records[p->n_records - 1]->offset;
+        }
+        protobuf_c_message_free_unpacked(page, NULL);
+        if (!more) {
+            return CF_OK;
+        }
     }
 }
 
@@ -366,20 +462,18 @@ static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *us
         fail_err(c, &err);
         return;
     }
-    /* compaction runs as a submission of its own: durable, in order with the conversation's
-     * other work, fenced like any turn */
+    const char *agent = ((Cflue__V1__Conversation *)conv)->agent;
+    if (!agents_find(&g_agentd.agents, agent)) {
+        unknown_agent(c, agent);
+        protobuf_c_message_free_unpacked(conv, NULL);
+        return;
+    }
+    /* compaction runs as a submission of its own kind: durable, in order with the
+     * conversation's other work, fenced like any turn, never joined; it carries no message */
     Cflue__V1__AdmitRequest ar = CFLUE__V1__ADMIT_REQUEST__INIT;
-    Cflue__V1__Message m = CFLUE__V1__MESSAGE__INIT;
-    Cflue__V1__AdmitRequest__MetadataEntry kind = CFLUE__V1__ADMIT_REQUEST__METADATA_ENTRY__INIT;
-    Cflue__V1__AdmitRequest__MetadataEntry *md[1] = {&kind};
-    kind.key = "cflue.kind";
-    kind.value = "compact";
-    m.text = "(compact the conversation)";
-    ar.agent = ((Cflue__V1__Conversation *)conv)->agent;
+    ar.agent = (char *)agent;
     ar.conversation_id = req->conversation_id;
-    ar.message = &m;
-    ar.metadata = md;
-    ar.n_metadata = 1;
+    ar.kind = CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
     enum cf_status rc =
         store_call(g_agentd.store, "Admit", &ar.base, &cflue__v1__admit_response__descriptor,
                    STORE_TIMEOUT_MS, &resp, &err);
@@ -389,7 +483,9 @@ static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *us
         return;
     }
     char sid[128];
-    snprintf(sid, sizeof(sid), "%s", ((Cflue__V1__AdmitResponse *)resp)->submission->submission_id);
+    const Cflue__V1__AdmitResponse *admitted = (const Cflue__V1__AdmitResponse *)resp;
+    int64_t head = admitted->offset;
+    snprintf(sid, sizeof(sid), "%s", admitted->submission->submission_id);
     protobuf_c_message_free_unpacked(resp, NULL);
     agentd_wake();
     Cflue__V1__Submission *done = wait_settled(c, sid, &err);
@@ -398,48 +494,29 @@ static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *us
         return;
     }
     Cflue__V1__CompactResponse out = CFLUE__V1__COMPACT_RESPONSE__INIT;
+    out.submission_id = sid;
     out.record_offset = -1;
-    /* the compaction record this submission wrote, if there was anything to compact */
-    Cflue__V1__ReadRequest rq = CFLUE__V1__READ_REQUEST__INIT;
-    rq.conversation_id = req->conversation_id;
-    rq.after_offset = -1;
-    rq.limit = 1000;
-    for (;;) {
-        ProtobufCMessage *page = NULL;
-        if (store_call(g_agentd.store, "Read", &rq.base, &cflue__v1__read_response__descriptor,
-                       STORE_TIMEOUT_MS, &page, &err) != CF_OK) {
-            break;
-        }
-        Cflue__V1__ReadResponse *p = (Cflue__V1__ReadResponse *)page;
-        for (size_t i = 0; i < p->n_records; i++) {
-            if (!strcmp(p->records[i]->type, "compaction") &&
-                !strcmp(p->records[i]->submission_id, sid)) {
-                json_t *b = json_loads(p->records[i]->body_json, 0, NULL);
-                out.tokens_before = json_integer_value(json_object_get(b, "tokens_before"));
-                out.tokens_after = json_integer_value(json_object_get(b, "tokens_after"));
-                out.record_offset = p->records[i]->offset;
-                json_decref(b);
-            }
-        }
-        bool more = !p->up_to_date;
-        rq.after_offset = p->next_offset;
-        protobuf_c_message_free_unpacked(page, NULL);
-        if (!more) {
-            break;
-        }
-    }
-    bool failed = done->outcome != CFLUE__V1__OUTCOME__COMPLETED;
+    /* the compaction record this submission wrote (after the head it was admitted at), if
+     * there was anything to compact */
+    rc = find_compaction(req->conversation_id, sid, head, &out, &err);
+    bool failed = done->outcome != CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
     char why[600];
     snprintf(why, sizeof(why), "the compaction did not complete: %s", done->error);
     protobuf_c_message_free_unpacked(&done->base, NULL);
     if (failed) {
-        rpc_call_fail(c, CF_UNAVAILABLE, "%s", why);
+        cf_error_setr(&err, CF_UNAVAILABLE, "COMPACTION_FAILED", "%s", why);
+        fail_err(c, &err);
+        return;
+    }
+    if (rc != CF_OK) {
+        fail_err(c, &err);
         return;
     }
     if (out.record_offset < 0) {
-        rpc_call_fail(c, CF_STALE,
+        cf_error_setr(&err, CF_PRECONDITION, "NOTHING_TO_COMPACT",
                       "nothing to compact: the conversation is no longer than the recent part "
                       "that compaction keeps verbatim");
+        fail_err(c, &err);
         return;
     }
     rpc_call_reply(c, &out.base);

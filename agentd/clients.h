@@ -10,14 +10,14 @@
 
 /* store_call makes one Store RPC ("Admit", "Claim", ...). On success *resp_out holds the
  * decoded response (free with protobuf_c_message_free_unpacked). On failure err carries the
- * server's message and a status mapped back from the gRPC code (FAILED_PRECONDITION ->
- * CF_STALE, NOT_FOUND -> CF_NOT_FOUND, ...); UNAVAILABLE and DEADLINE_EXCEEDED map to
- * CF_UNAVAILABLE, which callers may retry. */
+ * server's message, a status mapped back from the gRPC code (status_from_grpc: ABORTED ->
+ * CF_STALE, a stale fence; FAILED_PRECONDITION -> CF_PRECONDITION; NOT_FOUND -> CF_NOT_FOUND,
+ * ...; UNAVAILABLE and DEADLINE_EXCEEDED -> CF_UNAVAILABLE, which callers may retry) and
+ * storaged's ErrorInfo reason, so an error passed on to agentd's callers keeps it. */
 CF_MUST_CHECK enum cf_status store_call(struct rpc_channel *ch, const char *method,
                                         const ProtobufCMessage *req,
                                         const ProtobufCMessageDescriptor *resp_desc,
                                         int64_t timeout_ms, ProtobufCMessage **resp_out,
                                         struct cf_error *err);
-
 
 #endif

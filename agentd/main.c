@@ -20,6 +20,7 @@
 #include "failpoint.h"
 #include "log.h"
 #include "mem.h"
+#include "pbtime.h"
 #include "thread.h"
 
 #include <curl/curl.h>
@@ -75,8 +76,12 @@ static void reclaim_own_work(void)
         Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
         ProtobufCMessage *resp = NULL;
         req.owner_id = (char *)g_agentd.owner_id;
-        req.lease_ms = g_agentd.lease_ms;
-        req.reclaim_started_before_ms = started;
+        Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
+        Google__Protobuf__Timestamp before = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+        pbdur_set(&lease, g_agentd.lease_ms);
+        pbtime_set(&before, started);
+        req.lease_duration = &lease;
+        req.reclaim_started_before = &before;
         if (store_call(g_agentd.store, "Claim", &req.base, &cflue__v1__claim_response__descriptor,
                        15000, &resp, &err) != CF_OK) {
             return;
@@ -199,9 +204,13 @@ static bool resume_one(void)
     Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
     ProtobufCMessage *resp = NULL;
     req.owner_id = (char *)g_agentd.owner_id;
-    req.lease_ms = g_agentd.lease_ms;
+    Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
+    Google__Protobuf__Timestamp before = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+    pbdur_set(&lease, g_agentd.lease_ms);
+    pbtime_set(&before, clock_now_ms() + 1);
+    req.lease_duration = &lease;
     req.submission_id = r.submission_id;
-    req.reclaim_started_before_ms = clock_now_ms() + 1;
+    req.reclaim_started_before = &before;
     enum cf_status rc = store_call(g_agentd.store, "Claim", &req.base,
                                    &cflue__v1__claim_response__descriptor, 15000, &resp, &err);
     Cflue__V1__ClaimResponse *cl = (Cflue__V1__ClaimResponse *)resp;
@@ -275,8 +284,10 @@ static void *worker_main(void *arg)
         }
         Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
         ProtobufCMessage *resp = NULL;
+        Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
+        pbdur_set(&lease, g_agentd.lease_ms);
         req.owner_id = (char *)g_agentd.owner_id;
-        req.lease_ms = g_agentd.lease_ms;
+        req.lease_duration = &lease;
         enum cf_status rc = store_call(g_agentd.store, "Claim", &req.base,
                                        &cflue__v1__claim_response__descriptor, 15000, &resp, &err);
         Cflue__V1__ClaimResponse *cl = (Cflue__V1__ClaimResponse *)resp;
@@ -331,7 +342,9 @@ static void *heartbeat_main(void *arg)
                 ptrs[i] = &fences[i];
             }
             hb.owner_id = (char *)g_agentd.owner_id;
-            hb.lease_ms = g_agentd.lease_ms;
+            Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
+            pbdur_set(&lease, g_agentd.lease_ms);
+            hb.lease_duration = &lease;
             hb.fences = ptrs;
             hb.n_fences = (size_t)n;
             ProtobufCMessage *resp = NULL;
@@ -365,7 +378,7 @@ static void *heartbeat_main(void *arg)
             gr.submission_id = snap[i].submission_id;
             if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
                            5000, &resp, &err) == CF_OK) {
-                if (((Cflue__V1__Submission *)resp)->abort_requested_at_ms) {
+                if (((Cflue__V1__Submission *)resp)->abort_request_time) {
                     agentd_mark_abort(snap[i].submission_id);
                 }
                 protobuf_c_message_free_unpacked(resp, NULL);

@@ -14,6 +14,14 @@
  *  - a stream cut off mid-message leaves only assistant_delta records, which are for
  *    watchers: the turn is simply asked again.
  *
+ * Every record is a typed body (common.proto Record.body): user_message, system_prompt,
+ * assistant_delta, assistant_message (its tool_calls and usage), tool_result (ToolCallResult;
+ * the outcome-unknown result has outcome_unknown set), signal, compaction. Recovery reads the
+ * typed fields; nothing here parses a record as JSON.
+ *
+ * A submission of kind SUBMISSION_KIND_COMPACT (Agent.Compact) carries no message: its drive
+ * compacts the conversation and answers nothing.
+ *
  * Settlement is one Store.Settle: storaged writes the submission_settled record and settles
  * joined submissions with their host in the same transaction.
  *
@@ -41,12 +49,13 @@
 #include "ids.h"
 #include "log.h"
 #include "mem.h"
+#include "pbtime.h"
+#include "record_kind.h"
 #include "thread.h"
 #include "utf8.h"
 
 #include "cflue/v1/sandbox.pb-c.h"
 
-#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,8 +70,8 @@
 
 /* The result a tool call gets when an attempt ended before its outcome was recorded. */
 #define INTERRUPTED_RESULT                                                                         \
-    "{\"type\":\"interrupted\",\"message\":\"This tool call was interrupted before its "           \
-    "result was recorded; whether it took effect is unknown.\"}"
+    "This tool call was interrupted before its result was recorded; whether it took effect is "    \
+    "unknown."
 
 struct drive {
     const Cflue__V1__Submission *sub;
@@ -153,8 +162,9 @@ static bool transient(enum cf_status rc)
 /* store_retry makes one Store call, retrying transient failures with backoff and jitter for
  * as long as this attempt may still hold its lease (at least STORE_RETRY_MIN_MS), unless the
  * lease is lost or the process stops (an abort still retries: the outcome must be recorded). Every
- * method retried here is idempotent for the same request. A stale fence marks the lease lost. The
- * last failure is in d->err. */
+ * method retried here is idempotent for the same request. A stale fence (CF_STALE: ABORTED,
+ * reason STALE_FENCE) marks the lease lost; CF_PRECONDITION (FAILED_PRECONDITION) is an answer
+ * about the request, not about the lease. The last failure is in d->err. */
 static enum cf_status store_retry(struct drive *d, const char *method, const ProtobufCMessage *req,
                                   const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp)
 {
@@ -165,9 +175,8 @@ static enum cf_status store_retry(struct drive *d, const char *method, const Pro
         *resp = NULL;
         enum cf_status rc =
             store_call(g_agentd.store, method, req, desc, STORE_TIMEOUT_MS, resp, &d->err);
-        if (rc == CF_STALE && strcmp(method, "FinalizeJoin") != 0 &&
-            strcmp(method, "RevertJoin") != 0) {
-            mark_lease_lost(d);
+        if (rc == CF_STALE) {
+            mark_lease_lost(d); /* ABORTED, STALE_FENCE: another attempt holds the work */
         }
         if (!transient(rc) || lost_or_down(d) || clock_mono_ms() - start + wait > window) {
             return rc;
@@ -203,20 +212,48 @@ static enum cf_status append(struct drive *d, Cflue__V1__Record **recs, size_t n
     return rc;
 }
 
-/* append_one appends one record; body is consumed. Its result is the drive's to check
- * through halted(): a failure is also kept as d->fault. */
-static enum cf_status append_one(struct drive *d, const char *id, const char *type,
-                                 const char *submission_id, json_t *body)
+/* append_one appends one record whose body is the typed message `body` (a Record.body type;
+ * the caller keeps it). Its result is the drive's to check through halted(): a failure is also
+ * kept as d->fault. */
+static enum cf_status append_one(struct drive *d, const char *id, const char *submission_id,
+                                 ProtobufCMessage *body)
 {
     Cflue__V1__Record rec = CFLUE__V1__RECORD__INIT, *recs[1] = {&rec};
-    char *text = json_dumps(body, JSON_COMPACT);
     rec.id = (char *)id;
-    rec.type = (char *)type;
     rec.submission_id = (char *)(submission_id ? submission_id : "");
-    rec.body_json = text;
-    enum cf_status rc = append(d, recs, 1);
-    free(text);
-    json_decref(body);
+    if (!record_set_body(&rec, body)) {
+        struct cf_error e;
+        cf_error_set(&e, CF_INTERNAL, "record %s: %s is no record body", id,
+                     body->descriptor->name);
+        fault(d, "recording to the conversation failed", &e);
+        return CF_INTERNAL;
+    }
+    return append(d, recs, 1);
+}
+
+/* append_input puts submission s's message into the conversation as its user_message record
+ * `id` (input:<sub>): the text, and a reference to each attachment (the bytes stay with the
+ * submission). */
+static enum cf_status append_input(struct drive *d, const char *id, const Cflue__V1__Submission *s)
+{
+    const Cflue__V1__Message *msg = s->message;
+    size_t n = msg ? msg->n_attachments : 0;
+    Cflue__V1__UserMessage body = CFLUE__V1__USER_MESSAGE__INIT;
+    Cflue__V1__AttachmentRef *refs = mem_alloc(sizeof(*refs) * (n + 1));
+    Cflue__V1__AttachmentRef **ptrs = mem_alloc(sizeof(void *) * (n + 1));
+    body.text = msg ? msg->text : "";
+    for (size_t i = 0; i < n; i++) {
+        cflue__v1__attachment_ref__init(&refs[i]);
+        refs[i].name = msg->attachments[i]->name;
+        refs[i].mime_type = msg->attachments[i]->mime_type;
+        refs[i].size_bytes = (int64_t)msg->attachments[i]->data.len;
+        ptrs[i] = &refs[i];
+    }
+    body.attachments = ptrs;
+    body.n_attachments = n;
+    enum cf_status rc = append_one(d, id, s->submission_id, &body.base);
+    free(refs);
+    free(ptrs);
     return rc;
 }
 
@@ -228,7 +265,7 @@ static enum cf_status sync_records(struct drive *d)
         ProtobufCMessage *resp = NULL;
         req.conversation_id = d->sub->conversation_id;
         req.after_offset = d->cursor;
-        req.limit = 1000;
+        req.page_size = 1000;
         enum cf_status rc =
             store_retry(d, "Read", &req.base, &cflue__v1__read_response__descriptor, &resp);
         if (rc != CF_OK) {
@@ -236,9 +273,11 @@ static enum cf_status sync_records(struct drive *d)
             return rc;
         }
         Cflue__V1__ReadResponse *page = (Cflue__V1__ReadResponse *)resp;
-        d->cursor = page->next_offset;
-        bool done = page->up_to_date;
+        /* the next page starts after the last record of this one (an empty next_page_token
+         * says there is none yet) */
+        bool done = !*page->next_page_token || !page->n_records;
         if (page->n_records) {
+            d->cursor = page->records[page->n_records - 1]->offset;
             d->pages = mem_realloc(d->pages, sizeof(void *) * (d->n_pages + 1));
             d->pages[d->n_pages++] = page;
         } else {
@@ -265,6 +304,23 @@ static const Cflue__V1__Record *find_record(struct drive *d, const char *id)
         }
     }
     return NULL;
+}
+
+/* own_assistant returns r's assistant message when r is one of this submission's, else NULL. */
+static const Cflue__V1__AssistantMessage *own_assistant(struct drive *d, const Cflue__V1__Record *r)
+{
+    if (r->body_case != CFLUE__V1__RECORD__BODY_ASSISTANT_MESSAGE ||
+        strcmp(r->submission_id, d->sub->submission_id) != 0) {
+        return NULL;
+    }
+    return r->assistant_message;
+}
+
+/* tool_result_id writes the deterministic id of the result of call `call_id` of turn `turn`. */
+static void tool_result_id(char *out, size_t out_len, const char *submission_id, int turn,
+                           const char *call_id)
+{
+    snprintf(out, out_len, "tool:%s:%d:%s", submission_id, turn, call_id);
 }
 
 /* ---------- settlement ---------- */
@@ -298,17 +354,20 @@ static enum drive_end drive_ended(struct drive *d)
 static enum drive_end settle(struct drive *d, Cflue__V1__Outcome outcome, const char *error)
 {
     Cflue__V1__SettleRequest req = CFLUE__V1__SETTLE_REQUEST__INIT;
+    Cflue__V1__Usage usage = CFLUE__V1__USAGE__INIT;
     ProtobufCMessage *resp = NULL;
     char cut[8192], q[600];
     req.fence = &d->fence;
+    req.usage = &usage;
     req.outcome = outcome;
     if (error) {
         snprintf(cut, sizeof(cut), "%s", error);
         cut[utf8_prefix_len(cut, strlen(cut), 8000)] = '\0';
     }
-    req.error = outcome == CFLUE__V1__OUTCOME__COMPLETED ? "" : (char *)(error ? cut : "failed");
+    req.error =
+        outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED ? "" : (char *)(error ? cut : "failed");
     bool have_records = sync_records(d) == CF_OK;
-    if (outcome == CFLUE__V1__OUTCOME__COMPLETED) {
+    if (outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED) {
         if (!have_records) {
             return drive_ended(d);
         }
@@ -332,14 +391,11 @@ static enum drive_end settle(struct drive *d, Cflue__V1__Outcome outcome, const 
     const Cflue__V1__Record *r;
     FOR_EACH_RECORD(d, r)
     {
-        if (!strcmp(r->type, "assistant_message") &&
-            !strcmp(r->submission_id, d->sub->submission_id)) {
-            json_t *b = json_loads(r->body_json, 0, NULL);
-            json_t *u = json_object_get(b, "usage");
-            req.input_tokens += json_integer_value(json_object_get(u, "input_tokens"));
-            req.output_tokens += json_integer_value(json_object_get(u, "output_tokens"));
-            req.cost_usd += json_number_value(json_object_get(b, "cost_usd"));
-            json_decref(b);
+        const Cflue__V1__AssistantMessage *am = own_assistant(d, r);
+        if (am && am->usage) {
+            usage.input_tokens += am->usage->input_tokens;
+            usage.output_tokens += am->usage->output_tokens;
+            usage.cost_usd += am->usage->cost_usd;
         }
     }
     failpoint_hit("agentd.settle.before");
@@ -347,9 +403,13 @@ static enum drive_end settle(struct drive *d, Cflue__V1__Outcome outcome, const 
         store_retry(d, "Settle", &req.base, &cflue__v1__settle_response__descriptor, &resp);
     agentd_wake();
     if (rc != CF_OK) {
-        log_warn("settle_failed", "submission=%s err=%s", d->sub->submission_id,
-                 log_quote(q, sizeof(q), d->err.msg));
-        if (rc != CF_STALE) {
+        log_warn("settle_failed", "submission=%s err=%s reason=%s", d->sub->submission_id,
+                 log_quote(q, sizeof(q), d->err.msg), cf_error_reason(&d->err));
+        if (rc == CF_PRECONDITION) {
+            /* settled already with another outcome, or no longer this attempt's to settle:
+             * nothing this attempt can write any more */
+            mark_lease_lost(d);
+        } else if (rc != CF_STALE) {
             fault(d, "settling failed", &d->err);
         }
         return drive_ended(d);
@@ -357,9 +417,9 @@ static enum drive_end settle(struct drive *d, Cflue__V1__Outcome outcome, const 
     failpoint_hit("agentd.settle.after");
     Cflue__V1__SettleResponse *sr = (Cflue__V1__SettleResponse *)resp;
     log_info("settled", "submission=%s outcome=%s joined=%zu err=%s", d->sub->submission_id,
-             outcome == CFLUE__V1__OUTCOME__COMPLETED ? "completed"
-             : outcome == CFLUE__V1__OUTCOME__FAILED  ? "failed"
-                                                      : "aborted",
+             outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED ? "completed"
+             : outcome == CFLUE__V1__OUTCOME__OUTCOME_FAILED  ? "failed"
+                                                              : "aborted",
              sr->n_settled_with, log_quote(q, sizeof(q), req.error));
     protobuf_c_message_free_unpacked(resp, NULL);
     return DRIVE_SETTLED;
@@ -367,23 +427,25 @@ static enum drive_end settle(struct drive *d, Cflue__V1__Outcome outcome, const 
 
 /* ---------- tool results ---------- */
 
-/* record_result appends a tool call's result; a failure is a fault (see append). */
+/* record_result appends a tool call's result (a ToolCallResult of the current turn); t, when
+ * truncated, is recorded with it. outcome_unknown marks the result a call gets when it was cut
+ * off before its outcome was recorded. A failure is a fault (see append). */
 static void record_result(struct drive *d, int index, const char *call_id, const char *name,
-                          const char *text, bool is_error, const Cflue__V1__Truncation *t)
+                          const char *text, bool is_error, const Cflue__V1__Truncation *t,
+                          bool outcome_unknown)
 {
     char id[512];
-    snprintf(id, sizeof(id), "tool:%s:%d:%s", d->sub->submission_id, d->turn, call_id);
-    json_t *body =
-        json_pack("{s:i, s:i, s:s, s:s, s:s, s:b}", "turn", d->turn, "index", index, "tool_call_id",
-                  call_id, "name", name, "text", text, "is_error", is_error);
-    if (t && t->truncated) {
-        json_object_set_new(body, "truncation",
-                            json_pack("{s:b, s:I, s:I, s:I}", "truncated", 1, "total_lines",
-                                      (json_int_t)t->total_lines, "total_bytes",
-                                      (json_int_t)t->total_bytes, "next_offset",
-                                      (json_int_t)t->next_offset));
-    }
-    append_one(d, id, "tool_result", d->sub->submission_id, body);
+    Cflue__V1__ToolCallResult body = CFLUE__V1__TOOL_CALL_RESULT__INIT;
+    tool_result_id(id, sizeof(id), d->sub->submission_id, d->turn, call_id);
+    body.turn = d->turn;
+    body.index = index;
+    body.tool_call_id = (char *)call_id;
+    body.name = (char *)name;
+    body.text = (char *)text;
+    body.is_error = is_error;
+    body.truncation = t && t->truncated ? (Cflue__V1__Truncation *)t : NULL;
+    body.outcome_unknown = outcome_unknown;
+    append_one(d, id, d->sub->submission_id, &body.base);
 }
 
 /* ---------- context ---------- */
@@ -427,12 +489,6 @@ static void context_free(struct context *c)
     free(c->strings);
     free(c->msgs);
     memset(c, 0, sizeof(*c));
-}
-
-static const char *str(json_t *o, const char *k)
-{
-    const char *s = json_string_value(json_object_get(o, k));
-    return s ? s : "";
 }
 
 static char *base64(const uint8_t *p, size_t n)
@@ -518,9 +574,9 @@ static const Cflue__V1__Record *result_of(const Cflue__V1__Record **index, size_
     return hit ? *hit : NULL;
 }
 
-/* build_context turns the records before offset `before` into provider-neutral messages.
- * json bodies are kept in `bodies` (freed by the caller) because messages point into them. */
-static void build_context(struct drive *d, struct context *c, json_t *bodies, int64_t before)
+/* build_context turns the records before offset `before` into provider-neutral messages. The
+ * messages point into the records' typed bodies (d->pages), which outlive the context. */
+static void build_context(struct drive *d, struct context *c, int64_t before)
 {
     const Cflue__V1__Record *r, *compaction = NULL, **results = NULL;
     int64_t first_kept = -1;
@@ -529,9 +585,9 @@ static void build_context(struct drive *d, struct context *c, json_t *bodies, in
      * results are looked up once per call instead of by scanning the stream each time) */
     FOR_EACH_RECORD(d, r)
     {
-        if (r->offset < before && !strcmp(r->type, "compaction")) {
+        if (r->offset < before && r->body_case == CFLUE__V1__RECORD__BODY_COMPACTION) {
             compaction = r;
-        } else if (!strcmp(r->type, "tool_result")) {
+        } else if (r->body_case == CFLUE__V1__RECORD__BODY_TOOL_RESULT) {
             results = mem_realloc(results, sizeof(*results) * (n_results + 1));
             results[n_results++] = r;
         }
@@ -541,12 +597,10 @@ static void build_context(struct drive *d, struct context *c, json_t *bodies, in
     }
     if (compaction) {
         /* the summary stands in for everything before the first kept record */
-        json_t *b = json_loads(compaction->body_json, 0, NULL);
-        json_array_append_new(bodies, b);
-        first_kept = json_integer_value(json_object_get(b, "first_kept_offset"));
+        first_kept = compaction->compaction->first_kept_offset;
         char *t = mem_asprintf("<context_summary>\nThe earlier part of this conversation was "
                                "compacted into this summary:\n\n%s\n</context_summary>",
-                               str(b, "summary"));
+                               compaction->compaction->summary);
         struct llm_message *m = push(c);
         m->role = LLM_USER;
         m->text = keep(c, t);
@@ -556,54 +610,45 @@ static void build_context(struct drive *d, struct context *c, json_t *bodies, in
         if (r->offset >= before || r->offset < first_kept) {
             continue;
         }
-        json_t *b = json_loads(r->body_json, 0, NULL);
-        if (!b) {
-            continue;
-        }
-        json_array_append_new(bodies, b);
-        if (!strcmp(r->type, "user_message")) {
+        if (r->body_case == CFLUE__V1__RECORD__BODY_USER_MESSAGE) {
             struct llm_message *m = push(c);
             m->role = LLM_USER;
-            m->text = str(b, "text");
-            if (json_array_size(json_object_get(b, "attachments"))) {
+            m->text = r->user_message->text;
+            if (r->user_message->n_attachments) {
                 add_attachments(d, c, m, r->submission_id);
             }
-        } else if (!strcmp(r->type, "signal")) {
+        } else if (r->body_case == CFLUE__V1__RECORD__BODY_SIGNAL) {
             struct llm_message *m = push(c);
-            char *t =
-                mem_asprintf("<signal type=\"%s\">\n%s\n</signal>", str(b, "type"), str(b, "text"));
+            char *t = mem_asprintf("<signal type=\"%s\">\n%s\n</signal>", r->signal->kind,
+                                   r->signal->text);
             m->role = LLM_USER;
             m->text = keep(c, t);
-        } else if (!strcmp(r->type, "assistant_message")) {
-            json_t *calls = json_object_get(b, "tool_calls");
-            size_t n = json_array_size(calls);
+        } else if (r->body_case == CFLUE__V1__RECORD__BODY_ASSISTANT_MESSAGE) {
+            const Cflue__V1__AssistantMessage *am = r->assistant_message;
+            size_t n = am->n_tool_calls;
             struct llm_message *m = push(c);
             m->role = LLM_ASSISTANT;
-            m->text = str(b, "text");
+            m->text = am->text;
             struct llm_call *cs = n ? mem_alloc(sizeof(*cs) * n) : NULL;
             for (size_t k = 0; k < n; k++) {
-                json_t *x = json_array_get(calls, k);
-                cs[k].id = (char *)str(x, "id");
-                cs[k].name = (char *)str(x, "name");
-                cs[k].arguments_json = (char *)str(x, "arguments");
+                cs[k].id = am->tool_calls[k]->id;
+                cs[k].name = am->tool_calls[k]->name;
+                cs[k].arguments_json = am->tool_calls[k]->arguments_json;
             }
             m->calls = cs;
             m->n_calls = n;
             /* its results, in call order, whenever they were recorded */
             for (size_t k = 0; k < n; k++) {
                 char id[512];
-                snprintf(id, sizeof(id), "tool:%s:%lld:%s", r->submission_id,
-                         (long long)json_integer_value(json_object_get(b, "turn")), cs[k].id);
+                tool_result_id(id, sizeof(id), r->submission_id, am->turn, cs[k].id);
                 const Cflue__V1__Record *res = result_of(results, n_results, id);
-                json_t *rb = res ? json_loads(res->body_json, 0, NULL) : NULL;
                 struct llm_message *t = push(c);
                 t->role = LLM_TOOL_RESULT;
                 t->tool_call_id = cs[k].id;
                 t->tool_name = cs[k].name;
-                if (rb) {
-                    json_array_append_new(bodies, rb);
-                    t->text = str(rb, "text");
-                    t->is_error = json_is_true(json_object_get(rb, "is_error"));
+                if (res) {
+                    t->text = res->tool_result->text;
+                    t->is_error = res->tool_result->is_error;
                 } else {
                     t->text = INTERRUPTED_RESULT;
                     t->is_error = true;
@@ -647,7 +692,10 @@ static struct rpc_channel *tools_channel(struct drive *d)
 
 /* toold_failed reports whether a Tools/Sandbox call's status means toold itself failed (down,
  * overloaded, timed out, broken) rather than answering about the sandbox's files. Such a
- * failure is a fault: the drive ends interrupted and is resumed later. */
+ * failure is a fault: the drive ends interrupted and is resumed later. FAILED_PRECONDITION is
+ * an answer (the sandbox's state does not allow the call: not a directory, say); ABORTED from
+ * toold (no fence is involved) is a conflict that trying again later may clear, so it is a
+ * failure, recorded as CF_UNAVAILABLE rather than as a lost lease. */
 static bool toold_failed(struct drive *d, const char *what, const struct rpc_status *st)
 {
     switch (st->code) {
@@ -661,9 +709,11 @@ static bool toold_failed(struct drive *d, const char *what, const struct rpc_sta
         return false;
     default: {
         struct cf_error e;
-        cf_error_set(&e, status_from_grpc(st->code), "toold at %s: %s (grpc status %d)",
+        enum cf_status code =
+            st->code == GRPC_STATUS_ABORTED ? CF_UNAVAILABLE : status_from_grpc(st->code);
+        cf_error_set(&e, code, "toold at %s: %s (grpc status %d, reason %s)",
                      d->agent->sandbox_tools, st->details[0] ? st->details : "call failed",
-                     (int)st->code);
+                     (int)st->code, st->reason[0] ? st->reason : "none");
         fault(d, what, &e);
         return true;
     }
@@ -720,11 +770,12 @@ static char *compose_system_prompt(struct drive *d, const Cflue__V1__ListToolsRe
     }
     buf_printf(&b, "\n\n## Environment\n\nToday's date: %s", when);
     if (ch) {
-        Cflue__V1__PathRequest rq = CFLUE__V1__PATH_REQUEST__INIT;
+        Cflue__V1__ReadDirRequest rq = CFLUE__V1__READ_DIR_REQUEST__INIT;
         ProtobufCMessage *resp;
         struct rpc_status st;
         rq.sandbox = d->workspace;
         rq.path = ".";
+        rq.page_size = 200;
         if (tools && *tools->working_directory) {
             buf_printf(&b, "\nWorking directory: %s", tools->working_directory);
         }
@@ -735,10 +786,11 @@ static char *compose_system_prompt(struct drive *d, const Cflue__V1__ListToolsRe
             size_t shown = r->n_entries < 200 ? r->n_entries : 200;
             for (size_t i = 0; i < shown; i++) {
                 buf_printf(&b, "\n  %s%s", r->entries[i]->name,
-                           r->entries[i]->type == CFLUE__V1__FILE_TYPE__DIRECTORY ? "/" : "");
+                           r->entries[i]->type == CFLUE__V1__FILE_TYPE__FILE_TYPE_DIRECTORY ? "/"
+                                                                                            : "");
             }
-            if (r->n_entries > shown) {
-                buf_printf(&b, "\n  ... and %zu more", r->n_entries - shown);
+            if (r->n_entries > shown || *r->next_page_token) {
+                buf_append_str(&b, "\n  ... and more");
             }
             protobuf_c_message_free_unpacked(resp, NULL);
         } else if (toold_failed(d, "listing the working directory failed", &st)) {
@@ -764,16 +816,15 @@ static void flush_delta(struct drive *d)
     snprintf(id, sizeof(id), "delta:%s:%d:%s:%d", d->sub->submission_id, d->turn,
              d->fence.attempt_id, d->delta_seq++);
     Cflue__V1__Record rec = CFLUE__V1__RECORD__INIT, *recs[1] = {&rec};
+    Cflue__V1__AssistantDelta body = CFLUE__V1__ASSISTANT_DELTA__INIT;
     Cflue__V1__AppendRequest req = CFLUE__V1__APPEND_REQUEST__INIT;
     ProtobufCMessage *resp = NULL;
-    json_t *body =
-        json_pack("{s:i, s:s%}", "turn", d->turn, "text", buf_cstr(&d->delta), d->delta.len);
-    char *text = json_dumps(body, JSON_COMPACT);
-    json_decref(body);
+    body.turn = d->turn;
+    body.text = (char *)buf_cstr(&d->delta);
     rec.id = id;
-    rec.type = "assistant_delta";
     rec.submission_id = (char *)d->sub->submission_id;
-    rec.body_json = text;
+    rec.body_case = CFLUE__V1__RECORD__BODY_ASSISTANT_DELTA;
+    rec.assistant_delta = &body;
     req.fence = &d->fence;
     req.records = recs;
     req.n_records = 1;
@@ -785,7 +836,6 @@ static void flush_delta(struct drive *d)
     if (resp) {
         protobuf_c_message_free_unpacked(resp, NULL);
     }
-    free(text);
     buf_reset(&d->delta);
     d->delta_flushed_ms = clock_mono_ms();
 }
@@ -932,13 +982,14 @@ static bool drive_halted(void *d)
 /* run_tools executes the calls of one assistant message, through toold's ExecuteBatch,
  * recording each result as it arrives. toold failing mid-batch is a fault: the calls left
  * without a result get the outcome-unknown result when the work resumes. Each call's
- * timeout_ms is what is left of the submission's time (the caller made sure some is left;
- * at least 1 ms is sent, since toold reads 0 as "no limit"). */
+ * timeout is what is left of the submission's time (the caller made sure some is left; at
+ * least 1 ms is sent; unset means no limit). */
 static void run_tools(struct drive *d, const struct llm_response *resp, const struct toolset *ts)
 {
     size_t n = resp->n_calls;
     Cflue__V1__ToolCall *calls = mem_alloc(sizeof(*calls) * (n + 1));
     Cflue__V1__ToolCall **ptrs = mem_alloc(sizeof(void *) * (n + 1));
+    Google__Protobuf__Duration *limits = mem_alloc(sizeof(*limits) * (n + 1));
     int *index = mem_alloc(sizeof(int) * (n + 1));
     size_t m = 0;
     int64_t left = time_left(d);
@@ -952,7 +1003,7 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
             char text[512];
             snprintf(text, sizeof(text), "There is no tool named '%s' here.%s", c->name,
                      ts->n ? " Use one of the tools listed in your instructions." : "");
-            record_result(d, (int)i, c->id, c->name, text, true, NULL);
+            record_result(d, (int)i, c->id, c->name, text, true, NULL, false);
             continue;
         }
         cflue__v1__tool_call__init(&calls[m]);
@@ -960,7 +1011,11 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
         calls[m].call_id = c->id;
         calls[m].name = c->name;
         calls[m].arguments_json = c->arguments_json;
-        calls[m].timeout_ms = left == INT64_MAX ? 0 : (left > 1 ? left : 1);
+        if (left != INT64_MAX) {
+            google__protobuf__duration__init(&limits[m]);
+            pbdur_set(&limits[m], left > 1 ? left : 1);
+            calls[m].timeout = &limits[m];
+        }
         ptrs[m] = &calls[m];
         index[m] = (int)i;
         m++;
@@ -986,7 +1041,7 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
                 failpoint_hit("agentd.tools.before_record");
                 if (d->fault.code == CF_OK && !lost_or_down(d)) {
                     record_result(d, index[br->index], c->call_id, c->name, br->result->text,
-                                  br->result->is_error, br->result->truncation);
+                                  br->result->is_error, br->result->truncation, false);
                 }
             }
             protobuf_c_message_free_unpacked(msg, NULL);
@@ -1011,7 +1066,8 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
                     snprintf(text, sizeof(text),
                              "The tool server refused this call (%.300s); it did not run.",
                              st.details);
-                    record_result(d, index[k], calls[k].call_id, calls[k].name, text, true, NULL);
+                    record_result(d, index[k], calls[k].call_id, calls[k].name, text, true, NULL,
+                                  false);
                 }
             }
         }
@@ -1019,6 +1075,7 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
     }
     free(calls);
     free(ptrs);
+    free(limits);
     free(index);
 }
 
@@ -1029,13 +1086,13 @@ static void run_tools(struct drive *d, const struct llm_response *resp, const st
 static Cflue__V1__ListResponse *list_joining(struct drive *d)
 {
     Cflue__V1__ListRequest lr = CFLUE__V1__LIST_REQUEST__INIT;
-    Cflue__V1__SubmissionStatus joining = CFLUE__V1__SUBMISSION_STATUS__JOINING;
+    Cflue__V1__SubmissionStatus joining = CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_JOINING;
     ProtobufCMessage *resp = NULL;
     lr.conversation_id = d->sub->conversation_id;
     lr.joined_into = d->sub->submission_id;
     lr.statuses = &joining;
     lr.n_statuses = 1;
-    lr.limit = 1000;
+    lr.page_size = 1000;
     if (store_retry(d, "List", &lr.base, &cflue__v1__list_response__descriptor, &resp) != CF_OK) {
         if (!lost_or_down(d)) {
             fault(d, "listing joining messages failed", &d->err);
@@ -1079,8 +1136,7 @@ static int absorb_joins(struct drive *d)
         const Cflue__V1__Submission *s = subs[i];
         char id[256];
         snprintf(id, sizeof(id), "input:%s", s->submission_id);
-        if (append_one(d, id, "user_message", s->submission_id,
-                       json_pack("{s:s}", "text", s->message ? s->message->text : "")) != CF_OK) {
+        if (append_input(d, id, s) != CF_OK) {
             break;
         }
         Cflue__V1__JoinRequest jr = CFLUE__V1__JOIN_REQUEST__INIT;
@@ -1092,7 +1148,9 @@ static int absorb_joins(struct drive *d)
         if (rc == CF_OK) {
             log_info("joined", "submission=%s host=%s", s->submission_id, d->sub->submission_id);
             protobuf_c_message_free_unpacked(jresp, NULL);
-        } else if (rc != CF_STALE) {
+        } else if (rc != CF_STALE && rc != CF_PRECONDITION) {
+            /* CF_STALE: this host's lease is lost (store_retry marked it); CF_PRECONDITION:
+             * the delivery is no longer joining into this host */
             fault(d, "finishing a join failed", &d->err);
             break;
         }
@@ -1128,7 +1186,7 @@ static void settle_earlier_joins(struct drive *d)
         if (jresp) {
             protobuf_c_message_free_unpacked(jresp, NULL);
         }
-        if (rc != CF_OK && rc != CF_STALE) {
+        if (rc != CF_OK && rc != CF_STALE && rc != CF_PRECONDITION) {
             fault(d, "settling a half-joined message failed", &d->err);
         } else if (rc == CF_OK) {
             log_info(landed ? "join_adopted" : "join_reverted", "submission=%s host=%s", sid,
@@ -1184,7 +1242,8 @@ static bool over_threshold(struct drive *d, const char *system, const struct con
 
 static bool is_message_start(const Cflue__V1__Record *r)
 {
-    return !strcmp(r->type, "user_message") || !strcmp(r->type, "assistant_message");
+    return r->body_case == CFLUE__V1__RECORD__BODY_USER_MESSAGE ||
+           r->body_case == CFLUE__V1__RECORD__BODY_ASSISTANT_MESSAGE;
 }
 
 enum compact_result {
@@ -1193,24 +1252,49 @@ enum compact_result {
     COMPACT_FAILED,  /* the summary could not be had from the model (d->err), or a fault */
 };
 
+/* trigger_name names why a compaction ran, for the log. */
+static const char *trigger_name(Cflue__V1__CompactionTrigger t)
+{
+    switch (t) {
+    case CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_THRESHOLD:
+        return "threshold";
+    case CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_OVERFLOW:
+        return "overflow";
+    case CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_REQUEST:
+        return "requested";
+    default:
+        return "unspecified";
+    }
+}
+
+/* record_chars estimates how much of the model's context a record takes: its body's encoded
+ * size (text dominates it); deltas take none (the context never holds them). */
+static int64_t record_chars(const Cflue__V1__Record *r)
+{
+    const ProtobufCMessage *body = record_body(r);
+    if (!body || r->body_case == CFLUE__V1__RECORD__BODY_ASSISTANT_DELTA) {
+        return 0;
+    }
+    return (int64_t)protobuf_c_message_get_packed_size(body);
+}
+
 /* compact summarizes what comes before the cut. On COMPACT_DONE, *system_text is replaced by
  * the recomposed system prompt. */
 static enum compact_result compact(struct drive *d, char **system_text, struct toolset *ts,
-                                   const char *reason)
+                                   Cflue__V1__CompactionTrigger trigger)
 {
+    const char *reason = trigger_name(trigger);
     const Cflue__V1__Record *r, *last_compaction = NULL;
     int64_t keep = d->agent->keep_recent_tokens ? d->agent->keep_recent_tokens : 8000;
     int64_t first = -1, cut = -1, tail = 0;
     FOR_EACH_RECORD(d, r)
     {
-        if (!strcmp(r->type, "compaction")) {
+        if (r->body_case == CFLUE__V1__RECORD__BODY_COMPACTION) {
             last_compaction = r;
         }
     }
     if (last_compaction) {
-        json_t *b = json_loads(last_compaction->body_json, 0, NULL);
-        first = json_integer_value(json_object_get(b, "first_kept_offset"));
-        json_decref(b);
+        first = last_compaction->compaction->first_kept_offset;
     }
     /* walk back from the end until keep tokens are behind us, then to a message start */
     for (size_t p = d->n_pages; p-- > 0 && cut < 0;) {
@@ -1219,9 +1303,7 @@ static enum compact_result compact(struct drive *d, char **system_text, struct t
             if (r->offset < first) {
                 break;
             }
-            if (strcmp(r->type, "assistant_delta") != 0) {
-                tail += (int64_t)strlen(r->body_json) / 4;
-            }
+            tail += record_chars(r) / 4;
             if (tail >= keep && is_message_start(r)) {
                 cut = r->offset;
                 break;
@@ -1243,11 +1325,9 @@ static enum compact_result compact(struct drive *d, char **system_text, struct t
         return COMPACT_NOTHING;
     }
     struct context ctx = {0};
-    json_t *bodies = json_array();
-    build_context(d, &ctx, bodies, cut);
+    build_context(d, &ctx, cut);
     if (d->fault.code != CF_OK) {
         context_free(&ctx);
-        json_decref(bodies);
         return COMPACT_FAILED;
     }
     int64_t before = estimate_tokens(*system_text, &ctx, ts);
@@ -1265,7 +1345,6 @@ static enum compact_result compact(struct drive *d, char **system_text, struct t
         call_model(d, "You write faithful, compact summaries of agent work.", &ctx, NULL, 0, &resp);
     d->quiet = false;
     context_free(&ctx);
-    json_decref(bodies);
     if (rc != CF_OK || !resp.text.len) {
         char q[600];
         log_warn("compaction_failed", "submission=%s err=%s", d->sub->submission_id,
@@ -1277,15 +1356,17 @@ static enum compact_result compact(struct drive *d, char **system_text, struct t
     int n = 1;
     FOR_EACH_RECORD(d, r)
     {
-        n += !strcmp(r->type, "compaction");
+        n += r->body_case == CFLUE__V1__RECORD__BODY_COMPACTION;
     }
     snprintf(id, sizeof(id), "compaction:%s:%d", d->sub->submission_id, n);
     int64_t after = (int64_t)resp.text.len / 4 + tail;
-    append_one(d, id, "compaction", d->sub->submission_id,
-               json_pack("{s:s%, s:I, s:I, s:I, s:s}", "summary", buf_cstr(&resp.text),
-                         resp.text.len, "first_kept_offset", (json_int_t)cut, "tokens_before",
-                         (json_int_t)(before + tail), "tokens_after", (json_int_t)after, "reason",
-                         reason));
+    Cflue__V1__Compaction body = CFLUE__V1__COMPACTION__INIT;
+    body.summary = (char *)buf_cstr(&resp.text);
+    body.first_kept_offset = cut;
+    body.tokens_before = before + tail;
+    body.tokens_after = after;
+    body.trigger = trigger;
+    append_one(d, id, d->sub->submission_id, &body.base);
     llm_response_cleanup(&resp);
     if (d->fault.code != CF_OK) {
         return COMPACT_FAILED;
@@ -1297,7 +1378,9 @@ static enum compact_result compact(struct drive *d, char **system_text, struct t
         return COMPACT_FAILED;
     }
     snprintf(id, sizeof(id), "system:%d", n + 1);
-    append_one(d, id, "system_prompt", "", json_pack("{s:s}", "text", fresh));
+    Cflue__V1__SystemPrompt sp = CFLUE__V1__SYSTEM_PROMPT__INIT;
+    sp.text = fresh;
+    append_one(d, id, "", &sp.base);
     free(*system_text);
     *system_text = fresh;
     log_info("compacted",
@@ -1316,8 +1399,7 @@ static const Cflue__V1__Record *last_assistant(struct drive *d)
     const Cflue__V1__Record *r, *last = NULL;
     FOR_EACH_RECORD(d, r)
     {
-        if (!strcmp(r->type, "assistant_message") &&
-            !strcmp(r->submission_id, d->sub->submission_id)) {
+        if (own_assistant(d, r)) {
             last = r;
         }
     }
@@ -1332,32 +1414,24 @@ static size_t unresolved_calls(struct drive *d, bool fix)
     size_t missing = 0;
     FOR_EACH_RECORD(d, r)
     {
-        if (strcmp(r->type, "assistant_message") != 0 ||
-            strcmp(r->submission_id, d->sub->submission_id) != 0) {
-            continue;
-        }
-        json_t *b = json_loads(r->body_json, 0, NULL);
-        json_t *calls = json_object_get(b, "tool_calls");
-        int turn = (int)json_integer_value(json_object_get(b, "turn"));
-        for (size_t k = 0; k < json_array_size(calls) && d->fault.code == CF_OK; k++) {
-            json_t *c = json_array_get(calls, k);
+        const Cflue__V1__AssistantMessage *am = own_assistant(d, r);
+        for (size_t k = 0; am && k < am->n_tool_calls && d->fault.code == CF_OK; k++) {
+            const Cflue__V1__ToolCallRequest *c = am->tool_calls[k];
             char id[512];
-            snprintf(id, sizeof(id), "tool:%s:%d:%s", d->sub->submission_id, turn, str(c, "id"));
+            tool_result_id(id, sizeof(id), d->sub->submission_id, am->turn, c->id);
             if (find_record(d, id)) {
                 continue;
             }
             missing++;
             if (fix) {
                 int saved = d->turn;
-                d->turn = turn;
-                record_result(d, (int)k, str(c, "id"), str(c, "name"), INTERRUPTED_RESULT, true,
-                              NULL);
+                d->turn = am->turn;
+                record_result(d, (int)k, c->id, c->name, INTERRUPTED_RESULT, true, NULL, true);
                 d->turn = saved;
                 log_info("tool_outcome_unknown", "submission=%s call=%s", d->sub->submission_id,
-                         str(c, "id"));
+                         c->id);
             }
         }
-        json_decref(b);
     }
     return missing;
 }
@@ -1373,14 +1447,12 @@ static bool answered(struct drive *d)
     if (!last) {
         return false;
     }
-    json_t *b = json_loads(last->body_json, 0, NULL);
-    done = b && json_array_size(json_object_get(b, "tool_calls")) == 0;
-    json_decref(b);
+    done = last->assistant_message->n_tool_calls == 0;
     FOR_EACH_RECORD(d, r)
     {
         if (r == last) {
             after = true;
-        } else if (after && !strcmp(r->type, "user_message")) {
+        } else if (after && r->body_case == CFLUE__V1__RECORD__BODY_USER_MESSAGE) {
             done = false;
         }
     }
@@ -1416,30 +1488,12 @@ static bool begin_drive(struct drive *d)
                      d->sub->submission_id);
             snprintf(d->act->attempt_id, sizeof(d->act->attempt_id), "%s", d->fence.attempt_id);
             d->act->epoch = d->fence.epoch;
-            d->act->abort_requested = d->sub->abort_requested_at_ms != 0;
+            d->act->abort_requested = d->sub->abort_request_time != NULL;
             d->act->shutting_down = g_agentd.stopping;
         }
     }
     pthread_mutex_unlock(&g_agentd.mu);
     return d->act != NULL;
-}
-
-/* append_input puts the submission's message into the conversation (once). */
-static void append_input(struct drive *d, const char *input_id)
-{
-    const Cflue__V1__Message *msg = d->sub->message;
-    json_t *body = json_pack("{s:s}", "text", msg ? msg->text : "");
-    if (msg && msg->n_attachments) {
-        json_t *atts = json_array();
-        for (size_t i = 0; i < msg->n_attachments; i++) {
-            json_array_append_new(atts,
-                                  json_pack("{s:s, s:s, s:I}", "name", msg->attachments[i]->name,
-                                            "mime_type", msg->attachments[i]->mime_type, "bytes",
-                                            (json_int_t)msg->attachments[i]->data.len));
-        }
-        json_object_set_new(body, "attachments", atts);
-    }
-    append_one(d, input_id, "user_message", d->sub->submission_id, body);
 }
 
 /* mark_input_applied stamps the input as applied and installs the agent's budgets. */
@@ -1448,8 +1502,12 @@ static void mark_input_applied(struct drive *d)
     Cflue__V1__MarkInputAppliedRequest mr = CFLUE__V1__MARK_INPUT_APPLIED_REQUEST__INIT;
     ProtobufCMessage *resp = NULL;
     mr.fence = &d->fence;
+    Google__Protobuf__Duration limit = GOOGLE__PROTOBUF__DURATION__INIT;
     mr.max_attempts = d->agent->max_attempts;
-    mr.timeout_ms = d->agent->timeout_ms;
+    if (d->agent->timeout_ms > 0) {
+        pbdur_set(&limit, d->agent->timeout_ms);
+        mr.timeout = &limit;
+    }
     if (store_retry(d, "MarkInputApplied", &mr.base, &cflue__v1__submission__descriptor, &resp) !=
         CF_OK) {
         if (!lost_or_down(d)) {
@@ -1459,7 +1517,7 @@ static void mark_input_applied(struct drive *d)
     }
     /* the budgets as now installed (the claim carried the defaults) */
     const Cflue__V1__Submission *now = (const Cflue__V1__Submission *)resp;
-    d->timeout_at_ms = now->timeout_at_ms;
+    d->timeout_at_ms = pbtime_ms(now->deadline);
     protobuf_c_message_free_unpacked(resp, NULL);
 }
 
@@ -1473,18 +1531,15 @@ static char *frozen_system_prompt(struct drive *d, const struct toolset *ts)
     int compactions = 0;
     FOR_EACH_RECORD(d, r)
     {
-        if (!strcmp(r->type, "system_prompt")) {
+        if (r->body_case == CFLUE__V1__RECORD__BODY_SYSTEM_PROMPT) {
             sys = r;
-        } else if (!strcmp(r->type, "compaction")) {
+        } else if (r->body_case == CFLUE__V1__RECORD__BODY_COMPACTION) {
             compacted_at = r->offset;
             compactions++;
         }
     }
     if (sys && sys->offset > compacted_at) {
-        json_t *b = json_loads(sys->body_json, 0, NULL);
-        char *text = mem_strdup(str(b, "text"));
-        json_decref(b);
-        return text;
+        return mem_strdup(sys->system_prompt->text);
     }
     char *text = compose_system_prompt(d, ts->list);
     if (!text) {
@@ -1492,12 +1547,48 @@ static char *frozen_system_prompt(struct drive *d, const struct toolset *ts)
     }
     char id[64];
     snprintf(id, sizeof(id), "system:%d", compactions + 1);
-    append_one(d, id, "system_prompt", "", json_pack("{s:s}", "text", text));
+    Cflue__V1__SystemPrompt sp = CFLUE__V1__SYSTEM_PROMPT__INIT;
+    sp.text = text;
+    append_one(d, id, "", &sp.base);
     if (d->fault.code != CF_OK) {
         free(text);
         return NULL;
     }
     return text;
+}
+
+/* record_answer records the model's complete answer as this turn's assistant_message
+ * (assistant:<sub>:<turn>): text, tool calls, stop reason, model and usage with its cost. */
+static enum cf_status record_answer(struct drive *d, const struct llm_response *resp)
+{
+    char id[256];
+    struct model_info mi = catalog_lookup(d->agent->model);
+    Cflue__V1__AssistantMessage body = CFLUE__V1__ASSISTANT_MESSAGE__INIT;
+    Cflue__V1__Usage usage = CFLUE__V1__USAGE__INIT;
+    Cflue__V1__ToolCallRequest *calls = mem_alloc(sizeof(*calls) * (resp->n_calls + 1));
+    Cflue__V1__ToolCallRequest **ptrs = mem_alloc(sizeof(void *) * (resp->n_calls + 1));
+    for (size_t i = 0; i < resp->n_calls; i++) {
+        cflue__v1__tool_call_request__init(&calls[i]);
+        calls[i].id = resp->calls[i].id;
+        calls[i].name = resp->calls[i].name;
+        calls[i].arguments_json = resp->calls[i].arguments_json;
+        ptrs[i] = &calls[i];
+    }
+    usage.input_tokens = resp->input_tokens;
+    usage.output_tokens = resp->output_tokens;
+    usage.cost_usd = catalog_cost(&mi, resp->input_tokens, resp->output_tokens);
+    body.turn = d->turn;
+    body.text = (char *)buf_cstr(&resp->text);
+    body.tool_calls = ptrs;
+    body.n_tool_calls = resp->n_calls;
+    body.stop_reason = (char *)resp->stop_reason;
+    body.model = (char *)d->agent->model;
+    body.usage = &usage;
+    snprintf(id, sizeof(id), "assistant:%s:%d", d->sub->submission_id, d->turn);
+    enum cf_status rc = append_one(d, id, d->sub->submission_id, &body.base);
+    free(calls);
+    free(ptrs);
+    return rc;
 }
 
 /* run_turns asks the model and runs its tools until it answers without a tool call and no
@@ -1509,82 +1600,65 @@ static Cflue__V1__Outcome run_turns(struct drive *d, char **system_text, struct 
     bool overflow_retried = false;
     for (;;) {
         if (halted(d) || sync_records(d) != CF_OK) {
-            return CFLUE__V1__OUTCOME__COMPLETED;
+            return CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
         }
         if (d->turn >= d->agent->max_turns) {
             snprintf(error, error_len,
                      "stopped after %lld model turns, the most this agent may take for one "
                      "message (durability.max_turns); the work is not finished",
                      (long long)d->agent->max_turns);
-            return CFLUE__V1__OUTCOME__FAILED;
+            return CFLUE__V1__OUTCOME__OUTCOME_FAILED;
         }
         if (time_left(d) < MODEL_MIN_MS) {
             snprintf(error, error_len, "ran past its time limit before the work was finished");
-            return CFLUE__V1__OUTCOME__FAILED;
+            return CFLUE__V1__OUTCOME__OUTCOME_FAILED;
         }
         struct context ctx = {0};
-        json_t *bodies = json_array();
-        build_context(d, &ctx, bodies, INT64_MAX);
+        build_context(d, &ctx, INT64_MAX);
         if (d->fault.code == CF_OK && over_threshold(d, *system_text, &ctx, ts)) {
             context_free(&ctx);
-            json_decref(bodies);
-            compact(d, system_text, ts, "threshold");
+            compact(d, system_text, ts,
+                    CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_THRESHOLD);
             ctx = (struct context){0};
-            bodies = json_array();
-            build_context(d, &ctx, bodies, INT64_MAX);
+            build_context(d, &ctx, INT64_MAX);
         }
         if (halted(d)) {
             context_free(&ctx);
-            json_decref(bodies);
-            return CFLUE__V1__OUTCOME__COMPLETED;
+            return CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
         }
         struct llm_response resp;
         llm_response_init(&resp);
         enum cf_status rc = call_model(d, *system_text, &ctx, ts->tools, ts->n, &resp);
         context_free(&ctx);
-        json_decref(bodies);
         if (rc != CF_OK && resp.context_overflow && !overflow_retried) {
             /* the provider says the context is too long: compact once, then ask again */
             overflow_retried = true;
             llm_response_cleanup(&resp);
-            if (compact(d, system_text, ts, "overflow") == COMPACT_DONE) {
+            if (compact(d, system_text, ts,
+                        CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_OVERFLOW) ==
+                COMPACT_DONE) {
                 continue;
             }
             llm_response_init(&resp);
         }
         if (rc == CF_CANCELLED || halted(d)) {
             llm_response_cleanup(&resp);
-            return CFLUE__V1__OUTCOME__COMPLETED;
+            return CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
         }
         if (rc == CF_DEADLINE) {
             llm_response_cleanup(&resp);
             snprintf(error, error_len, "ran past its time limit before the work was finished");
-            return CFLUE__V1__OUTCOME__FAILED;
+            return CFLUE__V1__OUTCOME__OUTCOME_FAILED;
         }
         if (rc != CF_OK) {
             snprintf(error, error_len, "model call failed: %s", d->err.msg);
             llm_response_cleanup(&resp);
-            return CFLUE__V1__OUTCOME__FAILED;
+            return CFLUE__V1__OUTCOME__OUTCOME_FAILED;
         }
         failpoint_hit("agentd.model.after");
-        json_t *calls = json_array();
-        for (size_t i = 0; i < resp.n_calls; i++) {
-            json_array_append_new(calls, json_pack("{s:s, s:s, s:s}", "id", resp.calls[i].id,
-                                                   "name", resp.calls[i].name, "arguments",
-                                                   resp.calls[i].arguments_json));
-        }
-        char id[256];
-        snprintf(id, sizeof(id), "assistant:%s:%d", d->sub->submission_id, d->turn);
-        struct model_info mi = catalog_lookup(d->agent->model);
-        json_t *body = json_pack("{s:i, s:s, s:o, s:s, s:s, s:{s:I, s:I}, s:f}", "turn", d->turn,
-                                 "text", buf_cstr(&resp.text), "tool_calls", calls, "stop_reason",
-                                 resp.stop_reason, "model", d->agent->model, "usage",
-                                 "input_tokens", (json_int_t)resp.input_tokens, "output_tokens",
-                                 (json_int_t)resp.output_tokens, "cost_usd",
-                                 catalog_cost(&mi, resp.input_tokens, resp.output_tokens));
-        if (append_one(d, id, "assistant_message", d->sub->submission_id, body) != CF_OK) {
+        if (record_answer(d, &resp) != CF_OK) {
             llm_response_cleanup(&resp);
-            return CFLUE__V1__OUTCOME__COMPLETED;
+            return CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
         }
         bool more = resp.n_calls > 0;
         if (more && time_left(d) <= 0) {
@@ -1592,12 +1666,12 @@ static Cflue__V1__Outcome run_turns(struct drive *d, char **system_text, struct 
             for (size_t i = 0; i < resp.n_calls && d->fault.code == CF_OK; i++) {
                 record_result(d, (int)i, resp.calls[i].id, resp.calls[i].name,
                               "This call was not run: the submission reached its time limit.", true,
-                              NULL);
+                              NULL, false);
             }
             llm_response_cleanup(&resp);
             d->turn++;
             snprintf(error, error_len, "ran past its time limit before the work was finished");
-            return CFLUE__V1__OUTCOME__FAILED;
+            return CFLUE__V1__OUTCOME__OUTCOME_FAILED;
         }
         if (more) {
             run_tools(d, &resp, ts);
@@ -1605,25 +1679,15 @@ static Cflue__V1__Outcome run_turns(struct drive *d, char **system_text, struct 
         llm_response_cleanup(&resp);
         d->turn++;
         if (halted(d)) {
-            return CFLUE__V1__OUTCOME__COMPLETED;
+            return CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
         }
         if (absorb_joins(d) > 0) {
             more = true;
         }
         if (!more) {
-            return CFLUE__V1__OUTCOME__COMPLETED;
+            return CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
         }
     }
-}
-
-static bool has_metadata(const Cflue__V1__Submission *sub, const char *key, const char *value)
-{
-    for (size_t i = 0; i < sub->n_metadata; i++) {
-        if (!strcmp(sub->metadata[i]->key, key) && !strcmp(sub->metadata[i]->value, value)) {
-            return true;
-        }
-    }
-    return false;
 }
 
 /* unsettled ends a drive that stopped short of an outcome. An abort intent settles aborted.
@@ -1639,7 +1703,7 @@ static enum drive_end unsettled(struct drive *d)
     if (abort_seen(d)) {
         /* the abort is what counts now (a store failure comes back here on the next try) */
         cf_error_clear(&d->fault);
-        return settle(d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request");
+        return settle(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request");
     }
     if (code != CF_INVALID && code != CF_EXISTS) {
         return drive_ended(d);
@@ -1647,7 +1711,7 @@ static enum drive_end unsettled(struct drive *d)
     char why[CF_ERROR_MSG_MAX + 64];
     snprintf(why, sizeof(why), "cannot go on: %s", d->fault.msg);
     cf_error_clear(&d->fault);
-    return settle(d, CFLUE__V1__OUTCOME__FAILED, why);
+    return settle(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED, why);
 }
 
 /* drive runs the claimed submission; see the essay at the top for the ways it ends. */
@@ -1656,19 +1720,20 @@ static enum drive_end drive(struct drive *d, bool takeover)
     char q[600];
     d->agent = agents_find(&g_agentd.agents, d->sub->agent);
     if (!d->agent) {
-        return settle(d, CFLUE__V1__OUTCOME__FAILED, "this agentd has no agent with that name");
+        return settle(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED,
+                      "this agentd has no agent with that name");
     }
     /* attempts first: whatever fails later, this attempt has been counted */
     if (d->sub->max_attempts && d->sub->attempt_count > d->sub->max_attempts) {
         if (sync_records(d) == CF_OK && answered(d)) {
-            return settle(d, CFLUE__V1__OUTCOME__COMPLETED, NULL);
+            return settle(d, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, NULL);
         }
         if (abort_seen(d)) {
-            return settle(d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request");
+            return settle(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request");
         }
         snprintf(q, sizeof(q), "gave up after %d attempts: the work was interrupted each time",
                  d->sub->attempt_count - 1);
-        return settle(d, CFLUE__V1__OUTCOME__FAILED, q);
+        return settle(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED, q);
     }
     snprintf(d->workspace, sizeof(d->workspace), "%s",
              d->agent->sandbox_workspace ? d->agent->sandbox_workspace : d->agent->name);
@@ -1686,20 +1751,22 @@ static enum drive_end drive(struct drive *d, bool takeover)
     }
     if (takeover && answered(d)) {
         log_info("recovered_answer", "submission=%s", d->sub->submission_id);
-        return settle(d, CFLUE__V1__OUTCOME__COMPLETED, NULL);
+        return settle(d, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, NULL);
     }
     if (time_left(d) <= 0) {
-        return settle(d, CFLUE__V1__OUTCOME__FAILED, "the submission ran past its time limit");
+        return settle(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED,
+                      "the submission ran past its time limit");
     }
-    d->compact_request = has_metadata(d->sub, "cflue.kind", "compact");
+    d->compact_request = d->sub->kind == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
     char input_id[256];
     snprintf(input_id, sizeof(input_id), "input:%s", d->sub->submission_id);
     if (abort_seen(d) && !find_record(d, input_id)) {
         /* aborted before it started: its message never enters the conversation */
-        return settle(d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request before it started");
+        return settle(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED,
+                      "aborted on request before it started");
     }
     if (!d->compact_request && !find_record(d, input_id)) {
-        append_input(d, input_id);
+        append_input(d, input_id, d->sub);
     }
     if (!halted(d)) {
         mark_input_applied(d);
@@ -1708,7 +1775,7 @@ static enum drive_end drive(struct drive *d, bool takeover)
         repair(d);
     }
     if (abort_seen(d)) {
-        return settle(d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request");
+        return settle(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request");
     }
     if (halted(d)) {
         return unsettled(d);
@@ -1717,13 +1784,14 @@ static enum drive_end drive(struct drive *d, bool takeover)
     struct toolset ts;
     load_tools(d, &ts);
     char *system_text = halted(d) ? NULL : frozen_system_prompt(d, &ts);
-    Cflue__V1__Outcome outcome = CFLUE__V1__OUTCOME__COMPLETED;
+    Cflue__V1__Outcome outcome = CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
     char error[1024] = "";
     if (system_text && d->compact_request) {
         /* a Compact request: compact now, whatever the size, and answer nothing else */
-        enum compact_result cr = compact(d, &system_text, &ts, "requested");
+        enum compact_result cr = compact(d, &system_text, &ts,
+                                         CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_REQUEST);
         if (cr == COMPACT_FAILED && d->fault.code == CF_OK && !stopped(d)) {
-            outcome = CFLUE__V1__OUTCOME__FAILED;
+            outcome = CFLUE__V1__OUTCOME__OUTCOME_FAILED;
             snprintf(error, sizeof(error), "the compaction failed: %s", d->err.msg);
         }
     } else if (system_text) {
@@ -1732,10 +1800,7 @@ static enum drive_end drive(struct drive *d, bool takeover)
         const Cflue__V1__Record *r;
         FOR_EACH_RECORD(d, r)
         {
-            if (!strcmp(r->type, "assistant_message") &&
-                !strcmp(r->submission_id, d->sub->submission_id)) {
-                d->turn++;
-            }
+            d->turn += own_assistant(d, r) != NULL;
         }
         outcome = run_turns(d, &system_text, &ts, error, sizeof(error));
     }
@@ -1753,7 +1818,7 @@ static enum drive_end drive(struct drive *d, bool takeover)
         return unsettled(d);
     }
     if (aborted) {
-        return settle(d, CFLUE__V1__OUTCOME__ABORTED, "aborted on request");
+        return settle(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request");
     }
     if (d->fault.code != CF_OK) {
         return unsettled(d);
@@ -1765,7 +1830,7 @@ enum drive_end turn_drive(const Cflue__V1__ClaimResponse *claim)
 {
     struct drive d = {.sub = claim->submission, .cursor = -1};
     d.fence = *claim->fence;
-    d.timeout_at_ms = d.sub->timeout_at_ms;
+    d.timeout_at_ms = pbtime_ms(d.sub->deadline);
     buf_init(&d.delta, 64 * 1024);
     if (!begin_drive(&d)) {
         finish(&d);

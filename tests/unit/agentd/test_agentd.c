@@ -1,7 +1,10 @@
-/* Unit tests of agentd/: agent definitions, the SSE parser, the providers' wire formats. */
+/* Unit tests of agentd/: agent definitions, ListAgents paging, the reserved metadata keys, the
+ * SSE parser, the providers' wire formats. */
 #include "../check.h"
 
 #include "agents.h"
+#include "metadata.h"
+#include "page_token.h"
 #include "provider.h"
 #include "sse.h"
 
@@ -40,6 +43,85 @@ static void test_agents(void)
     CHECK(agents_parse("---\nmodel: openai/gpt\ndurability: {max_attempts: 0}\n---\n", "x", "x.md",
                        &a, &err) == CF_INVALID);
     CHECK(strstr(err.msg, "durability.max_attempts") != NULL);
+}
+
+/* ListAgents pages through the agents by name; a page token carries the last name returned,
+ * so the pages are neither overlapping nor leaky, and a token of another scope is refused. */
+static void test_agents_page(void)
+{
+    struct agent_def items[5];
+    const char *names[5] = {"alpha", "bravo", "charlie", "delta", "echo"};
+    struct agent_set set = {items, 5};
+    char next[PAGE_TOKEN_MAX], other[PAGE_TOKEN_MAX];
+    size_t first = 99, n = 99;
+    struct cf_error err;
+    memset(items, 0, sizeof(items));
+    for (int i = 0; i < 5; i++) {
+        items[i].name = (char *)names[i];
+    }
+    /* 0: the default (100): everything, last page */
+    CHECK(agents_page(&set, 0, "", &first, &n, next, &err) == CF_OK);
+    CHECK(first == 0 && n == 5);
+    CHECK_STR(next, "");
+    /* pages of 2: alpha bravo | charlie delta | echo */
+    CHECK(agents_page(&set, 2, NULL, &first, &n, next, &err) == CF_OK);
+    CHECK(first == 0 && n == 2);
+    CHECK(next[0] != '\0');
+    char token[PAGE_TOKEN_MAX];
+    snprintf(token, sizeof(token), "%s", next);
+    CHECK(agents_page(&set, 2, token, &first, &n, next, &err) == CF_OK);
+    CHECK(first == 2 && n == 2);
+    CHECK_STR(items[first].name, "charlie");
+    snprintf(token, sizeof(token), "%s", next);
+    CHECK(agents_page(&set, 2, token, &first, &n, next, &err) == CF_OK);
+    CHECK(first == 4 && n == 1);
+    CHECK_STR(items[first].name, "echo");
+    CHECK_STR(next, ""); /* the last page says so */
+    /* an exact fit ends without a token for an empty page */
+    CHECK(agents_page(&set, 5, "", &first, &n, next, &err) == CF_OK);
+    CHECK(n == 5);
+    CHECK_STR(next, "");
+    /* a token names a position, not an index: an agent gone since still pages on after it */
+    page_token_make(token, AGENTS_PAGE_SCOPE, "bz");
+    CHECK(agents_page(&set, 10, token, &first, &n, next, &err) == CF_OK);
+    CHECK(first == 2 && n == 3);
+    /* past the end: an empty last page */
+    page_token_make(token, AGENTS_PAGE_SCOPE, "zulu");
+    CHECK(agents_page(&set, 10, token, &first, &n, next, &err) == CF_OK);
+    CHECK(n == 0);
+    CHECK_STR(next, "");
+    /* more than the maximum is the maximum */
+    CHECK(agents_page(&set, 5000, "", &first, &n, next, &err) == CF_OK);
+    CHECK(n == 5);
+    /* refused: a negative size, garbage, another scope's token */
+    CHECK(agents_page(&set, -1, "", &first, &n, next, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "page_size") != NULL);
+    CHECK(agents_page(&set, 2, "not-a-token", &first, &n, next, &err) == CF_INVALID);
+    CHECK_STR(cf_error_reason(&err), "INVALID_PAGE_TOKEN");
+    page_token_make(other, "conv_1", "bravo");
+    CHECK(agents_page(&set, 2, other, &first, &n, next, &err) == CF_INVALID);
+    CHECK_STR(cf_error_reason(&err), "INVALID_PAGE_TOKEN");
+}
+
+/* Submit refuses metadata keys starting "cflue." (they are cflue's own) with a reason a client
+ * can branch on; other keys, "cflue" alone and other cases pass. */
+static void test_metadata(void)
+{
+    Cflue__V1__SubmitRequest__MetadataEntry e[4], *md[4] = {&e[0], &e[1], &e[2], &e[3]};
+    const char *keys[4] = {"team", "cflue", "Cflue.x", "cflue.kind"};
+    struct cf_error err;
+    for (int i = 0; i < 4; i++) {
+        cflue__v1__submit_request__metadata_entry__init(&e[i]);
+        e[i].key = (char *)keys[i];
+        e[i].value = "v";
+    }
+    CHECK(metadata_check(md, 0, &err) == CF_OK);
+    CHECK(metadata_check(md, 3, &err) == CF_OK);
+    CHECK(metadata_check(md, 4, &err) == CF_INVALID);
+    CHECK_STR(cf_error_reason(&err), "RESERVED_METADATA_KEY");
+    CHECK(strstr(err.msg, "'cflue.kind'") != NULL);
+    e[0].key = "cflue.";
+    CHECK(metadata_check(md, 1, &err) == CF_INVALID);
 }
 
 struct seen {
@@ -197,6 +279,8 @@ static void test_build(void)
 int main(void)
 {
     test_agents();
+    test_agents_page();
+    test_metadata();
     test_sse();
     test_anthropic_stream();
     test_openai_stream();
