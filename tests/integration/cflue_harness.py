@@ -413,29 +413,77 @@ def message(text='Hello', attachments=()):
 
 
 def admit_request(agent='assistant', conv='', text='Hello', key='', source=0, metadata=None,
-                  attachments=()):
-    req = store_pb2.AdmitRequest(agent=agent, conversation_id=conv,
-                                 message=message(text, attachments), idempotency_key=key,
-                                 source=source)
+                  attachments=(), kind=0):
+    """An AdmitRequest; kind SUBMISSION_KIND_COMPACT sends no message."""
+    req = store_pb2.AdmitRequest(agent=agent, conversation_id=conv, idempotency_key=key,
+                                 source=source, kind=kind)
+    if kind != common_pb2.SUBMISSION_KIND_COMPACT:
+        req.message.CopyFrom(message(text, attachments))
     for k, v in (metadata or {}).items():
         req.metadata[k] = v
     return req
 
 
 def admit(stub, agent='assistant', conv='', text='Hello', key='', source=0, metadata=None,
-          attachments=(), timeout=5):
+          attachments=(), timeout=5, kind=0):
     """Admits a submission; returns the AdmitResponse."""
-    return stub.admit(admit_request(agent, conv, text, key, source, metadata, attachments),
+    return stub.admit(admit_request(agent, conv, text, key, source, metadata, attachments, kind),
                       timeout=timeout)
+
+
+def duration(ms):
+    """A google.protobuf.Duration of ms milliseconds."""
+    from google.protobuf import duration_pb2
+    d = duration_pb2.Duration()
+    d.FromMilliseconds(int(ms))
+    return d
+
+
+def timestamp(ms):
+    """A google.protobuf.Timestamp of ms epoch milliseconds."""
+    from google.protobuf import timestamp_pb2
+    t = timestamp_pb2.Timestamp()
+    t.FromMilliseconds(int(ms))
+    return t
+
+
+def ts_ms(ts):
+    """Epoch milliseconds of a Timestamp field (0 when unset or None)."""
+    if ts is None or (ts.seconds == 0 and ts.nanos == 0):
+        return 0
+    return ts.ToMilliseconds()
+
+
+def error_reason(rpc_error):
+    """The google.rpc.ErrorInfo reason (domain cflue.dev) of a grpc.RpcError, read from the
+    'grpc-status-details-bin' trailer; '' when there is none."""
+    from google.rpc import error_details_pb2, status_pb2
+    trailers = rpc_error.trailing_metadata() if hasattr(rpc_error, 'trailing_metadata') else None
+    for key, value in trailers or ():
+        if key != 'grpc-status-details-bin':
+            continue
+        st = status_pb2.Status()
+        st.ParseFromString(value)
+        fallback = ''
+        for d in st.details:
+            info = error_details_pb2.ErrorInfo()
+            if d.Unpack(info):
+                if info.domain == 'cflue.dev':
+                    return info.reason
+                fallback = fallback or info.reason
+        return fallback
+    return ''
 
 
 def claim(stub, owner='test-owner', lease_ms=30000, submission_id='', conversation_id='',
           timeout=5):
-    """Claims work; returns the ClaimResponse (check HasField('submission'))."""
-    return stub.claim(store_pb2.ClaimRequest(owner_id=owner, lease_ms=lease_ms,
-                                             submission_id=submission_id,
-                                             conversation_id=conversation_id),
-                      timeout=timeout)
+    """Claims work; returns the ClaimResponse (check HasField('submission')). lease_ms 0 or
+    None leaves lease_duration unset (the server default)."""
+    req = store_pb2.ClaimRequest(owner_id=owner, submission_id=submission_id,
+                                 conversation_id=conversation_id)
+    if lease_ms:
+        req.lease_duration.CopyFrom(duration(lease_ms))
+    return stub.claim(req, timeout=timeout)
 
 
 def fence(submission_id, attempt_id='', epoch=0):
@@ -450,39 +498,87 @@ def copy_fence(f, **changes):
     return nf
 
 
-def settle(stub, fence_, outcome=common_pb2.COMPLETED, error='', reserve_only=False, timeout=5):
-    return stub.settle(store_pb2.SettleRequest(fence=fence_, outcome=outcome, error=error,
-                                               reserve_only=reserve_only), timeout=timeout)
+def settle(stub, fence_, outcome=common_pb2.OUTCOME_COMPLETED, error='', reserve_only=False,
+           timeout=5, usage=None):
+    """Settles; usage is a dict {input_tokens, output_tokens, cost_usd} or a Usage."""
+    req = store_pb2.SettleRequest(fence=fence_, outcome=outcome, error=error,
+                                  reserve_only=reserve_only)
+    if usage is not None:
+        req.usage.CopyFrom(usage if isinstance(usage, common_pb2.Usage)
+                           else common_pb2.Usage(**usage))
+    return stub.settle(req, timeout=timeout)
 
 
-def settle_queued(stub, submission_id, outcome=common_pb2.FAILED, error='cannot run'):
+def settle_queued(stub, submission_id, outcome=common_pb2.OUTCOME_FAILED, error='cannot run'):
     return settle(stub, fence(submission_id), outcome, error)
 
 
-def record(type_='assistant_message', body=None, id_='', submission_id='', body_json=None):
-    if body_json is None:
-        body_json = json.dumps(body if body is not None else {})
-    return common_pb2.Record(type=type_, body_json=body_json, id=id_, submission_id=submission_id)
+# The record types (Record.body oneof) and a valid body of each, which record() starts from.
+RECORD_DEFAULTS = {
+    'user_message': {'text': 'hello'},
+    'system_prompt': {'text': 'you are a test'},
+    'assistant_delta': {'turn': 1, 'text': 'par'},
+    'assistant_message': {'turn': 1, 'text': 'answer'},
+    'tool_result': {'turn': 1, 'index': 0, 'tool_call_id': 'call_1', 'name': 'bash'},
+    'signal': {'kind': 'note'},
+    'compaction': {'summary': 'so far', 'first_kept_offset': 0,
+                   'trigger': 'COMPACTION_TRIGGER_THRESHOLD'},
+    'submission_settled': {'outcome': 'OUTCOME_COMPLETED'},
+}
+
+
+def record(type_='assistant_message', body=None, id_='', submission_id=''):
+    """A Record with a typed body. type_ is a Record.body field name; body (a dict in the JSON
+    form of that message, or the message itself) overrides RECORD_DEFAULTS[type_]. Any other
+    type_ gives a Signal of that kind whose text is json.dumps(body)."""
+    from google.protobuf import json_format
+    rec = common_pb2.Record(id=id_, submission_id=submission_id)
+    if type_ not in RECORD_DEFAULTS:
+        rec.signal.kind = type_
+        rec.signal.text = json.dumps(body if body is not None else {})
+        return rec
+    target = getattr(rec, type_)
+    if body is not None and not isinstance(body, dict):
+        target.CopyFrom(body)
+        return rec
+    fields = dict(RECORD_DEFAULTS[type_])
+    fields.update(body or {})
+    json_format.ParseDict(fields, target)
+    return rec
+
+
+def body_of(rec):
+    """(type, body message) of a Record."""
+    kind = rec.WhichOneof('body')
+    return kind, (getattr(rec, kind) if kind else None)
 
 
 def append(stub, fence_, records, timeout=10):
     return stub.append(store_pb2.AppendRequest(fence=fence_, records=records), timeout=timeout)
 
 
-def read(stub, conversation_id, after_offset=-1, limit=0, timeout=10):
+def read(stub, conversation_id, after_offset=-1, page_size=0, page_token='', timeout=10,
+         limit=None):
+    """One Read page (limit is an old name of page_size)."""
     return stub.read(store_pb2.ReadRequest(conversation_id=conversation_id,
-                                           after_offset=after_offset, limit=limit),
+                                           after_offset=after_offset,
+                                           page_size=page_size if limit is None else limit,
+                                           page_token=page_token),
                      timeout=timeout)
 
 
-def read_all(stub, conversation_id, after_offset=-1):
+def read_all(stub, conversation_id, after_offset=-1, page_size=1000):
+    """Every record after after_offset, walking next_page_token."""
     out = []
+    token = ''
     while True:
-        r = read(stub, conversation_id, after_offset, limit=1000)
+        r = read(stub, conversation_id, after_offset, page_size=page_size, page_token=token)
         out.extend(r.records)
-        if r.up_to_date or not r.records:
+        if not r.next_page_token:
             return out
-        after_offset = r.next_offset
+        if r.next_page_token == token or not r.records:
+            raise AssertionError('Read next_page_token did not advance')
+        token = r.next_page_token
 
 
 def get(stub, submission_id):
@@ -494,33 +590,40 @@ def get_conversation(stub, conversation_id):
 
 
 def list_all(stub, page=100, **filters):
-    """Every submission matching the filters, paging with after_sequence/next_sequence."""
+    """Every submission matching the filters, walking next_page_token."""
     out = []
-    after = 0
+    token = ''
     while True:
-        req = store_pb2.ListRequest(after_sequence=after, limit=page, **filters)
+        req = store_pb2.ListRequest(page_size=page, page_token=token, **filters)
         r = stub.list(req, timeout=10)
         out.extend(r.submissions)
-        if r.next_sequence == 0:
+        if not r.next_page_token:
             return out
-        if r.next_sequence <= after:
-            raise AssertionError('List next_sequence did not advance (%d after %d)'
-                                 % (r.next_sequence, after))
-        after = r.next_sequence
+        if r.next_page_token == token:
+            raise AssertionError('List next_page_token did not advance')
+        token = r.next_page_token
 
 
 def request_abort(stub, conversation_id='', submission_id='', reason='stop'):
-    return stub.request_abort(store_pb2.RequestAbortRequest(
-        conversation_id=conversation_id, submission_id=submission_id, reason=reason))
+    """RequestAbort of a conversation or of one submission (whichever is given)."""
+    req = store_pb2.RequestAbortRequest(reason=reason)
+    if conversation_id:
+        req.conversation_id = conversation_id
+    if submission_id:
+        req.submission_id = submission_id
+    return stub.request_abort(req)
 
 
 def heartbeat(stub, owner, fences, lease_ms=30000):
-    return stub.heartbeat(store_pb2.HeartbeatRequest(owner_id=owner, lease_ms=lease_ms,
-                                                     fences=fences))
+    req = store_pb2.HeartbeatRequest(owner_id=owner, fences=fences)
+    if lease_ms:
+        req.lease_duration.CopyFrom(duration(lease_ms))
+    return stub.heartbeat(req)
 
 
 def scan_expired(stub, limit=0):
-    return list(stub.scan_expired(store_pb2.ScanExpiredRequest(limit=limit)).submissions)
+    """The first page of ScanExpired (limit is its page_size)."""
+    return list(stub.scan_expired(store_pb2.ScanExpiredRequest(page_size=limit)).submissions)
 
 
 def claim_joinable(stub, host, limit=0):
@@ -537,8 +640,10 @@ def revert_join(stub, host, submission_id):
 
 
 def mark_input_applied(stub, fence_, max_attempts=0, timeout_ms=0):
-    return stub.mark_input_applied(store_pb2.MarkInputAppliedRequest(
-        fence=fence_, max_attempts=max_attempts, timeout_ms=timeout_ms))
+    req = store_pb2.MarkInputAppliedRequest(fence=fence_, max_attempts=max_attempts)
+    if timeout_ms:
+        req.timeout.CopyFrom(duration(timeout_ms))
+    return stub.mark_input_applied(req)
 
 
 def requeue(stub, fence_):
