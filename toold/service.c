@@ -7,12 +7,15 @@
 #include "service.h"
 
 #include "clock.h"
+#include "dirpage.h"
 #include "driver.h"
 #include "failpoint.h"
 #include "ids.h"
 #include "locks.h"
 #include "log.h"
 #include "mem.h"
+#include "page_token.h"
+#include "pbtime.h"
 #include "proc.h"
 #include "thread.h"
 #include "utf8.h"
@@ -70,6 +73,14 @@ static void on_list(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
     }
 }
 
+/* dur_ms is a valid duration (pbdur_check) in whole milliseconds, rounded up so that a set
+ * duration under 1 ms is not read as unset. */
+static int64_t dur_ms(const Google__Protobuf__Duration *d)
+{
+    int64_t ms = pbdur_ms(d);
+    return ms * 1000000 < (int64_t)d->seconds * 1000000000 + d->nanos ? ms + 1 : ms;
+}
+
 /* call_gone: the client went away. Server shutdown is not a reason to stop a tool call: the
  * shutdown grace period lets it finish, and after it the call is cancelled (and then gone). */
 static bool call_gone(void *arg)
@@ -102,7 +113,7 @@ static enum cf_status run_call(const Cflue__V1__ToolCall *call, struct rpc_call 
             struct tool_ctx ctx = {.sb = sb,
                                    .cfg = server_state.cfg,
                                    .call_id = call->call_id,
-                                   .deadline_ms = call->timeout_ms > 0 ? t0 + call->timeout_ms : 0,
+                                   .deadline_ms = call->timeout ? t0 + dur_ms(call->timeout) : 0,
                                    .cancelled = call_gone,
                                    .cancel_ctx = rpc,
                                    .has_ticket = ticket_key != NULL,
@@ -151,9 +162,8 @@ static void on_execute(struct rpc_call *c, const ProtobufCMessage *msg, void *us
                   "The arguments are not valid JSON text: %s. Send one JSON object of "
                   "UTF-8 text.",
                   problem);
-    } else if (call->timeout_ms < 0) {
-        tool_fail(&res, "timeout_ms must not be negative");
-    } else if (run_call(call, c, NULL, 0, &res, &err) != CF_OK) {
+    } else if (pbdur_check(call->timeout, "timeout", 0, &err) != CF_OK ||
+               run_call(call, c, NULL, 0, &res, &err) != CF_OK) {
         tool_result_cleanup(&res);
         rpc_call_fail_error(c, &err);
         return;
@@ -233,10 +243,19 @@ static void on_execute_batch(struct rpc_call *c, const ProtobufCMessage *msg, vo
         return;
     }
     for (size_t i = 0; i < req->n_calls; i++) {
-        if (!ids_valid_name(req->calls[i]->sandbox, 128) || req->calls[i]->timeout_ms < 0) {
-            rpc_call_fail(c, CF_INVALID, "calls[%zu]: bad sandbox name or negative timeout_ms", i);
-            return;
+        struct cf_error err;
+        char field[64];
+        snprintf(field, sizeof(field), "calls[%zu].timeout", i);
+        if (!ids_valid_name(req->calls[i]->sandbox, 128)) {
+            cf_error_setr(&err, CF_INVALID, "INVALID_SANDBOX_NAME",
+                          "calls[%zu]: sandbox names are 1 to 128 characters of A-Z a-z 0-9 . _ "
+                          "- (not . or ..)",
+                          i);
+        } else if (pbdur_check(req->calls[i]->timeout, field, 0, &err) == CF_OK) {
+            continue;
         }
+        rpc_call_fail_error(c, &err);
+        return;
     }
     struct batch b = {.rpc = c};
     pthread_mutex_init(&b.mu, NULL);
@@ -320,16 +339,93 @@ static void on_execute_batch(struct rpc_call *c, const ProtobufCMessage *msg, vo
 
 /* ---------- Sandbox ---------- */
 
-static bool sandbox_for(struct rpc_call *c, const char *name, const char *path, char *rel,
-                        struct sandbox **sb)
+/* What a Sandbox handler opens its path as, before doing its work. */
+enum open_as {
+    OPEN_NONE,    /* resolve the path only */
+    OPEN_NODE,    /* the path itself, a final symbolic link not followed (O_PATH) */
+    OPEN_DIR,     /* a directory (O_PATH) */
+    OPEN_REGULAR, /* a regular file, for reading (ws_open_regular) */
+    OPEN_PARENT,  /* the directory holding the last component */
+    OPEN_PARENTS, /* the same, creating missing directories on the way */
+};
+
+/* The path of a Sandbox request, resolved inside its sandbox and opened. */
+struct target {
+    struct sandbox *sb;
+    const char *path;        /* as the caller wrote it, for messages */
+    char rel[WS_PATH_MAX];   /* normalized, relative to the workspace */
+    int fd;                  /* per open_as; -1 for OPEN_NONE */
+    struct stat st;          /* OPEN_REGULAR: the file's status at open */
+    char base[NAME_MAX + 1]; /* OPEN_PARENT(S): the last component; fd is its directory */
+};
+
+/* target_open is the preamble every Sandbox handler shares: find the sandbox, resolve path in
+ * it and open it as `how` asks. On failure the call is failed with the precise error (reasons
+ * INVALID_SANDBOX_NAME, PATH_OUTSIDE_SANDBOX, NOT_A_DIRECTORY, ...) and false returned. On
+ * success the caller closes t with target_close. */
+static bool target_open(struct rpc_call *c, const char *sandbox, const char *path, enum open_as how,
+                        struct target *t)
 {
     struct cf_error err;
-    if (workspaces_get(server_state.ws, name, sb, &err) != CF_OK ||
-        (path && ws_relative(*sb, path, rel, WS_PATH_MAX, &err) != CF_OK)) {
+    enum cf_status rc;
+    t->path = path;
+    t->fd = -1;
+    if ((rc = workspaces_get(server_state.ws, sandbox, &t->sb, &err)) == CF_OK) {
+        rc = ws_relative(t->sb, path, t->rel, sizeof(t->rel), &err);
+    }
+    if (rc == CF_OK) {
+        switch (how) {
+        case OPEN_NONE:
+            break;
+        case OPEN_NODE:
+            rc = ws_open(t->sb, t->rel, O_PATH | O_NOFOLLOW, 0, path, &t->fd, &err);
+            break;
+        case OPEN_DIR:
+            rc = ws_open(t->sb, t->rel, O_PATH | O_DIRECTORY, 0, path, &t->fd, &err);
+            if (rc == CF_INVALID && !strcmp(err.reason, "NOT_A_DIRECTORY")) {
+                rc = cf_error_setr(&err, CF_INVALID, "NOT_A_DIRECTORY", "%s is not a directory",
+                                   path);
+            }
+            break;
+        case OPEN_REGULAR:
+            rc = ws_open_regular(t->sb, t->rel, path, &t->fd, &t->st, &err);
+            break;
+        case OPEN_PARENT:
+        case OPEN_PARENTS:
+            rc = ws_open_parent(t->sb, t->rel, how == OPEN_PARENTS, path, &t->fd, t->base,
+                                sizeof(t->base), &err);
+            break;
+        }
+    }
+    if (rc != CF_OK) {
+        t->fd = -1;
         rpc_call_fail_error(c, &err);
         return false;
     }
     return true;
+}
+
+static void target_close(struct target *t)
+{
+    if (t->fd >= 0) {
+        close(t->fd);
+        t->fd = -1;
+    }
+}
+
+/* fail_errno fails the call with the error errno e means for `op` on the caller's path. */
+static void fail_errno(struct rpc_call *c, int e, const char *op, const char *path)
+{
+    struct cf_error err;
+    if (ws_errno_error(e, op, path, &err) != CF_OK) {
+        rpc_call_fail_error(c, &err);
+    }
+}
+
+static enum cf_status file_too_large(struct cf_error *err, const char *shown, size_t max)
+{
+    return cf_error_setr(err, CF_TOOBIG, "FILE_TOO_LARGE",
+                         "%s is over %zu bytes, the most ReadFile returns", shown, max);
 }
 
 /* read_whole reads fd to its end, at most max bytes (CF_TOOBIG past that), in bounded steps
@@ -344,8 +440,7 @@ static enum cf_status read_whole(struct rpc_call *c, int fd, const char *shown, 
         if (got == cap) {
             if (cap > max) {
                 free(data);
-                return cf_error_set(err, CF_TOOBIG,
-                                    "%s is over %zu bytes, the most ReadFile returns", shown, max);
+                return file_too_large(err, shown, max);
             }
             cap *= 2;
             data = mem_realloc(data, cap);
@@ -366,8 +461,7 @@ static enum cf_status read_whole(struct rpc_call *c, int fd, const char *shown, 
         got += (size_t)r;
         if (got > max) {
             free(data);
-            return cf_error_set(err, CF_TOOBIG, "%s is over %zu bytes, the most ReadFile returns",
-                                shown, max);
+            return file_too_large(err, shown, max);
         }
         if (rpc_call_client_gone(c)) {
             free(data);
@@ -382,57 +476,42 @@ static enum cf_status read_whole(struct rpc_call *c, int fd, const char *shown, 
 static void on_read_file(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__ReadFileRequest *req = (const void *)msg;
-    char rel[WS_PATH_MAX];
-    struct sandbox *sb;
+    struct target t;
     struct cf_error err;
-    struct stat st;
-    uint8_t *data = NULL;
-    size_t len = 0;
-    int fd;
-    if (!sandbox_for(c, req->sandbox, req->path, rel, &sb)) {
+    Cflue__V1__ReadFileResponse resp = CFLUE__V1__READ_FILE_RESPONSE__INIT;
+    if (!target_open(c, req->sandbox, req->path, OPEN_REGULAR, &t)) {
         return;
     }
-    if (ws_open_regular(sb, rel, req->path, &fd, &st, &err) != CF_OK) {
-        rpc_call_fail_error(c, &err);
-        return;
-    }
-    if (st.st_size > SANDBOX_FILE_MAX) {
-        close(fd);
-        rpc_call_fail(c, CF_TOOBIG, "%s is %lld bytes; ReadFile returns files up to %d bytes",
-                      req->path, (long long)st.st_size, SANDBOX_FILE_MAX);
-        return;
-    }
-    enum cf_status rc = read_whole(c, fd, req->path, SANDBOX_FILE_MAX, &data, &len, &err);
-    close(fd);
+    enum cf_status rc = t.st.st_size > SANDBOX_FILE_MAX
+                            ? file_too_large(&err, req->path, SANDBOX_FILE_MAX)
+                            : read_whole(c, t.fd, req->path, SANDBOX_FILE_MAX, &resp.data.data,
+                                         &resp.data.len, &err);
+    target_close(&t);
     if (rc != CF_OK) {
         rpc_call_fail_error(c, &err);
         return;
     }
-    Cflue__V1__ReadFileResponse resp = CFLUE__V1__READ_FILE_RESPONSE__INIT;
-    resp.data.data = data;
-    resp.data.len = len;
     rpc_call_reply(c, &resp.base);
-    free(data);
+    free(resp.data.data);
 }
 
 static void on_write_file(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__WriteFileRequest *req = (const void *)msg;
-    char rel[WS_PATH_MAX];
-    struct sandbox *sb;
+    struct target t;
     struct cf_error err;
-    if (!sandbox_for(c, req->sandbox, req->path, rel, &sb)) {
+    if (!target_open(c, req->sandbox, req->path, OPEN_NONE, &t)) {
         return;
     }
     if (req->mode > 07777) {
         rpc_call_fail(c, CF_INVALID, "mode must be permission bits (at most 07777)");
         return;
     }
-    uint64_t ticket = locks_ticket(sb->locks, rel);
-    locks_wait(sb->locks, rel, ticket);
+    uint64_t ticket = locks_ticket(t.sb->locks, t.rel);
+    locks_wait(t.sb->locks, t.rel, ticket);
     enum cf_status rc =
-        ws_write_file(sb, rel, req->data.data, req->data.len, req->mode, req->path, &err);
-    locks_release(sb->locks, rel);
+        ws_write_file(t.sb, t.rel, req->data.data, req->data.len, req->mode, req->path, &err);
+    locks_release(t.sb->locks, t.rel);
     if (rc != CF_OK) {
         rpc_call_fail_error(c, &err);
         return;
@@ -442,122 +521,122 @@ static void on_write_file(struct rpc_call *c, const ProtobufCMessage *msg, void 
     rpc_call_reply(c, &resp.base);
 }
 
-static void stat_info(Cflue__V1__FileInfo *fi, const char *name, const struct stat *st,
-                      bool is_link)
+/* A FileInfo with the storage its fields point into. */
+struct file_info {
+    Cflue__V1__FileInfo fi;
+    Google__Protobuf__Timestamp mtime;
+};
+
+static void file_info_fill(struct file_info *f, const char *name, const struct stat *st)
 {
+    Cflue__V1__FileInfo *fi = &f->fi;
     cflue__v1__file_info__init(fi);
     fi->name = (char *)name;
-    fi->type = is_link                ? CFLUE__V1__FILE_TYPE__SYMLINK
-               : S_ISREG(st->st_mode) ? CFLUE__V1__FILE_TYPE__REGULAR
-               : S_ISDIR(st->st_mode) ? CFLUE__V1__FILE_TYPE__DIRECTORY
-                                      : CFLUE__V1__FILE_TYPE__OTHER;
+    fi->type = S_ISLNK(st->st_mode)   ? CFLUE__V1__FILE_TYPE__FILE_TYPE_SYMLINK
+               : S_ISREG(st->st_mode) ? CFLUE__V1__FILE_TYPE__FILE_TYPE_REGULAR
+               : S_ISDIR(st->st_mode) ? CFLUE__V1__FILE_TYPE__FILE_TYPE_DIRECTORY
+                                      : CFLUE__V1__FILE_TYPE__FILE_TYPE_OTHER;
     fi->size = st->st_size;
-    fi->modified_at_ms = (int64_t)st->st_mtim.tv_sec * 1000 + st->st_mtim.tv_nsec / 1000000;
+    google__protobuf__timestamp__init(&f->mtime);
+    f->mtime.seconds = st->st_mtim.tv_sec;
+    f->mtime.nanos = (int32_t)st->st_mtim.tv_nsec;
+    fi->modify_time = &f->mtime;
     fi->mode = st->st_mode & 07777;
 }
 
 static void on_stat(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__PathRequest *req = (const void *)msg;
-    char rel[WS_PATH_MAX];
-    struct sandbox *sb;
-    struct cf_error err;
+    struct target t;
     struct stat st;
-    int fd;
-    if (!sandbox_for(c, req->sandbox, req->path, rel, &sb)) {
+    if (!target_open(c, req->sandbox, req->path, OPEN_NODE, &t)) {
         return;
     }
-    if (ws_open(sb, rel, O_PATH | O_NOFOLLOW, 0, req->path, &fd, &err) != CF_OK) {
-        rpc_call_fail_error(c, &err);
-        return;
-    }
-    int st_rc = fstat(fd, &st);
+    int st_rc = fstat(t.fd, &st);
     int st_errno = errno;
-    close(fd);
+    target_close(&t);
     if (st_rc != 0) {
-        rpc_call_fail(c, ws_errno_error(st_errno, "stat", req->path, &err), "%s", err.msg);
+        fail_errno(c, st_errno, "stat", req->path);
         return;
     }
-    Cflue__V1__FileInfo fi;
-    const char *base = strrchr(rel, '/');
-    stat_info(&fi, base ? base + 1 : rel, &st, S_ISLNK(st.st_mode));
-    rpc_call_reply(c, &fi.base);
+    struct file_info f;
+    const char *base = strrchr(t.rel, '/');
+    file_info_fill(&f, base ? base + 1 : t.rel, &st);
+    rpc_call_reply(c, &f.fi.base);
 }
 
-static int cmp_info(const void *a, const void *b)
-{
-    return strcmp((*(Cflue__V1__FileInfo *const *)a)->name,
-                  (*(Cflue__V1__FileInfo *const *)b)->name);
-}
+/* ReadDir pages: page_size 0 means READ_DIR_PAGE_DEFAULT, more than READ_DIR_PAGE_MAX is
+ * coerced down (AIP-158). A page of READ_DIR_PAGE_MAX entries of 255-byte names stays near
+ * 3 MB, under any client's message limit. */
+#define READ_DIR_PAGE_DEFAULT 1000
+#define READ_DIR_PAGE_MAX 10000
 
 static void on_read_dir(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
-    const Cflue__V1__PathRequest *req = (const void *)msg;
-    char rel[WS_PATH_MAX];
-    struct sandbox *sb;
+    const Cflue__V1__ReadDirRequest *req = (const void *)msg;
+    struct target t;
     struct cf_error err;
-    int fd;
-    if (!sandbox_for(c, req->sandbox, req->path, rel, &sb)) {
+    char scope[sizeof(t.sb->name) + WS_PATH_MAX + 2], after[PAGE_TOKEN_POSITION_MAX + 1] = "";
+    if (req->page_size < 0) {
+        rpc_call_fail(c, CF_INVALID, "page_size must not be negative");
         return;
     }
-    if (ws_open(sb, rel, O_RDONLY | O_DIRECTORY, 0, req->path, &fd, &err) != CF_OK) {
+    if (!target_open(c, req->sandbox, req->path, OPEN_DIR, &t)) {
+        return;
+    }
+    /* the token belongs to this directory: the sandbox and the path as resolved in it */
+    snprintf(scope, sizeof(scope), "%s\n%s", t.sb->name, t.rel);
+    if (*req->page_token && page_token_parse(req->page_token, scope, after, &err) != CF_OK) {
+        target_close(&t);
         rpc_call_fail_error(c, &err);
         return;
     }
-    DIR *d = fdopendir(fd);
-    size_t n = 0, cap = 64;
-    Cflue__V1__FileInfo **items = mem_alloc(sizeof(void *) * cap);
-    struct dirent *e;
-    while (d && (e = readdir(d))) {
-        struct stat st;
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") ||
-            fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
-            continue;
-        }
-        if (n == cap) {
-            cap *= 2;
-            items = mem_realloc(items, sizeof(void *) * cap);
-        }
-        items[n] = mem_alloc(sizeof(Cflue__V1__FileInfo));
-        stat_info(items[n], mem_strdup(e->d_name), &st, S_ISLNK(st.st_mode));
-        n++;
+    size_t limit = req->page_size == 0                  ? READ_DIR_PAGE_DEFAULT
+                   : req->page_size > READ_DIR_PAGE_MAX ? READ_DIR_PAGE_MAX
+                                                        : (size_t)req->page_size;
+    struct dirpage page;
+    if (dirpage_select(t.fd, after, limit, call_gone, c, &page, &err) != CF_OK) {
+        target_close(&t);
+        rpc_call_fail_error(c, &err);
+        return;
     }
-    if (d) {
-        closedir(d);
-    }
-    qsort(items, n, sizeof(void *), cmp_info);
+    struct file_info *infos = mem_alloc(sizeof(*infos) * (page.n + 1));
+    Cflue__V1__FileInfo **entries = mem_alloc(sizeof(*entries) * (page.n + 1));
     Cflue__V1__ReadDirResponse resp = CFLUE__V1__READ_DIR_RESPONSE__INIT;
-    resp.entries = items;
-    resp.n_entries = n;
-    rpc_call_reply(c, &resp.base);
-    for (size_t i = 0; i < n; i++) {
-        free(items[i]->name);
-        free(items[i]);
+    for (size_t i = 0; i < page.n; i++) {
+        struct stat st;
+        /* an entry removed since the pass is left out; the page's end stays where it was */
+        if (fstatat(t.fd, page.names[i], &st, AT_SYMLINK_NOFOLLOW) == 0) {
+            file_info_fill(&infos[resp.n_entries], page.names[i], &st);
+            entries[resp.n_entries] = &infos[resp.n_entries].fi;
+            resp.n_entries++;
+        }
     }
-    free(items);
+    target_close(&t);
+    char next[PAGE_TOKEN_MAX] = "";
+    if (page.more) {
+        page_token_make(next, scope, page.names[page.n - 1]);
+    }
+    resp.entries = entries;
+    resp.next_page_token = next;
+    rpc_call_reply(c, &resp.base);
+    free(entries);
+    free(infos);
+    dirpage_cleanup(&page);
 }
 
 static void on_mkdir(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__MkdirRequest *req = (const void *)msg;
-    char rel[WS_PATH_MAX], base[NAME_MAX + 1], child[WS_PATH_MAX + 8];
-    struct sandbox *sb;
-    struct cf_error err;
-    int dirfd;
-    if (!sandbox_for(c, req->sandbox, req->path, rel, &sb)) {
+    struct target t;
+    if (!target_open(c, req->sandbox, req->path, req->parents ? OPEN_PARENTS : OPEN_PARENT, &t)) {
         return;
     }
-    if (ws_open_parent(sb, rel, req->parents, req->path, &dirfd, base, sizeof(base), &err) !=
-        CF_OK) {
-        rpc_call_fail_error(c, &err);
-        return;
-    }
-    int r = mkdirat(dirfd, base, 0755);
+    int r = mkdirat(t.fd, t.base, 0755);
     int e = errno;
-    close(dirfd);
-    snprintf(child, sizeof(child), "%s", rel);
+    target_close(&t);
     if (r != 0 && !(e == EEXIST && req->parents)) {
-        rpc_call_fail(c, ws_errno_error(e, "mkdir", req->path, &err), "%s", err.msg);
+        fail_errno(c, e, "mkdir", req->path);
         return;
     }
     Cflue__V1__MkdirResponse resp = CFLUE__V1__MKDIR_RESPONSE__INIT;
@@ -594,25 +673,18 @@ static int remove_tree(int parent, const char *name)
 static void on_remove(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__RemoveRequest *req = (const void *)msg;
-    char rel[WS_PATH_MAX], base[NAME_MAX + 1];
-    struct sandbox *sb;
-    struct cf_error err;
-    int dirfd;
-    if (!sandbox_for(c, req->sandbox, req->path, rel, &sb)) {
+    struct target t;
+    if (!target_open(c, req->sandbox, req->path, OPEN_PARENT, &t)) {
         return;
     }
-    if (ws_open_parent(sb, rel, false, req->path, &dirfd, base, sizeof(base), &err) != CF_OK) {
-        rpc_call_fail_error(c, &err);
-        return;
-    }
-    int r = unlinkat(dirfd, base, 0);
+    int r = unlinkat(t.fd, t.base, 0);
     if (r != 0 && (errno == EISDIR || errno == EPERM)) {
-        r = req->recursive ? remove_tree(dirfd, base) : unlinkat(dirfd, base, AT_REMOVEDIR);
+        r = req->recursive ? remove_tree(t.fd, t.base) : unlinkat(t.fd, t.base, AT_REMOVEDIR);
     }
     int e = errno;
-    close(dirfd);
+    target_close(&t);
     if (r != 0) {
-        rpc_call_fail(c, ws_errno_error(e, "remove", req->path, &err), "%s", err.msg);
+        fail_errno(c, e, "remove", req->path);
         return;
     }
     Cflue__V1__RemoveResponse resp = CFLUE__V1__REMOVE_RESPONSE__INIT;
@@ -648,23 +720,22 @@ static bool exec_collect_err(void *arg, const char *p, size_t n)
 static void on_exec(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__ExecRequest *req = (const void *)msg;
-    char rel[WS_PATH_MAX], cwd[PATH_MAX + WS_PATH_MAX];
-    struct sandbox *sb;
+    char cwd[PATH_MAX + WS_PATH_MAX];
+    struct target t;
     struct cf_error err;
-    int fd;
-    if (!sandbox_for(c, req->sandbox, *req->cwd ? req->cwd : ".", rel, &sb)) {
-        return;
-    }
     if (!*req->command) {
         rpc_call_fail(c, CF_INVALID, "command is required");
         return;
     }
-    if (ws_open(sb, rel, O_PATH | O_DIRECTORY, 0, *req->cwd ? req->cwd : ".", &fd, &err) != CF_OK) {
+    if (pbdur_check(req->timeout, "timeout", 0, &err) != CF_OK) {
         rpc_call_fail_error(c, &err);
         return;
     }
-    close(fd);
-    ws_host_path(sb, rel, cwd, sizeof(cwd));
+    if (!target_open(c, req->sandbox, *req->cwd ? req->cwd : ".", OPEN_DIR, &t)) {
+        return;
+    }
+    target_close(&t);
+    ws_host_path(t.sb, t.rel, cwd, sizeof(cwd));
     const char **extra = mem_alloc(sizeof(char *) * (req->n_env + 1));
     for (size_t i = 0; i < req->n_env; i++) {
         size_t len = strlen(req->env[i]->key) + strlen(req->env[i]->value) + 2;
@@ -678,12 +749,14 @@ static void on_exec(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
     }
     free(extra);
     const char *argv[PROC_ARGV_MAX];
-    sb->driver->build_argv(sb, cwd, req->command, argv);
+    t.sb->driver->build_argv(t.sb, cwd, req->command, argv);
     struct exec_out o = {.overflow = false};
     buf_init(&o.out, EXEC_OUTPUT_MAX);
     buf_init(&o.err, EXEC_OUTPUT_MAX);
-    int64_t timeout =
-        req->timeout_ms > 0 ? req->timeout_ms : server_state.cfg->bash_default_timeout_ms;
+    int64_t timeout = req->timeout ? dur_ms(req->timeout) : 0;
+    if (timeout == 0) {
+        timeout = server_state.cfg->bash_default_timeout_ms;
+    }
     struct proc_spec spec = {.argv = argv,
                              .cwd = cwd,
                              .envp = env,
@@ -736,8 +809,8 @@ void toold_register(struct rpc_server *srv, struct workspaces *ws, const struct 
                           RPC_POOL);
     rpc_server_add_method(srv, "/cflue.v1.Sandbox/Stat", &cflue__v1__path_request__descriptor,
                           on_stat, NULL, RPC_POOL);
-    rpc_server_add_method(srv, "/cflue.v1.Sandbox/ReadDir", &cflue__v1__path_request__descriptor,
-                          on_read_dir, NULL, RPC_POOL);
+    rpc_server_add_method(srv, "/cflue.v1.Sandbox/ReadDir",
+                          &cflue__v1__read_dir_request__descriptor, on_read_dir, NULL, RPC_POOL);
     rpc_server_add_method(srv, "/cflue.v1.Sandbox/Mkdir", &cflue__v1__mkdir_request__descriptor,
                           on_mkdir, NULL, RPC_POOL);
     rpc_server_add_method(srv, "/cflue.v1.Sandbox/Remove", &cflue__v1__remove_request__descriptor,

@@ -305,8 +305,8 @@ void tool_bash_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
         uint64_t shown_bytes = n - start;
         res->trunc.truncated = true;
         res->trunc.by = c->newlines > TOOL_LINES_MAX && shown_lines == TOOL_LINES_MAX
-                            ? CFLUE__V1__TRUNCATED_BY__LINES
-                            : CFLUE__V1__TRUNCATED_BY__BYTES;
+                            ? CFLUE__V1__TRUNCATED_BY__TRUNCATED_BY_LINES
+                            : CFLUE__V1__TRUNCATED_BY__TRUNCATED_BY_BYTES;
         res->trunc.shown_first_line = (int64_t)first_line;
         res->trunc.shown_last_line = (int64_t)total_lines;
         res->trunc.line_too_long = line_cut;

@@ -338,7 +338,7 @@ static enum cf_status read_page(struct reader *r, const struct stat *st, int64_t
                    "offset/limit; use bash (for example cut -c or fold) to see it.]",
                    (long long)offset, line_len, TOOL_BYTES_MAX, cut);
         res->trunc.truncated = true;
-        res->trunc.by = CFLUE__V1__TRUNCATED_BY__BYTES;
+        res->trunc.by = CFLUE__V1__TRUNCATED_BY__TRUNCATED_BY_BYTES;
         res->trunc.line_too_long = true;
         last = offset;
         if (offset < total) {
@@ -363,8 +363,8 @@ static enum cf_status read_page(struct reader *r, const struct stat *st, int64_t
         res->trunc.next_offset = last + 1;
         if (bytes_hit || !by_limit) {
             res->trunc.truncated = true;
-            res->trunc.by =
-                bytes_hit ? CFLUE__V1__TRUNCATED_BY__BYTES : CFLUE__V1__TRUNCATED_BY__LINES;
+            res->trunc.by = bytes_hit ? CFLUE__V1__TRUNCATED_BY__TRUNCATED_BY_BYTES
+                                      : CFLUE__V1__TRUNCATED_BY__TRUNCATED_BY_LINES;
         }
     }
     return CF_OK;

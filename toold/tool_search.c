@@ -558,7 +558,7 @@ void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
                    "rest.]",
                    g.hits.n, (unsigned long long)g.hits.total);
         res->trunc.truncated = true;
-        res->trunc.by = CFLUE__V1__TRUNCATED_BY__MATCHES;
+        res->trunc.by = CFLUE__V1__TRUNCATED_BY__TRUNCATED_BY_MATCHES;
     }
     res->trunc.total_lines = (int64_t)g.hits.total;
 out:
@@ -667,7 +667,7 @@ void tool_glob_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
                    "the pattern or the path to see the rest.]",
                    g.hits.n, (unsigned long long)g.hits.total);
         res->trunc.truncated = true;
-        res->trunc.by = CFLUE__V1__TRUNCATED_BY__PATHS;
+        res->trunc.by = CFLUE__V1__TRUNCATED_BY__TRUNCATED_BY_PATHS;
     }
 out:
     topk_free(&g.hits);

@@ -86,25 +86,29 @@ enum cf_status ws_errno_error(int e, const char *op, const char *shown_path, str
         return cf_error_set(err, CF_NOT_FOUND, "%s: no such file or directory", shown_path);
     case EXDEV:
     case ELOOP:
-        return cf_error_set(err, CF_INVALID,
-                            "%s leads outside the sandbox (through '..' or a symbolic link); "
-                            "only paths inside the workspace can be used",
-                            shown_path);
+        return cf_error_setr(err, CF_INVALID, "PATH_OUTSIDE_SANDBOX",
+                             "%s leads outside the sandbox (through '..' or a symbolic link); "
+                             "only paths inside the workspace can be used",
+                             shown_path);
     case EISDIR:
-        return cf_error_set(err, CF_INVALID, "%s is a directory, not a file", shown_path);
+        return cf_error_setr(err, CF_INVALID, "IS_A_DIRECTORY", "%s is a directory, not a file",
+                             shown_path);
     case ENOTDIR:
-        return cf_error_set(err, CF_INVALID, "%s: a component of the path is not a directory",
-                            shown_path);
+        return cf_error_setr(err, CF_INVALID, "NOT_A_DIRECTORY",
+                             "%s: the path or a component of it is not a directory", shown_path);
     case EACCES:
     case EPERM:
-        return cf_error_set(err, CF_INVALID, "%s: permission denied", shown_path);
+        return cf_error_setr(err, CF_INVALID, "PERMISSION_DENIED", "%s: permission denied",
+                             shown_path);
     case EEXIST:
         return cf_error_set(err, CF_EXISTS, "%s already exists", shown_path);
     case ENOTEMPTY:
-        return cf_error_set(err, CF_INVALID, "%s is a directory that is not empty", shown_path);
+        return cf_error_setr(err, CF_PRECONDITION, "DIRECTORY_NOT_EMPTY",
+                             "%s is a directory that is not empty", shown_path);
     case ENOSPC:
     case EDQUOT:
-        return cf_error_set(err, CF_IO, "%s: no space left on the device", shown_path);
+        return cf_error_setr(err, CF_IO, "NO_SPACE_LEFT", "%s: no space left on the device",
+                             shown_path);
     case ENAMETOOLONG:
         return cf_error_set(err, CF_INVALID, "%s: the path is too long", shown_path);
     default:
@@ -129,10 +133,10 @@ enum cf_status ws_relative(const struct sandbox *sb, const char *path, char *out
         if (!strncmp(path, sb->root, root_len) && (path[root_len] == '/' || !path[root_len])) {
             p = path + root_len;
         } else if (sb->confine) {
-            return cf_error_set(err, CF_INVALID,
-                                "%s is outside the sandbox; use a path inside %s or relative "
-                                "to it",
-                                path, sb->root);
+            return cf_error_setr(err, CF_INVALID, "PATH_OUTSIDE_SANDBOX",
+                                 "%s is outside the sandbox; use a path inside %s or relative "
+                                 "to it",
+                                 path, sb->root);
         } else {
             p = path; /* unconfined: absolute host paths pass */
         }
@@ -148,10 +152,10 @@ enum cf_status ws_relative(const struct sandbox *sb, const char *path, char *out
         }
         if (!strcmp(seg, "..")) {
             if (o == 0) {
-                return cf_error_set(err, CF_INVALID,
-                                    "%s leads outside the sandbox through '..'; only paths "
-                                    "inside the workspace can be used",
-                                    path);
+                return cf_error_setr(err, CF_INVALID, "PATH_OUTSIDE_SANDBOX",
+                                     "%s leads outside the sandbox through '..'; only paths "
+                                     "inside the workspace can be used",
+                                     path);
             }
             while (o > 0 && out[o - 1] != '/') {
                 o--;
@@ -229,18 +233,19 @@ static enum cf_status finish_regular(int pfd, const char *shown_path, int *fd_ou
     }
     if (S_ISDIR(st->st_mode)) {
         close(pfd);
-        return cf_error_set(err, CF_INVALID, "%s is a directory, not a file", shown_path);
+        return cf_error_setr(err, CF_INVALID, "IS_A_DIRECTORY", "%s is a directory, not a file",
+                             shown_path);
     }
     if (!S_ISREG(st->st_mode)) {
         close(pfd);
-        return cf_error_set(err, CF_INVALID,
-                            "%s is not a regular file (it is a %s); only regular files can be "
-                            "read",
-                            shown_path,
-                            S_ISFIFO(st->st_mode)   ? "FIFO"
-                            : S_ISSOCK(st->st_mode) ? "socket"
-                            : S_ISLNK(st->st_mode)  ? "symbolic link"
-                                                    : "device");
+        return cf_error_setr(err, CF_INVALID, "NOT_A_REGULAR_FILE",
+                             "%s is not a regular file (it is a %s); only regular files can be "
+                             "read",
+                             shown_path,
+                             S_ISFIFO(st->st_mode)   ? "FIFO"
+                             : S_ISSOCK(st->st_mode) ? "socket"
+                             : S_ISLNK(st->st_mode)  ? "symbolic link"
+                                                     : "device");
     }
     snprintf(proc, sizeof(proc), "/proc/self/fd/%d", pfd);
     int fd = open(proc, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
@@ -358,8 +363,8 @@ static enum cf_status resolve_link(const struct sandbox *sb, const char *rel,
     size_t root_len = strlen(sb->root);
     if (n <= 0 || (size_t)n <= root_len + 1 || strncmp(real, sb->root, root_len) != 0 ||
         real[root_len] != '/') {
-        return cf_error_set(err, CF_INVALID, "%s is a symbolic link that leads outside the sandbox",
-                            shown_path);
+        return cf_error_setr(err, CF_INVALID, "PATH_OUTSIDE_SANDBOX",
+                             "%s is a symbolic link that leads outside the sandbox", shown_path);
     }
     real[n] = '\0';
     snprintf(out, out_len, "%s", real + root_len + 1);
@@ -397,7 +402,8 @@ enum cf_status ws_write_file(const struct sandbox *sb, const char *rel, const vo
     if (fstatat(dirfd, base, &st, AT_SYMLINK_NOFOLLOW) == 0) {
         if (S_ISDIR(st.st_mode)) {
             close(dirfd);
-            return cf_error_set(err, CF_INVALID, "%s is a directory, not a file", shown_path);
+            return cf_error_setr(err, CF_INVALID, "IS_A_DIRECTORY", "%s is a directory, not a file",
+                                 shown_path);
         }
         if (S_ISREG(st.st_mode)) {
             mode = st.st_mode & 07777;
@@ -553,9 +559,9 @@ enum cf_status workspaces_get(struct workspaces *w, const char *name, struct san
                               struct cf_error *err)
 {
     if (!ids_valid_name(name, 128)) {
-        return cf_error_set(err, CF_INVALID,
-                            "sandbox names are 1 to 128 characters of A-Z a-z 0-9 . _ - (not . "
-                            "or ..)");
+        return cf_error_setr(err, CF_INVALID, "INVALID_SANDBOX_NAME",
+                             "sandbox names are 1 to 128 characters of A-Z a-z 0-9 . _ - (not . "
+                             "or ..)");
     }
     pthread_mutex_lock(&w->mu);
     for (int i = 0; i < w->n; i++) {
@@ -571,7 +577,8 @@ enum cf_status workspaces_get(struct workspaces *w, const char *name, struct san
     }
     enum cf_status rc = CF_OK;
     if (w->n == MAX_SANDBOXES) {
-        rc = cf_error_set(err, CF_BUSY, "this toold serves at most %d sandboxes", MAX_SANDBOXES);
+        rc = cf_error_setr(err, CF_BUSY, "TOO_MANY_SANDBOXES",
+                           "this toold serves at most %d sandboxes", MAX_SANDBOXES);
         goto done;
     }
     char path[PATH_MAX];

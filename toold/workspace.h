@@ -48,7 +48,8 @@ CF_MUST_CHECK enum cf_status workspaces_new(const char *root, bool confine,
 void workspaces_free(struct workspaces *w);
 
 /* workspaces_get returns the sandbox for name, creating its directory on first use. The
- * sandbox lives as long as the registry. CF_INVALID for a bad name. A workspace whose
+ * sandbox lives as long as the registry. CF_INVALID (reason INVALID_SANDBOX_NAME) for a bad name;
+ * CF_BUSY (TOO_MANY_SANDBOXES) past the limit. A workspace whose
  * directory a command removed (`rm -rf "$PWD"`, or toold's whole root) is created again and
  * reopened here, so the next call finds an empty workspace instead of a dead one. */
 CF_MUST_CHECK enum cf_status workspaces_get(struct workspaces *w, const char *name,
@@ -57,8 +58,8 @@ CF_MUST_CHECK enum cf_status workspaces_get(struct workspaces *w, const char *na
 #define WS_PATH_MAX 4096
 
 /* ws_relative turns a caller's path into a normalized path relative to the sandbox root
- * ("." for the root itself). CF_INVALID for an empty path; CF_STALE... no: CF_INVALID with a
- * message for a path outside the sandbox (when confined). */
+ * ("." for the root itself). CF_INVALID for an empty path, and (reason PATH_OUTSIDE_SANDBOX)
+ * for a path outside the sandbox when confined. */
 CF_MUST_CHECK enum cf_status ws_relative(const struct sandbox *sb, const char *path, char *out,
                                          size_t out_len, struct cf_error *err);
 
@@ -76,7 +77,8 @@ CF_MUST_CHECK enum cf_status ws_open(const struct sandbox *sb, const char *rel, 
  * and only then reopened for reading (through /proc/self/fd), so a FIFO, socket or device is
  * never opened for I/O and cannot block the caller. *st_out holds the file's status whenever
  * it could be taken (also on CF_INVALID, so callers can word a directory error their way).
- * CF_INVALID naming shown_path for a directory or a special file. */
+ * CF_INVALID naming shown_path for a directory (IS_A_DIRECTORY) or a special file
+ * (NOT_A_REGULAR_FILE). */
 CF_MUST_CHECK enum cf_status ws_open_regular(const struct sandbox *sb, const char *rel,
                                              const char *shown_path, int *fd_out,
                                              struct stat *st_out, struct cf_error *err);
@@ -101,7 +103,10 @@ CF_MUST_CHECK enum cf_status ws_write_file(const struct sandbox *sb, const char 
                                            const void *data, size_t len, mode_t mode,
                                            const char *shown_path, struct cf_error *err);
 
-/* ws_errno_error turns an errno from an operation on shown_path into a status and message. */
+/* ws_errno_error turns an errno from an operation on shown_path into a status, a message and
+ * an ErrorInfo reason a client can branch on: PATH_OUTSIDE_SANDBOX (EXDEV, ELOOP),
+ * IS_A_DIRECTORY, NOT_A_DIRECTORY, PERMISSION_DENIED, DIRECTORY_NOT_EMPTY (CF_PRECONDITION),
+ * NO_SPACE_LEFT; NOT_FOUND and ALREADY_EXISTS are the codes' own. */
 CF_MUST_CHECK enum cf_status ws_errno_error(int e, const char *op, const char *shown_path,
                                             struct cf_error *err);
 

@@ -20,7 +20,8 @@ import unittest
 import grpc
 
 from cflue_harness import (INVALID_ARGUMENT, NOT_FOUND, SERVING, TooldTestCase, result_details,
-                           sandbox_pb2, tool_call, tools_pb2, truncation_dict)
+                           sandbox_pb2, tools_pb2)
+from toold_v1 import error_reason, tool_call, truncation_dict
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -548,24 +549,61 @@ class TestBadInput(TooldBase):
                 with self.assertRaises(grpc.RpcError) as cm:
                     self.call(name, 'bash', {'command': 'echo hi'})
                 self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
+                self.assertEqual(error_reason(cm.exception), 'INVALID_SANDBOX_NAME')
                 self.assertTrue(cm.exception.details())
                 with self.assertRaises(grpc.RpcError) as cm:
                     self.td.execute_batch([tool_call(name, 'read', {'path': 'x'})])
                 self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
+                self.assertEqual(error_reason(cm.exception), 'INVALID_SANDBOX_NAME')
                 with self.assertRaises(grpc.RpcError) as cm:
                     self.td.sandbox('ReadFile', sandbox=name, path='x')
                 self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
+                self.assertEqual(error_reason(cm.exception), 'INVALID_SANDBOX_NAME')
         # nothing was created outside the root, and the longest valid name works
         self.assertEqual(sorted(os.listdir(self.td.dir)),
                          sorted(['root', 'toold.sock', 'toold.stderr']))
         self.assertEqual(self.call('y' * 128, 'bash', {'command': 'echo ok'}).text, 'ok')
         self.assertHealthy()
 
-    def test_negative_timeout_ms(self):
-        res = self.td.execute_call(tools_pb2.ToolCall(sandbox='t', name='bash',
-                                                      arguments_json='{"command":"echo"}',
-                                                      timeout_ms=-5))
-        self.assertErrorResult(res, 'timeout_ms')
+    def test_timeout_duration_validated(self):
+        """ToolCall.timeout and ExecRequest.timeout: a negative or malformed Duration is
+        INVALID_ARGUMENT and nothing runs; unset is no limit (the server default for Exec)."""
+        marker = os.path.join(self.td.workspace('t', create=True), 'ran')
+        bad = {'negative': dict(seconds=-1), 'negative nanos': dict(nanos=-5000000),
+               'mixed signs': dict(seconds=1, nanos=-1), 'nanos overflow': dict(nanos=10 ** 9)}
+        for what, dur in bad.items():
+            with self.subTest(duration=what):
+                call = tool_call('t', 'bash', {'command': 'touch ran'})
+                call.timeout.seconds = dur.get('seconds', 0)
+                call.timeout.nanos = dur.get('nanos', 0)
+                with self.assertRaises(grpc.RpcError) as cm:
+                    self.td.execute_call(call)
+                self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
+                self.assertIn('timeout', cm.exception.details())
+                with self.assertRaises(grpc.RpcError) as cm:
+                    self.td.execute_batch([tool_call('t', 'read', {'path': 'x'}), call])
+                self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
+                self.assertIn('calls[1]', cm.exception.details())
+                req = sandbox_pb2.ExecRequest(sandbox='t', command='touch ran')
+                req.timeout.seconds = dur.get('seconds', 0)
+                req.timeout.nanos = dur.get('nanos', 0)
+                c = self.td.channel.unary_unary(
+                    '/cflue.v1.Sandbox/Exec',
+                    request_serializer=sandbox_pb2.ExecRequest.SerializeToString,
+                    response_deserializer=sandbox_pb2.ExecResponse.FromString)
+                with self.assertRaises(grpc.RpcError) as cm:
+                    c(req, timeout=10)
+                self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
+                self.assertFalse(os.path.exists(marker))
+        # a set sub-millisecond timeout is a limit, not "unset"
+        call = tool_call('t', 'bash', {'command': 'sleep 5'})
+        call.timeout.nanos = 500000
+        t0 = time.monotonic()
+        res = self.td.execute_call(call)
+        self.assertLess(time.monotonic() - t0, 4)
+        self.assertIn('124', res.text)
+        # unset: no limit from the caller
+        self.assertOk(self.call('t', 'bash', {'command': 'echo fine'}), 'fine')
         self.assertHealthy()
 
     def test_undecodable_request(self):
@@ -615,11 +653,14 @@ class TestSandboxService(TooldBase):
         self.sbx('WriteFile', path='five.txt', data=b'12345')
         os.symlink('five.txt', self.host('link.txt'))
         st = self.sbx('Stat', path='five.txt')
-        self.assertEqual((st.name, st.type, st.size), ('five.txt', sandbox_pb2.REGULAR, 5))
-        self.assertGreater(st.modified_at_ms, 0)
-        self.assertEqual(self.sbx('Stat', path='link.txt').type, sandbox_pb2.SYMLINK)
+        self.assertEqual((st.name, st.type, st.size),
+                         ('five.txt', sandbox_pb2.FILE_TYPE_REGULAR, 5))
+        self.assertTrue(st.HasField('modify_time'))
+        mtime_ns = os.stat(self.host('five.txt')).st_mtime_ns
+        self.assertEqual(st.modify_time.ToNanoseconds(), mtime_ns)
+        self.assertEqual(self.sbx('Stat', path='link.txt').type, sandbox_pb2.FILE_TYPE_SYMLINK)
         self.sbx('Mkdir', path='d')
-        self.assertEqual(self.sbx('Stat', path='d').type, sandbox_pb2.DIRECTORY)
+        self.assertEqual(self.sbx('Stat', path='d').type, sandbox_pb2.FILE_TYPE_DIRECTORY)
         with self.assertRaises(grpc.RpcError) as cm:
             self.sbx('Stat', path='nope')
         self.assertEqual(cm.exception.code(), NOT_FOUND)
@@ -633,10 +674,39 @@ class TestSandboxService(TooldBase):
         self.assertEqual(names, sorted(['b.txt', 'a.txt', 'C.txt', '.hidden', '_u', 'sub'],
                                        key=lambda s: s.encode()))
         types = {e.name: e.type for e in entries}
-        self.assertEqual(types['sub'], sandbox_pb2.DIRECTORY)
-        self.assertEqual(types['a.txt'], sandbox_pb2.REGULAR)
-        with self.assertRaises(grpc.RpcError):
+        self.assertEqual(types['sub'], sandbox_pb2.FILE_TYPE_DIRECTORY)
+        self.assertEqual(types['a.txt'], sandbox_pb2.FILE_TYPE_REGULAR)
+        self.assertTrue(all(e.HasField('modify_time') for e in entries))
+        with self.assertRaises(grpc.RpcError) as cm:
             self.sbx('ReadDir', path='dir/a.txt')
+        self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
+        self.assertEqual(error_reason(cm.exception), 'NOT_A_DIRECTORY')
+
+    def test_file_errors_have_reasons(self):
+        self.sbx('Mkdir', path='adir')
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.sbx('ReadFile', path='adir')
+        self.assertEqual((cm.exception.code(), error_reason(cm.exception)),
+                         (INVALID_ARGUMENT, 'IS_A_DIRECTORY'))
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.sbx('WriteFile', path='adir', data=b'x')
+        self.assertEqual((cm.exception.code(), error_reason(cm.exception)),
+                         (INVALID_ARGUMENT, 'IS_A_DIRECTORY'))
+        self.sbx('WriteFile', path='f.txt', data=b'x')
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.sbx('Exec', command='pwd', cwd='f.txt')
+        self.assertEqual((cm.exception.code(), error_reason(cm.exception)),
+                         (INVALID_ARGUMENT, 'NOT_A_DIRECTORY'))
+        with open(self.host('huge.bin'), 'wb') as f:  # sparse: costs no disk
+            f.truncate(64 * MiB + 1)
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.sbx('ReadFile', path='huge.bin')
+        self.assertEqual((cm.exception.code(), error_reason(cm.exception)),
+                         (grpc.StatusCode.RESOURCE_EXHAUSTED, 'FILE_TOO_LARGE'))
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.sbx('ReadFile', path='missing')
+        self.assertEqual((cm.exception.code(), error_reason(cm.exception)),
+                         (NOT_FOUND, 'NOT_FOUND'))
 
     def test_mkdir_and_remove(self):
         with self.assertRaises(grpc.RpcError) as cm:
@@ -648,8 +718,10 @@ class TestSandboxService(TooldBase):
         with self.assertRaises(grpc.RpcError):
             self.sbx('Mkdir', path='m/n/o')  # existing without parents: an error
         self.sbx('WriteFile', path='m/n/o/f.txt', data=b'f')
-        with self.assertRaises(grpc.RpcError):
+        with self.assertRaises(grpc.RpcError) as cm:
             self.sbx('Remove', path='m')  # not empty, not recursive
+        self.assertEqual((cm.exception.code(), error_reason(cm.exception)),
+                         (grpc.StatusCode.FAILED_PRECONDITION, 'DIRECTORY_NOT_EMPTY'))
         self.assertTrue(os.path.exists(self.host('m/n/o/f.txt')))
         self.sbx('Remove', path='m/n/o/f.txt')
         self.assertFalse(os.path.exists(self.host('m/n/o/f.txt')))
@@ -737,6 +809,9 @@ class TestSandboxService(TooldBase):
                                                                    str(resp)[:200]))
                 self.assertIn(cm.exception.code(), ESCAPE_CODES + (NOT_FOUND,),
                               cm.exception.details())
+                if cm.exception.code() == INVALID_ARGUMENT:
+                    self.assertEqual(error_reason(cm.exception), 'PATH_OUTSIDE_SANDBOX',
+                                     cm.exception.details())
                 with open(canary) as f:
                     self.assertEqual(f.read(), 'canary\n')
                 self.assertEqual(sorted(os.listdir(outside)), ['canary.txt'])
@@ -756,6 +831,128 @@ class TestSandboxService(TooldBase):
                     self.sbx(method, **fields)
                 self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
         self.assertFalse(os.path.exists(self.host('b.txt')))
+
+
+class TestReadDirPaging(TooldBase):
+    """Sandbox.ReadDir pages: sorted by name (bytewise), the token names the last entry and
+    belongs to one directory of one sandbox, and a directory that changes between pages never
+    repeats or skips an entry that existed throughout."""
+
+    sb = 'pages'
+
+    def host(self, rel=''):
+        return os.path.join(self.td.workspace(self.sb, create=True), rel)
+
+    def read_dir(self, path, page_size=0, page_token='', sandbox=None):
+        return self.td.sandbox('ReadDir', sandbox=sandbox or self.sb, path=path,
+                               page_size=page_size, page_token=page_token)
+
+    def all_pages(self, path, page_size):
+        names, token, pages = [], '', 0
+        while True:
+            resp = self.read_dir(path, page_size, token)
+            pages += 1
+            self.assertLessEqual(len(resp.entries), page_size)
+            names += [e.name for e in resp.entries]
+            token = resp.next_page_token
+            if not token:
+                return names, pages
+
+    def make_files(self, rel, names):
+        d = self.host(rel)
+        os.makedirs(d, exist_ok=True)
+        for n in names:
+            with open(os.path.join(d, n), 'wb'):
+                pass
+
+    def assertReason(self, cm, code, reason):
+        self.assertEqual((cm.exception.code(), error_reason(cm.exception)), (code, reason),
+                         cm.exception.details())
+
+    def test_pages_make_one_listing(self):
+        rng = random.Random(8)
+        alphabet = 'abcXYZ019._-é'
+        names = set()
+        while len(names) < 10000:
+            names.add(''.join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))))
+        names.discard('.')
+        names.discard('..')
+        while len(names) < 10000:
+            names.add('n%d' % len(names))
+        self.make_files('big', names)
+        want = sorted(names, key=lambda n: n.encode())
+        one = self.read_dir('big', page_size=10000)
+        self.assertEqual([e.name for e in one.entries], want)
+        self.assertEqual(one.next_page_token, '')
+        paged, pages = self.all_pages('big', 1000)
+        self.assertEqual(paged, want)
+        self.assertEqual(pages, 10)
+        # page_size 0 is 1000; more than 10000 is coerced to 10000
+        first = self.read_dir('big')
+        self.assertEqual(len(first.entries), 1000)
+        self.assertTrue(first.next_page_token)
+        self.make_files('big', ['\xfflast'])  # U+00FF: C3 BF, after every other name
+        capped = self.read_dir('big', page_size=50000)
+        self.assertEqual(len(capped.entries), 10000)
+        rest = self.read_dir('big', page_size=50000, page_token=capped.next_page_token)
+        self.assertEqual([e.name for e in rest.entries], ['\xfflast'])
+        self.assertEqual(rest.next_page_token, '')
+
+    def test_token_belongs_to_its_directory(self):
+        self.make_files('d1', ['a', 'b', 'c'])
+        self.make_files('d2', ['a', 'b', 'c'])
+        os.makedirs(os.path.join(self.td.workspace('other-sandbox', create=True), 'd1'))
+        token = self.read_dir('d1', page_size=1).next_page_token
+        self.assertTrue(token)
+        # the same directory written another way takes it
+        self.assertEqual([e.name for e in self.read_dir('./d1/', 5, token).entries], ['b', 'c'])
+        for path, sandbox in (('d2', None), ('.', None), ('d1', 'other-sandbox')):
+            with self.subTest(path=path, sandbox=sandbox):
+                with self.assertRaises(grpc.RpcError) as cm:
+                    self.read_dir(path, 1, token, sandbox=sandbox)
+                self.assertReason(cm, INVALID_ARGUMENT, 'INVALID_PAGE_TOKEN')
+        for garbage in ('zz', token[:-1], token + '00', token.upper(), 'x' * 700):
+            with self.subTest(token=garbage[:20]):
+                with self.assertRaises(grpc.RpcError) as cm:
+                    self.read_dir('d1', 1, garbage)
+                self.assertReason(cm, INVALID_ARGUMENT, 'INVALID_PAGE_TOKEN')
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.read_dir('d1', -1)
+        self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
+        self.assertHealthy()
+
+    def test_changes_between_pages(self):
+        names = ['n%03d' % i for i in range(100)]
+        self.make_files('live', names)
+        d = self.host('live')
+        seen, token = [], ''
+        resp = self.read_dir('live', 10)
+        seen += [e.name for e in resp.entries]
+        token = resp.next_page_token
+        self.assertEqual(seen, names[:10])
+        removed = {'n005', 'n015', 'n050', 'n099'}  # one already listed, three not yet
+        for n in removed:
+            os.unlink(os.path.join(d, n))
+        added = ['a000', 'n0095', 'n0505', 'zzz']  # one before the position, three after
+        self.make_files('live', added)
+        while token:
+            resp = self.read_dir('live', 10, token)
+            seen += [e.name for e in resp.entries]
+            token = resp.next_page_token
+        self.assertEqual(len(seen), len(set(seen)), 'an entry was listed twice')
+        self.assertEqual(seen, sorted(seen, key=lambda n: n.encode()))
+        throughout = [n for n in names if n not in removed]
+        self.assertEqual([n for n in seen if n in throughout], throughout)
+        self.assertFalse((removed - {'n005'}) & set(seen))
+        self.assertNotIn('a000', seen)
+        for n in ('n0095', 'n0505', 'zzz'):
+            self.assertIn(n, seen)
+        # a directory emptied under a token: an empty last page
+        token = self.read_dir('live', 3).next_page_token
+        for n in os.listdir(d):
+            os.unlink(os.path.join(d, n))
+        resp = self.read_dir('live', 3, token)
+        self.assertEqual((list(resp.entries), resp.next_page_token), ([], ''))
 
 
 # ---------------------------------------------------------------------------------------------

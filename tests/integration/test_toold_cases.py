@@ -14,8 +14,8 @@ import subprocess
 import sys
 import unittest
 
-from cflue_harness import (REPO, Toold, _tail, result_details, tool_call,  # noqa: F401
-                           truncation_dict)
+from cflue_harness import REPO, Toold, _tail, result_details  # noqa: F401
+from toold_v1 import tool_call, truncation_dict  # noqa: F401
 
 CASES_DIR = os.path.join(REPO, 'tests', 'tools', 'cases')
 DEFAULT_ENGINE = 'default'  # toold started without --grep-engine

@@ -25,7 +25,8 @@ import unittest
 import grpc
 
 from cflue_harness import (SERVING, Toold, TooldExited, TooldTestCase, result_details,
-                           sandbox_pb2, tool_call, tools_pb2)
+                           sandbox_pb2, tools_pb2)
+from toold_v1 import error_reason, tool_call
 
 NOBODY = 65534
 

@@ -198,7 +198,7 @@ int main(int argc, char **argv)
             protobuf_c_message_free_unpacked(&r->base, NULL);
         }
     }
-    Cflue__V1__PathRequest dr = CFLUE__V1__PATH_REQUEST__INIT;
+    Cflue__V1__ReadDirRequest dr = CFLUE__V1__READ_DIR_REQUEST__INIT;
     dr.sandbox = "grpc-c";
     dr.path = ".cflue/spill";
     CHECK(rpc_unary(ch, "/cflue.v1.Sandbox/ReadDir", &dr.base,
@@ -207,14 +207,52 @@ int main(int argc, char **argv)
         Cflue__V1__ReadDirResponse *d = (Cflue__V1__ReadDirResponse *)resp;
         CHECK(d->n_entries == 2);
         CHECK(d->n_entries == 2 && strstr(last_spill, d->entries[1]->name) != NULL);
+        CHECK(d->n_entries == 2 && d->entries[1]->type == CFLUE__V1__FILE_TYPE__FILE_TYPE_REGULAR &&
+              d->entries[1]->modify_time && d->entries[1]->modify_time->seconds > 0);
+        CHECK_STR(d->next_page_token, "");
         protobuf_c_message_free_unpacked(resp, NULL);
     }
+    /* one entry a page: two pages, the token of one directory refused for another */
+    char token[1024] = "";
+    dr.page_size = 1;
+    CHECK(rpc_unary(ch, "/cflue.v1.Sandbox/ReadDir", &dr.base,
+                    &cflue__v1__read_dir_response__descriptor, 5000, &resp, &st));
+    if (resp) {
+        Cflue__V1__ReadDirResponse *d = (Cflue__V1__ReadDirResponse *)resp;
+        CHECK(d->n_entries == 1 && *d->next_page_token);
+        snprintf(token, sizeof(token), "%s", d->next_page_token);
+        protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    dr.page_token = token;
+    CHECK(rpc_unary(ch, "/cflue.v1.Sandbox/ReadDir", &dr.base,
+                    &cflue__v1__read_dir_response__descriptor, 5000, &resp, &st));
+    if (resp) {
+        Cflue__V1__ReadDirResponse *d = (Cflue__V1__ReadDirResponse *)resp;
+        CHECK(d->n_entries == 1 && !strcmp(d->next_page_token, ""));
+        CHECK(d->n_entries == 1 && strstr(last_spill, d->entries[0]->name) != NULL);
+        protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    dr.path = ".cflue";
+    CHECK(!rpc_unary(ch, "/cflue.v1.Sandbox/ReadDir", &dr.base,
+                     &cflue__v1__read_dir_response__descriptor, 5000, &resp, &st));
+    CHECK(st.code == GRPC_STATUS_INVALID_ARGUMENT);
+    CHECK_STR(st.reason, "INVALID_PAGE_TOKEN");
 
     /* a bad sandbox name is a gRPC error, not a result */
     Cflue__V1__ToolCall bad = CFLUE__V1__TOOL_CALL__INIT;
     bad.sandbox = "..";
     bad.name = "read";
     bad.arguments_json = "{\"path\":\"x\"}";
+    CHECK(!rpc_unary(ch, "/cflue.v1.Tools/Execute", &bad.base, &cflue__v1__tool_result__descriptor,
+                     5000, &resp, &st));
+    CHECK(st.code == GRPC_STATUS_INVALID_ARGUMENT);
+    CHECK_STR(st.reason, "INVALID_SANDBOX_NAME");
+
+    /* a negative timeout is refused before the call runs */
+    Google__Protobuf__Duration neg = GOOGLE__PROTOBUF__DURATION__INIT;
+    neg.seconds = -1;
+    bad.sandbox = "grpc-c";
+    bad.timeout = &neg;
     CHECK(!rpc_unary(ch, "/cflue.v1.Tools/Execute", &bad.base, &cflue__v1__tool_result__descriptor,
                      5000, &resp, &st));
     CHECK(st.code == GRPC_STATUS_INVALID_ARGUMENT);
