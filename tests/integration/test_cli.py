@@ -1,4 +1,6 @@
-"""The cflue command ends promptly on SIGTERM/SIGINT and at its deadline, whatever the server.
+"""The cflue command ends promptly on SIGTERM/SIGINT and at its deadline, whatever the server;
+and it shows the typed records, submissions and errors of real daemons readably (CliOutputTest
+against storaged, CliAgentTest against a whole stack with the offline model).
 
 Defect (issue 7, item 7): rpc_global_init blocks SIGINT and SIGTERM in every thread, and
 nothing in cflue waited for them, so a cflue whose call hung (a server that accepts the
@@ -21,9 +23,12 @@ import time
 import unittest
 from concurrent import futures
 
+import re
+import uuid
+
 import grpc
 
-from cflue_harness import BUILD_DIR, Storaged
+from cflue_harness import BUILD_DIR, Storaged, common_pb2, store_pb2
 
 CFLUE_BIN = os.path.join(BUILD_DIR, 'cli', 'cflue')
 
@@ -271,6 +276,219 @@ class CliGuardTest(unittest.TestCase):
             self.assertEqual(p.returncode, 0, err.decode())
         finally:
             sd.remove()
+
+
+def run_cli(argv, timeout=60):
+    """Runs cflue to its end; returns (exit code, stdout, stderr) as text."""
+    p = subprocess.run([CFLUE_BIN] + argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, timeout=timeout)
+    return p.returncode, p.stdout.decode('utf-8', 'replace'), p.stderr.decode('utf-8', 'replace')
+
+
+RECORD_LINE = re.compile(r'^(\d+) (\w+) (\S+)(.*)$')
+
+
+def record_lines(out):
+    """[(offset, type, submission, rest)] of `store read` / `conversation --records` output
+    (tool call lines, indented, are left out)."""
+    got = []
+    for line in out.splitlines():
+        m = RECORD_LINE.match(line)
+        if m:
+            got.append((int(m.group(1)), m.group(2), m.group(3), m.group(4)))
+    return got
+
+
+class CliOutputTest(unittest.TestCase):
+    """`cflue store ...` against a real storaged: every record type printed by its typed body,
+    Read and List paged to the end, times as ISO 8601, errors with their ErrorInfo reason."""
+
+    @classmethod
+    def setUpClass(cls):
+        if not os.path.exists(CFLUE_BIN):
+            raise unittest.SkipTest('cflue not built: %s' % CFLUE_BIN)
+        cls.sd = Storaged(tcp=True)
+        stub = cls.sd.stub
+        cls.conv = 'c-cli-' + uuid.uuid4().hex[:8]
+        adm = stub.admit(store_pb2.AdmitRequest(agent='cli', conversation_id=cls.conv,
+                                                message=common_pb2.Message(text='hello cli'),
+                                                metadata={'channel': 'test'}))
+        cls.sid = adm.submission.submission_id
+        cl = stub.claim(store_pb2.ClaimRequest(owner_id='cli-test', submission_id=cls.sid))
+        f = cl.fence
+        c = common_pb2
+        recs = [
+            c.Record(id='input:' + cls.sid, submission_id=cls.sid,
+                     user_message=c.UserMessage(text='hello cli', attachments=[
+                         c.AttachmentRef(name='a.png', mime_type='image/png', size_bytes=7)])),
+            c.Record(id='system:1', system_prompt=c.SystemPrompt(text='You are\na test.')),
+            c.Record(id='delta:1', submission_id=cls.sid,
+                     assistant_delta=c.AssistantDelta(turn=1, text='Let me')),
+            c.Record(id='assistant:%s:1' % cls.sid, submission_id=cls.sid,
+                     assistant_message=c.AssistantMessage(
+                         turn=1, text='Let me look.', stop_reason='tool_use', model='fake/m1',
+                         tool_calls=[c.ToolCallRequest(id='call-1', name='bash',
+                                                       arguments_json='{"command": "ls"}')],
+                         usage=c.Usage(input_tokens=11, output_tokens=22))),
+            c.Record(id='tool:%s:1:call-1' % cls.sid, submission_id=cls.sid,
+                     tool_result=c.ToolCallResult(
+                         turn=1, index=0, tool_call_id='call-1', name='bash',
+                         text='first line\nsecond\nthird\n', is_error=True, outcome_unknown=True,
+                         truncation=c.Truncation(truncated=True, by=c.TRUNCATED_BY_LINES))),
+            c.Record(id='signal:1', submission_id=cls.sid,
+                     signal=c.Signal(kind='resources', text='disk is full')),
+            c.Record(id='compaction:1', submission_id=cls.sid,
+                     compaction=c.Compaction(summary='SUMMARY', first_kept_offset=3,
+                                             tokens_before=900, tokens_after=90,
+                                             trigger=c.COMPACTION_TRIGGER_THRESHOLD)),
+        ]
+        stub.append(store_pb2.AppendRequest(fence=f, records=recs))
+        # enough deltas that Read needs more than one page of the CLI's 1000 records
+        for b in range(11):
+            stub.append(store_pb2.AppendRequest(fence=f, records=[
+                c.Record(id='delta:x:%d' % (b * 100 + k), submission_id=cls.sid,
+                         assistant_delta=c.AssistantDelta(turn=2, text='d%d' % (b * 100 + k)))
+                for k in range(100)]))
+        stub.settle(store_pb2.SettleRequest(fence=f, outcome=c.OUTCOME_COMPLETED,
+                                            usage=c.Usage(input_tokens=11, output_tokens=22)))
+        cls.n_records = len(recs) + 1100 + 1
+        cls.store = ['--store', cls.sd.target]
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.sd.remove()
+
+    def test_store_read_prints_every_record_type(self):
+        rc, out, err = run_cli(['store', 'read', self.conv] + self.store)
+        self.assertEqual(rc, 0, err)
+        lines = record_lines(out)
+        self.assertEqual([o for o, _, _, _ in lines], list(range(self.n_records)),
+                         'store read did not page through every record')
+        kinds = [k for _, k, _, _ in lines]
+        self.assertEqual(kinds[:7], ['user_message', 'system_prompt', 'assistant_delta',
+                                     'assistant_message', 'tool_result', 'signal', 'compaction'])
+        self.assertEqual(kinds[-1], 'submission_settled')
+        self.assertNotIn('unset', kinds)
+        self.assertNotIn('unknown', kinds)
+        text = {k: rest for _, k, _, rest in lines[:7]}
+        self.assertIn('hello cli', text['user_message'])
+        self.assertIn('a.png image/png 7 bytes', text['user_message'])
+        self.assertIn('You are\\na test.', text['system_prompt'])  # one line per record
+        self.assertIn('turn 1, fake/m1, stop tool_use, 11 in, 22 out: Let me look.',
+                      text['assistant_message'])
+        self.assertIn('    -> bash {"command": "ls"} (call-1)', out)
+        self.assertIn('bash (call-1) error outcome-unknown truncated: first line ... '
+                      '(2 more lines)', text['tool_result'])
+        self.assertIn('resources: disk is full', text['signal'])
+        self.assertIn('threshold, 900 -> 90 tokens, kept from offset 3: SUMMARY',
+                      text['compaction'])
+        off, kind, sub, rest = lines[-1]
+        self.assertEqual((kind, sub, rest), ('submission_settled', self.sid,
+                                             ' completed (answered by %s)' % self.sid))
+        # --after resumes strictly after the offset
+        rc, out, err = run_cli(['store', 'read', self.conv, '--after', '5'] + self.store)
+        self.assertEqual(rc, 0, err)
+        self.assertEqual([o for o, _, _, _ in record_lines(out)],
+                         list(range(6, self.n_records)))
+
+    def test_store_get_and_list(self):
+        rc, out, err = run_cli(['store', 'get', self.sid] + self.store)
+        self.assertEqual(rc, 0, err)
+        fields = dict(re.split(r'\s{2,}', line.strip(), 1) for line in out.splitlines()
+                      if re.search(r'\S\s{2,}\S', line))
+        self.assertEqual(fields['kind'], 'message')
+        self.assertEqual(fields['status'], 'settled')
+        self.assertEqual(fields['outcome'], 'completed')
+        self.assertEqual(fields['usage'], '11 in, 22 out, $0.0000')
+        self.assertEqual(fields['metadata'], 'channel=test')
+        for t in ('created', 'settled'):
+            self.assertRegex(fields[t], r'^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$', t)
+        rc, out, err = run_cli(['store', 'list', '--conversation', self.conv] + self.store)
+        self.assertEqual(rc, 0, err)
+        self.assertRegex(out, r'^\d+ %s %s completed\n$' % (self.sid, self.conv))
+
+    def test_errors_carry_their_reason(self):
+        rc, out, err = run_cli(['store', 'read', self.conv, '--after', '100000'] + self.store)
+        self.assertEqual(rc, 1)
+        self.assertIn('[OFFSET_BEYOND_HEAD]', err)
+        self.assertIn('(gRPC status %d)' % grpc.StatusCode.OUT_OF_RANGE.value[0], err)
+        rc, out, err = run_cli(['store', 'get', 'sub_missing'] + self.store)
+        self.assertEqual(rc, 1)
+        self.assertRegex(err, r'^cflue: .*\[[A-Z_]+\] \(gRPC status 5\)\n$')
+
+
+class CliAgentTest(unittest.TestCase):
+    """`cflue submit/watch/status/conversation/agents/compact/abort` against a whole stack."""
+
+    @classmethod
+    def setUpClass(cls):
+        if not os.path.exists(CFLUE_BIN):
+            raise unittest.SkipTest('cflue not built: %s' % CFLUE_BIN)
+        from test_agentd import Stack
+        cls.stack = Stack()
+        cls.agentd = ['--agentd', cls.stack.ad.target]
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.stack.remove()
+
+    def test_submit_watch_status_and_history(self):
+        from test_agentd import bind
+        conv = 'c-cli-' + uuid.uuid4().hex[:8]
+        self.stack.td.workspace(conv, create=True)
+        self.stack.fm.set_scenario(bind([
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'printf "a\\nb\\nc\\n"'}}]},
+            {'text': 'All listed.'}], conv))
+        rc, out, err = run_cli(['submit', '--agent', 'runner-anthropic', '--conversation', conv,
+                                'list things'] + self.agentd)
+        self.assertEqual(rc, 0, out + err)
+        m = re.search(r'submission (\S+) in conversation %s' % conv, err)
+        self.assertTrue(m, err)
+        sid = m.group(1)
+        self.assertIn('  -> bash {"command":', out)
+        self.assertIn('  <- bash: a ...', out)
+        self.assertIn('(2 more lines)', out)
+        self.assertIn('All listed.', out)
+        self.assertIn('[%s completed]' % sid, out)
+        # watch replays the same view
+        rc, wout, err = run_cli(['watch', conv] + self.agentd)
+        self.assertEqual(rc, 0, err)
+        self.assertIn('> list things', wout)
+        self.assertIn('All listed.', wout)
+        self.assertIn('[%s completed]' % sid, wout)
+        # status: the typed submission
+        rc, out, err = run_cli(['status', sid] + self.agentd)
+        self.assertEqual(rc, 0, err)
+        self.assertRegex(out, r'kind\s+message\n')
+        self.assertRegex(out, r'outcome\s+completed\n')
+        self.assertRegex(out, r'settled\s+\d{4}-\d\d-\d\dT')
+        # conversation --records pages through GetConversation to the whole history
+        replay = self.stack.ad.watch_all(conv)
+        rc, out, err = run_cli(['conversation', conv, '--records'] + self.agentd)
+        self.assertEqual(rc, 0, err)
+        lines = record_lines(out)
+        self.assertEqual([(o, k) for o, k, _, _ in lines],
+                         [(r.offset, r.WhichOneof('body')) for r in replay])
+        self.assertIn('submission       %s settled completed' % sid, out)
+        # nothing left to abort; nothing old enough to compact
+        rc, out, err = run_cli(['abort', '--conversation', conv] + self.agentd)
+        self.assertEqual(rc, 0, err)
+        self.assertIn('nothing to abort', out)
+        rc, out, err = run_cli(['compact', conv] + self.agentd)
+        self.assertEqual(rc, 1, out)
+        self.assertIn('[NOTHING_TO_COMPACT]', err)
+
+    def test_agents_and_errors(self):
+        rc, out, err = run_cli(['agents'] + self.agentd)
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(sorted(line.split()[0] for line in out.splitlines()),
+                         ['runner-anthropic', 'runner-openai'])
+        rc, out, err = run_cli(['submit', '--agent', 'no-such-agent', 'hi'] + self.agentd)
+        self.assertEqual(rc, 1)
+        self.assertIn('[UNKNOWN_AGENT]', err)
+        self.assertIn('(gRPC status 5)', err)
+        rc, out, err = run_cli(['abort'] + self.agentd)
+        self.assertEqual(rc, 2)
 
 
 if __name__ == '__main__':
