@@ -87,7 +87,7 @@ struct drive {
     struct buf delta;
     int64_t delta_flushed_ms;
     int delta_seq;
-    int turn;
+    int turn; /* the model turn being taken, from 1 (AssistantMessage.turn) */
     bool quiet;            /* a call whose text is not shown to watchers (summaries) */
     bool compact_request;  /* this submission asks for a compaction, not an answer */
     int64_t timeout_at_ms; /* the time limit (epoch ms, 0: none), as storaged installed it */
@@ -1602,7 +1602,7 @@ static Cflue__V1__Outcome run_turns(struct drive *d, char **system_text, struct 
         if (halted(d) || sync_records(d) != CF_OK) {
             return CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
         }
-        if (d->turn >= d->agent->max_turns) {
+        if (d->turn > d->agent->max_turns) {
             snprintf(error, error_len,
                      "stopped after %lld model turns, the most this agent may take for one "
                      "message (durability.max_turns); the work is not finished",
@@ -1796,7 +1796,7 @@ static enum drive_end drive(struct drive *d, bool takeover)
         }
     } else if (system_text) {
         absorb_joins(d);
-        d->turn = 0;
+        d->turn = 1; /* the next turn: one past those already recorded */
         const Cflue__V1__Record *r;
         FOR_EACH_RECORD(d, r)
         {
