@@ -445,7 +445,7 @@ class TestHugeOutput(TooldBase):
         self.assertFalse(d.get('timed_out'))
         tr = truncation_dict(res)
         self.assertTrue(tr['truncated'])
-        self.assertEqual(tr['by'], 'BYTES')
+        self.assertEqual(tr['by'], 'TRUNCATED_BY_BYTES')
         self.assertEqual(tr['total_bytes'], GiB)
         self.assertEqual(tr['total_lines'], GiB // 128)
         self.assertEqual(tr['shown_last_line'], GiB // 128)

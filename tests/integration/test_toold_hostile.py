@@ -242,6 +242,7 @@ class SpecialFiles(object):
         with self.assertRaises(grpc.RpcError) as cm:
             self.td.sandbox('ReadFile', sandbox=sb, path='s.sock', timeout=5)
         self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertEqual(error_reason(cm.exception), 'NOT_A_REGULAR_FILE')
 
     def test_grep_each_engine(self):
         for engine in ('rg', 'pcre2', 'grep'):
@@ -279,6 +280,7 @@ class SpecialFiles(object):
             self.td.sandbox('ReadFile', sandbox='f3', path='p.txt', timeout=5)
         self.assertLess(time.monotonic() - t0, 3)
         self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertEqual(error_reason(cm.exception), 'NOT_A_REGULAR_FILE')
         self.assertIn('FIFO', cm.exception.details())
         self.assertServing()
 

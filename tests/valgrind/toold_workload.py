@@ -27,10 +27,12 @@ def sandbox(method, req, resp, ok=True):
     fn = ch.unary_unary("/cflue.v1.Sandbox/" + method, request_serializer=type(req).SerializeToString,
                         response_deserializer=resp.FromString)
     try:
-        fn(req, timeout=60)
+        out = fn(req, timeout=60)
         assert ok, method
+        return out
     except grpc.RpcError:
         assert not ok, method
+        return None
 
 
 ch.unary_unary("/cflue.v1.Tools/List", request_serializer=t.ListToolsRequest.SerializeToString,
@@ -52,6 +54,15 @@ tool("grep", {"pattern": "(", "path": "d"})
 tool("grep", {"pattern": "1", "literal": True, "include": "*.txt"})
 tool("glob", {"pattern": "*.txt"})
 tool("glob", {"pattern": "a/b"})
+call = t.ToolCall(sandbox="vg", name="bash", arguments_json='{"command": "sleep 5"}')
+call.timeout.FromMilliseconds(300)
+ex(call, timeout=60)
+call.timeout.seconds, call.timeout.nanos = -1, 0
+try:
+    ex(call, timeout=60)
+    raise AssertionError("a negative timeout ran")
+except grpc.RpcError:
+    pass
 tool("nope", {})
 tool("read", None, raw="{bad json")
 tool("read", None, raw='{"path": 1}')
@@ -66,9 +77,28 @@ sandbox("WriteFile", sb.WriteFileRequest(sandbox="vg", path="s/f.bin", data=b"\x
 sandbox("ReadFile", sb.ReadFileRequest(sandbox="vg", path="s/f.bin"), sb.ReadFileResponse)
 sandbox("ReadFile", sb.ReadFileRequest(sandbox="vg", path="missing"), sb.ReadFileResponse, ok=False)
 sandbox("Stat", sb.PathRequest(sandbox="vg", path="s/f.bin"), sb.FileInfo)
-sandbox("ReadDir", sb.PathRequest(sandbox="vg", path="s"), sb.ReadDirResponse)
+for i in range(30):
+    sandbox("WriteFile", sb.WriteFileRequest(sandbox="vg", path="s/p%02d" % i, data=b"x"), sb.WriteFileResponse)
+token, seen = "", 0
+while True:
+    page = sandbox("ReadDir", sb.ReadDirRequest(sandbox="vg", path="s", page_size=7, page_token=token),
+                   sb.ReadDirResponse)
+    seen += len(page.entries)
+    token = page.next_page_token
+    if not token:
+        break
+assert seen == 31, seen
+sandbox("ReadDir", sb.ReadDirRequest(sandbox="vg", path="d", page_token="7a7a"), sb.ReadDirResponse, ok=False)
+sandbox("ReadDir", sb.ReadDirRequest(sandbox="vg", path="s/f.bin"), sb.ReadDirResponse, ok=False)
+sandbox("ReadFile", sb.ReadFileRequest(sandbox="vg", path="s"), sb.ReadFileResponse, ok=False)
+sandbox("Remove", sb.RemoveRequest(sandbox="vg", path="s"), sb.RemoveResponse, ok=False)
 sandbox("Mkdir", sb.MkdirRequest(sandbox="vg", path="m/n/o", parents=True), sb.MkdirResponse)
 sandbox("Remove", sb.RemoveRequest(sandbox="vg", path="m", recursive=True), sb.RemoveResponse)
 sandbox("Exec", sb.ExecRequest(sandbox="vg", command="cat; echo $X", env={"X": "1"}, stdin=b"in"), sb.ExecResponse)
 sandbox("Exec", sb.ExecRequest(sandbox="../bad", command="true"), sb.ExecResponse, ok=False)
+req = sb.ExecRequest(sandbox="vg", command="sleep 5")
+req.timeout.FromMilliseconds(200)
+assert sandbox("Exec", req, sb.ExecResponse).timed_out
+req.timeout.nanos = -1
+sandbox("Exec", req, sb.ExecResponse, ok=False)
 print("toold workload done")

@@ -3,6 +3,7 @@
 
 #include "buf.h"
 #include "clock.h"
+#include "dirpage.h"
 #include "driver.h"
 #include "locks.h"
 #include "proc.h"
@@ -15,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static struct sandbox *sb;
@@ -70,6 +72,77 @@ static void test_confined_io(void)
     CHECK(access(target, F_OK) != 0);
     unlink(target);
     CHECK(ws_open(sb, "missing", O_RDONLY, 0, "missing", &fd, &err) == CF_NOT_FOUND);
+}
+
+static int cmp_str(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* dirpage: pages cut at names make the sorted listing, whatever readdir's order; memory holds
+ * one page; names added or removed between pages never repeat or skip the others */
+static void test_dirpage(void)
+{
+    enum { N = 2500 };
+    char dir[PATH_MAX + 16], path[PATH_MAX + 64];
+    static char names[N][16];
+    char *want[N];
+    struct cf_error err;
+    struct dirpage p;
+    snprintf(dir, sizeof(dir), "%s/pages", sb->root);
+    CHECK(mkdir(dir, 0755) == 0);
+    int fd = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    CHECK(fd >= 0);
+    CHECK(dirpage_select(fd, "", 10, NULL, NULL, &p, &err) == CF_OK);
+    CHECK(p.n == 0 && !p.more);
+    dirpage_cleanup(&p);
+    for (int i = 0; i < N; i++) {
+        /* a scrambled order of creation, names of several lengths */
+        snprintf(names[i], sizeof(names[i]), "%x%s", (unsigned)(i * 7919u % 10007u),
+                 i % 3 ? "" : ".t");
+        snprintf(path, sizeof(path), "%s/%s", dir, names[i]);
+        int f = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0644);
+        CHECK(f >= 0);
+        close(f);
+        want[i] = names[i];
+    }
+    qsort(want, N, sizeof(char *), cmp_str);
+    char after[64] = "";
+    size_t got = 0;
+    bool ok = true;
+    for (int pages = 0; pages < 100; pages++) {
+        CHECK(dirpage_select(fd, after, 100, NULL, NULL, &p, &err) == CF_OK);
+        for (size_t i = 0; i < p.n; i++) {
+            ok = ok && got < N && !strcmp(p.names[i], want[got]);
+            got++;
+        }
+        CHECK(p.n == 100 || !p.more);
+        bool more = p.more;
+        if (p.n) {
+            snprintf(after, sizeof(after), "%s", p.names[p.n - 1]);
+        }
+        dirpage_cleanup(&p);
+        if (!more) {
+            break;
+        }
+        if (pages == 3) { /* change the directory between pages */
+            snprintf(path, sizeof(path), "%s/%s", dir, want[got]); /* next not yet listed */
+            CHECK(unlink(path) == 0);
+            memmove(&want[got], &want[got + 1], sizeof(char *) * (N - got - 1));
+            snprintf(path, sizeof(path), "%s/%s", dir, want[0]); /* one already listed */
+            CHECK(unlink(path) == 0);
+        }
+    }
+    CHECK(ok);
+    CHECK(got == N - 1);
+    /* the whole directory in one page, and a position past every name */
+    CHECK(dirpage_select(fd, "", N, NULL, NULL, &p, &err) == CF_OK);
+    CHECK(p.n == N - 2 && !p.more);
+    dirpage_cleanup(&p);
+    CHECK(dirpage_select(fd, "\xff", 10, NULL, NULL, &p, &err) == CF_OK);
+    CHECK(p.n == 0 && !p.more);
+    dirpage_cleanup(&p);
+    close(fd);
 }
 
 struct order {
@@ -265,6 +338,7 @@ int main(int argc, char **argv)
     CHECK(workspaces_get(ws, "sb1", &sb, &err) == CF_OK);
     test_paths();
     test_confined_io();
+    test_dirpage();
     test_locks();
     test_proc();
     /* this test binary is the runner too; by its real path (under valgrind, /proc/self/exe
