@@ -77,8 +77,7 @@ static void on_list(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
  * duration under 1 ms is not read as unset. */
 static int64_t dur_ms(const Google__Protobuf__Duration *d)
 {
-    int64_t ms = pbdur_ms(d);
-    return ms * 1000000 < (int64_t)d->seconds * 1000000000 + d->nanos ? ms + 1 : ms;
+    return pbdur_ms(d) + (d->nanos % 1000000 != 0);
 }
 
 /* call_gone: the client went away. Server shutdown is not a reason to stop a tool call: the
@@ -234,6 +233,22 @@ static void reserve(struct batch_item *it)
     json_decref(args);
 }
 
+/* check_batch_call refuses, before any call of the batch runs, a call that could never run: a
+ * bad sandbox name or timeout. */
+static enum cf_status check_batch_call(const Cflue__V1__ToolCall *call, size_t i,
+                                       struct cf_error *err)
+{
+    char field[64];
+    snprintf(field, sizeof(field), "calls[%zu].timeout", i);
+    if (!ids_valid_name(call->sandbox, 128)) {
+        return cf_error_setr(err, CF_INVALID, "INVALID_SANDBOX_NAME",
+                             "calls[%zu]: sandbox names are 1 to 128 characters of A-Z a-z 0-9 . "
+                             "_ - (not . or ..)",
+                             i);
+    }
+    return pbdur_check(call->timeout, field, 0, err);
+}
+
 static void on_execute_batch(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__ToolBatch *req = (const void *)msg;
@@ -244,18 +259,10 @@ static void on_execute_batch(struct rpc_call *c, const ProtobufCMessage *msg, vo
     }
     for (size_t i = 0; i < req->n_calls; i++) {
         struct cf_error err;
-        char field[64];
-        snprintf(field, sizeof(field), "calls[%zu].timeout", i);
-        if (!ids_valid_name(req->calls[i]->sandbox, 128)) {
-            cf_error_setr(&err, CF_INVALID, "INVALID_SANDBOX_NAME",
-                          "calls[%zu]: sandbox names are 1 to 128 characters of A-Z a-z 0-9 . _ "
-                          "- (not . or ..)",
-                          i);
-        } else if (pbdur_check(req->calls[i]->timeout, field, 0, &err) == CF_OK) {
-            continue;
+        if (check_batch_call(req->calls[i], i, &err) != CF_OK) {
+            rpc_call_fail_error(c, &err);
+            return;
         }
-        rpc_call_fail_error(c, &err);
-        return;
     }
     struct batch b = {.rpc = c};
     pthread_mutex_init(&b.mu, NULL);
