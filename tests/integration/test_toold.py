@@ -921,6 +921,24 @@ class TestReadDirPaging(TooldBase):
         self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
         self.assertHealthy()
 
+    def test_memory_bounded_by_page(self):
+        """A page of a directory of 200,000 entries costs toold what the page holds, not what
+        the directory holds (collecting every entry would take tens of MB)."""
+        d = self.host('huge')
+        os.makedirs(d)
+        for i in range(200000):
+            os.close(os.open(os.path.join(d, 'entry-with-a-longish-name-%08d' % i),
+                             os.O_CREAT | os.O_WRONLY, 0o644))
+        self.read_dir('.', 10)  # warm up the handler path
+        before = _kib(_proc_status(self.td.pid)['VmHWM'])
+        resp = self.read_dir('huge', 10)
+        self.assertEqual([e.name for e in resp.entries],
+                         ['entry-with-a-longish-name-%08d' % i for i in range(10)])
+        resp = self.read_dir('huge', 10, resp.next_page_token)
+        self.assertEqual(resp.entries[0].name, 'entry-with-a-longish-name-00000010')
+        grown = _kib(_proc_status(self.td.pid)['VmHWM']) - before
+        self.assertLess(grown, 8 * 1024, 'peak RSS grew by %d KiB for a 10-entry page' % grown)
+
     def test_changes_between_pages(self):
         names = ['n%03d' % i for i in range(100)]
         self.make_files('live', names)
