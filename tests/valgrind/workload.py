@@ -115,8 +115,10 @@ while page.next_page_token:
 call("List", s.ListRequest(page_token="garbled"), s.ListResponse, ok=False)
 call("Admit", s.AdmitRequest(agent="leak", message=c.Message(text="m"), metadata={"cflue.kind": "x"}),
      s.AdmitResponse, ok=False)
-call("Admit", s.AdmitRequest(agent="leak", conversation_id="conv-c", kind=c.SUBMISSION_KIND_COMPACT),
+call("Admit", s.AdmitRequest(agent="leak", conversation_id="conv-0", kind=c.SUBMISSION_KIND_COMPACT),
      s.AdmitResponse)
+call("Admit", s.AdmitRequest(agent="leak", conversation_id="conv-none", kind=c.SUBMISSION_KIND_COMPACT),
+     s.AdmitResponse, ok=False)
 call("Get", s.GetRequest(submission_id="missing"), c.Submission, ok=False)
 call("Get", s.GetRequest(), c.Submission, ok=False)
 raw = ch.unary_unary("/cflue.v1.Store/Admit", request_serializer=lambda b: b, response_deserializer=lambda b: b)
