@@ -55,6 +55,12 @@ enum drive_end {
     DRIVE_INTERRUPTED, /* storaged or toold failed: unsettled; claim it again later */
 };
 
+/* The error a Compact submission settles failed with when there was nothing to compact;
+ * Agent.Compact answers it as FAILED_PRECONDITION, reason NOTHING_TO_COMPACT. */
+#define AGENTD_NOTHING_TO_COMPACT                                                                  \
+    "nothing to compact: the conversation is no longer than the recent part that compaction "      \
+    "keeps verbatim"
+
 /* turn_drive runs one claimed submission until it settles, its lease is lost, the process
  * stops, or storaged/toold fail past their retry window (see turn.c). The claim response is
  * owned by the caller. */

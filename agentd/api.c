@@ -500,22 +500,22 @@ static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *us
      * there was anything to compact */
     rc = find_compaction(req->conversation_id, sid, head, &out, &err);
     bool failed = done->outcome != CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
+    bool nothing =
+        failed && out.record_offset < 0 && !strcmp(done->error, AGENTD_NOTHING_TO_COMPACT);
     char why[600];
     snprintf(why, sizeof(why), "the compaction did not complete: %s", done->error);
     protobuf_c_message_free_unpacked(&done->base, NULL);
+    if (nothing || (!failed && rc == CF_OK && out.record_offset < 0)) {
+        cf_error_setr(&err, CF_PRECONDITION, "NOTHING_TO_COMPACT", "%s", AGENTD_NOTHING_TO_COMPACT);
+        fail_err(c, &err);
+        return;
+    }
     if (failed) {
         cf_error_setr(&err, CF_UNAVAILABLE, "COMPACTION_FAILED", "%s", why);
         fail_err(c, &err);
         return;
     }
     if (rc != CF_OK) {
-        fail_err(c, &err);
-        return;
-    }
-    if (out.record_offset < 0) {
-        cf_error_setr(&err, CF_PRECONDITION, "NOTHING_TO_COMPACT",
-                      "nothing to compact: the conversation is no longer than the recent part "
-                      "that compaction keeps verbatim");
         fail_err(c, &err);
         return;
     }

@@ -87,7 +87,7 @@ struct drive {
     struct buf delta;
     int64_t delta_flushed_ms;
     int delta_seq;
-    int turn; /* the model turn being taken, from 1 (AssistantMessage.turn) */
+    int turn;              /* the model turn being taken, from 1 (AssistantMessage.turn) */
     bool quiet;            /* a call whose text is not shown to watchers (summaries) */
     bool compact_request;  /* this submission asks for a compaction, not an answer */
     int64_t timeout_at_ms; /* the time limit (epoch ms, 0: none), as storaged installed it */
@@ -1793,6 +1793,10 @@ static enum drive_end drive(struct drive *d, bool takeover)
         if (cr == COMPACT_FAILED && d->fault.code == CF_OK && !stopped(d)) {
             outcome = CFLUE__V1__OUTCOME__OUTCOME_FAILED;
             snprintf(error, sizeof(error), "the compaction failed: %s", d->err.msg);
+        } else if (cr == COMPACT_NOTHING) {
+            /* the request could not be done: it says so, with no record written */
+            outcome = CFLUE__V1__OUTCOME__OUTCOME_FAILED;
+            snprintf(error, sizeof(error), "%s", AGENTD_NOTHING_TO_COMPACT);
         }
     } else if (system_text) {
         absorb_joins(d);
