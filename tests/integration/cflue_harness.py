@@ -527,11 +527,15 @@ RECORD_DEFAULTS = {
 }
 
 
-def record(type_='assistant_message', body=None, id_='', submission_id=''):
+def record(type_='assistant_message', body=None, id_='', submission_id='', body_json=None):
     """A Record with a typed body. type_ is a Record.body field name; body (a dict in the JSON
-    form of that message, or the message itself) overrides RECORD_DEFAULTS[type_]. Any other
-    type_ gives a Signal of that kind whose text is json.dumps(body)."""
+    form of that message, or the message itself) overrides RECORD_DEFAULTS[type_]; keys the
+    message does not have are kept as JSON in its `text` (so bodies that differ stay different).
+    body_json, when given, is the body's text verbatim. Any other type_ gives a Signal of that
+    kind whose text is json.dumps(body)."""
     from google.protobuf import json_format
+    if body_json is not None:
+        body = dict(body or {}, text=body_json)
     rec = common_pb2.Record(id=id_, submission_id=submission_id)
     if type_ not in RECORD_DEFAULTS:
         rec.signal.kind = type_
@@ -542,7 +546,12 @@ def record(type_='assistant_message', body=None, id_='', submission_id=''):
         target.CopyFrom(body)
         return rec
     fields = dict(RECORD_DEFAULTS[type_])
-    fields.update(body or {})
+    known = set(f.name for f in target.DESCRIPTOR.fields) | set(
+        f.json_name for f in target.DESCRIPTOR.fields)
+    extra = dict((k, v) for k, v in (body or {}).items() if k not in known)
+    fields.update((k, v) for k, v in (body or {}).items() if k in known)
+    if extra and 'text' in known:
+        fields['text'] = fields.get('text', '') + json.dumps(extra, sort_keys=True)
     json_format.ParseDict(fields, target)
     return rec
 

@@ -11,23 +11,27 @@ import sqlite3
 import time
 import unittest
 
+import grpc
 from cflue_harness import (
+    ts_ms, error_reason, duration,
     ALREADY_EXISTS, FAILED_PRECONDITION, NOT_FOUND, INVALID_ARGUMENT,
     StoragedTestCase, common_pb2, store_pb2,
     admit, admit_request, append, claim, claim_joinable, copy_fence, fence, finalize_join,
     get, get_conversation, heartbeat, list_all, mark_input_applied, now_ms, read, read_all,
     record, request_abort, requeue, revert_join, scan_expired, settle, settle_queued)
 
-QUEUED = common_pb2.QUEUED
-RUNNING = common_pb2.RUNNING
-TERMINALIZING = common_pb2.TERMINALIZING
-SETTLED = common_pb2.SETTLED
-JOINING = common_pb2.JOINING
-JOINED = common_pb2.JOINED
-COMPLETED = common_pb2.COMPLETED
-FAILED = common_pb2.FAILED
-ABORTED = common_pb2.ABORTED
+QUEUED = common_pb2.SUBMISSION_STATUS_QUEUED
+RUNNING = common_pb2.SUBMISSION_STATUS_RUNNING
+TERMINALIZING = common_pb2.SUBMISSION_STATUS_TERMINALIZING
+SETTLED = common_pb2.SUBMISSION_STATUS_SETTLED
+JOINING = common_pb2.SUBMISSION_STATUS_JOINING
+JOINED = common_pb2.SUBMISSION_STATUS_JOINED
+COMPLETED = common_pb2.OUTCOME_COMPLETED
+FAILED = common_pb2.OUTCOME_FAILED
+ABORTED = common_pb2.OUTCOME_ABORTED
 PROMPT = common_pb2.SOURCE_PROMPT
+OUT_OF_RANGE = grpc.StatusCode.OUT_OF_RANGE
+STALE = grpc.StatusCode.ABORTED  # a stale fence (reason STALE_FENCE)
 DISPATCH = common_pb2.SOURCE_DISPATCH
 
 IMAGE = {'name': 'pixel.png', 'mime_type': 'image/png', 'data': b'\x89PNG\r\n\x1a\n\x00\x01\xff'}
@@ -46,10 +50,10 @@ class ContractCase(StoragedTestCase):
     def assertSettledBody(self, rec, outcome, error):
         """A submission_settled record's body names the outcome and the error. (The exact
         key set is checked once, in test_settlement_record_body_is_exact.)"""
-        self.assertEqual(rec.type, 'submission_settled')
-        body = json.loads(rec.body_json)
-        self.assertEqual((body.get('outcome'), body.get('error')), (outcome, error),
-                         rec.body_json)
+        self.assertEqual(rec.WhichOneof('body'), 'submission_settled')
+        body = rec.submission_settled
+        name = common_pb2.Outcome.Name(body.outcome).replace('OUTCOME_', '').lower()
+        self.assertEqual((name, body.error), (outcome, error), str(body))
 
     def assertStatus(self, sub_id, status):
         row = get(self.stub, sub_id)
@@ -193,7 +197,7 @@ class DirectAdmissionTest(ContractCase):
             self.assertEqual(sub.source, PROMPT)
             self.assertEqual(dict(sub.metadata), {'channel': 'cli', 'user': 'u1'})
             self.assertEqual(sub.status, QUEUED)
-            self.assertGreater(sub.accepted_at_ms, 0)
+            self.assertGreater(ts_ms(sub.create_time), 0)
             self.assertGreater(sub.sequence, 0)
 
     def test_direct_attachment_conflict(self):
@@ -296,8 +300,8 @@ class ClaimTest(ContractCase):
         self.assertTrue(s.attempt_id.startswith('att_'), s.attempt_id)
         self.assertEqual(s.owner_id, 'test-owner')
         self.assertEqual(s.attempt_count, 1)
-        self.assertTrue(t0 <= s.started_at_ms <= t1, (t0, s.started_at_ms, t1))
-        self.assertTrue(t0 + 30000 <= s.lease_expires_at_ms <= t1 + 30000)
+        self.assertTrue(t0 <= ts_ms(s.start_time) <= t1, (t0, ts_ms(s.start_time), t1))
+        self.assertTrue(t0 + 30000 <= ts_ms(s.lease_expire_time) <= t1 + 30000)
         self.assertEqual(c1.fence.submission_id, s.submission_id)
         self.assertEqual(c1.fence.attempt_id, s.attempt_id)
         self.assertEqual(c1.fence.epoch, s.epoch)
@@ -337,18 +341,18 @@ class LifecycleTest(ContractCase):
         refused; the row is RUNNING with input_applied_at set."""
         admit(self.stub)
         c = self.claim_ok()
-        self.assertRpcError(FAILED_PRECONDITION, mark_input_applied, self.stub,
+        self.assertRpcError(STALE, mark_input_applied, self.stub,
                             copy_fence(c.fence, attempt_id='att_stale'))
         row = self.assertStatus(c.fence.submission_id, RUNNING)
-        self.assertEqual(row.input_applied_at_ms, 0)
+        self.assertEqual(ts_ms(row.input_apply_time), 0)
         t0 = now_ms()
         s = mark_input_applied(self.stub, c.fence)
         self.assertEqual(s.status, RUNNING)
-        self.assertGreaterEqual(s.input_applied_at_ms, t0)
-        self.assertRpcError(FAILED_PRECONDITION, mark_input_applied, self.stub,
+        self.assertGreaterEqual(ts_ms(s.input_apply_time), t0)
+        self.assertRpcError(STALE, mark_input_applied, self.stub,
                             copy_fence(c.fence, epoch=c.fence.epoch + 1))
         row = self.assertStatus(c.fence.submission_id, RUNNING)
-        self.assertEqual(row.input_applied_at_ms, s.input_applied_at_ms)
+        self.assertEqual(ts_ms(row.input_apply_time), ts_ms(s.input_apply_time))
 
     def test_requeue(self):
         """6.1 #16: requeue with an imposter attempt is refused; each owner requeues (even
@@ -359,9 +363,9 @@ class LifecycleTest(ContractCase):
         ca = self.claim_ok()
         cb = self.claim_ok()
         mark_input_applied(self.stub, ca.fence)
-        self.assertRpcError(FAILED_PRECONDITION, requeue, self.stub,
+        self.assertRpcError(STALE, requeue, self.stub,
                             copy_fence(ca.fence, attempt_id=cb.fence.attempt_id))
-        self.assertRpcError(FAILED_PRECONDITION, requeue, self.stub,
+        self.assertRpcError(STALE, requeue, self.stub,
                             copy_fence(ca.fence, attempt_id='att_imposter'))
         self.assertStatus(ca.fence.submission_id, RUNNING)
         ra = requeue(self.stub, ca.fence)
@@ -369,14 +373,14 @@ class LifecycleTest(ContractCase):
         for r in (ra, rb, get(self.stub, ca.fence.submission_id),
                   get(self.stub, cb.fence.submission_id)):
             self.assertEqual(r.status, QUEUED)
-            self.assertEqual(r.input_applied_at_ms, 0)
+            self.assertEqual(ts_ms(r.input_apply_time), 0)
             self.assertEqual(r.attempt_id, '')
             self.assertEqual(r.owner_id, '')
-            self.assertEqual(r.lease_expires_at_ms, 0)
-            self.assertEqual(r.started_at_ms, 0)
+            self.assertEqual(ts_ms(r.lease_expire_time), 0)
+            self.assertEqual(ts_ms(r.start_time), 0)
             self.assertEqual(r.attempt_count, 1)
         # requeue again with the old fence is stale
-        self.assertRpcError(FAILED_PRECONDITION, requeue, self.stub, ca.fence)
+        self.assertRpcError(STALE, requeue, self.stub, ca.fence)
 
     def test_settle_clears_unsettled(self):
         """6.1 #17: admitted → unsettled; claim → one running; complete → nothing
@@ -401,40 +405,41 @@ class LifecycleTest(ContractCase):
         settlement record is appended and answered_by is the submission itself."""
         s = admit(self.stub, conv='lane').submission
         c = self.claim_ok()
-        self.assertEqual(get(self.stub, s.submission_id).settled_at_ms, 0)
+        self.assertEqual(ts_ms(get(self.stub, s.submission_id).settle_time), 0)
         t0 = now_ms()
         r = settle(self.stub, c.fence, COMPLETED)
         row = get(self.stub, s.submission_id)
-        self.assertGreaterEqual(row.settled_at_ms, t0)
+        self.assertGreaterEqual(ts_ms(row.settle_time), t0)
         self.assertEqual(row.answered_by, s.submission_id)
         self.assertEqual(row.error, '')
         self.assertEqual(r.record_offset, 0)
         recs = read_all(self.stub, 'lane')
         self.assertEqual(len(recs), 1)
         self.assertEqual(recs[0].offset, r.record_offset)
-        self.assertEqual(recs[0].type, 'submission_settled')
+        self.assertEqual(recs[0].WhichOneof('body'), 'submission_settled')
         self.assertEqual(recs[0].id, 'settled:' + s.submission_id)
         self.assertEqual(recs[0].submission_id, s.submission_id)
         self.assertSettledBody(recs[0], 'completed', '')
 
     def test_settlement_record_body_is_exact(self):
         """cflue settlement record (no flue case): type submission_settled, id
-        settled:<id>, body_json exactly {"outcome", "error", "answered_by"}."""
+        settled:<id>, a typed SubmissionSettled {outcome, error, answered_by}."""
         s = admit(self.stub, conv='lane').submission
         c = self.claim_ok()
         settle(self.stub, c.fence, FAILED, 'boom')
         rec = read_all(self.stub, 'lane')[-1]
         self.assertEqual(rec.id, 'settled:' + s.submission_id)
         self.assertEqual(rec.submission_id, s.submission_id)
-        self.assertEqual(json.loads(rec.body_json),
-                         {'outcome': 'failed', 'error': 'boom', 'answered_by': s.submission_id})
+        self.assertEqual(rec.WhichOneof('body'), 'submission_settled')
+        self.assertEqual(rec.submission_settled, common_pb2.SubmissionSettled(
+            outcome=FAILED, error='boom', answered_by=s.submission_id))
 
     def test_first_terminal_state_wins(self):
         """6.1 #19: complete with a stale attempt is refused; fail with "first failure"
         wins; later complete and fail are refused; the row keeps error `first failure`."""
         s = admit(self.stub, conv='lane').submission
         c = self.claim_ok()
-        self.assertRpcError(FAILED_PRECONDITION, settle, self.stub,
+        self.assertRpcError(STALE, settle, self.stub,
                             copy_fence(c.fence, attempt_id='att_stale'), COMPLETED)
         r = settle(self.stub, c.fence, FAILED, 'first failure')
         self.assertEqual(r.submission.outcome, FAILED)
@@ -462,10 +467,10 @@ class AbortTest(ContractCase):
         r = request_abort(self.stub, conversation_id='lane', reason='user pressed stop')
         self.assertEqual(list(r.affected), [s.submission_id])
         row = self.assertStatus(s.submission_id, QUEUED)
-        self.assertGreaterEqual(row.abort_requested_at_ms, t0)
+        self.assertGreaterEqual(ts_ms(row.abort_request_time), t0)
         c = self.claim_ok()
         self.assertEqual(c.submission.submission_id, s.submission_id)
-        self.assertGreater(c.submission.abort_requested_at_ms, 0)
+        self.assertGreater(ts_ms(c.submission.abort_request_time), 0)
 
     def test_abort_running_and_queued(self):
         """6.1 #21: running head + two queued → all three affected; the head stays RUNNING
@@ -479,9 +484,9 @@ class AbortTest(ContractCase):
                          sorted([h.submission_id, q1.submission_id, q2.submission_id]))
         head = self.assertStatus(h.submission_id, RUNNING)
         self.assertEqual(head.attempt_id, c.fence.attempt_id)
-        self.assertGreater(head.abort_requested_at_ms, 0)
+        self.assertGreater(ts_ms(head.abort_request_time), 0)
         for q in (q1, q2):
-            self.assertGreater(self.assertStatus(q.submission_id, QUEUED).abort_requested_at_ms,
+            self.assertGreater(ts_ms(self.assertStatus(q.submission_id, QUEUED).abort_request_time),
                                0)
 
     def test_abort_only_touches_its_conversation(self):
@@ -490,29 +495,29 @@ class AbortTest(ContractCase):
         b = admit(self.stub, agent='beta', conv='shared-beta').submission
         r = request_abort(self.stub, conversation_id='shared')
         self.assertEqual(list(r.affected), [a.submission_id])
-        self.assertEqual(get(self.stub, b.submission_id).abort_requested_at_ms, 0)
+        self.assertEqual(ts_ms(get(self.stub, b.submission_id).abort_request_time), 0)
 
     def test_abort_twice_first_stamp_wins(self):
         """6.1 #23: aborting twice leaves abort_requested_at unchanged."""
         s = admit(self.stub, conv='lane').submission
         request_abort(self.stub, conversation_id='lane')
-        first = get(self.stub, s.submission_id).abort_requested_at_ms
-        time.sleep(0.02)
+        first = ts_ms(get(self.stub, s.submission_id).abort_request_time)
+        time.sleep(0.15)
         r = request_abort(self.stub, conversation_id='lane', reason='again')
         self.assertEqual(list(r.affected), [s.submission_id])
         request_abort(self.stub, submission_id=s.submission_id)
-        self.assertEqual(get(self.stub, s.submission_id).abort_requested_at_ms, first)
+        self.assertEqual(ts_ms(get(self.stub, s.submission_id).abort_request_time), first)
 
     def test_abort_settled_row(self):
         """6.1 #24: a settled row is not affected, not claimable, not expired."""
         s = admit(self.stub, conv='lane').submission
-        c = self.claim_ok(lease_ms=1)
+        c = self.claim_ok(lease_ms=100)
         settle(self.stub, c.fence, COMPLETED)
-        time.sleep(0.01)
+        time.sleep(0.15)
         self.assertEqual(list(request_abort(self.stub, conversation_id='lane').affected), [])
         self.assertEqual(list(request_abort(self.stub, submission_id=s.submission_id).affected),
                          [])
-        self.assertEqual(get(self.stub, s.submission_id).abort_requested_at_ms, 0)
+        self.assertEqual(ts_ms(get(self.stub, s.submission_id).abort_request_time), 0)
         self.claim_none()
         self.claim_none(submission_id=s.submission_id)
         self.assertEqual(scan_expired(self.stub), [])
@@ -523,7 +528,7 @@ class AbortTest(ContractCase):
         c = self.claim_ok()
         settle(self.stub, c.fence, COMPLETED, reserve_only=True)
         self.assertEqual(list(request_abort(self.stub, conversation_id='lane').affected), [])
-        self.assertEqual(get(self.stub, s.submission_id).abort_requested_at_ms, 0)
+        self.assertEqual(ts_ms(get(self.stub, s.submission_id).abort_request_time), 0)
         self.assertStatus(s.submission_id, TERMINALIZING)
 
     def test_abort_unknown(self):
@@ -532,10 +537,9 @@ class AbortTest(ContractCase):
         self.assertRpcError(NOT_FOUND, request_abort, self.stub, conversation_id='nope')
         self.assertRpcError(NOT_FOUND, request_abort, self.stub, submission_id='sub_nope')
         s = admit(self.stub, conv='lane').submission
-        self.assertRpcError(INVALID_ARGUMENT, request_abort, self.stub, conversation_id='lane',
-                            submission_id=s.submission_id)
+        # (both at once cannot be sent: they are one oneof)
         self.assertRpcError(INVALID_ARGUMENT, request_abort, self.stub)
-        self.assertEqual(get(self.stub, s.submission_id).abort_requested_at_ms, 0)
+        self.assertEqual(ts_ms(get(self.stub, s.submission_id).abort_request_time), 0)
 
 
 class SettleQueuedTest(ContractCase):
@@ -549,7 +553,7 @@ class SettleQueuedTest(ContractCase):
         self.assertEqual(r.submission.status, SETTLED)
         self.assertEqual(r.submission.outcome, FAILED)
         self.assertEqual(r.submission.error, 'cannot run')
-        self.assertGreaterEqual(r.submission.settled_at_ms, t0)
+        self.assertGreaterEqual(ts_ms(r.submission.settle_time), t0)
         self.assertEqual(self.unsettled('lane'), 0)
         self.claim_none()
         self.claim_none(submission_id=s.submission_id)
@@ -629,7 +633,7 @@ class SettlementObligationTest(ContractCase):
         TERMINALIZING showing the reserved outcome; no record yet."""
         s = admit(self.stub, conv='lane', key='direct-1', source=PROMPT).submission
         c = self.claim_ok()
-        self.assertRpcError(FAILED_PRECONDITION, settle, self.stub,
+        self.assertRpcError(STALE, settle, self.stub,
                             copy_fence(c.fence, attempt_id='att_stale'), COMPLETED,
                             reserve_only=True)
         self.assertStatus(s.submission_id, RUNNING)
@@ -640,7 +644,7 @@ class SettlementObligationTest(ContractCase):
         self.assertFalse(r.already_settled)
         row = self.assertStatus(s.submission_id, TERMINALIZING)
         self.assertEqual(row.outcome, COMPLETED)
-        self.assertEqual(row.settled_at_ms, 0)
+        self.assertEqual(ts_ms(row.settle_time), 0)
         self.assertEqual(read_all(self.stub, 'lane'), [])
 
     def test_reserved_outcome_wins(self):
@@ -687,7 +691,7 @@ class SettlementObligationTest(ContractCase):
         self.assertEqual(t.submission.attempt_count, 2)
         self.assertEqual(scan_expired(self.stub), [])
         # the old attempt can no longer finish it
-        self.assertRpcError(FAILED_PRECONDITION, settle, self.stub, c.fence, FAILED,
+        self.assertRpcError(STALE, settle, self.stub, c.fence, FAILED,
                             'provider exploded: boom')
         f = settle(self.stub, t.fence, COMPLETED)
         self.assertEqual(f.submission.status, SETTLED)
@@ -711,7 +715,7 @@ class SettlementObligationTest(ContractCase):
         self.assertEqual(r.record_offset, 1)
         recs = read_all(self.stub, 'lane')
         self.assertEqual([x.offset for x in recs], [0, 1])
-        self.assertEqual(recs[1].type, 'submission_settled')
+        self.assertEqual(recs[1].WhichOneof('body'), 'submission_settled')
         self.assertEqual(recs[1].id, 'settled:' + s.submission_id)
         self.assertEqual(recs[1].attempt_id, c.fence.attempt_id)
 
@@ -729,7 +733,7 @@ class SettlementObligationTest(ContractCase):
         → SETTLED without error."""
         s = admit(self.stub, conv='lane', source=DISPATCH).submission
         c = self.claim_ok()
-        self.assertRpcError(FAILED_PRECONDITION, settle, self.stub,
+        self.assertRpcError(STALE, settle, self.stub,
                             copy_fence(c.fence, epoch=c.fence.epoch - 1), COMPLETED,
                             reserve_only=True)
         settle(self.stub, c.fence, COMPLETED, reserve_only=True)
@@ -761,8 +765,8 @@ class DurabilityTest(ContractCase):
         for row in (s, get(self.stub, s.submission_id)):
             self.assertEqual(row.attempt_count, 0)
             self.assertEqual(row.max_attempts, 10)
-            self.assertEqual(row.timeout_at_ms, 0)
-            self.assertEqual(row.lease_expires_at_ms, 0)
+            self.assertEqual(ts_ms(row.deadline), 0)
+            self.assertEqual(ts_ms(row.lease_expire_time), 0)
             self.assertEqual(row.attempt_id, '')
             self.assertEqual(row.epoch, 0)
 
@@ -776,8 +780,8 @@ class DurabilityTest(ContractCase):
         s = c.submission
         self.assertEqual(s.attempt_count, 1)
         self.assertEqual(s.max_attempts, 10)
-        self.assertTrue(t0 + 3600000 <= s.timeout_at_ms <= t1 + 3600000,
-                        (t0, s.timeout_at_ms, t1))
+        self.assertTrue(t0 + 3600000 <= ts_ms(s.deadline) <= t1 + 3600000,
+                        (t0, ts_ms(s.deadline), t1))
 
     def test_mark_input_applied_budgets(self):
         """6.1 #42: MarkInputApplied{max_attempts 5, timeout} installs them (timeout_at =
@@ -787,18 +791,18 @@ class DurabilityTest(ContractCase):
         c = self.claim_ok()
         s = mark_input_applied(self.stub, c.fence, max_attempts=5, timeout_ms=120000)
         self.assertEqual(s.max_attempts, 5)
-        self.assertEqual(s.timeout_at_ms, c.submission.started_at_ms + 120000)
+        self.assertEqual(ts_ms(s.deadline), ts_ms(c.submission.start_time) + 120000)
         self.assertEqual(s.attempt_count, 1)
-        first_applied = s.input_applied_at_ms
+        first_applied = ts_ms(s.input_apply_time)
         self.assertGreater(first_applied, 0)
-        time.sleep(0.01)
+        time.sleep(0.15)
         s2 = mark_input_applied(self.stub, c.fence, max_attempts=7, timeout_ms=999999)
         self.assertEqual(s2.max_attempts, 5)
-        self.assertEqual(s2.timeout_at_ms, c.submission.started_at_ms + 120000)
-        self.assertEqual(s2.input_applied_at_ms, first_applied)
+        self.assertEqual(ts_ms(s2.deadline), ts_ms(c.submission.start_time) + 120000)
+        self.assertEqual(ts_ms(s2.input_apply_time), first_applied)
         row = get(self.stub, c.fence.submission_id)
-        self.assertEqual((row.max_attempts, row.timeout_at_ms, row.input_applied_at_ms),
-                         (5, c.submission.started_at_ms + 120000, first_applied))
+        self.assertEqual((row.max_attempts, ts_ms(row.deadline), ts_ms(row.input_apply_time)),
+                         (5, ts_ms(c.submission.start_time) + 120000, first_applied))
 
     def test_mark_input_applied_zero_keeps_defaults(self):
         """6.1 #42 (zero values): MarkInputApplied with 0/0 keeps max_attempts 10 and the
@@ -807,7 +811,7 @@ class DurabilityTest(ContractCase):
         c = self.claim_ok()
         s = mark_input_applied(self.stub, c.fence)
         self.assertEqual(s.max_attempts, 10)
-        self.assertEqual(s.timeout_at_ms, c.submission.timeout_at_ms)
+        self.assertEqual(ts_ms(s.deadline), ts_ms(c.submission.deadline))
 
     def test_takeover_replaces_attempt(self):
         """6.1 #43, #45, #47 (replaceSubmissionAttempt → cflue takeover): an expired lease
@@ -824,9 +828,9 @@ class DurabilityTest(ContractCase):
         self.assertNotEqual(s.attempt_id, c.fence.attempt_id)
         self.assertTrue(s.attempt_id.startswith('att_'))
         self.assertEqual(s.owner_id, 'owner-2')
-        self.assertGreaterEqual(s.lease_expires_at_ms, t0 + 30000)
-        self.assertGreaterEqual(s.started_at_ms, t0)
-        self.assertEqual(s.timeout_at_ms, c.submission.timeout_at_ms)
+        self.assertGreaterEqual(ts_ms(s.lease_expire_time), t0 + 30000)
+        self.assertGreaterEqual(ts_ms(s.start_time), t0)
+        self.assertEqual(ts_ms(s.deadline), ts_ms(c.submission.deadline))
 
     def test_no_takeover_of_live_lease(self):
         """6.1 #46: replacing with a stale attempt → nothing; cflue: a RUNNING row with a
@@ -846,10 +850,10 @@ class DurabilityTest(ContractCase):
         admit(self.stub)
         c1 = self.claim_ok()
         requeue(self.stub, c1.fence)
-        time.sleep(0.01)
+        time.sleep(0.15)
         c2 = self.claim_ok()
         self.assertEqual(c2.submission.attempt_count, 2)
-        self.assertEqual(c2.submission.timeout_at_ms, c1.submission.timeout_at_ms)
+        self.assertEqual(ts_ms(c2.submission.deadline), ts_ms(c1.submission.deadline))
         self.assertNotEqual(c2.fence.attempt_id, c1.fence.attempt_id)
 
 
@@ -859,14 +863,14 @@ class LeaseTest(ContractCase):
         """6.1 #48: owner-a's heartbeat extends its lease."""
         s = admit(self.stub).submission
         c = self.claim_ok(owner='owner-a', lease_ms=5000)
-        before = c.submission.lease_expires_at_ms
-        time.sleep(0.01)
+        before = ts_ms(c.submission.lease_expire_time)
+        time.sleep(0.15)
         h = heartbeat(self.stub, 'owner-a', [c.fence], lease_ms=30000)
         self.assertEqual(list(h.renewed), [s.submission_id])
         self.assertEqual(list(h.lost), [])
-        after = get(self.stub, s.submission_id).lease_expires_at_ms
+        after = ts_ms(get(self.stub, s.submission_id).lease_expire_time)
         self.assertGreater(after, before)
-        self.assertGreater(h.lease_expires_at_ms, before)
+        self.assertGreater(ts_ms(h.lease_expire_time), before)
 
     def test_renew_by_other_owner(self):
         """6.1 #49: owner-b's heartbeat does not touch owner-a's lease (reported lost)."""
@@ -875,8 +879,8 @@ class LeaseTest(ContractCase):
         h = heartbeat(self.stub, 'owner-b', [c.fence], lease_ms=30000)
         self.assertEqual(list(h.renewed), [])
         self.assertEqual(list(h.lost), [s.submission_id])
-        self.assertEqual(get(self.stub, s.submission_id).lease_expires_at_ms,
-                         c.submission.lease_expires_at_ms)
+        self.assertEqual(ts_ms(get(self.stub, s.submission_id).lease_expire_time),
+                         ts_ms(c.submission.lease_expire_time))
 
     def test_renew_settled(self):
         """6.1 #50: heartbeat of a settled row is no error (reported lost)."""
@@ -897,14 +901,14 @@ class LeaseTest(ContractCase):
         h = heartbeat(self.stub, 'owner-a', [c.fence], lease_ms=0)
         t1 = now_ms()
         self.assertEqual(list(h.renewed), [s.submission_id])
-        lease = get(self.stub, s.submission_id).lease_expires_at_ms
+        lease = ts_ms(get(self.stub, s.submission_id).lease_expire_time)
         self.assertTrue(t0 + 30000 <= lease <= t1 + 30000, (t0, lease, t1))
 
     def test_expired_listed(self):
         """6.1 #51: a claim with an (almost) immediately expiring lease is listed expired."""
         s = admit(self.stub).submission
-        self.claim_ok(lease_ms=1)
-        time.sleep(0.02)
+        self.claim_ok(lease_ms=100)
+        time.sleep(0.15)
         self.assertEqual(ids(scan_expired(self.stub)), [s.submission_id])
 
     def test_future_lease_not_expired(self):
@@ -916,8 +920,8 @@ class LeaseTest(ContractCase):
     def test_completed_not_expired(self):
         """6.1 #53: an expired lease on a completed row is not listed."""
         admit(self.stub)
-        c = self.claim_ok(lease_ms=1)
-        time.sleep(0.02)
+        c = self.claim_ok(lease_ms=100)
+        time.sleep(0.15)
         settle(self.stub, c.fence, COMPLETED)
         self.assertEqual(scan_expired(self.stub), [])
 
@@ -929,8 +933,8 @@ class LeaseTest(ContractCase):
         """cflue ScanExpired (no flue case): limit bounds the page; order is sequence."""
         subs = [admit(self.stub, conv='lane-%d' % i).submission for i in range(3)]
         for s in subs:  # (an unrestricted Claim would take the first expired one over)
-            self.claim_ok(lease_ms=1, conversation_id=s.conversation_id)
-        time.sleep(0.02)
+            self.claim_ok(lease_ms=100, conversation_id=s.conversation_id)
+        time.sleep(0.15)
         self.assertEqual(ids(scan_expired(self.stub)), ids(subs))
         self.assertEqual(ids(scan_expired(self.stub, limit=2)), ids(subs[:2]))
 
@@ -960,7 +964,7 @@ class JoinTest(ContractCase):
         """6.1 #56: a stale host attempt is refused (cflue: FAILED_PRECONDITION); after the
         host completes, ClaimJoinable is refused and queued-1 stays QUEUED."""
         c, (q1,) = self.host_with_queue(1)
-        self.assertRpcError(FAILED_PRECONDITION, claim_joinable, self.stub,
+        self.assertRpcError(STALE, claim_joinable, self.stub,
                             copy_fence(c.fence, attempt_id='att_stale'))
         self.assertStatus(q1, QUEUED)
         settle(self.stub, c.fence, COMPLETED)
@@ -997,12 +1001,12 @@ class JoinTest(ContractCase):
         input_applied_at set, answered_by the host; finalize again → refused."""
         c, (q1,) = self.host_with_queue(1)
         claim_joinable(self.stub, c.fence)
-        self.assertRpcError(FAILED_PRECONDITION, finalize_join, self.stub,
+        self.assertRpcError(STALE, finalize_join, self.stub,
                             copy_fence(c.fence, attempt_id='att_stale'), q1)
         self.assertStatus(q1, JOINING)
         s = finalize_join(self.stub, c.fence, q1)
         self.assertEqual(s.status, JOINED)
-        self.assertGreater(s.input_applied_at_ms, 0)
+        self.assertGreater(ts_ms(s.input_apply_time), 0)
         self.assertEqual(s.answered_by, c.fence.submission_id)
         self.assertEqual(s.joined_into, c.fence.submission_id)
         self.assertRpcError(FAILED_PRECONDITION, finalize_join, self.stub, c.fence, q1)
@@ -1021,16 +1025,16 @@ class JoinTest(ContractCase):
         joined_into, no input_applied_at."""
         c, (q1,) = self.host_with_queue(1)
         claim_joinable(self.stub, c.fence)
-        self.assertRpcError(FAILED_PRECONDITION, revert_join, self.stub,
+        self.assertRpcError(STALE, revert_join, self.stub,
                             copy_fence(c.fence, epoch=c.fence.epoch + 5), q1)
         self.assertStatus(q1, JOINING)
         s = revert_join(self.stub, c.fence, q1)
         self.assertEqual(s.status, QUEUED)
         self.assertEqual(s.joined_into, '')
-        self.assertEqual(s.input_applied_at_ms, 0)
+        self.assertEqual(ts_ms(s.input_apply_time), 0)
         row = self.assertStatus(q1, QUEUED)
         self.assertEqual(row.joined_into, '')
-        self.assertEqual(row.input_applied_at_ms, 0)
+        self.assertEqual(ts_ms(row.input_apply_time), 0)
 
     def test_list_joined(self):
         """6.1 #63: claim two, finalize the first → List(joined_into=host) =
@@ -1056,15 +1060,15 @@ class JoinTest(ContractCase):
         self.assertEqual(row.outcome, COMPLETED)
         self.assertEqual(row.error, '')
         self.assertEqual(row.answered_by, host)
-        self.assertGreater(row.settled_at_ms, 0)
+        self.assertGreater(ts_ms(row.settle_time), 0)
         back = self.assertStatus(q2, QUEUED)
         self.assertEqual(back.joined_into, '')
-        self.assertEqual(back.input_applied_at_ms, 0)
+        self.assertEqual(ts_ms(back.input_apply_time), 0)
         recs = read_all(self.stub, 'join-c')
         self.assertEqual(sorted(x.id for x in recs), sorted(['settled:' + host,
                                                              'settled:' + q1]))
         for x in recs:
-            self.assertEqual(x.type, 'submission_settled')
+            self.assertEqual(x.WhichOneof('body'), 'submission_settled')
             self.assertSettledBody(x, 'completed', '')
         by_id = {x.id: x for x in recs}
         self.assertEqual(by_id['settled:' + q1].submission_id, q1)
@@ -1148,12 +1152,17 @@ class EdgeCaseTest(ContractCase):
         self.assertEqual(ids(every), ids(a + b))
         seqs = [s.sequence for s in every]
         self.assertEqual(seqs, sorted(seqs))
-        page = self.stub.list(store_pb2.ListRequest(limit=2))
+        page = self.stub.list(store_pb2.ListRequest(page_size=2))
         self.assertEqual(len(page.submissions), 2)
-        self.assertEqual(page.next_sequence, page.submissions[-1].sequence)
-        page2 = self.stub.list(store_pb2.ListRequest(limit=10, after_sequence=page.next_sequence))
+        self.assertTrue(page.next_page_token)
+        page2 = self.stub.list(store_pb2.ListRequest(page_size=10,
+                                                     page_token=page.next_page_token))
         self.assertEqual(len(page2.submissions), 3)
-        self.assertEqual(page2.next_sequence, 0)
+        self.assertEqual(page2.next_page_token, '')
+        # a token only continues the listing (filters) it came from
+        e = self.assertRpcError(INVALID_ARGUMENT, self.stub.list, store_pb2.ListRequest(
+            page_size=2, conversation_id='lane-a', page_token=page.next_page_token))
+        self.assertEqual(error_reason(e), 'INVALID_PAGE_TOKEN')
         self.assertEqual(ids(list_all(self.stub, page=1, conversation_id='lane-b')), ids(b))
         self.claim_ok(conversation_id='lane-a')
         self.assertEqual(ids(list_all(self.stub, statuses=[RUNNING])), ids(a[:1]))
@@ -1163,7 +1172,7 @@ class EdgeCaseTest(ContractCase):
 
     def test_schema_version_stamp_and_refusal(self):
         """6.1 #71-73 (format_version → cflue schema_version): a fresh db is stamped
-        meta.schema_version = 1; a db stamped 2 makes storaged exit non-zero with a message
+        meta.schema_version = 2; a db stamped 9 makes storaged exit non-zero with a message
         naming the version; the stamp is left unchanged."""
         sd = self.storaged
         admit(sd.stub)
@@ -1171,20 +1180,20 @@ class EdgeCaseTest(ContractCase):
         con = sqlite3.connect(sd.db)
         try:
             (v,) = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            self.assertEqual(str(v), '1')
-            con.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+            self.assertEqual(str(v), '2')
+            con.execute("UPDATE meta SET value = '9' WHERE key = 'schema_version'")
             con.commit()
         finally:
             con.close()
         rc, err = sd.run_to_exit(timeout=10)
-        self.assertNotEqual(rc, 0, 'storaged accepted a db with schema_version 2')
+        self.assertNotEqual(rc, 0, 'storaged accepted a db with schema_version 9')
         lines = [l for l in err.splitlines()
-                 if 'schema' in l.lower() and re.search(r'(?<![0-9.:-])2(?![0-9.:-])', l)]
-        self.assertTrue(lines, 'no stderr line names schema version 2:\n' + err)
+                 if 'schema' in l.lower() and re.search(r'(?<![0-9.:-])9(?![0-9.:-])', l)]
+        self.assertTrue(lines, 'no stderr line names schema version 9:\n' + err)
         con = sqlite3.connect(sd.db)
         try:
             (v,) = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            self.assertEqual(str(v), '2')
+            self.assertEqual(str(v), '9')
         finally:
             con.close()
 
@@ -1198,7 +1207,7 @@ class StreamContractTest(ContractCase):
 
     def test_append_batch_and_read(self):
         """6.2 #3: append a two-record batch at the start → offsets 0 and 1; Read from the
-        start returns both, next_offset 1, up_to_date; storaged stamps attempt, time and
+        start returns both, no next_page_token, head 1; storaged stamps attempt, time and
         submission."""
         c = self.running()
         t0 = now_ms()
@@ -1209,43 +1218,53 @@ class StreamContractTest(ContractCase):
         rd = read(self.stub, 'contract', -1)
         self.assertEqual([x.offset for x in rd.records], [0, 1])
         self.assertEqual([x.id for x in rd.records], ['r1', 'r2'])
-        self.assertEqual([json.loads(x.body_json) for x in rd.records],
-                         [{'text': 'hi'}, {'text': 'yo'}])
-        self.assertEqual((rd.next_offset, rd.up_to_date, rd.head_offset), (1, True, 1))
+        self.assertEqual([(x.WhichOneof('body'), getattr(x, x.WhichOneof('body')).text)
+                          for x in rd.records],
+                         [('user_message', 'hi'), ('assistant_message', 'yo')])
+        self.assertEqual((rd.next_page_token, rd.head_offset), ('', 1))
         for x in rd.records:
             self.assertEqual(x.attempt_id, c.fence.attempt_id)
             self.assertEqual(x.submission_id, c.fence.submission_id)
-            self.assertTrue(t0 <= x.timestamp_ms <= t1, (t0, x.timestamp_ms, t1))
+            self.assertTrue(t0 <= ts_ms(x.create_time) <= t1, (t0, ts_ms(x.create_time), t1))
         self.assertEqual(get_conversation(self.stub, 'contract').head_offset, 1)
 
     def test_read_after_last(self):
-        """6.2 #4: reading after the last offset → no records, up_to_date, next_offset =
-        after_offset."""
+        """6.2 #4: reading after the last offset → no records, no next_page_token; beyond the
+        head is OUT_OF_RANGE (OFFSET_BEYOND_HEAD)."""
         c = self.running()
         append(self.stub, c.fence, [record(id_='r1'), record(id_='r2')])
         rd = read(self.stub, 'contract', 1)
         self.assertEqual(list(rd.records), [])
-        self.assertTrue(rd.up_to_date)
-        self.assertEqual(rd.next_offset, 1)
+        self.assertEqual(rd.next_page_token, '')
         self.assertEqual(rd.head_offset, 1)
+        e = self.assertRpcError(OUT_OF_RANGE, read, self.stub, 'contract', 2)
+        self.assertEqual(error_reason(e), 'OFFSET_BEYOND_HEAD')
         empty = self.running(conv='empty')
         rd = read(self.stub, 'empty', -1)
-        self.assertEqual((len(rd.records), rd.next_offset, rd.up_to_date, rd.head_offset),
-                         (0, -1, True, -1))
+        self.assertEqual((len(rd.records), rd.next_page_token, rd.head_offset), (0, '', -1))
         self.assertTrue(empty.HasField('submission'))
 
     def test_read_paging(self):
-        """cflue Read limit (no flue case): pages are bounded; up_to_date only on the last."""
+        """cflue Read page_size (no flue case): pages are bounded; next_page_token on all but
+        the last; a token of another conversation is INVALID_PAGE_TOKEN."""
         c = self.running()
         append(self.stub, c.fence, [record(body={'i': i}) for i in range(5)])
         p1 = read(self.stub, 'contract', -1, limit=2)
         self.assertEqual([x.offset for x in p1.records], [0, 1])
-        self.assertFalse(p1.up_to_date)
-        self.assertEqual(p1.next_offset, 1)
-        p2 = read(self.stub, 'contract', p1.next_offset, limit=3)
+        self.assertTrue(p1.next_page_token)
+        p2 = read(self.stub, 'contract', -1, limit=3, page_token=p1.next_page_token)
         self.assertEqual([x.offset for x in p2.records], [2, 3, 4])
-        self.assertTrue(p2.up_to_date)
+        self.assertEqual(p2.next_page_token, '')
         self.assertEqual(p2.head_offset, 4)
+        # walking pages of any size gives exactly one big read
+        whole = read(self.stub, 'contract', -1, limit=1000).records
+        for size in (1, 2, 4):
+            self.assertEqual(list(whole), read_all(self.stub, 'contract', page_size=size))
+        other = self.running(conv='other')
+        append(self.stub, other.fence, [record(id_='o1'), record(id_='o2')])
+        e = self.assertRpcError(INVALID_ARGUMENT, read, self.stub, 'other', -1,
+                                page_token=p1.next_page_token)
+        self.assertEqual(error_reason(e), 'INVALID_PAGE_TOKEN')
 
     def test_exact_retry_deduplicates(self):
         """6.2 #5: an exact retry of the same append → same offsets, deduplicated, stored
@@ -1274,18 +1293,20 @@ class StreamContractTest(ContractCase):
         self.assertEqual(get_conversation(self.stub, 'contract').head_offset, 0)
 
     def test_generated_ids_and_empty_body(self):
-        """cflue Append (no flue case): records without id get `rec_` ids; empty body_json
-        is stored as {}; offsets continue from the head."""
+        """cflue Append (no flue case): records without id get `rec_` ids; a body with every
+        field at its default round-trips; offsets continue from the head."""
         c = self.running()
         append(self.stub, c.fence, [record(id_='a')])
-        r = append(self.stub, c.fence, [record(body_json=''), record(body_json='{}')])
+        r = append(self.stub, c.fence, [record('system_prompt', {'text': ''}),
+                                        record('system_prompt', {'text': '{}'})])
         self.assertEqual((r.first_offset, r.last_offset), (1, 2))
         recs = read_all(self.stub, 'contract')
         self.assertTrue(recs[1].id.startswith('rec_'), recs[1].id)
         self.assertTrue(recs[2].id.startswith('rec_'), recs[2].id)
         self.assertNotEqual(recs[1].id, recs[2].id)
-        self.assertEqual(json.loads(recs[1].body_json), {})
-        self.assertEqual(recs[1].body_json.replace(' ', ''), '{}')
+        self.assertEqual(recs[1].WhichOneof('body'), 'system_prompt')
+        self.assertEqual(recs[1].system_prompt.text, '')
+        self.assertEqual(recs[2].system_prompt.text, '{}')
 
     def test_big_record(self):
         """6.2 #8-10: one record of 2,500,000 characters round-trips; a following append
@@ -1299,7 +1320,7 @@ class StreamContractTest(ContractCase):
         append(self.stub, c.fence, [record(id_='after')])
         recs = read_all(self.stub, 'contract')
         self.assertEqual([x.id for x in recs], ['big', 'after'])
-        self.assertEqual(json.loads(recs[0].body_json)['text'], text)
+        self.assertEqual(recs[0].assistant_message.text, text)
         after = read(self.stub, 'contract', 0)
         self.assertEqual([x.id for x in after.records], ['after'])
         b = append(self.stub, c.fence, [big], timeout=30)
@@ -1309,8 +1330,8 @@ class StreamContractTest(ContractCase):
                             [record('assistant_message', {'text': changed}, id_='big')],
                             timeout=30)
         self.assertEqual(get_conversation(self.stub, 'contract').head_offset, 1)
-        self.assertEqual(json.loads(read(self.stub, 'contract', -1, limit=1).records[0]
-                                    .body_json)['text'], text)
+        self.assertEqual(read(self.stub, 'contract', -1, limit=1).records[0]
+                         .assistant_message.text, text)
 
     def test_stale_epoch_append_refused(self):
         """6.2 #11 (producer re-acquisition → claim epochs) and #6: after a takeover, the
@@ -1322,8 +1343,8 @@ class StreamContractTest(ContractCase):
         time.sleep(0.3)
         t = self.claim_ok(owner='coordinator-2')
         self.assertTrue(t.takeover)
-        self.assertRpcError(FAILED_PRECONDITION, append, self.stub, c.fence, [record(id_='r2')])
-        self.assertRpcError(FAILED_PRECONDITION, append, self.stub, c.fence, batch)
+        self.assertRpcError(STALE, append, self.stub, c.fence, [record(id_='r2')])
+        self.assertRpcError(STALE, append, self.stub, c.fence, batch)
         self.assertEqual([x.id for x in read_all(self.stub, 'contract')], ['r1'])
         append(self.stub, t.fence, [record(id_='r2')])
         self.assertEqual([x.id for x in read_all(self.stub, 'contract')], ['r1', 'r2'])
@@ -1333,7 +1354,7 @@ class StreamContractTest(ContractCase):
         still append; a stale attempt may not; once SETTLED no append is accepted."""
         c = self.running()
         settle(self.stub, c.fence, COMPLETED, reserve_only=True)
-        self.assertRpcError(FAILED_PRECONDITION, append, self.stub,
+        self.assertRpcError(STALE, append, self.stub,
                             copy_fence(c.fence, attempt_id='att_stale'), [record()])
         r = append(self.stub, c.fence, [record(id_='late')])
         self.assertEqual(r.first_offset, 0)
@@ -1368,9 +1389,9 @@ class StreamContractTest(ContractCase):
         wrong epoch with the right attempt → refused."""
         a = self.running(conv='contract')
         b = self.running(conv='contract-b')
-        self.assertRpcError(FAILED_PRECONDITION, append, self.stub,
+        self.assertRpcError(STALE, append, self.stub,
                             copy_fence(a.fence, attempt_id=b.fence.attempt_id), [record()])
-        self.assertRpcError(FAILED_PRECONDITION, append, self.stub,
+        self.assertRpcError(STALE, append, self.stub,
                             copy_fence(a.fence, epoch=a.fence.epoch + 1), [record()])
         # an empty attempt id is a missing field or a stale fence; either way refused
         self.assertRpcError((FAILED_PRECONDITION, INVALID_ARGUMENT), append, self.stub,
