@@ -1068,6 +1068,13 @@ enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleReques
         bool same = *f->attempt_id && !strcmp(f->attempt_id, row->attempt_id) &&
                     f->epoch == row->epoch && (int)row->outcome == outcome &&
                     !strcmp(row->error, error ? error : "");
+        if (!same && *f->attempt_id &&
+            (strcmp(f->attempt_id, row->attempt_id) != 0 || f->epoch != row->epoch)) {
+            return cf_error_set(err, CF_STALE,
+                                "stale fence: attempt %s (epoch %lld) does not hold submission %s, "
+                                "which is settled",
+                                f->attempt_id, (long long)f->epoch, row->submission_id);
+        }
         if (!same) {
             return cf_error_setr(err, CF_PRECONDITION, "ALREADY_SETTLED",
                                  "submission %s is already settled as %s%s%s", row->submission_id,

@@ -4,7 +4,10 @@ still be healthy at the end (test_zz_still_serving runs last: unittest sorts by 
 
 import unittest
 
+import grpc
+STALE = grpc.StatusCode.ABORTED  # a stale fence (reason STALE_FENCE)
 from cflue_harness import (
+    error_reason, duration, admit_request,
     ALREADY_EXISTS, FAILED_PRECONDITION, INVALID_ARGUMENT, MiB, NOT_FOUND, OUT_OF_RANGE,
     RESOURCE_EXHAUSTED, SERVING, UNIMPLEMENTED, StoragedTestCase, common_pb2, store_pb2,
     admit, admit_request, append, claim, fence, get, read, record, settle)
@@ -87,22 +90,78 @@ class BadInputTest(StoragedTestCase):
                    attachments=[{'mime_type': 'image/png', 'data': b'x'}])
         self.assertEqual(ok.submission.agent, 'A-z_0.9')
 
+    def test_admit_reserved_metadata_and_kinds(self):
+        """Metadata keys starting "cflue." are RESERVED_METADATA_KEY; kind COMPACT needs an
+        existing conversation and no message; an unknown kind is refused."""
+        s = self.stub
+        e = self.invalid(admit, s, metadata={'cflue.kind': 'compact'}, field='cflue.kind')
+        self.assertEqual(error_reason(e), 'RESERVED_METADATA_KEY')
+        self.assertEqual(admit(s, metadata={'cflueX': '1', 'x.cflue.': '2'})
+                         .submission.metadata['cflueX'], '1')
+        self.invalid(admit, s, kind=common_pb2.SUBMISSION_KIND_COMPACT, field='conversation_id')
+        self.assertRpcError(NOT_FOUND, admit, s, conv='never', kind=common_pb2.SUBMISSION_KIND_COMPACT)
+        req = admit_request(conv='x', kind=common_pb2.SUBMISSION_KIND_COMPACT)
+        req.message.text = 'no'
+        self.invalid(s.admit, req, field='message')
+        self.invalid(s.admit, admit_request(kind=7), field='kind')
+
+    def test_durations_and_page_sizes(self):
+        """lease_duration is 100 ms to 1 h (or unset); negative page sizes are refused;
+        RequestAbort needs its target."""
+        s = self.stub
+        for ms in (1, 99, 3600001):
+            self.invalid(s.claim, store_pb2.ClaimRequest(owner_id='o', lease_duration=duration(ms)),
+                         field='lease_duration')
+        self.invalid(s.heartbeat, store_pb2.HeartbeatRequest(owner_id='o',
+                                                             lease_duration=duration(50)),
+                     field='lease_duration')
+        self.invalid(s.list, store_pb2.ListRequest(page_size=-1), field='page_size')
+        self.invalid(s.scan_expired, store_pb2.ScanExpiredRequest(page_size=-1), field='page_size')
+        self.invalid(s.read, store_pb2.ReadRequest(conversation_id='c', page_size=-1),
+                     field='page_size')
+        self.invalid(s.request_abort, store_pb2.RequestAbortRequest(reason='x'), field='target')
+        e = self.invalid(s.scan_expired, store_pb2.ScanExpiredRequest(page_token='zz'))
+        self.assertEqual(error_reason(e), 'INVALID_PAGE_TOKEN')
+
     def test_claim_missing_owner(self):
         """Claim without owner_id → INVALID_ARGUMENT naming owner_id."""
-        self.invalid(self.stub.claim, store_pb2.ClaimRequest(lease_ms=1000), field='owner_id')
+        self.invalid(self.stub.claim, store_pb2.ClaimRequest(lease_duration=duration(1000)), field='owner_id')
 
     def test_append_missing_and_invalid_fields(self):
-        """Append without fence → names fence; 0 or 1001 records; a record without type;
-        body_json that is not a JSON object."""
+        """Append without fence → names fence; 0 or 1001 records; a record without a body
+        (MISSING_RECORD_BODY); a submission_settled (RESERVED_RECORD_TYPE); each body type's
+        field checks."""
         c = self.running()
         self.invalid(self.stub.append, store_pb2.AppendRequest(records=[record()]),
                      field='fence')
         self.invalid(append, self.stub, c.fence, [], field='records')
         self.invalid(append, self.stub, c.fence, [record() for _ in range(1001)],
                      field='records')
-        self.invalid(append, self.stub, c.fence, [record(type_='')], field='type')
-        for bad in ('[1, 2]', 'not json', '"text"', '42', '{"a": '):
-            self.invalid(append, self.stub, c.fence, [record(body_json=bad)], field='body_json')
+        e = self.invalid(append, self.stub, c.fence, [common_pb2.Record(id='x')],
+                         field='records[0]')
+        self.assertEqual(error_reason(e), 'MISSING_RECORD_BODY')
+        e = self.invalid(append, self.stub, c.fence, [record('submission_settled')],
+                         field='submission_settled')
+        self.assertEqual(error_reason(e), 'RESERVED_RECORD_TYPE')
+        bad = [('assistant_message', {'turn': 0}, 'turn'),
+               ('assistant_delta', {'turn': -1}, 'turn'),
+               ('tool_result', {'turn': 0}, 'turn'),
+               ('tool_result', {'index': -1}, 'index'),
+               ('tool_result', {'tool_call_id': ''}, 'tool_call_id'),
+               ('tool_result', {'name': ''}, 'name'),
+               ('signal', {'kind': 'Bad-Kind'}, 'signal.kind'),
+               ('signal', {'kind': ''}, 'signal.kind'),
+               ('signal', {'kind': 'k' * 65}, 'signal.kind'),
+               ('compaction', {'trigger': 'COMPACTION_TRIGGER_UNSPECIFIED'}, 'trigger'),
+               ('compaction', {'first_kept_offset': -1}, 'first_kept_offset'),
+               ('assistant_message', {'tool_calls': [{'id': 'a', 'name': 'x'},
+                                                     {'id': 'a', 'name': 'y'}]}, 'repeats'),
+               ('assistant_message', {'tool_calls': [{'id': '', 'name': 'x'}]}, 'tool_calls'),
+               ('assistant_message', {'usage': {'input_tokens': -1}}, 'usage'),
+               ('user_message', {'attachments': [{'size_bytes': -1}]}, 'size_bytes')]
+        for type_, body, field in bad:
+            self.invalid(append, self.stub, c.fence, [record(type_, body)], field=field)
+        self.invalid(append, self.stub, c.fence, [record(id_='settled:x')], field='settled:')
         conv = c.submission.conversation_id
         self.assertEqual(read(self.stub, conv).head_offset, -1)
         r = append(self.stub, c.fence, [record() for _ in range(1000)])
@@ -113,11 +172,11 @@ class BadInputTest(StoragedTestCase):
         error; the row is untouched."""
         c = self.running()
         self.invalid(self.stub.settle, store_pb2.SettleRequest(fence=c.fence), field='outcome')
-        self.invalid(settle, self.stub, c.fence, common_pb2.FAILED, '', field='error')
-        self.invalid(settle, self.stub, c.fence, common_pb2.ABORTED, '', field='error')
-        self.invalid(settle, self.stub, c.fence, common_pb2.FAILED, '', reserve_only=True,
+        self.invalid(settle, self.stub, c.fence, common_pb2.OUTCOME_FAILED, '', field='error')
+        self.invalid(settle, self.stub, c.fence, common_pb2.OUTCOME_ABORTED, '', field='error')
+        self.invalid(settle, self.stub, c.fence, common_pb2.OUTCOME_FAILED, '', reserve_only=True,
                      field='error')
-        self.assertEqual(get(self.stub, c.fence.submission_id).status, common_pb2.RUNNING)
+        self.assertEqual(get(self.stub, c.fence.submission_id).status, common_pb2.SUBMISSION_STATUS_RUNNING)
 
     # ---- size ----
 
@@ -137,9 +196,9 @@ class BadInputTest(StoragedTestCase):
         """Get / Settle of an unknown submission id → NOT_FOUND."""
         self.assertRpcError(NOT_FOUND, get, self.stub, 'sub_unknown')
         self.assertRpcError(NOT_FOUND, settle, self.stub, fence('sub_unknown'),
-                            common_pb2.FAILED, 'x')
+                            common_pb2.OUTCOME_FAILED, 'x')
         self.assertRpcError(NOT_FOUND, settle, self.stub, fence('sub_unknown', 'att_x', 3),
-                            common_pb2.COMPLETED)
+                            common_pb2.OUTCOME_COMPLETED)
 
     # ---- conflicting settles ----
 
@@ -147,19 +206,19 @@ class BadInputTest(StoragedTestCase):
         """A second Settle with another outcome → FAILED_PRECONDITION and the first outcome
         is kept; the identical Settle by the same attempt → OK, already_settled."""
         c = self.running()
-        first = settle(self.stub, c.fence, common_pb2.COMPLETED)
+        first = settle(self.stub, c.fence, common_pb2.OUTCOME_COMPLETED)
         self.assertFalse(first.already_settled)
         e = self.assertRpcError(FAILED_PRECONDITION, settle, self.stub, c.fence,
-                                common_pb2.FAILED, 'too late')
+                                common_pb2.OUTCOME_FAILED, 'too late')
         self.assertTrue(e.details())
         self.assertRpcError(FAILED_PRECONDITION, settle, self.stub, c.fence,
-                            common_pb2.ABORTED, 'too late')
+                            common_pb2.OUTCOME_ABORTED, 'too late')
         row = get(self.stub, c.fence.submission_id)
         self.assertEqual((row.status, row.outcome, row.error),
-                         (common_pb2.SETTLED, common_pb2.COMPLETED, ''))
-        again = settle(self.stub, c.fence, common_pb2.COMPLETED)
+                         (common_pb2.SUBMISSION_STATUS_SETTLED, common_pb2.OUTCOME_COMPLETED, ''))
+        again = settle(self.stub, c.fence, common_pb2.OUTCOME_COMPLETED)
         self.assertTrue(again.already_settled)
-        self.assertEqual(again.submission.outcome, common_pb2.COMPLETED)
+        self.assertEqual(again.submission.outcome, common_pb2.OUTCOME_COMPLETED)
         self.assertEqual(again.record_offset, first.record_offset)
         conv = c.submission.conversation_id
         self.assertEqual(read(self.stub, conv).head_offset, first.record_offset)
@@ -207,7 +266,7 @@ class BadInputTest(StoragedTestCase):
         self.assertEqual(self.storaged.health_check(''), SERVING)
         self.assertEqual(self.storaged.health_check('cflue.v1.Store'), SERVING)
         r = self.stub.admit(admit_request(text='still here'))
-        self.assertEqual(r.submission.status, common_pb2.QUEUED)
+        self.assertEqual(r.submission.status, common_pb2.SUBMISSION_STATUS_QUEUED)
         self.assertEqual(get(self.stub, r.submission.submission_id).message.text, 'still here')
         type(self).stopped = True
         self.storaged.stop()

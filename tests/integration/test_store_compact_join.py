@@ -11,7 +11,6 @@ import unittest
 from cflue_harness import (
     StoragedTestCase, admit, claim, claim_joinable, common_pb2, get, settle)
 
-COMPACT = {'cflue.kind': 'compact'}
 
 
 class CompactJoinTest(StoragedTestCase):
@@ -19,9 +18,9 @@ class CompactJoinTest(StoragedTestCase):
     def admit_ids(self, conv, kinds):
         out = []
         for i, k in enumerate(kinds):
-            md = COMPACT if k == 'compact' else {'i': str(i)}
-            out.append(admit(self.stub, conv=conv, text='%s-%d' % (k, i),
-                             metadata=md).submission.submission_id)
+            kind = common_pb2.SUBMISSION_KIND_COMPACT if k == 'compact' else 0
+            out.append(admit(self.stub, conv=conv, text='%s-%d' % (k, i), kind=kind,
+                             metadata={'i': str(i)}).submission.submission_id)
         return out
 
     def claim_id(self, sub_id):
@@ -38,8 +37,8 @@ class CompactJoinTest(StoragedTestCase):
         c = self.claim_id(host)
         joined = claim_joinable(self.stub, c.fence)
         self.assertEqual([s.submission_id for s in joined], [p1])
-        self.assertEqual(get(self.stub, comp).status, common_pb2.QUEUED)
-        self.assertEqual(get(self.stub, p2).status, common_pb2.QUEUED)
+        self.assertEqual(get(self.stub, comp).status, common_pb2.SUBMISSION_STATUS_QUEUED)
+        self.assertEqual(get(self.stub, p2).status, common_pb2.SUBMISSION_STATUS_QUEUED)
         # a second call does not skip over the compact either
         self.assertEqual(claim_joinable(self.stub, c.fence), [])
 
@@ -53,10 +52,11 @@ class CompactJoinTest(StoragedTestCase):
 
         cc = claim(self.stub, conversation_id='cj-a')
         self.assertEqual(cc.submission.submission_id, comp)
-        self.assertEqual(dict(cc.submission.metadata), COMPACT)
+        self.assertEqual(cc.submission.kind, common_pb2.SUBMISSION_KIND_COMPACT)
+        self.assertFalse(cc.submission.HasField('message'))
         # nothing joins a running compact
         self.assertEqual(claim_joinable(self.stub, cc.fence), [])
-        self.assertEqual(get(self.stub, p2).status, common_pb2.QUEUED)
+        self.assertEqual(get(self.stub, p2).status, common_pb2.SUBMISSION_STATUS_QUEUED)
         settle(self.stub, cc.fence)
 
         c2 = claim(self.stub, conversation_id='cj-a')
@@ -71,7 +71,7 @@ class CompactJoinTest(StoragedTestCase):
         self.assertEqual(claim_joinable(self.stub, c.fence, limit=5), [])
         for s in (comp, p1):
             row = get(self.stub, s)
-            self.assertEqual(row.status, common_pb2.QUEUED)
+            self.assertEqual(row.status, common_pb2.SUBMISSION_STATUS_QUEUED)
             self.assertEqual(row.joined_into, '')
 
     def test_other_kinds_still_join(self):

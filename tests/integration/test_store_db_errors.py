@@ -45,7 +45,7 @@ class StepErrorTest(StoragedTestCase):
         sub = admit(stub, conv='dberr-c', text='hello').submission
         c = claim(stub, submission_id=sub.submission_id)
         append(stub, c.fence, [record(id_='r1', body={'n': 1}), record(id_='r2', body={'n': 2})])
-        s = settle(stub, c.fence, common_pb2.FAILED, 'boom')
+        s = settle(stub, c.fence, common_pb2.OUTCOME_FAILED, 'boom')
         self.assertGreaterEqual(s.record_offset, 0)
         return sub, c.fence, s.record_offset
 
@@ -74,7 +74,7 @@ class StepErrorTest(StoragedTestCase):
             list(stream)
         self.assertIn(cm.exception.code(), ERROR_CODES, cm.exception.details())
 
-        e = self.assertRpcError(ERROR_CODES, settle, stub, fence_, common_pb2.FAILED, 'boom')
+        e = self.assertRpcError(ERROR_CODES, settle, stub, fence_, common_pb2.OUTCOME_FAILED, 'boom')
         self.assertIn('settlement record', e.details())
 
         # a resent record goes through the same index: an error, not a second copy
@@ -83,7 +83,7 @@ class StepErrorTest(StoragedTestCase):
 
         # storaged keeps serving what it can
         self.assertEqual(stub.get(store_pb2.GetRequest(submission_id=sub.submission_id)).status,
-                         common_pb2.SETTLED)
+                         common_pb2.SUBMISSION_STATUS_SETTLED)
 
 
 if __name__ == '__main__':

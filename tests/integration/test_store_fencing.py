@@ -4,7 +4,10 @@ import json
 import time
 import unittest
 
+import grpc
+STALE = grpc.StatusCode.ABORTED  # a stale fence (reason STALE_FENCE)
 from cflue_harness import (
+    ts_ms, error_reason, duration,
     FAILED_PRECONDITION, StoragedTestCase, common_pb2,
     admit, append, claim, claim_joinable, finalize_join, get, heartbeat, list_all,
     mark_input_applied, read_all, record, requeue, revert_join, settle)
@@ -29,7 +32,7 @@ class FencingTest(StoragedTestCase):
         self.assertGreater(b.fence.epoch, a.fence.epoch)
         self.assertEqual(b.submission.owner_id, 'owner-b')
         self.assertEqual(b.submission.attempt_count, 2)
-        self.assertEqual(b.submission.status, common_pb2.RUNNING)
+        self.assertEqual(b.submission.status, common_pb2.SUBMISSION_STATUS_RUNNING)
         return s, a.fence, b.fence
 
     def test_every_write_of_the_stale_attempt_is_refused(self):
@@ -40,10 +43,11 @@ class FencingTest(StoragedTestCase):
         sid = s.submission_id
         q1 = admit(self.stub, conv='fenced', text='queued-1').submission.submission_id
         q2 = admit(self.stub, conv='fenced', text='queued-2').submission.submission_id
-        P = FAILED_PRECONDITION
+        P = STALE  # ABORTED, reason STALE_FENCE
 
         e = self.assertRpcError(P, append, self.stub, fa, [record(id_='a-1', body={'by': 'a'})])
         self.assertTrue(e.details())
+        self.assertEqual(error_reason(e), 'STALE_FENCE')
         h = heartbeat(self.stub, 'owner-a', [fa])
         self.assertEqual(list(h.lost), [sid])
         self.assertEqual(list(h.renewed), [])
@@ -53,26 +57,26 @@ class FencingTest(StoragedTestCase):
         self.assertRpcError(P, mark_input_applied, self.stub, fa, 3, 1000)
         self.assertRpcError(P, requeue, self.stub, fa)
         self.assertRpcError(P, claim_joinable, self.stub, fa)
-        self.assertEqual(get(self.stub, q1).status, common_pb2.QUEUED)
+        self.assertEqual(get(self.stub, q1).status, common_pb2.SUBMISSION_STATUS_QUEUED)
         # B makes q1 and q2 JOINING; A may neither finalize nor revert them
         self.assertEqual([x.submission_id for x in claim_joinable(self.stub, fb)], [q1, q2])
         self.assertRpcError(P, finalize_join, self.stub, fa, q1)
         self.assertRpcError(P, revert_join, self.stub, fa, q2)
-        self.assertEqual(get(self.stub, q1).status, common_pb2.JOINING)
-        self.assertEqual(get(self.stub, q2).status, common_pb2.JOINING)
-        self.assertRpcError(P, settle, self.stub, fa, common_pb2.COMPLETED)
-        self.assertRpcError(P, settle, self.stub, fa, common_pb2.FAILED, 'a failed')
-        self.assertRpcError(P, settle, self.stub, fa, common_pb2.COMPLETED, reserve_only=True)
+        self.assertEqual(get(self.stub, q1).status, common_pb2.SUBMISSION_STATUS_JOINING)
+        self.assertEqual(get(self.stub, q2).status, common_pb2.SUBMISSION_STATUS_JOINING)
+        self.assertRpcError(P, settle, self.stub, fa, common_pb2.OUTCOME_COMPLETED)
+        self.assertRpcError(P, settle, self.stub, fa, common_pb2.OUTCOME_FAILED, 'a failed')
+        self.assertRpcError(P, settle, self.stub, fa, common_pb2.OUTCOME_COMPLETED, reserve_only=True)
         # A's record naming a joining delivery is refused too
         self.assertRpcError(P, append, self.stub, fa, [record(submission_id=q1)])
 
         # the row is untouched by A's attempts
         row = get(self.stub, sid)
-        self.assertEqual(row.status, common_pb2.RUNNING)
+        self.assertEqual(row.status, common_pb2.SUBMISSION_STATUS_RUNNING)
         self.assertEqual(row.attempt_id, fb.attempt_id)
         self.assertEqual(row.epoch, fb.epoch)
         self.assertEqual(row.owner_id, 'owner-b')
-        self.assertEqual(row.input_applied_at_ms, 0)
+        self.assertEqual(ts_ms(row.input_apply_time), 0)
         self.assertEqual(row.max_attempts, 10)
 
         # B works normally
@@ -84,13 +88,13 @@ class FencingTest(StoragedTestCase):
                                    record('assistant_message', {'by': 'b', 'for': 'q1'},
                                           submission_id=q1)])
         self.assertEqual((r.first_offset, r.last_offset), (0, 1))
-        st = settle(self.stub, fb, common_pb2.COMPLETED)
-        self.assertEqual(st.submission.status, common_pb2.SETTLED)
+        st = settle(self.stub, fb, common_pb2.OUTCOME_COMPLETED)
+        self.assertEqual(st.submission.status, common_pb2.SUBMISSION_STATUS_SETTLED)
         self.assertEqual(list(st.settled_with), [q1])
-        self.assertEqual(get(self.stub, q2).status, common_pb2.QUEUED)
+        self.assertEqual(get(self.stub, q2).status, common_pb2.SUBMISSION_STATUS_QUEUED)
 
         # after B settled, A is still refused
-        self.assertRpcError(P, settle, self.stub, fa, common_pb2.COMPLETED)
+        self.assertRpcError(P, settle, self.stub, fa, common_pb2.OUTCOME_COMPLETED)
         self.assertRpcError(P, append, self.stub, fa, [record(id_='a-2')])
 
         recs = read_all(self.stub, 'fenced')
@@ -98,9 +102,10 @@ class FencingTest(StoragedTestCase):
         self.assertEqual([x.offset for x in recs], [0, 1, 2, 3])
         for x in recs:
             self.assertEqual(x.attempt_id, fb.attempt_id, 'record %s not written by B' % x.id)
-            if x.type != 'submission_settled':
-                self.assertEqual(json.loads(x.body_json)['by'], 'b')
-        self.assertEqual(sorted(x.id for x in recs if x.type == 'submission_settled'),
+            if x.WhichOneof('body') != 'submission_settled':
+                self.assertIn('"by": "b"', x.assistant_message.text)
+        self.assertEqual(sorted(x.id for x in recs
+                                if x.WhichOneof('body') == 'submission_settled'),
                          sorted(['settled:' + sid, 'settled:' + q1]))
 
     def test_takeover_keeps_budget_and_rejects_reclaim(self):
@@ -113,8 +118,8 @@ class FencingTest(StoragedTestCase):
         c = claim(self.stub, owner='owner-a', submission_id=s.submission_id)
         self.assertFalse(c.HasField('submission'))
         self.assertEqual(get(self.stub, s.submission_id).attempt_id, fb.attempt_id)
-        self.assertGreater(first.timeout_at_ms, 0)
-        running = list_all(self.stub, statuses=[common_pb2.RUNNING])
+        self.assertGreater(ts_ms(first.deadline), 0)
+        running = list_all(self.stub, statuses=[common_pb2.SUBMISSION_STATUS_RUNNING])
         self.assertEqual([x.attempt_id for x in running], [fb.attempt_id])
 
     def test_stale_attempt_cannot_finish_reservation(self):
@@ -122,16 +127,16 @@ class FencingTest(StoragedTestCase):
         is refused; B's finishes with A's reserved outcome."""
         s = admit(self.stub, conv='fenced').submission
         a = claim(self.stub, owner='owner-a', lease_ms=LEASE_MS)
-        settle(self.stub, a.fence, common_pb2.ABORTED, 'user stopped', reserve_only=True)
+        settle(self.stub, a.fence, common_pb2.OUTCOME_ABORTED, 'user stopped', reserve_only=True)
         time.sleep(LEASE_MS / 1000.0 + 0.15)
         b = claim(self.stub, owner='owner-b')
         self.assertTrue(b.takeover)
-        self.assertEqual(b.submission.status, common_pb2.TERMINALIZING)
-        self.assertRpcError(FAILED_PRECONDITION, settle, self.stub, a.fence, common_pb2.ABORTED,
+        self.assertEqual(b.submission.status, common_pb2.SUBMISSION_STATUS_TERMINALIZING)
+        self.assertRpcError(STALE, settle, self.stub, a.fence, common_pb2.OUTCOME_ABORTED,
                             'user stopped')
-        self.assertEqual(get(self.stub, s.submission_id).status, common_pb2.TERMINALIZING)
-        r = settle(self.stub, b.fence, common_pb2.COMPLETED)
-        self.assertEqual(r.submission.outcome, common_pb2.ABORTED)
+        self.assertEqual(get(self.stub, s.submission_id).status, common_pb2.SUBMISSION_STATUS_TERMINALIZING)
+        r = settle(self.stub, b.fence, common_pb2.OUTCOME_COMPLETED)
+        self.assertEqual(r.submission.outcome, common_pb2.OUTCOME_ABORTED)
         self.assertEqual(r.submission.error, 'user stopped')
         recs = read_all(self.stub, 'fenced')
         self.assertEqual(len(recs), 1)

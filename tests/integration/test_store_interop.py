@@ -9,6 +9,7 @@ import unittest
 import grpc
 
 from cflue_harness import (
+    ts_ms, error_reason, duration,
     NOT_SERVING, SERVING, StoragedTestCase, common_pb2, store_pb2,
     admit, append, claim, get, now_ms, read_all, record, settle)
 
@@ -99,8 +100,8 @@ class InteropTest(StoragedTestCase):
         for x in got:
             self.assertEqual(x.attempt_id, c.fence.attempt_id)
             self.assertEqual(x.submission_id, sid)
-            self.assertGreater(x.timestamp_ms, 0)
-        self.assertEqual(json.loads(got[3].body_json), {'ok': True})
+            self.assertGreater(ts_ms(x.create_time), 0)
+        self.assertIn('"ok": true', got[3].tool_result.text)
 
         f1.cancel()
         self.assertEqual(f1.error.code(), grpc.StatusCode.CANCELLED)
@@ -113,19 +114,19 @@ class InteropTest(StoragedTestCase):
         self.assertEqual([x.id for x in got2], ['gap-1', 'gap-2'])
         append(self.stub, c.fence, [record(id_='live-3')])
         got2 = f2.wait_for(3)
-        st = settle(self.stub, c.fence, common_pb2.COMPLETED)
+        st = settle(self.stub, c.fence, common_pb2.OUTCOME_COMPLETED)
         got2 = f2.wait_for(4)
         everything = seen + got2
         self.assertConsecutive(everything)
         self.assertEqual(len({x.id for x in everything}), len(everything))
         self.assertEqual(everything[-1].id, 'settled:' + sid)
         self.assertEqual(everything[-1].offset, st.record_offset)
-        body = json.loads(everything[-1].body_json)
-        self.assertEqual((body['outcome'], body['error']), ('completed', ''))
+        body = everything[-1].submission_settled
+        self.assertEqual((body.outcome, body.error), (common_pb2.OUTCOME_COMPLETED, ''))
         self.assertEqual([x.SerializeToString() for x in read_all(self.stub, 'interop')],
                          [x.SerializeToString() for x in everything])
         f2.cancel()
-        self.assertEqual(get(self.stub, sid).status, common_pb2.SETTLED)
+        self.assertEqual(get(self.stub, sid).status, common_pb2.SUBMISSION_STATUS_SETTLED)
 
     def test_follow_resume_mid_history(self):
         """Cancel a Follow part-way through existing history and resume from the last
@@ -146,7 +147,8 @@ class InteropTest(StoragedTestCase):
         f.cancel()
         allr = seen + rest
         self.assertConsecutive(allr)
-        self.assertEqual([json.loads(x.body_json)['i'] for x in allr], list(range(50)))
+        self.assertEqual([json.loads(x.assistant_message.text[len('answer'):])['i']
+                          for x in allr], list(range(50)))
 
     def test_follow_until_settled(self):
         """Follow with until_settled ends OK right after the settlement record, live or
@@ -160,7 +162,7 @@ class InteropTest(StoragedTestCase):
         append(self.stub, c.fence, [record(id_='r1'), record(id_='r2')])
         self.assertEqual(len(f.wait_for(2)), 2)
         self.assertFalse(f.ended)
-        st = settle(self.stub, c.fence, common_pb2.COMPLETED)
+        st = settle(self.stub, c.fence, common_pb2.OUTCOME_COMPLETED)
         self.assertTrue(f.wait_end(), 'Follow(until_settled) did not end after settlement')
         self.assertIsNone(f.error, f.error)
         self.assertEqual(f.call.code(), grpc.StatusCode.OK)
@@ -186,13 +188,13 @@ class InteropTest(StoragedTestCase):
         # a live follow of s2 ends after s2's settlement record
         f2 = Follower(self.stub, 'until', st.record_offset, until_settled=s2)
         self.assertEqual([x.id for x in f2.wait_for(1)], ['r3'])
-        st2 = settle(self.stub, c2.fence, common_pb2.FAILED, 'nope')
+        st2 = settle(self.stub, c2.fence, common_pb2.OUTCOME_FAILED, 'nope')
         self.assertTrue(f2.wait_end())
         self.assertIsNone(f2.error, f2.error)
         self.assertEqual([x.id for x in f2.records], ['r3', 'settled:' + s2])
         self.assertEqual(f2.records[-1].offset, st2.record_offset)
-        body = json.loads(f2.records[-1].body_json)
-        self.assertEqual((body['outcome'], body['error']), ('failed', 'nope'))
+        body = f2.records[-1].submission_settled
+        self.assertEqual((body.outcome, body.error), (common_pb2.OUTCOME_FAILED, 'nope'))
 
     def test_follow_until_settled_joined(self):
         """until_settled naming a joined delivery ends after the delivery's own settlement
@@ -204,7 +206,7 @@ class InteropTest(StoragedTestCase):
         self.stub.finalize_join(store_pb2.JoinRequest(host=c.fence, submission_id=d))
         f = Follower(self.stub, 'until-join', -1, until_settled=d)
         time.sleep(0.2)
-        settle(self.stub, c.fence, common_pb2.COMPLETED)
+        settle(self.stub, c.fence, common_pb2.OUTCOME_COMPLETED)
         self.assertTrue(f.wait_end())
         self.assertIsNone(f.error, f.error)
         self.assertEqual(f.records[-1].id, 'settled:' + d)
@@ -268,7 +270,7 @@ class InteropTest(StoragedTestCase):
         t0 = now_ms()
         c = claim(sd.stub, lease_ms=0)
         t1 = now_ms()
-        lease = c.submission.lease_expires_at_ms
+        lease = ts_ms(c.submission.lease_expire_time)
         self.assertTrue(t0 + 1234 <= lease <= t1 + 1234, (t0, lease, t1))
         sd.stop()
 
@@ -280,10 +282,10 @@ class InteropTest(StoragedTestCase):
         c = claim(sd.stub, lease_ms=0)
         t1 = now_ms()
         s = c.submission
-        self.assertTrue(t0 + 2345 <= s.lease_expires_at_ms <= t1 + 2345,
-                        (t0, s.lease_expires_at_ms, t1))
-        self.assertTrue(t0 + 60000 <= s.timeout_at_ms <= t1 + 60000,
-                        (t0, s.timeout_at_ms, t1))
+        self.assertTrue(t0 + 2345 <= ts_ms(s.lease_expire_time) <= t1 + 2345,
+                        (t0, ts_ms(s.lease_expire_time), t1))
+        self.assertTrue(t0 + 60000 <= ts_ms(s.deadline) <= t1 + 60000,
+                        (t0, ts_ms(s.deadline), t1))
         sd.stop()
 
     def test_restart_keeps_everything(self):
@@ -295,7 +297,7 @@ class InteropTest(StoragedTestCase):
         append(sd.stub, c.fence, [record(id_='x')])
         sd.stop()
         sd.start()
-        self.assertEqual(get(sd.stub, s.submission_id).status, common_pb2.RUNNING)
+        self.assertEqual(get(sd.stub, s.submission_id).status, common_pb2.SUBMISSION_STATUS_RUNNING)
         r = append(sd.stub, c.fence, [record(id_='y')])
         self.assertEqual(r.first_offset, 1)
         again = admit(sd.stub, conv='durable', key='d-1')

@@ -18,7 +18,7 @@ SLACK = 1024               # LEDGER_RECORD_SLACK
 
 
 def big_record(i, size):
-    """A record whose body_json is about size bytes."""
+    """A record whose text is about size bytes."""
     return record(id_='big-%d' % i, body_json=json.dumps({'i': i, 'pad': 'x' * size}))
 
 
@@ -48,18 +48,17 @@ class PageBytesTest(StoragedTestCase):
     def page_through(self, conv, limit=1000):
         """Reads every record with the given limit; returns (records, pages)."""
         stub = self.stub
-        out, pages, after = [], 0, -1
+        out, pages, after, token = [], 0, -1, ''
         while True:
-            r = read(stub, conv, after_offset=after, limit=limit, timeout=60)
+            r = read(stub, conv, limit=limit, page_token=token, timeout=60)
             pages += 1
             self.assertGreater(len(r.records), 0, 'a page with records left must hold one')
             self.assertEqual(r.records[0].offset, after + 1)
-            self.assertEqual(r.next_offset, r.records[-1].offset)
             self.assertLessEqual(r.ByteSize(), PAGE_BYTES + 64)
-            self.assertEqual(r.up_to_date, r.next_offset == r.head_offset)
+            self.assertEqual(r.next_page_token == '', r.records[-1].offset == r.head_offset)
             out.extend(r.records)
-            after = r.next_offset
-            if r.up_to_date:
+            after, token = r.records[-1].offset, r.next_page_token
+            if not token:
                 return out, pages
             self.assertLess(pages, 1000)
 
@@ -73,15 +72,15 @@ class PageBytesTest(StoragedTestCase):
         recs, pages = self.page_through('pages-a')
         self.assertEqual([r.id for r in recs], ['big-%d' % i for i in range(n)])
         self.assertEqual([r.offset for r in recs], list(range(n)))
-        self.assertEqual(json.loads(recs[17].body_json)['i'], 17)
+        self.assertEqual(json.loads(recs[17].assistant_message.text)['i'], 17)
         self.assertGreaterEqual(pages, n // 8)
 
         # a page that starts in the middle, and an empty page at the head
         r = read(self.stub, 'pages-a', after_offset=35, limit=1000, timeout=60)
         self.assertEqual([x.offset for x in r.records], [36, 37, 38, 39])
-        self.assertTrue(r.up_to_date)
+        self.assertEqual(r.next_page_token, '')
         r = read(self.stub, 'pages-a', after_offset=39, limit=1000)
-        self.assertEqual((len(r.records), r.next_offset, r.up_to_date), (0, 39, True))
+        self.assertEqual((len(r.records), r.next_page_token, r.head_offset), (0, '', 39))
 
         s = settle(self.stub, fence_)
         self.assertEqual(s.record_offset, n)
@@ -93,7 +92,7 @@ class PageBytesTest(StoragedTestCase):
             got.append(rec.offset)
         self.assertEqual(got, list(range(n + 1)))
         recs, _ = self.page_through('pages-a')
-        self.assertEqual(recs[-1].type, 'submission_settled')
+        self.assertEqual(recs[-1].WhichOneof('body'), 'submission_settled')
 
     def test_record_limit_keeps_one_record_within_a_page(self):
         """Append refuses a record whose encoded size would not fit a page on its own
@@ -117,8 +116,8 @@ class PageBytesTest(StoragedTestCase):
             r = read(stub, 'pages-b', after_offset=after, limit=1000, timeout=60)
             pages.append([x.id for x in r.records])
             self.assertLessEqual(r.ByteSize(), PAGE_BYTES + 64)
-            after = r.next_offset
-            if r.up_to_date:
+            after = r.records[-1].offset
+            if not r.next_page_token:
                 break
         # what storaged adds to a stored record stays within the slack: a small record and
         # one at the limit share a page; two at the limit never do
@@ -144,8 +143,8 @@ class SmallMessageLimitTest(StoragedTestCase):
             r = read(stub, 'pages-c', after_offset=after, limit=1000)
             self.assertEqual(len(r.records), 1)  # two 600 KiB records exceed 1 MiB
             ids.extend(x.id for x in r.records)
-            after = r.next_offset
-            if r.up_to_date:
+            after = r.records[-1].offset
+            if not r.next_page_token:
                 break
         self.assertEqual(ids, ['big-%d' % i for i in range(10)])
 

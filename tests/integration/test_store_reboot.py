@@ -12,6 +12,8 @@ import shutil
 import tempfile
 import unittest
 
+import grpc
+STALE = grpc.StatusCode.ABORTED  # a stale fence (reason STALE_FENCE)
 from cflue_harness import (
     FAILED_PRECONDITION, StoragedTestCase, admit, append, claim, common_pb2, heartbeat, read_all,
     record, scan_expired, settle)
@@ -49,9 +51,9 @@ class RebootFencingTest(StoragedTestCase):
         self.set_boot('boot-B')
         sd.start()
         stub = sd.stub
-        self.assertRpcError(FAILED_PRECONDITION, append, stub, c.fence, [record(id_='r3')])
+        self.assertRpcError(STALE, append, stub, c.fence, [record(id_='r3')])
         self.assertEqual(heartbeat(stub, 'test-owner', [c.fence]).lost, [sub.submission_id])
-        self.assertRpcError(FAILED_PRECONDITION, settle, stub, c.fence)
+        self.assertRpcError(STALE, settle, stub, c.fence)
         self.assertIn('fenced_after_reboot', sd.stderr_text())
         # recovery takes it over at once (the lease was expired)
         self.assertEqual([s.submission_id for s in scan_expired(stub)],
@@ -67,7 +69,7 @@ class RebootFencingTest(StoragedTestCase):
         self.set_boot('boot-C')
         sd.start()
         append(sd.stub, t.fence, [record(id_='r4')])
-        self.assertEqual(settle(sd.stub, t.fence).submission.status, common_pb2.SETTLED)
+        self.assertEqual(settle(sd.stub, t.fence).submission.status, common_pb2.SUBMISSION_STATUS_SETTLED)
 
     def test_queued_work_is_untouched(self):
         """A new boot after an unclean stop fences attempts only: queued work stays queued
