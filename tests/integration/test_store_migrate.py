@@ -1,0 +1,140 @@
+"""storaged opens a database written by the previous schema (version 1: JSON record bodies,
+compaction as metadata cflue.kind=compact) and migrates it in place: every record becomes its
+typed body, unknown types become legacy signals, compact submissions get kind COMPACT."""
+
+import json
+import os
+import sqlite3
+import tempfile
+import unittest
+
+from cflue_harness import (
+    StoragedTestCase, admit, common_pb2, get, read_all, store_pb2)
+
+# The version-1 schema exactly as storaged wrote it (git show d3f3e8f:storaged/db.c).
+OLD_SCHEMA = '''
+CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE conversations(  conversation_id TEXT PRIMARY KEY,  agent TEXT NOT NULL,  created_at INTEGER NOT NULL,  next_pos INTEGER NOT NULL DEFAULT 0,  epoch INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE submissions(  sequence INTEGER PRIMARY KEY AUTOINCREMENT,  submission_id TEXT NOT NULL UNIQUE,  conversation_id TEXT NOT NULL REFERENCES conversations(conversation_id),  agent TEXT NOT NULL,  idempotency_key TEXT,  payload BLOB NOT NULL,  status TEXT NOT NULL CHECK (status IN    ('queued','running','terminalizing','settled','joining','joined')),  outcome TEXT CHECK (outcome IN ('completed','failed','aborted')),  error TEXT,  attempt_id TEXT,  epoch INTEGER NOT NULL DEFAULT 0,  owner_id TEXT,  lease_expires_at INTEGER NOT NULL DEFAULT 0,  attempt_count INTEGER NOT NULL DEFAULT 0,  max_attempts INTEGER NOT NULL DEFAULT 10,  timeout_at INTEGER NOT NULL DEFAULT 0,  accepted_at INTEGER NOT NULL,  started_at INTEGER,  input_applied_at INTEGER,  abort_requested_at INTEGER,  abort_reason TEXT,  joined_into TEXT,  settled_at INTEGER,  answered_by TEXT,  reserved_outcome TEXT CHECK (reserved_outcome IN ('completed','failed','aborted')),  reserved_error TEXT,  admit_pos INTEGER NOT NULL,  input_tokens INTEGER NOT NULL DEFAULT 0,  output_tokens INTEGER NOT NULL DEFAULT 0,  cost_usd REAL NOT NULL DEFAULT 0,  CHECK ((status = 'settled') = (outcome IS NOT NULL)));
+CREATE UNIQUE INDEX submissions_by_key ON submissions(agent, idempotency_key)  WHERE idempotency_key IS NOT NULL;
+CREATE INDEX submissions_by_conversation ON submissions(conversation_id, status, sequence);
+CREATE INDEX submissions_by_status ON submissions(status, sequence);
+CREATE INDEX submissions_by_host ON submissions(joined_into) WHERE joined_into IS NOT NULL;
+CREATE TABLE records(  conversation_id TEXT NOT NULL,  pos INTEGER NOT NULL,  record_id TEXT NOT NULL,  type TEXT NOT NULL,  submission_id TEXT,  attempt_id TEXT,  ts INTEGER NOT NULL,  body TEXT NOT NULL,  PRIMARY KEY (conversation_id, pos),  UNIQUE (conversation_id, record_id)) WITHOUT ROWID;
+INSERT INTO meta(key, value) VALUES ('schema_version', '1');
+'''
+
+T = 1700000000000
+
+
+def payload(text='', metadata=None, key=''):
+    req = store_pb2.AdmitRequest(agent='assistant', conversation_id='old', idempotency_key=key)
+    req.message.text = text
+    for k, v in sorted((metadata or {}).items()):
+        req.metadata[k] = v
+    return req.SerializeToString(deterministic=True)
+
+
+RECORDS = [
+    ('system_prompt', {'text': 'be brief'}),
+    ('user_message', {'text': 'hi', 'attachments': [
+        {'name': 'a.png', 'mime_type': 'image/png', 'bytes': 12}]}),
+    ('assistant_delta', {'turn': 1, 'text': 'he'}),
+    ('assistant_message', {'turn': 1, 'text': 'hello', 'tool_calls': [
+        {'id': 'c1', 'name': 'bash', 'arguments': '{"command":"ls"}'}],
+        'stop_reason': 'tool_use', 'model': 'fake/m', 'usage': {
+            'input_tokens': 10, 'output_tokens': 3}, 'cost_usd': 0.25}),
+    ('tool_result', {'turn': 1, 'index': 0, 'tool_call_id': 'c1', 'name': 'bash',
+                     'text': 'out', 'is_error': True, 'truncation': {
+                         'truncated': True, 'total_lines': 9, 'total_bytes': 99,
+                         'next_offset': 5}}),
+    ('signal', {'type': 'resources', 'text': 'disk low'}),
+    ('compaction', {'summary': 'sum', 'first_kept_offset': 2, 'tokens_before': 100,
+                    'tokens_after': 10, 'reason': 'overflow'}),
+    ('submission_settled', {'outcome': 'failed', 'error': 'boom',
+                            'answered_by': 'sub_a'}),
+    ('note.v2', {'x': 1}),
+]
+
+
+class MigrateTest(StoragedTestCase):
+
+    def make_old_db(self):
+        path = os.path.join(tempfile.mkdtemp(prefix='cflue-mig-'), 'store.db')
+        con = sqlite3.connect(path)
+        con.executescript(OLD_SCHEMA)
+        con.execute("INSERT INTO conversations VALUES ('old', 'assistant', ?, ?, 1)",
+                    (T, len(RECORDS)))
+        rows = [('sub_a', payload('hi'), 'settled', 'failed', 'boom', None),
+                ('sub_c', payload('(compact)', {'cflue.kind': 'compact', 'z': '1'}, 'k-c'),
+                 'queued', None, None, 'k-c')]
+        for i, (sid, p, st, oc, er, key) in enumerate(rows):
+            con.execute("INSERT INTO submissions(submission_id, conversation_id, agent, "
+                        "idempotency_key, payload, status, outcome, error, accepted_at, "
+                        "admit_pos) VALUES (?, 'old', 'assistant', ?, ?, ?, ?, ?, ?, -1)",
+                        (sid, key, p, st, oc, er, T + i))
+        for pos, (type_, body) in enumerate(RECORDS):
+            con.execute("INSERT INTO records VALUES ('old', ?, ?, ?, 'sub_a', 'att_1', ?, ?)",
+                        (pos, 'r%d' % pos, type_, T + pos, json.dumps(body)))
+        con.commit()
+        con.close()
+        return path
+
+    def test_migrates_records_and_kinds(self):
+        path = self.make_old_db()
+        sd = self.start_storaged(db=path)
+        recs = read_all(sd.stub, 'old')
+        self.assertEqual([r.WhichOneof('body') for r in recs],
+                         ['system_prompt', 'user_message', 'assistant_delta',
+                          'assistant_message', 'tool_result', 'signal', 'compaction',
+                          'submission_settled', 'signal'])
+        self.assertEqual([r.id for r in recs], ['r%d' % i for i in range(len(RECORDS))])
+        self.assertEqual(recs[0].system_prompt.text, 'be brief')
+        self.assertEqual(recs[1].user_message.attachments[0],
+                         common_pb2.AttachmentRef(name='a.png', mime_type='image/png',
+                                                  size_bytes=12))
+        self.assertEqual((recs[2].assistant_delta.turn, recs[2].assistant_delta.text), (1, 'he'))
+        am = recs[3].assistant_message
+        self.assertEqual((am.turn, am.text, am.stop_reason, am.model), (1, 'hello', 'tool_use',
+                                                                        'fake/m'))
+        self.assertEqual(am.tool_calls[0], common_pb2.ToolCallRequest(
+            id='c1', name='bash', arguments_json='{"command":"ls"}'))
+        self.assertEqual(am.usage, common_pb2.Usage(input_tokens=10, output_tokens=3,
+                                                    cost_usd=0.25))
+        tr = recs[4].tool_result
+        self.assertEqual((tr.turn, tr.index, tr.tool_call_id, tr.name, tr.text, tr.is_error),
+                         (1, 0, 'c1', 'bash', 'out', True))
+        self.assertEqual((tr.truncation.truncated, tr.truncation.total_lines,
+                          tr.truncation.total_bytes, tr.truncation.next_offset),
+                         (True, 9, 99, 5))
+        self.assertEqual((recs[5].signal.kind, recs[5].signal.text), ('resources', 'disk low'))
+        cp = recs[6].compaction
+        self.assertEqual((cp.summary, cp.first_kept_offset, cp.tokens_before, cp.tokens_after,
+                          cp.trigger), ('sum', 2, 100, 10, common_pb2.COMPACTION_TRIGGER_OVERFLOW))
+        self.assertEqual(recs[7].submission_settled, common_pb2.SubmissionSettled(
+            outcome=common_pb2.OUTCOME_FAILED, error='boom', answered_by='sub_a'))
+        self.assertEqual(recs[8].signal.kind, 'legacy_note_v2')
+        self.assertEqual(json.loads(recs[8].signal.text), {'x': 1})
+        self.assertEqual(recs[3].create_time.ToMilliseconds(), T + 3)
+        # the compaction submission: kind COMPACT, the reserved key gone, the rest kept
+        c = get(sd.stub, 'sub_c')
+        self.assertEqual(c.kind, common_pb2.SUBMISSION_KIND_COMPACT)
+        self.assertEqual(dict(c.metadata), {'z': '1'})
+        self.assertEqual(get(sd.stub, 'sub_a').kind, common_pb2.SUBMISSION_KIND_MESSAGE)
+        # a fresh record appends after the migrated ones; the schema is stamped 2
+        r = admit(sd.stub, conv='old', text='new')
+        self.assertEqual(r.offset, len(RECORDS) - 1)
+        sd.stop()
+        con = sqlite3.connect(path)
+        try:
+            (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            self.assertEqual(v, '2')
+            cols = [row[1] for row in con.execute('PRAGMA table_info(records)')]
+            self.assertIn('kind', cols)
+            self.assertNotIn('type', cols)
+        finally:
+            con.close()
+
+
+if __name__ == '__main__':
+    unittest.main()
