@@ -371,6 +371,8 @@ class CompactOrderTest(AgentdCase):
         csub = self.ad.get_submission(compacts[0].submission_id)
         self.assertEqual(csub.kind, common_pb2.SUBMISSION_KIND_COMPACT, csub)
         self.assertEqual(csub.status, SETTLED, csub)
+        self.assertEqual(outcome_name(csub.outcome), 'FAILED', csub)
+        self.assertIn('nothing to compact', csub.error)
         self.assertFalse(csub.HasField('message'), csub)
         self.assertIn(adm.submission_id, [s.submission_id for s in view.submissions])
         recs = self.records(conv)
