@@ -788,7 +788,7 @@ if sandbox_pb2 is not None:
         'ReadFile': (sandbox_pb2.ReadFileRequest, sandbox_pb2.ReadFileResponse),
         'WriteFile': (sandbox_pb2.WriteFileRequest, sandbox_pb2.WriteFileResponse),
         'Stat': (sandbox_pb2.PathRequest, sandbox_pb2.FileInfo),
-        'ReadDir': (sandbox_pb2.PathRequest, sandbox_pb2.ReadDirResponse),
+        'ReadDir': (sandbox_pb2.ReadDirRequest, sandbox_pb2.ReadDirResponse),
         'Mkdir': (sandbox_pb2.MkdirRequest, sandbox_pb2.MkdirResponse),
         'Remove': (sandbox_pb2.RemoveRequest, sandbox_pb2.RemoveResponse),
         'Exec': (sandbox_pb2.ExecRequest, sandbox_pb2.ExecResponse),
@@ -876,18 +876,28 @@ class Toold(Daemon):
     # ---- Sandbox ----
 
     def sandbox(self, method, timeout=60, **fields):
-        """Calls /cflue.v1.Sandbox/<method> with a request built from fields."""
+        """Calls /cflue.v1.Sandbox/<method> with a request built from fields (timeout_ms=N sets
+        the request's Duration `timeout`; `timeout` is the RPC's own deadline in seconds)."""
         req_cls, resp_cls = SANDBOX_METHODS[method]
+        timeout_ms = fields.pop('timeout_ms', 0)
+        req = set_timeout_ms(req_cls(**fields), timeout_ms)
         c = self._current_channel().unary_unary(
             '/cflue.v1.Sandbox/' + method, request_serializer=req_cls.SerializeToString,
             response_deserializer=resp_cls.FromString)
-        return c(req_cls(**fields), timeout=timeout)
+        return c(req, timeout=timeout)
+
+
+def set_timeout_ms(msg, timeout_ms):
+    """Sets msg.timeout (a Duration) to timeout_ms milliseconds; 0 or None leaves it unset."""
+    if timeout_ms:
+        msg.timeout.FromMilliseconds(timeout_ms)
+    return msg
 
 
 def tool_call(sandbox, name, arguments, timeout_ms=0, call_id=''):
     args = arguments if isinstance(arguments, str) else json.dumps(arguments)
-    return tools_pb2.ToolCall(sandbox=sandbox, name=name, arguments_json=args,
-                              timeout_ms=timeout_ms, call_id=call_id)
+    call = tools_pb2.ToolCall(sandbox=sandbox, name=name, arguments_json=args, call_id=call_id)
+    return set_timeout_ms(call, timeout_ms)
 
 
 def result_details(res):
@@ -896,7 +906,7 @@ def result_details(res):
 
 def truncation_dict(res):
     t = res.truncation
-    return {'truncated': t.truncated, 'by': tools_pb2.TruncatedBy.Name(t.by),
+    return {'truncated': t.truncated, 'by': common_pb2.TruncatedBy.Name(t.by),
             'total_lines': t.total_lines, 'total_bytes': t.total_bytes,
             'shown_first_line': t.shown_first_line, 'shown_last_line': t.shown_last_line,
             'next_offset': t.next_offset, 'line_too_long': t.line_too_long}

@@ -21,7 +21,7 @@ import grpc
 
 from cflue_harness import (INVALID_ARGUMENT, NOT_FOUND, SERVING, TooldTestCase, result_details,
                            sandbox_pb2, tools_pb2)
-from toold_v1 import error_reason, tool_call, truncation_dict
+from cflue_harness import error_reason, tool_call, truncation_dict  # noqa: E402
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB

@@ -15,7 +15,7 @@ import sys
 import unittest
 
 from cflue_harness import REPO, Toold, _tail, result_details  # noqa: F401
-from toold_v1 import tool_call, truncation_dict  # noqa: F401
+from cflue_harness import tool_call, truncation_dict  # noqa: F401,E402
 
 CASES_DIR = os.path.join(REPO, 'tests', 'tools', 'cases')
 DEFAULT_ENGINE = 'default'  # toold started without --grep-engine

@@ -26,7 +26,7 @@ import grpc
 
 from cflue_harness import (SERVING, Toold, TooldExited, TooldTestCase, result_details,
                            sandbox_pb2, tools_pb2)
-from toold_v1 import error_reason, tool_call
+from cflue_harness import error_reason, tool_call  # noqa: E402
 
 NOBODY = 65534
 
