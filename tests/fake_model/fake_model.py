@@ -11,6 +11,8 @@ Endpoints:
     POST /v1/chat/completions, /chat/completions
                                                OpenAI Chat Completions (Authorization: Bearer)
     GET  /_fake/health                         {"ok": true, "requests": N, "steps_left": N}
+    GET  /_stats                               {"connections": N, "requests": M, "accepted": A}:
+                                               model traffic only (see README.md)
     POST /_fake/scenario                       replace the scenario ({"steps": [...]})
 
 Both endpoints answer streaming ("stream": true -> text/event-stream, chunked) and
@@ -35,6 +37,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 MAX_BODY = 64 * 1024 * 1024
+# paths that observe or steer the server: not counted in /_stats
+CONTROL_PATHS = ("/_stats", "/_fake/health", "/health", "/_fake/scenario")
 ANTHROPIC_PATHS = ("/v1/messages",)
 OPENAI_PATHS = ("/v1/chat/completions", "/chat/completions")
 
@@ -907,11 +911,31 @@ class Dropped(Exception):
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # headers, body and each SSE chunk are separate writes: without TCP_NODELAY, Nagle holds
+    # each one back until the client's delayed ACK of the previous one (40 ms) on a
+    # kept-alive connection
+    disable_nagle_algorithm = True
     def version_string(self):
         return "fake-model/1.0"
 
     def log_message(self, fmt, *args):
         pass
+
+    def setup(self):
+        super().setup()
+        self.counted = False  # this connection carried model traffic
+        with self.server.stats_lock:
+            self.server.stats["accepted"] += 1
+
+    def count_request(self, path):
+        """Counts a request (and its connection, the first time) unless it is control traffic."""
+        if path in CONTROL_PATHS:
+            return
+        with self.server.stats_lock:
+            self.server.stats["requests"] += 1
+            if not self.counted:
+                self.server.stats["connections"] += 1
+                self.counted = True
 
     def note(self, text):
         if not self.server.quiet:
@@ -986,7 +1010,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         path = urlsplit(self.path).path
-        if path in ("/_fake/health", "/health"):
+        self.count_request(path)
+        if path == "/_stats":
+            with self.server.stats_lock:
+                stats = dict(self.server.stats)
+            self.send_json(200, stats)
+        elif path in ("/_fake/health", "/health"):
             self.send_json(200, {"ok": True, "requests": self.server.ids.req,
                                  "steps_left": self.server.script.left()
                                  if self.server.script else None})
@@ -1008,6 +1037,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def handle_post(self):
         path = urlsplit(self.path).path
+        self.count_request(path)
         try:
             raw = self.read_body()
         except ValueError:
@@ -1155,6 +1185,8 @@ class Server(ThreadingHTTPServer):
         self.quiet = quiet
         self.brain = brain
         self.ids = Ids()
+        self.stats_lock = threading.Lock()
+        self.stats = {"connections": 0, "requests": 0, "accepted": 0}
         self.log_lock = threading.Lock()
         self.log_file = open(log_path, "a", encoding="utf-8") if log_path else None
 
