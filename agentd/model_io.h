@@ -99,8 +99,10 @@ CF_MUST_CHECK enum cf_status model_io_new(struct model_io **out, const struct mo
 
 /* model_io_free ends every transfer in flight (each gets on_done with CF_CANCELLED, on the loop
  * thread, before this returns), stops and joins the loop thread, closes the cached
- * connections and frees io. A start racing with it fails with CF_CANCELLED. Accepts NULL. Must
- * not be called from an on_* callback. */
+ * connections and frees io. An on_done that starts a transfer meanwhile gets CF_CANCELLED.
+ * The caller sees to it that no other thread uses io once this begins (model_io_shutdown
+ * does that for the shared instance). Accepts NULL. Must not be called from an on_*
+ * callback. */
 void model_io_free(struct model_io *io);
 
 /* model_io_start queues a transfer; the loop thread begins it at once. CF_OK with *out_id set

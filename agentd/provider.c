@@ -193,7 +193,12 @@ static bool on_body(void *ctx, const char *p, size_t len)
         }
         return true;
     }
-    return buf_append(&c->body, p, len) == CF_OK;
+    if (buf_append(&c->body, p, len) != CF_OK) {
+        c->parse_rc = cf_error_set(&c->parse_err, CF_TOOBIG, "the %s API's answer passed %d bytes",
+                                   c->wire->name, PROVIDER_RESPONSE_MAX);
+        return false;
+    }
+    return true;
 }
 
 static bool on_cancelled(void *ctx)

@@ -144,17 +144,20 @@ static const struct llm_tool k_tools[] = {
 struct texts {
     struct buf b;
     pthread_t thread;
-    bool other_thread; /* on_text ran on a thread other than the caller's */
+    bool bad; /* on_text ran on a thread other than the caller's, or overflowed */
 };
 
 static void on_text(void *ctx, const char *p, size_t n)
 {
     struct texts *t = ctx;
-    if (!pthread_equal(pthread_self(), t->thread)) {
-        t->other_thread = true;
+    if (!pthread_equal(pthread_self(), t->thread) || buf_append(&t->b, p, n) != CF_OK) {
+        t->bad = true;
     }
-    CHECK(buf_append(&t->b, p, n) == CF_OK);
 }
+
+/* g_inconsistent counts calls whose streamed text did not reach on_text whole, on the
+ * caller's thread (counted here, CHECKed on the main thread: check.h is not thread-safe) */
+static atomic_int g_inconsistent;
 
 static atomic_bool g_cancel;
 
@@ -186,11 +189,9 @@ static enum cf_status call(bool anthropic, bool stream, const char *msg, int64_t
     struct llm_events ev = {.on_text = on_text, .cancelled = cancelled, .ctx = &t};
     llm_response_init(out);
     enum cf_status rc = llm_complete(&ep, &req, &ev, out, err);
-    if (rc == CF_OK && stream) {
-        /* every streamed piece reached on_text, on the caller's thread */
-        CHECK_STR(buf_cstr(&t.b), buf_cstr(&out->text));
+    if (t.bad || (rc == CF_OK && stream && strcmp(buf_cstr(&t.b), buf_cstr(&out->text)))) {
+        atomic_fetch_add(&g_inconsistent, 1);
     }
-    CHECK(!t.other_thread);
     buf_cleanup(&t.b);
     return rc;
 }
@@ -627,6 +628,7 @@ int main(void)
     test_broken();
     test_cap_and_free();
     test_shutdown();
+    CHECK(atomic_load(&g_inconsistent) == 0);
     fake_stop();
     curl_global_cleanup();
     return check_done("test_model_io");
