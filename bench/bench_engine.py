@@ -589,7 +589,8 @@ def section1(root, a):
             how = ('connect(2) calls of agentd to the model port under strace -f --seccomp-bpf, '
                    '%d conversations at 10 in flight (the fake model has no /_stats)' % n_c)
         per100 = 100.0 * conns / max(1, nconv)
-        line('model TCP connections per 100 conversations', '%.0f' % per100,
+        line('model TCP connections per 100 conversations',
+             '%.1f (%d for %d conversations)' % (per100, conns, nconv),
              "<= agentd's worker connections (%d)" % workers, per100 <= workers)
         print('    (%s)' % how)
 
