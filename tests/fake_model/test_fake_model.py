@@ -699,6 +699,41 @@ class KeepAliveTest(ServerCase):
                          {"connections": 1, "requests": 3})
 
 
+class BenchBrainTest(ServerCase):
+    """--brain bench: bash, then read of the named file, then a final answer, per message."""
+
+    def ask(self, fm, messages):
+        status, _, data = post(fm.base + "/v1/messages",
+                               anthropic_body(messages, stream=False, tools=tools_for("anthropic")),
+                               ANTHROPIC_HEADERS)
+        self.assertEqual(status, 200, data)
+        return json.loads(data)["content"]
+
+    def test_three_calls_then_again(self):
+        fm = self.start(extra=["--brain", "bench", "--delay-ms", "300"])
+        msgs = [{"role": "user", "content": "bench read=data/big.txt"}]
+        t0 = time.monotonic()
+        seen = []
+        for _ in range(3):
+            content = self.ask(fm, msgs)
+            msgs.append({"role": "assistant", "content": content})
+            uses = [c for c in content if c["type"] == "tool_use"]
+            seen.append([(u["name"], u["input"]) for u in uses])
+            if uses:
+                msgs.append({"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": u["id"], "content": "ok"}
+                    for u in uses]})
+        # every answer waited the server-wide delay
+        self.assertGreaterEqual(time.monotonic() - t0, 0.9)
+        self.assertEqual(seen, [[("bash", {"command": "echo hello"})],
+                                [("read", {"path": "data/big.txt"})], []])
+        # a new message after the final answer starts over
+        msgs.append({"role": "user", "content": "bench"})
+        content = self.ask(fm, msgs)
+        self.assertEqual([c["input"] for c in content if c["type"] == "tool_use"],
+                         [{"command": "echo hello"}])
+
+
 # -- the demo brain, through a real repair ---------------------------------------------------
 
 class Workspace:
