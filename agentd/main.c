@@ -20,6 +20,7 @@
 #include "failpoint.h"
 #include "log.h"
 #include "mem.h"
+#include "model_io.h"
 #include "pbtime.h"
 #include "thread.h"
 
@@ -527,6 +528,7 @@ int main(int argc, char **argv)
             pthread_join(threads[i], NULL);
         }
         free(threads);
+        model_io_shutdown();
         rpc_server_shutdown(srv, 0);
         rpc_server_free(srv);
         rpc_channel_free(g_agentd.store);
@@ -544,6 +546,7 @@ int main(int argc, char **argv)
         pthread_join(threads[i], NULL);
     }
     free(threads);
+    model_io_shutdown(); /* after the drives: none of them waits on a model call any more */
     rpc_server_free(srv);
     rpc_channel_free(g_agentd.store);
     rpc_global_shutdown();

@@ -1,11 +1,16 @@
-/* provider.c - the HTTP side of a model call: libcurl, streaming, cancellation, errors. */
+/* provider.c - the HTTP side of a model call, shared by every provider: the request (URL,
+ * headers, body), streaming (SSE) and whole answers, error classification, and the two ways to
+ * wait for the answer (llm_start's callback, llm_complete's condition variable). The transfer
+ * itself runs on model_io's event loop, over a kept-alive connection. */
 #include "provider.h"
 
+#include "clock.h"
 #include "log.h"
 #include "mem.h"
+#include "model_io.h"
 #include "sse.h"
 
-#include <curl/curl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,10 +44,88 @@ void llm_add_call(struct llm_response *r, const char *id, const char *name, cons
     r->n_calls++;
 }
 
-struct transfer {
-    const struct llm_request *req;
+/* ---------- helpers for the provider modules ---------- */
+
+const struct provider_wire *provider_wire_find(const char *provider)
+{
+    static const struct provider_wire *const wires[] = {&anthropic_wire, &openai_wire};
+    for (size_t i = 0; i < sizeof(wires) / sizeof(wires[0]); i++) {
+        if (provider && !strcmp(provider, wires[i]->name)) {
+            return wires[i];
+        }
+    }
+    return NULL;
+}
+
+json_t *llm_event_json(const char *who, const char *data, struct cf_error *err)
+{
+    json_error_t je;
+    json_t *j = json_loads(data, 0, &je);
+    if (!j) {
+        cf_error_set(err, CF_INVALID, "the %s stream sent invalid JSON (%s): %.80s", who, je.text,
+                     data);
+    }
+    return j;
+}
+
+enum cf_status llm_text_delta(struct llm_response *out, const struct llm_events *ev, json_t *piece,
+                              struct cf_error *err)
+{
+    const char *p = json_string_value(piece);
+    size_t n = json_string_length(piece);
+    if (!p || !n) {
+        return CF_OK;
+    }
+    if (buf_append(&out->text, p, n) != CF_OK) {
+        return cf_error_set(err, CF_TOOBIG, "the model's text passed %d bytes", PROVIDER_TEXT_MAX);
+    }
+    if (ev && ev->on_text) {
+        ev->on_text(ev->ctx, p, n);
+    }
+    return CF_OK;
+}
+
+enum cf_status llm_args_delta(struct buf *args, json_t *piece, struct cf_error *err)
+{
+    if (json_is_string(piece) &&
+        buf_append(args, json_string_value(piece), json_string_length(piece)) != CF_OK) {
+        return cf_error_set(err, CF_TOOBIG, "a tool call's arguments passed %zu bytes", args->max);
+    }
+    return CF_OK;
+}
+
+json_t *llm_tool_schema(const struct llm_tool *t)
+{
+    json_t *schema = json_loads(t->schema_json ? t->schema_json : "", 0, NULL);
+    if (!json_is_object(schema)) {
+        json_decref(schema);
+        schema = json_object();
+    }
+    return schema;
+}
+
+void llm_usage_read(json_t *usage, const char *in_key, const char *out_key,
+                    struct llm_response *out)
+{
+    json_t *in = json_object_get(usage, in_key), *o = json_object_get(usage, out_key);
+    if (json_is_integer(in)) {
+        out->input_tokens = json_integer_value(in);
+    }
+    if (json_is_integer(o)) {
+        out->output_tokens = json_integer_value(o);
+    }
+}
+
+/* ---------- one call: state on the model I/O loop ---------- */
+
+struct call {
+    const struct provider_wire *wire;
+    bool stream;
     const struct llm_events *ev;
     struct llm_response *out;
+    llm_done_fn done;
+    void *done_ctx;
+    char *url;
     struct buf body; /* whole body when not streaming, or an error body */
     struct sse sse;
     void *stream_state;
@@ -50,205 +133,344 @@ struct transfer {
     int64_t retry_after_ms;
     enum cf_status parse_rc;
     struct cf_error parse_err;
-    bool cancelled;
     bool not_sse; /* a 2xx answer to a streaming request that is not text/event-stream */
 };
 
+static void call_free(struct call *c)
+{
+    free(c->url);
+    buf_cleanup(&c->body);
+    sse_cleanup(&c->sse);
+    c->wire->stream_free(c->stream_state);
+    free(c);
+}
+
 static bool on_sse(void *ctx, const char *event, const char *data)
 {
-    struct transfer *t = ctx;
+    struct call *c = ctx;
     enum cf_status rc =
-        !strcmp(t->req->provider, "anthropic")
-            ? anthropic_parse_event(t->stream_state, event, data, t->ev, t->out, &t->parse_err)
-            : openai_parse_event(t->stream_state, event, data, t->ev, t->out, &t->parse_err);
+        c->wire->parse_event(c->stream_state, event, data, c->ev, c->out, &c->parse_err);
     if (rc != CF_OK) {
-        t->parse_rc = rc;
+        c->parse_rc = rc;
         return false;
     }
     return true;
 }
 
-static size_t on_header(char *p, size_t size, size_t n, void *ctx)
+static bool on_header(void *ctx, const char *p, size_t len)
 {
-    struct transfer *t = ctx;
-    size_t len = size * n;
-    if (len > 12 && !strncasecmp(p, "retry-after:", 12)) {
-        double secs = atof(p + 12);
+    struct call *c = ctx;
+    if (len > 5 && !strncmp(p, "HTTP/", 5)) {
+        /* a new status line (after a 100 Continue, say) starts the headers over */
+        const char *sp = memchr(p, ' ', len);
+        c->status = sp ? strtol(sp + 1, NULL, 10) : 0;
+        c->not_sse = false;
+        c->retry_after_ms = 0;
+    } else if (len > 13 && !strncasecmp(p, "content-type:", 13)) {
+        c->not_sse = !memmem(p, len, "text/event-stream", 17);
+    } else if (len > 12 && !strncasecmp(p, "retry-after:", 12)) {
+        char v[32];
+        snprintf(v, sizeof(v), "%.*s", (int)(len - 12), p + 12);
+        double secs = atof(v);
         if (secs > 0 && secs < 3600) {
-            t->retry_after_ms = (int64_t)(secs * 1000);
+            c->retry_after_ms = (int64_t)(secs * 1000);
         }
     }
-    return len;
+    return true;
 }
 
-static size_t on_body(char *p, size_t size, size_t n, void *ctx)
+static bool on_body(void *ctx, const char *p, size_t len)
 {
-    struct transfer *t = ctx;
-    size_t len = size * n;
-    if (t->req->stream && t->status >= 200 && t->status < 300 && !t->not_sse) {
-        if (!sse_feed(&t->sse, p, len)) {
-            if (t->parse_rc == CF_OK) {
-                t->parse_rc = cf_error_set(&t->parse_err, CF_INVALID,
+    struct call *c = ctx;
+    if (c->stream && c->status >= 200 && c->status < 300 && !c->not_sse) {
+        if (!sse_feed(&c->sse, p, len)) {
+            if (c->parse_rc == CF_OK) {
+                c->parse_rc = cf_error_set(&c->parse_err, CF_INVALID,
                                            "the provider's event stream has a line over %d bytes",
                                            PROVIDER_RESPONSE_MAX);
             }
-            return 0;
+            return false;
         }
-        return len;
+        return true;
     }
-    if (buf_append(&t->body, p, len) != CF_OK) {
-        return 0;
+    if (buf_append(&c->body, p, len) != CF_OK) {
+        c->parse_rc = cf_error_set(&c->parse_err, CF_TOOBIG, "the %s API's answer passed %d bytes",
+                                   c->wire->name, PROVIDER_RESPONSE_MAX);
+        return false;
     }
-    return len;
+    return true;
 }
 
-static int on_progress(void *ctx, curl_off_t a, curl_off_t b, curl_off_t c, curl_off_t d)
+static bool on_cancelled(void *ctx)
 {
-    struct transfer *t = ctx;
-    if (t->ev && t->ev->cancelled && t->ev->cancelled(t->ev->ctx)) {
-        t->cancelled = true;
-        return 1; /* abort the transfer now */
-    }
-    return 0;
+    struct call *c = ctx;
+    return c->ev->cancelled(c->ev->ctx);
 }
 
-static size_t on_header_with_status(char *p, size_t size, size_t n, void *ctx)
+/* classify turns an HTTP error answer into a status and message. */
+static enum cf_status classify(struct call *c, struct cf_error *err)
 {
-    struct transfer *t = ctx;
-    if (size * n > 5 && !strncmp(p, "HTTP/", 5)) {
-        const char *sp = strchr(p, ' ');
-        t->status = sp ? strtol(sp + 1, NULL, 10) : 0;
-        t->not_sse = false;
-    }
-    if (size * n > 13 && !strncasecmp(p, "content-type:", 13)) {
-        t->not_sse = !strstr(p, "text/event-stream");
-    }
-    return on_header(p, size, n, ctx);
-}
-
-/* classify turns an HTTP error into a status and message. */
-static enum cf_status classify(struct transfer *t, struct cf_error *err)
-{
-    long s = t->status;
-    const char *body = buf_cstr(&t->body);
+    long s = c->status;
+    const char *who = c->wire->name;
     char msg[300] = "";
-    json_t *j = json_loads(body, 0, NULL);
-    json_t *e = j ? json_object_get(j, "error") : NULL;
-    const char *m = json_string_value(json_object_get(e, "message"));
-    snprintf(msg, sizeof(msg), "%s", m ? m : (t->body.len ? "(no error message)" : "(empty body)"));
+    json_t *j = json_loads(buf_cstr(&c->body), 0, NULL);
+    const char *m = json_string_value(json_object_get(json_object_get(j, "error"), "message"));
+    snprintf(msg, sizeof(msg), "%s", m ? m : (c->body.len ? "(no error message)" : "(empty body)"));
     json_decref(j);
-    t->out->http_status = (int)s;
-    t->out->retry_after_ms = t->retry_after_ms;
-    t->out->retryable = s == 408 || s == 409 || s == 429 || s >= 500;
-    t->out->context_overflow =
+    struct llm_response *out = c->out;
+    out->http_status = (int)s;
+    out->retry_after_ms = c->retry_after_ms;
+    out->retryable = s == 408 || s == 409 || s == 429 || s >= 500;
+    out->context_overflow =
         s == 400 && (strstr(msg, "context") || strstr(msg, "too long") || strstr(msg, "maximum"));
     if (s == 401 || s == 403) {
         return cf_error_set(err, CF_INVALID,
                             "the %s API refused the credentials (HTTP %ld): %s; check the API key",
-                            t->req->provider, s, msg);
+                            who, s, msg);
     }
-    return cf_error_set(err, t->out->retryable ? CF_UNAVAILABLE : CF_INVALID,
-                        "the %s API answered HTTP %ld: %s", t->req->provider, s, msg);
+    return cf_error_set(err, out->retryable ? CF_UNAVAILABLE : CF_INVALID,
+                        "the %s API answered HTTP %ld: %s", who, s, msg);
+}
+
+/* verdict decides what a finished transfer means for the call. */
+static enum cf_status verdict(struct call *c, const struct model_io_result *res,
+                              struct cf_error *err)
+{
+    struct llm_response *out = c->out;
+    const char *who = c->wire->name;
+    if (res->status == CF_CANCELLED) {
+        return cf_error_set(err, CF_CANCELLED, "the model call was cancelled (%s)", res->err.msg);
+    }
+    if (c->parse_rc != CF_OK) {
+        /* the provider said what went wrong in its stream (an overload may be retried), or
+         * the stream was broken, which a retry will not mend */
+        *err = c->parse_err;
+        out->retryable = out->retryable && c->parse_rc == CF_UNAVAILABLE;
+        return c->parse_rc;
+    }
+    if (res->status != CF_OK) {
+        out->retryable = true;
+        if (c->status) {
+            return cf_error_set(err, CF_UNAVAILABLE,
+                                "the connection to the %s API broke during the answer: %s", who,
+                                res->err.msg);
+        }
+        return cf_error_set(err, CF_UNAVAILABLE, "the %s API could not be reached at %s: %s", who,
+                            c->url, res->err.msg);
+    }
+    if (c->status < 200 || c->status >= 300) {
+        return classify(c, err);
+    }
+    if (!c->stream || c->not_sse) {
+        /* to a streaming request, a whole JSON message is acceptable; anything else is a
+         * broken provider, which a retry will not mend */
+        enum cf_status rc = c->wire->parse_body(buf_cstr(&c->body), c->body.len, out, err);
+        if (c->stream) {
+            out->retryable = false;
+        }
+        return rc;
+    }
+    if (!out->stop_reason[0]) {
+        out->retryable = true;
+        return cf_error_set(err, CF_UNAVAILABLE,
+                            "the %s stream ended before the message was complete", who);
+    }
+    return CF_OK;
+}
+
+static void on_done(void *ctx, const struct model_io_result *res)
+{
+    struct call *c = ctx;
+    struct cf_error err;
+    cf_error_clear(&err);
+    enum cf_status rc = verdict(c, res, &err);
+    llm_done_fn done = c->done;
+    void *done_ctx = c->done_ctx;
+    call_free(c);
+    done(done_ctx, rc, &err);
+}
+
+/* request_url joins the base URL and the wire's path, not repeating a /v1 the base ends
+ * with (OpenAI-compatible base URLs usually carry it). */
+static char *request_url(const char *base, const char *path)
+{
+    size_t blen = strlen(base);
+    while (blen && base[blen - 1] == '/') {
+        blen--;
+    }
+    if (blen >= 3 && !strncmp(base + blen - 3, "/v1", 3) && !strncmp(path, "/v1/", 4)) {
+        path += 3;
+    }
+    return mem_asprintf("%.*s%s", (int)blen, base, path);
+}
+
+enum cf_status llm_start(const struct provider_endpoint *ep, const struct llm_request *req,
+                         const struct llm_events *ev, struct llm_response *out, llm_done_fn done,
+                         void *done_ctx, uint64_t *out_id, struct cf_error *err)
+{
+    const struct provider_wire *wire = provider_wire_find(req->provider);
+    if (!wire) {
+        return cf_error_set(err, CF_INVALID, "unknown model provider '%s'",
+                            req->provider ? req->provider : "");
+    }
+    json_t *body = wire->build(req);
+    char *payload = json_dumps(body, JSON_COMPACT);
+    json_decref(body);
+    if (!payload) {
+        return cf_error_set(err, CF_INVALID, "the request to the %s API could not be encoded",
+                            wire->name);
+    }
+    struct call *c = mem_alloc(sizeof(*c));
+    c->wire = wire;
+    c->stream = req->stream;
+    c->ev = ev;
+    c->out = out;
+    c->done = done;
+    c->done_ctx = done_ctx;
+    c->url = request_url(ep->base_url, wire->path);
+    buf_init(&c->body, PROVIDER_RESPONSE_MAX);
+    sse_init(&c->sse, PROVIDER_RESPONSE_MAX, on_sse, c);
+    c->stream_state = wire->stream_new();
+
+    char *auth = mem_asprintf("%s%s", wire->auth_prefix, ep->api_key ? ep->api_key : "");
+    const char *headers[5];
+    size_t n = 0;
+    headers[n++] = "content-type: application/json";
+    headers[n++] = auth;
+    if (wire->extra_header) {
+        headers[n++] = wire->extra_header;
+    }
+    if (req->stream) {
+        headers[n++] = "accept: text/event-stream";
+    }
+    headers[n++] = "expect:"; /* no 100-continue round trip before a large body */
+    int64_t timeout = ep->timeout_ms > 0 ? ep->timeout_ms : 600000;
+    if (req->timeout_ms > 0 && req->timeout_ms < timeout) {
+        timeout = req->timeout_ms;
+    }
+    struct model_io_request r = {
+        .url = c->url,
+        .headers = headers,
+        .n_headers = n,
+        .body_take = payload,
+        .body_len = strlen(payload),
+        .timeout_ms = timeout,
+        .connect_timeout_ms = 10000,
+        .stall_ms = 60000, /* a stream without a byte for 60 s is a network failure */
+        .on_header = on_header,
+        .on_body = on_body,
+        .cancelled = ev && ev->cancelled ? on_cancelled : NULL,
+        .on_done = on_done,
+        .ctx = c,
+    };
+    enum cf_status rc = model_io_shared_start(&r, out_id, err);
+    free(auth);
+    if (rc != CF_OK) {
+        out->retryable = rc == CF_BUSY;
+        call_free(c);
+    }
+    return rc;
+}
+
+void llm_cancel(uint64_t id)
+{
+    model_io_shared_cancel(id);
+}
+
+/* ---------- llm_complete: a call the calling thread waits for ---------- */
+
+struct waiter {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done;
+    enum cf_status rc;
+    struct cf_error err;
+    struct buf text; /* streamed text not yet passed to the caller's on_text */
+};
+
+static void waiter_text(void *ctx, const char *p, size_t n)
+{
+    struct waiter *w = ctx;
+    pthread_mutex_lock(&w->mu);
+    /* the response's own text is capped at the same size, so this append fits */
+    if (buf_append(&w->text, p, n) == CF_OK) {
+        pthread_cond_signal(&w->cv);
+    }
+    pthread_mutex_unlock(&w->mu);
+}
+
+static void waiter_done(void *ctx, enum cf_status rc, const struct cf_error *err)
+{
+    struct waiter *w = ctx;
+    pthread_mutex_lock(&w->mu);
+    w->done = true;
+    w->rc = rc;
+    w->err = *err;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+/* pass_text hands the text streamed so far to the caller's on_text, without w->mu held (it
+ * may block). Called with w->mu held; returns with it held. */
+static void pass_text(struct waiter *w, const struct llm_events *ev)
+{
+    while (w->text.len) {
+        char *text = buf_take(&w->text);
+        size_t n = strlen(text);
+        pthread_mutex_unlock(&w->mu);
+        if (ev && ev->on_text) {
+            ev->on_text(ev->ctx, text, n);
+        }
+        free(text);
+        pthread_mutex_lock(&w->mu);
+    }
 }
 
 enum cf_status llm_complete(const struct provider_endpoint *ep, const struct llm_request *req,
                             const struct llm_events *ev, struct llm_response *out,
                             struct cf_error *err)
 {
-    bool anthropic = !strcmp(req->provider, "anthropic");
-    json_t *body = anthropic ? anthropic_build(req) : openai_build(req);
-    char *payload = json_dumps(body, JSON_COMPACT);
-    json_decref(body);
-    char url[1024], auth[1024];
-    const char *base = ep->base_url;
-    size_t blen = strlen(base);
-    while (blen && base[blen - 1] == '/') {
-        blen--;
+    struct waiter w = {.rc = CF_OK};
+    pthread_mutex_init(&w.mu, NULL);
+    pthread_cond_init(&w.cv, NULL);
+    buf_init(&w.text, PROVIDER_TEXT_MAX);
+    struct llm_events inner = {.on_text = ev && ev->on_text ? waiter_text : NULL, .ctx = &w};
+    uint64_t id = 0;
+    enum cf_status rc = llm_start(ep, req, &inner, out, waiter_done, &w, &id, err);
+    if (rc == CF_OK) {
+        bool cancel_sent = false;
+        pthread_mutex_lock(&w.mu);
+        while (!w.done) {
+            pass_text(&w, ev);
+            if (w.done) {
+                break;
+            }
+            bool poll = !cancel_sent && ev && ev->cancelled;
+            if (poll) {
+                struct timespec ts;
+                clock_deadline(&ts, MODEL_IO_CANCEL_POLL_MS);
+                pthread_cond_timedwait(&w.cv, &w.mu, &ts);
+            } else {
+                pthread_cond_wait(&w.cv, &w.mu);
+            }
+            if (!w.done && poll) {
+                pthread_mutex_unlock(&w.mu);
+                if (ev->cancelled(ev->ctx)) {
+                    llm_cancel(id);
+                    cancel_sent = true;
+                }
+                pthread_mutex_lock(&w.mu);
+            }
+        }
+        pass_text(&w, ev);
+        pthread_mutex_unlock(&w.mu);
+        rc = w.rc;
+        if (err) {
+            *err = w.err;
+        }
     }
-    if (anthropic) {
-        snprintf(url, sizeof(url), "%.*s/v1/messages", (int)blen, base);
-    } else if (blen >= 3 && !strncmp(base + blen - 3, "/v1", 3)) {
-        snprintf(url, sizeof(url), "%.*s/chat/completions", (int)blen, base);
-    } else {
-        snprintf(url, sizeof(url), "%.*s/v1/chat/completions", (int)blen, base);
-    }
-    struct curl_slist *h = NULL;
-    h = curl_slist_append(h, "content-type: application/json");
-    if (anthropic) {
-        snprintf(auth, sizeof(auth), "x-api-key: %s", ep->api_key ? ep->api_key : "");
-        h = curl_slist_append(h, auth);
-        h = curl_slist_append(h, "anthropic-version: 2023-06-01");
-    } else {
-        snprintf(auth, sizeof(auth), "authorization: Bearer %s", ep->api_key ? ep->api_key : "");
-        h = curl_slist_append(h, auth);
-    }
-    if (req->stream) {
-        h = curl_slist_append(h, "accept: text/event-stream");
-    }
-    struct transfer t = {.req = req, .ev = ev, .out = out};
-    buf_init(&t.body, PROVIDER_RESPONSE_MAX);
-    sse_init(&t.sse, PROVIDER_RESPONSE_MAX, on_sse, &t);
-    t.stream_state = anthropic ? anthropic_stream_new() : openai_stream_new();
-
-    CURL *curl = curl_easy_init();
-    curl_easy_setopt(curl, CURLOPT_URL, url);
-    curl_easy_setopt(curl, CURLOPT_HTTPHEADER, h);
-    curl_easy_setopt(curl, CURLOPT_POSTFIELDS, payload);
-    curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, on_body);
-    curl_easy_setopt(curl, CURLOPT_WRITEDATA, &t);
-    curl_easy_setopt(curl, CURLOPT_HEADERFUNCTION, on_header_with_status);
-    curl_easy_setopt(curl, CURLOPT_HEADERDATA, &t);
-    curl_easy_setopt(curl, CURLOPT_XFERINFOFUNCTION, on_progress);
-    curl_easy_setopt(curl, CURLOPT_XFERINFODATA, &t);
-    curl_easy_setopt(curl, CURLOPT_NOPROGRESS, 0L);
-    curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, 10000L);
-    int64_t timeout = ep->timeout_ms > 0 ? ep->timeout_ms : 600000;
-    if (req->timeout_ms > 0 && req->timeout_ms < timeout) {
-        timeout = req->timeout_ms;
-    }
-    curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, (long)timeout);
-    /* a stalled stream (no byte for 60 s) is a network failure */
-    curl_easy_setopt(curl, CURLOPT_LOW_SPEED_LIMIT, 1L);
-    curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME, 60L);
-    curl_easy_setopt(curl, CURLOPT_USERAGENT, "cflue-agentd/0.1");
-    CURLcode cc = curl_easy_perform(curl);
-    curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &t.status);
-    enum cf_status rc = CF_OK;
-    if (t.cancelled) {
-        rc = cf_error_set(err, CF_CANCELLED, "the model call was cancelled");
-    } else if (t.parse_rc != CF_OK) {
-        *err = t.parse_err;
-        rc = t.parse_rc;
-        out->retryable = false;
-    } else if (cc != CURLE_OK) {
-        out->retryable = true;
-        rc = cf_error_set(err, CF_UNAVAILABLE, "the %s API could not be reached at %s: %s",
-                          req->provider, url, curl_easy_strerror(cc));
-    } else if (t.status < 200 || t.status >= 300) {
-        rc = classify(&t, err);
-    } else if (req->stream && t.not_sse) {
-        /* a whole JSON message is acceptable; anything else is a broken provider */
-        rc = anthropic ? anthropic_parse_body(buf_cstr(&t.body), t.body.len, out, err)
-                       : openai_parse_body(buf_cstr(&t.body), t.body.len, out, err);
-        out->retryable = false;
-    } else if (!req->stream) {
-        rc = anthropic ? anthropic_parse_body(buf_cstr(&t.body), t.body.len, out, err)
-                       : openai_parse_body(buf_cstr(&t.body), t.body.len, out, err);
-    } else if (!out->stop_reason[0]) {
-        out->retryable = true;
-        rc = cf_error_set(err, CF_UNAVAILABLE,
-                          "the %s stream ended before the message was complete", req->provider);
-    }
-    curl_easy_cleanup(curl);
-    curl_slist_free_all(h);
-    free(payload);
-    buf_cleanup(&t.body);
-    sse_cleanup(&t.sse);
-    if (anthropic) {
-        anthropic_stream_free(t.stream_state);
-    } else {
-        openai_stream_free(t.stream_state);
-    }
+    buf_cleanup(&w.text);
+    pthread_cond_destroy(&w.cv);
+    pthread_mutex_destroy(&w.mu);
     return rc;
 }

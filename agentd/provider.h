@@ -2,9 +2,14 @@
  *
  * The turn loop builds a provider-neutral request (system prompt, messages, tools); each
  * provider module turns it into its wire format (Anthropic Messages, OpenAI Chat
- * Completions), sends it with libcurl, streams text deltas to a callback as they arrive, and
- * fills a neutral response: text, tool calls, stop reason, usage. Errors are classified as
+ * Completions) and parses the answers; provider.c sends it through model_io (one event loop,
+ * connections kept alive), streams text deltas to a callback as they arrive, and fills a
+ * neutral response: text, tool calls, stop reason, usage. Errors are classified as
  * retryable (rate limit, overload, 5xx, network, timeout) or not, with retry-after honoured.
+ *
+ * Two ways to call: llm_start (asynchronous: the caller gets a completion callback on the
+ * model I/O loop, for a drive stepped by events) and llm_complete (blocks the calling thread
+ * until the answer, with callbacks on that thread).
  */
 #ifndef CFLUE_AGENTD_PROVIDER_H
 #define CFLUE_AGENTD_PROVIDER_H
@@ -82,6 +87,10 @@ struct llm_events {
     void *ctx;
 };
 
+/* llm_done_fn gets the end of an llm_start call: rc as llm_complete returns it, err its
+ * reason (valid during the call only). */
+typedef void (*llm_done_fn)(void *ctx, enum cf_status rc, const struct cf_error *err);
+
 struct provider_endpoint {
     const char *base_url; /* e.g. https://api.anthropic.com */
     const char *api_key;
@@ -92,13 +101,82 @@ struct provider_endpoint {
 void llm_response_init(struct llm_response *r);
 void llm_response_cleanup(struct llm_response *r);
 
-/* llm_complete makes one model call. CF_OK with the response filled; CF_CANCELLED when
- * events->cancelled said so (the transfer is abandoned at once); CF_UNAVAILABLE (retryable
- * set when a retry may help) or CF_INVALID for provider errors, with the message in err. */
+/* llm_complete makes one model call and waits for it. CF_OK with the response filled;
+ * CF_CANCELLED when events->cancelled said so (asked every MODEL_IO_CANCEL_POLL_MS on the
+ * calling thread; the transfer is abandoned at once) or model I/O shut down; CF_UNAVAILABLE
+ * (retryable set when a retry may help) or CF_INVALID for provider errors, CF_BUSY when
+ * too many calls are in flight (retryable), with the message in err. events->on_text runs on
+ * the calling thread (it may block) with the text streamed so far; events may be NULL. The
+ * connection is kept for the next call (model_io.h). */
 CF_MUST_CHECK enum cf_status llm_complete(const struct provider_endpoint *ep,
                                           const struct llm_request *req,
                                           const struct llm_events *events, struct llm_response *out,
                                           struct cf_error *err);
+
+/* llm_start starts one model call on the shared model I/O loop and returns at once. CF_OK
+ * with *out_id set: done is called exactly once, on the loop thread, when the call ends, with
+ * what llm_complete would return; out is filled on the loop thread and may be read once done
+ * runs. req and ep are read during llm_start only (the body, URL and headers are copied);
+ * events and out must stay valid until done. events->on_text and events->cancelled run on
+ * the loop thread and must not block (model_io.h); so must done. On failure (CF_BUSY past the
+ * cap on calls in flight, CF_CANCELLED while model I/O shuts down, CF_INVALID for an unknown
+ * provider) done is never called; err says why and out->retryable is set for CF_BUSY. */
+CF_MUST_CHECK enum cf_status llm_start(const struct provider_endpoint *ep,
+                                       const struct llm_request *req,
+                                       const struct llm_events *events, struct llm_response *out,
+                                       llm_done_fn done, void *done_ctx, uint64_t *out_id,
+                                       struct cf_error *err);
+
+/* llm_cancel ends the call id at once: its done gets CF_CANCELLED shortly after, on the loop
+ * thread. A no-op once the call has ended. Thread-safe, idempotent. */
+void llm_cancel(uint64_t id);
+
+/* ---------- for the provider modules ---------- */
+
+/* A provider's wire format: where the request goes, how it is authenticated, how its body is
+ * built and its answers parsed. One per provider module. */
+struct provider_wire {
+    const char *name;         /* as in agent definitions: "anthropic", "openai" */
+    const char *path;         /* appended to the base URL (its /v1 is not repeated) */
+    const char *auth_prefix;  /* the header line that carries the API key, up to the key */
+    const char *extra_header; /* a fixed header line, or NULL */
+    json_t *(*build)(const struct llm_request *req);
+    enum cf_status (*parse_body)(const char *body, size_t len, struct llm_response *out,
+                                 struct cf_error *err);
+    enum cf_status (*parse_event)(void *state, const char *event, const char *data,
+                                  const struct llm_events *ev, struct llm_response *out,
+                                  struct cf_error *err);
+    void *(*stream_new)(void);
+    void (*stream_free)(void *state);
+};
+
+extern const struct provider_wire anthropic_wire;
+extern const struct provider_wire openai_wire;
+
+/* provider_wire_find returns the wire format of a provider name, or NULL. */
+const struct provider_wire *provider_wire_find(const char *provider);
+
+/* llm_event_json parses one streamed event's data. NULL (err says what was wrong, naming the
+ * provider's stream `who`) when it is not JSON. The caller decrefs the result. */
+json_t *llm_event_json(const char *who, const char *data, struct cf_error *err);
+
+/* llm_text_delta appends a piece of the model's text to out and passes it to ev->on_text.
+ * CF_TOOBIG (err set, nothing passed on) past PROVIDER_TEXT_MAX. */
+CF_MUST_CHECK enum cf_status llm_text_delta(struct llm_response *out, const struct llm_events *ev,
+                                            json_t *piece, struct cf_error *err);
+
+/* llm_args_delta appends a piece of a streamed tool call's arguments to args. CF_TOOBIG (err
+ * set) past args' cap. */
+CF_MUST_CHECK enum cf_status llm_args_delta(struct buf *args, json_t *piece, struct cf_error *err);
+
+/* llm_tool_schema returns a tool's parameter schema as a new JSON object ({} when its text is
+ * not an object). */
+json_t *llm_tool_schema(const struct llm_tool *t);
+
+/* llm_usage_read copies the integer fields in_key and out_key of a usage object into out's
+ * token counts; absent fields (or a NULL key) leave them unchanged. */
+void llm_usage_read(json_t *usage, const char *in_key, const char *out_key,
+                    struct llm_response *out);
 
 /* Provider modules: build the request body; parse a non-streamed body or one SSE event. */
 json_t *anthropic_build(const struct llm_request *req);

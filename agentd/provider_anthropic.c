@@ -72,11 +72,10 @@ json_t *anthropic_build(const struct llm_request *req)
     if (req->n_tools) {
         json_t *tools = json_array();
         for (size_t i = 0; i < req->n_tools; i++) {
-            json_t *schema = json_loads(req->tools[i].schema_json, 0, NULL);
             json_array_append_new(tools,
                                   json_pack("{s:s, s:s, s:o}", "name", req->tools[i].name,
                                             "description", req->tools[i].description,
-                                            "input_schema", schema ? schema : json_object()));
+                                            "input_schema", llm_tool_schema(&req->tools[i])));
         }
         json_object_set_new(body, "tools", tools);
     }
@@ -85,13 +84,7 @@ json_t *anthropic_build(const struct llm_request *req)
 
 static void usage_from(json_t *u, struct llm_response *out)
 {
-    json_t *in = json_object_get(u, "input_tokens"), *o = json_object_get(u, "output_tokens");
-    if (json_is_integer(in)) {
-        out->input_tokens = json_integer_value(in);
-    }
-    if (json_is_integer(o)) {
-        out->output_tokens = json_integer_value(o);
-    }
+    llm_usage_read(u, "input_tokens", "output_tokens", out);
 }
 
 enum cf_status anthropic_parse_body(const char *body, size_t len, struct llm_response *out,
@@ -156,12 +149,10 @@ enum cf_status anthropic_parse_event(void *state, const char *event, const char 
                                      struct cf_error *err)
 {
     struct astream *s = state;
-    json_error_t je;
-    json_t *j = json_loads(data, 0, &je);
+    json_t *j = llm_event_json("Anthropic", data, err);
     enum cf_status rc = CF_OK;
     if (!j) {
-        return cf_error_set(err, CF_INVALID, "the Anthropic stream sent invalid JSON (%s): %.80s",
-                            je.text, data);
+        return CF_INVALID;
     }
     const char *type = json_string_value(json_object_get(j, "type"));
     if (!type) {
@@ -187,19 +178,9 @@ enum cf_status anthropic_parse_event(void *state, const char *event, const char 
         json_t *d = json_object_get(j, "delta");
         const char *dt = json_string_value(json_object_get(d, "type"));
         if (dt && !strcmp(dt, "text_delta")) {
-            json_t *t = json_object_get(d, "text");
-            if (buf_append(&out->text, json_string_value(t), json_string_length(t)) != CF_OK) {
-                rc = cf_error_set(err, CF_TOOBIG, "the model's text passed %d bytes",
-                                  PROVIDER_TEXT_MAX);
-            } else if (ev && ev->on_text) {
-                ev->on_text(ev->ctx, json_string_value(t), json_string_length(t));
-            }
+            rc = llm_text_delta(out, ev, json_object_get(d, "text"), err);
         } else if (dt && !strcmp(dt, "input_json_delta")) {
-            json_t *p = json_object_get(d, "partial_json");
-            if (buf_append(&s->args, json_string_value(p), json_string_length(p)) != CF_OK) {
-                rc = cf_error_set(err, CF_TOOBIG, "a tool call's arguments passed %d bytes",
-                                  PROVIDER_RESPONSE_MAX);
-            }
+            rc = llm_args_delta(&s->args, json_object_get(d, "partial_json"), err);
         }
     } else if (!strcmp(type, "content_block_stop") && i >= 0 && i < 256) {
         if (s->block_type[i] == 2 && s->args.len) {
@@ -214,10 +195,7 @@ enum cf_status anthropic_parse_event(void *state, const char *event, const char 
         if (stop) {
             snprintf(out->stop_reason, sizeof(out->stop_reason), "%s", stop);
         }
-        json_t *u = json_object_get(j, "usage");
-        if (json_is_integer(json_object_get(u, "output_tokens"))) {
-            out->output_tokens = json_integer_value(json_object_get(u, "output_tokens"));
-        }
+        llm_usage_read(json_object_get(j, "usage"), NULL, "output_tokens", out);
     } else if (!strcmp(type, "error")) {
         json_t *e = json_object_get(j, "error");
         const char *et = json_string_value(json_object_get(e, "type"));
@@ -230,3 +208,15 @@ enum cf_status anthropic_parse_event(void *state, const char *event, const char 
     json_decref(j);
     return rc;
 }
+
+const struct provider_wire anthropic_wire = {
+    .name = "anthropic",
+    .path = "/v1/messages",
+    .auth_prefix = "x-api-key: ",
+    .extra_header = "anthropic-version: 2023-06-01",
+    .build = anthropic_build,
+    .parse_body = anthropic_parse_body,
+    .parse_event = anthropic_parse_event,
+    .stream_new = anthropic_stream_new,
+    .stream_free = anthropic_stream_free,
+};

@@ -67,11 +67,10 @@ json_t *openai_build(const struct llm_request *req)
     if (req->n_tools) {
         json_t *tools = json_array();
         for (size_t i = 0; i < req->n_tools; i++) {
-            json_t *schema = json_loads(req->tools[i].schema_json, 0, NULL);
             json_array_append_new(tools, json_pack("{s:s, s:{s:s, s:s, s:o}}", "type", "function",
                                                    "function", "name", req->tools[i].name,
                                                    "description", req->tools[i].description,
-                                                   "parameters", schema ? schema : json_object()));
+                                                   "parameters", llm_tool_schema(&req->tools[i])));
         }
         json_object_set_new(body, "tools", tools);
     }
@@ -80,13 +79,7 @@ json_t *openai_build(const struct llm_request *req)
 
 static void usage_from(json_t *u, struct llm_response *out)
 {
-    json_t *in = json_object_get(u, "prompt_tokens"), *o = json_object_get(u, "completion_tokens");
-    if (json_is_integer(in)) {
-        out->input_tokens = json_integer_value(in);
-    }
-    if (json_is_integer(o)) {
-        out->output_tokens = json_integer_value(o);
-    }
+    llm_usage_read(u, "prompt_tokens", "completion_tokens", out);
 }
 
 static void set_stop(struct llm_response *out, const char *finish)
@@ -177,11 +170,9 @@ enum cf_status openai_parse_event(void *state, const char *event, const char *da
         s->done = true;
         return CF_OK;
     }
-    json_error_t je;
-    json_t *j = json_loads(data, 0, &je);
+    json_t *j = llm_event_json("OpenAI", data, err);
     if (!j) {
-        return cf_error_set(err, CF_INVALID, "the OpenAI stream sent invalid JSON (%s): %.80s",
-                            je.text, data);
+        return CF_INVALID;
     }
     enum cf_status rc = CF_OK;
     json_t *e = json_object_get(j, "error");
@@ -195,16 +186,7 @@ enum cf_status openai_parse_event(void *state, const char *event, const char *da
     }
     json_t *choice = json_array_get(json_object_get(j, "choices"), 0);
     json_t *delta = json_object_get(choice, "delta");
-    json_t *content = json_object_get(delta, "content");
-    if (json_is_string(content) && json_string_length(content)) {
-        if (buf_append(&out->text, json_string_value(content), json_string_length(content)) !=
-            CF_OK) {
-            rc =
-                cf_error_set(err, CF_TOOBIG, "the model's text passed %d bytes", PROVIDER_TEXT_MAX);
-        } else if (ev && ev->on_text) {
-            ev->on_text(ev->ctx, json_string_value(content), json_string_length(content));
-        }
-    }
+    rc = llm_text_delta(out, ev, json_object_get(delta, "content"), err);
     size_t i;
     json_t *tc;
     json_array_foreach(json_object_get(delta, "tool_calls"), i, tc)
@@ -229,11 +211,9 @@ enum cf_status openai_parse_event(void *state, const char *event, const char *da
             free(out->calls[idx].name);
             out->calls[idx].name = mem_strdup(name);
         }
-        json_t *args = json_object_get(f, "arguments");
-        if (json_is_string(args) &&
-            buf_append(&s->args[idx], json_string_value(args), json_string_length(args)) != CF_OK) {
-            rc = cf_error_set(err, CF_TOOBIG, "a tool call's arguments passed %d bytes",
-                              PROVIDER_RESPONSE_MAX);
+        enum cf_status arc = llm_args_delta(&s->args[idx], json_object_get(f, "arguments"), err);
+        if (arc != CF_OK) {
+            rc = arc;
         }
     }
     const char *finish = json_string_value(json_object_get(choice, "finish_reason"));
@@ -249,3 +229,15 @@ enum cf_status openai_parse_event(void *state, const char *event, const char *da
     (void)event;
     return rc;
 }
+
+const struct provider_wire openai_wire = {
+    .name = "openai",
+    .path = "/v1/chat/completions",
+    .auth_prefix = "authorization: Bearer ",
+    .extra_header = NULL,
+    .build = openai_build,
+    .parse_body = openai_parse_body,
+    .parse_event = openai_parse_event,
+    .stream_new = openai_stream_new,
+    .stream_free = openai_stream_free,
+};

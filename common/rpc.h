@@ -93,6 +93,13 @@ void rpc_server_set_serving(struct rpc_server *s, bool serving);
  * every server thread joined. Idempotent. */
 void rpc_server_shutdown(struct rpc_server *s, int grace_ms);
 
+/* rpc_server_method_calls returns how many calls of a registered method (full path) the
+ * server has received so far, refused and failed ones included; 0 for an unknown path.
+ * Thread-safe and cheap (a relaxed atomic per method, counted when the call arrives). With
+ * CFLUE_RPC_STATS=1 in the environment, rpc_server_shutdown also logs one line per method,
+ * "rpc_stats method=/cflue.v1.Store/Claim calls=N" (level info). */
+uint64_t rpc_server_method_calls(struct rpc_server *s, const char *path);
+
 /* rpc_server_free releases a server after rpc_server_shutdown (NULL is fine). */
 void rpc_server_free(struct rpc_server *s);
 

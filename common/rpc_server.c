@@ -35,6 +35,7 @@
 #include <grpc/support/alloc.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,7 +63,8 @@ struct method {
     void *user;
     enum rpc_mode mode;
     void *handle;
-    bool lenient_strings; /* bad text fields are reported to the handler, not refused */
+    bool lenient_strings;       /* bad text fields are reported to the handler, not refused */
+    atomic_uint_fast64_t calls; /* calls received (rpc_server_method_calls) */
 };
 
 struct pending_send {
@@ -131,6 +133,7 @@ struct rpc_server {
     bool workers_quit;
     int64_t rejected, expired; /* calls refused because the queue was full; dropped late */
     int64_t last_reject_log_ms;
+    bool log_stats; /* CFLUE_RPC_STATS=1: log each method's call count at shutdown */
 };
 
 static void post_slot(struct rpc_server *s, struct method *m);
@@ -705,6 +708,7 @@ static void on_new_call(struct rpc_call *c, int success)
     if (!rpc_server_stopping(s)) {
         post_slot(s, c->m);
     }
+    atomic_fetch_add_explicit(&c->m->calls, 1, memory_order_relaxed);
     begin_call(c);
     size_t bytes = c->payload ? grpc_byte_buffer_length(c->payload) : 0;
     switch (c->m->mode) {
@@ -920,6 +924,8 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
     pthread_cond_init(&s->work_cv, NULL);
     s->t_shutdown = (struct tag){TAG_SHUTDOWN, s};
     s->serving = true;
+    const char *stats = getenv("CFLUE_RPC_STATS");
+    s->log_stats = stats && !strcmp(stats, "1");
     rpc_server_add_method(s, "/grpc.health.v1.Health/Check",
                           &grpc__health__v1__health_check_request__descriptor, health_check, NULL,
                           RPC_INLINE);
@@ -1062,6 +1068,26 @@ static bool is_shutdown_done(struct rpc_server *s)
     return s->shutdown_done;
 }
 
+/* log_stats logs one line per registered method with the calls it received (an opt-in for
+ * benchmarks: CFLUE_RPC_STATS=1). */
+static void log_stats(struct rpc_server *s)
+{
+    for (int i = 0; i < s->n_methods; i++) {
+        log_info("rpc_stats", "method=%s calls=%llu", s->methods[i].path,
+                 (unsigned long long)atomic_load(&s->methods[i].calls));
+    }
+}
+
+uint64_t rpc_server_method_calls(struct rpc_server *s, const char *path)
+{
+    for (int i = 0; i < s->n_methods; i++) {
+        if (!strcmp(s->methods[i].path, path)) {
+            return (uint64_t)atomic_load_explicit(&s->methods[i].calls, memory_order_relaxed);
+        }
+    }
+    return 0;
+}
+
 static bool no_live_calls(struct rpc_server *s)
 {
     return s->live_calls == 0 && s->threads_running == 0;
@@ -1089,6 +1115,9 @@ void rpc_server_shutdown(struct rpc_server *s, int grace_ms)
 
     stop_threads(s);
     s->stopped = true;
+    if (s->log_stats) {
+        log_stats(s);
+    }
 }
 
 void rpc_server_free(struct rpc_server *s)

@@ -3,7 +3,8 @@
 Completions wire protocols, for cflue's tests and for the README's demo.
 
     fake_model.py --port 0 [--host 127.0.0.1] [--scenario FILE.json] [--log FILE.jsonl]
-                  [--require-key KEY] [--no-validate] [--quiet] [--brain demo|chaos]
+                  [--require-key KEY] [--no-validate] [--quiet] [--brain demo|chaos|bench]
+                  [--delay-ms MS]
 
 Endpoints:
     POST /v1/messages                          Anthropic Messages API (x-api-key,
@@ -11,6 +12,8 @@ Endpoints:
     POST /v1/chat/completions, /chat/completions
                                                OpenAI Chat Completions (Authorization: Bearer)
     GET  /_fake/health                         {"ok": true, "requests": N, "steps_left": N}
+    GET  /_stats                               {"connections": N, "requests": M, "accepted": A}:
+                                               model traffic only (see README.md)
     POST /_fake/scenario                       replace the scenario ({"steps": [...]})
 
 Both endpoints answer streaming ("stream": true -> text/event-stream, chunked) and
@@ -35,6 +38,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 MAX_BODY = 64 * 1024 * 1024
+# paths that observe or steer the server: not counted in /_stats
+CONTROL_PATHS = ("/_stats", "/_fake/health", "/health", "/_fake/scenario")
 ANTHROPIC_PATHS = ("/v1/messages",)
 OPENAI_PATHS = ("/v1/chat/completions", "/chat/completions")
 
@@ -677,6 +682,33 @@ def chaos_decide(provider, body, ids):
     return {"text": "chaos step %d of %s" % (done, tag), "tool_calls": calls}
 
 
+# The bench brain (--brain bench): the 3-call conversation of bench/bench_engine.py, stateless.
+# After the last final answer: first `bash echo hello`, then `read` of the path named by
+# "read=PATH" in a user message since then (default big.txt), then a short final text.
+
+BENCH_READ_RE = re.compile(r"read=(\S+)")
+
+
+def bench_decide(provider, body, ids):
+    system, msgs = normalize(provider, body)
+    start = 0
+    for i, m in enumerate(msgs):
+        if m["role"] == "assistant" and not m["tool_calls"]:
+            start = i + 1
+    recent = msgs[start:]
+    done = sum(1 for m in recent if m["role"] == "assistant" and m["tool_calls"])
+    if done == 0:
+        return {"text": "Running a command.",
+                "tool_calls": [chaos_call(ids, "bash", {"command": "echo hello"})]}
+    if done == 1:
+        asked = [BENCH_READ_RE.search(m["text"] or "") for m in recent if m["role"] == "user"]
+        found = [a for a in asked if a]
+        path = found[0].group(1) if found else "big.txt"
+        return {"text": "Reading the file.",
+                "tool_calls": [chaos_call(ids, "read", {"path": path})]}
+    return {"text": "Done: the command said hello and the file was read."}
+
+
 # ---------------------------------------------------------------------------------------
 # Responses
 
@@ -907,11 +939,31 @@ class Dropped(Exception):
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # headers, body and each SSE chunk are separate writes: without TCP_NODELAY, Nagle holds
+    # each one back until the client's delayed ACK of the previous one (40 ms) on a
+    # kept-alive connection
+    disable_nagle_algorithm = True
     def version_string(self):
         return "fake-model/1.0"
 
     def log_message(self, fmt, *args):
         pass
+
+    def setup(self):
+        super().setup()
+        self.counted = False  # this connection carried model traffic
+        with self.server.stats_lock:
+            self.server.stats["accepted"] += 1
+
+    def count_request(self, path):
+        """Counts a request (and its connection, the first time) unless it is control traffic."""
+        if path in CONTROL_PATHS:
+            return
+        with self.server.stats_lock:
+            self.server.stats["requests"] += 1
+            if not self.counted:
+                self.server.stats["connections"] += 1
+                self.counted = True
 
     def note(self, text):
         if not self.server.quiet:
@@ -986,7 +1038,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         path = urlsplit(self.path).path
-        if path in ("/_fake/health", "/health"):
+        self.count_request(path)
+        if path == "/_stats":
+            with self.server.stats_lock:
+                stats = dict(self.server.stats)
+            self.send_json(200, stats)
+        elif path in ("/_fake/health", "/health"):
             self.send_json(200, {"ok": True, "requests": self.server.ids.req,
                                  "steps_left": self.server.script.left()
                                  if self.server.script else None})
@@ -1008,6 +1065,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def handle_post(self):
         path = urlsplit(self.path).path
+        self.count_request(path)
         try:
             raw = self.read_body()
         except ValueError:
@@ -1082,6 +1140,8 @@ class Handler(BaseHTTPRequestHandler):
                 label = index
         elif self.server.brain == "chaos":
             step, label = chaos_decide(provider, body, self.server.ids), "chaos"
+        elif self.server.brain == "bench":
+            step, label = bench_decide(provider, body, self.server.ids), "bench"
         else:
             step, label = demo_decide(provider, body), "demo"
         entry["step"] = label
@@ -1091,8 +1151,9 @@ class Handler(BaseHTTPRequestHandler):
         self.respond(provider, body, step, req_id, id_header)
 
     def respond(self, provider, body, step, req_id, id_header):
-        if step.get("delay_ms"):
-            time.sleep(step["delay_ms"] / 1000.0)
+        delay_ms = step.get("delay_ms") or self.server.delay_ms
+        if delay_ms:
+            time.sleep(delay_ms / 1000.0)
         stream = body.get("stream") is True
         if "error" in step:
             err = step["error"]
@@ -1144,8 +1205,10 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
+    request_queue_size = 4096  # listen backlog: a thousand calls may connect at once
 
-    def __init__(self, addr, script, log_path, require_key, validate, quiet, brain="demo"):
+    def __init__(self, addr, script, log_path, require_key, validate, quiet, brain="demo",
+                 delay_ms=0):
         if ":" in addr[0]:
             self.address_family = socket.AF_INET6
         super().__init__(addr, Handler)
@@ -1154,7 +1217,10 @@ class Server(ThreadingHTTPServer):
         self.validate = validate
         self.quiet = quiet
         self.brain = brain
+        self.delay_ms = delay_ms
         self.ids = Ids()
+        self.stats_lock = threading.Lock()
+        self.stats = {"connections": 0, "requests": 0, "accepted": 0}
         self.log_lock = threading.Lock()
         self.log_file = open(log_path, "a", encoding="utf-8") if log_path else None
 
@@ -1176,9 +1242,13 @@ def main(argv=None):
     ap.add_argument("--no-validate", action="store_true",
                     help="skip the request checks the real APIs make (400 errors)")
     ap.add_argument("--quiet", action="store_true", help="no per-request lines on stderr")
-    ap.add_argument("--brain", choices=("demo", "chaos"), default="demo",
+    ap.add_argument("--brain", choices=("demo", "chaos", "bench"), default="demo",
                     help="who answers without --scenario: the demo brain (repairs "
-                         "examples/project) or the chaos brain (tests/chaos's workload)")
+                         "examples/project), the chaos brain (tests/chaos's workload) or the "
+                         "bench brain (bench/bench_engine.py's 3-call conversation)")
+    ap.add_argument("--delay-ms", type=int, default=0,
+                    help="wait this long before every model answer (a step's own delay_ms "
+                         "wins)")
     args = ap.parse_args(argv)
 
     script = None
@@ -1191,7 +1261,7 @@ def main(argv=None):
             return 2
     try:
         server = Server((args.host, args.port), script, args.log, args.require_key,
-                        not args.no_validate, args.quiet, args.brain)
+                        not args.no_validate, args.quiet, args.brain, args.delay_ms)
     except OSError as e:
         sys.stderr.write("fake_model: cannot listen on %s:%d: %s\n" % (args.host, args.port, e))
         return 1

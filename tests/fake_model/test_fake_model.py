@@ -1,11 +1,12 @@
 """Tests for fake_model.py: both providers' wire formats (streaming through `curl -sN`,
 non-streaming through urllib), scripted errors, broken responses, matching, the request log,
-SIGTERM, and the demo brain driven through a real repair of a temporary copy of
+SIGTERM, HTTP/1.1 keep-alive with the connection counts of /_stats, and the demo brain driven through a real repair of a temporary copy of
 examples/project.
 
     /usr/bin/python3 -m unittest -v test_fake_model        (from tests/fake_model/)
 """
 
+import http.client
 import json
 import os
 import shutil
@@ -602,6 +603,135 @@ class ScenarioTest(ServerCase):
         self.assertEqual(fm.stop(), 0)
         self.assertLess(time.monotonic() - t0, 5)
         client.wait(10)
+
+
+def stats(fm):
+    with urllib.request.urlopen(fm.base + "/_stats", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def read_chunked_sse(resp):
+    """Reads a whole chunked SSE answer from an http.client response."""
+    assert resp.getheader("Transfer-Encoding") == "chunked", resp.getheaders()
+    assert resp.getheader("Content-Length") is None
+    return resp.read().decode("utf-8")
+
+
+class KeepAliveTest(ServerCase):
+    """Every answer is delimited (Content-Length or chunked), so a client keeps one
+    connection for many requests; /_stats counts connections and requests of model traffic."""
+
+    def test_one_connection_for_many_requests(self):
+        fm = self.start([{"text": "one"}, {"error": {"status": 429, "retry_after": 1}},
+                         {"text": "two", "tool_calls": [{"name": "bash",
+                                                         "arguments": {"command": "ls"}}]},
+                         {"garbage": "not json"}])
+        self.assertEqual(stats(fm), {"connections": 0, "requests": 0, "accepted": 1})
+        conn = http.client.HTTPConnection("127.0.0.1", fm.port, timeout=10)
+        answers = []
+        for provider, stream in [("anthropic", True), ("anthropic", False), ("openai", True),
+                                 ("openai", False), ("openai", True), ("anthropic", False)]:
+            if provider == "anthropic":
+                path, body, headers = "/v1/messages", anthropic_body(USER_HI, stream=stream), \
+                    ANTHROPIC_HEADERS
+            else:
+                path, body, headers = "/v1/chat/completions", openai_body(USER_HI, stream), \
+                    OPENAI_HEADERS
+            conn.request("POST", path, json.dumps(body), headers)
+            resp = conn.getresponse()
+            self.assertEqual(resp.version, 11)
+            self.assertFalse(resp.will_close, "the server must keep the connection open")
+            if resp.getheader("Content-Type", "").startswith("text/event-stream"):
+                answers.append((resp.status, read_chunked_sse(resp)))
+            else:
+                self.assertIsNotNone(resp.getheader("Content-Length"))
+                answers.append((resp.status, resp.read().decode("utf-8")))
+        self.assertEqual([a[0] for a in answers], [200, 429, 200, 200, 200, 200])
+        msg, _ = assemble_anthropic(self, answers[0][1])
+        self.assertEqual(msg["content"][0]["text"], "one")
+        self.assertEqual(answers[3][1], "not json")
+        self.assertEqual(assemble_openai(self, answers[4][1])[0]["content"],
+                         "(scenario finished)")
+        # control traffic (this /_stats, /_fake/health) is not counted
+        urllib.request.urlopen(fm.base + "/_fake/health", timeout=10).read()
+        self.assertEqual(stats(fm)["connections"], 1)
+        self.assertEqual(stats(fm)["requests"], 6)
+        conn.close()
+        # a second client is a second connection
+        post(fm.base + "/v1/messages", anthropic_body(USER_HI, stream=False), ANTHROPIC_HEADERS)
+        st = stats(fm)
+        self.assertEqual((st["connections"], st["requests"]), (2, 7))
+        self.assertGreaterEqual(st["accepted"], 2 + 4)
+
+    def test_dropped_connection_is_not_reused(self):
+        fm = self.start([{"text": "cut short", "disconnect_after_chunks": 2}, {"text": "whole"}])
+        conn = http.client.HTTPConnection("127.0.0.1", fm.port, timeout=10)
+        conn.request("POST", "/v1/messages", json.dumps(anthropic_body(USER_HI)),
+                     ANTHROPIC_HEADERS)
+        resp = conn.getresponse()
+        self.assertRaises(http.client.IncompleteRead, resp.read)
+        conn.close()
+        conn = http.client.HTTPConnection("127.0.0.1", fm.port, timeout=10)
+        conn.request("POST", "/v1/messages", json.dumps(anthropic_body(USER_HI)),
+                     ANTHROPIC_HEADERS)
+        msg, _ = assemble_anthropic(self, read_chunked_sse(conn.getresponse()))
+        self.assertEqual(msg["content"][0]["text"], "whole")
+        conn.close()
+        self.assertEqual({k: stats(fm)[k] for k in ("connections", "requests")},
+                         {"connections": 2, "requests": 2})
+
+    def test_curl_reuses_the_connection(self):
+        fm = self.start()
+        url = fm.base + "/v1/messages"
+        cmd = ["curl", "-sS"]
+        for i in range(3):
+            if i:
+                cmd.append("--next")
+            cmd += ["-o", "/dev/null", "-w", "%{num_connects}\\n", "-X", "POST", url,
+                    "--data-binary", json.dumps(anthropic_body(USER_HI))]
+            for k, v in ANTHROPIC_HEADERS.items():
+                cmd += ["-H", "%s: %s" % (k, v)]
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           timeout=30)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(p.stdout.split(), ["1", "0", "0"])
+        self.assertEqual({k: stats(fm)[k] for k in ("connections", "requests")},
+                         {"connections": 1, "requests": 3})
+
+
+class BenchBrainTest(ServerCase):
+    """--brain bench: bash, then read of the named file, then a final answer, per message."""
+
+    def ask(self, fm, messages):
+        status, _, data = post(fm.base + "/v1/messages",
+                               anthropic_body(messages, stream=False, tools=tools_for("anthropic")),
+                               ANTHROPIC_HEADERS)
+        self.assertEqual(status, 200, data)
+        return json.loads(data)["content"]
+
+    def test_three_calls_then_again(self):
+        fm = self.start(extra=["--brain", "bench", "--delay-ms", "300"])
+        msgs = [{"role": "user", "content": "bench read=data/big.txt"}]
+        t0 = time.monotonic()
+        seen = []
+        for _ in range(3):
+            content = self.ask(fm, msgs)
+            msgs.append({"role": "assistant", "content": content})
+            uses = [c for c in content if c["type"] == "tool_use"]
+            seen.append([(u["name"], u["input"]) for u in uses])
+            if uses:
+                msgs.append({"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": u["id"], "content": "ok"}
+                    for u in uses]})
+        # every answer waited the server-wide delay
+        self.assertGreaterEqual(time.monotonic() - t0, 0.9)
+        self.assertEqual(seen, [[("bash", {"command": "echo hello"})],
+                                [("read", {"path": "data/big.txt"})], []])
+        # a new message after the final answer starts over
+        msgs.append({"role": "user", "content": "bench"})
+        content = self.ask(fm, msgs)
+        self.assertEqual([c["input"] for c in content if c["type"] == "tool_use"],
+                         [{"command": "echo hello"}])
 
 
 # -- the demo brain, through a real repair ---------------------------------------------------

@@ -1,0 +1,837 @@
+#!/usr/bin/python3
+"""bench_engine - issue 8's engine acceptance numbers, in one command, against real daemons.
+
+    /usr/bin/python3 bench/bench_engine.py [--quick] [--build DIR] [--sections 1,2,3,4]
+                                           [--cap SECONDS]
+
+Starts storaged, toold (driver local) and agentd from $CFLUE_BUILD_DIR (or --build; default
+build/) with the offline model (tests/fake_model/fake_model.py), all on loopback in a temporary
+directory, and runs the 3-call scenario: the model asks for `bash echo hello`, then `read` of a
+165 KB file, then answers. Every section starts fresh daemons with default settings and prints
+the issue's target beside what it measured:
+
+  1. the model answering at once: Submit -> settled sequentially (median, p95) beside the fake
+     model's own time for the same three requests; daemon CPU per conversation (each and
+     summed, from /proc/PID/stat); conversations/s with 10 in flight, with the fake model's
+     and this client's CPU shares; storaged calls per conversation (CFLUE_RPC_STATS=1, read at
+     storaged's shutdown); model TCP connections per 100 conversations;
+  2. the model answering each call after 1 s: N conversations in flight (median and max Submit
+     -> settled, how many within 1.5x their model time, agentd's thread count throughout);
+  3. W idle Watch(follow) streams on one agentd: Submit latency with and without them, agentd
+     RSS per watcher;
+  4. idle RSS of the three daemons after start and after K conversations.
+
+A section that cannot reach its goal ends after --cap seconds and says how far it got.
+--quick: N=100, W=500, K=1000 (about 5 minutes on 2 cores). Not part of CI.
+"""
+import argparse
+import http.client
+import json
+import os
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+# --build must be known before the harness picks the build directory
+if '--build' in sys.argv[:-1]:
+    os.environ['CFLUE_BUILD_DIR'] = os.path.abspath(sys.argv[sys.argv.index('--build') + 1])
+sys.path.insert(0, os.path.join(REPO, 'tests', 'integration'))
+
+import grpc  # noqa: E402
+import cflue_harness as H  # noqa: E402
+from cflue.v1 import agent_pb2, common_pb2, store_pb2  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# Every use of the protocol's message fields is in this block (the protos will change).
+# ---------------------------------------------------------------------------------------------
+
+
+def agent_callables(channel):
+    """The Agent methods this bench calls, as gRPC callables on one channel."""
+    def uu(name, req, resp):
+        return channel.unary_unary('/cflue.v1.Agent/' + name,
+                                   request_serializer=req.SerializeToString,
+                                   response_deserializer=resp.FromString)
+    return {
+        'Submit': uu('Submit', agent_pb2.SubmitRequest, agent_pb2.Admission),
+        'GetSubmission': uu('GetSubmission', agent_pb2.GetSubmissionRequest,
+                            common_pb2.Submission),
+        'GetConversation': uu('GetConversation', agent_pb2.GetConversationRequest,
+                              agent_pb2.ConversationView),
+        'Watch': channel.unary_stream('/cflue.v1.Agent/Watch',
+                                      request_serializer=agent_pb2.WatchRequest.SerializeToString,
+                                      response_deserializer=common_pb2.Record.FromString),
+    }
+
+
+def submit(calls, agent, text, timeout=30):
+    """Submits text to a new conversation; returns (submission_id, conversation_id)."""
+    adm = calls['Submit'](agent_pb2.SubmitRequest(agent=agent,
+                                                  message=common_pb2.Message(text=text)),
+                          timeout=timeout)
+    return adm.submission_id, adm.conversation_id
+
+
+def wait_settled(calls, submission_id, timeout=60):
+    """Blocks in GetSubmission(wait) until the submission is settled; returns its outcome name
+    ('COMPLETED', 'FAILED', 'ABORTED')."""
+    s = calls['GetSubmission'](agent_pb2.GetSubmissionRequest(submission_id=submission_id,
+                                                              wait=True), timeout=timeout)
+    return common_pb2.Outcome.Name(s.outcome).replace('OUTCOME_', '')
+
+
+def conversation_head(calls, conversation_id):
+    """The offset of the conversation's newest record."""
+    return calls['GetConversation'](agent_pb2.GetConversationRequest(
+        conversation_id=conversation_id), timeout=10).head_offset
+
+
+def watch(calls, conversation_id, from_offset, timeout):
+    """Opens Watch(follow) after from_offset; returns the call (a future-like iterator)."""
+    return calls['Watch'](agent_pb2.WatchRequest(conversation_id=conversation_id,
+                                                 after_offset=from_offset, follow=True),
+                          timeout=timeout)
+
+
+def settled_times(store_stub, submission_ids):
+    """Asks storaged for the settled submissions among submission_ids (one List page walk);
+    returns {submission_id: (settled_at epoch ms, outcome name)}."""
+    want, out, token = set(submission_ids), {}, ''
+    while True:
+        resp = store_stub.list(store_pb2.ListRequest(
+            statuses=[common_pb2.SUBMISSION_STATUS_SETTLED], page_size=1000, page_token=token),
+            timeout=30)
+        for s in resp.submissions:
+            if s.submission_id in want:
+                settled_ms = s.settle_time.seconds * 1000 + s.settle_time.nanos // 1000000
+                out[s.submission_id] = (settled_ms,
+                                        common_pb2.Outcome.Name(s.outcome).replace('OUTCOME_', ''))
+        if not resp.next_page_token:
+            return out
+        token = resp.next_page_token
+
+
+# ---------------------------------------------------------------------------------------------
+# The scenario
+# ---------------------------------------------------------------------------------------------
+
+AGENT = 'bench'
+GO = 'BENCH-ENGINE-GO'          # the user message (must not contain "hello")
+FILE_MARK = 'BENCH-FILE-165K'   # first line of the file the model reads
+BIG_FILE = 'big.txt'
+BIG_BYTES = 165 * 1000
+MODEL_HOW = ('a scripted scenario with match steps (no fake-model brain plays this scenario '
+             'yet; see bench/README.md), TCP_NODELAY set on the fake model')
+
+
+def big_file_text():
+    lines = [FILE_MARK]
+    n = 1
+    while sum(len(x) + 1 for x in lines) < BIG_BYTES:
+        lines.append('line %05d: the quick brown fox jumps over the lazy dog, again and again'
+                     % n)
+        n += 1
+    text = '\n'.join(lines) + '\n'
+    return text[:BIG_BYTES - 1] + '\n'
+
+
+def scenario(conversations, delay_ms=0):
+    """Fake-model steps for `conversations` runs of the 3-call scenario, in any interleaving:
+    each step matches only the request it answers (and 5% spare for model retries)."""
+    n = conversations + max(2, conversations // 20)
+    extra = {'delay_ms': delay_ms} if delay_ms else {}
+    one = [
+        dict({'match': {'last_user_contains': GO},
+              'tool_calls': [{'name': 'bash', 'arguments': {'command': 'echo hello'}}]}, **extra),
+        dict({'match': {'last_user_contains': 'hello'},
+              'tool_calls': [{'name': 'read', 'arguments': {'path': BIG_FILE}}]}, **extra),
+        dict({'match': {'last_user_contains': FILE_MARK},
+              'text': 'Done: the file starts with %s.' % FILE_MARK}, **extra),
+    ]
+    return one * n
+
+
+# ---------------------------------------------------------------------------------------------
+# /proc
+# ---------------------------------------------------------------------------------------------
+
+TICK = os.sysconf('SC_CLK_TCK')
+NCPU = os.cpu_count() or 1
+
+
+def cpu_s(pid):
+    """utime + stime of a process (all its threads, live and exited), in seconds."""
+    with open('/proc/%d/stat' % pid) as f:
+        fields = f.read().rsplit(')', 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def self_cpu_s():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def status_field(pid, name):
+    with open('/proc/%d/status' % pid) as f:
+        for line in f:
+            if line.startswith(name + ':'):
+                return int(line.split()[1])
+    return 0
+
+
+def rss_kib(pid):
+    return status_field(pid, 'VmRSS')
+
+
+def threads(pid):
+    return status_field(pid, 'Threads')
+
+
+def raise_nofile():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+class Sampler(object):
+    """Samples f() every period seconds on a thread; .max and .samples."""
+
+    def __init__(self, f, period=0.1):
+        self.f, self.period, self.samples = f, period, []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                self.samples.append(self.f())
+            except (OSError, ValueError):
+                pass
+            self._stop.wait(self.period)
+
+    def stop(self):
+        self._stop.set()
+        self._t.join()
+        return self
+
+    @property
+    def max(self):
+        return max(self.samples) if self.samples else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Daemons
+# ---------------------------------------------------------------------------------------------
+
+
+# The fake model as is, with TCP_NODELAY on its sockets: it writes each SSE event on its own,
+# and with Nagle's algorithm each streamed answer waited ~40 ms for the client's delayed ACK
+# (44 ms against 0.5 ms for a short answer on this machine), which no real provider does. Its
+# listen backlog is raised from socketserver's 5, so a thousand calls may connect at once.
+FAKE_MODEL_NODELAY = ('import sys; sys.path.insert(0, %r); import fake_model; '
+                      'fake_model.Handler.disable_nagle_algorithm = True; '
+                      'fake_model.Server.request_queue_size = 4096; '
+                      'sys.exit(fake_model.main(sys.argv[1:]))'
+                      % os.path.dirname(H.FAKE_MODEL_PY))
+
+
+class FakeModel(H.FakeModel):
+    """The harness's fake model on a chosen port, with TCP_NODELAY, logging only when asked
+    (the log re-encodes every request body: a cost the real model does not have)."""
+
+    def __init__(self, workdir, port=0, log=False):
+        self.want_port, self.want_log = port, log
+        super(FakeModel, self).__init__(steps=None, workdir=workdir, extra_args=['--quiet'])
+
+    def command(self):
+        cmd = [H.FAKE_MODEL_PYTHON, '-c', FAKE_MODEL_NODELAY, '--port', str(self.want_port)]
+        if self.want_log:
+            cmd += ['--log', self.log_path]
+        return cmd + self.extra_args
+
+    def stats(self):
+        """GET /_stats ({"connections", "requests"}) or None when this fake model has none."""
+        try:
+            return self._http('GET', '/_stats')
+        except Exception:
+            return None
+
+
+class StracedAgentd(H.Agentd):
+    """agentd under `strace -f --seccomp-bpf -e trace=connect` (only connect(2) stops), to
+    count its model connections when the fake model cannot."""
+
+    def __init__(self, trace_path, *a, **kw):
+        self.trace_path = trace_path
+        super(StracedAgentd, self).__init__(*a, **kw)
+
+    def command(self):
+        return ['strace', '-f', '--seccomp-bpf', '-e', 'trace=connect', '-o', self.trace_path,
+                '-qq'] + super(StracedAgentd, self).command()
+
+    def close(self):
+        # strace leaves its tracee running when it is killed: kill agentd first
+        if self.proc is not None and self.proc.poll() is None:
+            for kid in self._children():
+                try:
+                    os.kill(kid, 9)
+                except OSError:
+                    pass
+        super(StracedAgentd, self).close()
+
+    def _children(self):
+        out = []
+        try:
+            for tid in os.listdir('/proc/%d/task' % self.proc.pid):
+                with open('/proc/%d/task/%s/children' % (self.proc.pid, tid)) as f:
+                    out += [int(x) for x in f.read().split()]
+        except OSError:
+            pass
+        return out
+
+    def connects_to(self, port):
+        with open(self.trace_path, errors='replace') as f:
+            return len(re.findall(r'connect\(\d+, \{sa_family=AF_INET, sin_port=htons\(%d\)'
+                                  % port, f.read()))
+
+
+class Stack(object):
+    """storaged + toold + fake model + agentd in one temporary directory."""
+
+    def __init__(self, root, name, model_log=False, store_env=None):
+        self.dir = os.path.join(root, name)
+        os.makedirs(self.dir)
+        self.daemons = []
+        self.sd = self._add(H.Storaged(workdir=self._sub('storaged'), env=store_env or {}))
+        self.td = H.Toold(workdir=self._sub('toold'), start=False)
+        ws = self.td.workspace('bench', create=True)
+        with open(os.path.join(ws, BIG_FILE), 'w') as f:
+            f.write(big_file_text())
+        self._add(self.td.start())
+        self.fm = self._add(FakeModel(self._sub('fake_model'), log=model_log))
+        self.agents = self._sub('agents')
+        with open(os.path.join(self.agents, AGENT + '.md'), 'w') as f:
+            f.write('---\nname: %s\ndescription: the engine benchmark\nmodel: anthropic/bench-1\n'
+                    'sandbox:\n  tools: "%s"\n  workspace: bench\n---\n\nAnswer briefly.\n'
+                    % (AGENT, self.td.target))
+        self.ad = None
+        self.start_agentd()
+
+    def _sub(self, name):
+        p = os.path.join(self.dir, name)
+        os.makedirs(p, exist_ok=True)
+        return p
+
+    def _add(self, d):
+        self.daemons.append(d)
+        return d
+
+    def start_agentd(self, cls=H.Agentd, *pre):
+        env = {'ANTHROPIC_BASE_URL': self.fm.anthropic_base_url, 'ANTHROPIC_API_KEY': 'bench'}
+        self.ad = self._add(cls(*(pre + (self.sd.target, self.agents)), env=env,
+                                workdir=self._sub('agentd%d' % len(self.daemons))))
+        self.calls = agent_callables(self.ad.channel)
+        return self.ad
+
+    def restart_model(self, log=False):
+        """A new fake model on the same port (agentd keeps its base URL)."""
+        port = self.fm.port
+        self.fm.close()
+        self.daemons.remove(self.fm)
+        self.fm = self._add(FakeModel(self._sub('fake_model2'), port=port, log=log))
+
+    def pids(self):
+        return {'storaged': self.sd.pid, 'agentd': self.ad.pid, 'toold': self.td.pid}
+
+    def close(self):
+        for d in reversed(self.daemons):
+            try:
+                d.close()
+            except Exception:
+                pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads
+# ---------------------------------------------------------------------------------------------
+
+
+def one_conversation(calls, timeout=60):
+    """Submit, then wait until settled; returns (seconds, Submit seconds, outcome)."""
+    t0 = time.perf_counter()
+    sid, _ = submit(calls, AGENT, GO + ': run the steps you are given.')
+    t1 = time.perf_counter()
+    outcome = wait_settled(calls, sid, timeout)
+    return time.perf_counter() - t0, t1 - t0, outcome
+
+
+def run_conversations(calls, n, in_flight, cap_s=None):
+    """n conversations, in_flight at a time; returns (latencies, submit latencies, outcomes
+    {name: count}, wall seconds). Stops starting new ones after cap_s."""
+    lat, sub, outcomes = [], [], {}
+    lock = threading.Lock()
+    left = [n]
+    t0 = time.perf_counter()
+
+    def worker():
+        while True:
+            with lock:
+                if left[0] <= 0 or (cap_s and time.perf_counter() - t0 > cap_s):
+                    return
+                left[0] -= 1
+            try:
+                dt, ds, oc = one_conversation(calls)
+            except grpc.RpcError as e:
+                dt, ds, oc = None, None, 'rpc ' + e.code().name
+            with lock:
+                outcomes[oc] = outcomes.get(oc, 0) + 1
+                if dt is not None:
+                    lat.append(dt)
+                    sub.append(ds)
+
+    ts = [threading.Thread(target=worker) for _ in range(in_flight)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return lat, sub, outcomes, time.perf_counter() - t0
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    if not xs:
+        return float('nan')
+    return xs[min(len(xs) - 1, int(round(p / 100.0 * (len(xs) - 1))))]
+
+
+def ms(x):
+    return '%.2f ms' % (x * 1000)
+
+
+def verdict(ok):
+    return 'meets target' if ok else 'MISSES target'
+
+
+def line(label, value, target=None, ok=None):
+    s = '  %-46s %s' % (label, value)
+    if target is not None:
+        s = '%-80s target %s' % (s, target)
+        if ok is not None:
+            s += '  [%s]' % verdict(ok)
+    print(s)
+    sys.stdout.flush()
+
+
+def outcomes_text(outcomes):
+    return ', '.join('%s %d' % kv for kv in sorted(outcomes.items()))
+
+
+def model_requests(stack):
+    try:
+        return stack.fm.health().get('requests', 0)
+    except Exception:
+        return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 1: the model answering at once
+# ---------------------------------------------------------------------------------------------
+
+
+def replay_model_time(stack, bodies, reps=20):
+    """The fake model's own time for one conversation: the three requests agentd sent, sent
+    again directly (one keep-alive connection), median of reps each, summed."""
+    stack.fm.set_scenario(scenario(reps + 2))
+    conn = http.client.HTTPConnection('127.0.0.1', stack.fm.port, timeout=30)
+    total = 0.0
+    for body in bodies:
+        data = json.dumps(body).encode()
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            conn.request('POST', '/v1/messages', body=data, headers={
+                'content-type': 'application/json', 'x-api-key': 'bench',
+                'anthropic-version': '2023-06-01'})
+            r = conn.getresponse()
+            r.read()
+            samples.append(time.perf_counter() - t0)
+            if r.status != 200:
+                raise RuntimeError('the fake model answered a replay with %d' % r.status)
+        total += statistics.median(samples)
+    conn.close()
+    return total
+
+
+def phase_cpu(stack, extra_pids=()):
+    pids = dict(stack.pids())
+    pids['fake model'] = stack.fm.proc.pid
+    for k, v in extra_pids:
+        pids[k] = v
+    return {k: cpu_s(p) for k, p in pids.items()}
+
+
+def cpu_delta(a, b):
+    return {k: b[k] - a[k] for k in a}
+
+
+def store_calls_from_log(text):
+    calls = {}
+    for m in re.finditer(r'event=rpc_stats method=/cflue\.v1\.Store/(\w+) calls=(\d+)', text):
+        calls[m.group(1)] = calls.get(m.group(1), 0) + int(m.group(2))
+    return calls
+
+
+def agentd_default_workers():
+    """agentd's --workers default, from its --help (4 when it cannot be read)."""
+    try:
+        out = subprocess.run([H.AGENTD_BIN, '--help'], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, timeout=10).stdout.decode()
+        m = re.search(r'--workers\b.*?default (\d+)', out, re.S)
+        return int(m.group(1)) if m else 4
+    except (OSError, subprocess.SubprocessError):
+        return 4
+
+
+def section1(root, a):
+    print('\n== 1. fake model answering at once (3-call scenario) ==')
+    n_seq, n_tp = (100, 300) if a.quick else (300, 2000)
+    stack = Stack(root, 's1', model_log=True, store_env={'CFLUE_RPC_STATS': '1'})
+    conversations = 0
+    try:
+        # warm up, and capture the three requests agentd sends for one conversation
+        stack.fm.set_scenario(scenario(5))
+        for _ in range(3):
+            _, _, oc = one_conversation(stack.calls)
+            conversations += 1
+        reqs = [r for r in stack.fm.requests() if r.get('step') not in (None, 'finished')]
+        bodies = [r['body'] for r in reqs[-3:]]
+        stack.restart_model(log=False)
+        model_conv = replay_model_time(stack, bodies)
+        stats0 = stack.fm.stats()
+
+        stack.fm.set_scenario(scenario(n_seq))
+        req0 = model_requests(stack)
+        c0 = phase_cpu(stack)
+        lat, _, outcomes, wall = run_conversations(stack.calls, n_seq, 1)
+        c1 = phase_cpu(stack)
+        conversations += n_seq
+        reqs_per_conv = (model_requests(stack) - req0) / float(max(1, n_seq))
+        cpu = cpu_delta(c0, c1)
+        med = statistics.median(lat)
+        print('  model: %s; %d sequential conversations (%s), %.2f model requests each'
+              % (MODEL_HOW, n_seq, outcomes_text(outcomes), reqs_per_conv))
+        line('Submit -> settled median, sequential', ms(med), '<= 8 ms', med <= 0.008)
+        line('Submit -> settled p95, sequential', ms(pct(lat, 95)))
+        line("fake model's own time per conversation", ms(model_conv) +
+             ' (its 3 requests replayed directly, median of 20 each)')
+        line('engine time per conversation (median - model)', ms(med - model_conv))
+        daemon_total = 0.0
+        for k in ('storaged', 'agentd', 'toold'):
+            per = cpu[k] / n_seq
+            daemon_total += per
+            line('%s CPU per conversation' % k, ms(per))
+        line('daemon CPU per conversation, summed', ms(daemon_total), '<= 4 ms',
+             daemon_total <= 0.004)
+        line('fake model CPU per conversation', ms(cpu['fake model'] / n_seq))
+
+        # throughput with 10 in flight
+        stack.fm.set_scenario(scenario(n_tp))
+        c0 = phase_cpu(stack, [('client', os.getpid())])
+        s0 = self_cpu_s()
+        lat, _, outcomes, wall = run_conversations(stack.calls, n_tp, 10)
+        c1 = phase_cpu(stack)
+        client = self_cpu_s() - s0
+        conversations += n_tp
+        cpu = cpu_delta({k: v for k, v in c0.items() if k != 'client'}, c1)
+        rate = len(lat) / wall
+        share = lambda s: '%.0f%%' % (100.0 * s / (wall * NCPU))  # noqa: E731
+        print('  %d conversations, 10 in flight, %.1f s (%s)'
+              % (n_tp, wall, outcomes_text(outcomes)))
+        line('conversations/s, 10 in flight', '%.1f/s' % rate, '>= 200/s', rate >= 200)
+        line('  CPU shares of %d cores' % NCPU,
+             'fake model %s, client %s, storaged %s, agentd %s, toold %s'
+             % (share(cpu['fake model']), share(client), share(cpu['storaged']),
+                share(cpu['agentd']), share(cpu['toold'])))
+        line('  Submit -> settled median / p95 at 10 in flight',
+             '%s / %s' % (ms(statistics.median(lat)), ms(pct(lat, 95))))
+        line('  daemon CPU per conversation, summed',
+             ms(sum(cpu[k] for k in ('storaged', 'agentd', 'toold')) / max(1, len(lat))))
+
+        # model connections
+        stats1 = stack.fm.stats()
+        workers = agentd_default_workers()
+        if stats0 is not None and stats1 is not None and 'connections' in stats1:
+            conns = stats1['connections'] - stats0['connections']
+            how = 'fake model GET /_stats over the two phases above'
+            nconv = n_seq + n_tp
+        else:
+            # count agentd's connect(2) calls to the model port under strace, in a short phase
+            n_c = 100
+            trace = os.path.join(stack.dir, 'agentd.strace')
+            stack.ad.close()
+            stack.daemons.remove(stack.ad)
+            stack.start_agentd(StracedAgentd, trace)
+            stack.fm.set_scenario(scenario(n_c))
+            lat_c, _, oc_c, _ = run_conversations(stack.calls, n_c, 10)
+            conversations += n_c
+            conns = stack.ad.connects_to(stack.fm.port)
+            nconv = n_c
+            how = ('connect(2) calls of agentd to the model port under strace -f --seccomp-bpf, '
+                   '%d conversations at 10 in flight (the fake model has no /_stats)' % n_c)
+        per100 = 100.0 * conns / max(1, nconv)
+        line('model TCP connections per 100 conversations',
+             '%.1f (%d for %d conversations)' % (per100, conns, nconv),
+             "<= agentd's worker connections (%d)" % workers, per100 <= workers)
+        print('    (%s)' % how)
+
+        # storaged calls: its counters, logged when it stops
+        stack.ad.terminate()
+        stack.sd.terminate()
+        calls = store_calls_from_log(stack.sd.stderr_text())
+        total = sum(calls.values())
+        per = total / float(conversations)
+        line('storaged calls per conversation (all methods)', '%.1f' % per, '<= 8', per <= 8)
+        top = sorted(calls.items(), key=lambda kv: -kv[1])
+        print('    ' + ', '.join('%s %.1f' % (k, v / float(conversations)) for k, v in top if v))
+        print('    (CFLUE_RPC_STATS over storaged\'s life: %d conversations including warm-up; '
+              'the client waits with GetSubmission(wait), which costs Get, GetConversation and '
+              'Follow)' % conversations)
+    finally:
+        stack.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 2: the model answering after 1 s, N in flight
+# ---------------------------------------------------------------------------------------------
+
+
+def section2(root, a):
+    n = 100 if a.quick else 1000
+    delay_ms = 1000
+    model_s = 3 * delay_ms / 1000.0
+    print('\n== 2. fake model answering each call after 1 s: %d conversations in flight ==' % n)
+    stack = Stack(root, 's2')
+    try:
+        stack.fm.set_scenario(scenario(n, delay_ms=delay_ms))
+        pid = stack.ad.pid
+        thr = Sampler(lambda: threads(pid))
+        starts = {}
+        lock = threading.Lock()
+        t0 = time.perf_counter()
+
+        def one(_):
+            w = time.time()
+            try:
+                sid, _ = submit(stack.calls, AGENT, GO + ': run the steps you are given.')
+            except grpc.RpcError as e:
+                return e.code().name
+            with lock:
+                starts[sid] = w
+            return None
+
+        with ThreadPoolExecutor(16) as ex:
+            refused = [r for r in ex.map(one, range(n)) if r]
+        submit_s = time.perf_counter() - t0
+        done = {}
+        while time.perf_counter() - t0 < a.cap:
+            done = settled_times(stack.sd.stub, starts.keys())
+            if len(done) >= len(starts):
+                break
+            time.sleep(0.5)
+        wall = time.perf_counter() - t0
+        thr.stop()
+        lat = [(done[s][0] / 1000.0 - starts[s]) for s in done]
+        outcomes = {}
+        for s in done:
+            outcomes[done[s][1]] = outcomes.get(done[s][1], 0) + 1
+        within = sum(1 for x in lat if x <= 1.5 * model_s)
+        print('  model: %s, delay_ms=%d on every step; all %d submitted in %.1f s%s'
+              % (MODEL_HOW, delay_ms, len(starts), submit_s,
+                 ('; Submit refused %d times' % len(refused)) if refused else ''))
+        if len(done) < n:
+            print('  did not finish: %d of %d settled after %.0f s (cap --cap %d s)'
+                  % (len(done), n, wall, a.cap))
+        else:
+            print('  all %d settled in %.1f s (%s)' % (n, wall, outcomes_text(outcomes)))
+        med = statistics.median(lat) if lat else float('nan')
+        line('Submit -> settled median (of those settled)', '%.2f s' % med, '<= %.1f s'
+             % (1.5 * model_s), len(done) == n and med <= 1.5 * model_s)
+        line('Submit -> settled max (of those settled)', '%.2f s' % (max(lat) if lat else 0))
+        line('settled within 1.5x model time (%.1f s)' % (1.5 * model_s), '%d of %d' % (within, n),
+             '%d of %d' % (n, n), within == n)
+        line("agentd threads, max sampled every 0.1 s", '%d' % thr.max, '< 64', thr.max < 64)
+        print("    (settle times: storaged's settled_at_ms, polled with Store.List every 0.5 s)")
+    finally:
+        stack.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 3: idle watchers
+# ---------------------------------------------------------------------------------------------
+
+
+def submit_latencies(stack, n=30):
+    lat, sub, outcomes, _ = run_conversations(stack.calls, n, 1)
+    return statistics.median(sub), statistics.median(lat), outcomes
+
+
+def section3(root, a):
+    w = 500 if a.quick else 10000
+    print('\n== 3. %d idle Watch(follow) streams on one agentd ==' % w)
+    nofile = raise_nofile()
+    stack = Stack(root, 's3')
+    channels, watchers = [], []
+    try:
+        stack.fm.set_scenario(scenario(200))
+        convs = []
+        for _ in range(10):
+            sid, conv = submit(stack.calls, AGENT, GO + ': run the steps you are given.')
+            wait_settled(stack.calls, sid)
+            convs.append((conv, conversation_head(stack.calls, conv)))
+        sub0, lat0, _ = submit_latencies(stack)
+        time.sleep(1)
+        pid = stack.ad.pid
+        rss0, rss_sd0, thr0 = rss_kib(pid), rss_kib(stack.sd.pid), threads(pid)
+
+        per_channel = 500
+        t0 = time.perf_counter()
+        refused_at, why = None, ''
+        for i in range(w):
+            if i % per_channel == 0:
+                ch = grpc.insecure_channel(stack.ad.target, options=H.channel_options() + [
+                    ('grpc.use_local_subchannel_pool', 1)])
+                channels.append((ch, agent_callables(ch)))
+            conv, head = convs[i % len(convs)]
+            watchers.append(watch(channels[-1][1], conv, head, timeout=a.cap + 600))
+            if i % 100 == 99 or i == w - 1:
+                time.sleep(0.2)
+                dead = [c for c in watchers if c.done()]
+                if dead:
+                    refused_at = len(watchers) - len(dead)
+                    why = '%s: %s' % (dead[0].code().name, dead[0].details())
+                    break
+            if time.perf_counter() - t0 > a.cap:
+                break
+        time.sleep(2)
+        live = [c for c in watchers if not c.done()]
+        dead = [c for c in watchers if c.done()]
+        if dead and not why:
+            why = '%s: %s' % (dead[0].code().name, dead[0].details())
+        rss1, rss_sd1, thr1 = rss_kib(pid), rss_kib(stack.sd.pid), threads(pid)
+        if refused_at is not None or dead:
+            print('  streams refused after %d (of %d opened: %d live, %d ended; first ended '
+                  'with %s)' % (refused_at if refused_at is not None else len(live),
+                                len(watchers), len(live), len(dead), why))
+        else:
+            print('  %d watchers open in %.1f s on %d channels (RLIMIT_NOFILE %d)'
+                  % (len(live), time.perf_counter() - t0, len(channels), nofile))
+        alive = stack.ad.alive() and stack.sd.alive()
+        if alive:
+            sub1, lat1, oc1 = submit_latencies(stack)
+            line('Submit median without / with %d live watchers' % len(live),
+                 '%s / %s' % (ms(sub0), ms(sub1)), 'within 1.5x', sub1 <= 1.5 * sub0 + 0.001)
+            line('Submit -> settled median without / with', '%s / %s (%s)'
+                 % (ms(lat0), ms(lat1), outcomes_text(oc1)), 'within 1.5x',
+                 lat1 <= 1.5 * lat0 + 0.001)
+        else:
+            print('  a daemon died with the watchers open: agentd %s, storaged %s'
+                  % (stack.ad.alive(), stack.sd.alive()))
+        per = (rss1 - rss0) * 1024.0 / max(1, len(live))
+        line('agentd RSS per live idle watcher', '%.1f KiB' % (per / 1024.0), '<= 16 KiB',
+             len(live) == w and per <= 16 * 1024)
+        line('  agentd RSS / threads before -> with watchers', '%d -> %d KiB, %d -> %d threads'
+             % (rss0, rss1, thr0, thr1))
+        line('  storaged RSS before -> with watchers', '%d -> %d KiB' % (rss_sd0, rss_sd1))
+    finally:
+        for c in watchers:
+            c.cancel()
+        for ch, _ in channels:
+            ch.close()
+        stack.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Section 4: idle RSS
+# ---------------------------------------------------------------------------------------------
+
+
+def section4(root, a):
+    k = 1000 if a.quick else 10000
+    print('\n== 4. idle RSS of the three daemons, after start and after %d conversations ==' % k)
+    stack = Stack(root, 's4')
+    try:
+        time.sleep(2)
+        pids = stack.pids()
+        before = {n: rss_kib(p) for n, p in pids.items()}
+        done, outcomes, t0 = 0, {}, time.perf_counter()
+        chunk = 500
+        cap = max(a.cap, 600)
+        while done < k and time.perf_counter() - t0 < cap:
+            m = min(chunk, k - done)
+            stack.fm.set_scenario(scenario(m))
+            lat, _, oc, _ = run_conversations(stack.calls, m, 10,
+                                              cap_s=cap - (time.perf_counter() - t0))
+            done += sum(oc.values())
+            for kk, v in oc.items():
+                outcomes[kk] = outcomes.get(kk, 0) + v
+        wall = time.perf_counter() - t0
+        time.sleep(3)
+        after = {n: rss_kib(p) for n, p in pids.items()}
+        if done < k:
+            print('  did not finish: %d of %d conversations after %.0f s' % (done, k, wall))
+        else:
+            print('  %d conversations at 10 in flight in %.0f s (%s)'
+                  % (done, wall, outcomes_text(outcomes)))
+        for n in ('storaged', 'agentd', 'toold'):
+            line('%s RSS idle after start -> after' % n, '%.1f -> %.1f MiB (%+.1f)'
+                 % (before[n] / 1024.0, after[n] / 1024.0, (after[n] - before[n]) / 1024.0))
+        b, f = sum(before.values()) / 1024.0, sum(after.values()) / 1024.0
+        line('summed, after start', '%.1f MiB' % b, '<= 30 MiB', b <= 30)
+        line('summed, after %d conversations' % done, '%.1f MiB (%+.1f MiB)' % (f, f - b),
+             '<= 30 MiB, within +-1 MiB', f <= 30 and abs(f - b) <= 1)
+    finally:
+        stack.close()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('--quick', action='store_true', help='N=100, W=500, K=1000')
+    ap.add_argument('--build', help='build directory (default $CFLUE_BUILD_DIR or build/)')
+    ap.add_argument('--sections', default='1,2,3,4')
+    ap.add_argument('--cap', type=int, default=120,
+                    help='seconds a section that cannot reach its goal may run (default 120)')
+    a = ap.parse_args()
+    for b in (H.STORAGED_BIN, H.AGENTD_BIN):
+        if not os.path.exists(b):
+            sys.exit('bench_engine: %s is not built (set CFLUE_BUILD_DIR or --build)' % b)
+    print('bench_engine %s: build %s, %d cores, %s' % ('--quick' if a.quick else '(full)',
+                                                       H.BUILD_DIR, NCPU,
+                                                       time.strftime('%Y-%m-%d %H:%M')))
+    root = tempfile.mkdtemp(prefix='cflue-bench-engine-')
+    t0 = time.time()
+    try:
+        for s in a.sections.split(','):
+            try:
+                {'1': section1, '2': section2, '3': section3, '4': section4}[s.strip()](root, a)
+            except (H.StoragedExited, H.AgentdExited, H.TooldExited, H.FakeModelExited,
+                    AssertionError, RuntimeError, grpc.RpcError) as e:
+                print('  section %s stopped: %s' % (s, str(e).split('\n')[0]))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print('\ntotal %.0f s' % (time.time() - t0))
+
+
+if __name__ == '__main__':
+    main()
