@@ -30,6 +30,9 @@ enum rpc_mode {
     RPC_INLINE, /* on a poller thread: must not block (no disk, no downstream calls) */
     RPC_POOL,   /* on the server's worker pool: may block briefly (a database read) */
     RPC_THREAD, /* on a thread of its own: may block for the life of the call (streams) */
+    RPC_ASYNC,  /* event-driven stream: the handler runs on the worker pool, registers the call
+                 * with its feeder (rpc_call_async) and returns; no thread is held while the
+                 * stream is idle. Bounded by max_stream_memory. */
 };
 
 typedef void (*rpc_handler_fn)(struct rpc_call *call, const ProtobufCMessage *req, void *user);
@@ -42,15 +45,26 @@ typedef void (*rpc_handler_fn)(struct rpc_call *call, const ProtobufCMessage *re
  * without running its handler. Requests are decoded on the worker (or the call's own thread),
  * never on a poller, except small RPC_INLINE requests such as health checks, which are
  * therefore answered while the queue is full. RPC_THREAD calls beyond max_threads, or whose
- * thread cannot start, get RESOURCE_EXHAUSTED. */
+ * thread cannot start, get RESOURCE_EXHAUSTED. RPC_ASYNC calls are admitted like RPC_POOL
+ * calls, and refused with RESOURCE_EXHAUSTED while the open RPC_ASYNC calls, each charged
+ * RPC_ASYNC_CALL_BYTES, would exceed max_stream_memory. */
 struct rpc_server_opts {
-    int pollers;           /* completion-queue threads; 0: 2 */
-    int workers;           /* RPC_POOL threads; 0: 8 */
-    int max_threads;       /* concurrent RPC_THREAD handlers; 0: 256 */
-    int max_message_bytes; /* receive and send limit; 0: 16 MiB */
-    int max_queue;         /* calls waiting for a worker; 0: 256 */
-    int max_queue_bytes;   /* undecoded request bytes waiting for a worker; 0: 64 MiB */
+    int pollers;               /* completion-queue threads; 0: 2 */
+    int workers;               /* RPC_POOL threads; 0: 8 */
+    int max_threads;           /* concurrent RPC_THREAD handlers; 0: 256 */
+    int max_message_bytes;     /* receive and send limit; 0: 16 MiB */
+    int max_queue;             /* calls waiting for a worker; 0: 256 */
+    int max_queue_bytes;       /* undecoded request bytes waiting for a worker; 0: 64 MiB */
+    int64_t max_stream_memory; /* bytes for open RPC_ASYNC calls; 0: RPC_STREAM_MEMORY_DEFAULT */
 };
+
+/* What one open RPC_ASYNC call is charged against max_stream_memory: an idle stream's state in
+ * the gRPC core (call arena, HTTP/2 stream) and ours, measured at about 10 KiB, rounded up. A
+ * call's queued messages are bounded separately (RPC_ASYNC_QUEUE_MSGS, RPC_ASYNC_QUEUE_BYTES). */
+#define RPC_ASYNC_CALL_BYTES (16 << 10)
+#define RPC_STREAM_MEMORY_DEFAULT ((int64_t)256 << 20) /* 16,384 idle streams */
+#define RPC_ASYNC_QUEUE_MSGS 16
+#define RPC_ASYNC_QUEUE_BYTES (256 << 10)
 
 /* rpc_server_new creates a server (not yet listening). Never NULL. */
 struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts);
@@ -110,6 +124,54 @@ void rpc_call_reply(struct rpc_call *c, const ProtobufCMessage *resp);
  * queued (backpressure). Returns false once the call is dead (cancelled, deadline, client
  * gone): the handler should stop producing and finish. */
 CF_MUST_CHECK bool rpc_call_send(struct rpc_call *c, const ProtobufCMessage *msg);
+
+/* ---- event-driven streams (RPC_ASYNC) ----
+ *
+ * The handler sets up its own state for the call, then hands the call to rpc_call_async and
+ * returns. From then on any thread may rpc_call_push messages and rpc_call_finish the call
+ * (exactly once). The server calls back, on a poller thread or the thread running
+ * rpc_server_shutdown, never holding its locks; callbacks must not block:
+ * - ended(arg, why): the call is over for the client (cancelled, deadline passed, connection
+ *   lost: RPC_END_CLIENT) or the server began shutting down (RPC_END_SHUTDOWN: finish with
+ *   UNAVAILABLE so the client resumes elsewhere). At most once. The owner must finish the call
+ *   soon; pushes fail from then on (client) or still go out (shutdown, within the grace).
+ * - drained(arg): after rpc_call_push returned 0 (queue full), the queue has emptied to half.
+ * - release(arg): the call is freed (finished, and the core let go of it): the owner's state
+ *   may go. Exactly once, last. It may run inside rpc_call_finish, so the caller of
+ *   rpc_call_finish must not touch state that release frees after the call.
+ * ended and drained may race with the owner's rpc_call_finish on another thread: the owner
+ * keeps its own "finished" flag; its state stays valid until release. */
+enum rpc_end { RPC_END_CLIENT, RPC_END_SHUTDOWN };
+
+struct rpc_async_ops {
+    void (*ended)(void *arg, enum rpc_end why);
+    void (*drained)(void *arg);
+    void (*release)(void *arg);
+};
+
+/* rpc_call_async attaches ops and arg to a call of an RPC_ASYNC method. false when the call is
+ * already over for the client or the server is stopping: then nothing is attached and the
+ * caller finishes the call itself (and keeps its state). */
+CF_MUST_CHECK bool rpc_call_async(struct rpc_call *c, const struct rpc_async_ops *ops, void *arg);
+
+/* rpc_call_push queues one message of a server stream without ever blocking: 1 queued, room
+ * left; 0 queued, and the queue is now full (RPC_ASYNC_QUEUE_MSGS messages or
+ * RPC_ASYNC_QUEUE_BYTES bytes waiting): stop producing until the drained callback; -1 the call
+ * is dead or finished (the message is dropped). Usable on any streaming call. */
+CF_MUST_CHECK int rpc_call_push(struct rpc_call *c, const ProtobufCMessage *msg);
+
+/* rpc_server_post runs job(arg) on the server's worker pool (FIFO with the calls waiting for a
+ * worker; one worker woken). For RPC_ASYNC feeders: reads that may block briefly. The work item
+ * is caller-owned storage (rpc_work) that must stay valid until fn runs; each item may be
+ * queued once at a time. false once the workers are stopping (after every call ended). */
+struct rpc_work {
+    void (*fn)(struct rpc_work *w);
+    struct rpc_work *next;
+};
+CF_MUST_CHECK bool rpc_server_post(struct rpc_server *s, struct rpc_work *w);
+
+/* rpc_server_async_calls returns how many RPC_ASYNC calls are open. */
+int rpc_server_async_calls(struct rpc_server *s);
 
 /* rpc_call_finish ends the call with a gRPC status and details (NULL: none). The handle is
  * invalid afterwards. Exactly once per call. */

@@ -18,6 +18,16 @@
  * their own thread. RPC_INLINE calls (health checks among them) run on the poller when their
  * request is small (INLINE_DECODE_MAX), so they keep being answered while the queue is full;
  * a larger one goes through the queue like a pool call. Workers are woken one per job.
+ *
+ * Event-driven streams (RPC_ASYNC): admitted like pool calls, and charged RPC_ASYNC_CALL_BYTES
+ * each against max_stream_memory (refused with RESOURCE_EXHAUSTED past it). The handler attaches
+ * an owner (rpc_async_ops) and returns; the call then holds no thread. Pushes never block: the
+ * per-call queue reports "full" at RPC_ASYNC_QUEUE_MSGS / _BYTES and the owner pauses until
+ * drained (half empty). The close op (client cancel, deadline, lost connection) and a failed
+ * send deliver ended(RPC_END_CLIENT); shutdown delivers ended(RPC_END_SHUTDOWN) to every attached
+ * call at once. Owner callbacks run without our locks, while the callback's path holds a
+ * reference; release runs from call_free, before the call stops counting as live, so shutdown
+ * returns only after every owner let go. rpc_server_post gives owners the worker pool.
  */
 #include "rpc.h"
 
@@ -105,6 +115,14 @@ struct rpc_call {
     char *input_problem;          /* lenient methods: what pbcheck found, or NULL */
     struct rpc_call *next_queued; /* the server's pending-call queue */
     size_t queued_bytes;          /* undecoded request bytes counted in srv->queue_bytes */
+    size_t q_bytes;               /* bytes of the messages in q_head..q_tail */
+    /* RPC_ASYNC */
+    bool async_counted;              /* charged against max_stream_memory */
+    const struct rpc_async_ops *ops; /* attached by rpc_call_async, or NULL */
+    void *ops_arg;
+    bool ended_sent;                  /* ops->ended was delivered (or is being) */
+    bool want_drain;                  /* rpc_call_push reported full */
+    struct rpc_call *a_prev, *a_next; /* the server's list of attached async calls */
 };
 
 struct rpc_server {
@@ -133,6 +151,9 @@ struct rpc_server {
     bool workers_quit;
     int64_t rejected, expired; /* calls refused because the queue was full; dropped late */
     int64_t last_reject_log_ms;
+    struct rpc_work *work_head, *work_tail; /* rpc_server_post jobs */
+    int async_calls;                        /* open RPC_ASYNC calls (charged) */
+    struct rpc_call *async_head;            /* attached async calls */
     bool log_stats; /* CFLUE_RPC_STATS=1: log each method's call count at shutdown */
 };
 
@@ -190,8 +211,31 @@ static void call_free(struct rpc_call *c)
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     bool live = c->live;
+    const struct rpc_async_ops *ops = c->ops;
+    void *ops_arg = c->ops_arg;
+    if (live || c->async_counted || ops) {
+        pthread_mutex_lock(&s->mu);
+        if (ops) {
+            if (c->a_prev) {
+                c->a_prev->a_next = c->a_next;
+            } else {
+                s->async_head = c->a_next;
+            }
+            if (c->a_next) {
+                c->a_next->a_prev = c->a_prev;
+            }
+        }
+        if (c->async_counted) {
+            s->async_calls--;
+        }
+        pthread_mutex_unlock(&s->mu);
+    }
     free(c);
+    if (ops && ops->release) {
+        ops->release(ops_arg);
+    }
     if (live) {
+        /* after release: once no call is live, shutdown returns and the owner's world goes */
         pthread_mutex_lock(&s->mu);
         s->live_calls--;
         pthread_cond_broadcast(&s->cv);
@@ -227,6 +271,7 @@ static void pump(struct rpc_call *c)
         }
         c->q_tail = NULL;
         c->q_len = 0;
+        c->q_bytes = 0;
         pthread_cond_broadcast(&c->cv);
         return;
     }
@@ -246,6 +291,7 @@ static void pump(struct rpc_call *c)
             c->q_tail = NULL;
         }
         c->q_len--;
+        c->q_bytes -= grpc_byte_buffer_length(p->bb);
         c->inflight = p->bb;
         free(p);
         ops[n].op = GRPC_OP_SEND_MESSAGE;
@@ -281,8 +327,20 @@ static void pump(struct rpc_call *c)
     pthread_cond_broadcast(&c->cv);
 }
 
+/* take_ended decides, with c->mu held, whether ops->ended is to be delivered now: the call
+ * has an owner that has not finished it, and was not told before. */
+static bool take_ended(struct rpc_call *c)
+{
+    if (!c->ops || c->ended_sent || c->finished) {
+        return false;
+    }
+    c->ended_sent = true;
+    return true;
+}
+
 static void on_send_done(struct rpc_call *c, int success)
 {
+    bool drained = false, ended = false;
     pthread_mutex_lock(&c->mu);
     c->sending = false;
     if (c->inflight) {
@@ -291,23 +349,40 @@ static void on_send_done(struct rpc_call *c, int success)
     }
     if (!success) {
         c->dead = true;
+        ended = take_ended(c);
     }
     pump(c);
+    if (c->want_drain && !c->dead && c->q_len <= RPC_ASYNC_QUEUE_MSGS / 2 &&
+        c->q_bytes <= RPC_ASYNC_QUEUE_BYTES / 2) {
+        c->want_drain = false;
+        drained = !c->finished && c->ops && c->ops->drained;
+    }
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
+    if (ended) {
+        c->ops->ended(c->ops_arg, RPC_END_CLIENT);
+    }
+    if (drained) {
+        c->ops->drained(c->ops_arg);
+    }
     call_unref(c);
 }
 
 static void on_close(struct rpc_call *c)
 {
+    bool ended = false;
     pthread_mutex_lock(&c->mu);
     c->closed = true;
     if (c->cancelled) {
         c->dead = true;
         pump(c);
+        ended = take_ended(c);
     }
     pthread_cond_broadcast(&c->cv);
     pthread_mutex_unlock(&c->mu);
+    if (ended) {
+        c->ops->ended(c->ops_arg, RPC_END_CLIENT);
+    }
     call_unref(c);
 }
 
@@ -324,6 +399,7 @@ static void enqueue_locked(struct rpc_call *c, grpc_byte_buffer *bb)
     }
     c->q_tail = p;
     c->q_len++;
+    c->q_bytes += grpc_byte_buffer_length(bb);
 }
 
 /* finish_locked queues the call's status; an error status also gets its ErrorInfo trailer
@@ -381,6 +457,74 @@ bool rpc_call_send(struct rpc_call *c, const ProtobufCMessage *msg)
     enqueue_locked(c, bb);
     pump(c);
     pthread_mutex_unlock(&c->mu);
+    return true;
+}
+
+int rpc_call_push(struct rpc_call *c, const ProtobufCMessage *msg)
+{
+    grpc_byte_buffer *bb = rpc_pack(msg);
+    pthread_mutex_lock(&c->mu);
+    if (c->dead || c->finished) {
+        pthread_mutex_unlock(&c->mu);
+        grpc_byte_buffer_destroy(bb);
+        return -1;
+    }
+    enqueue_locked(c, bb);
+    pump(c);
+    bool full = c->q_len >= RPC_ASYNC_QUEUE_MSGS || c->q_bytes >= RPC_ASYNC_QUEUE_BYTES;
+    if (full) {
+        c->want_drain = true;
+    }
+    pthread_mutex_unlock(&c->mu);
+    return full ? 0 : 1;
+}
+
+bool rpc_call_async(struct rpc_call *c, const struct rpc_async_ops *ops, void *arg)
+{
+    struct rpc_server *s = c->srv;
+    bool ok;
+    pthread_mutex_lock(&s->mu);
+    pthread_mutex_lock(&c->mu);
+    ok = !s->stopping && !c->dead && !(c->closed && c->cancelled) && !c->finished && !c->ops;
+    if (ok) {
+        c->ops = ops;
+        c->ops_arg = arg;
+        c->a_prev = NULL;
+        c->a_next = s->async_head;
+        if (s->async_head) {
+            s->async_head->a_prev = c;
+        }
+        s->async_head = c;
+    }
+    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&s->mu);
+    return ok;
+}
+
+int rpc_server_async_calls(struct rpc_server *s)
+{
+    pthread_mutex_lock(&s->mu);
+    int n = s->async_calls;
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
+bool rpc_server_post(struct rpc_server *s, struct rpc_work *w)
+{
+    pthread_mutex_lock(&s->mu);
+    if (s->workers_quit) {
+        pthread_mutex_unlock(&s->mu);
+        return false;
+    }
+    w->next = NULL;
+    if (s->work_tail) {
+        s->work_tail->next = w;
+    } else {
+        s->work_head = w;
+    }
+    s->work_tail = w;
+    pthread_cond_signal(&s->work_cv);
+    pthread_mutex_unlock(&s->mu);
     return true;
 }
 
@@ -656,8 +800,19 @@ static void *worker_main(void *arg)
     struct rpc_server *s = arg;
     for (;;) {
         pthread_mutex_lock(&s->mu);
-        while (!s->queue_head && !s->workers_quit) {
+        while (!s->queue_head && !s->work_head && !s->workers_quit) {
             pthread_cond_wait(&s->work_cv, &s->mu);
+        }
+        struct rpc_work *w = s->work_head;
+        if (w) {
+            s->work_head = w->next;
+            if (!s->work_head) {
+                s->work_tail = NULL;
+            }
+            w->next = NULL;
+            pthread_mutex_unlock(&s->mu);
+            w->fn(w);
+            continue;
         }
         struct rpc_call *c = s->queue_head;
         if (!c) {
@@ -696,6 +851,37 @@ static void begin_call(struct rpc_call *c)
     }
 }
 
+/* charge_async reserves an open RPC_ASYNC call's share of max_stream_memory, or refuses the
+ * call with RESOURCE_EXHAUSTED. */
+static bool charge_async(struct rpc_call *c)
+{
+    struct rpc_server *s = c->srv;
+    pthread_mutex_lock(&s->mu);
+    int64_t limit = s->opts.max_stream_memory / RPC_ASYNC_CALL_BYTES;
+    if ((int64_t)s->async_calls + 1 > limit) {
+        int n = s->async_calls;
+        int64_t now = clock_mono_ms();
+        bool log_now = now - s->last_reject_log_ms >= 1000;
+        if (log_now) {
+            s->last_reject_log_ms = now;
+        }
+        pthread_mutex_unlock(&s->mu);
+        if (log_now) {
+            log_warn("rpc_streams_full", "method=%s open=%d limit=%lld memory=%lld", c->m->path, n,
+                     (long long)limit, (long long)s->opts.max_stream_memory);
+        }
+        rpc_call_fail(c, CF_BUSY,
+                      "too many open streams: %d (memory bound %lld bytes at %d per stream); "
+                      "retry later",
+                      n, (long long)s->opts.max_stream_memory, RPC_ASYNC_CALL_BYTES);
+        return false;
+    }
+    s->async_calls++;
+    c->async_counted = true;
+    pthread_mutex_unlock(&s->mu);
+    return true;
+}
+
 /* on_new_call runs on a poller: it reposts the slot and hands the call on without decoding
  * anything but a small RPC_INLINE request. */
 static void on_new_call(struct rpc_call *c, int success)
@@ -720,6 +906,12 @@ static void on_new_call(struct rpc_call *c, int success)
         enqueue(c, bytes);
         return;
     case RPC_POOL:
+        enqueue(c, bytes);
+        return;
+    case RPC_ASYNC:
+        if (!charge_async(c)) {
+            return;
+        }
         enqueue(c, bytes);
         return;
     case RPC_THREAD:
@@ -908,6 +1100,9 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
     if (s->opts.max_queue_bytes <= 0) {
         s->opts.max_queue_bytes = DEFAULT_QUEUE_BYTES;
     }
+    if (s->opts.max_stream_memory <= 0) {
+        s->opts.max_stream_memory = RPC_STREAM_MEMORY_DEFAULT;
+    }
     grpc_arg args[2];
     args[0].type = GRPC_ARG_INTEGER;
     args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
@@ -1088,6 +1283,35 @@ uint64_t rpc_server_method_calls(struct rpc_server *s, const char *path)
     return 0;
 }
 
+/* end_async_calls tells the owner of every attached RPC_ASYNC call that the server is
+ * stopping (ended, RPC_END_SHUTDOWN), so idle streams finish at once instead of waiting out the
+ * grace period. Each call is held by a reference while its owner is told. */
+static void end_async_calls(struct rpc_server *s)
+{
+    size_t n = 0, cap = 0;
+    struct rpc_call **picks = NULL;
+    pthread_mutex_lock(&s->mu);
+    for (struct rpc_call *c = s->async_head; c; c = c->a_next) {
+        pthread_mutex_lock(&c->mu);
+        if (c->refs > 0 && !c->ended_sent && !c->finished) {
+            c->ended_sent = true;
+            c->refs++;
+            if (n == cap) {
+                cap = cap ? cap * 2 : 64;
+                picks = mem_realloc(picks, cap * sizeof(*picks));
+            }
+            picks[n++] = c;
+        }
+        pthread_mutex_unlock(&c->mu);
+    }
+    pthread_mutex_unlock(&s->mu);
+    for (size_t i = 0; i < n; i++) {
+        picks[i]->ops->ended(picks[i]->ops_arg, RPC_END_SHUTDOWN);
+        call_unref(picks[i]);
+    }
+    free(picks);
+}
+
 static bool no_live_calls(struct rpc_server *s)
 {
     return s->live_calls == 0 && s->threads_running == 0;
@@ -1103,6 +1327,7 @@ void rpc_server_shutdown(struct rpc_server *s, int grace_ms)
     s->stopping = true;
     pthread_mutex_unlock(&s->mu);
 
+    end_async_calls(s);
     thread_handoff_release(&s->t_shutdown);
 
     grpc_server_shutdown_and_notify(s->server, s->cq, &s->t_shutdown);

@@ -9,6 +9,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -90,6 +91,382 @@ static void on_follow(struct rpc_call *c, const ProtobufCMessage *msg, void *use
         return;
     }
     rpc_call_finish(c, GRPC_STATUS_OK, NULL);
+}
+
+/* ---- RPC_ASYNC: event-driven streams ----
+ *
+ * "Tail" streams (test method /test.Async/Tail, FollowRequest): after_offset N > 0 pushes N
+ * records from the handler and, when the queue is full, pauses until drained (the rest is
+ * pushed by a pool job); then finishes OK. N <= 0 leaves the stream idle, registered in
+ * `tails` for the test to push to and finish from its own thread. ended finishes the call
+ * (CANCELLED, or UNAVAILABLE on shutdown); release frees the state. */
+struct tail {
+    struct rpc_call *call;
+    struct rpc_work work; /* continue pushing after drained */
+    pthread_mutex_t mu;
+    int next, total;
+    bool finished;
+    int slot; /* index in tails, or -1 */
+};
+
+#define TAILS_MAX 4000
+static struct tail *tails[TAILS_MAX];
+static pthread_mutex_t tails_mu = PTHREAD_MUTEX_INITIALIZER;
+static atomic_int tail_released, tail_ended_client, tail_ended_shutdown, tail_pauses, tail_drains;
+static struct rpc_server *tail_server;
+
+/* tail_finish finishes t from any thread unless it finished already; t may be freed (release)
+ * once rpc_call_finish runs, so nothing touches it after. */
+static void tail_finish(struct tail *t, grpc_status_code code, const char *why)
+{
+    pthread_mutex_lock(&t->mu);
+    bool was = t->finished;
+    t->finished = true;
+    if (!was && t->slot >= 0) {
+        pthread_mutex_lock(&tails_mu);
+        tails[t->slot] = NULL;
+        pthread_mutex_unlock(&tails_mu);
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (!was) {
+        rpc_call_finish(t->call, code, why);
+    }
+}
+
+/* pump_tail pushes until the total is sent (finish OK) or the queue is full (pause). */
+static void pump_tail(struct tail *t)
+{
+    Cflue__V1__Record rec = CFLUE__V1__RECORD__INIT;
+    Cflue__V1__SystemPrompt body = CFLUE__V1__SYSTEM_PROMPT__INIT;
+    body.text = "t";
+    rec.body_case = CFLUE__V1__RECORD__BODY_SYSTEM_PROMPT;
+    rec.system_prompt = &body;
+    pthread_mutex_lock(&t->mu);
+    while (!t->finished && t->next < t->total) {
+        rec.offset = t->next;
+        int r = rpc_call_push(t->call, &rec.base);
+        if (r < 0) {
+            break; /* ended will finish it */
+        }
+        t->next++;
+        if (r == 0 && t->next < t->total) {
+            tail_pauses++;
+            pthread_mutex_unlock(&t->mu);
+            return;
+        }
+    }
+    bool done = !t->finished && t->next == t->total;
+    if (done) {
+        t->finished = true;
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (done) {
+        rpc_call_finish(t->call, GRPC_STATUS_OK, NULL);
+    }
+}
+
+static void tail_work(struct rpc_work *w)
+{
+    struct tail *t = (struct tail *)((char *)w - offsetof(struct tail, work));
+    pump_tail(t);
+}
+
+static void tail_drained(void *arg)
+{
+    struct tail *t = arg;
+    tail_drains++;
+    CHECK(rpc_server_post(tail_server, &t->work));
+}
+
+static void tail_ended(void *arg, enum rpc_end why)
+{
+    struct tail *t = arg;
+    if (why == RPC_END_SHUTDOWN) {
+        tail_ended_shutdown++;
+    } else {
+        tail_ended_client++;
+    }
+    tail_finish(t, why == RPC_END_SHUTDOWN ? GRPC_STATUS_UNAVAILABLE : GRPC_STATUS_CANCELLED,
+                why == RPC_END_SHUTDOWN ? "the server is stopping; resume elsewhere"
+                                        : "the stream was cancelled");
+}
+
+static void tail_release(void *arg)
+{
+    struct tail *t = arg;
+    pthread_mutex_destroy(&t->mu);
+    free(t);
+    tail_released++;
+}
+
+static const struct rpc_async_ops tail_ops = {tail_ended, tail_drained, tail_release};
+
+static void on_tail(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
+{
+    const Cflue__V1__FollowRequest *req = (const void *)msg;
+    struct tail *t = calloc(1, sizeof(*t));
+    t->call = c;
+    t->work.fn = tail_work;
+    t->total = req->after_offset > 0 ? (int)req->after_offset : 0;
+    t->slot = -1;
+    pthread_mutex_init(&t->mu, NULL);
+    if (t->total == 0) {
+        pthread_mutex_lock(&tails_mu);
+        for (int i = 0; i < TAILS_MAX; i++) {
+            if (!tails[i]) {
+                tails[i] = t;
+                t->slot = i;
+                break;
+            }
+        }
+        pthread_mutex_unlock(&tails_mu);
+    }
+    if (!rpc_call_async(c, &tail_ops, t)) {
+        if (t->slot >= 0) {
+            pthread_mutex_lock(&tails_mu);
+            tails[t->slot] = NULL;
+            pthread_mutex_unlock(&tails_mu);
+        }
+        rpc_call_finish(c, GRPC_STATUS_UNAVAILABLE, "not attached");
+        pthread_mutex_destroy(&t->mu);
+        free(t);
+        return;
+    }
+    if (t->total > 0) {
+        pump_tail(t);
+    }
+}
+
+static int count_tails(void)
+{
+    int n = 0;
+    pthread_mutex_lock(&tails_mu);
+    for (int i = 0; i < TAILS_MAX; i++) {
+        n += tails[i] != NULL;
+    }
+    pthread_mutex_unlock(&tails_mu);
+    return n;
+}
+
+static bool wait_for(bool (*cond)(int), int arg, int ms)
+{
+    for (int i = 0; i < ms / 10 && !cond(arg); i++) {
+        clock_sleep_ms(10);
+    }
+    return cond(arg);
+}
+
+static bool tails_are(int n)
+{
+    return count_tails() == n;
+}
+
+static bool released_is(int n)
+{
+    return tail_released == n;
+}
+
+static int threads_now(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    int n = -1;
+    while (f && fgets(line, sizeof(line), f)) {
+        if (!strncmp(line, "Threads:", 8)) {
+            n = atoi(line + 8);
+        }
+    }
+    if (f) {
+        fclose(f);
+    }
+    return n;
+}
+
+static struct rpc_stream *open_tail(struct rpc_channel *ch, int n, int64_t timeout_ms)
+{
+    Cflue__V1__FollowRequest req = CFLUE__V1__FOLLOW_REQUEST__INIT;
+    req.after_offset = n;
+    req.until_settled = "";
+    return rpc_stream_open(ch, "/test.Async/Tail", &req.base, timeout_ms);
+}
+
+static struct rpc_server *start_async(int *port, int64_t max_stream_memory)
+{
+    struct rpc_server_opts o = {.workers = 2,
+                                .max_message_bytes = 1 << 20,
+                                .max_queue = 8192,
+                                .max_stream_memory = max_stream_memory};
+    struct rpc_server *s = rpc_server_new(&o);
+    struct cf_error err;
+    rpc_server_add_method(s, "/test.Async/Tail", &cflue__v1__follow_request__descriptor, on_tail,
+                          NULL, RPC_ASYNC);
+    CHECK(rpc_server_listen(s, "127.0.0.1:0", port, &err) == CF_OK);
+    CHECK(rpc_server_start(s) == CF_OK);
+    tail_server = s;
+    return s;
+}
+
+#define IDLE_STREAMS 3000
+
+static void test_async_streams(void)
+{
+    int port;
+    char target[64];
+    struct rpc_status st;
+    ProtobufCMessage *m;
+    struct rpc_server *s = start_async(&port, 0);
+    snprintf(target, sizeof(target), "127.0.0.1:%d", port);
+    struct rpc_channel *ch = rpc_channel_new(target, 0);
+
+    /* backpressure: 3000 records through a queue of 16; the client reads late */
+    tail_pauses = tail_drains = 0;
+    struct rpc_stream *bs = open_tail(ch, 3000, 20000);
+    clock_sleep_ms(200);
+    int got = 0;
+    while (rpc_stream_read(bs, &cflue__v1__record__descriptor, &m) == 1) {
+        CHECK(((Cflue__V1__Record *)m)->offset == got);
+        got++;
+        protobuf_c_message_free_unpacked(m, NULL);
+    }
+    rpc_stream_finish(bs, &st);
+    CHECK(got == 3000 && st.code == GRPC_STATUS_OK);
+    CHECK(tail_pauses > 0 && tail_drains == tail_pauses);
+    fprintf(stderr, "async backpressure: %d pauses, %d drains\n", (int)tail_pauses,
+            (int)tail_drains);
+    CHECK(wait_for(released_is, 1, 2000));
+
+    /* sends from another thread into idle streams, then finish from that thread */
+    struct rpc_stream *is[3];
+    for (int i = 0; i < 3; i++) {
+        is[i] = open_tail(ch, 0, 10000);
+    }
+    CHECK(wait_for(tails_are, 3, 2000));
+    Cflue__V1__Record rec = CFLUE__V1__RECORD__INIT;
+    Cflue__V1__SystemPrompt body = CFLUE__V1__SYSTEM_PROMPT__INIT;
+    body.text = "pushed";
+    rec.body_case = CFLUE__V1__RECORD__BODY_SYSTEM_PROMPT;
+    rec.system_prompt = &body;
+    rec.offset = 41;
+    pthread_mutex_lock(&tails_mu);
+    for (int i = 0; i < TAILS_MAX; i++) {
+        if (tails[i]) {
+            CHECK(rpc_call_push(tails[i]->call, &rec.base) == 1);
+        }
+    }
+    pthread_mutex_unlock(&tails_mu);
+    for (int i = 0; i < 3; i++) {
+        CHECK(rpc_stream_read(is[i], &cflue__v1__record__descriptor, &m) == 1);
+        CHECK(m && ((Cflue__V1__Record *)m)->offset == 41);
+        protobuf_c_message_free_unpacked(m, NULL);
+    }
+    struct tail *picked[3];
+    int np = 0;
+    pthread_mutex_lock(&tails_mu);
+    for (int i = 0; i < TAILS_MAX && np < 3; i++) {
+        if (tails[i]) {
+            picked[np++] = tails[i];
+        }
+    }
+    pthread_mutex_unlock(&tails_mu);
+    CHECK(np == 3);
+    for (int i = 0; i < np; i++) {
+        tail_finish(picked[i], GRPC_STATUS_OK, NULL);
+    }
+    for (int i = 0; i < 3; i++) {
+        CHECK(rpc_stream_read(is[i], &cflue__v1__record__descriptor, &m) == 0);
+        CHECK(rpc_stream_finish(is[i], &st) && st.code == GRPC_STATUS_OK);
+    }
+    CHECK(wait_for(released_is, 4, 2000));
+
+    /* the client cancels an idle stream: ended(CLIENT) reaches the owner, which finishes */
+    tail_ended_client = 0;
+    struct rpc_stream *cs = open_tail(ch, 0, 10000);
+    CHECK(wait_for(tails_are, 1, 2000));
+    rpc_stream_cancel(cs);
+    rpc_stream_finish(cs, &st);
+    CHECK(st.code == GRPC_STATUS_CANCELLED);
+    CHECK(wait_for(released_is, 5, 2000));
+    CHECK(tail_ended_client == 1 && count_tails() == 0);
+
+    /* the deadline passes on an idle stream: the same */
+    int64_t t0 = clock_mono_ms();
+    struct rpc_stream *ds = open_tail(ch, 0, 300);
+    CHECK(rpc_stream_read(ds, &cflue__v1__record__descriptor, &m) == 0);
+    rpc_stream_finish(ds, &st);
+    CHECK(st.code == GRPC_STATUS_DEADLINE_EXCEEDED);
+    CHECK(clock_mono_ms() - t0 < 2000);
+    CHECK(wait_for(released_is, 6, 2000));
+    CHECK(tail_ended_client == 2 && count_tails() == 0);
+
+    /* thousands of idle streams cost no thread; shutdown ends them all at once (UNAVAILABLE) */
+    int threads0 = threads_now();
+    struct rpc_stream **many = malloc(sizeof(*many) * IDLE_STREAMS);
+    for (int i = 0; i < IDLE_STREAMS; i++) {
+        many[i] = open_tail(ch, 0, 60000);
+    }
+    CHECK(wait_for(tails_are, IDLE_STREAMS, 20000));
+    CHECK(rpc_server_async_calls(s) == IDLE_STREAMS);
+    int threads1 = threads_now();
+    fprintf(stderr, "async: %d idle streams, threads %d -> %d\n", IDLE_STREAMS, threads0, threads1);
+    CHECK(threads1 - threads0 <= 4);
+    tail_ended_shutdown = 0;
+    t0 = clock_mono_ms();
+    rpc_server_shutdown(s, 10000);
+    int64_t took = clock_mono_ms() - t0;
+    fprintf(stderr, "async: shutdown with %d idle streams took %lld ms\n", IDLE_STREAMS,
+            (long long)took);
+    CHECK(took < 5000);
+    CHECK(tail_ended_shutdown == IDLE_STREAMS);
+    CHECK(tail_released == 6 + IDLE_STREAMS);
+    int unavailable = 0;
+    for (int i = 0; i < IDLE_STREAMS; i++) {
+        while (rpc_stream_read(many[i], &cflue__v1__record__descriptor, &m) == 1) {
+            protobuf_c_message_free_unpacked(m, NULL);
+        }
+        rpc_stream_finish(many[i], &st);
+        unavailable += st.code == GRPC_STATUS_UNAVAILABLE;
+    }
+    CHECK(unavailable == IDLE_STREAMS);
+    free(many);
+    rpc_server_free(s);
+    rpc_channel_free(ch);
+}
+
+/* The memory bound: with room for 4 streams, the fifth is refused RESOURCE_EXHAUSTED, and a
+ * stream fits again once one ended. */
+static void test_async_limit(void)
+{
+    int port;
+    char target[64];
+    struct rpc_status st;
+    ProtobufCMessage *m;
+    int released0 = tail_released;
+    struct rpc_server *s = start_async(&port, 4 * RPC_ASYNC_CALL_BYTES);
+    snprintf(target, sizeof(target), "127.0.0.1:%d", port);
+    struct rpc_channel *ch = rpc_channel_new(target, 0);
+    struct rpc_stream *open4[4];
+    for (int i = 0; i < 4; i++) {
+        open4[i] = open_tail(ch, 0, 10000);
+    }
+    CHECK(wait_for(tails_are, 4, 2000));
+    struct rpc_stream *fifth = open_tail(ch, 0, 10000);
+    CHECK(rpc_stream_read(fifth, &cflue__v1__record__descriptor, &m) == 0);
+    rpc_stream_finish(fifth, &st);
+    CHECK(st.code == GRPC_STATUS_RESOURCE_EXHAUSTED);
+    CHECK(strstr(st.details, "too many open streams") != NULL);
+    rpc_stream_cancel(open4[0]);
+    rpc_stream_finish(open4[0], &st);
+    CHECK(wait_for(released_is, released0 + 1, 2000));
+    open4[0] = open_tail(ch, 0, 10000);
+    CHECK(wait_for(tails_are, 4, 2000));
+    rpc_server_shutdown(s, 1000);
+    for (int i = 0; i < 4; i++) {
+        CHECK(rpc_stream_read(open4[i], &cflue__v1__record__descriptor, &m) == 0);
+        rpc_stream_finish(open4[i], &st);
+        CHECK(st.code == GRPC_STATUS_UNAVAILABLE);
+    }
+    rpc_server_free(s);
+    rpc_channel_free(ch);
 }
 
 static struct rpc_server *start_opts(const char *addr, int *port, struct rpc_server_opts o)
@@ -457,6 +834,8 @@ int main(void)
     unlink(sock);
     test_cancel_and_shutdown();
     test_admission_flood();
+    test_async_streams();
+    test_async_limit();
     test_reconnect_after_outages();
     rpc_global_shutdown();
     return check_done("test_rpc");
