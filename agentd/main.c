@@ -15,7 +15,6 @@
 #include "catalog.h"
 #include "clients.h"
 #include "clock.h"
-#include "config.h"
 #include "daemon.h"
 #include "failpoint.h"
 #include "log.h"
@@ -25,7 +24,6 @@
 #include "thread.h"
 
 #include <curl/curl.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -389,63 +387,27 @@ static void *heartbeat_main(void *arg)
     }
 }
 
-int main(int argc, char **argv)
+/* agentd's own options (the shared ones are in struct daemon) */
+struct agentd_opts {
+    const char *store, *agents_dir, *owner, *models;
+    long long workers, lease_ms, heartbeat_ms, model_timeout;
+    bool no_stream;
+};
+
+/* load_definitions loads the agent definitions and the model catalog, warning about agents
+ * whose model the catalog does not know. Prints why it failed. */
+static bool load_definitions(const struct daemon *d, const struct agentd_opts *o)
 {
-    const char *listen = "127.0.0.1:7100", *store = "127.0.0.1:7101", *agents_dir = "";
-    const char *owner = "", *level = "info", *port_file = "", *models = "";
-    long long workers = 4, lease_ms = 30000, heartbeat_ms = 10000, grace_ms = 5000;
-    long long model_timeout = 600000, max_queue = 256;
-    bool no_stream = false, help;
     struct cf_error err;
-    const struct config_opt opts[] = {
-        {"listen", CONFIG_STRING, &listen, 0, 0, "address to serve the Agent API on"},
-        {"store", CONFIG_STRING, &store, 0, 0, "storaged address"},
-        {"agents", CONFIG_STRING, &agents_dir, 0, 0, "directory of agent definitions (NAME.md)"},
-        {"owner-id", CONFIG_STRING, &owner, 0, 0,
-         "stable name of this process for leases (default: host and port)"},
-        {"workers", CONFIG_INT, &workers, 1, 1024, "submissions driven at once"},
-        {"lease-ms", CONFIG_INT, &lease_ms, 500, 3600000, "lease on claimed work"},
-        {"heartbeat-ms", CONFIG_INT, &heartbeat_ms, 100, 3600000, "lease renewal interval"},
-        {"model-timeout-ms", CONFIG_INT, &model_timeout, 1000, 3600000, "one model call"},
-        {"no-stream", CONFIG_BOOL, &no_stream, 0, 0, "ask providers for whole responses"},
-        {"models", CONFIG_STRING, &models, 0, 0,
-         "model catalog JSON (context window, output limit, prices)"},
-        {"port-file", CONFIG_STRING, &port_file, 0, 0, "write the bound TCP port here"},
-        {"grace-ms", CONFIG_INT, &grace_ms, 0, 600000, "how long shutdown waits for calls"},
-        {"max-queue", CONFIG_INT, &max_queue, 1, 100000,
-         "API calls waiting for a thread; more are refused RESOURCE_EXHAUSTED"},
-        {"log-level", CONFIG_STRING, &level, 0, 0, "debug, info, warn or error"},
-    };
-    log_init("agentd", LOG_INFO);
-    if (config_parse(opts, sizeof(opts) / sizeof(opts[0]), argc, argv, usage, &help, &err) !=
-        CF_OK) {
-        fprintf(stderr, "agentd: %s\n", err.msg);
-        return 2;
+    if (agents_load(o->agents_dir, &g_agentd.agents, &err) != CF_OK) {
+        daemon_say(d, 1, "%s", err.msg);
+        log_error("agents_invalid", "dir=%s", o->agents_dir);
+        return false;
     }
-    if (help) {
-        return 0;
-    }
-    int lv = log_parse_level(level);
-    if (lv < 0 || !*agents_dir) {
-        fprintf(stderr, "agentd: %s\n",
-                lv < 0 ? "--log-level must be debug, info, warn or error"
-                       : "--agents DIR is required (a directory of NAME.md agent definitions)");
-        return 2;
-    }
-    log_init("agentd", (enum log_level)lv);
-    failpoint_init();
-    if (heartbeat_ms * 2 > lease_ms) {
-        heartbeat_ms = lease_ms / 3;
-    }
-    if (agents_load(agents_dir, &g_agentd.agents, &err) != CF_OK) {
-        fprintf(stderr, "agentd: %s\n", err.msg);
-        log_error("agents_invalid", "dir=%s", agents_dir);
-        return 1;
-    }
-    if (*models && catalog_load(models, &err) != CF_OK) {
-        fprintf(stderr, "agentd: %s\n", err.msg);
+    if (*o->models && catalog_load(o->models, &err) != CF_OK) {
+        daemon_say(d, 1, "%s", err.msg);
         agents_free(&g_agentd.agents);
-        return 1;
+        return false;
     }
     for (size_t i = 0; i < g_agentd.agents.n; i++) {
         if (!catalog_lookup(g_agentd.agents.items[i].model).known) {
@@ -455,104 +417,167 @@ int main(int argc, char **argv)
                      g_agentd.agents.items[i].name, g_agentd.agents.items[i].model);
         }
     }
-    char owner_buf[256];
-    if (!*owner) {
-        char host[128] = "host";
-        gethostname(host, sizeof(host) - 1);
-        snprintf(owner_buf, sizeof(owner_buf), "agentd-%s-%s", host, listen);
-        for (char *p = owner_buf; *p; p++) {
-            if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') ||
-                  (*p >= '0' && *p <= '9') || *p == '-' || *p == '_' || *p == '.')) {
-                *p = '_';
-            }
+    return true;
+}
+
+/* default_owner names this process for leases when --owner-id is not given: agentd, the host
+ * and the listen address, with every character a lease owner may not hold turned into '_'. */
+static const char *default_owner(char *out, size_t out_len, const char *listen)
+{
+    char host[128] = "host";
+    gethostname(host, sizeof(host) - 1);
+    snprintf(out, out_len, "agentd-%s-%s", host, listen);
+    for (char *p = out; *p; p++) {
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+              *p == '-' || *p == '_' || *p == '.')) {
+            *p = '_';
         }
-        owner = owner_buf;
     }
-    g_agentd.owner_id = owner;
-    g_agentd.lease_ms = lease_ms;
-    g_agentd.heartbeat_ms = heartbeat_ms;
-    g_agentd.stream = !no_stream;
+    return out;
+}
+
+/* set_engine fills in what the drives read from g_agentd: lease timing, streaming and the
+ * model providers (credentials from the environment). */
+static void set_engine(const struct agentd_opts *o)
+{
+    g_agentd.owner_id = o->owner;
+    g_agentd.lease_ms = o->lease_ms;
+    g_agentd.heartbeat_ms = o->heartbeat_ms;
+    g_agentd.stream = !o->no_stream;
     const char *ab = getenv("ANTHROPIC_BASE_URL"), *ob = getenv("OPENAI_BASE_URL");
     g_agentd.anthropic =
         (struct provider_endpoint){.base_url = ab && *ab ? ab : "https://api.anthropic.com",
                                    .api_key = getenv("ANTHROPIC_API_KEY"),
-                                   .timeout_ms = model_timeout};
+                                   .timeout_ms = o->model_timeout};
     g_agentd.openai =
         (struct provider_endpoint){.base_url = ob && *ob ? ob : "https://api.openai.com/v1",
                                    .api_key = getenv("OPENAI_API_KEY"),
-                                   .timeout_ms = model_timeout};
+                                   .timeout_ms = o->model_timeout};
     pthread_mutex_init(&g_agentd.mu, NULL);
     pthread_cond_init(&g_agentd.wake, NULL);
-    curl_global_init(CURL_GLOBAL_DEFAULT);
-    rpc_global_init();
-    g_agentd.store = rpc_channel_new(store, 64 << 20);
+}
 
-    struct rpc_server_opts ro = {.workers = 8, .max_threads = 1024, .max_queue = (int)max_queue};
-    struct rpc_server *srv = rpc_server_new(&ro);
-    api_register(srv);
-    int port = 0;
-    bool serving = rpc_server_listen(srv, listen, &port, &err) == CF_OK;
-    if (!serving) {
-        fprintf(stderr, "agentd: %s\n", err.msg);
-    } else if (rpc_server_start(srv) != CF_OK) {
-        fprintf(stderr, "agentd: could not start serving (threads); see the log\n");
-        serving = false;
-    }
-    if (!serving) {
-        rpc_server_free(srv);
-        rpc_channel_free(g_agentd.store);
-        rpc_global_shutdown();
-        agents_free(&g_agentd.agents);
-        return 1;
-    }
-    daemon_port_file(port_file, port);
-    reclaim_own_work();
+/* start_drives starts the workers and the heartbeat (threads[workers]). When one cannot start
+ * it stops those that did, prints and logs why and returns NULL (crash-only: the caller exits
+ * non-zero and a restart resumes the work). */
+static pthread_t *start_drives(const struct daemon *d, long long workers)
+{
+    struct cf_error err;
     pthread_t *threads = mem_alloc(sizeof(pthread_t) * (size_t)(workers + 1));
     int started = 0;
-    enum cf_status trc = CF_OK;
-    for (; started < workers && trc == CF_OK; started++) {
-        trc = thread_start(&threads[started], 0, worker_main, NULL, &err);
+    enum cf_status rc = CF_OK;
+    for (; started < workers && rc == CF_OK; started++) {
+        rc = thread_start(&threads[started], 0, worker_main, NULL, &err);
     }
-    if (trc == CF_OK) {
-        trc = thread_start(&threads[workers], 0, heartbeat_main, NULL, &err);
+    if (rc == CF_OK) {
+        rc = thread_start(&threads[workers], 0, heartbeat_main, NULL, &err);
     } else {
         started--;
     }
-    if (trc != CF_OK) {
-        /* crash-only: stop what started, exit non-zero; a restart resumes the work */
-        fprintf(stderr, "agentd: %s\n", err.msg);
-        char q[600];
-        log_error("start_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
-        stop_all();
-        for (int i = 0; i < started; i++) {
-            pthread_join(threads[i], NULL);
-        }
-        free(threads);
-        model_io_shutdown();
-        rpc_server_shutdown(srv, 0);
-        rpc_server_free(srv);
-        rpc_channel_free(g_agentd.store);
-        rpc_global_shutdown();
-        agents_free(&g_agentd.agents);
-        return 1;
+    if (rc == CF_OK) {
+        return threads;
     }
-    log_info("listening", "addr=%s port=%d store=%s agents=%zu owner=%s workers=%lld", listen, port,
-             store, g_agentd.agents.n, owner, workers);
-
-    daemon_wait_for_stop();
+    char q[600];
+    daemon_say(d, 1, "%s", err.msg);
+    log_error("start_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
     stop_all();
-    rpc_server_shutdown(srv, (int)grace_ms);
-    for (int i = 0; i <= workers; i++) {
+    for (int i = 0; i < started; i++) {
         pthread_join(threads[i], NULL);
     }
     free(threads);
+    return NULL;
+}
+
+/* close_clients releases what the drives used, after they stopped. */
+static void close_clients(void)
+{
     model_io_shutdown(); /* after the drives: none of them waits on a model call any more */
-    rpc_server_free(srv);
     rpc_channel_free(g_agentd.store);
     rpc_global_shutdown();
     curl_global_cleanup();
     agents_free(&g_agentd.agents);
     catalog_free();
+}
+
+int main(int argc, char **argv)
+{
+    struct daemon d = DAEMON_INIT("agentd", usage, "127.0.0.1:7100");
+    struct agentd_opts o = {.store = "127.0.0.1:7101",
+                            .agents_dir = "",
+                            .owner = "",
+                            .models = "",
+                            .workers = 4,
+                            .lease_ms = 30000,
+                            .heartbeat_ms = 10000,
+                            .model_timeout = 600000};
+    const struct config_opt opts[] = {
+        DAEMON_OPT_LISTEN(&d, "address to serve the Agent API on"),
+        CONFIG_OPT_STRING("store", &o.store, "storaged address"),
+        CONFIG_OPT_STRING("agents", &o.agents_dir, "directory of agent definitions (NAME.md)"),
+        CONFIG_OPT_STRING("owner-id", &o.owner,
+                          "stable name of this process for leases (default: host and port)"),
+        CONFIG_OPT_INT("workers", &o.workers, 1, 1024, "submissions driven at once"),
+        CONFIG_OPT_INT("lease-ms", &o.lease_ms, 500, 3600000, "lease on claimed work"),
+        CONFIG_OPT_INT("heartbeat-ms", &o.heartbeat_ms, 100, 3600000, "lease renewal interval"),
+        CONFIG_OPT_INT("model-timeout-ms", &o.model_timeout, 1000, 3600000, "one model call"),
+        CONFIG_OPT_BOOL("no-stream", &o.no_stream, "ask providers for whole responses"),
+        CONFIG_OPT_STRING("models", &o.models,
+                          "model catalog JSON (context window, output limit, prices)"),
+        DAEMON_OPT_PORT_FILE(&d, "write the bound TCP port here"),
+        DAEMON_OPT_GRACE_MS(&d, "how long shutdown waits for calls"),
+        DAEMON_OPT_MAX_QUEUE(&d,
+                             "API calls waiting for a thread; more are refused RESOURCE_EXHAUSTED"),
+        DAEMON_OPT_LOG_LEVEL(&d),
+    };
+    int rc = daemon_configure(&d, opts, CONFIG_COUNT(opts), argc, argv);
+    if (rc != DAEMON_RUN) {
+        return rc;
+    }
+    if (!*o.agents_dir) {
+        return daemon_say(&d, 2,
+                          "--agents DIR is required (a directory of NAME.md agent definitions)");
+    }
+    if (o.heartbeat_ms * 2 > o.lease_ms) {
+        o.heartbeat_ms = o.lease_ms / 3;
+    }
+    if (!load_definitions(&d, &o)) {
+        return 1;
+    }
+    char owner[256];
+    if (!*o.owner) {
+        o.owner = default_owner(owner, sizeof(owner), d.listen);
+    }
+    set_engine(&o);
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    rpc_global_init();
+    g_agentd.store = rpc_channel_new(o.store, 64 << 20);
+
+    struct rpc_server_opts ro = {.workers = 8, .max_threads = 1024, .max_queue = (int)d.max_queue};
+    struct rpc_server *srv = rpc_server_new(&ro);
+    api_register(srv);
+    if (!daemon_serve(&d, srv)) {
+        close_clients();
+        return 1;
+    }
+    reclaim_own_work();
+    pthread_t *threads = start_drives(&d, o.workers);
+    if (!threads) {
+        d.grace_ms = 0;
+        daemon_stop_serving(&d);
+        close_clients();
+        return 1;
+    }
+    log_info("listening", "addr=%s port=%d store=%s agents=%zu owner=%s workers=%lld", d.listen,
+             d.port, o.store, g_agentd.agents.n, o.owner, o.workers);
+
+    daemon_wait_for_stop();
+    stop_all();
+    daemon_stop_serving(&d);
+    for (int i = 0; i <= o.workers; i++) {
+        pthread_join(threads[i], NULL);
+    }
+    free(threads);
+    close_clients();
     log_info("stopped", "code=0");
     return 0;
 }

@@ -77,6 +77,26 @@ static void print_help(const struct config_opt *opts, size_t n, const char *usag
     printf("  --%-18s %s\n", "help", "print this help and exit");
 }
 
+/* check_choices refuses a string option whose value is not one of its choices. */
+static enum cf_status check_choices(const struct config_opt *o, struct cf_error *err)
+{
+    const char *v = *(const char **)o->target;
+    size_t n = 0;
+    for (; o->choices[n]; n++) {
+        if (v && !strcmp(v, o->choices[n])) {
+            return CF_OK;
+        }
+    }
+    char list[256];
+    size_t len = 0;
+    list[0] = '\0';
+    for (size_t i = 0; i < n && len < sizeof(list); i++) {
+        const char *sep = i == 0 ? "" : i + 1 == n ? " or " : ", ";
+        len += (size_t)snprintf(list + len, sizeof(list) - len, "%s%s", sep, o->choices[i]);
+    }
+    return cf_error_set(err, CF_INVALID, "--%s must be %s", o->name, list);
+}
+
 enum cf_status config_parse(const struct config_opt *opts, size_t n_opts, int argc, char **argv,
                             const char *usage, bool *help_out, struct cf_error *err)
 {
@@ -124,6 +144,12 @@ enum cf_status config_parse(const struct config_opt *opts, size_t n_opts, int ar
         char source[128];
         snprintf(source, sizeof(source), "--%s", o->name);
         if ((rc = set_value(o, value, source, err)) != CF_OK) {
+            return rc;
+        }
+    }
+    for (size_t i = 0; i < n_opts; i++) {
+        if (opts[i].type == CONFIG_STRING && opts[i].choices &&
+            (rc = check_choices(&opts[i], err)) != CF_OK) {
             return rc;
         }
     }

@@ -1,12 +1,80 @@
-/* daemon.c - port files and stop signals. */
+/* daemon.c - configuration, serving, port files and stop signals of a daemon. */
 #include "daemon.h"
 
+#include "failpoint.h"
 #include "log.h"
 
 #include <errno.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+
+const char *const daemon_log_levels[] = {"debug", "info", "warn", "error", NULL};
+
+int daemon_say(const struct daemon *d, int code, const char *fmt, ...)
+{
+    va_list ap;
+    fprintf(stderr, "%s: ", d->name);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    return code;
+}
+
+int daemon_configure(struct daemon *d, const struct config_opt *opts, size_t n_opts, int argc,
+                     char **argv)
+{
+    struct cf_error err;
+    bool help;
+    log_init(d->name, LOG_INFO);
+    if (config_parse(opts, n_opts, argc, argv, d->usage, &help, &err) != CF_OK) {
+        return daemon_say(d, 2, "%s", err.msg);
+    }
+    if (help) {
+        return 0;
+    }
+    int lv = log_parse_level(d->log_level);
+    if (lv < 0) { /* a table without DAEMON_OPT_LOG_LEVEL, or a bad default */
+        return daemon_say(d, 2, "--log-level must be debug, info, warn or error");
+    }
+    log_init(d->name, (enum log_level)lv);
+    failpoint_init();
+    return DAEMON_RUN;
+}
+
+bool daemon_serve(struct daemon *d, struct rpc_server *srv)
+{
+    struct cf_error err;
+    int port = 0;
+    if (rpc_server_listen(srv, d->listen, &port, &err) != CF_OK) {
+        char q[CF_ERROR_MSG_MAX + 16];
+        log_error("listen_failed", "addr=%s err=%s", d->listen, log_quote(q, sizeof(q), err.msg));
+        daemon_say(d, 1, "%s", err.msg);
+        rpc_server_free(srv);
+        return false;
+    }
+    if (rpc_server_start(srv) != CF_OK) {
+        daemon_say(d, 1, "could not start serving (threads); see the log");
+        rpc_server_free(srv);
+        return false;
+    }
+    d->server = srv;
+    d->port = port;
+    daemon_port_file(d->port_file, port);
+    return true;
+}
+
+void daemon_stop_serving(struct daemon *d)
+{
+    if (!d->server) {
+        return;
+    }
+    rpc_server_shutdown(d->server, (int)d->grace_ms);
+    rpc_server_free(d->server);
+    d->server = NULL;
+}
 
 void daemon_port_file(const char *path, int port)
 {

@@ -1,6 +1,81 @@
-/* daemon.h - what every cflue daemon does the same way around its server. */
+/* daemon.h - what every cflue daemon does the same way around its server.
+ *
+ * A daemon's main reads as its table of contents (toold/main.c is the shortest):
+ *
+ *   - struct daemon d = DAEMON_INIT(name, usage, default listen address), the daemon's own
+ *     options in a struct beside it, and one option table naming both (DAEMON_OPT_* for the
+ *     shared ones), in the order --help shows them;
+ *   - daemon_configure: flags, CFLUE_* variables, --help, log level, failpoints;
+ *   - what it opens before serving, then rpc_server_new and its services' registration;
+ *   - daemon_serve: listen, start, port file;
+ *   - daemon_wait_for_stop: SIGINT or SIGTERM;
+ *   - daemon_stop_serving: health NOT_SERVING, grace, cancel, free; then what it opened.
+ *
+ * Every server serves grpc.health.v1.Health (rpc.h); the options every daemon shares (listen,
+ * port-file, grace-ms, max-queue, log-level) live in struct daemon, each daemon's own in its
+ * main.c, all in one option table (config.h) in the order --help shows them.
+ */
 #ifndef CFLUE_DAEMON_H
 #define CFLUE_DAEMON_H
+
+#include "config.h"
+#include "rpc.h"
+#include "status.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+
+struct daemon {
+    const char *name;  /* "toold": the log's daemon name and the prefix of its messages */
+    const char *usage; /* what --help prints above the options */
+    /* the options every daemon takes (defaults from DAEMON_INIT) */
+    const char *listen, *port_file, *log_level;
+    long long grace_ms, max_queue;
+    /* set by daemon_serve */
+    struct rpc_server *server;
+    int port; /* the bound TCP port (0 for a unix socket) */
+};
+
+#define DAEMON_INIT(name, usage, listen)                                                           \
+    {                                                                                              \
+        (name), (usage), (listen), "", "info", 5000, 256, NULL, 0                                  \
+    }
+
+/* The log levels --log-level takes (log.h), for a choices list. */
+extern const char *const daemon_log_levels[];
+
+/* Option table entries for the shared options; help is the daemon's own wording. */
+#define DAEMON_OPT_LISTEN(d, help) CONFIG_OPT_STRING("listen", &(d)->listen, help)
+#define DAEMON_OPT_PORT_FILE(d, help) CONFIG_OPT_STRING("port-file", &(d)->port_file, help)
+#define DAEMON_OPT_GRACE_MS(d, help) CONFIG_OPT_INT("grace-ms", &(d)->grace_ms, 0, 600000, help)
+#define DAEMON_OPT_MAX_QUEUE(d, help) CONFIG_OPT_INT("max-queue", &(d)->max_queue, 1, 100000, help)
+#define DAEMON_OPT_LOG_LEVEL(d)                                                                    \
+    CONFIG_OPT_CHOICE("log-level", &(d)->log_level, daemon_log_levels, "debug, info, warn or error")
+
+/* daemon_configure's "go on" result; any other is the exit code for main to return. */
+#define DAEMON_RUN (-1)
+
+/* daemon_configure starts logging as d->name, applies CFLUE_* environment variables and then
+ * the flags to the targets of opts (config.h), sets the log level and arms the failpoints.
+ * Returns DAEMON_RUN to go on; 0 after printing --help; 2 after printing "NAME: MESSAGE" to
+ * stderr for a bad flag or variable. Call once, first thing in main. */
+CF_MUST_CHECK int daemon_configure(struct daemon *d, const struct config_opt *opts, size_t n_opts,
+                                   int argc, char **argv);
+
+/* daemon_say prints "NAME: MESSAGE" (printf format) to stderr and returns code, for the exit
+ * paths of main. */
+int daemon_say(const struct daemon *d, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* daemon_serve takes srv (made with rpc_server_new, its services registered), binds d->listen,
+ * starts serving and writes d->port_file; d->server and d->port are set. On failure it prints
+ * and logs why (listen_failed, or the server's own rpc_start_failed), frees srv and returns
+ * false. */
+CF_MUST_CHECK bool daemon_serve(struct daemon *d, struct rpc_server *srv);
+
+/* daemon_stop_serving shuts d->server down (health NOT_SERVING, new calls refused, live calls
+ * get d->grace_ms and are then cancelled), waits for every handler and frees it. Idempotent. */
+void daemon_stop_serving(struct daemon *d);
 
 /* daemon_port_file writes the bound TCP port to path (when path is not empty), for tests and
  * supervisors that start a daemon on port 0. A failure is logged, not fatal. */

@@ -1,9 +1,11 @@
-/* Unit tests of common/: status table, bounded buffers, ids, config, UTF-8, arena, log quoting. */
+/* Unit tests of common/: status table, bounded buffers, ids, config and daemon options, UTF-8,
+ * arena, log quoting. */
 #include "../check.h"
 
 #include "arena.h"
 #include "buf.h"
 #include "config.h"
+#include "daemon.h"
 #include "errinfo.h"
 #include "ids.h"
 #include "log.h"
@@ -15,8 +17,10 @@
 #include "thread.h"
 #include "utf8.h"
 
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static void test_status(void)
 {
@@ -203,35 +207,137 @@ static void test_ids(void)
 
 static void test_config(void)
 {
-    const char *s = "default";
+    static const char *const modes[] = {"fast", "safe", "off", NULL};
+    const char *s = "default", *mode = "safe";
     long long n = 5;
     bool flag = false, help;
     struct cf_error err;
-    struct config_opt opts[] = {
-        {"name", CONFIG_STRING, &s, 0, 0, "a name"},
-        {"count-max", CONFIG_INT, &n, 1, 10, "a number"},
-        {"flag", CONFIG_BOOL, &flag, 0, 0, "a flag"},
+    const struct config_opt opts[] = {
+        CONFIG_OPT_STRING("name", &s, "a name"),
+        CONFIG_OPT_INT("count-max", &n, 1, 10, "a number"),
+        CONFIG_OPT_BOOL("flag", &flag, "a flag"),
+        CONFIG_OPT_CHOICE("mode", &mode, modes, "fast, safe or off"),
     };
-    char *argv1[] = {"x", "--name", "n1", "--count-max=7", "--flag", NULL};
-    CHECK(config_parse(opts, 3, 5, argv1, "u", &help, &err) == CF_OK);
+    size_t n_opts = CONFIG_COUNT(opts);
+    CHECK(n_opts == 4);
+    /* nothing given: the defaults stay */
+    char *argv0[] = {"x", NULL};
+    CHECK(config_parse(opts, n_opts, 1, argv0, "u", &help, &err) == CF_OK);
+    CHECK(!strcmp(s, "default") && n == 5 && !flag && !strcmp(mode, "safe") && !help);
+    char *argv1[] = {"x", "--name", "n1", "--count-max=7", "--flag", "--mode=fast", NULL};
+    CHECK(config_parse(opts, n_opts, 6, argv1, "u", &help, &err) == CF_OK);
     CHECK_STR(s, "n1");
     CHECK(n == 7 && flag && !help);
+    CHECK_STR(mode, "fast");
+    /* the environment beats the default, a flag beats the environment */
     setenv("CFLUE_COUNT_MAX", "3", 1);
-    char *argv2[] = {"x", NULL};
-    CHECK(config_parse(opts, 3, 1, argv2, "u", &help, &err) == CF_OK);
-    CHECK(n == 3);
+    setenv("CFLUE_FLAG", "no", 1);
+    CHECK(config_parse(opts, n_opts, 1, argv0, "u", &help, &err) == CF_OK);
+    CHECK(n == 3 && !flag);
+    char *argv2[] = {"x", "--count-max", "4", "--flag", NULL};
+    CHECK(config_parse(opts, n_opts, 4, argv2, "u", &help, &err) == CF_OK);
+    CHECK(n == 4 && flag);
+    unsetenv("CFLUE_FLAG");
+    /* errors name the flag or the variable */
     char *argv3[] = {"x", "--count-max", "11", NULL};
-    CHECK(config_parse(opts, 3, 3, argv3, "u", &help, &err) == CF_INVALID);
-    CHECK(strstr(err.msg, "--count-max") != NULL);
+    CHECK(config_parse(opts, n_opts, 3, argv3, "u", &help, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "--count-max") != NULL && strstr(err.msg, "1..10") != NULL);
     char *argv4[] = {"x", "--nope", NULL};
-    CHECK(config_parse(opts, 3, 2, argv4, "u", &help, &err) == CF_INVALID);
-    CHECK(strstr(err.msg, "unknown flag") != NULL);
+    CHECK(config_parse(opts, n_opts, 2, argv4, "u", &help, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "unknown flag '--nope'") != NULL);
     setenv("CFLUE_COUNT_MAX", "abc", 1);
-    CHECK(config_parse(opts, 3, 1, argv2, "u", &help, &err) == CF_INVALID);
+    CHECK(config_parse(opts, n_opts, 1, argv0, "u", &help, &err) == CF_INVALID);
     CHECK(strstr(err.msg, "CFLUE_COUNT_MAX") != NULL);
     unsetenv("CFLUE_COUNT_MAX");
     char *argv5[] = {"x", "--name", NULL};
-    CHECK(config_parse(opts, 3, 2, argv5, "u", &help, &err) == CF_INVALID);
+    CHECK(config_parse(opts, n_opts, 2, argv5, "u", &help, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "--name needs a value") != NULL);
+    char *argv6[] = {"x", "stray", NULL};
+    CHECK(config_parse(opts, n_opts, 2, argv6, "u", &help, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "unexpected argument 'stray'") != NULL);
+    char *argv7[] = {"x", "--flag=maybe", NULL};
+    CHECK(config_parse(opts, n_opts, 2, argv7, "u", &help, &err) == CF_INVALID);
+    /* a value outside the choices, from a flag or the environment */
+    char *argv8[] = {"x", "--mode", "slow", NULL};
+    CHECK(config_parse(opts, n_opts, 3, argv8, "u", &help, &err) == CF_INVALID);
+    CHECK_STR(err.msg, "--mode must be fast, safe or off");
+    setenv("CFLUE_MODE", "on", 1);
+    CHECK(config_parse(opts, n_opts, 1, argv0, "u", &help, &err) == CF_INVALID);
+    CHECK_STR(err.msg, "--mode must be fast, safe or off");
+    char *argv9[] = {"x", "--mode=off", NULL};
+    CHECK(config_parse(opts, n_opts, 2, argv9, "u", &help, &err) == CF_OK);
+    CHECK_STR(mode, "off");
+    unsetenv("CFLUE_MODE");
+}
+
+/* configure runs daemon_configure on a daemon with the shared options and one of its own,
+ * stdout and stderr (help and error text) sent to /dev/null. */
+static int configure(struct daemon *d, long long *own, int argc, char **argv)
+{
+    const struct config_opt opts[] = {
+        DAEMON_OPT_LISTEN(d, "address"),
+        CONFIG_OPT_INT("own-ms", own, 0, 100, "its own option"),
+        DAEMON_OPT_PORT_FILE(d, "port file"),
+        DAEMON_OPT_GRACE_MS(d, "grace"),
+        DAEMON_OPT_MAX_QUEUE(d, "queue"),
+        DAEMON_OPT_LOG_LEVEL(d),
+    };
+    fflush(stdout);
+    fflush(stderr);
+    int out = dup(1), errfd = dup(2), null = open("/dev/null", O_WRONLY);
+    dup2(null, 1);
+    dup2(null, 2);
+    int rc = daemon_configure(d, opts, CONFIG_COUNT(opts), argc, argv);
+    fflush(stdout);
+    fflush(stderr);
+    dup2(out, 1);
+    dup2(errfd, 2);
+    close(out);
+    close(errfd);
+    close(null);
+    return rc;
+}
+
+static void test_daemon_options(void)
+{
+    long long own = 7;
+    struct daemon d = DAEMON_INIT("testd", "usage: testd", "127.0.0.1:1");
+    char *argv0[] = {"testd", NULL};
+    /* the defaults of DAEMON_INIT */
+    CHECK(configure(&d, &own, 1, argv0) == DAEMON_RUN);
+    CHECK_STR(d.listen, "127.0.0.1:1");
+    CHECK_STR(d.port_file, "");
+    CHECK_STR(d.log_level, "info");
+    CHECK(d.grace_ms == 5000 && d.max_queue == 256 && own == 7 && !d.server);
+    /* environment, then flags */
+    setenv("CFLUE_LISTEN", "127.0.0.1:2", 1);
+    setenv("CFLUE_GRACE_MS", "100", 1);
+    setenv("CFLUE_OWN_MS", "9", 1);
+    char *argv1[] = {"testd", "--listen=127.0.0.1:3", "--port-file", "/tmp/p", "--max-queue",
+                     "5",     "--log-level",          "warn",        NULL};
+    CHECK(configure(&d, &own, 8, argv1) == DAEMON_RUN);
+    CHECK_STR(d.listen, "127.0.0.1:3");
+    CHECK_STR(d.port_file, "/tmp/p");
+    CHECK_STR(d.log_level, "warn");
+    CHECK(d.grace_ms == 100 && d.max_queue == 5 && own == 9);
+    unsetenv("CFLUE_LISTEN");
+    unsetenv("CFLUE_GRACE_MS");
+    unsetenv("CFLUE_OWN_MS");
+    /* usage errors exit 2, --help exits 0 */
+    char *argv2[] = {"testd", "--log-level", "loud", NULL};
+    CHECK(configure(&d, &own, 3, argv2) == 2);
+    char *argv3[] = {"testd", "--max-queue", "0", NULL};
+    CHECK(configure(&d, &own, 3, argv3) == 2);
+    char *argv4[] = {"testd", "--grace-ms", "soon", NULL};
+    CHECK(configure(&d, &own, 3, argv4) == 2);
+    char *argv5[] = {"testd", "--own-ms", "101", NULL};
+    CHECK(configure(&d, &own, 3, argv5) == 2);
+    char *argv6[] = {"testd", "--help", NULL};
+    CHECK(configure(&d, &own, 2, argv6) == 0);
+    setenv("CFLUE_LOG_LEVEL", "shout", 1);
+    CHECK(configure(&d, &own, 1, argv0) == 2);
+    unsetenv("CFLUE_LOG_LEVEL");
+    log_init("test_common", LOG_WARN);
 }
 
 static void test_utf8(void)
@@ -323,6 +429,7 @@ int main(void)
     test_buf();
     test_ids();
     test_config();
+    test_daemon_options();
     test_utf8();
     test_arena();
     test_log_quote();
