@@ -62,7 +62,7 @@ enum drive_end {
     "keeps verbatim"
 
 /* turn_drive runs one claimed submission until it settles, its lease is lost, the process
- * stops, or storaged/toold fail past their retry window (see turn.c). The claim response is
+ * stops, or storaged/toold fail past their retry window (see drive.c). The claim response is
  * owned by the caller. */
 enum drive_end turn_drive(const Cflue__V1__ClaimResponse *claim);
 

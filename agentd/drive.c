@@ -1,0 +1,471 @@
+/* drive.c - driving one claimed submission, as a small state machine.
+ *
+ * Everything that matters is a record in the conversation's stream, written through storaged
+ * under the attempt's fence; agentd keeps nothing else. Record ids are deterministic per
+ * submission and turn (input:<sub>, assistant:<sub>:<turn>, tool:<sub>:<turn>:<call>), so a
+ * later attempt recognizes what an earlier one finished and never repeats it: the input is
+ * appended once; a turn whose assistant_message exists is not asked again; a tool call whose
+ * tool_result exists is not run again, and one without a result when an attempt resumes gets
+ * the outcome-unknown result; a stream cut off mid-message leaves only assistant_delta
+ * records, which are for watchers: the turn is simply asked again.
+ *
+ * The states (enum drive_state), each a function that returns the next:
+ *
+ *   START --> INPUT --> PROMPT --> JOIN --> MODEL --> TOOLS --> JOIN ...
+ *                          |                 | ^        (no calls: JOIN)
+ *                          |                 v |
+ *                          +-----------> COMPACT          (size, overflow, or a Compact request)
+ *   any state --> SETTLE --> DONE          (or straight to DONE once an outcome is recorded)
+ *
+ *  - START: the agent and the attempt budget (checked before anything that can fail), the
+ *    conversation read once into the record log, an earlier attempt's half-joins settled and
+ *    its finished answer recognized (takeover);
+ *  - INPUT: the input appended, stamped applied (budgets installed), unresolved calls
+ *    repaired;
+ *  - PROMPT: the tool set listed, the system prompt frozen (a sandboxed agent never reaches
+ *    the model without its tool set, nor a prompt composed from a partial environment);
+ *  - JOIN: queued messages join; with nothing new and no calls run, the work is finished;
+ *  - MODEL: the turn's context built from the log (compacting first when it is too large),
+ *    the model asked, its answer recorded; COMPACT when it overflowed (once per drive);
+ *  - TOOLS: the answer's calls run as one batch, results recorded as they arrive;
+ *  - SETTLE: the outcome recorded, or the drive ends stopped or interrupted (settle.c).
+ *
+ * Every state does its waiting (a Store call, a model call, a tool batch) blocking on the
+ * drive's thread for now; each starts its work and hands the result to a separate step (for
+ * example step_model / model_done), so that a later change can make each wait an event that
+ * steps the machine. A drive ends in one of three ways (enum drive_end): settled; stopped
+ * (lease lost or shutdown: whoever holds the work next continues it); interrupted (storaged
+ * or toold failed past the retry window; the first failure is kept in d->fault and the work is
+ * claimed again later, each attempt counting against max_attempts).
+ */
+#include "drive.h"
+#include "clock.h"
+#include "failpoint.h"
+#include "log.h"
+#include "pbtime.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---------- the drive's flags ---------- */
+
+bool drive_stopped(struct drive *d)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    bool s = d->act->abort_requested || d->act->lease_lost || d->act->shutting_down;
+    pthread_mutex_unlock(&g_agentd.mu);
+    return s;
+}
+
+bool drive_abort_seen(struct drive *d)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    bool a = d->act->abort_requested;
+    pthread_mutex_unlock(&g_agentd.mu);
+    return a;
+}
+
+void drive_mark_lease_lost(struct drive *d)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    d->act->lease_lost = true;
+    pthread_mutex_unlock(&g_agentd.mu);
+}
+
+bool drive_lost_or_down(struct drive *d)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    bool b = d->act->lease_lost || d->act->shutting_down;
+    pthread_mutex_unlock(&g_agentd.mu);
+    return b;
+}
+
+bool drive_broken(struct drive *d)
+{
+    return d->fault.code != CF_OK || drive_lost_or_down(d);
+}
+
+bool drive_halted(struct drive *d)
+{
+    return d->fault.code != CF_OK || drive_stopped(d);
+}
+
+void drive_fault(struct drive *d, const char *what, const struct cf_error *e)
+{
+    if (d->fault.code != CF_OK) {
+        return;
+    }
+    char q[600];
+    cf_error_set(&d->fault, e->code != CF_OK ? e->code : CF_UNAVAILABLE, "%s: %s", what, e->msg);
+    log_warn("drive_fault", "submission=%s attempt=%s err=%s", d->sub->submission_id,
+             d->fence.attempt_id, log_quote(q, sizeof(q), d->fault.msg));
+}
+
+int64_t drive_time_left(struct drive *d)
+{
+    return d->timeout_at_ms ? d->timeout_at_ms - clock_now_ms() : INT64_MAX;
+}
+
+bool drive_transient(enum cf_status rc)
+{
+    return rc == CF_UNAVAILABLE || rc == CF_BUSY;
+}
+
+/* ---------- the states ---------- */
+
+#define TIME_LIMIT_ERROR "ran past its time limit before the work was finished"
+
+/* ended records how the drive ended (an outcome was recorded, or it stopped short). */
+static enum drive_state ended(struct drive *d, enum drive_end end)
+{
+    d->end = end;
+    return DRIVE_DONE;
+}
+
+/* failed makes SETTLE record a failed outcome saying why. */
+static enum drive_state failed(struct drive *d, const char *why)
+{
+    d->outcome = CFLUE__V1__OUTCOME__OUTCOME_FAILED;
+    snprintf(d->error, sizeof(d->error), "%s", why);
+    return DRIVE_SETTLE;
+}
+
+static bool has_input(struct drive *d)
+{
+    char id[256];
+    snprintf(id, sizeof(id), "input:%s", d->sub->submission_id);
+    return rlog_find(&d->log, id) != NULL;
+}
+
+/* past_attempts settles work that was interrupted more often than its budget allows: its
+ * finished answer if the stream holds one, else aborted or failed. */
+static enum drive_state past_attempts(struct drive *d)
+{
+    char why[128];
+    d->log_loaded = dstore_load(d) == CF_OK;
+    if (d->log_loaded && settle_answered(d)) {
+        return ended(d, settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, NULL));
+    }
+    if (drive_abort_seen(d)) {
+        return ended(d,
+                     settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request"));
+    }
+    snprintf(why, sizeof(why), "gave up after %d attempts: the work was interrupted each time",
+             d->sub->attempt_count - 1);
+    return ended(d, settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED, why));
+}
+
+static enum drive_state step_start(struct drive *d)
+{
+    d->agent = agents_find(&g_agentd.agents, d->sub->agent);
+    if (!d->agent) {
+        return ended(d, settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED,
+                                       "this agentd has no agent with that name"));
+    }
+    /* attempts first: whatever fails later, this attempt has been counted */
+    if (d->sub->max_attempts && d->sub->attempt_count > d->sub->max_attempts) {
+        return past_attempts(d);
+    }
+    const char *ws = d->agent->sandbox_workspace;
+    snprintf(d->workspace, sizeof(d->workspace), "%s",
+             !ws                             ? d->agent->name
+             : !strcmp(ws, "{conversation}") ? d->sub->conversation_id
+                                             : ws);
+    if (dstore_load(d) != CF_OK) {
+        return ended(d, settle_unsettled(d));
+    }
+    d->log_loaded = true;
+    if (d->takeover) {
+        settle_earlier_joins(d);
+        if (drive_broken(d)) {
+            return ended(d, settle_unsettled(d));
+        }
+        if (settle_answered(d)) {
+            log_info("recovered_answer", "submission=%s", d->sub->submission_id);
+            return ended(d, settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, NULL));
+        }
+    }
+    rlog_trim(&d->log, d->sub->submission_id);
+    if (drive_time_left(d) <= 0) {
+        return ended(d, settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED,
+                                       "the submission ran past its time limit"));
+    }
+    d->compact_request = d->sub->kind == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
+    if (drive_abort_seen(d) && !has_input(d)) {
+        /* aborted before it started: its message never enters the conversation */
+        return ended(d, settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED,
+                                       "aborted on request before it started"));
+    }
+    return DRIVE_INPUT;
+}
+
+static enum drive_state step_input(struct drive *d)
+{
+    if (!d->compact_request && !has_input(d)) {
+        char id[256];
+        snprintf(id, sizeof(id), "input:%s", d->sub->submission_id);
+        (void)dstore_append_input(d, id, d->sub);
+    }
+    if (!drive_halted(d)) {
+        dstore_mark_input_applied(d);
+    }
+    if (!drive_halted(d)) {
+        settle_repair(d);
+    }
+    if (drive_abort_seen(d)) {
+        return ended(d,
+                     settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request"));
+    }
+    if (drive_halted(d)) {
+        return ended(d, settle_unsettled(d));
+    }
+    return DRIVE_PROMPT;
+}
+
+static enum drive_state step_prompt(struct drive *d)
+{
+    tools_load(d);
+    d->system_text = drive_halted(d) ? NULL : prompt_frozen(d);
+    if (!d->system_text) {
+        return DRIVE_SETTLE;
+    }
+    if (d->compact_request) {
+        /* a Compact request: compact now, whatever the size, and answer nothing else */
+        d->trigger = CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_REQUEST;
+        return DRIVE_COMPACT;
+    }
+    d->turn = 1; /* the next turn: one past those already recorded */
+    for (size_t i = 0; i < d->log.n; i++) {
+        const Cflue__V1__Record *r = d->log.recs[i];
+        d->turn += r->body_case == CFLUE__V1__RECORD__BODY_ASSISTANT_MESSAGE &&
+                   !strcmp(r->submission_id, d->sub->submission_id);
+    }
+    return DRIVE_JOIN;
+}
+
+/* step_join lets queued messages join: before the first turn, and after each turn (unless
+ * the drive halted). The work is finished when the last turn ran no calls and none joined. */
+static enum drive_state step_join(struct drive *d)
+{
+    bool first = !d->joined_once;
+    d->joined_once = true;
+    if (!first && drive_halted(d)) {
+        return DRIVE_SETTLE;
+    }
+    if (joins_absorb(d) > 0) {
+        d->more = true;
+    }
+    return first || d->more ? DRIVE_MODEL : DRIVE_SETTLE;
+}
+
+/* model_failed settles a model call that gave no answer: stopped, past the time limit, or the
+ * provider's error. */
+static enum drive_state model_failed(struct drive *d, enum cf_status rc)
+{
+    char why[CF_ERROR_MSG_MAX + 32];
+    if (rc == CF_CANCELLED || drive_halted(d)) {
+        return DRIVE_SETTLE;
+    }
+    if (rc == CF_DEADLINE) {
+        return failed(d, TIME_LIMIT_ERROR);
+    }
+    snprintf(why, sizeof(why), "model call failed: %s", d->err.msg);
+    return failed(d, why);
+}
+
+/* model_done handles the model's answer (in d->answer): recorded as the turn's assistant
+ * message, then its calls run (TOOLS) or the next queued messages join (JOIN). */
+static enum drive_state model_done(struct drive *d, enum cf_status rc)
+{
+    d->model_rc = rc;
+    if (rc != CF_OK && d->answer.context_overflow && !d->overflow_retried) {
+        /* the provider says the context is too long: compact once, then ask again */
+        d->overflow_retried = true;
+        d->trigger = CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_OVERFLOW;
+        return DRIVE_COMPACT;
+    }
+    if (rc != CF_OK || drive_halted(d)) {
+        return model_failed(d, rc);
+    }
+    failpoint_hit("agentd.model.after");
+    if (model_record_answer(d, &d->answer) != CF_OK) {
+        return DRIVE_SETTLE;
+    }
+    d->more = d->answer.n_calls > 0;
+    if (d->more && drive_time_left(d) <= 0) {
+        /* the answer came at the limit: its calls are not started at all */
+        for (size_t i = 0; i < d->answer.n_calls && d->fault.code == CF_OK; i++) {
+            tools_record_result(d, (int)i, d->answer.calls[i].id, d->answer.calls[i].name,
+                                "This call was not run: the submission reached its time limit.",
+                                true, NULL, false);
+        }
+        d->turn++;
+        return failed(d, TIME_LIMIT_ERROR);
+    }
+    if (d->more) {
+        return DRIVE_TOOLS;
+    }
+    d->turn++;
+    return DRIVE_JOIN;
+}
+
+/* step_model asks the model for the next turn, compacting first when the context is too
+ * large (once per turn). */
+static enum drive_state step_model(struct drive *d)
+{
+    d->more = false;
+    if (drive_halted(d)) {
+        return DRIVE_SETTLE;
+    }
+    if (d->turn > d->agent->max_turns) {
+        char why[256];
+        snprintf(why, sizeof(why),
+                 "stopped after %lld model turns, the most this agent may take for one "
+                 "message (durability.max_turns); the work is not finished",
+                 (long long)d->agent->max_turns);
+        return failed(d, why);
+    }
+    if (drive_time_left(d) < DRIVE_MODEL_MIN_MS) {
+        return failed(d, TIME_LIMIT_ERROR);
+    }
+    struct context ctx = {0};
+    dstore_build_context(d, &ctx, INT64_MAX);
+    if (d->fault.code == CF_OK && !d->threshold_checked && compaction_needed(d, &ctx)) {
+        context_free(&ctx);
+        d->threshold_checked = true;
+        d->trigger = CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_THRESHOLD;
+        return DRIVE_COMPACT;
+    }
+    d->threshold_checked = false;
+    if (drive_halted(d)) {
+        context_free(&ctx);
+        return DRIVE_SETTLE;
+    }
+    llm_response_cleanup(&d->answer);
+    llm_response_init(&d->answer);
+    enum cf_status rc = model_call(d, d->system_text, &ctx, d->tools.tools, d->tools.n, &d->answer);
+    context_free(&ctx);
+    return model_done(d, rc);
+}
+
+static enum drive_state step_compact(struct drive *d)
+{
+    enum compact_result cr = compaction_run(d, d->trigger);
+    switch (d->trigger) {
+    case CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_REQUEST:
+        if (cr == COMPACT_FAILED && d->fault.code == CF_OK && !drive_stopped(d)) {
+            char why[CF_ERROR_MSG_MAX + 32];
+            snprintf(why, sizeof(why), "the compaction failed: %s", d->err.msg);
+            return failed(d, why);
+        }
+        /* the request could not be done: it says so, with no record written */
+        return cr == COMPACT_NOTHING ? failed(d, AGENTD_NOTHING_TO_COMPACT) : DRIVE_SETTLE;
+    case CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_OVERFLOW:
+        return cr == COMPACT_DONE ? DRIVE_MODEL : model_failed(d, d->model_rc);
+    default:
+        return DRIVE_MODEL; /* threshold: ask with what there is now */
+    }
+}
+
+/* step_tools runs the answer's calls; tools_done hands the turn over to JOIN. */
+static enum drive_state tools_done(struct drive *d)
+{
+    llm_response_cleanup(&d->answer);
+    llm_response_init(&d->answer);
+    d->turn++;
+    return DRIVE_JOIN;
+}
+
+static enum drive_state step_tools(struct drive *d)
+{
+    tools_run(d, &d->answer);
+    return tools_done(d);
+}
+
+/* step_settle ends the drive: a lost lease or shutdown (without an abort) and faults end it
+ * unsettled; an abort settles aborted; otherwise the outcome the states arrived at. */
+static enum drive_state step_settle(struct drive *d)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    bool aborted = d->act->abort_requested, lost = d->act->lease_lost;
+    bool down = d->act->shutting_down;
+    pthread_mutex_unlock(&g_agentd.mu);
+    if (lost || (down && !aborted)) {
+        return ended(d, settle_unsettled(d));
+    }
+    if (aborted) {
+        return ended(d,
+                     settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request"));
+    }
+    if (d->fault.code != CF_OK) {
+        return ended(d, settle_unsettled(d));
+    }
+    return ended(d, settle_outcome(d, d->outcome, d->error[0] ? d->error : NULL));
+}
+
+static enum drive_state (*const steps[])(struct drive *) = {
+    [DRIVE_START] = step_start, [DRIVE_INPUT] = step_input,   [DRIVE_PROMPT] = step_prompt,
+    [DRIVE_JOIN] = step_join,   [DRIVE_MODEL] = step_model,   [DRIVE_COMPACT] = step_compact,
+    [DRIVE_TOOLS] = step_tools, [DRIVE_SETTLE] = step_settle,
+};
+
+/* ---------- one drive ---------- */
+
+/* begin_drive takes a slot in the active table (heartbeats and abort polling see it). */
+static bool begin_drive(struct drive *d)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    for (int i = 0; i < ACTIVE_MAX && !d->act; i++) {
+        if (!g_agentd.active[i].in_use) {
+            d->act = &g_agentd.active[i];
+            memset(d->act, 0, sizeof(*d->act));
+            d->act->in_use = true;
+            snprintf(d->act->submission_id, sizeof(d->act->submission_id), "%s",
+                     d->sub->submission_id);
+            snprintf(d->act->attempt_id, sizeof(d->act->attempt_id), "%s", d->fence.attempt_id);
+            d->act->epoch = d->fence.epoch;
+            d->act->abort_requested = d->sub->abort_request_time != NULL;
+            d->act->shutting_down = g_agentd.stopping;
+        }
+    }
+    pthread_mutex_unlock(&g_agentd.mu);
+    return d->act != NULL;
+}
+
+static void end_drive(struct drive *d)
+{
+    if (d->act) {
+        pthread_mutex_lock(&g_agentd.mu);
+        d->act->in_use = false;
+        pthread_mutex_unlock(&g_agentd.mu);
+    }
+    free(d->system_text);
+    tools_cleanup(d);
+    llm_response_cleanup(&d->answer);
+    dstore_cleanup(d);
+    buf_cleanup(&d->delta);
+}
+
+enum drive_end turn_drive(const Cflue__V1__ClaimResponse *claim)
+{
+    struct drive d = {.sub = claim->submission, .takeover = claim->takeover};
+    d.fence = *claim->fence;
+    d.timeout_at_ms = pbtime_ms(d.sub->deadline);
+    d.outcome = CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
+    rlog_init(&d.log);
+    llm_response_init(&d.answer);
+    buf_init(&d.delta, 64 * 1024);
+    if (!begin_drive(&d)) {
+        end_drive(&d);
+        return DRIVE_STOPPED; /* lease expires; another worker or process takes it */
+    }
+    log_info("drive", "submission=%s conversation=%s attempt=%s count=%d takeover=%d",
+             d.sub->submission_id, d.sub->conversation_id, d.fence.attempt_id, d.sub->attempt_count,
+             (int)claim->takeover);
+    for (d.state = DRIVE_START; d.state != DRIVE_DONE;) {
+        d.state = steps[d.state](&d);
+    }
+    end_drive(&d);
+    return d.end;
+}

@@ -1,0 +1,221 @@
+/* drive.h - one claimed submission being driven, and the modules that drive it.
+ *
+ * The drive (drive.c) is a state machine whose states call into one module each:
+ * drive_store.c (Store calls under the fence, appending through the record log),
+ * record_log.c (the conversation in memory), context.c (records -> model messages),
+ * prompt.c (the frozen system prompt), model_call.c (a model call with retries, deltas,
+ * the recorded answer), tool_batch.c (the sandbox's tools and ExecuteBatch), joins.c (queued
+ * messages joining the running work), compaction.c and settle.c (outcomes, repair of
+ * unresolved calls). Internal to agentd's drive: api.c and main.c use agentd.h only.
+ */
+#ifndef CFLUE_AGENTD_DRIVE_H
+#define CFLUE_AGENTD_DRIVE_H
+
+#include "agentd.h"
+#include "buf.h"
+#include "context.h"
+#include "record_log.h"
+
+#include "cflue/v1/tools.pb-c.h"
+
+#define DRIVE_MODEL_MIN_MS 1000 /* a model call needs at least this much of the time limit */
+
+/* The states of a drive; see the essay at the top of drive.c. */
+enum drive_state {
+    DRIVE_START,   /* budgets, the conversation read, recovery of an earlier attempt */
+    DRIVE_INPUT,   /* the input appended and stamped applied, unresolved calls repaired */
+    DRIVE_PROMPT,  /* the tool set listed and the system prompt frozen */
+    DRIVE_JOIN,    /* queued messages join */
+    DRIVE_MODEL,   /* one model turn asked and its answer recorded */
+    DRIVE_COMPACT, /* the older part of the conversation summarized */
+    DRIVE_TOOLS,   /* the answer's tool calls run as one batch */
+    DRIVE_SETTLE,  /* the outcome recorded, or the drive stopped or interrupted */
+    DRIVE_DONE,
+};
+
+/* A sandbox's tool set, as Tools.List gave it. */
+struct toolset {
+    Cflue__V1__ListToolsResponse *list;
+    struct llm_tool *tools;
+    size_t n;
+};
+
+struct drive {
+    const Cflue__V1__Submission *sub;
+    Cflue__V1__Fence fence;
+    struct active *act;
+    const struct agent_def *agent;
+    char workspace[256];
+    bool takeover;
+    struct record_log log;         /* the conversation, read once and appended through */
+    bool log_loaded;               /* the whole conversation was read into the log */
+    Cflue__V1__Submission **known; /* submissions whose messages the drive holds (joins, Gets) */
+    size_t n_known;
+    /* streaming deltas */
+    struct buf delta;
+    int64_t delta_flushed_ms;
+    int delta_seq;
+    int turn;              /* the model turn being taken, from 1 (AssistantMessage.turn) */
+    bool quiet;            /* a call whose text is not shown to watchers (summaries) */
+    bool compact_request;  /* this submission asks for a compaction, not an answer */
+    int64_t timeout_at_ms; /* the time limit (epoch ms, 0: none), as storaged installed it */
+    struct cf_error err;
+    struct cf_error fault; /* the first storaged/toold failure: the attempt ends unsettled */
+    int store_tries;       /* how many tries the last dstore_call took */
+    /* the state machine */
+    enum drive_state state;
+    enum drive_end end;
+    struct toolset tools;
+    char *system_text;
+    struct llm_response answer; /* the turn's answer, between MODEL and TOOLS */
+    bool more;                  /* the work goes on after this turn: calls ran or input joined */
+    bool joined_once;           /* the first JOIN (before the first turn) happened */
+    bool threshold_checked;     /* this turn's context was compacted for size already */
+    bool overflow_retried;      /* a context overflow was compacted once (per drive) */
+    enum cf_status model_rc;    /* the last model call's status */
+    Cflue__V1__CompactionTrigger trigger; /* why DRIVE_COMPACT runs */
+    Cflue__V1__Outcome outcome;           /* what DRIVE_SETTLE records */
+    char error[1024];                     /* and why, when not completed */
+};
+
+/* ---- drive.c: the drive's flags (each reads the active slot under g_agentd.mu) ---- */
+
+/* drive_stopped: an abort was asked, the lease was lost or the process is stopping. */
+bool drive_stopped(struct drive *d);
+/* drive_abort_seen: an abort intent was seen. */
+bool drive_abort_seen(struct drive *d);
+/* drive_mark_lease_lost marks the lease lost: the drive writes nothing more. Idempotent. */
+void drive_mark_lease_lost(struct drive *d);
+/* drive_lost_or_down: the attempt must not write any more (lease lost or stopping); an abort
+ * alone still lets it record the aborted outcome. */
+bool drive_lost_or_down(struct drive *d);
+/* drive_broken: drive_lost_or_down, or a fault. */
+bool drive_broken(struct drive *d);
+/* drive_halted: the drive must stop taking steps: drive_stopped, or a fault. */
+bool drive_halted(struct drive *d);
+/* drive_fault keeps why this attempt cannot go on (the first reason wins) and logs it. */
+void drive_fault(struct drive *d, const char *what, const struct cf_error *e);
+/* drive_time_left: milliseconds left before the time limit (INT64_MAX: none). */
+int64_t drive_time_left(struct drive *d);
+/* drive_transient: a status from storaged or toold that says "try again later". */
+bool drive_transient(enum cf_status rc);
+
+/* ---- drive_store.c: Store calls of a drive ---- */
+
+/* dstore_call makes one Store call, retrying transient failures with backoff and jitter for as
+ * long as the attempt may hold its lease (at least 5 s), unless the lease is lost or the process
+ * stops (an abort still retries: the outcome must be recorded). Every method retried is
+ * idempotent for the same request. A stale fence (CF_STALE) marks the lease lost. On success
+ * *resp is the caller's to free; the last failure is in d->err. */
+enum cf_status dstore_call(struct drive *d, const char *method, const ProtobufCMessage *req,
+                           const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp);
+/* dstore_load reads the whole conversation into d->log, paging with page tokens. A failure
+ * is a fault. */
+enum cf_status dstore_load(struct drive *d);
+/* dstore_append_one appends one record with typed body `body` (the caller keeps it) under the
+ * fence; once storaged acknowledges it, it is in d->log at its offset. Any failure but a stale
+ * fence is a fault. */
+enum cf_status dstore_append_one(struct drive *d, const char *id, const char *submission_id,
+                                 ProtobufCMessage *body);
+/* dstore_append_input appends submission s's message as its user_message `id` (text and one
+ * AttachmentRef per attachment; the bytes stay with the submission). As dstore_append_one. */
+enum cf_status dstore_append_input(struct drive *d, const char *id, const Cflue__V1__Submission *s);
+/* dstore_mark_input_applied stamps the input applied, installing the agent's budgets, and
+ * takes the time limit storaged installed. A failure is a fault. */
+void dstore_mark_input_applied(struct drive *d);
+/* dstore_keep_submission keeps s (owned by the drive from now on) so that its message's
+ * attachments need no Get. */
+void dstore_keep_submission(struct drive *d, Cflue__V1__Submission *s);
+/* dstore_attachments is the drive's context_attachments_fn (arg: the drive): the message of a
+ * submission from the claim, a kept submission, or one Store.Get (kept afterwards). */
+enum cf_status dstore_attachments(void *arg, const char *submission_id,
+                                  const Cflue__V1__Message **out, struct cf_error *err);
+/* dstore_cleanup frees what the drive's store client keeps. Idempotent. */
+void dstore_cleanup(struct drive *d);
+
+/* dstore_build_context builds the context of records before `before` from d->log; a failed
+ * attachments lookup is a fault. */
+void dstore_build_context(struct drive *d, struct context *c, int64_t before);
+
+/* ---- prompt.c ---- */
+
+/* prompt_compose composes the system prompt: instructions, project notes, tool roster, date,
+ * working directory and top-level listing. The caller frees it. NULL (with a fault) when toold
+ * could not be read: no prompt is frozen from a partial environment. */
+char *prompt_compose(struct drive *d, const Cflue__V1__ListToolsResponse *tools);
+/* prompt_frozen returns (caller frees) the latest recorded system prompt, or composes and
+ * records a new one when there is none or a compaction came after it. NULL on a fault. */
+char *prompt_frozen(struct drive *d);
+
+/* ---- tool_batch.c ---- */
+
+/* tools_channel returns the shared channel to the agent's toold (kept for the process's life),
+ * or NULL without a sandbox or past 32 tool servers. */
+struct rpc_channel *tools_channel(struct drive *d);
+/* tools_failed reports whether a Tools/Sandbox status means toold itself failed (down,
+ * overloaded, timed out) rather than answering about the sandbox; such a failure is a fault. */
+bool tools_failed(struct drive *d, const char *what, const struct rpc_status *st);
+/* tools_load lists the sandbox's tools into d->tools; a sandboxed agent whose toold cannot be
+ * reached gets a fault, never an empty tool set. */
+void tools_load(struct drive *d);
+/* tools_cleanup frees d->tools. Idempotent. */
+void tools_cleanup(struct drive *d);
+/* tools_record_result appends the result of call `call_id` (index `index` of turn d->turn);
+ * t, when truncated, is recorded with it. A failure is a fault. */
+void tools_record_result(struct drive *d, int index, const char *call_id, const char *name,
+                         const char *text, bool is_error, const Cflue__V1__Truncation *t,
+                         bool outcome_unknown);
+/* tools_run runs the calls of `resp` as one ExecuteBatch, recording each result as it
+ * arrives; toold failing mid-batch is a fault. */
+void tools_run(struct drive *d, const struct llm_response *resp);
+
+/* ---- model_call.c ---- */
+
+/* model_output_tokens: the output budget of every request to agent a's model. */
+int64_t model_output_tokens(const struct agent_def *a);
+/* model_call asks the model, retrying what the provider says may be retried; streamed text
+ * becomes assistant_delta records unless d->quiet. *out is the caller's to clean up. Returns
+ * CF_DEADLINE when too little of the time limit is left, CF_CANCELLED when stopped. */
+enum cf_status model_call(struct drive *d, const char *system, const struct context *c,
+                          const struct llm_tool *tools, size_t n_tools, struct llm_response *out);
+/* model_record_answer records resp as this turn's assistant_message. A failure is a fault. */
+enum cf_status model_record_answer(struct drive *d, const struct llm_response *resp);
+
+/* ---- compaction.c ---- */
+
+enum compact_result {
+    COMPACT_DONE,    /* a compaction record and a recomposed system prompt were recorded */
+    COMPACT_NOTHING, /* nothing older than the kept tail: nothing to do */
+    COMPACT_FAILED,  /* the summary could not be had from the model (d->err), or a fault */
+};
+
+/* compaction_needed: the context c with d->system_text would not leave the reserve free. */
+bool compaction_needed(struct drive *d, const struct context *c);
+/* compaction_run summarizes what comes before the cut; on COMPACT_DONE d->system_text is the
+ * recomposed prompt. */
+enum compact_result compaction_run(struct drive *d, Cflue__V1__CompactionTrigger trigger);
+
+/* ---- joins.c ---- */
+
+/* joins_list lists the deliveries JOINING into this host (caller frees); NULL on a fault. */
+Cflue__V1__ListResponse *joins_list(struct drive *d);
+/* joins_absorb appends the input of queued submissions and finalizes their joins; returns how
+ * many joined. A failure is a fault. */
+int joins_absorb(struct drive *d);
+
+/* ---- settle.c ---- */
+
+/* settle_outcome records the outcome (see settle.c) and returns how the drive ended. */
+enum drive_end settle_outcome(struct drive *d, Cflue__V1__Outcome outcome, const char *error);
+/* settle_unsettled ends a drive that stopped short of an outcome (settle.c). */
+enum drive_end settle_unsettled(struct drive *d);
+/* settle_ended names how a drive ended without settling: stopped or interrupted. */
+enum drive_end settle_ended(struct drive *d);
+/* settle_answered: the log shows this submission's work finished (settle.c). */
+bool settle_answered(struct drive *d);
+/* settle_repair records the outcome-unknown result for every call without a result. */
+void settle_repair(struct drive *d);
+/* settle_earlier_joins finishes what an earlier attempt left half-joined (settle.c). */
+void settle_earlier_joins(struct drive *d);
+
+#endif

@@ -1,0 +1,224 @@
+/* drive_store.c - a drive's calls to storaged: retried under the fence, appended through the
+ * record log.
+ *
+ * The drive reads its conversation once (dstore_load) and every record it appends joins
+ * d->log when storaged acknowledges it, at the offset storaged gave (a deduplicated append
+ * answers the offset of the record already stored). Attachments' bytes come from the claim's
+ * submission or a joined delivery's (kept from ClaimJoinable), and otherwise from one
+ * Store.Get per submission for the life of the drive.
+ */
+#include "clients.h"
+#include "clock.h"
+#include "drive.h"
+#include "mem.h"
+#include "pbtime.h"
+#include "record_kind.h"
+#include "thread.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define STORE_TIMEOUT_MS 15000
+#define STORE_RETRY_MIN_MS 5000 /* a Store call is retried at least this long */
+
+enum cf_status dstore_call(struct drive *d, const char *method, const ProtobufCMessage *req,
+                           const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp)
+{
+    int64_t start = clock_mono_ms(), wait = 100;
+    int64_t window =
+        g_agentd.lease_ms > STORE_RETRY_MIN_MS ? g_agentd.lease_ms : STORE_RETRY_MIN_MS;
+    for (d->store_tries = 1;; d->store_tries++) {
+        *resp = NULL;
+        enum cf_status rc =
+            store_call(g_agentd.store, method, req, desc, STORE_TIMEOUT_MS, resp, &d->err);
+        if (rc == CF_STALE) {
+            drive_mark_lease_lost(d); /* ABORTED, STALE_FENCE: another attempt holds the work */
+        }
+        if (!drive_transient(rc) || drive_lost_or_down(d) ||
+            clock_mono_ms() - start + wait > window) {
+            return rc;
+        }
+        int64_t nap = wait + thread_jitter_ms(wait / 2 + 1);
+        for (int64_t slept = 0; slept < nap && !drive_lost_or_down(d); slept += 50) {
+            clock_sleep_ms(50);
+        }
+        wait = wait * 2 < 2000 ? wait * 2 : 2000;
+    }
+}
+
+enum cf_status dstore_load(struct drive *d)
+{
+    char *token = NULL;
+    for (;;) {
+        Cflue__V1__ReadRequest req = CFLUE__V1__READ_REQUEST__INIT;
+        ProtobufCMessage *resp = NULL;
+        req.conversation_id = d->sub->conversation_id;
+        req.after_offset = -1;
+        req.page_size = 1000;
+        req.page_token = token ? token : "";
+        enum cf_status rc =
+            dstore_call(d, "Read", &req.base, &cflue__v1__read_response__descriptor, &resp);
+        free(token);
+        token = NULL;
+        if (rc != CF_OK) {
+            drive_fault(d, "reading the conversation failed", &d->err);
+            return rc;
+        }
+        Cflue__V1__ReadResponse *page = (Cflue__V1__ReadResponse *)resp;
+        if (*page->next_page_token && page->n_records) {
+            token = mem_strdup(page->next_page_token);
+        }
+        rlog_add_page(&d->log, page); /* the log owns the page now */
+        if (!token) {
+            return CF_OK;
+        }
+    }
+}
+
+/* append writes records under the fence and adds them to the log. Any failure but a stale
+ * fence (lease lost) is a fault: a record the drive meant to write is missing, so it must not
+ * go on as if it were there. */
+static enum cf_status append(struct drive *d, Cflue__V1__Record **recs, size_t n)
+{
+    Cflue__V1__AppendRequest req = CFLUE__V1__APPEND_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    req.fence = &d->fence;
+    req.records = recs;
+    req.n_records = n;
+    enum cf_status rc =
+        dstore_call(d, "Append", &req.base, &cflue__v1__append_response__descriptor, &resp);
+    if (rc == CF_OK) {
+        const Cflue__V1__AppendResponse *ar = (const Cflue__V1__AppendResponse *)resp;
+        for (size_t i = 0; i < n; i++) {
+            rlog_add_appended(&d->log, recs[i], ar->first_offset + (int64_t)i);
+        }
+    }
+    if (resp) {
+        protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    if (rc != CF_OK && rc != CF_STALE) {
+        drive_fault(d, "recording to the conversation failed", &d->err);
+    }
+    return rc;
+}
+
+enum cf_status dstore_append_one(struct drive *d, const char *id, const char *submission_id,
+                                 ProtobufCMessage *body)
+{
+    Cflue__V1__Record rec = CFLUE__V1__RECORD__INIT, *recs[1] = {&rec};
+    rec.id = (char *)id;
+    rec.submission_id = (char *)(submission_id ? submission_id : "");
+    if (!record_set_body(&rec, body)) {
+        struct cf_error e;
+        cf_error_set(&e, CF_INTERNAL, "record %s: %s is no record body", id,
+                     body->descriptor->name);
+        drive_fault(d, "recording to the conversation failed", &e);
+        return CF_INTERNAL;
+    }
+    return append(d, recs, 1);
+}
+
+enum cf_status dstore_append_input(struct drive *d, const char *id, const Cflue__V1__Submission *s)
+{
+    const Cflue__V1__Message *msg = s->message;
+    size_t n = msg ? msg->n_attachments : 0;
+    Cflue__V1__UserMessage body = CFLUE__V1__USER_MESSAGE__INIT;
+    Cflue__V1__AttachmentRef *refs = mem_alloc(sizeof(*refs) * (n + 1));
+    Cflue__V1__AttachmentRef **ptrs = mem_alloc(sizeof(void *) * (n + 1));
+    body.text = msg ? msg->text : "";
+    for (size_t i = 0; i < n; i++) {
+        cflue__v1__attachment_ref__init(&refs[i]);
+        refs[i].name = msg->attachments[i]->name;
+        refs[i].mime_type = msg->attachments[i]->mime_type;
+        refs[i].size_bytes = (int64_t)msg->attachments[i]->data.len;
+        ptrs[i] = &refs[i];
+    }
+    body.attachments = ptrs;
+    body.n_attachments = n;
+    enum cf_status rc = dstore_append_one(d, id, s->submission_id, &body.base);
+    free(refs);
+    free(ptrs);
+    return rc;
+}
+
+void dstore_mark_input_applied(struct drive *d)
+{
+    Cflue__V1__MarkInputAppliedRequest mr = CFLUE__V1__MARK_INPUT_APPLIED_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    mr.fence = &d->fence;
+    Google__Protobuf__Duration limit = GOOGLE__PROTOBUF__DURATION__INIT;
+    mr.max_attempts = d->agent->max_attempts;
+    if (d->agent->timeout_ms > 0) {
+        pbdur_set(&limit, d->agent->timeout_ms);
+        mr.timeout = &limit;
+    }
+    if (dstore_call(d, "MarkInputApplied", &mr.base, &cflue__v1__submission__descriptor, &resp) !=
+        CF_OK) {
+        if (!drive_lost_or_down(d)) {
+            drive_fault(d, "marking the input applied failed", &d->err);
+        }
+        return;
+    }
+    /* the budgets as now installed (the claim carried the defaults) */
+    const Cflue__V1__Submission *now = (const Cflue__V1__Submission *)resp;
+    d->timeout_at_ms = pbtime_ms(now->deadline);
+    protobuf_c_message_free_unpacked(resp, NULL);
+}
+
+void dstore_keep_submission(struct drive *d, Cflue__V1__Submission *s)
+{
+    d->known = mem_realloc(d->known, sizeof(*d->known) * (d->n_known + 1));
+    d->known[d->n_known++] = s;
+}
+
+enum cf_status dstore_attachments(void *arg, const char *submission_id,
+                                  const Cflue__V1__Message **out, struct cf_error *err)
+{
+    struct drive *d = arg;
+    if (!strcmp(submission_id, d->sub->submission_id)) {
+        *out = d->sub->message;
+        return CF_OK;
+    }
+    for (size_t i = 0; i < d->n_known; i++) {
+        if (!strcmp(d->known[i]->submission_id, submission_id)) {
+            *out = d->known[i]->message;
+            return CF_OK;
+        }
+    }
+    Cflue__V1__GetRequest gr = CFLUE__V1__GET_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    gr.submission_id = (char *)submission_id;
+    enum cf_status rc = dstore_call(d, "Get", &gr.base, &cflue__v1__submission__descriptor, &resp);
+    if (rc != CF_OK) {
+        *err = d->err;
+        return rc;
+    }
+    dstore_keep_submission(d, (Cflue__V1__Submission *)resp);
+    *out = ((Cflue__V1__Submission *)resp)->message;
+    return CF_OK;
+}
+
+void dstore_build_context(struct drive *d, struct context *c, int64_t before)
+{
+    struct context_source src = {.records = d->log.recs,
+                                 .n_records = d->log.n,
+                                 .before = before,
+                                 .attachments = dstore_attachments,
+                                 .arg = d};
+    struct cf_error e;
+    if (context_build(c, &src, &e) != CF_OK) {
+        /* the model must not see the message without what it carried */
+        drive_fault(d, "reading a message's attachments failed", &e);
+    }
+}
+
+void dstore_cleanup(struct drive *d)
+{
+    for (size_t i = 0; i < d->n_known; i++) {
+        protobuf_c_message_free_unpacked(&d->known[i]->base, NULL);
+    }
+    free(d->known);
+    d->known = NULL;
+    d->n_known = 0;
+    rlog_cleanup(&d->log);
+}

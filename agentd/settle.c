@@ -1,0 +1,236 @@
+/* settle.c - how a drive ends: the outcome recorded, or stopped, or interrupted.
+ *
+ * Settlement is one Store.Settle: storaged writes the submission_settled record and settles
+ * joined submissions with their host in the same transaction. What the stream holds is known
+ * from the record log (read when the drive started, appended through since), so settling
+ * reads nothing again:
+ *  - `completed` only when the log ends with this submission's assistant message asking for
+ *    no tool, every call of the submission has its result and no input came after it (a
+ *    Compact request excepted: it answers nothing); otherwise the attempt ends interrupted;
+ *  - before a `failed` or `aborted` outcome, calls still without a result get the
+ *    outcome-unknown result (repair);
+ *  - a fault that trying again cannot mend (a record refused as invalid or as a conflicting
+ *    id) settles failed with its reason; other faults end the drive interrupted; a lost lease
+ *    or shutdown ends it stopped.
+ * A takeover first settles an earlier attempt's half-finished joins, so later messages never
+ * join past them.
+ */
+#include "drive.h"
+#include "failpoint.h"
+#include "log.h"
+#include "utf8.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#define SETTLE_ERROR_MAX 8000
+
+enum drive_end settle_ended(struct drive *d)
+{
+    char q[600];
+    pthread_mutex_lock(&g_agentd.mu);
+    bool lost = d->act->lease_lost, down = d->act->shutting_down;
+    pthread_mutex_unlock(&g_agentd.mu);
+    if (lost || down) {
+        log_info("drive_stopped", "submission=%s reason=%s", d->sub->submission_id,
+                 lost ? "lease_lost" : "shutdown");
+        return DRIVE_STOPPED;
+    }
+    log_warn("drive_interrupted", "submission=%s attempt=%s err=%s", d->sub->submission_id,
+             d->fence.attempt_id, log_quote(q, sizeof(q), d->fault.msg));
+    return DRIVE_INTERRUPTED;
+}
+
+/* own_assistant returns r's assistant message when r is one of this submission's, else NULL. */
+static const Cflue__V1__AssistantMessage *own_assistant(struct drive *d, const Cflue__V1__Record *r)
+{
+    if (r->body_case != CFLUE__V1__RECORD__BODY_ASSISTANT_MESSAGE ||
+        strcmp(r->submission_id, d->sub->submission_id) != 0) {
+        return NULL;
+    }
+    return r->assistant_message;
+}
+
+/* unresolved_calls counts this submission's tool calls that have no recorded result; with
+ * fix set, it records the outcome-unknown result for each (failures are faults). */
+static size_t unresolved_calls(struct drive *d, bool fix)
+{
+    size_t missing = 0;
+    for (size_t i = 0; i < d->log.n; i++) {
+        const Cflue__V1__AssistantMessage *am = own_assistant(d, d->log.recs[i]);
+        for (size_t k = 0; am && k < am->n_tool_calls && d->fault.code == CF_OK; k++) {
+            const Cflue__V1__ToolCallRequest *c = am->tool_calls[k];
+            char id[512];
+            context_tool_result_id(id, sizeof(id), d->sub->submission_id, am->turn, c->id);
+            if (rlog_find(&d->log, id)) {
+                continue;
+            }
+            missing++;
+            if (fix) {
+                int saved = d->turn;
+                d->turn = am->turn;
+                tools_record_result(d, (int)k, c->id, c->name, CONTEXT_INTERRUPTED_RESULT, true,
+                                    NULL, true);
+                d->turn = saved;
+                log_info("tool_outcome_unknown", "submission=%s call=%s", d->sub->submission_id,
+                         c->id);
+            }
+        }
+    }
+    return missing;
+}
+
+bool settle_answered(struct drive *d)
+{
+    const Cflue__V1__Record *last = NULL;
+    bool input_after = false;
+    for (size_t i = 0; i < d->log.n; i++) {
+        const Cflue__V1__Record *r = d->log.recs[i];
+        if (own_assistant(d, r)) {
+            last = r;
+            input_after = false;
+        } else if (last && r->body_case == CFLUE__V1__RECORD__BODY_USER_MESSAGE) {
+            input_after = true;
+        }
+    }
+    return last && last->assistant_message->n_tool_calls == 0 && !input_after &&
+           unresolved_calls(d, false) == 0;
+}
+
+void settle_repair(struct drive *d)
+{
+    (void)unresolved_calls(d, true);
+}
+
+/* checked makes sure the log may be trusted for outcome; false when the drive must end
+ * unsettled instead. */
+static bool checked(struct drive *d, Cflue__V1__Outcome outcome)
+{
+    bool have_records = d->log_loaded || dstore_load(d) == CF_OK;
+    d->log_loaded = have_records;
+    if (outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED) {
+        if (!have_records) {
+            return false;
+        }
+        if (!d->compact_request && !settle_answered(d)) {
+            struct cf_error e;
+            cf_error_set(&e, CF_INTERNAL,
+                         "the stream does not end with a finished answer; not settling completed");
+            drive_fault(d, "settle", &e);
+            return false;
+        }
+    } else if (have_records) {
+        settle_repair(d);
+        if (d->fault.code != CF_OK) {
+            return false;
+        }
+    } else if (drive_transient(d->fault.code)) {
+        return false; /* try again when storaged answers: calls need their results */
+    }
+    /* records storaged cannot give at all (a damaged database) do not keep a failed or
+     * aborted outcome from being recorded */
+    return true;
+}
+
+enum drive_end settle_outcome(struct drive *d, Cflue__V1__Outcome outcome, const char *error)
+{
+    Cflue__V1__SettleRequest req = CFLUE__V1__SETTLE_REQUEST__INIT;
+    Cflue__V1__Usage usage = CFLUE__V1__USAGE__INIT;
+    ProtobufCMessage *resp = NULL;
+    char cut[8192], q[600];
+    req.fence = &d->fence;
+    req.usage = &usage;
+    req.outcome = outcome;
+    if (error) {
+        snprintf(cut, sizeof(cut), "%s", error);
+        cut[utf8_prefix_len(cut, strlen(cut), SETTLE_ERROR_MAX)] = '\0';
+    }
+    req.error =
+        outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED ? "" : (char *)(error ? cut : "failed");
+    if (!checked(d, outcome)) {
+        return settle_ended(d);
+    }
+    for (size_t i = 0; i < d->log.n; i++) {
+        const Cflue__V1__AssistantMessage *am = own_assistant(d, d->log.recs[i]);
+        if (am && am->usage) {
+            usage.input_tokens += am->usage->input_tokens;
+            usage.output_tokens += am->usage->output_tokens;
+            usage.cost_usd += am->usage->cost_usd;
+        }
+    }
+    failpoint_hit("agentd.settle.before");
+    enum cf_status rc =
+        dstore_call(d, "Settle", &req.base, &cflue__v1__settle_response__descriptor, &resp);
+    agentd_wake();
+    if (rc != CF_OK) {
+        log_warn("settle_failed", "submission=%s err=%s reason=%s", d->sub->submission_id,
+                 log_quote(q, sizeof(q), d->err.msg), cf_error_reason(&d->err));
+        if (rc == CF_PRECONDITION) {
+            /* settled already with another outcome, or no longer this attempt's to settle:
+             * nothing this attempt can write any more */
+            drive_mark_lease_lost(d);
+        } else if (rc != CF_STALE) {
+            drive_fault(d, "settling failed", &d->err);
+        }
+        return settle_ended(d);
+    }
+    failpoint_hit("agentd.settle.after");
+    Cflue__V1__SettleResponse *sr = (Cflue__V1__SettleResponse *)resp;
+    log_info("settled", "submission=%s outcome=%s joined=%zu err=%s", d->sub->submission_id,
+             outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED ? "completed"
+             : outcome == CFLUE__V1__OUTCOME__OUTCOME_FAILED  ? "failed"
+                                                              : "aborted",
+             sr->n_settled_with, log_quote(q, sizeof(q), req.error));
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return DRIVE_SETTLED;
+}
+
+enum drive_end settle_unsettled(struct drive *d)
+{
+    enum cf_status code = d->fault.code;
+    if (drive_lost_or_down(d)) {
+        return settle_ended(d);
+    }
+    if (drive_abort_seen(d)) {
+        /* the abort is what counts now (a store failure comes back here on the next try) */
+        cf_error_clear(&d->fault);
+        return settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request");
+    }
+    if (code != CF_INVALID && code != CF_EXISTS) {
+        return settle_ended(d);
+    }
+    char why[CF_ERROR_MSG_MAX + 64];
+    snprintf(why, sizeof(why), "cannot go on: %s", d->fault.msg);
+    cf_error_clear(&d->fault);
+    return settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED, why);
+}
+
+void settle_earlier_joins(struct drive *d)
+{
+    Cflue__V1__ListResponse *l = joins_list(d);
+    if (!l) {
+        return;
+    }
+    for (size_t i = 0; i < l->n_submissions && !drive_broken(d); i++) {
+        const char *sid = l->submissions[i]->submission_id;
+        char input_id[256];
+        snprintf(input_id, sizeof(input_id), "input:%s", sid);
+        bool landed = rlog_find(&d->log, input_id) != NULL;
+        Cflue__V1__JoinRequest jr = CFLUE__V1__JOIN_REQUEST__INIT;
+        ProtobufCMessage *jresp = NULL;
+        jr.host = &d->fence;
+        jr.submission_id = (char *)sid;
+        enum cf_status rc = dstore_call(d, landed ? "FinalizeJoin" : "RevertJoin", &jr.base,
+                                        &cflue__v1__submission__descriptor, &jresp);
+        if (jresp) {
+            protobuf_c_message_free_unpacked(jresp, NULL);
+        }
+        if (rc != CF_OK && rc != CF_STALE && rc != CF_PRECONDITION) {
+            drive_fault(d, "settling a half-joined message failed", &d->err);
+        } else if (rc == CF_OK) {
+            log_info(landed ? "join_adopted" : "join_reverted", "submission=%s host=%s", sid,
+                     d->sub->submission_id);
+        }
+    }
+    protobuf_c_message_free_unpacked(&l->base, NULL);
+}

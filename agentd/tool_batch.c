@@ -1,0 +1,276 @@
+/* tool_batch.c - the sandbox's tools for a drive: the tool set (Tools.List) and one model
+ * turn's calls run as a single Tools.ExecuteBatch, each result recorded as it arrives.
+ *
+ * toold itself failing (unreachable, overloaded, a batch broken off) is a fault: the drive
+ * ends interrupted, and the calls left without a result get the outcome-unknown result when
+ * the work resumes (settle.c). toold refusing a batch as a bad request is an answer: the model
+ * hears why each call did not run.
+ */
+#include "clients.h"
+#include "drive.h"
+#include "failpoint.h"
+#include "guard.h"
+#include "mem.h"
+#include "pbtime.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TOOLS_TIMEOUT_MS 10000 /* Tools.List */
+
+struct rpc_channel *tools_channel(struct drive *d)
+{
+    static struct {
+        char *addr;
+        struct rpc_channel *ch;
+    } cache[32];
+    static int n;
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    const char *addr = d->agent->sandbox_tools;
+    struct rpc_channel *ch = NULL;
+    if (!addr) {
+        return NULL;
+    }
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < n && !ch; i++) {
+        if (!strcmp(cache[i].addr, addr)) {
+            ch = cache[i].ch;
+        }
+    }
+    if (!ch && n < 32) {
+        cache[n].addr = mem_strdup(addr);
+        ch = cache[n++].ch = rpc_channel_new(addr, 64 << 20);
+    }
+    pthread_mutex_unlock(&mu);
+    return ch;
+}
+
+/* FAILED_PRECONDITION is an answer (the sandbox's state does not allow the call: not a
+ * directory, say); ABORTED from toold (no fence is involved) is a conflict that trying again
+ * later may clear, so it is a failure, recorded as CF_UNAVAILABLE rather than as a lost lease. */
+bool tools_failed(struct drive *d, const char *what, const struct rpc_status *st)
+{
+    switch (st->code) {
+    case GRPC_STATUS_OK:
+    case GRPC_STATUS_NOT_FOUND:
+    case GRPC_STATUS_INVALID_ARGUMENT:
+    case GRPC_STATUS_FAILED_PRECONDITION:
+    case GRPC_STATUS_PERMISSION_DENIED:
+    case GRPC_STATUS_OUT_OF_RANGE:
+    case GRPC_STATUS_ALREADY_EXISTS:
+        return false;
+    default: {
+        struct cf_error e;
+        enum cf_status code =
+            st->code == GRPC_STATUS_ABORTED ? CF_UNAVAILABLE : status_from_grpc(st->code);
+        cf_error_set(&e, code, "toold at %s: %s (grpc status %d, reason %s)",
+                     d->agent->sandbox_tools, st->details[0] ? st->details : "call failed",
+                     (int)st->code, st->reason[0] ? st->reason : "none");
+        drive_fault(d, what, &e);
+        return true;
+    }
+    }
+}
+
+void tools_load(struct drive *d)
+{
+    struct toolset *ts = &d->tools;
+    memset(ts, 0, sizeof(*ts));
+    struct rpc_channel *ch = tools_channel(d);
+    if (!ch) {
+        if (d->agent->sandbox_tools) {
+            struct cf_error e;
+            cf_error_set(&e, CF_BUSY,
+                         "no channel to toold at %s: this agentd reaches at most "
+                         "32 tool servers",
+                         d->agent->sandbox_tools);
+            drive_fault(d, "listing the sandbox's tools failed", &e);
+        }
+        return;
+    }
+    Cflue__V1__ListToolsRequest rq = CFLUE__V1__LIST_TOOLS_REQUEST__INIT;
+    ProtobufCMessage *resp;
+    struct rpc_status st;
+    rq.sandbox = d->workspace;
+    if (rpc_unary(ch, "/cflue.v1.Tools/List", &rq.base, &cflue__v1__list_tools_response__descriptor,
+                  TOOLS_TIMEOUT_MS, &resp, &st)) {
+        ts->list = (Cflue__V1__ListToolsResponse *)resp;
+        ts->n = ts->list->n_tools;
+        ts->tools = mem_alloc(sizeof(*ts->tools) * (ts->n + 1));
+        for (size_t i = 0; i < ts->n; i++) {
+            ts->tools[i].name = ts->list->tools[i]->name;
+            ts->tools[i].description = ts->list->tools[i]->description;
+            ts->tools[i].schema_json = ts->list->tools[i]->parameters_json;
+        }
+    } else if (!tools_failed(d, "listing the sandbox's tools failed", &st)) {
+        /* toold answered but refused: that is no tool set either */
+        struct cf_error e;
+        cf_error_set(&e, status_from_grpc(st.code), "toold at %s refused Tools.List: %s",
+                     d->agent->sandbox_tools, st.details);
+        drive_fault(d, "listing the sandbox's tools failed", &e);
+    }
+}
+
+void tools_cleanup(struct drive *d)
+{
+    if (d->tools.list) {
+        protobuf_c_message_free_unpacked(&d->tools.list->base, NULL);
+    }
+    free(d->tools.tools);
+    memset(&d->tools, 0, sizeof(d->tools));
+}
+
+void tools_record_result(struct drive *d, int index, const char *call_id, const char *name,
+                         const char *text, bool is_error, const Cflue__V1__Truncation *t,
+                         bool outcome_unknown)
+{
+    char id[512];
+    Cflue__V1__ToolCallResult body = CFLUE__V1__TOOL_CALL_RESULT__INIT;
+    context_tool_result_id(id, sizeof(id), d->sub->submission_id, d->turn, call_id);
+    body.turn = d->turn;
+    body.index = index;
+    body.tool_call_id = (char *)call_id;
+    body.name = (char *)name;
+    body.text = (char *)text;
+    body.is_error = is_error;
+    body.truncation = t && t->truncated ? (Cflue__V1__Truncation *)t : NULL;
+    body.outcome_unknown = outcome_unknown;
+    (void)dstore_append_one(d, id, d->sub->submission_id, &body.base);
+}
+
+/* One batch: the calls sent (those naming a known tool) and where each came from. */
+struct batch {
+    Cflue__V1__ToolCall *calls;
+    Cflue__V1__ToolCall **ptrs;
+    Google__Protobuf__Duration *limits;
+    int *index; /* the call's index in the assistant message */
+    bool *done; /* its result arrived */
+    size_t m;
+};
+
+/* prepare fills b with the calls toold can run; a call naming no tool of the set gets an
+ * error result at once. Each call's timeout is what is left of the submission's time (at least
+ * 1 ms; unset means no limit). */
+static void prepare(struct drive *d, struct batch *b, const struct llm_response *resp)
+{
+    size_t n = resp->n_calls;
+    b->calls = mem_alloc(sizeof(*b->calls) * (n + 1));
+    b->ptrs = mem_alloc(sizeof(void *) * (n + 1));
+    b->limits = mem_alloc(sizeof(*b->limits) * (n + 1));
+    b->index = mem_alloc(sizeof(int) * (n + 1));
+    b->done = mem_alloc(sizeof(bool) * (n + 1));
+    memset(b->done, 0, sizeof(bool) * (n + 1));
+    b->m = 0;
+    int64_t left = drive_time_left(d);
+    for (size_t i = 0; i < n && d->fault.code == CF_OK; i++) {
+        const struct llm_call *c = &resp->calls[i];
+        bool known = false;
+        for (size_t k = 0; k < d->tools.n; k++) {
+            known = known || !strcmp(d->tools.tools[k].name, c->name);
+        }
+        if (!known) {
+            char text[512];
+            snprintf(text, sizeof(text), "There is no tool named '%s' here.%s", c->name,
+                     d->tools.n ? " Use one of the tools listed in your instructions." : "");
+            tools_record_result(d, (int)i, c->id, c->name, text, true, NULL, false);
+            continue;
+        }
+        Cflue__V1__ToolCall *tc = &b->calls[b->m];
+        cflue__v1__tool_call__init(tc);
+        tc->sandbox = d->workspace;
+        tc->call_id = c->id;
+        tc->name = c->name;
+        tc->arguments_json = c->arguments_json;
+        if (left != INT64_MAX) {
+            google__protobuf__duration__init(&b->limits[b->m]);
+            pbdur_set(&b->limits[b->m], left > 1 ? left : 1);
+            tc->timeout = &b->limits[b->m];
+        }
+        b->ptrs[b->m] = tc;
+        b->index[b->m] = (int)i;
+        b->m++;
+    }
+}
+
+/* halted_cb adapts drive_halted for a stream guard: the batch is cancelled on abort, lost
+ * lease, shutdown or a fault, and toold then kills the commands of the cancelled calls. */
+static bool halted_cb(void *d)
+{
+    return drive_halted(d);
+}
+
+/* stream runs the batch and records each result as it arrives; st says how the stream ended. */
+static void stream(struct drive *d, struct batch *b, struct rpc_status *st)
+{
+    Cflue__V1__ToolBatch batch = CFLUE__V1__TOOL_BATCH__INIT;
+    batch.calls = b->ptrs;
+    batch.n_calls = b->m;
+    struct rpc_stream *s =
+        rpc_stream_open(tools_channel(d), "/cflue.v1.Tools/ExecuteBatch", &batch.base, 0);
+    ProtobufCMessage *msg;
+    struct stream_guard guard;
+    struct cf_error gerr;
+    if (guard_start(&guard, s, halted_cb, d, &gerr) != CF_OK) {
+        drive_fault(d, "the tool batch could not be watched", &gerr);
+    }
+    while (rpc_stream_read(s, &cflue__v1__batch_result__descriptor, &msg) == 1) {
+        Cflue__V1__BatchResult *br = (Cflue__V1__BatchResult *)msg;
+        if (br->index >= 0 && (size_t)br->index < b->m && br->result && !b->done[br->index]) {
+            b->done[br->index] = true;
+            const Cflue__V1__ToolCall *c = &b->calls[br->index];
+            failpoint_hit("agentd.tools.before_record");
+            if (d->fault.code == CF_OK && !drive_lost_or_down(d)) {
+                tools_record_result(d, b->index[br->index], c->call_id, c->name, br->result->text,
+                                    br->result->is_error, br->result->truncation, false);
+            }
+        }
+        protobuf_c_message_free_unpacked(msg, NULL);
+    }
+    guard_end(&guard);
+    (void)rpc_stream_finish(s, st); /* st says how it ended, either way */
+}
+
+/* finish_batch handles a batch that ended short of results: toold failing is a fault; toold
+ * refusing the batch (a bad request) gives each call without a result an error result. */
+static void finish_batch(struct drive *d, struct batch *b, struct rpc_status *st)
+{
+    bool missing = false;
+    for (size_t k = 0; k < b->m; k++) {
+        missing = missing || !b->done[k];
+    }
+    if (missing && !drive_halted(d) && st->code == GRPC_STATUS_OK) {
+        /* a stream that ended OK short of results is toold failing too */
+        st->code = GRPC_STATUS_INTERNAL;
+        snprintf(st->details, sizeof(st->details), "the batch ended with results missing");
+    }
+    if (!missing || drive_halted(d) || tools_failed(d, "the tool batch failed", st)) {
+        return;
+    }
+    for (size_t k = 0; k < b->m && d->fault.code == CF_OK; k++) {
+        if (!b->done[k]) {
+            char text[CF_ERROR_MSG_MAX + 128];
+            snprintf(text, sizeof(text),
+                     "The tool server refused this call (%.300s); it did not run.", st->details);
+            tools_record_result(d, b->index[k], b->calls[k].call_id, b->calls[k].name, text, true,
+                                NULL, false);
+        }
+    }
+}
+
+void tools_run(struct drive *d, const struct llm_response *resp)
+{
+    struct batch b;
+    prepare(d, &b, resp);
+    if (b.m && d->fault.code == CF_OK) {
+        struct rpc_status st;
+        stream(d, &b, &st);
+        finish_batch(d, &b, &st);
+    }
+    free(b.calls);
+    free(b.ptrs);
+    free(b.limits);
+    free(b.index);
+    free(b.done);
+}
