@@ -6,6 +6,7 @@
 #include "metadata.h"
 #include "page_token.h"
 #include "provider.h"
+#include "record_log.h"
 #include "sse.h"
 
 #include <stdlib.h>
@@ -276,6 +277,89 @@ static void test_build(void)
     llm_response_cleanup(&r);
 }
 
+/* page packs records into a ReadResponse the way storaged's answer arrives (heap, unpacked). */
+static Cflue__V1__ReadResponse *page(Cflue__V1__Record **recs, size_t n)
+{
+    Cflue__V1__ReadResponse rr = CFLUE__V1__READ_RESPONSE__INIT;
+    rr.records = recs;
+    rr.n_records = n;
+    size_t len = cflue__v1__read_response__get_packed_size(&rr);
+    uint8_t *bytes = malloc(len + 1);
+    cflue__v1__read_response__pack(&rr, bytes);
+    Cflue__V1__ReadResponse *out = cflue__v1__read_response__unpack(NULL, len, bytes);
+    free(bytes);
+    return out;
+}
+
+/* The record log: read pages and acknowledged appends in offset order, each record once;
+ * lookups by id and body; trimming keeps what the context and recovery need. */
+static void test_record_log(void)
+{
+    Cflue__V1__UserMessage um = CFLUE__V1__USER_MESSAGE__INIT;
+    Cflue__V1__AssistantDelta ad = CFLUE__V1__ASSISTANT_DELTA__INIT;
+    Cflue__V1__Compaction cp = CFLUE__V1__COMPACTION__INIT;
+    Cflue__V1__SystemPrompt sp = CFLUE__V1__SYSTEM_PROMPT__INIT;
+    Cflue__V1__Record r[6];
+    Cflue__V1__Record *ptrs[6];
+    static const char *const ids[] = {"input:old", "system:1",        "delta:x",
+                                      "input:me",  "compaction:me:1", "system:2"};
+    static const char *const subs[] = {"old", "", "old", "me", "me", ""};
+    for (int i = 0; i < 6; i++) {
+        cflue__v1__record__init(&r[i]);
+        r[i].offset = i;
+        r[i].id = (char *)ids[i];
+        r[i].submission_id = (char *)subs[i];
+        ptrs[i] = &r[i];
+    }
+    um.text = "hi";
+    r[0].body_case = r[3].body_case = CFLUE__V1__RECORD__BODY_USER_MESSAGE;
+    r[0].user_message = r[3].user_message = &um;
+    r[1].body_case = r[5].body_case = CFLUE__V1__RECORD__BODY_SYSTEM_PROMPT;
+    r[1].system_prompt = r[5].system_prompt = &sp;
+    r[2].body_case = CFLUE__V1__RECORD__BODY_ASSISTANT_DELTA;
+    r[2].assistant_delta = &ad;
+    cp.first_kept_offset = 3;
+    r[4].body_case = CFLUE__V1__RECORD__BODY_COMPACTION;
+    r[4].compaction = &cp;
+
+    struct record_log log;
+    rlog_init(&log);
+    CHECK(log.last_offset == -1 && rlog_find(&log, "input:me") == NULL);
+    rlog_add_page(&log, page(ptrs, 3));
+    rlog_add_page(&log, page(ptrs + 2, 2)); /* offset 2 again: skipped */
+    CHECK(log.n == 4 && log.last_offset == 3);
+    /* an acknowledged append: a copy at storaged's offset */
+    rlog_add_appended(&log, &r[4], 4);
+    rlog_add_appended(&log, &r[4], 4); /* a deduplicated append: once */
+    r[5].offset = 99;                  /* the offset that counts is storaged's */
+    rlog_add_appended(&log, &r[5], 5);
+    CHECK(log.n == 6 && log.last_offset == 5 && log.compactions == 1);
+    CHECK(rlog_find(&log, "system:2") != NULL && rlog_find(&log, "system:2")->offset == 5);
+    CHECK(rlog_find(&log, "system:2") != &r[5]);
+    CHECK(rlog_latest(&log, CFLUE__V1__RECORD__BODY_SYSTEM_PROMPT)->offset == 5);
+    CHECK(rlog_latest(&log, CFLUE__V1__RECORD__BODY_SIGNAL) == NULL);
+    for (size_t i = 1; i < log.n; i++) {
+        CHECK(log.recs[i - 1]->offset < log.recs[i]->offset);
+    }
+    /* trim: before the cut (3) and before "me"'s first record only the newest compaction and
+     * system prompt stay; deltas go; the compaction count stays */
+    rlog_trim(&log, "me");
+    CHECK(log.n == 3);
+    CHECK(rlog_find(&log, "input:old") == NULL && rlog_find(&log, "system:1") == NULL);
+    CHECK(rlog_find(&log, "delta:x") == NULL && rlog_find(&log, "input:me") != NULL);
+    CHECK(log.compactions == 1);
+    rlog_trim(&log, "me"); /* idempotent */
+    CHECK(log.n == 3);
+    /* an own record before the cut is kept, and so is everything after it */
+    rlog_cleanup(&log);
+    rlog_add_page(&log, page(ptrs, 6));
+    rlog_trim(&log, "old");
+    CHECK(log.n == 5 && rlog_find(&log, "input:old") != NULL && !rlog_find(&log, "delta:x"));
+    rlog_cleanup(&log);
+    rlog_cleanup(&log);
+    CHECK(log.n == 0);
+}
+
 int main(void)
 {
     test_agents();
@@ -285,5 +369,6 @@ int main(void)
     test_anthropic_stream();
     test_openai_stream();
     test_build();
+    test_record_log();
     return check_done("test_agentd");
 }
