@@ -10,9 +10,11 @@
 #include "db.h"
 
 #include "migrate.h"
+#include "stmt.h"
 
 #include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static const char schema_sql[] =
@@ -62,7 +64,7 @@ static const char schema_sql[] =
     "CREATE INDEX submissions_by_conversation ON submissions(conversation_id, status, sequence);"
     "CREATE INDEX submissions_by_status ON submissions(status, sequence);"
     "CREATE INDEX submissions_by_host ON submissions(joined_into) WHERE joined_into IS NOT NULL;"
-    "CREATE TABLE records" DB_RECORDS_TABLE ";"
+    "CREATE TABLE records" DB_RECORDS_TABLE ";" DB_RUNNABLE_SCHEMA
     "INSERT INTO meta(key, value) VALUES ('schema_version', '" DB_SCHEMA_VERSION "');";
 
 enum cf_status db_code(int sqlite_rc)
@@ -110,75 +112,95 @@ enum cf_status db_exec(sqlite3 *db, const char *sql, struct cf_error *err)
     return CF_OK;
 }
 
-enum cf_status db_prepare(sqlite3 *db, const char *sql, sqlite3_stmt **out, struct cf_error *err)
+/* one_value reads the first column of sql's first row as text into out ("" when NULL);
+ * *found tells whether there was a row. A failed read is an error, never "no row". */
+static enum cf_status one_value(sqlite3 *db, const char *sql, const char *key, const char *what,
+                                char *out, size_t out_len, bool *found, struct cf_error *err)
 {
-    if (sqlite3_prepare_v3(db, sql, -1, SQLITE_PREPARE_PERSISTENT, out, NULL) != SQLITE_OK) {
-        return db_fail(db, "prepare", err);
+    struct stmt s;
+    enum cf_status rc = stmt_open(&s, db, sql, what, err);
+    *found = false;
+    out[0] = '\0';
+    if (rc != CF_OK) {
+        return rc;
     }
-    return CF_OK;
+    if (key) {
+        stmt_text(&s, 1, key);
+    }
+    if ((rc = stmt_step(&s, found, err)) == CF_OK && *found) {
+        const unsigned char *v = sqlite3_column_text(s.st, 0);
+        snprintf(out, out_len, "%s", v ? (const char *)v : "");
+    }
+    stmt_close(&s);
+    return rc;
 }
 
-/* check_version reads the stamp; *fresh is set when the database has no tables at all. A
- * failed read is an error, never taken for "no tables" (which would write a schema over it). */
-static enum cf_status check_version(sqlite3 *db, const char *path, bool *fresh, bool *old,
+/* check_version reads the stamp; *fresh is set when the database has no tables at all, and
+ * *old_out to the version when it is one migrate_from upgrades (0 otherwise). A failed read is
+ * an error, never taken for "no tables" (which would write a schema over it). */
+static enum cf_status check_version(sqlite3 *db, const char *path, bool *fresh, int *old_out,
                                     struct cf_error *err)
 {
-    sqlite3_stmt *st;
-    int tables = 0, r;
+    static const char tables_sql[] = "SELECT count(*) FROM sqlite_master WHERE type='table'";
+    static const char version_sql[] = "SELECT value FROM meta WHERE key='schema_version'";
+    char v[64];
+    bool found;
+    struct stmt probe;
+    enum cf_status rc;
     *fresh = false;
-    *old = false;
-    if (sqlite3_prepare_v2(db, "SELECT count(*) FROM sqlite_master WHERE type='table'", -1, &st,
-                           NULL) != SQLITE_OK) {
+    *old_out = 0;
+    if (stmt_open(&probe, db, tables_sql, "read the schema", err) != CF_OK) {
         return cf_error_set(err, CF_CORRUPT, "%s is not a readable SQLite database: %s", path,
                             sqlite3_errmsg(db));
     }
-    r = sqlite3_step(st);
-    if (r == SQLITE_ROW) {
-        tables = sqlite3_column_int(st, 0);
-    } else {
-        enum cf_status rc = db_step_fail(db, r, "read the schema", err);
-        sqlite3_finalize(st);
+    stmt_close(&probe);
+    if ((rc = one_value(db, tables_sql, NULL, "read the schema", v, sizeof(v), &found, err)) !=
+        CF_OK) {
         return rc;
     }
-    sqlite3_finalize(st);
-    if (tables == 0) {
+    if (!strcmp(v, "0")) {
         *fresh = true;
         return CF_OK;
     }
-    if (sqlite3_prepare_v2(db, "SELECT value FROM meta WHERE key='schema_version'", -1, &st,
-                           NULL) != SQLITE_OK) {
+    if (stmt_open(&probe, db, version_sql, "read the schema version", err) != CF_OK) {
         return cf_error_set(err, CF_VERSION,
                             "%s holds tables but no cflue schema stamp (meta.schema_version); "
                             "it was not written by storaged; refusing to open it",
                             path);
     }
-    enum cf_status rc = CF_OK;
-    r = sqlite3_step(st);
-    if (r == SQLITE_DONE) {
-        rc = cf_error_set(err, CF_VERSION, "%s has no schema_version stamp; refusing to open it",
-                          path);
-    } else if (r != SQLITE_ROW) {
-        rc = db_step_fail(db, r, "read the schema version", err);
-    } else {
-        const char *v = (const char *)sqlite3_column_text(st, 0);
-        if (v && !strcmp(v, MIGRATE_FROM_VERSION)) {
-            *old = true;
-        } else if (!v || strcmp(v, DB_SCHEMA_VERSION) != 0) {
-            rc = cf_error_set(err, CF_VERSION,
-                              "%s was written with schema version %s; this storaged reads "
-                              "version %s (and migrates version %s); refusing to open it",
-                              path, v ? v : "(null)", DB_SCHEMA_VERSION, MIGRATE_FROM_VERSION);
+    stmt_close(&probe);
+    if ((rc = one_value(db, version_sql, NULL, "read the schema version", v, sizeof(v), &found,
+                        err)) != CF_OK) {
+        return rc;
+    }
+    if (!found) {
+        return cf_error_set(err, CF_VERSION, "%s has no schema_version stamp; refusing to open it",
+                            path);
+    }
+    if (!strcmp(v, DB_SCHEMA_VERSION)) {
+        return CF_OK;
+    }
+    for (int old = MIGRATE_OLDEST_VERSION; old < atoi(DB_SCHEMA_VERSION); old++) {
+        char name[16];
+        snprintf(name, sizeof(name), "%d", old);
+        if (!strcmp(v, name)) {
+            *old_out = old;
+            return CF_OK;
         }
     }
-    sqlite3_finalize(st);
-    return rc;
+    return cf_error_set(err, CF_VERSION,
+                        "%s was written with schema version %s; this storaged reads version %s "
+                        "(and migrates versions %d to %d); refusing to open it",
+                        path, v, DB_SCHEMA_VERSION, MIGRATE_OLDEST_VERSION,
+                        atoi(DB_SCHEMA_VERSION) - 1);
 }
 
 enum cf_status db_open(const char *path, bool writer, sqlite3 **out, struct cf_error *err)
 {
     sqlite3 *db = NULL;
     enum cf_status rc;
-    bool fresh, old;
+    bool fresh;
+    int old;
     int flags = SQLITE_OPEN_NOMUTEX |
                 (writer ? SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE : SQLITE_OPEN_READONLY);
 
@@ -189,6 +211,7 @@ enum cf_status db_open(const char *path, bool writer, sqlite3 **out, struct cf_e
         sqlite3_close(db);
         return rc;
     }
+    stmt_cache_attach(db);
     sqlite3_busy_timeout(db, 10000);
     sqlite3_extended_result_codes(db, 1);
     if ((rc = db_exec(db,
@@ -201,12 +224,11 @@ enum cf_status db_open(const char *path, bool writer, sqlite3 **out, struct cf_e
         goto fail;
     }
     if (old && !writer) {
-        rc =
-            cf_error_set(err, CF_VERSION, "%s has schema version %s; storaged's writer migrates it",
-                         path, MIGRATE_FROM_VERSION);
+        rc = cf_error_set(err, CF_VERSION,
+                          "%s has schema version %d; storaged's writer migrates it", path, old);
         goto fail;
     }
-    if (old && (rc = migrate_v1(db, path, err)) != CF_OK) {
+    if (old && (rc = migrate_from(db, path, old, err)) != CF_OK) {
         goto fail;
     }
     if (fresh) {
@@ -236,41 +258,22 @@ fail:
 static enum cf_status meta_get(sqlite3 *db, const char *key, char *out, size_t out_len, bool *found,
                                struct cf_error *err)
 {
-    sqlite3_stmt *st;
-    enum cf_status rc = CF_OK;
-    *found = false;
-    out[0] = '\0';
-    if ((rc = db_prepare(db, "SELECT value FROM meta WHERE key = ?", &st, err)) != CF_OK) {
-        return rc;
-    }
-    sqlite3_bind_text(st, 1, key, -1, SQLITE_STATIC);
-    int r = sqlite3_step(st);
-    if (r == SQLITE_ROW) {
-        const unsigned char *v = sqlite3_column_text(st, 0);
-        snprintf(out, out_len, "%s", v ? (const char *)v : "");
-        *found = true;
-    } else if (r != SQLITE_DONE) {
-        rc = db_step_fail(db, r, "read meta", err);
-    }
-    sqlite3_finalize(st);
-    return rc;
+    static const char sql[] = "SELECT value FROM meta WHERE key = ?";
+    return one_value(db, sql, key, "read meta", out, out_len, found, err);
 }
 
 static enum cf_status meta_set(sqlite3 *db, const char *key, const char *value,
                                struct cf_error *err)
 {
-    sqlite3_stmt *st;
-    enum cf_status rc;
-    if ((rc = db_prepare(db, "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", &st, err)) !=
-        CF_OK) {
+    static const char sql[] = "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)";
+    struct stmt s;
+    enum cf_status rc = stmt_open(&s, db, sql, "write meta", err);
+    if (rc != CF_OK) {
         return rc;
     }
-    sqlite3_bind_text(st, 1, key, -1, SQLITE_STATIC);
-    sqlite3_bind_text(st, 2, value, -1, SQLITE_STATIC);
-    int r = sqlite3_step(st);
-    rc = r == SQLITE_DONE ? CF_OK : db_step_fail(db, r, "write meta", err);
-    sqlite3_finalize(st);
-    return rc;
+    stmt_text(&s, 1, key);
+    stmt_text(&s, 2, value);
+    return stmt_done(&s, err);
 }
 
 enum cf_status db_boot(sqlite3 *db, const char *boot_id, int *fenced_out, struct cf_error *err)

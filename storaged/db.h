@@ -7,7 +7,7 @@
 #include <sqlite3.h>
 #include <stdbool.h>
 
-#define DB_SCHEMA_VERSION "2"
+#define DB_SCHEMA_VERSION "3"
 
 /* The records table's columns (after "CREATE TABLE <name>"): a record's body is stored as its
  * oneof case (`kind`, the Record.body field number) and the body message packed by protobuf-c
@@ -24,13 +24,49 @@
     "  PRIMARY KEY (conversation_id, pos),"                                                        \
     "  UNIQUE (conversation_id, record_id)) WITHOUT ROWID"
 
+/* What schema version 3 added to version 2: Claim finds work through indexes (see ledger.c).
+ * `runnable` holds one row per conversation whose head (its first unsettled submission) is
+ * queued, keyed by the head's sequence; triggers keep it on every insert and status change of
+ * submissions, so no code path can forget it. The partial indexes find a conversation's head
+ * and the expired leases without walking queued or running rows. DB_RUNNABLE_FILL computes
+ * `runnable` from the submissions (the migration from version 2). */
+#define DB_HEAD_OF(conv)                                                                           \
+    "(SELECT min(sequence) FROM submissions WHERE conversation_id = " conv                         \
+    " AND status != 'settled')"
+#define DB_RUNNABLE_SCHEMA                                                                         \
+    "CREATE INDEX submissions_unsettled ON submissions(conversation_id, sequence)"                 \
+    "  WHERE status != 'settled';"                                                                 \
+    "CREATE INDEX submissions_by_lease ON submissions(lease_expires_at)"                           \
+    "  WHERE status IN ('running','terminalizing');"                                               \
+    "CREATE TABLE runnable(sequence INTEGER PRIMARY KEY, conversation_id TEXT NOT NULL UNIQUE);"   \
+    "CREATE TRIGGER runnable_on_admit AFTER INSERT ON submissions"                                 \
+    "  WHEN NEW.status = 'queued' AND NEW.sequence = " DB_HEAD_OF(                                 \
+        "NEW.conversation_id") " BEGIN"                                                            \
+                               "  INSERT OR REPLACE INTO runnable(sequence, conversation_id)"      \
+                               "    VALUES (NEW.sequence, NEW.conversation_id);"                   \
+                               "END;"                                                              \
+                               "CREATE TRIGGER runnable_on_status AFTER UPDATE OF status ON "      \
+                               "submissions"                                                       \
+                               "  WHEN OLD.status IS NOT NEW.status BEGIN"                         \
+                               "  DELETE FROM runnable WHERE conversation_id = "                   \
+                               "NEW.conversation_id;"                                              \
+                               "  INSERT INTO runnable(sequence, conversation_id) SELECT "         \
+                               "sequence, conversation_id"                                         \
+                               "    FROM submissions WHERE sequence = " DB_HEAD_OF(                \
+                                   "NEW.conversation_id") "    AND status = 'queued';"             \
+                                                          "END;"
+#define DB_RUNNABLE_FILL                                                                           \
+    "INSERT INTO runnable(sequence, conversation_id) SELECT s.sequence, s.conversation_id"         \
+    "  FROM submissions s WHERE s.status = 'queued' AND s.sequence = " DB_HEAD_OF(                 \
+        "s.conversation_id") ";"
+
 /* db_open opens path. The writer connection creates the schema on first use (WAL mode,
  * synchronous=FULL, foreign keys on), migrates a database of the previous schema version
- * (MIGRATE_FROM_VERSION, migrate.h) in one transaction, and refuses one written by another
+ * (versions 1 and 2, migrate.h) in one transaction, and refuses one written by another
  * schema version or by something other than storaged with CF_VERSION and a message saying what
  * was found.
  * Reader connections are read-only and expect the schema to exist. On success *out is an open
- * connection the caller closes with sqlite3_close. */
+ * connection with a statement cache (stmt.h) that the caller closes with sqlite3_close. */
 CF_MUST_CHECK enum cf_status db_open(const char *path, bool writer, sqlite3 **out,
                                      struct cf_error *err);
 
@@ -38,10 +74,6 @@ CF_MUST_CHECK enum cf_status db_open(const char *path, bool writer, sqlite3 **ou
  * message. (Not CF_MUST_CHECK yet only because bench/bench_admit.c ignores two results;
  * every call in storaged checks it.) */
 CF_MUST_CHECK enum cf_status db_exec(sqlite3 *db, const char *sql, struct cf_error *err);
-
-/* db_prepare compiles one statement (cached by SQLite's prepare_v3 persistent flag). */
-CF_MUST_CHECK enum cf_status db_prepare(sqlite3 *db, const char *sql, sqlite3_stmt **out,
-                                        struct cf_error *err);
 
 /* db_code maps an SQLite result code to the status a client sees: SQLITE_BUSY and
  * SQLITE_LOCKED (the busy timeout ran out) are CF_UNAVAILABLE, so the caller retries;

@@ -34,6 +34,7 @@
 #include "page_token.h"
 #include "pbtime.h"
 #include "record_kind.h"
+#include "stmt.h"
 #include "validate.h"
 
 #include <assert.h>
@@ -84,21 +85,7 @@ static int outcome_from(const char *s)
     return 0;
 }
 
-/* ---------- statement helpers ---------- */
-
-static void bind_opt_text(sqlite3_stmt *st, int i, const char *s)
-{
-    if (s && *s) {
-        sqlite3_bind_text(st, i, s, -1, SQLITE_TRANSIENT);
-    } else {
-        sqlite3_bind_null(st, i);
-    }
-}
-
-static void bind_text(sqlite3_stmt *st, int i, const char *s)
-{
-    sqlite3_bind_text(st, i, s ? s : "", -1, SQLITE_TRANSIENT);
-}
+/* ---------- statement results ---------- */
 
 static const char *col_text(struct ledger_ctx *c, sqlite3_stmt *st, int i)
 {
@@ -106,30 +93,37 @@ static const char *col_text(struct ledger_ctx *c, sqlite3_stmt *st, int i)
     return t ? arena_memdup(c->arena, t, (size_t)sqlite3_column_bytes(st, i)) : "";
 }
 
-/* step_done runs a statement that returns no rows and finalizes it. Anything but
- * SQLITE_DONE is an error with SQLite's message. */
-static enum cf_status step_done(struct ledger_ctx *c, sqlite3_stmt *st, const char *what,
-                                struct cf_error *err)
+/* strv is a growing array of strings in the arena. */
+struct strv {
+    char **v;
+    size_t n, cap;
+};
+
+static void strv_push(struct ledger_ctx *c, struct strv *a, const char *s)
 {
-    int rc = sqlite3_step(st);
-    enum cf_status out = CF_OK;
-    if (rc != SQLITE_DONE) {
-        out = rc == SQLITE_ROW ? cf_error_set(err, CF_INTERNAL, "%s returned a row", what)
-                               : db_step_fail(c->db, rc, what, err);
+    if (a->n == a->cap) {
+        size_t cap = a->cap ? a->cap * 2 : 8;
+        char **more = arena_alloc(c->arena, sizeof(char *) * cap);
+        if (a->n) {
+            memcpy(more, a->v, sizeof(char *) * a->n);
+        }
+        a->v = more;
+        a->cap = cap;
     }
-    sqlite3_finalize(st);
-    return out;
+    a->v[a->n++] = (char *)s;
 }
 
-/* step_rows ends a loop of sqlite3_step over rows: the loop stopped with rc, which must be
- * SQLITE_DONE (every row was seen); anything else is an error, never "no more rows". Finalizes
- * the statement. */
-static enum cf_status step_rows(struct ledger_ctx *c, sqlite3_stmt *st, int rc, const char *what,
-                                struct cf_error *err)
+/* column_strings collects column 0 of every row of an open statement into *out and closes it. */
+static enum cf_status column_strings(struct ledger_ctx *c, struct stmt *s, struct strv *out,
+                                     struct cf_error *err)
 {
-    enum cf_status out = rc == SQLITE_DONE ? CF_OK : db_step_fail(c->db, rc, what, err);
-    sqlite3_finalize(st);
-    return out;
+    enum cf_status rc;
+    bool row;
+    while ((rc = stmt_step(s, &row, err)) == CF_OK && row) {
+        strv_push(c, out, col_text(c, s->st, 0));
+    }
+    stmt_close(s);
+    return rc;
 }
 
 /* ---------- payload ---------- */
@@ -225,26 +219,38 @@ static void row_to_sub(struct ledger_ctx *c, sqlite3_stmt *st, Cflue__V1__Submis
                     : CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE;
 }
 
+/* check_row asserts the invariants of the essay on a row as read. */
+static void check_row(const Cflue__V1__Submission *s)
+{
+    (void)s;
+    assert((s->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_SETTLED) ==
+               (s->outcome != 0) ||
+           s->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_TERMINALIZING);
+    assert(s->status != CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING ||
+           (*s->attempt_id && s->lease_expire_time && s->start_time));
+    assert((s->status != CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_JOINING &&
+            s->status != CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_JOINED) ||
+           *s->joined_into);
+}
+
 static enum cf_status load_sub(struct ledger_ctx *c, const char *id, Cflue__V1__Submission *out,
                                struct cf_error *err)
 {
-    sqlite3_stmt *st;
-    enum cf_status rc;
-    if ((rc = db_prepare(c->db, "SELECT " SUB_COLS " FROM submissions WHERE submission_id = ?", &st,
-                         err)) != CF_OK) {
+    static const char sql[] = "SELECT " SUB_COLS " FROM submissions WHERE submission_id = ?";
+    struct stmt s;
+    bool row;
+    enum cf_status rc = stmt_open(&s, c->db, sql, "read submission", err);
+    if (rc != CF_OK) {
         return rc;
     }
-    bind_text(st, 1, id);
-    int r = sqlite3_step(st);
-    if (r == SQLITE_ROW) {
-        row_to_sub(c, st, out);
-        rc = CF_OK;
-    } else if (r == SQLITE_DONE) {
+    stmt_text(&s, 1, id);
+    if ((rc = stmt_step(&s, &row, err)) == CF_OK && row) {
+        row_to_sub(c, s.st, out);
+        check_row(out);
+    } else if (rc == CF_OK) {
         rc = cf_error_set(err, CF_NOT_FOUND, "no submission with id '%s'", id);
-    } else {
-        rc = db_step_fail(c->db, r, "read submission", err);
     }
-    sqlite3_finalize(st);
+    stmt_close(&s);
     return rc;
 }
 
@@ -255,26 +261,28 @@ static Cflue__V1__Submission *new_sub(struct ledger_ctx *c)
     return s;
 }
 
-/* list_subs runs a query selecting SUB_COLS and collects every row. */
-static enum cf_status list_subs(struct ledger_ctx *c, sqlite3_stmt *st,
+/* list_subs collects every row of an open statement selecting SUB_COLS, and closes it. */
+static enum cf_status list_subs(struct ledger_ctx *c, struct stmt *s,
                                 Cflue__V1__Submission ***items, size_t *n, struct cf_error *err)
 {
     size_t cap = 16;
+    enum cf_status rc;
+    bool row;
     *n = 0;
     *items = arena_alloc(c->arena, sizeof(void *) * cap);
-    int r;
-    while ((r = sqlite3_step(st)) == SQLITE_ROW) {
+    while ((rc = stmt_step(s, &row, err)) == CF_OK && row) {
         if (*n == cap) {
             Cflue__V1__Submission **more = arena_alloc(c->arena, sizeof(void *) * cap * 2);
             memcpy(more, *items, sizeof(void *) * cap);
             *items = more;
             cap *= 2;
         }
-        Cflue__V1__Submission *s = new_sub(c);
-        row_to_sub(c, st, s);
-        (*items)[(*n)++] = s;
+        Cflue__V1__Submission *sub = new_sub(c);
+        row_to_sub(c, s->st, sub);
+        (*items)[(*n)++] = sub;
     }
-    return step_rows(c, st, r, "list submissions", err);
+    stmt_close(s);
+    return rc;
 }
 
 /* ---------- fencing ---------- */
@@ -311,22 +319,20 @@ static enum cf_status fenced(struct ledger_ctx *c, const Cflue__V1__Fence *f, un
 static enum cf_status conversation_head(struct ledger_ctx *c, const char *conv, int64_t *next_pos,
                                         struct cf_error *err)
 {
-    sqlite3_stmt *st;
-    enum cf_status rc;
-    if ((rc = db_prepare(c->db, "SELECT next_pos FROM conversations WHERE conversation_id = ?", &st,
-                         err)) != CF_OK) {
+    static const char sql[] = "SELECT next_pos FROM conversations WHERE conversation_id = ?";
+    struct stmt s;
+    bool row;
+    enum cf_status rc = stmt_open(&s, c->db, sql, "read conversation", err);
+    if (rc != CF_OK) {
         return rc;
     }
-    bind_text(st, 1, conv);
-    int r = sqlite3_step(st);
-    if (r == SQLITE_ROW) {
-        *next_pos = sqlite3_column_int64(st, 0);
-    } else if (r == SQLITE_DONE) {
+    stmt_text(&s, 1, conv);
+    if ((rc = stmt_step(&s, &row, err)) == CF_OK && row) {
+        *next_pos = sqlite3_column_int64(s.st, 0);
+    } else if (rc == CF_OK) {
         rc = cf_error_set(err, CF_NOT_FOUND, "no conversation with id '%s'", conv);
-    } else {
-        rc = db_step_fail(c->db, r, "read conversation", err);
     }
-    sqlite3_finalize(st);
+    stmt_close(&s);
     return rc;
 }
 
@@ -348,286 +354,403 @@ static enum cf_status insert_records(struct ledger_ctx *c, const char *conv,
                                      const char *default_sub, const char *attempt,
                                      int64_t *first_out, struct cf_error *err)
 {
+    static const char insert_sql[] =
+        "INSERT INTO records(conversation_id, pos, record_id, kind, submission_id, attempt_id, "
+        "ts, body) VALUES (?,?,?,?,?,?,?,?)";
+    static const char advance_sql[] =
+        "UPDATE conversations SET next_pos = next_pos + ? WHERE conversation_id = ?";
     int64_t pos;
     enum cf_status rc;
-    sqlite3_stmt *st;
+    struct stmt s;
     if ((rc = conversation_head(c, conv, &pos, err)) != CF_OK) {
-        return rc;
-    }
-    if ((rc = db_prepare(c->db,
-                         "INSERT INTO records(conversation_id, pos, record_id, kind, "
-                         "submission_id, attempt_id, ts, body) VALUES (?,?,?,?,?,?,?,?)",
-                         &st, err)) != CF_OK) {
         return rc;
     }
     *first_out = pos;
     for (size_t i = 0; i < n; i++) {
         const Cflue__V1__Record *r = recs[i];
-        sqlite3_reset(st);
-        bind_text(st, 1, conv);
-        sqlite3_bind_int64(st, 2, pos + (int64_t)i);
-        bind_text(st, 3, r->id);
         size_t len;
         const uint8_t *body = pack_body(c, r, &len);
-        sqlite3_bind_int(st, 4, (int)r->body_case);
-        bind_opt_text(st, 5, *r->submission_id ? r->submission_id : default_sub);
-        bind_opt_text(st, 6, attempt);
-        sqlite3_bind_int64(st, 7, c->now);
-        sqlite3_bind_blob(st, 8, body, (int)len, SQLITE_STATIC);
-        int r2 = sqlite3_step(st);
-        if (r2 != SQLITE_DONE) {
-            rc = db_step_fail(c->db, r2, "insert record", err);
-            sqlite3_finalize(st);
+        if ((rc = stmt_open(&s, c->db, insert_sql, "insert record", err)) != CF_OK) {
+            return rc;
+        }
+        stmt_text(&s, 1, conv);
+        stmt_int(&s, 2, pos + (int64_t)i);
+        stmt_text(&s, 3, r->id);
+        stmt_int(&s, 4, (int)r->body_case);
+        stmt_opt_text(&s, 5, *r->submission_id ? r->submission_id : default_sub);
+        stmt_opt_text(&s, 6, attempt);
+        stmt_int(&s, 7, c->now);
+        stmt_blob(&s, 8, body, len);
+        if ((rc = stmt_done(&s, err)) != CF_OK) {
             return rc;
         }
     }
-    sqlite3_finalize(st);
-    if ((rc = db_prepare(c->db,
-                         "UPDATE conversations SET next_pos = next_pos + ? "
-                         "WHERE conversation_id = ?",
-                         &st, err)) != CF_OK) {
+    if ((rc = stmt_open(&s, c->db, advance_sql, "advance conversation head", err)) != CF_OK) {
         return rc;
     }
-    sqlite3_bind_int64(st, 1, (int64_t)n);
-    bind_text(st, 2, conv);
+    stmt_int(&s, 1, (int64_t)n);
+    stmt_text(&s, 2, conv);
     c->appended = true;
-    return step_done(c, st, "advance conversation head", err);
+    return stmt_done(&s, err);
 }
 
 /* ---------- admission ---------- */
 
-enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
-                            Cflue__V1__AdmitResponse *out, struct cf_error *err)
+/* admitted_before looks the idempotency key up: *found_out tells whether it was used; then out
+ * holds the earlier admission when the payload is the same, else IDEMPOTENCY_CONFLICT. */
+static enum cf_status admitted_before(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
+                                      const uint8_t *payload, size_t payload_len,
+                                      Cflue__V1__AdmitResponse *out, bool *found_out,
+                                      struct cf_error *err)
 {
-    sqlite3_stmt *st;
+    static const char sql[] = "SELECT submission_id, payload, admit_pos FROM submissions "
+                              "WHERE agent = ? AND idempotency_key = ?";
+    struct stmt s;
+    enum cf_status rc = stmt_open(&s, c->db, sql, "look up idempotency key", err);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    stmt_text(&s, 1, req->agent);
+    stmt_text(&s, 2, req->idempotency_key);
+    if ((rc = stmt_step(&s, found_out, err)) != CF_OK || !*found_out) {
+        stmt_close(&s);
+        return rc;
+    }
+    const char *existing = col_text(c, s.st, 0);
+    bool same = (size_t)sqlite3_column_bytes(s.st, 1) == payload_len &&
+                !memcmp(sqlite3_column_blob(s.st, 1), payload, payload_len);
+    int64_t pos = sqlite3_column_int64(s.st, 2);
+    stmt_close(&s);
+    if (!same) {
+        return cf_error_setr(err, CF_EXISTS, "IDEMPOTENCY_CONFLICT",
+                             "idempotency key '%s' of agent '%s' was already used for a "
+                             "different submission (%s)",
+                             req->idempotency_key, req->agent, existing);
+    }
+    out->submission = new_sub(c);
+    out->deduplicated = true;
+    out->offset = pos;
+    return load_sub(c, existing, out->submission, err);
+}
+
+/* admit_conversation finds the conversation the request names (owned by its agent) or creates
+ * it (named as asked, or a new id), into conv; *next_pos_out is its stream's next offset. */
+static enum cf_status admit_conversation(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
+                                         char *conv, size_t conv_len, int64_t *next_pos_out,
+                                         struct cf_error *err)
+{
+    static const char find_sql[] =
+        "SELECT agent, next_pos FROM conversations WHERE conversation_id = ?";
+    static const char create_sql[] =
+        "INSERT INTO conversations(conversation_id, agent, created_at) VALUES (?,?,?)";
+    struct stmt s;
     enum cf_status rc;
-    size_t payload_len;
-    uint8_t *payload = canonical_payload(c, req, &payload_len);
-    char conv[VALIDATE_NAME_MAX + 1], sub[IDS_MAX];
-    int64_t next_pos = 0;
-
-    if (*req->idempotency_key) {
-        if ((rc = db_prepare(c->db,
-                             "SELECT submission_id, payload, admit_pos FROM submissions "
-                             "WHERE agent = ? AND idempotency_key = ?",
-                             &st, err)) != CF_OK) {
-            return rc;
-        }
-        bind_text(st, 1, req->agent);
-        bind_text(st, 2, req->idempotency_key);
-        int r = sqlite3_step(st);
-        if (r == SQLITE_ROW) {
-            const char *existing = col_text(c, st, 0);
-            bool same = (size_t)sqlite3_column_bytes(st, 1) == payload_len &&
-                        !memcmp(sqlite3_column_blob(st, 1), payload, payload_len);
-            int64_t pos = sqlite3_column_int64(st, 2);
-            sqlite3_finalize(st);
-            if (!same) {
-                return cf_error_setr(err, CF_EXISTS, "IDEMPOTENCY_CONFLICT",
-                                     "idempotency key '%s' of agent '%s' was already used for a "
-                                     "different submission (%s)",
-                                     req->idempotency_key, req->agent, existing);
-            }
-            out->submission = new_sub(c);
-            out->deduplicated = true;
-            out->offset = pos;
-            return load_sub(c, existing, out->submission, err);
-        }
-        if ((rc = step_rows(c, st, r, "look up idempotency key", err)) != CF_OK) {
-            return rc;
-        }
-    }
-
+    bool row = false;
+    *next_pos_out = 0;
     if (*req->conversation_id) {
-        snprintf(conv, sizeof(conv), "%s", req->conversation_id);
-        if ((rc = db_prepare(c->db,
-                             "SELECT agent, next_pos FROM conversations "
-                             "WHERE conversation_id = ?",
-                             &st, err)) != CF_OK) {
+        if ((rc = stmt_open(&s, c->db, find_sql, "read conversation", err)) != CF_OK) {
             return rc;
         }
-        bind_text(st, 1, conv);
-        int r = sqlite3_step(st);
-        if (r == SQLITE_ROW) {
-            const char *owner = col_text(c, st, 0);
-            next_pos = sqlite3_column_int64(st, 1);
-            sqlite3_finalize(st);
+        stmt_text(&s, 1, req->conversation_id);
+        if ((rc = stmt_step(&s, &row, err)) == CF_OK && row) {
+            const char *owner = col_text(c, s.st, 0);
+            *next_pos_out = sqlite3_column_int64(s.st, 1);
             if (strcmp(owner, req->agent) != 0) {
-                return cf_error_set(err, CF_PRECONDITION,
-                                    "conversation '%s' belongs to agent '%s', not '%s'", conv,
-                                    owner, req->agent);
+                rc = cf_error_set(err, CF_PRECONDITION,
+                                  "conversation '%s' belongs to agent '%s', not '%s'",
+                                  req->conversation_id, owner, req->agent);
             }
-        } else {
-            if ((rc = step_rows(c, st, r, "read conversation", err)) != CF_OK) {
-                return rc;
-            }
-            conv[0] = '\0';
         }
-    } else {
-        conv[0] = '\0';
+        stmt_close(&s);
+        if (rc != CF_OK || row) {
+            snprintf(conv, conv_len, "%s", req->conversation_id);
+            return rc;
+        }
     }
-    bool compact = req->kind == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
-    if (!conv[0] && compact) {
+    if (req->kind == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT) {
         return cf_error_set(err, CF_NOT_FOUND,
                             "no conversation with id '%s' to compact (kind COMPACT needs an "
                             "existing conversation)",
                             req->conversation_id);
     }
-    if (!conv[0]) {
-        if (*req->conversation_id) {
-            snprintf(conv, sizeof(conv), "%s", req->conversation_id);
-        } else {
-            ids_new(conv, "conv");
-        }
-        if ((rc = db_prepare(c->db,
-                             "INSERT INTO conversations(conversation_id, agent, created_at) "
-                             "VALUES (?,?,?)",
-                             &st, err)) != CF_OK) {
-            return rc;
-        }
-        bind_text(st, 1, conv);
-        bind_text(st, 2, req->agent);
-        sqlite3_bind_int64(st, 3, c->now);
-        if ((rc = step_done(c, st, "create conversation", err)) != CF_OK) {
-            return rc;
-        }
+    if (*req->conversation_id) {
+        snprintf(conv, conv_len, "%s", req->conversation_id);
+    } else {
+        ids_new(conv, "conv");
     }
-
-    ids_new(sub, "sub");
-    if ((rc = db_prepare(c->db,
-                         "INSERT INTO submissions(submission_id, conversation_id, agent, "
-                         "idempotency_key, payload, status, max_attempts, accepted_at, "
-                         "admit_pos, kind) VALUES (?,?,?,?,?,'queued',?,?,?,?)",
-                         &st, err)) != CF_OK) {
+    if ((rc = stmt_open(&s, c->db, create_sql, "create conversation", err)) != CF_OK) {
         return rc;
     }
-    bind_text(st, 1, sub);
-    bind_text(st, 2, conv);
-    bind_text(st, 3, req->agent);
-    bind_opt_text(st, 4, req->idempotency_key);
-    sqlite3_bind_blob(st, 5, payload, (int)payload_len, SQLITE_STATIC);
-    sqlite3_bind_int(st, 6, c->cfg->max_attempts);
-    sqlite3_bind_int64(st, 7, c->now);
-    sqlite3_bind_int64(st, 8, next_pos - 1);
-    sqlite3_bind_int(st, 9,
-                     compact ? CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT
-                             : CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE);
-    if ((rc = step_done(c, st, "insert submission", err)) != CF_OK) {
+    stmt_text(&s, 1, conv);
+    stmt_text(&s, 2, req->agent);
+    stmt_int(&s, 3, c->now);
+    return stmt_done(&s, err);
+}
+
+enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
+                            Cflue__V1__AdmitResponse *out, struct cf_error *err)
+{
+    static const char insert_sql[] =
+        "INSERT INTO submissions(submission_id, conversation_id, agent, idempotency_key, "
+        "payload, status, max_attempts, accepted_at, admit_pos, kind) "
+        "VALUES (?,?,?,?,?,'queued',?,?,?,?)";
+    struct stmt s;
+    enum cf_status rc;
+    size_t payload_len;
+    uint8_t *payload = canonical_payload(c, req, &payload_len);
+    char conv[VALIDATE_NAME_MAX + 1], sub[IDS_MAX];
+    int64_t next_pos = 0;
+    bool found = false;
+    bool compact = req->kind == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
+
+    if (*req->idempotency_key &&
+        ((rc = admitted_before(c, req, payload, payload_len, out, &found, err)) != CF_OK ||
+         found)) {
+        return rc;
+    }
+    if ((rc = admit_conversation(c, req, conv, sizeof(conv), &next_pos, err)) != CF_OK) {
+        return rc;
+    }
+    ids_new(sub, "sub");
+    if ((rc = stmt_open(&s, c->db, insert_sql, "insert submission", err)) != CF_OK) {
+        return rc;
+    }
+    stmt_text(&s, 1, sub);
+    stmt_text(&s, 2, conv);
+    stmt_text(&s, 3, req->agent);
+    stmt_opt_text(&s, 4, req->idempotency_key);
+    stmt_blob(&s, 5, payload, payload_len);
+    stmt_int(&s, 6, c->cfg->max_attempts);
+    stmt_int(&s, 7, c->now);
+    stmt_int(&s, 8, next_pos - 1);
+    stmt_int(&s, 9,
+             compact ? CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT
+                     : CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE);
+    if ((rc = stmt_done(&s, err)) != CF_OK) {
         return rc;
     }
     out->submission = new_sub(c);
     out->offset = next_pos - 1;
-    return load_sub(c, sub, out->submission, err);
+    if ((rc = load_sub(c, sub, out->submission, err)) != CF_OK) {
+        return rc;
+    }
+    assert(out->submission->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_QUEUED);
+    return CF_OK;
 }
 
 /* ---------- claims and leases ---------- */
 
-static enum cf_status pick(struct ledger_ctx *c, const char *sql,
-                           const Cflue__V1__ClaimRequest *req, char *id_out, struct cf_error *err)
+/* A Claim looks at three things, each through an index, so its cost does not grow with the
+ * queues (see docs/storaged.md, "Claim"):
+ * - an expired lease: the partial index submissions_by_lease holds running and terminalizing
+ *   rows by lease expiry; expired ones are few;
+ * - the caller's own earlier attempts (reclaim_started_before, once at agentd's start): the
+ *   rows of that owner among running and terminalizing ones;
+ * - a conversation whose head (first unsettled submission) is queued: the `runnable` table,
+ *   kept by triggers on every insert and status change of submissions, one row per such
+ *   conversation, keyed by the head's sequence, so the oldest is its first row.
+ * A targeted Claim (submission_id) reads its one row and decides the same way. */
+
+/* pick_one runs a pick statement (bound by the caller) and reads its row (sequence,
+ * submission_id) into *seq and id, when it has one and it comes before *seq. Closes s. */
+static enum cf_status pick_one(struct stmt *s, int64_t *seq, char *id, size_t id_len,
+                               struct cf_error *err)
 {
-    sqlite3_stmt *st;
+    bool row;
+    enum cf_status rc = stmt_step(s, &row, err);
+    if (rc == CF_OK && row && sqlite3_column_int64(s->st, 0) < *seq) {
+        *seq = sqlite3_column_int64(s->st, 0);
+        snprintf(id, id_len, "%s", (const char *)sqlite3_column_text(s->st, 1));
+    }
+    stmt_close(s);
+    return rc;
+}
+
+/* pick_takeover finds the oldest running or terminalizing row the request may take over. */
+static enum cf_status pick_takeover(struct ledger_ctx *c, const Cflue__V1__ClaimRequest *req,
+                                    char *id, size_t id_len, struct cf_error *err)
+{
+    static const char expired_sql[] =
+        "SELECT sequence, submission_id FROM submissions INDEXED BY submissions_by_lease "
+        "WHERE status IN ('running','terminalizing') AND lease_expires_at > 0 "
+        "AND lease_expires_at < ?1 AND (?2 = '' OR conversation_id = ?2) "
+        "ORDER BY sequence LIMIT 1";
+    static const char owned_sql[] =
+        "SELECT sequence, submission_id FROM submissions WHERE status IN "
+        "('running','terminalizing') AND owner_id = ?1 AND started_at < ?2 "
+        "AND (?3 = '' OR conversation_id = ?3) ORDER BY sequence LIMIT 1";
+    struct stmt s;
     enum cf_status rc;
-    if ((rc = db_prepare(c->db, sql, &st, err)) != CF_OK) {
+    int64_t seq = INT64_MAX, before = pbtime_ms(req->reclaim_started_before);
+    id[0] = '\0';
+    if ((rc = stmt_open(&s, c->db, expired_sql, "find expired leases", err)) != CF_OK) {
         return rc;
     }
-    sqlite3_bind_int64(st, 1, c->now);
-    bind_text(st, 2, req->submission_id);
-    bind_text(st, 3, req->conversation_id);
-    if (sqlite3_bind_parameter_count(st) >= 5) {
-        sqlite3_bind_int64(st, 4, pbtime_ms(req->reclaim_started_before));
-        bind_text(st, 5, req->owner_id);
+    stmt_int(&s, 1, c->now);
+    stmt_text(&s, 2, req->conversation_id);
+    if ((rc = pick_one(&s, &seq, id, id_len, err)) != CF_OK || before <= 0) {
+        return rc;
     }
-    int r = sqlite3_step(st);
-    id_out[0] = '\0';
-    if (r == SQLITE_ROW) {
-        snprintf(id_out, IDS_MAX * 4, "%s", (const char *)sqlite3_column_text(st, 0));
-    } else if (r != SQLITE_DONE) {
-        rc = db_step_fail(c->db, r, "find claimable work", err);
+    if ((rc = stmt_open(&s, c->db, owned_sql, "find the owner's attempts", err)) != CF_OK) {
+        return rc;
     }
-    sqlite3_finalize(st);
+    stmt_text(&s, 1, req->owner_id);
+    stmt_int(&s, 2, before);
+    stmt_text(&s, 3, req->conversation_id);
+    return pick_one(&s, &seq, id, id_len, err);
+}
+
+/* pick_head finds the oldest queued head of a conversation (of req->conversation_id if set). */
+static enum cf_status pick_head(struct ledger_ctx *c, const Cflue__V1__ClaimRequest *req, char *id,
+                                size_t id_len, struct cf_error *err)
+{
+    static const char any_sql[] =
+        "SELECT r.sequence, s.submission_id FROM runnable r JOIN submissions s "
+        "ON s.sequence = r.sequence ORDER BY r.sequence LIMIT 1";
+    static const char conv_sql[] =
+        "SELECT r.sequence, s.submission_id FROM runnable r JOIN submissions s "
+        "ON s.sequence = r.sequence WHERE r.conversation_id = ?1";
+    struct stmt s;
+    int64_t seq = INT64_MAX;
+    bool by_conv = *req->conversation_id != '\0';
+    enum cf_status rc =
+        stmt_open(&s, c->db, by_conv ? conv_sql : any_sql, "find claimable work", err);
+    id[0] = '\0';
+    if (rc != CF_OK) {
+        return rc;
+    }
+    if (by_conv) {
+        stmt_text(&s, 1, req->conversation_id);
+    }
+    return pick_one(&s, &seq, id, id_len, err);
+}
+
+/* is_runnable tells whether sequence is its conversation's queued head. */
+static enum cf_status is_runnable(struct ledger_ctx *c, int64_t sequence, bool *out,
+                                  struct cf_error *err)
+{
+    static const char sql[] = "SELECT 1 FROM runnable WHERE sequence = ?";
+    struct stmt s;
+    enum cf_status rc = stmt_open(&s, c->db, sql, "find claimable work", err);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    stmt_int(&s, 1, sequence);
+    rc = stmt_step(&s, out, err);
+    stmt_close(&s);
     return rc;
+}
+
+/* pick_target decides a Claim of one submission (req->submission_id), as the picks above
+ * would: *takeover_out when it takes over an attempt, id[0] = 0 when it cannot be claimed. */
+static enum cf_status pick_target(struct ledger_ctx *c, const Cflue__V1__ClaimRequest *req,
+                                  char *id, size_t id_len, bool *takeover_out, struct cf_error *err)
+{
+    Cflue__V1__Submission row;
+    enum cf_status rc;
+    bool head = false;
+    int64_t before = pbtime_ms(req->reclaim_started_before);
+    id[0] = '\0';
+    *takeover_out = false;
+    if ((rc = load_sub(c, req->submission_id, &row, err)) != CF_OK) {
+        return rc;
+    }
+    if (*req->conversation_id && strcmp(req->conversation_id, row.conversation_id) != 0) {
+        return CF_OK;
+    }
+    int64_t lease = pbtime_ms(row.lease_expire_time), started = pbtime_ms(row.start_time);
+    switch (row.status) {
+    case CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING:
+    case CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_TERMINALIZING:
+        *takeover_out = (lease > 0 && lease < c->now) ||
+                        (before > 0 && !strcmp(row.owner_id, req->owner_id) && started < before);
+        break;
+    case CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_QUEUED:
+        rc = is_runnable(c, row.sequence, &head, err);
+        break;
+    default:
+        break;
+    }
+    if (*takeover_out || head) {
+        snprintf(id, id_len, "%s", row.submission_id);
+    }
+    return rc;
+}
+
+/* start_attempt bumps the conversation's epoch and gives the row a new attempt, owner and
+ * lease (a queued row starts running; a taken-over one keeps its status). */
+static enum cf_status start_attempt(struct ledger_ctx *c, const Cflue__V1__ClaimRequest *req,
+                                    const Cflue__V1__Submission *row, struct cf_error *err)
+{
+    static const char epoch_sql[] =
+        "UPDATE conversations SET epoch = epoch + 1 WHERE conversation_id = ? RETURNING epoch";
+    static const char claim_sql[] =
+        "UPDATE submissions SET status = CASE status WHEN 'queued' THEN 'running' ELSE status "
+        "END, attempt_id = ?, epoch = ?, owner_id = ?, lease_expires_at = ?, started_at = ?, "
+        "attempt_count = attempt_count + 1, "
+        "timeout_at = CASE timeout_at WHEN 0 THEN ? ELSE timeout_at END WHERE submission_id = ?";
+    int64_t lease = req->lease_duration ? pbdur_ms(req->lease_duration) : c->cfg->lease_ms;
+    struct stmt s;
+    bool got;
+    char attempt[IDS_MAX];
+    enum cf_status rc = stmt_open(&s, c->db, epoch_sql, "bump conversation epoch", err);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    stmt_text(&s, 1, row->conversation_id);
+    if ((rc = stmt_step(&s, &got, err)) != CF_OK || !got) {
+        stmt_close(&s);
+        return rc != CF_OK ? rc
+                           : cf_error_set(err, CF_INTERNAL, "conversation %s has no row",
+                                          row->conversation_id);
+    }
+    int64_t epoch = sqlite3_column_int64(s.st, 0);
+    if ((rc = stmt_done(&s, err)) != CF_OK) {
+        return rc;
+    }
+    /* fencing: the conversation's epoch only grows, so every attempt's epoch is new */
+    assert(epoch > row->epoch);
+    ids_new(attempt, "att");
+    if ((rc = stmt_open(&s, c->db, claim_sql, "claim submission", err)) != CF_OK) {
+        return rc;
+    }
+    stmt_text(&s, 1, attempt);
+    stmt_int(&s, 2, epoch);
+    stmt_text(&s, 3, req->owner_id);
+    stmt_int(&s, 4, c->now + lease);
+    stmt_int(&s, 5, c->now);
+    stmt_int(&s, 6, c->now + c->cfg->timeout_ms);
+    stmt_text(&s, 7, row->submission_id);
+    return stmt_done(&s, err);
 }
 
 enum cf_status ledger_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRequest *req,
                             Cflue__V1__ClaimResponse *out, struct cf_error *err)
 {
-    static const char expired_sql[] =
-        "SELECT submission_id FROM submissions WHERE status IN ('running','terminalizing') "
-        "AND ((lease_expires_at > 0 AND lease_expires_at < ?1) OR "
-        "(?4 > 0 AND owner_id = ?5 AND started_at < ?4)) "
-        "AND (?2 = '' OR submission_id = ?2) AND (?3 = '' OR conversation_id = ?3) "
-        "ORDER BY sequence LIMIT 1";
-    static const char queued_sql[] =
-        "SELECT s.submission_id FROM submissions s WHERE s.status = 'queued' AND ?1 = ?1 "
-        "AND (?2 = '' OR s.submission_id = ?2) AND (?3 = '' OR s.conversation_id = ?3) "
-        "AND NOT EXISTS (SELECT 1 FROM submissions p WHERE p.conversation_id = "
-        "s.conversation_id AND p.status IN " UNSETTLED " AND p.sequence < s.sequence) "
-        "ORDER BY s.sequence LIMIT 1";
     char id[IDS_MAX * 4];
     enum cf_status rc;
-    Cflue__V1__Submission probe;
-    sqlite3_stmt *st;
-    int64_t lease = req->lease_duration ? pbdur_ms(req->lease_duration) : c->cfg->lease_ms;
+    bool takeover = false;
 
-    if (*req->submission_id && (rc = load_sub(c, req->submission_id, &probe, err)) != CF_OK) {
-        return rc;
+    if (*req->submission_id) {
+        rc = pick_target(c, req, id, sizeof(id), &takeover, err);
+    } else if ((rc = pick_takeover(c, req, id, sizeof(id), err)) == CF_OK) {
+        takeover = id[0] != '\0';
+        if (!takeover) {
+            rc = pick_head(c, req, id, sizeof(id), err);
+        }
     }
-    if ((rc = pick(c, expired_sql, req, id, err)) != CF_OK) {
-        return rc;
+    if (rc != CF_OK || !id[0]) {
+        return rc; /* an error, or nothing claimable */
     }
-    out->takeover = id[0] != '\0';
-    if (!id[0] && (rc = pick(c, queued_sql, req, id, err)) != CF_OK) {
-        return rc;
-    }
-    if (!id[0]) {
-        return CF_OK; /* nothing claimable */
-    }
+    out->takeover = takeover;
     Cflue__V1__Submission *row = new_sub(c);
     if ((rc = load_sub(c, id, row, err)) != CF_OK) {
         return rc;
     }
-    int64_t epoch = 0;
-    if ((rc = db_prepare(c->db,
-                         "UPDATE conversations SET epoch = epoch + 1 WHERE conversation_id = ? "
-                         "RETURNING epoch",
-                         &st, err)) != CF_OK) {
-        return rc;
-    }
-    bind_text(st, 1, row->conversation_id);
-    int r = sqlite3_step(st);
-    if (r != SQLITE_ROW) {
-        rc = r == SQLITE_DONE ? cf_error_set(err, CF_INTERNAL, "conversation %s has no row",
-                                             row->conversation_id)
-                              : db_step_fail(c->db, r, "bump conversation epoch", err);
-        sqlite3_finalize(st);
-        return rc;
-    }
-    epoch = sqlite3_column_int64(st, 0);
-    if ((rc = step_done(c, st, "bump conversation epoch", err)) != CF_OK) {
-        return rc;
-    }
-    char attempt[IDS_MAX];
-    ids_new(attempt, "att");
-    if ((rc = db_prepare(c->db,
-                         "UPDATE submissions SET status = CASE status WHEN 'queued' THEN "
-                         "'running' ELSE status END, attempt_id = ?, epoch = ?, owner_id = ?, "
-                         "lease_expires_at = ?, started_at = ?, attempt_count = attempt_count + 1, "
-                         "timeout_at = CASE timeout_at WHEN 0 THEN ? ELSE timeout_at END "
-                         "WHERE submission_id = ?",
-                         &st, err)) != CF_OK) {
-        return rc;
-    }
-    bind_text(st, 1, attempt);
-    sqlite3_bind_int64(st, 2, epoch);
-    bind_text(st, 3, req->owner_id);
-    sqlite3_bind_int64(st, 4, c->now + lease);
-    sqlite3_bind_int64(st, 5, c->now);
-    sqlite3_bind_int64(st, 6, c->now + c->cfg->timeout_ms);
-    bind_text(st, 7, id);
-    if ((rc = step_done(c, st, "claim submission", err)) != CF_OK) {
-        return rc;
-    }
-    if ((rc = load_sub(c, id, row, err)) != CF_OK) {
+    /* runnable holds queued heads only; a takeover holds a running or terminalizing row */
+    assert(takeover != (row->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_QUEUED));
+    if ((rc = start_attempt(c, req, row, err)) != CF_OK ||
+        (rc = load_sub(c, id, row, err)) != CF_OK) {
         return rc;
     }
     out->submission = row;
@@ -642,30 +765,26 @@ enum cf_status ledger_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRequest 
 enum cf_status ledger_heartbeat(struct ledger_ctx *c, const Cflue__V1__HeartbeatRequest *req,
                                 Cflue__V1__HeartbeatResponse *out, struct cf_error *err)
 {
-    sqlite3_stmt *st;
-    enum cf_status rc;
+    static const char sql[] =
+        "UPDATE submissions SET lease_expires_at = ? WHERE submission_id = ? AND attempt_id = ? "
+        "AND epoch = ? AND owner_id = ? AND status IN ('running','terminalizing')";
+    struct stmt s;
+    enum cf_status rc = CF_OK;
     int64_t lease = req->lease_duration ? pbdur_ms(req->lease_duration) : c->cfg->lease_ms;
     out->renewed = arena_alloc(c->arena, sizeof(char *) * (req->n_fences + 1));
     out->lost = arena_alloc(c->arena, sizeof(char *) * (req->n_fences + 1));
     out->lease_expire_time = pbtime_in(c->arena, c->now + lease);
-    if ((rc = db_prepare(c->db,
-                         "UPDATE submissions SET lease_expires_at = ? WHERE submission_id = ? "
-                         "AND attempt_id = ? AND epoch = ? AND owner_id = ? "
-                         "AND status IN ('running','terminalizing')",
-                         &st, err)) != CF_OK) {
-        return rc;
-    }
-    for (size_t i = 0; i < req->n_fences; i++) {
+    for (size_t i = 0; i < req->n_fences && rc == CF_OK; i++) {
         const Cflue__V1__Fence *f = req->fences[i];
-        sqlite3_reset(st);
-        sqlite3_bind_int64(st, 1, c->now + lease);
-        bind_text(st, 2, f->submission_id);
-        bind_text(st, 3, f->attempt_id);
-        sqlite3_bind_int64(st, 4, f->epoch);
-        bind_text(st, 5, req->owner_id);
-        int r = sqlite3_step(st);
-        if (r != SQLITE_DONE) {
-            rc = db_step_fail(c->db, r, "renew lease", err);
+        if ((rc = stmt_open(&s, c->db, sql, "renew lease", err)) != CF_OK) {
+            break;
+        }
+        stmt_int(&s, 1, c->now + lease);
+        stmt_text(&s, 2, f->submission_id);
+        stmt_text(&s, 3, f->attempt_id);
+        stmt_int(&s, 4, f->epoch);
+        stmt_text(&s, 5, req->owner_id);
+        if ((rc = stmt_done(&s, err)) != CF_OK) {
             break;
         }
         if (sqlite3_changes(c->db) == 1) {
@@ -674,7 +793,6 @@ enum cf_status ledger_heartbeat(struct ledger_ctx *c, const Cflue__V1__Heartbeat
             out->lost[out->n_lost++] = f->submission_id;
         }
     }
-    sqlite3_finalize(st);
     return rc;
 }
 
@@ -682,47 +800,64 @@ enum cf_status ledger_mark_input_applied(struct ledger_ctx *c,
                                          const Cflue__V1__MarkInputAppliedRequest *req,
                                          Cflue__V1__Submission *out, struct cf_error *err)
 {
-    sqlite3_stmt *st;
+    static const char sql[] =
+        "UPDATE submissions SET input_applied_at = COALESCE(input_applied_at, ?1), "
+        "max_attempts = CASE WHEN input_applied_at IS NULL AND ?2 > 0 THEN ?2 ELSE max_attempts "
+        "END, timeout_at = CASE WHEN input_applied_at IS NULL AND ?3 > 0 THEN started_at + ?3 "
+        "ELSE timeout_at END WHERE submission_id = ?4";
+    struct stmt s;
     enum cf_status rc;
-    if ((rc = fenced(c, req->fence, ST_BIT(RUNNING), "running", out, err)) != CF_OK) {
+    if ((rc = fenced(c, req->fence, ST_BIT(RUNNING), "running", out, err)) != CF_OK ||
+        (rc = stmt_open(&s, c->db, sql, "mark input applied", err)) != CF_OK) {
         return rc;
     }
-    if ((rc = db_prepare(c->db,
-                         "UPDATE submissions SET input_applied_at = COALESCE(input_applied_at, "
-                         "?1), max_attempts = CASE WHEN input_applied_at IS NULL AND ?2 > 0 THEN "
-                         "?2 ELSE max_attempts END, timeout_at = CASE WHEN input_applied_at IS "
-                         "NULL AND ?3 > 0 THEN started_at + ?3 ELSE timeout_at END "
-                         "WHERE submission_id = ?4",
-                         &st, err)) != CF_OK) {
-        return rc;
-    }
-    sqlite3_bind_int64(st, 1, c->now);
-    sqlite3_bind_int(st, 2, req->max_attempts);
-    sqlite3_bind_int64(st, 3, pbdur_ms(req->timeout));
-    bind_text(st, 4, req->fence->submission_id);
-    if ((rc = step_done(c, st, "mark input applied", err)) != CF_OK) {
+    stmt_int(&s, 1, c->now);
+    stmt_int(&s, 2, req->max_attempts);
+    stmt_int(&s, 3, pbdur_ms(req->timeout));
+    stmt_text(&s, 4, req->fence->submission_id);
+    if ((rc = stmt_done(&s, err)) != CF_OK) {
         return rc;
     }
     return load_sub(c, req->fence->submission_id, out, err);
 }
 
+/* update_sub runs one of the row updates below, its parameters: now (?1), the submission (?2)
+ * and an optional text (?3). */
+static enum cf_status update_sub(struct ledger_ctx *c, const char *sql, const char *what,
+                                 const char *sub, const char *text, struct cf_error *err)
+{
+    struct stmt s;
+    enum cf_status rc = stmt_open(&s, c->db, sql, what, err);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    stmt_int(&s, 1, c->now); /* ?1 is a parameter of each, used or not (?2 is) */
+    stmt_text(&s, 2, sub);
+    if (sqlite3_bind_parameter_count(s.st) >= 3) {
+        stmt_text(&s, 3, text);
+    }
+    return stmt_done(&s, err);
+}
+
+static const char requeue_sql[] =
+    "UPDATE submissions SET status = 'queued', attempt_id = NULL, owner_id = NULL, "
+    "lease_expires_at = 0, started_at = NULL, input_applied_at = NULL "
+    "WHERE submission_id = ?2";
+static const char join_sql[] =
+    "UPDATE submissions SET status = 'joining', joined_into = ?3 WHERE submission_id = ?2";
+static const char finalize_join_sql[] =
+    "UPDATE submissions SET status = 'joined', input_applied_at = COALESCE(input_applied_at, "
+    "?1), answered_by = ?3 WHERE submission_id = ?2";
+static const char revert_join_sql[] =
+    "UPDATE submissions SET status = 'queued', joined_into = NULL, input_applied_at = NULL "
+    "WHERE submission_id = ?2";
+
 enum cf_status ledger_requeue(struct ledger_ctx *c, const Cflue__V1__Fence *fence,
                               Cflue__V1__Submission *out, struct cf_error *err)
 {
-    sqlite3_stmt *st;
     enum cf_status rc;
-    if ((rc = fenced(c, fence, ST_BIT(RUNNING), "running", out, err)) != CF_OK) {
-        return rc;
-    }
-    if ((rc = db_prepare(c->db,
-                         "UPDATE submissions SET status = 'queued', attempt_id = NULL, "
-                         "owner_id = NULL, lease_expires_at = 0, started_at = NULL, "
-                         "input_applied_at = NULL WHERE submission_id = ?",
-                         &st, err)) != CF_OK) {
-        return rc;
-    }
-    bind_text(st, 1, fence->submission_id);
-    if ((rc = step_done(c, st, "requeue", err)) != CF_OK) {
+    if ((rc = fenced(c, fence, ST_BIT(RUNNING), "running", out, err)) != CF_OK ||
+        (rc = update_sub(c, requeue_sql, "requeue", fence->submission_id, NULL, err)) != CF_OK) {
         return rc;
     }
     return load_sub(c, fence->submission_id, out, err);
@@ -741,22 +876,19 @@ enum cf_status ledger_claim_joinable(struct ledger_ctx *c,
                                      const Cflue__V1__ClaimJoinableRequest *req,
                                      Cflue__V1__ClaimJoinableResponse *out, struct cf_error *err)
 {
+    static const char sql[] = "SELECT " SUB_COLS " FROM submissions WHERE conversation_id = ? AND "
+                              "status = 'queued' AND sequence > ? ORDER BY sequence";
     Cflue__V1__Submission host, **rows;
     size_t n;
-    sqlite3_stmt *st;
+    struct stmt s;
     enum cf_status rc;
-    if ((rc = fenced(c, req->host, ST_BIT(RUNNING), "running", &host, err)) != CF_OK) {
+    if ((rc = fenced(c, req->host, ST_BIT(RUNNING), "running", &host, err)) != CF_OK ||
+        (rc = stmt_open(&s, c->db, sql, "list joinable submissions", err)) != CF_OK) {
         return rc;
     }
-    if ((rc = db_prepare(c->db,
-                         "SELECT " SUB_COLS " FROM submissions WHERE conversation_id = ? AND "
-                         "status = 'queued' AND sequence > ? ORDER BY sequence",
-                         &st, err)) != CF_OK) {
-        return rc;
-    }
-    bind_text(st, 1, host.conversation_id);
-    sqlite3_bind_int64(st, 2, host.sequence);
-    if ((rc = list_subs(c, st, &rows, &n, err)) != CF_OK) {
+    stmt_text(&s, 1, host.conversation_id);
+    stmt_int(&s, 2, host.sequence);
+    if ((rc = list_subs(c, &s, &rows, &n, err)) != CF_OK) {
         return rc;
     }
     out->submissions = rows;
@@ -769,18 +901,9 @@ enum cf_status ledger_claim_joinable(struct ledger_ctx *c,
             (req->limit > 0 && i >= (size_t)req->limit)) {
             break;
         }
-        if ((rc = db_prepare(c->db,
-                             "UPDATE submissions SET status = 'joining', joined_into = ? "
-                             "WHERE submission_id = ?",
-                             &st, err)) != CF_OK) {
-            return rc;
-        }
-        bind_text(st, 1, host.submission_id);
-        bind_text(st, 2, rows[i]->submission_id);
-        if ((rc = step_done(c, st, "claim joinable", err)) != CF_OK) {
-            return rc;
-        }
-        if ((rc = load_sub(c, rows[i]->submission_id, rows[i], err)) != CF_OK) {
+        if ((rc = update_sub(c, join_sql, "claim joinable", rows[i]->submission_id,
+                             host.submission_id, err)) != CF_OK ||
+            (rc = load_sub(c, rows[i]->submission_id, rows[i], err)) != CF_OK) {
             return rc;
         }
         out->n_submissions++;
@@ -792,12 +915,9 @@ enum cf_status ledger_finish_join(struct ledger_ctx *c, const Cflue__V1__JoinReq
                                   bool finalize, Cflue__V1__Submission *out, struct cf_error *err)
 {
     Cflue__V1__Submission host;
-    sqlite3_stmt *st;
     enum cf_status rc;
-    if ((rc = fenced(c, req->host, ST_BIT(RUNNING), "running", &host, err)) != CF_OK) {
-        return rc;
-    }
-    if ((rc = load_sub(c, req->submission_id, out, err)) != CF_OK) {
+    if ((rc = fenced(c, req->host, ST_BIT(RUNNING), "running", &host, err)) != CF_OK ||
+        (rc = load_sub(c, req->submission_id, out, err)) != CF_OK) {
         return rc;
     }
     if (out->status != CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_JOINING ||
@@ -807,29 +927,9 @@ enum cf_status ledger_finish_join(struct ledger_ctx *c, const Cflue__V1__JoinReq
                             *out->joined_into ? " into " : "", out->joined_into,
                             host.submission_id);
     }
-    if (finalize) {
-        rc = db_prepare(c->db,
-                        "UPDATE submissions SET status = 'joined', input_applied_at = "
-                        "COALESCE(input_applied_at, ?), answered_by = ? WHERE submission_id = ?",
-                        &st, err);
-        if (rc == CF_OK) {
-            sqlite3_bind_int64(st, 1, c->now);
-            bind_text(st, 2, host.submission_id);
-            bind_text(st, 3, req->submission_id);
-        }
-    } else {
-        rc = db_prepare(c->db,
-                        "UPDATE submissions SET status = 'queued', joined_into = NULL, "
-                        "input_applied_at = NULL WHERE submission_id = ?",
-                        &st, err);
-        if (rc == CF_OK) {
-            bind_text(st, 1, req->submission_id);
-        }
-    }
-    if (rc != CF_OK) {
-        return rc;
-    }
-    if ((rc = step_done(c, st, finalize ? "finalize join" : "revert join", err)) != CF_OK) {
+    if ((rc = update_sub(c, finalize ? finalize_join_sql : revert_join_sql,
+                         finalize ? "finalize join" : "revert join", req->submission_id,
+                         host.submission_id, err)) != CF_OK) {
         return rc;
     }
     return load_sub(c, req->submission_id, out, err);
@@ -840,58 +940,45 @@ enum cf_status ledger_finish_join(struct ledger_ctx *c, const Cflue__V1__JoinReq
 enum cf_status ledger_request_abort(struct ledger_ctx *c, const Cflue__V1__RequestAbortRequest *req,
                                     Cflue__V1__RequestAbortResponse *out, struct cf_error *err)
 {
-    sqlite3_stmt *st;
+#define ABORTABLE " AND status IN ('queued','running','joining','joined')"
+    static const char list_conv_sql[] = "SELECT submission_id FROM submissions "
+                                        "WHERE conversation_id = ?1" ABORTABLE " ORDER BY sequence";
+    static const char list_sub_sql[] = "SELECT submission_id FROM submissions "
+                                       "WHERE submission_id = ?1" ABORTABLE " ORDER BY sequence";
+#define STAMP                                                                                      \
+    "UPDATE submissions SET abort_requested_at = COALESCE(abort_requested_at, ?2), "               \
+    "abort_reason = COALESCE(abort_reason, ?3) WHERE "
+    static const char stamp_conv_sql[] = STAMP "conversation_id = ?1" ABORTABLE;
+    static const char stamp_sub_sql[] = STAMP "submission_id = ?1" ABORTABLE;
+#undef STAMP
+#undef ABORTABLE
+    struct stmt s;
     enum cf_status rc;
     Cflue__V1__Submission one;
     int64_t head;
+    struct strv affected = {0};
     bool by_conv = req->target_case == CFLUE__V1__REQUEST_ABORT_REQUEST__TARGET_CONVERSATION_ID;
     const char *key = by_conv ? req->conversation_id : req->submission_id;
 
-    if (by_conv) {
-        rc = conversation_head(c, key, &head, err);
-    } else {
-        rc = load_sub(c, key, &one, err);
-    }
-    if (rc != CF_OK) {
+    rc = by_conv ? conversation_head(c, key, &head, err) : load_sub(c, key, &one, err);
+    if (rc != CF_OK || (rc = stmt_open(&s, c->db, by_conv ? list_conv_sql : list_sub_sql,
+                                       "list submissions to abort", err)) != CF_OK) {
         return rc;
     }
-    const char *where = by_conv ? "conversation_id = ?1" : "submission_id = ?1";
-    char sql[512];
-    snprintf(sql, sizeof(sql),
-             "SELECT submission_id FROM submissions WHERE %s AND status IN "
-             "('queued','running','joining','joined') ORDER BY sequence",
-             where);
-    if ((rc = db_prepare(c->db, sql, &st, err)) != CF_OK) {
+    stmt_text(&s, 1, key);
+    if ((rc = column_strings(c, &s, &affected, err)) != CF_OK) {
         return rc;
     }
-    bind_text(st, 1, key);
-    size_t cap = 8;
-    int r;
-    out->affected = arena_alloc(c->arena, sizeof(char *) * cap);
-    while ((r = sqlite3_step(st)) == SQLITE_ROW) {
-        if (out->n_affected == cap) {
-            char **more = arena_alloc(c->arena, sizeof(char *) * cap * 2);
-            memcpy(more, out->affected, sizeof(char *) * cap);
-            out->affected = more;
-            cap *= 2;
-        }
-        out->affected[out->n_affected++] = (char *)col_text(c, st, 0);
-    }
-    if ((rc = step_rows(c, st, r, "list submissions to abort", err)) != CF_OK) {
+    out->affected = affected.v;
+    out->n_affected = affected.n;
+    if ((rc = stmt_open(&s, c->db, by_conv ? stamp_conv_sql : stamp_sub_sql, "stamp abort", err)) !=
+        CF_OK) {
         return rc;
     }
-    snprintf(sql, sizeof(sql),
-             "UPDATE submissions SET abort_requested_at = COALESCE(abort_requested_at, ?2), "
-             "abort_reason = COALESCE(abort_reason, ?3) WHERE %s AND status IN "
-             "('queued','running','joining','joined')",
-             where);
-    if ((rc = db_prepare(c->db, sql, &st, err)) != CF_OK) {
-        return rc;
-    }
-    bind_text(st, 1, key);
-    sqlite3_bind_int64(st, 2, c->now);
-    bind_opt_text(st, 3, req->reason);
-    return step_done(c, st, "stamp abort", err);
+    stmt_text(&s, 1, key);
+    stmt_int(&s, 2, c->now);
+    stmt_opt_text(&s, 3, req->reason);
+    return stmt_done(&s, err);
 }
 
 /* ---------- settlement ---------- */
@@ -899,24 +986,23 @@ enum cf_status ledger_request_abort(struct ledger_ctx *c, const Cflue__V1__Reque
 enum cf_status ledger_settlement_offset(struct ledger_ctx *c, const char *sub, const char *conv,
                                         int64_t *out, struct cf_error *err)
 {
-    sqlite3_stmt *st;
-    enum cf_status rc;
+    static const char sql[] = "SELECT pos FROM records WHERE conversation_id = ? AND record_id = ?";
+    struct stmt s;
+    bool row;
     char rid[IDS_MAX * 4];
-    snprintf(rid, sizeof(rid), "settled:%s", sub);
-    if ((rc = db_prepare(c->db,
-                         "SELECT pos FROM records WHERE conversation_id = ? AND record_id = ?", &st,
-                         err)) != CF_OK) {
+    enum cf_status rc = stmt_open(&s, c->db, sql, "find settlement record", err);
+    *out = -1;
+    if (rc != CF_OK) {
         return rc;
     }
-    bind_text(st, 1, conv);
-    bind_text(st, 2, rid);
-    int r = sqlite3_step(st);
-    *out = -1;
-    if (r == SQLITE_ROW) {
-        *out = sqlite3_column_int64(st, 0);
-        r = SQLITE_DONE;
+    snprintf(rid, sizeof(rid), "settled:%s", sub);
+    stmt_text(&s, 1, conv);
+    stmt_text(&s, 2, rid);
+    if ((rc = stmt_step(&s, &row, err)) == CF_OK && row) {
+        *out = sqlite3_column_int64(s.st, 0);
     }
-    return step_rows(c, st, r, "find settlement record", err);
+    stmt_close(&s);
+    return rc;
 }
 
 /* finish settles one row and appends its settlement record. */
@@ -924,23 +1010,26 @@ static enum cf_status finish_one(struct ledger_ctx *c, const char *sub, const ch
                                  int outcome, const char *error, const char *answered_by,
                                  const char *attempt, int64_t *offset_out, struct cf_error *err)
 {
-    sqlite3_stmt *st;
+    static const char sql[] =
+        "UPDATE submissions SET status = 'settled', outcome = ?, error = ?, settled_at = ?, "
+        "lease_expires_at = 0, answered_by = ?, reserved_outcome = NULL, reserved_error = NULL "
+        "WHERE submission_id = ? AND status != 'settled'";
+    struct stmt s;
     enum cf_status rc;
-    if ((rc = db_prepare(c->db,
-                         "UPDATE submissions SET status = 'settled', outcome = ?, error = ?, "
-                         "settled_at = ?, lease_expires_at = 0, answered_by = ?, "
-                         "reserved_outcome = NULL, reserved_error = NULL WHERE submission_id = ?",
-                         &st, err)) != CF_OK) {
+    assert(outcome >= 1 && outcome <= 3); /* validate_settle and reserved() make sure */
+    if ((rc = stmt_open(&s, c->db, sql, "settle", err)) != CF_OK) {
         return rc;
     }
-    bind_text(st, 1, outcome_names[outcome]);
-    bind_opt_text(st, 2, error);
-    sqlite3_bind_int64(st, 3, c->now);
-    bind_text(st, 4, answered_by);
-    bind_text(st, 5, sub);
-    if ((rc = step_done(c, st, "settle", err)) != CF_OK) {
+    stmt_text(&s, 1, outcome_names[outcome]);
+    stmt_opt_text(&s, 2, error);
+    stmt_int(&s, 3, c->now);
+    stmt_text(&s, 4, answered_by);
+    stmt_text(&s, 5, sub);
+    if ((rc = stmt_done(&s, err)) != CF_OK) {
         return rc;
     }
+    /* exactly one outcome: the row was read unsettled in this transaction */
+    assert(sqlite3_changes(c->db) == 1);
     Cflue__V1__SubmissionSettled body = CFLUE__V1__SUBMISSION_SETTLED__INIT;
     body.outcome = (Cflue__V1__Outcome)outcome;
     body.error = (char *)(error ? error : "");
@@ -956,70 +1045,62 @@ static enum cf_status finish_one(struct ledger_ctx *c, const char *sub, const ch
     return insert_records(c, conv, recs, 1, sub, attempt, offset_out, err);
 }
 
+/* record_usage stores what the attempt reports it spent. */
+static enum cf_status record_usage(struct ledger_ctx *c, const char *sub,
+                                   const Cflue__V1__Usage *usage, struct cf_error *err)
+{
+    static const char sql[] = "UPDATE submissions SET input_tokens = ?, output_tokens = ?, "
+                              "cost_usd = ? WHERE submission_id = ?";
+    struct stmt s;
+    enum cf_status rc;
+    if (!usage || (!usage->input_tokens && !usage->output_tokens && !(usage->cost_usd > 0))) {
+        return CF_OK;
+    }
+    if ((rc = stmt_open(&s, c->db, sql, "record usage", err)) != CF_OK) {
+        return rc;
+    }
+    stmt_int(&s, 1, usage->input_tokens);
+    stmt_int(&s, 2, usage->output_tokens);
+    stmt_double(&s, 3, usage->cost_usd);
+    stmt_text(&s, 4, sub);
+    return stmt_done(&s, err);
+}
+
 static enum cf_status finish_with_fanout(struct ledger_ctx *c, Cflue__V1__Submission *row,
                                          int outcome, const char *error,
                                          const Cflue__V1__Usage *usage,
                                          Cflue__V1__SettleResponse *out, struct cf_error *err)
 {
-    sqlite3_stmt *st;
+    static const char joined_sql[] = "SELECT submission_id FROM submissions WHERE joined_into = ? "
+                                     "AND status = 'joined' ORDER BY sequence";
+    static const char release_sql[] =
+        "UPDATE submissions SET status = 'queued', joined_into = NULL, input_applied_at = NULL "
+        "WHERE joined_into = ?2 AND status = 'joining'";
+    struct stmt s;
+    struct strv with = {0};
     enum cf_status rc;
     const char *attempt = *row->attempt_id ? row->attempt_id : NULL;
     if ((rc = finish_one(c, row->submission_id, row->conversation_id, outcome, error,
-                         row->submission_id, attempt, &out->record_offset, err)) != CF_OK) {
+                         row->submission_id, attempt, &out->record_offset, err)) != CF_OK ||
+        (rc = record_usage(c, row->submission_id, usage, err)) != CF_OK ||
+        (rc = stmt_open(&s, c->db, joined_sql, "list joined submissions", err)) != CF_OK) {
         return rc;
     }
-    if (usage && (usage->input_tokens || usage->output_tokens || usage->cost_usd > 0)) {
-        if ((rc = db_prepare(c->db,
-                             "UPDATE submissions SET input_tokens = ?, output_tokens = ?, "
-                             "cost_usd = ? WHERE submission_id = ?",
-                             &st, err)) != CF_OK) {
-            return rc;
-        }
-        sqlite3_bind_int64(st, 1, usage->input_tokens);
-        sqlite3_bind_int64(st, 2, usage->output_tokens);
-        sqlite3_bind_double(st, 3, usage->cost_usd);
-        bind_text(st, 4, row->submission_id);
-        if ((rc = step_done(c, st, "record usage", err)) != CF_OK) {
-            return rc;
-        }
-    }
-    if ((rc = db_prepare(c->db,
-                         "SELECT submission_id FROM submissions WHERE joined_into = ? "
-                         "AND status = 'joined' ORDER BY sequence",
-                         &st, err)) != CF_OK) {
+    stmt_text(&s, 1, row->submission_id);
+    if ((rc = column_strings(c, &s, &with, err)) != CF_OK) {
         return rc;
     }
-    bind_text(st, 1, row->submission_id);
-    size_t cap = 4;
-    int r;
-    out->settled_with = arena_alloc(c->arena, sizeof(char *) * cap);
-    while ((r = sqlite3_step(st)) == SQLITE_ROW) {
-        if (out->n_settled_with == cap) {
-            char **more = arena_alloc(c->arena, sizeof(char *) * cap * 2);
-            memcpy(more, out->settled_with, sizeof(char *) * cap);
-            out->settled_with = more;
-            cap *= 2;
-        }
-        out->settled_with[out->n_settled_with++] = (char *)col_text(c, st, 0);
-    }
-    if ((rc = step_rows(c, st, r, "list joined submissions", err)) != CF_OK) {
-        return rc;
-    }
-    for (size_t i = 0; i < out->n_settled_with; i++) {
+    out->settled_with = with.v;
+    out->n_settled_with = with.n;
+    for (size_t i = 0; i < with.n; i++) {
         int64_t off;
-        if ((rc = finish_one(c, out->settled_with[i], row->conversation_id, outcome, error,
-                             row->submission_id, attempt, &off, err)) != CF_OK) {
+        if ((rc = finish_one(c, with.v[i], row->conversation_id, outcome, error, row->submission_id,
+                             attempt, &off, err)) != CF_OK) {
             return rc;
         }
     }
-    if ((rc = db_prepare(c->db,
-                         "UPDATE submissions SET status = 'queued', joined_into = NULL, "
-                         "input_applied_at = NULL WHERE joined_into = ? AND status = 'joining'",
-                         &st, err)) != CF_OK) {
-        return rc;
-    }
-    bind_text(st, 1, row->submission_id);
-    if ((rc = step_done(c, st, "release joining deliveries", err)) != CF_OK) {
+    if ((rc = update_sub(c, release_sql, "release joining deliveries", row->submission_id, NULL,
+                         err)) != CF_OK) {
         return rc;
     }
     return load_sub(c, row->submission_id, out->submission, err);
@@ -1028,33 +1109,35 @@ static enum cf_status finish_with_fanout(struct ledger_ctx *c, Cflue__V1__Submis
 static enum cf_status reserved(struct ledger_ctx *c, const char *sub, int *outcome,
                                const char **error, struct cf_error *err)
 {
-    sqlite3_stmt *st;
-    enum cf_status rc;
-    if ((rc = db_prepare(c->db,
-                         "SELECT reserved_outcome, reserved_error FROM submissions "
-                         "WHERE submission_id = ?",
-                         &st, err)) != CF_OK) {
+    static const char sql[] =
+        "SELECT reserved_outcome, reserved_error FROM submissions WHERE submission_id = ?";
+    struct stmt s;
+    bool row;
+    enum cf_status rc = stmt_open(&s, c->db, sql, "read reserved outcome", err);
+    if (rc != CF_OK) {
         return rc;
     }
-    bind_text(st, 1, sub);
-    int r = sqlite3_step(st);
-    if (r == SQLITE_ROW) {
-        *outcome = outcome_from((const char *)sqlite3_column_text(st, 0));
-        *error = sqlite3_column_type(st, 1) == SQLITE_NULL ? NULL : col_text(c, st, 1);
-        r = SQLITE_DONE;
-    } else if (r == SQLITE_DONE) {
-        sqlite3_finalize(st);
-        return cf_error_set(err, CF_NOT_FOUND, "no submission with id '%s'", sub);
+    stmt_text(&s, 1, sub);
+    if ((rc = stmt_step(&s, &row, err)) == CF_OK && row) {
+        *outcome = outcome_from((const char *)sqlite3_column_text(s.st, 0));
+        *error = sqlite3_column_type(s.st, 1) == SQLITE_NULL ? NULL : col_text(c, s.st, 1);
+        assert(*outcome != 0); /* a terminalizing row has its reserved outcome */
+    } else if (rc == CF_OK) {
+        rc = cf_error_set(err, CF_NOT_FOUND, "no submission with id '%s'", sub);
     }
-    return step_rows(c, st, r, "read reserved outcome", err);
+    stmt_close(&s);
+    return rc;
 }
 
 enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleRequest *req,
                              Cflue__V1__SettleResponse *out, struct cf_error *err)
 {
+    static const char reserve_sql[] = "UPDATE submissions SET status = 'terminalizing', "
+                                      "reserved_outcome = ?, reserved_error = ? "
+                                      "WHERE submission_id = ?";
     const Cflue__V1__Fence *f = req->fence;
     Cflue__V1__Submission *row = new_sub(c);
-    sqlite3_stmt *st;
+    struct stmt s;
     enum cf_status rc;
     const char *error = *req->error ? req->error : NULL;
     int outcome = req->outcome;
@@ -1065,6 +1148,7 @@ enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleReques
         return rc;
     }
     if (row->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_SETTLED) {
+        assert(row->outcome != 0); /* exactly one outcome, set with the status */
         bool same = *f->attempt_id && !strcmp(f->attempt_id, row->attempt_id) &&
                     f->epoch == row->epoch && (int)row->outcome == outcome &&
                     !strcmp(row->error, error ? error : "");
@@ -1119,16 +1203,13 @@ enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleReques
     if (!req->reserve_only) {
         return finish_with_fanout(c, row, outcome, error, req->usage, out, err);
     }
-    if ((rc = db_prepare(c->db,
-                         "UPDATE submissions SET status = 'terminalizing', reserved_outcome = ?, "
-                         "reserved_error = ? WHERE submission_id = ?",
-                         &st, err)) != CF_OK) {
+    if ((rc = stmt_open(&s, c->db, reserve_sql, "reserve settlement", err)) != CF_OK) {
         return rc;
     }
-    bind_text(st, 1, outcome_names[outcome]);
-    bind_opt_text(st, 2, error);
-    bind_text(st, 3, row->submission_id);
-    if ((rc = step_done(c, st, "reserve settlement", err)) != CF_OK) {
+    stmt_text(&s, 1, outcome_names[outcome]);
+    stmt_opt_text(&s, 2, error);
+    stmt_text(&s, 3, row->submission_id);
+    if ((rc = stmt_done(&s, err)) != CF_OK) {
         return rc;
     }
     return load_sub(c, row->submission_id, row, err);
@@ -1136,11 +1217,49 @@ enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleReques
 
 /* ---------- append ---------- */
 
+/* stored_before looks the record's id up in the conversation: *pos_out is where an identical
+ * record is stored (-1 when the id is new); the same id with other content is RECORD_CONFLICT. */
+static enum cf_status stored_before(struct ledger_ctx *c, const char *conv,
+                                    const Cflue__V1__Record *r, int64_t *pos_out,
+                                    struct cf_error *err)
+{
+    static const char sql[] = "SELECT pos, kind, submission_id, body FROM records "
+                              "WHERE conversation_id = ? AND record_id = ?";
+    struct stmt s;
+    bool row;
+    enum cf_status rc = stmt_open(&s, c->db, sql, "look up record id", err);
+    *pos_out = -1;
+    if (rc != CF_OK) {
+        return rc;
+    }
+    stmt_text(&s, 1, conv);
+    stmt_text(&s, 2, r->id);
+    if ((rc = stmt_step(&s, &row, err)) == CF_OK && row) {
+        int64_t pos = sqlite3_column_int64(s.st, 0);
+        const char *sub = (const char *)sqlite3_column_text(s.st, 2);
+        size_t len;
+        const uint8_t *body = pack_body(c, r, &len);
+        bool same = sqlite3_column_int(s.st, 1) == (int)r->body_case &&
+                    !strcmp(sub ? sub : "", r->submission_id) &&
+                    (size_t)sqlite3_column_bytes(s.st, 3) == len &&
+                    (len == 0 || !memcmp(sqlite3_column_blob(s.st, 3), body, len));
+        if (same) {
+            *pos_out = pos;
+        } else {
+            rc = cf_error_setr(err, CF_EXISTS, "RECORD_CONFLICT",
+                               "record id '%s' is already stored at offset %lld with different "
+                               "content",
+                               r->id, (long long)pos);
+        }
+    }
+    stmt_close(&s);
+    return rc;
+}
+
 enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendRequest *req,
                              Cflue__V1__AppendResponse *out, struct cf_error *err)
 {
     Cflue__V1__Submission row, other;
-    sqlite3_stmt *st;
     enum cf_status rc;
     size_t n = req->n_records, dups = 0;
     int64_t first = INT64_MAX, last = -1;
@@ -1188,36 +1307,14 @@ enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendReques
             r->id = arena_strdup(c->arena, id);
             continue;
         }
-        if ((rc = db_prepare(c->db,
-                             "SELECT pos, kind, submission_id, body FROM records "
-                             "WHERE conversation_id = ? AND record_id = ?",
-                             &st, err)) != CF_OK) {
+        int64_t pos = -1;
+        if ((rc = stored_before(c, row.conversation_id, r, &pos, err)) != CF_OK) {
             return rc;
         }
-        bind_text(st, 1, row.conversation_id);
-        bind_text(st, 2, r->id);
-        int found = sqlite3_step(st);
-        if (found == SQLITE_ROW) {
-            int64_t pos = sqlite3_column_int64(st, 0);
-            const char *sub = (const char *)sqlite3_column_text(st, 2);
-            size_t len;
-            const uint8_t *body = pack_body(c, r, &len);
-            bool same = sqlite3_column_int(st, 1) == (int)r->body_case &&
-                        !strcmp(sub ? sub : "", r->submission_id) &&
-                        (size_t)sqlite3_column_bytes(st, 3) == len &&
-                        (len == 0 || !memcmp(sqlite3_column_blob(st, 3), body, len));
-            sqlite3_finalize(st);
-            if (!same) {
-                return cf_error_setr(err, CF_EXISTS, "RECORD_CONFLICT",
-                                     "record id '%s' is already stored at offset %lld with "
-                                     "different content",
-                                     r->id, (long long)pos);
-            }
+        if (pos >= 0) {
             dups++;
             first = pos < first ? pos : first;
             last = pos > last ? pos : last;
-        } else if ((rc = step_rows(c, st, found, "look up record id", err)) != CF_OK) {
-            return rc;
         }
     }
     if (dups == n) {
@@ -1295,7 +1392,7 @@ enum cf_status ledger_list(struct ledger_ctx *c, const Cflue__V1__ListRequest *r
                            Cflue__V1__ListResponse *out, struct cf_error *err)
 {
     char sql[1024], in[256] = "";
-    sqlite3_stmt *st;
+    struct stmt s;
     enum cf_status rc;
     int limit = page_limit(req->page_size);
     int64_t after = 0;
@@ -1314,14 +1411,15 @@ enum cf_status ledger_list(struct ledger_ctx *c, const Cflue__V1__ListRequest *r
              "AND (?2 = '' OR conversation_id = ?2) AND (?3 = '' OR joined_into = ?3) %s%s%s "
              "ORDER BY sequence LIMIT ?4",
              *in ? "AND status IN (" : "", in, *in ? ")" : "");
-    if ((rc = db_prepare(c->db, sql, &st, err)) != CF_OK) {
+    /* built per status filter: compiled for this call only */
+    if ((rc = stmt_open_once(&s, c->db, sql, "list submissions", err)) != CF_OK) {
         return rc;
     }
-    sqlite3_bind_int64(st, 1, after);
-    bind_text(st, 2, req->conversation_id);
-    bind_text(st, 3, req->joined_into);
-    sqlite3_bind_int(st, 4, limit + 1);
-    if ((rc = list_subs(c, st, &out->submissions, &out->n_submissions, err)) != CF_OK) {
+    stmt_int(&s, 1, after);
+    stmt_text(&s, 2, req->conversation_id);
+    stmt_text(&s, 3, req->joined_into);
+    stmt_int(&s, 4, limit + 1);
+    if ((rc = list_subs(c, &s, &out->submissions, &out->n_submissions, err)) != CF_OK) {
         return rc;
     }
     page_of(c, scope, limit, out);
@@ -1331,7 +1429,11 @@ enum cf_status ledger_list(struct ledger_ctx *c, const Cflue__V1__ListRequest *r
 enum cf_status ledger_scan_expired(struct ledger_ctx *c, const Cflue__V1__ScanExpiredRequest *req,
                                    Cflue__V1__ListResponse *out, struct cf_error *err)
 {
-    sqlite3_stmt *st;
+    static const char sql[] =
+        "SELECT " SUB_COLS " FROM submissions INDEXED BY submissions_by_lease WHERE status IN "
+        "('running','terminalizing') AND lease_expires_at > 0 AND lease_expires_at < ? AND "
+        "sequence > ? ORDER BY sequence LIMIT ?";
+    struct stmt s;
     enum cf_status rc;
     int limit = page_limit(req->page_size);
     int64_t after = 0;
@@ -1339,17 +1441,13 @@ enum cf_status ledger_scan_expired(struct ledger_ctx *c, const Cflue__V1__ScanEx
         (rc = page_token_parse_int(req->page_token, "scan", &after, err)) != CF_OK) {
         return rc;
     }
-    if ((rc = db_prepare(c->db,
-                         "SELECT " SUB_COLS " FROM submissions WHERE status IN "
-                         "('running','terminalizing') AND lease_expires_at > 0 AND "
-                         "lease_expires_at < ? AND sequence > ? ORDER BY sequence LIMIT ?",
-                         &st, err)) != CF_OK) {
+    if ((rc = stmt_open(&s, c->db, sql, "scan expired leases", err)) != CF_OK) {
         return rc;
     }
-    sqlite3_bind_int64(st, 1, c->now);
-    sqlite3_bind_int64(st, 2, after);
-    sqlite3_bind_int(st, 3, limit + 1);
-    if ((rc = list_subs(c, st, &out->submissions, &out->n_submissions, err)) != CF_OK) {
+    stmt_int(&s, 1, c->now);
+    stmt_int(&s, 2, after);
+    stmt_int(&s, 3, limit + 1);
+    if ((rc = list_subs(c, &s, &out->submissions, &out->n_submissions, err)) != CF_OK) {
         return rc;
     }
     page_of(c, "scan", limit, out);
@@ -1359,30 +1457,28 @@ enum cf_status ledger_scan_expired(struct ledger_ctx *c, const Cflue__V1__ScanEx
 enum cf_status ledger_conversation(struct ledger_ctx *c, const char *conversation_id,
                                    Cflue__V1__Conversation *out, struct cf_error *err)
 {
-    sqlite3_stmt *st;
-    enum cf_status rc;
-    if ((rc = db_prepare(c->db,
-                         "SELECT agent, created_at, next_pos, epoch, (SELECT count(*) FROM "
-                         "submissions s WHERE s.conversation_id = c.conversation_id AND "
-                         "s.status != 'settled') FROM conversations c WHERE conversation_id = ?",
-                         &st, err)) != CF_OK) {
+    static const char sql[] =
+        "SELECT agent, created_at, next_pos, epoch, (SELECT count(*) FROM submissions s "
+        "WHERE s.conversation_id = c.conversation_id AND s.status != 'settled') "
+        "FROM conversations c WHERE conversation_id = ?";
+    struct stmt s;
+    bool row;
+    enum cf_status rc = stmt_open(&s, c->db, sql, "read conversation", err);
+    if (rc != CF_OK) {
         return rc;
     }
-    bind_text(st, 1, conversation_id);
-    int r = sqlite3_step(st);
-    if (r == SQLITE_ROW) {
+    stmt_text(&s, 1, conversation_id);
+    if ((rc = stmt_step(&s, &row, err)) == CF_OK && row) {
         out->conversation_id = arena_strdup(c->arena, conversation_id);
-        out->agent = (char *)col_text(c, st, 0);
-        out->create_time = pbtime_in(c->arena, sqlite3_column_int64(st, 1));
-        out->head_offset = sqlite3_column_int64(st, 2) - 1;
-        out->epoch = sqlite3_column_int64(st, 3);
-        out->unsettled = sqlite3_column_int(st, 4);
-    } else if (r == SQLITE_DONE) {
+        out->agent = (char *)col_text(c, s.st, 0);
+        out->create_time = pbtime_in(c->arena, sqlite3_column_int64(s.st, 1));
+        out->head_offset = sqlite3_column_int64(s.st, 2) - 1;
+        out->epoch = sqlite3_column_int64(s.st, 3);
+        out->unsettled = sqlite3_column_int(s.st, 4);
+    } else if (rc == CF_OK) {
         rc = cf_error_set(err, CF_NOT_FOUND, "no conversation with id '%s'", conversation_id);
-    } else {
-        rc = db_step_fail(c->db, r, "read conversation", err);
     }
-    sqlite3_finalize(st);
+    stmt_close(&s);
     return rc;
 }
 
@@ -1466,7 +1562,11 @@ enum cf_status ledger_read(struct ledger_ctx *c, const Cflue__V1__ReadRequest *r
 enum cf_status ledger_read_bytes(struct ledger_ctx *c, const Cflue__V1__ReadRequest *req,
                                  int64_t budget, Cflue__V1__ReadResponse *out, struct cf_error *err)
 {
-    sqlite3_stmt *st;
+    static const char sql[] = "SELECT pos, record_id, kind, submission_id, attempt_id, ts, body "
+                              "FROM records WHERE conversation_id = ? AND pos > ? ORDER BY pos "
+                              "LIMIT ?";
+    struct stmt s;
+    bool row;
     enum cf_status rc;
     int64_t next_pos, after = req->after_offset, last;
     size_t used = 0;
@@ -1485,37 +1585,28 @@ enum cf_status ledger_read_bytes(struct ledger_ctx *c, const Cflue__V1__ReadRequ
                              "offset %lld is beyond the head of conversation %s (%lld)",
                              (long long)after, req->conversation_id, (long long)out->head_offset);
     }
-    if ((rc = db_prepare(c->db,
-                         "SELECT pos, record_id, kind, submission_id, attempt_id, ts, body "
-                         "FROM records WHERE conversation_id = ? AND pos > ? ORDER BY pos "
-                         "LIMIT ?",
-                         &st, err)) != CF_OK) {
+    if ((rc = stmt_open(&s, c->db, sql, "read records", err)) != CF_OK) {
         return rc;
     }
-    bind_text(st, 1, req->conversation_id);
-    sqlite3_bind_int64(st, 2, after);
-    sqlite3_bind_int(st, 3, limit);
+    stmt_text(&s, 1, req->conversation_id);
+    stmt_int(&s, 2, after);
+    stmt_int(&s, 3, limit);
     out->records = arena_alloc(c->arena, sizeof(void *) * (size_t)limit);
     last = after;
-    int r;
-    while ((r = sqlite3_step(st)) == SQLITE_ROW) {
+    while ((rc = stmt_step(&s, &row, err)) == CF_OK && row) {
         Cflue__V1__Record *rec;
         size_t framed;
         /* the first record always fits (Append bounds every record by the page budget) */
         size_t room = out->n_records > 0 ? (size_t)budget - used : SIZE_MAX;
-        if ((rc = row_record(c, st, room, &rec, &framed, err)) != CF_OK) {
-            sqlite3_finalize(st);
-            return rc;
-        }
-        if (!rec) {
-            r = SQLITE_DONE; /* the page is full; the rest comes with the next one */
-            break;
+        if ((rc = row_record(c, s.st, room, &rec, &framed, err)) != CF_OK || !rec) {
+            break; /* an error, or the page is full: the rest comes with the next one */
         }
         used += framed;
         out->records[out->n_records++] = rec;
         last = rec->offset;
     }
-    if ((rc = step_rows(c, st, r, "read records", err)) != CF_OK) {
+    stmt_close(&s);
+    if (rc != CF_OK) {
         return rc;
     }
     if (last < out->head_offset) {

@@ -1,4 +1,5 @@
-/* migrate.c - schema version 1 (JSON record bodies) to 2 (typed record bodies).
+/* migrate.c - schema version 1 (JSON record bodies) to 2 (typed record bodies), and 2 to 3
+ * (Claim through indexes: the `runnable` table).
  *
  * Version 1 stored a record as `type TEXT` + `body TEXT` holding JSON whose shape lived in
  * agentd's code; version 2 stores the Record.body oneof case (`kind`) and the body message
@@ -10,6 +11,7 @@
 #include "arena.h"
 #include "db.h"
 #include "record_kind.h"
+#include "stmt.h"
 
 #include "cflue/v1/store.pb-c.h"
 
@@ -221,58 +223,104 @@ static ProtobufCMessage *typed_body(struct arena *a, const char *type, const cha
     return m ? m : legacy(a, type, json);
 }
 
+/* migrate_record writes the current row of rd (a version-1 record) into records_v2. */
+static enum cf_status migrate_record(struct stmt *rd, sqlite3 *db, struct cf_error *err)
+{
+    static const char sql[] =
+        "INSERT INTO records_v2(conversation_id, pos, record_id, kind, submission_id, "
+        "attempt_id, ts, body) VALUES (?,?,?,?,?,?,?,?)";
+    struct stmt wr;
+    struct arena a;
+    enum cf_status rc;
+    if ((rc = stmt_open(&wr, db, sql, "migrate a record", err)) != CF_OK) {
+        return rc;
+    }
+    arena_init(&a);
+    const char *type = (const char *)sqlite3_column_text(rd->st, 3);
+    const char *json = (const char *)sqlite3_column_text(rd->st, 7);
+    Cflue__V1__Record rec = CFLUE__V1__RECORD__INIT;
+    record_set_body(&rec, typed_body(&a, type ? type : "", json ? json : ""));
+    size_t len = protobuf_c_message_get_packed_size(record_body(&rec));
+    uint8_t *buf = arena_alloc(&a, len + 1);
+    protobuf_c_message_pack(record_body(&rec), buf);
+    for (int i = 0; i < 7; i++) {
+        if (i != 3) {
+            stmt_value(&wr, i + 1, sqlite3_column_value(rd->st, i));
+        }
+    }
+    stmt_int(&wr, 4, (int)rec.body_case);
+    stmt_blob(&wr, 8, buf, len);
+    rc = stmt_done(&wr, err);
+    arena_cleanup(&a);
+    return rc;
+}
+
 static enum cf_status migrate_records(sqlite3 *db, struct cf_error *err)
 {
-    sqlite3_stmt *rd = NULL, *wr = NULL;
+    static const char sql[] = "SELECT conversation_id, pos, record_id, type, submission_id, "
+                              "attempt_id, ts, body FROM records ORDER BY conversation_id, pos";
+    struct stmt rd;
     enum cf_status rc;
-    int r;
+    bool row;
     if ((rc = db_exec(db, "CREATE TABLE records_v2" DB_RECORDS_TABLE, err)) != CF_OK ||
-        (rc = db_prepare(db,
-                         "SELECT conversation_id, pos, record_id, type, submission_id, "
-                         "attempt_id, ts, body FROM records ORDER BY conversation_id, pos",
-                         &rd, err)) != CF_OK ||
-        (rc = db_prepare(db,
-                         "INSERT INTO records_v2(conversation_id, pos, record_id, kind, "
-                         "submission_id, attempt_id, ts, body) VALUES (?,?,?,?,?,?,?,?)",
-                         &wr, err)) != CF_OK) {
-        goto out;
+        (rc = stmt_open_once(&rd, db, sql, "read version-1 records", err)) != CF_OK) {
+        return rc;
     }
-    while ((r = sqlite3_step(rd)) == SQLITE_ROW) {
-        struct arena a;
-        arena_init(&a);
-        const char *type = (const char *)sqlite3_column_text(rd, 3);
-        const char *json = (const char *)sqlite3_column_text(rd, 7);
-        Cflue__V1__Record rec = CFLUE__V1__RECORD__INIT;
-        record_set_body(&rec, typed_body(&a, type ? type : "", json ? json : ""));
-        size_t len = protobuf_c_message_get_packed_size(record_body(&rec));
+    while ((rc = stmt_step(&rd, &row, err)) == CF_OK && row &&
+           (rc = migrate_record(&rd, db, err)) == CF_OK) {
+    }
+    stmt_close(&rd);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    return db_exec(db, "DROP TABLE records; ALTER TABLE records_v2 RENAME TO records;", err);
+}
+
+/* migrate_kinds gives submissions admitted with metadata cflue.kind=compact the kind COMPACT and
+ * removes the (now reserved) key from their stored request, so a retried Admit of kind COMPACT
+ * with the same idempotency key is recognized as the same request. */
+/* migrate_kind rewrites the current row of rd (submission_id, payload) when its stored request
+ * carries the legacy key. */
+static enum cf_status migrate_kind(struct stmt *rd, sqlite3 *db, struct cf_error *err)
+{
+    static const char sql[] =
+        "UPDATE submissions SET payload = ?, kind = ? WHERE submission_id = ?";
+    struct arena a;
+    enum cf_status rc = CF_OK;
+    arena_init(&a);
+    Cflue__V1__AdmitRequest *p = (Cflue__V1__AdmitRequest *)protobuf_c_message_unpack(
+        &cflue__v1__admit_request__descriptor, arena_protobuf_allocator(&a),
+        (size_t)sqlite3_column_bytes(rd->st, 1), sqlite3_column_blob(rd->st, 1));
+    bool compact = false, had = false;
+    size_t k = 0;
+    for (size_t i = 0; p && i < p->n_metadata; i++) {
+        if (!strcmp(p->metadata[i]->key, LEGACY_KIND_KEY)) {
+            had = true;
+            compact = !strcmp(p->metadata[i]->value, "compact");
+        } else {
+            p->metadata[k++] = p->metadata[i];
+        }
+    }
+    if (had) { /* else the key was only inside some text: nothing to migrate */
+        struct stmt wr;
+        p->n_metadata = k;
+        if (compact) {
+            p->kind = CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
+            p->message = NULL;
+        }
+        size_t len = protobuf_c_message_get_packed_size(&p->base);
         uint8_t *buf = arena_alloc(&a, len + 1);
-        protobuf_c_message_pack(record_body(&rec), buf);
-        sqlite3_reset(wr);
-        for (int i = 0; i < 7; i++) {
-            if (i != 3) {
-                sqlite3_bind_value(wr, i + 1, sqlite3_column_value(rd, i));
-            }
-        }
-        sqlite3_bind_int(wr, 4, (int)rec.body_case);
-        sqlite3_bind_blob(wr, 8, buf, (int)len, SQLITE_STATIC);
-        int w = sqlite3_step(wr);
-        arena_cleanup(&a);
-        if (w != SQLITE_DONE) {
-            rc = db_step_fail(db, w, "migrate a record", err);
-            goto out;
+        protobuf_c_message_pack(&p->base, buf);
+        if ((rc = stmt_open(&wr, db, sql, "migrate a submission's kind", err)) == CF_OK) {
+            stmt_blob(&wr, 1, buf, len);
+            stmt_int(&wr, 2,
+                     compact ? CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT
+                             : CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE);
+            stmt_value(&wr, 3, sqlite3_column_value(rd->st, 0));
+            rc = stmt_done(&wr, err);
         }
     }
-    if (r != SQLITE_DONE) {
-        rc = db_step_fail(db, r, "read version-1 records", err);
-        goto out;
-    }
-    sqlite3_finalize(rd);
-    sqlite3_finalize(wr);
-    rd = wr = NULL;
-    rc = db_exec(db, "DROP TABLE records; ALTER TABLE records_v2 RENAME TO records;", err);
-out:
-    sqlite3_finalize(rd);
-    sqlite3_finalize(wr);
+    arena_cleanup(&a);
     return rc;
 }
 
@@ -281,94 +329,52 @@ out:
  * with the same idempotency key is recognized as the same request. */
 static enum cf_status migrate_kinds(sqlite3 *db, struct cf_error *err)
 {
-    sqlite3_stmt *rd = NULL, *wr = NULL;
+    static const char sql[] = "SELECT submission_id, payload FROM submissions "
+                              "WHERE instr(payload, CAST('" LEGACY_KIND_KEY "' AS BLOB)) > 0";
+    struct stmt rd;
     enum cf_status rc;
-    int r;
+    bool row;
     if ((rc = db_exec(db,
                       "ALTER TABLE submissions ADD COLUMN kind INTEGER NOT NULL DEFAULT 1 "
                       "CHECK (kind IN (1, 2))",
                       err)) != CF_OK ||
-        (rc = db_prepare(db,
-                         "SELECT submission_id, payload FROM submissions "
-                         "WHERE instr(payload, CAST('" LEGACY_KIND_KEY "' AS BLOB)) > 0",
-                         &rd, err)) != CF_OK ||
-        (rc = db_prepare(db, "UPDATE submissions SET payload = ?, kind = ? WHERE submission_id = ?",
-                         &wr, err)) != CF_OK) {
-        goto out;
+        (rc = stmt_open_once(&rd, db, sql, "read version-1 submissions", err)) != CF_OK) {
+        return rc;
     }
-    while ((r = sqlite3_step(rd)) == SQLITE_ROW) {
-        struct arena a;
-        arena_init(&a);
-        Cflue__V1__AdmitRequest *p = (Cflue__V1__AdmitRequest *)protobuf_c_message_unpack(
-            &cflue__v1__admit_request__descriptor, arena_protobuf_allocator(&a),
-            (size_t)sqlite3_column_bytes(rd, 1), sqlite3_column_blob(rd, 1));
-        if (!p) {
-            arena_cleanup(&a);
-            continue; /* the key was only inside some text: nothing to migrate */
-        }
-        bool compact = false, had = false;
-        size_t k = 0;
-        for (size_t i = 0; i < p->n_metadata; i++) {
-            if (!strcmp(p->metadata[i]->key, LEGACY_KIND_KEY)) {
-                had = true;
-                compact = !strcmp(p->metadata[i]->value, "compact");
-            } else {
-                p->metadata[k++] = p->metadata[i];
-            }
-        }
-        p->n_metadata = k;
-        int w = SQLITE_DONE;
-        if (had) {
-            if (compact) {
-                p->kind = CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
-                p->message = NULL;
-            }
-            size_t len = protobuf_c_message_get_packed_size(&p->base);
-            uint8_t *buf = arena_alloc(&a, len + 1);
-            protobuf_c_message_pack(&p->base, buf);
-            sqlite3_reset(wr);
-            sqlite3_bind_blob(wr, 1, buf, (int)len, SQLITE_STATIC);
-            sqlite3_bind_int(wr, 2,
-                             compact ? CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT
-                                     : CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE);
-            sqlite3_bind_value(wr, 3, sqlite3_column_value(rd, 0));
-            w = sqlite3_step(wr);
-        }
-        arena_cleanup(&a);
-        if (w != SQLITE_DONE) {
-            rc = db_step_fail(db, w, "migrate a submission's kind", err);
-            goto out;
-        }
+    while ((rc = stmt_step(&rd, &row, err)) == CF_OK && row &&
+           (rc = migrate_kind(&rd, db, err)) == CF_OK) {
     }
-    if (r != SQLITE_DONE) {
-        rc = db_step_fail(db, r, "read version-1 submissions", err);
-    }
-out:
-    sqlite3_finalize(rd);
-    sqlite3_finalize(wr);
+    stmt_close(&rd);
     return rc;
 }
 
-enum cf_status migrate_v1(sqlite3 *db, const char *path, struct cf_error *err)
+enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct cf_error *err)
 {
     enum cf_status rc;
     if ((rc = db_exec(db, "BEGIN IMMEDIATE", err)) != CF_OK) {
         return rc;
     }
-    if ((rc = migrate_kinds(db, err)) != CF_OK || (rc = migrate_records(db, err)) != CF_OK ||
+    if (version <= 1 &&
+        ((rc = migrate_kinds(db, err)) != CF_OK || (rc = migrate_records(db, err)) != CF_OK)) {
+        goto fail;
+    }
+    if ((rc = db_exec(db, DB_RUNNABLE_SCHEMA DB_RUNNABLE_FILL, err)) != CF_OK ||
         (rc = db_exec(db,
                       "UPDATE meta SET value = '" DB_SCHEMA_VERSION "' "
                       "WHERE key = 'schema_version'",
                       err)) != CF_OK ||
         (rc = db_exec(db, "COMMIT", err)) != CF_OK) {
-        struct cf_error ignored;
-        char why[CF_ERROR_MSG_MAX];
-        snprintf(why, sizeof(why), "%s", err->msg);
-        if (db_exec(db, "ROLLBACK", &ignored) != CF_OK) {
-            /* closing the connection rolls back what is left */
-        }
-        return cf_error_set(err, rc, "cannot migrate %s from schema version %s to %s: %s", path,
-                            MIGRATE_FROM_VERSION, DB_SCHEMA_VERSION, why);
+        goto fail;
     }
     return CF_OK;
+fail : {
+    struct cf_error ignored;
+    char why[CF_ERROR_MSG_MAX];
+    snprintf(why, sizeof(why), "%s", err->msg);
+    if (db_exec(db, "ROLLBACK", &ignored) != CF_OK) {
+        /* closing the connection rolls back what is left */
+    }
+    return cf_error_set(err, rc, "cannot migrate %s from schema version %d to %s: %s", path,
+                        version, DB_SCHEMA_VERSION, why);
+}
 }

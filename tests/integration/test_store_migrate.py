@@ -121,14 +121,14 @@ class MigrateTest(StoragedTestCase):
         self.assertEqual(c.kind, common_pb2.SUBMISSION_KIND_COMPACT)
         self.assertEqual(dict(c.metadata), {'z': '1'})
         self.assertEqual(get(sd.stub, 'sub_a').kind, common_pb2.SUBMISSION_KIND_MESSAGE)
-        # a fresh record appends after the migrated ones; the schema is stamped 2
+        # a fresh record appends after the migrated ones; the schema is stamped 3
         r = admit(sd.stub, conv='old', text='new')
         self.assertEqual(r.offset, len(RECORDS) - 1)
         sd.stop()
         con = sqlite3.connect(path)
         try:
             (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            self.assertEqual(v, '2')
+            self.assertEqual(v, '3')
             cols = [row[1] for row in con.execute('PRAGMA table_info(records)')]
             self.assertIn('kind', cols)
             self.assertNotIn('type', cols)
