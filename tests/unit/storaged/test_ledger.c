@@ -6,6 +6,7 @@
 #include "ledger.h"
 #include "page_token.h"
 #include "pbtime.h"
+#include "stmt.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -316,6 +317,445 @@ static void test_schema_version(const char *path)
                   &err) == CF_OK);
 }
 
+/* ---------- stmt.c: statements prepared once, every step checked ---------- */
+
+static void test_stmt(void)
+{
+    static const char ins[] = "INSERT INTO t(x) VALUES (?)";
+    static const char sel[] = "SELECT x FROM t ORDER BY x";
+    static const char overflow[] = "SELECT abs(?)";
+    static const char nonsense[] = "SELEKT 1";
+    struct cf_error err;
+    struct stmt s, s2;
+    bool row;
+    CHECK(db_exec(db, "CREATE TEMP TABLE t(x INTEGER CHECK (x > 0))", &err) == CF_OK);
+    size_t before = stmt_cache_size(db);
+    CHECK(before > 0); /* the ledger's statements from the tests above */
+
+    /* a failing step is a status naming the statement, not "done" */
+    CHECK(stmt_open(&s, db, ins, "insert t", &err) == CF_OK);
+    stmt_int(&s, 1, -1);
+    CHECK(stmt_done(&s, &err) == CF_DB);
+    CHECK(strstr(err.msg, "insert t") != NULL && strstr(err.msg, "CHECK") != NULL);
+    CHECK(stmt_cache_size(db) == before + 1);
+    CHECK(stmt_open(&s, db, overflow, "abs", &err) == CF_OK);
+    stmt_int(&s, 1, INT64_MIN);
+    CHECK(stmt_step(&s, &row, &err) == CF_DB && !row);
+    CHECK(strstr(err.msg, "overflow") != NULL);
+    stmt_close(&s);
+    CHECK(stmt_open(&s, db, overflow, "abs", &err) == CF_OK); /* usable again after a failure */
+    stmt_int(&s, 1, -3);
+    CHECK(stmt_step(&s, &row, &err) == CF_OK && row && sqlite3_column_int(s.st, 0) == 3);
+    stmt_close(&s);
+
+    /* the cache survives a rollback: the statement runs again, and the rolled-back row is gone */
+    CHECK(db_exec(db, "BEGIN", &err) == CF_OK);
+    CHECK(stmt_open(&s, db, ins, "insert t", &err) == CF_OK);
+    stmt_int(&s, 1, 5);
+    CHECK(stmt_done(&s, &err) == CF_OK);
+    CHECK(db_exec(db, "ROLLBACK", &err) == CF_OK);
+    CHECK(stmt_open(&s, db, ins, "insert t", &err) == CF_OK);
+    stmt_int(&s, 1, 7);
+    CHECK(stmt_done(&s, &err) == CF_OK);
+    CHECK(stmt_cache_size(db) == before + 2);
+
+    /* the same SQL opened twice at once: the inner use gets its own statement */
+    CHECK(stmt_open(&s, db, sel, "select t", &err) == CF_OK && s.slot != NULL);
+    CHECK(stmt_open(&s2, db, sel, "select t", &err) == CF_OK && s2.slot == NULL);
+    CHECK(stmt_step(&s, &row, &err) == CF_OK && row && sqlite3_column_int(s.st, 0) == 7);
+    CHECK(stmt_step(&s2, &row, &err) == CF_OK && row && sqlite3_column_int(s2.st, 0) == 7);
+    CHECK(stmt_step(&s, &row, &err) == CF_OK && !row);
+    stmt_close(&s2);
+    stmt_close(&s);
+    stmt_close(&s); /* closing twice is harmless */
+    CHECK(stmt_cache_size(db) == before + 3);
+
+    /* SQL that does not compile is CF_DB and is not cached */
+    CHECK(stmt_open(&s, db, nonsense, "nonsense", &err) == CF_DB);
+    CHECK(strstr(err.msg, "nonsense") != NULL && s.st == NULL);
+    stmt_close(&s);
+    CHECK(stmt_cache_size(db) == before + 3);
+    CHECK(db_exec(db, "DROP TABLE t", &err) == CF_OK);
+}
+
+/* A connection holding cached statements closes like any other (its cache is finalized). */
+static void test_stmt_close(const char *path)
+{
+    static const char sql[] = "SELECT count(*) FROM submissions";
+    struct cf_error err;
+    struct stmt s;
+    bool row;
+    sqlite3 *other;
+    CHECK(db_open(path, false, &other, &err) == CF_OK);
+    CHECK(stmt_open(&s, other, sql, "count", &err) == CF_OK);
+    CHECK(stmt_step(&s, &row, &err) == CF_OK && row);
+    stmt_close(&s);
+    CHECK(stmt_cache_size(other) >= 1);
+    CHECK(sqlite3_close(other) == SQLITE_OK);
+}
+
+/* ---------- the runnable index against the walk it replaced ---------- */
+
+static const char walk_sql[] =
+    "SELECT group_concat(sequence) FROM (SELECT s.sequence FROM submissions s WHERE s.status = "
+    "'queued' AND NOT EXISTS (SELECT 1 FROM submissions p WHERE p.conversation_id = "
+    "s.conversation_id AND p.status != 'settled' AND p.sequence < s.sequence) ORDER BY "
+    "s.sequence)";
+static const char runnable_sql[] =
+    "SELECT group_concat(sequence) FROM (SELECT sequence FROM runnable ORDER BY sequence)";
+
+/* text_of returns the single text value sql yields on h ("" for NULL), in the arena. */
+static const char *text_of(sqlite3 *h, const char *sql)
+{
+    struct cf_error err;
+    struct stmt s;
+    bool row = false;
+    const char *out = "?";
+    if (stmt_open(&s, h, sql, "probe", &err) == CF_OK && stmt_step(&s, &row, &err) == CF_OK &&
+        row) {
+        const unsigned char *t = sqlite3_column_text(s.st, 0);
+        out = arena_strdup(&arena, t ? (const char *)t : "");
+    }
+    stmt_close(&s);
+    return out;
+}
+
+/* old_pick is the claim query of schema 2 (a walk over queued rows), verbatim: the id it
+ * picks for req at now, "" when none; *takeover_out as Claim reports it. */
+static const char *old_pick(sqlite3 *h, const Cflue__V1__ClaimRequest *req, int64_t now,
+                            bool *takeover_out)
+{
+    static const char expired[] =
+        "SELECT submission_id FROM submissions WHERE status IN ('running','terminalizing') "
+        "AND ((lease_expires_at > 0 AND lease_expires_at < ?1) OR "
+        "(?4 > 0 AND owner_id = ?5 AND started_at < ?4)) "
+        "AND (?2 = '' OR submission_id = ?2) AND (?3 = '' OR conversation_id = ?3) "
+        "ORDER BY sequence LIMIT 1";
+    static const char queued[] =
+        "SELECT s.submission_id FROM submissions s WHERE s.status = 'queued' AND ?1 = ?1 "
+        "AND (?2 = '' OR s.submission_id = ?2) AND (?3 = '' OR s.conversation_id = ?3) "
+        "AND NOT EXISTS (SELECT 1 FROM submissions p WHERE p.conversation_id = "
+        "s.conversation_id AND p.status IN ('queued','running','terminalizing','joining',"
+        "'joined') AND p.sequence < s.sequence) ORDER BY s.sequence LIMIT 1";
+    const char *sqls[2] = {expired, queued};
+    for (int i = 0; i < 2; i++) {
+        struct cf_error err;
+        struct stmt s;
+        bool row = false;
+        CHECK(stmt_open(&s, h, sqls[i], "old pick", &err) == CF_OK);
+        stmt_int(&s, 1, now);
+        stmt_text(&s, 2, req->submission_id);
+        stmt_text(&s, 3, req->conversation_id);
+        stmt_int(&s, 4, pbtime_ms(req->reclaim_started_before));
+        stmt_text(&s, 5, req->owner_id);
+        CHECK(stmt_step(&s, &row, &err) == CF_OK);
+        const char *id =
+            row ? arena_strdup(&arena, (const char *)sqlite3_column_text(s.st, 0)) : "";
+        stmt_close(&s);
+        if (row) {
+            *takeover_out = i == 0;
+            return id;
+        }
+    }
+    *takeover_out = false;
+    return "";
+}
+
+/* A random history of a few conversations; the state it needs to make valid calls. */
+struct history {
+    sqlite3 *db;
+    uint64_t rng;
+    int64_t now;
+    const char *subs[512];
+    int n_subs;
+    Cflue__V1__Fence *fences[64]; /* the latest claims (some stale by now) */
+    int n_fences;
+    Cflue__V1__JoinRequest *joins[64]; /* joinings claimed (some finished by now) */
+    int n_joins;
+    int mismatches;
+};
+
+static uint32_t rnd(struct history *h, uint32_t n)
+{
+    h->rng ^= h->rng << 13;
+    h->rng ^= h->rng >> 7;
+    h->rng ^= h->rng << 17;
+    return (uint32_t)(h->rng % n);
+}
+
+static struct ledger_ctx hctx(struct history *h)
+{
+    struct ledger_ctx c = {.db = h->db, .arena = &arena, .cfg = &cfg, .now = h->now};
+    return c;
+}
+
+static const char *hconv(struct history *h)
+{
+    static const char *convs[] = {"h0", "h1", "h2", "h3", "h4"};
+    return convs[rnd(h, 5)];
+}
+
+static Cflue__V1__Fence *hfence(struct history *h)
+{
+    return h->n_fences ? h->fences[rnd(h, (uint32_t)h->n_fences)] : NULL;
+}
+
+static void remember_fence(struct history *h, Cflue__V1__Fence *f)
+{
+    h->fences[h->n_fences < 64 ? h->n_fences++ : (int)rnd(h, 64)] = f;
+}
+
+static enum cf_status h_admit(struct history *h)
+{
+    Cflue__V1__AdmitRequest req = CFLUE__V1__ADMIT_REQUEST__INIT;
+    Cflue__V1__AdmitResponse out = CFLUE__V1__ADMIT_RESPONSE__INIT;
+    Cflue__V1__Message msg = CFLUE__V1__MESSAGE__INIT;
+    struct cf_error err;
+    struct ledger_ctx c = hctx(h);
+    msg.text = "m";
+    req.agent = "assistant";
+    req.conversation_id = (char *)hconv(h);
+    req.message = &msg;
+    if (rnd(h, 8) == 0) {
+        req.kind = CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
+        req.message = NULL;
+    }
+    enum cf_status rc = ledger_admit(&c, &req, &out, &err);
+    if (rc == CF_OK && h->n_subs < 512) {
+        h->subs[h->n_subs++] = out.submission->submission_id;
+    }
+    return rc;
+}
+
+/* h_claim_req fills a random Claim request: any work, one conversation's, one submission, or
+ * the owner's own attempts. */
+static void h_claim_req(struct history *h, Cflue__V1__ClaimRequest *req,
+                        Google__Protobuf__Duration *lease, Google__Protobuf__Timestamp *before)
+{
+    cflue__v1__claim_request__init(req);
+    req->owner_id = rnd(h, 2) ? "A" : "B";
+    pbdur_set(lease, 500 + rnd(h, 6000));
+    req->lease_duration = lease;
+    switch (rnd(h, 5)) {
+    case 1:
+        req->conversation_id = (char *)hconv(h);
+        break;
+    case 2:
+        req->submission_id = h->n_subs ? (char *)h->subs[rnd(h, (uint32_t)h->n_subs)] : "";
+        break;
+    case 3:
+        pbtime_set(before, h->now + 1);
+        req->reclaim_started_before = before;
+        break;
+    default:
+        break;
+    }
+}
+
+static enum cf_status h_claim(struct history *h)
+{
+    Cflue__V1__ClaimRequest req;
+    Cflue__V1__ClaimResponse out = CFLUE__V1__CLAIM_RESPONSE__INIT;
+    Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
+    Google__Protobuf__Timestamp before = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+    struct cf_error err;
+    struct ledger_ctx c = hctx(h);
+    h_claim_req(h, &req, &lease, &before);
+    enum cf_status rc = ledger_claim(&c, &req, &out, &err);
+    if (rc == CF_OK && out.fence) {
+        remember_fence(h, out.fence);
+    }
+    return rc;
+}
+
+static enum cf_status h_settle(struct history *h)
+{
+    Cflue__V1__SettleRequest req = CFLUE__V1__SETTLE_REQUEST__INIT;
+    Cflue__V1__SettleResponse out = CFLUE__V1__SETTLE_RESPONSE__INIT;
+    Cflue__V1__Fence bare = CFLUE__V1__FENCE__INIT;
+    struct cf_error err;
+    struct ledger_ctx c = hctx(h);
+    req.fence = hfence(h);
+    if (rnd(h, 4) == 0 && h->n_subs) { /* a queued submission, without an attempt */
+        bare.submission_id = (char *)h->subs[rnd(h, (uint32_t)h->n_subs)];
+        req.fence = &bare;
+    }
+    if (!req.fence) {
+        return CF_OK;
+    }
+    req.outcome = 1 + (Cflue__V1__Outcome)rnd(h, 3);
+    req.reserve_only = *req.fence->attempt_id && rnd(h, 4) == 0;
+    return ledger_settle(&c, &req, &out, &err);
+}
+
+static enum cf_status h_requeue(struct history *h)
+{
+    Cflue__V1__Submission out;
+    struct cf_error err;
+    struct ledger_ctx c = hctx(h);
+    Cflue__V1__Fence *f = hfence(h);
+    return f ? ledger_requeue(&c, f, &out, &err) : CF_OK;
+}
+
+static enum cf_status h_join(struct history *h)
+{
+    Cflue__V1__ClaimJoinableRequest req = CFLUE__V1__CLAIM_JOINABLE_REQUEST__INIT;
+    Cflue__V1__ClaimJoinableResponse out = CFLUE__V1__CLAIM_JOINABLE_RESPONSE__INIT;
+    struct cf_error err;
+    struct ledger_ctx c = hctx(h);
+    req.host = hfence(h);
+    req.limit = (int32_t)rnd(h, 3);
+    enum cf_status rc = req.host ? ledger_claim_joinable(&c, &req, &out, &err) : CF_OK;
+    if (rc != CF_OK) {
+        return rc;
+    }
+    for (size_t i = 0; i < out.n_submissions && h->n_joins < 64; i++) {
+        Cflue__V1__JoinRequest *j = arena_alloc(&arena, sizeof(*j));
+        cflue__v1__join_request__init(j);
+        j->host = req.host;
+        j->submission_id = out.submissions[i]->submission_id;
+        h->joins[h->n_joins++] = j;
+    }
+    return CF_OK;
+}
+
+static enum cf_status h_finish_join(struct history *h)
+{
+    Cflue__V1__Submission out;
+    struct cf_error err;
+    struct ledger_ctx c = hctx(h);
+    if (!h->n_joins) {
+        return CF_OK;
+    }
+    return ledger_finish_join(&c, h->joins[rnd(h, (uint32_t)h->n_joins)], rnd(h, 2), &out, &err);
+}
+
+static enum cf_status h_abort(struct history *h)
+{
+    Cflue__V1__RequestAbortRequest req = CFLUE__V1__REQUEST_ABORT_REQUEST__INIT;
+    Cflue__V1__RequestAbortResponse out = CFLUE__V1__REQUEST_ABORT_RESPONSE__INIT;
+    struct cf_error err;
+    struct ledger_ctx c = hctx(h);
+    if (!h->n_subs) {
+        return CF_OK;
+    }
+    req.target_case = CFLUE__V1__REQUEST_ABORT_REQUEST__TARGET_SUBMISSION_ID;
+    req.submission_id = (char *)h->subs[rnd(h, (uint32_t)h->n_subs)];
+    return ledger_request_abort(&c, &req, &out, &err);
+}
+
+/* h_check compares the runnable table with the walk, and four Claims with the old query's
+ * choice (each Claim rolled back). */
+static void h_check(struct history *h, int step)
+{
+    struct cf_error err;
+    const char *walk = text_of(h->db, walk_sql), *heads = text_of(h->db, runnable_sql);
+    if (strcmp(walk, heads) != 0) {
+        fprintf(stderr, "step %d: runnable [%s], walk [%s]\n", step, heads, walk);
+        h->mismatches++;
+    }
+    for (int k = 0; k < 4; k++) {
+        Cflue__V1__ClaimRequest req;
+        Cflue__V1__ClaimResponse out = CFLUE__V1__CLAIM_RESPONSE__INIT;
+        Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
+        Google__Protobuf__Timestamp before = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+        struct ledger_ctx c = hctx(h);
+        bool old_takeover;
+        h_claim_req(h, &req, &lease, &before);
+        const char *want = old_pick(h->db, &req, h->now, &old_takeover);
+        CHECK(db_exec(h->db, "SAVEPOINT probe", &err) == CF_OK);
+        CHECK(ledger_claim(&c, &req, &out, &err) == CF_OK);
+        const char *got = out.submission ? out.submission->submission_id : "";
+        CHECK(db_exec(h->db, "ROLLBACK TO probe; RELEASE probe", &err) == CF_OK);
+        if (strcmp(want, got) != 0 || (*got && old_takeover != out.takeover)) {
+            fprintf(stderr, "step %d: claim (conv '%s' sub '%s' reclaim %d) got '%s', old '%s'\n",
+                    step, req.conversation_id, req.submission_id,
+                    req.reclaim_started_before != NULL, got, want);
+            h->mismatches++;
+        }
+    }
+}
+
+static void test_runnable_property(const char *path)
+{
+    static enum cf_status (*const ops[])(struct history *) = {
+        h_admit,  h_admit,   h_admit, h_claim, h_claim,       h_settle,
+        h_settle, h_requeue, h_join,  h_join,  h_finish_join, h_abort};
+    struct cf_error err;
+    for (uint64_t seed = 1; seed <= 4; seed++) {
+        struct history h = {.rng = 0x9E3779B97F4A7C15ull * seed, .now = 1700000000000};
+        unlink(path);
+        CHECK(db_open(path, true, &h.db, &err) == CF_OK);
+        CHECK(db_exec(h.db, "BEGIN", &err) == CF_OK); /* one transaction: no commit per step */
+        for (int step = 0; step < 400 && h.mismatches < 5; step++) {
+            /* each call in a savepoint, rolled back when it fails, as the writer runs it */
+            CHECK(db_exec(h.db, "SAVEPOINT op", &err) == CF_OK);
+            enum cf_status rc = ops[rnd(&h, sizeof(ops) / sizeof(ops[0]))](&h);
+            CHECK(rc != CF_DB && rc != CF_INTERNAL && rc != CF_CORRUPT && rc != CF_IO);
+            CHECK(rc == CF_OK || db_exec(h.db, "ROLLBACK TO op", &err) == CF_OK);
+            CHECK(db_exec(h.db, "RELEASE op", &err) == CF_OK);
+            h.now += rnd(&h, 3) ? 10 : 2000 + rnd(&h, 4000);
+            h_check(&h, step);
+        }
+        CHECK(h.mismatches == 0);
+        CHECK(db_exec(h.db, "COMMIT", &err) == CF_OK);
+        CHECK(sqlite3_close(h.db) == SQLITE_OK);
+    }
+}
+
+/* ---------- migration from schema 2 ---------- */
+
+static void test_migrate_from_2(const char *path)
+{
+    struct cf_error err;
+    struct history h = {.rng = 77, .now = 1700000000000};
+    unlink(path);
+    CHECK(db_open(path, true, &h.db, &err) == CF_OK);
+    for (int i = 0; i < 60; i++) {
+        enum cf_status (*op)(struct history *) = i % 3 == 0   ? h_claim
+                                                 : i % 5 == 0 ? h_settle
+                                                              : h_admit;
+        CHECK(db_exec(h.db, "SAVEPOINT op", &err) == CF_OK);
+        CHECK(op(&h) == CF_OK || db_exec(h.db, "ROLLBACK TO op", &err) == CF_OK);
+        CHECK(db_exec(h.db, "RELEASE op", &err) == CF_OK);
+    }
+    /* back to schema 2 exactly: no runnable table, triggers or Claim indexes */
+    CHECK(db_exec(h.db,
+                  "DROP TRIGGER runnable_on_admit; DROP TRIGGER runnable_on_status;"
+                  "DROP TABLE runnable; DROP INDEX submissions_unsettled;"
+                  "DROP INDEX submissions_by_lease;"
+                  "UPDATE meta SET value = '2' WHERE key = 'schema_version'",
+                  &err) == CF_OK);
+    for (int i = 0; i < 20; i++) {
+        CHECK(h_admit(&h) == CF_OK); /* admitted at version 2: no trigger sees them */
+    }
+    for (int i = 0; i < 3; i++) { /* and new conversations, whose heads are queued */
+        Cflue__V1__AdmitRequest req = CFLUE__V1__ADMIT_REQUEST__INIT;
+        Cflue__V1__AdmitResponse out = CFLUE__V1__ADMIT_RESPONSE__INIT;
+        Cflue__V1__Message msg = CFLUE__V1__MESSAGE__INIT;
+        struct ledger_ctx c = hctx(&h);
+        char conv[16];
+        snprintf(conv, sizeof(conv), "v2-%d", i);
+        msg.text = "at version 2";
+        req.agent = "assistant";
+        req.conversation_id = conv;
+        req.message = &msg;
+        CHECK(ledger_admit(&c, &req, &out, &err) == CF_OK);
+    }
+    CHECK(sqlite3_close(h.db) == SQLITE_OK);
+    sqlite3 *reader;
+    CHECK(db_open(path, false, &reader, &err) == CF_VERSION);
+    CHECK(strstr(err.msg, "schema version 2") != NULL);
+    CHECK(db_open(path, true, &h.db, &err) == CF_OK);
+    CHECK(!strcmp(text_of(h.db, "SELECT value FROM meta WHERE key = 'schema_version'"), "3"));
+    const char *walk = text_of(h.db, walk_sql);
+    CHECK(*walk && !strcmp(walk, text_of(h.db, runnable_sql)));
+    h_check(&h, -1);
+    CHECK(h.mismatches == 0);
+    CHECK(sqlite3_close(h.db) == SQLITE_OK);
+    unlink(path);
+}
+
 int main(void)
 {
     char path[128];
@@ -329,6 +769,12 @@ int main(void)
     test_page_bytes();
     test_compact_not_joined();
     test_schema_version(path);
+    test_stmt();
+    test_stmt_close(path);
+    char other[160];
+    snprintf(other, sizeof(other), "%s.2", path);
+    test_runnable_property(other);
+    test_migrate_from_2(other);
     arena_cleanup(&arena);
     sqlite3_close(db);
     char side[160];
