@@ -8,6 +8,7 @@
  */
 #include "agent_cmd.h"
 
+#include "call.h"
 #include "guard.h"
 #include "print.h"
 #include "rpc.h"
@@ -170,14 +171,7 @@ struct opts {
 static bool call(struct rpc_channel *ch, const char *method, const ProtobufCMessage *req,
                  const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp)
 {
-    char path[96];
-    struct rpc_status st;
-    snprintf(path, sizeof(path), "/cflue.v1.Agent/%s", method);
-    if (!rpc_unary(ch, path, req, desc, guard_timeout_ms(AGENT_TIMEOUT_MS), resp, &st)) {
-        guard_fail(&st);
-        return false;
-    }
-    return true;
+    return call_unary(ch, "cflue.v1.Agent", method, req, desc, AGENT_TIMEOUT_MS, resp) == 0;
 }
 
 static int do_submit(struct rpc_channel *ch, const struct opts *o)
@@ -239,37 +233,44 @@ static int do_abort(struct rpc_channel *ch, const struct opts *o)
     return 0;
 }
 
+static const char *show_agents(void *ctx, const ProtobufCMessage *page, bool first)
+{
+    const Cflue__V1__ListAgentsResponse *r = (const Cflue__V1__ListAgentsResponse *)page;
+    for (size_t i = 0; i < r->n_agents; i++) {
+        printf("%-20s %-36s %s\n", r->agents[i]->name, r->agents[i]->model,
+               r->agents[i]->description);
+    }
+    return r->next_page_token;
+}
+
 /* do_agents prints every agent, paging through ListAgents to the end */
 static int do_agents(struct rpc_channel *ch)
 {
     Cflue__V1__ListAgentsRequest req = CFLUE__V1__LIST_AGENTS_REQUEST__INIT;
-    ProtobufCMessage *prev = NULL; /* the page whose next_page_token req carries */
-    int rc = 0;
-    for (;;) {
-        ProtobufCMessage *resp = NULL;
-        if (!call(ch, "ListAgents", &req.base, &cflue__v1__list_agents_response__descriptor,
-                  &resp)) {
-            rc = 1;
-            break;
+    return call_pages(ch, "cflue.v1.Agent", "ListAgents", &req.base, &req.page_token,
+                      &cflue__v1__list_agents_response__descriptor, AGENT_TIMEOUT_MS, show_agents,
+                      NULL);
+}
+
+/* show_conversation prints the summary (first page) and the page's records; more pages only
+ * with --records */
+static const char *show_conversation(void *ctx, const ProtobufCMessage *page, bool first)
+{
+    const struct opts *o = ctx;
+    const Cflue__V1__ConversationView *r = (const Cflue__V1__ConversationView *)page;
+    if (first) {
+        printf("%-16s %s\n%-16s %s\n%-16s %lld\n", "conversation", r->conversation_id, "agent",
+               r->agent, "head offset", (long long)r->head_offset);
+        for (size_t i = 0; i < r->n_submissions; i++) {
+            const Cflue__V1__Submission *s = r->submissions[i];
+            printf("%-16s %s %s %s\n", "submission", s->submission_id, print_status_name(s->status),
+                   print_outcome_name(s->outcome));
         }
-        if (prev) {
-            protobuf_c_message_free_unpacked(prev, NULL);
-        }
-        prev = resp;
-        Cflue__V1__ListAgentsResponse *r = (Cflue__V1__ListAgentsResponse *)resp;
-        for (size_t i = 0; i < r->n_agents; i++) {
-            printf("%-20s %-36s %s\n", r->agents[i]->name, r->agents[i]->model,
-                   r->agents[i]->description);
-        }
-        if (!*r->next_page_token) {
-            break;
-        }
-        req.page_token = r->next_page_token;
     }
-    if (prev) {
-        protobuf_c_message_free_unpacked(prev, NULL);
+    for (size_t i = 0; i < r->n_records; i++) {
+        print_record(stdout, r->records[i]);
     }
-    return rc;
+    return o->records ? r->next_page_token : NULL;
 }
 
 /* do_conversation prints a conversation's summary and, with --records, its whole history,
@@ -281,42 +282,11 @@ static int do_conversation(struct rpc_channel *ch, const struct opts *o)
         return 2;
     }
     Cflue__V1__GetConversationRequest req = CFLUE__V1__GET_CONVERSATION_REQUEST__INIT;
-    ProtobufCMessage *prev = NULL; /* the page whose next_page_token req carries */
     req.conversation_id = (char *)o->pos;
     req.include_records = o->records;
-    int rc = 0;
-    for (;;) {
-        ProtobufCMessage *resp = NULL;
-        if (!call(ch, "GetConversation", &req.base, &cflue__v1__conversation_view__descriptor,
-                  &resp)) {
-            rc = 1;
-            break;
-        }
-        Cflue__V1__ConversationView *r = (Cflue__V1__ConversationView *)resp;
-        if (!prev) {
-            printf("%-16s %s\n%-16s %s\n%-16s %lld\n", "conversation", r->conversation_id, "agent",
-                   r->agent, "head offset", (long long)r->head_offset);
-            for (size_t i = 0; i < r->n_submissions; i++) {
-                const Cflue__V1__Submission *s = r->submissions[i];
-                printf("%-16s %s %s %s\n", "submission", s->submission_id,
-                       print_status_name(s->status), print_outcome_name(s->outcome));
-            }
-        } else {
-            protobuf_c_message_free_unpacked(prev, NULL);
-        }
-        prev = resp;
-        for (size_t i = 0; i < r->n_records; i++) {
-            print_record(stdout, r->records[i]);
-        }
-        if (!*r->next_page_token || !o->records) {
-            break;
-        }
-        req.page_token = r->next_page_token;
-    }
-    if (prev) {
-        protobuf_c_message_free_unpacked(prev, NULL);
-    }
-    return rc;
+    return call_pages(ch, "cflue.v1.Agent", "GetConversation", &req.base, &req.page_token,
+                      &cflue__v1__conversation_view__descriptor, AGENT_TIMEOUT_MS,
+                      show_conversation, (void *)o);
 }
 
 static int do_compact(struct rpc_channel *ch, const struct opts *o)

@@ -19,6 +19,7 @@
  * (submit), 4 the deadline passed, 130/143 SIGINT/SIGTERM.
  */
 #include "agent_cmd.h"
+#include "call.h"
 #include "guard.h"
 #include "log.h"
 #include "pbtime.h"
@@ -161,149 +162,133 @@ static int cmd_health(int argc, char **argv)
     return rc;
 }
 
-static int store_call(const struct args *a, const char *method, const ProtobufCMessage *req,
+static int store_call(struct rpc_channel *ch, const char *method, const ProtobufCMessage *req,
                       const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp)
 {
-    char path[128];
-    struct rpc_status st;
-    snprintf(path, sizeof(path), "/cflue.v1.Store/%s", method);
-    struct rpc_channel *ch = guard_channel(a->store, 0);
-    bool ok = rpc_unary(ch, path, req, desc, guard_timeout_ms(TIMEOUT_MS), resp, &st);
-    guard_channel_free(ch);
-    return ok ? 0 : fail(&st);
+    return call_unary(ch, "cflue.v1.Store", method, req, desc, TIMEOUT_MS, resp);
+}
+
+static const char *show_submissions(void *ctx, const ProtobufCMessage *page, bool first)
+{
+    const Cflue__V1__ListResponse *r = (const Cflue__V1__ListResponse *)page;
+    for (size_t i = 0; i < r->n_submissions; i++) {
+        const Cflue__V1__Submission *s = r->submissions[i];
+        printf("%lld %s %s %s\n", (long long)s->sequence, s->submission_id, s->conversation_id,
+               s->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_SETTLED
+                   ? print_outcome_name(s->outcome)
+                   : "unsettled");
+    }
+    return r->next_page_token;
 }
 
 /* store_list prints every submission (of a conversation), paging through List to the end */
-static int store_list(const struct args *a)
+static int store_list(struct rpc_channel *ch, const struct args *a)
 {
     Cflue__V1__ListRequest req = CFLUE__V1__LIST_REQUEST__INIT;
-    ProtobufCMessage *prev = NULL; /* the page whose next_page_token req carries */
-    int rc = 0;
     req.conversation_id = (char *)(a->conversation ? a->conversation : "");
     req.page_size = 1000;
-    for (;;) {
-        ProtobufCMessage *resp = NULL;
-        if ((rc = store_call(a, "List", &req.base, &cflue__v1__list_response__descriptor, &resp))) {
-            break;
-        }
-        if (prev) {
-            protobuf_c_message_free_unpacked(prev, NULL);
-        }
-        prev = resp;
-        Cflue__V1__ListResponse *r = (Cflue__V1__ListResponse *)resp;
-        for (size_t i = 0; i < r->n_submissions; i++) {
-            const Cflue__V1__Submission *s = r->submissions[i];
-            printf("%lld %s %s %s\n", (long long)s->sequence, s->submission_id, s->conversation_id,
-                   s->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_SETTLED
-                       ? print_outcome_name(s->outcome)
-                       : "unsettled");
-        }
-        if (!*r->next_page_token) {
-            break;
-        }
-        req.page_token = r->next_page_token;
-    }
-    if (prev) {
-        protobuf_c_message_free_unpacked(prev, NULL);
-    }
-    return rc;
+    return call_pages(ch, "cflue.v1.Store", "List", &req.base, &req.page_token,
+                      &cflue__v1__list_response__descriptor, TIMEOUT_MS, show_submissions, NULL);
 }
 
-/* store_read prints a conversation's records after a->after, paging through Read to the end */
-static int store_read(const struct args *a)
+static const char *show_records(void *ctx, const ProtobufCMessage *page, bool first)
 {
-    Cflue__V1__ReadRequest req = CFLUE__V1__READ_REQUEST__INIT;
-    ProtobufCMessage *prev = NULL; /* the page whose next_page_token req carries */
-    int rc = 0;
+    const Cflue__V1__ReadResponse *r = (const Cflue__V1__ReadResponse *)page;
+    for (size_t i = 0; i < r->n_records; i++) {
+        print_record(stdout, r->records[i]);
+    }
+    return r->next_page_token;
+}
+
+/* store_read prints a conversation's records after a->after, paging through Read to the end,
+ * or with --follow streams them as they are appended (Follow) */
+static int store_read(struct rpc_channel *ch, const struct args *a)
+{
+    if (!a->follow) {
+        Cflue__V1__ReadRequest req = CFLUE__V1__READ_REQUEST__INIT;
+        req.conversation_id = (char *)a->pos[0];
+        req.after_offset = a->after;
+        req.page_size = 1000;
+        return call_pages(ch, "cflue.v1.Store", "Read", &req.base, &req.page_token,
+                          &cflue__v1__read_response__descriptor, TIMEOUT_MS, show_records, NULL);
+    }
+    Cflue__V1__FollowRequest req = CFLUE__V1__FOLLOW_REQUEST__INIT;
     req.conversation_id = (char *)a->pos[0];
     req.after_offset = a->after;
-    req.page_size = 1000;
-    for (;;) {
-        ProtobufCMessage *resp = NULL;
-        if ((rc = store_call(a, "Read", &req.base, &cflue__v1__read_response__descriptor, &resp))) {
-            break;
-        }
-        if (prev) {
-            protobuf_c_message_free_unpacked(prev, NULL);
-        }
-        prev = resp;
-        Cflue__V1__ReadResponse *r = (Cflue__V1__ReadResponse *)resp;
-        for (size_t i = 0; i < r->n_records; i++) {
-            print_record(stdout, r->records[i]);
-        }
-        if (!*r->next_page_token) {
-            break;
-        }
-        req.page_token = r->next_page_token;
+    struct rpc_status st;
+    struct rpc_stream *s =
+        rpc_stream_open(ch, "/cflue.v1.Store/Follow", &req.base, guard_timeout_ms(0));
+    ProtobufCMessage *m;
+    while (rpc_stream_read(s, &cflue__v1__record__descriptor, &m) == 1) {
+        print_record(stdout, (Cflue__V1__Record *)m);
+        fflush(stdout);
+        protobuf_c_message_free_unpacked(m, NULL);
     }
-    if (prev) {
-        protobuf_c_message_free_unpacked(prev, NULL);
+    return rpc_stream_finish(s, &st) ? 0 : fail(&st);
+}
+
+/* store_admit admits a message and prints the submission and its offset */
+static int store_admit(struct rpc_channel *ch, const struct args *a)
+{
+    ProtobufCMessage *resp = NULL;
+    Cflue__V1__AdmitRequest req = CFLUE__V1__ADMIT_REQUEST__INIT;
+    Cflue__V1__Message msg = CFLUE__V1__MESSAGE__INIT;
+    msg.text = (char *)a->pos[0];
+    req.agent = (char *)a->agent;
+    req.conversation_id = (char *)(a->conversation ? a->conversation : "");
+    req.idempotency_key = (char *)(a->key ? a->key : "");
+    req.message = &msg;
+    int rc = store_call(ch, "Admit", &req.base, &cflue__v1__admit_response__descriptor, &resp);
+    if (rc) {
+        return rc;
     }
-    return rc;
+    Cflue__V1__AdmitResponse *r = (Cflue__V1__AdmitResponse *)resp;
+    print_submission(stdout, r->submission);
+    printf("%-16s %lld%s\n", "offset", (long long)r->offset,
+           r->deduplicated ? " (deduplicated)" : "");
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return 0;
+}
+
+/* store_get prints one submission */
+static int store_get(struct rpc_channel *ch, const struct args *a)
+{
+    ProtobufCMessage *resp = NULL;
+    Cflue__V1__GetRequest req = CFLUE__V1__GET_REQUEST__INIT;
+    req.submission_id = (char *)a->pos[0];
+    int rc = store_call(ch, "Get", &req.base, &cflue__v1__submission__descriptor, &resp);
+    if (rc) {
+        return rc;
+    }
+    print_submission(stdout, (Cflue__V1__Submission *)resp);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return 0;
 }
 
 static int cmd_store(int argc, char **argv)
 {
     struct args a = {0};
-    ProtobufCMessage *resp = NULL;
-    int rc;
     if (argc < 3 || parse(argc, argv, 3, &a) != 0) {
         return usage();
     }
     const char *sub = argv[2];
+    int (*run)(struct rpc_channel *, const struct args *) = NULL;
     if (!strcmp(sub, "get") && a.n_pos == 1) {
-        Cflue__V1__GetRequest req = CFLUE__V1__GET_REQUEST__INIT;
-        req.submission_id = (char *)a.pos[0];
-        if ((rc = store_call(&a, "Get", &req.base, &cflue__v1__submission__descriptor, &resp))) {
-            return rc;
-        }
-        print_submission(stdout, (Cflue__V1__Submission *)resp);
+        run = store_get;
     } else if (!strcmp(sub, "admit") && a.n_pos == 1 && a.agent) {
-        Cflue__V1__AdmitRequest req = CFLUE__V1__ADMIT_REQUEST__INIT;
-        Cflue__V1__Message msg = CFLUE__V1__MESSAGE__INIT;
-        msg.text = (char *)a.pos[0];
-        req.agent = (char *)a.agent;
-        req.conversation_id = (char *)(a.conversation ? a.conversation : "");
-        req.idempotency_key = (char *)(a.key ? a.key : "");
-        req.message = &msg;
-        if ((rc = store_call(&a, "Admit", &req.base, &cflue__v1__admit_response__descriptor,
-                             &resp))) {
-            return rc;
-        }
-        Cflue__V1__AdmitResponse *r = (Cflue__V1__AdmitResponse *)resp;
-        print_submission(stdout, r->submission);
-        printf("%-16s %lld%s\n", "offset", (long long)r->offset,
-               r->deduplicated ? " (deduplicated)" : "");
+        run = store_admit;
     } else if (!strcmp(sub, "list") && a.n_pos == 0) {
-        return store_list(&a);
+        run = store_list;
     } else if (!strcmp(sub, "read") && a.n_pos == 1) {
-        Cflue__V1__FollowRequest req = CFLUE__V1__FOLLOW_REQUEST__INIT;
-        req.conversation_id = (char *)a.pos[0];
-        req.after_offset = a.after;
-        struct rpc_status st;
-        struct rpc_channel *ch = guard_channel(a.store, 0);
-        if (!a.follow) {
-            guard_channel_free(ch);
-            return store_read(&a);
-        }
-        struct rpc_stream *s =
-            rpc_stream_open(ch, "/cflue.v1.Store/Follow", &req.base, guard_timeout_ms(0));
-        ProtobufCMessage *m;
-        while (rpc_stream_read(s, &cflue__v1__record__descriptor, &m) == 1) {
-            print_record(stdout, (Cflue__V1__Record *)m);
-            fflush(stdout);
-            protobuf_c_message_free_unpacked(m, NULL);
-        }
-        bool ok = rpc_stream_finish(s, &st);
-        guard_channel_free(ch);
-        return ok ? 0 : fail(&st);
+        run = store_read;
     } else {
         return usage();
     }
-    protobuf_c_message_free_unpacked(resp, NULL);
-    return 0;
+    struct rpc_channel *ch = guard_channel(a.store, 0);
+    int rc = run(ch, &a);
+    guard_channel_free(ch);
+    return rc;
 }
-
 static const char *truncated_by(Cflue__V1__TruncatedBy by)
 {
     /* TRUNCATED_BY_UNSPECIFIED: not truncated */

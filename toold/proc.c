@@ -117,73 +117,98 @@ static bool read_report(int fd, struct runner_report *rep)
     return true;
 }
 
-enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out, struct cf_error *err)
+/* One command's run, from its pipes to its status. */
+struct run {
+    const struct proc_spec *spec;
+    struct proc_result *out;
+    bool runner;                      /* under the runner (runner_exe set) */
+    int out_fd[2], err_fd[2];         /* stdout (and stderr unless on_stderr); stderr apart */
+    int in_fd[2], null_fd, rep_fd[2]; /* stdin: a pipe of stdin_data, or /dev/null; the report */
+    pid_t pid;                        /* the spawned process: the runner, or the command */
+    pid_t group;                      /* the command's process group */
+    int64_t start, deadline;          /* monotonic */
+    /* the pump */
+    bool exited, out_open, err_open, killing;
+    int64_t kill_at, drain_until;
+    int status;
+};
+
+static void close_fd(int *fd)
 {
-    int pipefd[2], errfd[2] = {-1, -1}, in_fd = -1, rep_fd[2] = {-1, -1};
-    posix_spawn_file_actions_t fa;
-    posix_spawnattr_t attr;
-    sigset_t none, all;
-    pid_t pid;
-    int64_t start = clock_mono_ms();
-    int64_t deadline = spec->timeout_ms > 0 ? start + spec->timeout_ms : INT64_MAX;
-    int stdin_pipe[2] = {-1, -1};
-    bool runner = runner_exe[0] != '\0';
-    const char **argv = spec->argv;
+    if (*fd >= 0) {
+        close(*fd);
+        *fd = -1;
+    }
+}
+
+/* open_pipes makes the output pipes, stdin (a pipe when there is input, else /dev/null) and,
+ * under the runner, its report pipe (its write end away from fds 0..3 so the dup2 order in the
+ * child is safe). */
+static enum cf_status open_pipes(struct run *r, struct cf_error *err)
+{
+    if (r->runner) {
+        if (pipe2(r->rep_fd, O_CLOEXEC) != 0) {
+            return cf_error_set(err, CF_UNAVAILABLE, "cannot create a pipe: %s", strerror(errno));
+        }
+        int hi = fcntl(r->rep_fd[1], F_DUPFD_CLOEXEC, 10);
+        close(r->rep_fd[1]);
+        r->rep_fd[1] = hi;
+        if (hi < 0) {
+            close_fd(&r->rep_fd[0]);
+            return cf_error_set(err, CF_UNAVAILABLE, "cannot create a pipe: %s", strerror(errno));
+        }
+    }
+    if (pipe2(r->out_fd, O_CLOEXEC) != 0) {
+        r->out_fd[0] = r->out_fd[1] = -1;
+        close_fd(&r->rep_fd[0]);
+        close_fd(&r->rep_fd[1]);
+        return cf_error_set(err, CF_UNAVAILABLE, "cannot create a pipe: %s", strerror(errno));
+    }
+    if (r->spec->on_stderr && pipe2(r->err_fd, O_CLOEXEC) != 0) {
+        r->err_fd[0] = r->err_fd[1] = -1;
+    }
+    if (r->spec->stdin_data && pipe2(r->in_fd, O_CLOEXEC) != 0) {
+        r->in_fd[0] = r->in_fd[1] = -1;
+    }
+    if (r->in_fd[0] < 0) {
+        r->null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    }
+    return CF_OK;
+}
+
+/* spawn starts the command (or the runner with the command after "--") in a new session with
+ * default signal dispositions and an empty mask, then closes the child's ends of the pipes.
+ * Returns posix_spawn's error number (0: started). */
+static int spawn(struct run *r)
+{
+    const char **argv = r->spec->argv;
     const char *rargv[PROC_ARGV_MAX + 8];
     char ppid[24];
-
-    memset(out, 0, sizeof(*out));
-    if (runner) {
+    if (r->runner) {
         size_t n = 0;
         snprintf(ppid, sizeof(ppid), "%d", (int)getpid());
         rargv[n++] = runner_exe;
         rargv[n++] = PROC_RUNNER_FLAG;
         rargv[n++] = ppid;
         rargv[n++] = "--";
-        for (size_t i = 0; spec->argv[i] && i < PROC_ARGV_MAX; i++) {
-            rargv[n++] = spec->argv[i];
+        for (size_t i = 0; r->spec->argv[i] && i < PROC_ARGV_MAX; i++) {
+            rargv[n++] = r->spec->argv[i];
         }
         rargv[n] = NULL;
         argv = rargv;
-        if (pipe2(rep_fd, O_CLOEXEC) != 0) {
-            return cf_error_set(err, CF_UNAVAILABLE, "cannot create a pipe: %s", strerror(errno));
-        }
-        /* fd 3 in the runner: keep the source away from 0..3 so the dup2 order is safe */
-        int hi = fcntl(rep_fd[1], F_DUPFD_CLOEXEC, 10);
-        close(rep_fd[1]);
-        rep_fd[1] = hi;
-        if (hi < 0) {
-            close(rep_fd[0]);
-            return cf_error_set(err, CF_UNAVAILABLE, "cannot create a pipe: %s", strerror(errno));
-        }
     }
-    if (pipe2(pipefd, O_CLOEXEC) != 0) {
-        if (runner) {
-            close(rep_fd[0]);
-            close(rep_fd[1]);
-        }
-        return cf_error_set(err, CF_UNAVAILABLE, "cannot create a pipe: %s", strerror(errno));
-    }
-    if (spec->on_stderr && pipe2(errfd, O_CLOEXEC) != 0) {
-        errfd[0] = errfd[1] = -1;
-    }
-    if (spec->stdin_data) {
-        if (pipe2(stdin_pipe, O_CLOEXEC) != 0) {
-            stdin_pipe[0] = stdin_pipe[1] = -1;
-        }
-    }
-    if (stdin_pipe[0] < 0) {
-        in_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-    }
+    posix_spawn_file_actions_t fa;
+    posix_spawnattr_t attr;
+    sigset_t none, all;
     posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, stdin_pipe[0] >= 0 ? stdin_pipe[0] : in_fd, 0);
-    posix_spawn_file_actions_adddup2(&fa, pipefd[1], 1);
-    posix_spawn_file_actions_adddup2(&fa, errfd[1] >= 0 ? errfd[1] : pipefd[1], 2);
-    if (runner) {
-        posix_spawn_file_actions_adddup2(&fa, rep_fd[1], 3);
+    posix_spawn_file_actions_adddup2(&fa, r->in_fd[0] >= 0 ? r->in_fd[0] : r->null_fd, 0);
+    posix_spawn_file_actions_adddup2(&fa, r->out_fd[1], 1);
+    posix_spawn_file_actions_adddup2(&fa, r->err_fd[1] >= 0 ? r->err_fd[1] : r->out_fd[1], 2);
+    if (r->runner) {
+        posix_spawn_file_actions_adddup2(&fa, r->rep_fd[1], 3);
     }
-    if (spec->cwd) {
-        posix_spawn_file_actions_addchdir_np(&fa, spec->cwd);
+    if (r->spec->cwd) {
+        posix_spawn_file_actions_addchdir_np(&fa, r->spec->cwd);
     }
     posix_spawnattr_init(&attr);
     sigemptyset(&none);
@@ -192,171 +217,214 @@ enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out, s
     posix_spawnattr_setsigdefault(&attr, &all);
     posix_spawnattr_setflags(&attr,
                              POSIX_SPAWN_SETSID | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-    int rc = runner ? posix_spawn(&pid, argv[0], &fa, &attr, (char *const *)argv, spec->envp)
-                    : posix_spawnp(&pid, argv[0], &fa, &attr, (char *const *)argv, spec->envp);
+    int rc = r->runner
+                 ? posix_spawn(&r->pid, argv[0], &fa, &attr, (char *const *)argv, r->spec->envp)
+                 : posix_spawnp(&r->pid, argv[0], &fa, &attr, (char *const *)argv, r->spec->envp);
     posix_spawn_file_actions_destroy(&fa);
     posix_spawnattr_destroy(&attr);
-    close(pipefd[1]);
-    if (errfd[1] >= 0) {
-        close(errfd[1]);
-    }
-    if (in_fd >= 0) {
-        close(in_fd);
-    }
-    if (stdin_pipe[0] >= 0) {
-        close(stdin_pipe[0]);
-    }
-    if (runner) {
-        close(rep_fd[1]);
-    }
-    /* the command's process group: the main process under a runner, else the spawned one */
-    pid_t group = pid;
-    struct runner_report rep = {0, 0};
-    if (rc == 0 && runner) {
-        bool got = read_report(rep_fd[0], &rep);
+    close_fd(&r->out_fd[1]);
+    close_fd(&r->err_fd[1]);
+    close_fd(&r->null_fd);
+    close_fd(&r->in_fd[0]);
+    close_fd(&r->rep_fd[1]);
+    return rc;
+}
+
+/* await_start learns the command's process group: under the runner from its report (a runner
+ * that does not report in time, or reports a failed start, is killed); else the spawned
+ * process's. Returns the error number of a failed start (0: running). */
+static int await_start(struct run *r)
+{
+    int rc = 0;
+    r->group = r->pid;
+    if (r->runner) {
+        struct runner_report rep = {0, 0};
+        bool got = read_report(r->rep_fd[0], &rep);
         if (!got || rep.err) {
             int st;
-            kill(pid, SIGKILL);
-            waitpid(pid, &st, 0);
+            kill(r->pid, SIGKILL);
+            waitpid(r->pid, &st, 0);
             rc = got ? rep.err : EAGAIN;
         } else {
-            group = rep.pid;
+            r->group = rep.pid;
         }
+        close_fd(&r->rep_fd[0]);
     }
-    if (runner) {
-        close(rep_fd[0]);
-    }
-    if (rc != 0) {
-        close(pipefd[0]);
-        if (errfd[0] >= 0) {
-            close(errfd[0]);
-        }
-        if (stdin_pipe[1] >= 0) {
-            close(stdin_pipe[1]);
-        }
-        return cf_error_set(err, CF_UNAVAILABLE, "cannot start %s: %s", spec->argv[0],
-                            strerror(rc));
-    }
-    if (stdin_pipe[1] >= 0) {
-        /* small inputs only (bounded by the request size); a full pipe is not waited for */
-        fcntl(stdin_pipe[1], F_SETFL, O_NONBLOCK);
-        ssize_t w = write(stdin_pipe[1], spec->stdin_data, spec->stdin_len);
-        (void)w;
-        close(stdin_pipe[1]);
-    }
+    return rc;
+}
 
-    int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+/* feed_stdin writes the input and closes the pipe: small inputs only (bounded by the request
+ * size); a full pipe is not waited for. */
+static void feed_stdin(struct run *r)
+{
+    if (r->in_fd[1] >= 0) {
+        fcntl(r->in_fd[1], F_SETFL, O_NONBLOCK);
+        ssize_t w = write(r->in_fd[1], r->spec->stdin_data, r->spec->stdin_len);
+        (void)w;
+        close_fd(&r->in_fd[1]);
+    }
+}
+
+/* enforce starts stopping the command at the deadline or on cancel (the runner stops the
+ * command and all it started; without one, its group gets SIGTERM), kills it once the grace
+ * is over, and once it exited stops waiting for pipes something else still holds. Returns
+ * false when the pump should stop reading. */
+static bool enforce(struct run *r, int64_t now)
+{
+    if (!r->killing && now >= r->deadline) {
+        r->out->timed_out = true;
+        r->killing = true;
+    }
+    if (!r->killing && r->spec->cancelled && r->spec->cancelled(r->spec->ctx)) {
+        r->out->cancelled = true;
+        r->killing = true;
+    }
+    if (r->killing && !r->kill_at && !r->exited) {
+        if (r->runner) {
+            kill(r->pid, SIGTERM);
+            r->kill_at = now + PROC_KILL_GRACE_MS + RUNNER_SLACK_MS;
+        } else {
+            kill_group(r->pid, SIGTERM);
+            r->kill_at = now + PROC_KILL_GRACE_MS;
+        }
+    }
+    if (r->kill_at && now >= r->kill_at && !r->exited) {
+        kill(r->pid, SIGKILL);
+        kill_group(r->group, SIGKILL);
+        r->kill_at = INT64_MAX;
+    }
+    if (r->exited && (r->out_open || r->err_open) && now >= r->drain_until) {
+        if (r->runner || r->drain_until + PIPE_AFTER_EXIT_MS <= now) {
+            return false; /* whatever still holds the pipe is not waited for */
+        }
+        /* the main process is gone; stop whatever it left behind holding the pipe */
+        kill_group(r->pid, SIGKILL);
+    }
+    return true;
+}
+
+/* drain_one reads what is ready on fd into sink; a sink that refuses it cancels the command.
+ * Clears *open at end of file or on an error. */
+static void drain_one(struct run *r, int fd, bool (*sink)(void *, const char *, size_t), bool *open)
+{
     char buf[65536];
-    bool exited = false, pipe_open = true, err_open = errfd[0] >= 0, killing = false;
-    int64_t kill_at = 0, drain_until = 0;
-    int status = 0;
-    while (pipe_open || err_open || !exited) {
+    ssize_t n = read(fd, buf, sizeof(buf));
+    if (n > 0) {
+        if (sink && !sink(r->spec->ctx, buf, (size_t)n) && !r->killing) {
+            r->killing = true;
+            r->out->cancelled = true;
+        }
+    } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+        *open = false;
+    }
+}
+
+/* pump passes the output on as it arrives until the command exited and its pipes closed (or
+ * were given up on), enforcing the deadline and cancellation meanwhile. */
+static void pump(struct run *r)
+{
+    int pidfd = (int)syscall(SYS_pidfd_open, r->pid, 0);
+    r->out_open = true;
+    r->err_open = r->err_fd[0] >= 0;
+    while (r->out_open || r->err_open || !r->exited) {
         int64_t now = clock_mono_ms();
-        if (!killing && now >= deadline) {
-            out->timed_out = true;
-            killing = true;
-        }
-        if (!killing && spec->cancelled && spec->cancelled(spec->ctx)) {
-            out->cancelled = true;
-            killing = true;
-        }
-        if (killing && !kill_at && !exited) {
-            if (runner) {
-                kill(pid, SIGTERM); /* the runner stops the command and all it started */
-                kill_at = now + PROC_KILL_GRACE_MS + RUNNER_SLACK_MS;
-            } else {
-                kill_group(pid, SIGTERM);
-                kill_at = now + PROC_KILL_GRACE_MS;
-            }
-        }
-        if (kill_at && now >= kill_at && !exited) {
-            kill(pid, SIGKILL);
-            kill_group(group, SIGKILL);
-            kill_at = INT64_MAX;
-        }
-        if (exited && (pipe_open || err_open) && now >= drain_until) {
-            if (runner || drain_until + PIPE_AFTER_EXIT_MS <= now) {
-                break; /* whatever still holds the pipe is not waited for */
-            }
-            /* the main process is gone; stop whatever it left behind holding the pipe */
-            kill_group(pid, SIGKILL);
+        if (!enforce(r, now)) {
+            break;
         }
         struct pollfd pfd[3];
         int n = 0, out_i = -1, err_i = -1;
-        if (pipe_open) {
+        if (r->out_open) {
             out_i = n;
-            pfd[n++] = (struct pollfd){.fd = pipefd[0], .events = POLLIN};
+            pfd[n++] = (struct pollfd){.fd = r->out_fd[0], .events = POLLIN};
         }
-        if (err_open) {
+        if (r->err_open) {
             err_i = n;
-            pfd[n++] = (struct pollfd){.fd = errfd[0], .events = POLLIN};
+            pfd[n++] = (struct pollfd){.fd = r->err_fd[0], .events = POLLIN};
         }
-        if (!exited && pidfd >= 0) {
+        if (!r->exited && pidfd >= 0) {
             pfd[n++] = (struct pollfd){.fd = pidfd, .events = POLLIN};
         }
         int64_t wait_ms = 100;
-        if (deadline != INT64_MAX && deadline - now < wait_ms) {
-            wait_ms = deadline - now > 0 ? deadline - now : 0;
+        if (r->deadline != INT64_MAX && r->deadline - now < wait_ms) {
+            wait_ms = r->deadline - now > 0 ? r->deadline - now : 0;
         }
-        if (exited && drain_until - now < wait_ms) {
-            wait_ms = drain_until > now ? drain_until - now : 10;
+        if (r->exited && r->drain_until - now < wait_ms) {
+            wait_ms = r->drain_until > now ? r->drain_until - now : 10;
         }
         int pr = n ? poll(pfd, (nfds_t)n, (int)wait_ms) : (clock_sleep_ms(10), 0);
         if (pr < 0 && errno != EINTR) {
             break;
         }
         if (err_i >= 0 && pr > 0 && (pfd[err_i].revents & (POLLIN | POLLHUP | POLLERR))) {
-            ssize_t r = read(errfd[0], buf, sizeof(buf));
-            if (r > 0) {
-                if (!spec->on_stderr(spec->ctx, buf, (size_t)r) && !killing) {
-                    killing = true;
-                    out->cancelled = true;
-                }
-            } else if (r == 0 || (errno != EINTR && errno != EAGAIN)) {
-                err_open = false;
-            }
+            drain_one(r, r->err_fd[0], r->spec->on_stderr, &r->err_open);
         }
         if (out_i >= 0 && pr > 0 && (pfd[out_i].revents & (POLLIN | POLLHUP | POLLERR))) {
-            ssize_t r = read(pipefd[0], buf, sizeof(buf));
-            if (r > 0) {
-                if (spec->on_output && !spec->on_output(spec->ctx, buf, (size_t)r) && !killing) {
-                    killing = true;
-                    out->cancelled = true;
-                }
-            } else if (r == 0 || (errno != EINTR && errno != EAGAIN)) {
-                pipe_open = false;
-            }
+            drain_one(r, r->out_fd[0], r->spec->on_output, &r->out_open);
         }
-        if (!exited) {
-            pid_t w = waitpid(pid, &status, WNOHANG);
-            if (w == pid) {
-                exited = true;
-                drain_until =
-                    clock_mono_ms() + (runner ? PIPE_AFTER_EXIT_MS : PROC_DRAIN_AFTER_EXIT_MS);
-            }
+        if (!r->exited && waitpid(r->pid, &r->status, WNOHANG) == r->pid) {
+            r->exited = true;
+            r->drain_until =
+                clock_mono_ms() + (r->runner ? PIPE_AFTER_EXIT_MS : PROC_DRAIN_AFTER_EXIT_MS);
         }
-    }
-    close(pipefd[0]);
-    if (errfd[0] >= 0) {
-        close(errfd[0]);
     }
     if (pidfd >= 0) {
         close(pidfd);
     }
-    if (!exited) {
-        kill(pid, SIGKILL);
-        waitpid(pid, &status, 0);
+}
+
+/* reap makes sure nothing of the command is left and fills in its result. */
+static void reap(struct run *r)
+{
+    close_fd(&r->out_fd[0]);
+    close_fd(&r->err_fd[0]);
+    if (!r->exited) {
+        kill(r->pid, SIGKILL);
+        waitpid(r->pid, &r->status, 0);
     }
-    if (!runner) {
-        kill_group(pid, SIGKILL); /* background leftovers (the runner has killed its own) */
+    if (!r->runner) {
+        kill_group(r->pid, SIGKILL); /* background leftovers (the runner has killed its own) */
     }
-    if (out->timed_out) {
-        out->exit_code = 124;
-    } else if (WIFEXITED(status)) {
-        out->exit_code = WEXITSTATUS(status);
-    } else if (WIFSIGNALED(status)) {
-        out->exit_code = 128 + WTERMSIG(status);
+    if (r->out->timed_out) {
+        r->out->exit_code = 124;
+    } else if (WIFEXITED(r->status)) {
+        r->out->exit_code = WEXITSTATUS(r->status);
+    } else if (WIFSIGNALED(r->status)) {
+        r->out->exit_code = 128 + WTERMSIG(r->status);
     }
-    out->duration_ms = clock_mono_ms() - start;
+    r->out->duration_ms = clock_mono_ms() - r->start;
+}
+
+enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out, struct cf_error *err)
+{
+    struct run r = {.spec = spec,
+                    .out = out,
+                    .runner = runner_exe[0] != '\0',
+                    .out_fd = {-1, -1},
+                    .err_fd = {-1, -1},
+                    .in_fd = {-1, -1},
+                    .null_fd = -1,
+                    .rep_fd = {-1, -1},
+                    .start = clock_mono_ms()};
+    r.deadline = spec->timeout_ms > 0 ? r.start + spec->timeout_ms : INT64_MAX;
+    memset(out, 0, sizeof(*out));
+    enum cf_status rc = open_pipes(&r, err);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    int start_err = spawn(&r);
+    if (start_err == 0) {
+        start_err = await_start(&r);
+    }
+    close_fd(&r.rep_fd[0]);
+    if (start_err != 0) {
+        close_fd(&r.out_fd[0]);
+        close_fd(&r.err_fd[0]);
+        close_fd(&r.in_fd[1]);
+        return cf_error_set(err, CF_UNAVAILABLE, "cannot start %s: %s", spec->argv[0],
+                            strerror(start_err));
+    }
+    feed_stdin(&r);
+    pump(&r);
+    reap(&r);
     return CF_OK;
 }

@@ -188,15 +188,14 @@ static void format_seconds(char *out, size_t len, int64_t ms)
     }
 }
 
-void tool_bash_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
+/* bash_timeout reads the 'timeout' argument (seconds) into *timeout_ms, cut to the time left
+ * for the call (*by_caller then true). Fails the result and returns false when it is bad. */
+static bool bash_timeout(struct tool_ctx *ctx, json_t *args, struct tool_result *res,
+                         int64_t *timeout_ms, bool *by_caller)
 {
-    const char *command = json_string_value(json_object_get(args, "command"));
     json_t *jt = json_object_get(args, "timeout");
-    int64_t timeout_ms = ctx->cfg->bash_default_timeout_ms;
-    struct capture *c;
-    struct cf_error err;
-
-    json_object_set_new(res->details, "command", json_string(command));
+    *timeout_ms = ctx->cfg->bash_default_timeout_ms;
+    *by_caller = false;
     if (jt) {
         double secs = json_number_value(jt);
         if (!(secs > 0) || !isfinite(secs)) {
@@ -204,7 +203,7 @@ void tool_bash_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
                       "The argument 'timeout' of bash must be a number of seconds above 0; "
                       "got %g.",
                       secs);
-            return;
+            return false;
         }
         double ms = ceil(secs * 1000.0);
         if (ms > (double)ctx->cfg->bash_max_timeout_ms) {
@@ -212,27 +211,25 @@ void tool_bash_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
                       "The argument 'timeout' of bash is %g s; this server allows at most "
                       "%lld s.",
                       secs, (long long)(ctx->cfg->bash_max_timeout_ms / 1000));
-            return;
+            return false;
         }
-        timeout_ms = (int64_t)ms;
+        *timeout_ms = (int64_t)ms;
     }
-    bool by_caller = false;
     if (ctx->deadline_ms) {
         int64_t left = ctx->deadline_ms - clock_mono_ms();
-        if (left < timeout_ms) {
-            timeout_ms = left > 1 ? left : 1;
-            by_caller = true;
+        if (left < *timeout_ms) {
+            *timeout_ms = left > 1 ? left : 1;
+            *by_caller = true;
         }
     }
-    if (strlen(command) == 0) {
-        tool_fail(res, "The argument 'command' of bash is empty.");
-        return;
-    }
+    return true;
+}
 
-    c = mem_alloc(sizeof(*c));
-    c->ctx = ctx;
-    c->spill_fd = -1;
-    buf_init(&c->pending, PENDING_MAX);
+/* run_command runs the command in the sandbox, its output going to c. */
+static enum cf_status run_command(struct capture *c, const char *command, int64_t timeout_ms,
+                                  struct proc_result *pr, struct cf_error *err)
+{
+    struct tool_ctx *ctx = c->ctx;
     const char *argv[PROC_ARGV_MAX];
     ctx->sb->driver->build_argv(ctx->sb, ctx->sb->root, command, argv);
     char **env = proc_base_env(NULL, 0);
@@ -243,13 +240,106 @@ void tool_bash_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
                              .on_output = on_output,
                              .cancelled = cancelled,
                              .ctx = c};
-    struct proc_result pr;
-    enum cf_status rc = proc_run(&spec, &pr, &err);
+    enum cf_status rc = proc_run(&spec, pr, err);
     proc_env_free(env);
-    if (rc != CF_OK) {
-        tool_fail(res, "The command could not be started: %s", err.msg);
-        goto out;
+    return rc;
+}
+
+/* view_whole shows all the output (it fits the page limits), without its final '\n'. */
+static void view_whole(struct capture *c, uint64_t total_lines, struct tool_result *res)
+{
+    size_t n = c->pending.len;
+    const char *p = buf_cstr(&c->pending);
+    if (n && p[n - 1] == '\n') {
+        n--;
     }
+    utf8_sanitize(&res->text, p, n);
+    if (total_lines) {
+        res->trunc.shown_first_line = 1;
+        res->trunc.shown_last_line = (int64_t)total_lines;
+    }
+}
+
+/* tail_start chooses where the view of tail[0..n) starts: at most TOOL_LINES_MAX lines and
+ * TOOL_BYTES_MAX bytes, whole lines unless the last line alone is over the budget
+ * (*line_cut). Sets *shown_lines. */
+static size_t tail_start(const char *tail, size_t n, bool *line_cut, uint64_t *shown_lines)
+{
+    size_t start = n > TOOL_BYTES_MAX ? n - TOOL_BYTES_MAX : 0;
+    *line_cut = false;
+    if (start > 0 && tail[start - 1] != '\n') {
+        const char *nl = memchr(tail + start, '\n', n - start);
+        if (nl) {
+            start = (size_t)(nl + 1 - tail);
+        } else {
+            *line_cut = true; /* the last line alone is over the budget */
+            start = utf8_suffix_start(tail, n, TOOL_BYTES_MAX);
+        }
+    }
+    *shown_lines = 1;
+    for (size_t i = start; i < n; i++) {
+        if (tail[i] == '\n') {
+            (*shown_lines)++;
+        }
+    }
+    while (*shown_lines > TOOL_LINES_MAX) {
+        start = (size_t)((char *)memchr(tail + start, '\n', n - start) + 1 - tail);
+        (*shown_lines)--;
+    }
+    return start;
+}
+
+/* view_tail shows the end of output that did not fit, after a note saying what was left out
+ * and where the full output is (the spill file). */
+static void view_tail(struct capture *c, uint64_t total_lines, struct tool_result *res)
+{
+    char *tail = mem_alloc(TAIL_KEEP);
+    size_t n = ring_linear(c, tail);
+    /* the view never includes the final '\n' */
+    if (n && tail[n - 1] == '\n') {
+        n--;
+    }
+    bool line_cut;
+    uint64_t shown_lines;
+    size_t start = tail_start(tail, n, &line_cut, &shown_lines);
+    uint64_t first_line = total_lines - shown_lines + 1;
+    uint64_t shown_bytes = n - start;
+    res->trunc.truncated = true;
+    res->trunc.by = c->newlines > TOOL_LINES_MAX && shown_lines == TOOL_LINES_MAX
+                        ? CFLUE__V1__TRUNCATED_BY__TRUNCATED_BY_LINES
+                        : CFLUE__V1__TRUNCATED_BY__TRUNCATED_BY_BYTES;
+    res->trunc.shown_first_line = (int64_t)first_line;
+    res->trunc.shown_last_line = (int64_t)total_lines;
+    res->trunc.line_too_long = line_cut;
+    if (c->spill_failed) {
+        buf_printf(&res->text,
+                   "[Output truncated: %llu earlier lines (%llu bytes) are not shown, and the "
+                   "full output could not be saved.%s]\n",
+                   (unsigned long long)(first_line - 1),
+                   (unsigned long long)(c->total_bytes - shown_bytes),
+                   line_cut ? " The last line is cut: only its end is shown." : "");
+    } else {
+        buf_printf(&res->text,
+                   "[Output truncated: showing lines %llu-%llu of %llu (the last %llu of %llu "
+                   "bytes).%s Full output: %s (read it with offset=1 from the start, or "
+                   "offset=%llu for the part shown here).]\n",
+                   (unsigned long long)first_line, (unsigned long long)total_lines,
+                   (unsigned long long)total_lines, (unsigned long long)shown_bytes,
+                   (unsigned long long)c->total_bytes,
+                   line_cut ? " The last line is longer than the limit; only its end is "
+                              "shown."
+                            : "",
+                   c->spill_rel, (unsigned long long)first_line);
+        json_object_set_new(res->details, "spill_path", json_string(c->spill_rel));
+        res->trunc.next_offset = (int64_t)first_line;
+    }
+    utf8_sanitize(&res->text, tail + start, n - start);
+    free(tail);
+}
+
+/* view_output shows the captured output: whole, or its tail once it was spilled. */
+static void view_output(struct capture *c, struct tool_result *res)
+{
     uint64_t total_lines = c->newlines + (c->total_bytes && c->last_byte != '\n' ? 1 : 0);
     uint64_t shown_total = c->total_bytes - (c->total_bytes && c->last_byte == '\n' ? 1 : 0);
     bool spilled = shown_total > TOOL_BYTES_MAX || total_lines > TOOL_LINES_MAX;
@@ -262,99 +352,64 @@ void tool_bash_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
     res->trunc.total_lines = (int64_t)total_lines;
     res->trunc.total_bytes = (int64_t)c->total_bytes;
     if (!spilled) {
-        size_t n = c->pending.len;
-        const char *p = buf_cstr(&c->pending);
-        if (n && p[n - 1] == '\n') {
-            n--;
-        }
-        utf8_sanitize(&res->text, p, n);
-        if (total_lines) {
-            res->trunc.shown_first_line = 1;
-            res->trunc.shown_last_line = (int64_t)total_lines;
-        }
+        view_whole(c, total_lines, res);
     } else {
-        char *tail = mem_alloc(TAIL_KEEP);
-        size_t n = ring_linear(c, tail);
-        /* the view never includes the final '\n' */
-        if (n && tail[n - 1] == '\n') {
-            n--;
-        }
-        /* choose the start: at most TOOL_LINES_MAX lines and TOOL_BYTES_MAX bytes, whole lines */
-        size_t start = n > TOOL_BYTES_MAX ? n - TOOL_BYTES_MAX : 0;
-        bool line_cut = false;
-        if (start > 0 && tail[start - 1] != '\n') {
-            const char *nl = memchr(tail + start, '\n', n - start);
-            if (nl) {
-                start = (size_t)(nl + 1 - tail);
-            } else {
-                line_cut = true; /* the last line alone is over the budget */
-                start = utf8_suffix_start(tail, n, TOOL_BYTES_MAX);
-            }
-        }
-        uint64_t shown_lines = 1;
-        for (size_t i = start; i < n; i++) {
-            if (tail[i] == '\n') {
-                shown_lines++;
-            }
-        }
-        while (shown_lines > TOOL_LINES_MAX) {
-            start = (size_t)((char *)memchr(tail + start, '\n', n - start) + 1 - tail);
-            shown_lines--;
-        }
-        uint64_t first_line = total_lines - shown_lines + 1;
-        uint64_t shown_bytes = n - start;
-        res->trunc.truncated = true;
-        res->trunc.by = c->newlines > TOOL_LINES_MAX && shown_lines == TOOL_LINES_MAX
-                            ? CFLUE__V1__TRUNCATED_BY__TRUNCATED_BY_LINES
-                            : CFLUE__V1__TRUNCATED_BY__TRUNCATED_BY_BYTES;
-        res->trunc.shown_first_line = (int64_t)first_line;
-        res->trunc.shown_last_line = (int64_t)total_lines;
-        res->trunc.line_too_long = line_cut;
-        if (c->spill_failed) {
-            buf_printf(&res->text,
-                       "[Output truncated: %llu earlier lines (%llu bytes) are not shown, and the "
-                       "full output could not be saved.%s]\n",
-                       (unsigned long long)(first_line - 1),
-                       (unsigned long long)(c->total_bytes - shown_bytes),
-                       line_cut ? " The last line is cut: only its end is shown." : "");
-        } else {
-            buf_printf(&res->text,
-                       "[Output truncated: showing lines %llu-%llu of %llu (the last %llu of %llu "
-                       "bytes).%s Full output: %s (read it with offset=1 from the start, or "
-                       "offset=%llu for the part shown here).]\n",
-                       (unsigned long long)first_line, (unsigned long long)total_lines,
-                       (unsigned long long)total_lines, (unsigned long long)shown_bytes,
-                       (unsigned long long)c->total_bytes,
-                       line_cut ? " The last line is longer than the limit; only its end is "
-                                  "shown."
-                                : "",
-                       c->spill_rel, (unsigned long long)first_line);
-            json_object_set_new(res->details, "spill_path", json_string(c->spill_rel));
-            res->trunc.next_offset = (int64_t)first_line;
-        }
-        utf8_sanitize(&res->text, tail + start, n - start);
-        free(tail);
+        view_tail(c, total_lines, res);
     }
     if (c->total_bytes == 0) {
         buf_append_str(&res->text, "[no output]");
     }
-    if (pr.timed_out) {
+}
+
+/* note_ending says how the command ended (timeout, cancelled, exit code) and records it in
+ * the details. */
+static void note_ending(const struct proc_result *pr, int64_t timeout_ms, bool by_caller,
+                        struct tool_result *res)
+{
+    if (pr->timed_out) {
         char secs[32];
         format_seconds(secs, sizeof(secs), timeout_ms);
         buf_printf(&res->text,
                    "\n\n[Stopped after %s: the %s ran out, so the command and everything it "
                    "started were killed. Exit code 124.]",
                    secs, by_caller ? "time left for this call" : "timeout");
-    } else if (pr.cancelled) {
+    } else if (pr->cancelled) {
         tool_fail(res, "The command was cancelled by the caller and killed; its outcome is "
                        "unknown.");
-    } else if (pr.exit_code != 0) {
-        buf_printf(&res->text, "\n\n[Exit code %d]", pr.exit_code);
+    } else if (pr->exit_code != 0) {
+        buf_printf(&res->text, "\n\n[Exit code %d]", pr->exit_code);
     }
-    json_object_set_new(res->details, "exit_code", json_integer(pr.exit_code));
-    json_object_set_new(res->details, "timed_out", json_boolean(pr.timed_out));
-    json_object_set_new(res->details, "duration_ms", json_integer(pr.duration_ms));
-out:
+    json_object_set_new(res->details, "exit_code", json_integer(pr->exit_code));
+    json_object_set_new(res->details, "timed_out", json_boolean(pr->timed_out));
+    json_object_set_new(res->details, "duration_ms", json_integer(pr->duration_ms));
+}
+
+void tool_bash_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
+{
+    const char *command = json_string_value(json_object_get(args, "command"));
+    int64_t timeout_ms;
+    bool by_caller;
+    struct cf_error err;
+    struct proc_result pr;
+
+    json_object_set_new(res->details, "command", json_string(command));
+    if (!bash_timeout(ctx, args, res, &timeout_ms, &by_caller)) {
+        return;
+    }
+    if (strlen(command) == 0) {
+        tool_fail(res, "The argument 'command' of bash is empty.");
+        return;
+    }
+    struct capture *c = mem_alloc(sizeof(*c));
+    c->ctx = ctx;
+    c->spill_fd = -1;
+    buf_init(&c->pending, PENDING_MAX);
+    if (run_command(c, command, timeout_ms, &pr, &err) != CF_OK) {
+        tool_fail(res, "The command could not be started: %s", err.msg);
+    } else {
+        view_output(c, res);
+        note_ending(&pr, timeout_ms, by_caller, res);
+    }
     buf_cleanup(&c->pending);
     free(c);
 }

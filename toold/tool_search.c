@@ -404,6 +404,165 @@ static bool rg_available(struct tool_ctx *ctx)
     return ok;
 }
 
+/* search_root resolves path (the workspace rule of ws_relative) into rel and stats what it
+ * names, without opening it for reading. Fails the result and returns false when it cannot. */
+static bool search_root(struct tool_ctx *ctx, const char *path, char *rel, size_t rel_len,
+                        struct stat *st, struct tool_result *res)
+{
+    struct cf_error err;
+    int fd;
+    if (ws_relative(ctx->sb, path, rel, rel_len, &err) != CF_OK ||
+        ws_open(ctx->sb, rel, O_PATH, 0, path, &fd, &err) != CF_OK) {
+        tool_fail_error(res, &err);
+        return false;
+    }
+    int st_rc = fstat(fd, st);
+    close(fd);
+    if (st_rc != 0) {
+        st->st_mode = 0; /* neither a file nor a directory: the callers refuse it */
+    }
+    return true;
+}
+
+/* list_hits writes the hits in path (and line) order, one a line: "PATH" or, with lines,
+ * "PATH:LINE:TEXT". Fails the result and returns false when the search was cancelled or ran
+ * out of time, as its hits are then not all there are. */
+static bool list_hits(struct tool_ctx *ctx, struct topk *hits, bool with_lines,
+                      struct tool_result *res)
+{
+    if (tool_cancelled(ctx)) {
+        tool_fail(res, "The search was cancelled or ran out of time before it finished.");
+        return false;
+    }
+    qsort(hits->items, hits->n, sizeof(struct hit), qsort_hit);
+    for (size_t i = 0; i < hits->n; i++) {
+        if (i) {
+            buf_append_str(&res->text, "\n");
+        }
+        append_path(&res->text, hits->items[i].path);
+        if (with_lines) {
+            buf_printf(&res->text, ":%lld:%s", (long long)hits->items[i].line, hits->items[i].text);
+        }
+    }
+    json_object_set_new(res->details, "matches", json_integer((json_int_t)hits->total));
+    return true;
+}
+
+/* compile_pattern checks the pattern argument and compiles it (literal: as plain text). Fails
+ * the result and returns false when it is too long, empty, holds a NUL or does not compile. */
+static bool compile_pattern(struct grep *g, json_t *jp, bool literal, struct tool_result *res)
+{
+    const char *pattern = json_string_value(jp);
+    int errcode;
+    PCRE2_SIZE erroff;
+    if (json_string_length(jp) > TOOL_PATTERN_MAX) {
+        tool_fail(res, "The pattern is %zu bytes; the limit is %d.", json_string_length(jp),
+                  TOOL_PATTERN_MAX);
+        return false;
+    }
+    if (!*pattern) {
+        tool_fail(res, "The pattern is empty; give the text or regular expression to find.");
+        return false;
+    }
+    if (json_string_length(jp) != strlen(pattern)) {
+        tool_fail(res, "The pattern contains a NUL character.");
+        return false;
+    }
+    g->re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED,
+                          PCRE2_UTF | PCRE2_MATCH_INVALID_UTF |
+                              (literal ? PCRE2_LITERAL : PCRE2_MULTILINE),
+                          &errcode, &erroff, NULL);
+    if (!g->re) {
+        PCRE2_UCHAR msg[256];
+        pcre2_get_error_message(errcode, msg, sizeof(msg));
+        tool_fail(res,
+                  "The pattern is not a valid regular expression: %s at position %zu. Escape "
+                  "special characters, or set literal to search for the text as it is.",
+                  (const char *)msg, (size_t)erroff);
+        return false;
+    }
+    pcre2_jit_compile(g->re, PCRE2_JIT_COMPLETE);
+    g->md = pcre2_match_data_create_from_pattern(g->re, NULL);
+    return true;
+}
+
+/* engine_command writes the shell command that runs engine ("rg" or "grep") over rel with the
+ * same rules as the pcre2 walk: hidden entries skipped, include as a file-name filter. */
+static void engine_command(const struct grep *g, const char *engine, const char *pattern,
+                           bool literal, const char *rel, struct buf *cmd)
+{
+    if (!strcmp(engine, "rg")) {
+        buf_append_str(cmd, "exec rg --no-config --null --line-number --with-filename "
+                            "--no-heading --color=never --no-require-git --engine=auto "
+                            "--no-ignore-global --no-ignore-exclude --no-ignore-parent");
+        if (literal) {
+            buf_append_str(cmd, " --fixed-strings");
+        }
+        if (g->include) {
+            /* a file type filters without overriding hidden and ignore rules */
+            struct buf t;
+            buf_init(&t, TOOL_PATTERN_MAX);
+            buf_printf(&t, "cflueinclude:%s", g->include);
+            buf_append_str(cmd, " --type-add");
+            shell_quote(cmd, buf_cstr(&t));
+            buf_append_str(cmd, " --type cflueinclude");
+            buf_cleanup(&t);
+        }
+    } else {
+        buf_append_str(cmd, literal ? "LC_ALL=C exec grep -rnHZF" : "LC_ALL=C exec grep -rnHZE");
+        buf_append_str(cmd, " --binary-files=without-match --devices=skip");
+        if (g->include) {
+            /* before the excludes: with both, the last matching option wins */
+            buf_append_str(cmd, " --include");
+            shell_quote(cmd, g->include);
+        }
+        /* hidden entries, but not the starting "." itself */
+        buf_append_str(cmd, " --exclude='.*' --exclude-dir='.[!.]*' --exclude-dir='..?*'");
+    }
+    buf_append_str(cmd, " -e");
+    shell_quote(cmd, pattern);
+    buf_append_str(cmd, " --");
+    shell_quote(cmd, rel);
+}
+
+/* search collects the hits of g under rel (path as the model wrote it): with pcre2 (and for
+ * paths outside the workspace) by walking the tree here, else by running engine in the
+ * sandbox. Fails the result and returns false when the search could not run. */
+static bool search(struct grep *g, const char *engine, const char *pattern, bool literal,
+                   const char *rel, const char *path, struct tool_result *res)
+{
+    struct cf_error err;
+    if (!strcmp(engine, "pcre2") || rel[0] == '/') {
+        struct walk_opts wo = {.skip_hidden = true,
+                               .gitignore = true,
+                               .visit = grep_visit,
+                               .cancelled = grep_cancelled,
+                               .ctx = g};
+        if (walk_tree(g->ctx->sb, rel, path, &wo, &err) != CF_OK) {
+            tool_fail_error(res, &err);
+            return false;
+        }
+        return true;
+    }
+    struct buf cmd;
+    int code;
+    buf_init(&cmd, TOOL_PATTERN_MAX * 4 + 8192);
+    engine_command(g, engine, pattern, literal, rel, &cmd);
+    g->filter = ignore_filter_new(g->ctx->sb);
+    g->start_rel = rel;
+    enum cf_status rc = run_engine(g, buf_cstr(&cmd), &code, &err);
+    buf_cleanup(&cmd);
+    if (rc != CF_OK) {
+        tool_fail(res, "The search could not run: %s", err.msg);
+        return false;
+    }
+    if (code > 1 && g->hits.total == 0) {
+        tool_fail(res, "The search failed (%s exited with code %d).", engine, code);
+        return false;
+    }
+    return true;
+}
+
 void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
 {
     json_t *jp = json_object_get(args, "pattern");
@@ -412,55 +571,21 @@ void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
     const char *include = json_string_value(json_object_get(args, "include"));
     bool literal = json_is_true(json_object_get(args, "literal"));
     char rel[WS_PATH_MAX];
-    struct cf_error err;
     struct grep g = {.ctx = ctx, .include = include && *include ? include : NULL};
-    int fd, errcode;
-    PCRE2_SIZE erroff;
+    struct stat st;
 
     if (!path || !*path) {
         path = ".";
     }
     json_object_set_new(res->details, "pattern", json_string(pattern));
     json_object_set_new(res->details, "path", json_string(path));
-    if (json_string_length(jp) > TOOL_PATTERN_MAX) {
-        tool_fail(res, "The pattern is %zu bytes; the limit is %d.", json_string_length(jp),
-                  TOOL_PATTERN_MAX);
-        return;
-    }
-    if (!*pattern) {
-        tool_fail(res, "The pattern is empty; give the text or regular expression to find.");
-        return;
-    }
-    if (json_string_length(jp) != strlen(pattern)) {
-        tool_fail(res, "The pattern contains a NUL character.");
-        return;
-    }
-    g.re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED,
-                         PCRE2_UTF | PCRE2_MATCH_INVALID_UTF |
-                             (literal ? PCRE2_LITERAL : PCRE2_MULTILINE),
-                         &errcode, &erroff, NULL);
-    if (!g.re) {
-        PCRE2_UCHAR msg[256];
-        pcre2_get_error_message(errcode, msg, sizeof(msg));
-        tool_fail(res,
-                  "The pattern is not a valid regular expression: %s at position %zu. Escape "
-                  "special characters, or set literal to search for the text as it is.",
-                  (const char *)msg, (size_t)erroff);
-        return;
-    }
-    pcre2_jit_compile(g.re, PCRE2_JIT_COMPLETE);
-    g.md = pcre2_match_data_create_from_pattern(g.re, NULL);
-    if (ws_relative(ctx->sb, path, rel, sizeof(rel), &err) != CF_OK ||
-        ws_open(ctx->sb, rel, O_PATH, 0, path, &fd, &err) != CF_OK) {
-        tool_fail_error(res, &err);
+    if (!compile_pattern(&g, jp, literal, res) ||
+        !search_root(ctx, path, rel, sizeof(rel), &st, res)) {
         goto out;
     }
     /* the path exists and is reachable; the engines do the rest, but none is handed a FIFO,
      * socket or device to block on */
-    struct stat st;
-    int st_rc = fstat(fd, &st);
-    close(fd);
-    if (st_rc != 0 || !(S_ISDIR(st.st_mode) || S_ISREG(st.st_mode))) {
+    if (!(S_ISDIR(st.st_mode) || S_ISREG(st.st_mode))) {
         tool_fail(res,
                   "%s is neither a regular file nor a directory (a FIFO, socket or device); grep "
                   "searches files and directories.",
@@ -470,85 +595,15 @@ void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
     g.hits.cap = TOOL_GREP_MATCHES_MAX;
     g.hits.items = mem_alloc(g.hits.cap * sizeof(struct hit));
     buf_init(&g.line, 8192);
-
     const char *engine = ctx->cfg->grep_engine;
     if (!strcmp(engine, "auto")) {
         engine = rel[0] != '/' && rg_available(ctx) ? "rg" : "pcre2";
     }
     json_object_set_new(res->details, "engine", json_string(engine));
-    if (!strcmp(engine, "pcre2") || rel[0] == '/') {
-        struct walk_opts wo = {.skip_hidden = true,
-                               .gitignore = true,
-                               .visit = grep_visit,
-                               .cancelled = grep_cancelled,
-                               .ctx = &g};
-        if (walk_tree(ctx->sb, rel, path, &wo, &err) != CF_OK) {
-            tool_fail_error(res, &err);
-            goto out;
-        }
-    } else {
-        struct buf cmd;
-        int code;
-        buf_init(&cmd, TOOL_PATTERN_MAX * 4 + 8192);
-        if (!strcmp(engine, "rg")) {
-            buf_append_str(&cmd, "exec rg --no-config --null --line-number --with-filename "
-                                 "--no-heading --color=never --no-require-git --engine=auto "
-                                 "--no-ignore-global --no-ignore-exclude --no-ignore-parent");
-            if (literal) {
-                buf_append_str(&cmd, " --fixed-strings");
-            }
-            if (g.include) {
-                /* a file type filters without overriding hidden and ignore rules */
-                struct buf t;
-                buf_init(&t, TOOL_PATTERN_MAX);
-                buf_printf(&t, "cflueinclude:%s", g.include);
-                buf_append_str(&cmd, " --type-add");
-                shell_quote(&cmd, buf_cstr(&t));
-                buf_append_str(&cmd, " --type cflueinclude");
-                buf_cleanup(&t);
-            }
-        } else {
-            buf_append_str(&cmd,
-                           literal ? "LC_ALL=C exec grep -rnHZF" : "LC_ALL=C exec grep -rnHZE");
-            buf_append_str(&cmd, " --binary-files=without-match --devices=skip");
-            if (g.include) {
-                /* before the excludes: with both, the last matching option wins */
-                buf_append_str(&cmd, " --include");
-                shell_quote(&cmd, g.include);
-            }
-            /* hidden entries, but not the starting "." itself */
-            buf_append_str(&cmd, " --exclude='.*' --exclude-dir='.[!.]*' --exclude-dir='..?*'");
-        }
-        buf_append_str(&cmd, " -e");
-        shell_quote(&cmd, pattern);
-        buf_append_str(&cmd, " --");
-        shell_quote(&cmd, rel);
-        g.filter = ignore_filter_new(ctx->sb);
-        g.start_rel = rel;
-        enum cf_status rc = run_engine(&g, buf_cstr(&cmd), &code, &err);
-        buf_cleanup(&cmd);
-        if (rc != CF_OK) {
-            tool_fail(res, "The search could not run: %s", err.msg);
-            goto out;
-        }
-        if (code > 1 && g.hits.total == 0) {
-            tool_fail(res, "The search failed (%s exited with code %d).", engine, code);
-            goto out;
-        }
-    }
-    if (tool_cancelled(ctx)) {
-        tool_fail(res, "The search was cancelled or ran out of time before it finished.");
+    if (!search(&g, engine, pattern, literal, rel, path, res) ||
+        !list_hits(ctx, &g.hits, true, res)) {
         goto out;
     }
-    qsort(g.hits.items, g.hits.n, sizeof(struct hit), qsort_hit);
-    for (size_t i = 0; i < g.hits.n; i++) {
-        if (i) {
-            buf_append_str(&res->text, "\n");
-        }
-        append_path(&res->text, g.hits.items[i].path);
-        buf_printf(&res->text, ":%lld:%s", (long long)g.hits.items[i].line, g.hits.items[i].text);
-    }
-    json_object_set_new(res->details, "matches", json_integer((json_int_t)g.hits.total));
     if (g.hits.total == 0) {
         buf_printf(&res->text, "No matches for the pattern in %s.", path);
     } else if (g.hits.total > g.hits.n) {
@@ -605,7 +660,6 @@ void tool_glob_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
     char rel[WS_PATH_MAX];
     struct cf_error err;
     struct glob g = {.ctx = ctx, .pattern = pattern};
-    int fd;
     struct stat st;
 
     if (!path || !*path) {
@@ -629,14 +683,10 @@ void tool_glob_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
                   pattern);
         return;
     }
-    if (ws_relative(ctx->sb, path, rel, sizeof(rel), &err) != CF_OK ||
-        ws_open(ctx->sb, rel, O_PATH, 0, path, &fd, &err) != CF_OK) {
-        tool_fail_error(res, &err);
+    if (!search_root(ctx, path, rel, sizeof(rel), &st, res)) {
         return;
     }
-    int st_ok = fstat(fd, &st);
-    close(fd);
-    if (st_ok != 0 || !S_ISDIR(st.st_mode)) {
+    if (!S_ISDIR(st.st_mode)) {
         tool_fail(res, "%s is not a directory; glob searches directories.", path);
         return;
     }
@@ -647,18 +697,9 @@ void tool_glob_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
         tool_fail_error(res, &err);
         goto out;
     }
-    if (tool_cancelled(ctx)) {
-        tool_fail(res, "The search was cancelled or ran out of time before it finished.");
+    if (!list_hits(ctx, &g.hits, false, res)) {
         goto out;
     }
-    qsort(g.hits.items, g.hits.n, sizeof(struct hit), qsort_hit);
-    for (size_t i = 0; i < g.hits.n; i++) {
-        if (i) {
-            buf_append_str(&res->text, "\n");
-        }
-        append_path(&res->text, g.hits.items[i].path);
-    }
-    json_object_set_new(res->details, "matches", json_integer((json_int_t)g.hits.total));
     if (g.hits.total == 0) {
         buf_printf(&res->text, "No files named like %s under %s.", pattern, path);
     } else if (g.hits.total > g.hits.n) {
