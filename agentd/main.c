@@ -67,27 +67,46 @@ bool agentd_mark_abort(const char *submission_id)
 static Cflue__V1__ClaimResponse *reclaimed[256];
 static int n_reclaimed;
 
+/* claim asks storaged for work under this process's owner id and lease: submission_id (NULL:
+ * any queued or expired one), taking back this owner's own leases started before before_ms
+ * (0: none). */
+static enum cf_status claim(const char *submission_id, int64_t before_ms,
+                            Cflue__V1__ClaimResponse **out, struct cf_error *err)
+{
+    Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
+    Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
+    Google__Protobuf__Timestamp before = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+    ProtobufCMessage *resp = NULL;
+    req.owner_id = (char *)g_agentd.owner_id;
+    pbdur_set(&lease, g_agentd.lease_ms);
+    req.lease_duration = &lease;
+    if (submission_id) {
+        req.submission_id = (char *)submission_id;
+    }
+    if (before_ms) {
+        pbtime_set(&before, before_ms);
+        req.reclaim_started_before = &before;
+    }
+    enum cf_status rc = store_call(g_agentd.store, "Claim", &req.base,
+                                   &cflue__v1__claim_response__descriptor, 15000, &resp, err);
+    *out = (Cflue__V1__ClaimResponse *)resp;
+    return rc;
+}
+
 static void reclaim_own_work(void)
 {
     struct cf_error err;
     int64_t started = clock_now_ms();
     while (n_reclaimed < 256) {
-        Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
-        ProtobufCMessage *resp = NULL;
-        req.owner_id = (char *)g_agentd.owner_id;
-        Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
-        Google__Protobuf__Timestamp before = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
-        pbdur_set(&lease, g_agentd.lease_ms);
-        pbtime_set(&before, started);
-        req.lease_duration = &lease;
-        req.reclaim_started_before = &before;
-        if (store_call(g_agentd.store, "Claim", &req.base, &cflue__v1__claim_response__descriptor,
-                       15000, &resp, &err) != CF_OK) {
+        Cflue__V1__ClaimResponse *cl = NULL;
+        if (claim(NULL, started, &cl, &err) != CF_OK) {
+            if (cl) {
+                protobuf_c_message_free_unpacked(&cl->base, NULL);
+            }
             return;
         }
-        Cflue__V1__ClaimResponse *cl = (Cflue__V1__ClaimResponse *)resp;
         if (!cl->submission) {
-            protobuf_c_message_free_unpacked(resp, NULL);
+            protobuf_c_message_free_unpacked(&cl->base, NULL);
             return;
         }
         bool again = false;
@@ -96,7 +115,7 @@ static void reclaim_own_work(void)
                     !strcmp(reclaimed[i]->submission->submission_id, cl->submission->submission_id);
         }
         if (again) { /* clocks disagree: never take one submission twice */
-            protobuf_c_message_free_unpacked(resp, NULL);
+            protobuf_c_message_free_unpacked(&cl->base, NULL);
             return;
         }
         log_info("reclaimed", "submission=%s takeover=%d", cl->submission->submission_id,
@@ -200,19 +219,8 @@ static bool resume_one(void)
         return true; /* another worker here took it over meanwhile: never take it back */
     }
     int64_t next = r.delay_ms * 2 < RESUME_MAX_MS ? r.delay_ms * 2 : RESUME_MAX_MS;
-    Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
-    ProtobufCMessage *resp = NULL;
-    req.owner_id = (char *)g_agentd.owner_id;
-    Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
-    Google__Protobuf__Timestamp before = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
-    pbdur_set(&lease, g_agentd.lease_ms);
-    pbtime_set(&before, clock_now_ms() + 1);
-    req.lease_duration = &lease;
-    req.submission_id = r.submission_id;
-    req.reclaim_started_before = &before;
-    enum cf_status rc = store_call(g_agentd.store, "Claim", &req.base,
-                                   &cflue__v1__claim_response__descriptor, 15000, &resp, &err);
-    Cflue__V1__ClaimResponse *cl = (Cflue__V1__ClaimResponse *)resp;
+    Cflue__V1__ClaimResponse *cl = NULL;
+    enum cf_status rc = claim(r.submission_id, clock_now_ms() + 1, &cl, &err);
     if (rc == CF_OK && cl->submission) {
         log_info("resumed", "submission=%s attempt=%s count=%d", r.submission_id,
                  cl->fence->attempt_id, cl->submission->attempt_count);
@@ -226,8 +234,8 @@ static bool resume_one(void)
                  log_quote(q, sizeof(q), err.msg));
     }
     /* else: settled, or another process holds it now */
-    if (resp) {
-        protobuf_c_message_free_unpacked(resp, NULL);
+    if (cl) {
+        protobuf_c_message_free_unpacked(&cl->base, NULL);
     }
     return true;
 }
@@ -281,22 +289,15 @@ static void *worker_main(void *arg)
         if (resume_one()) {
             continue;
         }
-        Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
-        ProtobufCMessage *resp = NULL;
-        Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
-        pbdur_set(&lease, g_agentd.lease_ms);
-        req.owner_id = (char *)g_agentd.owner_id;
-        req.lease_duration = &lease;
-        enum cf_status rc = store_call(g_agentd.store, "Claim", &req.base,
-                                       &cflue__v1__claim_response__descriptor, 15000, &resp, &err);
-        Cflue__V1__ClaimResponse *cl = (Cflue__V1__ClaimResponse *)resp;
+        Cflue__V1__ClaimResponse *cl = NULL;
+        enum cf_status rc = claim(NULL, 0, &cl, &err);
         if (rc == CF_OK && cl->submission) {
             after_drive(turn_drive(cl), cl->submission->submission_id, RESUME_FIRST_MS);
-            protobuf_c_message_free_unpacked(resp, NULL);
+            protobuf_c_message_free_unpacked(&cl->base, NULL);
             continue;
         }
-        if (resp) {
-            protobuf_c_message_free_unpacked(resp, NULL);
+        if (cl) {
+            protobuf_c_message_free_unpacked(&cl->base, NULL);
         }
         note_claim_result(rc, &err);
         struct timespec ts;
