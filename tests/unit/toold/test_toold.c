@@ -249,6 +249,90 @@ static void test_proc(void)
     proc_env_free(env);
 }
 
+/* refuse_after_first takes one chunk and then refuses the rest (the caller wants no more). */
+static bool refuse_after_first(void *ctx, const char *p, size_t n)
+{
+    struct buf *b = ctx;
+    bool first = b->len == 0;
+    buf_append(b, p, n);
+    return first;
+}
+
+static int cancel_polls;
+static struct buf stderr_seen;
+
+static bool collect_stderr(void *ctx, const char *p, size_t n)
+{
+    (void)ctx;
+    buf_append(&stderr_seen, p, n);
+    return true;
+}
+
+static bool cancel_soon(void *ctx)
+{
+    (void)ctx;
+    return ++cancel_polls > 2;
+}
+
+/* The steps of proc_run: input fed on stdin, stderr on its own sink, a sink that refuses
+ * output and a caller that cancels both stop the command (cancelled, not timed out). */
+static void test_proc_streams(void)
+{
+    struct cf_error err;
+    struct proc_result r;
+    struct buf out;
+    char **env = proc_base_env(NULL, 0);
+    buf_init(&out, 4096);
+    buf_init(&stderr_seen, 4096);
+    const char *argv[] = {"bash", "-c", "read line; echo got $line; echo oops >&2", NULL};
+    struct proc_spec spec = {.argv = argv,
+                             .cwd = sb->root,
+                             .envp = env,
+                             .timeout_ms = 5000,
+                             .stdin_data = "hello\n",
+                             .stdin_len = 6,
+                             .on_output = collect,
+                             .on_stderr = collect_stderr,
+                             .ctx = &out};
+    CHECK(proc_run(&spec, &r, &err) == CF_OK);
+    CHECK(r.exit_code == 0 && !r.timed_out && !r.cancelled);
+    CHECK_STR(buf_cstr(&out), "got hello\n");
+    CHECK_STR(buf_cstr(&stderr_seen), "oops\n");
+
+    /* stdin without data is /dev/null: read fails at once */
+    buf_reset(&out);
+    spec.stdin_data = NULL;
+    spec.stdin_len = 0;
+    spec.on_stderr = NULL;
+    const char *argv2[] = {"bash", "-c", "read line || echo eof", NULL};
+    spec.argv = argv2;
+    CHECK(proc_run(&spec, &r, &err) == CF_OK);
+    CHECK_STR(buf_cstr(&out), "eof\n");
+
+    /* a sink that refuses output stops a command that would run for a long time */
+    buf_reset(&out);
+    const char *argv3[] = {"bash", "-c", "while :; do echo y; sleep 0.05; done", NULL};
+    spec.argv = argv3;
+    spec.on_output = refuse_after_first;
+    int64_t t0 = clock_mono_ms();
+    CHECK(proc_run(&spec, &r, &err) == CF_OK);
+    CHECK(r.cancelled && !r.timed_out);
+    CHECK(clock_mono_ms() - t0 < 4000);
+
+    /* a caller that goes away */
+    buf_reset(&out);
+    cancel_polls = 0;
+    spec.on_output = collect;
+    spec.cancelled = cancel_soon;
+    t0 = clock_mono_ms();
+    CHECK(proc_run(&spec, &r, &err) == CF_OK);
+    CHECK(r.cancelled && !r.timed_out);
+    CHECK(clock_mono_ms() - t0 < 4000);
+    buf_cleanup(&out);
+    buf_cleanup(&stderr_seen);
+    proc_env_free(env);
+}
+
 /* orphan_pid is the pid the orphan wrote to pidfile, or 0 when it never ran. */
 static int orphan_pid(const char *pidfile)
 {
@@ -341,6 +425,7 @@ int main(int argc, char **argv)
     test_dirpage();
     test_locks();
     test_proc();
+    test_proc_streams();
     /* this test binary is the runner too; by its real path (under valgrind, /proc/self/exe
      * given to exec would start valgrind's tool, while readlink names the client) */
     char self[PATH_MAX];
@@ -349,6 +434,7 @@ int main(int argc, char **argv)
     self[self_len > 0 ? self_len : 0] = '\0';
     proc_set_runner(self);
     test_proc();
+    test_proc_streams();
     test_proc_setsid();
     workspaces_free(ws);
     char cmd[128];
