@@ -45,9 +45,10 @@ typedef void (*rpc_handler_fn)(struct rpc_call *call, const ProtobufCMessage *re
  * without running its handler. Requests are decoded on the worker (or the call's own thread),
  * never on a poller, except small RPC_INLINE requests such as health checks, which are
  * therefore answered while the queue is full. RPC_THREAD calls beyond max_threads, or whose
- * thread cannot start, get RESOURCE_EXHAUSTED. RPC_ASYNC calls are admitted like RPC_POOL
- * calls, and refused with RESOURCE_EXHAUSTED while the open RPC_ASYNC calls, each charged
- * RPC_ASYNC_CALL_BYTES, would exceed max_stream_memory. */
+ * thread cannot start, get RESOURCE_EXHAUSTED. RPC_ASYNC calls wait for a worker in the same
+ * FIFO, bounded by max_queue_bytes but not by max_queue (a burst of streams opening at once is
+ * served in order), and are refused with RESOURCE_EXHAUSTED while the open RPC_ASYNC calls,
+ * each charged RPC_ASYNC_CALL_BYTES, would exceed max_stream_memory. */
 struct rpc_server_opts {
     int pollers;               /* completion-queue threads; 0: 2 */
     int workers;               /* RPC_POOL threads; 0: 8 */

@@ -732,7 +732,10 @@ static void enqueue(struct rpc_call *c, size_t bytes)
 {
     struct rpc_server *s = c->srv;
     pthread_mutex_lock(&s->mu);
-    if (s->queue_len >= s->opts.max_queue ||
+    /* RPC_ASYNC calls are bounded by max_stream_memory instead of the count: a burst of
+     * streams opening at once (watchers reconnecting) is admitted and served in order */
+    bool counted = c->m->mode != RPC_ASYNC;
+    if ((counted && s->queue_len >= s->opts.max_queue) ||
         (s->queue_len > 0 && s->queue_bytes + bytes > (size_t)s->opts.max_queue_bytes)) {
         int len = s->queue_len;
         size_t qbytes = s->queue_bytes;

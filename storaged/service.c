@@ -3,32 +3,44 @@
  * Writes: validated on the receiving thread, then queued to the writer; the reply is sent from
  * the writer's completion callback, after COMMIT. Reads: run on the server's worker pool, each
  * inside one read transaction on a pooled reader connection, so a response is one consistent
- * snapshot. Follow: a thread per stream, woken by the writer's notifier; it reads in batches of
- * at most FOLLOW_PAGE records and LEDGER_FOLLOW_BYTES bytes (always one record at least) and
- * sends one record per message, so no message is larger than one record.
+ * snapshot. Follow: an event-driven stream (RPC_ASYNC) that holds no thread while idle. It is
+ * registered in the follow hub under its conversation; when a write that appended records
+ * commits, the write's completion wakes that conversation's followers (all followers when the
+ * conversation cannot be told), and a pool worker reads what is new in batches of at most
+ * FOLLOW_PAGE records and LEDGER_FOLLOW_BYTES bytes (always one record at least) and pushes one
+ * record per message, so no message is larger than one record.
+ *
+ * A follower's states: IDLE (waiting for a wake), QUEUED or RUNNING (a read is scheduled or
+ * under way; a wake meanwhile sets `dirty` so it reads again), PAUSED (its send queue is full:
+ * it resumes from rpc's drained callback, re-reading from the last offset pushed), FINISHED.
+ * The follower is freed when both the call let go of it (release) and no read is queued.
  */
 #include "service.h"
 
 #include "clock.h"
 #include "db.h"
+#include "follow_hub.h"
 #include "log.h"
 #include "mem.h"
 #include "validate.h"
 
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define READERS_MAX 32
 #define FOLLOW_PAGE 200
-#define FOLLOW_POLL_MS 500
+#define WAKE_CONVERSATIONS_MAX 8 /* a write touching more wakes every follower */
 
 struct service {
     char *db_path;
     struct writer *writer;
     struct notifier *notifier;
     const struct ledger_config *cfg;
+    struct follow_hub *hub;
+    struct rpc_server *srv;
     pthread_mutex_t mu;
     sqlite3 *idle[READERS_MAX];
     int n_idle;
@@ -202,6 +214,10 @@ struct pending {
     const ProtobufCMessage *req;
     ProtobufCMessage *resp;
     int64_t started_ms;
+    struct service *svc;
+    bool appended;                             /* the write appended records */
+    const char *woken[WAKE_CONVERSATIONS_MAX]; /* their conversations (arena) */
+    int n_woken;                               /* -1: unknown, wake every follower */
 };
 
 static void log_result(const struct pending *p, enum cf_status st, const struct cf_error *err)
@@ -240,10 +256,28 @@ static void log_result(const struct pending *p, enum cf_status st, const struct 
     }
 }
 
+/* wake_followers wakes the followers of what a committed write appended. */
+static void wake_followers(struct pending *p)
+{
+    if (!p->appended) {
+        return;
+    }
+    if (p->n_woken < 0) {
+        follow_hub_wake_all(p->svc->hub);
+        return;
+    }
+    for (int i = 0; i < p->n_woken; i++) {
+        follow_hub_wake(p->svc->hub, p->woken[i]);
+    }
+}
+
 static void complete(void *arg, enum cf_status st, const struct cf_error *err)
 {
     struct pending *p = arg;
     log_result(p, st, err);
+    if (st == CF_OK) {
+        wake_followers(p);
+    }
     if (st == CF_OK) {
         rpc_call_reply(p->call, p->resp);
     } else {
@@ -253,10 +287,96 @@ static void complete(void *arg, enum cf_status st, const struct cf_error *err)
     free(p);
 }
 
+static void woken_add(struct pending *p, const char *conversation_id)
+{
+    if (p->n_woken < 0 || !conversation_id || !*conversation_id) {
+        return;
+    }
+    for (int i = 0; i < p->n_woken; i++) {
+        if (!strcmp(p->woken[i], conversation_id)) {
+            return;
+        }
+    }
+    if (p->n_woken == WAKE_CONVERSATIONS_MAX) {
+        p->n_woken = -1;
+        return;
+    }
+    p->woken[p->n_woken++] = arena_strdup(&p->arena, conversation_id);
+}
+
+/* woken_by_submission adds the conversation of a submission, read in the write's own
+ * transaction; unknown: every follower is woken. */
+static void woken_by_submission(struct ledger_ctx *c, struct pending *p, const char *submission_id)
+{
+    Cflue__V1__Submission sub;
+    struct cf_error err;
+    if (!submission_id || !*submission_id || ledger_get(c, submission_id, &sub, &err) != CF_OK) {
+        p->n_woken = -1;
+        return;
+    }
+    woken_add(p, sub.conversation_id);
+}
+
+/* note_appended records which conversations a write that appended records touched, from its
+ * response or request (one ledger_get for Append and RequestAbort); -1 when it cannot tell. */
+static void note_appended(struct ledger_ctx *c, struct pending *p)
+{
+    const char *name = p->m->name;
+    p->appended = true;
+    if (p->m->resp_desc == &cflue__v1__submission__descriptor) {
+        woken_add(p, ((const Cflue__V1__Submission *)p->resp)->conversation_id);
+    } else if (!strcmp(name, "Admit")) {
+        const Cflue__V1__AdmitResponse *r = (const void *)p->resp;
+        woken_add(p, r->submission ? r->submission->conversation_id : NULL);
+    } else if (!strcmp(name, "Claim")) {
+        const Cflue__V1__ClaimResponse *r = (const void *)p->resp;
+        woken_add(p, r->submission ? r->submission->conversation_id : NULL);
+    } else if (!strcmp(name, "Settle")) {
+        const Cflue__V1__SettleResponse *r = (const void *)p->resp;
+        woken_add(p, r->submission ? r->submission->conversation_id : NULL);
+        for (size_t i = 0; i < r->n_settled_with; i++) {
+            woken_by_submission(c, p, r->settled_with[i]);
+        }
+    } else if (!strcmp(name, "Append")) {
+        const Cflue__V1__AppendRequest *r = (const void *)p->req;
+        woken_by_submission(c, p, r->fence ? r->fence->submission_id : NULL);
+    } else if (!strcmp(name, "RequestAbort")) {
+        const Cflue__V1__RequestAbortRequest *r = (const void *)p->req;
+        if (r->target_case == CFLUE__V1__REQUEST_ABORT_REQUEST__TARGET_CONVERSATION_ID) {
+            woken_add(p, r->conversation_id);
+        } else {
+            woken_by_submission(c, p, r->submission_id);
+        }
+    } else if (!strcmp(name, "ScanExpired")) {
+        const Cflue__V1__ListResponse *r = (const void *)p->resp;
+        for (size_t i = 0; i < r->n_submissions; i++) {
+            woken_add(p, r->submissions[i]->conversation_id);
+        }
+    } else if (!strcmp(name, "ClaimJoinable")) {
+        const Cflue__V1__ClaimJoinableResponse *r = (const void *)p->resp;
+        for (size_t i = 0; i < r->n_submissions; i++) {
+            woken_add(p, r->submissions[i]->conversation_id);
+        }
+    } else {
+        p->n_woken = -1;
+    }
+    if (p->n_woken == 0) {
+        p->n_woken = -1; /* appended, yet nothing named: be safe */
+    }
+}
+
 static enum cf_status run_write(struct ledger_ctx *c, void *arg, struct cf_error *err)
 {
     struct pending *p = arg;
-    return p->m->run(c, p->req, p->resp, err);
+    bool before = c->appended; /* the ctx is shared by the batch: learn what this job did */
+    c->appended = false;
+    enum cf_status st = p->m->run(c, p->req, p->resp, err);
+    bool appended = c->appended;
+    if (st == CF_OK && appended) {
+        note_appended(c, p);
+    }
+    c->appended = before || appended;
+    return st;
 }
 
 /* The method table is static and shared; each registration binds it to the service. */
@@ -275,6 +395,7 @@ static void dispatch(struct rpc_call *call, const ProtobufCMessage *req, void *u
 
     p->call = call;
     p->m = m;
+    p->svc = b->svc;
     p->req = req;
     p->started_ms = clock_mono_ms();
     arena_init(&p->arena);
@@ -300,6 +421,201 @@ static void dispatch(struct rpc_call *call, const ProtobufCMessage *req, void *u
 
 /* ---------- Follow ---------- */
 
+enum follow_state { F_IDLE, F_QUEUED, F_RUNNING };
+
+struct follower {
+    struct service *svc;
+    struct rpc_call *call;
+    struct follow_waiter waiter; /* in svc->hub while the stream is open */
+    struct rpc_work work;        /* a read on the worker pool */
+    pthread_mutex_t mu;
+    char *conversation_id;
+    char settled_id[256]; /* "settled:<until_settled>", or "" */
+    int64_t cursor;       /* the last offset pushed */
+    enum follow_state state;
+    bool dirty;    /* woken while a read was queued or running: read again */
+    bool paused;   /* the send queue is full: wait for drained */
+    bool finished; /* rpc_call_finish called (or about to be) */
+    int refs;      /* the call (until release) and a queued or running read */
+};
+
+static void follower_unref(struct follower *f)
+{
+    pthread_mutex_lock(&f->mu);
+    int left = --f->refs;
+    pthread_mutex_unlock(&f->mu);
+    if (left == 0) {
+        pthread_mutex_destroy(&f->mu);
+        free(f->conversation_id);
+        free(f);
+    }
+}
+
+/* schedule_locked queues a read unless one is queued or running (then it reads again) or the
+ * stream is paused or over. With f->mu held. */
+static void schedule_locked(struct follower *f)
+{
+    if (f->finished || f->paused) {
+        return;
+    }
+    if (f->state != F_IDLE) {
+        f->dirty = true;
+        return;
+    }
+    f->state = F_QUEUED;
+    f->refs++;
+    if (!rpc_server_post(f->svc->srv, &f->work)) {
+        f->state = F_IDLE;
+        f->refs--; /* the call's reference remains */
+    }
+}
+
+/* follow_end finishes the stream once: with err when not NULL, else with code and details. */
+static void follow_end(struct follower *f, grpc_status_code code, const char *details,
+                       const struct cf_error *err)
+{
+    pthread_mutex_lock(&f->mu);
+    bool was = f->finished;
+    f->finished = true;
+    pthread_mutex_unlock(&f->mu);
+    if (was) {
+        return;
+    }
+    follow_hub_remove(f->svc->hub, &f->waiter);
+    if (err) {
+        rpc_call_fail_error(f->call, err);
+    } else {
+        rpc_call_finish(f->call, code, details);
+    }
+}
+
+static void follow_wake(struct follow_waiter *w)
+{
+    struct follower *f = (struct follower *)((char *)w - offsetof(struct follower, waiter));
+    pthread_mutex_lock(&f->mu);
+    schedule_locked(f);
+    pthread_mutex_unlock(&f->mu);
+}
+
+static void follow_drained(void *arg)
+{
+    struct follower *f = arg;
+    pthread_mutex_lock(&f->mu);
+    f->paused = false;
+    schedule_locked(f);
+    pthread_mutex_unlock(&f->mu);
+}
+
+static void follow_ended(void *arg, enum rpc_end why)
+{
+    follow_end(arg, why == RPC_END_SHUTDOWN ? GRPC_STATUS_UNAVAILABLE : GRPC_STATUS_CANCELLED,
+               "the stream ended; resume from the last offset received", NULL);
+}
+
+static void follow_release(void *arg)
+{
+    follower_unref(arg);
+}
+
+static const struct rpc_async_ops follow_ops = {follow_ended, follow_drained, follow_release};
+
+/* read_batch reads one batch after f's cursor and pushes it; *more_out: the batch stopped at
+ * its count or byte bound. Finishes the stream on an error, at until_settled, or when the call
+ * is dead. Pauses (f->paused) when the send queue fills. Returns false when the stream is over
+ * or paused. */
+static bool read_batch(struct follower *f, bool *more_out)
+{
+    struct service *svc = f->svc;
+    struct cf_error err;
+    struct arena a;
+    sqlite3 *db;
+    enum cf_status st;
+    Cflue__V1__ReadRequest rq = CFLUE__V1__READ_REQUEST__INIT;
+    Cflue__V1__ReadResponse rs = CFLUE__V1__READ_RESPONSE__INIT;
+
+    *more_out = false;
+    cf_error_clear(&err);
+    rq.conversation_id = f->conversation_id;
+    pthread_mutex_lock(&f->mu);
+    rq.after_offset = f->cursor;
+    pthread_mutex_unlock(&f->mu);
+    rq.page_size = FOLLOW_PAGE;
+    arena_init(&a);
+    if ((st = reader_begin(svc, &db, &err)) == CF_OK) {
+        struct ledger_ctx ctx = {.db = db, .arena = &a, .cfg = svc->cfg, .now = clock_now_ms()};
+        int64_t budget = ledger_page_bytes(svc->cfg);
+        st = ledger_read_bytes(
+            &ctx, &rq, budget < LEDGER_FOLLOW_BYTES ? budget : LEDGER_FOLLOW_BYTES, &rs, &err);
+        reader_end(svc, db);
+    }
+    if (st != CF_OK) {
+        arena_cleanup(&a);
+        follow_end(f, GRPC_STATUS_OK, NULL, &err);
+        return false;
+    }
+    bool done = false, dead = false, paused = false;
+    /* pushes under f->mu: drained (which takes it) then comes after paused is set */
+    pthread_mutex_lock(&f->mu);
+    for (size_t i = 0; i < rs.n_records && !done && !paused && !f->finished; i++) {
+        int r = rpc_call_push(f->call, &rs.records[i]->base);
+        if (r < 0) {
+            dead = true;
+            break;
+        }
+        f->cursor = rs.records[i]->offset;
+        done = *f->settled_id && !strcmp(rs.records[i]->id, f->settled_id);
+        if (r == 0) {
+            paused = f->paused = true;
+        }
+    }
+    bool over = f->finished;
+    pthread_mutex_unlock(&f->mu);
+    *more_out = *rs.next_page_token != 0;
+    arena_cleanup(&a);
+    if (done) {
+        follow_end(f, GRPC_STATUS_OK, NULL, NULL);
+        return false;
+    }
+    if (dead) {
+        follow_end(f, GRPC_STATUS_CANCELLED, "the stream was cancelled", NULL);
+        return false;
+    }
+    return !over && !paused;
+}
+
+/* follow_run reads and pushes until nothing new is left, then goes idle; runs on a worker
+ * holding a reference, which it drops. */
+static void follow_run(struct follower *f)
+{
+    pthread_mutex_lock(&f->mu);
+    f->state = F_RUNNING;
+    pthread_mutex_unlock(&f->mu);
+    for (;;) {
+        pthread_mutex_lock(&f->mu);
+        f->dirty = false;
+        pthread_mutex_unlock(&f->mu);
+        bool more;
+        if (read_batch(f, &more) && more) {
+            continue;
+        }
+        pthread_mutex_lock(&f->mu);
+        bool again = f->dirty && !f->paused && !f->finished;
+        if (!again) {
+            f->state = F_IDLE;
+        }
+        pthread_mutex_unlock(&f->mu);
+        if (!again) {
+            break;
+        }
+    }
+    follower_unref(f);
+}
+
+static void follow_work(struct rpc_work *w)
+{
+    follow_run((struct follower *)((char *)w - offsetof(struct follower, work)));
+}
+
 static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *user)
 {
     struct service *svc = user;
@@ -308,7 +624,6 @@ static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *use
     struct arena a;
     enum cf_status st;
     char settled_id[256] = "";
-    int64_t cursor = req->after_offset;
     bool done = false;
 
     cf_error_clear(&err);
@@ -357,54 +672,33 @@ static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *use
         return;
     }
     log_debug("store.follow", "conversation=%s after=%lld", req->conversation_id,
-              (long long)cursor);
+              (long long)req->after_offset);
 
-    for (;;) {
-        uint64_t seen = notifier_version(svc->notifier);
-        Cflue__V1__ReadRequest rq = CFLUE__V1__READ_REQUEST__INIT;
-        Cflue__V1__ReadResponse rs = CFLUE__V1__READ_RESPONSE__INIT;
-        rq.conversation_id = req->conversation_id;
-        rq.after_offset = cursor;
-        rq.page_size = FOLLOW_PAGE;
-        arena_init(&a);
-        if ((st = reader_begin(svc, &db, &err)) == CF_OK) {
-            struct ledger_ctx ctx = {.db = db, .arena = &a, .cfg = svc->cfg, .now = clock_now_ms()};
-            int64_t budget = ledger_page_bytes(svc->cfg);
-            st = ledger_read_bytes(
-                &ctx, &rq, budget < LEDGER_FOLLOW_BYTES ? budget : LEDGER_FOLLOW_BYTES, &rs, &err);
-            reader_end(svc, db);
-        }
-        if (st != CF_OK) {
-            arena_cleanup(&a);
-            rpc_call_fail_error(call, &err);
-            return;
-        }
-        for (size_t i = 0; i < rs.n_records && !done; i++) {
-            if (!rpc_call_send(call, &rs.records[i]->base)) {
-                arena_cleanup(&a);
-                rpc_call_finish(call, GRPC_STATUS_CANCELLED, "the stream was cancelled");
-                return;
-            }
-            cursor = rs.records[i]->offset;
-            done = *settled_id && !strcmp(rs.records[i]->id, settled_id);
-        }
-        bool more = *rs.next_page_token != 0; /* the batch stopped at its count or byte bound */
-        arena_cleanup(&a);
-        if (done) {
-            rpc_call_finish(call, GRPC_STATUS_OK, NULL);
-            return;
-        }
-        if (rpc_call_cancelled(call)) {
-            rpc_call_finish(call,
-                            rpc_server_stopping(rpc_call_server(call)) ? GRPC_STATUS_UNAVAILABLE
-                                                                       : GRPC_STATUS_CANCELLED,
-                            "the stream ended; resume from the last offset received");
-            return;
-        }
-        if (!more) {
-            notifier_wait(svc->notifier, seen, FOLLOW_POLL_MS);
-        }
+    struct follower *f = mem_alloc(sizeof(*f));
+    f->svc = svc;
+    f->call = call;
+    f->conversation_id = mem_strdup(req->conversation_id);
+    snprintf(f->settled_id, sizeof(f->settled_id), "%s", settled_id);
+    f->cursor = req->after_offset;
+    f->state = F_RUNNING; /* this worker runs the first read */
+    f->refs = 2;          /* the call, and this worker */
+    f->work.fn = follow_work;
+    f->waiter.conversation_id = f->conversation_id;
+    f->waiter.wake = follow_wake;
+    pthread_mutex_init(&f->mu, NULL);
+    /* registered before the first read, so no commit after it goes unnoticed */
+    follow_hub_add(svc->hub, &f->waiter);
+    if (!rpc_call_async(call, &follow_ops, f)) {
+        follow_hub_remove(svc->hub, &f->waiter);
+        rpc_call_finish(call,
+                        rpc_server_stopping(rpc_call_server(call)) ? GRPC_STATUS_UNAVAILABLE
+                                                                   : GRPC_STATUS_CANCELLED,
+                        "the stream ended; resume from the last offset received");
+        f->refs = 1;
+        follower_unref(f);
+        return;
     }
+    follow_run(f);
 }
 
 /* ---------- lifecycle ---------- */
@@ -419,6 +713,7 @@ struct service *service_new(const char *db_path, struct writer *w, struct notifi
     svc->writer = w;
     svc->notifier = n;
     svc->cfg = cfg;
+    svc->hub = follow_hub_new();
     pthread_mutex_init(&svc->mu, NULL);
     return svc;
 }
@@ -435,8 +730,9 @@ void service_register(struct service *svc, struct rpc_server *srv)
             methods[i].write && strcmp(methods[i].name, "Append") != 0 ? RPC_INLINE : RPC_POOL;
         rpc_server_add_method(srv, path, methods[i].req_desc, dispatch, &bindings[i], mode);
     }
+    svc->srv = srv;
     rpc_server_add_method(srv, "/cflue.v1.Store/Follow", &cflue__v1__follow_request__descriptor,
-                          follow, svc, RPC_THREAD);
+                          follow, svc, RPC_ASYNC);
 }
 
 void service_free(struct service *svc)
@@ -447,6 +743,7 @@ void service_free(struct service *svc)
     for (int i = 0; i < svc->n_idle; i++) {
         sqlite3_close(svc->idle[i]);
     }
+    follow_hub_free(svc->hub);
     pthread_mutex_destroy(&svc->mu);
     free(svc->db_path);
     free(svc);

@@ -1,0 +1,138 @@
+"""Streams cost no thread: thousands of idle Follow streams on one storaged, served by the
+event-driven RPC_ASYNC mode (docs/rpc.md), while unary calls keep their latency and a watched
+conversation's records reach every follower promptly. The daemon's thread count
+(/proc/<pid>/status Threads) stays where it was without the streams.
+
+The streams are opened by a child process with grpc.aio (one event loop, no thread per
+stream); it prints its measurements as JSON and exits without closing its channel (closing an
+aio channel with thousands of finished calls hangs in grpcio 1.51), which ends its streams."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import unittest
+
+import grpc
+
+from cflue_harness import (
+    StoragedTestCase, channel_options, common_pb2, store_pb2,
+    admit, claim, get, record)
+
+STREAMS = int(os.environ.get('STREAMS_N', '2000'))
+HOT = STREAMS // 2  # followers of the one conversation that gets records
+COLD_CONVERSATIONS = 10
+
+
+def proc_status(pid, key):
+    with open('/proc/%d/status' % pid) as f:
+        for line in f:
+            if line.startswith(key + ':'):
+                return int(line.split()[1])
+    return -1
+
+
+async def follow_load(target, pid, submission_id, fence_bytes, streams, hot):
+    """The child's part: open the streams, measure, append, measure delivery."""
+    report = {}
+    ch = grpc.aio.insecure_channel(target, options=channel_options())
+    follow = ch.unary_stream('/cflue.v1.Store/Follow',
+                             request_serializer=store_pb2.FollowRequest.SerializeToString,
+                             response_deserializer=common_pb2.Record.FromString)
+    get_ = ch.unary_unary('/cflue.v1.Store/Get',
+                          request_serializer=store_pb2.GetRequest.SerializeToString,
+                          response_deserializer=common_pb2.Submission.FromString)
+    append_ = ch.unary_unary('/cflue.v1.Store/Append',
+                             request_serializer=store_pb2.AppendRequest.SerializeToString,
+                             response_deserializer=store_pb2.AppendResponse.FromString)
+    got = [[] for _ in range(streams)]
+    errors = []
+
+    def conv(i):
+        return 'hot' if i < hot else 'cold-%d' % (i % COLD_CONVERSATIONS)
+
+    async def consume(i):
+        call = follow(store_pb2.FollowRequest(conversation_id=conv(i), after_offset=-1),
+                      timeout=120)
+        try:
+            async for r in call:
+                got[i].append((time.monotonic(), r.offset))
+        except grpc.aio.AioRpcError as e:
+            errors.append([i, str(e.code()), e.details()])
+
+    tasks = [asyncio.ensure_future(consume(i)) for i in range(streams)]
+    await asyncio.sleep(3.0)  # every stream opened and went idle
+    report['threads'] = proc_status(pid, 'Threads')
+    report['rss'] = proc_status(pid, 'VmRSS')
+    worst = 0.0
+    for _ in range(20):
+        t0 = time.monotonic()
+        await get_(store_pb2.GetRequest(submission_id=submission_id), timeout=10)
+        worst = max(worst, time.monotonic() - t0)
+    report['get_worst_ms'] = worst * 1000
+    fence = store_pb2.Fence.FromString(fence_bytes)
+    req = store_pb2.AppendRequest(fence=fence)
+    for rid in ('r1', 'r2', 'r3'):
+        req.records.add().CopyFrom(record(id_=rid))
+    t0 = time.monotonic()
+    await append_(req, timeout=10)
+    deadline = t0 + 20
+    while time.monotonic() < deadline and not all(len(got[i]) >= 3 for i in range(hot)):
+        await asyncio.sleep(0.02)
+    arrived = [got[i][2][0] - t0 for i in range(hot) if len(got[i]) >= 3]
+    report['delivered'] = len(arrived)
+    report['last_ms'] = max(arrived) * 1000 if arrived else -1
+    report['order_ok'] = all([o for _, o in got[i][:3]] == [0, 1, 2] for i in range(hot))
+    report['cold_quiet'] = all(not got[i] for i in range(hot, streams))
+    report['errors'] = errors[:5]
+    report['threads_after'] = proc_status(pid, 'Threads')
+    sys.stdout.write(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)  # no channel close, no loop teardown: the process exit ends the streams
+
+
+class FollowStreamsTest(StoragedTestCase):
+
+    def test_two_thousand_idle_follows(self):
+        sd = self.storaged
+        stub = sd.stub
+        hot = admit(stub, conv='hot', text='x', key='hot-1')
+        fence = claim(stub, owner='streams', conversation_id='hot').fence
+        for k in range(COLD_CONVERSATIONS):
+            admit(stub, conv='cold-%d' % k, text='x', key='cold-%d' % k)
+        threads0 = proc_status(sd.pid, 'Threads')
+        rss0 = proc_status(sd.pid, 'VmRSS')
+        t0 = time.monotonic()
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), '--follow-load', sd.target, str(sd.pid),
+             hot.submission.submission_id, fence.SerializeToString().hex(), str(STREAMS),
+             str(HOT)],
+            stdout=subprocess.PIPE, timeout=120, check=True)
+        report = json.loads(out.stdout.decode())
+        print('\nstoraged: %d idle Follow streams: threads %d -> %d, RSS %d -> %d KiB '
+              '(%.1f KiB per stream); Get worst %.1f ms; %d/%d hot followers had 3 records '
+              'after %.0f ms; %.1f s in all'
+              % (STREAMS, threads0, report['threads'], rss0, report['rss'],
+                 (report['rss'] - rss0) / float(STREAMS), report['get_worst_ms'],
+                 report['delivered'], HOT, report['last_ms'], time.monotonic() - t0))
+        self.assertEqual(report['errors'], [])
+        self.assertLessEqual(report['threads'] - threads0, 4)
+        self.assertLessEqual(report['threads_after'] - threads0, 4)
+        self.assertLess(report['get_worst_ms'], 1000)
+        self.assertEqual(report['delivered'], HOT)
+        self.assertLess(report['last_ms'], 5000)
+        self.assertTrue(report['order_ok'])
+        self.assertTrue(report['cold_quiet'])
+        # the child's streams ended with it: storaged forgets them and keeps serving
+        self.assertEqual(get(stub, hot.submission.submission_id).submission_id,
+                         hot.submission.submission_id)
+
+
+if __name__ == '__main__':
+    if len(sys.argv) > 1 and sys.argv[1] == '--follow-load':
+        a = sys.argv[2:]
+        asyncio.run(follow_load(a[0], int(a[1]), a[2], bytes.fromhex(a[3]), int(a[4]),
+                                int(a[5])))
+    unittest.main()
