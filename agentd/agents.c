@@ -81,35 +81,209 @@ static enum cf_status string_list(yaml_document_t *doc, yaml_node_t *n, const ch
 static const char *known_keys[] = {"name",   "description", "model",      "sandbox",   "agents",
                                    "skills", "tools",       "compaction", "durability"};
 
-enum cf_status agents_parse(const char *text, const char *name_hint, const char *file,
-                            struct agent_def *a, struct cf_error *err)
+/* split_frontmatter finds the YAML frontmatter between the leading '---' lines and the body
+ * after it. */
+static enum cf_status split_frontmatter(const char *text, const char *file, const char **fm,
+                                        size_t *fm_len, const char **body, struct cf_error *err)
 {
-    yaml_parser_t parser;
-    yaml_document_t doc;
-    enum cf_status rc = CF_OK;
-    memset(a, 0, sizeof(*a));
-
     if (strncmp(text, "---\n", 4) != 0 && strncmp(text, "---\r\n", 5) != 0) {
         return cf_error_set(err, CF_INVALID,
                             "%s: the file must start with YAML frontmatter between '---' lines",
                             file);
     }
-    const char *fm = strchr(text, '\n') + 1;
-    const char *end = strstr(fm, "\n---");
-    if (!end && !strncmp(fm, "---", 3)) {
-        end = fm - 1;
+    const char *start = strchr(text, '\n') + 1;
+    const char *end = strstr(start, "\n---");
+    if (!end && !strncmp(start, "---", 3)) {
+        end = start - 1;
     }
     if (!end) {
         return cf_error_set(err, CF_INVALID, "%s: the frontmatter has no closing '---' line", file);
     }
-    const char *body = strchr(end + 1, '\n');
-    body = body ? body + 1 : end + strlen(end);
-    while (*body == '\n' || *body == '\r') {
-        body++;
+    const char *b = strchr(end + 1, '\n');
+    b = b ? b + 1 : end + strlen(end);
+    while (*b == '\n' || *b == '\r') {
+        b++;
+    }
+    *fm = start;
+    *fm_len = end > start ? (size_t)(end - start) : 0;
+    *body = b;
+    return CF_OK;
+}
+
+/* check_known_fields refuses a frontmatter field this version does not know. */
+static enum cf_status check_known_fields(yaml_document_t *doc, yaml_node_t *root, const char *file,
+                                         struct cf_error *err)
+{
+    for (yaml_node_pair_t *p = root->data.mapping.pairs.start; p < root->data.mapping.pairs.top;
+         p++) {
+        yaml_node_t *k = yaml_document_get_node(doc, p->key);
+        bool known = false;
+        for (size_t i = 0; k && k->type == YAML_SCALAR_NODE && i < 9; i++) {
+            known = known || !strcmp((char *)k->data.scalar.value, known_keys[i]);
+        }
+        if (!known) {
+            return cf_error_set(
+                err, CF_INVALID,
+                "%s: %s: unknown field (known: name, description, model, sandbox, "
+                "agents, skills, tools, compaction, durability)",
+                file, k && k->type == YAML_SCALAR_NODE ? (char *)k->data.scalar.value : "?");
+        }
+    }
+    return CF_OK;
+}
+
+/* parse_identity reads name (defaulting to the file's stem), description and model. */
+static enum cf_status parse_identity(yaml_document_t *doc, yaml_node_t *root, const char *name_hint,
+                                     const char *file, struct agent_def *a, struct cf_error *err)
+{
+    enum cf_status rc;
+    if ((rc = scalar(map_get(doc, root, "name"), file, "name", &a->name, err)) != CF_OK ||
+        (rc = scalar(map_get(doc, root, "description"), file, "description", &a->description,
+                     err)) != CF_OK ||
+        (rc = scalar(map_get(doc, root, "model"), file, "model", &a->model, err)) != CF_OK) {
+        return rc;
+    }
+    if (!a->name) {
+        a->name = mem_strdup(name_hint);
+    } else if (name_hint && strcmp(a->name, name_hint) != 0) {
+        return cf_error_set(err, CF_INVALID, "%s: name: '%s' does not match the file name '%s.md'",
+                            file, a->name, name_hint);
+    }
+    if (!ids_valid_name(a->name, 128)) {
+        return cf_error_set(err, CF_INVALID, "%s: name: use 1 to 128 of A-Z a-z 0-9 . _ -", file);
+    }
+    if (!a->model) {
+        return cf_error_set(err, CF_INVALID,
+                            "%s: model: required (e.g. anthropic/claude-sonnet-4-5)", file);
+    }
+    const char *slash = strchr(a->model, '/');
+    if (!slash || slash == a->model || !slash[1]) {
+        return cf_error_set(err, CF_INVALID, "%s: model: '%s' must be provider/model-id", file,
+                            a->model);
+    }
+    a->provider = mem_strndup(a->model, (size_t)(slash - a->model));
+    a->model_id = mem_strdup(slash + 1);
+    if (strcmp(a->provider, "anthropic") != 0 && strcmp(a->provider, "openai") != 0) {
+        return cf_error_set(err, CF_INVALID,
+                            "%s: model: unknown provider '%s' (anthropic or openai)", file,
+                            a->provider);
+    }
+    return CF_OK;
+}
+
+/* parse_sandbox reads the optional sandbox: {tools: ADDRESS, workspace: NAME}. */
+static enum cf_status parse_sandbox(yaml_document_t *doc, yaml_node_t *root, const char *file,
+                                    struct agent_def *a, struct cf_error *err)
+{
+    enum cf_status rc;
+    yaml_node_t *sb = map_get(doc, root, "sandbox");
+    if (!sb) {
+        return CF_OK;
+    }
+    if (sb->type != YAML_MAPPING_NODE) {
+        return cf_error_set(err, CF_INVALID,
+                            "%s: sandbox: expected {tools: ADDRESS, workspace: NAME}", file);
+    }
+    if ((rc = scalar(map_get(doc, sb, "tools"), file, "sandbox.tools", &a->sandbox_tools, err)) !=
+            CF_OK ||
+        (rc = scalar(map_get(doc, sb, "workspace"), file, "sandbox.workspace",
+                     &a->sandbox_workspace, err)) != CF_OK) {
+        return rc;
+    }
+    if (!a->sandbox_tools) {
+        return cf_error_set(err, CF_INVALID, "%s: sandbox.tools: required (toold address)", file);
+    }
+    if (!a->sandbox_workspace) {
+        a->sandbox_workspace = mem_strdup(a->name);
+    }
+    return CF_OK;
+}
+
+/* optional_mapping returns the mapping under key (NULL when absent) or fails when it is not a
+ * mapping. */
+static enum cf_status optional_mapping(yaml_document_t *doc, yaml_node_t *root, const char *key,
+                                       const char *file, yaml_node_t **out, struct cf_error *err)
+{
+    *out = map_get(doc, root, key);
+    if (*out && (*out)->type != YAML_MAPPING_NODE) {
+        return cf_error_set(err, CF_INVALID, "%s: %s: expected a mapping", file, key);
+    }
+    return CF_OK;
+}
+
+/* parse_limits reads the compaction and durability settings, with their defaults. */
+static enum cf_status parse_limits(yaml_document_t *doc, yaml_node_t *root, const char *file,
+                                   struct agent_def *a, struct cf_error *err)
+{
+    yaml_node_t *c, *d;
+    enum cf_status rc;
+    if ((rc = optional_mapping(doc, root, "compaction", file, &c, err)) != CF_OK) {
+        return rc;
+    }
+    if (c &&
+        ((rc = integer(map_get(doc, c, "reserve_tokens"), file, "compaction.reserve_tokens", 1,
+                       1000000, &a->reserve_tokens, err)) != CF_OK ||
+         (rc = integer(map_get(doc, c, "keep_recent_tokens"), file, "compaction.keep_recent_tokens",
+                       1, 1000000, &a->keep_recent_tokens, err)) != CF_OK)) {
+        return rc;
+    }
+    if ((rc = optional_mapping(doc, root, "durability", file, &d, err)) != CF_OK) {
+        return rc;
+    }
+    int64_t attempts = 0;
+    if (d && ((rc = integer(map_get(doc, d, "max_attempts"), file, "durability.max_attempts", 1,
+                            1000, &attempts, err)) != CF_OK ||
+              (rc = integer(map_get(doc, d, "timeout_ms"), file, "durability.timeout_ms", 1000,
+                            30LL * 86400000, &a->timeout_ms, err)) != CF_OK ||
+              (rc = integer(map_get(doc, d, "max_turns"), file, "durability.max_turns", 1,
+                            AGENT_MAX_TURNS_LIMIT, &a->max_turns, err)) != CF_OK)) {
+        return rc;
+    }
+    a->max_attempts = (int32_t)attempts;
+    if (!a->max_turns) {
+        a->max_turns = AGENT_MAX_TURNS_DEFAULT;
+    }
+    return CF_OK;
+}
+
+/* parse_fields reads every frontmatter field of a loaded document into a. */
+static enum cf_status parse_fields(yaml_document_t *doc, const char *name_hint, const char *file,
+                                   struct agent_def *a, struct cf_error *err)
+{
+    enum cf_status rc;
+    yaml_node_t *root = yaml_document_get_root_node(doc);
+    if (!root || root->type != YAML_MAPPING_NODE) {
+        return cf_error_set(err, CF_INVALID, "%s: the frontmatter must be a mapping of fields",
+                            file);
+    }
+    if ((rc = check_known_fields(doc, root, file, err)) != CF_OK ||
+        (rc = parse_identity(doc, root, name_hint, file, a, err)) != CF_OK ||
+        (rc = parse_sandbox(doc, root, file, a, err)) != CF_OK ||
+        (rc = string_list(doc, map_get(doc, root, "agents"), file, "agents", &a->subagents,
+                          &a->n_subagents, err)) != CF_OK ||
+        (rc = string_list(doc, map_get(doc, root, "skills"), file, "skills", &a->skills,
+                          &a->n_skills, err)) != CF_OK ||
+        (rc = string_list(doc, map_get(doc, root, "tools"), file, "tools", &a->tool_servers,
+                          &a->n_tool_servers, err)) != CF_OK) {
+        return rc;
+    }
+    return parse_limits(doc, root, file, a, err);
+}
+
+enum cf_status agents_parse(const char *text, const char *name_hint, const char *file,
+                            struct agent_def *a, struct cf_error *err)
+{
+    yaml_parser_t parser;
+    yaml_document_t doc;
+    const char *fm = NULL, *body = NULL;
+    size_t fm_len = 0;
+    enum cf_status rc;
+    memset(a, 0, sizeof(*a));
+    if ((rc = split_frontmatter(text, file, &fm, &fm_len, &body, err)) != CF_OK) {
+        return rc;
     }
     yaml_parser_initialize(&parser);
-    yaml_parser_set_input_string(&parser, (const unsigned char *)fm,
-                                 end > fm ? (size_t)(end - fm) : 0);
+    yaml_parser_set_input_string(&parser, (const unsigned char *)fm, fm_len);
     if (!yaml_parser_load(&parser, &doc)) {
         rc = cf_error_set(err, CF_INVALID, "%s: frontmatter line %zu: %s", file,
                           parser.problem_mark.line + 2,
@@ -117,123 +291,10 @@ enum cf_status agents_parse(const char *text, const char *name_hint, const char 
         yaml_parser_delete(&parser);
         return rc;
     }
-    yaml_node_t *root = yaml_document_get_root_node(&doc);
-    if (!root || root->type != YAML_MAPPING_NODE) {
-        rc = cf_error_set(err, CF_INVALID, "%s: the frontmatter must be a mapping of fields", file);
-        goto out;
+    rc = parse_fields(&doc, name_hint, file, a, err);
+    if (rc == CF_OK) {
+        a->instructions = mem_strdup(body);
     }
-    for (yaml_node_pair_t *p = root->data.mapping.pairs.start; p < root->data.mapping.pairs.top;
-         p++) {
-        yaml_node_t *k = yaml_document_get_node(&doc, p->key);
-        bool known = false;
-        for (size_t i = 0; k && k->type == YAML_SCALAR_NODE && i < 9; i++) {
-            known = known || !strcmp((char *)k->data.scalar.value, known_keys[i]);
-        }
-        if (!known) {
-            rc = cf_error_set(
-                err, CF_INVALID,
-                "%s: %s: unknown field (known: name, description, model, sandbox, "
-                "agents, skills, tools, compaction, durability)",
-                file, k && k->type == YAML_SCALAR_NODE ? (char *)k->data.scalar.value : "?");
-            goto out;
-        }
-    }
-    if ((rc = scalar(map_get(&doc, root, "name"), file, "name", &a->name, err)) != CF_OK ||
-        (rc = scalar(map_get(&doc, root, "description"), file, "description", &a->description,
-                     err)) != CF_OK ||
-        (rc = scalar(map_get(&doc, root, "model"), file, "model", &a->model, err)) != CF_OK) {
-        goto out;
-    }
-    if (!a->name) {
-        a->name = mem_strdup(name_hint);
-    } else if (name_hint && strcmp(a->name, name_hint) != 0) {
-        rc = cf_error_set(err, CF_INVALID, "%s: name: '%s' does not match the file name '%s.md'",
-                          file, a->name, name_hint);
-        goto out;
-    }
-    if (!ids_valid_name(a->name, 128)) {
-        rc = cf_error_set(err, CF_INVALID, "%s: name: use 1 to 128 of A-Z a-z 0-9 . _ -", file);
-        goto out;
-    }
-    if (!a->model) {
-        rc = cf_error_set(err, CF_INVALID, "%s: model: required (e.g. anthropic/claude-sonnet-4-5)",
-                          file);
-        goto out;
-    }
-    const char *slash = strchr(a->model, '/');
-    if (!slash || slash == a->model || !slash[1]) {
-        rc = cf_error_set(err, CF_INVALID, "%s: model: '%s' must be provider/model-id", file,
-                          a->model);
-        goto out;
-    }
-    a->provider = mem_strndup(a->model, (size_t)(slash - a->model));
-    a->model_id = mem_strdup(slash + 1);
-    if (strcmp(a->provider, "anthropic") != 0 && strcmp(a->provider, "openai") != 0) {
-        rc = cf_error_set(err, CF_INVALID, "%s: model: unknown provider '%s' (anthropic or openai)",
-                          file, a->provider);
-        goto out;
-    }
-    yaml_node_t *sb = map_get(&doc, root, "sandbox");
-    if (sb) {
-        if (sb->type != YAML_MAPPING_NODE) {
-            rc = cf_error_set(err, CF_INVALID,
-                              "%s: sandbox: expected {tools: ADDRESS, workspace: NAME}", file);
-            goto out;
-        }
-        if ((rc = scalar(map_get(&doc, sb, "tools"), file, "sandbox.tools", &a->sandbox_tools,
-                         err)) != CF_OK ||
-            (rc = scalar(map_get(&doc, sb, "workspace"), file, "sandbox.workspace",
-                         &a->sandbox_workspace, err)) != CF_OK) {
-            goto out;
-        }
-        if (!a->sandbox_tools) {
-            rc = cf_error_set(err, CF_INVALID, "%s: sandbox.tools: required (toold address)", file);
-            goto out;
-        }
-        if (!a->sandbox_workspace) {
-            a->sandbox_workspace = mem_strdup(a->name);
-        }
-    }
-    if ((rc = string_list(&doc, map_get(&doc, root, "agents"), file, "agents", &a->subagents,
-                          &a->n_subagents, err)) != CF_OK ||
-        (rc = string_list(&doc, map_get(&doc, root, "skills"), file, "skills", &a->skills,
-                          &a->n_skills, err)) != CF_OK ||
-        (rc = string_list(&doc, map_get(&doc, root, "tools"), file, "tools", &a->tool_servers,
-                          &a->n_tool_servers, err)) != CF_OK) {
-        goto out;
-    }
-    yaml_node_t *c = map_get(&doc, root, "compaction");
-    if (c && c->type != YAML_MAPPING_NODE) {
-        rc = cf_error_set(err, CF_INVALID, "%s: compaction: expected a mapping", file);
-        goto out;
-    }
-    if (c && ((rc = integer(map_get(&doc, c, "reserve_tokens"), file, "compaction.reserve_tokens",
-                            1, 1000000, &a->reserve_tokens, err)) != CF_OK ||
-              (rc = integer(map_get(&doc, c, "keep_recent_tokens"), file,
-                            "compaction.keep_recent_tokens", 1, 1000000, &a->keep_recent_tokens,
-                            err)) != CF_OK)) {
-        goto out;
-    }
-    yaml_node_t *d = map_get(&doc, root, "durability");
-    if (d && d->type != YAML_MAPPING_NODE) {
-        rc = cf_error_set(err, CF_INVALID, "%s: durability: expected a mapping", file);
-        goto out;
-    }
-    int64_t attempts = 0;
-    if (d && ((rc = integer(map_get(&doc, d, "max_attempts"), file, "durability.max_attempts", 1,
-                            1000, &attempts, err)) != CF_OK ||
-              (rc = integer(map_get(&doc, d, "timeout_ms"), file, "durability.timeout_ms", 1000,
-                            30LL * 86400000, &a->timeout_ms, err)) != CF_OK ||
-              (rc = integer(map_get(&doc, d, "max_turns"), file, "durability.max_turns", 1,
-                            AGENT_MAX_TURNS_LIMIT, &a->max_turns, err)) != CF_OK)) {
-        goto out;
-    }
-    a->max_attempts = (int32_t)attempts;
-    if (!a->max_turns) {
-        a->max_turns = AGENT_MAX_TURNS_DEFAULT;
-    }
-    a->instructions = mem_strdup(body);
-out:
     yaml_document_delete(&doc);
     yaml_parser_delete(&parser);
     if (rc != CF_OK) {
