@@ -14,7 +14,9 @@
  * - FIFO per conversation: a queued row is claimable only when no earlier row of its
  *   conversation is unsettled (queued, running, terminalizing, joining, joined). So at most one
  *   submission of a conversation runs at a time, in admission order, and a crashed running row
- *   keeps blocking its conversation until recovery settles it.
+ *   keeps blocking its conversation until recovery settles it. The `runnable` table (db.h) holds
+ *   the conversations whose head is queued; triggers keep it on every insert and status change,
+ *   so Claim reads its first row instead of walking queued rows.
  * - Fencing: every claim bumps the conversation's epoch and mints a new attempt id; the row
  *   remembers both. A write on behalf of an attempt must present both and is refused
  *   (CF_STALE) when either differs, so an attempt whose lease was taken over cannot write.
@@ -23,6 +25,8 @@
  *   row. A reserved outcome (terminalizing) wins over whatever the finishing Settle asks.
  * - Joined deliveries settle with their host, each with its own settlement record; joining
  *   rows whose input never landed go back to the queue, so nothing admitted is dropped.
+ * - A running row has an attempt, a lease and a start; joining and joined rows name their host
+ *   (check_row asserts these on every row read).
  * - Streams are append-only; record ids are unique per conversation, which makes a resent
  *   batch idempotent and the settlement record (id "settled:<submission>") unique.
  */

@@ -3,7 +3,8 @@
  * Every write of storaged goes through one SQLite connection owned by one thread. Jobs that
  * arrive while a transaction commits wait and are committed together in the next one, each
  * inside its own savepoint, so one failing job does not undo the others. A job's completion
- * callback runs after the COMMIT returned. A batch holding a job marked `durable` (admission,
+ * callback runs after the COMMIT returned, on the writer's completion thread, while the next
+ * batch already runs. A batch holding a job marked `durable` (admission,
  * settlement, abort intents, join finalization, input stamps) commits with synchronous=FULL:
  * the WAL is synced before anyone is answered, so it survives power loss. Other batches
  * (record appends, claims, leases, joins claimed or reverted) commit with synchronous=NORMAL:
@@ -24,7 +25,7 @@ struct notifier;
 struct writer_job {
     /* run executes the job's ledger work inside the shared transaction */
     enum cf_status (*run)(struct ledger_ctx *c, void *arg, struct cf_error *err);
-    /* done is called once, on the writer thread, after commit or rollback */
+    /* done is called once, on the completion thread, after commit or rollback */
     void (*done)(void *arg, enum cf_status st, const struct cf_error *err);
     void *arg;
     struct arena *arena; /* where run builds its response */

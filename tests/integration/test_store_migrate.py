@@ -1,6 +1,7 @@
-"""storaged opens a database written by the previous schema (version 1: JSON record bodies,
-compaction as metadata cflue.kind=compact) and migrates it in place: every record becomes its
-typed body, unknown types become legacy signals, compact submissions get kind COMPACT."""
+"""storaged opens a database written by an earlier schema and migrates it in place. Version 1
+(JSON record bodies, compaction as metadata cflue.kind=compact): every record becomes its typed
+body, unknown types become legacy signals, compact submissions get kind COMPACT. Version 2
+(no `runnable` table): the Claim indexes are built and filled, so Claim finds the right heads."""
 
 import json
 import os
@@ -9,7 +10,7 @@ import tempfile
 import unittest
 
 from cflue_harness import (
-    StoragedTestCase, admit, common_pb2, get, read_all, store_pb2)
+    StoragedTestCase, admit, claim, common_pb2, get, read_all, store_pb2)
 
 # The version-1 schema exactly as storaged wrote it (git show d3f3e8f:storaged/db.c).
 OLD_SCHEMA = '''
@@ -23,6 +24,19 @@ CREATE INDEX submissions_by_host ON submissions(joined_into) WHERE joined_into I
 CREATE TABLE records(  conversation_id TEXT NOT NULL,  pos INTEGER NOT NULL,  record_id TEXT NOT NULL,  type TEXT NOT NULL,  submission_id TEXT,  attempt_id TEXT,  ts INTEGER NOT NULL,  body TEXT NOT NULL,  PRIMARY KEY (conversation_id, pos),  UNIQUE (conversation_id, record_id)) WITHOUT ROWID;
 INSERT INTO meta(key, value) VALUES ('schema_version', '1');
 '''
+
+# The version-2 schema exactly as storaged wrote it (git show 8ff4733:storaged/db.c).
+V2_SCHEMA = OLD_SCHEMA.replace(
+    "cost_usd REAL NOT NULL DEFAULT 0,",
+    "cost_usd REAL NOT NULL DEFAULT 0,  kind INTEGER NOT NULL DEFAULT 1 CHECK (kind IN (1, 2)),"
+).replace(
+    "CREATE TABLE records(  conversation_id TEXT NOT NULL,  pos INTEGER NOT NULL,  record_id "
+    "TEXT NOT NULL,  type TEXT NOT NULL,  submission_id TEXT,  attempt_id TEXT,  ts INTEGER "
+    "NOT NULL,  body TEXT NOT NULL,",
+    "CREATE TABLE records(conversation_id TEXT NOT NULL,  pos INTEGER NOT NULL,  record_id "
+    "TEXT NOT NULL,  kind INTEGER NOT NULL,  submission_id TEXT,  attempt_id TEXT,  ts INTEGER "
+    "NOT NULL,  body BLOB NOT NULL,"
+).replace("VALUES ('schema_version', '1')", "VALUES ('schema_version', '2')")
 
 T = 1700000000000
 
@@ -132,6 +146,51 @@ class MigrateTest(StoragedTestCase):
             cols = [row[1] for row in con.execute('PRAGMA table_info(records)')]
             self.assertIn('kind', cols)
             self.assertNotIn('type', cols)
+        finally:
+            con.close()
+
+
+    def test_migrates_version_2_and_claims_heads(self):
+        """A version-2 database: a running head with a queued row behind it, a free queued
+        head, a settled head with a queued row behind it. After the migration Claim takes the
+        two queued heads, oldest first, and nothing behind the running one."""
+        self.assertIn('kind INTEGER NOT NULL DEFAULT 1', V2_SCHEMA)
+        self.assertIn('kind INTEGER NOT NULL,  submission_id', V2_SCHEMA)
+        self.assertIn("'schema_version', '2'", V2_SCHEMA)
+        path = os.path.join(tempfile.mkdtemp(prefix='cflue-mig2-'), 'store.db')
+        con = sqlite3.connect(path)
+        con.executescript(V2_SCHEMA)
+        far = T * 2  # a lease that does not run out during the test
+        rows = [  # (submission, conversation, status, outcome, attempt, lease, started)
+            ('sub_b1', 'busy', 'running', None, 'att_b1', far, T),
+            ('sub_b2', 'busy', 'queued', None, None, 0, None),
+            ('sub_f1', 'free', 'queued', None, None, 0, None),
+            ('sub_d1', 'done', 'settled', 'completed', 'att_d1', 0, T),
+            ('sub_d2', 'done', 'queued', None, None, 0, None),
+        ]
+        for conv in ('busy', 'free', 'done'):
+            con.execute("INSERT INTO conversations VALUES (?, 'assistant', ?, 0, 1)", (conv, T))
+        for i, (sid, conv, st, oc, att, lease, started) in enumerate(rows):
+            con.execute("INSERT INTO submissions(submission_id, conversation_id, agent, payload, "
+                        "status, outcome, attempt_id, epoch, owner_id, lease_expires_at, "
+                        "accepted_at, started_at, admit_pos) VALUES (?, ?, 'assistant', ?, ?, ?, "
+                        "?, ?, ?, ?, ?, ?, -1)",
+                        (sid, conv, payload('m%d' % i), st, oc, att, 1 if att else 0,
+                         'other' if att else None, lease, T + i, started))
+        con.commit()
+        con.close()
+        sd = self.start_storaged(db=path)
+        got = [claim(sd.stub, owner='o2') for _ in range(3)]
+        self.assertEqual(got[0].submission.submission_id, 'sub_f1')
+        self.assertEqual(got[1].submission.submission_id, 'sub_d2')
+        self.assertFalse(got[2].HasField('submission'), got[2])
+        self.assertEqual(got[1].fence.epoch, 2)  # the conversation's epoch went on from 1
+        sd.stop()
+        con = sqlite3.connect(path)
+        try:
+            (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            self.assertEqual(v, '3')
+            self.assertEqual(con.execute('SELECT count(*) FROM runnable').fetchone()[0], 0)
         finally:
             con.close()
 
