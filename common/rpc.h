@@ -265,6 +265,37 @@ void rpc_stream_cancel(struct rpc_stream *s);
 /* rpc_stream_finish waits for the final status, fills st, and frees the stream. */
 bool rpc_stream_finish(struct rpc_stream *s, struct rpc_status *st);
 
+/* ---- event-driven client streams ----
+ *
+ * rpc_astream_open starts a server-streaming call that holds no thread: completions are
+ * handled by one process-wide thread, which calls the owner back (callbacks must not block):
+ * - on_message(arg, msg): one decoded message, which the owner takes (free it). No further
+ *   message comes until the owner calls rpc_astream_next (that is the backpressure).
+ * - on_end(arg, st): the stream is over (status from the server, or the local core: deadline,
+ *   cancel, lost connection; a message that does not decode ends it INTERNAL). Exactly once,
+ *   always (after a release too), and last: the owner's state must live until on_end.
+ * The owner calls rpc_astream_release exactly once when done with the stream, from any thread
+ * or inside on_end: it cancels the call if still running (on_end follows, CANCELLED); no
+ * on_message comes after it. Streams are not linked for rpc_channel_cancel_all. */
+struct rpc_astream;
+
+struct rpc_astream_ops {
+    void (*on_message)(void *arg, ProtobufCMessage *msg);
+    void (*on_end)(void *arg, const struct rpc_status *st);
+};
+
+/* rpc_astream_open starts the call and its first read. Never NULL. timeout_ms <= 0: none. */
+struct rpc_astream *rpc_astream_open(struct rpc_channel *ch, const char *method,
+                                     const ProtobufCMessage *req,
+                                     const ProtobufCMessageDescriptor *desc, int64_t timeout_ms,
+                                     const struct rpc_astream_ops *ops, void *arg);
+
+/* rpc_astream_next asks for the next message (after on_message); idempotent. */
+void rpc_astream_next(struct rpc_astream *s);
+
+/* rpc_astream_release ends the owner's use of s (NULL is fine); see above. */
+void rpc_astream_release(struct rpc_astream *s);
+
 /* ---- codec ---- */
 
 /* rpc_pack serializes a message into a new byte buffer (caller destroys it). */

@@ -86,8 +86,11 @@ void rpc_global_init(void)
     grpc_init();
 }
 
+static void aloop_stop(void);
+
 void rpc_global_shutdown(void)
 {
+    aloop_stop();
     grpc_shutdown_blocking();
 }
 
@@ -421,4 +424,246 @@ bool rpc_stream_finish(struct rpc_stream *s, struct rpc_status *st)
     drain_cq(s->cq);
     free(s);
     return st->code == GRPC_STATUS_OK;
+}
+
+/* ---------- event-driven client streams ----------
+ *
+ * One process-wide completion queue, driven by one thread started with the first stream: an
+ * rpc_astream costs no thread while it waits. Each stream has three tags: the opening batch
+ * (send request, close, receive initial metadata), the status, and the one read in flight;
+ * the next read is started only when the owner asks (rpc_astream_next), which is the
+ * backpressure. The stream ends once the status arrived and no read is in flight; then on_end
+ * runs (unless the owner released it first) and the stream is freed once released too. */
+
+enum atag_kind { ATAG_OPEN, ATAG_STATUS, ATAG_READ };
+
+struct atag {
+    enum atag_kind kind;
+    struct rpc_astream *s;
+};
+
+struct rpc_astream {
+    grpc_call *call;
+    const ProtobufCMessageDescriptor *desc;
+    const struct rpc_astream_ops *ops;
+    void *arg;
+    pthread_mutex_t mu;
+    struct atag t_open, t_status, t_read;
+    grpc_metadata_array init_md, trail_md;
+    grpc_status_code code;
+    grpc_slice details;
+    grpc_byte_buffer *bb;
+    int pending;     /* batches in flight */
+    bool reading;    /* a read is in flight */
+    bool got_status; /* the status batch completed */
+    bool ended;      /* on_end is being or was delivered */
+    bool in_end;     /* on_end is running */
+    bool released;   /* the owner let go */
+    bool md_asked;
+};
+
+static pthread_once_t aloop_once = PTHREAD_ONCE_INIT;
+static grpc_completion_queue *aloop_cq;
+static pthread_t aloop_thread;
+static bool aloop_started;
+
+static void astream_free(struct rpc_astream *s)
+{
+    grpc_metadata_array_destroy(&s->init_md);
+    grpc_metadata_array_destroy(&s->trail_md);
+    grpc_slice_unref(s->details);
+    grpc_call_unref(s->call);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}
+
+/* astream_settle, with s->mu held, decides what happens after a completion: returns true when
+ * on_end is to be delivered now; *free_out when the stream is to be freed. */
+static bool astream_settle(struct rpc_astream *s, bool *free_out)
+{
+    bool end = false;
+    if (s->got_status && !s->reading && !s->ended) {
+        s->ended = true;
+        s->in_end = true;
+        end = true;
+    }
+    *free_out = !end && s->ended && !s->in_end && s->released && s->pending == 0;
+    return end;
+}
+
+static void on_acomplete(struct atag *t, int success)
+{
+    struct rpc_astream *s = t->s;
+    ProtobufCMessage *msg = NULL;
+    bool deliver_msg = false, bad = false;
+    pthread_mutex_lock(&s->mu);
+    s->pending--;
+    switch (t->kind) {
+    case ATAG_OPEN:
+        break;
+    case ATAG_STATUS:
+        s->got_status = true;
+        break;
+    case ATAG_READ:
+        s->reading = false;
+        if (success && s->bb) {
+            msg = rpc_unpack(s->desc, s->bb);
+            bad = !msg;
+            deliver_msg = msg && !s->released;
+        }
+        if (s->bb) {
+            grpc_byte_buffer_destroy(s->bb);
+            s->bb = NULL;
+        }
+        break;
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (bad) {
+        grpc_call_cancel_with_status(s->call, GRPC_STATUS_INTERNAL,
+                                     "a stream message could not be decoded", NULL);
+    }
+    if (deliver_msg) {
+        s->ops->on_message(s->arg, msg); /* the owner takes msg and asks for the next */
+    } else if (msg) {
+        protobuf_c_message_free_unpacked(msg, NULL); /* the owner released the stream */
+    }
+    pthread_mutex_lock(&s->mu);
+    bool do_free;
+    bool end = astream_settle(s, &do_free);
+    pthread_mutex_unlock(&s->mu);
+    if (end) {
+        struct rpc_status st;
+        copy_status(&st, s->code, s->details, &s->trail_md);
+        s->ops->on_end(s->arg, &st);
+        pthread_mutex_lock(&s->mu);
+        s->in_end = false;
+        do_free = s->released && s->pending == 0;
+        pthread_mutex_unlock(&s->mu);
+    }
+    if (do_free) {
+        astream_free(s);
+    }
+}
+
+static void *aloop_main(void *arg)
+{
+    (void)arg;
+    for (;;) {
+        grpc_event ev =
+            grpc_completion_queue_next(aloop_cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        if (ev.type == GRPC_QUEUE_SHUTDOWN) {
+            return NULL;
+        }
+        if (ev.type == GRPC_OP_COMPLETE) {
+            on_acomplete(ev.tag, ev.success);
+        }
+    }
+}
+
+static void aloop_start(void)
+{
+    aloop_cq = grpc_completion_queue_create_for_next(NULL);
+    if (pthread_create(&aloop_thread, NULL, aloop_main, NULL) != 0) {
+        log_error("rpc_astream_thread", "msg=\"cannot start the client stream thread\"");
+        abort(); /* crash-only: like running out of memory */
+    }
+    aloop_started = true;
+}
+
+struct rpc_astream *rpc_astream_open(struct rpc_channel *ch, const char *method,
+                                     const ProtobufCMessage *req,
+                                     const ProtobufCMessageDescriptor *desc, int64_t timeout_ms,
+                                     const struct rpc_astream_ops *ops, void *arg)
+{
+    pthread_once(&aloop_once, aloop_start);
+    struct rpc_astream *s = mem_alloc(sizeof(*s));
+    s->desc = desc;
+    s->ops = ops;
+    s->arg = arg;
+    pthread_mutex_init(&s->mu, NULL);
+    s->t_open = (struct atag){ATAG_OPEN, s};
+    s->t_status = (struct atag){ATAG_STATUS, s};
+    s->t_read = (struct atag){ATAG_READ, s};
+    grpc_metadata_array_init(&s->init_md);
+    grpc_metadata_array_init(&s->trail_md);
+    s->code = GRPC_STATUS_UNKNOWN;
+    s->details = grpc_empty_slice();
+    s->call = grpc_channel_create_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, aloop_cq,
+                                       grpc_slice_from_static_string(method), NULL,
+                                       deadline_in(timeout_ms), NULL);
+    grpc_byte_buffer *send = rpc_pack(req);
+    grpc_op ops_[4];
+    memset(ops_, 0, sizeof(ops_));
+    ops_[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops_[1].op = GRPC_OP_SEND_MESSAGE;
+    ops_[1].data.send_message.send_message = send;
+    ops_[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops_[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops_[3].data.recv_initial_metadata.recv_initial_metadata = &s->init_md;
+    pthread_mutex_lock(&s->mu);
+    if (grpc_call_start_batch(s->call, ops_, 4, &s->t_open, NULL) == GRPC_CALL_OK) {
+        s->pending++;
+    }
+    grpc_op st;
+    memset(&st, 0, sizeof(st));
+    st.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    st.data.recv_status_on_client.status = &s->code;
+    st.data.recv_status_on_client.status_details = &s->details;
+    st.data.recv_status_on_client.trailing_metadata = &s->trail_md;
+    if (grpc_call_start_batch(s->call, &st, 1, &s->t_status, NULL) == GRPC_CALL_OK) {
+        s->pending++;
+    } else {
+        s->got_status = true; /* never started: end at the first read */
+        s->code = GRPC_STATUS_INTERNAL;
+    }
+    pthread_mutex_unlock(&s->mu);
+    grpc_byte_buffer_destroy(send);
+    rpc_astream_next(s);
+    return s;
+}
+
+void rpc_astream_next(struct rpc_astream *s)
+{
+    pthread_mutex_lock(&s->mu);
+    if (s->reading || s->ended || s->released) {
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
+    grpc_op op;
+    memset(&op, 0, sizeof(op));
+    op.op = GRPC_OP_RECV_MESSAGE;
+    op.data.recv_message.recv_message = &s->bb;
+    if (grpc_call_start_batch(s->call, &op, 1, &s->t_read, NULL) == GRPC_CALL_OK) {
+        s->reading = true;
+        s->pending++;
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+void rpc_astream_release(struct rpc_astream *s)
+{
+    if (!s) {
+        return;
+    }
+    pthread_mutex_lock(&s->mu);
+    s->released = true;
+    bool do_free = s->ended && !s->in_end && s->pending == 0;
+    pthread_mutex_unlock(&s->mu);
+    if (do_free) {
+        astream_free(s);
+        return;
+    }
+    grpc_call_cancel(s->call, NULL); /* completions follow on the loop, which frees it */
+}
+
+/* aloop_stop stops the client stream thread (every stream must be over). */
+static void aloop_stop(void)
+{
+    if (!aloop_started) {
+        return;
+    }
+    grpc_completion_queue_shutdown(aloop_cq);
+    pthread_join(aloop_thread, NULL);
+    grpc_completion_queue_destroy(aloop_cq);
+    aloop_started = false;
 }

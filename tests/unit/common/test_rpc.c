@@ -823,6 +823,175 @@ static void test_reconnect_after_outages(void)
     rpc_server_free(s);
 }
 
+/* ---- event-driven client streams (rpc_astream) ---- */
+
+struct areader {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct rpc_astream *s;
+    int got;
+    bool in_order;
+    bool ended;
+    struct rpc_status st;
+    int hold_at; /* stop asking for more after this many (backpressure), or -1 */
+};
+
+static void ar_message(void *arg, ProtobufCMessage *msg)
+{
+    struct areader *r = arg;
+    pthread_mutex_lock(&r->mu);
+    r->in_order = r->in_order && ((Cflue__V1__Record *)msg)->offset == r->got;
+    r->got++;
+    bool more = r->hold_at < 0 || r->got < r->hold_at;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    protobuf_c_message_free_unpacked(msg, NULL);
+    if (more) {
+        rpc_astream_next(r->s);
+    }
+}
+
+static void ar_end(void *arg, const struct rpc_status *st)
+{
+    struct areader *r = arg;
+    pthread_mutex_lock(&r->mu);
+    r->st = *st;
+    r->ended = true;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+static const struct rpc_astream_ops ar_ops = {ar_message, ar_end};
+
+static void ar_open(struct areader *r, struct rpc_channel *ch, const char *method, int n,
+                    const char *mode, int64_t timeout_ms, int hold_at)
+{
+    memset(r, 0, sizeof(*r));
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    r->in_order = true;
+    r->hold_at = hold_at;
+    Cflue__V1__FollowRequest req = CFLUE__V1__FOLLOW_REQUEST__INIT;
+    req.after_offset = n;
+    req.until_settled = (char *)mode;
+    pthread_mutex_lock(&r->mu); /* callbacks wait until r->s is set */
+    r->s = rpc_astream_open(ch, method, &req.base, &cflue__v1__record__descriptor, timeout_ms,
+                            &ar_ops, r);
+    pthread_mutex_unlock(&r->mu);
+}
+
+static bool ar_wait(struct areader *r, int got, int ms)
+{
+    struct timespec ts;
+    clock_deadline(&ts, ms);
+    pthread_mutex_lock(&r->mu);
+    while (!r->ended && (got < 0 || r->got < got)) {
+        if (pthread_cond_timedwait(&r->cv, &r->mu, &ts) != 0) {
+            break;
+        }
+    }
+    bool ok = got < 0 ? r->ended : r->got >= got;
+    pthread_mutex_unlock(&r->mu);
+    return ok;
+}
+
+static void ar_done(struct areader *r)
+{
+    CHECK(ar_wait(r, -1, 5000));
+    rpc_astream_release(r->s);
+    pthread_mutex_destroy(&r->mu);
+    pthread_cond_destroy(&r->cv);
+}
+
+static void test_async_client(void)
+{
+    int port;
+    char target[64];
+    struct rpc_server *s = start("127.0.0.1:0", &port);
+    snprintf(target, sizeof(target), "127.0.0.1:%d", port);
+    struct rpc_channel *ch = rpc_channel_new(target, 0);
+    struct areader r;
+    int threads0 = threads_now();
+
+    /* all messages in order, then OK; an error status after the messages */
+    ar_open(&r, ch, "/cflue.v1.Store/Follow", 500, "", 5000, -1);
+    CHECK(ar_wait(&r, -1, 5000));
+    CHECK(r.got == 500 && r.in_order && r.st.code == GRPC_STATUS_OK);
+    ar_done(&r);
+    ar_open(&r, ch, "/cflue.v1.Store/Follow", 3, "fail", 5000, -1);
+    CHECK(ar_wait(&r, -1, 5000));
+    CHECK(r.got == 3 && r.st.code == GRPC_STATUS_ABORTED);
+    CHECK_STR(r.st.details, "stopped after the records");
+    ar_done(&r);
+
+    /* backpressure: the owner stops asking at 10; nothing more arrives until it asks */
+    ar_open(&r, ch, "/cflue.v1.Store/Follow", 100, "", 5000, 10);
+    CHECK(ar_wait(&r, 10, 5000));
+    clock_sleep_ms(200);
+    CHECK(r.got == 10 && !r.ended);
+    pthread_mutex_lock(&r.mu);
+    r.hold_at = -1;
+    pthread_mutex_unlock(&r.mu);
+    rpc_astream_next(r.s);
+    CHECK(ar_wait(&r, -1, 5000));
+    CHECK(r.got == 100 && r.in_order && r.st.code == GRPC_STATUS_OK);
+    ar_done(&r);
+
+    /* release mid-stream: on_end follows, CANCELLED; the server's handler sees the cancel */
+    stream_saw_cancel = false;
+    ar_open(&r, ch, "/cflue.v1.Store/Follow", -1, "", 10000, -1);
+    CHECK(ar_wait(&r, 5, 5000));
+    rpc_astream_release(r.s);
+    CHECK(ar_wait(&r, -1, 5000));
+    CHECK(r.st.code == GRPC_STATUS_CANCELLED);
+    for (int i = 0; i < 100 && !stream_saw_cancel; i++) {
+        clock_sleep_ms(10);
+    }
+    CHECK(stream_saw_cancel);
+    pthread_mutex_destroy(&r.mu);
+    pthread_cond_destroy(&r.cv);
+
+    /* the deadline passes */
+    ar_open(&r, ch, "/cflue.v1.Store/Follow", -1, "", 200, 1);
+    CHECK(ar_wait(&r, -1, 5000));
+    CHECK(r.st.code == GRPC_STATUS_DEADLINE_EXCEEDED);
+    ar_done(&r);
+
+    /* 1,000 idle client streams to an RPC_ASYNC server: no thread on either side */
+    int aport;
+    char atarget[64];
+    int released0 = tail_released;
+    struct rpc_server *as = start_async(&aport, 0);
+    snprintf(atarget, sizeof(atarget), "127.0.0.1:%d", aport);
+    struct rpc_channel *ach = rpc_channel_new(atarget, 0);
+    int threads1 = threads_now();
+    struct areader *many = calloc(1000, sizeof(*many));
+    for (int i = 0; i < 1000; i++) {
+        ar_open(&many[i], ach, "/test.Async/Tail", 0, "", 30000, -1);
+    }
+    CHECK(wait_for(tails_are, 1000, 10000));
+    int threads2 = threads_now();
+    fprintf(stderr, "astream: 1000 idle client streams: threads %d -> %d\n", threads1, threads2);
+    CHECK(threads2 - threads1 <= 1);
+    for (int i = 0; i < 1000; i++) {
+        rpc_astream_release(many[i].s);
+        CHECK(ar_wait(&many[i], -1, 5000));
+        CHECK(many[i].st.code == GRPC_STATUS_CANCELLED);
+        pthread_mutex_destroy(&many[i].mu);
+        pthread_cond_destroy(&many[i].cv);
+    }
+    free(many);
+    CHECK(wait_for(released_is, released0 + 1000, 5000));
+    rpc_channel_free(ach);
+    rpc_server_shutdown(as, 1000);
+    rpc_server_free(as);
+    (void)threads0;
+
+    rpc_channel_free(ch);
+    rpc_server_shutdown(s, 1000);
+    rpc_server_free(s);
+}
+
 int main(void)
 {
     char sock[128], listen_addr[160];
@@ -836,6 +1005,7 @@ int main(void)
     test_admission_flood();
     test_async_streams();
     test_async_limit();
+    test_async_client();
     test_reconnect_after_outages();
     rpc_global_shutdown();
     return check_done("test_rpc");
