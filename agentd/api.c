@@ -1,7 +1,8 @@
 /* api.c - cflue.v1.Agent: the public API.
  *
  * Submit validates against the agents this process serves and admits through storaged; it
- * returns only after storaged committed. Watch and GetSubmission read storaged; Abort records
+ * returns only after storaged committed. Watch and GetSubmission read storaged (watch.c: no
+ * thread per watcher, one shared storaged Follow per watched conversation); Abort records
  * the durable intent in storaged and stops the submission at once when it runs here (other
  * processes see the intent within a second through their abort polling). Compact admits a
  * submission of kind SUBMISSION_KIND_COMPACT and waits for it to settle.
@@ -18,6 +19,7 @@
 #include "log.h"
 #include "mem.h"
 #include "metadata.h"
+#include "watch.h"
 
 #include "cflue/v1/agent.pb-c.h"
 
@@ -32,20 +34,6 @@
 static void fail_err(struct rpc_call *c, const struct cf_error *err)
 {
     rpc_call_fail_error(c, err);
-}
-
-/* finish_stream ends a streaming call the way storaged's stream ended, reason included. */
-static void finish_stream(struct rpc_call *c, const struct rpc_status *st)
-{
-    if (st->code == GRPC_STATUS_OK) {
-        rpc_call_finish(c, GRPC_STATUS_OK, NULL);
-        return;
-    }
-    struct cf_error e;
-    bool specific = st->reason[0] && strcmp(st->reason, errinfo_default_reason(st->code)) != 0;
-    cf_error_setr(&e, status_from_grpc(st->code), specific ? st->reason : NULL, "%s",
-                  st->details[0] ? st->details : "storaged ended the stream");
-    fail_err(c, &e);
 }
 
 /* unknown_agent fails a call naming an agent this agentd does not serve. */
@@ -127,79 +115,15 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     agentd_wake();
 }
 
+/* Watch and GetSubmission(wait) hold no thread while they wait: watch.c. */
 static void on_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
-    const Cflue__V1__WatchRequest *req = (const void *)msg;
-    struct cf_error err;
-    if (!*req->conversation_id) {
-        rpc_call_fail(c, CF_INVALID, "conversation_id is required");
-        return;
-    }
-    if (!req->follow) {
-        int64_t after = req->after_offset;
-        for (;;) {
-            Cflue__V1__ReadRequest rq = CFLUE__V1__READ_REQUEST__INIT;
-            ProtobufCMessage *resp = NULL;
-            rq.conversation_id = req->conversation_id;
-            rq.after_offset = after;
-            rq.page_size = 1000;
-            if (store_call(g_agentd.store, "Read", &rq.base, &cflue__v1__read_response__descriptor,
-                           STORE_TIMEOUT_MS, &resp, &err) != CF_OK) {
-                fail_err(c, &err);
-                return;
-            }
-            Cflue__V1__ReadResponse *page = (Cflue__V1__ReadResponse *)resp;
-            bool alive = true;
-            for (size_t i = 0; i < page->n_records && alive; i++) {
-                alive = rpc_call_send(c, &page->records[i]->base);
-            }
-            bool done = !*page->next_page_token || !page->n_records || !alive;
-            if (page->n_records) {
-                after = page->records[page->n_records - 1]->offset;
-            }
-            protobuf_c_message_free_unpacked(resp, NULL);
-            if (!alive) {
-                rpc_call_finish(c, GRPC_STATUS_CANCELLED, "the watcher went away");
-                return;
-            }
-            if (done) {
-                rpc_call_finish(c, GRPC_STATUS_OK, NULL);
-                return;
-            }
-        }
-    }
-    Cflue__V1__FollowRequest fr = CFLUE__V1__FOLLOW_REQUEST__INIT;
-    fr.conversation_id = req->conversation_id;
-    fr.after_offset = req->after_offset;
-    struct rpc_stream *s = rpc_stream_open(g_agentd.store, "/cflue.v1.Store/Follow", &fr.base, 0);
-    ProtobufCMessage *m;
-    bool alive = true;
-    struct stream_guard guard;
-    struct cf_error gerr;
-    bool guarded = guard_start(&guard, s, call_over, c, &gerr) == CF_OK;
-    while (guarded && alive && rpc_stream_read(s, &cflue__v1__record__descriptor, &m) == 1) {
-        alive = rpc_call_send(c, m);
-        protobuf_c_message_free_unpacked(m, NULL);
-    }
-    guard_end(&guard);
-    alive = alive && !rpc_call_cancelled(c);
-    if (!alive) {
-        rpc_stream_cancel(s);
-    }
-    struct rpc_status st;
-    rpc_stream_finish(s, &st);
-    if (!guarded) {
-        rpc_call_finish(c, GRPC_STATUS_RESOURCE_EXHAUSTED, gerr.msg);
-    } else if (!alive) {
-        rpc_call_finish(c, GRPC_STATUS_CANCELLED, "the watcher went away");
-    } else {
-        finish_stream(c, &st);
-    }
+    watch_start(c, (const Cflue__V1__WatchRequest *)msg);
 }
 
-/* wait_settled blocks until the submission is settled, following its conversation's stream
- * from the current head (so no history is replayed), or until the caller goes away; returns
- * the settled submission (caller frees) or NULL with err set. */
+/* wait_settled (Compact's wait, on its own thread) blocks until the submission is settled,
+ * following its conversation's stream from the current head (so no history is replayed), or until
+ * the caller goes away; returns the settled submission (caller frees) or NULL with err set. */
 static Cflue__V1__Submission *wait_settled(struct rpc_call *c, const char *submission_id,
                                            struct cf_error *err)
 {
@@ -262,10 +186,11 @@ static void on_get(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
         return;
     }
     if (req->wait) {
-        Cflue__V1__Submission *settled = wait_settled(c, req->submission_id, &err);
-        resp = settled ? &settled->base : NULL;
-    } else if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
-                          STORE_TIMEOUT_MS, &resp, &err) != CF_OK) {
+        watch_wait_settled(c, req->submission_id);
+        return;
+    }
+    if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
+                   STORE_TIMEOUT_MS, &resp, &err) != CF_OK) {
         resp = NULL;
     }
     if (!resp) {
@@ -526,10 +451,11 @@ void api_register(struct rpc_server *srv)
 {
     rpc_server_add_method(srv, "/cflue.v1.Agent/Submit", &cflue__v1__submit_request__descriptor,
                           on_submit, NULL, RPC_POOL);
+    watch_init(srv);
     rpc_server_add_method(srv, "/cflue.v1.Agent/Watch", &cflue__v1__watch_request__descriptor,
-                          on_watch, NULL, RPC_THREAD);
+                          on_watch, NULL, RPC_ASYNC);
     rpc_server_add_method(srv, "/cflue.v1.Agent/GetSubmission",
-                          &cflue__v1__get_submission_request__descriptor, on_get, NULL, RPC_THREAD);
+                          &cflue__v1__get_submission_request__descriptor, on_get, NULL, RPC_ASYNC);
     rpc_server_add_method(srv, "/cflue.v1.Agent/Abort", &cflue__v1__abort_request__descriptor,
                           on_abort, NULL, RPC_POOL);
     rpc_server_add_method(srv, "/cflue.v1.Agent/Compact", &cflue__v1__compact_request__descriptor,

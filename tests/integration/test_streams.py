@@ -1,7 +1,9 @@
-"""Streams cost no thread: thousands of idle Follow streams on one storaged, served by the
-event-driven RPC_ASYNC mode (docs/rpc.md), while unary calls keep their latency and a watched
-conversation's records reach every follower promptly. The daemon's thread count
-(/proc/<pid>/status Threads) stays where it was without the streams.
+"""Streams cost no thread: thousands of idle Follow streams on one storaged, and thousands of
+idle Watch(follow) streams on one agentd, served by the event-driven RPC_ASYNC mode
+(docs/rpc.md), while unary calls (Get, Submit) keep their latency and a watched
+conversation's records reach every follower promptly. The daemons' thread counts
+(/proc/<pid>/status Threads) stay where they were without the streams; agentd holds one
+storaged Follow per watched conversation, not one per watcher.
 
 The streams are opened by a child process with grpc.aio (one event loop, no thread per
 stream); it prints its measurements as JSON and exits without closing its channel (closing an
@@ -18,8 +20,9 @@ import unittest
 import grpc
 
 from cflue_harness import (
-    StoragedTestCase, channel_options, common_pb2, store_pb2,
-    admit, claim, get, record)
+    StoragedTestCase, agent_pb2, channel_options, common_pb2, store_pb2,
+    admit, claim, get, message, record)
+from test_agentd import AgentdCase, new_conv
 
 STREAMS = int(os.environ.get('STREAMS_N', '2000'))
 HOT = STREAMS // 2  # followers of the one conversation that gets records
@@ -130,9 +133,109 @@ class FollowStreamsTest(StoragedTestCase):
                          hot.submission.submission_id)
 
 
+async def watch_load(target, pid, sd_pid, hot_conv, hot_head, cold_convs, streams, hot):
+    """The child's part for agentd: open the Watch(follow) streams, measure, Submit to the hot
+    conversation, measure delivery of its records up to the settlement."""
+    report = {}
+    ch = grpc.aio.insecure_channel(target, options=channel_options())
+    watch = ch.unary_stream('/cflue.v1.Agent/Watch',
+                            request_serializer=agent_pb2.WatchRequest.SerializeToString,
+                            response_deserializer=common_pb2.Record.FromString)
+    submit = ch.unary_unary('/cflue.v1.Agent/Submit',
+                            request_serializer=agent_pb2.SubmitRequest.SerializeToString,
+                            response_deserializer=agent_pb2.Admission.FromString)
+    got = [[] for _ in range(streams)]
+    errors = []
+
+    async def consume(i):
+        conv = hot_conv if i < hot else cold_convs[i % len(cold_convs)]
+        call = watch(agent_pb2.WatchRequest(conversation_id=conv, after_offset=hot_head
+                                            if i < hot else -1, follow=True), timeout=120)
+        try:
+            async for r in call:
+                got[i].append((time.monotonic(), r.id))
+        except grpc.aio.AioRpcError as e:
+            errors.append([i, str(e.code()), e.details()])
+
+    tasks = [asyncio.ensure_future(consume(i)) for i in range(streams)]
+    await asyncio.sleep(4.0)  # every stream opened (and the cold ones replayed their history)
+    report['threads'] = proc_status(pid, 'Threads')
+    report['rss'] = proc_status(pid, 'VmRSS')
+    report['sd_threads'] = proc_status(sd_pid, 'Threads')
+    t0 = time.monotonic()
+    adm = await submit(agent_pb2.SubmitRequest(agent='plain', conversation_id=hot_conv,
+                                               message=message('are you there?')), timeout=10)
+    report['submit_ms'] = (time.monotonic() - t0) * 1000
+    settled = 'settled:' + adm.submission_id
+    deadline = t0 + 30
+    while time.monotonic() < deadline and not all(
+            any(rid == settled for _, rid in got[i]) for i in range(hot)):
+        await asyncio.sleep(0.02)
+    arrived = [next(ts for ts, rid in got[i] if rid == settled) - t0 for i in range(hot)
+               if any(rid == settled for _, rid in got[i])]
+    report['delivered'] = len(arrived)
+    report['first_ms'] = min(arrived) * 1000 if arrived else -1
+    report['last_ms'] = max(arrived) * 1000 if arrived else -1
+    report['same_records'] = len({tuple(rid for _, rid in got[i]) for i in range(hot)}) == 1
+    report['errors'] = errors[:5]
+    report['threads_after'] = proc_status(pid, 'Threads')
+    sys.stdout.write(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+class WatchStreamsTest(AgentdCase):
+    stack_kwargs = {'agents': ('plain',)}
+
+    def settle_one(self, conv, text):
+        self.fm.set_scenario([{'text': 'ok: ' + text}])
+        adm = self.ad.submit('plain', text, conversation_id=conv)
+        sub = self.ad.get_submission(adm.submission_id, wait=True, timeout=60)
+        self.assertEqual(sub.outcome, common_pb2.OUTCOME_COMPLETED, sub.error)
+
+    def test_two_thousand_idle_watchers(self):
+        hot = new_conv('hot')
+        self.settle_one(hot, 'first')
+        cold = [new_conv('cold-%d' % k) for k in range(COLD_CONVERSATIONS)]
+        for c in cold:
+            self.settle_one(c, 'hello')
+        head = self.ad.get_conversation(hot).head_offset
+        self.fm.set_scenario([{'text': 'yes'}])
+        ad_pid, sd_pid = self.ad.pid, self.stack.sd.pid
+        threads0 = proc_status(ad_pid, 'Threads')
+        sd_threads0 = proc_status(sd_pid, 'Threads')
+        rss0 = proc_status(ad_pid, 'VmRSS')
+        t0 = time.monotonic()
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), '--watch-load', self.ad.target,
+             str(ad_pid), str(sd_pid), hot, str(head), ','.join(cold), str(STREAMS), str(HOT)],
+            stdout=subprocess.PIPE, timeout=120, check=True)
+        report = json.loads(out.stdout.decode())
+        print('\nagentd: %d idle Watch(follow) streams on %d conversations: threads %d -> %d '
+              '(storaged %d -> %d), RSS %d -> %d KiB (%.1f KiB per watcher); Submit %.1f ms; '
+              '%d/%d hot watchers had the settlement after %.0f-%.0f ms; %.1f s in all'
+              % (STREAMS, COLD_CONVERSATIONS + 1, threads0, report['threads'], sd_threads0,
+                 report['sd_threads'], rss0, report['rss'],
+                 (report['rss'] - rss0) / float(STREAMS), report['submit_ms'],
+                 report['delivered'], HOT, report['first_ms'], report['last_ms'],
+                 time.monotonic() - t0))
+        self.assertEqual(report['errors'], [])
+        self.assertLessEqual(report['threads'] - threads0, 4)
+        self.assertLessEqual(report['threads_after'] - threads0, 4)
+        self.assertLessEqual(report['sd_threads'] - sd_threads0, 4)
+        self.assertLess(report['submit_ms'], 1000)
+        self.assertEqual(report['delivered'], HOT)
+        self.assertLess(report['last_ms'], 10000)
+        self.assertTrue(report['same_records'])
+
+
 if __name__ == '__main__':
     if len(sys.argv) > 1 and sys.argv[1] == '--follow-load':
         a = sys.argv[2:]
         asyncio.run(follow_load(a[0], int(a[1]), a[2], bytes.fromhex(a[3]), int(a[4]),
                                 int(a[5])))
+    if len(sys.argv) > 1 and sys.argv[1] == '--watch-load':
+        a = sys.argv[2:]
+        asyncio.run(watch_load(a[0], int(a[1]), int(a[2]), a[3], int(a[4]), a[5].split(','),
+                               int(a[6]), int(a[7])))
     unittest.main()
