@@ -142,6 +142,7 @@ int main(int argc, char **argv)
         DAEMON_OPT_GRACE_MS(&d, "how long shutdown waits for calls"),
         DAEMON_OPT_MAX_QUEUE(&d,
                              "API calls waiting for a thread; more are refused RESOURCE_EXHAUSTED"),
+        DAEMON_OPT_MAX_STREAM_MEMORY(&d),
         DAEMON_OPT_LOG_LEVEL(&d),
     };
     int rc = daemon_configure(&d, opts, CONFIG_COUNT(opts), argc, argv);
@@ -167,7 +168,10 @@ int main(int argc, char **argv)
     rpc_global_init();
     g_agentd.store = rpc_channel_new(o.store, 64 << 20);
 
-    struct rpc_server_opts ro = {.workers = 8, .max_threads = 1024, .max_queue = (int)d.max_queue};
+    struct rpc_server_opts ro = {.workers = 8,
+                                 .max_threads = 1024,
+                                 .max_queue = (int)d.max_queue,
+                                 .max_stream_memory = (int64_t)d.max_stream_mib << 20};
     struct rpc_server *srv = rpc_server_new(&ro);
     api_register(srv);
     if (!daemon_serve(&d, srv)) {

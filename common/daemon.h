@@ -31,6 +31,7 @@ struct daemon {
     /* the options every daemon takes (defaults from DAEMON_INIT) */
     const char *listen, *port_file, *log_level;
     long long grace_ms, max_queue;
+    long long max_stream_mib; /* streams served without a thread (RPC_ASYNC): memory bound */
     /* set by daemon_serve */
     struct rpc_server *server;
     int port; /* the bound TCP port (0 for a unix socket) */
@@ -38,7 +39,7 @@ struct daemon {
 
 #define DAEMON_INIT(name, usage, listen)                                                           \
     {                                                                                              \
-        (name), (usage), (listen), "", "info", 5000, 256, NULL, 0                                  \
+        (name), (usage), (listen), "", "info", 5000, 256, 256, NULL, 0                             \
     }
 
 /* The log levels --log-level takes (log.h), for a choices list. */
@@ -49,6 +50,10 @@ extern const char *const daemon_log_levels[];
 #define DAEMON_OPT_PORT_FILE(d, help) CONFIG_OPT_STRING("port-file", &(d)->port_file, help)
 #define DAEMON_OPT_GRACE_MS(d, help) CONFIG_OPT_INT("grace-ms", &(d)->grace_ms, 0, 600000, help)
 #define DAEMON_OPT_MAX_QUEUE(d, help) CONFIG_OPT_INT("max-queue", &(d)->max_queue, 1, 100000, help)
+#define DAEMON_OPT_MAX_STREAM_MEMORY(d)                                                            \
+    CONFIG_OPT_INT("max-stream-memory", &(d)->max_stream_mib, 1, 65536,                            \
+                   "MiB for open streams, 16 KiB each (256: 16,384 streams); more are refused "    \
+                   "RESOURCE_EXHAUSTED")
 #define DAEMON_OPT_LOG_LEVEL(d)                                                                    \
     CONFIG_OPT_CHOICE("log-level", &(d)->log_level, daemon_log_levels, "debug, info, warn or error")
 

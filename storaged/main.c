@@ -127,6 +127,7 @@ int main(int argc, char **argv)
         CONFIG_OPT_INT("group-commit", &o.group, 1, 10000, "most writes committed together"),
         DAEMON_OPT_GRACE_MS(&d, "how long shutdown waits for live calls"),
         DAEMON_OPT_MAX_QUEUE(&d, "calls waiting for a thread; more are refused RESOURCE_EXHAUSTED"),
+        DAEMON_OPT_MAX_STREAM_MEMORY(&d),
         DAEMON_OPT_LOG_LEVEL(&d),
         CONFIG_OPT_STRING(
             "boot-id-file", &o.boot_id_file,
@@ -164,7 +165,8 @@ int main(int argc, char **argv)
     struct service *svc = service_new(o.db_path, writer, notifier, &cfg);
     struct rpc_server_opts ro = {.workers = (int)o.workers,
                                  .max_message_bytes = (int)o.max_msg,
-                                 .max_queue = (int)d.max_queue};
+                                 .max_queue = (int)d.max_queue,
+                                 .max_stream_memory = (int64_t)d.max_stream_mib << 20};
     struct rpc_server *srv = rpc_server_new(&ro);
     service_register(svc, srv);
     if (!daemon_serve(&d, srv)) {
