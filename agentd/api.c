@@ -449,21 +449,20 @@ static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *us
 
 void api_register(struct rpc_server *srv)
 {
-    rpc_server_add_method(srv, "/cflue.v1.Agent/Submit", &cflue__v1__submit_request__descriptor,
-                          on_submit, NULL, RPC_POOL);
+    static const struct rpc_method_def methods[] = {
+        {"/cflue.v1.Agent/Submit", &cflue__v1__submit_request__descriptor, on_submit, RPC_POOL},
+        {"/cflue.v1.Agent/Watch", &cflue__v1__watch_request__descriptor, on_watch, RPC_ASYNC},
+        {"/cflue.v1.Agent/GetSubmission", &cflue__v1__get_submission_request__descriptor, on_get,
+         RPC_ASYNC},
+        {"/cflue.v1.Agent/Abort", &cflue__v1__abort_request__descriptor, on_abort, RPC_POOL},
+        /* Compact waits for its own submission's outcome on a thread of its own */
+        {"/cflue.v1.Agent/Compact", &cflue__v1__compact_request__descriptor, on_compact,
+         RPC_THREAD},
+        {"/cflue.v1.Agent/ListAgents", &cflue__v1__list_agents_request__descriptor, on_list_agents,
+         RPC_INLINE},
+        {"/cflue.v1.Agent/GetConversation", &cflue__v1__get_conversation_request__descriptor,
+         on_get_conversation, RPC_POOL},
+    };
     watch_init(srv);
-    rpc_server_add_method(srv, "/cflue.v1.Agent/Watch", &cflue__v1__watch_request__descriptor,
-                          on_watch, NULL, RPC_ASYNC);
-    rpc_server_add_method(srv, "/cflue.v1.Agent/GetSubmission",
-                          &cflue__v1__get_submission_request__descriptor, on_get, NULL, RPC_ASYNC);
-    rpc_server_add_method(srv, "/cflue.v1.Agent/Abort", &cflue__v1__abort_request__descriptor,
-                          on_abort, NULL, RPC_POOL);
-    rpc_server_add_method(srv, "/cflue.v1.Agent/Compact", &cflue__v1__compact_request__descriptor,
-                          on_compact, NULL, RPC_THREAD);
-    rpc_server_add_method(srv, "/cflue.v1.Agent/ListAgents",
-                          &cflue__v1__list_agents_request__descriptor, on_list_agents, NULL,
-                          RPC_INLINE);
-    rpc_server_add_method(srv, "/cflue.v1.Agent/GetConversation",
-                          &cflue__v1__get_conversation_request__descriptor, on_get_conversation,
-                          NULL, RPC_POOL);
+    rpc_server_add_methods(srv, methods, sizeof(methods) / sizeof(methods[0]), NULL);
 }

@@ -82,6 +82,19 @@ void rpc_server_add_method(struct rpc_server *s, const char *path,
                            const ProtobufCMessageDescriptor *req_desc, rpc_handler_fn fn,
                            void *user, enum rpc_mode mode);
 
+/* One row of a service's method table. */
+struct rpc_method_def {
+    const char *path; /* "/cflue.v1.Agent/Submit" */
+    const ProtobufCMessageDescriptor *req_desc;
+    rpc_handler_fn fn;
+    enum rpc_mode mode;
+};
+
+/* rpc_server_add_methods registers every row of a method table, each with the same user
+ * pointer. Call before rpc_server_start. */
+void rpc_server_add_methods(struct rpc_server *s, const struct rpc_method_def *defs, size_t n,
+                            void *user);
+
 /* rpc_server_lenient_strings makes a registered method accept requests whose text fields hold
  * NUL bytes or invalid UTF-8 (refused with INVALID_ARGUMENT otherwise): the handler runs and
  * learns of the problem from rpc_call_input_problem (the decoded strings are cut at the NUL).

@@ -1171,6 +1171,14 @@ void rpc_server_add_method(struct rpc_server *s, const char *path,
                                             GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
 }
 
+void rpc_server_add_methods(struct rpc_server *s, const struct rpc_method_def *defs, size_t n,
+                            void *user)
+{
+    for (size_t i = 0; i < n; i++) {
+        rpc_server_add_method(s, defs[i].path, defs[i].req_desc, defs[i].fn, user, defs[i].mode);
+    }
+}
+
 /* stop_threads asks the workers to quit once the queue is empty, shuts the completion queue
  * down, and joins every thread started. */
 static void stop_threads(struct rpc_server *s)

@@ -802,26 +802,23 @@ void toold_register(struct rpc_server *srv, struct workspaces *ws, const struct 
 {
     server_state.ws = ws;
     server_state.cfg = cfg;
-    rpc_server_add_method(srv, "/cflue.v1.Tools/List", &cflue__v1__list_tools_request__descriptor,
-                          on_list, NULL, RPC_POOL);
-    rpc_server_add_method(srv, "/cflue.v1.Tools/Execute", &cflue__v1__tool_call__descriptor,
-                          on_execute, NULL, RPC_THREAD);
+    /* commands (Execute, ExecuteBatch, Exec) may run for minutes: a thread each */
+    static const struct rpc_method_def methods[] = {
+        {"/cflue.v1.Tools/List", &cflue__v1__list_tools_request__descriptor, on_list, RPC_POOL},
+        {"/cflue.v1.Tools/Execute", &cflue__v1__tool_call__descriptor, on_execute, RPC_THREAD},
+        {"/cflue.v1.Tools/ExecuteBatch", &cflue__v1__tool_batch__descriptor, on_execute_batch,
+         RPC_THREAD},
+        {"/cflue.v1.Sandbox/ReadFile", &cflue__v1__read_file_request__descriptor, on_read_file,
+         RPC_POOL},
+        {"/cflue.v1.Sandbox/WriteFile", &cflue__v1__write_file_request__descriptor, on_write_file,
+         RPC_POOL},
+        {"/cflue.v1.Sandbox/Stat", &cflue__v1__path_request__descriptor, on_stat, RPC_POOL},
+        {"/cflue.v1.Sandbox/ReadDir", &cflue__v1__read_dir_request__descriptor, on_read_dir,
+         RPC_POOL},
+        {"/cflue.v1.Sandbox/Mkdir", &cflue__v1__mkdir_request__descriptor, on_mkdir, RPC_POOL},
+        {"/cflue.v1.Sandbox/Remove", &cflue__v1__remove_request__descriptor, on_remove, RPC_POOL},
+        {"/cflue.v1.Sandbox/Exec", &cflue__v1__exec_request__descriptor, on_exec, RPC_THREAD},
+    };
+    rpc_server_add_methods(srv, methods, sizeof(methods) / sizeof(methods[0]), NULL);
     rpc_server_lenient_strings(srv, "/cflue.v1.Tools/Execute");
-    rpc_server_add_method(srv, "/cflue.v1.Tools/ExecuteBatch", &cflue__v1__tool_batch__descriptor,
-                          on_execute_batch, NULL, RPC_THREAD);
-    rpc_server_add_method(srv, "/cflue.v1.Sandbox/ReadFile",
-                          &cflue__v1__read_file_request__descriptor, on_read_file, NULL, RPC_POOL);
-    rpc_server_add_method(srv, "/cflue.v1.Sandbox/WriteFile",
-                          &cflue__v1__write_file_request__descriptor, on_write_file, NULL,
-                          RPC_POOL);
-    rpc_server_add_method(srv, "/cflue.v1.Sandbox/Stat", &cflue__v1__path_request__descriptor,
-                          on_stat, NULL, RPC_POOL);
-    rpc_server_add_method(srv, "/cflue.v1.Sandbox/ReadDir",
-                          &cflue__v1__read_dir_request__descriptor, on_read_dir, NULL, RPC_POOL);
-    rpc_server_add_method(srv, "/cflue.v1.Sandbox/Mkdir", &cflue__v1__mkdir_request__descriptor,
-                          on_mkdir, NULL, RPC_POOL);
-    rpc_server_add_method(srv, "/cflue.v1.Sandbox/Remove", &cflue__v1__remove_request__descriptor,
-                          on_remove, NULL, RPC_POOL);
-    rpc_server_add_method(srv, "/cflue.v1.Sandbox/Exec", &cflue__v1__exec_request__descriptor,
-                          on_exec, NULL, RPC_THREAD);
 }
