@@ -12,7 +12,9 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#define ACTIVE_MAX 1024
+#define ACTIVE_MAX 4096 /* drives in flight at most (--max-drives) */
+
+struct drive;
 
 /* One submission being driven by this process. */
 struct active {
@@ -23,6 +25,8 @@ struct active {
     bool abort_requested; /* durable abort intent seen: settle aborted */
     bool lease_lost;      /* another attempt took over: stop without writing */
     bool shutting_down;   /* this process is stopping: stop, recovery will resume */
+    struct drive *drive;  /* posted when a flag above is set (engine.c) */
+    uint64_t model_call;  /* the model call it is parked on (0: none), cancelled with them */
 };
 
 struct agentd {
@@ -41,7 +45,7 @@ struct agentd {
 
 extern struct agentd g_agentd;
 
-/* agentd_wake tells idle workers that work may be claimable. */
+/* agentd_wake tells the claimer that work may be claimable (engine.c). */
 void agentd_wake(void);
 
 /* agentd_mark_abort flags a locally running submission as aborted; returns whether it runs
@@ -60,11 +64,6 @@ enum drive_end {
 #define AGENTD_NOTHING_TO_COMPACT                                                                  \
     "nothing to compact: the conversation is no longer than the recent part that compaction "      \
     "keeps verbatim"
-
-/* turn_drive runs one claimed submission until it settles, its lease is lost, the process
- * stops, or storaged/toold fail past their retry window (see drive.c). The claim response is
- * owned by the caller. */
-enum drive_end turn_drive(const Cflue__V1__ClaimResponse *claim);
 
 /* api_register adds the Agent service to srv. */
 void api_register(struct rpc_server *srv);

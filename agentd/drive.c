@@ -11,7 +11,7 @@
  *
  * The states (enum drive_state), each a function that returns the next:
  *
- *   START --> INPUT --> PROMPT --> JOIN --> MODEL --> TOOLS --> JOIN ...
+ *   START --> INPUT --> PROMPT --> JOIN --> MODEL(_WAIT) --> TOOLS --> JOIN ...
  *                          |                 | ^        (no calls: JOIN)
  *                          |                 v |
  *                          +-----------> COMPACT          (size, overflow, or a Compact request)
@@ -30,18 +30,21 @@
  *  - TOOLS: the answer's calls run as one batch, results recorded as they arrive;
  *  - SETTLE: the outcome recorded, or the drive ends stopped or interrupted (settle.c).
  *
- * Every state does its waiting (a Store call, a model call, a tool batch) blocking on the
- * drive's thread for now; each starts its work and hands the result to a separate step (for
- * example step_model / model_done), so that a later change can make each wait an event that
- * steps the machine. A drive ends in one of three ways (enum drive_end): settled; stopped
- * (lease lost or shutdown: whoever holds the work next continues it); interrupted (storaged
- * or toold failed past the retry window; the first failure is kept in d->fault and the work is
- * claimed again later, each attempt counting against max_attempts).
+ * A drive is stepped by the engine (engine.c) on one of its few threads. A model call does
+ * not hold that thread: MODEL starts it on the model I/O loop and the drive parks in
+ * MODEL_WAIT (d->parked) until the call's end (or an abort, or a retry's backoff timer) posts
+ * it back; model_done then takes the answer. Store calls and tool batches still block the
+ * engine thread for their (short) duration: making them events is the next step. A drive ends in
+ * one of three ways (enum drive_end): settled; stopped (lease lost or shutdown: whoever holds the
+ * work next continues it); interrupted (storaged or toold failed past the retry window; the first
+ * failure is kept in d->fault and the work is claimed again later, each attempt counting against
+ * max_attempts).
  */
 #include "drive.h"
 #include "clock.h"
 #include "failpoint.h"
 #include "log.h"
+#include "mem.h"
 #include "pbtime.h"
 
 #include <stdio.h>
@@ -342,10 +345,18 @@ static enum drive_state step_model(struct drive *d)
         context_free(&ctx);
         return DRIVE_SETTLE;
     }
-    llm_response_cleanup(&d->answer);
-    llm_response_init(&d->answer);
-    enum cf_status rc = model_call(d, d->system_text, &ctx, d->tools.tools, d->tools.n, &d->answer);
-    context_free(&ctx);
+    model_call_start(d, d->system_text, &ctx, d->tools.tools, d->tools.n);
+    return DRIVE_MODEL_WAIT;
+}
+
+/* step_model_wait parks the drive until its model call (retries included) has finished. */
+static enum drive_state step_model_wait(struct drive *d)
+{
+    enum cf_status rc;
+    if (!model_call_poll(d, &rc)) {
+        d->parked = true;
+        return DRIVE_MODEL_WAIT;
+    }
     return model_done(d, rc);
 }
 
@@ -405,9 +416,11 @@ static enum drive_state step_settle(struct drive *d)
 }
 
 static enum drive_state (*const steps[])(struct drive *) = {
-    [DRIVE_START] = step_start, [DRIVE_INPUT] = step_input,   [DRIVE_PROMPT] = step_prompt,
-    [DRIVE_JOIN] = step_join,   [DRIVE_MODEL] = step_model,   [DRIVE_COMPACT] = step_compact,
-    [DRIVE_TOOLS] = step_tools, [DRIVE_SETTLE] = step_settle,
+    [DRIVE_START] = step_start,     [DRIVE_INPUT] = step_input,
+    [DRIVE_PROMPT] = step_prompt,   [DRIVE_JOIN] = step_join,
+    [DRIVE_MODEL] = step_model,     [DRIVE_MODEL_WAIT] = step_model_wait,
+    [DRIVE_COMPACT] = step_compact, [DRIVE_TOOLS] = step_tools,
+    [DRIVE_SETTLE] = step_settle,
 };
 
 /* ---------- one drive ---------- */
@@ -438,34 +451,66 @@ static void end_drive(struct drive *d)
     if (d->act) {
         pthread_mutex_lock(&g_agentd.mu);
         d->act->in_use = false;
+        d->act->drive = NULL;
+        d->act->model_call = 0;
         pthread_mutex_unlock(&g_agentd.mu);
+        d->act = NULL;
     }
+}
+
+struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
+{
+    struct drive *d = mem_alloc(sizeof(*d));
+    memset(d, 0, sizeof(*d));
+    d->claim = claim;
+    d->sub = claim->submission;
+    d->takeover = claim->takeover;
+    d->fence = *claim->fence;
+    d->timeout_at_ms = pbtime_ms(d->sub->deadline);
+    d->outcome = CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
+    rlog_init(&d->log);
+    llm_response_init(&d->answer);
+    buf_init(&d->delta, 64 * 1024);
+    model_call_init(d);
+    d->state = DRIVE_START;
+    if (!begin_drive(d)) {
+        drive_free(d);
+        return NULL; /* the lease expires; another claim takes it */
+    }
+    log_info("drive", "submission=%s conversation=%s attempt=%s count=%d takeover=%d",
+             d->sub->submission_id, d->sub->conversation_id, d->fence.attempt_id,
+             d->sub->attempt_count, (int)d->takeover);
+    return d;
+}
+
+bool drive_run(struct drive *d)
+{
+    d->parked = false;
+    while (d->state != DRIVE_DONE && !d->parked) {
+        d->state = steps[d->state](d);
+    }
+    return d->state == DRIVE_DONE;
+}
+
+enum drive_end drive_end_of(const struct drive *d)
+{
+    return d->end;
+}
+
+const char *drive_submission_id(const struct drive *d)
+{
+    return d->sub->submission_id;
+}
+
+void drive_free(struct drive *d)
+{
+    end_drive(d);
     free(d->system_text);
     tools_cleanup(d);
     llm_response_cleanup(&d->answer);
+    model_call_cleanup(d);
     dstore_cleanup(d);
     buf_cleanup(&d->delta);
-}
-
-enum drive_end turn_drive(const Cflue__V1__ClaimResponse *claim)
-{
-    struct drive d = {.sub = claim->submission, .takeover = claim->takeover};
-    d.fence = *claim->fence;
-    d.timeout_at_ms = pbtime_ms(d.sub->deadline);
-    d.outcome = CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
-    rlog_init(&d.log);
-    llm_response_init(&d.answer);
-    buf_init(&d.delta, 64 * 1024);
-    if (!begin_drive(&d)) {
-        end_drive(&d);
-        return DRIVE_STOPPED; /* lease expires; another worker or process takes it */
-    }
-    log_info("drive", "submission=%s conversation=%s attempt=%s count=%d takeover=%d",
-             d.sub->submission_id, d.sub->conversation_id, d.fence.attempt_id, d.sub->attempt_count,
-             (int)claim->takeover);
-    for (d.state = DRIVE_START; d.state != DRIVE_DONE;) {
-        d.state = steps[d.state](&d);
-    }
-    end_drive(&d);
-    return d.end;
+    protobuf_c_message_free_unpacked(&d->claim->base, NULL);
+    free(d);
 }

@@ -22,14 +22,15 @@
 
 /* The states of a drive; see the essay at the top of drive.c. */
 enum drive_state {
-    DRIVE_START,   /* budgets, the conversation read, recovery of an earlier attempt */
-    DRIVE_INPUT,   /* the input appended and stamped applied, unresolved calls repaired */
-    DRIVE_PROMPT,  /* the tool set listed and the system prompt frozen */
-    DRIVE_JOIN,    /* queued messages join */
-    DRIVE_MODEL,   /* one model turn asked and its answer recorded */
-    DRIVE_COMPACT, /* the older part of the conversation summarized */
-    DRIVE_TOOLS,   /* the answer's tool calls run as one batch */
-    DRIVE_SETTLE,  /* the outcome recorded, or the drive stopped or interrupted */
+    DRIVE_START,      /* budgets, the conversation read, recovery of an earlier attempt */
+    DRIVE_INPUT,      /* the input appended and stamped applied, unresolved calls repaired */
+    DRIVE_PROMPT,     /* the tool set listed and the system prompt frozen */
+    DRIVE_JOIN,       /* queued messages join */
+    DRIVE_MODEL,      /* one model turn asked (the call started) */
+    DRIVE_MODEL_WAIT, /* parked on the model call or its backoff; then the answer recorded */
+    DRIVE_COMPACT,    /* the older part of the conversation summarized */
+    DRIVE_TOOLS,      /* the answer's tool calls run as one batch */
+    DRIVE_SETTLE,     /* the outcome recorded, or the drive stopped or interrupted */
     DRIVE_DONE,
 };
 
@@ -40,7 +41,38 @@ struct toolset {
     size_t n;
 };
 
+/* A model call in flight for a parked drive (model_call.c). The fields under mu are written
+ * by the model I/O loop's callbacks; the rest by the engine thread stepping the drive. */
+struct model_wait {
+    pthread_mutex_t mu;
+    bool done;             /* under mu: the call ended; rc and err say how */
+    enum cf_status rc;     /* under mu */
+    struct cf_error err;   /* under mu */
+    struct buf pending;    /* under mu: streamed text not yet handed to the drive */
+    bool flush_posted;     /* under mu: the drive was posted to flush deltas */
+    int64_t flushed_ms;    /* under mu: monotonic time of the last delta flush */
+    bool in_flight;        /* a call was started and its done not yet handled */
+    bool backing_off;      /* waiting for backoff_until before the next try */
+    int64_t backoff_until; /* monotonic ms */
+    int attempt;
+    struct context ctx; /* the turn's context, kept for retries */
+    struct llm_request req;
+    struct llm_events ev;
+};
+
+/* What the engine keeps on a drive (engine.c; under the engine's lock). */
+struct engine_link {
+    struct drive *next; /* in the ready queue or the timer list */
+    bool queued;        /* in the ready queue */
+    bool running;       /* an engine thread is stepping it */
+    bool again;         /* posted while running: step it again */
+    int64_t timer_due;  /* monotonic ms; 0: no timer */
+    struct drive *timer_next;
+    int64_t resume_ms; /* the backoff before claiming it again if it is interrupted */
+};
+
 struct drive {
+    Cflue__V1__ClaimResponse *claim; /* owned */
     const Cflue__V1__Submission *sub;
     Cflue__V1__Fence fence;
     struct active *act;
@@ -65,6 +97,9 @@ struct drive {
     /* the state machine */
     enum drive_state state;
     enum drive_end end;
+    bool parked; /* the last step waits for an event: the engine steps it when posted */
+    struct model_wait mw;
+    struct engine_link eng;
     struct toolset tools;
     char *system_text;
     struct llm_response answer; /* the turn's answer, between MODEL and TOOLS */
@@ -77,6 +112,22 @@ struct drive {
     Cflue__V1__Outcome outcome;           /* what DRIVE_SETTLE records */
     char error[1024];                     /* and why, when not completed */
 };
+
+/* ---- drive.c: a drive's life, stepped by the engine ---- */
+
+/* drive_new makes a drive of a claim (taken: freed with the drive). NULL when this process
+ * holds ACTIVE_MAX drives already (the claim is freed; its lease expires and the work is
+ * taken again). */
+struct drive *drive_new(Cflue__V1__ClaimResponse *claim);
+/* drive_run steps d until it parks (waits for an event: engine_post steps it again) or is
+ * done; returns true when done. One thread at a time. */
+bool drive_run(struct drive *d);
+/* drive_end_of: how a done drive ended. */
+enum drive_end drive_end_of(const struct drive *d);
+/* drive_submission_id: the submission d drives. */
+const char *drive_submission_id(const struct drive *d);
+/* drive_free releases a done drive (its active slot first: nothing posts it afterwards). */
+void drive_free(struct drive *d);
 
 /* ---- drive.c: the drive's flags (each reads the active slot under g_agentd.mu) ---- */
 
@@ -173,9 +224,21 @@ void tools_run(struct drive *d, const struct llm_response *resp);
 
 /* model_output_tokens: the output budget of every request to agent a's model. */
 int64_t model_output_tokens(const struct agent_def *a);
-/* model_call asks the model, retrying what the provider says may be retried; streamed text
- * becomes assistant_delta records unless d->quiet. *out is the caller's to clean up. Returns
- * CF_DEADLINE when too little of the time limit is left, CF_CANCELLED when stopped. */
+/* model_call_start starts the turn's model call (attempt 1) on the model I/O loop; ctx is
+ * taken (freed when the call finishes). model_call_poll, on each step of the parked drive,
+ * flushes streamed deltas, cancels the call when the drive stopped, retries what may be
+ * retried after a backoff (an engine timer) and returns true once the call has finished, with
+ * its status in *rc and the answer in d->answer. */
+void model_call_start(struct drive *d, const char *system, struct context *ctx,
+                      const struct llm_tool *tools, size_t n_tools);
+bool model_call_poll(struct drive *d, enum cf_status *rc);
+/* model_call_init / model_call_cleanup manage d->mw. */
+void model_call_init(struct drive *d);
+void model_call_cleanup(struct drive *d);
+/* model_call asks the model (blocking the calling thread; compaction's summaries), retrying what
+ * the provider says may be retried; streamed text becomes assistant_delta records unless d->quiet.
+ * *out is the caller's to clean up. Returns CF_DEADLINE when too little of the time limit is left,
+ * CF_CANCELLED when stopped. */
 enum cf_status model_call(struct drive *d, const char *system, const struct context *c,
                           const struct llm_tool *tools, size_t n_tools, struct llm_response *out);
 /* model_record_answer records resp as this turn's assistant_message. A failure is a fault. */

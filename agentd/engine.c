@@ -1,20 +1,39 @@
 /* engine.c - the scheduler of agentd's drives.
  *
- * Crash-only: all state is in storaged. Workers claim work (queued heads, and leases that
- * expired), heartbeat their leases, and poll abort intents every second. With a stable
- * --owner-id, a restarted agentd takes back its own unfinished work at once instead of
- * waiting for the leases to run out.
+ * Drives are objects (struct drive) stepped by a small fixed pool of engine threads
+ * (--workers). A drive runs its states until it waits on a model call: then it PARKS, holding
+ * no thread, and the call's end (on the model I/O loop) only posts it back to the ready queue
+ * (engine_post). A model retry's backoff is a timer on the engine (engine_post_at), not a
+ * sleep. Store calls and tool batches still block the engine thread that steps the drive
+ * (short in the usual case; making them events is the next step), so --workers bounds how
+ * many of those run at once, never how many drives are in flight: that is --max-drives.
+ *
+ * One claimer thread claims work (queued heads, and leases that expired) while fewer than
+ * --max-drives drives are live, woken by Submit (agentd_wake), by a drive's end, and every
+ * 500 ms for work admitted elsewhere; it stops at the first empty Claim, so a burst of
+ * Submits costs one empty Claim, not one per thread. One heartbeat thread renews every lease
+ * in one Heartbeat call and polls abort intents (a bounded number of Gets per tick). Abort,
+ * a lost lease and shutdown set the drive's flag, cancel the model call it is parked on at
+ * once (llm_cancel) and post it, so it settles or stops without waiting for the model.
+ *
+ * Crash-only: all state is in storaged. With a stable --owner-id, a restarted agentd takes
+ * back its own unfinished work at once (engine_reclaim_own) instead of waiting for the leases
+ * to run out.
  *
  * A drive that storaged or toold interrupted (drive.c) is not settled: its submission goes on
- * the resume list, and a worker claims it again (own-owner reclaim of that one submission)
+ * the resume list, and the claimer claims it again (own-owner reclaim of that one submission)
  * after a backoff of 1 s doubling to 30 s (at most 2 s while storaged cannot be reached),
- * until the claim succeeds or finds it settled or taken by someone else. Each such claim is a new
- * attempt and counts against max_attempts.
+ * until the claim succeeds or finds it settled or taken by someone else. Each such claim is a
+ * new attempt and counts against max_attempts.
+ *
+ * Locks: g_agentd.mu (the active table, flags, resume list) is taken before the engine's own
+ * lock (ready queue, timers, counts), never after.
  */
 #include "engine.h"
 #include "agentd.h"
 #include "clients.h"
 #include "clock.h"
+#include "drive.h"
 #include "log.h"
 #include "mem.h"
 #include "pbtime.h"
@@ -24,9 +43,111 @@
 #include <stdlib.h>
 #include <string.h>
 
+long long engine_max_drives = ENGINE_MAX_DRIVES_DEFAULT;
+
+#define CLAIM_POLL_MS 500 /* the claimer asks for work admitted elsewhere this often */
+#define ABORT_POLL_MAX 16 /* abort intents polled (one Get each) per heartbeat tick */
+
+static struct engine {
+    pthread_mutex_t mu;
+    pthread_cond_t work; /* engine threads: a drive is ready, a timer changed, or stop */
+    struct drive *ready_head, *ready_tail;
+    struct drive *timers; /* drives with a timer (a list: retries are rare) */
+    long long live;       /* drives admitted and not yet freed */
+    bool claimer_done;    /* the claimer exited: no drive is admitted any more */
+    bool stopping;        /* engine_stop was called (g_agentd.stopping, under eng.mu) */
+    pthread_t *threads;   /* workers, then the claimer, then the heartbeat */
+    long long n_workers, n_started;
+} eng = {.mu = PTHREAD_MUTEX_INITIALIZER, .work = PTHREAD_COND_INITIALIZER};
+
+static bool woken; /* under g_agentd.mu: agentd_wake since the claimer last looked */
+
+/* ---------- the ready queue and timers ---------- */
+
+/* post_locked makes d ready (eng.mu held). */
+static void post_locked(struct drive *d)
+{
+    if (d->eng.running) {
+        d->eng.again = true;
+        return;
+    }
+    if (d->eng.queued) {
+        return;
+    }
+    d->eng.queued = true;
+    d->eng.next = NULL;
+    if (eng.ready_tail) {
+        eng.ready_tail->eng.next = d;
+    } else {
+        eng.ready_head = d;
+    }
+    eng.ready_tail = d;
+    pthread_cond_signal(&eng.work);
+}
+
+void engine_post(struct drive *d)
+{
+    pthread_mutex_lock(&eng.mu);
+    post_locked(d);
+    pthread_mutex_unlock(&eng.mu);
+}
+
+static void timer_unlink(struct drive *d)
+{
+    for (struct drive **p = &eng.timers; *p; p = &(*p)->eng.timer_next) {
+        if (*p == d) {
+            *p = d->eng.timer_next;
+            break;
+        }
+    }
+    d->eng.timer_due = 0;
+}
+
+void engine_post_at(struct drive *d, int64_t due_ms)
+{
+    pthread_mutex_lock(&eng.mu);
+    if (!d->eng.timer_due) {
+        d->eng.timer_next = eng.timers;
+        eng.timers = d;
+    }
+    d->eng.timer_due = due_ms > 0 ? due_ms : 1;
+    pthread_cond_broadcast(&eng.work); /* the waits recompute their deadline */
+    pthread_mutex_unlock(&eng.mu);
+}
+
+/* fire_timers posts the drives whose timer is due; returns the earliest timer left (0:
+ * none). eng.mu held. */
+static int64_t fire_timers(int64_t now)
+{
+    int64_t next = 0;
+    for (struct drive **p = &eng.timers; *p;) {
+        struct drive *d = *p;
+        if (d->eng.timer_due <= now) {
+            *p = d->eng.timer_next;
+            d->eng.timer_due = 0;
+            post_locked(d);
+        } else {
+            next = !next || d->eng.timer_due < next ? d->eng.timer_due : next;
+            p = &d->eng.timer_next;
+        }
+    }
+    return next;
+}
+
+/* kick_locked posts the drive of slot a and returns the model call to cancel (g_agentd.mu
+ * held); the caller cancels it after unlocking. */
+static uint64_t kick_locked(struct active *a)
+{
+    if (a->drive) {
+        engine_post(a->drive);
+    }
+    return a->model_call;
+}
+
 void agentd_wake(void)
 {
     pthread_mutex_lock(&g_agentd.mu);
+    woken = true;
     pthread_cond_broadcast(&g_agentd.wake);
     pthread_mutex_unlock(&g_agentd.mu);
 }
@@ -34,15 +155,18 @@ void agentd_wake(void)
 bool agentd_mark_abort(const char *submission_id)
 {
     bool here = false;
+    uint64_t cancel = 0;
     pthread_mutex_lock(&g_agentd.mu);
     for (int i = 0; i < ACTIVE_MAX; i++) {
         struct active *a = &g_agentd.active[i];
         if (a->in_use && !strcmp(a->submission_id, submission_id)) {
             a->abort_requested = true;
             here = true;
+            cancel = kick_locked(a);
         }
     }
     pthread_mutex_unlock(&g_agentd.mu);
+    llm_cancel(cancel); /* at once: the drive settles aborted without waiting for the model */
     return here;
 }
 
@@ -108,20 +232,32 @@ void engine_reclaim_own(void)
     }
 }
 
-/* engine_stop tells the workers to stop and every drive that it is stopping (recovery resumes
- * their work). */
 void engine_stop(void)
 {
+    uint64_t *cancel = mem_alloc(sizeof(*cancel) * ACTIVE_MAX);
+    int n = 0;
     pthread_mutex_lock(&g_agentd.mu);
     g_agentd.stopping = true;
     for (int i = 0; i < ACTIVE_MAX; i++) {
-        g_agentd.active[i].shutting_down = true;
+        struct active *a = &g_agentd.active[i];
+        a->shutting_down = true;
+        if (a->in_use) {
+            cancel[n++] = kick_locked(a);
+        }
     }
     pthread_cond_broadcast(&g_agentd.wake);
     pthread_mutex_unlock(&g_agentd.mu);
+    for (int i = 0; i < n; i++) {
+        llm_cancel(cancel[i]);
+    }
+    free(cancel);
+    pthread_mutex_lock(&eng.mu);
+    eng.stopping = true;
+    pthread_cond_broadcast(&eng.work);
+    pthread_mutex_unlock(&eng.mu);
 }
 
-/* driven_here reports whether a worker of this process holds the submission now. */
+/* driven_here reports whether a drive of this process holds the submission now. */
 static bool driven_here(const char *submission_id)
 {
     bool here = false;
@@ -182,48 +318,6 @@ static bool take_due_resume(struct resume *out)
     return found;
 }
 
-/* after_drive files an interrupted drive for a later claim. */
-static void after_drive(enum drive_end end, const char *submission_id, int64_t delay_ms)
-{
-    if (end == DRIVE_INTERRUPTED) {
-        resume_later(submission_id, delay_ms);
-    }
-}
-
-/* resume_one claims a due interrupted submission again and drives it. Returns whether there
- * was one due. */
-static bool resume_one(void)
-{
-    struct resume r;
-    struct cf_error err;
-    if (!take_due_resume(&r)) {
-        return false;
-    }
-    if (driven_here(r.submission_id)) {
-        return true; /* another worker here took it over meanwhile: never take it back */
-    }
-    int64_t next = r.delay_ms * 2 < RESUME_MAX_MS ? r.delay_ms * 2 : RESUME_MAX_MS;
-    Cflue__V1__ClaimResponse *cl = NULL;
-    enum cf_status rc = claim(r.submission_id, clock_now_ms() + 1, &cl, &err);
-    if (rc == CF_OK && cl->submission) {
-        log_info("resumed", "submission=%s attempt=%s count=%d", r.submission_id,
-                 cl->fence->attempt_id, cl->submission->attempt_count);
-        after_drive(turn_drive(cl), r.submission_id, next);
-    } else if (rc == CF_UNAVAILABLE || rc == CF_BUSY) {
-        /* storaged is away: no attempt was spent; ask again soon */
-        resume_later(r.submission_id, r.delay_ms < 2000 ? r.delay_ms : 2000);
-    } else if (rc != CF_OK) {
-        char q[600];
-        log_warn("resume_dropped", "submission=%s err=%s", r.submission_id,
-                 log_quote(q, sizeof(q), err.msg));
-    }
-    /* else: settled, or another process holds it now */
-    if (cl) {
-        protobuf_c_message_free_unpacked(&cl->base, NULL);
-    }
-    return true;
-}
-
 /* note_claim_result logs when claims start failing and when they work again, once each,
  * instead of once per worker per second for as long as storaged is away. */
 static void note_claim_result(enum cf_status rc, const struct cf_error *err)
@@ -254,55 +348,281 @@ static Cflue__V1__ClaimResponse *next_reclaimed(void)
     return cl;
 }
 
+/* ---------- drives ---------- */
+
+/* admit makes a drive of a claim (taken) with `resume_ms` its first resume backoff, and
+ * queues it. */
+static void admit(Cflue__V1__ClaimResponse *cl, int64_t resume_ms)
+{
+    struct drive *d = drive_new(cl);
+    if (!d) {
+        return; /* ACTIVE_MAX drives: the lease expires and the work is claimed again */
+    }
+    d->eng.resume_ms = resume_ms;
+    pthread_mutex_lock(&eng.mu);
+    eng.live++;
+    pthread_mutex_unlock(&eng.mu);
+    /* registered and queued at once: a kick (abort, lost lease, stop) from now on posts it,
+     * and it cannot be freed before this unlocks (drive_free takes the slot back under it) */
+    pthread_mutex_lock(&g_agentd.mu);
+    d->act->drive = d;
+    engine_post(d);
+    pthread_mutex_unlock(&g_agentd.mu);
+}
+
+/* retire frees a done drive, filing an interrupted one for a later claim. */
+static void retire(struct drive *d)
+{
+    if (drive_end_of(d) == DRIVE_INTERRUPTED) {
+        resume_later(drive_submission_id(d), d->eng.resume_ms);
+    }
+    pthread_mutex_lock(&eng.mu);
+    if (d->eng.timer_due) {
+        timer_unlink(d);
+    }
+    pthread_mutex_unlock(&eng.mu);
+    drive_free(d); /* its slot goes first: nothing posts it afterwards */
+    pthread_mutex_lock(&eng.mu);
+    eng.live--;
+    pthread_mutex_unlock(&eng.mu);
+    agentd_wake(); /* room for one more */
+}
+
+/* worker_main steps ready drives until the engine stops and the last drive is gone. */
 static void *worker_main(void *arg)
 {
+    (void)arg;
+    pthread_mutex_lock(&eng.mu);
+    for (;;) {
+        int64_t next_timer = fire_timers(clock_mono_ms());
+        struct drive *d = eng.ready_head;
+        if (d) {
+            eng.ready_head = d->eng.next;
+            if (!eng.ready_head) {
+                eng.ready_tail = NULL;
+            }
+            d->eng.queued = false;
+            d->eng.running = true;
+            pthread_mutex_unlock(&eng.mu);
+            bool done = drive_run(d);
+            if (done) {
+                retire(d); /* posts meanwhile are moot: nothing is left to step */
+            }
+            pthread_mutex_lock(&eng.mu);
+            if (!done) {
+                d->eng.running = false;
+                if (d->eng.again) {
+                    d->eng.again = false;
+                    post_locked(d);
+                }
+            }
+            continue;
+        }
+        if (eng.stopping && eng.claimer_done && eng.live == 0) {
+            break;
+        }
+        struct timespec ts;
+        int64_t wait = 1000;
+        if (next_timer) {
+            int64_t until = next_timer - clock_mono_ms();
+            wait = until < 1 ? 1 : until < wait ? until : wait;
+        }
+        clock_deadline(&ts, wait);
+        pthread_cond_timedwait(&eng.work, &eng.mu, &ts);
+    }
+    pthread_cond_broadcast(&eng.work); /* the other workers see the end too */
+    pthread_mutex_unlock(&eng.mu);
+    return NULL;
+}
+
+/* resume_one claims a due interrupted submission again and admits its drive. Returns whether
+ * there was one due. */
+static bool resume_one(void)
+{
+    struct resume r;
     struct cf_error err;
+    if (!take_due_resume(&r)) {
+        return false;
+    }
+    if (driven_here(r.submission_id)) {
+        return true; /* a drive here took it over meanwhile: never take it back */
+    }
+    int64_t next = r.delay_ms * 2 < RESUME_MAX_MS ? r.delay_ms * 2 : RESUME_MAX_MS;
+    Cflue__V1__ClaimResponse *cl = NULL;
+    enum cf_status rc = claim(r.submission_id, clock_now_ms() + 1, &cl, &err);
+    if (rc == CF_OK && cl->submission) {
+        log_info("resumed", "submission=%s attempt=%s count=%d", r.submission_id,
+                 cl->fence->attempt_id, cl->submission->attempt_count);
+        admit(cl, next);
+        return true;
+    }
+    if (rc == CF_UNAVAILABLE || rc == CF_BUSY) {
+        /* storaged is away: no attempt was spent; ask again soon */
+        resume_later(r.submission_id, r.delay_ms < 2000 ? r.delay_ms : 2000);
+    } else if (rc != CF_OK) {
+        char q[600];
+        log_warn("resume_dropped", "submission=%s err=%s", r.submission_id,
+                 log_quote(q, sizeof(q), err.msg));
+    }
+    /* else: settled, or another process holds it now */
+    if (cl) {
+        protobuf_c_message_free_unpacked(&cl->base, NULL);
+    }
+    return true;
+}
+
+/* claim_some admits one drive (own work reclaimed at start, a due resume, or a new claim);
+ * returns whether it found something (the claimer asks again at once). *wait_ms is how long
+ * to wait otherwise. */
+static bool claim_some(int64_t *wait_ms)
+{
+    struct cf_error err;
+    *wait_ms = CLAIM_POLL_MS;
+    pthread_mutex_lock(&eng.mu);
+    bool room = eng.live < engine_max_drives;
+    pthread_mutex_unlock(&eng.mu);
+    if (!room) {
+        return false; /* a drive's end wakes the claimer */
+    }
+    Cflue__V1__ClaimResponse *own = next_reclaimed();
+    if (own) {
+        admit(own, RESUME_FIRST_MS);
+        return true;
+    }
+    if (resume_one()) {
+        return true;
+    }
+    Cflue__V1__ClaimResponse *cl = NULL;
+    enum cf_status rc = claim(NULL, 0, &cl, &err);
+    if (rc == CF_OK && cl->submission) {
+        admit(cl, RESUME_FIRST_MS);
+        return true;
+    }
+    if (cl) {
+        protobuf_c_message_free_unpacked(&cl->base, NULL);
+    }
+    note_claim_result(rc, &err);
+    *wait_ms = rc == CF_OK ? CLAIM_POLL_MS : 1000;
+    return false;
+}
+
+/* claimer_main claims while there is room, then waits for agentd_wake or the poll interval. */
+static void *claimer_main(void *arg)
+{
+    (void)arg;
     for (;;) {
         pthread_mutex_lock(&g_agentd.mu);
         bool stop = g_agentd.stopping;
+        woken = false; /* a wake from now on means: look again */
         pthread_mutex_unlock(&g_agentd.mu);
         if (stop) {
-            return NULL;
+            break;
         }
-        Cflue__V1__ClaimResponse *own = next_reclaimed();
-        if (own) {
-            after_drive(turn_drive(own), own->submission->submission_id, RESUME_FIRST_MS);
-            protobuf_c_message_free_unpacked(&own->base, NULL);
+        int64_t wait_ms;
+        if (claim_some(&wait_ms)) {
             continue;
         }
-        if (resume_one()) {
-            continue;
-        }
-        Cflue__V1__ClaimResponse *cl = NULL;
-        enum cf_status rc = claim(NULL, 0, &cl, &err);
-        if (rc == CF_OK && cl->submission) {
-            after_drive(turn_drive(cl), cl->submission->submission_id, RESUME_FIRST_MS);
-            protobuf_c_message_free_unpacked(&cl->base, NULL);
-            continue;
-        }
-        if (cl) {
-            protobuf_c_message_free_unpacked(&cl->base, NULL);
-        }
-        note_claim_result(rc, &err);
         struct timespec ts;
-        clock_deadline(&ts, rc == CF_OK ? 500 : 1000);
+        clock_deadline(&ts, wait_ms);
         pthread_mutex_lock(&g_agentd.mu);
-        if (!g_agentd.stopping) {
+        if (!g_agentd.stopping && !woken) {
             pthread_cond_timedwait(&g_agentd.wake, &g_agentd.mu, &ts);
         }
         pthread_mutex_unlock(&g_agentd.mu);
     }
+    pthread_mutex_lock(&eng.mu);
+    eng.claimer_done = true;
+    pthread_cond_broadcast(&eng.work);
+    pthread_mutex_unlock(&eng.mu);
+    return NULL;
 }
 
-/* heartbeat_main renews leases every heartbeat_ms and polls abort intents every second. */
+/* ---------- heartbeats and abort polling ---------- */
+
+/* heartbeat renews the leases of snap[0..n) in one call; lost ones are marked, their model
+ * calls cancelled and their drives posted. Returns whether storaged answered. */
+static bool heartbeat(const struct active *snap, int n)
+{
+    struct cf_error err;
+    Cflue__V1__HeartbeatRequest hb = CFLUE__V1__HEARTBEAT_REQUEST__INIT;
+    Cflue__V1__Fence *fences = mem_alloc(sizeof(*fences) * (size_t)n);
+    Cflue__V1__Fence **ptrs = mem_alloc(sizeof(void *) * (size_t)n);
+    for (int i = 0; i < n; i++) {
+        cflue__v1__fence__init(&fences[i]);
+        fences[i].submission_id = (char *)snap[i].submission_id;
+        fences[i].attempt_id = (char *)snap[i].attempt_id;
+        fences[i].epoch = snap[i].epoch;
+        ptrs[i] = &fences[i];
+    }
+    hb.owner_id = (char *)g_agentd.owner_id;
+    Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
+    pbdur_set(&lease, g_agentd.lease_ms);
+    hb.lease_duration = &lease;
+    hb.fences = ptrs;
+    hb.n_fences = (size_t)n;
+    ProtobufCMessage *resp = NULL;
+    bool ok = store_call(g_agentd.store, "Heartbeat", &hb.base,
+                         &cflue__v1__heartbeat_response__descriptor, 10000, &resp, &err) == CF_OK;
+    if (ok) {
+        Cflue__V1__HeartbeatResponse *r = (Cflue__V1__HeartbeatResponse *)resp;
+        for (size_t k = 0; k < r->n_lost; k++) {
+            uint64_t cancel = 0;
+            pthread_mutex_lock(&g_agentd.mu);
+            for (int i = 0; i < ACTIVE_MAX; i++) {
+                struct active *a = &g_agentd.active[i];
+                if (a->in_use && !strcmp(a->submission_id, r->lost[k])) {
+                    a->lease_lost = true;
+                    cancel = kick_locked(a);
+                    log_warn("lease_lost", "submission=%s", r->lost[k]);
+                }
+            }
+            pthread_mutex_unlock(&g_agentd.mu);
+            llm_cancel(cancel);
+        }
+        protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    free(fences);
+    free(ptrs);
+    return ok;
+}
+
+/* poll_aborts asks storaged for the abort intent of up to ABORT_POLL_MAX drives, taking up
+ * where the last tick left off (aborts through this agentd's API arrive at once; this finds
+ * those asked through another agentd). */
+static void poll_aborts(const struct active *snap, int n)
+{
+    static int cursor;
+    struct cf_error err;
+    int polled = 0;
+    for (int k = 0; k < n && polled < ABORT_POLL_MAX; k++) {
+        const struct active *a = &snap[(cursor + k) % n];
+        if (a->abort_requested) {
+            continue;
+        }
+        polled++;
+        Cflue__V1__GetRequest gr = CFLUE__V1__GET_REQUEST__INIT;
+        ProtobufCMessage *resp = NULL;
+        gr.submission_id = (char *)a->submission_id;
+        if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor, 5000,
+                       &resp, &err) == CF_OK) {
+            if (((Cflue__V1__Submission *)resp)->abort_request_time) {
+                agentd_mark_abort(a->submission_id);
+            }
+            protobuf_c_message_free_unpacked(resp, NULL);
+        }
+    }
+    cursor = n ? (cursor + polled) % n : 0;
+}
+
+/* heartbeat_main renews leases every heartbeat_ms and polls abort intents every tick. */
 static void *heartbeat_main(void *arg)
 {
+    (void)arg;
     int64_t last_beat = 0;
-    struct cf_error err;
+    struct active *snap = mem_alloc(sizeof(*snap) * ACTIVE_MAX);
     for (;;) {
         pthread_mutex_lock(&g_agentd.mu);
         bool stop = g_agentd.stopping;
-        struct active snap[ACTIVE_MAX];
         int n = 0;
         for (int i = 0; i < ACTIVE_MAX; i++) {
             if (g_agentd.active[i].in_use) {
@@ -311,106 +631,64 @@ static void *heartbeat_main(void *arg)
         }
         pthread_mutex_unlock(&g_agentd.mu);
         if (stop) {
-            return NULL;
+            break;
         }
         int64_t now = clock_mono_ms();
-        if (n && now - last_beat >= g_agentd.heartbeat_ms) {
-            Cflue__V1__HeartbeatRequest hb = CFLUE__V1__HEARTBEAT_REQUEST__INIT;
-            Cflue__V1__Fence *fences = mem_alloc(sizeof(*fences) * (size_t)n);
-            Cflue__V1__Fence **ptrs = mem_alloc(sizeof(void *) * (size_t)n);
-            for (int i = 0; i < n; i++) {
-                cflue__v1__fence__init(&fences[i]);
-                fences[i].submission_id = snap[i].submission_id;
-                fences[i].attempt_id = snap[i].attempt_id;
-                fences[i].epoch = snap[i].epoch;
-                ptrs[i] = &fences[i];
-            }
-            hb.owner_id = (char *)g_agentd.owner_id;
-            Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
-            pbdur_set(&lease, g_agentd.lease_ms);
-            hb.lease_duration = &lease;
-            hb.fences = ptrs;
-            hb.n_fences = (size_t)n;
-            ProtobufCMessage *resp = NULL;
-            if (store_call(g_agentd.store, "Heartbeat", &hb.base,
-                           &cflue__v1__heartbeat_response__descriptor, 10000, &resp,
-                           &err) == CF_OK) {
-                Cflue__V1__HeartbeatResponse *r = (Cflue__V1__HeartbeatResponse *)resp;
-                pthread_mutex_lock(&g_agentd.mu);
-                for (size_t k = 0; k < r->n_lost; k++) {
-                    for (int i = 0; i < ACTIVE_MAX; i++) {
-                        struct active *a = &g_agentd.active[i];
-                        if (a->in_use && !strcmp(a->submission_id, r->lost[k])) {
-                            a->lease_lost = true;
-                            log_warn("lease_lost", "submission=%s", r->lost[k]);
-                        }
-                    }
-                }
-                pthread_mutex_unlock(&g_agentd.mu);
-                protobuf_c_message_free_unpacked(resp, NULL);
-                last_beat = now;
-            }
-            free(fences);
-            free(ptrs);
+        if (n && now - last_beat >= g_agentd.heartbeat_ms && heartbeat(snap, n)) {
+            last_beat = now;
         }
-        for (int i = 0; i < n; i++) {
-            if (snap[i].abort_requested) {
-                continue;
-            }
-            Cflue__V1__GetRequest gr = CFLUE__V1__GET_REQUEST__INIT;
-            ProtobufCMessage *resp = NULL;
-            gr.submission_id = snap[i].submission_id;
-            if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
-                           5000, &resp, &err) == CF_OK) {
-                if (((Cflue__V1__Submission *)resp)->abort_request_time) {
-                    agentd_mark_abort(snap[i].submission_id);
-                }
-                protobuf_c_message_free_unpacked(resp, NULL);
-            }
-        }
+        poll_aborts(snap, n);
         clock_sleep_ms(n ? 500 : 1000);
     }
+    free(snap);
+    return NULL;
 }
 
-static pthread_t *threads;
-static long long n_threads;
+/* ---------- start and stop ---------- */
 
 bool engine_start(const struct daemon *d, long long workers)
 {
     struct cf_error err;
-    threads = mem_alloc(sizeof(pthread_t) * (size_t)(workers + 1));
-    int started = 0;
+    eng.threads = mem_alloc(sizeof(pthread_t) * (size_t)(workers + 2));
+    eng.n_workers = workers;
+    eng.n_started = 0;
+    eng.claimer_done = false;
     enum cf_status rc = CF_OK;
-    for (; started < workers && rc == CF_OK; started++) {
-        rc = thread_start(&threads[started], 0, worker_main, NULL, &err);
+    for (long long i = 0; i < workers && rc == CF_OK; i++) {
+        rc = thread_start(&eng.threads[eng.n_started], 0, worker_main, NULL, &err);
+        eng.n_started += rc == CF_OK;
     }
     if (rc == CF_OK) {
-        rc = thread_start(&threads[workers], 0, heartbeat_main, NULL, &err);
-    } else {
-        started--;
+        rc = thread_start(&eng.threads[eng.n_started], 0, claimer_main, NULL, &err);
+        eng.n_started += rc == CF_OK;
     }
     if (rc == CF_OK) {
-        n_threads = workers + 1;
+        rc = thread_start(&eng.threads[eng.n_started], 0, heartbeat_main, NULL, &err);
+        eng.n_started += rc == CF_OK;
+    }
+    if (rc == CF_OK) {
         return true;
     }
     char q[600];
     daemon_say(d, 1, "%s", err.msg);
     log_error("start_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
     engine_stop();
-    for (int i = 0; i < started; i++) {
-        pthread_join(threads[i], NULL);
+    if (eng.n_started <= workers) {
+        pthread_mutex_lock(&eng.mu);
+        eng.claimer_done = true; /* it never ran */
+        pthread_cond_broadcast(&eng.work);
+        pthread_mutex_unlock(&eng.mu);
     }
-    free(threads);
-    threads = NULL;
+    engine_join();
     return false;
 }
 
 void engine_join(void)
 {
-    for (long long i = 0; i < n_threads; i++) {
-        pthread_join(threads[i], NULL);
+    for (long long i = 0; i < eng.n_started; i++) {
+        pthread_join(eng.threads[i], NULL);
     }
-    free(threads);
-    threads = NULL;
-    n_threads = 0;
+    free(eng.threads);
+    eng.threads = NULL;
+    eng.n_started = 0;
 }

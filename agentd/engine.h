@@ -6,12 +6,22 @@
 #include "daemon.h"
 
 #include <stdbool.h>
+#include <stdint.h>
+
+struct drive;
+
+/* the default of --max-drives: drives in flight at once (at most ACTIVE_MAX) */
+#define ENGINE_MAX_DRIVES_DEFAULT 4096
+
+/* --max-drives: how many drives may be in flight at once; the claimer claims while fewer are. */
+extern long long engine_max_drives;
 
 /* engine_reclaim_own takes back, before anything else is claimed, the work this owner id held
  * before the process restarted. */
 void engine_reclaim_own(void);
 
-/* engine_start starts `workers` drive threads and the heartbeat. When one cannot start it
+/* engine_start starts `workers` engine threads (they step ready drives), the claimer and the
+ * heartbeat. When one cannot start it
  * stops those that did, prints and logs why and returns false (crash-only: the caller exits
  * non-zero and a restart resumes the work). */
 bool engine_start(const struct daemon *d, long long workers);
@@ -22,5 +32,13 @@ void engine_stop(void);
 
 /* engine_join waits for the threads that engine_start started (after engine_stop). */
 void engine_join(void);
+
+/* engine_post makes d ready: an engine thread steps it (drive_run) soon. Thread-safe and
+ * non-blocking: the model I/O loop's callbacks call it. A drive posted while it is being
+ * stepped is stepped again afterwards. */
+void engine_post(struct drive *d);
+
+/* engine_post_at posts d at monotonic time due_ms (a timer; replaces d's earlier one). */
+void engine_post_at(struct drive *d, int64_t due_ms);
 
 #endif

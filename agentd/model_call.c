@@ -1,6 +1,13 @@
 /* model_call.c - one model call of a drive: retries with backoff, streamed deltas for
  * watchers, and the complete answer recorded as the turn's assistant_message.
  *
+ * A turn's call is asynchronous (model_call_start / model_call_poll): it runs on the model
+ * I/O loop while the drive is parked and holds no thread. The loop's callbacks only note what
+ * happened under d->mw.mu and post the drive to the engine (engine_post); everything that
+ * blocks (appending deltas, deciding on a retry) happens when an engine thread steps the
+ * drive. A retry's backoff is an engine timer (engine_post_at), not a sleep. Compaction's
+ * summaries still use the blocking model_call.
+ *
  * Rate limits, overload, 5xx, network errors and cut-off streams are retried up to
  * MODEL_RETRIES times (honouring retry-after); a call needs at least DRIVE_MODEL_MIN_MS of the
  * submission's time limit and is bounded by what is left. A context overflow is returned to
@@ -12,6 +19,7 @@
 #include "clients.h"
 #include "clock.h"
 #include "drive.h"
+#include "engine.h"
 #include "log.h"
 #include "mem.h"
 #include "thread.h"
@@ -86,36 +94,54 @@ int64_t model_output_tokens(const struct agent_def *a)
     return mi.max_output_tokens < 16384 ? mi.max_output_tokens : 16384;
 }
 
-/* backoff waits before try `attempt` + 1; false when the drive stopped meanwhile. */
-static bool backoff(struct drive *d, int attempt, const struct llm_response *out)
+/* backoff_ms is how long to wait before try `attempt` + 1 (logged). */
+static int64_t backoff_ms(struct drive *d, int attempt, const struct llm_response *out)
 {
     int64_t wait = out->retry_after_ms > 0 ? out->retry_after_ms : (500LL << attempt);
     wait += thread_jitter_ms(250);
     char q[600];
     log_warn("model_retry", "submission=%s attempt=%d wait_ms=%lld err=%s", d->sub->submission_id,
              attempt + 1, (long long)wait, log_quote(q, sizeof(q), d->err.msg));
+    return wait;
+}
+
+/* backoff waits before try `attempt` + 1; false when the drive stopped meanwhile. */
+static bool backoff(struct drive *d, int attempt, const struct llm_response *out)
+{
+    int64_t wait = backoff_ms(d, attempt, out);
     for (int64_t slept = 0; slept < wait && !drive_stopped(d); slept += 100) {
         clock_sleep_ms(100);
     }
     return !drive_stopped(d);
 }
 
+/* request is the model request of agent d->agent for system, c and the tools. */
+static struct llm_request request(struct drive *d, const char *system, const struct context *c,
+                                  const struct llm_tool *tools, size_t n_tools)
+{
+    const struct agent_def *a = d->agent;
+    return (struct llm_request){.provider = a->provider,
+                                .model = a->model_id,
+                                .system = system,
+                                .messages = c->msgs,
+                                .n_messages = c->n,
+                                .tools = tools,
+                                .n_tools = n_tools,
+                                .max_tokens = model_output_tokens(a),
+                                .stream = g_agentd.stream};
+}
+
+static const struct provider_endpoint *endpoint(struct drive *d)
+{
+    return !strcmp(d->agent->provider, "anthropic") ? &g_agentd.anthropic : &g_agentd.openai;
+}
+
 enum cf_status model_call(struct drive *d, const char *system, const struct context *c,
                           const struct llm_tool *tools, size_t n_tools, struct llm_response *out)
 {
-    const struct agent_def *a = d->agent;
-    bool anthropic = !strcmp(a->provider, "anthropic");
-    struct llm_request req = {.provider = a->provider,
-                              .model = a->model_id,
-                              .system = system,
-                              .messages = c->msgs,
-                              .n_messages = c->n,
-                              .tools = tools,
-                              .n_tools = n_tools,
-                              .max_tokens = model_output_tokens(a),
-                              .stream = g_agentd.stream};
+    struct llm_request req = request(d, system, c, tools, n_tools);
     struct llm_events ev = {.on_text = on_text, .cancelled = model_cancelled, .ctx = d};
-    const struct provider_endpoint *ep = anthropic ? &g_agentd.anthropic : &g_agentd.openai;
+    const struct provider_endpoint *ep = endpoint(d);
     enum cf_status rc = CF_UNAVAILABLE;
     for (int attempt = 0; attempt <= MODEL_RETRIES; attempt++) {
         llm_response_cleanup(out);
@@ -137,6 +163,198 @@ enum cf_status model_call(struct drive *d, const char *system, const struct cont
         }
     }
     return rc;
+}
+
+/* ---------- the asynchronous call of a turn ---------- */
+
+#define PENDING_MAX (1 << 20) /* streamed text held for the next flush; more is dropped */
+
+void model_call_init(struct drive *d)
+{
+    pthread_mutex_init(&d->mw.mu, NULL);
+    buf_init(&d->mw.pending, PENDING_MAX);
+}
+
+void model_call_cleanup(struct drive *d)
+{
+    context_free(&d->mw.ctx);
+    buf_cleanup(&d->mw.pending);
+    pthread_mutex_destroy(&d->mw.mu);
+}
+
+/* async_text (on the model I/O loop) keeps streamed text for the drive, posting the drive
+ * when a flush is due. Never blocks: the Append happens on an engine thread. */
+static void async_text(void *ctx, const char *p, size_t n)
+{
+    struct drive *d = ctx;
+    if (d->quiet) {
+        return;
+    }
+    struct model_wait *w = &d->mw;
+    bool post = false;
+    pthread_mutex_lock(&w->mu);
+    (void)buf_append(&w->pending, p, n); /* past PENDING_MAX the courtesy copy drops text */
+    if (!w->flush_posted && clock_mono_ms() - w->flushed_ms > DELTA_FLUSH_MS) {
+        w->flush_posted = true;
+        post = true;
+    }
+    pthread_mutex_unlock(&w->mu);
+    if (post) {
+        engine_post(d);
+    }
+}
+
+/* async_done (on the model I/O loop) notes how the call ended and posts the drive. */
+static void async_done(void *ctx, enum cf_status rc, const struct cf_error *err)
+{
+    struct drive *d = ctx;
+    struct model_wait *w = &d->mw;
+    pthread_mutex_lock(&w->mu);
+    w->done = true;
+    w->rc = rc;
+    if (err && rc != CF_OK) {
+        w->err = *err;
+    }
+    pthread_mutex_unlock(&w->mu);
+    engine_post(d);
+}
+
+/* set_call records the call the drive is parked on, for Abort and shutdown to cancel. */
+static void set_call(struct drive *d, uint64_t id)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    d->act->model_call = id;
+    pthread_mutex_unlock(&g_agentd.mu);
+}
+
+/* try_start starts try w->attempt; a call that cannot start is done at once. */
+static void try_start(struct drive *d)
+{
+    struct model_wait *w = &d->mw;
+    llm_response_cleanup(&d->answer);
+    llm_response_init(&d->answer);
+    buf_reset(&d->delta);
+    d->delta_flushed_ms = clock_mono_ms();
+    pthread_mutex_lock(&w->mu);
+    buf_reset(&w->pending);
+    w->done = false;
+    w->rc = CF_OK;
+    w->flush_posted = false;
+    w->flushed_ms = d->delta_flushed_ms;
+    pthread_mutex_unlock(&w->mu);
+    w->in_flight = true;
+    struct cf_error err = {0};
+    enum cf_status rc;
+    int64_t left = drive_time_left(d);
+    uint64_t id = 0;
+    if (left < DRIVE_MODEL_MIN_MS) {
+        rc = cf_error_set(&err, CF_DEADLINE, "the submission reached its time limit");
+    } else {
+        w->req.timeout_ms = left;
+        rc = llm_start(endpoint(d), &w->req, &w->ev, &d->answer, async_done, d, &id, &err);
+    }
+    if (rc != CF_OK) {
+        pthread_mutex_lock(&w->mu);
+        w->done = true;
+        w->rc = rc;
+        w->err = err;
+        pthread_mutex_unlock(&w->mu);
+        return;
+    }
+    set_call(d, id);
+    if (drive_stopped(d)) {
+        llm_cancel(id); /* an abort that came meanwhile */
+    }
+}
+
+void model_call_start(struct drive *d, const char *system, struct context *ctx,
+                      const struct llm_tool *tools, size_t n_tools)
+{
+    struct model_wait *w = &d->mw;
+    context_free(&w->ctx);
+    w->ctx = *ctx;
+    memset(ctx, 0, sizeof(*ctx));
+    w->req = request(d, system, &w->ctx, tools, n_tools);
+    w->ev = (struct llm_events){.on_text = async_text, .ctx = d};
+    w->attempt = 0;
+    w->backing_off = false;
+    try_start(d);
+}
+
+/* take_text moves the text the loop kept into d->delta, flushing it when it is due (or
+ * `now`); returns whether the call has ended, with its status and error. */
+static bool take_text(struct drive *d, bool now, enum cf_status *rc, struct cf_error *err)
+{
+    struct model_wait *w = &d->mw;
+    pthread_mutex_lock(&w->mu);
+    if (w->pending.len && buf_append(&d->delta, w->pending.data, w->pending.len) != CF_OK) {
+        buf_reset(&d->delta); /* a courtesy copy: what does not fit is dropped */
+    }
+    buf_reset(&w->pending);
+    w->flush_posted = false;
+    bool done = w->done;
+    *rc = w->rc;
+    *err = w->err;
+    pthread_mutex_unlock(&w->mu);
+    if (d->delta.len && (now || done || clock_mono_ms() - d->delta_flushed_ms > DELTA_FLUSH_MS)) {
+        flush_delta(d);
+        pthread_mutex_lock(&w->mu);
+        w->flushed_ms = d->delta_flushed_ms;
+        pthread_mutex_unlock(&w->mu);
+    }
+    return done;
+}
+
+static bool finished(struct drive *d, enum cf_status rc, enum cf_status *out)
+{
+    context_free(&d->mw.ctx);
+    d->mw.in_flight = false;
+    d->mw.backing_off = false;
+    *out = rc;
+    return true;
+}
+
+bool model_call_poll(struct drive *d, enum cf_status *out)
+{
+    struct model_wait *w = &d->mw;
+    for (;;) {
+        enum cf_status rc;
+        struct cf_error err;
+        if (w->backing_off) {
+            if (drive_stopped(d)) {
+                return finished(d, CF_CANCELLED, out);
+            }
+            if (clock_mono_ms() < w->backoff_until) {
+                return false; /* the timer posts the drive */
+            }
+            w->backing_off = false;
+            w->attempt++;
+            try_start(d);
+            continue;
+        }
+        if (!take_text(d, false, &rc, &err)) {
+            if (drive_stopped(d)) {
+                pthread_mutex_lock(&g_agentd.mu);
+                uint64_t id = d->act->model_call;
+                pthread_mutex_unlock(&g_agentd.mu);
+                llm_cancel(id); /* its end posts the drive */
+            }
+            return false;
+        }
+        set_call(d, 0);
+        w->in_flight = false;
+        if (rc != CF_OK) {
+            d->err = err;
+        }
+        if (rc == CF_OK || rc == CF_CANCELLED || !d->answer.retryable ||
+            w->attempt == MODEL_RETRIES) {
+            return finished(d, rc, out);
+        }
+        w->backing_off = true;
+        w->backoff_until = clock_mono_ms() + backoff_ms(d, w->attempt, &d->answer);
+        engine_post_at(d, w->backoff_until);
+        return false;
+    }
 }
 
 enum cf_status model_record_answer(struct drive *d, const struct llm_response *resp)
