@@ -70,9 +70,8 @@
 CF_MUST_CHECK enum cf_status db_open(const char *path, bool writer, sqlite3 **out,
                                      struct cf_error *err);
 
-/* db_exec runs SQL without results; on failure the status db_code gives, with SQLite's
- * message. (Not CF_MUST_CHECK yet only because bench/bench_admit.c ignores two results;
- * every call in storaged checks it.) */
+/* db_exec runs SQL without results, compiled for this call (statements run often go through
+ * stmt.h instead); on failure the status db_code gives, with SQLite's message. */
 CF_MUST_CHECK enum cf_status db_exec(sqlite3 *db, const char *sql, struct cf_error *err);
 
 /* db_code maps an SQLite result code to the status a client sees: SQLITE_BUSY and

@@ -881,7 +881,7 @@ enum cf_status ledger_claim_joinable(struct ledger_ctx *c,
                                      Cflue__V1__ClaimJoinableResponse *out, struct cf_error *err)
 {
     static const char sql[] = "SELECT " SUB_COLS " FROM submissions WHERE conversation_id = ? AND "
-                              "status = 'queued' AND sequence > ? ORDER BY sequence";
+                              "status = 'queued' AND sequence > ? ORDER BY sequence LIMIT ?";
     Cflue__V1__Submission host, **rows;
     size_t n;
     struct stmt s;
@@ -892,6 +892,7 @@ enum cf_status ledger_claim_joinable(struct ledger_ctx *c,
     }
     stmt_text(&s, 1, host.conversation_id);
     stmt_int(&s, 2, host.sequence);
+    stmt_int(&s, 3, req->limit > 0 ? req->limit : -1); /* no more rows than may join */
     if ((rc = list_subs(c, &s, &rows, &n, err)) != CF_OK) {
         return rc;
     }

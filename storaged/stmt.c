@@ -245,6 +245,13 @@ enum cf_status stmt_done(struct stmt *s, struct cf_error *err)
     return rc;
 }
 
+enum cf_status stmt_run(sqlite3 *db, const char *sql, struct cf_error *err)
+{
+    struct stmt s;
+    enum cf_status rc = stmt_open(&s, db, sql, sql, err);
+    return rc == CF_OK ? stmt_done(&s, err) : rc;
+}
+
 int stmt_changes(const struct stmt *s)
 {
     return sqlite3_changes(s->db);

@@ -73,6 +73,11 @@ CF_MUST_CHECK enum cf_status stmt_step(struct stmt *s, bool *row_out, struct cf_
  * their row was read. */
 CF_MUST_CHECK enum cf_status stmt_done(struct stmt *s, struct cf_error *err);
 
+/* stmt_run runs one statement without results (BEGIN, COMMIT, a PRAGMA, an UPDATE without
+ * parameters) through db's cache: stmt_open, then stmt_done. sql is keyed by address as for
+ * stmt_open; err names sql on failure. */
+CF_MUST_CHECK enum cf_status stmt_run(sqlite3 *db, const char *sql, struct cf_error *err);
+
 /* stmt_changes returns the rows the last finished INSERT/UPDATE/DELETE on s's connection
  * changed. */
 int stmt_changes(const struct stmt *s);

@@ -57,9 +57,7 @@ static const char begin_sql[] = "BEGIN IMMEDIATE", commit_sql[] = "COMMIT",
 /* run runs one of them; on failure err says which, with SQLite's message. */
 static enum cf_status run(struct writer *w, const char *sql, struct cf_error *err)
 {
-    struct stmt s;
-    enum cf_status rc = stmt_open(&s, w->db, sql, sql, err);
-    return rc == CF_OK ? stmt_done(&s, err) : rc;
+    return stmt_run(w->db, sql, err);
 }
 
 /* fail_rest gives every job of the batch that succeeded or never ran the batch's error: when

@@ -370,11 +370,17 @@ static void test_stmt(void)
     stmt_close(&s); /* closing twice is harmless */
     CHECK(stmt_cache_size(db) == before + 3);
 
+    /* stmt_run: a statement without results; one that returns a row is an internal error */
+    static const char one[] = "SELECT 1", bump[] = "UPDATE t SET x = x + 1";
+    CHECK(stmt_run(db, bump, &err) == CF_OK && sqlite3_changes(db) == 1);
+    CHECK(stmt_run(db, one, &err) == CF_INTERNAL && strstr(err.msg, "returned a row") != NULL);
+    CHECK(stmt_cache_size(db) == before + 5);
+
     /* SQL that does not compile is CF_DB and is not cached */
     CHECK(stmt_open(&s, db, nonsense, "nonsense", &err) == CF_DB);
     CHECK(strstr(err.msg, "nonsense") != NULL && s.st == NULL);
     stmt_close(&s);
-    CHECK(stmt_cache_size(db) == before + 3);
+    CHECK(stmt_cache_size(db) == before + 5);
     CHECK(db_exec(db, "DROP TABLE t", &err) == CF_OK);
 }
 
