@@ -151,18 +151,16 @@ int main(int argc, char **argv)
                                 .timeout_ms = o.timeout_ms,
                                 .max_attempts = (int32_t)o.max_attempts,
                                 .page_bytes = page_bytes};
-    struct notifier *notifier = notifier_new();
     struct writer *writer;
     struct cf_error err;
-    if (writer_start(&writer, db, &cfg, notifier, (int)o.group, &err) != CF_OK) {
+    if (writer_start(&writer, db, &cfg, (int)o.group, &err) != CF_OK) {
         log_error("writer_start_failed", "err=%s", err.msg);
         daemon_say(&d, 1, "cannot start the writer thread: %s", err.msg);
         sqlite3_close(db);
-        notifier_free(notifier);
         rpc_global_shutdown();
         return 1;
     }
-    struct service *svc = service_new(o.db_path, writer, notifier, &cfg);
+    struct service *svc = service_new(o.db_path, writer, &cfg);
     struct rpc_server_opts ro = {.workers = (int)o.workers,
                                  .max_message_bytes = (int)o.max_msg,
                                  .max_queue = (int)d.max_queue,
@@ -172,7 +170,6 @@ int main(int argc, char **argv)
     if (!daemon_serve(&d, srv)) {
         service_free(svc);
         writer_stop(writer);
-        notifier_free(notifier);
         rpc_global_shutdown();
         return 1;
     }
@@ -184,7 +181,6 @@ int main(int argc, char **argv)
     daemon_stop_serving(&d);
     writer_stop(writer);
     service_free(svc);
-    notifier_free(notifier);
     rpc_global_shutdown();
     log_info("stopped", "code=0");
     return 0;

@@ -22,6 +22,7 @@
 #include "follow_hub.h"
 #include "log.h"
 #include "mem.h"
+#include "stmt.h"
 #include "validate.h"
 
 #include <pthread.h>
@@ -37,7 +38,6 @@
 struct service {
     char *db_path;
     struct writer *writer;
-    struct notifier *notifier;
     const struct ledger_config *cfg;
     struct follow_hub *hub;
     struct rpc_server *srv;
@@ -97,7 +97,7 @@ static enum cf_status reader_begin(struct service *svc, sqlite3 **out, struct cf
     if (rc != CF_OK) {
         return rc;
     }
-    if ((rc = db_exec(*out, "BEGIN", err)) != CF_OK) {
+    if ((rc = stmt_run(*out, "BEGIN", err)) != CF_OK) {
         sqlite3_close(*out);
         *out = NULL;
     }
@@ -110,7 +110,7 @@ static enum cf_status reader_begin(struct service *svc, sqlite3 **out, struct cf
 static void reader_end(struct service *svc, sqlite3 *db)
 {
     struct cf_error err;
-    if (db_exec(db, "COMMIT", &err) != CF_OK) {
+    if (stmt_run(db, "COMMIT", &err) != CF_OK) {
         char q[CF_ERROR_MSG_MAX + 16];
         log_warn("reader_end_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
         sqlite3_close(db);
@@ -705,13 +705,11 @@ static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *use
 
 static struct binding bindings[sizeof(methods) / sizeof(methods[0])];
 
-struct service *service_new(const char *db_path, struct writer *w, struct notifier *n,
-                            const struct ledger_config *cfg)
+struct service *service_new(const char *db_path, struct writer *w, const struct ledger_config *cfg)
 {
     struct service *svc = mem_alloc(sizeof(*svc));
     svc->db_path = mem_strdup(db_path);
     svc->writer = w;
-    svc->notifier = n;
     svc->cfg = cfg;
     svc->hub = follow_hub_new();
     pthread_mutex_init(&svc->mu, NULL);

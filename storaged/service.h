@@ -11,8 +11,7 @@ struct service;
 
 /* service_new prepares the service over a running writer, opening reader connections to
  * db_path on demand. Never NULL. */
-struct service *service_new(const char *db_path, struct writer *w, struct notifier *n,
-                            const struct ledger_config *cfg);
+struct service *service_new(const char *db_path, struct writer *w, const struct ledger_config *cfg);
 
 /* service_register adds every Store method to the server. */
 void service_register(struct service *svc, struct rpc_server *srv);

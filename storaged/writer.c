@@ -1,4 +1,4 @@
-/* writer.c - group commit on one connection; and the commit notifier.
+/* writer.c - group commit on one connection.
  *
  * Two threads. The writer takes every job queued while the previous transaction committed and
  * runs them as one batch (one transaction, a savepoint each, one COMMIT: with synchronous=FULL,
@@ -22,16 +22,9 @@
 #include <stdlib.h>
 #include <time.h>
 
-struct notifier {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    uint64_t version;
-};
-
 struct writer {
     sqlite3 *db;
     const struct ledger_config *cfg;
-    struct notifier *notifier;
     int max_batch;
     pthread_t thread;
     pthread_mutex_t mu;
@@ -168,9 +161,6 @@ static void run_batch(struct writer *w, struct writer_job *jobs)
         return;
     }
     failpoint_hit("storaged.commit.after");
-    if (ctx.appended) {
-        notifier_bump(w->notifier);
-    }
     return;
 
 broken : {
@@ -261,13 +251,12 @@ static void *writer_main(void *arg)
 }
 
 enum cf_status writer_start(struct writer **out, sqlite3 *db, const struct ledger_config *cfg,
-                            struct notifier *n, int max_batch, struct cf_error *err)
+                            int max_batch, struct cf_error *err)
 {
     struct writer *w = mem_alloc(sizeof(*w));
     enum cf_status st;
     w->db = db;
     w->cfg = cfg;
-    w->notifier = n;
     w->max_batch = max_batch > 0 ? max_batch : 256;
     w->synced = true; /* db_open sets FULL */
     pthread_mutex_init(&w->mu, NULL);
@@ -339,52 +328,4 @@ void writer_stop(struct writer *w)
     pthread_mutex_destroy(&w->done_mu);
     pthread_cond_destroy(&w->done_cv);
     free(w);
-}
-
-struct notifier *notifier_new(void)
-{
-    struct notifier *n = mem_alloc(sizeof(*n));
-    pthread_mutex_init(&n->mu, NULL);
-    pthread_cond_init(&n->cv, NULL);
-    return n;
-}
-
-void notifier_free(struct notifier *n)
-{
-    if (n) {
-        pthread_mutex_destroy(&n->mu);
-        pthread_cond_destroy(&n->cv);
-        free(n);
-    }
-}
-
-void notifier_bump(struct notifier *n)
-{
-    pthread_mutex_lock(&n->mu);
-    n->version++;
-    pthread_cond_broadcast(&n->cv);
-    pthread_mutex_unlock(&n->mu);
-}
-
-uint64_t notifier_version(struct notifier *n)
-{
-    pthread_mutex_lock(&n->mu);
-    uint64_t v = n->version;
-    pthread_mutex_unlock(&n->mu);
-    return v;
-}
-
-uint64_t notifier_wait(struct notifier *n, uint64_t seen, int timeout_ms)
-{
-    struct timespec ts;
-    clock_deadline(&ts, timeout_ms);
-    pthread_mutex_lock(&n->mu);
-    while (n->version == seen) {
-        if (pthread_cond_timedwait(&n->cv, &n->mu, &ts) != 0) {
-            break;
-        }
-    }
-    uint64_t v = n->version;
-    pthread_mutex_unlock(&n->mu);
-    return v;
 }

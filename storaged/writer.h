@@ -20,7 +20,6 @@
 #include <stdint.h>
 
 struct writer;
-struct notifier;
 
 struct writer_job {
     /* run executes the job's ledger work inside the shared transaction */
@@ -45,8 +44,8 @@ struct writer_job {
  * that had not failed on its own gets that error: nothing is answered as written unless its
  * COMMIT returned. SQLITE_BUSY/LOCKED after the busy timeout are CF_UNAVAILABLE (retry). */
 CF_MUST_CHECK enum cf_status writer_start(struct writer **out, sqlite3 *db,
-                                          const struct ledger_config *cfg, struct notifier *n,
-                                          int max_batch, struct cf_error *err);
+                                          const struct ledger_config *cfg, int max_batch,
+                                          struct cf_error *err);
 
 /* writer_submit queues a job; the job must stay valid until its done callback. After
  * writer_stop began, the job completes at once with CF_UNAVAILABLE. */
@@ -55,23 +54,5 @@ void writer_submit(struct writer *w, struct writer_job *job);
 /* writer_stop commits what is queued, stops the thread, stamps a clean stop (db_clean_stop),
  * closes the database and frees w. */
 void writer_stop(struct writer *w);
-
-/* ---- notifier: wakes Follow streams when records commit ---- */
-
-/* notifier_new creates a notifier (version 0). */
-struct notifier *notifier_new(void);
-
-/* notifier_free frees it (NULL is fine). */
-void notifier_free(struct notifier *n);
-
-/* notifier_bump increments the version and wakes every waiter. */
-void notifier_bump(struct notifier *n);
-
-/* notifier_version returns the current version. */
-uint64_t notifier_version(struct notifier *n);
-
-/* notifier_wait waits until the version differs from seen or timeout_ms passes; returns the
- * version then. */
-uint64_t notifier_wait(struct notifier *n, uint64_t seen, int timeout_ms);
 
 #endif
