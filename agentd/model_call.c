@@ -281,9 +281,9 @@ void model_call_start(struct drive *d, const char *system, struct context *ctx,
     try_start(d);
 }
 
-/* take_text moves the text the loop kept into d->delta, flushing it when it is due (or
- * `now`); returns whether the call has ended, with its status and error. */
-static bool take_text(struct drive *d, bool now, enum cf_status *rc, struct cf_error *err)
+/* take_text moves the text the loop kept into d->delta, flushing it when it is due or the
+ * call has ended; returns whether the call has ended, with its status and error. */
+static bool take_text(struct drive *d, enum cf_status *rc, struct cf_error *err)
 {
     struct model_wait *w = &d->mw;
     pthread_mutex_lock(&w->mu);
@@ -296,7 +296,7 @@ static bool take_text(struct drive *d, bool now, enum cf_status *rc, struct cf_e
     *rc = w->rc;
     *err = w->err;
     pthread_mutex_unlock(&w->mu);
-    if (d->delta.len && (now || done || clock_mono_ms() - d->delta_flushed_ms > DELTA_FLUSH_MS)) {
+    if (d->delta.len && (done || clock_mono_ms() - d->delta_flushed_ms > DELTA_FLUSH_MS)) {
         flush_delta(d);
         pthread_mutex_lock(&w->mu);
         w->flushed_ms = d->delta_flushed_ms;
@@ -332,7 +332,7 @@ bool model_call_poll(struct drive *d, enum cf_status *out)
             try_start(d);
             continue;
         }
-        if (!take_text(d, false, &rc, &err)) {
+        if (!take_text(d, &rc, &err)) {
             if (drive_stopped(d)) {
                 pthread_mutex_lock(&g_agentd.mu);
                 uint64_t id = d->act->model_call;

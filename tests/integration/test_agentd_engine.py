@@ -3,9 +3,9 @@
 With the fake model answering each call after 1 s (--brain bench: `bash echo hello`, `read`
 of a 165 KB file, a final answer), 300 conversations in flight on one agentd with its default
 settings settle with a median Submit -> settled of at most 4.5 s (1.5x their 3 s of model
-time) when the machine's cores were not saturated meanwhile (at most 20 s when they were:
-then the CPU sets the pace; drives holding threads through their model calls would take
-225 s), and agentd's thread count (/proc/PID/status) stays under 64 throughout. An Abort of a
+time) plus the CPU work of the run spread over the machine's cores (no schedule beats that;
+drives holding threads through their model calls would take 225 s), and agentd's thread count
+(/proc/PID/status) stays under 64 throughout. An Abort of a
 drive parked on a 30 s model call settles it ABORTED within 2 s (the call is cancelled at
 once, not waited for).
 """
@@ -89,11 +89,17 @@ class EngineStack(object):
                 return out
 
 
-def cpu_times():
-    """(busy, total) jiffies of the whole machine, from /proc/stat."""
-    with open('/proc/stat') as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return sum(v) - v[3] - v[4], sum(v)
+def cpu_seconds(pids):
+    """CPU seconds (user + system) the processes pids and this one have used so far."""
+    total = sum(os.times()[:2])
+    for pid in pids:
+        try:
+            with open('/proc/%d/stat' % pid) as f:
+                v = f.read().rsplit(')', 1)[1].split()
+            total += (int(v[11]) + int(v[12])) / os.sysconf('SC_CLK_TCK')
+        except OSError:
+            pass
+    return total
 
 
 def thread_count(pid):
@@ -129,7 +135,8 @@ class EngineLoadTest(unittest.TestCase):
 
         sampler = threading.Thread(target=sample)
         sampler.start()
-        cpu0 = cpu_times()
+        pids = [pid, self.stack.sd.pid, self.stack.td.pid, self.stack.fm.proc.pid]
+        cpu0 = cpu_seconds(pids)
         starts = {}
         lock = threading.Lock()
 
@@ -152,24 +159,22 @@ class EngineLoadTest(unittest.TestCase):
         finally:
             stop.set()
             sampler.join()
-        cpu1 = cpu_times()
-        busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
+        # the CPU work of the run (daemons, fake model, this client) spread over every core:
+        # no schedule settles the conversations faster than that
+        floor = (cpu_seconds(pids) - cpu0) / (os.cpu_count() or 1)
         self.assertEqual(len(done), self.N, 'not all settled in 120 s')
         outcomes = set(o for _, o in done.values())
         self.assertEqual(outcomes, {common_pb2.OUTCOME_COMPLETED})
         lat = sorted(done[s][0] - starts[s] for s in done)
         med = statistics.median(lat)
         sys.stderr.write('\n%d conversations: Submit -> settled median %.2f s, max %.2f s; '
-                         'agentd threads at most %d; the machine %.0f%% busy\n'
-                         % (self.N, med, lat[-1], peak[0], 100 * busy))
+                         'agentd threads at most %d; CPU work %.2f s per core\n'
+                         % (self.N, med, lat[-1], peak[0], floor))
         self.assertLess(peak[0], 64)
-        if busy < 0.9:
-            self.assertLessEqual(med, 4.5)
-        else:
-            # The cores were saturated (by this run, or by whatever else the machine runs):
-            # then the CPU, not waiting, sets the pace. Drives that held a thread through their
-            # model calls would still take N * 3 s / workers (225 s); parked ones must not.
-            self.assertLessEqual(med, 20.0)
+        # 1.5x the model time, plus what the CPU work of the run takes on this machine's cores
+        # (with margin for whatever else runs on it). Drives that held a thread through their
+        # model calls would take N * 3 s / 4 workers = 225 s.
+        self.assertLessEqual(med, 4.5 + 1.5 * floor)
 
 
 class EngineAbortTest(unittest.TestCase):
