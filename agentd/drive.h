@@ -14,6 +14,7 @@
 #include "agentd.h"
 #include "buf.h"
 #include "context.h"
+#include "engine_queue.h"
 #include "record_log.h"
 
 #include "cflue/v1/tools.pb-c.h"
@@ -62,13 +63,11 @@ struct model_wait {
 
 /* What the engine keeps on a drive (engine.c; under the engine's lock). */
 struct engine_link {
-    struct drive *next; /* in the ready queue or the timer list */
-    bool queued;        /* in the ready queue */
-    bool running;       /* an engine thread is stepping it */
-    bool again;         /* posted while running: step it again */
-    int64_t timer_due;  /* monotonic ms; 0: no timer */
-    struct drive *timer_next;
-    int64_t resume_ms; /* the backoff before claiming it again if it is interrupted */
+    struct engine_queue_item ready; /* in the ready queue; key: admission order */
+    struct engine_queue_item timer; /* in the timer queue; key: due time (monotonic ms) */
+    bool running;                   /* an engine thread is stepping it */
+    bool again;                     /* posted while running: step it again */
+    int64_t resume_ms;              /* the backoff before claiming it again if it is interrupted */
 };
 
 struct drive {

@@ -39,6 +39,7 @@
 #include "pbtime.h"
 #include "thread.h"
 
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,13 +51,14 @@ long long engine_max_drives = ENGINE_MAX_DRIVES_DEFAULT;
 
 static struct engine {
     pthread_mutex_t mu;
-    pthread_cond_t work; /* engine threads: a drive is ready, a timer changed, or stop */
-    struct drive *ready_head, *ready_tail;
-    struct drive *timers; /* drives with a timer (a list: retries are rare) */
-    long long live;       /* drives admitted and not yet freed */
-    bool claimer_done;    /* the claimer exited: no drive is admitted any more */
-    bool stopping;        /* engine_stop was called (g_agentd.stopping, under eng.mu) */
-    pthread_t *threads;   /* workers, then the claimer, then the heartbeat */
+    pthread_cond_t work;        /* engine threads: a drive is ready, a timer changed, or stop */
+    struct engine_queue ready;  /* drives to step, the oldest admitted first */
+    struct engine_queue timers; /* drives with a timer, the earliest first */
+    int64_t admitted;           /* drives ever admitted: the ready queue's key */
+    long long live;             /* drives admitted and not yet freed */
+    bool claimer_done;          /* the claimer exited: no drive is admitted any more */
+    bool stopping;              /* engine_stop was called (g_agentd.stopping, under eng.mu) */
+    pthread_t *threads;         /* workers, then the claimer, then the heartbeat */
     long long n_workers, n_started;
 } eng = {.mu = PTHREAD_MUTEX_INITIALIZER, .work = PTHREAD_COND_INITIALIZER};
 
@@ -64,25 +66,18 @@ static bool woken; /* under g_agentd.mu: agentd_wake since the claimer last look
 
 /* ---------- the ready queue and timers ---------- */
 
-/* post_locked makes d ready (eng.mu held). */
+#define DRIVE_OF(item, field) ((struct drive *)((char *)(item)-offsetof(struct drive, field)))
+
+/* post_locked makes d ready (eng.mu held). Ready drives are stepped oldest first: when the
+ * CPU is the limit, the conversations admitted first finish first, instead of every one of
+ * them finishing late. */
 static void post_locked(struct drive *d)
 {
     if (d->eng.running) {
         d->eng.again = true;
-        return;
+    } else if (engine_queue_push(&eng.ready, &d->eng.ready)) {
+        pthread_cond_signal(&eng.work);
     }
-    if (d->eng.queued) {
-        return;
-    }
-    d->eng.queued = true;
-    d->eng.next = NULL;
-    if (eng.ready_tail) {
-        eng.ready_tail->eng.next = d;
-    } else {
-        eng.ready_head = d;
-    }
-    eng.ready_tail = d;
-    pthread_cond_signal(&eng.work);
 }
 
 void engine_post(struct drive *d)
@@ -92,25 +87,12 @@ void engine_post(struct drive *d)
     pthread_mutex_unlock(&eng.mu);
 }
 
-static void timer_unlink(struct drive *d)
-{
-    for (struct drive **p = &eng.timers; *p; p = &(*p)->eng.timer_next) {
-        if (*p == d) {
-            *p = d->eng.timer_next;
-            break;
-        }
-    }
-    d->eng.timer_due = 0;
-}
-
 void engine_post_at(struct drive *d, int64_t due_ms)
 {
     pthread_mutex_lock(&eng.mu);
-    if (!d->eng.timer_due) {
-        d->eng.timer_next = eng.timers;
-        eng.timers = d;
-    }
-    d->eng.timer_due = due_ms > 0 ? due_ms : 1;
+    engine_queue_remove(&eng.timers, &d->eng.timer);
+    d->eng.timer.key = due_ms;
+    engine_queue_push(&eng.timers, &d->eng.timer);
     pthread_cond_broadcast(&eng.work); /* the waits recompute their deadline */
     pthread_mutex_unlock(&eng.mu);
 }
@@ -119,19 +101,12 @@ void engine_post_at(struct drive *d, int64_t due_ms)
  * none). eng.mu held. */
 static int64_t fire_timers(int64_t now)
 {
-    int64_t next = 0;
-    for (struct drive **p = &eng.timers; *p;) {
-        struct drive *d = *p;
-        if (d->eng.timer_due <= now) {
-            *p = d->eng.timer_next;
-            d->eng.timer_due = 0;
-            post_locked(d);
-        } else {
-            next = !next || d->eng.timer_due < next ? d->eng.timer_due : next;
-            p = &d->eng.timer_next;
-        }
+    struct engine_queue_item *it;
+    while ((it = engine_queue_peek(&eng.timers)) && it->key <= now) {
+        engine_queue_pop(&eng.timers);
+        post_locked(DRIVE_OF(it, eng.timer));
     }
-    return next;
+    return it ? (it->key > 0 ? it->key : 1) : 0;
 }
 
 /* kick_locked posts the drive of slot a and returns the model call to cancel (g_agentd.mu
@@ -361,6 +336,7 @@ static void admit(Cflue__V1__ClaimResponse *cl, int64_t resume_ms)
     d->eng.resume_ms = resume_ms;
     pthread_mutex_lock(&eng.mu);
     eng.live++;
+    d->eng.ready.key = eng.admitted++;
     pthread_mutex_unlock(&eng.mu);
     /* registered and queued at once: a kick (abort, lost lease, stop) from now on posts it,
      * and it cannot be freed before this unlocks (drive_free takes the slot back under it) */
@@ -377,9 +353,7 @@ static void retire(struct drive *d)
         resume_later(drive_submission_id(d), d->eng.resume_ms);
     }
     pthread_mutex_lock(&eng.mu);
-    if (d->eng.timer_due) {
-        timer_unlink(d);
-    }
+    engine_queue_remove(&eng.timers, &d->eng.timer);
     pthread_mutex_unlock(&eng.mu);
     drive_free(d); /* its slot goes first: nothing posts it afterwards */
     pthread_mutex_lock(&eng.mu);
@@ -395,13 +369,9 @@ static void *worker_main(void *arg)
     pthread_mutex_lock(&eng.mu);
     for (;;) {
         int64_t next_timer = fire_timers(clock_mono_ms());
-        struct drive *d = eng.ready_head;
-        if (d) {
-            eng.ready_head = d->eng.next;
-            if (!eng.ready_head) {
-                eng.ready_tail = NULL;
-            }
-            d->eng.queued = false;
+        struct engine_queue_item *it = engine_queue_pop(&eng.ready);
+        if (it) {
+            struct drive *d = DRIVE_OF(it, eng.ready);
             d->eng.running = true;
             pthread_mutex_unlock(&eng.mu);
             bool done = drive_run(d);
@@ -691,4 +661,6 @@ void engine_join(void)
     free(eng.threads);
     eng.threads = NULL;
     eng.n_started = 0;
+    engine_queue_free(&eng.ready);
+    engine_queue_free(&eng.timers);
 }
