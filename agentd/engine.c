@@ -9,9 +9,10 @@
  * many of those run at once, never how many drives are in flight: that is --max-drives.
  *
  * One claimer thread claims work (queued heads, and leases that expired) while fewer than
- * --max-drives drives are live, woken by Submit (agentd_wake), by a drive's end, and every
- * 500 ms for work admitted elsewhere; it stops at the first empty Claim, so a burst of
- * Submits costs one empty Claim, not one per thread. One heartbeat thread renews every lease
+ * --max-drives drives are live, woken by Submit and by a settlement (agentd_wake), by a
+ * drive's end when all --max-drives were live, and every 500 ms for work admitted elsewhere;
+ * it stops at the first empty Claim, so a burst of Submits costs one empty Claim, not one per
+ * thread. One heartbeat thread renews every lease
  * in one Heartbeat call and polls abort intents (a bounded number of Gets per tick). Abort,
  * a lost lease and shutdown set the drive's flag, cancel the model call it is parked on at
  * once (llm_cancel) and post it, so it settles or stops without waiting for the model.
@@ -357,9 +358,11 @@ static void retire(struct drive *d)
     pthread_mutex_unlock(&eng.mu);
     drive_free(d); /* its slot goes first: nothing posts it afterwards */
     pthread_mutex_lock(&eng.mu);
-    eng.live--;
+    bool was_full = eng.live-- >= engine_max_drives;
     pthread_mutex_unlock(&eng.mu);
-    agentd_wake(); /* room for one more */
+    if (was_full) {
+        agentd_wake(); /* room for one more: the claimer waits for it */
+    }
 }
 
 /* worker_main steps ready drives until the engine stops and the last drive is gone. */
