@@ -33,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #define SLOT_BITS 16
 
@@ -125,9 +126,12 @@ static bool setup(struct model_io *io, struct xfer *x)
     curl_easy_setopt(e, CURLOPT_ERRORBUFFER, x->errbuf);
     curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(e, CURLOPT_HTTP_VERSION, (long)CURL_HTTP_VERSION_2TLS);
-    /* a second transfer to a host whose connection is still being set up waits to learn
-     * whether it can share it (HTTP/2) instead of opening another */
-    curl_easy_setopt(e, CURLOPT_PIPEWAIT, 1L);
+    /* over TLS, a second transfer to a host whose connection is still being set up waits to
+     * learn whether it can share it (HTTP/2) instead of opening another; plain http:// is
+     * HTTP/1.1 here, where waiting would only queue concurrent calls behind the first answer */
+    if (!strncasecmp(x->url, "https://", 8)) {
+        curl_easy_setopt(e, CURLOPT_PIPEWAIT, 1L);
+    }
     curl_easy_setopt(e, CURLOPT_TCP_KEEPALIVE, 1L);
     curl_easy_setopt(e, CURLOPT_USERAGENT, "cflue-agentd/0.1");
     long connect_ms = x->r.connect_timeout_ms > 0 ? (long)x->r.connect_timeout_ms : 10000L;
