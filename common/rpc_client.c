@@ -20,6 +20,7 @@
 #include "clock.h"
 #include "log.h"
 #include "mem.h"
+#include "thread.h"
 
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc_security.h>
@@ -555,6 +556,7 @@ static void *aloop_main(void *arg)
             return NULL;
         }
         if (ev.type == GRPC_OP_COMPLETE) {
+            thread_handoff_acquire(ev.tag);
             on_acomplete(ev.tag, ev.success);
         }
     }
@@ -601,6 +603,7 @@ struct rpc_astream *rpc_astream_open(struct rpc_channel *ch, const char *method,
     ops_[3].op = GRPC_OP_RECV_INITIAL_METADATA;
     ops_[3].data.recv_initial_metadata.recv_initial_metadata = &s->init_md;
     pthread_mutex_lock(&s->mu);
+    thread_handoff_release(&s->t_open); /* s is read on the loop thread through the tags */
     if (grpc_call_start_batch(s->call, ops_, 4, &s->t_open, NULL) == GRPC_CALL_OK) {
         s->pending++;
     }
@@ -610,6 +613,7 @@ struct rpc_astream *rpc_astream_open(struct rpc_channel *ch, const char *method,
     st.data.recv_status_on_client.status = &s->code;
     st.data.recv_status_on_client.status_details = &s->details;
     st.data.recv_status_on_client.trailing_metadata = &s->trail_md;
+    thread_handoff_release(&s->t_status);
     if (grpc_call_start_batch(s->call, &st, 1, &s->t_status, NULL) == GRPC_CALL_OK) {
         s->pending++;
     } else {
@@ -633,6 +637,7 @@ void rpc_astream_next(struct rpc_astream *s)
     memset(&op, 0, sizeof(op));
     op.op = GRPC_OP_RECV_MESSAGE;
     op.data.recv_message.recv_message = &s->bb;
+    thread_handoff_release(&s->t_read);
     if (grpc_call_start_batch(s->call, &op, 1, &s->t_read, NULL) == GRPC_CALL_OK) {
         s->reading = true;
         s->pending++;
@@ -648,12 +653,18 @@ void rpc_astream_release(struct rpc_astream *s)
     pthread_mutex_lock(&s->mu);
     s->released = true;
     bool do_free = s->ended && !s->in_end && s->pending == 0;
+    /* once the lock is let go the loop may free s: keep the call alive on our own ref */
+    grpc_call *call = do_free ? NULL : s->call;
+    if (call) {
+        grpc_call_ref(call);
+    }
     pthread_mutex_unlock(&s->mu);
     if (do_free) {
         astream_free(s);
         return;
     }
-    grpc_call_cancel(s->call, NULL); /* completions follow on the loop, which frees it */
+    grpc_call_cancel(call, NULL); /* completions follow on the loop, which frees s */
+    grpc_call_unref(call);
 }
 
 /* aloop_stop stops the client stream thread (every stream must be over). */

@@ -5,10 +5,12 @@
 #ifndef CFLUE_TEST_CHECK_H
 #define CFLUE_TEST_CHECK_H
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 
-static int check_passed, check_failed;
+/* atomic: callbacks on server or loop threads may CHECK too */
+static atomic_int check_passed, check_failed;
 
 #define CHECK(cond)                                                                                \
     do {                                                                                           \
