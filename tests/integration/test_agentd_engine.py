@@ -171,10 +171,11 @@ class EngineLoadTest(unittest.TestCase):
                          'agentd threads at most %d; CPU work %.2f s per core\n'
                          % (self.N, med, lat[-1], peak[0], floor))
         self.assertLess(peak[0], 64)
-        # 1.5x the model time, plus what the CPU work of the run takes on this machine's cores
-        # (with margin for whatever else runs on it). Drives that held a thread through their
-        # model calls would take N * 3 s / 4 workers = 225 s.
-        self.assertLessEqual(med, 4.5 + 1.5 * floor)
+        # A regression guard, not a benchmark (bench/bench_engine.py measures the target): 1.5x
+        # the model time plus three times what the run's CPU work takes on this machine's cores
+        # (the median lands near twice that under a sanitizer, where CPU work dominates). Drives
+        # that held a thread through their model calls would take N * 3 s / 4 workers = 225 s.
+        self.assertLessEqual(med, 4.5 + 3 * floor)
 
 
 class EngineAbortTest(unittest.TestCase):
