@@ -78,8 +78,8 @@ const char *cf_error_reason(const struct cf_error *err)
     return err->reason[0] ? err->reason : status_reason(err->code);
 }
 
-static void vset(struct cf_error *err, enum cf_status code, const char *reason, const char *fmt,
-                 va_list ap)
+__attribute__((format(printf, 4, 0))) static void
+vset(struct cf_error *err, enum cf_status code, const char *reason, const char *fmt, va_list ap)
 {
     err->code = code;
     vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
