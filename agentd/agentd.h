@@ -20,8 +20,10 @@ struct drive;
 struct active {
     char submission_id[64];
     char attempt_id[64];
+    char conversation_id[64];
     int64_t epoch;
     bool in_use;
+    bool queued_hint;     /* a message was admitted behind it here: worth a ClaimJoinable */
     bool abort_requested; /* durable abort intent seen: settle aborted */
     bool lease_lost;      /* another attempt took over: stop without writing */
     bool shutting_down;   /* this process is stopping: stop, recovery will resume */
@@ -47,6 +49,10 @@ extern struct agentd g_agentd;
 
 /* agentd_wake tells the claimer that work may be claimable (engine.c). */
 void agentd_wake(void);
+
+/* agentd_note_queued tells the drive of conversation_id running here, if any, that a message
+ * was admitted behind it (its next JOIN asks storaged for joins); returns whether one runs. */
+bool agentd_note_queued(const char *conversation_id);
 
 /* agentd_mark_abort flags a locally running submission as aborted; returns whether it runs
  * here. */

@@ -14,11 +14,13 @@
 #include "agentd.h"
 #include "clients.h"
 #include "clock.h"
+#include "engine.h"
 #include "errinfo.h"
 #include "guard.h"
 #include "log.h"
 #include "mem.h"
 #include "metadata.h"
+#include "pbtime.h"
 #include "watch.h"
 
 #include "cflue/v1/agent.pb-c.h"
@@ -90,6 +92,16 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
         ar.metadata = md;
         ar.n_metadata = req->n_metadata;
     }
+    /* with room for a drive, the Admit claims the submission too when it can run at once:
+     * no Claim call, and its drive is live here before this answers */
+    Cflue__V1__ClaimRequest claim = CFLUE__V1__CLAIM_REQUEST__INIT;
+    Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
+    if (engine_has_room()) {
+        claim.owner_id = (char *)g_agentd.owner_id;
+        pbdur_set(&lease, g_agentd.lease_ms);
+        claim.lease_duration = &lease;
+        ar.claim = &claim;
+    }
     ProtobufCMessage *resp = NULL;
     enum cf_status rc =
         store_call(g_agentd.store, "Admit", &ar.base, &cflue__v1__admit_response__descriptor,
@@ -103,16 +115,27 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
         return;
     }
     Cflue__V1__AdmitResponse *r = (Cflue__V1__AdmitResponse *)resp;
+    bool claimed = r->claim && r->claim->submission;
+    if (claimed) {
+        engine_admit_claimed(r->claim); /* the drive owns the claim now */
+        r->claim = NULL;
+    }
     Cflue__V1__Admission out = CFLUE__V1__ADMISSION__INIT;
     out.submission_id = r->submission->submission_id;
     out.conversation_id = r->submission->conversation_id;
     out.offset = r->offset;
     out.deduplicated = r->deduplicated;
-    log_info("submit", "submission=%s conversation=%s agent=%s dedup=%d", out.submission_id,
-             out.conversation_id, req->agent, (int)out.deduplicated);
+    log_info("submit", "submission=%s conversation=%s agent=%s dedup=%d claimed=%d",
+             out.submission_id, out.conversation_id, req->agent, (int)out.deduplicated,
+             (int)claimed);
+    /* not claimed: it waits behind its conversation's running work (a drive here joins it or
+     * its settlement wakes the claimer), or the claimer takes it when there is room */
+    bool behind_here = !claimed && !out.deduplicated && agentd_note_queued(out.conversation_id);
     rpc_call_reply(c, &out.base);
     protobuf_c_message_free_unpacked(resp, NULL);
-    agentd_wake();
+    if (!claimed && !behind_here) {
+        agentd_wake();
+    }
 }
 
 /* Watch and GetSubmission(wait) hold no thread while they wait: watch.c. */

@@ -20,8 +20,8 @@
  *  - START: the agent and the attempt budget (checked before anything that can fail), the
  *    conversation read once into the record log, an earlier attempt's half-joins settled and
  *    its finished answer recognized (takeover);
- *  - INPUT: the input appended, stamped applied (budgets installed), unresolved calls
- *    repaired;
+ *  - INPUT: the input written (pending: the first model call's Append stores it and stamps
+ *    it applied, installing the budgets), unresolved calls repaired;
  *  - PROMPT: the tool set listed, the system prompt frozen (a sandboxed agent never reaches
  *    the model without its tool set, nor a prompt composed from a partial environment);
  *  - JOIN: queued messages join; with nothing new and no calls run, the work is finished;
@@ -208,11 +208,9 @@ static enum drive_state step_input(struct drive *d)
     if (!d->compact_request && !has_input(d)) {
         char id[256];
         snprintf(id, sizeof(id), "input:%s", d->sub->submission_id);
-        (void)dstore_append_input(d, id, d->sub);
+        (void)dstore_append_input(d, id, d->sub); /* pending: the first model call flushes it */
     }
-    if (!drive_halted(d)) {
-        dstore_mark_input_applied(d);
-    }
+    d->mark_pending = true; /* stamped applied by the Append that stores the input */
     if (!drive_halted(d)) {
         settle_repair(d);
     }
@@ -318,6 +316,9 @@ static enum drive_state model_done(struct drive *d, enum cf_status rc)
 static enum drive_state step_model(struct drive *d)
 {
     d->more = false;
+    if (!drive_halted(d)) {
+        (void)dstore_flush(d); /* what the turn builds on is durable; the budgets installed */
+    }
     if (drive_halted(d)) {
         return DRIVE_SETTLE;
     }
@@ -437,6 +438,8 @@ static bool begin_drive(struct drive *d)
             snprintf(d->act->submission_id, sizeof(d->act->submission_id), "%s",
                      d->sub->submission_id);
             snprintf(d->act->attempt_id, sizeof(d->act->attempt_id), "%s", d->fence.attempt_id);
+            snprintf(d->act->conversation_id, sizeof(d->act->conversation_id), "%s",
+                     d->sub->conversation_id);
             d->act->epoch = d->fence.epoch;
             d->act->abort_requested = d->sub->abort_request_time != NULL;
             d->act->shutting_down = g_agentd.stopping;
@@ -467,6 +470,7 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
     d->takeover = claim->takeover;
     d->fence = *claim->fence;
     d->timeout_at_ms = pbtime_ms(d->sub->deadline);
+    d->queued = claim->queued_behind;
     d->outcome = CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
     rlog_init(&d->log);
     llm_response_init(&d->answer);

@@ -93,6 +93,8 @@ struct drive {
     struct cf_error err;
     struct cf_error fault; /* the first storaged/toold failure: the attempt ends unsettled */
     int store_tries;       /* how many tries the last dstore_call took */
+    bool mark_pending;     /* the next flush stamps the input applied (budgets installed) */
+    int32_t queued;        /* submissions queued behind, as storaged last said */
     /* the state machine */
     enum drive_state state;
     enum drive_end end;
@@ -162,17 +164,26 @@ enum cf_status dstore_call(struct drive *d, const char *method, const ProtobufCM
 /* dstore_load reads the whole conversation into d->log, paging with page tokens. A failure
  * is a fault. */
 enum cf_status dstore_load(struct drive *d);
-/* dstore_append_one appends one record with typed body `body` (the caller keeps it) under the
- * fence; once storaged acknowledges it, it is in d->log at its offset. Any failure but a stale
- * fence is a fault. */
+/* dstore_defer_one writes one record with typed body `body` (the caller keeps it) as pending
+ * in d->log: the next store write carries it (dstore_flush, or the Settle). CF_INTERNAL (a
+ * fault) only when body is no record body. */
+enum cf_status dstore_defer_one(struct drive *d, const char *id, const char *submission_id,
+                                ProtobufCMessage *body);
+/* dstore_flush appends the pending records under the fence in one Append, stamping the input
+ * applied when d->mark_pending (taking the time limit storaged installed); acknowledged, they
+ * are in d->log at their offsets. Keeps the answer's hints (abort intent, queued count). Any
+ * failure but a stale fence is a fault; on any failure the pending records are dropped. */
+enum cf_status dstore_flush(struct drive *d);
+/* dstore_append_one is dstore_defer_one then dstore_flush: the record is durable on CF_OK. */
 enum cf_status dstore_append_one(struct drive *d, const char *id, const char *submission_id,
                                  ProtobufCMessage *body);
-/* dstore_append_input appends submission s's message as its user_message `id` (text and one
- * AttachmentRef per attachment; the bytes stay with the submission). As dstore_append_one. */
+/* dstore_append_input writes submission s's message as its user_message `id` (text and one
+ * AttachmentRef per attachment; the bytes stay with the submission), pending (as
+ * dstore_defer_one). */
 enum cf_status dstore_append_input(struct drive *d, const char *id, const Cflue__V1__Submission *s);
-/* dstore_mark_input_applied stamps the input applied, installing the agent's budgets, and
- * takes the time limit storaged installed. A failure is a fault. */
-void dstore_mark_input_applied(struct drive *d);
+/* dstore_settled_hints takes a Settle's answer: the pending records it carried acknowledged,
+ * and the claimer woken when the conversation's next message is runnable. */
+void dstore_settled_hints(struct drive *d, const Cflue__V1__SettleResponse *sr);
 /* dstore_keep_submission keeps s (owned by the drive from now on) so that its message's
  * attachments need no Get. */
 void dstore_keep_submission(struct drive *d, Cflue__V1__Submission *s);
@@ -183,8 +194,8 @@ enum cf_status dstore_attachments(void *arg, const char *submission_id,
 /* dstore_cleanup frees what the drive's store client keeps. Idempotent. */
 void dstore_cleanup(struct drive *d);
 
-/* dstore_build_context builds the context of records before `before` from d->log; a failed
- * attachments lookup is a fault. */
+/* dstore_build_context flushes the pending records, then builds the context of records before
+ * `before` from d->log; a failed flush or attachments lookup is a fault. */
 void dstore_build_context(struct drive *d, struct context *c, int64_t before);
 
 /* ---- prompt.c ---- */

@@ -1,9 +1,15 @@
 /* drive_store.c - a drive's calls to storaged: retried under the fence, appended through the
  * record log.
  *
- * The drive reads its conversation once (dstore_load) and every record it appends joins
- * d->log when storaged acknowledges it, at the offset storaged gave (a deduplicated append
- * answers the offset of the record already stored). Attachments' bytes come from the claim's
+ * The drive reads its conversation once (dstore_load; not at all when the claim saw it empty)
+ * and every record it writes joins d->log: pending first (dstore_defer_one), then at the offset
+ * storaged gave when the next Append (dstore_flush) or the Settle carrying it is acknowledged (a
+ * deduplicated append answers the offset of the record already stored). What must be durable
+ * before the drive goes on is flushed at once (dstore_append_one): an answer's tool calls before
+ * they run, tool results, a joined message's input before its join is final; the input and the
+ * system prompt wait for the first model call (one Append, which also stamps the input applied),
+ * the final answer for the Settle. The answers' hints are kept: an abort intent, and how much
+ * is queued behind (ClaimJoinable only then). Attachments' bytes come from the claim's
  * submission or a joined delivery's (kept from ClaimJoinable), and otherwise from one
  * Store.Get per submission for the life of the drive.
  */
@@ -48,6 +54,9 @@ enum cf_status dstore_call(struct drive *d, const char *method, const ProtobufCM
 
 enum cf_status dstore_load(struct drive *d)
 {
+    if (d->claim->head_offset == -1 && !d->takeover && !d->log_loaded) {
+        return CF_OK; /* the claim saw an empty conversation, and the fence holds it so */
+    }
     char *token = NULL;
     for (;;) {
         Cflue__V1__ReadRequest req = CFLUE__V1__READ_REQUEST__INIT;
@@ -75,13 +84,57 @@ enum cf_status dstore_load(struct drive *d)
     }
 }
 
-/* append writes records under the fence and adds them to the log. Any failure but a stale
- * fence (lease lost) is a fault: a record the drive meant to write is missing, so it must not
- * go on as if it were there. */
-static enum cf_status append(struct drive *d, Cflue__V1__Record **recs, size_t n)
+/* take_hints keeps what an Append answer says beyond offsets: an abort
+ * intent stamped meanwhile, and how much is queued behind (joins_absorb asks only then). */
+static void take_hints(struct drive *d, bool abort_requested, int32_t queued)
 {
-    Cflue__V1__AppendRequest req = CFLUE__V1__APPEND_REQUEST__INIT;
+    d->queued = queued;
+    if (abort_requested && !drive_abort_seen(d)) {
+        agentd_mark_abort(d->sub->submission_id);
+    }
+}
+
+/* mark_applied stamps the input applied on its own (a Compact request has no input record). */
+static enum cf_status mark_applied(struct drive *d, Cflue__V1__MarkInputAppliedRequest *mark)
+{
     ProtobufCMessage *resp = NULL;
+    mark->fence = &d->fence;
+    enum cf_status rc =
+        dstore_call(d, "MarkInputApplied", &mark->base, &cflue__v1__submission__descriptor, &resp);
+    d->mark_pending = false;
+    if (rc != CF_OK) {
+        if (!drive_lost_or_down(d)) {
+            drive_fault(d, "marking the input applied failed", &d->err);
+        }
+        return rc;
+    }
+    d->timeout_at_ms = pbtime_ms(((const Cflue__V1__Submission *)resp)->deadline);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    return CF_OK;
+}
+
+enum cf_status dstore_flush(struct drive *d)
+{
+    size_t n;
+    Cflue__V1__Record **recs = rlog_pending(&d->log, &n);
+    if (!n && !d->mark_pending) {
+        return CF_OK;
+    }
+    Cflue__V1__AppendRequest req = CFLUE__V1__APPEND_REQUEST__INIT;
+    Cflue__V1__MarkInputAppliedRequest mark = CFLUE__V1__MARK_INPUT_APPLIED_REQUEST__INIT;
+    Google__Protobuf__Duration limit = GOOGLE__PROTOBUF__DURATION__INIT;
+    ProtobufCMessage *resp = NULL;
+    if (d->mark_pending) {
+        mark.max_attempts = d->agent->max_attempts;
+        if (d->agent->timeout_ms > 0) {
+            pbdur_set(&limit, d->agent->timeout_ms);
+            mark.timeout = &limit;
+        }
+        if (!n) {
+            return mark_applied(d, &mark);
+        }
+        req.mark_input_applied = &mark;
+    }
     req.fence = &d->fence;
     req.records = recs;
     req.n_records = n;
@@ -89,23 +142,32 @@ static enum cf_status append(struct drive *d, Cflue__V1__Record **recs, size_t n
         dstore_call(d, "Append", &req.base, &cflue__v1__append_response__descriptor, &resp);
     if (rc == CF_OK) {
         const Cflue__V1__AppendResponse *ar = (const Cflue__V1__AppendResponse *)resp;
-        for (size_t i = 0; i < n; i++) {
-            rlog_add_appended(&d->log, recs[i], ar->first_offset + (int64_t)i);
+        rlog_ack_pending(&d->log, ar->first_offset);
+        take_hints(d, ar->abort_requested, ar->queued);
+        if (d->mark_pending && ar->submission) {
+            /* the budgets as now installed (the claim carried the defaults) */
+            d->timeout_at_ms = pbtime_ms(ar->submission->deadline);
+        }
+        d->mark_pending = false;
+    } else {
+        rlog_drop_pending(&d->log);
+        d->mark_pending = false;
+        if (rc != CF_STALE) {
+            /* a record the drive meant to write is missing: it must not go on as if it were
+             * there */
+            drive_fault(d, "recording to the conversation failed", &d->err);
         }
     }
     if (resp) {
         protobuf_c_message_free_unpacked(resp, NULL);
     }
-    if (rc != CF_OK && rc != CF_STALE) {
-        drive_fault(d, "recording to the conversation failed", &d->err);
-    }
     return rc;
 }
 
-enum cf_status dstore_append_one(struct drive *d, const char *id, const char *submission_id,
-                                 ProtobufCMessage *body)
+enum cf_status dstore_defer_one(struct drive *d, const char *id, const char *submission_id,
+                                ProtobufCMessage *body)
 {
-    Cflue__V1__Record rec = CFLUE__V1__RECORD__INIT, *recs[1] = {&rec};
+    Cflue__V1__Record rec = CFLUE__V1__RECORD__INIT;
     rec.id = (char *)id;
     rec.submission_id = (char *)(submission_id ? submission_id : "");
     if (!record_set_body(&rec, body)) {
@@ -115,7 +177,28 @@ enum cf_status dstore_append_one(struct drive *d, const char *id, const char *su
         drive_fault(d, "recording to the conversation failed", &e);
         return CF_INTERNAL;
     }
-    return append(d, recs, 1);
+    rlog_add_pending(&d->log, &rec);
+    return CF_OK;
+}
+
+enum cf_status dstore_append_one(struct drive *d, const char *id, const char *submission_id,
+                                 ProtobufCMessage *body)
+{
+    enum cf_status rc = dstore_defer_one(d, id, submission_id, body);
+    return rc == CF_OK ? dstore_flush(d) : rc;
+}
+
+void dstore_settled_hints(struct drive *d, const Cflue__V1__SettleResponse *sr)
+{
+    size_t n;
+    (void)rlog_pending(&d->log, &n);
+    if (n && sr->records_first_offset >= 0) {
+        rlog_ack_pending(&d->log, sr->records_first_offset);
+    }
+    rlog_drop_pending(&d->log); /* an earlier identical Settle had stored them */
+    if (sr->conversation_queued > 0) {
+        agentd_wake(); /* the conversation's next message is runnable now */
+    }
 }
 
 enum cf_status dstore_append_input(struct drive *d, const char *id, const Cflue__V1__Submission *s)
@@ -135,34 +218,10 @@ enum cf_status dstore_append_input(struct drive *d, const char *id, const Cflue_
     }
     body.attachments = ptrs;
     body.n_attachments = n;
-    enum cf_status rc = dstore_append_one(d, id, s->submission_id, &body.base);
+    enum cf_status rc = dstore_defer_one(d, id, s->submission_id, &body.base);
     free(refs);
     free(ptrs);
     return rc;
-}
-
-void dstore_mark_input_applied(struct drive *d)
-{
-    Cflue__V1__MarkInputAppliedRequest mr = CFLUE__V1__MARK_INPUT_APPLIED_REQUEST__INIT;
-    ProtobufCMessage *resp = NULL;
-    mr.fence = &d->fence;
-    Google__Protobuf__Duration limit = GOOGLE__PROTOBUF__DURATION__INIT;
-    mr.max_attempts = d->agent->max_attempts;
-    if (d->agent->timeout_ms > 0) {
-        pbdur_set(&limit, d->agent->timeout_ms);
-        mr.timeout = &limit;
-    }
-    if (dstore_call(d, "MarkInputApplied", &mr.base, &cflue__v1__submission__descriptor, &resp) !=
-        CF_OK) {
-        if (!drive_lost_or_down(d)) {
-            drive_fault(d, "marking the input applied failed", &d->err);
-        }
-        return;
-    }
-    /* the budgets as now installed (the claim carried the defaults) */
-    const Cflue__V1__Submission *now = (const Cflue__V1__Submission *)resp;
-    d->timeout_at_ms = pbtime_ms(now->deadline);
-    protobuf_c_message_free_unpacked(resp, NULL);
 }
 
 void dstore_keep_submission(struct drive *d, Cflue__V1__Submission *s)
@@ -200,6 +259,9 @@ enum cf_status dstore_attachments(void *arg, const char *submission_id,
 
 void dstore_build_context(struct drive *d, struct context *c, int64_t before)
 {
+    if (dstore_flush(d) != CF_OK) {
+        return; /* a fault or a lost lease: the caller checks before using c */
+    }
     struct context_source src = {.records = d->log.recs,
                                  .n_records = d->log.n,
                                  .before = before,

@@ -48,7 +48,6 @@
 long long engine_max_drives = ENGINE_MAX_DRIVES_DEFAULT;
 
 #define CLAIM_POLL_MS 500 /* the claimer asks for work admitted elsewhere this often */
-#define ABORT_POLL_MAX 16 /* abort intents polled (one Get each) per heartbeat tick */
 
 static struct engine {
     pthread_mutex_t mu;
@@ -143,6 +142,21 @@ bool agentd_mark_abort(const char *submission_id)
     }
     pthread_mutex_unlock(&g_agentd.mu);
     llm_cancel(cancel); /* at once: the drive settles aborted without waiting for the model */
+    return here;
+}
+
+bool agentd_note_queued(const char *conversation_id)
+{
+    bool here = false;
+    pthread_mutex_lock(&g_agentd.mu);
+    for (int i = 0; i < ACTIVE_MAX && !here; i++) {
+        struct active *a = &g_agentd.active[i];
+        if (a->in_use && !strcmp(a->conversation_id, conversation_id)) {
+            a->queued_hint = true;
+            here = true;
+        }
+    }
+    pthread_mutex_unlock(&g_agentd.mu);
     return here;
 }
 
@@ -345,6 +359,20 @@ static void admit(Cflue__V1__ClaimResponse *cl, int64_t resume_ms)
     d->act->drive = d;
     engine_post(d);
     pthread_mutex_unlock(&g_agentd.mu);
+}
+
+bool engine_has_room(void)
+{
+    pthread_mutex_lock(&eng.mu);
+    bool room = eng.live < engine_max_drives && !eng.stopping;
+    pthread_mutex_unlock(&eng.mu);
+    return room;
+}
+
+void engine_admit_claimed(Cflue__V1__ClaimResponse *cl)
+{
+    log_info("claimed", "submission=%s at=admit", cl->submission->submission_id);
+    admit(cl, RESUME_FIRST_MS);
 }
 
 /* retire frees a done drive, filing an interrupted one for a later claim. */
@@ -559,32 +587,36 @@ static bool heartbeat(const struct active *snap, int n)
     return ok;
 }
 
-/* poll_aborts asks storaged for the abort intent of up to ABORT_POLL_MAX drives, taking up
- * where the last tick left off (aborts through this agentd's API arrive at once; this finds
- * those asked through another agentd). */
-static void poll_aborts(const struct active *snap, int n)
+/* poll_aborts asks storaged, in one List, which of this owner's running submissions have an
+ * abort intent (aborts through this agentd's API arrive at once; this finds those asked
+ * through another agentd). */
+static void poll_aborts(void)
 {
-    static int cursor;
+    Cflue__V1__ListRequest lr = CFLUE__V1__LIST_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
     struct cf_error err;
-    int polled = 0;
-    for (int k = 0; k < n && polled < ABORT_POLL_MAX; k++) {
-        const struct active *a = &snap[(cursor + k) % n];
-        if (a->abort_requested) {
-            continue;
+    lr.owner_id = (char *)g_agentd.owner_id;
+    lr.abort_requested = true;
+    lr.page_size = 1000;
+    if (store_call(g_agentd.store, "List", &lr.base, &cflue__v1__list_response__descriptor, 5000,
+                   &resp, &err) != CF_OK) {
+        return; /* the next tick asks again */
+    }
+    const Cflue__V1__ListResponse *l = (const Cflue__V1__ListResponse *)resp;
+    for (size_t i = 0; i < l->n_submissions; i++) {
+        const char *id = l->submissions[i]->submission_id;
+        bool fresh = false;
+        pthread_mutex_lock(&g_agentd.mu);
+        for (int k = 0; k < ACTIVE_MAX; k++) {
+            struct active *a = &g_agentd.active[k];
+            fresh = fresh || (a->in_use && !a->abort_requested && !strcmp(a->submission_id, id));
         }
-        polled++;
-        Cflue__V1__GetRequest gr = CFLUE__V1__GET_REQUEST__INIT;
-        ProtobufCMessage *resp = NULL;
-        gr.submission_id = (char *)a->submission_id;
-        if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor, 5000,
-                       &resp, &err) == CF_OK) {
-            if (((Cflue__V1__Submission *)resp)->abort_request_time) {
-                agentd_mark_abort(a->submission_id);
-            }
-            protobuf_c_message_free_unpacked(resp, NULL);
+        pthread_mutex_unlock(&g_agentd.mu);
+        if (fresh) {
+            agentd_mark_abort(id);
         }
     }
-    cursor = n ? (cursor + polled) % n : 0;
+    protobuf_c_message_free_unpacked(resp, NULL);
 }
 
 /* heartbeat_main renews leases every heartbeat_ms and polls abort intents every tick. */
@@ -610,7 +642,9 @@ static void *heartbeat_main(void *arg)
         if (n && now - last_beat >= g_agentd.heartbeat_ms && heartbeat(snap, n)) {
             last_beat = now;
         }
-        poll_aborts(snap, n);
+        if (n) {
+            poll_aborts();
+        }
         clock_sleep_ms(n ? 500 : 1000);
     }
     free(snap);

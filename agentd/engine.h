@@ -5,6 +5,8 @@
 
 #include "daemon.h"
 
+#include "cflue/v1/store.pb-c.h"
+
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -32,6 +34,13 @@ void engine_stop(void);
 
 /* engine_join waits for the threads that engine_start started (after engine_stop). */
 void engine_join(void);
+
+/* engine_has_room: fewer than --max-drives drives are live and the engine is not stopping. */
+bool engine_has_room(void);
+
+/* engine_admit_claimed starts a drive for a claim made elsewhere (Submit's Admit with claim);
+ * takes cl. */
+void engine_admit_claimed(Cflue__V1__ClaimResponse *cl);
 
 /* engine_post makes d ready: an engine thread steps it (drive_run) soon. Thread-safe and
  * non-blocking: the model I/O loop's callbacks call it. A drive posted while it is being

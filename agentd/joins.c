@@ -1,7 +1,10 @@
 /* joins.c - messages queued behind a running submission join it.
  *
  * Between turns the host claims what is queued behind it (Store.ClaimJoinable: the deliveries
- * become JOINING into it), appends each delivery's input (input:<delivery>) and finalizes the
+ * become JOINING into it), only when storaged's last answer counted something queued or a Submit
+ * through this agentd admitted something behind it (a message admitted after that is claimed
+ * as the conversation's next submission instead: FIFO holds either way), appends the
+ * deliveries' inputs (input:<delivery>) in one Append and finalizes each
  * join (Store.FinalizeJoin: JOINED; they settle with the host). A delivery whose join is not
  * finalized goes back to the queue when the host settles and finds its input already in the
  * stream. The deliveries' submissions are kept for the drive's life: their attachments need no
@@ -32,15 +35,10 @@ Cflue__V1__ListResponse *joins_list(struct drive *d)
     return (Cflue__V1__ListResponse *)resp;
 }
 
-/* join_one puts delivery s's input into the stream (unless the log has it already) and
- * finalizes its join. False when the drive cannot go on joining. */
-static bool join_one(struct drive *d, const Cflue__V1__Submission *s)
+/* finalize_join makes delivery s's join final (its input is in the stream). False when the
+ * drive cannot go on joining. */
+static bool finalize_join(struct drive *d, const Cflue__V1__Submission *s)
 {
-    char id[256];
-    snprintf(id, sizeof(id), "input:%s", s->submission_id);
-    if (!rlog_find(&d->log, id) && dstore_append_input(d, id, s) != CF_OK) {
-        return false;
-    }
     Cflue__V1__JoinRequest jr = CFLUE__V1__JOIN_REQUEST__INIT;
     ProtobufCMessage *jresp = NULL;
     jr.host = &d->fence;
@@ -59,6 +57,17 @@ static bool join_one(struct drive *d, const Cflue__V1__Submission *s)
     return true;
 }
 
+/* worth_asking: storaged's last answer counted submissions queued behind, or a Submit through
+ * this agentd admitted one behind it since (the hint is taken). */
+static bool worth_asking(struct drive *d)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    bool hint = d->act->queued_hint;
+    d->act->queued_hint = false;
+    pthread_mutex_unlock(&g_agentd.mu);
+    return hint || d->queued > 0;
+}
+
 /* take_submissions moves the submissions out of a ClaimJoinable or List response into the
  * drive's kept set (their attachments need no Get) and frees the response. */
 static void take_submissions(struct drive *d, ProtobufCMessage *resp, Cflue__V1__Submission **subs,
@@ -75,6 +84,9 @@ int joins_absorb(struct drive *d)
 {
     Cflue__V1__ClaimJoinableRequest req = CFLUE__V1__CLAIM_JOINABLE_REQUEST__INIT;
     ProtobufCMessage *resp = NULL;
+    if (!worth_asking(d)) {
+        return 0;
+    }
     req.host = &d->fence;
     if (dstore_call(d, "ClaimJoinable", &req.base, &cflue__v1__claim_joinable_response__descriptor,
                     &resp) != CF_OK) {
@@ -83,6 +95,7 @@ int joins_absorb(struct drive *d)
         }
         return 0;
     }
+    d->queued = 0; /* until an answer counts some again */
     Cflue__V1__Submission **subs = ((Cflue__V1__ClaimJoinableResponse *)resp)->submissions;
     size_t *n_field = &((Cflue__V1__ClaimJoinableResponse *)resp)->n_submissions;
     if (d->store_tries > 1) {
@@ -99,9 +112,21 @@ int joins_absorb(struct drive *d)
     }
     size_t first_kept = d->n_known, n = *n_field;
     take_submissions(d, resp, subs, n_field);
+    /* every input in one Append (the log may hold some already), then each join made final */
+    for (size_t i = 0; i < n; i++) {
+        const Cflue__V1__Submission *s = d->known[first_kept + i];
+        char id[256];
+        snprintf(id, sizeof(id), "input:%s", s->submission_id);
+        if (!rlog_find(&d->log, id) && dstore_append_input(d, id, s) != CF_OK) {
+            return 0;
+        }
+    }
+    if (dstore_flush(d) != CF_OK) {
+        return 0;
+    }
     int joined = 0;
     for (size_t i = 0; i < n; i++) {
-        if (!join_one(d, d->known[first_kept + i])) {
+        if (!finalize_join(d, d->known[first_kept + i])) {
             break;
         }
         /* its input is in the stream either way: the model answers it now (a delivery that

@@ -154,7 +154,7 @@ enum cf_status model_call(struct drive *d, const char *system, const struct cont
         }
         req.timeout_ms = left;
         rc = llm_complete(ep, &req, &ev, out, &d->err);
-        flush_delta(d);
+        buf_reset(&d->delta); /* the answer, recorded next, holds the whole text */
         if (rc == CF_OK || rc == CF_CANCELLED || !out->retryable || attempt == MODEL_RETRIES) {
             break;
         }
@@ -296,7 +296,9 @@ static bool take_text(struct drive *d, enum cf_status *rc, struct cf_error *err)
     *rc = w->rc;
     *err = w->err;
     pthread_mutex_unlock(&w->mu);
-    if (d->delta.len && (done || clock_mono_ms() - d->delta_flushed_ms > DELTA_FLUSH_MS)) {
+    if (done) {
+        buf_reset(&d->delta); /* the assistant_message that follows holds the whole text */
+    } else if (d->delta.len && clock_mono_ms() - d->delta_flushed_ms > DELTA_FLUSH_MS) {
         flush_delta(d);
         pthread_mutex_lock(&w->mu);
         w->flushed_ms = d->delta_flushed_ms;
@@ -383,7 +385,10 @@ enum cf_status model_record_answer(struct drive *d, const struct llm_response *r
     body.model = (char *)d->agent->model;
     body.usage = &usage;
     snprintf(id, sizeof(id), "assistant:%s:%d", d->sub->submission_id, d->turn);
-    enum cf_status rc = dstore_append_one(d, id, d->sub->submission_id, &body.base);
+    /* calls are durable before they run (a later attempt must know they started); a final
+     * answer waits for the Settle that carries it */
+    enum cf_status rc = resp->n_calls ? dstore_append_one(d, id, d->sub->submission_id, &body.base)
+                                      : dstore_defer_one(d, id, d->sub->submission_id, &body.base);
     free(calls);
     free(ptrs);
     return rc;

@@ -116,7 +116,7 @@ char *prompt_frozen(struct drive *d)
 {
     const Cflue__V1__Record *sys = rlog_latest(&d->log, CFLUE__V1__RECORD__BODY_SYSTEM_PROMPT);
     const Cflue__V1__Record *comp = rlog_latest(&d->log, CFLUE__V1__RECORD__BODY_COMPACTION);
-    if (sys && (!comp || sys->offset > comp->offset)) {
+    if (sys && (!comp || sys->offset < 0 /* pending */ || sys->offset > comp->offset)) {
         return mem_strdup(sys->system_prompt->text);
     }
     char *text = prompt_compose(d, d->tools.list);
@@ -127,7 +127,7 @@ char *prompt_frozen(struct drive *d)
     snprintf(id, sizeof(id), "system:%d", d->log.compactions + 1);
     Cflue__V1__SystemPrompt sp = CFLUE__V1__SYSTEM_PROMPT__INIT;
     sp.text = text;
-    (void)dstore_append_one(d, id, "", &sp.base);
+    (void)dstore_defer_one(d, id, "", &sp.base); /* stored with the input, before any turn */
     if (d->fault.code != CF_OK) {
         free(text);
         return NULL;

@@ -8,6 +8,12 @@
  * stream holds without reading it again: the context of each turn, the answered() check
  * before settling and the repair of unresolved calls all run on it.
  *
+ * A record may also be PENDING: written by the drive, carried by its next store write (an Append
+ * or the Settle), and meanwhile at the end of the log with offset -1, so that the context, the
+ * answered() check and lookups by id see it. That write's answer acknowledges it (offsets
+ * assigned) or drops it. Pending records let one store call carry what several steps wrote:
+ * the input with the system prompt, the final answer with the settlement.
+ *
  * Records live in the messages they came in (a Read page, or an appended record's own copy);
  * an owner is freed when none of its records is left in the log. rlog_trim keeps the log
  * bounded by what the context and recovery still need.
@@ -15,6 +21,8 @@
 #include "record_log.h"
 
 #include "mem.h"
+
+#include <assert.h>
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -91,6 +99,7 @@ static bool holds_offset(const struct record_log *log, int64_t offset)
 
 void rlog_add_page(struct record_log *log, Cflue__V1__ReadResponse *page)
 {
+    assert(!log->n_pending);
     int owner = add_owner(log, &page->base);
     for (size_t i = 0; i < page->n_records; i++) {
         if (!holds_offset(log, page->records[i]->offset)) {
@@ -103,12 +112,10 @@ void rlog_add_page(struct record_log *log, Cflue__V1__ReadResponse *page)
     }
 }
 
-void rlog_add_appended(struct record_log *log, const Cflue__V1__Record *rec, int64_t offset)
+/* copy_of returns a deep copy of rec that the log will own. */
+static Cflue__V1__Record *copy_of(const Cflue__V1__Record *rec)
 {
-    if (rlog_find(log, rec->id)) {
-        return;
-    }
-    /* a deep copy the log owns: rec points into the caller's stack and buffers */
+    /* rec points into the caller's stack and buffers */
     size_t len = protobuf_c_message_get_packed_size(&rec->base);
     uint8_t *bytes = mem_alloc(len + 1);
     protobuf_c_message_pack(&rec->base, bytes);
@@ -119,8 +126,69 @@ void rlog_add_appended(struct record_log *log, const Cflue__V1__Record *rec, int
         fputs("agentd: out of memory copying a record\n", stderr);
         abort();
     }
+    return copy;
+}
+
+void rlog_add_appended(struct record_log *log, const Cflue__V1__Record *rec, int64_t offset)
+{
+    assert(!log->n_pending);
+    if (rlog_find(log, rec->id)) {
+        return;
+    }
+    Cflue__V1__Record *copy = copy_of(rec);
     copy->offset = offset;
     insert(log, copy, add_owner(log, &copy->base));
+}
+
+void rlog_add_pending(struct record_log *log, const Cflue__V1__Record *rec)
+{
+    if (rlog_find(log, rec->id)) {
+        return;
+    }
+    Cflue__V1__Record *copy = copy_of(rec);
+    copy->offset = -1;
+    int owner = add_owner(log, &copy->base);
+    if (log->n == log->cap) {
+        log->cap = log->cap ? log->cap * 2 : 64;
+        log->recs = mem_realloc(log->recs, sizeof(*log->recs) * log->cap);
+        log->owner_of = mem_realloc(log->owner_of, sizeof(*log->owner_of) * log->cap);
+    }
+    log->recs[log->n] = copy; /* at the end, whatever its offset: it has none yet */
+    log->owner_of[log->n++] = owner;
+    log->owners[owner].live++;
+    log->n_pending++;
+}
+
+Cflue__V1__Record **rlog_pending(const struct record_log *log, size_t *n)
+{
+    *n = log->n_pending;
+    /* the records are the log's own copies (never const in fact): a request may carry them */
+    return log->n_pending ? (Cflue__V1__Record **)&log->recs[log->n - log->n_pending] : NULL;
+}
+
+void rlog_ack_pending(struct record_log *log, int64_t first_offset)
+{
+    for (size_t i = log->n - log->n_pending; i < log->n; i++) {
+        Cflue__V1__Record *r = (Cflue__V1__Record *)log->recs[i];
+        r->offset = first_offset++;
+        if (r->offset > log->last_offset) {
+            log->last_offset = r->offset;
+        }
+        log->compactions += r->body_case == CFLUE__V1__RECORD__BODY_COMPACTION;
+    }
+    log->n_pending = 0;
+}
+
+void rlog_drop_pending(struct record_log *log)
+{
+    while (log->n_pending) {
+        struct rlog_owner *o = &log->owners[log->owner_of[--log->n]];
+        if (--o->live == 0) {
+            protobuf_c_message_free_unpacked(o->msg, NULL);
+            o->msg = NULL;
+        }
+        log->n_pending--;
+    }
 }
 
 const Cflue__V1__Record *rlog_find(const struct record_log *log, const char *id)
@@ -145,6 +213,7 @@ const Cflue__V1__Record *rlog_latest(const struct record_log *log, Cflue__V1__Re
 
 void rlog_trim(struct record_log *log, const char *own)
 {
+    assert(!log->n_pending);
     const Cflue__V1__Record *comp = rlog_latest(log, CFLUE__V1__RECORD__BODY_COMPACTION);
     const Cflue__V1__Record *sys = rlog_latest(log, CFLUE__V1__RECORD__BODY_SYSTEM_PROMPT);
     int64_t keep_from = comp ? comp->compaction->first_kept_offset : -1;

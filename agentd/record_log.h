@@ -21,6 +21,7 @@ struct record_log {
     size_t n_owners, cap_owners;
     int64_t last_offset; /* the newest offset read or appended (-1: none) */
     int compactions;     /* compaction records seen, dropped ones included */
+    size_t n_pending;    /* the last n_pending of recs are pending: not yet stored */
 };
 
 /* rlog_init makes an empty log. rlog_cleanup frees it and every record it holds; both are
@@ -37,6 +38,23 @@ void rlog_add_page(struct record_log *log, Cflue__V1__ReadResponse *page);
  * `offset`: what a drive appended and storaged acknowledged. A record whose id the log holds
  * already is not added twice (a deduplicated append). */
 void rlog_add_appended(struct record_log *log, const Cflue__V1__Record *rec, int64_t offset);
+
+/* rlog_add_pending adds a copy of `rec` (the caller keeps rec) at the end of the log as
+ * PENDING: written by the drive but not yet stored (offset -1). Every lookup sees it; the
+ * drive's next store write carries it (rlog_pending), then rlog_ack_pending or
+ * rlog_drop_pending settles it. A record whose id the log holds already is not added. */
+void rlog_add_pending(struct record_log *log, const Cflue__V1__Record *rec);
+
+/* rlog_pending returns the pending records in order (*n of them; NULL when none). */
+Cflue__V1__Record **rlog_pending(const struct record_log *log, size_t *n);
+
+/* rlog_ack_pending: storaged stored the pending records at first_offset, first_offset + 1,
+ * ...; they are ordinary records from now on. */
+void rlog_ack_pending(struct record_log *log, int64_t first_offset);
+
+/* rlog_drop_pending removes the pending records (their write failed: they are not in the
+ * stream). */
+void rlog_drop_pending(struct record_log *log);
 
 /* rlog_find returns the record with id `id`, or NULL. The record stays the log's. */
 const Cflue__V1__Record *rlog_find(const struct record_log *log, const char *id);

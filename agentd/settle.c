@@ -1,7 +1,9 @@
 /* settle.c - how a drive ends: the outcome recorded, or stopped, or interrupted.
  *
- * Settlement is one Store.Settle: storaged writes the submission_settled record and settles
- * joined submissions with their host in the same transaction. What the stream holds is known
+ * Settlement is one Store.Settle: it carries the records still pending (the final answer,
+ * usually), and storaged writes them, the submission_settled record and settles joined
+ * submissions with their host in the same transaction; the claimer is woken only when the
+ * conversation has a next message to run. What the stream holds is known
  * from the record log (read when the drive started, appended through since), so settling
  * reads nothing again:
  *  - `completed` only when the log ends with this submission's assistant message asking for
@@ -159,10 +161,11 @@ enum drive_end settle_outcome(struct drive *d, Cflue__V1__Outcome outcome, const
         }
     }
     failpoint_hit("agentd.settle.before");
+    req.records = rlog_pending(&d->log, &req.n_records); /* the final answer, usually */
     enum cf_status rc =
         dstore_call(d, "Settle", &req.base, &cflue__v1__settle_response__descriptor, &resp);
-    agentd_wake();
     if (rc != CF_OK) {
+        rlog_drop_pending(&d->log);
         log_warn("settle_failed", "submission=%s err=%s reason=%s", d->sub->submission_id,
                  log_quote(q, sizeof(q), d->err.msg), cf_error_reason(&d->err));
         if (rc == CF_PRECONDITION) {
@@ -176,6 +179,7 @@ enum drive_end settle_outcome(struct drive *d, Cflue__V1__Outcome outcome, const
     }
     failpoint_hit("agentd.settle.after");
     Cflue__V1__SettleResponse *sr = (Cflue__V1__SettleResponse *)resp;
+    dstore_settled_hints(d, sr);
     log_info("settled", "submission=%s outcome=%s joined=%zu err=%s", d->sub->submission_id,
              outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED ? "completed"
              : outcome == CFLUE__V1__OUTCOME__OUTCOME_FAILED  ? "failed"

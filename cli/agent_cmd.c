@@ -36,7 +36,7 @@ static const char *reset(void)
 
 struct view {
     const char *submission_id; /* the submission whose settlement ends the watch, or NULL */
-    bool streamed_turn;        /* deltas of the current turn were printed */
+    size_t streamed;           /* bytes of the current turn's text printed from deltas */
     bool mid_line;
     Cflue__V1__Outcome outcome; /* UNSPECIFIED until settled */
 };
@@ -66,18 +66,22 @@ static bool show(struct view *v, const Cflue__V1__Record *r)
     case CFLUE__V1__RECORD__BODY_ASSISTANT_DELTA: {
         const char *text = r->assistant_delta->text;
         fputs(text, stdout);
-        v->streamed_turn = true;
-        v->mid_line = *text && text[strlen(text) - 1] != '\n';
+        v->streamed += strlen(text);
+        v->mid_line = *text ? text[strlen(text) - 1] != '\n' : v->mid_line;
         break;
     }
     case CFLUE__V1__RECORD__BODY_ASSISTANT_MESSAGE: {
         const Cflue__V1__AssistantMessage *m = r->assistant_message;
-        if (!v->streamed_turn && *m->text) {
-            fputs(m->text, stdout);
-            v->mid_line = m->text[strlen(m->text) - 1] != '\n';
+        /* deltas stream a prefix of the text (none at all for a quick answer); the message
+         * holds the whole of it: print what the deltas did not */
+        size_t len = strlen(m->text);
+        const char *rest = v->streamed <= len ? m->text + v->streamed : "";
+        if (*rest) {
+            fputs(rest, stdout);
+            v->mid_line = rest[strlen(rest) - 1] != '\n';
         }
         newline(v);
-        v->streamed_turn = false;
+        v->streamed = 0;
         for (size_t i = 0; i < m->n_tool_calls; i++) {
             printf("%s  -> %s %s%s\n", dim(), m->tool_calls[i]->name,
                    m->tool_calls[i]->arguments_json, reset());

@@ -50,7 +50,7 @@ typedef void (*rpc_handler_fn)(struct rpc_call *call, const ProtobufCMessage *re
  * served in order), and are refused with RESOURCE_EXHAUSTED while the open RPC_ASYNC calls,
  * each charged RPC_ASYNC_CALL_BYTES, would exceed max_stream_memory. */
 struct rpc_server_opts {
-    int pollers;               /* completion-queue threads; 0: 2 */
+    int pollers;               /* completion-queue threads; 0: 1 (see rpc_server.c) */
     int workers;               /* RPC_POOL threads; 0: 8 */
     int max_threads;           /* concurrent RPC_THREAD handlers; 0: 256 */
     int max_message_bytes;     /* receive and send limit; 0: 16 MiB */

@@ -1,6 +1,7 @@
 /* rpc_server.c - the server side of the gRPC layer.
  *
- * Method: one completion queue served by a few poller threads. Each registered method keeps
+ * Method: one completion queue served by a poller thread (more are possible, but they wake
+ * each other on every event). Each registered method keeps
  * SLOTS_PER_METHOD request slots posted; a few generic slots catch unknown methods and answer
  * UNIMPLEMENTED. A call's state (struct rpc_call) holds three tags: new-call, close and
  * send. It is reference counted: one reference for the RECV_CLOSE_ON_SERVER op, one for the
@@ -1086,7 +1087,9 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
         s->opts = *opts;
     }
     if (s->opts.pollers <= 0) {
-        s->opts.pollers = 2;
+        /* one: pollers sharing a completion queue kick each other awake on every event
+         * (measured on a unary Get: 11.5 context switches per call with two, 4.9 with one) */
+        s->opts.pollers = 1;
     }
     if (s->opts.workers <= 0) {
         s->opts.workers = 8;

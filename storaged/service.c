@@ -723,9 +723,13 @@ void service_register(struct service *svc, struct rpc_server *srv)
         bindings[i].m = &methods[i];
         bindings[i].svc = svc;
         snprintf(path, sizeof(path), "/cflue.v1.Store/%s", methods[i].name);
-        /* Append checks and packs record bodies that may be megabytes: keep it off the pollers. */
-        enum rpc_mode mode =
-            methods[i].write && strcmp(methods[i].name, "Append") != 0 ? RPC_INLINE : RPC_POOL;
+        /* On the poller: writes (decoded and queued for the writer thread) and one-row reads
+         * (an indexed lookup costs less than waking a worker). On the pool: Append (it checks
+         * and packs record bodies that may be megabytes) and the reads that return pages. */
+        bool point_read =
+            !strcmp(methods[i].name, "Get") || !strcmp(methods[i].name, "GetConversation");
+        bool inline_write = methods[i].write && strcmp(methods[i].name, "Append") != 0;
+        enum rpc_mode mode = point_read || inline_write ? RPC_INLINE : RPC_POOL;
         rpc_server_add_method(srv, path, methods[i].req_desc, dispatch, &bindings[i], mode);
     }
     svc->srv = srv;

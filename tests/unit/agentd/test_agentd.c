@@ -360,6 +360,60 @@ static void test_record_log(void)
     CHECK(log.n == 0);
 }
 
+/* Pending records: seen by lookups at the end of the log before they are stored, carried in
+ * order, then given storaged's offsets (ack) or removed (drop) without touching the rest. */
+static void test_record_log_pending(void)
+{
+    Cflue__V1__UserMessage um = CFLUE__V1__USER_MESSAGE__INIT;
+    Cflue__V1__SystemPrompt sp = CFLUE__V1__SYSTEM_PROMPT__INIT;
+    Cflue__V1__Compaction cp = CFLUE__V1__COMPACTION__INIT;
+    Cflue__V1__Record r[4], *ptrs[1];
+    static const char *const ids[] = {"input:old", "input:me", "system:1", "compaction:me:1"};
+    for (int i = 0; i < 4; i++) {
+        cflue__v1__record__init(&r[i]);
+        r[i].id = (char *)ids[i];
+        r[i].submission_id = "me";
+    }
+    um.text = "hi";
+    r[0].body_case = r[1].body_case = CFLUE__V1__RECORD__BODY_USER_MESSAGE;
+    r[0].user_message = r[1].user_message = &um;
+    r[2].body_case = CFLUE__V1__RECORD__BODY_SYSTEM_PROMPT;
+    r[2].system_prompt = &sp;
+    r[3].body_case = CFLUE__V1__RECORD__BODY_COMPACTION;
+    r[3].compaction = &cp;
+    r[0].offset = 0;
+    ptrs[0] = &r[0];
+
+    struct record_log log;
+    size_t n = 7;
+    rlog_init(&log);
+    rlog_add_page(&log, page(ptrs, 1));
+    CHECK(rlog_pending(&log, &n) == NULL && n == 0);
+    rlog_add_pending(&log, &r[1]);
+    rlog_add_pending(&log, &r[2]);
+    rlog_add_pending(&log, &r[2]); /* the same id twice: once */
+    Cflue__V1__Record **p = rlog_pending(&log, &n);
+    CHECK(n == 2 && log.n == 3 && p && !strcmp(p[0]->id, "input:me") && p[0] != &r[1]);
+    CHECK(!strcmp(p[1]->id, "system:1") && p[1]->offset == -1);
+    CHECK(rlog_find(&log, "system:1") == p[1] && log.last_offset == 0);
+    CHECK(rlog_latest(&log, CFLUE__V1__RECORD__BODY_SYSTEM_PROMPT) == p[1]);
+    rlog_ack_pending(&log, 7);
+    CHECK(rlog_pending(&log, &n) == NULL && n == 0 && log.n == 3 && log.last_offset == 8);
+    CHECK(rlog_find(&log, "input:me")->offset == 7 && rlog_find(&log, "system:1")->offset == 8);
+    /* a write that failed: its records leave; what was stored stays */
+    rlog_add_pending(&log, &r[3]);
+    CHECK(log.n == 4 && log.compactions == 0); /* counted once stored */
+    rlog_drop_pending(&log);
+    CHECK(log.n == 3 && rlog_find(&log, "compaction:me:1") == NULL && log.compactions == 0);
+    rlog_add_pending(&log, &r[3]);
+    rlog_ack_pending(&log, 9);
+    CHECK(log.compactions == 1 &&
+          rlog_latest(&log, CFLUE__V1__RECORD__BODY_COMPACTION)->offset == 9);
+    rlog_drop_pending(&log); /* nothing pending: nothing happens */
+    CHECK(log.n == 4);
+    rlog_cleanup(&log);
+}
+
 int main(void)
 {
     test_agents();
@@ -370,5 +424,6 @@ int main(void)
     test_openai_stream();
     test_build();
     test_record_log();
+    test_record_log_pending();
     return check_done("test_agentd");
 }
