@@ -46,6 +46,7 @@
 #include "log.h"
 #include "mem.h"
 #include "pbtime.h"
+#include "settled_here.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -446,6 +447,9 @@ static bool begin_drive(struct drive *d)
         }
     }
     pthread_mutex_unlock(&g_agentd.mu);
+    if (d->act) {
+        here_begin(d->sub->submission_id); /* GetSubmission(wait) parks here (settled_here.c) */
+    }
     return d->act != NULL;
 }
 
@@ -458,6 +462,7 @@ static void end_drive(struct drive *d)
         d->act->model_call = 0;
         pthread_mutex_unlock(&g_agentd.mu);
         d->act = NULL;
+        here_end(d->sub->submission_id); /* waits it did not settle go to storaged */
     }
 }
 

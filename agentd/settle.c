@@ -20,6 +20,7 @@
 #include "drive.h"
 #include "failpoint.h"
 #include "log.h"
+#include "settled_here.h"
 #include "utf8.h"
 
 #include <stdio.h>
@@ -185,6 +186,9 @@ enum drive_end settle_outcome(struct drive *d, Cflue__V1__Outcome outcome, const
              : outcome == CFLUE__V1__OUTCOME__OUTCOME_FAILED  ? "failed"
                                                               : "aborted",
              sr->n_settled_with, log_quote(q, sizeof(q), req.error));
+    if (sr->submission) {
+        here_settled(sr->submission, sr->settled_with, sr->n_settled_with); /* local waits */
+    }
     protobuf_c_message_free_unpacked(resp, NULL);
     return DRIVE_SETTLED;
 }

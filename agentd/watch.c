@@ -16,6 +16,9 @@
  * restarts, or fails), every watcher ends with storaged's status, as a direct Follow would,
  * and callers resume from the last offset they received.
  *
+ * GetSubmission(wait) first asks settled_here.c: a submission this process settled a moment
+ * ago is answered at once, and a wait on one it drives now is parked there (no storaged call)
+ * until the drive settles it, or ends without settling it and hands the wait back here. Else,
  * GetSubmission(wait) is a watcher that is given no records: it scans them for the
  * submission's "settled:<id>" record, then reads the submission and replies. It attaches at
  * the conversation's head read before its last check that the submission was not settled, so
@@ -35,6 +38,7 @@
 #include "errinfo.h"
 #include "log.h"
 #include "mem.h"
+#include "settled_here.h"
 
 #include <pthread.h>
 #include <stddef.h>
@@ -59,7 +63,8 @@ struct watcher {
     struct rpc_call *call;
     struct feed *feed; /* attached (holding a reference), or NULL */
     struct watcher *prev, *next;
-    struct rpc_work work; /* catch-up read (W_WATCH) or the next wait step (W_WAIT) */
+    struct rpc_work work;    /* catch-up read (W_WATCH) or the next wait step (W_WAIT) */
+    struct here_waiter here; /* W_WAIT: parked on a drive of this process (settled_here.c) */
     char *conversation_id;
     char *submission_id;  /* W_WAIT */
     char settled_id[256]; /* W_WAIT: "settled:<submission_id>" */
@@ -594,6 +599,9 @@ static void w_ended(void *arg, enum rpc_end why)
     pthread_mutex_unlock(&g.mu);
     release_stream(close);
     fin_run(fl);
+    if (w->kind == W_WAIT && here_cancel(&w->here)) {
+        watcher_unref(w); /* the local registration's reference: done will not come */
+    }
 }
 
 static void w_drained(void *arg)
@@ -680,12 +688,85 @@ void watch_start(struct rpc_call *c, const Cflue__V1__WatchRequest *req)
     fin_run(fl);
 }
 
+/* local_done answers a wait parked on a drive of this process (settled_here.c): with the
+ * settled submission, or (sub NULL) by taking the storaged path. Drops the registration's
+ * reference. */
+static void local_done(struct here_waiter *hw, Cflue__V1__Submission *sub)
+{
+    struct watcher *w = (struct watcher *)((char *)hw - offsetof(struct watcher, here));
+    struct fin *fl = NULL;
+    pthread_mutex_lock(&g.mu);
+    if (w->finished) {
+        /* the caller went away meanwhile */
+    } else if (sub) {
+        w->finished = true;
+        struct fin *f = mem_alloc(sizeof(*f));
+        f->call = w->call;
+        f->reply = true;
+        f->msg = &sub->base;
+        sub = NULL;
+        fl = f;
+    } else {
+        schedule_locked(w); /* Get, GetConversation, Follow: as if it had not been here */
+    }
+    pthread_mutex_unlock(&g.mu);
+    if (sub) {
+        protobuf_c_message_free_unpacked(&sub->base, NULL);
+    }
+    fin_run(fl);
+    watcher_unref(w);
+}
+
+/* wait_here answers w from this process when it can: true when w is answered or parked on a
+ * local drive, false when it must take the storaged path. */
+static bool wait_here(struct watcher *w)
+{
+    Cflue__V1__Submission *sub = NULL;
+    pthread_mutex_lock(&g.mu);
+    w->refs++; /* the local registration, if parked */
+    pthread_mutex_unlock(&g.mu);
+    enum here_answer a = here_wait(&w->here, local_done, w->submission_id, &sub);
+    if (a == HERE_PARKED) {
+        pthread_mutex_lock(&g.mu);
+        bool gone = w->finished; /* w_ended ran before the registration: undo it */
+        pthread_mutex_unlock(&g.mu);
+        if (gone && here_cancel(&w->here)) {
+            watcher_unref(w);
+        }
+        return true;
+    }
+    watcher_unref(w); /* not registered */
+    if (a == HERE_ELSEWHERE) {
+        return false;
+    }
+    struct fin *fl = NULL;
+    pthread_mutex_lock(&g.mu);
+    if (!w->finished) {
+        w->finished = true;
+        struct fin *f = mem_alloc(sizeof(*f));
+        f->call = w->call;
+        f->reply = true;
+        f->msg = &sub->base;
+        sub = NULL;
+        fl = f;
+    }
+    pthread_mutex_unlock(&g.mu);
+    if (sub) {
+        protobuf_c_message_free_unpacked(&sub->base, NULL);
+    }
+    fin_run(fl);
+    return true;
+}
+
 void watch_wait_settled(struct rpc_call *c, const char *submission_id)
 {
     struct watcher *w = watcher_new(c, W_WAIT);
     w->submission_id = mem_strdup(submission_id);
     snprintf(w->settled_id, sizeof(w->settled_id), "settled:%s", submission_id);
     if (!attach_call(w)) {
+        return;
+    }
+    if (wait_here(w)) {
         return;
     }
     pthread_mutex_lock(&g.mu);

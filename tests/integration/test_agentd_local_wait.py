@@ -1,0 +1,241 @@
+"""GetSubmission(wait) answered by agentd without storaged (agentd/settled_here.c).
+
+A wait on a submission this agentd drives parks on the drive and is answered by its Settle; a
+wait on one it settled a moment ago is answered from memory. storaged runs with
+CFLUE_RPC_STATS=1 and logs its per-method call counts when it stops: the local waits cost it no
+GetConversation and no Follow, and Gets only from agentd's abort polling (one per live drive
+every 500 ms) and this test's own comparisons. A wait on a submission another agentd drives
+takes the storaged path (which the counts show: the control that they count what we think).
+A wait whose drive stops without settling (agentd SIGTERM) ends with an error at once, a wait
+whose drive is interrupted (toold down) is answered once another drive settles it, and a
+cancelled wait leaves nothing behind (a later wait is answered; agentd exits cleanly).
+"""
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+import unittest
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cflue_harness import Agentd, FakeModel, Storaged, Toold  # noqa: E402
+from cflue_harness import agent_pb2, common_pb2, store_pb2  # noqa: E402
+
+AGENT = 'bench'
+BIG_FILE = 'big.txt'
+COMPLETED = common_pb2.OUTCOME_COMPLETED
+POLL_S = 0.5  # agentd's abort polling: one Get per live drive per tick (engine.c)
+
+
+class Stack(object):
+    """storaged (CFLUE_RPC_STATS=1) + toold + the fake model's bench brain (--delay-ms) +
+    n_agentd agentds on that storaged, in one temporary directory."""
+
+    def __init__(self, delay_ms, n_agentd=1):
+        self.dir = tempfile.mkdtemp(prefix='cflue-local-wait-it-')
+        self.daemons = []
+        try:
+            self.sd = self._add(Storaged(workdir=self._sub('storaged'),
+                                         env={'CFLUE_RPC_STATS': '1'}))
+            self.td = Toold(workdir=self._sub('toold'), start=False)
+            with open(os.path.join(self.td.workspace('bench', create=True), BIG_FILE), 'w') as f:
+                f.write('a line of the file the bench brain reads\n' * 100)
+            self._add(self.td.start())
+            self.fm = self._add(FakeModel(workdir=self._sub('fake_model'),
+                                          extra_args=['--brain', 'bench', '--delay-ms',
+                                                      str(delay_ms), '--quiet']))
+            agents = self._sub('agents')
+            with open(os.path.join(agents, AGENT + '.md'), 'w') as f:
+                f.write('---\nname: %s\ndescription: the local wait test\n'
+                        'model: anthropic/bench-1\nsandbox:\n  tools: "%s"\n'
+                        '  workspace: bench\n---\n\nAnswer briefly.\n' % (AGENT, self.td.target))
+            env = {'ANTHROPIC_BASE_URL': self.fm.anthropic_base_url, 'ANTHROPIC_API_KEY': 'k'}
+            self.ads = [self._add(Agentd(self.sd.target, agents, env=env, owner_id='a%d' % i,
+                                         workdir=self._sub('agentd%d' % i)))
+                        for i in range(n_agentd)]
+            self.ad = self.ads[0]
+        except BaseException:
+            self.remove()
+            raise
+
+    def _sub(self, name):
+        p = os.path.join(self.dir, name)
+        os.makedirs(p, exist_ok=True)
+        return p
+
+    def _add(self, d):
+        self.daemons.append(d)
+        return d
+
+    def remove(self):
+        for d in reversed(self.daemons):
+            try:
+                d.close()
+            except Exception:
+                pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def store_counts(self):
+        """Stops the agentds, then storaged; returns storaged's {method: calls}."""
+        for ad in self.ads:
+            if ad.alive():
+                ad.stop()
+        self.sd.stop()
+        counts = {}
+        for m in re.finditer(r'event=rpc_stats method=/cflue\.v1\.Store/(\w+) calls=(\d+)',
+                             self.sd.stderr_text()):
+            counts[m.group(1)] = int(m.group(2))
+        if not counts:
+            raise AssertionError('storaged logged no rpc_stats\n' + self.sd.stderr_text())
+        return counts
+
+
+def wait_for_drive(ads, submission_id, timeout=30):
+    """Returns the agentd of ads whose drive of submission_id started (its 'drive' log line)."""
+    pat = re.compile(r'event=drive submission=%s ' % re.escape(submission_id))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for ad in ads:
+            if pat.search(ad.stderr_text()):
+                return ad
+        time.sleep(0.02)
+    raise AssertionError('no drive of %s started\n%s' % (
+        submission_id, '\n'.join(ad.stderr_text() for ad in ads)))
+
+
+def get_wait(ad, submission_id, timeout=60):
+    return ad.call('GetSubmission', agent_pb2.GetSubmissionRequest(
+        submission_id=submission_id, wait=True), timeout=timeout)
+
+
+class LocalWaitTest(unittest.TestCase):
+    def tearDown(self):
+        self.stack.remove()
+
+    def test_waits_on_own_drives_and_settlements_cost_storaged_nothing(self):
+        self.stack = Stack(delay_ms=300)
+        ad = self.stack.ad
+        subs, bound, test_gets = {}, 0, 0
+        for i in range(3):
+            t0 = time.monotonic()
+            adm = ad.submit(AGENT, 'local wait %d' % i)
+            wait_for_drive([ad], adm.submission_id)
+            sub = get_wait(ad, adm.submission_id)
+            # one abort poll per tick while the drive was live, and one from a snapshot
+            # taken just before it ended
+            bound += math.ceil((time.monotonic() - t0) / POLL_S) + 2
+            self.assertEqual(sub.submission_id, adm.submission_id)
+            self.assertEqual(sub.status, common_pb2.SUBMISSION_STATUS_SETTLED)
+            self.assertEqual(sub.outcome, COMPLETED, sub.error)
+            self.assertGreater(sub.usage.input_tokens, 0)
+            self.assertGreater(sub.usage.output_tokens, 0)
+            # exactly what storaged answers
+            self.assertEqual(sub, self.stack.sd.stub.get(
+                store_pb2.GetRequest(submission_id=adm.submission_id), timeout=10))
+            test_gets += 1
+            subs[adm.submission_id] = sub
+        # no drive is live any more: abort polling stops; waits now come from the ring
+        time.sleep(2 * POLL_S + 0.2)
+        ring_waits = 0
+        for _ in range(10):
+            for sid, sub in subs.items():
+                self.assertEqual(get_wait(ad, sid, timeout=10), sub)
+                ring_waits += 1
+        counts = self.stack.store_counts()
+        self.assertEqual(counts.get('GetConversation', 0), 0, counts)
+        self.assertEqual(counts.get('Follow', 0), 0, counts)
+        # the storaged path would cost 2 Gets per wait on a live drive and 1 per ring wait
+        self.assertLessEqual(counts.get('Get', 0) - test_gets, bound, counts)
+        self.assertLess(bound, ring_waits + 2 * len(subs))
+
+    def test_wait_on_another_agentds_drive_takes_the_storaged_path(self):
+        self.stack = Stack(delay_ms=300, n_agentd=2)
+        a, b = self.stack.ads
+        answers = []
+        for i in range(2):
+            adm = a.submit(AGENT, 'elsewhere %d' % i)
+            driver = wait_for_drive([a, b], adm.submission_id)
+            other = b if driver is a else a
+            sub = get_wait(other, adm.submission_id)
+            self.assertEqual(sub.outcome, COMPLETED, sub.error)
+            self.assertGreater(sub.usage.input_tokens, 0)
+            self.assertEqual(get_wait(driver, adm.submission_id, timeout=10), sub)
+            self.assertEqual(get_wait(other, adm.submission_id, timeout=10), sub)
+            answers.append(sub)
+        self.assertEqual(len({s.submission_id for s in answers}), 2)
+        counts = self.stack.store_counts()
+        # the waits through the agentd that did not drive: Get, GetConversation, Follow
+        self.assertGreaterEqual(counts.get('GetConversation', 0), 2, counts)
+        self.assertGreaterEqual(counts.get('Follow', 0), 2, counts)
+
+    def test_wait_on_a_drive_stopped_by_sigterm_ends_with_an_error(self):
+        self.stack = Stack(delay_ms=30000)
+        ad = self.stack.ad
+        adm = ad.submit(AGENT, 'slow')
+        wait_for_drive([ad], adm.submission_id)
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(get_wait, ad, adm.submission_id, 120)
+            time.sleep(0.5)
+            self.assertFalse(fut.done())
+            t0 = time.monotonic()
+            self.assertEqual(ad.terminate(), 0, ad.stderr_text())
+            with self.assertRaises(grpc.RpcError) as cm:
+                fut.result(timeout=30)
+            self.assertLess(time.monotonic() - t0, 20)
+            self.assertIn(cm.exception.code(),
+                          (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED),
+                          cm.exception.details())
+        self.assertIn('event=drive_stopped submission=%s' % adm.submission_id, ad.stderr_text())
+
+    def test_wait_on_an_interrupted_drive_is_answered_when_it_settles_later(self):
+        self.stack = Stack(delay_ms=1000)
+        ad, td = self.stack.ad, self.stack.td
+        adm = ad.submit(AGENT, 'interrupted')
+        wait_for_drive([ad], adm.submission_id)
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(get_wait, ad, adm.submission_id, 120)
+            td.kill()  # the first turn's tool call fails: the drive ends interrupted
+            deadline = time.monotonic() + 60
+            while 'event=drive_interrupted submission=%s' % adm.submission_id \
+                    not in ad.stderr_text():
+                self.assertLess(time.monotonic(), deadline, ad.stderr_text())
+                time.sleep(0.05)
+            self.assertIn('event=here.unsettled submission=%s waiters=1' % adm.submission_id,
+                          ad.stderr_text())
+            self.assertFalse(fut.done())
+            td.start()  # the resumed drive settles it; the wait hears it through storaged
+            sub = fut.result(timeout=90)
+        self.assertEqual(sub.outcome, COMPLETED, sub.error)
+        self.assertGreater(sub.usage.input_tokens, 0)
+
+    def test_a_cancelled_wait_leaves_nothing_behind(self):
+        self.stack = Stack(delay_ms=1000)
+        ad = self.stack.ad
+        adm = ad.submit(AGENT, 'cancelled')
+        wait_for_drive([ad], adm.submission_id)
+        with self.assertRaises(grpc.RpcError) as cm:
+            get_wait(ad, adm.submission_id, timeout=0.3)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        # and a caller that cancels its call
+        fut = ad._current_channel().unary_unary(
+            '/cflue.v1.Agent/GetSubmission',
+            request_serializer=agent_pb2.GetSubmissionRequest.SerializeToString,
+            response_deserializer=common_pb2.Submission.FromString).future(
+                agent_pb2.GetSubmissionRequest(submission_id=adm.submission_id, wait=True),
+                timeout=60)
+        time.sleep(0.2)
+        self.assertTrue(fut.cancel())
+        sub = get_wait(ad, adm.submission_id)
+        self.assertEqual(sub.outcome, COMPLETED, sub.error)
+        self.assertEqual(get_wait(ad, adm.submission_id, timeout=10), sub)
+        counts = self.stack.store_counts()  # agentd exits 0 (under ASan: no leak)
+        self.assertEqual(counts.get('Follow', 0), 0, counts)
+
+
+if __name__ == '__main__':
+    unittest.main()
