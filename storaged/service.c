@@ -60,7 +60,8 @@ struct method {
     /* Commit with synchronous=FULL before answering: Admit, Settle, RequestAbort (the
      * durability statement), MarkInputApplied and FinalizeJoin (once per attempt or join; if
      * lost while the attempt survives a power loss, a delivery already answered in the host's
-     * response would be queued again). The rest commit with NORMAL: see docs/storaged.md. */
+     * response would be queued again), and an Append with mark_input_applied (durable_for).
+     * The rest commit with NORMAL: see docs/storaged.md. */
     bool durable;
 };
 
@@ -233,9 +234,9 @@ static void log_result(const struct pending *p, enum cf_status st, const struct 
     }
     if (!strcmp(p->m->name, "Admit")) {
         const Cflue__V1__AdmitResponse *r = (const void *)p->resp;
-        log_info("store.admit", "submission=%s conversation=%s dedup=%d ms=%lld",
+        log_info("store.admit", "submission=%s conversation=%s dedup=%d claimed=%d ms=%lld",
                  r->submission->submission_id, r->submission->conversation_id, (int)r->deduplicated,
-                 (long long)ms);
+                 r->claim != NULL, (long long)ms);
     } else if (!strcmp(p->m->name, "Claim")) {
         const Cflue__V1__ClaimResponse *r = (const void *)p->resp;
         if (r->submission) {
@@ -385,6 +386,16 @@ struct binding {
     struct service *svc;
 };
 
+/* durable_for tells whether a write commits with synchronous=FULL: its method's choice, and an
+ * Append that also marks its input applied gets MarkInputApplied's durability. */
+static bool durable_for(const struct method *m, const ProtobufCMessage *req)
+{
+    if (req->descriptor == &cflue__v1__append_request__descriptor) {
+        return m->durable || ((const Cflue__V1__AppendRequest *)req)->mark_input_applied != NULL;
+    }
+    return m->durable;
+}
+
 static void dispatch(struct rpc_call *call, const ProtobufCMessage *req, void *user)
 {
     const struct binding *b = user;
@@ -411,7 +422,7 @@ static void dispatch(struct rpc_call *call, const ProtobufCMessage *req, void *u
         p->job.done = complete;
         p->job.arg = p;
         p->job.arena = &p->arena;
-        p->job.durable = m->durable;
+        p->job.durable = durable_for(m, req);
         writer_submit(b->svc->writer, &p->job);
         return;
     }
@@ -723,9 +734,10 @@ void service_register(struct service *svc, struct rpc_server *srv)
         bindings[i].m = &methods[i];
         bindings[i].svc = svc;
         snprintf(path, sizeof(path), "/cflue.v1.Store/%s", methods[i].name);
-        /* Append checks and packs record bodies that may be megabytes: keep it off the pollers. */
-        enum rpc_mode mode =
-            methods[i].write && strcmp(methods[i].name, "Append") != 0 ? RPC_INLINE : RPC_POOL;
+        /* Append and Settle (its records) check and pack record bodies that may be megabytes:
+         * keep them off the pollers. */
+        bool records = !strcmp(methods[i].name, "Append") || !strcmp(methods[i].name, "Settle");
+        enum rpc_mode mode = methods[i].write && !records ? RPC_INLINE : RPC_POOL;
         rpc_server_add_method(srv, path, methods[i].req_desc, dispatch, &bindings[i], mode);
     }
     svc->srv = srv;
