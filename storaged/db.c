@@ -64,7 +64,7 @@ static const char schema_sql[] =
     "CREATE INDEX submissions_by_conversation ON submissions(conversation_id, status, sequence);"
     "CREATE INDEX submissions_by_status ON submissions(status, sequence);"
     "CREATE INDEX submissions_by_host ON submissions(joined_into) WHERE joined_into IS NOT NULL;"
-    "CREATE TABLE records" DB_RECORDS_TABLE ";" DB_RUNNABLE_SCHEMA
+    "CREATE TABLE records" DB_RECORDS_TABLE ";" DB_RUNNABLE_SCHEMA DB_LIST_INDEXES
     "INSERT INTO meta(key, value) VALUES ('schema_version', '" DB_SCHEMA_VERSION "');";
 
 enum cf_status db_code(int sqlite_rc)

@@ -7,7 +7,7 @@
 #include <sqlite3.h>
 #include <stdbool.h>
 
-#define DB_SCHEMA_VERSION "3"
+#define DB_SCHEMA_VERSION "4"
 
 /* The records table's columns (after "CREATE TABLE <name>"): a record's body is stored as its
  * oneof case (`kind`, the Record.body field number) and the body message packed by protobuf-c
@@ -60,9 +60,19 @@
     "  FROM submissions s WHERE s.status = 'queued' AND s.sequence = " DB_HEAD_OF(                 \
         "s.conversation_id") ";"
 
+/* What schema version 4 added to version 3: the indexes of List's owner_id and abort_requested
+ * filters. submissions_by_owner holds the rows an attempt ever held (owner_id is set by a claim)
+ * in sequence order per owner; submissions_abort_requested holds the few rows with an abort
+ * intent. Both are partial, so queued rows without an intent cost them nothing. */
+#define DB_LIST_INDEXES                                                                            \
+    "CREATE INDEX submissions_by_owner ON submissions(owner_id, sequence)"                         \
+    "  WHERE owner_id IS NOT NULL;"                                                                \
+    "CREATE INDEX submissions_abort_requested ON submissions(sequence)"                            \
+    "  WHERE abort_requested_at IS NOT NULL;"
+
 /* db_open opens path. The writer connection creates the schema on first use (WAL mode,
  * synchronous=FULL, foreign keys on), migrates a database of the previous schema version
- * (versions 1 and 2, migrate.h) in one transaction, and refuses one written by another
+ * (versions 1 to 3, migrate.h) in one transaction, and refuses one written by another
  * schema version or by something other than storaged with CF_VERSION and a message saying what
  * was found.
  * Reader connections are read-only and expect the schema to exist. On success *out is an open

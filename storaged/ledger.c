@@ -140,12 +140,14 @@ static int cmp_entry(const void *a, const void *b)
 }
 
 /* canonical_payload packs what identifies an admission: the request with its metadata sorted,
- * so two clients that order a map differently produce the same bytes, and its kind MESSAGE
- * written as UNSPECIFIED (the two mean the same). */
+ * so two clients that order a map differently produce the same bytes, its kind MESSAGE
+ * written as UNSPECIFIED (the two mean the same), and without its claim (a retry that claims
+ * differently, or not at all, is the same admission). */
 static uint8_t *canonical_payload(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
                                   size_t *len_out)
 {
     Cflue__V1__AdmitRequest copy = *req;
+    copy.claim = NULL; /* how the caller wants it claimed is no part of what it admits */
     if (copy.kind == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE) {
         copy.kind = CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_UNSPECIFIED;
     }
@@ -340,6 +342,29 @@ static enum cf_status conversation_head(struct ledger_ctx *c, const char *conv, 
     return rc;
 }
 
+/* count_queued counts the QUEUED submissions of a conversation after sequence `after` (0: all
+ * of them), through the index submissions_by_conversation (conversation, status, sequence). */
+static enum cf_status count_queued(struct ledger_ctx *c, const char *conv, int64_t after,
+                                   int32_t *out, struct cf_error *err)
+{
+    static const char sql[] = "SELECT count(*) FROM submissions WHERE conversation_id = ? "
+                              "AND status = 'queued' AND sequence > ?";
+    struct stmt s;
+    bool row;
+    enum cf_status rc = stmt_open(&s, c->db, sql, "count queued submissions", err);
+    *out = 0;
+    if (rc != CF_OK) {
+        return rc;
+    }
+    stmt_text(&s, 1, conv);
+    stmt_int(&s, 2, after);
+    if ((rc = stmt_step(&s, &row, err)) == CF_OK && row) {
+        *out = sqlite3_column_int(s.st, 0);
+    }
+    stmt_close(&s);
+    return rc;
+}
+
 /* pack_body returns the record's body packed (protobuf-c), in the arena: the `body` column.
  * The body must be set (validate_append and the settlement path make sure). */
 static uint8_t *pack_body(struct ledger_ctx *c, const Cflue__V1__Record *r, size_t *len_out)
@@ -491,6 +516,27 @@ static enum cf_status admit_conversation(struct ledger_ctx *c, const Cflue__V1__
     return stmt_done(&s, err);
 }
 
+/* admit_claim claims the submission just admitted (out->submission), as a Claim naming it
+ * would: out->claim is set when it was its conversation's runnable head, else left absent (it
+ * waits behind unsettled work). The Claim of the admitted row is defined below. */
+static enum cf_status admit_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRequest *claim,
+                                  Cflue__V1__AdmitResponse *out, struct cf_error *err)
+{
+    Cflue__V1__ClaimRequest req = *claim;
+    Cflue__V1__ClaimResponse *got = arena_alloc(c->arena, sizeof(*got));
+    enum cf_status rc;
+    cflue__v1__claim_response__init(got);
+    req.submission_id = out->submission->submission_id;
+    if ((rc = ledger_claim(c, &req, got, err)) != CF_OK || !got->submission) {
+        return rc;
+    }
+    /* a new row cannot hold an attempt: the claim started its first one */
+    assert(!got->takeover && got->submission->attempt_count == 1);
+    out->claim = got;
+    out->submission = got->submission;
+    return CF_OK;
+}
+
 enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
                             Cflue__V1__AdmitResponse *out, struct cf_error *err)
 {
@@ -539,7 +585,7 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
         return rc;
     }
     assert(out->submission->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_QUEUED);
-    return CF_OK;
+    return req->claim ? admit_claim(c, req->claim, out, err) : CF_OK;
 }
 
 /* ---------- claims and leases ---------- */
@@ -763,7 +809,13 @@ enum cf_status ledger_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRequest 
     out->fence->submission_id = row->submission_id;
     out->fence->attempt_id = row->attempt_id;
     out->fence->epoch = row->epoch;
-    return CF_OK;
+    /* the claimer's hints: is there anything to read, is ClaimJoinable worth a call */
+    int64_t next_pos;
+    if ((rc = conversation_head(c, row->conversation_id, &next_pos, err)) != CF_OK) {
+        return rc;
+    }
+    out->head_offset = next_pos - 1;
+    return count_queued(c, row->conversation_id, row->sequence, &out->queued_behind, err);
 }
 
 enum cf_status ledger_heartbeat(struct ledger_ctx *c, const Cflue__V1__HeartbeatRequest *req,
@@ -800,9 +852,12 @@ enum cf_status ledger_heartbeat(struct ledger_ctx *c, const Cflue__V1__Heartbeat
     return rc;
 }
 
-enum cf_status ledger_mark_input_applied(struct ledger_ctx *c,
-                                         const Cflue__V1__MarkInputAppliedRequest *req,
-                                         Cflue__V1__Submission *out, struct cf_error *err)
+/* stamp_input does MarkInputApplied's work on row, read through its fence in this transaction:
+ * stamps the input applied and installs req's budgets (first stamp only; req's own fence is
+ * not read). The row must be running; on success it is read again after the stamp. */
+static enum cf_status stamp_input(struct ledger_ctx *c,
+                                  const Cflue__V1__MarkInputAppliedRequest *req,
+                                  Cflue__V1__Submission *row, struct cf_error *err)
 {
     static const char sql[] =
         "UPDATE submissions SET input_applied_at = COALESCE(input_applied_at, ?1), "
@@ -811,18 +866,37 @@ enum cf_status ledger_mark_input_applied(struct ledger_ctx *c,
         "ELSE timeout_at END WHERE submission_id = ?4";
     struct stmt s;
     enum cf_status rc;
-    if ((rc = fenced(c, req->fence, ST_BIT(RUNNING), "running", out, err)) != CF_OK ||
-        (rc = stmt_open(&s, c->db, sql, "mark input applied", err)) != CF_OK) {
+    if (row->status != CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING) {
+        return cf_error_set(err, CF_PRECONDITION,
+                            "submission %s is %s; marking its input applied needs it running",
+                            row->submission_id, ledger_status_name(row->status));
+    }
+    if ((rc = stmt_open(&s, c->db, sql, "mark input applied", err)) != CF_OK) {
         return rc;
     }
     stmt_int(&s, 1, c->now);
     stmt_int(&s, 2, req->max_attempts);
     stmt_int(&s, 3, pbdur_ms(req->timeout));
-    stmt_text(&s, 4, req->fence->submission_id);
+    stmt_text(&s, 4, row->submission_id);
     if ((rc = stmt_done(&s, err)) != CF_OK) {
         return rc;
     }
-    return load_sub(c, req->fence->submission_id, out, err);
+    if ((rc = load_sub(c, row->submission_id, row, err)) != CF_OK) {
+        return rc;
+    }
+    assert(row->input_apply_time != NULL); /* stamped now or by an earlier call, never moved */
+    return CF_OK;
+}
+
+enum cf_status ledger_mark_input_applied(struct ledger_ctx *c,
+                                         const Cflue__V1__MarkInputAppliedRequest *req,
+                                         Cflue__V1__Submission *out, struct cf_error *err)
+{
+    enum cf_status rc;
+    if ((rc = fenced(c, req->fence, ST_BIT(RUNNING), "running", out, err)) != CF_OK) {
+        return rc;
+    }
+    return stamp_input(c, req, out, err);
 }
 
 /* update_sub runs one of the row updates below, its parameters: now (?1), the submission (?2)
@@ -1134,8 +1208,30 @@ static enum cf_status reserved(struct ledger_ctx *c, const char *sub, int *outco
     return rc;
 }
 
-enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleRequest *req,
-                             Cflue__V1__SettleResponse *out, struct cf_error *err)
+static enum cf_status check_sizes(struct ledger_ctx *c, Cflue__V1__Record *const *recs, size_t n,
+                                  struct cf_error *err);
+static enum cf_status append_batch(struct ledger_ctx *c, const Cflue__V1__Submission *row,
+                                   Cflue__V1__Record *const *in, size_t n, int64_t *first_out,
+                                   int64_t *last_out, bool *dedup_out, struct cf_error *err);
+
+/* settle_records appends a Settle's records on behalf of row (fenced, running or terminalizing)
+ * before its settlement, through Append's own path. */
+static enum cf_status settle_records(struct ledger_ctx *c, const Cflue__V1__SettleRequest *req,
+                                     const Cflue__V1__Submission *row,
+                                     Cflue__V1__SettleResponse *out, struct cf_error *err)
+{
+    int64_t last;
+    bool dedup;
+    if (req->n_records == 0) {
+        return CF_OK;
+    }
+    return append_batch(c, row, req->records, req->n_records, &out->records_first_offset, &last,
+                        &dedup, err);
+}
+
+/* settle_row is Settle's decision on the row it names (see ledger_settle). */
+static enum cf_status settle_row(struct ledger_ctx *c, const Cflue__V1__SettleRequest *req,
+                                 Cflue__V1__SettleResponse *out, struct cf_error *err)
 {
     static const char reserve_sql[] = "UPDATE submissions SET status = 'terminalizing', "
                                       "reserved_outcome = ?, reserved_error = ? "
@@ -1148,7 +1244,6 @@ enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleReques
     int outcome = req->outcome;
 
     out->submission = row;
-    out->record_offset = -1;
     if ((rc = load_sub(c, f->submission_id, row, err)) != CF_OK) {
         return rc;
     }
@@ -1174,6 +1269,7 @@ enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleReques
                                         &out->record_offset, err);
     }
     if (!*f->attempt_id) {
+        assert(req->n_records == 0); /* validate_settle: records need an attempt fence */
         if (row->status != CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_QUEUED) {
             return cf_error_set(err, CF_PRECONDITION,
                                 "submission %s is %s; without an attempt only a queued "
@@ -1186,7 +1282,8 @@ enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleReques
         return finish_with_fanout(c, row, outcome, error, req->usage, out, err);
     }
     if ((rc = fenced(c, f, ST_BIT(RUNNING) | ST_BIT(TERMINALIZING), "running or terminalizing", row,
-                     err)) != CF_OK) {
+                     err)) != CF_OK ||
+        (rc = settle_records(c, req, row, out, err)) != CF_OK) {
         return rc;
     }
     if (row->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_TERMINALIZING) {
@@ -1218,6 +1315,21 @@ enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleReques
         return rc;
     }
     return load_sub(c, row->submission_id, row, err);
+}
+
+enum cf_status ledger_settle(struct ledger_ctx *c, const Cflue__V1__SettleRequest *req,
+                             Cflue__V1__SettleResponse *out, struct cf_error *err)
+{
+    enum cf_status rc;
+    out->record_offset = -1;
+    out->records_first_offset = -1;
+    if ((rc = check_sizes(c, req->records, req->n_records, err)) != CF_OK ||
+        (rc = settle_row(c, req, out, err)) != CF_OK) {
+        return rc;
+    }
+    /* records are appended only before a settlement or reservation made or confirmed now */
+    assert(!out->already_settled || out->records_first_offset == -1);
+    return count_queued(c, out->submission->conversation_id, 0, &out->conversation_queued, err);
 }
 
 /* ---------- append ---------- */
@@ -1261,16 +1373,12 @@ static enum cf_status stored_before(struct ledger_ctx *c, const char *conv,
     return rc;
 }
 
-enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendRequest *req,
-                             Cflue__V1__AppendResponse *out, struct cf_error *err)
+/* check_sizes refuses a record whose encoded size is over ledger_record_bytes_max. */
+static enum cf_status check_sizes(struct ledger_ctx *c, Cflue__V1__Record *const *recs, size_t n,
+                                  struct cf_error *err)
 {
-    Cflue__V1__Submission row, other;
-    enum cf_status rc;
-    size_t n = req->n_records, dups = 0;
-    int64_t first = INT64_MAX, last = -1;
-
     for (size_t i = 0; i < n; i++) {
-        size_t size = protobuf_c_message_get_packed_size(&req->records[i]->base);
+        size_t size = protobuf_c_message_get_packed_size(&recs[i]->base);
         if ((int64_t)size > ledger_record_bytes_max(c->cfg)) {
             return cf_error_set(err, CF_INVALID,
                                 "records[%zu] is %zu bytes encoded; the limit per record is %lld "
@@ -1278,18 +1386,30 @@ enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendReques
                                 i, size, (long long)ledger_record_bytes_max(c->cfg));
         }
     }
-    if ((rc = fenced(c, req->fence, ST_BIT(RUNNING) | ST_BIT(TERMINALIZING),
-                     "running or terminalizing", &row, err)) != CF_OK) {
-        return rc;
-    }
-    Cflue__V1__Record **recs = arena_alloc(c->arena, sizeof(void *) * n);
+    return CF_OK;
+}
+
+/* append_batch appends a validated batch (sizes checked) on behalf of row, the fenced
+ * submission read in this transaction: the records name row or a submission joining or joined
+ * into it; ids default to new ones. A batch stored before (every id, identical content) is
+ * answered with its offsets and *dedup_out; part of it stored is RECORD_CONFLICT. Used by
+ * Append and by Settle's records. */
+static enum cf_status append_batch(struct ledger_ctx *c, const Cflue__V1__Submission *row,
+                                   Cflue__V1__Record *const *in, size_t n, int64_t *first_out,
+                                   int64_t *last_out, bool *dedup_out, struct cf_error *err)
+{
+    Cflue__V1__Submission other;
+    enum cf_status rc;
+    size_t dups = 0;
+    int64_t first = INT64_MAX, last = -1;
+    Cflue__V1__Record **recs = arena_alloc(c->arena, sizeof(void *) * (n + 1));
     for (size_t i = 0; i < n; i++) {
         Cflue__V1__Record *r = arena_alloc(c->arena, sizeof(*r));
-        *r = *req->records[i];
+        *r = *in[i];
         recs[i] = r;
         if (!*r->submission_id) {
-            r->submission_id = row.submission_id;
-        } else if (strcmp(r->submission_id, row.submission_id) != 0) {
+            r->submission_id = row->submission_id;
+        } else if (strcmp(r->submission_id, row->submission_id) != 0) {
             if ((rc = load_sub(c, r->submission_id, &other, err)) != CF_OK) {
                 return rc == CF_NOT_FOUND
                            ? cf_error_set(err, CF_PRECONDITION,
@@ -1297,15 +1417,15 @@ enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendReques
                                           i, r->submission_id)
                            : rc;
             }
-            if (strcmp(other.joined_into, row.submission_id) != 0 ||
+            if (strcmp(other.joined_into, row->submission_id) != 0 ||
                 (other.status != CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_JOINING &&
                  other.status != CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_JOINED)) {
                 return cf_error_set(err, CF_PRECONDITION,
                                     "record %zu names submission %s, which is not joined into %s",
-                                    i, r->submission_id, row.submission_id);
+                                    i, r->submission_id, row->submission_id);
             }
         }
-        assert(record_body(r) != NULL); /* validate_append refused bodiless records */
+        assert(record_body(r) != NULL); /* validation refused bodiless records */
         if (!*r->id) {
             char id[IDS_MAX];
             ids_new(id, "rec");
@@ -1313,7 +1433,7 @@ enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendReques
             continue;
         }
         int64_t pos = -1;
-        if ((rc = stored_before(c, row.conversation_id, r, &pos, err)) != CF_OK) {
+        if ((rc = stored_before(c, row->conversation_id, r, &pos, err)) != CF_OK) {
             return rc;
         }
         if (pos >= 0) {
@@ -1322,10 +1442,10 @@ enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendReques
             last = pos > last ? pos : last;
         }
     }
+    *dedup_out = dups == n;
     if (dups == n) {
-        out->first_offset = first;
-        out->last_offset = last;
-        out->deduplicated = true;
+        *first_out = first;
+        *last_out = last;
         return CF_OK;
     }
     if (dups) {
@@ -1334,12 +1454,38 @@ enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendReques
                              "original batch unchanged or use new record ids",
                              dups, n);
     }
-    if ((rc = insert_records(c, row.conversation_id, recs, n, row.submission_id, row.attempt_id,
-                             &out->first_offset, err)) != CF_OK) {
+    if ((rc = insert_records(c, row->conversation_id, recs, n, row->submission_id, row->attempt_id,
+                             first_out, err)) != CF_OK) {
         return rc;
     }
-    out->last_offset = out->first_offset + (int64_t)n - 1;
+    *last_out = *first_out + (int64_t)n - 1;
     return CF_OK;
+}
+
+enum cf_status ledger_append(struct ledger_ctx *c, const Cflue__V1__AppendRequest *req,
+                             Cflue__V1__AppendResponse *out, struct cf_error *err)
+{
+    Cflue__V1__Submission *row = new_sub(c);
+    enum cf_status rc;
+    bool dedup = false;
+    if ((rc = check_sizes(c, req->records, req->n_records, err)) != CF_OK ||
+        (rc = fenced(c, req->fence, ST_BIT(RUNNING) | ST_BIT(TERMINALIZING),
+                     "running or terminalizing", row, err)) != CF_OK ||
+        (rc = append_batch(c, row, req->records, req->n_records, &out->first_offset,
+                           &out->last_offset, &dedup, err)) != CF_OK) {
+        return rc;
+    }
+    out->deduplicated = dedup;
+    /* after the records, also for a resent batch: MarkInputApplied's stamp is idempotent */
+    if (req->mark_input_applied) {
+        if ((rc = stamp_input(c, req->mark_input_applied, row, err)) != CF_OK) {
+            return rc;
+        }
+        out->submission = row;
+    }
+    /* the fenced row was read in this transaction and appending never changes its intent */
+    out->abort_requested = row->abort_request_time != NULL;
+    return count_queued(c, row->conversation_id, 0, &out->queued, err);
 }
 
 /* ---------- reads ---------- */
@@ -1360,17 +1506,22 @@ static int cmp_status(const void *a, const void *b)
 static const char *list_scope(struct ledger_ctx *c, const Cflue__V1__ListRequest *req)
 {
     int st[8], n = 0;
-    char *out = arena_alloc(c->arena, 2 * VALIDATE_NAME_MAX + 64);
+    char *out = arena_alloc(c->arena, 3 * VALIDATE_NAME_MAX + 64);
     for (size_t i = 0; i < req->n_statuses && n < 8; i++) {
         st[n++] = (int)req->statuses[i];
     }
     qsort(st, (size_t)n, sizeof(int), cmp_status);
-    int len = snprintf(out, 2 * VALIDATE_NAME_MAX + 64, "list\n%s\n%s\n", req->conversation_id,
+    int len = snprintf(out, 3 * VALIDATE_NAME_MAX + 64, "list\n%s\n%s\n", req->conversation_id,
                        req->joined_into);
     for (int i = 0; i < n; i++) {
         if (i == 0 || st[i] != st[i - 1]) {
             len += snprintf(out + len, 8, "%d,", st[i]);
         }
+    }
+    /* the filters added later extend the scope only when set: earlier tokens stay valid */
+    if (*req->owner_id || req->abort_requested) {
+        snprintf(out + len, (size_t)(3 * VALIDATE_NAME_MAX + 64 - len), "\nowner=%s\nabort=%d",
+                 req->owner_id, (int)req->abort_requested);
     }
     return out;
 }
@@ -1411,11 +1562,15 @@ enum cf_status ledger_list(struct ledger_ctx *c, const Cflue__V1__ListRequest *r
         snprintf(part, sizeof(part), "%s'%s'", i ? "," : "", ledger_status_name(req->statuses[i]));
         strncat(in, part, sizeof(in) - strlen(in) - 1);
     }
+    /* owner and abort filters are written only when set, so that their partial indexes
+     * (submissions_by_owner, submissions_abort_requested) can serve them */
     snprintf(sql, sizeof(sql),
              "SELECT " SUB_COLS " FROM submissions WHERE sequence > ?1 "
-             "AND (?2 = '' OR conversation_id = ?2) AND (?3 = '' OR joined_into = ?3) %s%s%s "
+             "AND (?2 = '' OR conversation_id = ?2) AND (?3 = '' OR joined_into = ?3) %s%s%s%s%s"
              "ORDER BY sequence LIMIT ?4",
-             *in ? "AND status IN (" : "", in, *in ? ")" : "");
+             *in ? "AND status IN (" : "", in, *in ? ") " : "",
+             *req->owner_id ? "AND owner_id = ?5 " : "",
+             req->abort_requested ? "AND abort_requested_at IS NOT NULL " : "");
     /* built per status filter: compiled for this call only */
     if ((rc = stmt_open_once(&s, c->db, sql, "list submissions", err)) != CF_OK) {
         return rc;
@@ -1424,6 +1579,9 @@ enum cf_status ledger_list(struct ledger_ctx *c, const Cflue__V1__ListRequest *r
     stmt_text(&s, 2, req->conversation_id);
     stmt_text(&s, 3, req->joined_into);
     stmt_int(&s, 4, limit + 1);
+    if (*req->owner_id) {
+        stmt_text(&s, 5, req->owner_id);
+    }
     if ((rc = list_subs(c, &s, &out->submissions, &out->n_submissions, err)) != CF_OK) {
         return rc;
     }

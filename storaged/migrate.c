@@ -1,5 +1,6 @@
 /* migrate.c - schema version 1 (JSON record bodies) to 2 (typed record bodies), and 2 to 3
- * (Claim through indexes: the `runnable` table).
+ * (Claim through indexes: the `runnable` table), and 3 to 4 (the indexes of List's owner and
+ * abort filters).
  *
  * Version 1 stored a record as `type TEXT` + `body TEXT` holding JSON whose shape lived in
  * agentd's code; version 2 stores the Record.body oneof case (`kind`) and the body message
@@ -358,7 +359,10 @@ enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct c
         ((rc = migrate_kinds(db, err)) != CF_OK || (rc = migrate_records(db, err)) != CF_OK)) {
         goto fail;
     }
-    if ((rc = db_exec(db, DB_RUNNABLE_SCHEMA DB_RUNNABLE_FILL, err)) != CF_OK ||
+    if (version <= 2 && (rc = db_exec(db, DB_RUNNABLE_SCHEMA DB_RUNNABLE_FILL, err)) != CF_OK) {
+        goto fail;
+    }
+    if ((rc = db_exec(db, DB_LIST_INDEXES, err)) != CF_OK ||
         (rc = db_exec(db,
                       "UPDATE meta SET value = '" DB_SCHEMA_VERSION "' "
                       "WHERE key = 'schema_version'",

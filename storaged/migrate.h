@@ -17,7 +17,8 @@
  *   with metadata cflue.kind=compact becomes kind COMPACT (the key removed from its stored
  *   request);
  * - 2 to 3: the Claim indexes and the `runnable` table with its triggers (db.h), filled from
- *   the submissions.
+ *   the submissions;
+ * - 3 to 4: the indexes of List's owner_id and abort_requested filters (DB_LIST_INDEXES).
  * Either everything is migrated and committed or nothing is: on failure the transaction is
  * rolled back, the database stays at its version and the status names what could not be
  * migrated. path is for messages only. */

@@ -60,7 +60,8 @@ struct method {
     /* Commit with synchronous=FULL before answering: Admit, Settle, RequestAbort (the
      * durability statement), MarkInputApplied and FinalizeJoin (once per attempt or join; if
      * lost while the attempt survives a power loss, a delivery already answered in the host's
-     * response would be queued again). The rest commit with NORMAL: see docs/storaged.md. */
+     * response would be queued again), and an Append with mark_input_applied (durable_for).
+     * The rest commit with NORMAL: see docs/storaged.md. */
     bool durable;
 };
 
@@ -233,9 +234,9 @@ static void log_result(const struct pending *p, enum cf_status st, const struct 
     }
     if (!strcmp(p->m->name, "Admit")) {
         const Cflue__V1__AdmitResponse *r = (const void *)p->resp;
-        log_info("store.admit", "submission=%s conversation=%s dedup=%d ms=%lld",
+        log_info("store.admit", "submission=%s conversation=%s dedup=%d claimed=%d ms=%lld",
                  r->submission->submission_id, r->submission->conversation_id, (int)r->deduplicated,
-                 (long long)ms);
+                 r->claim != NULL, (long long)ms);
     } else if (!strcmp(p->m->name, "Claim")) {
         const Cflue__V1__ClaimResponse *r = (const void *)p->resp;
         if (r->submission) {
@@ -385,6 +386,16 @@ struct binding {
     struct service *svc;
 };
 
+/* durable_for tells whether a write commits with synchronous=FULL: its method's choice, and an
+ * Append that also marks its input applied gets MarkInputApplied's durability. */
+static bool durable_for(const struct method *m, const ProtobufCMessage *req)
+{
+    if (req->descriptor == &cflue__v1__append_request__descriptor) {
+        return m->durable || ((const Cflue__V1__AppendRequest *)req)->mark_input_applied != NULL;
+    }
+    return m->durable;
+}
+
 static void dispatch(struct rpc_call *call, const ProtobufCMessage *req, void *user)
 {
     const struct binding *b = user;
@@ -411,7 +422,7 @@ static void dispatch(struct rpc_call *call, const ProtobufCMessage *req, void *u
         p->job.done = complete;
         p->job.arg = p;
         p->job.arena = &p->arena;
-        p->job.durable = m->durable;
+        p->job.durable = durable_for(m, req);
         writer_submit(b->svc->writer, &p->job);
         return;
     }
@@ -724,12 +735,13 @@ void service_register(struct service *svc, struct rpc_server *srv)
         bindings[i].svc = svc;
         snprintf(path, sizeof(path), "/cflue.v1.Store/%s", methods[i].name);
         /* On the poller: writes (decoded and queued for the writer thread) and one-row reads
-         * (an indexed lookup costs less than waking a worker). On the pool: Append (it checks
-         * and packs record bodies that may be megabytes) and the reads that return pages. */
-        bool point_read =
-            !strcmp(methods[i].name, "Get") || !strcmp(methods[i].name, "GetConversation");
-        bool inline_write = methods[i].write && strcmp(methods[i].name, "Append") != 0;
-        enum rpc_mode mode = point_read || inline_write ? RPC_INLINE : RPC_POOL;
+         * (an indexed lookup costs less than waking a worker). On the pool: Append and Settle
+         * (they check and pack record bodies that may be megabytes) and the reads that return
+         * pages. */
+        const char *name = methods[i].name;
+        bool point_read = !strcmp(name, "Get") || !strcmp(name, "GetConversation");
+        bool records = !strcmp(name, "Append") || !strcmp(name, "Settle");
+        enum rpc_mode mode = point_read || (methods[i].write && !records) ? RPC_INLINE : RPC_POOL;
         rpc_server_add_method(srv, path, methods[i].req_desc, dispatch, &bindings[i], mode);
     }
     svc->srv = srv;

@@ -113,6 +113,8 @@ static enum cf_status metadata(Cflue__V1__AdmitRequest__MetadataEntry *const *md
     return CF_OK;
 }
 
+static enum cf_status admit_claim(const Cflue__V1__ClaimRequest *c, struct cf_error *err);
+
 enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, struct cf_error *err)
 {
     enum cf_status rc;
@@ -150,7 +152,10 @@ enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, struct cf_error 
     if (r->source > CFLUE__V1__SOURCE__SOURCE_SCHEDULE || (int)r->source < 0) {
         return cf_error_set(err, CF_INVALID, "source %d is not a known Source", (int)r->source);
     }
-    return metadata(r->metadata, r->n_metadata, err);
+    if ((rc = metadata(r->metadata, r->n_metadata, err)) != CF_OK) {
+        return rc;
+    }
+    return admit_claim(r->claim, err);
 }
 
 /* lease checks an optional lease_duration: unset is the server default; set, whole
@@ -168,6 +173,29 @@ static enum cf_status lease(const Google__Protobuf__Duration *d, struct cf_error
                             VALIDATE_LEASE_MIN_MS, VALIDATE_LEASE_MAX_MS);
     }
     return CF_OK;
+}
+
+/* admit_claim checks AdmitRequest.claim: it claims the admitted submission, so it names no
+ * other work (submission_id, conversation_id, reclaim_started_before stay empty) and needs its
+ * owner. */
+static enum cf_status admit_claim(const Cflue__V1__ClaimRequest *c, struct cf_error *err)
+{
+    enum cf_status rc;
+    if (!c) {
+        return CF_OK;
+    }
+    if ((rc = name("claim.owner_id", c->owner_id, true, err)) != CF_OK) {
+        return rc;
+    }
+    if (*c->submission_id || *c->conversation_id || c->reclaim_started_before) {
+        return cf_error_set(err, CF_INVALID,
+                            "claim.%s must be empty: an Admit's claim takes the admitted "
+                            "submission (only claim.owner_id and claim.lease_duration may be set)",
+                            *c->submission_id     ? "submission_id"
+                            : *c->conversation_id ? "conversation_id"
+                                                  : "reclaim_started_before");
+    }
+    return lease(c->lease_duration, err);
 }
 
 enum cf_status validate_claim(const Cflue__V1__ClaimRequest *r, struct cf_error *err)
@@ -205,6 +233,18 @@ enum cf_status validate_heartbeat(const Cflue__V1__HeartbeatRequest *r, struct c
     return CF_OK;
 }
 
+/* input_budgets checks what a MarkInputApplied installs (field names are prefixed with at). */
+static enum cf_status input_budgets(const char *at, const Cflue__V1__MarkInputAppliedRequest *r,
+                                    struct cf_error *err)
+{
+    char f[64];
+    if (r->max_attempts < 0 || r->max_attempts > 1000) {
+        return cf_error_set(err, CF_INVALID, "%smax_attempts must be 0 (keep) to 1000", at);
+    }
+    snprintf(f, sizeof(f), "%stimeout", at);
+    return pbdur_check(r->timeout, f, 0, err);
+}
+
 enum cf_status validate_mark_input_applied(const Cflue__V1__MarkInputAppliedRequest *r,
                                            struct cf_error *err)
 {
@@ -212,10 +252,7 @@ enum cf_status validate_mark_input_applied(const Cflue__V1__MarkInputAppliedRequ
     if ((rc = fence("fence", r->fence, true, err)) != CF_OK) {
         return rc;
     }
-    if (r->max_attempts < 0 || r->max_attempts > 1000) {
-        return cf_error_set(err, CF_INVALID, "max_attempts must be 0 (keep) to 1000");
-    }
-    return pbdur_check(r->timeout, "timeout", 0, err);
+    return input_budgets("", r, err);
 }
 
 enum cf_status validate_fenced(const Cflue__V1__FencedRequest *r, struct cf_error *err)
@@ -260,6 +297,8 @@ enum cf_status validate_request_abort(const Cflue__V1__RequestAbortRequest *r, s
     return text("reason", r->reason, VALIDATE_ERROR_MAX, err);
 }
 
+static enum cf_status records(Cflue__V1__Record *const *recs, size_t n, struct cf_error *err);
+
 static enum cf_status usage(const char *field, const Cflue__V1__Usage *u, struct cf_error *err)
 {
     if (u &&
@@ -294,7 +333,19 @@ enum cf_status validate_settle(const Cflue__V1__SettleRequest *r, struct cf_erro
                             r->outcome == CFLUE__V1__OUTCOME__OUTCOME_FAILED ? "FAILED"
                                                                              : "ABORTED");
     }
-    return CF_OK;
+    if (r->n_records == 0) {
+        return CF_OK;
+    }
+    if (!*r->fence->attempt_id) {
+        return cf_error_set(err, CF_INVALID,
+                            "records need a fence with an attempt (fence.attempt_id is required "
+                            "when records are given)");
+    }
+    if (r->n_records > VALIDATE_RECORDS_MAX) {
+        return cf_error_set(err, CF_INVALID, "records must hold at most %d records",
+                            VALIDATE_RECORDS_MAX);
+    }
+    return records(r->records, r->n_records, err);
 }
 
 static bool record_id_ok(const char *t)
@@ -478,18 +529,13 @@ static enum cf_status check_body(const char *at, const Cflue__V1__Record *rec, s
     }
 }
 
-enum cf_status validate_append(const Cflue__V1__AppendRequest *r, struct cf_error *err)
+/* records checks a batch of records to append (AppendRequest.records, SettleRequest.records):
+ * ids, reserved ids and types, bodies. The count is the caller's to check. */
+static enum cf_status records(Cflue__V1__Record *const *recs, size_t n, struct cf_error *err)
 {
     enum cf_status rc;
-    if ((rc = fence("fence", r->fence, true, err)) != CF_OK) {
-        return rc;
-    }
-    if (r->n_records == 0 || r->n_records > VALIDATE_RECORDS_MAX) {
-        return cf_error_set(err, CF_INVALID, "records must hold 1 to %d records",
-                            VALIDATE_RECORDS_MAX);
-    }
-    for (size_t i = 0; i < r->n_records; i++) {
-        const Cflue__V1__Record *rec = r->records[i];
+    for (size_t i = 0; i < n; i++) {
+        const Cflue__V1__Record *rec = recs[i];
         char at[32];
         snprintf(at, sizeof(at), "records[%zu]", i);
         if (!record_id_ok(rec->id)) {
@@ -505,7 +551,7 @@ enum cf_status validate_append(const Cflue__V1__AppendRequest *r, struct cf_erro
                                  i);
         }
         for (size_t k = 0; k < i && *rec->id; k++) {
-            if (!strcmp(r->records[k]->id, rec->id)) {
+            if (!strcmp(recs[k]->id, rec->id)) {
                 return cf_error_set(err, CF_INVALID, "records[%zu].id '%s' repeats records[%zu]", i,
                                     rec->id, k);
             }
@@ -516,6 +562,23 @@ enum cf_status validate_append(const Cflue__V1__AppendRequest *r, struct cf_erro
         }
     }
     return CF_OK;
+}
+
+enum cf_status validate_append(const Cflue__V1__AppendRequest *r, struct cf_error *err)
+{
+    enum cf_status rc;
+    if ((rc = fence("fence", r->fence, true, err)) != CF_OK) {
+        return rc;
+    }
+    if (r->n_records == 0 || r->n_records > VALIDATE_RECORDS_MAX) {
+        return cf_error_set(err, CF_INVALID, "records must hold 1 to %d records",
+                            VALIDATE_RECORDS_MAX);
+    }
+    if (r->mark_input_applied &&
+        (rc = input_budgets("mark_input_applied.", r->mark_input_applied, err)) != CF_OK) {
+        return rc;
+    }
+    return records(r->records, r->n_records, err);
 }
 
 enum cf_status validate_get(const Cflue__V1__GetRequest *r, struct cf_error *err)
@@ -534,7 +597,8 @@ enum cf_status validate_list(const Cflue__V1__ListRequest *r, struct cf_error *e
 {
     enum cf_status rc;
     if ((rc = name("conversation_id", r->conversation_id, false, err)) != CF_OK ||
-        (rc = name("joined_into", r->joined_into, false, err)) != CF_OK) {
+        (rc = name("joined_into", r->joined_into, false, err)) != CF_OK ||
+        (rc = name("owner_id", r->owner_id, false, err)) != CF_OK) {
         return rc;
     }
     if ((rc = page_size(r->page_size, err)) != CF_OK) {

@@ -1,7 +1,8 @@
 """storaged opens a database written by an earlier schema and migrates it in place. Version 1
 (JSON record bodies, compaction as metadata cflue.kind=compact): every record becomes its typed
 body, unknown types become legacy signals, compact submissions get kind COMPACT. Version 2
-(no `runnable` table): the Claim indexes are built and filled, so Claim finds the right heads."""
+(no `runnable` table): the Claim indexes are built and filled, so Claim finds the right heads.
+Version 3 (no List indexes): the indexes of List's owner and abort filters are built."""
 
 import json
 import os
@@ -135,14 +136,14 @@ class MigrateTest(StoragedTestCase):
         self.assertEqual(c.kind, common_pb2.SUBMISSION_KIND_COMPACT)
         self.assertEqual(dict(c.metadata), {'z': '1'})
         self.assertEqual(get(sd.stub, 'sub_a').kind, common_pb2.SUBMISSION_KIND_MESSAGE)
-        # a fresh record appends after the migrated ones; the schema is stamped 3
+        # a fresh record appends after the migrated ones; the schema is stamped 4
         r = admit(sd.stub, conv='old', text='new')
         self.assertEqual(r.offset, len(RECORDS) - 1)
         sd.stop()
         con = sqlite3.connect(path)
         try:
             (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            self.assertEqual(v, '3')
+            self.assertEqual(v, '4')
             cols = [row[1] for row in con.execute('PRAGMA table_info(records)')]
             self.assertIn('kind', cols)
             self.assertNotIn('type', cols)
@@ -189,8 +190,44 @@ class MigrateTest(StoragedTestCase):
         con = sqlite3.connect(path)
         try:
             (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            self.assertEqual(v, '3')
+            self.assertEqual(v, '4')
             self.assertEqual(con.execute('SELECT count(*) FROM runnable').fetchone()[0], 0)
+        finally:
+            con.close()
+
+    def test_migrates_version_3_and_lists_by_owner_and_abort(self):
+        """A version-3 database (this schema without the two List indexes, stamped 3) with
+        claimed and aborted rows: after the migration the indexes exist, List by owner and by
+        abort intent answers from them, and the rows are untouched."""
+        sd = self.start_storaged()
+        mine = [admit(sd.stub, conv='m%d' % i).submission.submission_id for i in range(3)]
+        for sid in mine:
+            self.assertTrue(claim(sd.stub, owner='me', submission_id=sid).HasField('submission'))
+        other = admit(sd.stub, conv='o').submission.submission_id
+        sd.stub.request_abort(store_pb2.RequestAbortRequest(submission_id=mine[1], reason='x'))
+        sd.stop()
+        con = sqlite3.connect(sd.db)
+        try:
+            con.executescript("DROP INDEX submissions_by_owner;"
+                              "DROP INDEX submissions_abort_requested;"
+                              "UPDATE meta SET value = '3' WHERE key = 'schema_version';")
+        finally:
+            con.close()
+        sd.start()
+        got = sd.stub.list(store_pb2.ListRequest(owner_id='me')).submissions
+        self.assertEqual([s.submission_id for s in got], mine)
+        got = sd.stub.list(store_pb2.ListRequest(abort_requested=True)).submissions
+        self.assertEqual([s.submission_id for s in got], [mine[1]])
+        self.assertEqual(get(sd.stub, other).status, common_pb2.SUBMISSION_STATUS_QUEUED)
+        sd.stop()
+        con = sqlite3.connect(sd.db)
+        try:
+            (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            self.assertEqual(v, '4')
+            names = set(r[0] for r in con.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'index'"))
+            self.assertLessEqual({'submissions_by_owner', 'submissions_abort_requested',
+                                  'submissions_unsettled', 'submissions_by_lease'}, names)
         finally:
             con.close()
 

@@ -726,11 +726,12 @@ static void test_migrate_from_2(const char *path)
         CHECK(op(&h) == CF_OK || db_exec(h.db, "ROLLBACK TO op", &err) == CF_OK);
         CHECK(db_exec(h.db, "RELEASE op", &err) == CF_OK);
     }
-    /* back to schema 2 exactly: no runnable table, triggers or Claim indexes */
+    /* back to schema 2 exactly: no runnable table, triggers, Claim or List indexes */
     CHECK(db_exec(h.db,
                   "DROP TRIGGER runnable_on_admit; DROP TRIGGER runnable_on_status;"
                   "DROP TABLE runnable; DROP INDEX submissions_unsettled;"
-                  "DROP INDEX submissions_by_lease;"
+                  "DROP INDEX submissions_by_lease; DROP INDEX submissions_by_owner;"
+                  "DROP INDEX submissions_abort_requested;"
                   "UPDATE meta SET value = '2' WHERE key = 'schema_version'",
                   &err) == CF_OK);
     for (int i = 0; i < 20; i++) {
@@ -754,7 +755,7 @@ static void test_migrate_from_2(const char *path)
     CHECK(db_open(path, false, &reader, &err) == CF_VERSION);
     CHECK(strstr(err.msg, "schema version 2") != NULL);
     CHECK(db_open(path, true, &h.db, &err) == CF_OK);
-    CHECK(!strcmp(text_of(h.db, "SELECT value FROM meta WHERE key = 'schema_version'"), "3"));
+    CHECK(!strcmp(text_of(h.db, "SELECT value FROM meta WHERE key = 'schema_version'"), "4"));
     const char *walk = text_of(h.db, walk_sql);
     CHECK(*walk && !strcmp(walk, text_of(h.db, runnable_sql)));
     h_check(&h, -1);
