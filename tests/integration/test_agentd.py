@@ -411,6 +411,10 @@ class RunMixin(object):
         steps = load_scenario('run', conv)
         if follow:
             steps[0]['delay_ms'] = 400  # keeps the run going while the follower attaches
+        if stream:
+            # the final answer streams slowly enough for agentd to pass some of it on as
+            # assistant_delta records (at most one per 250 ms; a quick answer gets none)
+            steps[-1]['chunk_delay_ms'] = 150
         self.fm.set_scenario(steps)
         live = {}
         adm = self.ad.submit(agent, 'Please fix calc.py (%s).' % conv, conversation_id=conv)
@@ -580,7 +584,9 @@ class RunMixin(object):
         if stream:
             deltas = [r for r in recs if kind(r) == 'assistant_delta']
             texts = ''.join(body(r).text for r in deltas if body(r).turn == FIRST_TURN + 3)
-            self.assertEqual(texts, final.text, 'the streamed deltas of the final turn')
+            # best effort: a prefix of the text (the answer carries the rest, if any)
+            self.assertTrue(texts and final.text.startswith(texts),
+                            'the streamed deltas of the final turn: %r' % texts)
 
         # --- Watch with follow ---
         if follower is not None:
