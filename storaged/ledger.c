@@ -29,6 +29,9 @@
  *   (check_row asserts these on every row read).
  * - Streams are append-only; record ids are unique per conversation, which makes a resent
  *   batch idempotent and the settlement record (id "settled:<submission>") unique.
+ * - A combined call (Admit with a claim, Append marking the input applied, Settle with records)
+ *   is the separate calls' code run in one transaction, in the order the separate calls would
+ *   run: its parts cannot disagree, and a refused part refuses all of it (savepoint).
  */
 #include "ledger.h"
 

@@ -58,12 +58,16 @@ struct ledger_ctx {
  * CF_OK and fills the response, or a status with err set; on failure the caller rolls the
  * function's work back (savepoint). None of them is idempotent unless stated. */
 
-/* ledger_admit admits a submission (idempotent per agent + idempotency key). */
+/* ledger_admit admits a submission (idempotent per agent + idempotency key; req->claim is no
+ * part of the key's payload). With req->claim it also claims the admitted submission as
+ * ledger_claim naming it would, setting out->claim (and out->submission to the claimed row)
+ * only when it was its conversation's runnable head; a deduplicated Admit claims nothing. */
 CF_MUST_CHECK enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
                                           Cflue__V1__AdmitResponse *out, struct cf_error *err);
 
 /* ledger_claim claims the next claimable work (see store.proto). An empty response (no
- * submission) is CF_OK. */
+ * submission) is CF_OK. With a submission, head_offset and queued_behind are read in the same
+ * transaction. */
 CF_MUST_CHECK enum cf_status ledger_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRequest *req,
                                           Cflue__V1__ClaimResponse *out, struct cf_error *err);
 
@@ -102,13 +106,19 @@ CF_MUST_CHECK enum cf_status ledger_request_abort(struct ledger_ctx *c,
                                                   struct cf_error *err);
 
 /* ledger_settle reserves or finishes a submission's terminal outcome, with joined fan-out and
- * settlement records. Repeating an identical finished Settle is answered already_settled. */
+ * settlement records. req->records are appended first, through Append's path and its rules,
+ * once the fence (with an attempt) matched: records_first_offset is the first one's offset,
+ * -1 when none. Repeating an identical finished Settle is answered already_settled and appends
+ * nothing. conversation_queued counts the conversation's queued rows after it. */
 CF_MUST_CHECK enum cf_status ledger_settle(struct ledger_ctx *c,
                                            const Cflue__V1__SettleRequest *req,
                                            Cflue__V1__SettleResponse *out, struct cf_error *err);
 
 /* ledger_append appends a fenced batch of records (idempotent for identical resends). A record
- * over ledger_record_bytes_max is CF_INVALID naming it. */
+ * over ledger_record_bytes_max is CF_INVALID naming it. With req->mark_input_applied it then
+ * does ledger_mark_input_applied's work for req's fence (also after a deduplicated resend) and
+ * answers the row in out->submission; the caller commits it with synchronous=FULL. queued and
+ * abort_requested are read in the same transaction. */
 CF_MUST_CHECK enum cf_status ledger_append(struct ledger_ctx *c,
                                            const Cflue__V1__AppendRequest *req,
                                            Cflue__V1__AppendResponse *out, struct cf_error *err);
@@ -119,8 +129,9 @@ CF_MUST_CHECK enum cf_status ledger_append(struct ledger_ctx *c,
 CF_MUST_CHECK enum cf_status ledger_get(struct ledger_ctx *c, const char *submission_id,
                                         Cflue__V1__Submission *out, struct cf_error *err);
 
-/* ledger_list lists submissions in sequence order, one page (see ListRequest): the page
- * token's scope is the filters, its position the last sequence returned; next_page_token is
+/* ledger_list lists submissions in sequence order, one page (see ListRequest; owner_id and
+ * abort_requested are served by their partial indexes): the page token's scope is the filters,
+ * its position the last sequence returned; next_page_token is
  * empty on the last page. CF_INVALID (INVALID_PAGE_TOKEN) for a token of other filters. */
 CF_MUST_CHECK enum cf_status ledger_list(struct ledger_ctx *c, const Cflue__V1__ListRequest *req,
                                          Cflue__V1__ListResponse *out, struct cf_error *err);
