@@ -27,14 +27,16 @@
  *  - JOIN: queued messages join; with nothing new and no calls run, the work is finished;
  *  - MODEL: the turn's context built from the log (compacting first when it is too large),
  *    the model asked, its answer recorded; COMPACT when it overflowed (once per drive);
- *  - TOOLS: the answer's calls run as one batch, results recorded as they arrive;
+ *  - TOOLS(_WAIT): the answer's calls run as one batch (the drive parked meanwhile), results
+ *    recorded as they arrive;
  *  - SETTLE: the outcome recorded, or the drive ends stopped or interrupted (settle.c).
  *
  * A drive is stepped by the engine (engine.c) on one of its few threads. A model call does
  * not hold that thread: MODEL starts it on the model I/O loop and the drive parks in
  * MODEL_WAIT (d->parked) until the call's end (or an abort, or a retry's backoff timer) posts
- * it back; model_done then takes the answer. Store calls and tool batches still block the
- * engine thread for their (short) duration: making them events is the next step. A drive ends in
+ * it back; model_done then takes the answer. A tool batch does not hold it either: TOOLS starts
+ * the batch and the drive parks in TOOLS_WAIT, posted by each result and by the batch's end.
+ * Store calls still block the engine thread for their (short) duration. A drive ends in
  * one of three ways (enum drive_end): settled; stopped (lease lost or shutdown: whoever holds the
  * work next continues it); interrupted (storaged or toold failed past the retry window; the first
  * failure is kept in d->fault and the work is claimed again later, each attempt counting against
@@ -392,7 +394,16 @@ static enum drive_state tools_done(struct drive *d)
 
 static enum drive_state step_tools(struct drive *d)
 {
-    tools_run(d, &d->answer);
+    return tools_start(d, &d->answer) ? DRIVE_TOOLS_WAIT : tools_done(d);
+}
+
+/* step_tools_wait parks the drive until the batch is over, recording results as they come. */
+static enum drive_state step_tools_wait(struct drive *d)
+{
+    if (!tools_poll(d)) {
+        d->parked = true;
+        return DRIVE_TOOLS_WAIT;
+    }
     return tools_done(d);
 }
 
@@ -418,11 +429,11 @@ static enum drive_state step_settle(struct drive *d)
 }
 
 static enum drive_state (*const steps[])(struct drive *) = {
-    [DRIVE_START] = step_start,     [DRIVE_INPUT] = step_input,
-    [DRIVE_PROMPT] = step_prompt,   [DRIVE_JOIN] = step_join,
-    [DRIVE_MODEL] = step_model,     [DRIVE_MODEL_WAIT] = step_model_wait,
-    [DRIVE_COMPACT] = step_compact, [DRIVE_TOOLS] = step_tools,
-    [DRIVE_SETTLE] = step_settle,
+    [DRIVE_START] = step_start,           [DRIVE_INPUT] = step_input,
+    [DRIVE_PROMPT] = step_prompt,         [DRIVE_JOIN] = step_join,
+    [DRIVE_MODEL] = step_model,           [DRIVE_MODEL_WAIT] = step_model_wait,
+    [DRIVE_COMPACT] = step_compact,       [DRIVE_TOOLS] = step_tools,
+    [DRIVE_TOOLS_WAIT] = step_tools_wait, [DRIVE_SETTLE] = step_settle,
 };
 
 /* ---------- one drive ---------- */
@@ -481,6 +492,7 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
     llm_response_init(&d->answer);
     buf_init(&d->delta, 64 * 1024);
     model_call_init(d);
+    tools_wait_init(d);
     d->state = DRIVE_START;
     if (!begin_drive(d)) {
         drive_free(d);
@@ -518,6 +530,7 @@ void drive_free(struct drive *d)
     tools_cleanup(d);
     llm_response_cleanup(&d->answer);
     model_call_cleanup(d);
+    tools_wait_cleanup(d);
     dstore_cleanup(d);
     buf_cleanup(&d->delta);
     protobuf_c_message_free_unpacked(&d->claim->base, NULL);

@@ -30,7 +30,8 @@ enum drive_state {
     DRIVE_MODEL,      /* one model turn asked (the call started) */
     DRIVE_MODEL_WAIT, /* parked on the model call or its backoff; then the answer recorded */
     DRIVE_COMPACT,    /* the older part of the conversation summarized */
-    DRIVE_TOOLS,      /* the answer's tool calls run as one batch */
+    DRIVE_TOOLS,      /* the answer's tool calls started as one batch */
+    DRIVE_TOOLS_WAIT, /* parked on the batch; each result recorded as it arrives */
     DRIVE_SETTLE,     /* the outcome recorded, or the drive stopped or interrupted */
     DRIVE_DONE,
 };
@@ -40,6 +41,23 @@ struct toolset {
     Cflue__V1__ListToolsResponse *list;
     struct llm_tool *tools;
     size_t n;
+};
+
+/* A tool batch in flight for a parked drive (tool_batch.c). The fields under mu are written by
+ * the stream's callbacks (rpc's client-stream thread); the rest by the engine thread. */
+struct tool_wait {
+    pthread_mutex_t mu;
+    ProtobufCMessage *result; /* under mu: a BatchResult not yet recorded (one at a time) */
+    bool ended;               /* under mu: the stream is over; st says how */
+    struct rpc_status st;     /* under mu */
+    struct rpc_astream *stream;
+    bool released;              /* the stream was released (cancelled, or taken to its end) */
+    Cflue__V1__ToolCall *calls; /* the calls sent, and for each: */
+    Cflue__V1__ToolCall **ptrs;
+    Google__Protobuf__Duration *limits;
+    int *index; /* its index in the answer */
+    bool *done; /* its result arrived */
+    size_t m;
 };
 
 /* A model call in flight for a parked drive (model_call.c). The fields under mu are written
@@ -94,12 +112,14 @@ struct drive {
     struct cf_error fault; /* the first storaged/toold failure: the attempt ends unsettled */
     int store_tries;       /* how many tries the last dstore_call took */
     bool mark_pending;     /* the next flush stamps the input applied (budgets installed) */
+    bool store_down;       /* a Store call failed for good (storaged unreachable or busy) */
     int32_t queued;        /* submissions queued behind, as storaged last said */
     /* the state machine */
     enum drive_state state;
     enum drive_end end;
     bool parked; /* the last step waits for an event: the engine steps it when posted */
     struct model_wait mw;
+    struct tool_wait tw;
     struct engine_link eng;
     struct toolset tools;
     char *system_text;
@@ -226,9 +246,17 @@ void tools_cleanup(struct drive *d);
 void tools_record_result(struct drive *d, int index, const char *call_id, const char *name,
                          const char *text, bool is_error, const Cflue__V1__Truncation *t,
                          bool outcome_unknown);
-/* tools_run runs the calls of `resp` as one ExecuteBatch, recording each result as it
- * arrives; toold failing mid-batch is a fault. */
-void tools_run(struct drive *d, const struct llm_response *resp);
+/* tools_start starts the calls of `resp` as one ExecuteBatch (calls naming no tool of the set
+ * get their error result at once); false when nothing was started (no call to run, or a
+ * fault). The stream's messages and end post the drive. */
+bool tools_start(struct drive *d, const struct llm_response *resp);
+/* tools_poll records the results that arrived, cancels the batch when the drive halted, and
+ * returns true once the batch is over (toold failing mid-batch is a fault; toold refusing it
+ * gives the calls left an error result). */
+bool tools_poll(struct drive *d);
+/* tools_wait_init / tools_wait_cleanup set up and free d->tw (cleanup: no batch in flight). */
+void tools_wait_init(struct drive *d);
+void tools_wait_cleanup(struct drive *d);
 
 /* ---- model_call.c ---- */
 

@@ -42,6 +42,7 @@ enum cf_status dstore_call(struct drive *d, const char *method, const ProtobufCM
         }
         if (!drive_transient(rc) || drive_lost_or_down(d) ||
             clock_mono_ms() - start + wait > window) {
+            d->store_down = d->store_down || drive_transient(rc);
             return rc;
         }
         int64_t nap = wait + thread_jitter_ms(wait / 2 + 1);

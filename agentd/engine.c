@@ -3,10 +3,11 @@
  * Drives are objects (struct drive) stepped by a small fixed pool of engine threads
  * (--workers). A drive runs its states until it waits on a model call: then it PARKS, holding
  * no thread, and the call's end (on the model I/O loop) only posts it back to the ready queue
- * (engine_post). A model retry's backoff is a timer on the engine (engine_post_at), not a
- * sleep. Store calls and tool batches still block the engine thread that steps the drive
- * (short in the usual case; making them events is the next step), so --workers bounds how
- * many of those run at once, never how many drives are in flight: that is --max-drives.
+ * (engine_post). A tool batch parks the drive the same way (its stream's results post it). A
+ * model retry's backoff is a timer on the engine (engine_post_at), not a sleep. Store calls
+ * still block the engine thread that steps the drive (short in the usual case), so --workers
+ * bounds how many of those run at once, never how many drives are in flight: that is
+ * --max-drives.
  *
  * One claimer thread claims work (queued heads, and leases that expired) while fewer than
  * --max-drives drives are live, woken by Submit and by a settlement (agentd_wake), by a

@@ -205,6 +205,12 @@ enum drive_end settle_unsettled(struct drive *d)
         return settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request");
     }
     if (code != CF_INVALID && code != CF_EXISTS) {
+        if (!d->store_down) {
+            /* interrupted (toold failed, say) with storaged answering: what the drive wrote is
+             * stored first (the input stamped applied, budgets installed), so the next
+             * attempt builds on it and counts against the agent's own max_attempts */
+            (void)dstore_flush(d);
+        }
         return settle_ended(d);
     }
     char why[CF_ERROR_MSG_MAX + 64];

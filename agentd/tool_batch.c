@@ -1,6 +1,12 @@
 /* tool_batch.c - the sandbox's tools for a drive: the tool set (Tools.List) and one model
  * turn's calls run as a single Tools.ExecuteBatch, each result recorded as it arrives.
  *
+ * The batch holds no thread: it is an event-driven client stream (rpc_astream) whose results
+ * and end post the drive, parked in DRIVE_TOOLS_WAIT meanwhile; the engine thread stepping it
+ * records each result (one Append) and only then asks for the next. An abort, a lost lease or
+ * shutdown posts the drive, which cancels the stream (toold kills the commands) and waits for
+ * its end.
+ *
  * toold itself failing (unreachable, overloaded, a batch broken off) is a fault: the drive
  * ends interrupted, and the calls left without a result get the outcome-unknown result when
  * the work resumes (settle.c). toold refusing a batch as a bad request is an answer: the model
@@ -8,8 +14,8 @@
  */
 #include "clients.h"
 #include "drive.h"
+#include "engine.h"
 #include "failpoint.h"
-#include "guard.h"
 #include "mem.h"
 #include "pbtime.h"
 
@@ -140,21 +146,12 @@ void tools_record_result(struct drive *d, int index, const char *call_id, const 
     (void)dstore_append_one(d, id, d->sub->submission_id, &body.base);
 }
 
-/* One batch: the calls sent (those naming a known tool) and where each came from. */
-struct batch {
-    Cflue__V1__ToolCall *calls;
-    Cflue__V1__ToolCall **ptrs;
-    Google__Protobuf__Duration *limits;
-    int *index; /* the call's index in the assistant message */
-    bool *done; /* its result arrived */
-    size_t m;
-};
-
-/* prepare fills b with the calls toold can run; a call naming no tool of the set gets an
- * error result at once. Each call's timeout is what is left of the submission's time (at least
- * 1 ms; unset means no limit). */
-static void prepare(struct drive *d, struct batch *b, const struct llm_response *resp)
+/* prepare fills the batch (d->tw) with the calls toold can run; a call naming no tool of the
+ * set gets an error result at once. Each call's timeout is what is left of the submission's
+ * time (at least 1 ms; unset means no limit). */
+static void prepare(struct drive *d, const struct llm_response *resp)
 {
+    struct tool_wait *b = &d->tw;
     size_t n = resp->n_calls;
     b->calls = mem_alloc(sizeof(*b->calls) * (n + 1));
     b->ptrs = mem_alloc(sizeof(void *) * (n + 1));
@@ -194,48 +191,86 @@ static void prepare(struct drive *d, struct batch *b, const struct llm_response 
     }
 }
 
-/* halted_cb adapts drive_halted for a stream guard: the batch is cancelled on abort, lost
- * lease, shutdown or a fault, and toold then kills the commands of the cancelled calls. */
-static bool halted_cb(void *d)
+/* free_batch frees the batch's calls (the stream is over or never started). */
+static void free_batch(struct tool_wait *b)
 {
-    return drive_halted(d);
+    free(b->calls);
+    free(b->ptrs);
+    free(b->limits);
+    free(b->index);
+    free(b->done);
+    b->calls = NULL;
+    b->ptrs = NULL;
+    b->limits = NULL;
+    b->index = NULL;
+    b->done = NULL;
+    b->m = 0;
 }
 
-/* stream runs the batch and records each result as it arrives; st says how the stream ended. */
-static void stream(struct drive *d, struct batch *b, struct rpc_status *st)
+/* on_result (rpc's stream thread) hands one result to the drive and posts it; the next is
+ * asked for once the drive recorded this one. */
+static void on_result(void *arg, ProtobufCMessage *msg)
 {
+    struct drive *d = arg;
+    pthread_mutex_lock(&d->tw.mu);
+    d->tw.result = msg;
+    pthread_mutex_unlock(&d->tw.mu);
+    engine_post(d);
+}
+
+static void on_batch_end(void *arg, const struct rpc_status *st)
+{
+    struct drive *d = arg;
+    pthread_mutex_lock(&d->tw.mu);
+    d->tw.ended = true;
+    d->tw.st = *st;
+    pthread_mutex_unlock(&d->tw.mu);
+    engine_post(d);
+}
+
+static const struct rpc_astream_ops batch_ops = {.on_message = on_result, .on_end = on_batch_end};
+
+bool tools_start(struct drive *d, const struct llm_response *resp)
+{
+    struct tool_wait *b = &d->tw;
+    prepare(d, resp);
+    if (!b->m || d->fault.code != CF_OK) {
+        free_batch(b);
+        return false;
+    }
     Cflue__V1__ToolBatch batch = CFLUE__V1__TOOL_BATCH__INIT;
     batch.calls = b->ptrs;
     batch.n_calls = b->m;
-    struct rpc_stream *s =
-        rpc_stream_open(tools_channel(d), "/cflue.v1.Tools/ExecuteBatch", &batch.base, 0);
-    ProtobufCMessage *msg;
-    struct stream_guard guard;
-    struct cf_error gerr;
-    if (guard_start(&guard, s, halted_cb, d, &gerr) != CF_OK) {
-        drive_fault(d, "the tool batch could not be watched", &gerr);
-    }
-    while (rpc_stream_read(s, &cflue__v1__batch_result__descriptor, &msg) == 1) {
-        Cflue__V1__BatchResult *br = (Cflue__V1__BatchResult *)msg;
-        if (br->index >= 0 && (size_t)br->index < b->m && br->result && !b->done[br->index]) {
-            b->done[br->index] = true;
-            const Cflue__V1__ToolCall *c = &b->calls[br->index];
-            failpoint_hit("agentd.tools.before_record");
-            if (d->fault.code == CF_OK && !drive_lost_or_down(d)) {
-                tools_record_result(d, b->index[br->index], c->call_id, c->name, br->result->text,
-                                    br->result->is_error, br->result->truncation, false);
-            }
+    b->ended = false;
+    b->released = false;
+    b->result = NULL;
+    /* no deadline of its own: each call carries the submission's time left */
+    b->stream = rpc_astream_open(tools_channel(d), "/cflue.v1.Tools/ExecuteBatch", &batch.base,
+                                 &cflue__v1__batch_result__descriptor, 0, &batch_ops, d);
+    return true;
+}
+
+/* record takes one result off the stream and records it (unless the drive cannot write). */
+static void record(struct drive *d, Cflue__V1__BatchResult *br)
+{
+    struct tool_wait *b = &d->tw;
+    if (br->index >= 0 && (size_t)br->index < b->m && br->result && !b->done[br->index]) {
+        b->done[br->index] = true;
+        const Cflue__V1__ToolCall *c = &b->calls[br->index];
+        failpoint_hit("agentd.tools.before_record");
+        if (d->fault.code == CF_OK && !drive_lost_or_down(d)) {
+            tools_record_result(d, b->index[br->index], c->call_id, c->name, br->result->text,
+                                br->result->is_error, br->result->truncation, false);
         }
-        protobuf_c_message_free_unpacked(msg, NULL);
     }
-    guard_end(&guard);
-    (void)rpc_stream_finish(s, st); /* st says how it ended, either way */
+    protobuf_c_message_free_unpacked(&br->base, NULL);
 }
 
 /* finish_batch handles a batch that ended short of results: toold failing is a fault; toold
  * refusing the batch (a bad request) gives each call without a result an error result. */
-static void finish_batch(struct drive *d, struct batch *b, struct rpc_status *st)
+static void finish_batch(struct drive *d, struct rpc_status *st)
 {
+    struct tool_wait *b = &d->tw;
     bool missing = false;
     for (size_t k = 0; k < b->m; k++) {
         missing = missing || !b->done[k];
@@ -259,18 +294,52 @@ static void finish_batch(struct drive *d, struct batch *b, struct rpc_status *st
     }
 }
 
-void tools_run(struct drive *d, const struct llm_response *resp)
+bool tools_poll(struct drive *d)
 {
-    struct batch b;
-    prepare(d, &b, resp);
-    if (b.m && d->fault.code == CF_OK) {
-        struct rpc_status st;
-        stream(d, &b, &st);
-        finish_batch(d, &b, &st);
+    struct tool_wait *b = &d->tw;
+    pthread_mutex_lock(&b->mu);
+    ProtobufCMessage *msg = b->result;
+    b->result = NULL;
+    bool ended = b->ended;
+    struct rpc_status st = b->st;
+    pthread_mutex_unlock(&b->mu);
+    if (msg) {
+        record(d, (Cflue__V1__BatchResult *)msg);
+        if (!b->released) {
+            rpc_astream_next(b->stream);
+        }
     }
-    free(b.calls);
-    free(b.ptrs);
-    free(b.limits);
-    free(b.index);
-    free(b.done);
+    if (!ended) {
+        if (drive_halted(d) && !b->released) {
+            /* abort, lost lease, shutdown or a fault: toold kills the commands still running;
+             * the stream's end posts the drive */
+            b->released = true;
+            rpc_astream_release(b->stream);
+        }
+        return false;
+    }
+    if (!b->released) {
+        b->released = true;
+        rpc_astream_release(b->stream);
+    }
+    b->stream = NULL;
+    finish_batch(d, &st);
+    free_batch(b);
+    return true;
+}
+
+void tools_wait_init(struct drive *d)
+{
+    memset(&d->tw, 0, sizeof(d->tw));
+    pthread_mutex_init(&d->tw.mu, NULL);
+}
+
+void tools_wait_cleanup(struct drive *d)
+{
+    if (d->tw.result) {
+        protobuf_c_message_free_unpacked(d->tw.result, NULL);
+        d->tw.result = NULL;
+    }
+    free_batch(&d->tw);
+    pthread_mutex_destroy(&d->tw.mu);
 }

@@ -536,7 +536,12 @@ static enum cf_status admit_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRe
     /* a new row cannot hold an attempt: the claim started its first one */
     assert(!got->takeover && got->submission->attempt_count == 1);
     out->claim = got;
-    out->submission = got->submission;
+    /* the row as committed (RUNNING), without the message: claim.submission carries it, and a
+     * large message crosses the wire once */
+    Cflue__V1__Submission *row = arena_alloc(c->arena, sizeof(*row));
+    *row = *got->submission;
+    row->message = NULL;
+    out->submission = row;
     return CF_OK;
 }
 

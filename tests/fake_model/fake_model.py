@@ -683,10 +683,12 @@ def chaos_decide(provider, body, ids):
 
 
 # The bench brain (--brain bench): the 3-call conversation of bench/bench_engine.py, stateless.
-# After the last final answer: first `bash echo hello`, then `read` of the path named by
-# "read=PATH" in a user message since then (default big.txt), then a short final text.
+# After the last final answer: first `bash echo hello` (`sleep S; echo hello` when a user
+# message since then says "sleep=S"), then `read` of the path named by "read=PATH" in such a
+# message (default big.txt), then a short final text.
 
 BENCH_READ_RE = re.compile(r"read=(\S+)")
+BENCH_SLEEP_RE = re.compile(r"sleep=([0-9]+(?:\.[0-9]+)?)")
 
 
 def bench_decide(provider, body, ids):
@@ -698,8 +700,11 @@ def bench_decide(provider, body, ids):
     recent = msgs[start:]
     done = sum(1 for m in recent if m["role"] == "assistant" and m["tool_calls"])
     if done == 0:
+        slept = [BENCH_SLEEP_RE.search(m["text"] or "") for m in recent if m["role"] == "user"]
+        slept = [a.group(1) for a in slept if a]
+        command = ("sleep %s; " % slept[0] if slept else "") + "echo hello"
         return {"text": "Running a command.",
-                "tool_calls": [chaos_call(ids, "bash", {"command": "echo hello"})]}
+                "tool_calls": [chaos_call(ids, "bash", {"command": command})]}
     if done == 1:
         asked = [BENCH_READ_RE.search(m["text"] or "") for m in recent if m["role"] == "user"]
         found = [a for a in asked if a]

@@ -31,7 +31,7 @@ class EngineStack(object):
     """storaged + toold + the fake model's bench brain (--delay-ms delay_ms) + one agentd with
     default settings, in one temporary directory."""
 
-    def __init__(self, delay_ms):
+    def __init__(self, delay_ms, agentd_args=()):
         self.dir = tempfile.mkdtemp(prefix='cflue-engine-it-')
         self.daemons = []
         try:
@@ -51,7 +51,8 @@ class EngineStack(object):
                         % (AGENT, self.td.target))
             env = {'ANTHROPIC_BASE_URL': self.fm.anthropic_base_url, 'ANTHROPIC_API_KEY': 'k'}
             self.ad = self._add(Agentd(self.sd.target, agents, env=env,
-                                       workdir=self._sub('agentd')))
+                                       workdir=self._sub('agentd'),
+                                       extra_args=tuple(agentd_args)))
         except BaseException:
             self.remove()
             raise
@@ -176,6 +177,34 @@ class EngineLoadTest(unittest.TestCase):
         # (the median lands near twice that under a sanitizer, where CPU work dominates). Drives
         # that held a thread through their model calls would take N * 3 s / 4 workers = 225 s.
         self.assertLessEqual(med, 4.5 + 3 * floor)
+
+
+class EngineToolBatchTest(unittest.TestCase):
+    """A tool batch holds no engine thread: with one engine thread, conversations whose first
+    command sleeps run their commands side by side."""
+    N = 4
+    SLEEP_S = 2
+
+    def setUp(self):
+        self.stack = EngineStack(delay_ms=0, agentd_args=('--workers', '1'))
+
+    def tearDown(self):
+        self.stack.remove()
+
+    def test_commands_of_many_drives_run_at_once_on_one_engine_thread(self):
+        ad = self.stack.ad
+        t0 = time.time()
+        ids = [ad.submit(AGENT, 'engine test %d: sleep=%d' % (i, self.SLEEP_S)).submission_id
+               for i in range(self.N)]
+        subs = [ad.get_submission(s, wait=True, timeout=60) for s in ids]
+        took = time.time() - t0
+        self.assertEqual(set(s.outcome for s in subs), {common_pb2.OUTCOME_COMPLETED},
+                         [s.error for s in subs])
+        # the commands really slept (each result came after its sleep)
+        self.assertGreaterEqual(took, self.SLEEP_S)
+        # one after another they would take N * SLEEP_S = 8 s; side by side about SLEEP_S
+        self.assertLess(took, (self.N - 1) * self.SLEEP_S,
+                        'the batches ran one after another: %.1f s' % took)
 
 
 class EngineAbortTest(unittest.TestCase):
