@@ -2,10 +2,12 @@
  *
  * The prompt is the agent's instructions, the project notes (AGENTS.md, else CLAUDE.md, from
  * the sandbox's working directory), the tool roster, today's date, the working directory and
- * its top-level listing. It is recorded as `system_prompt` (id system:<n>) and read back from
- * the stream afterwards, so every turn and every later attempt sees the same text; it is
- * composed again only after a compaction (system:<compactions + 1>). A prompt is frozen only
- * when every part of it was read: toold failing leaves a fault, never a partial prompt.
+ * its top-level listing: the notes and the listing come from one Sandbox.Glance (a toold
+ * without it is read with ReadFile and ReadDir). It is recorded as `system_prompt` (id
+ * system:<n>) and read back from the stream afterwards, so every turn and every later attempt
+ * sees the same text; it is composed again only after a compaction (system:<compactions + 1>).
+ * A prompt is frozen only when every part of it was read: toold failing leaves a fault, never a
+ * partial prompt.
  */
 #include "drive.h"
 #include "mem.h"
@@ -22,62 +24,111 @@
 #define NOTES_MAX 65536
 #define LISTING_MAX 200
 
-/* add_notes appends the project notes; false (with a fault) when toold failed. */
-static bool add_notes(struct drive *d, struct rpc_channel *ch, struct buf *b)
+static const char *const NOTES[] = {"AGENTS.md", "CLAUDE.md"};
+
+/* What the prompt shows of the sandbox: the project notes and the top-level listing. */
+struct sandbox_view {
+    ProtobufCMessage *glance;  /* a GlanceResponse, or NULL (the older calls answered) */
+    ProtobufCMessage *notes;   /* a ReadFileResponse (older calls), or NULL */
+    ProtobufCMessage *listing; /* a ReadDirResponse (older calls), or NULL */
+    const char *notes_name;    /* NULL: no notes */
+    const uint8_t *notes_data;
+    size_t notes_len;
+    Cflue__V1__FileInfo **entries;
+    size_t n_entries;
+    bool more_entries;
+};
+
+/* view_by_calls fills v with ReadFile and ReadDir, for a toold without Glance; false (with a
+ * fault) when toold failed. */
+static bool view_by_calls(struct drive *d, struct rpc_channel *ch, struct sandbox_view *v)
 {
-    const char *notes[] = {"AGENTS.md", "CLAUDE.md"};
-    for (int i = 0; i < 2; i++) {
+    struct rpc_status st;
+    for (int i = 0; i < 2 && !v->notes; i++) {
         Cflue__V1__ReadFileRequest rq = CFLUE__V1__READ_FILE_REQUEST__INIT;
-        ProtobufCMessage *resp;
-        struct rpc_status st;
         rq.sandbox = d->workspace;
-        rq.path = (char *)notes[i];
+        rq.path = (char *)NOTES[i];
         if (rpc_unary(ch, "/cflue.v1.Sandbox/ReadFile", &rq.base,
-                      &cflue__v1__read_file_response__descriptor, SANDBOX_TIMEOUT_MS, &resp, &st)) {
-            Cflue__V1__ReadFileResponse *f = (Cflue__V1__ReadFileResponse *)resp;
-            buf_printf(b, "\n\n## Project notes (%s)\n\n", notes[i]);
-            utf8_sanitize(b, (const char *)f->data.data,
-                          f->data.len > NOTES_MAX ? NOTES_MAX : f->data.len);
-            protobuf_c_message_free_unpacked(resp, NULL);
-            return true;
-        }
-        if (tools_failed(d, "reading the project notes failed", &st)) {
+                      &cflue__v1__read_file_response__descriptor, SANDBOX_TIMEOUT_MS, &v->notes,
+                      &st)) {
+            const Cflue__V1__ReadFileResponse *f = (const void *)v->notes;
+            v->notes_name = NOTES[i];
+            v->notes_data = f->data.data;
+            v->notes_len = f->data.len > NOTES_MAX ? NOTES_MAX : f->data.len;
+        } else if (tools_failed(d, "reading the project notes failed", &st)) {
             return false;
         }
     }
-    return true;
-}
-
-/* add_listing appends the working directory and its top-level entries; false (with a fault)
- * when toold failed. */
-static bool add_listing(struct drive *d, struct rpc_channel *ch, struct buf *b,
-                        const Cflue__V1__ListToolsResponse *tools)
-{
     Cflue__V1__ReadDirRequest rq = CFLUE__V1__READ_DIR_REQUEST__INIT;
-    ProtobufCMessage *resp;
-    struct rpc_status st;
     rq.sandbox = d->workspace;
     rq.path = ".";
     rq.page_size = LISTING_MAX;
+    if (!rpc_unary(ch, "/cflue.v1.Sandbox/ReadDir", &rq.base,
+                   &cflue__v1__read_dir_response__descriptor, SANDBOX_TIMEOUT_MS, &v->listing,
+                   &st)) {
+        return !tools_failed(d, "listing the working directory failed", &st);
+    }
+    const Cflue__V1__ReadDirResponse *r = (const void *)v->listing;
+    v->entries = r->entries;
+    v->n_entries = r->n_entries;
+    v->more_entries = *r->next_page_token != '\0';
+    return true;
+}
+
+/* view_sandbox fills v in one Sandbox.Glance (the older calls when toold has none); false
+ * (with a fault) when toold failed: no prompt is composed from a partial environment. */
+static bool view_sandbox(struct drive *d, struct rpc_channel *ch, struct sandbox_view *v)
+{
+    Cflue__V1__GlanceRequest rq = CFLUE__V1__GLANCE_REQUEST__INIT;
+    struct rpc_status st;
+    rq.sandbox = d->workspace;
+    rq.files = (char **)NOTES;
+    rq.n_files = 2;
+    rq.max_file_bytes = NOTES_MAX;
+    rq.max_entries = LISTING_MAX;
+    if (rpc_unary(ch, "/cflue.v1.Sandbox/Glance", &rq.base, &cflue__v1__glance_response__descriptor,
+                  SANDBOX_TIMEOUT_MS, &v->glance, &st)) {
+        const Cflue__V1__GlanceResponse *g = (const void *)v->glance;
+        v->notes_name = *g->file ? g->file : NULL;
+        v->notes_data = g->file_data.data;
+        v->notes_len = g->file_data.len > NOTES_MAX ? NOTES_MAX : g->file_data.len;
+        v->entries = g->entries;
+        v->n_entries = g->n_entries;
+        v->more_entries = g->more_entries;
+        return true;
+    }
+    if (st.code == GRPC_STATUS_UNIMPLEMENTED) {
+        return view_by_calls(d, ch, v);
+    }
+    return !tools_failed(d, "looking at the sandbox failed", &st);
+}
+
+static void view_cleanup(struct sandbox_view *v)
+{
+    ProtobufCMessage *msgs[] = {v->glance, v->notes, v->listing};
+    for (int i = 0; i < 3; i++) {
+        if (msgs[i]) {
+            protobuf_c_message_free_unpacked(msgs[i], NULL);
+        }
+    }
+}
+
+/* add_listing appends the working directory and its top-level entries. */
+static void add_listing(struct buf *b, const struct sandbox_view *v,
+                        const Cflue__V1__ListToolsResponse *tools)
+{
     if (tools && *tools->working_directory) {
         buf_printf(b, "\nWorking directory: %s", tools->working_directory);
     }
-    if (!rpc_unary(ch, "/cflue.v1.Sandbox/ReadDir", &rq.base,
-                   &cflue__v1__read_dir_response__descriptor, SANDBOX_TIMEOUT_MS, &resp, &st)) {
-        return !tools_failed(d, "listing the working directory failed", &st);
-    }
-    Cflue__V1__ReadDirResponse *r = (Cflue__V1__ReadDirResponse *)resp;
     buf_append_str(b, "\nTop-level entries of the working directory:");
-    size_t shown = r->n_entries < LISTING_MAX ? r->n_entries : LISTING_MAX;
+    size_t shown = v->n_entries < LISTING_MAX ? v->n_entries : LISTING_MAX;
     for (size_t i = 0; i < shown; i++) {
-        bool dir = r->entries[i]->type == CFLUE__V1__FILE_TYPE__FILE_TYPE_DIRECTORY;
-        buf_printf(b, "\n  %s%s", r->entries[i]->name, dir ? "/" : "");
+        bool dir = v->entries[i]->type == CFLUE__V1__FILE_TYPE__FILE_TYPE_DIRECTORY;
+        buf_printf(b, "\n  %s%s", v->entries[i]->name, dir ? "/" : "");
     }
-    if (r->n_entries > shown || *r->next_page_token) {
+    if (v->n_entries > shown || v->more_entries) {
         buf_append_str(b, "\n  ... and more");
     }
-    protobuf_c_message_free_unpacked(resp, NULL);
-    return true;
 }
 
 char *prompt_compose(struct drive *d, const Cflue__V1__ListToolsResponse *tools)
@@ -88,12 +139,17 @@ char *prompt_compose(struct drive *d, const Cflue__V1__ListToolsResponse *tools)
     struct tm tm;
     gmtime_r(&now, &tm);
     strftime(when, sizeof(when), "%Y-%m-%d", &tm);
+    struct rpc_channel *ch = tools_channel(d);
+    struct sandbox_view v = {0};
+    if (ch && !view_sandbox(d, ch, &v)) {
+        view_cleanup(&v);
+        return NULL;
+    }
     buf_init(&b, 1 << 20);
     buf_append_str(&b, d->agent->instructions);
-    struct rpc_channel *ch = tools_channel(d);
-    if (ch && !add_notes(d, ch, &b)) {
-        buf_cleanup(&b);
-        return NULL;
+    if (v.notes_name) {
+        buf_printf(&b, "\n\n## Project notes (%s)\n\n", v.notes_name);
+        utf8_sanitize(&b, (const char *)v.notes_data, v.notes_len);
     }
     if (tools && tools->n_tools) {
         buf_append_str(&b, "\n\n## Tools you can call\n");
@@ -105,10 +161,10 @@ char *prompt_compose(struct drive *d, const Cflue__V1__ListToolsResponse *tools)
         }
     }
     buf_printf(&b, "\n\n## Environment\n\nToday's date: %s", when);
-    if (ch && !add_listing(d, ch, &b, tools)) {
-        buf_cleanup(&b);
-        return NULL;
+    if (ch) {
+        add_listing(&b, &v, tools);
     }
+    view_cleanup(&v);
     return buf_take(&b);
 }
 

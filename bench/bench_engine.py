@@ -130,8 +130,7 @@ GO = 'BENCH-ENGINE-GO'          # the user message (must not contain "hello")
 FILE_MARK = 'BENCH-FILE-165K'   # first line of the file the model reads
 BIG_FILE = 'big.txt'
 BIG_BYTES = 165 * 1000
-MODEL_HOW = ('a scripted scenario with match steps (no fake-model brain plays this scenario '
-             'yet; see bench/README.md), TCP_NODELAY set on the fake model')
+MODEL_HOW = "the fake model's bench brain (stateless), TCP_NODELAY set on the fake model"
 
 
 def big_file_text():
@@ -143,22 +142,6 @@ def big_file_text():
         n += 1
     text = '\n'.join(lines) + '\n'
     return text[:BIG_BYTES - 1] + '\n'
-
-
-def scenario(conversations, delay_ms=0):
-    """Fake-model steps for `conversations` runs of the 3-call scenario, in any interleaving:
-    each step matches only the request it answers (and 5% spare for model retries)."""
-    n = conversations + max(2, conversations // 20)
-    extra = {'delay_ms': delay_ms} if delay_ms else {}
-    one = [
-        dict({'match': {'last_user_contains': GO},
-              'tool_calls': [{'name': 'bash', 'arguments': {'command': 'echo hello'}}]}, **extra),
-        dict({'match': {'last_user_contains': 'hello'},
-              'tool_calls': [{'name': 'read', 'arguments': {'path': BIG_FILE}}]}, **extra),
-        dict({'match': {'last_user_contains': FILE_MARK},
-              'text': 'Done: the file starts with %s.' % FILE_MARK}, **extra),
-    ]
-    return one * n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,9 +234,10 @@ class FakeModel(H.FakeModel):
     """The harness's fake model on a chosen port, with TCP_NODELAY, logging only when asked
     (the log re-encodes every request body: a cost the real model does not have)."""
 
-    def __init__(self, workdir, port=0, log=False):
+    def __init__(self, workdir, port=0, log=False, delay_ms=0):
         self.want_port, self.want_log = port, log
-        super(FakeModel, self).__init__(steps=None, workdir=workdir, extra_args=['--quiet'])
+        super(FakeModel, self).__init__(steps=None, workdir=workdir, extra_args=[
+            '--quiet', '--brain', 'bench', '--delay-ms', str(delay_ms)])
 
     def command(self):
         cmd = [H.FAKE_MODEL_PYTHON, '-c', FAKE_MODEL_NODELAY, '--port', str(self.want_port)]
@@ -310,7 +294,7 @@ class StracedAgentd(H.Agentd):
 class Stack(object):
     """storaged + toold + fake model + agentd in one temporary directory."""
 
-    def __init__(self, root, name, model_log=False, store_env=None):
+    def __init__(self, root, name, model_log=False, store_env=None, model_delay_ms=0):
         self.dir = os.path.join(root, name)
         os.makedirs(self.dir)
         self.daemons = []
@@ -320,7 +304,9 @@ class Stack(object):
         with open(os.path.join(ws, BIG_FILE), 'w') as f:
             f.write(big_file_text())
         self._add(self.td.start())
-        self.fm = self._add(FakeModel(self._sub('fake_model'), log=model_log))
+        self.model_delay_ms = model_delay_ms
+        self.fm = self._add(FakeModel(self._sub('fake_model'), log=model_log,
+                                      delay_ms=model_delay_ms))
         self.agents = self._sub('agents')
         with open(os.path.join(self.agents, AGENT + '.md'), 'w') as f:
             f.write('---\nname: %s\ndescription: the engine benchmark\nmodel: anthropic/bench-1\n'
@@ -350,7 +336,8 @@ class Stack(object):
         port = self.fm.port
         self.fm.close()
         self.daemons.remove(self.fm)
-        self.fm = self._add(FakeModel(self._sub('fake_model2'), port=port, log=log))
+        self.fm = self._add(FakeModel(self._sub('fake_model2'), port=port, log=log,
+                                      delay_ms=self.model_delay_ms))
 
     def pids(self):
         return {'storaged': self.sd.pid, 'agentd': self.ad.pid, 'toold': self.td.pid}
@@ -453,7 +440,6 @@ def model_requests(stack):
 def replay_model_time(stack, bodies, reps=20):
     """The fake model's own time for one conversation: the three requests agentd sent, sent
     again directly (one keep-alive connection), median of reps each, summed."""
-    stack.fm.set_scenario(scenario(reps + 2))
     conn = http.client.HTTPConnection('127.0.0.1', stack.fm.port, timeout=30)
     total = 0.0
     for body in bodies:
@@ -471,6 +457,20 @@ def replay_model_time(stack, bodies, reps=20):
                 raise RuntimeError('the fake model answered a replay with %d' % r.status)
         total += statistics.median(samples)
     conn.close()
+    return total
+
+
+def tools_own_time(stack, reps=20):
+    """The tools' own time for one conversation: its two calls (`bash echo hello`, `read` of the
+    file) sent to toold directly with Tools.Execute, median of reps each, summed."""
+    total = 0.0
+    for name, args in (('bash', {'command': 'echo hello'}), ('read', {'path': BIG_FILE})):
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            stack.td.execute(AGENT, name, args)
+            samples.append(time.perf_counter() - t0)
+        total += statistics.median(samples)
     return total
 
 
@@ -511,7 +511,6 @@ def section1(root, a):
     conversations = 0
     try:
         # warm up, and capture the three requests agentd sends for one conversation
-        stack.fm.set_scenario(scenario(5))
         for _ in range(3):
             _, _, oc = one_conversation(stack.calls)
             conversations += 1
@@ -519,9 +518,9 @@ def section1(root, a):
         bodies = [r['body'] for r in reqs[-3:]]
         stack.restart_model(log=False)
         model_conv = replay_model_time(stack, bodies)
+        tools_conv = tools_own_time(stack)
         stats0 = stack.fm.stats()
 
-        stack.fm.set_scenario(scenario(n_seq))
         req0 = model_requests(stack)
         c0 = phase_cpu(stack)
         lat, _, outcomes, wall = run_conversations(stack.calls, n_seq, 1)
@@ -536,7 +535,10 @@ def section1(root, a):
         line('Submit -> settled p95, sequential', ms(pct(lat, 95)))
         line("fake model's own time per conversation", ms(model_conv) +
              ' (its 3 requests replayed directly, median of 20 each)')
-        line('engine time per conversation (median - model)', ms(med - model_conv))
+        line("tools' own time per conversation", ms(tools_conv) +
+             ' (bash echo hello and the read, sent to toold directly, median of 20 each)')
+        line('engine time per conversation (median - model - tools)',
+             ms(med - model_conv - tools_conv))
         daemon_total = 0.0
         for k in ('storaged', 'agentd', 'toold'):
             per = cpu[k] / n_seq
@@ -547,7 +549,6 @@ def section1(root, a):
         line('fake model CPU per conversation', ms(cpu['fake model'] / n_seq))
 
         # throughput with 10 in flight
-        stack.fm.set_scenario(scenario(n_tp))
         c0 = phase_cpu(stack, [('client', os.getpid())])
         s0 = self_cpu_s()
         lat, _, outcomes, wall = run_conversations(stack.calls, n_tp, 10)
@@ -583,7 +584,6 @@ def section1(root, a):
             stack.ad.close()
             stack.daemons.remove(stack.ad)
             stack.start_agentd(StracedAgentd, trace)
-            stack.fm.set_scenario(scenario(n_c))
             lat_c, _, oc_c, _ = run_conversations(stack.calls, n_c, 10)
             conversations += n_c
             conns = stack.ad.connects_to(stack.fm.port)
@@ -622,9 +622,8 @@ def section2(root, a):
     delay_ms = 1000
     model_s = 3 * delay_ms / 1000.0
     print('\n== 2. fake model answering each call after 1 s: %d conversations in flight ==' % n)
-    stack = Stack(root, 's2')
+    stack = Stack(root, 's2', model_delay_ms=delay_ms)
     try:
-        stack.fm.set_scenario(scenario(n, delay_ms=delay_ms))
         pid = stack.ad.pid
         thr = Sampler(lambda: threads(pid))
         starts = {}
@@ -657,7 +656,7 @@ def section2(root, a):
         for s in done:
             outcomes[done[s][1]] = outcomes.get(done[s][1], 0) + 1
         within = sum(1 for x in lat if x <= 1.5 * model_s)
-        print('  model: %s, delay_ms=%d on every step; all %d submitted in %.1f s%s'
+        print('  model: %s, --delay-ms %d; all %d submitted in %.1f s%s'
               % (MODEL_HOW, delay_ms, len(starts), submit_s,
                  ('; Submit refused %d times' % len(refused)) if refused else ''))
         if len(done) < n:
@@ -694,7 +693,6 @@ def section3(root, a):
     stack = Stack(root, 's3')
     channels, watchers = [], []
     try:
-        stack.fm.set_scenario(scenario(200))
         convs = []
         for _ in range(10):
             sid, conv = submit(stack.calls, AGENT, GO + ': run the steps you are given.')
@@ -780,7 +778,6 @@ def section4(root, a):
         cap = max(a.cap, 600)
         while done < k and time.perf_counter() - t0 < cap:
             m = min(chunk, k - done)
-            stack.fm.set_scenario(scenario(m))
             lat, _, oc, _ = run_conversations(stack.calls, m, 10,
                                               cap_s=cap - (time.perf_counter() - t0))
             done += sum(oc.values())

@@ -632,6 +632,134 @@ static void on_read_dir(struct rpc_call *c, const ProtobufCMessage *msg, void *u
     dirpage_cleanup(&page);
 }
 
+/* ---------- Glance: what a system prompt shows of a sandbox ---------- */
+
+#define GLANCE_FILES_MAX 8
+#define GLANCE_FILE_DEFAULT (64 << 10)
+
+/* read_prefix reads at most max bytes of fd from its start; *truncated when there is more.
+ * The file may change meanwhile: what is returned is what was read. */
+static enum cf_status read_prefix(int fd, const char *shown, size_t max, uint8_t **out,
+                                  size_t *len_out, bool *truncated, struct cf_error *err)
+{
+    uint8_t *data = mem_alloc(max + 1);
+    size_t got = 0;
+    for (;;) {
+        ssize_t r = read(fd, data + got, max + 1 - got);
+        if (r < 0 && errno == EINTR) {
+            continue;
+        }
+        if (r < 0) {
+            int e = errno;
+            free(data);
+            return ws_errno_error(e, "read", shown, err);
+        }
+        got += (size_t)r;
+        if (r == 0 || got == max + 1) {
+            break;
+        }
+    }
+    *truncated = got > max;
+    *len_out = got > max ? max : got;
+    *out = data;
+    return CF_OK;
+}
+
+/* glance_file reads the first of req's files that the sandbox can read into resp; a file
+ * that does not exist, is no regular file or may not be read is skipped (what ReadFile would
+ * answer with an error that is an answer). */
+static enum cf_status glance_file(struct sandbox *sb, const Cflue__V1__GlanceRequest *req,
+                                  Cflue__V1__GlanceResponse *resp, struct cf_error *err)
+{
+    size_t max = req->max_file_bytes ? (size_t)req->max_file_bytes : GLANCE_FILE_DEFAULT;
+    for (size_t i = 0; i < req->n_files; i++) {
+        char rel[WS_PATH_MAX];
+        int fd = -1;
+        struct stat st;
+        enum cf_status rc = ws_relative(sb, req->files[i], rel, sizeof(rel), err);
+        if (rc == CF_OK) {
+            rc = ws_open_regular(sb, rel, req->files[i], &fd, &st, err);
+        }
+        if (rc == CF_OK) {
+            bool truncated = false;
+            rc = read_prefix(fd, req->files[i], max, &resp->file_data.data, &resp->file_data.len,
+                             &truncated, err);
+            resp->file_truncated = truncated; /* protobuf_c_boolean is an int */
+            close(fd);
+            if (rc == CF_OK) {
+                resp->file = req->files[i];
+            }
+            return rc;
+        }
+        if (rc != CF_NOT_FOUND && rc != CF_INVALID && rc != CF_PRECONDITION && rc != CF_RANGE) {
+            return rc; /* the sandbox failing, not an answer about this file */
+        }
+    }
+    return CF_OK;
+}
+
+static void on_glance(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
+{
+    const Cflue__V1__GlanceRequest *req = (const void *)msg;
+    struct cf_error err;
+    struct sandbox *sb;
+    struct dirpage page = {0};
+    Cflue__V1__GlanceResponse resp = CFLUE__V1__GLANCE_RESPONSE__INIT;
+    if (req->n_files > GLANCE_FILES_MAX || req->max_file_bytes < 0 ||
+        req->max_file_bytes > SANDBOX_FILE_MAX || req->max_entries < 0 ||
+        req->max_entries > READ_DIR_PAGE_MAX) {
+        rpc_call_fail(c, CF_INVALID,
+                      "a glance names at most %d files, max_file_bytes 0 to %d and max_entries "
+                      "0 to %d",
+                      GLANCE_FILES_MAX, SANDBOX_FILE_MAX, READ_DIR_PAGE_MAX);
+        return;
+    }
+    if (workspaces_get(server_state.ws, req->sandbox, &sb, &err) != CF_OK ||
+        glance_file(sb, req, &resp, &err) != CF_OK) {
+        rpc_call_fail_error(c, &err);
+        return;
+    }
+    int dirfd = -1;
+    char here[WS_PATH_MAX];
+    struct file_info *infos = NULL;
+    Cflue__V1__FileInfo **entries = NULL;
+    if (req->max_entries > 0 &&
+        (ws_relative(sb, ".", here, sizeof(here), &err) != CF_OK ||
+         ws_open(sb, here, O_PATH | O_DIRECTORY, 0, ".", &dirfd, &err) != CF_OK ||
+         dirpage_select(dirfd, "", (size_t)req->max_entries, call_gone, c, &page, &err) != CF_OK)) {
+        if (dirfd >= 0) {
+            close(dirfd);
+        }
+        free(resp.file_data.data);
+        rpc_call_fail_error(c, &err);
+        return;
+    }
+    infos = mem_alloc(sizeof(*infos) * (page.n + 1));
+    entries = mem_alloc(sizeof(*entries) * (page.n + 1));
+    for (size_t i = 0; i < page.n; i++) {
+        struct stat st;
+        /* an entry removed since the pass is left out */
+        if (fstatat(dirfd, page.names[i], &st, AT_SYMLINK_NOFOLLOW) == 0) {
+            file_info_fill(&infos[resp.n_entries], page.names[i], &st);
+            entries[resp.n_entries] = &infos[resp.n_entries].fi;
+            resp.n_entries++;
+        }
+    }
+    if (dirfd >= 0) {
+        close(dirfd);
+    }
+    resp.entries = entries;
+    resp.more_entries = page.more;
+    resp.working_directory = sb->root;
+    rpc_call_reply(c, &resp.base);
+    free(entries);
+    free(infos);
+    free(resp.file_data.data);
+    if (req->max_entries > 0) {
+        dirpage_cleanup(&page);
+    }
+}
+
 static void on_mkdir(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__MkdirRequest *req = (const void *)msg;
@@ -818,6 +946,7 @@ void toold_register(struct rpc_server *srv, struct workspaces *ws, const struct 
         {"/cflue.v1.Sandbox/Mkdir", &cflue__v1__mkdir_request__descriptor, on_mkdir, RPC_POOL},
         {"/cflue.v1.Sandbox/Remove", &cflue__v1__remove_request__descriptor, on_remove, RPC_POOL},
         {"/cflue.v1.Sandbox/Exec", &cflue__v1__exec_request__descriptor, on_exec, RPC_THREAD},
+        {"/cflue.v1.Sandbox/Glance", &cflue__v1__glance_request__descriptor, on_glance, RPC_POOL},
     };
     rpc_server_add_methods(srv, methods, sizeof(methods) / sizeof(methods[0]), NULL);
     rpc_server_lenient_strings(srv, "/cflue.v1.Tools/Execute");

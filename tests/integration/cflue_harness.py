@@ -792,6 +792,7 @@ if sandbox_pb2 is not None:
         'Mkdir': (sandbox_pb2.MkdirRequest, sandbox_pb2.MkdirResponse),
         'Remove': (sandbox_pb2.RemoveRequest, sandbox_pb2.RemoveResponse),
         'Exec': (sandbox_pb2.ExecRequest, sandbox_pb2.ExecResponse),
+        'Glance': (sandbox_pb2.GlanceRequest, sandbox_pb2.GlanceResponse),
     }
 
 

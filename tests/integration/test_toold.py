@@ -682,6 +682,51 @@ class TestSandboxService(TooldBase):
         self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
         self.assertEqual(error_reason(cm.exception), 'NOT_A_DIRECTORY')
 
+    def test_glance_reads_the_first_readable_note_and_lists_the_top(self):
+        self.sbx('Mkdir', path='AGENTS.md')  # a directory by that name is skipped
+        self.sbx('WriteFile', path='CLAUDE.md', data=b'# notes\n' + b'n' * 100)
+        for i in range(5):
+            self.sbx('WriteFile', path='f%d.txt' % i, data=b'x')
+        g = self.sbx('Glance', files=['missing.md', 'AGENTS.md', 'CLAUDE.md', 'f0.txt'],
+                     max_file_bytes=20, max_entries=3)
+        self.assertEqual((g.file, g.file_data, g.file_truncated),
+                         ('CLAUDE.md', (b'# notes\n' + b'n' * 100)[:20], True))
+        names = sorted(os.listdir(self.host()), key=lambda s: s.encode())
+        self.assertEqual([e.name for e in g.entries], names[:3])
+        self.assertTrue(g.more_entries)
+        self.assertEqual(g.working_directory, os.path.realpath(self.host()))
+        types = {e.name: e.type for e in g.entries}
+        self.assertEqual(types['AGENTS.md'], sandbox_pb2.FILE_TYPE_DIRECTORY)
+        # the whole file (default limit) and the whole listing
+        g = self.sbx('Glance', files=['CLAUDE.md'], max_entries=100)
+        self.assertEqual((len(g.file_data), g.file_truncated, g.more_entries), (108, False, False))
+        self.assertEqual(len(g.entries), len(names))
+        # nothing asked: nothing read, nothing listed
+        g = self.sbx('Glance')
+        self.assertEqual((g.file, g.file_data, len(g.entries)), ('', b'', 0))
+
+    def test_glance_never_reads_outside_the_sandbox(self):
+        outside = os.path.join(self.td.dir, 'secret.txt')
+        with open(outside, 'w') as f:
+            f.write('SECRET')
+        os.symlink(outside, self.host('AGENTS.md'))
+        g = self.sbx('Glance', files=['AGENTS.md', '../secret.txt', outside, 'none.md'],
+                     max_entries=10)
+        self.assertEqual((g.file, g.file_data), ('', b''))
+        self.assertEqual([e.type for e in g.entries if e.name == 'AGENTS.md'],
+                         [sandbox_pb2.FILE_TYPE_SYMLINK])
+
+    def test_glance_refuses_bad_limits(self):
+        for fields in ({'files': ['a'] * 9}, {'max_file_bytes': -1},
+                       {'max_file_bytes': (64 << 20) + 1}, {'max_entries': -1},
+                       {'max_entries': 10001}):
+            with self.assertRaises(grpc.RpcError) as cm:
+                self.sbx('Glance', **fields)
+            self.assertEqual(cm.exception.code(), INVALID_ARGUMENT, fields)
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.td.sandbox('Glance', sandbox='../escape', files=['x'])
+        self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
+
     def test_file_errors_have_reasons(self):
         self.sbx('Mkdir', path='adir')
         with self.assertRaises(grpc.RpcError) as cm:
