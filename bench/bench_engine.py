@@ -148,15 +148,10 @@ def big_file_text():
 # /proc
 # ---------------------------------------------------------------------------------------------
 
-TICK = os.sysconf('SC_CLK_TCK')
 NCPU = os.cpu_count() or 1
 
 
-def cpu_s(pid):
-    """utime + stime of a process (all its threads, live and exited), in seconds."""
-    with open('/proc/%d/stat' % pid) as f:
-        fields = f.read().rsplit(')', 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+cpu_s = H.proc_cpu_seconds
 
 
 def self_cpu_s():
@@ -164,20 +159,12 @@ def self_cpu_s():
     return r.ru_utime + r.ru_stime
 
 
-def status_field(pid, name):
-    with open('/proc/%d/status' % pid) as f:
-        for line in f:
-            if line.startswith(name + ':'):
-                return int(line.split()[1])
-    return 0
-
-
 def rss_kib(pid):
-    return status_field(pid, 'VmRSS')
+    return H.proc_status_field(pid, 'VmRSS')
 
 
 def threads(pid):
-    return status_field(pid, 'Threads')
+    return H.proc_status_field(pid, 'Threads')
 
 
 def raise_nofile():

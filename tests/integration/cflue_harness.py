@@ -400,6 +400,31 @@ class Storaged(Daemon):
             f.seek(start_len)
             return rc, f.read().decode('utf-8', 'replace')
 
+# ---- /proc ----
+
+def proc_cpu_seconds(pid):
+    """utime + stime of a process (all its threads, live and exited), in seconds; 0 when it
+    is gone."""
+    try:
+        with open('/proc/%d/stat' % pid) as f:
+            fields = f.read().rsplit(')', 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+
+
+def proc_status_field(pid, name):
+    """A numeric field of /proc/PID/status ('Threads', 'VmRSS' in KiB); 0 when it is gone."""
+    try:
+        with open('/proc/%d/status' % pid) as f:
+            for line in f:
+                if line.startswith(name + ':'):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 # ---- request builders ----
 
 def message(text='Hello', attachments=()):

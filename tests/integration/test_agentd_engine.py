@@ -20,7 +20,8 @@ import unittest
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cflue_harness import Agentd, FakeModel, Storaged, Toold  # noqa: E402
+from cflue_harness import Agentd, FakeModel, Storaged, Toold, proc_cpu_seconds  # noqa: E402
+from cflue_harness import proc_status_field  # noqa: E402
 from cflue_harness import common_pb2, store_pb2  # noqa: E402
 
 AGENT = 'bench'
@@ -92,26 +93,11 @@ class EngineStack(object):
 
 def cpu_seconds(pids):
     """CPU seconds (user + system) the processes pids and this one have used so far."""
-    total = sum(os.times()[:2])
-    for pid in pids:
-        try:
-            with open('/proc/%d/stat' % pid) as f:
-                v = f.read().rsplit(')', 1)[1].split()
-            total += (int(v[11]) + int(v[12])) / os.sysconf('SC_CLK_TCK')
-        except OSError:
-            pass
-    return total
+    return sum(os.times()[:2]) + sum(proc_cpu_seconds(p) for p in pids)
 
 
 def thread_count(pid):
-    try:
-        with open('/proc/%d/status' % pid) as f:
-            for line in f:
-                if line.startswith('Threads:'):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    return proc_status_field(pid, 'Threads')
 
 
 class EngineLoadTest(unittest.TestCase):
