@@ -460,12 +460,25 @@ def tools_own_time(stack, reps=20):
     return total
 
 
+def children_cpu_s(pid):
+    """cutime + cstime: the CPU of the process's children it reaped (for toold: the commands
+    its tools ran, toold-runner and bash), in seconds."""
+    try:
+        with open('/proc/%d/stat' % pid) as f:
+            fields = f.read().rsplit(')', 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[13]) + int(fields[14])) / float(os.sysconf('SC_CLK_TCK'))
+
+
 def phase_cpu(stack, extra_pids=()):
     pids = dict(stack.pids())
     pids['fake model'] = stack.fm.proc.pid
     for k, v in extra_pids:
         pids[k] = v
-    return {k: cpu_s(p) for k, p in pids.items()}
+    out = {k: cpu_s(p) for k, p in pids.items()}
+    out['commands'] = children_cpu_s(stack.td.pid)
+    return out
 
 
 def cpu_delta(a, b):
@@ -522,6 +535,8 @@ def section1(root, a):
         line('daemon CPU per conversation, summed', ms(daemon_total), '<= 4 ms',
              daemon_total <= 0.004)
         line('fake model CPU per conversation', ms(cpu['fake model'] / n_seq))
+        line("tools' commands CPU per conversation", ms(cpu['commands'] / n_seq) +
+             ' (toold-runner and bash, reaped by toold)')
 
         # throughput with 10 in flight
         c0 = phase_cpu(stack, [('client', os.getpid())])
@@ -537,9 +552,9 @@ def section1(root, a):
               % (n_tp, wall, outcomes_text(outcomes)))
         line('conversations/s, 10 in flight', '%.1f/s' % rate, '>= 200/s', rate >= 200)
         line('  CPU shares of %d cores' % NCPU,
-             'fake model %s, client %s, storaged %s, agentd %s, toold %s'
+             'fake model %s, client %s, storaged %s, agentd %s, toold %s, its commands %s'
              % (share(cpu['fake model']), share(client), share(cpu['storaged']),
-                share(cpu['agentd']), share(cpu['toold'])))
+                share(cpu['agentd']), share(cpu['toold']), share(cpu['commands'])))
         line('  Submit -> settled median / p95 at 10 in flight',
              '%s / %s' % (ms(statistics.median(lat)), ms(pct(lat, 95))))
         line('  daemon CPU per conversation, summed',
