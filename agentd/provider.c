@@ -96,6 +96,9 @@ enum cf_status llm_args_delta(struct buf *args, json_t *piece, struct cf_error *
 
 json_t *llm_tool_schema(const struct llm_tool *t)
 {
+    if (t->schema) {
+        return json_incref(t->schema);
+    }
     json_t *schema = json_loads(t->schema_json ? t->schema_json : "", 0, NULL);
     if (!json_is_object(schema)) {
         json_decref(schema);

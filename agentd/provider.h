@@ -28,6 +28,7 @@ struct llm_tool {
     const char *name;
     const char *description;
     const char *schema_json;
+    json_t *schema; /* schema_json parsed once (owned by whoever filled it), or NULL */
 };
 
 struct llm_call {
@@ -169,8 +170,9 @@ CF_MUST_CHECK enum cf_status llm_text_delta(struct llm_response *out, const stru
  * set) past args' cap. */
 CF_MUST_CHECK enum cf_status llm_args_delta(struct buf *args, json_t *piece, struct cf_error *err);
 
-/* llm_tool_schema returns a tool's parameter schema as a new JSON object ({} when its text is
- * not an object). */
+/* llm_tool_schema returns a tool's parameter schema as a new reference to a JSON object: t's
+ * parsed schema when it has one, else schema_json parsed ({} when its text is not an
+ * object). */
 json_t *llm_tool_schema(const struct llm_tool *t);
 
 /* llm_usage_read copies the integer fields in_key and out_key of a usage object into out's

@@ -109,6 +109,8 @@ void tools_load(struct drive *d)
             ts->tools[i].name = ts->list->tools[i]->name;
             ts->tools[i].description = ts->list->tools[i]->description;
             ts->tools[i].schema_json = ts->list->tools[i]->parameters_json;
+            ts->tools[i].schema = NULL;
+            ts->tools[i].schema = llm_tool_schema(&ts->tools[i]); /* once, not per turn */
         }
     } else if (!tools_failed(d, "listing the sandbox's tools failed", &st)) {
         /* toold answered but refused: that is no tool set either */
@@ -123,6 +125,9 @@ void tools_cleanup(struct drive *d)
 {
     if (d->tools.list) {
         protobuf_c_message_free_unpacked(&d->tools.list->base, NULL);
+    }
+    for (size_t i = 0; d->tools.tools && i < d->tools.n; i++) {
+        json_decref(d->tools.tools[i].schema);
     }
     free(d->tools.tools);
     memset(&d->tools, 0, sizeof(d->tools));

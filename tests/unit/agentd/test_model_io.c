@@ -138,7 +138,8 @@ static void scenario(const char *steps_json)
 static const struct llm_tool k_tools[] = {
     {"bash", "Run a command",
      "{\"type\":\"object\",\"properties\":{\"command\":{\"type\":"
-     "\"string\"}},\"required\":[\"command\"]}"},
+     "\"string\"}},\"required\":[\"command\"]}",
+     NULL},
 };
 
 struct texts {
