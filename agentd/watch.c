@@ -688,6 +688,19 @@ void watch_start(struct rpc_call *c, const Cflue__V1__WatchRequest *req)
     fin_run(fl);
 }
 
+/* reply_locked finishes w with *sub as its answer (taken: *sub is NULL afterwards); the
+ * returned fin replies once mu is released (fin_run). */
+static struct fin *reply_locked(struct watcher *w, Cflue__V1__Submission **sub)
+{
+    struct fin *f = mem_alloc(sizeof(*f));
+    w->finished = true;
+    f->call = w->call;
+    f->reply = true;
+    f->msg = &(*sub)->base;
+    *sub = NULL;
+    return f;
+}
+
 /* local_done answers a wait parked on a drive of this process (settled_here.c): with the
  * settled submission, or (sub NULL) by taking the storaged path. Drops the registration's
  * reference. */
@@ -699,13 +712,7 @@ static void local_done(struct here_waiter *hw, Cflue__V1__Submission *sub)
     if (w->finished) {
         /* the caller went away meanwhile */
     } else if (sub) {
-        w->finished = true;
-        struct fin *f = mem_alloc(sizeof(*f));
-        f->call = w->call;
-        f->reply = true;
-        f->msg = &sub->base;
-        sub = NULL;
-        fl = f;
+        fl = reply_locked(w, &sub);
     } else {
         schedule_locked(w); /* Get, GetConversation, Follow: as if it had not been here */
     }
@@ -742,13 +749,7 @@ static bool wait_here(struct watcher *w)
     struct fin *fl = NULL;
     pthread_mutex_lock(&g.mu);
     if (!w->finished) {
-        w->finished = true;
-        struct fin *f = mem_alloc(sizeof(*f));
-        f->call = w->call;
-        f->reply = true;
-        f->msg = &sub->base;
-        sub = NULL;
-        fl = f;
+        fl = reply_locked(w, &sub);
     }
     pthread_mutex_unlock(&g.mu);
     if (sub) {

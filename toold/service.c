@@ -435,21 +435,22 @@ static enum cf_status file_too_large(struct cf_error *err, const char *shown, si
                          "%s is over %zu bytes, the most ReadFile returns", shown, max);
 }
 
-/* read_whole reads fd to its end, at most max bytes (CF_TOOBIG past that), in bounded steps
- * that stop when the caller leaves. The file may change meanwhile: what is returned is what
- * was read, never more than max. */
-static enum cf_status read_whole(struct rpc_call *c, int fd, const char *shown, size_t max,
-                                 uint8_t **out, size_t *len_out, struct cf_error *err)
+/* read_upto reads fd from its start in bounded steps that stop when the caller leaves, at most
+ * max bytes: past that, with truncated NULL the file is too large (CF_TOOBIG), else what was
+ * read is cut at max and *truncated set. The file may change meanwhile: what is returned is
+ * what was read, never more than max. */
+static enum cf_status read_upto(struct rpc_call *c, int fd, const char *shown, size_t max,
+                                bool *truncated, uint8_t **out, size_t *len_out,
+                                struct cf_error *err)
 {
     size_t cap = 64 * 1024, got = 0;
     uint8_t *data = mem_alloc(cap);
+    if (truncated) {
+        *truncated = false;
+    }
     for (;;) {
         if (got == cap) {
-            if (cap > max) {
-                free(data);
-                return file_too_large(err, shown, max);
-            }
-            cap *= 2;
+            cap = cap * 2 < max + 1 ? cap * 2 : max + 1;
             data = mem_realloc(data, cap);
         }
         size_t want = cap - got < (1 << 20) ? cap - got : (1 << 20);
@@ -462,13 +463,18 @@ static enum cf_status read_whole(struct rpc_call *c, int fd, const char *shown, 
             free(data);
             return ws_errno_error(e, "read", shown, err);
         }
-        if (r == 0) {
-            break;
-        }
         got += (size_t)r;
         if (got > max) {
-            free(data);
-            return file_too_large(err, shown, max);
+            if (!truncated) {
+                free(data);
+                return file_too_large(err, shown, max);
+            }
+            *truncated = true;
+            got = max;
+            break;
+        }
+        if (r == 0) {
+            break;
         }
         if (rpc_call_client_gone(c)) {
             free(data);
@@ -491,8 +497,8 @@ static void on_read_file(struct rpc_call *c, const ProtobufCMessage *msg, void *
     }
     enum cf_status rc = t.st.st_size > SANDBOX_FILE_MAX
                             ? file_too_large(&err, req->path, SANDBOX_FILE_MAX)
-                            : read_whole(c, t.fd, req->path, SANDBOX_FILE_MAX, &resp.data.data,
-                                         &resp.data.len, &err);
+                            : read_upto(c, t.fd, req->path, SANDBOX_FILE_MAX, NULL, &resp.data.data,
+                                        &resp.data.len, &err);
     target_close(&t);
     if (rc != CF_OK) {
         rpc_call_fail_error(c, &err);
@@ -637,38 +643,11 @@ static void on_read_dir(struct rpc_call *c, const ProtobufCMessage *msg, void *u
 #define GLANCE_FILES_MAX 8
 #define GLANCE_FILE_DEFAULT (64 << 10)
 
-/* read_prefix reads at most max bytes of fd from its start; *truncated when there is more.
- * The file may change meanwhile: what is returned is what was read. */
-static enum cf_status read_prefix(int fd, const char *shown, size_t max, uint8_t **out,
-                                  size_t *len_out, bool *truncated, struct cf_error *err)
-{
-    uint8_t *data = mem_alloc(max + 1);
-    size_t got = 0;
-    for (;;) {
-        ssize_t r = read(fd, data + got, max + 1 - got);
-        if (r < 0 && errno == EINTR) {
-            continue;
-        }
-        if (r < 0) {
-            int e = errno;
-            free(data);
-            return ws_errno_error(e, "read", shown, err);
-        }
-        got += (size_t)r;
-        if (r == 0 || got == max + 1) {
-            break;
-        }
-    }
-    *truncated = got > max;
-    *len_out = got > max ? max : got;
-    *out = data;
-    return CF_OK;
-}
-
 /* glance_file reads the first of req's files that the sandbox can read into resp; a file
  * that does not exist, is no regular file or may not be read is skipped (what ReadFile would
  * answer with an error that is an answer). */
-static enum cf_status glance_file(struct sandbox *sb, const Cflue__V1__GlanceRequest *req,
+static enum cf_status glance_file(struct rpc_call *c, struct sandbox *sb,
+                                  const Cflue__V1__GlanceRequest *req,
                                   Cflue__V1__GlanceResponse *resp, struct cf_error *err)
 {
     size_t max = req->max_file_bytes ? (size_t)req->max_file_bytes : GLANCE_FILE_DEFAULT;
@@ -682,8 +661,8 @@ static enum cf_status glance_file(struct sandbox *sb, const Cflue__V1__GlanceReq
         }
         if (rc == CF_OK) {
             bool truncated = false;
-            rc = read_prefix(fd, req->files[i], max, &resp->file_data.data, &resp->file_data.len,
-                             &truncated, err);
+            rc = read_upto(c, fd, req->files[i], max, &truncated, &resp->file_data.data,
+                           &resp->file_data.len, err);
             resp->file_truncated = truncated; /* protobuf_c_boolean is an int */
             close(fd);
             if (rc == CF_OK) {
@@ -715,7 +694,7 @@ static void on_glance(struct rpc_call *c, const ProtobufCMessage *msg, void *use
         return;
     }
     if (workspaces_get(server_state.ws, req->sandbox, &sb, &err) != CF_OK ||
-        glance_file(sb, req, &resp, &err) != CF_OK) {
+        glance_file(c, sb, req, &resp, &err) != CF_OK) {
         rpc_call_fail_error(c, &err);
         return;
     }
