@@ -596,8 +596,13 @@ static void poll_aborts(void)
     Cflue__V1__ListRequest lr = CFLUE__V1__LIST_REQUEST__INIT;
     ProtobufCMessage *resp = NULL;
     struct cf_error err;
+    Cflue__V1__SubmissionStatus held[] = {
+        CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING,
+        CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_TERMINALIZING};
     lr.owner_id = (char *)g_agentd.owner_id;
     lr.abort_requested = true;
+    lr.statuses = held; /* not the settled ones: they keep their owner and intent for good */
+    lr.n_statuses = 2;
     lr.page_size = 1000;
     if (store_call(g_agentd.store, "List", &lr.base, &cflue__v1__list_response__descriptor, 5000,
                    &resp, &err) != CF_OK) {

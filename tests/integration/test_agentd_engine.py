@@ -50,13 +50,18 @@ class EngineStack(object):
                 f.write('---\nname: %s\ndescription: the engine test\nmodel: anthropic/bench-1\n'
                         'sandbox:\n  tools: "%s"\n  workspace: bench\n---\n\nAnswer briefly.\n'
                         % (AGENT, self.td.target))
-            env = {'ANTHROPIC_BASE_URL': self.fm.anthropic_base_url, 'ANTHROPIC_API_KEY': 'k'}
-            self.ad = self._add(Agentd(self.sd.target, agents, env=env,
-                                       workdir=self._sub('agentd'),
-                                       extra_args=tuple(agentd_args)))
+            self.agents = agents
+            self.ad = self.add_agentd(agentd_args)
         except BaseException:
             self.remove()
             raise
+
+    def add_agentd(self, agentd_args=()):
+        """One more agentd on this stack's storaged, toold and model."""
+        env = {'ANTHROPIC_BASE_URL': self.fm.anthropic_base_url, 'ANTHROPIC_API_KEY': 'k'}
+        return self._add(Agentd(self.sd.target, self.agents, env=env,
+                                workdir=self._sub('agentd%d' % len(self.daemons)),
+                                extra_args=tuple(agentd_args)))
 
     def _sub(self, name):
         p = os.path.join(self.dir, name)
@@ -200,22 +205,44 @@ class EngineAbortTest(unittest.TestCase):
     def tearDown(self):
         self.stack.remove()
 
-    def test_abort_of_a_drive_parked_on_the_model_settles_at_once(self):
-        ad = self.stack.ad
-        adm = ad.submit(AGENT, 'engine test: run the steps you are given')
-        # parked on the first model call (30 s)
+    def parked_on_the_model(self, ad, n=1):
+        """Submits n conversations through ad; returns their ids once the model has them all
+        (each parked on its first model call: 30 s)."""
+        ids = [ad.submit(AGENT, 'engine test %d: run the steps you are given' % i).submission_id
+               for i in range(n)]
         deadline = time.time() + 10
-        while time.time() < deadline and not self.stack.fm.requests():
+        while time.time() < deadline and len(self.stack.fm.requests()) < n:
             time.sleep(0.05)
-        self.assertTrue(self.stack.fm.requests(), 'the model was never asked')
+        self.assertEqual(len(self.stack.fm.requests()), n, 'the model was not asked')
         time.sleep(0.3)
-        t0 = time.time()
-        ad.abort(submission_id=adm.submission_id)
-        sub = ad.get_submission(adm.submission_id, wait=True, timeout=10)
+        return ids
+
+    def assert_aborted_soon(self, ad, sid, t0, within_s):
+        sub = ad.get_submission(sid, wait=True, timeout=10)
         took = time.time() - t0
         self.assertEqual(sub.status, common_pb2.SUBMISSION_STATUS_SETTLED)
         self.assertEqual(sub.outcome, common_pb2.OUTCOME_ABORTED)
-        self.assertLess(took, 2.0, 'the abort took %.2f s' % took)
+        self.assertLess(took, within_s, 'the abort took %.2f s' % took)
+
+    def test_abort_of_a_drive_parked_on_the_model_settles_at_once(self):
+        ad = self.stack.ad
+        sid = self.parked_on_the_model(ad)[0]
+        t0 = time.time()
+        ad.abort(submission_id=sid)
+        self.assert_aborted_soon(ad, sid, t0, 2.0)
+
+    def test_abort_through_another_agentd_reaches_the_drive_within_a_tick(self):
+        # agentd B has never seen the submission: the durable intent is all it leaves, and the
+        # driving agentd finds it with one List of its aborted work per 500 ms tick
+        ids = self.parked_on_the_model(self.stack.ad, n=20)
+        other = self.stack.add_agentd()
+        t0 = time.time()
+        other.abort(submission_id=ids[7])
+        self.assert_aborted_soon(self.stack.ad, ids[7], t0, 3.0)
+        # the other drives go on (still parked on the model)
+        for sid in ids[:7] + ids[8:]:
+            self.assertNotEqual(self.stack.ad.get_submission(sid).status,
+                                common_pb2.SUBMISSION_STATUS_SETTLED)
 
 
 if __name__ == '__main__':
