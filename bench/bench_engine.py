@@ -598,8 +598,8 @@ def section1(root, a):
         top = sorted(calls.items(), key=lambda kv: -kv[1])
         print('    ' + ', '.join('%s %.1f' % (k, v / float(conversations)) for k, v in top if v))
         print('    (CFLUE_RPC_STATS over storaged\'s life: %d conversations including warm-up; '
-              'the client waits with GetSubmission(wait), which costs Get, GetConversation and '
-              'Follow)' % conversations)
+              'the client waits with GetSubmission(wait): no storaged call when the agentd it '
+              'asks drives the submission)' % conversations)
     finally:
         stack.close()
 
