@@ -15,6 +15,7 @@
 #include "model_io.h"
 #include "pbtime.h"
 #include "thread.h"
+#include "watch.h"
 
 #include <curl/curl.h>
 #include <stdio.h>
@@ -192,6 +193,11 @@ int main(int argc, char **argv)
              d.port, o.store, g_agentd.agents.n, o.owner, o.workers);
 
     daemon_wait_for_stop();
+    int feeds, watchers;
+    watch_counts(&feeds, &watchers);
+    /* what Watch(follow) and GetSubmission(wait) held when the stop came: 0 and 0 once every
+     * caller left (tests/integration/test_watch_outage.py reads it) */
+    log_info("watch.counts", "feeds=%d watchers=%d", feeds, watchers);
     engine_stop();
     daemon_stop_serving(&d);
     engine_join();

@@ -734,9 +734,9 @@ static void on_glance(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     free(entries);
     free(infos);
     free(resp.file_data.data);
-    if (req->max_entries > 0) {
-        dirpage_cleanup(&page);
-    }
+    /* not `if (req->max_entries > 0)`: the reply freed the call and req with it (a
+     * heap-use-after-free under ASan); an unlisted page is still {0}, which cleans up to nothing */
+    dirpage_cleanup(&page);
 }
 
 static void on_mkdir(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
