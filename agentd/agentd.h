@@ -20,7 +20,7 @@ struct drive;
 struct active {
     char submission_id[64];
     char attempt_id[64];
-    char conversation_id[64];
+    char conversation_id[129]; /* ids are at most 128 characters (storaged's limit) */
     int64_t epoch;
     bool in_use;
     bool queued_hint;     /* a message was admitted behind it here: worth a ClaimJoinable */

@@ -119,6 +119,12 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     if (claimed) {
         engine_admit_claimed(r->claim); /* the drive owns the claim now */
         r->claim = NULL;
+    } else if (r->deduplicated &&
+               r->submission->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING &&
+               !strcmp(r->submission->owner_id, g_agentd.owner_id)) {
+        /* a retried Submit whose first Admit claimed it for this process but lost its answer:
+         * no drive holds the lease; take it back now rather than when the lease runs out */
+        engine_take_back(r->submission->submission_id);
     }
     Cflue__V1__Admission out = CFLUE__V1__ADMISSION__INIT;
     out.submission_id = r->submission->submission_id;

@@ -192,6 +192,9 @@ static enum compact_result record_compaction(struct drive *d, const struct llm_r
 enum compact_result compaction_run(struct drive *d, Cflue__V1__CompactionTrigger trigger)
 {
     int64_t tail, before = 0;
+    if (dstore_flush(d) != CF_OK) {
+        return COMPACT_FAILED; /* the cut is chosen by offset: pending records have none yet */
+    }
     int64_t cut = find_cut(d, &tail);
     if (cut < 0) {
         log_info("compaction_skipped", "submission=%s reason=%s", d->sub->submission_id,

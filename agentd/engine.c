@@ -376,6 +376,16 @@ void engine_admit_claimed(Cflue__V1__ClaimResponse *cl)
     admit(cl, RESUME_FIRST_MS);
 }
 
+void engine_take_back(const char *submission_id)
+{
+    if (driven_here(submission_id)) {
+        return;
+    }
+    log_info("take_back", "submission=%s", submission_id);
+    resume_later(submission_id, 0);
+    agentd_wake();
+}
+
 /* retire frees a done drive, filing an interrupted one for a later claim. */
 static void retire(struct drive *d)
 {

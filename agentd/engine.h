@@ -42,6 +42,10 @@ bool engine_has_room(void);
  * takes cl. */
 void engine_admit_claimed(Cflue__V1__ClaimResponse *cl);
 
+/* engine_take_back has the claimer take back, at once, a submission this owner holds that no
+ * drive here runs (an Admit that claimed it lost its answer); nothing when one does. */
+void engine_take_back(const char *submission_id);
+
 /* engine_post makes d ready: an engine thread steps it (drive_run) soon. Thread-safe and
  * non-blocking: the model I/O loop's callbacks call it. A drive posted while it is being
  * stepped is stepped again afterwards. */

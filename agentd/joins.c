@@ -16,6 +16,10 @@
 #include <stdio.h>
 #include <string.h>
 
+/* An Append of joined inputs stops growing past this (storaged's requests are at most 16 MiB
+ * by default, and one message's text up to 4 MiB). */
+#define JOIN_APPEND_BYTES (4 << 20)
+
 Cflue__V1__ListResponse *joins_list(struct drive *d)
 {
     Cflue__V1__ListRequest lr = CFLUE__V1__LIST_REQUEST__INIT;
@@ -112,11 +116,15 @@ int joins_absorb(struct drive *d)
     }
     size_t first_kept = d->n_known, n = *n_field;
     take_submissions(d, resp, subs, n_field);
-    /* every input in one Append (the log may hold some already), then each join made final */
+    /* the inputs in as few Appends as the request limit allows (the log may hold some
+     * already), then each join made final */
     for (size_t i = 0; i < n; i++) {
         const Cflue__V1__Submission *s = d->known[first_kept + i];
         char id[256];
         snprintf(id, sizeof(id), "input:%s", s->submission_id);
+        if (d->log.pending_bytes > JOIN_APPEND_BYTES && dstore_flush(d) != CF_OK) {
+            return 0;
+        }
         if (!rlog_find(&d->log, id) && dstore_append_input(d, id, s) != CF_OK) {
             return 0;
         }

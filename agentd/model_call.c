@@ -215,8 +215,9 @@ static void async_done(void *ctx, enum cf_status rc, const struct cf_error *err)
     if (err && rc != CF_OK) {
         w->err = *err;
     }
-    pthread_mutex_unlock(&w->mu);
+    /* posted under the lock: once the drive sees `done` it may finish and be freed */
     engine_post(d);
+    pthread_mutex_unlock(&w->mu);
 }
 
 /* set_call records the call the drive is parked on, for Abort and shutdown to cancel. */

@@ -112,11 +112,12 @@ void rlog_add_page(struct record_log *log, Cflue__V1__ReadResponse *page)
     }
 }
 
-/* copy_of returns a deep copy of rec that the log will own. */
-static Cflue__V1__Record *copy_of(const Cflue__V1__Record *rec)
+/* copy_of returns a deep copy of rec that the log will own; *len_out its encoded size. */
+static Cflue__V1__Record *copy_of(const Cflue__V1__Record *rec, size_t *len_out)
 {
     /* rec points into the caller's stack and buffers */
     size_t len = protobuf_c_message_get_packed_size(&rec->base);
+    *len_out = len;
     uint8_t *bytes = mem_alloc(len + 1);
     protobuf_c_message_pack(&rec->base, bytes);
     Cflue__V1__Record *copy = cflue__v1__record__unpack(NULL, len, bytes);
@@ -129,24 +130,15 @@ static Cflue__V1__Record *copy_of(const Cflue__V1__Record *rec)
     return copy;
 }
 
-void rlog_add_appended(struct record_log *log, const Cflue__V1__Record *rec, int64_t offset)
-{
-    assert(!log->n_pending);
-    if (rlog_find(log, rec->id)) {
-        return;
-    }
-    Cflue__V1__Record *copy = copy_of(rec);
-    copy->offset = offset;
-    insert(log, copy, add_owner(log, &copy->base));
-}
-
 void rlog_add_pending(struct record_log *log, const Cflue__V1__Record *rec)
 {
     if (rlog_find(log, rec->id)) {
         return;
     }
-    Cflue__V1__Record *copy = copy_of(rec);
+    size_t len;
+    Cflue__V1__Record *copy = copy_of(rec, &len);
     copy->offset = -1;
+    log->pending_bytes += len;
     int owner = add_owner(log, &copy->base);
     if (log->n == log->cap) {
         log->cap = log->cap ? log->cap * 2 : 64;
@@ -177,6 +169,7 @@ void rlog_ack_pending(struct record_log *log, int64_t first_offset)
         log->compactions += r->body_case == CFLUE__V1__RECORD__BODY_COMPACTION;
     }
     log->n_pending = 0;
+    log->pending_bytes = 0;
 }
 
 void rlog_drop_pending(struct record_log *log)
@@ -189,6 +182,7 @@ void rlog_drop_pending(struct record_log *log)
         }
         log->n_pending--;
     }
+    log->pending_bytes = 0;
 }
 
 const Cflue__V1__Record *rlog_find(const struct record_log *log, const char *id)

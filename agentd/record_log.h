@@ -19,9 +19,10 @@ struct record_log {
     int *owner_of; /* recs[i] lives in owners[owner_of[i]] */
     struct rlog_owner *owners;
     size_t n_owners, cap_owners;
-    int64_t last_offset; /* the newest offset read or appended (-1: none) */
-    int compactions;     /* compaction records seen, dropped ones included */
-    size_t n_pending;    /* the last n_pending of recs are pending: not yet stored */
+    int64_t last_offset;  /* the newest offset read or appended (-1: none) */
+    int compactions;      /* compaction records seen, dropped ones included */
+    size_t n_pending;     /* the last n_pending of recs are pending: not yet stored */
+    size_t pending_bytes; /* their encoded size */
 };
 
 /* rlog_init makes an empty log. rlog_cleanup frees it and every record it holds; both are
@@ -33,11 +34,6 @@ void rlog_cleanup(struct record_log *log);
  * already are skipped) and the log owns `page` afterwards (freed when none of its records is
  * left). */
 void rlog_add_page(struct record_log *log, Cflue__V1__ReadResponse *page);
-
-/* rlog_add_appended adds a copy of `rec` (the caller keeps rec) as storaged stored it at
- * `offset`: what a drive appended and storaged acknowledged. A record whose id the log holds
- * already is not added twice (a deduplicated append). */
-void rlog_add_appended(struct record_log *log, const Cflue__V1__Record *rec, int64_t offset);
 
 /* rlog_add_pending adds a copy of `rec` (the caller keeps rec) at the end of the log as
  * PENDING: written by the drive but not yet stored (offset -1). Every lookup sees it; the

@@ -229,8 +229,10 @@ static void on_batch_end(void *arg, const struct rpc_status *st)
     pthread_mutex_lock(&d->tw.mu);
     d->tw.ended = true;
     d->tw.st = *st;
-    pthread_mutex_unlock(&d->tw.mu);
+    /* posted under the lock: once an engine thread sees `ended` the drive may finish and be
+     * freed, so nothing here may touch d after the unlock */
     engine_post(d);
+    pthread_mutex_unlock(&d->tw.mu);
 }
 
 static const struct rpc_astream_ops batch_ops = {.on_message = on_result, .on_end = on_batch_end};

@@ -725,12 +725,15 @@ static void local_done(struct here_waiter *hw, Cflue__V1__Submission *sub)
 }
 
 /* wait_here answers w from this process when it can: true when w is answered or parked on a
- * local drive, false when it must take the storaged path. */
+ * local drive, false when it must take the storaged path (the caller then has a reference of
+ * wait_here's for it). */
 static bool wait_here(struct watcher *w)
 {
     Cflue__V1__Submission *sub = NULL;
     pthread_mutex_lock(&g.mu);
-    w->refs++; /* the local registration, if parked */
+    /* one for the local registration (if parked), one for this thread: once registered, the
+     * answer may come and drop the first at once */
+    w->refs += 2;
     pthread_mutex_unlock(&g.mu);
     enum here_answer a = here_wait(&w->here, local_done, w->submission_id, &sub);
     if (a == HERE_PARKED) {
@@ -740,11 +743,12 @@ static bool wait_here(struct watcher *w)
         if (gone && here_cancel(&w->here)) {
             watcher_unref(w);
         }
+        watcher_unref(w); /* this thread's */
         return true;
     }
     watcher_unref(w); /* not registered */
     if (a == HERE_ELSEWHERE) {
-        return false;
+        return false; /* this thread's reference goes to the caller */
     }
     struct fin *fl = NULL;
     pthread_mutex_lock(&g.mu);
@@ -756,6 +760,7 @@ static bool wait_here(struct watcher *w)
         protobuf_c_message_free_unpacked(&sub->base, NULL);
     }
     fin_run(fl);
+    watcher_unref(w); /* this thread's */
     return true;
 }
 
@@ -771,8 +776,7 @@ void watch_wait_settled(struct rpc_call *c, const char *submission_id)
         return;
     }
     pthread_mutex_lock(&g.mu);
-    w->job = true; /* this worker runs the first step */
-    w->refs++;
+    w->job = true; /* this worker runs the first step, with wait_here's reference */
     pthread_mutex_unlock(&g.mu);
     watcher_work(&w->work);
 }

@@ -734,14 +734,13 @@ void service_register(struct service *svc, struct rpc_server *srv)
         bindings[i].m = &methods[i];
         bindings[i].svc = svc;
         snprintf(path, sizeof(path), "/cflue.v1.Store/%s", methods[i].name);
-        /* On the poller: writes (decoded and queued for the writer thread) and one-row reads
-         * (an indexed lookup costs less than waking a worker). On the pool: Append and Settle
-         * (they check and pack record bodies that may be megabytes) and the reads that return
-         * pages. */
+        /* On the poller: writes (decoded and queued for the writer thread). On the pool: Append
+         * and Settle (they check and pack record bodies that may be megabytes) and every read
+         * (one may open a connection or wait on a busy database, and the poller must keep
+         * answering heartbeats meanwhile). */
         const char *name = methods[i].name;
-        bool point_read = !strcmp(name, "Get") || !strcmp(name, "GetConversation");
         bool records = !strcmp(name, "Append") || !strcmp(name, "Settle");
-        enum rpc_mode mode = point_read || (methods[i].write && !records) ? RPC_INLINE : RPC_POOL;
+        enum rpc_mode mode = methods[i].write && !records ? RPC_INLINE : RPC_POOL;
         rpc_server_add_method(srv, path, methods[i].req_desc, dispatch, &bindings[i], mode);
     }
     svc->srv = srv;

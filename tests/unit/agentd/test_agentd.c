@@ -329,10 +329,13 @@ static void test_record_log(void)
     rlog_add_page(&log, page(ptrs + 2, 2)); /* offset 2 again: skipped */
     CHECK(log.n == 4 && log.last_offset == 3);
     /* an acknowledged append: a copy at storaged's offset */
-    rlog_add_appended(&log, &r[4], 4);
-    rlog_add_appended(&log, &r[4], 4); /* a deduplicated append: once */
-    r[5].offset = 99;                  /* the offset that counts is storaged's */
-    rlog_add_appended(&log, &r[5], 5);
+    rlog_add_pending(&log, &r[4]);
+    rlog_add_pending(&log, &r[4]); /* written twice: once */
+    rlog_ack_pending(&log, 4);
+    rlog_add_pending(&log, &r[4]); /* already stored: not again */
+    r[5].offset = 99;              /* the offset that counts is storaged's */
+    rlog_add_pending(&log, &r[5]);
+    rlog_ack_pending(&log, 5);
     CHECK(log.n == 6 && log.last_offset == 5 && log.compactions == 1);
     CHECK(rlog_find(&log, "system:2") != NULL && rlog_find(&log, "system:2")->offset == 5);
     CHECK(rlog_find(&log, "system:2") != &r[5]);
