@@ -10,6 +10,7 @@
 #include "daemon.h"
 #include "engine.h"
 #include "failpoint.h"
+#include "ids.h"
 #include "log.h"
 #include "mem.h"
 #include "model_io.h"
@@ -18,6 +19,7 @@
 #include "watch.h"
 
 #include <curl/curl.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,19 +69,37 @@ static bool load_definitions(const struct daemon *d, const struct agentd_opts *o
     return true;
 }
 
+#define OWNER_MAX 128 /* storaged's limit on a lease owner's name */
+
 /* default_owner names this process for leases when --owner-id is not given: agentd, the host
- * and the listen address, with every character a lease owner may not hold turned into '_'. */
-static const char *default_owner(char *out, size_t out_len, const char *listen)
+ * and the listen address, with every character a lease owner may not hold turned into '_'.
+ * A listen address on port 0 names no stable instance (every start binds another port, and
+ * agentds started side by side would share the name, so each would take over the others'
+ * running work as its own): the process id and start time are added, and a restart leaves the
+ * old instance's work to lease expiry. A name over OWNER_MAX characters keeps its start and
+ * ends with a hash of the whole. */
+static const char *default_owner(char out[OWNER_MAX + 1], const char *listen)
 {
-    char host[128] = "host";
+    char host[128] = "host", name[512];
     gethostname(host, sizeof(host) - 1);
-    snprintf(out, out_len, "agentd-%s-%s", host, listen);
-    for (char *p = out; *p; p++) {
+    size_t n = strlen(listen);
+    if (n >= 2 && !strcmp(listen + n - 2, ":0")) {
+        snprintf(name, sizeof(name), "agentd-%s-%s-%ld-%lld", host, listen, (long)getpid(),
+                 (long long)clock_now_ms());
+    } else {
+        snprintf(name, sizeof(name), "agentd-%s-%s", host, listen);
+    }
+    for (char *p = name; *p; p++) {
         if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
               *p == '-' || *p == '_' || *p == '.')) {
             *p = '_';
         }
     }
+    if (strlen(name) > OWNER_MAX) {
+        snprintf(name + OWNER_MAX - 17, sizeof(name) - (OWNER_MAX - 17), "-%016" PRIx64,
+                 ids_hash64(name));
+    }
+    snprintf(out, OWNER_MAX + 1, "%s", name);
     return out;
 }
 
@@ -131,7 +151,8 @@ int main(int argc, char **argv)
         CONFIG_OPT_STRING("store", &o.store, "storaged address"),
         CONFIG_OPT_STRING("agents", &o.agents_dir, "directory of agent definitions (NAME.md)"),
         CONFIG_OPT_STRING("owner-id", &o.owner,
-                          "stable name of this process for leases (default: host and port)"),
+                          "stable name of this process for leases (default: host and listen "
+                          "address; on port 0, pid and start time too)"),
         CONFIG_OPT_INT("workers", &o.workers, 1, 1024,
                        "engine threads that step drives (a drive waiting on the model holds none)"),
         CONFIG_OPT_INT("max-drives", &engine_max_drives, 1, ACTIVE_MAX,
@@ -163,9 +184,12 @@ int main(int argc, char **argv)
     if (!load_definitions(&d, &o)) {
         return 1;
     }
-    char owner[256];
+    char owner[OWNER_MAX + 1];
     if (!*o.owner) {
-        o.owner = default_owner(owner, sizeof(owner), d.listen);
+        o.owner = default_owner(owner, d.listen);
+    } else if (!ids_valid_name(o.owner, OWNER_MAX)) {
+        return daemon_say(&d, 2, "--owner-id must be 1 to %d characters of A-Z a-z 0-9 . _ -",
+                          OWNER_MAX);
     }
     set_engine(&o);
     curl_global_init(CURL_GLOBAL_DEFAULT);

@@ -58,3 +58,13 @@ bool ids_valid_name(const char *s, size_t max_len)
     }
     return n >= 1 && n <= max_len && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
 }
+
+uint64_t ids_hash64(const char *s)
+{
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (; s && *s; s++) {
+        h ^= (unsigned char)*s;
+        h *= 0x100000001b3ULL;
+    }
+    return h;
+}

@@ -8,6 +8,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #define IDS_MAX 64 /* enough for any prefix we use, the separator, the ULID and NUL */
 
@@ -17,5 +18,9 @@ void ids_new(char out[IDS_MAX], const char *prefix);
 /* ids_valid_name reports whether s is a safe caller-chosen name or id: 1..max_len characters
  * of [A-Za-z0-9._-], not "." or "..". */
 bool ids_valid_name(const char *s, size_t max_len);
+
+/* ids_hash64 is the 64-bit FNV-1a hash of the string s (NULL hashes as ""): stable across
+ * processes and builds, for names derived from longer ones. Not for security. */
+uint64_t ids_hash64(const char *s);
 
 #endif

@@ -1,6 +1,8 @@
 /* page_token.c - opaque page tokens: hex of "<version><scope hash>|<position>". */
 #include "page_token.h"
 
+#include "ids.h"
+
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -8,21 +10,11 @@
 
 #define TOKEN_VERSION 'p'
 
-static uint64_t fnv1a64(const char *s)
-{
-    uint64_t h = 0xcbf29ce484222325ULL;
-    for (; s && *s; s++) {
-        h ^= (unsigned char)*s;
-        h *= 0x100000001b3ULL;
-    }
-    return h;
-}
-
 void page_token_make(char out[PAGE_TOKEN_MAX], const char *scope, const char *position)
 {
     char plain[PAGE_TOKEN_MAX / 2];
-    int n = snprintf(plain, sizeof(plain), "%c%016" PRIx64 "|%.*s", TOKEN_VERSION, fnv1a64(scope),
-                     PAGE_TOKEN_POSITION_MAX, position ? position : "");
+    int n = snprintf(plain, sizeof(plain), "%c%016" PRIx64 "|%.*s", TOKEN_VERSION,
+                     ids_hash64(scope), PAGE_TOKEN_POSITION_MAX, position ? position : "");
     if (n < 0 || (size_t)n >= sizeof(plain)) {
         n = (int)sizeof(plain) - 1;
     }
@@ -79,7 +71,7 @@ enum cf_status page_token_parse(const char *token, const char *scope,
     }
     plain[len / 2] = '\0';
     char expect[32];
-    snprintf(expect, sizeof(expect), "%c%016" PRIx64 "|", TOKEN_VERSION, fnv1a64(scope));
+    snprintf(expect, sizeof(expect), "%c%016" PRIx64 "|", TOKEN_VERSION, ids_hash64(scope));
     size_t el = strlen(expect);
     if (strncmp(plain, expect, el) != 0 || strlen(plain + el) > PAGE_TOKEN_POSITION_MAX) {
         return bad(err);

@@ -7,11 +7,14 @@ time) plus the CPU work of the run spread over the machine's cores (no schedule 
 drives holding threads through their model calls would take 225 s), and agentd's thread count
 (/proc/PID/status) stays under 64 throughout. An Abort of a
 drive parked on a 30 s model call settles it ABORTED within 2 s (the call is cancelled at
-once, not waited for).
+once, not waited for). Agentds started side by side on port 0 each have an owner of their
+own, so none takes over another's running work.
 """
 import os
+import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -20,7 +23,7 @@ import unittest
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cflue_harness import Agentd, FakeModel, Storaged, Toold, proc_cpu_seconds  # noqa: E402
+from cflue_harness import AGENTD_BIN, Agentd, FakeModel, Storaged, Toold, proc_cpu_seconds  # noqa: E402
 from cflue_harness import proc_status_field  # noqa: E402
 from cflue_harness import common_pb2, store_pb2  # noqa: E402
 
@@ -243,6 +246,35 @@ class EngineAbortTest(unittest.TestCase):
         for sid in ids[:7] + ids[8:]:
             self.assertNotEqual(self.stack.ad.get_submission(sid).status,
                                 common_pb2.SUBMISSION_STATUS_SETTLED)
+
+    def test_a_second_agentd_on_port_0_takes_none_of_the_first_ones_work(self):
+        # Both listen on 127.0.0.1:0, so the listen address names neither: a default owner
+        # made of host and address alone was the same for both, and the second one's start
+        # took the first one's running work over as its own
+        ids = self.parked_on_the_model(self.stack.ad, n=3)
+        before = {s: self.stack.sd.stub.get(store_pb2.GetRequest(submission_id=s), timeout=10)
+                  for s in ids}
+        self.stack.add_agentd()
+        time.sleep(1.0)  # a takeover would come with the second agentd's first Claim
+        owners = set()
+        for sid, old in before.items():
+            now = self.stack.sd.stub.get(store_pb2.GetRequest(submission_id=sid), timeout=10)
+            self.assertEqual((now.status, now.attempt_id, now.owner_id, now.attempt_count),
+                             (old.status, old.attempt_id, old.owner_id, old.attempt_count))
+            owners.add(now.owner_id)
+        self.assertEqual(len(owners), 1)
+        logged = [re.search(r'owner=(\S+)', ad.stderr_text()).group(1)
+                  for ad in (self.stack.ad, self.stack.daemons[-1])]
+        self.assertEqual(logged[0], owners.pop())
+        self.assertNotEqual(logged[0], logged[1])
+
+    def test_an_owner_id_storaged_would_refuse_is_refused_at_start(self):
+        for bad in ('a/b', 'x' * 129, '..'):
+            p = subprocess.run([AGENTD_BIN, '--listen', '127.0.0.1:0', '--store',
+                                self.stack.sd.target, '--agents', self.stack.agents,
+                                '--owner-id', bad], capture_output=True, timeout=30)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn(b'--owner-id must be 1 to 128 characters', p.stderr)
 
 
 if __name__ == '__main__':
