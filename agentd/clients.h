@@ -20,4 +20,8 @@ CF_MUST_CHECK enum cf_status store_call(struct rpc_channel *ch, const char *meth
                                         int64_t timeout_ms, ProtobufCMessage **resp_out,
                                         struct cf_error *err);
 
+/* store_status maps the status of a finished Store call to a cf_status as store_call does
+ * (err filled unless st is OK): for calls made with rpc_acall_start. */
+enum cf_status store_status(const char *method, const struct rpc_status *st, struct cf_error *err);
+
 #endif

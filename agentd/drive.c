@@ -36,7 +36,11 @@
  * MODEL_WAIT (d->parked) until the call's end (or an abort, or a retry's backoff timer) posts
  * it back; model_done then takes the answer. A tool batch does not hold it either: TOOLS starts
  * the batch and the drive parks in TOOLS_WAIT, posted by each result and by the batch's end.
- * Store calls still block the engine thread for their (short) duration. A drive ends in
+ * Appends do not hold it either: the records a turn builds on, an answer's calls before
+ * they run and tool results as they arrive go out as one Append at a time per drive
+ * (dstore_stored, dstore_write_behind), and the drive parks until the Append's end posts it.
+ * The other Store calls (reading the conversation, joins, compaction, the Settle) block the
+ * engine thread for their (short) duration, and only once no Append is in flight. A drive ends in
  * one of three ways (enum drive_end): settled; stopped (lease lost or shutdown: whoever holds the
  * work next continues it); interrupted (storaged or toold failed past the retry window; the first
  * failure is kept in d->fault and the work is claimed again later, each attempt counting against
@@ -319,8 +323,9 @@ static enum drive_state model_done(struct drive *d, enum cf_status rc)
 static enum drive_state step_model(struct drive *d)
 {
     d->more = false;
-    if (!drive_halted(d)) {
-        (void)dstore_flush(d); /* what the turn builds on is durable; the budgets installed */
+    if (!drive_halted(d) && !dstore_stored(d)) {
+        d->parked = true; /* what the turn builds on is made durable (the budgets installed) */
+        return DRIVE_MODEL;
     }
     if (drive_halted(d)) {
         return DRIVE_SETTLE;
@@ -394,13 +399,23 @@ static enum drive_state tools_done(struct drive *d)
 
 static enum drive_state step_tools(struct drive *d)
 {
+    if (!dstore_stored(d)) {
+        d->parked = true; /* the calls are durable before they run */
+        return DRIVE_TOOLS;
+    }
+    if (drive_halted(d)) {
+        return DRIVE_SETTLE;
+    }
     return tools_start(d, &d->answer) ? DRIVE_TOOLS_WAIT : tools_done(d);
 }
 
 /* step_tools_wait parks the drive until the batch is over, recording results as they come. */
 static enum drive_state step_tools_wait(struct drive *d)
 {
-    if (!tools_poll(d)) {
+    dstore_write_behind(d); /* first: a write that failed halts the batch now */
+    bool over = tools_poll(d);
+    dstore_write_behind(d); /* the results so far go out; watchers see them soon */
+    if (!over) {
         d->parked = true;
         return DRIVE_TOOLS_WAIT;
     }
@@ -493,6 +508,7 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
     buf_init(&d->delta, 64 * 1024);
     model_call_init(d);
     tools_wait_init(d);
+    pthread_mutex_init(&d->sw.mu, NULL);
     d->state = DRIVE_START;
     if (!begin_drive(d)) {
         drive_free(d);
@@ -504,13 +520,28 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
     return d;
 }
 
+/* waits_with_writes: the states that take the ends of Appends in flight themselves (every
+ * other state starts only when none is in flight, so its blocking Store calls keep the
+ * stream's order, and the drive ends only then). */
+static bool waits_with_writes(enum drive_state s)
+{
+    return s == DRIVE_MODEL_WAIT || s == DRIVE_TOOLS_WAIT;
+}
+
 bool drive_run(struct drive *d)
 {
     d->parked = false;
-    while (d->state != DRIVE_DONE && !d->parked) {
+    while (!d->parked) {
+        if (!waits_with_writes(d->state) && !dstore_writes_done(d)) {
+            d->parked = true; /* the Append's end or its retry timer posts the drive */
+            break;
+        }
+        if (d->state == DRIVE_DONE) {
+            return true;
+        }
         d->state = steps[d->state](d);
     }
-    return d->state == DRIVE_DONE;
+    return false;
 }
 
 enum drive_end drive_end_of(const struct drive *d)
@@ -532,6 +563,10 @@ void drive_free(struct drive *d)
     model_call_cleanup(d);
     tools_wait_cleanup(d);
     dstore_cleanup(d);
+    if (d->sw.resp) {
+        protobuf_c_message_free_unpacked(d->sw.resp, NULL);
+    }
+    pthread_mutex_destroy(&d->sw.mu);
     buf_cleanup(&d->delta);
     protobuf_c_message_free_unpacked(&d->claim->base, NULL);
     free(d);

@@ -79,6 +79,22 @@ struct model_wait {
     struct llm_events ev;
 };
 
+/* The drive's Append in flight (drive_store.c): at most one at a time, so records reach the
+ * stream in the order written. The fields under mu are written by the call's end (rpc's
+ * client loop); the rest by the engine thread stepping the drive. */
+struct store_write {
+    pthread_mutex_t mu;
+    bool ended;             /* under mu: the call is over; st and resp say how */
+    struct rpc_status st;   /* under mu */
+    ProtobufCMessage *resp; /* under mu: the AppendResponse when st is OK */
+    bool in_flight;         /* sent, and its end not yet taken */
+    size_t n_sent;          /* it carries the first n_sent pending records */
+    bool mark_sent;         /* it stamps the input applied */
+    int64_t first_try_ms;   /* monotonic: the first try of the records not yet stored */
+    int64_t retry_at_ms;    /* monotonic: when the next try is due (0: none waits) */
+    int64_t backoff_ms;     /* the wait before the try after next */
+};
+
 /* What the engine keeps on a drive (engine.c; under the engine's lock). */
 struct engine_link {
     struct engine_queue_item ready; /* in the ready queue; key: admission order */
@@ -120,6 +136,7 @@ struct drive {
     bool parked; /* the last step waits for an event: the engine steps it when posted */
     struct model_wait mw;
     struct tool_wait tw;
+    struct store_write sw;
     struct engine_link eng;
     struct toolset tools;
     char *system_text;
@@ -194,6 +211,22 @@ enum cf_status dstore_defer_one(struct drive *d, const char *id, const char *sub
  * are in d->log at their offsets. Keeps the answer's hints (abort intent, queued count). Any
  * failure but a stale fence is a fault; on any failure the pending records are dropped. */
 enum cf_status dstore_flush(struct drive *d);
+/* dstore_writes_done takes the end of the drive's Append in flight (records acknowledged,
+ * hints kept; a transient failure tried again after a backoff, as dstore_call does, with a
+ * timer posting the drive; any other failure handled as dstore_flush does) and reports whether
+ * none is in flight or waiting to be tried again. Never blocks: the drive parks while false,
+ * and the call's end or the timer posts it. No synchronous Store call may write while one is
+ * in flight (drive_run keeps every state but the waits behind this). */
+bool dstore_writes_done(struct drive *d);
+/* dstore_write_behind is dstore_writes_done, then an Append of the pending records started
+ * when none is in flight (and the drive can still write). For records that must reach the
+ * stream soon but need not be waited for: tool results as they arrive. */
+void dstore_write_behind(struct drive *d);
+/* dstore_stored is dstore_write_behind reporting whether every record written so far is
+ * stored, or can no longer be (a fault, a lost lease, shutdown: drive_broken); the drive parks
+ * while false. The input is stamped applied by the Append that carries it (a Compact request,
+ * with no input record, stamps it with one blocking MarkInputApplied). */
+bool dstore_stored(struct drive *d);
 /* dstore_append_one is dstore_defer_one then dstore_flush: the record is durable on CF_OK. */
 enum cf_status dstore_append_one(struct drive *d, const char *id, const char *submission_id,
                                  ProtobufCMessage *body);
@@ -241,8 +274,9 @@ bool tools_failed(struct drive *d, const char *what, const struct rpc_status *st
 void tools_load(struct drive *d);
 /* tools_cleanup frees d->tools. Idempotent. */
 void tools_cleanup(struct drive *d);
-/* tools_record_result appends the result of call `call_id` (index `index` of turn d->turn);
- * t, when truncated, is recorded with it. A failure is a fault. */
+/* tools_record_result writes the result of call `call_id` (index `index` of turn d->turn)
+ * as a pending record (DRIVE_TOOLS_WAIT writes it behind; the next model turn waits until it
+ * is stored); t, when truncated, is recorded with it. */
 void tools_record_result(struct drive *d, int index, const char *call_id, const char *name,
                          const char *text, bool is_error, const Cflue__V1__Truncation *t,
                          bool outcome_unknown);

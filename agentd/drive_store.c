@@ -16,6 +16,7 @@
 #include "clients.h"
 #include "clock.h"
 #include "drive.h"
+#include "engine.h"
 #include "mem.h"
 #include "pbtime.h"
 #include "record_kind.h"
@@ -27,12 +28,17 @@
 #define STORE_TIMEOUT_MS 15000
 #define STORE_RETRY_MIN_MS 5000 /* a Store call is retried at least this long */
 
+/* store_retry_window: how long a Store call is tried again (as long as the lease lasts). */
+static int64_t store_retry_window(void)
+{
+    return g_agentd.lease_ms > STORE_RETRY_MIN_MS ? g_agentd.lease_ms : STORE_RETRY_MIN_MS;
+}
+
 enum cf_status dstore_call(struct drive *d, const char *method, const ProtobufCMessage *req,
                            const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp)
 {
     int64_t start = clock_mono_ms(), wait = 100;
-    int64_t window =
-        g_agentd.lease_ms > STORE_RETRY_MIN_MS ? g_agentd.lease_ms : STORE_RETRY_MIN_MS;
+    int64_t window = store_retry_window();
     for (d->store_tries = 1;; d->store_tries++) {
         *resp = NULL;
         enum cf_status rc =
@@ -114,10 +120,58 @@ static enum cf_status mark_applied(struct drive *d, Cflue__V1__MarkInputAppliedR
     return CF_OK;
 }
 
-enum cf_status dstore_flush(struct drive *d)
+/* append_request fills req (and mark, limit: the caller's) with the pending records under the
+ * fence, stamping the input applied when d->mark_pending; returns how many records it carries. */
+static size_t append_request(struct drive *d, Cflue__V1__AppendRequest *req,
+                             Cflue__V1__MarkInputAppliedRequest *mark,
+                             Google__Protobuf__Duration *limit)
 {
     size_t n;
     Cflue__V1__Record **recs = rlog_pending(&d->log, &n);
+    if (d->mark_pending) {
+        mark->max_attempts = d->agent->max_attempts;
+        if (d->agent->timeout_ms > 0) {
+            pbdur_set(limit, d->agent->timeout_ms);
+            mark->timeout = limit;
+        }
+        req->mark_input_applied = mark;
+    }
+    req->fence = &d->fence;
+    req->records = recs;
+    req->n_records = n;
+    return n;
+}
+
+/* appended takes an Append's answer: the n records it carried acknowledged at their offsets,
+ * the hints kept, the budgets storaged installed when it stamped the input. */
+static void appended(struct drive *d, const Cflue__V1__AppendResponse *ar, size_t n, bool mark)
+{
+    rlog_ack_pending(&d->log, n, ar->first_offset);
+    take_hints(d, ar->abort_requested, ar->queued);
+    if (mark) {
+        if (ar->submission) {
+            /* the budgets as now installed (the claim carried the defaults) */
+            d->timeout_at_ms = pbtime_ms(ar->submission->deadline);
+        }
+        d->mark_pending = false;
+    }
+}
+
+/* append_failed: the pending records are not in the stream and the drive must not go on as if
+ * they were (a fault), unless the lease is lost (a stale fence). */
+static void append_failed(struct drive *d, enum cf_status rc)
+{
+    rlog_drop_pending(&d->log);
+    d->mark_pending = false;
+    if (rc != CF_STALE) {
+        drive_fault(d, "recording to the conversation failed", &d->err);
+    }
+}
+
+enum cf_status dstore_flush(struct drive *d)
+{
+    size_t n;
+    (void)rlog_pending(&d->log, &n);
     if (!n && !d->mark_pending) {
         return CF_OK;
     }
@@ -125,44 +179,148 @@ enum cf_status dstore_flush(struct drive *d)
     Cflue__V1__MarkInputAppliedRequest mark = CFLUE__V1__MARK_INPUT_APPLIED_REQUEST__INIT;
     Google__Protobuf__Duration limit = GOOGLE__PROTOBUF__DURATION__INIT;
     ProtobufCMessage *resp = NULL;
-    if (d->mark_pending) {
-        mark.max_attempts = d->agent->max_attempts;
-        if (d->agent->timeout_ms > 0) {
-            pbdur_set(&limit, d->agent->timeout_ms);
-            mark.timeout = &limit;
-        }
-        if (!n) {
-            return mark_applied(d, &mark);
-        }
-        req.mark_input_applied = &mark;
+    if (!append_request(d, &req, &mark, &limit)) {
+        return mark_applied(d, &mark);
     }
-    req.fence = &d->fence;
-    req.records = recs;
-    req.n_records = n;
+    bool marks = d->mark_pending;
     enum cf_status rc =
         dstore_call(d, "Append", &req.base, &cflue__v1__append_response__descriptor, &resp);
     if (rc == CF_OK) {
-        const Cflue__V1__AppendResponse *ar = (const Cflue__V1__AppendResponse *)resp;
-        rlog_ack_pending(&d->log, ar->first_offset);
-        take_hints(d, ar->abort_requested, ar->queued);
-        if (d->mark_pending && ar->submission) {
-            /* the budgets as now installed (the claim carried the defaults) */
-            d->timeout_at_ms = pbtime_ms(ar->submission->deadline);
-        }
-        d->mark_pending = false;
+        appended(d, (const Cflue__V1__AppendResponse *)resp, n, marks);
     } else {
-        rlog_drop_pending(&d->log);
-        d->mark_pending = false;
-        if (rc != CF_STALE) {
-            /* a record the drive meant to write is missing: it must not go on as if it were
-             * there */
-            drive_fault(d, "recording to the conversation failed", &d->err);
-        }
+        append_failed(d, rc);
     }
     if (resp) {
         protobuf_c_message_free_unpacked(resp, NULL);
     }
     return rc;
+}
+
+/* ---------- the Append in flight ---------- */
+
+/* on_write_end (rpc's client loop) hands the Append's end to the drive and posts it. */
+static void on_write_end(void *arg, const struct rpc_status *st, ProtobufCMessage *resp)
+{
+    struct drive *d = arg;
+    pthread_mutex_lock(&d->sw.mu);
+    d->sw.ended = true;
+    d->sw.st = *st;
+    d->sw.resp = resp;
+    /* posted under the lock: once an engine thread sees `ended` the drive may finish and be
+     * freed, so nothing here may touch d after the unlock */
+    engine_post(d);
+    pthread_mutex_unlock(&d->sw.mu);
+}
+
+/* send_write starts an Append of every pending record (one at a time per drive). */
+static void send_write(struct drive *d)
+{
+    Cflue__V1__AppendRequest req = CFLUE__V1__APPEND_REQUEST__INIT;
+    Cflue__V1__MarkInputAppliedRequest mark = CFLUE__V1__MARK_INPUT_APPLIED_REQUEST__INIT;
+    Google__Protobuf__Duration limit = GOOGLE__PROTOBUF__DURATION__INIT;
+    struct store_write *w = &d->sw;
+    w->n_sent = append_request(d, &req, &mark, &limit);
+    w->mark_sent = d->mark_pending;
+    w->in_flight = true;
+    if (!w->first_try_ms) {
+        w->first_try_ms = clock_mono_ms();
+        w->backoff_ms = 100;
+        d->store_tries = 0;
+    }
+    d->store_tries++;
+    rpc_acall_start(g_agentd.store, "/cflue.v1.Store/Append", &req.base,
+                    &cflue__v1__append_response__descriptor, STORE_TIMEOUT_MS, on_write_end, d);
+}
+
+/* take_write handles the end of the Append in flight, if it came. */
+static void take_write(struct drive *d)
+{
+    struct store_write *w = &d->sw;
+    pthread_mutex_lock(&w->mu);
+    bool ended = w->ended;
+    struct rpc_status st = w->st;
+    ProtobufCMessage *resp = w->resp;
+    w->ended = false;
+    w->resp = NULL;
+    pthread_mutex_unlock(&w->mu);
+    if (!ended) {
+        return;
+    }
+    w->in_flight = false;
+    enum cf_status rc = store_status("Append", &st, &d->err);
+    if (rc == CF_OK) {
+        appended(d, (const Cflue__V1__AppendResponse *)resp, w->n_sent, w->mark_sent);
+        protobuf_c_message_free_unpacked(resp, NULL);
+        w->first_try_ms = 0;
+        return;
+    }
+    if (rc == CF_STALE) {
+        drive_mark_lease_lost(d); /* ABORTED, STALE_FENCE: another attempt holds the work */
+    }
+    int64_t now = clock_mono_ms();
+    if (drive_transient(rc) && !drive_lost_or_down(d) &&
+        now - w->first_try_ms + w->backoff_ms <= store_retry_window()) {
+        /* the records stay pending; the next try carries them and any written meanwhile */
+        w->retry_at_ms = now + w->backoff_ms + thread_jitter_ms(w->backoff_ms / 2 + 1);
+        w->backoff_ms = w->backoff_ms * 2 < 2000 ? w->backoff_ms * 2 : 2000;
+        engine_post_at(d, w->retry_at_ms);
+        return;
+    }
+    d->store_down = d->store_down || drive_transient(rc);
+    w->first_try_ms = 0;
+    append_failed(d, rc);
+}
+
+bool dstore_writes_done(struct drive *d)
+{
+    struct store_write *w = &d->sw;
+    take_write(d);
+    if (w->in_flight) {
+        return false;
+    }
+    if (w->retry_at_ms) {
+        if (drive_lost_or_down(d)) {
+            /* whoever holds the work next writes it again */
+            w->retry_at_ms = 0;
+            w->first_try_ms = 0;
+            append_failed(d, CF_STALE);
+            return true;
+        }
+        if (clock_mono_ms() < w->retry_at_ms) {
+            return false; /* the timer posts the drive */
+        }
+        w->retry_at_ms = 0;
+        send_write(d);
+        return false;
+    }
+    return true;
+}
+
+void dstore_write_behind(struct drive *d)
+{
+    size_t n;
+    if (dstore_writes_done(d) && rlog_pending(&d->log, &n) && !drive_broken(d)) {
+        send_write(d);
+    }
+}
+
+bool dstore_stored(struct drive *d)
+{
+    size_t n;
+    if (!dstore_writes_done(d)) {
+        return false;
+    }
+    if (drive_broken(d)) {
+        return true;
+    }
+    if (rlog_pending(&d->log, &n)) {
+        send_write(d);
+        return false;
+    }
+    if (d->mark_pending) {
+        (void)dstore_flush(d); /* a Compact request's stamp: no record to carry it */
+    }
+    return true;
 }
 
 enum cf_status dstore_defer_one(struct drive *d, const char *id, const char *submission_id,
@@ -194,7 +352,7 @@ void dstore_settled_hints(struct drive *d, const Cflue__V1__SettleResponse *sr)
     size_t n;
     (void)rlog_pending(&d->log, &n);
     if (n && sr->records_first_offset >= 0) {
-        rlog_ack_pending(&d->log, sr->records_first_offset);
+        rlog_ack_pending(&d->log, n, sr->records_first_offset);
     }
     rlog_drop_pending(&d->log); /* an earlier identical Settle had stored them */
     if (sr->conversation_queued > 0) {

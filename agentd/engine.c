@@ -3,18 +3,19 @@
  * Drives are objects (struct drive) stepped by a small fixed pool of engine threads
  * (--workers). A drive runs its states until it waits on a model call: then it PARKS, holding
  * no thread, and the call's end (on the model I/O loop) only posts it back to the ready queue
- * (engine_post). A tool batch parks the drive the same way (its stream's results post it). A
- * model retry's backoff is a timer on the engine (engine_post_at), not a sleep. Store calls
- * still block the engine thread that steps the drive (short in the usual case), so --workers
- * bounds how many of those run at once, never how many drives are in flight: that is
- * --max-drives.
+ * (engine_post). A tool batch parks the drive the same way (its stream's results post it), and
+ * so does an Append (its end posts it). A model retry's or an Append retry's backoff is a timer
+ * on the engine (engine_post_at), not a sleep. The drive's other Store calls (the Settle,
+ * reads, joins, compaction) still block the engine thread that steps the drive (short in the
+ * usual case), so --workers bounds how many of those run at once, never how many drives are in
+ * flight: that is --max-drives.
  *
  * One claimer thread claims work (queued heads, and leases that expired) while fewer than
  * --max-drives drives are live, woken by Submit and by a settlement (agentd_wake), by a
  * drive's end when all --max-drives were live, and every 500 ms for work admitted elsewhere;
  * it stops at the first empty Claim, so a burst of Submits costs one empty Claim, not one per
  * thread. One heartbeat thread renews every lease
- * in one Heartbeat call and polls abort intents (a bounded number of Gets per tick). Abort,
+ * in one Heartbeat call and polls abort intents (one List of its aborted work per tick). Abort,
  * a lost lease and shutdown set the drive's flag, cancel the model call it is parked on at
  * once (llm_cancel) and post it, so it settles or stops without waiting for the model.
  *

@@ -386,10 +386,9 @@ enum cf_status model_record_answer(struct drive *d, const struct llm_response *r
     body.model = (char *)d->agent->model;
     body.usage = &usage;
     snprintf(id, sizeof(id), "assistant:%s:%d", d->sub->submission_id, d->turn);
-    /* calls are durable before they run (a later attempt must know they started); a final
-     * answer waits for the Settle that carries it */
-    enum cf_status rc = resp->n_calls ? dstore_append_one(d, id, d->sub->submission_id, &body.base)
-                                      : dstore_defer_one(d, id, d->sub->submission_id, &body.base);
+    /* pending: calls are made durable before they run (DRIVE_TOOLS waits for that: a later
+     * attempt must know they started); a final answer waits for the Settle that carries it */
+    enum cf_status rc = dstore_defer_one(d, id, d->sub->submission_id, &body.base);
     free(calls);
     free(ptrs);
     return rc;

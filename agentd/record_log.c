@@ -158,18 +158,23 @@ Cflue__V1__Record **rlog_pending(const struct record_log *log, size_t *n)
     return log->n_pending ? (Cflue__V1__Record **)&log->recs[log->n - log->n_pending] : NULL;
 }
 
-void rlog_ack_pending(struct record_log *log, int64_t first_offset)
+void rlog_ack_pending(struct record_log *log, size_t n, int64_t first_offset)
 {
-    for (size_t i = log->n - log->n_pending; i < log->n; i++) {
+    assert(n <= log->n_pending);
+    for (size_t i = log->n - log->n_pending, end = i + n; i < end; i++) {
         Cflue__V1__Record *r = (Cflue__V1__Record *)log->recs[i];
         r->offset = first_offset++;
         if (r->offset > log->last_offset) {
             log->last_offset = r->offset;
         }
         log->compactions += r->body_case == CFLUE__V1__RECORD__BODY_COMPACTION;
+        size_t len = protobuf_c_message_get_packed_size(&r->base);
+        log->pending_bytes -= len < log->pending_bytes ? len : log->pending_bytes;
     }
-    log->n_pending = 0;
-    log->pending_bytes = 0;
+    log->n_pending -= n;
+    if (!log->n_pending) {
+        log->pending_bytes = 0;
+    }
 }
 
 void rlog_drop_pending(struct record_log *log)

@@ -44,9 +44,10 @@ void rlog_add_pending(struct record_log *log, const Cflue__V1__Record *rec);
 /* rlog_pending returns the pending records in order (*n of them; NULL when none). */
 Cflue__V1__Record **rlog_pending(const struct record_log *log, size_t *n);
 
-/* rlog_ack_pending: storaged stored the pending records at first_offset, first_offset + 1,
- * ...; they are ordinary records from now on. */
-void rlog_ack_pending(struct record_log *log, int64_t first_offset);
+/* rlog_ack_pending: storaged stored the first n pending records (n <= n_pending; those an
+ * Append carried while more were added) at first_offset, first_offset + 1, ...; they are
+ * ordinary records from now on, and the rest stay pending. */
+void rlog_ack_pending(struct record_log *log, size_t n, int64_t first_offset);
 
 /* rlog_drop_pending removes the pending records (their write failed: they are not in the
  * stream). */

@@ -3,9 +3,10 @@
  *
  * The batch holds no thread: it is an event-driven client stream (rpc_astream) whose results
  * and end post the drive, parked in DRIVE_TOOLS_WAIT meanwhile; the engine thread stepping it
- * records each result (one Append) and only then asks for the next. An abort, a lost lease or
- * shutdown posts the drive, which cancels the stream (toold kills the commands) and waits for
- * its end.
+ * records each result (written behind: one Append in flight at a time, never waited for here;
+ * the next turn waits until every result is stored) and then asks for the next. An abort, a lost
+ * lease or shutdown posts the drive, which cancels the stream (toold kills the commands) and waits
+ * for its end.
  *
  * toold itself failing (unreachable, overloaded, a batch broken off) is a fault: the drive
  * ends interrupted, and the calls left without a result get the outcome-unknown result when
@@ -148,7 +149,7 @@ void tools_record_result(struct drive *d, int index, const char *call_id, const 
     body.is_error = is_error;
     body.truncation = t && t->truncated ? (Cflue__V1__Truncation *)t : NULL;
     body.outcome_unknown = outcome_unknown;
-    (void)dstore_append_one(d, id, d->sub->submission_id, &body.base);
+    (void)dstore_defer_one(d, id, d->sub->submission_id, &body.base);
 }
 
 /* prepare fills the batch (d->tw) with the calls toold can run; a call naming no tool of the

@@ -309,6 +309,21 @@ void rpc_astream_next(struct rpc_astream *s);
 /* rpc_astream_release ends the owner's use of s (NULL is fine); see above. */
 void rpc_astream_release(struct rpc_astream *s);
 
+/* ---- event-driven unary calls ----
+ *
+ * rpc_acall_start makes one unary call that holds no thread: on the same process-wide loop
+ * thread as the streams, done(arg, st, resp) runs exactly once when the call is over, with the
+ * decoded response on status OK (the callee takes it: free with
+ * protobuf_c_message_free_unpacked) and NULL otherwise (a response that does not decode is
+ * INTERNAL). done must not block; it may run before rpc_acall_start returns (a call that
+ * cannot start, or a channel cancelled by rpc_channel_cancel_all, which cancels these calls
+ * too). The request is copied: the caller may free it at once. timeout_ms <= 0: no deadline. */
+typedef void (*rpc_acall_done_fn)(void *arg, const struct rpc_status *st, ProtobufCMessage *resp);
+
+void rpc_acall_start(struct rpc_channel *ch, const char *method, const ProtobufCMessage *req,
+                     const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
+                     rpc_acall_done_fn done, void *arg);
+
 /* ---- codec ---- */
 
 /* rpc_pack serializes a message into a new byte buffer (caller destroys it). */

@@ -1,6 +1,8 @@
-/* rpc_client.c - blocking unary and server-streaming calls, and the protobuf-c codec.
+/* rpc_client.c - blocking unary and server-streaming calls, event-driven unary calls and
+ * server streams, and the protobuf-c codec.
  *
- * Each call gets its own pluck completion queue, created and drained with the call. Channels
+ * Each blocking call gets its own pluck completion queue, created and drained with the call;
+ * the event-driven ones share one completion queue and its thread (see below). Channels
  * are shared between threads; calls on one channel multiplex over one HTTP/2 connection.
  *
  * Reconnection: the core's defaults back off up to two minutes between connection attempts,
@@ -436,11 +438,11 @@ bool rpc_stream_finish(struct rpc_stream *s, struct rpc_status *st)
  * backpressure. The stream ends once the status arrived and no read is in flight; then on_end
  * runs (unless the owner released it first) and the stream is freed once released too. */
 
-enum atag_kind { ATAG_OPEN, ATAG_STATUS, ATAG_READ };
+enum atag_kind { ATAG_OPEN, ATAG_STATUS, ATAG_READ, ATAG_UNARY };
 
 struct atag {
     enum atag_kind kind;
-    struct rpc_astream *s;
+    struct rpc_astream *s; /* NULL for ATAG_UNARY */
 };
 
 struct rpc_astream {
@@ -501,6 +503,7 @@ static void on_acomplete(struct atag *t, int success)
     s->pending--;
     switch (t->kind) {
     case ATAG_OPEN:
+    case ATAG_UNARY: /* dispatched to on_aunary_complete by the loop */
         break;
     case ATAG_STATUS:
         s->got_status = true;
@@ -546,6 +549,50 @@ static void on_acomplete(struct atag *t, int success)
     }
 }
 
+/* An event-driven unary call: one batch (send the request, close, receive the metadata, the
+ * response and the status) whose completion on the loop decodes the response and calls done.
+ * The tag is the first member, so the loop finds the call from it. */
+struct rpc_acall {
+    struct atag tag;
+    struct rpc_channel *ch;
+    struct live_call lc;
+    grpc_call *call;
+    const ProtobufCMessageDescriptor *desc;
+    rpc_acall_done_fn done;
+    void *arg;
+    grpc_metadata_array init_md, trail_md;
+    grpc_status_code code;
+    grpc_slice details;
+    grpc_byte_buffer *bb;
+    char method[96];
+};
+
+static void on_aunary_complete(struct atag *t)
+{
+    struct rpc_acall *a = (struct rpc_acall *)t;
+    struct rpc_status st;
+    ProtobufCMessage *resp = NULL;
+    call_end(a->ch, &a->lc, a->code);
+    copy_status(&st, a->code, a->details, &a->trail_md);
+    if (st.code == GRPC_STATUS_OK && (!a->bb || !(resp = rpc_unpack(a->desc, a->bb)))) {
+        st.code = GRPC_STATUS_INTERNAL;
+        snprintf(st.details, sizeof(st.details), "the response to %s did not decode as %s",
+                 a->method, a->desc->name);
+        snprintf(st.reason, sizeof(st.reason), "%s", errinfo_default_reason(st.code));
+    }
+    if (a->bb) {
+        grpc_byte_buffer_destroy(a->bb);
+    }
+    grpc_slice_unref(a->details);
+    grpc_metadata_array_destroy(&a->init_md);
+    grpc_metadata_array_destroy(&a->trail_md);
+    grpc_call_unref(a->call);
+    rpc_acall_done_fn done = a->done;
+    void *arg = a->arg;
+    free(a);
+    done(arg, &st, resp);
+}
+
 static void *aloop_main(void *arg)
 {
     (void)arg;
@@ -557,7 +604,11 @@ static void *aloop_main(void *arg)
         }
         if (ev.type == GRPC_OP_COMPLETE) {
             thread_handoff_acquire(ev.tag);
-            on_acomplete(ev.tag, ev.success);
+            if (((struct atag *)ev.tag)->kind == ATAG_UNARY) {
+                on_aunary_complete(ev.tag);
+            } else {
+                on_acomplete(ev.tag, ev.success);
+            }
         }
     }
 }
@@ -665,6 +716,72 @@ void rpc_astream_release(struct rpc_astream *s)
     }
     grpc_call_cancel(call, NULL); /* completions follow on the loop, which frees s */
     grpc_call_unref(call);
+}
+
+void rpc_acall_start(struct rpc_channel *ch, const char *method, const ProtobufCMessage *req,
+                     const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
+                     rpc_acall_done_fn done, void *arg)
+{
+    pthread_once(&aloop_once, aloop_start);
+    struct rpc_acall *a = mem_alloc(sizeof(*a));
+    memset(a, 0, sizeof(*a));
+    a->tag.kind = ATAG_UNARY;
+    a->ch = ch;
+    a->desc = resp_desc;
+    a->done = done;
+    a->arg = arg;
+    a->code = GRPC_STATUS_UNKNOWN;
+    a->details = grpc_empty_slice();
+    snprintf(a->method, sizeof(a->method), "%s", method);
+    grpc_metadata_array_init(&a->init_md);
+    grpc_metadata_array_init(&a->trail_md);
+    a->call = grpc_channel_create_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, aloop_cq,
+                                       grpc_slice_from_static_string(method), NULL,
+                                       deadline_in(timeout_ms), NULL);
+    grpc_byte_buffer *send = rpc_pack(req);
+    grpc_op ops[6];
+    memset(ops, 0, sizeof(ops));
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = send;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &a->init_md;
+    ops[4].op = GRPC_OP_RECV_MESSAGE;
+    ops[4].data.recv_message.recv_message = &a->bb;
+    ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    ops[5].data.recv_status_on_client.trailing_metadata = &a->trail_md;
+    ops[5].data.recv_status_on_client.status = &a->code;
+    ops[5].data.recv_status_on_client.status_details = &a->details;
+    bool started = false;
+    if (call_begin(ch, &a->lc, a->call)) {
+        thread_handoff_release(&a->tag); /* a is read on the loop thread through its tag */
+        started = grpc_call_start_batch(a->call, ops, 6, &a->tag, NULL) == GRPC_CALL_OK;
+        if (!started) {
+            call_end(ch, &a->lc, GRPC_STATUS_INTERNAL);
+        }
+    }
+    grpc_byte_buffer_destroy(send);
+    if (started) {
+        return; /* the loop calls done */
+    }
+    struct rpc_status st;
+    pthread_mutex_lock(&ch->mu);
+    bool cancelled = ch->cancelled;
+    pthread_mutex_unlock(&ch->mu);
+    if (cancelled) {
+        set_cancelled_status(ch, &st);
+    } else {
+        st.code = GRPC_STATUS_INTERNAL;
+        snprintf(st.details, sizeof(st.details), "the call to %s could not start", method);
+        snprintf(st.reason, sizeof(st.reason), "%s", errinfo_default_reason(st.code));
+    }
+    grpc_slice_unref(a->details);
+    grpc_metadata_array_destroy(&a->init_md);
+    grpc_metadata_array_destroy(&a->trail_md);
+    grpc_call_unref(a->call);
+    free(a);
+    done(arg, &st, NULL);
 }
 
 /* aloop_stop stops the client stream thread (every stream must be over). */

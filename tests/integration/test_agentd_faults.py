@@ -32,7 +32,8 @@ def tool_calls(rec):
     return list(body(rec).tool_calls)
 
 
-class FaultsCase(AgentdCase):
+class FaultsBase(AgentdCase):
+    """The stack and helpers of the fault tests (no tests of its own)."""
     stack_kwargs = {
         'agents': ('runner-anthropic', 'capped', 'brief'),
         'agentd_args': ('--lease-ms', str(LEASE_MS), '--heartbeat-ms', '1000'),
@@ -100,6 +101,8 @@ class FaultsCase(AgentdCase):
         return self.wait_for(what, lambda: [r for r in self.records(conv) if pred(r)],
                              timeout=timeout)
 
+
+class FaultsCase(FaultsBase):
     # ---- storaged down past the retry window while a tool call runs ----
 
     def test_store_outage_during_tool_call_settles_only_a_finished_answer(self):
@@ -267,6 +270,42 @@ class FaultsCase(AgentdCase):
         self.assertLess(took, 3.0, 'agentd took %.1f s to use storaged again' % took)
         sub = self.wait_settled(adm.submission_id, timeout=30)
         self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+
+
+class ShortOutageTest(FaultsBase):
+    """storaged down for a moment, within the retry window (the default 30 s lease): the
+    attempt rides it out. A tool result that arrives while storaged is down is written again
+    once it is back (the Append is tried again on a timer, holding no engine thread)."""
+    stack_kwargs = {'agents': ('runner-anthropic',)}
+
+    def test_a_tool_result_written_during_a_short_outage_is_stored_by_the_same_attempt(self):
+        conv = new_conv('blip')
+        ws = self.workspace(conv)
+        self.fm.set_scenario(bind([
+            {'tool_calls': [{'name': 'bash', 'arguments': {
+                'command': 'sleep 1; date +%s.%N >> effects.txt; echo tool-finished'}}]},
+            {'text': 'Done despite the blip.'}], conv))
+        adm = self.ad.submit('runner-anthropic', 'run it (%s)' % conv, conversation_id=conv)
+        self.wait_record(conv, lambda r: kind(r) == 'assistant_message', 'the tool call')
+        self.stack.sd.kill()
+        down_at = time.time()
+        time.sleep(2.5)
+        up_at = time.time()
+        self.stack.sd.start()
+        sub = self.wait_settled(adm.submission_id, timeout=60)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertEqual(sub.attempt_count, 1, 'the outage cost an attempt')
+        with open(os.path.join(ws, 'effects.txt')) as f:
+            ran = [float(x) for x in f.read().split()]
+        self.assertEqual(len(ran), 1, ran)
+        # the result came while storaged was down: its Append had to be tried again
+        self.assertTrue(down_at < ran[0] < up_at, (down_at, ran, up_at))
+        recs = self.assert_outcome_true(conv, adm.submission_id)
+        results = [body(r) for r in recs if kind(r) == 'tool_result']
+        self.assertEqual(len(results), 1, results)
+        self.assertFalse(results[0].outcome_unknown)
+        self.assertIn('tool-finished', results[0].text)
+        self.assertNotIn('drive_interrupted', self.ad.stderr_text())
 
 
 class RefusedRecordTest(AgentdCase):

@@ -331,11 +331,11 @@ static void test_record_log(void)
     /* an acknowledged append: a copy at storaged's offset */
     rlog_add_pending(&log, &r[4]);
     rlog_add_pending(&log, &r[4]); /* written twice: once */
-    rlog_ack_pending(&log, 4);
+    rlog_ack_pending(&log, log.n_pending, 4);
     rlog_add_pending(&log, &r[4]); /* already stored: not again */
     r[5].offset = 99;              /* the offset that counts is storaged's */
     rlog_add_pending(&log, &r[5]);
-    rlog_ack_pending(&log, 5);
+    rlog_ack_pending(&log, log.n_pending, 5);
     CHECK(log.n == 6 && log.last_offset == 5 && log.compactions == 1);
     CHECK(rlog_find(&log, "system:2") != NULL && rlog_find(&log, "system:2")->offset == 5);
     CHECK(rlog_find(&log, "system:2") != &r[5]);
@@ -400,8 +400,16 @@ static void test_record_log_pending(void)
     CHECK(!strcmp(p[1]->id, "system:1") && p[1]->offset == -1);
     CHECK(rlog_find(&log, "system:1") == p[1] && log.last_offset == 0);
     CHECK(rlog_latest(&log, CFLUE__V1__RECORD__BODY_SYSTEM_PROMPT) == p[1]);
-    rlog_ack_pending(&log, 7);
+    size_t both = log.pending_bytes;
+    /* an Append carried the first one while the second was added: only it is acknowledged */
+    rlog_ack_pending(&log, 1, 7);
+    p = rlog_pending(&log, &n);
+    CHECK(n == 1 && log.n == 3 && p && !strcmp(p[0]->id, "system:1") && p[0]->offset == -1);
+    CHECK(log.last_offset == 7 && log.pending_bytes > 0 && log.pending_bytes < both);
+    CHECK(rlog_find(&log, "input:me")->offset == 7);
+    rlog_ack_pending(&log, 1, 8);
     CHECK(rlog_pending(&log, &n) == NULL && n == 0 && log.n == 3 && log.last_offset == 8);
+    CHECK(log.pending_bytes == 0);
     CHECK(rlog_find(&log, "input:me")->offset == 7 && rlog_find(&log, "system:1")->offset == 8);
     /* a write that failed: its records leave; what was stored stays */
     rlog_add_pending(&log, &r[3]);
@@ -409,7 +417,7 @@ static void test_record_log_pending(void)
     rlog_drop_pending(&log);
     CHECK(log.n == 3 && rlog_find(&log, "compaction:me:1") == NULL && log.compactions == 0);
     rlog_add_pending(&log, &r[3]);
-    rlog_ack_pending(&log, 9);
+    rlog_ack_pending(&log, log.n_pending, 9);
     CHECK(log.compactions == 1 &&
           rlog_latest(&log, CFLUE__V1__RECORD__BODY_COMPACTION)->offset == 9);
     rlog_drop_pending(&log); /* nothing pending: nothing happens */

@@ -992,6 +992,138 @@ static void test_async_client(void)
     rpc_server_free(s);
 }
 
+/* ---- event-driven unary calls (rpc_acall_start) ---- */
+
+struct acaller {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int ended; /* how often done ran */
+    struct rpc_status st;
+    ProtobufCMessage *resp;
+};
+
+static void ac_done(void *arg, const struct rpc_status *st, ProtobufCMessage *resp)
+{
+    struct acaller *a = arg;
+    pthread_mutex_lock(&a->mu);
+    a->st = *st;
+    a->resp = resp;
+    a->ended++;
+    pthread_cond_broadcast(&a->cv);
+    pthread_mutex_unlock(&a->mu);
+}
+
+/* ac_call makes one Get through rpc_acall_start and waits (up to 5 s) for its end. */
+static void ac_call(struct acaller *a, struct rpc_channel *ch, const char *id, int64_t timeout_ms)
+{
+    memset(a, 0, sizeof(*a));
+    pthread_mutex_init(&a->mu, NULL);
+    pthread_cond_init(&a->cv, NULL);
+    Cflue__V1__GetRequest req = CFLUE__V1__GET_REQUEST__INIT;
+    req.submission_id = (char *)id;
+    rpc_acall_start(ch, "/cflue.v1.Store/Get", &req.base, &cflue__v1__submission__descriptor,
+                    timeout_ms, ac_done, a);
+    struct timespec ts;
+    clock_deadline(&ts, 5000);
+    pthread_mutex_lock(&a->mu);
+    while (!a->ended && pthread_cond_timedwait(&a->cv, &a->mu, &ts) == 0) {
+    }
+    pthread_mutex_unlock(&a->mu);
+}
+
+static void ac_free(struct acaller *a)
+{
+    if (a->resp) {
+        protobuf_c_message_free_unpacked(a->resp, NULL);
+    }
+    pthread_mutex_destroy(&a->mu);
+    pthread_cond_destroy(&a->cv);
+}
+
+static void test_async_unary(void)
+{
+    int port;
+    char target[64];
+    struct rpc_server *s = start("127.0.0.1:0", &port);
+    snprintf(target, sizeof(target), "127.0.0.1:%d", port);
+    struct rpc_channel *ch = rpc_channel_new(target, 0);
+    struct acaller a;
+
+    /* an answer: decoded, the caller's */
+    ac_call(&a, ch, "ok", 5000);
+    CHECK(a.ended == 1 && a.st.code == GRPC_STATUS_OK && a.resp);
+    CHECK(a.resp && !strcmp(((Cflue__V1__Submission *)a.resp)->submission_id, "ok"));
+    CHECK(a.resp && ((Cflue__V1__Submission *)a.resp)->attempt_count == 7);
+    ac_free(&a);
+    /* an error: code, message and ErrorInfo reason, no response */
+    ac_call(&a, ch, "stale", 5000);
+    CHECK(a.ended == 1 && a.st.code == GRPC_STATUS_ABORTED && !a.resp);
+    CHECK_STR(a.st.reason, "STALE_FENCE");
+    ac_free(&a);
+    ac_call(&a, ch, "nothing", 5000);
+    CHECK(a.st.code == GRPC_STATUS_NOT_FOUND && strstr(a.st.details, "no submission 'nothing'"));
+    ac_free(&a);
+    /* the deadline passes while the handler works */
+    ac_call(&a, ch, "slow", 100);
+    CHECK(a.ended == 1 && a.st.code == GRPC_STATUS_DEADLINE_EXCEEDED && !a.resp);
+    ac_free(&a);
+    /* a response that does not decode as the type asked for is INTERNAL */
+    memset(&a, 0, sizeof(a));
+    pthread_mutex_init(&a.mu, NULL);
+    pthread_cond_init(&a.cv, NULL);
+    Cflue__V1__GetRequest req = CFLUE__V1__GET_REQUEST__INIT;
+    req.submission_id = "ok";
+    rpc_acall_start(ch, "/cflue.v1.Store/Get", &req.base, &cflue__v1__append_request__descriptor,
+                    5000, ac_done, &a);
+    for (int i = 0; i < 500 && !a.ended; i++) {
+        clock_sleep_ms(10);
+    }
+    pthread_mutex_lock(&a.mu);
+    CHECK(a.ended == 1 && a.st.code == GRPC_STATUS_INTERNAL && !a.resp);
+    CHECK(strstr(a.st.details, "did not decode") != NULL);
+    pthread_mutex_unlock(&a.mu);
+    ac_free(&a);
+    /* many at once, no thread each */
+    int threads1 = threads_now();
+    struct acaller *many = calloc(200, sizeof(*many));
+    for (int i = 0; i < 200; i++) {
+        pthread_mutex_init(&many[i].mu, NULL);
+        pthread_cond_init(&many[i].cv, NULL);
+        rpc_acall_start(ch, "/cflue.v1.Store/Get", &req.base, &cflue__v1__submission__descriptor,
+                        5000, ac_done, &many[i]);
+    }
+    CHECK(threads_now() - threads1 <= 1);
+    for (int i = 0; i < 200; i++) {
+        for (int k = 0; k < 500; k++) {
+            pthread_mutex_lock(&many[i].mu);
+            bool ended = many[i].ended;
+            pthread_mutex_unlock(&many[i].mu);
+            if (ended) {
+                break;
+            }
+            clock_sleep_ms(10);
+        }
+        CHECK(many[i].ended == 1 && many[i].st.code == GRPC_STATUS_OK);
+        ac_free(&many[i]);
+    }
+    free(many);
+    /* a peer that is gone: UNAVAILABLE, at once */
+    rpc_server_shutdown(s, 1000);
+    rpc_server_free(s);
+    int64_t t0 = clock_mono_ms();
+    ac_call(&a, ch, "ok", 5000);
+    CHECK(a.ended == 1 && a.st.code == GRPC_STATUS_UNAVAILABLE && !a.resp);
+    CHECK(clock_mono_ms() - t0 < 3000);
+    ac_free(&a);
+    /* a cancelled channel ends calls CANCELLED without sending them */
+    rpc_channel_cancel_all(ch, "stopping");
+    ac_call(&a, ch, "ok", 5000);
+    CHECK(a.ended == 1 && a.st.code == GRPC_STATUS_CANCELLED);
+    CHECK_STR(a.st.details, "stopping");
+    ac_free(&a);
+    rpc_channel_free(ch);
+}
+
 int main(void)
 {
     char sock[128], listen_addr[160];
@@ -1006,6 +1138,7 @@ int main(void)
     test_async_streams();
     test_async_limit();
     test_async_client();
+    test_async_unary();
     test_reconnect_after_outages();
     rpc_global_shutdown();
     return check_done("test_rpc");
