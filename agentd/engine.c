@@ -599,41 +599,52 @@ static bool heartbeat(const struct active *snap, int n)
     return ok;
 }
 
-/* poll_aborts asks storaged, in one List, which of this owner's running submissions have an
- * abort intent (aborts through this agentd's API arrive at once; this finds those asked
- * through another agentd). */
+/* poll_aborts asks storaged, in one List (a page per 1000 of them), which of this owner's
+ * running submissions have an abort intent (aborts through this agentd's API arrive at once;
+ * this finds those asked through another agentd). */
 static void poll_aborts(void)
 {
-    Cflue__V1__ListRequest lr = CFLUE__V1__LIST_REQUEST__INIT;
-    ProtobufCMessage *resp = NULL;
-    struct cf_error err;
     Cflue__V1__SubmissionStatus held[] = {
         CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING,
         CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_TERMINALIZING};
-    lr.owner_id = (char *)g_agentd.owner_id;
-    lr.abort_requested = true;
-    lr.statuses = held; /* not the settled ones: they keep their owner and intent for good */
-    lr.n_statuses = 2;
-    lr.page_size = 1000;
-    if (store_call(g_agentd.store, "List", &lr.base, &cflue__v1__list_response__descriptor, 5000,
-                   &resp, &err) != CF_OK) {
-        return; /* the next tick asks again */
-    }
-    const Cflue__V1__ListResponse *l = (const Cflue__V1__ListResponse *)resp;
-    for (size_t i = 0; i < l->n_submissions; i++) {
-        const char *id = l->submissions[i]->submission_id;
-        bool fresh = false;
-        pthread_mutex_lock(&g_agentd.mu);
-        for (int k = 0; k < ACTIVE_MAX; k++) {
-            struct active *a = &g_agentd.active[k];
-            fresh = fresh || (a->in_use && !a->abort_requested && !strcmp(a->submission_id, id));
+    char *token = NULL;
+    do {
+        Cflue__V1__ListRequest lr = CFLUE__V1__LIST_REQUEST__INIT;
+        ProtobufCMessage *resp = NULL;
+        struct cf_error err;
+        lr.owner_id = (char *)g_agentd.owner_id;
+        lr.abort_requested = true;
+        lr.statuses = held; /* not the settled ones: they keep their owner and intent for good */
+        lr.n_statuses = 2;
+        lr.page_size = 1000;
+        lr.page_token = token ? token : "";
+        enum cf_status rc = store_call(g_agentd.store, "List", &lr.base,
+                                       &cflue__v1__list_response__descriptor, 5000, &resp, &err);
+        free(token);
+        token = NULL;
+        if (rc != CF_OK) {
+            return; /* the next tick asks again */
         }
-        pthread_mutex_unlock(&g_agentd.mu);
-        if (fresh) {
-            agentd_mark_abort(id);
+        const Cflue__V1__ListResponse *l = (const Cflue__V1__ListResponse *)resp;
+        for (size_t i = 0; i < l->n_submissions; i++) {
+            const char *id = l->submissions[i]->submission_id;
+            bool fresh = false;
+            pthread_mutex_lock(&g_agentd.mu);
+            for (int k = 0; k < ACTIVE_MAX; k++) {
+                struct active *a = &g_agentd.active[k];
+                fresh =
+                    fresh || (a->in_use && !a->abort_requested && !strcmp(a->submission_id, id));
+            }
+            pthread_mutex_unlock(&g_agentd.mu);
+            if (fresh) {
+                agentd_mark_abort(id);
+            }
         }
-    }
-    protobuf_c_message_free_unpacked(resp, NULL);
+        if (*l->next_page_token && l->n_submissions) {
+            token = mem_strdup(l->next_page_token);
+        }
+        protobuf_c_message_free_unpacked(resp, NULL);
+    } while (token);
 }
 
 /* heartbeat_main renews leases every heartbeat_ms and polls abort intents every tick. */
