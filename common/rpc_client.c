@@ -246,6 +246,19 @@ static void copy_status(struct rpc_status *st, grpc_status_code code, grpc_slice
     }
 }
 
+/* request_ops fills ops[0..3]: send the metadata and the request, close, receive the
+ * server's initial metadata into init_md. */
+static void request_ops(grpc_op ops[4], grpc_byte_buffer *send, grpc_metadata_array *init_md)
+{
+    memset(ops, 0, sizeof(grpc_op) * 4);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = send;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = init_md;
+}
+
 bool rpc_unary(struct rpc_channel *ch, const char *method, const ProtobufCMessage *req,
                const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
                ProtobufCMessage **resp_out, struct rpc_status *st)
@@ -273,12 +286,7 @@ bool rpc_unary(struct rpc_channel *ch, const char *method, const ProtobufCMessag
     grpc_metadata_array_init(&init_md);
     grpc_metadata_array_init(&trail_md);
     memset(ops, 0, sizeof(ops));
-    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[1].op = GRPC_OP_SEND_MESSAGE;
-    ops[1].data.send_message.send_message = send;
-    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-    ops[3].data.recv_initial_metadata.recv_initial_metadata = &init_md;
+    request_ops(ops, send, &init_md);
     ops[4].op = GRPC_OP_RECV_MESSAGE;
     ops[4].data.recv_message.recv_message = &recv;
     ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
@@ -646,13 +654,7 @@ struct rpc_astream *rpc_astream_open(struct rpc_channel *ch, const char *method,
                                        deadline_in(timeout_ms), NULL);
     grpc_byte_buffer *send = rpc_pack(req);
     grpc_op ops_[4];
-    memset(ops_, 0, sizeof(ops_));
-    ops_[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops_[1].op = GRPC_OP_SEND_MESSAGE;
-    ops_[1].data.send_message.send_message = send;
-    ops_[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    ops_[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-    ops_[3].data.recv_initial_metadata.recv_initial_metadata = &s->init_md;
+    request_ops(ops_, send, &s->init_md);
     pthread_mutex_lock(&s->mu);
     thread_handoff_release(&s->t_open); /* s is read on the loop thread through the tags */
     if (grpc_call_start_batch(s->call, ops_, 4, &s->t_open, NULL) == GRPC_CALL_OK) {
@@ -741,12 +743,7 @@ void rpc_acall_start(struct rpc_channel *ch, const char *method, const ProtobufC
     grpc_byte_buffer *send = rpc_pack(req);
     grpc_op ops[6];
     memset(ops, 0, sizeof(ops));
-    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[1].op = GRPC_OP_SEND_MESSAGE;
-    ops[1].data.send_message.send_message = send;
-    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-    ops[3].data.recv_initial_metadata.recv_initial_metadata = &a->init_md;
+    request_ops(ops, send, &a->init_md);
     ops[4].op = GRPC_OP_RECV_MESSAGE;
     ops[4].data.recv_message.recv_message = &a->bb;
     ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
