@@ -15,7 +15,8 @@
  *                          |                 | ^        (no calls: JOIN)
  *                          |                 v |
  *                          +-----------> COMPACT          (size, overflow, or a Compact request)
- *   any state --> SETTLE --> DONE          (or straight to DONE once an outcome is recorded)
+ *   any state --> SETTLE --> SETTLE_WAIT --> DONE   (or straight to DONE: no outcome to record,
+ *                                                     or one recorded on a rarer path)
  *
  *  - START: the agent and the attempt budget (checked before anything that can fail), the
  *    conversation read once into the record log, an earlier attempt's half-joins settled and
@@ -29,7 +30,8 @@
  *    the model asked, its answer recorded; COMPACT when it overflowed (once per drive);
  *  - TOOLS(_WAIT): the answer's calls run as one batch (the drive parked meanwhile), results
  *    recorded as they arrive;
- *  - SETTLE: the outcome recorded, or the drive ends stopped or interrupted (settle.c).
+ *  - SETTLE(_WAIT): the outcome recorded (the drive parked on the Settle), or the drive ends
+ *    stopped or interrupted (settle.c).
  *
  * A drive is stepped by the engine (engine.c) on one of its few threads. A model call does
  * not hold that thread: MODEL starts it on the model I/O loop and the drive parks in
@@ -39,8 +41,9 @@
  * Appends do not hold it either: the records a turn builds on, an answer's calls before
  * they run and tool results as they arrive go out as one Append at a time per drive
  * (dstore_stored, dstore_write_behind), and the drive parks until the Append's end posts it.
- * The other Store calls (reading the conversation, joins, compaction, the Settle) block the
- * engine thread for their (short) duration, and only once no Append is in flight. A drive ends in
+ * The Settle of an outcome goes out the same way. The other Store calls (reading the
+ * conversation, joins, compaction, settlements on the rarer paths) block the engine thread for
+ * their (short) duration, and only once no call is in flight. A drive ends in
  * one of three ways (enum drive_end): settled; stopped (lease lost or shutdown: whoever holds the
  * work next continues it); interrupted (storaged or toold failed past the retry window; the first
  * failure is kept in d->fault and the work is claimed again later, each attempt counting against
@@ -422,6 +425,14 @@ static enum drive_state step_tools_wait(struct drive *d)
     return tools_done(d);
 }
 
+/* settling sends the Settle of outcome (the drive parks on it), or ends the drive at once
+ * when it cannot be recorded. */
+static enum drive_state settling(struct drive *d, Cflue__V1__Outcome outcome, const char *error)
+{
+    enum drive_end end;
+    return settle_start(d, outcome, error, &end) ? DRIVE_SETTLE_WAIT : ended(d, end);
+}
+
 /* step_settle ends the drive: a lost lease or shutdown (without an abort) and faults end it
  * unsettled; an abort settles aborted; otherwise the outcome the states arrived at. */
 static enum drive_state step_settle(struct drive *d)
@@ -434,21 +445,37 @@ static enum drive_state step_settle(struct drive *d)
         return ended(d, settle_unsettled(d));
     }
     if (aborted) {
-        return ended(d,
-                     settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request"));
+        return settling(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request");
     }
     if (d->fault.code != CF_OK) {
         return ended(d, settle_unsettled(d));
     }
-    return ended(d, settle_outcome(d, d->outcome, d->error[0] ? d->error : NULL));
+    return settling(d, d->outcome, d->error[0] ? d->error : NULL);
+}
+
+/* step_settle_wait parks the drive until its Settle is over. */
+static enum drive_state step_settle_wait(struct drive *d)
+{
+    enum drive_end end;
+    if (!settle_poll(d, &end)) {
+        d->parked = true;
+        return DRIVE_SETTLE_WAIT;
+    }
+    return ended(d, end);
 }
 
 static enum drive_state (*const steps[])(struct drive *) = {
-    [DRIVE_START] = step_start,           [DRIVE_INPUT] = step_input,
-    [DRIVE_PROMPT] = step_prompt,         [DRIVE_JOIN] = step_join,
-    [DRIVE_MODEL] = step_model,           [DRIVE_MODEL_WAIT] = step_model_wait,
-    [DRIVE_COMPACT] = step_compact,       [DRIVE_TOOLS] = step_tools,
-    [DRIVE_TOOLS_WAIT] = step_tools_wait, [DRIVE_SETTLE] = step_settle,
+    [DRIVE_START] = step_start,
+    [DRIVE_INPUT] = step_input,
+    [DRIVE_PROMPT] = step_prompt,
+    [DRIVE_JOIN] = step_join,
+    [DRIVE_MODEL] = step_model,
+    [DRIVE_MODEL_WAIT] = step_model_wait,
+    [DRIVE_COMPACT] = step_compact,
+    [DRIVE_TOOLS] = step_tools,
+    [DRIVE_TOOLS_WAIT] = step_tools_wait,
+    [DRIVE_SETTLE] = step_settle,
+    [DRIVE_SETTLE_WAIT] = step_settle_wait,
 };
 
 /* ---------- one drive ---------- */
@@ -508,7 +535,7 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
     buf_init(&d->delta, 64 * 1024);
     model_call_init(d);
     tools_wait_init(d);
-    pthread_mutex_init(&d->sw.mu, NULL);
+    pthread_mutex_init(&d->sf.mu, NULL);
     d->state = DRIVE_START;
     if (!begin_drive(d)) {
         drive_free(d);
@@ -525,7 +552,7 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
  * stream's order, and the drive ends only then). */
 static bool waits_with_writes(enum drive_state s)
 {
-    return s == DRIVE_MODEL_WAIT || s == DRIVE_TOOLS_WAIT;
+    return s == DRIVE_MODEL_WAIT || s == DRIVE_TOOLS_WAIT || s == DRIVE_SETTLE_WAIT;
 }
 
 bool drive_run(struct drive *d)
@@ -563,10 +590,10 @@ void drive_free(struct drive *d)
     model_call_cleanup(d);
     tools_wait_cleanup(d);
     dstore_cleanup(d);
-    if (d->sw.resp) {
-        protobuf_c_message_free_unpacked(d->sw.resp, NULL);
+    if (d->sf.resp) {
+        protobuf_c_message_free_unpacked(d->sf.resp, NULL);
     }
-    pthread_mutex_destroy(&d->sw.mu);
+    pthread_mutex_destroy(&d->sf.mu);
     buf_cleanup(&d->delta);
     protobuf_c_message_free_unpacked(&d->claim->base, NULL);
     free(d);

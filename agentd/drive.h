@@ -23,16 +23,17 @@
 
 /* The states of a drive; see the essay at the top of drive.c. */
 enum drive_state {
-    DRIVE_START,      /* budgets, the conversation read, recovery of an earlier attempt */
-    DRIVE_INPUT,      /* the input appended and stamped applied, unresolved calls repaired */
-    DRIVE_PROMPT,     /* the tool set listed and the system prompt frozen */
-    DRIVE_JOIN,       /* queued messages join */
-    DRIVE_MODEL,      /* one model turn asked (the call started) */
-    DRIVE_MODEL_WAIT, /* parked on the model call or its backoff; then the answer recorded */
-    DRIVE_COMPACT,    /* the older part of the conversation summarized */
-    DRIVE_TOOLS,      /* the answer's tool calls started as one batch */
-    DRIVE_TOOLS_WAIT, /* parked on the batch; each result recorded as it arrives */
-    DRIVE_SETTLE,     /* the outcome recorded, or the drive stopped or interrupted */
+    DRIVE_START,       /* budgets, the conversation read, recovery of an earlier attempt */
+    DRIVE_INPUT,       /* the input appended and stamped applied, unresolved calls repaired */
+    DRIVE_PROMPT,      /* the tool set listed and the system prompt frozen */
+    DRIVE_JOIN,        /* queued messages join */
+    DRIVE_MODEL,       /* one model turn asked (the call started) */
+    DRIVE_MODEL_WAIT,  /* parked on the model call or its backoff; then the answer recorded */
+    DRIVE_COMPACT,     /* the older part of the conversation summarized */
+    DRIVE_TOOLS,       /* the answer's tool calls started as one batch */
+    DRIVE_TOOLS_WAIT,  /* parked on the batch; each result recorded as it arrives */
+    DRIVE_SETTLE,      /* the outcome recorded, or the drive stopped or interrupted */
+    DRIVE_SETTLE_WAIT, /* parked on the Settle */
     DRIVE_DONE,
 };
 
@@ -79,20 +80,29 @@ struct model_wait {
     struct llm_events ev;
 };
 
-/* The drive's Append in flight (drive_store.c): at most one at a time, so records reach the
- * stream in the order written. The fields under mu are written by the call's end (rpc's
- * client loop); the rest by the engine thread stepping the drive. */
-struct store_write {
+/* The drive's Store call in flight (drive_store.c): an Append, or the Settle. At most one at a
+ * time, so records reach the stream in the order written. The fields under mu are written by
+ * the call's end (rpc's client loop); the rest by the engine thread stepping the drive. */
+struct store_flight {
     pthread_mutex_t mu;
     bool ended;             /* under mu: the call is over; st and resp say how */
     struct rpc_status st;   /* under mu */
-    ProtobufCMessage *resp; /* under mu: the AppendResponse when st is OK */
+    ProtobufCMessage *resp; /* under mu: the response when st is OK */
+    const char *method;     /* "Append", "Settle" */
     bool in_flight;         /* sent, and its end not yet taken */
     size_t n_sent;          /* it carries the first n_sent pending records */
-    bool mark_sent;         /* it stamps the input applied */
-    int64_t first_try_ms;   /* monotonic: the first try of the records not yet stored */
+    bool mark_sent;         /* an Append that stamps the input applied */
+    int64_t first_try_ms;   /* monotonic: the first try of this call (0: none is being made) */
     int64_t retry_at_ms;    /* monotonic: when the next try is due (0: none waits) */
     int64_t backoff_ms;     /* the wait before the try after next */
+};
+
+/* How a Store call in flight stands (dstore_flight_take). */
+enum flight_state {
+    FLIGHT_IDLE,    /* none is being made */
+    FLIGHT_WAITING, /* in flight, or waiting for its retry timer: the drive parks */
+    FLIGHT_RESEND,  /* its retry is due: the caller sends the request again */
+    FLIGHT_ENDED,   /* over, for good: rc and resp say how */
 };
 
 /* What the engine keeps on a drive (engine.c; under the engine's lock). */
@@ -136,7 +146,7 @@ struct drive {
     bool parked; /* the last step waits for an event: the engine steps it when posted */
     struct model_wait mw;
     struct tool_wait tw;
-    struct store_write sw;
+    struct store_flight sf;
     struct engine_link eng;
     struct toolset tools;
     char *system_text;
@@ -148,6 +158,8 @@ struct drive {
     enum cf_status model_rc;    /* the last model call's status */
     Cflue__V1__CompactionTrigger trigger; /* why DRIVE_COMPACT runs */
     Cflue__V1__Outcome outcome;           /* what DRIVE_SETTLE records */
+    Cflue__V1__Outcome settling;          /* what the Settle in flight records, and why: */
+    const char *settling_error;           /* d->error or a constant string */
     char error[1024];                     /* and why, when not completed */
 };
 
@@ -211,6 +223,16 @@ enum cf_status dstore_defer_one(struct drive *d, const char *id, const char *sub
  * are in d->log at their offsets. Keeps the answer's hints (abort intent, queued count). Any
  * failure but a stale fence is a fault; on any failure the pending records are dropped. */
 enum cf_status dstore_flush(struct drive *d);
+/* dstore_flight_send sends req (method "Append" or "Settle") as the drive's Store call in
+ * flight; its end, or its retry timer, posts the drive. Only when none is in flight. */
+void dstore_flight_send(struct drive *d, const char *method, const ProtobufCMessage *req,
+                        const ProtobufCMessageDescriptor *desc, size_t n_sent);
+/* dstore_flight_take takes the end of the call in flight when it came. A transient failure is
+ * tried again after a backoff, as dstore_call does (FLIGHT_WAITING, then FLIGHT_RESEND when
+ * the timer posts the drive); a stale fence marks the lease lost; a lost lease or shutdown
+ * during a backoff ends it CF_STALE. On FLIGHT_ENDED, *rc (d->err on failure) and *resp (the
+ * caller's to free; NULL unless CF_OK). */
+enum flight_state dstore_flight_take(struct drive *d, enum cf_status *rc, ProtobufCMessage **resp);
 /* dstore_writes_done takes the end of the drive's Append in flight (records acknowledged,
  * hints kept; a transient failure tried again after a backoff, as dstore_call does, with a
  * timer posting the drive; any other failure handled as dstore_flush does) and reports whether
@@ -342,6 +364,14 @@ int joins_absorb(struct drive *d);
 
 /* settle_outcome records the outcome (see settle.c) and returns how the drive ended. */
 enum drive_end settle_outcome(struct drive *d, Cflue__V1__Outcome outcome, const char *error);
+/* settle_start is settle_outcome with the Settle sent as the drive's Store call in flight:
+ * true when it went out (the drive parks in DRIVE_SETTLE_WAIT until settle_poll says it is
+ * over); false when the drive ended before (*end says how). error must outlive the call. */
+bool settle_start(struct drive *d, Cflue__V1__Outcome outcome, const char *error,
+                  enum drive_end *end);
+/* settle_poll takes the end of the Settle settle_start sent: true with *end once it is over
+ * (retries included), false while the drive waits for it. */
+bool settle_poll(struct drive *d, enum drive_end *end);
 /* settle_unsettled ends a drive that stopped short of an outcome (settle.c). */
 enum drive_end settle_unsettled(struct drive *d);
 /* settle_ended names how a drive ended without settling: stopped or interrupted. */

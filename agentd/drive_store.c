@@ -17,6 +17,7 @@
 #include "clock.h"
 #include "drive.h"
 #include "engine.h"
+#include "log.h"
 #include "mem.h"
 #include "pbtime.h"
 #include "record_kind.h"
@@ -196,104 +197,131 @@ enum cf_status dstore_flush(struct drive *d)
     return rc;
 }
 
-/* ---------- the Append in flight ---------- */
+/* ---------- the Store call in flight ---------- */
 
-/* on_write_end (rpc's client loop) hands the Append's end to the drive and posts it. */
-static void on_write_end(void *arg, const struct rpc_status *st, ProtobufCMessage *resp)
+/* on_flight_end (rpc's client loop) hands the call's end to the drive and posts it. */
+static void on_flight_end(void *arg, const struct rpc_status *st, ProtobufCMessage *resp)
 {
     struct drive *d = arg;
-    pthread_mutex_lock(&d->sw.mu);
-    d->sw.ended = true;
-    d->sw.st = *st;
-    d->sw.resp = resp;
+    pthread_mutex_lock(&d->sf.mu);
+    d->sf.ended = true;
+    d->sf.st = *st;
+    d->sf.resp = resp;
     /* posted under the lock: once an engine thread sees `ended` the drive may finish and be
      * freed, so nothing here may touch d after the unlock */
     engine_post(d);
-    pthread_mutex_unlock(&d->sw.mu);
+    pthread_mutex_unlock(&d->sf.mu);
 }
 
-/* send_write starts an Append of every pending record (one at a time per drive). */
+void dstore_flight_send(struct drive *d, const char *method, const ProtobufCMessage *req,
+                        const ProtobufCMessageDescriptor *desc, size_t n_sent)
+{
+    struct store_flight *f = &d->sf;
+    char path[64];
+    f->method = method;
+    f->n_sent = n_sent;
+    f->in_flight = true;
+    if (!f->first_try_ms) {
+        f->first_try_ms = clock_mono_ms();
+        f->backoff_ms = 100;
+        d->store_tries = 0;
+    }
+    d->store_tries++;
+    snprintf(path, sizeof(path), "/cflue.v1.Store/%s", method);
+    rpc_acall_start(g_agentd.store, path, req, desc, STORE_TIMEOUT_MS, on_flight_end, d);
+}
+
+enum flight_state dstore_flight_take(struct drive *d, enum cf_status *rc, ProtobufCMessage **resp)
+{
+    struct store_flight *f = &d->sf;
+    *resp = NULL;
+    *rc = CF_OK;
+    pthread_mutex_lock(&f->mu);
+    bool ended = f->ended;
+    struct rpc_status st = f->st;
+    ProtobufCMessage *got = f->resp;
+    f->ended = false;
+    f->resp = NULL;
+    pthread_mutex_unlock(&f->mu);
+    if (!ended) {
+        if (f->in_flight) {
+            return FLIGHT_WAITING;
+        }
+        if (!f->retry_at_ms) {
+            return FLIGHT_IDLE;
+        }
+        if (drive_lost_or_down(d)) {
+            /* whoever holds the work next makes the call again */
+            f->retry_at_ms = f->first_try_ms = 0;
+            *rc = cf_error_set(&d->err, CF_STALE,
+                               "storaged %s: not tried again: the drive "
+                               "stopped",
+                               f->method);
+            return FLIGHT_ENDED;
+        }
+        if (clock_mono_ms() < f->retry_at_ms) {
+            return FLIGHT_WAITING; /* the timer posts the drive */
+        }
+        f->retry_at_ms = 0;
+        return FLIGHT_RESEND;
+    }
+    f->in_flight = false;
+    *rc = store_status(f->method, &st, &d->err);
+    if (*rc == CF_STALE) {
+        drive_mark_lease_lost(d); /* ABORTED, STALE_FENCE: another attempt holds the work */
+    }
+    int64_t now = clock_mono_ms();
+    if (*rc != CF_OK && drive_transient(*rc) && !drive_lost_or_down(d) &&
+        now - f->first_try_ms + f->backoff_ms <= store_retry_window()) {
+        int64_t wait = f->backoff_ms + thread_jitter_ms(f->backoff_ms / 2 + 1);
+        char q[600];
+        log_warn("store_retry", "submission=%s method=%s try=%d wait_ms=%lld err=%s",
+                 d->sub->submission_id, f->method, d->store_tries, (long long)wait,
+                 log_quote(q, sizeof(q), d->err.msg));
+        f->retry_at_ms = now + wait;
+        f->backoff_ms = f->backoff_ms * 2 < 2000 ? f->backoff_ms * 2 : 2000;
+        engine_post_at(d, f->retry_at_ms);
+        return FLIGHT_WAITING;
+    }
+    d->store_down = d->store_down || drive_transient(*rc);
+    f->first_try_ms = 0;
+    *resp = got;
+    return FLIGHT_ENDED;
+}
+
+/* send_write starts an Append of every pending record. */
 static void send_write(struct drive *d)
 {
     Cflue__V1__AppendRequest req = CFLUE__V1__APPEND_REQUEST__INIT;
     Cflue__V1__MarkInputAppliedRequest mark = CFLUE__V1__MARK_INPUT_APPLIED_REQUEST__INIT;
     Google__Protobuf__Duration limit = GOOGLE__PROTOBUF__DURATION__INIT;
-    struct store_write *w = &d->sw;
-    w->n_sent = append_request(d, &req, &mark, &limit);
-    w->mark_sent = d->mark_pending;
-    w->in_flight = true;
-    if (!w->first_try_ms) {
-        w->first_try_ms = clock_mono_ms();
-        w->backoff_ms = 100;
-        d->store_tries = 0;
-    }
-    d->store_tries++;
-    rpc_acall_start(g_agentd.store, "/cflue.v1.Store/Append", &req.base,
-                    &cflue__v1__append_response__descriptor, STORE_TIMEOUT_MS, on_write_end, d);
-}
-
-/* take_write handles the end of the Append in flight, if it came. */
-static void take_write(struct drive *d)
-{
-    struct store_write *w = &d->sw;
-    pthread_mutex_lock(&w->mu);
-    bool ended = w->ended;
-    struct rpc_status st = w->st;
-    ProtobufCMessage *resp = w->resp;
-    w->ended = false;
-    w->resp = NULL;
-    pthread_mutex_unlock(&w->mu);
-    if (!ended) {
-        return;
-    }
-    w->in_flight = false;
-    enum cf_status rc = store_status("Append", &st, &d->err);
-    if (rc == CF_OK) {
-        appended(d, (const Cflue__V1__AppendResponse *)resp, w->n_sent, w->mark_sent);
-        protobuf_c_message_free_unpacked(resp, NULL);
-        w->first_try_ms = 0;
-        return;
-    }
-    if (rc == CF_STALE) {
-        drive_mark_lease_lost(d); /* ABORTED, STALE_FENCE: another attempt holds the work */
-    }
-    int64_t now = clock_mono_ms();
-    if (drive_transient(rc) && !drive_lost_or_down(d) &&
-        now - w->first_try_ms + w->backoff_ms <= store_retry_window()) {
-        /* the records stay pending; the next try carries them and any written meanwhile */
-        w->retry_at_ms = now + w->backoff_ms + thread_jitter_ms(w->backoff_ms / 2 + 1);
-        w->backoff_ms = w->backoff_ms * 2 < 2000 ? w->backoff_ms * 2 : 2000;
-        engine_post_at(d, w->retry_at_ms);
-        return;
-    }
-    d->store_down = d->store_down || drive_transient(rc);
-    w->first_try_ms = 0;
-    append_failed(d, rc);
+    size_t n = append_request(d, &req, &mark, &limit);
+    d->sf.mark_sent = d->mark_pending;
+    dstore_flight_send(d, "Append", &req.base, &cflue__v1__append_response__descriptor, n);
 }
 
 bool dstore_writes_done(struct drive *d)
 {
-    struct store_write *w = &d->sw;
-    take_write(d);
-    if (w->in_flight) {
+    enum cf_status rc;
+    ProtobufCMessage *resp;
+    switch (dstore_flight_take(d, &rc, &resp)) {
+    case FLIGHT_WAITING:
         return false;
-    }
-    if (w->retry_at_ms) {
-        if (drive_lost_or_down(d)) {
-            /* whoever holds the work next writes it again */
-            w->retry_at_ms = 0;
-            w->first_try_ms = 0;
-            append_failed(d, CF_STALE);
-            return true;
-        }
-        if (clock_mono_ms() < w->retry_at_ms) {
-            return false; /* the timer posts the drive */
-        }
-        w->retry_at_ms = 0;
-        send_write(d);
+    case FLIGHT_RESEND:
+        send_write(d); /* carrying any records written meanwhile too */
         return false;
+    case FLIGHT_ENDED:
+        if (rc == CF_OK) {
+            appended(d, (const Cflue__V1__AppendResponse *)resp, d->sf.n_sent, d->sf.mark_sent);
+            protobuf_c_message_free_unpacked(resp, NULL);
+        } else {
+            append_failed(d, rc);
+        }
+        return true;
+    case FLIGHT_IDLE:
+    default:
+        return true;
     }
-    return true;
 }
 
 void dstore_write_behind(struct drive *d)

@@ -4,11 +4,11 @@
  * (--workers). A drive runs its states until it waits on a model call: then it PARKS, holding
  * no thread, and the call's end (on the model I/O loop) only posts it back to the ready queue
  * (engine_post). A tool batch parks the drive the same way (its stream's results post it), and
- * so does an Append (its end posts it). A model retry's or an Append retry's backoff is a timer
- * on the engine (engine_post_at), not a sleep. The drive's other Store calls (the Settle,
- * reads, joins, compaction) still block the engine thread that steps the drive (short in the
- * usual case), so --workers bounds how many of those run at once, never how many drives are in
- * flight: that is --max-drives.
+ * so do its Appends and its Settle (their ends post it). A model retry's or a Store retry's
+ * backoff is a timer on the engine (engine_post_at), not a sleep. The drive's other Store
+ * calls (reads, joins, compaction, settlements on rarer paths) still block the engine thread
+ * that steps the drive (short in the usual case), so --workers bounds how many of those run
+ * at once, never how many drives are in flight: that is --max-drives.
  *
  * One claimer thread claims work (queued heads, and leases that expired) while fewer than
  * --max-drives drives are live, woken by Submit and by a settlement (agentd_wake), by a

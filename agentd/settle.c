@@ -1,11 +1,12 @@
 /* settle.c - how a drive ends: the outcome recorded, or stopped, or interrupted.
  *
- * Settlement is one Store.Settle: it carries the records still pending (the final answer,
- * usually), and storaged writes them, the submission_settled record and settles joined
- * submissions with their host in the same transaction; the claimer is woken only when the
- * conversation has a next message to run. What the stream holds is known
- * from the record log (read when the drive started, appended through since), so settling
- * reads nothing again:
+ * Settlement is one Store.Settle (from DRIVE_SETTLE an event-driven call the drive parks on:
+ * settle_start, settle_poll; from the rarer paths a blocking one): it carries the records
+ * still pending (the final answer, usually), and storaged writes them, the submission_settled
+ * record and settles joined submissions with their host in the same transaction; the claimer is
+ * woken only when the conversation has a next message to run. What the stream holds is known from
+ * the record log (read when the drive started, appended through since), so settling reads nothing
+ * again:
  *  - `completed` only when the log ends with this submission's assistant message asking for
  *    no tool, every call of the submission has its result and no input came after it (a
  *    Compact request excepted: it answers nothing); otherwise the attempt ends interrupted;
@@ -135,36 +136,47 @@ static bool checked(struct drive *d, Cflue__V1__Outcome outcome)
     return true;
 }
 
-enum drive_end settle_outcome(struct drive *d, Cflue__V1__Outcome outcome, const char *error)
+/* A Settle request and what it points to. */
+struct settle_req {
+    Cflue__V1__SettleRequest req;
+    Cflue__V1__Usage usage;
+    char cut[8192];
+};
+
+/* settle_request builds the Settle of outcome (error: why, when not completed): the usage of
+ * this submission's turns, and the records still pending (the final answer, usually). */
+static void settle_request(struct drive *d, Cflue__V1__Outcome outcome, const char *error,
+                           struct settle_req *s)
 {
-    Cflue__V1__SettleRequest req = CFLUE__V1__SETTLE_REQUEST__INIT;
-    Cflue__V1__Usage usage = CFLUE__V1__USAGE__INIT;
-    ProtobufCMessage *resp = NULL;
-    char cut[8192], q[600];
-    req.fence = &d->fence;
-    req.usage = &usage;
-    req.outcome = outcome;
+    cflue__v1__settle_request__init(&s->req);
+    cflue__v1__usage__init(&s->usage);
+    s->req.fence = &d->fence;
+    s->req.usage = &s->usage;
+    s->req.outcome = outcome;
     if (error) {
-        snprintf(cut, sizeof(cut), "%s", error);
-        cut[utf8_prefix_len(cut, strlen(cut), SETTLE_ERROR_MAX)] = '\0';
+        snprintf(s->cut, sizeof(s->cut), "%s", error);
+        s->cut[utf8_prefix_len(s->cut, strlen(s->cut), SETTLE_ERROR_MAX)] = '\0';
     }
-    req.error =
-        outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED ? "" : (char *)(error ? cut : "failed");
-    if (!checked(d, outcome)) {
-        return settle_ended(d);
-    }
+    s->req.error =
+        outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED ? "" : (error ? s->cut : "failed");
     for (size_t i = 0; i < d->log.n; i++) {
         const Cflue__V1__AssistantMessage *am = own_assistant(d, d->log.recs[i]);
         if (am && am->usage) {
-            usage.input_tokens += am->usage->input_tokens;
-            usage.output_tokens += am->usage->output_tokens;
-            usage.cost_usd += am->usage->cost_usd;
+            s->usage.input_tokens += am->usage->input_tokens;
+            s->usage.output_tokens += am->usage->output_tokens;
+            s->usage.cost_usd += am->usage->cost_usd;
         }
     }
-    failpoint_hit("agentd.settle.before");
-    req.records = rlog_pending(&d->log, &req.n_records); /* the final answer, usually */
-    enum cf_status rc =
-        dstore_call(d, "Settle", &req.base, &cflue__v1__settle_response__descriptor, &resp);
+    s->req.records = rlog_pending(&d->log, &s->req.n_records);
+}
+
+/* settle_answered_with takes the Settle's end (rc; resp on CF_OK, freed here): the outcome
+ * recorded, local waits answered; or the drive ends without it. */
+static enum drive_end settle_answered_with(struct drive *d, enum cf_status rc,
+                                           ProtobufCMessage *resp, Cflue__V1__Outcome outcome,
+                                           const char *error)
+{
+    char q[600];
     if (rc != CF_OK) {
         rlog_drop_pending(&d->log);
         log_warn("settle_failed", "submission=%s err=%s reason=%s", d->sub->submission_id,
@@ -181,16 +193,77 @@ enum drive_end settle_outcome(struct drive *d, Cflue__V1__Outcome outcome, const
     failpoint_hit("agentd.settle.after");
     Cflue__V1__SettleResponse *sr = (Cflue__V1__SettleResponse *)resp;
     dstore_settled_hints(d, sr);
-    log_info("settled", "submission=%s outcome=%s joined=%zu err=%s", d->sub->submission_id,
-             outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED ? "completed"
-             : outcome == CFLUE__V1__OUTCOME__OUTCOME_FAILED  ? "failed"
-                                                              : "aborted",
-             sr->n_settled_with, log_quote(q, sizeof(q), req.error));
+    log_info(
+        "settled", "submission=%s outcome=%s joined=%zu err=%s", d->sub->submission_id,
+        outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED ? "completed"
+        : outcome == CFLUE__V1__OUTCOME__OUTCOME_FAILED  ? "failed"
+                                                         : "aborted",
+        sr->n_settled_with,
+        log_quote(q, sizeof(q), outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED ? "" : error));
     if (sr->submission) {
         here_settled(sr->submission, sr->settled_with, sr->n_settled_with); /* local waits */
     }
     protobuf_c_message_free_unpacked(resp, NULL);
     return DRIVE_SETTLED;
+}
+
+enum drive_end settle_outcome(struct drive *d, Cflue__V1__Outcome outcome, const char *error)
+{
+    if (!checked(d, outcome)) {
+        return settle_ended(d);
+    }
+    struct settle_req s;
+    ProtobufCMessage *resp = NULL;
+    settle_request(d, outcome, error, &s);
+    failpoint_hit("agentd.settle.before");
+    enum cf_status rc =
+        dstore_call(d, "Settle", &s.req.base, &cflue__v1__settle_response__descriptor, &resp);
+    return settle_answered_with(d, rc, resp, outcome, s.req.error);
+}
+
+/* send_settle sends the Settle of d->settling as the drive's Store call in flight. */
+static void send_settle(struct drive *d)
+{
+    struct settle_req s;
+    settle_request(d, d->settling, d->settling_error, &s);
+    dstore_flight_send(d, "Settle", &s.req.base, &cflue__v1__settle_response__descriptor,
+                       s.req.n_records);
+}
+
+bool settle_start(struct drive *d, Cflue__V1__Outcome outcome, const char *error,
+                  enum drive_end *end)
+{
+    if (!checked(d, outcome)) {
+        *end = settle_ended(d);
+        return false;
+    }
+    d->settling = outcome;
+    d->settling_error = error;
+    failpoint_hit("agentd.settle.before");
+    send_settle(d);
+    return true;
+}
+
+bool settle_poll(struct drive *d, enum drive_end *end)
+{
+    enum cf_status rc;
+    ProtobufCMessage *resp;
+    switch (dstore_flight_take(d, &rc, &resp)) {
+    case FLIGHT_WAITING:
+        return false;
+    case FLIGHT_RESEND:
+        send_settle(d);
+        return false;
+    case FLIGHT_ENDED:
+        *end = settle_answered_with(d, rc, resp, d->settling,
+                                    d->settling_error ? d->settling_error : "failed");
+        return true;
+    case FLIGHT_IDLE:
+    default:
+        /* nothing in flight: only a drive that never sent its Settle gets here */
+        *end = settle_ended(d);
+        return true;
+    }
 }
 
 enum drive_end settle_unsettled(struct drive *d)

@@ -305,7 +305,35 @@ class ShortOutageTest(FaultsBase):
         self.assertEqual(len(results), 1, results)
         self.assertFalse(results[0].outcome_unknown)
         self.assertIn('tool-finished', results[0].text)
-        self.assertNotIn('drive_interrupted', self.ad.stderr_text())
+        log = self.ad.stderr_text()
+        self.assertIn('store_retry submission=%s method=Append' % adm.submission_id, log)
+        self.assertNotIn('drive_interrupted', log)
+
+    def test_a_settle_made_during_a_short_outage_is_recorded_by_the_same_attempt(self):
+        conv = new_conv('blipsettle')
+        self.workspace(conv)
+        self.fm.set_scenario(bind([{'text': 'The answer, late.', 'delay_ms': 1500}], conv))
+        adm = self.ad.submit('runner-anthropic', 'answer (%s)' % conv, conversation_id=conv)
+        self.wait_for('the model call', lambda: self.model_requests(conv), timeout=20,
+                      interval=0.02)
+        asked_at = time.time()
+        self.stack.sd.kill()
+        time.sleep(3)
+        up_at = time.time()
+        self.stack.sd.start()
+        # the answer came 1.5 s after the request, with storaged down: the Settle carrying it
+        # was tried again until storaged was back
+        self.assertGreater(up_at, asked_at + 2.0)
+        sub = self.wait_settled(adm.submission_id, timeout=60)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertEqual(sub.attempt_count, 1, 'the outage cost an attempt')
+        recs = self.assert_outcome_true(conv, adm.submission_id)
+        answers = [body(r).text for r in recs if kind(r) == 'assistant_message']
+        self.assertEqual(answers, ['The answer, late.'])
+        self.assertEqual(len(self.model_requests(conv)), 1, 'the model was asked again')
+        log = self.ad.stderr_text()
+        self.assertIn('store_retry submission=%s method=Settle' % adm.submission_id, log)
+        self.assertNotIn('drive_interrupted', log)
 
 
 class RefusedRecordTest(AgentdCase):
