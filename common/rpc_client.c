@@ -751,9 +751,12 @@ void rpc_acall_start(struct rpc_channel *ch, const char *method, const ProtobufC
     ops[5].data.recv_status_on_client.status = &a->code;
     ops[5].data.recv_status_on_client.status_details = &a->details;
     bool started = false;
-    if (call_begin(ch, &a->lc, a->call)) {
-        thread_handoff_release(&a->tag); /* a is read on the loop thread through its tag */
-        started = grpc_call_start_batch(a->call, ops, 6, &a->tag, NULL) == GRPC_CALL_OK;
+    grpc_call *call = a->call;
+    if (call_begin(ch, &a->lc, call)) {
+        /* a is the loop's from here (read through its tag): nothing below reads it once the
+         * batch started */
+        thread_handoff_release(&a->tag);
+        started = grpc_call_start_batch(call, ops, 6, &a->tag, NULL) == GRPC_CALL_OK;
         if (!started) {
             call_end(ch, &a->lc, GRPC_STATUS_INTERNAL);
         }

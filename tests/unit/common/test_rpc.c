@@ -1013,22 +1013,38 @@ static void ac_done(void *arg, const struct rpc_status *st, ProtobufCMessage *re
     pthread_mutex_unlock(&a->mu);
 }
 
-/* ac_call makes one Get through rpc_acall_start and waits (up to 5 s) for its end. */
-static void ac_call(struct acaller *a, struct rpc_channel *ch, const char *id, int64_t timeout_ms)
+static void ac_init(struct acaller *a)
 {
     memset(a, 0, sizeof(*a));
     pthread_mutex_init(&a->mu, NULL);
     pthread_cond_init(&a->cv, NULL);
-    Cflue__V1__GetRequest req = CFLUE__V1__GET_REQUEST__INIT;
-    req.submission_id = (char *)id;
-    rpc_acall_start(ch, "/cflue.v1.Store/Get", &req.base, &cflue__v1__submission__descriptor,
-                    timeout_ms, ac_done, a);
+}
+
+/* ac_wait waits (up to 5 s) for the call's end. */
+static void ac_wait(struct acaller *a)
+{
     struct timespec ts;
     clock_deadline(&ts, 5000);
     pthread_mutex_lock(&a->mu);
     while (!a->ended && pthread_cond_timedwait(&a->cv, &a->mu, &ts) == 0) {
     }
     pthread_mutex_unlock(&a->mu);
+}
+
+/* ac_call makes one Get (answered as `desc`) through rpc_acall_start and waits for its end. */
+static void ac_call_as(struct acaller *a, struct rpc_channel *ch, const char *id,
+                       const ProtobufCMessageDescriptor *desc, int64_t timeout_ms)
+{
+    ac_init(a);
+    Cflue__V1__GetRequest req = CFLUE__V1__GET_REQUEST__INIT;
+    req.submission_id = (char *)id;
+    rpc_acall_start(ch, "/cflue.v1.Store/Get", &req.base, desc, timeout_ms, ac_done, a);
+    ac_wait(a);
+}
+
+static void ac_call(struct acaller *a, struct rpc_channel *ch, const char *id, int64_t timeout_ms)
+{
+    ac_call_as(a, ch, id, &cflue__v1__submission__descriptor, timeout_ms);
 }
 
 static void ac_free(struct acaller *a)
@@ -1068,41 +1084,23 @@ static void test_async_unary(void)
     CHECK(a.ended == 1 && a.st.code == GRPC_STATUS_DEADLINE_EXCEEDED && !a.resp);
     ac_free(&a);
     /* a response that does not decode as the type asked for is INTERNAL */
-    memset(&a, 0, sizeof(a));
-    pthread_mutex_init(&a.mu, NULL);
-    pthread_cond_init(&a.cv, NULL);
-    Cflue__V1__GetRequest req = CFLUE__V1__GET_REQUEST__INIT;
-    req.submission_id = "ok";
-    rpc_acall_start(ch, "/cflue.v1.Store/Get", &req.base, &cflue__v1__append_request__descriptor,
-                    5000, ac_done, &a);
-    for (int i = 0; i < 500 && !a.ended; i++) {
-        clock_sleep_ms(10);
-    }
-    pthread_mutex_lock(&a.mu);
+    ac_call_as(&a, ch, "ok", &cflue__v1__append_request__descriptor, 5000);
     CHECK(a.ended == 1 && a.st.code == GRPC_STATUS_INTERNAL && !a.resp);
     CHECK(strstr(a.st.details, "did not decode") != NULL);
-    pthread_mutex_unlock(&a.mu);
     ac_free(&a);
     /* many at once, no thread each */
     int threads1 = threads_now();
     struct acaller *many = calloc(200, sizeof(*many));
+    Cflue__V1__GetRequest req = CFLUE__V1__GET_REQUEST__INIT;
+    req.submission_id = "ok";
     for (int i = 0; i < 200; i++) {
-        pthread_mutex_init(&many[i].mu, NULL);
-        pthread_cond_init(&many[i].cv, NULL);
+        ac_init(&many[i]);
         rpc_acall_start(ch, "/cflue.v1.Store/Get", &req.base, &cflue__v1__submission__descriptor,
                         5000, ac_done, &many[i]);
     }
     CHECK(threads_now() - threads1 <= 1);
     for (int i = 0; i < 200; i++) {
-        for (int k = 0; k < 500; k++) {
-            pthread_mutex_lock(&many[i].mu);
-            bool ended = many[i].ended;
-            pthread_mutex_unlock(&many[i].mu);
-            if (ended) {
-                break;
-            }
-            clock_sleep_ms(10);
-        }
+        ac_wait(&many[i]);
         CHECK(many[i].ended == 1 && many[i].st.code == GRPC_STATUS_OK);
         ac_free(&many[i]);
     }
