@@ -19,8 +19,10 @@ the bwrap driver when bubblewrap works on this machine.
 import os
 import shutil
 import subprocess
+import sys
 import time
 import unittest
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -199,6 +201,52 @@ class ChangingFiles(object):
             self.assertEqual(len(results), 2)
             self.assertTrue(td.alive(), 'toold died\n' + td.stderr_text())
         self.assertServing(td)
+
+    def test_glance_while_truncated_replaced_or_swapped_for_a_symlink(self):
+        # Glance reads the project notes for a system prompt while the model's commands
+        # change them: each answer is whole or a clean error, within its limit, and never
+        # the bytes of a file outside the sandbox a symlink swapped in points to
+        sb = 'glance'
+        limit = 8 << 20
+        secret = os.path.join(self.td.dir, 'outside-secret.txt')
+        self.assertFalse(os.path.realpath(secret).startswith(os.path.realpath(self.td.root)))
+        with open(secret, 'w') as f:
+            f.write('OUTSIDE-SECRET\n' * 1000)
+        os.chmod(secret, 0o644)
+        self.assertFalse(self.bash(sb, self.BIG + ' && cp big.txt notes.big').is_error)
+        churn = ('for i in 1 2 3 4 5 6; do cp notes.big AGENTS.md; truncate -s 1000 AGENTS.md; '
+                 'ln -sf %s AGENTS.md; printf "short\\n" > n.tmp; mv -f n.tmp AGENTS.md; '
+                 'rm -f AGENTS.md; mkfifo AGENTS.md; rm -f AGENTS.md; done' % secret)
+        answers, codes = [], set()
+        for _ in range(4):
+            done = []
+            with ThreadPoolExecutor(1) as pool:
+                bash = pool.submit(self.bash, sb, churn)
+                while not bash.done() or not done:
+                    done.append(1)
+                    try:
+                        g = self.td.sandbox('Glance', sandbox=sb, files=['AGENTS.md'],
+                                            max_file_bytes=limit, max_entries=20, timeout=30)
+                        answers.append((g.file, g.file_data, g.file_truncated))
+                    except grpc.RpcError as e:
+                        codes.add(e.code())
+                self.assertFalse(bash.result().is_error, bash.result().text)
+            self.assertTrue(self.td.alive(), 'toold died\n' + self.td.stderr_text())
+        read = [a for a in answers if a[0]]
+        sys.stderr.write('\nglance race: %d answers, %d with the notes (%d cut at the limit, '
+                         'sizes %s), errors %s\n'
+                         % (len(answers), len(read), sum(1 for a in read if a[2]),
+                            sorted(set(len(a[1]) for a in read))[:6], sorted(map(str, codes))))
+        self.assertGreater(len(answers), 8)
+        for name, data, truncated in answers:
+            self.assertNotIn(b'OUTSIDE-SECRET', data)
+            self.assertLessEqual(len(data), limit)
+            if name:
+                self.assertEqual(name, 'AGENTS.md')
+        # whatever the race, the notes are read or skipped: never the sandbox failing
+        self.assertEqual(codes - {grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION},
+                         set(), codes)
+        self.assertServing()
 
     def test_read_pages_stay_right(self):
         sb = 'pages'
