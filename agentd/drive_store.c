@@ -121,14 +121,16 @@ static enum cf_status mark_applied(struct drive *d, Cflue__V1__MarkInputAppliedR
     return CF_OK;
 }
 
-/* append_request fills req (and mark, limit: the caller's) with the pending records under the
- * fence, stamping the input applied when d->mark_pending; returns how many records it carries. */
+/* append_request fills req (and mark, limit: the caller's) with the pending records (at most
+ * max of them) under the fence, stamping the input applied when d->mark_pending; returns how
+ * many records it carries. */
 static size_t append_request(struct drive *d, Cflue__V1__AppendRequest *req,
                              Cflue__V1__MarkInputAppliedRequest *mark,
-                             Google__Protobuf__Duration *limit)
+                             Google__Protobuf__Duration *limit, size_t max)
 {
     size_t n;
     Cflue__V1__Record **recs = rlog_pending(&d->log, &n);
+    n = n < max ? n : max;
     if (d->mark_pending) {
         mark->max_attempts = d->agent->max_attempts;
         if (d->agent->timeout_ms > 0) {
@@ -180,7 +182,7 @@ enum cf_status dstore_flush(struct drive *d)
     Cflue__V1__MarkInputAppliedRequest mark = CFLUE__V1__MARK_INPUT_APPLIED_REQUEST__INIT;
     Google__Protobuf__Duration limit = GOOGLE__PROTOBUF__DURATION__INIT;
     ProtobufCMessage *resp = NULL;
-    if (!append_request(d, &req, &mark, &limit)) {
+    if (!append_request(d, &req, &mark, &limit, SIZE_MAX)) {
         return mark_applied(d, &mark);
     }
     bool marks = d->mark_pending;
@@ -253,9 +255,7 @@ enum flight_state dstore_flight_take(struct drive *d, enum cf_status *rc, Protob
         if (drive_lost_or_down(d)) {
             /* whoever holds the work next makes the call again */
             f->retry_at_ms = f->first_try_ms = 0;
-            *rc = cf_error_set(&d->err, CF_STALE,
-                               "storaged %s: not tried again: the drive "
-                               "stopped",
+            *rc = cf_error_set(&d->err, CF_STALE, "storaged %s: not tried again: the drive stopped",
                                f->method);
             return FLIGHT_ENDED;
         }
@@ -289,13 +289,16 @@ enum flight_state dstore_flight_take(struct drive *d, enum cf_status *rc, Protob
     return FLIGHT_ENDED;
 }
 
-/* send_write starts an Append of every pending record. */
-static void send_write(struct drive *d)
+/* send_write starts an Append of every pending record; a retry carries exactly the records
+ * of the try before (that try may have been stored with its answer lost: storaged answers an
+ * identical batch with its offsets, but refuses one only partly stored), and the records
+ * written meanwhile follow in the next Append. */
+static void send_write(struct drive *d, bool retry)
 {
     Cflue__V1__AppendRequest req = CFLUE__V1__APPEND_REQUEST__INIT;
     Cflue__V1__MarkInputAppliedRequest mark = CFLUE__V1__MARK_INPUT_APPLIED_REQUEST__INIT;
     Google__Protobuf__Duration limit = GOOGLE__PROTOBUF__DURATION__INIT;
-    size_t n = append_request(d, &req, &mark, &limit);
+    size_t n = append_request(d, &req, &mark, &limit, retry ? d->sf.n_sent : SIZE_MAX);
     d->sf.mark_sent = d->mark_pending;
     dstore_flight_send(d, "Append", &req.base, &cflue__v1__append_response__descriptor, n);
 }
@@ -308,7 +311,7 @@ bool dstore_writes_done(struct drive *d)
     case FLIGHT_WAITING:
         return false;
     case FLIGHT_RESEND:
-        send_write(d); /* carrying any records written meanwhile too */
+        send_write(d, true);
         return false;
     case FLIGHT_ENDED:
         if (rc == CF_OK) {
@@ -328,7 +331,7 @@ void dstore_write_behind(struct drive *d)
 {
     size_t n;
     if (dstore_writes_done(d) && rlog_pending(&d->log, &n) && !drive_broken(d)) {
-        send_write(d);
+        send_write(d, false);
     }
 }
 
@@ -342,7 +345,7 @@ bool dstore_stored(struct drive *d)
         return true;
     }
     if (rlog_pending(&d->log, &n)) {
-        send_write(d);
+        send_write(d, false);
         return false;
     }
     if (d->mark_pending) {
