@@ -124,10 +124,10 @@ def settled_times(store_stub, submission_ids):
 # The scenario
 # ---------------------------------------------------------------------------------------------
 
-AGENT = 'bench'
+AGENT = H.BenchBrainStack.AGENT
 GO = 'BENCH-ENGINE-GO'          # the user message (must not contain "hello")
 FILE_MARK = 'BENCH-FILE-165K'   # first line of the file the model reads
-BIG_FILE = 'big.txt'
+BIG_FILE = H.BenchBrainStack.BIG_FILE
 BIG_BYTES = 165 * 1000
 MODEL_HOW = "the fake model's bench brain (stateless), TCP_NODELAY set on the fake model"
 
@@ -277,38 +277,19 @@ class StracedAgentd(H.Agentd):
                                   % port, f.read()))
 
 
-class Stack(object):
-    """storaged + toold + fake model + agentd in one temporary directory."""
+class Stack(H.BenchBrainStack):
+    """The harness's stack on the bench brain in root/name, with this bench's fake model
+    (TCP_NODELAY, logging only when asked) and one agentd (start_agentd: another kind)."""
 
     def __init__(self, root, name, model_log=False, store_env=None, model_delay_ms=0):
-        self.dir = os.path.join(root, name)
-        os.makedirs(self.dir)
-        self.daemons = []
-        self.sd = self._add(H.Storaged(workdir=self._sub('storaged'), env=store_env or {}))
-        self.td = H.Toold(workdir=self._sub('toold'), start=False)
-        ws = self.td.workspace('bench', create=True)
-        with open(os.path.join(ws, BIG_FILE), 'w') as f:
-            f.write(big_file_text())
-        self._add(self.td.start())
+        self.model_log = model_log
         self.model_delay_ms = model_delay_ms
-        self.fm = self._add(FakeModel(self._sub('fake_model'), log=model_log,
-                                      delay_ms=model_delay_ms))
-        self.agents = self._sub('agents')
-        with open(os.path.join(self.agents, AGENT + '.md'), 'w') as f:
-            f.write('---\nname: %s\ndescription: the engine benchmark\nmodel: anthropic/bench-1\n'
-                    'sandbox:\n  tools: "%s"\n  workspace: bench\n---\n\nAnswer briefly.\n'
-                    % (AGENT, self.td.target))
-        self.ad = None
+        super(Stack, self).__init__(model_delay_ms, big_file_text(), n_agentd=0,
+                                    store_env=store_env, workdir=os.path.join(root, name))
         self.start_agentd()
 
-    def _sub(self, name):
-        p = os.path.join(self.dir, name)
-        os.makedirs(p, exist_ok=True)
-        return p
-
-    def _add(self, d):
-        self.daemons.append(d)
-        return d
+    def start_model(self, delay_ms):
+        return FakeModel(self._sub('fake_model'), log=self.model_log, delay_ms=delay_ms)
 
     def start_agentd(self, cls=H.Agentd, *pre):
         env = {'ANTHROPIC_BASE_URL': self.fm.anthropic_base_url, 'ANTHROPIC_API_KEY': 'bench'}

@@ -1232,3 +1232,73 @@ class Agentd(Daemon):
             token = view.next_page_token
             if not token:
                 return out
+
+
+# ---- a whole stack on the fake model's bench brain ----
+
+class BenchBrainStack(object):
+    """storaged + toold (its workspace 'bench' holding BIG_FILE) + the fake model playing its
+    bench brain (`bash echo hello`, `read` of BIG_FILE, a short answer; --delay-ms delay_ms) +
+    n_agentd agentds running the agent AGENT against them, each daemon in a directory of one
+    temporary directory (remove() stops them and deletes it). store_env: storaged's extra
+    environment; owner_ids: the agentds' --owner-id (default: none, the agentd's own);
+    agentd_args: extra flags of the first n_agentd agentds; workdir: the directory to use
+    instead of a new temporary one."""
+
+    AGENT = 'bench'
+    BIG_FILE = 'big.txt'
+
+    def __init__(self, delay_ms, big_text, n_agentd=1, owner_ids=None, agentd_args=(),
+                 store_env=None, prefix='cflue-stack-', workdir=None):
+        self.dir = workdir or tempfile.mkdtemp(prefix=prefix)
+        os.makedirs(self.dir, exist_ok=True)
+        self.daemons = []
+        try:
+            self.sd = self._add(Storaged(workdir=self._sub('storaged'), env=store_env))
+            self.td = Toold(workdir=self._sub('toold'), start=False)
+            with open(os.path.join(self.td.workspace('bench', create=True), self.BIG_FILE),
+                      'w') as f:
+                f.write(big_text)
+            self._add(self.td.start())
+            self.fm = self._add(self.start_model(delay_ms))
+            self.agents = self._sub('agents')
+            with open(os.path.join(self.agents, self.AGENT + '.md'), 'w') as f:
+                f.write('---\nname: %s\ndescription: a test on the bench brain\n'
+                        'model: anthropic/bench-1\nsandbox:\n  tools: "%s"\n'
+                        '  workspace: bench\n---\n\nAnswer briefly.\n'
+                        % (self.AGENT, self.td.target))
+            self.ads = [self.add_agentd(agentd_args, owner_ids[i] if owner_ids else '')
+                        for i in range(n_agentd)]
+            self.ad = self.ads[0] if self.ads else None
+        except BaseException:
+            self.remove()
+            raise
+
+    def start_model(self, delay_ms):
+        """The fake model playing the bench brain (a subclass may start another kind)."""
+        return FakeModel(workdir=self._sub('fake_model'),
+                         extra_args=['--brain', 'bench', '--delay-ms', str(delay_ms), '--quiet'])
+
+    def add_agentd(self, agentd_args=(), owner_id=''):
+        """One more agentd on this stack's storaged, toold and model."""
+        env = {'ANTHROPIC_BASE_URL': self.fm.anthropic_base_url, 'ANTHROPIC_API_KEY': 'k'}
+        return self._add(Agentd(self.sd.target, self.agents, env=env, owner_id=owner_id,
+                                workdir=self._sub('agentd%d' % len(self.daemons)),
+                                extra_args=tuple(agentd_args)))
+
+    def _sub(self, name):
+        p = os.path.join(self.dir, name)
+        os.makedirs(p, exist_ok=True)
+        return p
+
+    def _add(self, d):
+        self.daemons.append(d)
+        return d
+
+    def remove(self):
+        for d in reversed(self.daemons):
+            try:
+                d.close()
+            except Exception:
+                pass
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -12,76 +12,30 @@ own, so none takes over another's running work.
 """
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import unittest
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cflue_harness import AGENTD_BIN, Agentd, FakeModel, Storaged, Toold, proc_cpu_seconds  # noqa: E402
+from cflue_harness import AGENTD_BIN, BenchBrainStack, proc_cpu_seconds  # noqa: E402
 from cflue_harness import proc_status_field  # noqa: E402
 from cflue_harness import common_pb2, store_pb2  # noqa: E402
 
-AGENT = 'bench'
-BIG_FILE = 'big.txt'
+AGENT = BenchBrainStack.AGENT
 
 
-class EngineStack(object):
-    """storaged + toold + the fake model's bench brain (--delay-ms delay_ms) + one agentd with
-    default settings, in one temporary directory."""
+class EngineStack(BenchBrainStack):
+    """BenchBrainStack with one agentd of default settings (agentd_args aside) and a 165 KB
+    file to read."""
 
     def __init__(self, delay_ms, agentd_args=()):
-        self.dir = tempfile.mkdtemp(prefix='cflue-engine-it-')
-        self.daemons = []
-        try:
-            self.sd = self._add(Storaged(workdir=self._sub('storaged')))
-            self.td = Toold(workdir=self._sub('toold'), start=False)
-            with open(os.path.join(self.td.workspace('bench', create=True), BIG_FILE), 'w') as f:
-                line = 'the engine test reads this line, one of many in a file of 165 KB\n'
-                f.write(line * (165000 // len(line)))
-            self._add(self.td.start())
-            self.fm = self._add(FakeModel(workdir=self._sub('fake_model'),
-                                          extra_args=['--brain', 'bench', '--delay-ms',
-                                                      str(delay_ms), '--quiet']))
-            agents = self._sub('agents')
-            with open(os.path.join(agents, AGENT + '.md'), 'w') as f:
-                f.write('---\nname: %s\ndescription: the engine test\nmodel: anthropic/bench-1\n'
-                        'sandbox:\n  tools: "%s"\n  workspace: bench\n---\n\nAnswer briefly.\n'
-                        % (AGENT, self.td.target))
-            self.agents = agents
-            self.ad = self.add_agentd(agentd_args)
-        except BaseException:
-            self.remove()
-            raise
-
-    def add_agentd(self, agentd_args=()):
-        """One more agentd on this stack's storaged, toold and model."""
-        env = {'ANTHROPIC_BASE_URL': self.fm.anthropic_base_url, 'ANTHROPIC_API_KEY': 'k'}
-        return self._add(Agentd(self.sd.target, self.agents, env=env,
-                                workdir=self._sub('agentd%d' % len(self.daemons)),
-                                extra_args=tuple(agentd_args)))
-
-    def _sub(self, name):
-        p = os.path.join(self.dir, name)
-        os.makedirs(p, exist_ok=True)
-        return p
-
-    def _add(self, d):
-        self.daemons.append(d)
-        return d
-
-    def remove(self):
-        for d in reversed(self.daemons):
-            try:
-                d.close()
-            except Exception:
-                pass
-        shutil.rmtree(self.dir, ignore_errors=True)
+        line = 'the engine test reads this line, one of many in a file of 165 KB\n'
+        super(EngineStack, self).__init__(delay_ms, line * (165000 // len(line)),
+                                          agentd_args=agentd_args, prefix='cflue-engine-it-')
 
     def settled(self, ids):
         """{submission_id: (settle time in epoch s, outcome)} for the settled ones of ids."""

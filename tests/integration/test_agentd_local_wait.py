@@ -13,9 +13,7 @@ cancelled wait leaves nothing behind (a later wait is answered; agentd exits cle
 import math
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 import unittest
 from concurrent.futures import ThreadPoolExecutor
@@ -23,62 +21,24 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cflue_harness import Agentd, FakeModel, Storaged, Toold  # noqa: E402
+from cflue_harness import BenchBrainStack  # noqa: E402
 from cflue_harness import agent_pb2, common_pb2, store_pb2  # noqa: E402
 
-AGENT = 'bench'
-BIG_FILE = 'big.txt'
+AGENT = BenchBrainStack.AGENT
 COMPLETED = common_pb2.OUTCOME_COMPLETED
 POLL_S = 0.5  # agentd's abort polling: one Get per live drive per tick (engine.c)
 
 
-class Stack(object):
-    """storaged (CFLUE_RPC_STATS=1) + toold + the fake model's bench brain (--delay-ms) +
-    n_agentd agentds on that storaged, in one temporary directory."""
+class Stack(BenchBrainStack):
+    """BenchBrainStack with storaged counting its calls (CFLUE_RPC_STATS=1) and n_agentd
+    agentds (owners a0, a1, ...)."""
 
     def __init__(self, delay_ms, n_agentd=1):
-        self.dir = tempfile.mkdtemp(prefix='cflue-local-wait-it-')
-        self.daemons = []
-        try:
-            self.sd = self._add(Storaged(workdir=self._sub('storaged'),
-                                         env={'CFLUE_RPC_STATS': '1'}))
-            self.td = Toold(workdir=self._sub('toold'), start=False)
-            with open(os.path.join(self.td.workspace('bench', create=True), BIG_FILE), 'w') as f:
-                f.write('a line of the file the bench brain reads\n' * 100)
-            self._add(self.td.start())
-            self.fm = self._add(FakeModel(workdir=self._sub('fake_model'),
-                                          extra_args=['--brain', 'bench', '--delay-ms',
-                                                      str(delay_ms), '--quiet']))
-            agents = self._sub('agents')
-            with open(os.path.join(agents, AGENT + '.md'), 'w') as f:
-                f.write('---\nname: %s\ndescription: the local wait test\n'
-                        'model: anthropic/bench-1\nsandbox:\n  tools: "%s"\n'
-                        '  workspace: bench\n---\n\nAnswer briefly.\n' % (AGENT, self.td.target))
-            env = {'ANTHROPIC_BASE_URL': self.fm.anthropic_base_url, 'ANTHROPIC_API_KEY': 'k'}
-            self.ads = [self._add(Agentd(self.sd.target, agents, env=env, owner_id='a%d' % i,
-                                         workdir=self._sub('agentd%d' % i)))
-                        for i in range(n_agentd)]
-            self.ad = self.ads[0]
-        except BaseException:
-            self.remove()
-            raise
-
-    def _sub(self, name):
-        p = os.path.join(self.dir, name)
-        os.makedirs(p, exist_ok=True)
-        return p
-
-    def _add(self, d):
-        self.daemons.append(d)
-        return d
-
-    def remove(self):
-        for d in reversed(self.daemons):
-            try:
-                d.close()
-            except Exception:
-                pass
-        shutil.rmtree(self.dir, ignore_errors=True)
+        super(Stack, self).__init__(delay_ms, 'a line of the file the bench brain reads\n' * 100,
+                                    n_agentd=n_agentd,
+                                    owner_ids=['a%d' % i for i in range(n_agentd)],
+                                    store_env={'CFLUE_RPC_STATS': '1'},
+                                    prefix='cflue-local-wait-it-')
 
     def store_counts(self):
         """Stops the agentds, then storaged; returns storaged's {method: calls}."""
