@@ -101,7 +101,6 @@ struct store_flight {
 enum flight_state {
     FLIGHT_IDLE,    /* none is being made */
     FLIGHT_WAITING, /* in flight, or waiting for its retry timer: the drive parks */
-    FLIGHT_RESEND,  /* its retry is due: the caller sends the request again */
     FLIGHT_ENDED,   /* over, for good: rc and resp say how */
 };
 
@@ -228,11 +227,12 @@ enum cf_status dstore_flush(struct drive *d);
 void dstore_flight_send(struct drive *d, const char *method, const ProtobufCMessage *req,
                         const ProtobufCMessageDescriptor *desc, size_t n_sent);
 /* dstore_flight_take takes the end of the call in flight when it came. A transient failure is
- * tried again after a backoff, as dstore_call does (FLIGHT_WAITING, then FLIGHT_RESEND when
- * the timer posts the drive); a stale fence marks the lease lost; a lost lease or shutdown
- * during a backoff ends it CF_STALE. On FLIGHT_ENDED, *rc (d->err on failure) and *resp (the
- * caller's to free; NULL unless CF_OK). */
-enum flight_state dstore_flight_take(struct drive *d, enum cf_status *rc, ProtobufCMessage **resp);
+ * tried again after a backoff, as dstore_call does: FLIGHT_WAITING, and once the timer posted
+ * the drive, resend(d) sends the request again (through dstore_flight_send). A stale fence
+ * marks the lease lost; a lost lease or shutdown during a backoff ends the call CF_STALE. On
+ * FLIGHT_ENDED, *rc (d->err on failure) and *resp (the caller's to free; NULL unless CF_OK). */
+enum flight_state dstore_flight_take(struct drive *d, void (*resend)(struct drive *d),
+                                     enum cf_status *rc, ProtobufCMessage **resp);
 /* dstore_writes_done takes the end of the drive's Append in flight (records acknowledged,
  * hints kept; a transient failure tried again after a backoff, as dstore_call does, with a
  * timer posting the drive; any other failure handled as dstore_flush does) and reports whether

@@ -233,7 +233,8 @@ void dstore_flight_send(struct drive *d, const char *method, const ProtobufCMess
     rpc_acall_start(g_agentd.store, path, req, desc, STORE_TIMEOUT_MS, on_flight_end, d);
 }
 
-enum flight_state dstore_flight_take(struct drive *d, enum cf_status *rc, ProtobufCMessage **resp)
+enum flight_state dstore_flight_take(struct drive *d, void (*resend)(struct drive *d),
+                                     enum cf_status *rc, ProtobufCMessage **resp)
 {
     struct store_flight *f = &d->sf;
     *resp = NULL;
@@ -263,7 +264,8 @@ enum flight_state dstore_flight_take(struct drive *d, enum cf_status *rc, Protob
             return FLIGHT_WAITING; /* the timer posts the drive */
         }
         f->retry_at_ms = 0;
-        return FLIGHT_RESEND;
+        resend(d);
+        return FLIGHT_WAITING;
     }
     f->in_flight = false;
     *rc = store_status(f->method, &st, &d->err);
@@ -303,15 +305,17 @@ static void send_write(struct drive *d, bool retry)
     dstore_flight_send(d, "Append", &req.base, &cflue__v1__append_response__descriptor, n);
 }
 
+static void resend_write(struct drive *d)
+{
+    send_write(d, true);
+}
+
 bool dstore_writes_done(struct drive *d)
 {
     enum cf_status rc;
     ProtobufCMessage *resp;
-    switch (dstore_flight_take(d, &rc, &resp)) {
+    switch (dstore_flight_take(d, resend_write, &rc, &resp)) {
     case FLIGHT_WAITING:
-        return false;
-    case FLIGHT_RESEND:
-        send_write(d, true);
         return false;
     case FLIGHT_ENDED:
         if (rc == CF_OK) {

@@ -248,11 +248,8 @@ bool settle_poll(struct drive *d, enum drive_end *end)
 {
     enum cf_status rc;
     ProtobufCMessage *resp;
-    switch (dstore_flight_take(d, &rc, &resp)) {
+    switch (dstore_flight_take(d, send_settle, &rc, &resp)) {
     case FLIGHT_WAITING:
-        return false;
-    case FLIGHT_RESEND:
-        send_settle(d);
         return false;
     case FLIGHT_ENDED:
         *end = settle_answered_with(d, rc, resp, d->settling,
