@@ -57,6 +57,7 @@
 #include "pbtime.h"
 #include "settled_here.h"
 
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -547,9 +548,9 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
     return d;
 }
 
-/* waits_with_writes: the states that take the ends of Appends in flight themselves (every
- * other state starts only when none is in flight, so its blocking Store calls keep the
- * stream's order, and the drive ends only then). */
+/* waits_with_writes: the states that take the end of the Store call in flight themselves
+ * (tool results written behind, the Settle). Every other state starts only when none is in
+ * flight, so its blocking Store calls keep the stream's order, and the drive ends only then. */
 static bool waits_with_writes(enum drive_state s)
 {
     return s == DRIVE_MODEL_WAIT || s == DRIVE_TOOLS_WAIT || s == DRIVE_SETTLE_WAIT;
@@ -590,6 +591,7 @@ void drive_free(struct drive *d)
     model_call_cleanup(d);
     tools_wait_cleanup(d);
     dstore_cleanup(d);
+    assert(!d->sf.in_flight); /* drive_run ends a drive only with no call in flight */
     if (d->sf.resp) {
         protobuf_c_message_free_unpacked(d->sf.resp, NULL);
     }
