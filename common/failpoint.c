@@ -56,3 +56,8 @@ void failpoint_hit(const char *name)
         }
     }
 }
+
+bool failpoint_armed(void)
+{
+    return n_points > 0;
+}

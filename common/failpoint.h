@@ -7,10 +7,15 @@
 #ifndef CFLUE_FAILPOINT_H
 #define CFLUE_FAILPOINT_H
 
+#include <stdbool.h>
+
 /* failpoint_init reads CFLUE_FAILPOINTS once; call at start-up before any thread starts. */
 void failpoint_init(void);
 
 /* failpoint_hit crashes the process if the named point is armed and its count is reached. */
 void failpoint_hit(const char *name);
+
+/* failpoint_armed: some point is armed (for a caller that must build a point's name). */
+bool failpoint_armed(void);
 
 #endif

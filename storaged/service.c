@@ -17,6 +17,8 @@
  */
 #include "service.h"
 
+#include "failpoint.h"
+
 #include "clock.h"
 #include "db.h"
 #include "follow_hub.h"
@@ -280,6 +282,13 @@ static void complete(void *arg, enum cf_status st, const struct cf_error *err)
         wake_followers(p);
     }
     if (st == CF_OK) {
+        if (failpoint_armed()) {
+            /* storaged.reply.<Method>: the write is committed, its answer never leaves (a
+             * client sees the connection lost and may retry) */
+            char point[64];
+            snprintf(point, sizeof(point), "storaged.reply.%s", p->m->name);
+            failpoint_hit(point);
+        }
         rpc_call_reply(p->call, p->resp);
     } else {
         rpc_call_fail_error(p->call, err);

@@ -235,12 +235,14 @@ class Stack(object):
     """storaged + toold + fake model + N agentd processes, all in temp dirs."""
 
     def __init__(self, agents=('runner-anthropic', 'runner-openai'), n_agentd=1,
-                 agentd_args=(), owner_ids=None, with_toold=True, storaged_args=()):
+                 agentd_args=(), owner_ids=None, with_toold=True, storaged_args=(),
+                 storaged_env=None):
         self.dir = tempfile.mkdtemp(prefix='cflue-agentd-it-')
         self.daemons = []
         self.agentds = []
         try:
-            self.sd = Storaged(workdir=self._sub('storaged'), extra_args=storaged_args)
+            self.sd = Storaged(workdir=self._sub('storaged'), extra_args=storaged_args,
+                               env=storaged_env)
             self.daemons.append(('storaged', self.sd))
             self.td = None
             if with_toold:

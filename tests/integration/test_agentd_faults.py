@@ -336,6 +336,46 @@ class ShortOutageTest(FaultsBase):
         self.assertNotIn('drive_interrupted', log)
 
 
+class LostAdmitAnswerTest(FaultsBase):
+    """storaged commits a Submit's Admit (which claims it for this agentd) and dies before
+    answering (failpoint storaged.reply.Admit): the submission is RUNNING under this agentd's
+    lease with no drive. The client's retry with the same idempotency key is deduplicated,
+    and agentd takes the work back at once instead of waiting out the 30 s lease."""
+    stack_kwargs = {'agents': ('runner-anthropic',),
+                    'storaged_env': {'CFLUE_FAILPOINTS': 'storaged.reply.Admit=crash'}}
+
+    def test_a_retried_submit_whose_claimed_admit_lost_its_answer_runs_at_once(self):
+        conv = new_conv('lostadmit')
+        self.workspace(conv)
+        self.fm.set_scenario(bind([{'text': 'Taken back at once.'}], conv))
+        key = 'lost-admit-' + conv
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.ad.submit('runner-anthropic', 'hi (%s)' % conv, conversation_id=conv,
+                           idempotency_key=key)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
+        self.stack.sd.proc.wait(10)
+        self.assertIn('failpoint_crash point=storaged.reply.Admit', self.stack.sd.stderr_text())
+        del self.stack.sd.env['CFLUE_FAILPOINTS']
+        self.stack.sd.start()
+        t0 = time.monotonic()
+        adm = None
+        while adm is None and time.monotonic() < t0 + 20:
+            try:
+                adm = self.ad.submit('runner-anthropic', 'hi (%s)' % conv,
+                                     conversation_id=conv, idempotency_key=key)
+            except grpc.RpcError as e:
+                self.assertEqual(e.code(), grpc.StatusCode.UNAVAILABLE, e.details())
+                time.sleep(0.1)
+        self.assertIsNotNone(adm, 'agentd never reached storaged again')
+        self.assertTrue(adm.deduplicated)
+        sub = self.wait_settled(adm.submission_id, timeout=25)
+        took = time.monotonic() - t0
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertLess(took, 10.0, 'the work waited %.1f s: the lease ran out first' % took)
+        self.assertIn('take_back submission=%s' % adm.submission_id, self.ad.stderr_text())
+        self.assert_outcome_true(conv, adm.submission_id)
+
+
 class RefusedRecordTest(AgentdCase):
     """A record storaged refuses for good (here: larger than its page budget) ends the work
     as failed at once: retrying cannot help."""
