@@ -12,6 +12,8 @@ tool call has a recorded result (the real one, or "outcome unknown" after an int
 
 import json
 import os
+import signal
+import sys
 import threading
 import time
 import unittest
@@ -273,10 +275,10 @@ class FaultsCase(FaultsBase):
 
 
 class ShortOutageTest(FaultsBase):
-    """storaged down for a moment, within the retry window (the default 30 s lease): the
-    attempt rides it out. A tool result that arrives while storaged is down is written again
-    once it is back (the Append is tried again on a timer, holding no engine thread)."""
-    stack_kwargs = {'agents': ('runner-anthropic',)}
+    """storaged down or frozen for less than the retry window (a 60 s lease): the attempt rides
+    it out. A tool result or a Settle made while storaged is away is tried again on a timer
+    (holding no engine thread) until storaged is back."""
+    stack_kwargs = {'agents': ('runner-anthropic',), 'agentd_args': ('--lease-ms', '60000')}
 
     def test_a_tool_result_written_during_a_short_outage_is_stored_by_the_same_attempt(self):
         conv = new_conv('blip')
@@ -333,6 +335,43 @@ class ShortOutageTest(FaultsBase):
         self.assertEqual(len(self.model_requests(conv)), 1, 'the model was asked again')
         log = self.ad.stderr_text()
         self.assertIn('store_retry submission=%s method=Settle' % adm.submission_id, log)
+        self.assertNotIn('drive_interrupted', log)
+
+
+    def test_results_written_while_storaged_is_frozen_past_the_call_deadline_land_once(self):
+        # Frozen (SIGSTOP), storaged answers nothing: the first result's Append runs into its
+        # 15 s deadline and is tried again, carrying exactly that result (storaged may have it
+        # already once it runs again); the second result, which came meanwhile, follows
+        conv = new_conv('frozen')
+        ws = self.workspace(conv)
+        self.fm.set_scenario(bind([
+            {'tool_calls': [
+                {'name': 'bash', 'arguments': {'command': 'sleep 1; echo one >> runs.txt; '
+                                                          'echo first-done'}},
+                {'name': 'bash', 'arguments': {'command': 'sleep 4; echo two >> runs.txt; '
+                                                          'echo second-done'}}]},
+            {'text': 'Both ran.'}], conv))
+        adm = self.ad.submit('runner-anthropic', 'run both (%s)' % conv, conversation_id=conv)
+        self.wait_record(conv, lambda r: kind(r) == 'assistant_message', 'the tool calls')
+        os.kill(self.stack.sd.pid, signal.SIGSTOP)
+        try:
+            time.sleep(17.5)
+        finally:
+            os.kill(self.stack.sd.pid, signal.SIGCONT)
+        sub = self.wait_settled(adm.submission_id, timeout=60)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertEqual(sub.attempt_count, 1, 'the freeze cost an attempt')
+        with open(os.path.join(ws, 'runs.txt')) as f:
+            self.assertEqual(sorted(f.read().split()), ['one', 'two'])
+        recs = self.assert_outcome_true(conv, adm.submission_id)
+        results = sorted(body(r).text.strip() for r in recs if kind(r) == 'tool_result')
+        self.assertEqual(results, ['first-done', 'second-done'])
+        log = self.ad.stderr_text()
+        retries = [line for line in log.splitlines()
+                   if 'store_retry submission=%s method=Append' % adm.submission_id in line]
+        sys.stderr.write('\n' + '\n'.join(retries[:3]) + '\n')
+        self.assertTrue(retries, 'no Append was tried again')
+        self.assertIn('eadline', retries[0])  # the first try ran into its deadline
         self.assertNotIn('drive_interrupted', log)
 
 
