@@ -355,7 +355,7 @@ class ShortOutageTest(FaultsBase):
         self.wait_record(conv, lambda r: kind(r) == 'assistant_message', 'the tool calls')
         os.kill(self.stack.sd.pid, signal.SIGSTOP)
         try:
-            time.sleep(17.5)
+            time.sleep(20)
         finally:
             os.kill(self.stack.sd.pid, signal.SIGCONT)
         sub = self.wait_settled(adm.submission_id, timeout=60)
