@@ -152,7 +152,7 @@ static bool summarize(struct drive *d, int64_t cut, struct llm_response *resp, i
 
 /* record_compaction records the summary and a recomposed system prompt (a fault between the
  * two leaves the compaction without its prompt; the next attempt composes it, see
- * prompt_frozen). */
+ * prompt_take). */
 static enum compact_result record_compaction(struct drive *d, const struct llm_response *resp,
                                              int64_t cut, int64_t before, int64_t tail,
                                              Cflue__V1__CompactionTrigger trigger)
@@ -171,7 +171,7 @@ static enum compact_result record_compaction(struct drive *d, const struct llm_r
     if (d->fault.code != CF_OK) {
         return COMPACT_FAILED;
     }
-    char *fresh = prompt_compose(d, d->tools.list);
+    char *fresh = prompt_compose(d);
     if (!fresh) {
         return COMPACT_FAILED;
     }

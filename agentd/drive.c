@@ -11,10 +11,10 @@
  *
  * The states (enum drive_state), each a function that returns the next:
  *
- *   START --> INPUT --> PROMPT --> JOIN --> MODEL(_WAIT) --> TOOLS --> JOIN ...
- *                          |                 | ^        (no calls: JOIN)
- *                          |                 v |
- *                          +-----------> COMPACT          (size, overflow, or a Compact request)
+ *   START --> INPUT --> PROMPT(_WAIT) --> JOIN --> MODEL(_WAIT) --> TOOLS(_WAIT) --> JOIN ...
+ *                          |                        | ^        (no calls: JOIN)
+ *                          |                        v |
+ *                          +------------------> COMPACT     (size, overflow, or a Compact request)
  *   any state --> SETTLE --> SETTLE_WAIT --> DONE   (or straight to DONE: no outcome to record,
  *                                                     or one recorded on a rarer path)
  *
@@ -23,8 +23,9 @@
  *    its finished answer recognized (takeover);
  *  - INPUT: the input written (pending: the first model call's Append stores it and stamps
  *    it applied, installing the budgets), unresolved calls repaired;
- *  - PROMPT: the tool set listed, the system prompt frozen (a sandboxed agent never reaches
- *    the model without its tool set, nor a prompt composed from a partial environment);
+ *  - PROMPT(_WAIT): the tool set listed and the sandbox looked at in one Sandbox.Glance (the
+ *    drive parked meanwhile), the system prompt frozen (a sandboxed agent never reaches the
+ *    model without its tool set, nor a prompt composed from a partial environment);
  *  - JOIN: queued messages join; with nothing new and no calls run, the work is finished;
  *  - MODEL: the turn's context built from the log (compacting first when it is too large),
  *    the model asked, its answer recorded; COMPACT when it overflowed (once per drive);
@@ -38,14 +39,14 @@
  * MODEL_WAIT (d->parked) until the call's end (or an abort, or a retry's backoff timer) posts
  * it back; model_done then takes the answer. A tool batch does not hold it either: TOOLS starts
  * the batch and the drive parks in TOOLS_WAIT, posted by each result and by the batch's end.
- * Appends do not hold it either: the records a turn builds on, an answer's calls before
- * they run and tool results as they arrive go out as one Append at a time per drive
- * (dstore_stored, dstore_write_behind), and the drive parks until the Append's end posts it.
- * The Settle of an outcome goes out the same way. The other Store calls (reading the
- * conversation, joins, compaction, settlements on the rarer paths) block the engine thread for
- * their (short) duration, and only once no call is in flight. A drive ends in
- * one of three ways (enum drive_end): settled; stopped (lease lost or shutdown: whoever holds the
- * work next continues it); interrupted (storaged or toold failed past the retry window; the first
+ * Nor does the first turn's Glance to toold (PROMPT_WAIT). Appends do not hold it either: the
+ * records a turn builds on, an answer's calls before they run and tool results as they arrive go
+ * out as one Append at a time per drive (dstore_stored, dstore_write_behind), and the drive parks
+ * until the Append's end posts it. The Settle of an outcome goes out the same way. The other Store
+ * calls (reading the conversation, joins, compaction, settlements on the rarer paths) block the
+ * engine thread for their (short) duration, and only once no call is in flight. A drive ends in one
+ * of three ways (enum drive_end): settled; stopped (lease lost or shutdown: whoever holds the work
+ * next continues it); interrupted (storaged or toold failed past the retry window; the first
  * failure is kept in d->fault and the work is claimed again later, each attempt counting against
  * max_attempts).
  */
@@ -237,8 +238,16 @@ static enum drive_state step_input(struct drive *d)
 
 static enum drive_state step_prompt(struct drive *d)
 {
-    tools_load(d);
-    d->system_text = drive_halted(d) ? NULL : prompt_frozen(d);
+    prompt_start(d);
+    return DRIVE_PROMPT_WAIT;
+}
+
+static enum drive_state step_prompt_wait(struct drive *d)
+{
+    if (!prompt_take(d)) {
+        d->parked = true; /* the call's end posts the drive */
+        return DRIVE_PROMPT_WAIT;
+    }
     if (!d->system_text) {
         return DRIVE_SETTLE;
     }
@@ -469,6 +478,7 @@ static enum drive_state (*const steps[])(struct drive *) = {
     [DRIVE_START] = step_start,
     [DRIVE_INPUT] = step_input,
     [DRIVE_PROMPT] = step_prompt,
+    [DRIVE_PROMPT_WAIT] = step_prompt_wait,
     [DRIVE_JOIN] = step_join,
     [DRIVE_MODEL] = step_model,
     [DRIVE_MODEL_WAIT] = step_model_wait,
@@ -536,7 +546,8 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
     buf_init(&d->delta, 64 * 1024);
     model_call_init(d);
     tools_wait_init(d);
-    pthread_mutex_init(&d->sf.mu, NULL);
+    dcall_init(&d->sf.call, d);
+    dcall_init(&d->prompt_call, d);
     d->state = DRIVE_START;
     if (!begin_drive(d)) {
         drive_free(d);
@@ -591,11 +602,8 @@ void drive_free(struct drive *d)
     model_call_cleanup(d);
     tools_wait_cleanup(d);
     dstore_cleanup(d);
-    assert(!d->sf.in_flight); /* drive_run ends a drive only with no call in flight */
-    if (d->sf.resp) {
-        protobuf_c_message_free_unpacked(d->sf.resp, NULL);
-    }
-    pthread_mutex_destroy(&d->sf.mu);
+    dcall_cleanup(&d->sf.call);
+    dcall_cleanup(&d->prompt_call);
     buf_cleanup(&d->delta);
     protobuf_c_message_free_unpacked(&d->claim->base, NULL);
     free(d);

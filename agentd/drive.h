@@ -25,7 +25,8 @@
 enum drive_state {
     DRIVE_START,       /* budgets, the conversation read, recovery of an earlier attempt */
     DRIVE_INPUT,       /* the input appended and stamped applied, unresolved calls repaired */
-    DRIVE_PROMPT,      /* the tool set listed and the system prompt frozen */
+    DRIVE_PROMPT,      /* the tool set and the sandbox asked for (one call to toold) */
+    DRIVE_PROMPT_WAIT, /* parked on that call; then the system prompt frozen */
     DRIVE_JOIN,        /* queued messages join */
     DRIVE_MODEL,       /* one model turn asked (the call started) */
     DRIVE_MODEL_WAIT,  /* parked on the model call or its backoff; then the answer recorded */
@@ -37,9 +38,10 @@ enum drive_state {
     DRIVE_DONE,
 };
 
-/* A sandbox's tool set, as Tools.List gave it. */
+/* A sandbox's tool set, as Sandbox.Glance or Tools.List gave it. */
 struct toolset {
-    Cflue__V1__ListToolsResponse *list;
+    ProtobufCMessage *owner;       /* the answer the tools came in (their strings are in it) */
+    const char *working_directory; /* where they run ("": not said) */
     struct llm_tool *tools;
     size_t n;
 };
@@ -80,21 +82,28 @@ struct model_wait {
     struct llm_events ev;
 };
 
-/* The drive's Store call in flight (drive_store.c): an Append, or the Settle. At most one at a
- * time, so records reach the stream in the order written. The fields under mu are written by
- * the call's end (rpc's client loop); the rest by the engine thread stepping the drive. */
-struct store_flight {
+/* A unary call a parked drive waits on (drive_call.c): its end posts the drive. The fields
+ * under mu are written by the call's end (rpc's client loop); the rest by the engine thread
+ * stepping the drive. A drive is freed only with no call in flight. */
+struct drive_call {
+    struct drive *d;
     pthread_mutex_t mu;
     bool ended;             /* under mu: the call is over; st and resp say how */
     struct rpc_status st;   /* under mu */
     ProtobufCMessage *resp; /* under mu: the response when st is OK */
-    const char *method;     /* "Append", "Settle" */
-    bool in_flight;         /* sent, and its end not yet taken */
-    size_t n_sent;          /* it carries the first n_sent pending records */
-    bool mark_sent;         /* an Append that stamps the input applied */
-    int64_t first_try_ms;   /* monotonic: the first try of this call (0: none is being made) */
-    int64_t retry_at_ms;    /* monotonic: when the next try is due (0: none waits) */
-    int64_t backoff_ms;     /* the wait before the try after next */
+    bool in_flight;         /* started, and its end not yet taken */
+};
+
+/* The drive's Store call in flight (drive_store.c): an Append, or the Settle. At most one at a
+ * time, so records reach the stream in the order written. */
+struct store_flight {
+    struct drive_call call;
+    const char *method;   /* "Append", "Settle" */
+    size_t n_sent;        /* it carries the first n_sent pending records */
+    bool mark_sent;       /* an Append that stamps the input applied */
+    int64_t first_try_ms; /* monotonic: the first try of this call (0: none is being made) */
+    int64_t retry_at_ms;  /* monotonic: when the next try is due (0: none waits) */
+    int64_t backoff_ms;   /* the wait before the try after next */
 };
 
 /* How a Store call in flight stands (dstore_flight_take). */
@@ -146,6 +155,7 @@ struct drive {
     struct model_wait mw;
     struct tool_wait tw;
     struct store_flight sf;
+    struct drive_call prompt_call; /* the first turn's Glance (or Tools.List) to toold */
     struct engine_link eng;
     struct toolset tools;
     char *system_text;
@@ -199,6 +209,20 @@ void drive_fault(struct drive *d, const char *what, const struct cf_error *e);
 int64_t drive_time_left(struct drive *d);
 /* drive_transient: a status from storaged or toold that says "try again later". */
 bool drive_transient(enum cf_status rc);
+
+/* ---- drive_call.c: a unary call a parked drive waits on ---- */
+
+/* dcall_init readies c for d's calls; dcall_cleanup frees what an untaken end left. */
+void dcall_init(struct drive_call *c, struct drive *d);
+void dcall_cleanup(struct drive_call *c);
+/* dcall_start starts one event-driven call (rpc_acall_start): its end posts the drive. At
+ * most one per drive_call at a time. */
+void dcall_start(struct drive_call *c, struct rpc_channel *ch, const char *path,
+                 const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
+                 int64_t timeout_ms);
+/* dcall_take: true when the call has ended, with its status in *st and its response (the
+ * caller's: NULL unless OK) in *resp; false while it is in flight (the drive parks). */
+bool dcall_take(struct drive_call *c, struct rpc_status *st, ProtobufCMessage **resp);
 
 /* ---- drive_store.c: Store calls of a drive ---- */
 
@@ -275,13 +299,20 @@ void dstore_build_context(struct drive *d, struct context *c, int64_t before);
 
 /* ---- prompt.c ---- */
 
-/* prompt_compose composes the system prompt: instructions, project notes, tool roster, date,
- * working directory and top-level listing. The caller frees it. NULL (with a fault) when toold
- * could not be read: no prompt is frozen from a partial environment. */
-char *prompt_compose(struct drive *d, const Cflue__V1__ListToolsResponse *tools);
-/* prompt_frozen returns (caller frees) the latest recorded system prompt, or composes and
- * records a new one when there is none or a compaction came after it. NULL on a fault. */
-char *prompt_frozen(struct drive *d);
+/* prompt_compose composes the system prompt: instructions, project notes, tool roster (of
+ * d->tools), date, working directory and top-level listing, reading the sandbox with blocking
+ * calls (compaction's rarer path). The caller frees it. NULL (with a fault) when toold could
+ * not be read: no prompt is frozen from a partial environment. */
+char *prompt_compose(struct drive *d);
+/* prompt_start asks toold, in one call that holds no thread, for the tool set and (unless the
+ * conversation holds a frozen prompt still in force) what the prompt shows of the sandbox.
+ * Without a sandbox it starts nothing; a toold that cannot be reached is a fault. */
+void prompt_start(struct drive *d);
+/* prompt_take: false while prompt_start's call is in flight (the drive parks; its end posts
+ * it). Then true, with d->tools listed and d->system_text the frozen prompt: the latest
+ * recorded one still in force, or one composed now and recorded (pending). NULL system_text:
+ * the drive halted or failed (a fault). */
+bool prompt_take(struct drive *d);
 
 /* ---- tool_batch.c ---- */
 
@@ -291,9 +322,15 @@ struct rpc_channel *tools_channel(struct drive *d);
 /* tools_failed reports whether a Tools/Sandbox status means toold itself failed (down,
  * overloaded, timed out) rather than answering about the sandbox; such a failure is a fault. */
 bool tools_failed(struct drive *d, const char *what, const struct rpc_status *st);
-/* tools_load lists the sandbox's tools into d->tools; a sandboxed agent whose toold cannot be
- * reached gets a fault, never an empty tool set. */
+/* tools_load lists the sandbox's tools into d->tools with a blocking Tools.List (for a toold
+ * whose Glance does not list them); a sandboxed agent whose toold cannot be reached gets a
+ * fault, never an empty tool set. */
 void tools_load(struct drive *d);
+/* tools_adopt makes specs d's tool set; the set keeps `owner`, the answer they came in. */
+void tools_adopt(struct drive *d, ProtobufCMessage *owner, Cflue__V1__ToolSpec **specs, size_t n,
+                 const char *working_directory);
+/* tools_no_channel faults a sandboxed agent whose toold this agentd cannot reach. */
+void tools_no_channel(struct drive *d);
 /* tools_cleanup frees d->tools. Idempotent. */
 void tools_cleanup(struct drive *d);
 /* tools_record_result writes the result of call `call_id` (index `index` of turn d->turn)

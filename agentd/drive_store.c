@@ -201,20 +201,6 @@ enum cf_status dstore_flush(struct drive *d)
 
 /* ---------- the Store call in flight ---------- */
 
-/* on_flight_end (rpc's client loop) hands the call's end to the drive and posts it. */
-static void on_flight_end(void *arg, const struct rpc_status *st, ProtobufCMessage *resp)
-{
-    struct drive *d = arg;
-    pthread_mutex_lock(&d->sf.mu);
-    d->sf.ended = true;
-    d->sf.st = *st;
-    d->sf.resp = resp;
-    /* posted under the lock: once an engine thread sees `ended` the drive may finish and be
-     * freed, so nothing here may touch d after the unlock */
-    engine_post(d);
-    pthread_mutex_unlock(&d->sf.mu);
-}
-
 void dstore_flight_send(struct drive *d, const char *method, const ProtobufCMessage *req,
                         const ProtobufCMessageDescriptor *desc, size_t n_sent)
 {
@@ -222,7 +208,6 @@ void dstore_flight_send(struct drive *d, const char *method, const ProtobufCMess
     char path[64];
     f->method = method;
     f->n_sent = n_sent;
-    f->in_flight = true;
     if (!f->first_try_ms) {
         f->first_try_ms = clock_mono_ms();
         f->backoff_ms = 100;
@@ -230,24 +215,19 @@ void dstore_flight_send(struct drive *d, const char *method, const ProtobufCMess
     }
     d->store_tries++;
     snprintf(path, sizeof(path), "/cflue.v1.Store/%s", method);
-    rpc_acall_start(g_agentd.store, path, req, desc, STORE_TIMEOUT_MS, on_flight_end, d);
+    dcall_start(&f->call, g_agentd.store, path, req, desc, STORE_TIMEOUT_MS);
 }
 
 enum flight_state dstore_flight_take(struct drive *d, void (*resend)(struct drive *d),
                                      enum cf_status *rc, ProtobufCMessage **resp)
 {
     struct store_flight *f = &d->sf;
+    struct rpc_status st;
+    ProtobufCMessage *got;
     *resp = NULL;
     *rc = CF_OK;
-    pthread_mutex_lock(&f->mu);
-    bool ended = f->ended;
-    struct rpc_status st = f->st;
-    ProtobufCMessage *got = f->resp;
-    f->ended = false;
-    f->resp = NULL;
-    pthread_mutex_unlock(&f->mu);
-    if (!ended) {
-        if (f->in_flight) {
+    if (!dcall_take(&f->call, &st, &got)) {
+        if (f->call.in_flight) {
             return FLIGHT_WAITING;
         }
         if (!f->retry_at_ms) {
@@ -267,7 +247,6 @@ enum flight_state dstore_flight_take(struct drive *d, void (*resend)(struct driv
         resend(d);
         return FLIGHT_WAITING;
     }
-    f->in_flight = false;
     *rc = store_status(f->method, &st, &d->err);
     if (*rc == CF_STALE) {
         drive_mark_lease_lost(d); /* ABORTED, STALE_FENCE: another attempt holds the work */

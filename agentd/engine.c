@@ -690,15 +690,15 @@ bool engine_start(const struct daemon *d, long long workers)
     eng.claimer_done = false;
     enum cf_status rc = CF_OK;
     for (long long i = 0; i < workers && rc == CF_OK; i++) {
-        rc = thread_start(&eng.threads[eng.n_started], 0, worker_main, NULL, &err);
+        rc = thread_start(&eng.threads[eng.n_started], "engine", 0, worker_main, NULL, &err);
         eng.n_started += rc == CF_OK;
     }
     if (rc == CF_OK) {
-        rc = thread_start(&eng.threads[eng.n_started], 0, claimer_main, NULL, &err);
+        rc = thread_start(&eng.threads[eng.n_started], "claimer", 0, claimer_main, NULL, &err);
         eng.n_started += rc == CF_OK;
     }
     if (rc == CF_OK) {
-        rc = thread_start(&eng.threads[eng.n_started], 0, heartbeat_main, NULL, &err);
+        rc = thread_start(&eng.threads[eng.n_started], "heartbeat", 0, heartbeat_main, NULL, &err);
         eng.n_started += rc == CF_OK;
     }
     if (rc == CF_OK) {

@@ -32,7 +32,7 @@ enum cf_status guard_start(struct stream_guard *g, struct rpc_stream *stream,
     g->over = false;
     pthread_mutex_init(&g->mu, NULL);
     pthread_cond_init(&g->cv, NULL);
-    enum cf_status rc = thread_start(&g->thread, 64 * 1024, watch, g, err);
+    enum cf_status rc = thread_start(&g->thread, "stream-guard", 64 * 1024, watch, g, err);
     g->started = rc == CF_OK;
     if (rc != CF_OK) {
         rpc_stream_cancel(stream);

@@ -406,7 +406,7 @@ enum cf_status model_io_new(struct model_io **out, const struct model_io_opts *o
     curl_share_setopt(io->share, CURLSHOPT_SHARE, CURL_LOCK_DATA_DNS);
     curl_share_setopt(io->share, CURLSHOPT_SHARE, CURL_LOCK_DATA_SSL_SESSION);
     io->polled_at_ms = clock_mono_ms();
-    enum cf_status rc = thread_start(&io->thread, 0, loop_main, io, err);
+    enum cf_status rc = thread_start(&io->thread, "model-io", 0, loop_main, io, err);
     if (rc != CF_OK) {
         model_io_free(io);
         return rc;

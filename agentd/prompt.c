@@ -2,8 +2,11 @@
  *
  * The prompt is the agent's instructions, the project notes (AGENTS.md, else CLAUDE.md, from
  * the sandbox's working directory), the tool roster, today's date, the working directory and
- * its top-level listing: the notes and the listing come from one Sandbox.Glance (a toold
- * without it is read with ReadFile and ReadDir). It is recorded as `system_prompt` (id
+ * its top-level listing. A drive's first step asks toold for the tool set, the notes and the
+ * listing in one Sandbox.Glance that holds no engine thread (prompt_start, prompt_take; only
+ * the tool set when the conversation holds a prompt still in force). A toold without Glance is
+ * read with the older blocking calls (Tools.List, ReadFile and ReadDir), as is the sandbox
+ * when a compaction composes a new prompt. It is recorded as `system_prompt` (id
  * system:<n>) and read back from the stream afterwards, so every turn and every later attempt
  * sees the same text; it is composed again only after a compaction (system:<compactions + 1>).
  * A prompt is frozen only when every part of it was read: toold failing leaves a fault, never a
@@ -75,26 +78,43 @@ static bool view_by_calls(struct drive *d, struct rpc_channel *ch, struct sandbo
     return true;
 }
 
-/* view_sandbox fills v in one Sandbox.Glance (the older calls when toold has none); false
- * (with a fault) when toold failed: no prompt is composed from a partial environment. */
+/* glance_request asks for the tool set, and with `view` for what the prompt shows of the
+ * sandbox too. */
+static void glance_request(struct drive *d, Cflue__V1__GlanceRequest *rq, bool view,
+                           bool list_tools)
+{
+    cflue__v1__glance_request__init(rq);
+    rq->sandbox = d->workspace;
+    rq->list_tools = list_tools;
+    if (view) {
+        rq->files = (char **)NOTES;
+        rq->n_files = 2;
+        rq->max_file_bytes = NOTES_MAX;
+        rq->max_entries = LISTING_MAX;
+    }
+}
+
+/* view_of_glance points v at what Glance answered (g stays the caller's). */
+static void view_of_glance(struct sandbox_view *v, const Cflue__V1__GlanceResponse *g)
+{
+    v->notes_name = *g->file ? g->file : NULL;
+    v->notes_data = g->file_data.data;
+    v->notes_len = g->file_data.len > NOTES_MAX ? NOTES_MAX : g->file_data.len;
+    v->entries = g->entries;
+    v->n_entries = g->n_entries;
+    v->more_entries = g->more_entries;
+}
+
+/* view_sandbox fills v in one blocking Sandbox.Glance (the older calls when toold has none);
+ * false (with a fault) when toold failed: no prompt is composed from a partial environment. */
 static bool view_sandbox(struct drive *d, struct rpc_channel *ch, struct sandbox_view *v)
 {
-    Cflue__V1__GlanceRequest rq = CFLUE__V1__GLANCE_REQUEST__INIT;
+    Cflue__V1__GlanceRequest rq;
     struct rpc_status st;
-    rq.sandbox = d->workspace;
-    rq.files = (char **)NOTES;
-    rq.n_files = 2;
-    rq.max_file_bytes = NOTES_MAX;
-    rq.max_entries = LISTING_MAX;
+    glance_request(d, &rq, true, false);
     if (rpc_unary(ch, "/cflue.v1.Sandbox/Glance", &rq.base, &cflue__v1__glance_response__descriptor,
                   SANDBOX_TIMEOUT_MS, &v->glance, &st)) {
-        const Cflue__V1__GlanceResponse *g = (const void *)v->glance;
-        v->notes_name = *g->file ? g->file : NULL;
-        v->notes_data = g->file_data.data;
-        v->notes_len = g->file_data.len > NOTES_MAX ? NOTES_MAX : g->file_data.len;
-        v->entries = g->entries;
-        v->n_entries = g->n_entries;
-        v->more_entries = g->more_entries;
+        view_of_glance(v, (const void *)v->glance);
         return true;
     }
     if (st.code == GRPC_STATUS_UNIMPLEMENTED) {
@@ -114,11 +134,10 @@ static void view_cleanup(struct sandbox_view *v)
 }
 
 /* add_listing appends the working directory and its top-level entries. */
-static void add_listing(struct buf *b, const struct sandbox_view *v,
-                        const Cflue__V1__ListToolsResponse *tools)
+static void add_listing(struct buf *b, const struct sandbox_view *v, const char *working_directory)
 {
-    if (tools && *tools->working_directory) {
-        buf_printf(b, "\nWorking directory: %s", tools->working_directory);
+    if (working_directory && *working_directory) {
+        buf_printf(b, "\nWorking directory: %s", working_directory);
     }
     buf_append_str(b, "\nTop-level entries of the working directory:");
     size_t shown = v->n_entries < LISTING_MAX ? v->n_entries : LISTING_MAX;
@@ -131,7 +150,9 @@ static void add_listing(struct buf *b, const struct sandbox_view *v,
     }
 }
 
-char *prompt_compose(struct drive *d, const Cflue__V1__ListToolsResponse *tools)
+/* compose writes the prompt of d's agent and tool set and, for a sandboxed agent, of what v
+ * shows of the sandbox (NULL: no sandbox). The caller frees it. */
+static char *compose(struct drive *d, const struct sandbox_view *v)
 {
     struct buf b;
     char when[64];
@@ -139,54 +160,129 @@ char *prompt_compose(struct drive *d, const Cflue__V1__ListToolsResponse *tools)
     struct tm tm;
     gmtime_r(&now, &tm);
     strftime(when, sizeof(when), "%Y-%m-%d", &tm);
-    struct rpc_channel *ch = tools_channel(d);
-    struct sandbox_view v = {0};
-    if (ch && !view_sandbox(d, ch, &v)) {
-        view_cleanup(&v);
-        return NULL;
-    }
     buf_init(&b, 1 << 20);
     buf_append_str(&b, d->agent->instructions);
-    if (v.notes_name) {
-        buf_printf(&b, "\n\n## Project notes (%s)\n\n", v.notes_name);
-        utf8_sanitize(&b, (const char *)v.notes_data, v.notes_len);
+    if (v && v->notes_name) {
+        buf_printf(&b, "\n\n## Project notes (%s)\n\n", v->notes_name);
+        utf8_sanitize(&b, (const char *)v->notes_data, v->notes_len);
     }
-    if (tools && tools->n_tools) {
+    if (d->tools.n) {
         buf_append_str(&b, "\n\n## Tools you can call\n");
-        for (size_t i = 0; i < tools->n_tools; i++) {
-            const char *desc = tools->tools[i]->description;
+        for (size_t i = 0; i < d->tools.n; i++) {
+            const char *desc = d->tools.tools[i].description;
             const char *dot = strchr(desc, '.');
-            buf_printf(&b, "\n- %s: %.*s", tools->tools[i]->name,
+            buf_printf(&b, "\n- %s: %.*s", d->tools.tools[i].name,
                        dot ? (int)(dot - desc + 1) : (int)strlen(desc), desc);
         }
     }
     buf_printf(&b, "\n\n## Environment\n\nToday's date: %s", when);
-    if (ch) {
-        add_listing(&b, &v, tools);
+    if (v) {
+        add_listing(&b, v, d->tools.working_directory);
     }
-    view_cleanup(&v);
     return buf_take(&b);
 }
 
-char *prompt_frozen(struct drive *d)
+char *prompt_compose(struct drive *d)
+{
+    struct rpc_channel *ch = tools_channel(d);
+    struct sandbox_view v = {0};
+    char *text = NULL;
+    if (!ch || view_sandbox(d, ch, &v)) {
+        text = compose(d, ch ? &v : NULL);
+    }
+    view_cleanup(&v);
+    return text;
+}
+
+/* in_force returns the latest recorded system prompt when no compaction came after it. */
+static const char *in_force(struct drive *d)
 {
     const Cflue__V1__Record *sys = rlog_latest(&d->log, CFLUE__V1__RECORD__BODY_SYSTEM_PROMPT);
     const Cflue__V1__Record *comp = rlog_latest(&d->log, CFLUE__V1__RECORD__BODY_COMPACTION);
     if (sys && (!comp || sys->offset < 0 /* pending */ || sys->offset > comp->offset)) {
-        return mem_strdup(sys->system_prompt->text);
+        return sys->system_prompt->text;
     }
-    char *text = prompt_compose(d, d->tools.list);
-    if (!text) {
-        return NULL;
+    return NULL;
+}
+
+void prompt_start(struct drive *d)
+{
+    struct rpc_channel *ch = tools_channel(d);
+    if (!ch) {
+        tools_no_channel(d);
+        return;
     }
+    Cflue__V1__GlanceRequest rq;
+    glance_request(d, &rq, !in_force(d), true);
+    dcall_start(&d->prompt_call, ch, "/cflue.v1.Sandbox/Glance", &rq.base,
+                &cflue__v1__glance_response__descriptor, SANDBOX_TIMEOUT_MS);
+}
+
+/* took_glance takes what prompt_start's Glance answered: the tool set into d->tools and,
+ * when the prompt is to be composed, the sandbox into v. A toold whose Glance does not list
+ * the tools, or has no Glance, is asked with the older blocking calls. false (with a fault)
+ * when toold failed or refused. */
+static bool took_glance(struct drive *d, const struct rpc_status *st, ProtobufCMessage *resp,
+                        struct sandbox_view *v)
+{
+    if (st->code == GRPC_STATUS_OK) {
+        const Cflue__V1__GlanceResponse *g = (const void *)resp;
+        view_of_glance(v, g);
+        if (g->n_tools) {
+            tools_adopt(d, resp, g->tools, g->n_tools, g->working_directory); /* keeps resp */
+        } else {
+            v->glance = resp;
+            tools_load(d);
+        }
+        return !drive_halted(d);
+    }
+    if (st->code == GRPC_STATUS_UNIMPLEMENTED) {
+        tools_load(d);
+        return !drive_halted(d) && (in_force(d) || view_by_calls(d, tools_channel(d), v));
+    }
+    if (!tools_failed(d, "looking at the sandbox failed", st)) {
+        /* toold answered but refused: that is no tool set either */
+        struct cf_error e;
+        cf_error_set(&e, status_from_grpc(st->code), "toold at %s refused Sandbox.Glance: %s",
+                     d->agent->sandbox_tools, st->details);
+        drive_fault(d, "looking at the sandbox failed", &e);
+    }
+    return false;
+}
+
+bool prompt_take(struct drive *d)
+{
+    struct sandbox_view v = {0};
+    bool sandboxed = d->prompt_call.in_flight;
+    if (sandboxed) {
+        struct rpc_status st;
+        ProtobufCMessage *resp;
+        if (!dcall_take(&d->prompt_call, &st, &resp)) {
+            return false;
+        }
+        if (!took_glance(d, &st, resp, &v)) {
+            view_cleanup(&v);
+            d->system_text = NULL;
+            return true;
+        }
+    }
+    const char *text = drive_halted(d) ? NULL : in_force(d);
+    if (text || drive_halted(d)) {
+        d->system_text = text ? mem_strdup(text) : NULL;
+        view_cleanup(&v);
+        return true;
+    }
+    char *fresh = compose(d, sandboxed ? &v : NULL);
+    view_cleanup(&v);
     char id[64];
     snprintf(id, sizeof(id), "system:%d", d->log.compactions + 1);
     Cflue__V1__SystemPrompt sp = CFLUE__V1__SYSTEM_PROMPT__INIT;
-    sp.text = text;
+    sp.text = fresh;
     (void)dstore_defer_one(d, id, "", &sp.base); /* stored with the input, before any turn */
     if (d->fault.code != CF_OK) {
-        free(text);
-        return NULL;
+        free(fresh);
+        fresh = NULL;
     }
-    return text;
+    d->system_text = fresh;
+    return true;
 }

@@ -81,20 +81,40 @@ bool tools_failed(struct drive *d, const char *what, const struct rpc_status *st
     }
 }
 
-void tools_load(struct drive *d)
+void tools_no_channel(struct drive *d)
+{
+    if (d->agent->sandbox_tools) {
+        struct cf_error e;
+        cf_error_set(&e, CF_BUSY,
+                     "no channel to toold at %s: this agentd reaches at most 32 tool servers",
+                     d->agent->sandbox_tools);
+        drive_fault(d, "listing the sandbox's tools failed", &e);
+    }
+}
+
+void tools_adopt(struct drive *d, ProtobufCMessage *owner, Cflue__V1__ToolSpec **specs, size_t n,
+                 const char *working_directory)
 {
     struct toolset *ts = &d->tools;
-    memset(ts, 0, sizeof(*ts));
+    tools_cleanup(d);
+    ts->owner = owner;
+    ts->working_directory = working_directory;
+    ts->n = n;
+    ts->tools = mem_alloc(sizeof(*ts->tools) * (n + 1));
+    for (size_t i = 0; i < n; i++) {
+        ts->tools[i].name = specs[i]->name;
+        ts->tools[i].description = specs[i]->description;
+        ts->tools[i].schema_json = specs[i]->parameters_json;
+        ts->tools[i].schema = NULL;
+        ts->tools[i].schema = llm_tool_schema(&ts->tools[i]); /* once, not per turn */
+    }
+}
+
+void tools_load(struct drive *d)
+{
     struct rpc_channel *ch = tools_channel(d);
     if (!ch) {
-        if (d->agent->sandbox_tools) {
-            struct cf_error e;
-            cf_error_set(&e, CF_BUSY,
-                         "no channel to toold at %s: this agentd reaches at most "
-                         "32 tool servers",
-                         d->agent->sandbox_tools);
-            drive_fault(d, "listing the sandbox's tools failed", &e);
-        }
+        tools_no_channel(d);
         return;
     }
     Cflue__V1__ListToolsRequest rq = CFLUE__V1__LIST_TOOLS_REQUEST__INIT;
@@ -103,16 +123,8 @@ void tools_load(struct drive *d)
     rq.sandbox = d->workspace;
     if (rpc_unary(ch, "/cflue.v1.Tools/List", &rq.base, &cflue__v1__list_tools_response__descriptor,
                   TOOLS_TIMEOUT_MS, &resp, &st)) {
-        ts->list = (Cflue__V1__ListToolsResponse *)resp;
-        ts->n = ts->list->n_tools;
-        ts->tools = mem_alloc(sizeof(*ts->tools) * (ts->n + 1));
-        for (size_t i = 0; i < ts->n; i++) {
-            ts->tools[i].name = ts->list->tools[i]->name;
-            ts->tools[i].description = ts->list->tools[i]->description;
-            ts->tools[i].schema_json = ts->list->tools[i]->parameters_json;
-            ts->tools[i].schema = NULL;
-            ts->tools[i].schema = llm_tool_schema(&ts->tools[i]); /* once, not per turn */
-        }
+        const Cflue__V1__ListToolsResponse *list = (const void *)resp;
+        tools_adopt(d, resp, list->tools, list->n_tools, list->working_directory);
     } else if (!tools_failed(d, "listing the sandbox's tools failed", &st)) {
         /* toold answered but refused: that is no tool set either */
         struct cf_error e;
@@ -124,8 +136,8 @@ void tools_load(struct drive *d)
 
 void tools_cleanup(struct drive *d)
 {
-    if (d->tools.list) {
-        protobuf_c_message_free_unpacked(&d->tools.list->base, NULL);
+    if (d->tools.owner) {
+        protobuf_c_message_free_unpacked(d->tools.owner, NULL);
     }
     for (size_t i = 0; d->tools.tools && i < d->tools.n; i++) {
         json_decref(d->tools.tools[i].schema);

@@ -104,7 +104,7 @@ bool guard_start(int64_t deadline_ms)
         g.deadline_ms = deadline_ms;
         g.deadline_at = clock_mono_ms() + deadline_ms;
     }
-    if (thread_start_detached(0, guard_main, NULL, &err) != CF_OK) {
+    if (thread_start_detached("stream-guard", 0, guard_main, NULL, &err) != CF_OK) {
         fprintf(stderr, "cflue: cannot start the signal and deadline guard: %s\n", err.msg);
         return false;
     }

@@ -4,7 +4,12 @@
  * what is freed in them; a daemon with dozens of threads then holds the peak of a burst for
  * good. So malloc gets at most ARENA_MAX arenas (unless MALLOC_ARENA_MAX says otherwise), and
  * the main thread, which only waits for the stop signal, gives free memory back to the system
- * (malloc_trim) every TRIM_EVERY_S seconds: an idle daemon returns to its idle size. */
+ * (malloc_trim) every TRIM_EVERY_S seconds: an idle daemon returns to its idle size. That trim
+ * is the only one: glibc's own (an arena's free top above M_TRIM_THRESHOLD, 128 KiB by default,
+ * given back with madvise at every free) cost storaged an eighth of its CPU in TLB flushes
+ * under load, so the threshold is TRIM_THRESHOLD, and blocks under MMAP_THRESHOLD come from
+ * the arenas rather than an mmap and munmap each (MALLOC_TRIM_THRESHOLD_ and
+ * MALLOC_MMAP_THRESHOLD_ override both). */
 #include "daemon.h"
 
 #include "failpoint.h"
@@ -20,6 +25,8 @@
 
 #define ARENA_MAX 2
 #define TRIM_EVERY_S 10
+#define TRIM_THRESHOLD (16 << 20)
+#define MMAP_THRESHOLD (1 << 20)
 
 const char *const daemon_log_levels[] = {"debug", "info", "warn", "error", NULL};
 
@@ -42,6 +49,12 @@ int daemon_configure(struct daemon *d, const struct config_opt *opts, size_t n_o
     log_init(d->name, LOG_INFO);
     if (!getenv("MALLOC_ARENA_MAX")) {
         mallopt(M_ARENA_MAX, ARENA_MAX);
+    }
+    if (!getenv("MALLOC_TRIM_THRESHOLD_")) {
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD);
+    }
+    if (!getenv("MALLOC_MMAP_THRESHOLD_")) {
+        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD);
     }
     if (config_parse(opts, n_opts, argc, argv, d->usage, &help, &err) != CF_OK) {
         return daemon_say(d, 2, "%s", err.msg);

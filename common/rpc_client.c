@@ -604,6 +604,7 @@ static void on_aunary_complete(struct atag *t)
 static void *aloop_main(void *arg)
 {
     (void)arg;
+    (void)pthread_setname_np(pthread_self(), "rpc-client");
     for (;;) {
         grpc_event ev =
             grpc_completion_queue_next(aloop_cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);

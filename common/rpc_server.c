@@ -715,7 +715,7 @@ static void start_thread(struct rpc_call *c)
     }
     s->threads_running++;
     pthread_mutex_unlock(&s->mu);
-    if (thread_start_detached(0, thread_main, c, &err) != CF_OK) {
+    if (thread_start_detached("rpc-stream", 0, thread_main, c, &err) != CF_OK) {
         pthread_mutex_lock(&s->mu);
         s->threads_running--;
         pthread_cond_broadcast(&s->cv);
@@ -1208,13 +1208,13 @@ enum cf_status rpc_server_start(struct rpc_server *s)
     s->workers = mem_alloc(sizeof(pthread_t) * (size_t)s->opts.workers);
     /* threads first: a server that cannot start them never accepts a call */
     for (int i = 0; i < s->opts.workers; i++) {
-        if (thread_start(&s->workers[i], 0, worker_main, s, &err) != CF_OK) {
+        if (thread_start(&s->workers[i], "rpc-worker", 0, worker_main, s, &err) != CF_OK) {
             goto fail;
         }
         s->n_workers++;
     }
     for (int i = 0; i < s->opts.pollers; i++) {
-        if (thread_start(&s->pollers[i], 0, poller_main, s, &err) != CF_OK) {
+        if (thread_start(&s->pollers[i], "rpc-poller", 0, poller_main, s, &err) != CF_OK) {
             goto fail;
         }
         s->n_pollers++;

@@ -1,17 +1,41 @@
 /* thread.c - thread start-up with checked results; a per-thread seeded random source. */
 #include "thread.h"
 
+#include "mem.h"
+
 #include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 
-static enum cf_status start(pthread_t *out, size_t stack_size, void *(*fn)(void *), void *arg,
-                            bool detached, struct cf_error *err)
+/* What a new thread starts with: it names itself (a detached thread may be gone before its
+ * starter could name it), then runs fn(arg). */
+struct start_args {
+    void *(*fn)(void *);
+    void *arg;
+    char name[16]; /* the kernel keeps 15 characters */
+};
+
+static void *named_main(void *p)
+{
+    struct start_args a = *(struct start_args *)p;
+    free(p);
+    (void)pthread_setname_np(pthread_self(), a.name); /* a label for top -H, ps and perf */
+    return a.fn(a.arg);
+}
+
+static enum cf_status start(pthread_t *out, const char *name, size_t stack_size,
+                            void *(*fn)(void *), void *arg, bool detached, struct cf_error *err)
 {
     pthread_attr_t attr;
     pthread_t t;
+    struct start_args *a = mem_alloc(sizeof(*a));
+    a->fn = fn;
+    a->arg = arg;
+    snprintf(a->name, sizeof(a->name), "%s", name);
     int rc = pthread_attr_init(&attr);
     if (rc == 0 && stack_size) {
         rc = pthread_attr_setstacksize(&attr, stack_size);
@@ -20,10 +44,11 @@ static enum cf_status start(pthread_t *out, size_t stack_size, void *(*fn)(void 
         rc = pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     }
     if (rc == 0) {
-        rc = pthread_create(&t, &attr, fn, arg);
+        rc = pthread_create(&t, &attr, named_main, a);
     }
     pthread_attr_destroy(&attr);
     if (rc != 0) {
+        free(a);
         return cf_error_set(err, CF_BUSY, "could not start a thread: %s", strerror(rc));
     }
     if (out) {
@@ -32,16 +57,16 @@ static enum cf_status start(pthread_t *out, size_t stack_size, void *(*fn)(void 
     return CF_OK;
 }
 
-enum cf_status thread_start(pthread_t *out, size_t stack_size, void *(*fn)(void *), void *arg,
-                            struct cf_error *err)
+enum cf_status thread_start(pthread_t *out, const char *name, size_t stack_size,
+                            void *(*fn)(void *), void *arg, struct cf_error *err)
 {
-    return start(out, stack_size, fn, arg, false, err);
+    return start(out, name, stack_size, fn, arg, false, err);
 }
 
-enum cf_status thread_start_detached(size_t stack_size, void *(*fn)(void *), void *arg,
-                                     struct cf_error *err)
+enum cf_status thread_start_detached(const char *name, size_t stack_size, void *(*fn)(void *),
+                                     void *arg, struct cf_error *err)
 {
-    return start(NULL, stack_size, fn, arg, true, err);
+    return start(NULL, name, stack_size, fn, arg, true, err);
 }
 
 static _Thread_local uint64_t state;

@@ -15,14 +15,16 @@
 #include <stdint.h>
 
 /* thread_start starts fn(arg) on a new joinable thread with the given stack size (0: the
- * default) and stores its handle in *out. On failure *out is untouched, err names the reason
- * and CF_BUSY is returned; nothing was started. */
-CF_MUST_CHECK enum cf_status thread_start(pthread_t *out, size_t stack_size, void *(*fn)(void *),
-                                          void *arg, struct cf_error *err);
+ * default), named `name` (its first 15 characters, as top -H, ps and perf show it), and stores
+ * its handle in *out. On failure *out is untouched, err names the reason and CF_BUSY is
+ * returned; nothing was started. */
+CF_MUST_CHECK enum cf_status thread_start(pthread_t *out, const char *name, size_t stack_size,
+                                          void *(*fn)(void *), void *arg, struct cf_error *err);
 
 /* thread_start_detached is thread_start for a thread nobody joins. */
-CF_MUST_CHECK enum cf_status thread_start_detached(size_t stack_size, void *(*fn)(void *),
-                                                   void *arg, struct cf_error *err);
+CF_MUST_CHECK enum cf_status thread_start_detached(const char *name, size_t stack_size,
+                                                   void *(*fn)(void *), void *arg,
+                                                   struct cf_error *err);
 
 /* thread_random returns 64 random bits from a generator private to the calling thread, seeded
  * from the kernel's random source on first use (so replicas and threads never share a

@@ -293,10 +293,10 @@ enum cf_status writer_start(struct writer **out, sqlite3 *db, const struct ledge
     pthread_cond_init(&w->cv, NULL);
     pthread_mutex_init(&w->done_mu, NULL);
     pthread_cond_init(&w->done_cv, NULL);
-    if ((st = thread_start(&w->completer, 0, completer_main, w, err)) != CF_OK) {
+    if ((st = thread_start(&w->completer, "sql-completer", 0, completer_main, w, err)) != CF_OK) {
         goto fail;
     }
-    if ((st = thread_start(&w->thread, 0, writer_main, w, err)) != CF_OK) {
+    if ((st = thread_start(&w->thread, "sql-writer", 0, writer_main, w, err)) != CF_OK) {
         pthread_mutex_lock(&w->done_mu);
         w->writer_done = true;
         pthread_cond_signal(&w->done_cv);

@@ -42,6 +42,39 @@ static struct toold server_state;
 
 /* ---------- Tools ---------- */
 
+#define TOOL_SPECS_MAX 8
+
+/* The tool set as ToolSpecs (Tools.List, and Glance when asked). */
+struct tool_specs {
+    Cflue__V1__ToolSpec specs[TOOL_SPECS_MAX];
+    Cflue__V1__ToolSpec *ptrs[TOOL_SPECS_MAX];
+    char *schemas[TOOL_SPECS_MAX];
+    size_t n;
+};
+
+static void tool_specs_fill(struct tool_specs *ts)
+{
+    int n;
+    const struct tool_def *defs = tool_all(&n);
+    ts->n = 0;
+    for (int i = 0; i < n && i < TOOL_SPECS_MAX; i++, ts->n++) {
+        cflue__v1__tool_spec__init(&ts->specs[i]);
+        ts->specs[i].name = (char *)defs[i].name;
+        ts->specs[i].description = (char *)defs[i].description;
+        ts->schemas[i] = tool_schema_json(&defs[i]);
+        ts->specs[i].parameters_json = ts->schemas[i];
+        ts->ptrs[i] = &ts->specs[i];
+    }
+}
+
+static void tool_specs_cleanup(struct tool_specs *ts)
+{
+    for (size_t i = 0; i < ts->n; i++) {
+        free(ts->schemas[i]);
+    }
+    ts->n = 0;
+}
+
 static void on_list(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__ListToolsRequest *req = (const void *)msg;
@@ -51,26 +84,14 @@ static void on_list(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
         rpc_call_fail_error(c, &err);
         return;
     }
-    int n;
-    const struct tool_def *defs = tool_all(&n);
+    struct tool_specs ts;
+    tool_specs_fill(&ts);
     Cflue__V1__ListToolsResponse resp = CFLUE__V1__LIST_TOOLS_RESPONSE__INIT;
-    Cflue__V1__ToolSpec specs[8], *ptrs[8];
-    char *schemas[8];
-    for (int i = 0; i < n && i < 8; i++) {
-        cflue__v1__tool_spec__init(&specs[i]);
-        specs[i].name = (char *)defs[i].name;
-        specs[i].description = (char *)defs[i].description;
-        schemas[i] = tool_schema_json(&defs[i]);
-        specs[i].parameters_json = schemas[i];
-        ptrs[i] = &specs[i];
-    }
-    resp.tools = ptrs;
-    resp.n_tools = (size_t)n;
+    resp.tools = ts.ptrs;
+    resp.n_tools = ts.n;
     resp.working_directory = sb ? sb->root : "";
     rpc_call_reply(c, &resp.base);
-    for (int i = 0; i < n && i < 8; i++) {
-        free(schemas[i]);
-    }
+    tool_specs_cleanup(&ts);
 }
 
 /* dur_ms is a valid duration (pbdur_check) in whole milliseconds, rounded up so that a set
@@ -276,7 +297,8 @@ static void on_execute_batch(struct rpc_call *c, const ProtobufCMessage *msg, vo
         reserve(&items[i]);
     }
     for (size_t i = 0; i < req->n_calls; i++) {
-        if (thread_start(&items[i].thread, 0, batch_worker, &items[i], &items[i].err) != CF_OK) {
+        if (thread_start(&items[i].thread, "tool-call", 0, batch_worker, &items[i],
+                         &items[i].err) != CF_OK) {
             /* this call gets an error result; its per-path turn is passed on unused */
             if (items[i].has_ticket) {
                 struct sandbox *sb;
@@ -730,7 +752,14 @@ static void on_glance(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     resp.entries = entries;
     resp.more_entries = page.more;
     resp.working_directory = sb->root;
+    struct tool_specs ts = {.n = 0};
+    if (req->list_tools) {
+        tool_specs_fill(&ts);
+        resp.tools = ts.ptrs;
+        resp.n_tools = ts.n;
+    }
     rpc_call_reply(c, &resp.base);
+    tool_specs_cleanup(&ts);
     free(entries);
     free(infos);
     free(resp.file_data.data);

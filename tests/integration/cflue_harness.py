@@ -1240,8 +1240,8 @@ class BenchBrainStack(object):
     """storaged + toold (its workspace 'bench' holding BIG_FILE) + the fake model playing its
     bench brain (`bash echo hello`, `read` of BIG_FILE, a short answer; --delay-ms delay_ms) +
     n_agentd agentds running the agent AGENT against them, each daemon in a directory of one
-    temporary directory (remove() stops them and deletes it). store_env: storaged's extra
-    environment; owner_ids: the agentds' --owner-id (default: none, the agentd's own);
+    temporary directory (remove() stops them and deletes it). store_env, tool_env: storaged's
+    and toold's extra environment; owner_ids: the agentds' --owner-id (default: none, the agentd's own);
     agentd_args: extra flags of the first n_agentd agentds; workdir: the directory to use
     instead of a new temporary one."""
 
@@ -1249,13 +1249,13 @@ class BenchBrainStack(object):
     BIG_FILE = 'big.txt'
 
     def __init__(self, delay_ms, big_text, n_agentd=1, owner_ids=None, agentd_args=(),
-                 store_env=None, prefix='cflue-stack-', workdir=None):
+                 store_env=None, prefix='cflue-stack-', workdir=None, tool_env=None):
         self.dir = workdir or tempfile.mkdtemp(prefix=prefix)
         os.makedirs(self.dir, exist_ok=True)
         self.daemons = []
         try:
             self.sd = self._add(Storaged(workdir=self._sub('storaged'), env=store_env))
-            self.td = Toold(workdir=self._sub('toold'), start=False)
+            self.td = Toold(workdir=self._sub('toold'), env=tool_env, start=False)
             with open(os.path.join(self.td.workspace('bench', create=True), self.BIG_FILE),
                       'w') as f:
                 f.write(big_text)

@@ -703,7 +703,14 @@ class TestSandboxService(TooldBase):
         self.assertEqual(len(g.entries), len(names))
         # nothing asked: nothing read, nothing listed
         g = self.sbx('Glance')
-        self.assertEqual((g.file, g.file_data, len(g.entries)), ('', b'', 0))
+        self.assertEqual((g.file, g.file_data, len(g.entries), len(g.tools)), ('', b'', 0, 0))
+        # the tool set when asked: what Tools.List answers
+        g = self.sbx('Glance', list_tools=True)
+        listed = self.td.list_tools(self.sb)
+        self.assertEqual(list(g.tools), list(listed.tools))
+        self.assertEqual([t.name for t in g.tools],
+                         ['read', 'write', 'edit', 'bash', 'grep', 'glob'])
+        self.assertEqual(g.working_directory, listed.working_directory)
 
     def test_glance_never_reads_outside_the_sandbox(self):
         outside = os.path.join(self.td.dir, 'secret.txt')

@@ -389,23 +389,35 @@ static void *random_of_thread(void *arg)
     return NULL;
 }
 
+static void *own_name(void *arg)
+{
+    (void)pthread_getname_np(pthread_self(), arg, 32);
+    return NULL;
+}
+
 static void test_thread(void)
 {
     struct cf_error err;
     pthread_t t;
     int n = 0;
-    CHECK(thread_start(&t, 0, count_up, &n, &err) == CF_OK);
+    CHECK(thread_start(&t, "counter", 0, count_up, &n, &err) == CF_OK);
     pthread_join(t, NULL);
     CHECK(n == 1);
+    /* the thread carries its name from its first instruction, cut to the kernel's 15
+     * characters; a detached one too */
+    char name[32] = "";
+    CHECK(thread_start(&t, "a-name-longer-than-fifteen", 0, own_name, name, &err) == CF_OK);
+    pthread_join(t, NULL);
+    CHECK_STR(name, "a-name-longer-t");
     /* a stack size the system refuses is a status, not a crash or a silent default */
-    CHECK(thread_start(&t, 1, count_up, &n, &err) == CF_BUSY);
+    CHECK(thread_start(&t, "counter", 1, count_up, &n, &err) == CF_BUSY);
     CHECK(strstr(err.msg, "could not start a thread") != NULL);
     CHECK(n == 1);
     /* each thread has its own seeded sequence: two threads do not draw the same value */
     uint64_t a = 0, b = 0;
     pthread_t ta, tb;
-    CHECK(thread_start(&ta, 0, random_of_thread, &a, &err) == CF_OK);
-    CHECK(thread_start(&tb, 0, random_of_thread, &b, &err) == CF_OK);
+    CHECK(thread_start(&ta, "random-a", 0, random_of_thread, &a, &err) == CF_OK);
+    CHECK(thread_start(&tb, "random-b", 0, random_of_thread, &b, &err) == CF_OK);
     pthread_join(ta, NULL);
     pthread_join(tb, NULL);
     CHECK(a != b);

@@ -1,0 +1,175 @@
+"""A drive's first step asks toold once (agentd/prompt.c).
+
+The tool set, the project notes and the working directory's listing come in one
+Sandbox.Glance that holds no engine thread: toold (CFLUE_RPC_STATS=1, its per-method counts
+logged when it stops) serves one Glance per drive and no Tools.List, ReadFile or ReadDir. A
+tool server in front of toold whose Glance does not list the tools, or that has no Glance at
+all, is read with the older calls, and the conversation gets the same system prompt, word for
+word, as from toold itself.
+"""
+import os
+import re
+import sys
+import unittest
+from concurrent import futures
+
+import grpc
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cflue_harness import BenchBrainStack, body_of, read_all  # noqa: E402
+from cflue_harness import common_pb2, sandbox_pb2  # noqa: E402
+
+AGENT = BenchBrainStack.AGENT
+COMPLETED = common_pb2.OUTCOME_COMPLETED
+
+
+class Stack(BenchBrainStack):
+    """BenchBrainStack with toold counting its calls, project notes in the workspace, and no
+    agentd yet (start_agentd)."""
+
+    NOTES = '# Project notes\n\nThe bench reads big.txt.\n'
+
+    def __init__(self):
+        super(Stack, self).__init__(0, 'a line of the file the bench brain reads\n' * 100,
+                                    n_agentd=0, tool_env={'CFLUE_RPC_STATS': '1'},
+                                    prefix='cflue-prompt-it-')
+        with open(os.path.join(self.td.workspace('bench'), 'AGENTS.md'), 'w') as f:
+            f.write(self.NOTES)
+
+    def start_agentd(self, tools_target):
+        """One agentd whose agent reaches its tools at tools_target."""
+        path = os.path.join(self.agents, self.AGENT + '.md')
+        with open(path) as f:
+            text = f.read()
+        with open(path, 'w') as f:
+            f.write(re.sub(r'tools: "[^"]*"', 'tools: "%s"' % tools_target, text))
+        self.ad = self.add_agentd()
+        return self.ad
+
+    def tool_counts(self):
+        """Stops toold; returns its {method path: calls}."""
+        self.td.stop()
+        counts = {}
+        for m in re.finditer(r'event=rpc_stats method=(\S+) calls=(\d+)', self.td.stderr_text()):
+            counts[m.group(1)] = int(m.group(2))
+        if not counts:
+            raise AssertionError('toold logged no rpc_stats\n' + self.td.stderr_text())
+        return counts
+
+
+class OlderToolServer(object):
+    """A tool server in front of toold that forwards every call as bytes, except Glance:
+    mode 'no_tools' answers it without the tool set (a toold from before list_tools), mode
+    'unimplemented' has none (UNIMPLEMENTED)."""
+
+    def __init__(self, toold_target, mode):
+        self.mode = mode
+        self.upstream = grpc.insecure_channel(toold_target)
+        self.server = grpc.server(futures.ThreadPoolExecutor(8))
+        self.server.add_generic_rpc_handlers((self,))
+        self.port = self.server.add_insecure_port('127.0.0.1:0')
+        self.target = '127.0.0.1:%d' % self.port
+        self.server.start()
+
+    def service(self, details):
+        method = details.method
+        if method.endswith('ExecuteBatch'):
+            forward = self.upstream.unary_stream(method)
+            return grpc.unary_stream_rpc_method_handler(
+                lambda req, ctx: forward(req, timeout=60))
+        forward = self.upstream.unary_unary(method)
+
+        def unary(req, ctx):
+            if method == '/cflue.v1.Sandbox/Glance':
+                if self.mode == 'unimplemented':
+                    ctx.abort(grpc.StatusCode.UNIMPLEMENTED, 'no Glance here')
+                g = sandbox_pb2.GlanceResponse.FromString(forward(req, timeout=10))
+                del g.tools[:]
+                return g.SerializeToString()
+            return forward(req, timeout=60)
+        return grpc.unary_unary_rpc_method_handler(unary)
+
+    def close(self):
+        self.server.stop(None)
+        self.upstream.close()
+
+
+def converse(ad, conversation_id=''):
+    """One submission to the bench agent, waited for; returns the settled submission."""
+    adm = ad.submit(AGENT, 'run the steps you are given', conversation_id=conversation_id)
+    sub = ad.get_submission(adm.submission_id, wait=True, timeout=60)
+    return sub
+
+
+def system_prompts(stack, conversation_id):
+    return [body.text for kind, body in
+            (body_of(r) for r in read_all(stack.sd.stub, conversation_id))
+            if kind == 'system_prompt']
+
+
+class FirstStepTest(unittest.TestCase):
+    def setUp(self):
+        self.stack = Stack()
+
+    def tearDown(self):
+        self.stack.remove()
+
+    def test_one_glance_per_drive_and_no_other_call_before_the_first_turn(self):
+        ad = self.stack.start_agentd(self.stack.td.target)
+        first = converse(ad)
+        self.assertEqual(first.outcome, COMPLETED, first.error)
+        # a later submission of the conversation keeps its frozen prompt
+        again = converse(ad, first.conversation_id)
+        self.assertEqual(again.outcome, COMPLETED, again.error)
+        others = [converse(ad) for _ in range(2)]
+        for s in others:
+            self.assertEqual(s.outcome, COMPLETED, s.error)
+        prompts = system_prompts(self.stack, first.conversation_id)
+        self.assertEqual(len(prompts), 1, prompts)
+        self.assertIn('The bench reads big.txt.', prompts[0])
+        self.assertIn('big.txt', prompts[0].split('## Environment')[1])
+        for name in ('read', 'write', 'edit', 'bash', 'grep', 'glob'):
+            self.assertIn('\n- %s: ' % name, prompts[0])
+        ad.stop()
+        counts = self.stack.tool_counts()
+        self.assertEqual(counts.get('/cflue.v1.Sandbox/Glance'), 4, counts)
+        for m in ('/cflue.v1.Tools/List', '/cflue.v1.Sandbox/ReadFile',
+                  '/cflue.v1.Sandbox/ReadDir'):
+            self.assertEqual(counts.get(m, 0), 0, counts)
+        # bash, then read: two batches per drive
+        self.assertEqual(counts.get('/cflue.v1.Tools/ExecuteBatch'), 8, counts)
+
+    def same_prompt_through(self, mode, calls):
+        ad = self.stack.start_agentd(self.stack.td.target)
+        direct = converse(ad)
+        self.assertEqual(direct.outcome, COMPLETED, direct.error)
+        ad.stop()
+        older = OlderToolServer(self.stack.td.target, mode)
+        try:
+            ad = self.stack.start_agentd(older.target)
+            through = converse(ad)
+            self.assertEqual(through.outcome, COMPLETED, through.error)
+            ad.stop()
+        finally:
+            older.close()
+        self.assertEqual(system_prompts(self.stack, through.conversation_id),
+                         system_prompts(self.stack, direct.conversation_id))
+        counts = self.stack.tool_counts()
+        calls['/cflue.v1.Tools/ExecuteBatch'] = 4  # each conversation's two, none again
+        for m, n in calls.items():
+            self.assertEqual(counts.get(m, 0), n, (m, counts))
+
+    def test_a_glance_without_the_tool_set_is_followed_by_tools_list(self):
+        self.same_prompt_through('no_tools', {'/cflue.v1.Sandbox/Glance': 2,
+                                              '/cflue.v1.Tools/List': 1})
+
+    def test_a_tool_server_without_glance_is_read_with_the_older_calls(self):
+        # the notes: AGENTS.md is the first read; the listing: one ReadDir
+        self.same_prompt_through('unimplemented', {'/cflue.v1.Sandbox/Glance': 1,
+                                                   '/cflue.v1.Tools/List': 1,
+                                                   '/cflue.v1.Sandbox/ReadFile': 1,
+                                                   '/cflue.v1.Sandbox/ReadDir': 1})
+
+
+if __name__ == '__main__':
+    unittest.main()
