@@ -15,6 +15,7 @@
 #include "mem.h"
 #include "model_io.h"
 #include "pbtime.h"
+#include "settled_here.h"
 #include "thread.h"
 #include "watch.h"
 
@@ -135,6 +136,14 @@ static void close_clients(void)
     catalog_free();
 }
 
+/* release_memory (every 10 s): settled submissions are remembered for a minute, so an idle
+ * agentd returns to its idle size. */
+static void release_memory(void *arg)
+{
+    (void)arg;
+    here_forget_older(clock_mono_ms(), 60 * 1000);
+}
+
 int main(int argc, char **argv)
 {
     struct daemon d = DAEMON_INIT("agentd", usage, "127.0.0.1:7100");
@@ -216,7 +225,7 @@ int main(int argc, char **argv)
     log_info("listening", "addr=%s port=%d store=%s agents=%zu owner=%s workers=%lld", d.listen,
              d.port, o.store, g_agentd.agents.n, o.owner, o.workers);
 
-    daemon_wait_for_stop();
+    daemon_wait_for_stop(release_memory, NULL);
     int feeds, watchers;
     watch_counts(&feeds, &watchers);
     /* what Watch(follow) and GetSubmission(wait) held when the stop came: 0 and 0 once every

@@ -7,8 +7,10 @@
  *   parked on it (no thread each: a waiter is a callback), and/or
  * - remembered: settled here recently, its Submission packed exactly as Settle returned it
  *   (what Store.Get returns from then on: a settled submission never changes). At most
- *   RING_MAX of them and RING_BYTES in all, the oldest forgotten first; one bigger than
- *   ENTRY_BYTES_MAX is not remembered (its waiters are still answered).
+ *   RING_MAX of them and RING_BYTES in all, the oldest forgotten first, and none for longer
+ *   than here_forget_older says (agentd: a minute, so an idle agentd returns to its idle
+ *   size); one bigger than ENTRY_BYTES_MAX is not remembered (its waiters are still
+ *   answered).
  * A wait first looks for a remembered submission (answered at once), then for a drive here
  * (parked), else it takes the storaged path (watch.c). Both checks and the registration are
  * made under one lock, and here_settled remembers and takes the waiters under that same lock,
@@ -21,6 +23,7 @@
  */
 #include "settled_here.h"
 
+#include "clock.h"
 #include "log.h"
 #include "mem.h"
 
@@ -41,6 +44,7 @@ struct here_entry {
     struct here_waiter *waiters; /* parked on those drives */
     uint8_t *packed;             /* remembered: the settled Submission, or NULL */
     size_t packed_len;
+    int64_t remembered_ms; /* monotonic: when it was */
     struct here_entry *next_in_bucket;
 };
 
@@ -126,6 +130,7 @@ static void remember_locked(struct here_entry *e, const uint8_t *packed, size_t 
     e->packed = mem_alloc(len ? len : 1);
     memcpy(e->packed, packed, len);
     e->packed_len = len;
+    e->remembered_ms = clock_mono_ms();
     g.ring[(g.ring_head + g.ring_n) % RING_MAX] = e;
     g.ring_n++;
     g.ring_bytes += len;
@@ -287,6 +292,15 @@ void here_settled(const Cflue__V1__Submission *sub, char *const *settled_with,
     answer(list, packed, len);
     answer(joined, NULL, 0);
     free(packed);
+}
+
+void here_forget_older(int64_t now_ms, int64_t age_ms)
+{
+    pthread_mutex_lock(&g.mu);
+    while (g.ring_n > 0 && now_ms - g.ring[g.ring_head]->remembered_ms > age_ms) {
+        forget_oldest_locked();
+    }
+    pthread_mutex_unlock(&g.mu);
 }
 
 void here_counts(int *remembered_out, int *waiters_out)

@@ -7,6 +7,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 struct here_entry;
 struct here_waiter;
@@ -54,6 +55,10 @@ void here_end(const char *submission_id);
  * path. A sub that is not SETTLED answers no one with it. */
 void here_settled(const Cflue__V1__Submission *sub, char *const *settled_with,
                   size_t n_settled_with);
+
+/* here_forget_older forgets the submissions remembered more than age_ms before now_ms
+ * (monotonic milliseconds); their later waits take the storaged path. */
+void here_forget_older(int64_t now_ms, int64_t age_ms);
 
 /* here_counts reports how many submissions are remembered and how many waiters are parked. */
 void here_counts(int *remembered_out, int *waiters_out);

@@ -114,7 +114,7 @@ void daemon_port_file(const char *path, int port)
     }
 }
 
-void daemon_wait_for_stop(void)
+void daemon_wait_for_stop(void (*release)(void *arg), void *arg)
 {
     sigset_t set;
     int sig;
@@ -124,6 +124,9 @@ void daemon_wait_for_stop(void)
     sigaddset(&set, SIGTERM);
     while ((sig = sigtimedwait(&set, NULL, &every)) < 0) {
         if (errno == EAGAIN) {
+            if (release) {
+                release(arg);
+            }
             malloc_trim(0); /* the free memory of every arena back to the system */
         }
     }

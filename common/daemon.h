@@ -87,8 +87,9 @@ void daemon_stop_serving(struct daemon *d);
 void daemon_port_file(const char *path, int port);
 
 /* daemon_wait_for_stop blocks until SIGINT or SIGTERM (blocked in every thread by
- * rpc_global_init) and logs which one arrived; meanwhile it gives the process's free memory
- * back to the system every 10 s. */
-void daemon_wait_for_stop(void);
+ * rpc_global_init) and logs which one arrived; meanwhile, every 10 s, it calls release(arg)
+ * (when not NULL: the daemon drops what its caches hold beyond their use) and gives the
+ * process's free memory back to the system. */
+void daemon_wait_for_stop(void (*release)(void *arg), void *arg);
 
 #endif

@@ -177,7 +177,7 @@ int main(int argc, char **argv)
              "addr=%s port=%d db=%s lease_ms=%lld page_bytes=%lld record_bytes_max=%lld", d.listen,
              d.port, o.db_path, o.lease_ms, page_bytes, (long long)ledger_record_bytes_max(&cfg));
 
-    daemon_wait_for_stop();
+    daemon_wait_for_stop(service_release_memory, svc);
     daemon_stop_serving(&d);
     writer_stop(writer);
     service_free(svc);

@@ -92,6 +92,17 @@ static void reader_give(struct service *svc, sqlite3 *db)
     sqlite3_close(db);
 }
 
+void service_release_memory(void *arg)
+{
+    struct service *svc = arg;
+    pthread_mutex_lock(&svc->mu); /* a pooled connection is used by no one meanwhile */
+    for (int i = 0; i < svc->n_idle; i++) {
+        sqlite3_db_release_memory(svc->idle[i]);
+    }
+    pthread_mutex_unlock(&svc->mu);
+    writer_release_memory(svc->writer);
+}
+
 /* reader_begin takes a reader connection and opens a read transaction on it, so everything
  * read until reader_end is one snapshot. */
 static enum cf_status reader_begin(struct service *svc, sqlite3 **out, struct cf_error *err)

@@ -33,6 +33,7 @@ struct writer {
     pthread_cond_t cv;
     struct writer_job *head, *tail;
     bool stopping;
+    bool release_asked; /* under mu: drop the page cache when nothing is queued */
     pthread_t completer;
     pthread_mutex_t done_mu;
     pthread_cond_t done_cv;
@@ -250,6 +251,13 @@ static void *writer_main(void *arg)
     for (;;) {
         pthread_mutex_lock(&w->mu);
         while (!w->head && !w->stopping) {
+            if (w->release_asked) {
+                w->release_asked = false;
+                pthread_mutex_unlock(&w->mu);
+                sqlite3_db_release_memory(w->db);
+                pthread_mutex_lock(&w->mu);
+                continue;
+            }
             pthread_cond_wait(&w->cv, &w->mu);
         }
         if (!w->head) {
@@ -278,6 +286,14 @@ static void *writer_main(void *arg)
         run_batch(w, batch);
         finish(w, batch);
     }
+}
+
+void writer_release_memory(struct writer *w)
+{
+    pthread_mutex_lock(&w->mu);
+    w->release_asked = true;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
 }
 
 enum cf_status writer_start(struct writer **out, sqlite3 *db, const struct ledger_config *cfg,

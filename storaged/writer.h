@@ -51,6 +51,10 @@ CF_MUST_CHECK enum cf_status writer_start(struct writer **out, sqlite3 *db,
  * writer_stop began, the job completes at once with CF_UNAVAILABLE. */
 void writer_submit(struct writer *w, struct writer_job *job);
 
+/* writer_release_memory asks the writer thread to drop its connection's page cache the next
+ * time it has nothing queued (at once when idle). */
+void writer_release_memory(struct writer *w);
+
 /* writer_stop commits what is queued, stops the thread, stamps a clean stop (db_clean_stop),
  * closes the database and frees w. */
 void writer_stop(struct writer *w);

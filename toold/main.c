@@ -143,7 +143,7 @@ int main(int argc, char **argv)
     log_info("listening", "addr=%s port=%d root=%s driver=%s confine=%d", d.listen, d.port, o.root,
              o.driver, (int)!o.no_confine);
 
-    daemon_wait_for_stop();
+    daemon_wait_for_stop(NULL, NULL);
     daemon_stop_serving(&d);
     workspaces_free(ws);
     rpc_global_shutdown();

@@ -3,10 +3,12 @@
 #include "../check.h"
 
 #include "agents.h"
+#include "clock.h"
 #include "metadata.h"
 #include "page_token.h"
 #include "provider.h"
 #include "record_log.h"
+#include "settled_here.h"
 #include "sse.h"
 
 #include <stdlib.h>
@@ -425,6 +427,38 @@ static void test_record_log_pending(void)
     rlog_cleanup(&log);
 }
 
+/* A submission settled here is remembered (a wait is answered at once) until
+ * here_forget_older forgets it; then a wait takes the storaged path. */
+static void test_settled_here_forgets(void)
+{
+    Cflue__V1__Submission sub = CFLUE__V1__SUBMISSION__INIT;
+    sub.submission_id = "sub_forget";
+    sub.status = CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_SETTLED;
+    here_begin("sub_forget");
+    here_settled(&sub, NULL, 0);
+    here_end("sub_forget");
+    int remembered, waiters;
+    here_counts(&remembered, &waiters);
+    CHECK(remembered == 1 && waiters == 0);
+    struct here_waiter hw;
+    Cflue__V1__Submission *got = NULL;
+    memset(&hw, 0, sizeof(hw));
+    CHECK(here_wait(&hw, NULL, "sub_forget", &got) == HERE_SETTLED);
+    CHECK(got && !strcmp(got->submission_id, "sub_forget"));
+    protobuf_c_message_free_unpacked(&got->base, NULL);
+    int64_t now = clock_mono_ms();
+    here_forget_older(now + 30000, 60000); /* remembered 30 s ago: kept */
+    here_counts(&remembered, &waiters);
+    CHECK(remembered == 1);
+    here_forget_older(now + 61000, 60000);
+    here_counts(&remembered, &waiters);
+    CHECK(remembered == 0);
+    memset(&hw, 0, sizeof(hw));
+    got = NULL;
+    CHECK(here_wait(&hw, NULL, "sub_forget", &got) == HERE_ELSEWHERE);
+    CHECK(got == NULL);
+}
+
 int main(void)
 {
     test_agents();
@@ -436,5 +470,6 @@ int main(void)
     test_build();
     test_record_log();
     test_record_log_pending();
+    test_settled_here_forgets();
     return check_done("test_agentd");
 }
