@@ -1,9 +1,10 @@
 /* api.c - cflue.v1.Agent: the public API.
  *
  * Submit validates against the agents this process serves and admits through storaged; it
- * returns only after storaged committed. Watch and GetSubmission read storaged (watch.c: no
- * thread per watcher, one shared storaged Follow per watched conversation); Abort records
- * the durable intent in storaged and stops the submission at once when it runs here (other
+ * answers only after storaged committed, and no thread waits meanwhile (the Admit is an
+ * event-driven call; at most SUBMITS_IN_FLIGHT_MAX at once). Watch and GetSubmission read storaged
+ * (watch.c: no thread per watcher, one shared storaged Follow per watched conversation); Abort
+ * records the durable intent in storaged and stops the submission at once when it runs here (other
  * processes see the intent within a second through their abort polling). Compact admits a
  * submission of kind SUBMISSION_KIND_COMPACT and waits for it to settle.
  *
@@ -26,6 +27,7 @@
 #include "cflue/v1/agent.pb-c.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,6 +54,63 @@ static bool call_over(void *call)
     return rpc_call_cancelled(call);
 }
 
+/* Submits whose Admit is in flight (no thread holds them); past SUBMITS_IN_FLIGHT_MAX a
+ * Submit is refused as busy, so a flood of them cannot queue unbounded work on storaged. */
+#define SUBMITS_IN_FLIGHT_MAX 4096
+static atomic_int submits_in_flight;
+
+/* A Submit between its Admit's start and its answer. */
+struct submit {
+    struct rpc_call *c;
+    const Cflue__V1__SubmitRequest *req; /* the call's: valid until the call is answered */
+};
+
+/* on_admitted (rpc's client loop) answers the Submit with what its Admit did. Nothing here
+ * blocks: the claimed drive is queued for the engine, the claimer woken. */
+static void on_admitted(void *arg, const struct rpc_status *st, ProtobufCMessage *resp)
+{
+    struct submit *s = arg;
+    struct rpc_call *c = s->c;
+    const Cflue__V1__SubmitRequest *req = s->req;
+    free(s);
+    atomic_fetch_sub(&submits_in_flight, 1);
+    struct cf_error err;
+    if (store_status("Admit", st, &err) != CF_OK) {
+        fail_err(c, &err);
+        return;
+    }
+    Cflue__V1__AdmitResponse *r = (Cflue__V1__AdmitResponse *)resp;
+    bool claimed = r->claim && r->claim->submission;
+    if (claimed) {
+        engine_admit_claimed(r->claim); /* the drive owns the claim now */
+        r->claim = NULL;
+    } else if (r->deduplicated &&
+               r->submission->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING &&
+               !strcmp(r->submission->owner_id, g_agentd.owner_id)) {
+        /* a retried Submit whose first Admit claimed it for this process but lost its answer:
+         * no drive holds the lease; take it back now rather than when the lease runs out */
+        engine_take_back(r->submission->submission_id);
+    }
+    Cflue__V1__Admission out = CFLUE__V1__ADMISSION__INIT;
+    out.submission_id = r->submission->submission_id;
+    out.conversation_id = r->submission->conversation_id;
+    out.offset = r->offset;
+    out.deduplicated = r->deduplicated;
+    log_info("submit", "submission=%s conversation=%s agent=%s dedup=%d claimed=%d",
+             out.submission_id, out.conversation_id, req->agent, (int)out.deduplicated,
+             (int)claimed);
+    /* not claimed: it waits behind its conversation's running work (a drive here joins it or
+     * its settlement wakes the claimer), or the claimer takes it when there is room */
+    bool behind_here = !claimed && !out.deduplicated && agentd_note_queued(out.conversation_id);
+    rpc_call_reply(c, &out.base); /* req is gone with the call from here on */
+    protobuf_c_message_free_unpacked(resp, NULL);
+    if (!claimed && !behind_here) {
+        agentd_wake();
+    }
+}
+
+/* on_submit checks the request and starts its Admit (rpc_acall_start): no thread waits for
+ * storaged's commit, and concurrent Submits share its group commits. on_admitted answers. */
 static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__SubmitRequest *req = (const void *)msg;
@@ -70,6 +129,12 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     }
     if (metadata_check(req->metadata, req->n_metadata, &err) != CF_OK) {
         fail_err(c, &err);
+        return;
+    }
+    if (atomic_fetch_add(&submits_in_flight, 1) >= SUBMITS_IN_FLIGHT_MAX) {
+        atomic_fetch_sub(&submits_in_flight, 1);
+        rpc_call_fail(c, CF_BUSY, "agentd busy: %d Submits are being admitted; retry later",
+                      SUBMITS_IN_FLIGHT_MAX);
         return;
     }
     Cflue__V1__AdmitRequest ar = CFLUE__V1__ADMIT_REQUEST__INIT;
@@ -102,46 +167,18 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
         claim.lease_duration = &lease;
         ar.claim = &claim;
     }
-    ProtobufCMessage *resp = NULL;
-    enum cf_status rc =
-        store_call(g_agentd.store, "Admit", &ar.base, &cflue__v1__admit_response__descriptor,
-                   STORE_TIMEOUT_MS, &resp, &err);
-    for (size_t i = 0; i < req->n_metadata; i++) {
+    struct submit *s = mem_alloc(sizeof(*s));
+    size_t n_md = req->n_metadata;
+    s->c = c;
+    s->req = req;
+    /* the request is copied: ar and md may go at once. on_admitted may have run (and the
+     * call, req with it, be gone) before this returns. */
+    rpc_acall_start(g_agentd.store, "/cflue.v1.Store/Admit", &ar.base,
+                    &cflue__v1__admit_response__descriptor, STORE_TIMEOUT_MS, on_admitted, s);
+    for (size_t i = 0; i < n_md; i++) {
         free(md[i]);
     }
     free(md);
-    if (rc != CF_OK) {
-        fail_err(c, &err);
-        return;
-    }
-    Cflue__V1__AdmitResponse *r = (Cflue__V1__AdmitResponse *)resp;
-    bool claimed = r->claim && r->claim->submission;
-    if (claimed) {
-        engine_admit_claimed(r->claim); /* the drive owns the claim now */
-        r->claim = NULL;
-    } else if (r->deduplicated &&
-               r->submission->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING &&
-               !strcmp(r->submission->owner_id, g_agentd.owner_id)) {
-        /* a retried Submit whose first Admit claimed it for this process but lost its answer:
-         * no drive holds the lease; take it back now rather than when the lease runs out */
-        engine_take_back(r->submission->submission_id);
-    }
-    Cflue__V1__Admission out = CFLUE__V1__ADMISSION__INIT;
-    out.submission_id = r->submission->submission_id;
-    out.conversation_id = r->submission->conversation_id;
-    out.offset = r->offset;
-    out.deduplicated = r->deduplicated;
-    log_info("submit", "submission=%s conversation=%s agent=%s dedup=%d claimed=%d",
-             out.submission_id, out.conversation_id, req->agent, (int)out.deduplicated,
-             (int)claimed);
-    /* not claimed: it waits behind its conversation's running work (a drive here joins it or
-     * its settlement wakes the claimer), or the claimer takes it when there is room */
-    bool behind_here = !claimed && !out.deduplicated && agentd_note_queued(out.conversation_id);
-    rpc_call_reply(c, &out.base);
-    protobuf_c_message_free_unpacked(resp, NULL);
-    if (!claimed && !behind_here) {
-        agentd_wake();
-    }
 }
 
 /* Watch and GetSubmission(wait) hold no thread while they wait: watch.c. */
@@ -479,7 +516,8 @@ static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *us
 void api_register(struct rpc_server *srv)
 {
     static const struct rpc_method_def methods[] = {
-        {"/cflue.v1.Agent/Submit", &cflue__v1__submit_request__descriptor, on_submit, RPC_POOL},
+        /* Submit waits for its Admit without a thread: on_submit only starts it */
+        {"/cflue.v1.Agent/Submit", &cflue__v1__submit_request__descriptor, on_submit, RPC_INLINE},
         {"/cflue.v1.Agent/Watch", &cflue__v1__watch_request__descriptor, on_watch, RPC_ASYNC},
         {"/cflue.v1.Agent/GetSubmission", &cflue__v1__get_submission_request__descriptor, on_get,
          RPC_ASYNC},

@@ -8,11 +8,14 @@ every 500 ms) and this test's own comparisons. A wait on a submission another ag
 takes the storaged path (which the counts show: the control that they count what we think).
 A wait whose drive stops without settling (agentd SIGTERM) ends with an error at once, a wait
 whose drive is interrupted (toold down) is answered once another drive settles it, and a
-cancelled wait leaves nothing behind (a later wait is answered; agentd exits cleanly).
+cancelled wait leaves nothing behind (a later wait is answered; agentd exits cleanly). Submits
+waiting for a frozen storaged hold no RPC worker: a wait answered from memory goes through
+beside twenty of them.
 """
 import math
 import os
 import re
+import signal
 import sys
 import time
 import unittest
@@ -195,6 +198,33 @@ class LocalWaitTest(unittest.TestCase):
         self.assertEqual(get_wait(ad, adm.submission_id, timeout=10), sub)
         counts = self.stack.store_counts()  # agentd exits 0 (under ASan: no leak)
         self.assertEqual(counts.get('Follow', 0), 0, counts)
+
+    def test_submits_waiting_on_a_frozen_storaged_hold_no_worker(self):
+        # Submit waits for its Admit without a thread: with storaged frozen, more Submits
+        # than agentd has RPC workers (8) are in flight, and a wait on a submission settled
+        # here (answered from memory, on a worker) is still answered at once
+        self.stack = Stack(delay_ms=0)
+        ad, sd = self.stack.ad, self.stack.sd
+        adm = ad.submit(AGENT, 'settled before the freeze')
+        settled = get_wait(ad, adm.submission_id)
+        self.assertEqual(settled.outcome, COMPLETED, settled.error)
+        os.kill(sd.pid, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(20) as pool:
+                futs = [pool.submit(ad.submit, AGENT, 'frozen %d' % i, timeout=60)
+                        for i in range(20)]
+                time.sleep(1.0)
+                self.assertFalse(any(f.done() for f in futs))
+                t0 = time.monotonic()
+                self.assertEqual(get_wait(ad, adm.submission_id, timeout=5), settled)
+                self.assertLess(time.monotonic() - t0, 2.0)
+                os.kill(sd.pid, signal.SIGCONT)
+                ids = [f.result(timeout=60).submission_id for f in futs]
+        finally:
+            os.kill(sd.pid, signal.SIGCONT)
+        self.assertEqual(len(set(ids)), 20)
+        for sid in ids:
+            self.assertEqual(get_wait(ad, sid).outcome, COMPLETED)
 
 
 if __name__ == '__main__':
