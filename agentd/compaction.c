@@ -123,33 +123,6 @@ static int64_t find_cut(struct drive *d, int64_t *tail)
     return older ? cut : -1;
 }
 
-/* summarize asks the model for a summary of what precedes cut; *before is the summarized
- * part's estimated tokens. False (logged) when no summary came. */
-static bool summarize(struct drive *d, int64_t cut, struct llm_response *resp, int64_t *before)
-{
-    struct context ctx = {0};
-    dstore_build_context(d, &ctx, cut);
-    if (d->fault.code != CF_OK) {
-        context_free(&ctx);
-        return false;
-    }
-    *before = estimate_tokens(d->system_text, &ctx, &d->tools);
-    struct llm_message *ask = context_push(&ctx);
-    ask->role = LLM_USER;
-    ask->text = SUMMARY_ASK;
-    d->quiet = true;
-    enum cf_status rc = model_call(d, SUMMARY_SYSTEM, &ctx, NULL, 0, resp);
-    d->quiet = false;
-    context_free(&ctx);
-    if (rc != CF_OK || !resp->text.len) {
-        char q[600];
-        log_warn("compaction_failed", "submission=%s err=%s", d->sub->submission_id,
-                 log_quote(q, sizeof(q), rc == CF_OK ? "empty summary" : d->err.msg));
-        return false;
-    }
-    return true;
-}
-
 /* record_compaction records the summary and a recomposed system prompt (a fault between the
  * two leaves the compaction without its prompt; the next attempt composes it, see
  * prompt_take). */
@@ -189,27 +162,55 @@ static enum compact_result record_compaction(struct drive *d, const struct llm_r
     return d->fault.code == CF_OK ? COMPACT_DONE : COMPACT_FAILED;
 }
 
-enum compact_result compaction_run(struct drive *d, Cflue__V1__CompactionTrigger trigger)
+bool compaction_start(struct drive *d, enum compact_result *over)
 {
-    int64_t tail, before = 0;
+    *over = COMPACT_FAILED;
     if (dstore_flush(d) != CF_OK) {
-        return COMPACT_FAILED; /* the cut is chosen by offset: pending records have none yet */
+        return false; /* the cut is chosen by offset: pending records have none yet */
     }
-    int64_t cut = find_cut(d, &tail);
+    int64_t cut = find_cut(d, &d->compacting.tail);
     if (cut < 0) {
         log_info("compaction_skipped", "submission=%s reason=%s", d->sub->submission_id,
-                 trigger_name(trigger));
-        return COMPACT_NOTHING;
+                 trigger_name(d->trigger));
+        *over = COMPACT_NOTHING;
+        return false;
     }
-    struct llm_response resp;
-    llm_response_init(&resp);
-    enum compact_result cr = COMPACT_FAILED;
-    if (summarize(d, cut, &resp, &before)) {
-        cr = record_compaction(d, &resp, cut, before, tail, trigger);
+    struct context ctx = {0};
+    dstore_build_context(d, &ctx, cut);
+    if (d->fault.code != CF_OK) {
+        context_free(&ctx);
+        return false;
     }
-    llm_response_cleanup(&resp);
-    if (cr == COMPACT_DONE) {
+    d->compacting.cut = cut;
+    d->compacting.before = estimate_tokens(d->system_text, &ctx, &d->tools);
+    struct llm_message *ask = context_push(&ctx);
+    ask->role = LLM_USER;
+    ask->text = SUMMARY_ASK;
+    d->quiet = true;
+    model_call_start(d, SUMMARY_SYSTEM, &ctx, NULL, 0);
+    return true;
+}
+
+bool compaction_take(struct drive *d, enum compact_result *out)
+{
+    enum cf_status rc;
+    if (!model_call_poll(d, &rc)) {
+        return false;
+    }
+    d->quiet = false;
+    if (rc != CF_OK || !d->answer.text.len) {
+        char q[600];
+        log_warn("compaction_failed", "submission=%s err=%s", d->sub->submission_id,
+                 log_quote(q, sizeof(q), rc == CF_OK ? "empty summary" : d->err.msg));
+        *out = COMPACT_FAILED;
+        return true;
+    }
+    *out = record_compaction(d, &d->answer, d->compacting.cut, d->compacting.before,
+                             d->compacting.tail, d->trigger);
+    llm_response_cleanup(&d->answer);
+    llm_response_init(&d->answer);
+    if (*out == COMPACT_DONE) {
         rlog_trim(&d->log, d->sub->submission_id);
     }
-    return cr;
+    return true;
 }

@@ -11,16 +11,18 @@
  *
  * The states (enum drive_state), each a function that returns the next:
  *
- *   START --> INPUT --> PROMPT(_WAIT) --> JOIN --> MODEL(_WAIT) --> TOOLS(_WAIT) --> JOIN ...
- *                          |                        | ^        (no calls: JOIN)
- *                          |                        v |
- *                          +------------------> COMPACT     (size, overflow, or a Compact request)
+ *   START --> LOAD_WAIT --> INPUT --> PROMPT(_WAIT) --> JOIN --> MODEL(_WAIT) --> TOOLS(_WAIT)
+ *                                          |                      | ^         --> JOIN ...
+ *                                          |                      v |     (no calls: JOIN)
+ *                                          +----------------> COMPACT(_WAIT)
+ *                                                    (size, overflow, or a Compact request)
  *   any state --> SETTLE --> SETTLE_WAIT --> DONE   (or straight to DONE: no outcome to record,
  *                                                     or one recorded on a rarer path)
  *
  *  - START: the agent and the attempt budget (checked before anything that can fail), the
- *    conversation read once into the record log, an earlier attempt's half-joins settled and
- *    its finished answer recognized (takeover);
+ *    conversation's reading started (none when the claim saw it empty);
+ *  - LOAD_WAIT: parked on its pages, read once into the record log; then an earlier
+ *    attempt's half-joins settled and its finished answer recognized (takeover);
  *  - INPUT: the input written (pending: the first model call's Append stores it and stamps
  *    it applied, installing the budgets), unresolved calls repaired;
  *  - PROMPT(_WAIT): the tool set listed and the sandbox looked at in one Sandbox.Glance (the
@@ -29,6 +31,8 @@
  *  - JOIN: queued messages join; with nothing new and no calls run, the work is finished;
  *  - MODEL: the turn's context built from the log (compacting first when it is too large),
  *    the model asked, its answer recorded; COMPACT when it overflowed (once per drive);
+ *  - COMPACT(_WAIT): the older part's summary asked of the model (the drive parked meanwhile),
+ *    then recorded with a recomposed system prompt;
  *  - TOOLS(_WAIT): the answer's calls run as one batch (the drive parked meanwhile), results
  *    recorded as they arrive;
  *  - SETTLE(_WAIT): the outcome recorded (the drive parked on the Settle), or the drive ends
@@ -39,7 +43,8 @@
  * MODEL_WAIT (d->parked) until the call's end (or an abort, or a retry's backoff timer) posts
  * it back; model_done then takes the answer. A tool batch does not hold it either: TOOLS starts
  * the batch and the drive parks in TOOLS_WAIT, posted by each result and by the batch's end.
- * Nor does the first turn's Glance to toold (PROMPT_WAIT). Appends do not hold it either: the
+ * Nor does a compaction's summary (COMPACT_WAIT), the conversation's pages (LOAD_WAIT) or the
+ * first turn's Glance to toold (PROMPT_WAIT). Appends do not hold it either: the
  * records a turn builds on, an answer's calls before they run and tool results as they arrive go
  * out as one Append at a time per drive (dstore_stored, dstore_write_behind), and the drive parks
  * until the Append's end posts it. The Settle of an outcome goes out the same way. The other Store
@@ -187,8 +192,20 @@ static enum drive_state step_start(struct drive *d)
              !ws                             ? d->agent->name
              : !strcmp(ws, "{conversation}") ? d->sub->conversation_id
                                              : ws);
-    if (dstore_load(d) != CF_OK) {
+    (void)dstore_load_start(d);
+    return DRIVE_LOAD_WAIT;
+}
+
+static enum drive_state step_load_wait(struct drive *d)
+{
+    switch (dstore_load_take(d)) {
+    case LOAD_WAITING:
+        d->parked = true; /* the page's end (or its retry timer) posts the drive */
+        return DRIVE_LOAD_WAIT;
+    case LOAD_FAILED:
         return ended(d, settle_unsettled(d));
+    case LOAD_DONE:
+        break;
     }
     d->log_loaded = true;
     if (d->takeover) {
@@ -382,9 +399,9 @@ static enum drive_state step_model_wait(struct drive *d)
     return model_done(d, rc);
 }
 
-static enum drive_state step_compact(struct drive *d)
+/* compacted goes on from a compaction that is over, by what triggered it. */
+static enum drive_state compacted(struct drive *d, enum compact_result cr)
 {
-    enum compact_result cr = compaction_run(d, d->trigger);
     switch (d->trigger) {
     case CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_REQUEST:
         if (cr == COMPACT_FAILED && d->fault.code == CF_OK && !drive_stopped(d)) {
@@ -399,6 +416,23 @@ static enum drive_state step_compact(struct drive *d)
     default:
         return DRIVE_MODEL; /* threshold: ask with what there is now */
     }
+}
+
+static enum drive_state step_compact(struct drive *d)
+{
+    enum compact_result over;
+    return compaction_start(d, &over) ? DRIVE_COMPACT_WAIT : compacted(d, over);
+}
+
+/* step_compact_wait parks the drive until the summary call (retries included) is over. */
+static enum drive_state step_compact_wait(struct drive *d)
+{
+    enum compact_result cr;
+    if (!compaction_take(d, &cr)) {
+        d->parked = true;
+        return DRIVE_COMPACT_WAIT;
+    }
+    return compacted(d, cr);
 }
 
 /* step_tools runs the answer's calls; tools_done hands the turn over to JOIN. */
@@ -476,6 +510,7 @@ static enum drive_state step_settle_wait(struct drive *d)
 
 static enum drive_state (*const steps[])(struct drive *) = {
     [DRIVE_START] = step_start,
+    [DRIVE_LOAD_WAIT] = step_load_wait,
     [DRIVE_INPUT] = step_input,
     [DRIVE_PROMPT] = step_prompt,
     [DRIVE_PROMPT_WAIT] = step_prompt_wait,
@@ -483,6 +518,7 @@ static enum drive_state (*const steps[])(struct drive *) = {
     [DRIVE_MODEL] = step_model,
     [DRIVE_MODEL_WAIT] = step_model_wait,
     [DRIVE_COMPACT] = step_compact,
+    [DRIVE_COMPACT_WAIT] = step_compact_wait,
     [DRIVE_TOOLS] = step_tools,
     [DRIVE_TOOLS_WAIT] = step_tools_wait,
     [DRIVE_SETTLE] = step_settle,
@@ -560,11 +596,13 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
 }
 
 /* waits_with_writes: the states that take the end of the Store call in flight themselves
- * (tool results written behind, the Settle). Every other state starts only when none is in
- * flight, so its blocking Store calls keep the stream's order, and the drive ends only then. */
+ * (the conversation's pages, tool results written behind, the Settle). Every other state starts
+ * only when none is in flight, so its blocking Store calls keep the stream's order, and the drive
+ * ends only then. */
 static bool waits_with_writes(enum drive_state s)
 {
-    return s == DRIVE_MODEL_WAIT || s == DRIVE_TOOLS_WAIT || s == DRIVE_SETTLE_WAIT;
+    return s == DRIVE_LOAD_WAIT || s == DRIVE_MODEL_WAIT || s == DRIVE_TOOLS_WAIT ||
+           s == DRIVE_SETTLE_WAIT;
 }
 
 bool drive_run(struct drive *d)
@@ -597,6 +635,7 @@ void drive_free(struct drive *d)
 {
     end_drive(d);
     free(d->system_text);
+    free(d->load_token);
     tools_cleanup(d);
     llm_response_cleanup(&d->answer);
     model_call_cleanup(d);

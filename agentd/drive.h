@@ -23,18 +23,20 @@
 
 /* The states of a drive; see the essay at the top of drive.c. */
 enum drive_state {
-    DRIVE_START,       /* budgets, the conversation read, recovery of an earlier attempt */
-    DRIVE_INPUT,       /* the input appended and stamped applied, unresolved calls repaired */
-    DRIVE_PROMPT,      /* the tool set and the sandbox asked for (one call to toold) */
-    DRIVE_PROMPT_WAIT, /* parked on that call; then the system prompt frozen */
-    DRIVE_JOIN,        /* queued messages join */
-    DRIVE_MODEL,       /* one model turn asked (the call started) */
-    DRIVE_MODEL_WAIT,  /* parked on the model call or its backoff; then the answer recorded */
-    DRIVE_COMPACT,     /* the older part of the conversation summarized */
-    DRIVE_TOOLS,       /* the answer's tool calls started as one batch */
-    DRIVE_TOOLS_WAIT,  /* parked on the batch; each result recorded as it arrives */
-    DRIVE_SETTLE,      /* the outcome recorded, or the drive stopped or interrupted */
-    DRIVE_SETTLE_WAIT, /* parked on the Settle */
+    DRIVE_START,        /* budgets; the conversation's reading started */
+    DRIVE_LOAD_WAIT,    /* parked on its pages; then recovery of an earlier attempt */
+    DRIVE_INPUT,        /* the input appended and stamped applied, unresolved calls repaired */
+    DRIVE_PROMPT,       /* the tool set and the sandbox asked for (one call to toold) */
+    DRIVE_PROMPT_WAIT,  /* parked on that call; then the system prompt frozen */
+    DRIVE_JOIN,         /* queued messages join */
+    DRIVE_MODEL,        /* one model turn asked (the call started) */
+    DRIVE_MODEL_WAIT,   /* parked on the model call or its backoff; then the answer recorded */
+    DRIVE_COMPACT,      /* the summary of the older part of the conversation started */
+    DRIVE_COMPACT_WAIT, /* parked on it; then it and a recomposed prompt recorded */
+    DRIVE_TOOLS,        /* the answer's tool calls started as one batch */
+    DRIVE_TOOLS_WAIT,   /* parked on the batch; each result recorded as it arrives */
+    DRIVE_SETTLE,       /* the outcome recorded, or the drive stopped or interrupted */
+    DRIVE_SETTLE_WAIT,  /* parked on the Settle */
     DRIVE_DONE,
 };
 
@@ -132,6 +134,7 @@ struct drive {
     bool takeover;
     struct record_log log;         /* the conversation, read once and appended through */
     bool log_loaded;               /* the whole conversation was read into the log */
+    char *load_token;              /* the next page of the reading in flight, or NULL */
     Cflue__V1__Submission **known; /* submissions whose messages the drive holds (joins, Gets) */
     size_t n_known;
     /* streaming deltas */
@@ -166,10 +169,15 @@ struct drive {
     bool overflow_retried;      /* a context overflow was compacted once (per drive) */
     enum cf_status model_rc;    /* the last model call's status */
     Cflue__V1__CompactionTrigger trigger; /* why DRIVE_COMPACT runs */
-    Cflue__V1__Outcome outcome;           /* what DRIVE_SETTLE records */
-    Cflue__V1__Outcome settling;          /* what the Settle in flight records, and why: */
-    const char *settling_error;           /* d->error or a constant string */
-    char error[1024];                     /* and why, when not completed */
+    struct {
+        int64_t cut;             /* the offset of the first record kept verbatim */
+        int64_t before;          /* the summarized part's estimated tokens */
+        int64_t tail;            /* the kept part's */
+    } compacting;                /* the summary in flight (DRIVE_COMPACT_WAIT) */
+    Cflue__V1__Outcome outcome;  /* what DRIVE_SETTLE records */
+    Cflue__V1__Outcome settling; /* what the Settle in flight records, and why: */
+    const char *settling_error;  /* d->error or a constant string */
+    char error[1024];            /* and why, when not completed */
 };
 
 /* ---- drive.c: a drive's life, stepped by the engine ---- */
@@ -233,9 +241,21 @@ bool dcall_take(struct drive_call *c, struct rpc_status *st, ProtobufCMessage **
  * *resp is the caller's to free; the last failure is in d->err. */
 enum cf_status dstore_call(struct drive *d, const char *method, const ProtobufCMessage *req,
                            const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp);
-/* dstore_load reads the whole conversation into d->log, paging with page tokens. A failure
- * is a fault. */
+/* dstore_load reads the whole conversation into d->log, paging with page tokens, blocking
+ * (the rarer paths). A failure is a fault. */
 enum cf_status dstore_load(struct drive *d);
+/* dstore_load_start starts reading the conversation into d->log as the call in flight (one
+ * page at a time; no thread waits); false when there is nothing to read (the claim saw the
+ * conversation empty). */
+bool dstore_load_start(struct drive *d);
+/* How the reading dstore_load_start began stands (dstore_load_take). */
+enum load_state {
+    LOAD_WAITING, /* a page is in flight, or its retry waits: the drive parks */
+    LOAD_DONE,    /* the whole conversation is in d->log */
+    LOAD_FAILED,  /* a fault (or a lost lease) */
+};
+/* dstore_load_take takes the page that arrived into d->log and asks for the next. */
+enum load_state dstore_load_take(struct drive *d);
 /* dstore_defer_one writes one record with typed body `body` (the caller keeps it) as pending
  * in d->log: the next store write carries it (dstore_flush, or the Settle). CF_INTERNAL (a
  * fault) only when body is no record body. */
@@ -366,12 +386,6 @@ bool model_call_poll(struct drive *d, enum cf_status *rc);
 /* model_call_init / model_call_cleanup manage d->mw. */
 void model_call_init(struct drive *d);
 void model_call_cleanup(struct drive *d);
-/* model_call asks the model (blocking the calling thread; compaction's summaries), retrying what
- * the provider says may be retried; streamed text becomes assistant_delta records unless d->quiet.
- * *out is the caller's to clean up. Returns CF_DEADLINE when too little of the time limit is left,
- * CF_CANCELLED when stopped. */
-enum cf_status model_call(struct drive *d, const char *system, const struct context *c,
-                          const struct llm_tool *tools, size_t n_tools, struct llm_response *out);
 /* model_record_answer records resp as this turn's assistant_message. A failure is a fault. */
 enum cf_status model_record_answer(struct drive *d, const struct llm_response *resp);
 
@@ -385,9 +399,14 @@ enum compact_result {
 
 /* compaction_needed: the context c with d->system_text would not leave the reserve free. */
 bool compaction_needed(struct drive *d, const struct context *c);
-/* compaction_run summarizes what comes before the cut; on COMPACT_DONE d->system_text is the
- * recomposed prompt. */
-enum compact_result compaction_run(struct drive *d, Cflue__V1__CompactionTrigger trigger);
+/* compaction_start writes what is pending, finds the cut and starts the summary of what
+ * comes before it (model_call_start, quiet: no deltas): true, and the drive parks until
+ * compaction_take. false when it is over at once: *over is COMPACT_NOTHING or COMPACT_FAILED. */
+bool compaction_start(struct drive *d, enum compact_result *over);
+/* compaction_take: false while the summary call is in flight; then true, with the summary
+ * recorded (`compaction`, and a recomposed `system_prompt` that d->system_text is now) on
+ * COMPACT_DONE. The trigger recorded is d->trigger. */
+bool compaction_take(struct drive *d, enum compact_result *out);
 
 /* ---- joins.c ---- */
 

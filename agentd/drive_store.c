@@ -60,6 +60,57 @@ enum cf_status dstore_call(struct drive *d, const char *method, const ProtobufCM
     }
 }
 
+/* send_read asks for the conversation's next page (after d->load_token) as the call in
+ * flight. */
+static void send_read(struct drive *d)
+{
+    Cflue__V1__ReadRequest req = CFLUE__V1__READ_REQUEST__INIT;
+    req.conversation_id = d->sub->conversation_id;
+    req.after_offset = -1;
+    req.page_size = 1000;
+    req.page_token = d->load_token ? d->load_token : "";
+    dstore_flight_send(d, "Read", &req.base, &cflue__v1__read_response__descriptor, 0);
+}
+
+bool dstore_load_start(struct drive *d)
+{
+    if (d->claim->head_offset == -1 && !d->takeover && !d->log_loaded) {
+        return false; /* the claim saw an empty conversation, and the fence holds it so */
+    }
+    send_read(d);
+    return true;
+}
+
+enum load_state dstore_load_take(struct drive *d)
+{
+    enum cf_status rc;
+    ProtobufCMessage *resp;
+    switch (dstore_flight_take(d, send_read, &rc, &resp)) {
+    case FLIGHT_WAITING:
+        return LOAD_WAITING;
+    case FLIGHT_IDLE:
+        return LOAD_DONE; /* nothing was asked: dstore_load_start answered false */
+    case FLIGHT_ENDED:
+        break;
+    }
+    free(d->load_token);
+    d->load_token = NULL;
+    if (rc != CF_OK) {
+        drive_fault(d, "reading the conversation failed", &d->err);
+        return LOAD_FAILED;
+    }
+    Cflue__V1__ReadResponse *page = (Cflue__V1__ReadResponse *)resp;
+    if (*page->next_page_token && page->n_records) {
+        d->load_token = mem_strdup(page->next_page_token);
+    }
+    rlog_add_page(&d->log, page); /* the log owns the page now */
+    if (d->load_token) {
+        send_read(d);
+        return LOAD_WAITING;
+    }
+    return LOAD_DONE;
+}
+
 enum cf_status dstore_load(struct drive *d)
 {
     if (d->claim->head_offset == -1 && !d->takeover && !d->log_loaded) {

@@ -1,12 +1,12 @@
 /* model_call.c - one model call of a drive: retries with backoff, streamed deltas for
  * watchers, and the complete answer recorded as the turn's assistant_message.
  *
- * A turn's call is asynchronous (model_call_start / model_call_poll): it runs on the model
- * I/O loop while the drive is parked and holds no thread. The loop's callbacks only note what
- * happened under d->mw.mu and post the drive to the engine (engine_post); everything that
- * blocks (appending deltas, deciding on a retry) happens when an engine thread steps the
- * drive. A retry's backoff is an engine timer (engine_post_at), not a sleep. Compaction's
- * summaries still use the blocking model_call.
+ * A call is asynchronous (model_call_start / model_call_poll): it runs on the model I/O loop
+ * while the drive is parked and holds no thread; a turn's call and a compaction's summary
+ * alike. The loop's callbacks only note what happened under d->mw.mu and post the drive to
+ * the engine (engine_post); everything that blocks (appending deltas, deciding on a retry)
+ * happens when an engine thread steps the drive. A retry's backoff is an engine timer
+ * (engine_post_at), not a sleep.
  *
  * Rate limits, overload, 5xx, network errors and cut-off streams are retried up to
  * MODEL_RETRIES times (honouring retry-after); a call needs at least DRIVE_MODEL_MIN_MS of the
@@ -68,26 +68,6 @@ static void flush_delta(struct drive *d)
     d->delta_flushed_ms = clock_mono_ms();
 }
 
-static void on_text(void *ctx, const char *p, size_t n)
-{
-    struct drive *d = ctx;
-    if (d->quiet) {
-        return;
-    }
-    if (buf_append(&d->delta, p, n) != CF_OK ||
-        clock_mono_ms() - d->delta_flushed_ms > DELTA_FLUSH_MS) {
-        flush_delta(d);
-        if (buf_append(&d->delta, p, n) != CF_OK) {
-            buf_reset(&d->delta);
-        }
-    }
-}
-
-static bool model_cancelled(void *ctx)
-{
-    return drive_stopped(ctx);
-}
-
 int64_t model_output_tokens(const struct agent_def *a)
 {
     struct model_info mi = catalog_lookup(a->model);
@@ -103,16 +83,6 @@ static int64_t backoff_ms(struct drive *d, int attempt, const struct llm_respons
     log_warn("model_retry", "submission=%s attempt=%d wait_ms=%lld err=%s", d->sub->submission_id,
              attempt + 1, (long long)wait, log_quote(q, sizeof(q), d->err.msg));
     return wait;
-}
-
-/* backoff waits before try `attempt` + 1; false when the drive stopped meanwhile. */
-static bool backoff(struct drive *d, int attempt, const struct llm_response *out)
-{
-    int64_t wait = backoff_ms(d, attempt, out);
-    for (int64_t slept = 0; slept < wait && !drive_stopped(d); slept += 100) {
-        clock_sleep_ms(100);
-    }
-    return !drive_stopped(d);
 }
 
 /* request is the model request of agent d->agent for system, c and the tools. */
@@ -134,35 +104,6 @@ static struct llm_request request(struct drive *d, const char *system, const str
 static const struct provider_endpoint *endpoint(struct drive *d)
 {
     return !strcmp(d->agent->provider, "anthropic") ? &g_agentd.anthropic : &g_agentd.openai;
-}
-
-enum cf_status model_call(struct drive *d, const char *system, const struct context *c,
-                          const struct llm_tool *tools, size_t n_tools, struct llm_response *out)
-{
-    struct llm_request req = request(d, system, c, tools, n_tools);
-    struct llm_events ev = {.on_text = on_text, .cancelled = model_cancelled, .ctx = d};
-    const struct provider_endpoint *ep = endpoint(d);
-    enum cf_status rc = CF_UNAVAILABLE;
-    for (int attempt = 0; attempt <= MODEL_RETRIES; attempt++) {
-        llm_response_cleanup(out);
-        llm_response_init(out);
-        buf_reset(&d->delta);
-        d->delta_flushed_ms = clock_mono_ms();
-        int64_t left = drive_time_left(d);
-        if (left < DRIVE_MODEL_MIN_MS) {
-            return cf_error_set(&d->err, CF_DEADLINE, "the submission reached its time limit");
-        }
-        req.timeout_ms = left;
-        rc = llm_complete(ep, &req, &ev, out, &d->err);
-        buf_reset(&d->delta); /* the answer, recorded next, holds the whole text */
-        if (rc == CF_OK || rc == CF_CANCELLED || !out->retryable || attempt == MODEL_RETRIES) {
-            break;
-        }
-        if (!backoff(d, attempt, out)) {
-            return CF_CANCELLED;
-        }
-    }
-    return rc;
 }
 
 /* ---------- the asynchronous call of a turn ---------- */

@@ -1,10 +1,13 @@
 """Compaction in agentd: the Compact RPC, the threshold before a model call, and the retry
-after a context-overflow error. Real storaged, toold and agentd; the offline model."""
+after a context-overflow error; a summary in flight holds no engine thread. Real storaged,
+toold and agentd; the offline model."""
 import json
 import os
 import sys
 import tempfile
+import time
 import unittest
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cflue_harness import agent_pb2, common_pb2  # noqa: E402
@@ -24,7 +27,7 @@ def models_file():
     return path
 
 
-class CompactionTest(AgentdCase):
+class CompactionCase(AgentdCase):
     stack_kwargs = {'agents': ('compactor',), 'agentd_args': ('--models', models_file())}
 
     def run_one(self, text, steps, conversation_id=''):
@@ -39,6 +42,8 @@ class CompactionTest(AgentdCase):
     def last_request(self):
         return self.stack.fm.requests()[-1]['body']
 
+
+class CompactionTest(CompactionCase):
     def test_compact_rpc_summarizes_and_later_turns_start_from_the_summary(self):
         adm, sub = self.run_one('list some numbers', [
             {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 300'}}]},
@@ -109,6 +114,39 @@ class CompactionTest(AgentdCase):
         comp = [x.compaction for x in self.records(adm.conversation_id)
                 if kind(x) == 'compaction']
         self.assertEqual([c.trigger for c in comp], [common_pb2.COMPACTION_TRIGGER_OVERFLOW])
+
+
+class SummaryWaitTest(CompactionCase):
+    """One engine thread (--workers 1): a summary the model takes 1.5 s to write holds no
+    thread, so three Compact requests at once are over in about 1.5 s, not 4.5 s."""
+    stack_kwargs = {'agents': ('compactor',),
+                    'agentd_args': ('--models', models_file(), '--workers', '1')}
+
+    def test_summaries_in_flight_hold_no_engine_thread(self):
+        convs = []
+        for i in range(3):
+            adm, sub = self.run_one('list numbers %d' % i, [
+                {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 300'}}]},
+                {'text': 'Listed.'}])
+            self.assertEqual(sub.outcome, COMPLETED, sub.error)
+            convs.append(adm.conversation_id)
+        self.stack.fm.set_scenario([{'text': 'SUMMARY-%d' % i, 'delay_ms': 1500}
+                                    for i in range(3)])
+
+        def compact(conv):
+            return self.ad.call('Compact', agent_pb2.CompactRequest(conversation_id=conv),
+                                timeout=60)
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(compact, convs))
+        took = time.monotonic() - t0
+        for r in answers:
+            self.assertGreater(r.tokens_before, r.tokens_after)
+        self.assertLess(took, 3.5, 'three 1.5 s summaries took %.1f s on one engine thread'
+                        % took)
+        summaries = sorted(x.compaction.summary for conv in convs for x in self.records(conv)
+                           if kind(x) == 'compaction')
+        self.assertEqual(summaries, ['SUMMARY-0', 'SUMMARY-1', 'SUMMARY-2'])
 
 
 if __name__ == '__main__':

@@ -1,4 +1,9 @@
-"""A drive's first step asks toold once (agentd/prompt.c).
+"""A drive's first steps: the conversation read page by page, and one call to toold
+(agentd/drive_store.c, agentd/prompt.c).
+
+A later submission of a conversation of 2,500 records (three Read pages) is driven on the
+whole conversation: the system prompt in force is the one recorded last, on the last page,
+and the model is asked with it; no new prompt is composed.
 
 The tool set, the project notes and the working directory's listing come in one
 Sandbox.Glance that holds no engine thread: toold (CFLUE_RPC_STATS=1, its per-method counts
@@ -7,6 +12,7 @@ tool server in front of toold whose Glance does not list the tools, or that has 
 all, is read with the older calls, and the conversation gets the same system prompt, word for
 word, as from toold itself.
 """
+import json
 import os
 import re
 import sys
@@ -17,6 +23,7 @@ import grpc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cflue_harness import BenchBrainStack, body_of, read_all  # noqa: E402
+from cflue_harness import admit, append, claim, record, settle  # noqa: E402
 from cflue_harness import common_pb2, sandbox_pb2  # noqa: E402
 
 AGENT = BenchBrainStack.AGENT
@@ -169,6 +176,44 @@ class FirstStepTest(unittest.TestCase):
                                                    '/cflue.v1.Tools/List': 1,
                                                    '/cflue.v1.Sandbox/ReadFile': 1,
                                                    '/cflue.v1.Sandbox/ReadDir': 1})
+
+
+class LongConversationTest(unittest.TestCase):
+    def setUp(self):
+        self.stack = Stack()
+
+    def tearDown(self):
+        self.stack.remove()
+
+    def test_a_later_submission_reads_every_page_of_its_conversation(self):
+        stub = self.stack.sd.stub
+        seed = admit(stub, agent=AGENT, text='seed').submission
+        f = claim(stub, owner='seeder', submission_id=seed.submission_id).fence
+        sid = seed.submission_id
+        append(stub, f, [record('system_prompt', {'text': 'the first prompt'}, 'system:1', sid),
+                         record('user_message', {'text': 'seed'}, 'input:' + sid, sid)])
+        for b in range(5):  # 2,500 watcher-only records: three pages of 1,000
+            append(stub, f, [record('assistant_delta', {'turn': 1, 'text': 'd%d' % (b * 500 + i)},
+                                    'delta:%d' % (b * 500 + i), sid) for i in range(500)])
+        # a compaction and the prompt recomposed after it, on the last page
+        append(stub, f, [record('assistant_message', {'turn': 1, 'text': 'seeded answer'},
+                                'assistant:%s:1' % sid, sid),
+                         record('compaction', {'summary': 'the seeded summary',
+                                               'first_kept_offset': 2},
+                                'compaction:1', sid),
+                         record('system_prompt', {'text': 'the prompt in force'}, 'system:2',
+                                sid)])
+        settle(stub, f)
+        ad = self.stack.start_agentd(self.stack.td.target)
+        sub = converse(ad, seed.conversation_id)
+        self.assertEqual(sub.outcome, COMPLETED, sub.error)
+        self.assertEqual(system_prompts(self.stack, seed.conversation_id),
+                         ['the first prompt', 'the prompt in force'])
+        asked = self.stack.fm.requests()
+        self.assertEqual(len(asked), 3, asked)
+        for req in asked:
+            self.assertEqual(req['body']['system'], 'the prompt in force', req)
+            self.assertIn('the seeded summary', json.dumps(req['body']['messages']))
 
 
 if __name__ == '__main__':
