@@ -345,8 +345,10 @@ def run_conversations(calls, n, in_flight, cap_s=None):
                 if left[0] <= 0 or (cap_s and time.perf_counter() - t0 > cap_s):
                     return
                 left[0] -= 1
+            # a conversation that cannot settle (a daemon died) waits at most until the cap
+            wait_s = 60 if not cap_s else max(1.0, min(60.0, cap_s - (time.perf_counter() - t0)))
             try:
-                dt, ds, oc = one_conversation(calls)
+                dt, ds, oc = one_conversation(calls, timeout=wait_s)
             except grpc.RpcError as e:
                 dt, ds, oc = None, None, 'rpc ' + e.code().name
             with lock:
@@ -481,7 +483,7 @@ def section1(root, a):
     try:
         # warm up, and capture the three requests agentd sends for one conversation
         for _ in range(3):
-            _, _, oc = one_conversation(stack.calls)
+            _, _, oc = one_conversation(stack.calls, timeout=a.cap)
             conversations += 1
         reqs = [r for r in stack.fm.requests() if r.get('step') not in (None, 'finished')]
         bodies = [r['body'] for r in reqs[-3:]]
@@ -492,7 +494,7 @@ def section1(root, a):
 
         req0 = model_requests(stack)
         c0 = phase_cpu(stack)
-        lat, _, outcomes, wall = run_conversations(stack.calls, n_seq, 1)
+        lat, _, outcomes, wall = run_conversations(stack.calls, n_seq, 1, cap_s=a.cap)
         c1 = phase_cpu(stack)
         conversations += n_seq
         reqs_per_conv = (model_requests(stack) - req0) / float(max(1, n_seq))
@@ -522,7 +524,7 @@ def section1(root, a):
         # throughput with 10 in flight
         c0 = phase_cpu(stack, [('client', os.getpid())])
         s0 = self_cpu_s()
-        lat, _, outcomes, wall = run_conversations(stack.calls, n_tp, 10)
+        lat, _, outcomes, wall = run_conversations(stack.calls, n_tp, 10, cap_s=a.cap)
         c1 = phase_cpu(stack)
         client = self_cpu_s() - s0
         conversations += n_tp
@@ -557,7 +559,7 @@ def section1(root, a):
             stack.ad.close()
             stack.daemons.remove(stack.ad)
             stack.start_agentd(StracedAgentd, trace)
-            lat_c, _, oc_c, _ = run_conversations(stack.calls, n_c, 10)
+            lat_c, _, oc_c, _ = run_conversations(stack.calls, n_c, 10, cap_s=a.cap)
             conversations += n_c
             conns = stack.ad.connects_to(stack.fm.port)
             nconv = n_c
@@ -654,8 +656,8 @@ def section2(root, a):
 # ---------------------------------------------------------------------------------------------
 
 
-def submit_latencies(stack, n=30):
-    lat, sub, outcomes, _ = run_conversations(stack.calls, n, 1)
+def submit_latencies(stack, n=30, cap_s=120):
+    lat, sub, outcomes, _ = run_conversations(stack.calls, n, 1, cap_s=cap_s)
     return statistics.median(sub), statistics.median(lat), outcomes
 
 
