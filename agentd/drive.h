@@ -100,7 +100,8 @@ struct drive_call {
  * time, so records reach the stream in the order written. */
 struct store_flight {
     struct drive_call call;
-    const char *method;   /* "Append", "Settle" */
+    const char *method;   /* "Append", "Settle", "Read" */
+    bool courtesy;        /* an Append of assistant_delta records: one try, its end only freed */
     size_t n_sent;        /* it carries the first n_sent pending records */
     bool mark_sent;       /* an Append that stamps the input applied */
     int64_t first_try_ms; /* monotonic: the first try of this call (0: none is being made) */
@@ -270,7 +271,13 @@ enum cf_status dstore_flush(struct drive *d);
  * flight; its end, or its retry timer, posts the drive. Only when none is in flight. */
 void dstore_flight_send(struct drive *d, const char *method, const ProtobufCMessage *req,
                         const ProtobufCMessageDescriptor *desc, size_t n_sent);
-/* dstore_flight_take takes the end of the call in flight when it came. A transient failure is
+/* dstore_send_delta sends req (an Append of assistant_delta records for watchers) as the call
+ * in flight, when none is: one try of at most timeout_ms, no fault whatever its end (a stale
+ * fence marks the lease lost); the next write goes out after it, so watchers see the deltas
+ * before the message that follows them. false (nothing sent) while another call is in flight. */
+bool dstore_send_delta(struct drive *d, const ProtobufCMessage *req, int64_t timeout_ms);
+/* dstore_flight_take takes the end of the call in flight when it came (a delta's end is
+ * taken here alone: FLIGHT_IDLE). A transient failure is
  * tried again after a backoff, as dstore_call does: FLIGHT_WAITING, and once the timer posted
  * the drive, resend(d) sends the request again (through dstore_flight_send). A stale fence
  * marks the lease lost; a lost lease or shutdown during a backoff ends the call CF_STALE. On

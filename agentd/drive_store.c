@@ -269,6 +269,20 @@ void dstore_flight_send(struct drive *d, const char *method, const ProtobufCMess
     dcall_start(&f->call, g_agentd.store, path, req, desc, STORE_TIMEOUT_MS);
 }
 
+bool dstore_send_delta(struct drive *d, const ProtobufCMessage *req, int64_t timeout_ms)
+{
+    struct store_flight *f = &d->sf;
+    if (f->call.in_flight || f->retry_at_ms) {
+        return false;
+    }
+    f->method = "Append";
+    f->n_sent = 0;
+    f->courtesy = true;
+    dcall_start(&f->call, g_agentd.store, "/cflue.v1.Store/Append", req,
+                &cflue__v1__append_response__descriptor, timeout_ms);
+    return true;
+}
+
 enum flight_state dstore_flight_take(struct drive *d, void (*resend)(struct drive *d),
                                      enum cf_status *rc, ProtobufCMessage **resp)
 {
@@ -297,6 +311,17 @@ enum flight_state dstore_flight_take(struct drive *d, void (*resend)(struct driv
         f->retry_at_ms = 0;
         resend(d);
         return FLIGHT_WAITING;
+    }
+    if (f->courtesy) {
+        struct cf_error err;
+        f->courtesy = false;
+        if (store_status("Append", &st, &err) == CF_STALE) {
+            drive_mark_lease_lost(d); /* ABORTED, STALE_FENCE: another attempt holds the work */
+        }
+        if (got) {
+            protobuf_c_message_free_unpacked(got, NULL);
+        }
+        return FLIGHT_IDLE;
     }
     *rc = store_status(f->method, &st, &d->err);
     if (*rc == CF_STALE) {

@@ -4,9 +4,9 @@
  * A call is asynchronous (model_call_start / model_call_poll): it runs on the model I/O loop
  * while the drive is parked and holds no thread; a turn's call and a compaction's summary
  * alike. The loop's callbacks only note what happened under d->mw.mu and post the drive to
- * the engine (engine_post); everything that blocks (appending deltas, deciding on a retry)
- * happens when an engine thread steps the drive. A retry's backoff is an engine timer
- * (engine_post_at), not a sleep.
+ * the engine (engine_post); the rest (sending deltas as the drive's Store call in flight,
+ * deciding on a retry) happens when an engine thread steps the drive. A retry's backoff is an
+ * engine timer (engine_post_at), not a sleep.
  *
  * Rate limits, overload, 5xx, network errors and cut-off streams are retried up to
  * MODEL_RETRIES times (honouring retry-after); a call needs at least DRIVE_MODEL_MIN_MS of the
@@ -32,21 +32,22 @@
 #define DELTA_TIMEOUT_MS 2000
 #define MODEL_RETRIES 3
 
-/* flush_delta sends the streamed text so far to watchers: one quick try, no retry, no fault
- * (the assistant_message that follows is what counts). Ids carry the attempt, so a turn asked
- * again never collides with the deltas of an earlier attempt. Deltas stay out of the log. */
+/* flush_delta sends the streamed text so far to watchers as the drive's call in flight (no
+ * thread waits for it): one quick try, no retry, no fault (the assistant_message that follows
+ * is what counts). While another call is in flight the text waits for the next flush. Ids
+ * carry the attempt, so a turn asked again never collides with the deltas of an earlier
+ * attempt. Deltas stay out of the log. */
 static void flush_delta(struct drive *d)
 {
-    if (!d->delta.len) {
+    if (!d->delta.len || !dstore_writes_done(d)) {
         return;
     }
     char id[512];
     snprintf(id, sizeof(id), "delta:%s:%d:%s:%d", d->sub->submission_id, d->turn,
-             d->fence.attempt_id, d->delta_seq++);
+             d->fence.attempt_id, d->delta_seq);
     Cflue__V1__Record rec = CFLUE__V1__RECORD__INIT, *recs[1] = {&rec};
     Cflue__V1__AssistantDelta body = CFLUE__V1__ASSISTANT_DELTA__INIT;
     Cflue__V1__AppendRequest req = CFLUE__V1__APPEND_REQUEST__INIT;
-    ProtobufCMessage *resp = NULL;
     body.turn = d->turn;
     body.text = (char *)buf_cstr(&d->delta);
     rec.id = id;
@@ -56,16 +57,11 @@ static void flush_delta(struct drive *d)
     req.fence = &d->fence;
     req.records = recs;
     req.n_records = 1;
-    struct cf_error err;
-    if (store_call(g_agentd.store, "Append", &req.base, &cflue__v1__append_response__descriptor,
-                   DELTA_TIMEOUT_MS, &resp, &err) == CF_STALE) {
-        drive_mark_lease_lost(d);
+    if (dstore_send_delta(d, &req.base, DELTA_TIMEOUT_MS)) {
+        d->delta_seq++;
+        buf_reset(&d->delta);
+        d->delta_flushed_ms = clock_mono_ms();
     }
-    if (resp) {
-        protobuf_c_message_free_unpacked(resp, NULL);
-    }
-    buf_reset(&d->delta);
-    d->delta_flushed_ms = clock_mono_ms();
 }
 
 int64_t model_output_tokens(const struct agent_def *a)

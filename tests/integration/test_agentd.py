@@ -589,6 +589,13 @@ class RunMixin(object):
             # best effort: a prefix of the text (the answer carries the rest, if any)
             self.assertTrue(texts and final.text.startswith(texts),
                             'the streamed deltas of the final turn: %r' % texts)
+            # and each turn's deltas come before its message in the stream
+            for r in recs:
+                if kind(r) == 'assistant_message':
+                    late = [d.offset for d in deltas
+                            if body(d).turn == body(r).turn and d.offset > r.offset]
+                    self.assertEqual(late, [], 'deltas after the message of turn %d'
+                                     % body(r).turn)
 
         # --- Watch with follow ---
         if follower is not None:
