@@ -60,22 +60,54 @@ enum cf_status dstore_call(struct drive *d, const char *method, const ProtobufCM
     }
 }
 
-/* send_read asks for the conversation's next page (after d->load_token) as the call in
- * flight. */
-static void send_read(struct drive *d)
+/* nothing_to_read: the claim saw an empty conversation, and the fence holds it so. */
+static bool nothing_to_read(const struct drive *d)
+{
+    return d->claim->head_offset == -1 && !d->takeover && !d->log_loaded;
+}
+
+/* read_request is the Read of the conversation's next page (after d->load_token). */
+static Cflue__V1__ReadRequest read_request(const struct drive *d)
 {
     Cflue__V1__ReadRequest req = CFLUE__V1__READ_REQUEST__INIT;
     req.conversation_id = d->sub->conversation_id;
     req.after_offset = -1;
     req.page_size = 1000;
     req.page_token = d->load_token ? d->load_token : "";
+    return req;
+}
+
+/* add_page puts a Read page into d->log (which owns it then) and keeps the token of the next
+ * one in d->load_token: true while there is a next one. */
+static bool add_page(struct drive *d, ProtobufCMessage *resp)
+{
+    Cflue__V1__ReadResponse *page = (Cflue__V1__ReadResponse *)resp;
+    free(d->load_token);
+    d->load_token =
+        *page->next_page_token && page->n_records ? mem_strdup(page->next_page_token) : NULL;
+    rlog_add_page(&d->log, page);
+    return d->load_token != NULL;
+}
+
+/* read_failed faults the drive whose reading failed. */
+static void read_failed(struct drive *d)
+{
+    free(d->load_token);
+    d->load_token = NULL;
+    drive_fault(d, "reading the conversation failed", &d->err);
+}
+
+/* send_read asks for the next page as the call in flight. */
+static void send_read(struct drive *d)
+{
+    Cflue__V1__ReadRequest req = read_request(d);
     dstore_flight_send(d, "Read", &req.base, &cflue__v1__read_response__descriptor, 0);
 }
 
 bool dstore_load_start(struct drive *d)
 {
-    if (d->claim->head_offset == -1 && !d->takeover && !d->log_loaded) {
-        return false; /* the claim saw an empty conversation, and the fence holds it so */
+    if (nothing_to_read(d)) {
+        return false;
     }
     send_read(d);
     return true;
@@ -93,18 +125,11 @@ enum load_state dstore_load_take(struct drive *d)
     case FLIGHT_ENDED:
         break;
     }
-    free(d->load_token);
-    d->load_token = NULL;
     if (rc != CF_OK) {
-        drive_fault(d, "reading the conversation failed", &d->err);
+        read_failed(d);
         return LOAD_FAILED;
     }
-    Cflue__V1__ReadResponse *page = (Cflue__V1__ReadResponse *)resp;
-    if (*page->next_page_token && page->n_records) {
-        d->load_token = mem_strdup(page->next_page_token);
-    }
-    rlog_add_page(&d->log, page); /* the log owns the page now */
-    if (d->load_token) {
+    if (add_page(d, resp)) {
         send_read(d);
         return LOAD_WAITING;
     }
@@ -113,31 +138,19 @@ enum load_state dstore_load_take(struct drive *d)
 
 enum cf_status dstore_load(struct drive *d)
 {
-    if (d->claim->head_offset == -1 && !d->takeover && !d->log_loaded) {
-        return CF_OK; /* the claim saw an empty conversation, and the fence holds it so */
+    if (nothing_to_read(d)) {
+        return CF_OK;
     }
-    char *token = NULL;
     for (;;) {
-        Cflue__V1__ReadRequest req = CFLUE__V1__READ_REQUEST__INIT;
+        Cflue__V1__ReadRequest req = read_request(d);
         ProtobufCMessage *resp = NULL;
-        req.conversation_id = d->sub->conversation_id;
-        req.after_offset = -1;
-        req.page_size = 1000;
-        req.page_token = token ? token : "";
         enum cf_status rc =
             dstore_call(d, "Read", &req.base, &cflue__v1__read_response__descriptor, &resp);
-        free(token);
-        token = NULL;
         if (rc != CF_OK) {
-            drive_fault(d, "reading the conversation failed", &d->err);
+            read_failed(d);
             return rc;
         }
-        Cflue__V1__ReadResponse *page = (Cflue__V1__ReadResponse *)resp;
-        if (*page->next_page_token && page->n_records) {
-            token = mem_strdup(page->next_page_token);
-        }
-        rlog_add_page(&d->log, page); /* the log owns the page now */
-        if (!token) {
+        if (!add_page(d, resp)) {
             return CF_OK;
         }
     }
