@@ -251,8 +251,17 @@ class FaultsCase(FaultsBase):
 
     def test_storaged_back_after_a_long_outage_is_used_within_seconds(self):
         self.stack.sd.kill()
-        # agentd's workers keep calling storaged (claims every second) while it is down
-        time.sleep(16)
+        # agentd's workers keep calling storaged (claims every second) while it is down, and
+        # a Submit meanwhile is refused at once, UNAVAILABLE, naming storaged
+        time.sleep(8)
+        t0 = time.monotonic()
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.ad.submit('runner-anthropic', 'while storaged is down', timeout=20)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE,
+                         cm.exception.details())
+        self.assertIn('storaged', cm.exception.details())
+        self.assertLess(time.monotonic() - t0, 5.0)
+        time.sleep(8)
         self.stack.sd.start()
         t0 = time.monotonic()
         conv = new_conv('back')

@@ -3,7 +3,9 @@
 
 A later submission of a conversation of 2,500 records (three Read pages) is driven on the
 whole conversation: the system prompt in force is the one recorded last, on the last page,
-and the model is asked with it; no new prompt is composed.
+and the model is asked with it; no new prompt is composed. storaged gone in the middle of
+that reading for longer than the retry window ends the attempt interrupted (the page tried
+again on a timer meanwhile); once it is back the work resumes and settles once.
 
 The tool set, the project notes and the working directory's listing come in one
 Sandbox.Glance that holds no engine thread: toold (CFLUE_RPC_STATS=1, its per-method counts
@@ -16,6 +18,7 @@ import json
 import os
 import re
 import sys
+import time
 import unittest
 from concurrent import futures
 
@@ -214,6 +217,55 @@ class LongConversationTest(unittest.TestCase):
         for req in asked:
             self.assertEqual(req['body']['system'], 'the prompt in force', req)
             self.assertIn('the seeded summary', json.dumps(req['body']['messages']))
+
+
+class ReadOutageTest(unittest.TestCase):
+    """storaged gone while a drive reads its conversation (failpoint storaged.reply.Read:
+    the page read, the answer never sent), for longer than the retry window (a 3 s lease: a
+    5 s window): the attempt ends interrupted, and once storaged is back the work is
+    resumed and settles once."""
+
+    def test_storaged_gone_longer_than_the_retry_window_while_the_conversation_is_read(self):
+        stack = BenchBrainStack(0, 'a line of the file the bench brain reads\n' * 100,
+                                agentd_args=('--lease-ms', '3000'),
+                                store_env={'CFLUE_FAILPOINTS': 'storaged.reply.Read=crash'},
+                                prefix='cflue-prompt-it-')
+        try:
+            ad, sd = stack.ad, stack.sd
+            first = converse(ad)  # a new conversation: nothing to read
+            self.assertEqual(first.outcome, COMPLETED, first.error)
+            adm = ad.submit(AGENT, 'and again', conversation_id=first.conversation_id)
+            deadline = time.monotonic() + 20
+            pat = 'event=drive_interrupted submission=%s' % adm.submission_id
+            while pat not in ad.stderr_text():
+                self.assertLess(time.monotonic(), deadline, ad.stderr_text())
+                time.sleep(0.1)
+            self.assertFalse(sd.alive())
+            # tried again on a timer until the window was over
+            self.assertIn('event=store_retry submission=%s method=Read' % adm.submission_id,
+                          ad.stderr_text())
+            self.assertIn('failpoint_crash point=storaged.reply.Read', sd.stderr_text())
+            self.assertIn('reading the conversation failed', ad.stderr_text())
+            del sd.env['CFLUE_FAILPOINTS']
+            sd.start()
+            deadline = time.monotonic() + 60
+            while True:  # agentd's channel reconnects to the new storaged within its backoff
+                try:
+                    sub = ad.get_submission(adm.submission_id, wait=True, timeout=60)
+                    break
+                except grpc.RpcError as e:
+                    self.assertEqual(e.code(), grpc.StatusCode.UNAVAILABLE, e.details())
+                    self.assertLess(time.monotonic(), deadline, e.details())
+                    time.sleep(0.2)
+            self.assertEqual(sub.outcome, COMPLETED, sub.error)
+            self.assertGreaterEqual(sub.attempt_count, 2)
+            recs = [body_of(r) for r in read_all(sd.stub, first.conversation_id)]
+            inputs = [b for k, b in recs if k == 'user_message']
+            self.assertEqual([b.text for b in inputs],
+                             ['run the steps you are given', 'and again'])
+            self.assertEqual(len([1 for k, _ in recs if k == 'submission_settled']), 2)
+        finally:
+            stack.remove()
 
 
 if __name__ == '__main__':
