@@ -151,6 +151,14 @@ static enum drive_state failed(struct drive *d, const char *why)
     return DRIVE_SETTLE;
 }
 
+/* settling sends the Settle of outcome (the drive parks on it), or ends the drive at once
+ * when it cannot be recorded. */
+static enum drive_state settling(struct drive *d, Cflue__V1__Outcome outcome, const char *error)
+{
+    enum drive_end end;
+    return settle_start(d, outcome, error, &end) ? DRIVE_SETTLE_WAIT : ended(d, end);
+}
+
 static bool has_input(struct drive *d)
 {
     char id[256];
@@ -162,26 +170,25 @@ static bool has_input(struct drive *d)
  * finished answer if the stream holds one, else aborted or failed. */
 static enum drive_state past_attempts(struct drive *d)
 {
-    char why[128];
     d->log_loaded = dstore_load(d) == CF_OK;
     if (d->log_loaded && settle_answered(d)) {
-        return ended(d, settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, NULL));
+        return settling(d, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, NULL);
     }
     if (drive_abort_seen(d)) {
-        return ended(d,
-                     settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request"));
+        return settling(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request");
     }
-    snprintf(why, sizeof(why), "gave up after %d attempts: the work was interrupted each time",
+    snprintf(d->error, sizeof(d->error),
+             "gave up after %d attempts: the work was interrupted each time",
              d->sub->attempt_count - 1);
-    return ended(d, settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED, why));
+    return settling(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED, d->error);
 }
 
 static enum drive_state step_start(struct drive *d)
 {
     d->agent = agents_find(&g_agentd.agents, d->sub->agent);
     if (!d->agent) {
-        return ended(d, settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED,
-                                       "this agentd has no agent with that name"));
+        return settling(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED,
+                        "this agentd has no agent with that name");
     }
     /* attempts first: whatever fails later, this attempt has been counted */
     if (d->sub->max_attempts && d->sub->attempt_count > d->sub->max_attempts) {
@@ -215,19 +222,19 @@ static enum drive_state step_load_wait(struct drive *d)
         }
         if (settle_answered(d)) {
             log_info("recovered_answer", "submission=%s", d->sub->submission_id);
-            return ended(d, settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, NULL));
+            return settling(d, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, NULL);
         }
     }
     rlog_trim(&d->log, d->sub->submission_id);
     if (drive_time_left(d) <= 0) {
-        return ended(d, settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED,
-                                       "the submission ran past its time limit"));
+        return settling(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED,
+                        "the submission ran past its time limit");
     }
     d->compact_request = d->sub->kind == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
     if (drive_abort_seen(d) && !has_input(d)) {
         /* aborted before it started: its message never enters the conversation */
-        return ended(d, settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED,
-                                       "aborted on request before it started"));
+        return settling(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED,
+                        "aborted on request before it started");
     }
     return DRIVE_INPUT;
 }
@@ -244,8 +251,7 @@ static enum drive_state step_input(struct drive *d)
         settle_repair(d);
     }
     if (drive_abort_seen(d)) {
-        return ended(d,
-                     settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request"));
+        return settling(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request");
     }
     if (drive_halted(d)) {
         return ended(d, settle_unsettled(d));
@@ -291,10 +297,23 @@ static enum drive_state step_join(struct drive *d)
     if (!first && drive_halted(d)) {
         return DRIVE_SETTLE;
     }
-    if (joins_absorb(d) > 0) {
-        d->more = true;
+    if (joins_start(d)) {
+        d->joining.before_first_turn = first;
+        return DRIVE_JOIN_WAIT;
     }
     return first || d->more ? DRIVE_MODEL : DRIVE_SETTLE;
+}
+
+/* step_join_wait parks the drive until the joining is over. */
+static enum drive_state step_join_wait(struct drive *d)
+{
+    int joined;
+    if (!joins_take(d, &joined)) {
+        d->parked = true;
+        return DRIVE_JOIN_WAIT;
+    }
+    d->more = d->more || joined > 0;
+    return d->joining.before_first_turn || d->more ? DRIVE_MODEL : DRIVE_SETTLE;
 }
 
 /* model_failed settles a model call that gave no answer: stopped, past the time limit, or the
@@ -469,14 +488,6 @@ static enum drive_state step_tools_wait(struct drive *d)
     return tools_done(d);
 }
 
-/* settling sends the Settle of outcome (the drive parks on it), or ends the drive at once
- * when it cannot be recorded. */
-static enum drive_state settling(struct drive *d, Cflue__V1__Outcome outcome, const char *error)
-{
-    enum drive_end end;
-    return settle_start(d, outcome, error, &end) ? DRIVE_SETTLE_WAIT : ended(d, end);
-}
-
 /* step_settle ends the drive: a lost lease or shutdown (without an abort) and faults end it
  * unsettled; an abort settles aborted; otherwise the outcome the states arrived at. */
 static enum drive_state step_settle(struct drive *d)
@@ -515,6 +526,7 @@ static enum drive_state (*const steps[])(struct drive *) = {
     [DRIVE_PROMPT] = step_prompt,
     [DRIVE_PROMPT_WAIT] = step_prompt_wait,
     [DRIVE_JOIN] = step_join,
+    [DRIVE_JOIN_WAIT] = step_join_wait,
     [DRIVE_MODEL] = step_model,
     [DRIVE_MODEL_WAIT] = step_model_wait,
     [DRIVE_COMPACT] = step_compact,
@@ -601,8 +613,8 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
  * ends only then. */
 static bool waits_with_writes(enum drive_state s)
 {
-    return s == DRIVE_LOAD_WAIT || s == DRIVE_MODEL_WAIT || s == DRIVE_TOOLS_WAIT ||
-           s == DRIVE_SETTLE_WAIT;
+    return s == DRIVE_LOAD_WAIT || s == DRIVE_JOIN_WAIT || s == DRIVE_MODEL_WAIT ||
+           s == DRIVE_TOOLS_WAIT || s == DRIVE_SETTLE_WAIT;
 }
 
 bool drive_run(struct drive *d)

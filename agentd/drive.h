@@ -28,7 +28,8 @@ enum drive_state {
     DRIVE_INPUT,        /* the input appended and stamped applied, unresolved calls repaired */
     DRIVE_PROMPT,       /* the tool set and the sandbox asked for (one call to toold) */
     DRIVE_PROMPT_WAIT,  /* parked on that call; then the system prompt frozen */
-    DRIVE_JOIN,         /* queued messages join */
+    DRIVE_JOIN,         /* queued messages join, when storaged says some are queued */
+    DRIVE_JOIN_WAIT,    /* parked on the joins' Store calls (claim, inputs, finalize) */
     DRIVE_MODEL,        /* one model turn asked (the call started) */
     DRIVE_MODEL_WAIT,   /* parked on the model call or its backoff; then the answer recorded */
     DRIVE_COMPACT,      /* the summary of the older part of the conversation started */
@@ -166,9 +167,17 @@ struct drive {
     struct llm_response answer; /* the turn's answer, between MODEL and TOOLS */
     bool more;                  /* the work goes on after this turn: calls ran or input joined */
     bool joined_once;           /* the first JOIN (before the first turn) happened */
-    bool threshold_checked;     /* this turn's context was compacted for size already */
-    bool overflow_retried;      /* a context overflow was compacted once (per drive) */
-    enum cf_status model_rc;    /* the last model call's status */
+    struct {
+        int phase;    /* joins.c: where the joining stands (DRIVE_JOIN_WAIT) */
+        size_t first; /* the claimed deliveries: d->known[first .. first + n) */
+        size_t n;
+        size_t next; /* the next one to append, then to finalize */
+        int joined;  /* how many joined */
+        bool before_first_turn;
+    } joining;
+    bool threshold_checked;               /* this turn's context was compacted for size already */
+    bool overflow_retried;                /* a context overflow was compacted once (per drive) */
+    enum cf_status model_rc;              /* the last model call's status */
     Cflue__V1__CompactionTrigger trigger; /* why DRIVE_COMPACT runs */
     struct {
         int64_t cut;             /* the offset of the first record kept verbatim */
@@ -419,9 +428,14 @@ bool compaction_take(struct drive *d, enum compact_result *out);
 
 /* joins_list lists the deliveries JOINING into this host (caller frees); NULL on a fault. */
 Cflue__V1__ListResponse *joins_list(struct drive *d);
-/* joins_absorb appends the input of queued submissions and finalizes their joins; returns how
- * many joined. A failure is a fault. */
-int joins_absorb(struct drive *d);
+/* joins_start claims the submissions queued behind this one (ClaimJoinable, as the drive's
+ * Store call in flight) when storaged or a Submit here said some are queued: true, and the
+ * drive parks until joins_take says the joining is over. false when nothing is worth asking. */
+bool joins_start(struct drive *d);
+/* joins_take goes on with the joining as its Store calls end: the inputs of the claimed
+ * submissions appended, then each join finalized. False while a call is in flight; then true,
+ * with *joined how many joined. A failure is a fault (or a lost lease): *joined is 0. */
+bool joins_take(struct drive *d, int *joined);
 
 /* ---- settle.c ---- */
 

@@ -20,16 +20,25 @@
  * by default, and one message's text up to 4 MiB). */
 #define JOIN_APPEND_BYTES (4 << 20)
 
-Cflue__V1__ListResponse *joins_list(struct drive *d)
+static Cflue__V1__SubmissionStatus joining_status =
+    CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_JOINING;
+
+/* joining_list_request asks for the deliveries JOINING into this host, in admission order. */
+static Cflue__V1__ListRequest joining_list_request(struct drive *d)
 {
     Cflue__V1__ListRequest lr = CFLUE__V1__LIST_REQUEST__INIT;
-    Cflue__V1__SubmissionStatus joining = CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_JOINING;
-    ProtobufCMessage *resp = NULL;
     lr.conversation_id = d->sub->conversation_id;
     lr.joined_into = d->sub->submission_id;
-    lr.statuses = &joining;
+    lr.statuses = &joining_status;
     lr.n_statuses = 1;
     lr.page_size = 1000;
+    return lr;
+}
+
+Cflue__V1__ListResponse *joins_list(struct drive *d)
+{
+    Cflue__V1__ListRequest lr = joining_list_request(d);
+    ProtobufCMessage *resp = NULL;
     if (dstore_call(d, "List", &lr.base, &cflue__v1__list_response__descriptor, &resp) != CF_OK) {
         if (!drive_lost_or_down(d)) {
             drive_fault(d, "listing joining messages failed", &d->err);
@@ -37,28 +46,6 @@ Cflue__V1__ListResponse *joins_list(struct drive *d)
         return NULL;
     }
     return (Cflue__V1__ListResponse *)resp;
-}
-
-/* finalize_join makes delivery s's join final (its input is in the stream). False when the
- * drive cannot go on joining. */
-static bool finalize_join(struct drive *d, const Cflue__V1__Submission *s)
-{
-    Cflue__V1__JoinRequest jr = CFLUE__V1__JOIN_REQUEST__INIT;
-    ProtobufCMessage *jresp = NULL;
-    jr.host = &d->fence;
-    jr.submission_id = s->submission_id;
-    enum cf_status rc =
-        dstore_call(d, "FinalizeJoin", &jr.base, &cflue__v1__submission__descriptor, &jresp);
-    if (rc == CF_OK) {
-        log_info("joined", "submission=%s host=%s", s->submission_id, d->sub->submission_id);
-        protobuf_c_message_free_unpacked(jresp, NULL);
-    } else if (rc != CF_STALE && rc != CF_PRECONDITION) {
-        /* CF_STALE: this host's lease is lost (dstore_call marked it); CF_PRECONDITION: the
-         * delivery is no longer joining into this host */
-        drive_fault(d, "finishing a join failed", &d->err);
-        return false;
-    }
-    return true;
 }
 
 /* worth_asking: storaged's last answer counted submissions queued behind, or a Submit through
@@ -84,62 +71,176 @@ static void take_submissions(struct drive *d, ProtobufCMessage *resp, Cflue__V1_
     protobuf_c_message_free_unpacked(resp, NULL);
 }
 
-int joins_absorb(struct drive *d)
+/* Where the joining stands (d->joining.phase). */
+enum join_phase {
+    JOIN_CLAIM,    /* ClaimJoinable in flight */
+    JOIN_LIST,     /* List of the deliveries joining into this host in flight */
+    JOIN_INPUTS,   /* their inputs being appended */
+    JOIN_FINALIZE, /* FinalizeJoin of d->known[first + next] in flight */
+};
+
+static void send_claim(struct drive *d)
 {
     Cflue__V1__ClaimJoinableRequest req = CFLUE__V1__CLAIM_JOINABLE_REQUEST__INIT;
-    ProtobufCMessage *resp = NULL;
-    if (!worth_asking(d)) {
-        return 0;
-    }
     req.host = &d->fence;
-    if (dstore_call(d, "ClaimJoinable", &req.base, &cflue__v1__claim_joinable_response__descriptor,
-                    &resp) != CF_OK) {
-        if (!drive_lost_or_down(d)) {
-            drive_fault(d, "claiming joinable messages failed", &d->err);
-        }
-        return 0;
+    dstore_flight_send(d, "ClaimJoinable", &req.base,
+                       &cflue__v1__claim_joinable_response__descriptor, 0);
+}
+
+static void send_list(struct drive *d)
+{
+    Cflue__V1__ListRequest lr = joining_list_request(d);
+    dstore_flight_send(d, "List", &lr.base, &cflue__v1__list_response__descriptor, 0);
+}
+
+static void send_finalize(struct drive *d)
+{
+    Cflue__V1__JoinRequest jr = CFLUE__V1__JOIN_REQUEST__INIT;
+    jr.host = &d->fence;
+    jr.submission_id = d->known[d->joining.first + d->joining.next]->submission_id;
+    dstore_flight_send(d, "FinalizeJoin", &jr.base, &cflue__v1__submission__descriptor, 0);
+}
+
+bool joins_start(struct drive *d)
+{
+    if (!worth_asking(d)) {
+        return false;
     }
-    d->queued = 0; /* until an answer counts some again */
-    Cflue__V1__Submission **subs = ((Cflue__V1__ClaimJoinableResponse *)resp)->submissions;
-    size_t *n_field = &((Cflue__V1__ClaimJoinableResponse *)resp)->n_submissions;
-    if (d->store_tries > 1) {
-        /* an earlier try may have claimed deliveries and lost the answer: they are JOINING
-         * into this host too, and come first. Take the whole set, in admission order. */
-        protobuf_c_message_free_unpacked(resp, NULL);
-        Cflue__V1__ListResponse *l = joins_list(d);
-        if (!l) {
-            return 0;
+    memset(&d->joining, 0, sizeof(d->joining));
+    d->joining.phase = JOIN_CLAIM;
+    send_claim(d);
+    return true;
+}
+
+/* claimed takes the claim's (or the List's) answer: the deliveries kept, their inputs next. */
+static void claimed(struct drive *d, ProtobufCMessage *resp, Cflue__V1__Submission **subs,
+                    size_t *n)
+{
+    d->joining.first = d->n_known;
+    d->joining.n = *n;
+    d->joining.next = 0;
+    take_submissions(d, resp, subs, n);
+    d->joining.phase = JOIN_INPUTS;
+}
+
+/* take_call takes the end of the joining's call in flight: false while it is in flight (or
+ * waits for its retry); else true with rc and resp (freed by the caller). */
+static bool take_call(struct drive *d, void (*resend)(struct drive *), enum cf_status *rc,
+                      ProtobufCMessage **resp)
+{
+    return dstore_flight_take(d, resend, rc, resp) != FLIGHT_WAITING;
+}
+
+/* append_inputs puts the claimed deliveries' inputs in the log (those not there already) and
+ * writes them, in Appends of at most JOIN_APPEND_BYTES; true when all are stored. */
+static bool append_inputs(struct drive *d)
+{
+    while (d->joining.next < d->joining.n) {
+        if (d->log.pending_bytes > JOIN_APPEND_BYTES && !dstore_stored(d)) {
+            return false;
         }
-        resp = &l->base;
-        subs = l->submissions;
-        n_field = &l->n_submissions;
-    }
-    size_t first_kept = d->n_known, n = *n_field;
-    take_submissions(d, resp, subs, n_field);
-    /* the inputs in as few Appends as the request limit allows (the log may hold some
-     * already), then each join made final */
-    for (size_t i = 0; i < n; i++) {
-        const Cflue__V1__Submission *s = d->known[first_kept + i];
+        if (drive_broken(d)) {
+            return true;
+        }
+        const Cflue__V1__Submission *s = d->known[d->joining.first + d->joining.next];
         char id[256];
         snprintf(id, sizeof(id), "input:%s", s->submission_id);
-        if (d->log.pending_bytes > JOIN_APPEND_BYTES && dstore_flush(d) != CF_OK) {
-            return 0;
-        }
         if (!rlog_find(&d->log, id) && dstore_append_input(d, id, s) != CF_OK) {
-            return 0;
+            return true;
         }
+        d->joining.next++;
     }
-    if (dstore_flush(d) != CF_OK) {
-        return 0;
+    return dstore_stored(d);
+}
+
+/* finalized takes a FinalizeJoin's status; false when the joining cannot go on. */
+static bool finalized(struct drive *d, enum cf_status rc)
+{
+    const Cflue__V1__Submission *s = d->known[d->joining.first + d->joining.next];
+    if (rc == CF_OK) {
+        log_info("joined", "submission=%s host=%s", s->submission_id, d->sub->submission_id);
+    } else if (rc == CF_STALE) {
+        return false; /* this host's lease is lost: the drive stops */
+    } else if (rc != CF_PRECONDITION) {
+        /* CF_PRECONDITION: the delivery is no longer joining into this host */
+        drive_fault(d, "finishing a join failed", &d->err);
+        return false;
     }
-    int joined = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (!finalize_join(d, d->known[first_kept + i])) {
+    /* its input is in the stream either way: the model answers it now (a delivery that was not
+     * finalized goes back to the queue and finds its input already there) */
+    d->joining.joined++;
+    d->joining.next++;
+    return true;
+}
+
+bool joins_take(struct drive *d, int *joined)
+{
+    enum cf_status rc;
+    ProtobufCMessage *resp;
+    *joined = 0;
+    switch (d->joining.phase) {
+    case JOIN_CLAIM:
+        if (!take_call(d, send_claim, &rc, &resp)) {
+            return false;
+        }
+        if (rc != CF_OK) {
             break;
         }
-        /* its input is in the stream either way: the model answers it now (a delivery that
-         * was not finalized goes back to the queue and finds its input already there) */
-        joined++;
+        d->queued = 0; /* until an answer counts some again */
+        if (d->store_tries > 1) {
+            /* an earlier try may have claimed deliveries and lost the answer: they are JOINING
+             * into this host too, and come first. Take the whole set, in admission order. */
+            protobuf_c_message_free_unpacked(resp, NULL);
+            d->joining.phase = JOIN_LIST;
+            send_list(d);
+            return false;
+        }
+        Cflue__V1__ClaimJoinableResponse *cr = (Cflue__V1__ClaimJoinableResponse *)resp;
+        claimed(d, resp, cr->submissions, &cr->n_submissions);
+        return joins_take(d, joined);
+    case JOIN_LIST:
+        if (!take_call(d, send_list, &rc, &resp)) {
+            return false;
+        }
+        if (rc != CF_OK) {
+            break;
+        }
+        Cflue__V1__ListResponse *l = (Cflue__V1__ListResponse *)resp;
+        claimed(d, resp, l->submissions, &l->n_submissions);
+        return joins_take(d, joined);
+    case JOIN_INPUTS:
+        if (!append_inputs(d)) {
+            return false;
+        }
+        if (drive_broken(d)) {
+            return true;
+        }
+        d->joining.next = 0;
+        d->joining.phase = JOIN_FINALIZE;
+        if (d->joining.n == 0) {
+            return true;
+        }
+        send_finalize(d);
+        return false;
+    case JOIN_FINALIZE:
+        if (!take_call(d, send_finalize, &rc, &resp)) {
+            return false;
+        }
+        if (resp) {
+            protobuf_c_message_free_unpacked(resp, NULL);
+        }
+        if (finalized(d, rc) && d->joining.next < d->joining.n) {
+            send_finalize(d);
+            return false;
+        }
+        *joined = d->joining.joined;
+        return true;
+    default:
+        return true;
     }
-    return joined;
+    /* the claim or the List failed */
+    if (!drive_lost_or_down(d)) {
+        drive_fault(d, "claiming joinable messages failed", &d->err);
+    }
+    return true;
 }

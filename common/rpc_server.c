@@ -58,6 +58,8 @@
 #define INLINE_DECODE_MAX (64 << 10) /* larger RPC_INLINE requests are decoded on a worker */
 #define DEFAULT_QUEUE 256
 #define DEFAULT_QUEUE_BYTES (64 << 20)
+#define STREAM_SPARES_MAX 8          /* finished stream threads kept for the next stream */
+#define STREAM_SPARE_LINGER_MS 10000 /* how long a spare stream thread waits for one */
 
 enum tag_kind { TAG_NEW_CALL, TAG_NEW_GENERIC, TAG_CLOSE, TAG_SEND, TAG_SHUTDOWN };
 
@@ -145,7 +147,13 @@ struct rpc_server {
     bool stopped;
     bool serving;
     int live_calls;
-    int threads_running;
+    int threads_running;                      /* RPC_THREAD handlers running */
+    int threads_alive;                        /* stream threads: running a handler or spare */
+    int threads_spare;                        /* stream threads waiting for a call */
+    struct rpc_call *spare_head, *spare_tail; /* calls handed to spare threads */
+    int spare_queued;
+    pthread_cond_t spare_cv; /* a call was handed over, or spares must quit */
+    bool spares_quit;
     struct rpc_call *queue_head, *queue_tail; /* calls waiting for a worker */
     int queue_len;
     size_t queue_bytes;
@@ -159,6 +167,7 @@ struct rpc_server {
 };
 
 static void post_slot(struct rpc_server *s, struct method *m);
+static bool wait_until(struct rpc_server *s, bool (*cond)(struct rpc_server *), int ms);
 static void post_generic(struct rpc_server *s);
 
 /* ---------- call lifetime ---------- */
@@ -690,18 +699,56 @@ static void decode_and_run(struct rpc_call *c)
     }
 }
 
+/* next_stream_call waits, as a spare, for the next call handed to this thread: NULL when none
+ * came within STREAM_SPARE_LINGER_MS, the spares are full or the server is stopping (the
+ * thread then leaves). Called with s->mu held. */
+static struct rpc_call *next_stream_call(struct rpc_server *s)
+{
+    if (s->spares_quit || s->threads_spare >= STREAM_SPARES_MAX) {
+        return NULL;
+    }
+    struct timespec ts;
+    clock_deadline(&ts, STREAM_SPARE_LINGER_MS);
+    s->threads_spare++;
+    while (!s->spare_head && !s->spares_quit) {
+        if (pthread_cond_timedwait(&s->spare_cv, &s->mu, &ts) != 0) {
+            break;
+        }
+    }
+    s->threads_spare--;
+    struct rpc_call *c = s->spare_head;
+    if (c) {
+        s->spare_head = c->next_queued;
+        if (!s->spare_head) {
+            s->spare_tail = NULL;
+        }
+        c->next_queued = NULL;
+        s->spare_queued--;
+    }
+    return c;
+}
+
 static void *thread_main(void *arg)
 {
     struct rpc_call *c = arg;
     struct rpc_server *s = c->srv;
-    decode_and_run(c);
-    pthread_mutex_lock(&s->mu);
-    s->threads_running--;
-    pthread_cond_broadcast(&s->cv);
-    pthread_mutex_unlock(&s->mu);
+    while (c) {
+        decode_and_run(c);
+        pthread_mutex_lock(&s->mu);
+        s->threads_running--;
+        pthread_cond_broadcast(&s->cv);
+        c = next_stream_call(s);
+        if (!c) {
+            s->threads_alive--;
+            pthread_cond_broadcast(&s->cv);
+        }
+        pthread_mutex_unlock(&s->mu);
+    }
     return NULL;
 }
 
+/* start_thread runs an RPC_THREAD call on a spare stream thread, or on a new one when no spare
+ * is free (a new thread costs a stack and, on some machines, a good part of a short call). */
 static void start_thread(struct rpc_call *c)
 {
     struct rpc_server *s = c->srv;
@@ -714,10 +761,26 @@ static void start_thread(struct rpc_call *c)
         return;
     }
     s->threads_running++;
+    if (s->spare_queued < s->threads_spare) {
+        /* each spare takes one queued call before it may leave: see next_stream_call */
+        c->next_queued = NULL;
+        if (s->spare_tail) {
+            s->spare_tail->next_queued = c;
+        } else {
+            s->spare_head = c;
+        }
+        s->spare_tail = c;
+        s->spare_queued++;
+        pthread_cond_signal(&s->spare_cv);
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
+    s->threads_alive++;
     pthread_mutex_unlock(&s->mu);
     if (thread_start_detached("rpc-stream", 0, thread_main, c, &err) != CF_OK) {
         pthread_mutex_lock(&s->mu);
         s->threads_running--;
+        s->threads_alive--;
         pthread_cond_broadcast(&s->cv);
         pthread_mutex_unlock(&s->mu);
         log_warn("rpc_thread_start_failed", "method=%s", c->m->path);
@@ -1123,6 +1186,7 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     pthread_cond_init(&s->work_cv, NULL);
+    pthread_cond_init(&s->spare_cv, NULL);
     s->t_shutdown = (struct tag){TAG_SHUTDOWN, s};
     s->serving = true;
     const char *stats = getenv("CFLUE_RPC_STATS");
@@ -1184,12 +1248,20 @@ void rpc_server_add_methods(struct rpc_server *s, const struct rpc_method_def *d
 
 /* stop_threads asks the workers to quit once the queue is empty, shuts the completion queue
  * down, and joins every thread started. */
+static bool no_stream_threads(struct rpc_server *s)
+{
+    return s->threads_alive == 0;
+}
+
 static void stop_threads(struct rpc_server *s)
 {
     pthread_mutex_lock(&s->mu);
     s->workers_quit = true;
     pthread_cond_broadcast(&s->work_cv);
+    s->spares_quit = true;
+    pthread_cond_broadcast(&s->spare_cv);
     pthread_mutex_unlock(&s->mu);
+    wait_until(s, no_stream_threads, -1); /* detached: they touch s until they leave */
     for (int i = 0; i < s->n_workers; i++) {
         pthread_join(s->workers[i], NULL);
     }
@@ -1378,5 +1450,6 @@ void rpc_server_free(struct rpc_server *s)
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     pthread_cond_destroy(&s->work_cv);
+    pthread_cond_destroy(&s->spare_cv);
     free(s);
 }

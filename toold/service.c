@@ -297,6 +297,10 @@ static void on_execute_batch(struct rpc_call *c, const ProtobufCMessage *msg, vo
         reserve(&items[i]);
     }
     for (size_t i = 0; i < req->n_calls; i++) {
+        if (req->n_calls == 1) {
+            batch_worker(&items[0]); /* a lone call runs on the stream's thread */
+            continue;
+        }
         if (thread_start(&items[i].thread, "tool-call", 0, batch_worker, &items[i],
                          &items[i].err) != CF_OK) {
             /* this call gets an error result; its per-path turn is passed on unused */

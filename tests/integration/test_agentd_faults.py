@@ -22,8 +22,8 @@ import grpc
 
 import cflue_harness as H
 from cflue_harness import agent_pb2, common_pb2, request_abort
-from test_agentd import (COMPLETED, SETTLED, AgentdCase, bind, body, kind, new_conv,
-                         outcome_name, request_system)
+from test_agentd import (COMPLETED, SETTLED, AgentdCase, bind, body, kind, load_scenario,
+                         new_conv, outcome_name, request_system)
 
 # agentd retries a Store call for max(lease, 5 s); these outages are longer than that.
 LEASE_MS = 3000
@@ -422,6 +422,47 @@ class LostAdmitAnswerTest(FaultsBase):
         self.assertLess(took, 10.0, 'the work waited %.1f s: the lease ran out first' % took)
         self.assertIn('take_back submission=%s' % adm.submission_id, self.ad.stderr_text())
         self.assert_outcome_true(conv, adm.submission_id)
+
+
+class LostJoinAnswerTest(FaultsBase):
+    """storaged commits a ClaimJoinable (two follow-ups become JOINING into the running host)
+    and dies before answering (failpoint storaged.reply.ClaimJoinable), and is back a moment
+    later, within the retry window. The drive, parked on the call (no engine thread held),
+    tries again on its timer, lists what is joining into it (the lost answer's deliveries
+    come first), appends their inputs once and finalizes both joins: the host's one answer
+    covers all three messages, and nothing is interrupted."""
+    stack_kwargs = dict(FaultsBase.stack_kwargs, agents=('runner-anthropic',),
+                        storaged_env={'CFLUE_FAILPOINTS': 'storaged.reply.ClaimJoinable=crash'})
+
+    def test_a_lost_claim_joinable_answer_is_retried_and_the_follow_ups_join_once(self):
+        conv = new_conv('lostjoin')
+        ws = self.workspace(conv)
+        self.fm.set_scenario(load_scenario('joins', conv))
+        host = self.ad.submit('runner-anthropic', 'host message %s' % conv,
+                              conversation_id=conv).submission_id
+        self.wait_for('the host tool call to start',
+                      lambda: os.path.exists(os.path.join(ws, 'started.txt')), timeout=10)
+        texts = ['follow-up %d for %s' % (i, conv) for i in range(2)]
+        joined = [self.ad.submit('runner-anthropic', t, conversation_id=conv).submission_id
+                  for t in texts]
+        self.stack.sd.proc.wait(15)  # the tool call ends, the drive claims the follow-ups
+        self.assertIn('failpoint_crash point=storaged.reply.ClaimJoinable',
+                      self.stack.sd.stderr_text())
+        del self.stack.sd.env['CFLUE_FAILPOINTS']
+        self.stack.sd.start()
+        subs = {sid: self.wait_settled(sid, timeout=30) for sid in [host] + joined}
+        for sid, sub in subs.items():
+            self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', (sid, sub.error))
+            self.assertEqual(sub.answered_by, host, sid)
+        log = self.ad.stderr_text()
+        self.assertIn('event=store_retry submission=%s method=ClaimJoinable' % host, log)
+        self.assertNotIn('drive_interrupted', log)
+        recs = self.records(conv)
+        inputs = [r.id for r in recs if kind(r) == 'user_message']
+        self.assertEqual(inputs, ['input:' + s for s in [host] + joined])
+        self.assertEqual(len([r for r in recs if kind(r) == 'assistant_message'
+                              and not tool_calls(r)]), 1, 'one answer for all three')
+        self.assert_outcome_true(conv, host)
 
 
 class RefusedRecordTest(AgentdCase):
