@@ -123,50 +123,59 @@ static int64_t find_cut(struct drive *d, int64_t *tail)
     return older ? cut : -1;
 }
 
-/* record_compaction records the summary and a recomposed system prompt (a fault between the
- * two leaves the compaction without its prompt; the next attempt composes it, see
- * prompt_take). */
-static enum compact_result record_compaction(struct drive *d, const struct llm_response *resp,
-                                             int64_t cut, int64_t before, int64_t tail,
-                                             Cflue__V1__CompactionTrigger trigger)
+/* Where a compaction stands after compaction_start (d->compacting.phase). */
+enum compact_phase {
+    COMPACTING_SUMMARY, /* the summary call in flight */
+    COMPACTING_PROMPT,  /* the sandbox asked for the recomposed prompt */
+    COMPACTING_STORE,   /* both records written, in one Append */
+};
+
+/* defer_compaction puts the summary's `compaction` record in the log, pending. */
+static void defer_compaction(struct drive *d, const struct llm_response *resp)
 {
     char id[256];
-    int n = d->log.compactions + 1;
-    snprintf(id, sizeof(id), "compaction:%s:%d", d->sub->submission_id, n);
-    int64_t after = (int64_t)resp->text.len / 4 + tail;
+    snprintf(id, sizeof(id), "compaction:%s:%d", d->sub->submission_id, d->log.compactions + 1);
     Cflue__V1__Compaction body = CFLUE__V1__COMPACTION__INIT;
     body.summary = (char *)buf_cstr(&resp->text);
-    body.first_kept_offset = cut;
-    body.tokens_before = before + tail;
-    body.tokens_after = after;
-    body.trigger = trigger;
-    (void)dstore_append_one(d, id, d->sub->submission_id, &body.base);
-    if (d->fault.code != CF_OK) {
-        return COMPACT_FAILED;
-    }
-    char *fresh = prompt_compose(d);
-    if (!fresh) {
-        return COMPACT_FAILED;
-    }
-    snprintf(id, sizeof(id), "system:%d", n + 1);
+    body.first_kept_offset = d->compacting.cut;
+    body.tokens_before = d->compacting.before + d->compacting.tail;
+    body.tokens_after = (int64_t)resp->text.len / 4 + d->compacting.tail;
+    body.trigger = d->trigger;
+    (void)dstore_defer_one(d, id, d->sub->submission_id, &body.base);
+}
+
+/* defer_prompt puts the recomposed prompt in the log, pending right behind its compaction (one
+ * Append stores both: no stream holds the one without the other), and in force. */
+static void defer_prompt(struct drive *d, char *fresh)
+{
+    char id[64];
+    snprintf(id, sizeof(id), "system:%d", d->log.compactions + 2);
     Cflue__V1__SystemPrompt sp = CFLUE__V1__SYSTEM_PROMPT__INIT;
     sp.text = fresh;
-    (void)dstore_append_one(d, id, "", &sp.base);
+    (void)dstore_defer_one(d, id, "", &sp.base);
     free(d->system_text);
     d->system_text = fresh;
+}
+
+/* compacted_log says what the stored compaction did, and drops what the context no longer
+ * needs. */
+static void compacted_log(struct drive *d)
+{
+    const Cflue__V1__Record *r = rlog_latest(&d->log, CFLUE__V1__RECORD__BODY_COMPACTION);
     log_info("compacted",
              "submission=%s reason=%s first_kept=%lld tokens_before=%lld "
              "tokens_after=%lld",
-             d->sub->submission_id, trigger_name(trigger), (long long)cut,
-             (long long)(before + tail), (long long)after);
-    return d->fault.code == CF_OK ? COMPACT_DONE : COMPACT_FAILED;
+             d->sub->submission_id, trigger_name(d->trigger),
+             (long long)r->compaction->first_kept_offset, (long long)r->compaction->tokens_before,
+             (long long)r->compaction->tokens_after);
+    rlog_trim(&d->log, d->sub->submission_id);
 }
 
 bool compaction_start(struct drive *d, enum compact_result *over)
 {
     *over = COMPACT_FAILED;
-    if (dstore_flush(d) != CF_OK) {
-        return false; /* the cut is chosen by offset: pending records have none yet */
+    if (drive_broken(d)) {
+        return false; /* what was pending could not be stored: the cut needs their offsets */
     }
     int64_t cut = find_cut(d, &d->compacting.tail);
     if (cut < 0) {
@@ -187,30 +196,64 @@ bool compaction_start(struct drive *d, enum compact_result *over)
     ask->role = LLM_USER;
     ask->text = SUMMARY_ASK;
     d->quiet = true;
+    d->compacting.phase = COMPACTING_SUMMARY;
     model_call_start(d, SUMMARY_SYSTEM, &ctx, NULL, 0);
+    return true;
+}
+
+/* summarized takes the summary call's end: the compaction record deferred and the sandbox
+ * asked for the new prompt; false when there is no summary (COMPACT_FAILED). */
+static bool summarized(struct drive *d, enum cf_status rc)
+{
+    d->quiet = false;
+    if (rc != CF_OK || !d->answer.text.len) {
+        char q[600];
+        log_warn("compaction_failed", "submission=%s err=%s", d->sub->submission_id,
+                 log_quote(q, sizeof(q), rc == CF_OK ? "empty summary" : d->err.msg));
+        return false;
+    }
+    defer_compaction(d, &d->answer);
+    llm_response_cleanup(&d->answer);
+    llm_response_init(&d->answer);
+    d->compacting.phase = COMPACTING_PROMPT;
+    prompt_recompose_start(d);
     return true;
 }
 
 bool compaction_take(struct drive *d, enum compact_result *out)
 {
     enum cf_status rc;
-    if (!model_call_poll(d, &rc)) {
-        return false;
-    }
-    d->quiet = false;
-    if (rc != CF_OK || !d->answer.text.len) {
-        char q[600];
-        log_warn("compaction_failed", "submission=%s err=%s", d->sub->submission_id,
-                 log_quote(q, sizeof(q), rc == CF_OK ? "empty summary" : d->err.msg));
-        *out = COMPACT_FAILED;
+    char *fresh;
+    *out = COMPACT_FAILED;
+    switch (d->compacting.phase) {
+    case COMPACTING_SUMMARY:
+        if (!model_call_poll(d, &rc)) {
+            return false;
+        }
+        if (!summarized(d, rc)) {
+            return true;
+        }
+        /* fall through */
+    case COMPACTING_PROMPT:
+        if (!prompt_recompose_take(d, &fresh)) {
+            return false;
+        }
+        if (!fresh) {
+            rlog_drop_pending(&d->log); /* no compaction without its prompt */
+            return true;
+        }
+        defer_prompt(d, fresh);
+        d->compacting.phase = COMPACTING_STORE;
+        /* fall through */
+    case COMPACTING_STORE:
+    default:
+        if (!dstore_stored(d)) {
+            return false;
+        }
+        if (d->fault.code == CF_OK && !drive_lost_or_down(d)) {
+            *out = COMPACT_DONE;
+            compacted_log(d);
+        }
         return true;
     }
-    *out = record_compaction(d, &d->answer, d->compacting.cut, d->compacting.before,
-                             d->compacting.tail, d->trigger);
-    llm_response_cleanup(&d->answer);
-    llm_response_init(&d->answer);
-    if (*out == COMPACT_DONE) {
-        rlog_trim(&d->log, d->sub->submission_id);
-    }
-    return true;
 }

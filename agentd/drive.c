@@ -440,10 +440,15 @@ static enum drive_state compacted(struct drive *d, enum compact_result cr)
 static enum drive_state step_compact(struct drive *d)
 {
     enum compact_result over;
+    if (!dstore_stored(d)) {
+        d->parked = true; /* the cut is chosen by offset: what is pending needs its own */
+        return DRIVE_COMPACT;
+    }
     return compaction_start(d, &over) ? DRIVE_COMPACT_WAIT : compacted(d, over);
 }
 
-/* step_compact_wait parks the drive until the summary call (retries included) is over. */
+/* step_compact_wait parks the drive until the compaction is over: the summary call (retries
+ * included), the Glance for the new prompt, and the Append of both records. */
 static enum drive_state step_compact_wait(struct drive *d)
 {
     enum compact_result cr;
@@ -608,13 +613,14 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
 }
 
 /* waits_with_writes: the states that take the end of the Store call in flight themselves
- * (the conversation's pages, tool results written behind, the Settle). Every other state starts
+ * (the conversation's pages, joins, tool results written behind, a compaction's records, the
+ * Settle). Every other state starts
  * only when none is in flight, so its blocking Store calls keep the stream's order, and the drive
  * ends only then. */
 static bool waits_with_writes(enum drive_state s)
 {
     return s == DRIVE_LOAD_WAIT || s == DRIVE_JOIN_WAIT || s == DRIVE_MODEL_WAIT ||
-           s == DRIVE_TOOLS_WAIT || s == DRIVE_SETTLE_WAIT;
+           s == DRIVE_COMPACT_WAIT || s == DRIVE_TOOLS_WAIT || s == DRIVE_SETTLE_WAIT;
 }
 
 bool drive_run(struct drive *d)

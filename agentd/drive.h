@@ -183,6 +183,7 @@ struct drive {
         int64_t cut;             /* the offset of the first record kept verbatim */
         int64_t before;          /* the summarized part's estimated tokens */
         int64_t tail;            /* the kept part's */
+        int phase;               /* compaction.c: summary, prompt, then stored */
     } compacting;                /* the summary in flight (DRIVE_COMPACT_WAIT) */
     Cflue__V1__Outcome outcome;  /* what DRIVE_SETTLE records */
     Cflue__V1__Outcome settling; /* what the Settle in flight records, and why: */
@@ -335,11 +336,14 @@ void dstore_build_context(struct drive *d, struct context *c, int64_t before);
 
 /* ---- prompt.c ---- */
 
-/* prompt_compose composes the system prompt: instructions, project notes, tool roster (of
- * d->tools), date, working directory and top-level listing, reading the sandbox with blocking
- * calls (compaction's rarer path). The caller frees it. NULL (with a fault) when toold could
- * not be read: no prompt is frozen from a partial environment. */
-char *prompt_compose(struct drive *d);
+/* prompt_recompose_start asks toold, in one call that holds no thread, for what a prompt
+ * composed again after a compaction shows of the sandbox (nothing without a sandbox). */
+void prompt_recompose_start(struct drive *d);
+/* prompt_recompose_take: false while that call is in flight; then true, with *text the new
+ * system prompt (instructions, project notes, tool roster of d->tools, date, working directory
+ * and top-level listing; the caller frees it), or NULL with a fault when toold could not be
+ * read: no prompt is frozen from a partial environment. */
+bool prompt_recompose_take(struct drive *d, char **text);
 /* prompt_start asks toold, in one call that holds no thread, for the tool set and (unless the
  * conversation holds a frozen prompt still in force) what the prompt shows of the sandbox.
  * Without a sandbox it starts nothing; a toold that cannot be reached is a fault. */
@@ -415,13 +419,15 @@ enum compact_result {
 
 /* compaction_needed: the context c with d->system_text would not leave the reserve free. */
 bool compaction_needed(struct drive *d, const struct context *c);
-/* compaction_start writes what is pending, finds the cut and starts the summary of what
- * comes before it (model_call_start, quiet: no deltas): true, and the drive parks until
- * compaction_take. false when it is over at once: *over is COMPACT_NOTHING or COMPACT_FAILED. */
+/* compaction_start finds the cut (nothing may be pending: DRIVE_COMPACT waits until it is
+ * stored) and starts the summary of what comes before it (model_call_start, quiet: no
+ * deltas): true, and the drive parks until compaction_take. false when it is over at once:
+ * *over is COMPACT_NOTHING or COMPACT_FAILED. */
 bool compaction_start(struct drive *d, enum compact_result *over);
-/* compaction_take: false while the summary call is in flight; then true, with the summary
- * recorded (`compaction`, and a recomposed `system_prompt` that d->system_text is now) on
- * COMPACT_DONE. The trigger recorded is d->trigger. */
+/* compaction_take: false while the summary call, the Glance for the recomposed prompt or the
+ * Append of both is in flight (each holds no thread); then true, with the summary recorded
+ * (`compaction`, and a recomposed `system_prompt` that d->system_text is now, in one Append)
+ * on COMPACT_DONE. The trigger recorded is d->trigger. */
 bool compaction_take(struct drive *d, enum compact_result *out);
 
 /* ---- joins.c ---- */

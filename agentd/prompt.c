@@ -5,12 +5,12 @@
  * its top-level listing. A drive's first step asks toold for the tool set, the notes and the
  * listing in one Sandbox.Glance that holds no engine thread (prompt_start, prompt_take; only
  * the tool set when the conversation holds a prompt still in force). A toold without Glance is
- * read with the older blocking calls (Tools.List, ReadFile and ReadDir), as is the sandbox
- * when a compaction composes a new prompt. It is recorded as `system_prompt` (id
- * system:<n>) and read back from the stream afterwards, so every turn and every later attempt
- * sees the same text; it is composed again only after a compaction (system:<compactions + 1>).
- * A prompt is frozen only when every part of it was read: toold failing leaves a fault, never a
- * partial prompt.
+ * read with the older blocking calls (Tools.List, ReadFile and ReadDir). A compaction composes
+ * a new prompt from a Glance of the sandbox the same way (prompt_recompose_start, _take). It is
+ * recorded as `system_prompt` (id system:<n>) and read back from the stream afterwards, so every
+ * turn and every later attempt sees the same text; it is composed again only after a compaction
+ * (system:<compactions + 1>). A prompt is frozen only when every part of it was read: toold failing
+ * leaves a fault, never a partial prompt.
  */
 #include "drive.h"
 #include "mem.h"
@@ -105,24 +105,6 @@ static void view_of_glance(struct sandbox_view *v, const Cflue__V1__GlanceRespon
     v->more_entries = g->more_entries;
 }
 
-/* view_sandbox fills v in one blocking Sandbox.Glance (the older calls when toold has none);
- * false (with a fault) when toold failed: no prompt is composed from a partial environment. */
-static bool view_sandbox(struct drive *d, struct rpc_channel *ch, struct sandbox_view *v)
-{
-    Cflue__V1__GlanceRequest rq;
-    struct rpc_status st;
-    glance_request(d, &rq, true, false);
-    if (rpc_unary(ch, "/cflue.v1.Sandbox/Glance", &rq.base, &cflue__v1__glance_response__descriptor,
-                  SANDBOX_TIMEOUT_MS, &v->glance, &st)) {
-        view_of_glance(v, (const void *)v->glance);
-        return true;
-    }
-    if (st.code == GRPC_STATUS_UNIMPLEMENTED) {
-        return view_by_calls(d, ch, v);
-    }
-    return !tools_failed(d, "looking at the sandbox failed", &st);
-}
-
 static void view_cleanup(struct sandbox_view *v)
 {
     ProtobufCMessage *msgs[] = {v->glance, v->notes, v->listing};
@@ -182,16 +164,40 @@ static char *compose(struct drive *d, const struct sandbox_view *v)
     return buf_take(&b);
 }
 
-char *prompt_compose(struct drive *d)
+void prompt_recompose_start(struct drive *d)
 {
     struct rpc_channel *ch = tools_channel(d);
+    if (ch) {
+        Cflue__V1__GlanceRequest rq;
+        glance_request(d, &rq, true, false);
+        dcall_start(&d->prompt_call, ch, "/cflue.v1.Sandbox/Glance", &rq.base,
+                    &cflue__v1__glance_response__descriptor, SANDBOX_TIMEOUT_MS);
+    }
+}
+
+bool prompt_recompose_take(struct drive *d, char **text)
+{
     struct sandbox_view v = {0};
-    char *text = NULL;
-    if (!ch || view_sandbox(d, ch, &v)) {
-        text = compose(d, ch ? &v : NULL);
+    struct rpc_status st;
+    bool sandboxed = d->prompt_call.in_flight, viewed = true;
+    *text = NULL;
+    if (sandboxed) {
+        if (!dcall_take(&d->prompt_call, &st, &v.glance)) {
+            return false;
+        }
+        if (st.code == GRPC_STATUS_OK) {
+            view_of_glance(&v, (const void *)v.glance);
+        } else if (st.code == GRPC_STATUS_UNIMPLEMENTED) {
+            viewed = view_by_calls(d, tools_channel(d), &v); /* a toold without Glance */
+        } else {
+            viewed = !tools_failed(d, "looking at the sandbox failed", &st);
+        }
+    }
+    if (viewed && d->fault.code == CF_OK) {
+        *text = compose(d, sandboxed ? &v : NULL);
     }
     view_cleanup(&v);
-    return text;
+    return true;
 }
 
 /* in_force returns the latest recorded system prompt when no compaction came after it. */

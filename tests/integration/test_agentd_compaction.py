@@ -116,6 +116,53 @@ class CompactionTest(CompactionCase):
         self.assertEqual([c.trigger for c in comp], [common_pb2.COMPACTION_TRIGGER_OVERFLOW])
 
 
+class ToolServerGoneDuringSummaryTest(CompactionCase):
+    """toold dies while the summary is being written: the Glance for the recomposed prompt
+    fails, and the summary is not recorded either (the compaction and its prompt go in one
+    Append: no stream holds the one without the other). Once toold is back, the next attempt
+    compacts once, its prompt right behind it."""
+    stack_kwargs = dict(CompactionCase.stack_kwargs,
+                        agentd_args=CompactionCase.stack_kwargs['agentd_args'] +
+                        ('--lease-ms', '3000', '--heartbeat-ms', '1000'))
+
+    def test_no_compaction_without_its_prompt(self):
+        adm, sub = self.run_one('list some numbers', [
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 300'}}]},
+            {'text': 'Here are the numbers.'}])
+        self.assertEqual(sub.outcome, COMPLETED, sub.error)
+        conv = adm.conversation_id
+        self.stack.fm.set_scenario([{'text': 'SUMMARY-FIRST', 'delay_ms': 1500},
+                                    {'text': 'SUMMARY-AGAIN'}])
+        asked = len(self.stack.fm.requests())
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(self.ad.call, 'Compact',
+                              agent_pb2.CompactRequest(conversation_id=conv), timeout=60)
+            deadline = time.monotonic() + 10
+            while not any('Write a summary' in json.dumps(q['body'])
+                          for q in self.stack.fm.requests()[asked:]):
+                self.assertLess(time.monotonic(), deadline, 'no summary call was made')
+                time.sleep(0.05)
+            self.stack.td.kill()  # the summary is on its way; the Glance after it fails
+            deadline = time.monotonic() + 20
+            while 'event=drive_interrupted' not in self.ad.stderr_text():
+                self.assertLess(time.monotonic(), deadline, self.ad.stderr_text())
+                time.sleep(0.1)
+            kinds = [kind(x) for x in self.records(conv)]
+            self.assertNotIn('compaction', kinds)
+            self.assertEqual(kinds.count('system_prompt'), 1)
+            self.stack.td.start()
+            r = fut.result(60)
+        recs = self.records(conv)
+        comp = [x for x in recs if kind(x) == 'compaction']
+        self.assertEqual(len(comp), 1, comp)
+        self.assertIn('SUMMARY-AGAIN', comp[0].compaction.summary)
+        self.assertEqual(comp[0].offset, r.record_offset)
+        after = [x for x in recs if x.offset == comp[0].offset + 1]
+        self.assertEqual([kind(x) for x in after], ['system_prompt'])
+        self.assertEqual(after[0].id, 'system:2')
+        self.assertEqual(self.ad.get_submission(r.submission_id).outcome, COMPLETED)
+
+
 class SummaryWaitTest(CompactionCase):
     """One engine thread (--workers 1): a summary the model takes 1.5 s to write holds no
     thread, so three Compact requests at once are over in about 1.5 s, not 4.5 s."""
