@@ -136,12 +136,13 @@ static void close_clients(void)
     catalog_free();
 }
 
-/* release_memory (every 10 s): settled submissions are remembered for a minute, so an idle
- * agentd returns to its idle size. */
+/* release_memory (every 10 s): settled submissions are remembered for 10 to 20 s (long
+ * enough for a client's GetSubmission right after the answer), so an idle agentd soon returns
+ * to its idle size. */
 static void release_memory(void *arg)
 {
     (void)arg;
-    here_forget_older(clock_mono_ms(), 60 * 1000);
+    here_forget_older(clock_mono_ms(), 10 * 1000);
 }
 
 int main(int argc, char **argv)

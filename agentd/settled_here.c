@@ -8,8 +8,8 @@
  * - remembered: settled here recently, its Submission packed exactly as Settle returned it
  *   (what Store.Get returns from then on: a settled submission never changes). At most
  *   RING_MAX of them and RING_BYTES in all, the oldest forgotten first, and none for longer
- *   than here_forget_older says (agentd: a minute, so an idle agentd returns to its idle
- *   size); one bigger than ENTRY_BYTES_MAX is not remembered (its waiters are still
+ *   than here_forget_older says (agentd: 10 to 20 s, so an idle agentd soon returns to its
+ *   idle size); one bigger than ENTRY_BYTES_MAX is not remembered (its waiters are still
  *   answered).
  * A wait first looks for a remembered submission (answered at once), then for a drive here
  * (parked), else it takes the storaged path (watch.c). Both checks and the registration are
