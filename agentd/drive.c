@@ -159,6 +159,14 @@ static enum drive_state settling(struct drive *d, Cflue__V1__Outcome outcome, co
     return settle_start(d, outcome, error, &end) ? DRIVE_SETTLE_WAIT : ended(d, end);
 }
 
+/* unsettled ends a drive that stopped short of an outcome: settled aborted or failed when it
+ * must be (the drive parks on the Settle), else stopped or interrupted at once. */
+static enum drive_state unsettled(struct drive *d)
+{
+    enum drive_end end;
+    return settle_unsettled_start(d, &end) ? DRIVE_SETTLE_WAIT : ended(d, end);
+}
+
 static bool has_input(struct drive *d)
 {
     char id[256];
@@ -167,11 +175,10 @@ static bool has_input(struct drive *d)
 }
 
 /* past_attempts settles work that was interrupted more often than its budget allows: its
- * finished answer if the stream holds one, else aborted or failed. */
+ * finished answer if the stream (read by now) holds one, else aborted or failed. */
 static enum drive_state past_attempts(struct drive *d)
 {
-    d->log_loaded = dstore_load(d) == CF_OK;
-    if (d->log_loaded && settle_answered(d)) {
+    if (settle_answered(d)) {
         return settling(d, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, NULL);
     }
     if (drive_abort_seen(d)) {
@@ -186,20 +193,14 @@ static enum drive_state past_attempts(struct drive *d)
 static enum drive_state step_start(struct drive *d)
 {
     d->agent = agents_find(&g_agentd.agents, d->sub->agent);
-    if (!d->agent) {
-        return settling(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED,
-                        "this agentd has no agent with that name");
+    if (d->agent) {
+        const char *ws = d->agent->sandbox_workspace;
+        snprintf(d->workspace, sizeof(d->workspace), "%s",
+                 !ws                             ? d->agent->name
+                 : !strcmp(ws, "{conversation}") ? d->sub->conversation_id
+                                                 : ws);
     }
-    /* attempts first: whatever fails later, this attempt has been counted */
-    if (d->sub->max_attempts && d->sub->attempt_count > d->sub->max_attempts) {
-        return past_attempts(d);
-    }
-    const char *ws = d->agent->sandbox_workspace;
-    snprintf(d->workspace, sizeof(d->workspace), "%s",
-             !ws                             ? d->agent->name
-             : !strcmp(ws, "{conversation}") ? d->sub->conversation_id
-                                             : ws);
-    (void)dstore_load_start(d);
+    (void)dstore_load_start(d); /* any settlement checks the stream: read it first */
     return DRIVE_LOAD_WAIT;
 }
 
@@ -210,15 +211,23 @@ static enum drive_state step_load_wait(struct drive *d)
         d->parked = true; /* the page's end (or its retry timer) posts the drive */
         return DRIVE_LOAD_WAIT;
     case LOAD_FAILED:
-        return ended(d, settle_unsettled(d));
+        return unsettled(d);
     case LOAD_DONE:
         break;
     }
     d->log_loaded = true;
+    if (!d->agent) {
+        return settling(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED,
+                        "this agentd has no agent with that name");
+    }
+    /* attempts first: whatever fails later, this attempt has been counted */
+    if (d->sub->max_attempts && d->sub->attempt_count > d->sub->max_attempts) {
+        return past_attempts(d);
+    }
     if (d->takeover) {
         settle_earlier_joins(d);
         if (drive_broken(d)) {
-            return ended(d, settle_unsettled(d));
+            return unsettled(d);
         }
         if (settle_answered(d)) {
             log_info("recovered_answer", "submission=%s", d->sub->submission_id);
@@ -254,7 +263,7 @@ static enum drive_state step_input(struct drive *d)
         return settling(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request");
     }
     if (drive_halted(d)) {
-        return ended(d, settle_unsettled(d));
+        return unsettled(d);
     }
     return DRIVE_PROMPT;
 }
@@ -502,13 +511,13 @@ static enum drive_state step_settle(struct drive *d)
     bool down = d->act->shutting_down;
     pthread_mutex_unlock(&g_agentd.mu);
     if (lost || (down && !aborted)) {
-        return ended(d, settle_unsettled(d));
+        return unsettled(d);
     }
     if (aborted) {
         return settling(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request");
     }
     if (d->fault.code != CF_OK) {
-        return ended(d, settle_unsettled(d));
+        return unsettled(d);
     }
     return settling(d, d->outcome, d->error[0] ? d->error : NULL);
 }

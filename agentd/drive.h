@@ -445,18 +445,19 @@ bool joins_take(struct drive *d, int *joined);
 
 /* ---- settle.c ---- */
 
-/* settle_outcome records the outcome (see settle.c) and returns how the drive ended. */
-enum drive_end settle_outcome(struct drive *d, Cflue__V1__Outcome outcome, const char *error);
-/* settle_start is settle_outcome with the Settle sent as the drive's Store call in flight:
- * true when it went out (the drive parks in DRIVE_SETTLE_WAIT until settle_poll says it is
- * over); false when the drive ended before (*end says how). error must outlive the call. */
+/* settle_start records the outcome (see settle.c) with the Settle sent as the drive's Store
+ * call in flight: true when it went out (the drive parks in DRIVE_SETTLE_WAIT until
+ * settle_poll says it is over); false when the drive ended before (*end says how). error must
+ * outlive the call. */
 bool settle_start(struct drive *d, Cflue__V1__Outcome outcome, const char *error,
                   enum drive_end *end);
 /* settle_poll takes the end of the Settle settle_start sent: true with *end once it is over
  * (retries included), false while the drive waits for it. */
 bool settle_poll(struct drive *d, enum drive_end *end);
-/* settle_unsettled ends a drive that stopped short of an outcome (settle.c). */
-enum drive_end settle_unsettled(struct drive *d);
+/* settle_unsettled_start ends a drive that stopped short of an outcome: settle_start's
+ * answer for an abort seen (aborted) or a fault no retry can mend (failed); otherwise false,
+ * with *end stopped or interrupted (what is pending written first when storaged answers). */
+bool settle_unsettled_start(struct drive *d, enum drive_end *end);
 /* settle_ended names how a drive ended without settling: stopped or interrupted. */
 enum drive_end settle_ended(struct drive *d);
 /* settle_answered: the log shows this submission's work finished (settle.c). */

@@ -207,20 +207,6 @@ static enum drive_end settle_answered_with(struct drive *d, enum cf_status rc,
     return DRIVE_SETTLED;
 }
 
-enum drive_end settle_outcome(struct drive *d, Cflue__V1__Outcome outcome, const char *error)
-{
-    if (!checked(d, outcome)) {
-        return settle_ended(d);
-    }
-    struct settle_req s;
-    ProtobufCMessage *resp = NULL;
-    settle_request(d, outcome, error, &s);
-    failpoint_hit("agentd.settle.before");
-    enum cf_status rc =
-        dstore_call(d, "Settle", &s.req.base, &cflue__v1__settle_response__descriptor, &resp);
-    return settle_answered_with(d, rc, resp, outcome, s.req.error);
-}
-
 /* send_settle sends the Settle of d->settling as the drive's Store call in flight. */
 static void send_settle(struct drive *d)
 {
@@ -263,16 +249,17 @@ bool settle_poll(struct drive *d, enum drive_end *end)
     }
 }
 
-enum drive_end settle_unsettled(struct drive *d)
+bool settle_unsettled_start(struct drive *d, enum drive_end *end)
 {
     enum cf_status code = d->fault.code;
     if (drive_lost_or_down(d)) {
-        return settle_ended(d);
+        *end = settle_ended(d);
+        return false;
     }
     if (drive_abort_seen(d)) {
         /* the abort is what counts now (a store failure comes back here on the next try) */
         cf_error_clear(&d->fault);
-        return settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request");
+        return settle_start(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request", end);
     }
     if (code != CF_INVALID && code != CF_EXISTS) {
         if (!d->store_down) {
@@ -281,12 +268,12 @@ enum drive_end settle_unsettled(struct drive *d)
              * attempt builds on it and counts against the agent's own max_attempts */
             (void)dstore_flush(d);
         }
-        return settle_ended(d);
+        *end = settle_ended(d);
+        return false;
     }
-    char why[CF_ERROR_MSG_MAX + 64];
-    snprintf(why, sizeof(why), "cannot go on: %s", d->fault.msg);
+    snprintf(d->error, sizeof(d->error), "cannot go on: %s", d->fault.msg);
     cf_error_clear(&d->fault);
-    return settle_outcome(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED, why);
+    return settle_start(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED, d->error, end);
 }
 
 void settle_earlier_joins(struct drive *d)

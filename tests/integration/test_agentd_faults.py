@@ -179,6 +179,17 @@ class FaultsCase(FaultsBase):
         self.assertEqual(sub.attempt_count, 4)
         self.assertEqual(self.model_requests(conv), [])
 
+    def test_work_for_an_agent_this_agentd_lacks_fails_with_a_clear_error(self):
+        """Admitted straight into storaged (as another replica with other agents would): the
+        drive reads the conversation, then settles it failed, naming why, with nothing
+        written for it but the settlement."""
+        conv = new_conv('ghost')
+        adm = H.admit(self.stack.sd.stub, agent='ghost-agent', conv=conv, text='anyone there?')
+        sub = self.wait_settled(adm.submission.submission_id, timeout=30)
+        self.assertEqual(outcome_name(sub.outcome), 'FAILED')
+        self.assertIn('no agent with that name', sub.error)
+        self.assertEqual([kind(r) for r in self.records(conv)], ['submission_settled'])
+
     def test_abort_while_no_agentd_runs_settles_aborted_on_takeover(self):
         conv = new_conv('abort-takeover')
         self.workspace(conv)
