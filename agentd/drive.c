@@ -204,6 +204,8 @@ static enum drive_state step_start(struct drive *d)
     return DRIVE_LOAD_WAIT;
 }
 
+static enum drive_state loaded(struct drive *d);
+
 static enum drive_state step_load_wait(struct drive *d)
 {
     switch (dstore_load_take(d)) {
@@ -225,15 +227,35 @@ static enum drive_state step_load_wait(struct drive *d)
         return past_attempts(d);
     }
     if (d->takeover) {
-        settle_earlier_joins(d);
-        if (drive_broken(d)) {
-            return unsettled(d);
-        }
-        if (settle_answered(d)) {
-            log_info("recovered_answer", "submission=%s", d->sub->submission_id);
-            return settling(d, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, NULL);
-        }
+        joins_recover_start(d);
+        return DRIVE_RECOVER_WAIT;
     }
+    return loaded(d);
+}
+
+/* step_recover_wait parks a takeover until an earlier attempt's half-joins are settled; then
+ * its finished answer, if the stream holds one, settles it. */
+static enum drive_state step_recover_wait(struct drive *d)
+{
+    int joined;
+    if (!joins_take(d, &joined)) {
+        d->parked = true;
+        return DRIVE_RECOVER_WAIT;
+    }
+    if (drive_broken(d)) {
+        return unsettled(d);
+    }
+    if (settle_answered(d)) {
+        log_info("recovered_answer", "submission=%s", d->sub->submission_id);
+        return settling(d, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, NULL);
+    }
+    return loaded(d);
+}
+
+/* loaded goes on with a conversation read (and recovered): the budgets checked, the abort
+ * seen before the work started. */
+static enum drive_state loaded(struct drive *d)
+{
     rlog_trim(&d->log, d->sub->submission_id);
     if (drive_time_left(d) <= 0) {
         return settling(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED,
@@ -536,6 +558,7 @@ static enum drive_state step_settle_wait(struct drive *d)
 static enum drive_state (*const steps[])(struct drive *) = {
     [DRIVE_START] = step_start,
     [DRIVE_LOAD_WAIT] = step_load_wait,
+    [DRIVE_RECOVER_WAIT] = step_recover_wait,
     [DRIVE_INPUT] = step_input,
     [DRIVE_PROMPT] = step_prompt,
     [DRIVE_PROMPT_WAIT] = step_prompt_wait,
@@ -628,8 +651,9 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
  * ends only then. */
 static bool waits_with_writes(enum drive_state s)
 {
-    return s == DRIVE_LOAD_WAIT || s == DRIVE_JOIN_WAIT || s == DRIVE_MODEL_WAIT ||
-           s == DRIVE_COMPACT_WAIT || s == DRIVE_TOOLS_WAIT || s == DRIVE_SETTLE_WAIT;
+    return s == DRIVE_LOAD_WAIT || s == DRIVE_RECOVER_WAIT || s == DRIVE_JOIN_WAIT ||
+           s == DRIVE_MODEL_WAIT || s == DRIVE_COMPACT_WAIT || s == DRIVE_TOOLS_WAIT ||
+           s == DRIVE_SETTLE_WAIT;
 }
 
 bool drive_run(struct drive *d)
@@ -667,6 +691,7 @@ void drive_free(struct drive *d)
     llm_response_cleanup(&d->answer);
     model_call_cleanup(d);
     tools_wait_cleanup(d);
+    joins_cleanup(d);
     dstore_cleanup(d);
     dcall_cleanup(&d->sf.call);
     dcall_cleanup(&d->prompt_call);

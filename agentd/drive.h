@@ -24,7 +24,8 @@
 /* The states of a drive; see the essay at the top of drive.c. */
 enum drive_state {
     DRIVE_START,        /* budgets; the conversation's reading started */
-    DRIVE_LOAD_WAIT,    /* parked on its pages; then recovery of an earlier attempt */
+    DRIVE_LOAD_WAIT,    /* parked on its pages */
+    DRIVE_RECOVER_WAIT, /* takeover: parked on settling an earlier attempt's half-joins */
     DRIVE_INPUT,        /* the input appended and stamped applied, unresolved calls repaired */
     DRIVE_PROMPT,       /* the tool set and the sandbox asked for (one call to toold) */
     DRIVE_PROMPT_WAIT,  /* parked on that call; then the system prompt frozen */
@@ -174,6 +175,7 @@ struct drive {
         size_t next; /* the next one to append, then to finalize */
         int joined;  /* how many joined */
         bool before_first_turn;
+        Cflue__V1__ListResponse *earlier; /* takeover: what an earlier attempt left joining */
     } joining;
     bool threshold_checked;               /* this turn's context was compacted for size already */
     bool overflow_retried;                /* a context overflow was compacted once (per drive) */
@@ -442,6 +444,12 @@ bool joins_start(struct drive *d);
  * submissions appended, then each join finalized. False while a call is in flight; then true,
  * with *joined how many joined. A failure is a fault (or a lost lease): *joined is 0. */
 bool joins_take(struct drive *d, int *joined);
+/* joins_recover_start starts, at a takeover, settling what an earlier attempt left joining
+ * into this submission: each made final when its input is in the stream, else put back in the
+ * queue. The drive parks until joins_take says it is over (a failure is a fault). */
+void joins_recover_start(struct drive *d);
+/* joins_cleanup frees what a drive that ended while joining still holds. */
+void joins_cleanup(struct drive *d);
 
 /* ---- settle.c ---- */
 
@@ -464,7 +472,5 @@ enum drive_end settle_ended(struct drive *d);
 bool settle_answered(struct drive *d);
 /* settle_repair records the outcome-unknown result for every call without a result. */
 void settle_repair(struct drive *d);
-/* settle_earlier_joins finishes what an earlier attempt left half-joined (settle.c). */
-void settle_earlier_joins(struct drive *d);
 
 #endif

@@ -8,9 +8,12 @@
  * join (Store.FinalizeJoin: JOINED; they settle with the host). A delivery whose join is not
  * finalized goes back to the queue when the host settles and finds its input already in the
  * stream. The deliveries' submissions are kept for the drive's life: their attachments need no
- * Get. An earlier attempt's half-finished joins are settled at takeover (settle.c).
+ * Get. At a takeover, what an earlier attempt left joining is settled first: made final when
+ * its input is in the stream, else put back in the queue (joins_recover_start). Every call is
+ * the drive's Store call in flight: the drive parks on it (DRIVE_JOIN_WAIT, DRIVE_RECOVER_WAIT).
  */
 #include "drive.h"
+#include "failpoint.h"
 #include "log.h"
 
 #include <stdio.h>
@@ -73,10 +76,12 @@ static void take_submissions(struct drive *d, ProtobufCMessage *resp, Cflue__V1_
 
 /* Where the joining stands (d->joining.phase). */
 enum join_phase {
-    JOIN_CLAIM,    /* ClaimJoinable in flight */
-    JOIN_LIST,     /* List of the deliveries joining into this host in flight */
-    JOIN_INPUTS,   /* their inputs being appended */
-    JOIN_FINALIZE, /* FinalizeJoin of d->known[first + next] in flight */
+    JOIN_CLAIM,        /* ClaimJoinable in flight */
+    JOIN_LIST,         /* List of the deliveries joining into this host in flight */
+    JOIN_INPUTS,       /* their inputs being appended */
+    JOIN_FINALIZE,     /* FinalizeJoin of d->known[first + next] in flight */
+    JOIN_EARLIER,      /* takeover: List of what an earlier attempt left joining */
+    JOIN_EARLIER_EACH, /* FinalizeJoin or RevertJoin of earlier->submissions[next] in flight */
 };
 
 static void send_claim(struct drive *d)
@@ -121,6 +126,9 @@ static void claimed(struct drive *d, ProtobufCMessage *resp, Cflue__V1__Submissi
     d->joining.next = 0;
     take_submissions(d, resp, subs, n);
     d->joining.phase = JOIN_INPUTS;
+    if (d->joining.n) {
+        failpoint_hit("agentd.join.inputs.before"); /* claimed: JOINING, no input stored */
+    }
 }
 
 /* take_call takes the end of the joining's call in flight: false while it is in flight (or
@@ -173,12 +181,100 @@ static bool finalized(struct drive *d, enum cf_status rc)
     return true;
 }
 
+void joins_recover_start(struct drive *d)
+{
+    memset(&d->joining, 0, sizeof(d->joining));
+    d->joining.phase = JOIN_EARLIER;
+    send_list(d);
+}
+
+/* earlier_landed: the earlier attempt's delivery `next` has its input in the stream. */
+static bool earlier_landed(struct drive *d)
+{
+    char id[256];
+    snprintf(id, sizeof(id), "input:%s",
+             d->joining.earlier->submissions[d->joining.next]->submission_id);
+    return rlog_find(&d->log, id) != NULL;
+}
+
+/* send_earlier makes the earlier attempt's delivery `next` final when its input landed, else
+ * puts it back in the queue. */
+static void send_earlier(struct drive *d)
+{
+    Cflue__V1__JoinRequest jr = CFLUE__V1__JOIN_REQUEST__INIT;
+    jr.host = &d->fence;
+    jr.submission_id = d->joining.earlier->submissions[d->joining.next]->submission_id;
+    dstore_flight_send(d, earlier_landed(d) ? "FinalizeJoin" : "RevertJoin", &jr.base,
+                       &cflue__v1__submission__descriptor, 0);
+}
+
+/* earlier_next goes on to the next delivery an earlier attempt left joining: true when none
+ * is left (or the drive cannot go on). */
+static bool earlier_next(struct drive *d)
+{
+    if (drive_broken(d) || d->joining.next >= d->joining.earlier->n_submissions) {
+        protobuf_c_message_free_unpacked(&d->joining.earlier->base, NULL);
+        d->joining.earlier = NULL;
+        return true;
+    }
+    send_earlier(d);
+    return false;
+}
+
+/* earlier_take goes on with the recovery of an earlier attempt's joins as its calls end. */
+static bool earlier_take(struct drive *d)
+{
+    enum cf_status rc;
+    ProtobufCMessage *resp;
+    if (d->joining.phase == JOIN_EARLIER) {
+        if (!take_call(d, send_list, &rc, &resp)) {
+            return false;
+        }
+        if (rc != CF_OK) {
+            if (!drive_lost_or_down(d)) {
+                drive_fault(d, "listing joining messages failed", &d->err);
+            }
+            return true;
+        }
+        d->joining.earlier = (Cflue__V1__ListResponse *)resp;
+        d->joining.phase = JOIN_EARLIER_EACH;
+        return earlier_next(d);
+    }
+    if (!take_call(d, send_earlier, &rc, &resp)) {
+        return false;
+    }
+    if (resp) {
+        protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    bool landed = earlier_landed(d);
+    if (rc == CF_OK) {
+        log_info(landed ? "join_adopted" : "join_reverted", "submission=%s host=%s",
+                 d->joining.earlier->submissions[d->joining.next]->submission_id,
+                 d->sub->submission_id);
+    } else if (rc != CF_STALE && rc != CF_PRECONDITION) {
+        drive_fault(d, "settling a half-joined message failed", &d->err);
+    }
+    d->joining.next++;
+    return earlier_next(d);
+}
+
+void joins_cleanup(struct drive *d)
+{
+    if (d->joining.earlier) {
+        protobuf_c_message_free_unpacked(&d->joining.earlier->base, NULL);
+        d->joining.earlier = NULL;
+    }
+}
+
 bool joins_take(struct drive *d, int *joined)
 {
     enum cf_status rc;
     ProtobufCMessage *resp;
     *joined = 0;
     switch (d->joining.phase) {
+    case JOIN_EARLIER:
+    case JOIN_EARLIER_EACH:
+        return earlier_take(d);
     case JOIN_CLAIM:
         if (!take_call(d, send_claim, &rc, &resp)) {
             return false;
@@ -220,6 +316,7 @@ bool joins_take(struct drive *d, int *joined)
         if (d->joining.n == 0) {
             return true;
         }
+        failpoint_hit("agentd.join.finalize.before"); /* the inputs stored, no join final */
         send_finalize(d);
         return false;
     case JOIN_FINALIZE:

@@ -1,7 +1,7 @@
 /* settle.c - how a drive ends: the outcome recorded, or stopped, or interrupted.
  *
- * Settlement is one Store.Settle (from DRIVE_SETTLE an event-driven call the drive parks on:
- * settle_start, settle_poll; from the rarer paths a blocking one): it carries the records
+ * Settlement is one Store.Settle, an event-driven call the drive parks on (settle_start,
+ * settle_poll; DRIVE_SETTLE_WAIT), the failure paths' too: it carries the records
  * still pending (the final answer, usually), and storaged writes them, the submission_settled
  * record and settles joined submissions with their host in the same transaction; the claimer is
  * woken only when the conversation has a next message to run. What the stream holds is known from
@@ -15,8 +15,8 @@
  *  - a fault that trying again cannot mend (a record refused as invalid or as a conflicting
  *    id) settles failed with its reason; other faults end the drive interrupted; a lost lease
  *    or shutdown ends it stopped.
- * A takeover first settles an earlier attempt's half-finished joins, so later messages never
- * join past them.
+ * A takeover first settles an earlier attempt's half-finished joins (joins.c), so later
+ * messages never join past them.
  */
 #include "drive.h"
 #include "failpoint.h"
@@ -274,34 +274,4 @@ bool settle_unsettled_start(struct drive *d, enum drive_end *end)
     snprintf(d->error, sizeof(d->error), "cannot go on: %s", d->fault.msg);
     cf_error_clear(&d->fault);
     return settle_start(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED, d->error, end);
-}
-
-void settle_earlier_joins(struct drive *d)
-{
-    Cflue__V1__ListResponse *l = joins_list(d);
-    if (!l) {
-        return;
-    }
-    for (size_t i = 0; i < l->n_submissions && !drive_broken(d); i++) {
-        const char *sid = l->submissions[i]->submission_id;
-        char input_id[256];
-        snprintf(input_id, sizeof(input_id), "input:%s", sid);
-        bool landed = rlog_find(&d->log, input_id) != NULL;
-        Cflue__V1__JoinRequest jr = CFLUE__V1__JOIN_REQUEST__INIT;
-        ProtobufCMessage *jresp = NULL;
-        jr.host = &d->fence;
-        jr.submission_id = (char *)sid;
-        enum cf_status rc = dstore_call(d, landed ? "FinalizeJoin" : "RevertJoin", &jr.base,
-                                        &cflue__v1__submission__descriptor, &jresp);
-        if (jresp) {
-            protobuf_c_message_free_unpacked(jresp, NULL);
-        }
-        if (rc != CF_OK && rc != CF_STALE && rc != CF_PRECONDITION) {
-            drive_fault(d, "settling a half-joined message failed", &d->err);
-        } else if (rc == CF_OK) {
-            log_info(landed ? "join_adopted" : "join_reverted", "submission=%s host=%s", sid,
-                     d->sub->submission_id);
-        }
-    }
-    protobuf_c_message_free_unpacked(&l->base, NULL);
 }

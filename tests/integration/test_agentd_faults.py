@@ -476,6 +476,72 @@ class LostJoinAnswerTest(FaultsBase):
         self.assert_outcome_true(conv, host)
 
 
+class HalfJoinTakeoverTest(FaultsBase):
+    """agentd dies with two follow-ups JOINING into the running host. The agentd that comes
+    back takes the host over and settles both joins before the host goes on."""
+    stack_kwargs = dict(FaultsBase.stack_kwargs, agents=('runner-anthropic',))
+
+    def test_a_takeover_adopts_the_joins_whose_inputs_landed(self):
+        """Died with the inputs stored and neither join final (agentd.join.finalize.before):
+        both joins made final, one answer covers all three messages, each input stored once."""
+        host, joined = self.crash_while_joining('agentd.join.finalize.before')
+        subs = {sid: self.wait_settled(sid, timeout=30) for sid in [host] + joined}
+        for sid, sub in subs.items():
+            self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', (sid, sub.error))
+            self.assertEqual(sub.answered_by, host, sid)
+        log = self.ad.stderr_text()
+        for sid in joined:
+            self.assertIn('event=join_adopted submission=%s host=%s' % (sid, host), log)
+        recs = self.records(self.conv)
+        self.assertEqual([r.id for r in recs if kind(r) == 'user_message'],
+                         ['input:' + s for s in [host] + joined])
+        self.assertEqual(len([r for r in recs if kind(r) == 'assistant_message'
+                              and not tool_calls(r)]), 1, 'one answer for all three')
+        self.assert_outcome_true(self.conv, host)
+
+    def test_a_takeover_puts_back_the_joins_whose_inputs_did_not_land(self):
+        """The same, dying before the inputs were stored (agentd.join.inputs.before): both
+        deliveries go back to the queue, and each is answered once, after the host."""
+        host, joined = self.crash_while_joining('agentd.join.inputs.before')
+        subs = {sid: self.wait_settled(sid, timeout=30) for sid in [host] + joined}
+        for sid, sub in subs.items():
+            self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', (sid, sub.error))
+        log = self.ad.stderr_text()
+        for sid in joined:
+            self.assertIn('event=join_reverted submission=%s host=%s' % (sid, host), log)
+        recs = self.records(self.conv)
+        inputs = [r.id for r in recs if kind(r) == 'user_message']
+        self.assertEqual(sorted(inputs), sorted('input:' + s for s in [host] + joined))
+        self.assertEqual(inputs[0], 'input:' + host)
+        for sid in [host] + joined:  # each answered by itself or by the one it joined
+            self.assertIn(subs[sid].answered_by, [host] + joined)
+            if subs[sid].answered_by == sid:
+                self.assert_outcome_true(self.conv, sid)
+        self.assertEqual(subs[host].answered_by, host)
+
+    def crash_while_joining(self, point):
+        """A host running a long tool call, two follow-ups queued behind it, agentd crashed at
+        point while joining them and started again unarmed; returns (host, [follow-ups])."""
+        self.ad.env['CFLUE_FAILPOINTS'] = point + '=crash'
+        self.ad.stop()
+        self.ad.start()
+        conv = new_conv('halfjoin')
+        ws = self.workspace(conv)
+        self.fm.set_scenario(load_scenario('joins', conv))
+        host = self.ad.submit('runner-anthropic', 'host message %s' % conv,
+                              conversation_id=conv).submission_id
+        self.wait_for('the host tool call to start',
+                      lambda: os.path.exists(os.path.join(ws, 'started.txt')), timeout=10)
+        joined = [self.ad.submit('runner-anthropic', 'follow-up %d for %s' % (i, conv),
+                                 conversation_id=conv).submission_id for i in range(2)]
+        self.ad.proc.wait(15)
+        self.assertIn('failpoint_crash point=' + point, self.ad.stderr_text())
+        del self.ad.env['CFLUE_FAILPOINTS']
+        self.ad.start()
+        self.conv = conv
+        return host, joined
+
+
 class RefusedRecordTest(AgentdCase):
     """A record storaged refuses for good (here: larger than its page budget) ends the work
     as failed at once: retrying cannot help."""
