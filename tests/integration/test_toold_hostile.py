@@ -512,14 +512,15 @@ class TestFailpointAndThreads(HostileBase):
         sb = 'threads'
         self.assertFalse(self.call(sb, 'write', {'path': 'a.txt', 'content': 'x\n'},
                                    td=td).is_error)
-        # calls that each take a while (a grep over 2,000 files), so the batch's threads are
-        # alive together however the machine schedules them
+        # calls that each take a while (a glob over 2,000 files, walked in toold: no process
+        # to start), so the batch's threads are alive together however the machine schedules
+        # them
         tree = os.path.join(td.workspace(sb), 'tree')
         os.makedirs(tree)
         for i in range(2000):
             with open(os.path.join(tree, 'f%d.txt' % i), 'w') as f:
                 f.write('nothing to find here\n')
-        calls = [tool_call(sb, 'grep', {'pattern': 'x$', 'path': '.'}, timeout_ms=20000)
+        calls = [tool_call(sb, 'glob', {'pattern': '*.txt'}, timeout_ms=20000)
                  for _ in range(60)]
         results = td.execute_batch(calls, timeout=60)
         self.assertEqual(sorted(r.index for r in results), list(range(60)))
@@ -529,7 +530,7 @@ class TestFailpointAndThreads(HostileBase):
         for r in failed:
             self.assertIn('could not start', r.result.text)
         for r in ok:
-            self.assertIn('a.txt', r.result.text)
+            self.assertIn('f1.txt', r.result.text)
         self.assertTrue(td.alive())
         self.assertEqual(self.call(sb, 'read', {'path': 'a.txt'}, td=td).text, 'x')
 
