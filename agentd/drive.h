@@ -434,8 +434,6 @@ bool compaction_take(struct drive *d, enum compact_result *out);
 
 /* ---- joins.c ---- */
 
-/* joins_list lists the deliveries JOINING into this host (caller frees); NULL on a fault. */
-Cflue__V1__ListResponse *joins_list(struct drive *d);
 /* joins_start claims the submissions queued behind this one (ClaimJoinable, as the drive's
  * Store call in flight) when storaged or a Submit here said some are queued: true, and the
  * drive parks until joins_take says the joining is over. false when nothing is worth asking. */

@@ -38,19 +38,6 @@ static Cflue__V1__ListRequest joining_list_request(struct drive *d)
     return lr;
 }
 
-Cflue__V1__ListResponse *joins_list(struct drive *d)
-{
-    Cflue__V1__ListRequest lr = joining_list_request(d);
-    ProtobufCMessage *resp = NULL;
-    if (dstore_call(d, "List", &lr.base, &cflue__v1__list_response__descriptor, &resp) != CF_OK) {
-        if (!drive_lost_or_down(d)) {
-            drive_fault(d, "listing joining messages failed", &d->err);
-        }
-        return NULL;
-    }
-    return (Cflue__V1__ListResponse *)resp;
-}
-
 /* worth_asking: storaged's last answer counted submissions queued behind, or a Submit through
  * this agentd admitted one behind it since (the hint is taken). */
 static bool worth_asking(struct drive *d)
@@ -231,6 +218,9 @@ static bool earlier_take(struct drive *d)
             return false;
         }
         if (rc != CF_OK) {
+            if (resp) {
+                protobuf_c_message_free_unpacked(resp, NULL);
+            }
             if (!drive_lost_or_down(d)) {
                 drive_fault(d, "listing joining messages failed", &d->err);
             }
