@@ -57,6 +57,20 @@ class FaultsBase(AgentdCase):
 
         self.wait_for('agentd to reach storaged', store_reachable, timeout=60, interval=0.2)
 
+    def host_with_follow_ups(self, tag):
+        """A host running a 3 s tool call (the `joins` scenario) and two follow-ups submitted
+        behind it meanwhile; returns (conversation, host, [follow-ups])."""
+        conv = new_conv(tag)
+        ws = self.workspace(conv)
+        self.fm.set_scenario(load_scenario('joins', conv))
+        host = self.ad.submit('runner-anthropic', 'host message %s' % conv,
+                              conversation_id=conv).submission_id
+        self.wait_for('the host tool call to start',
+                      lambda: os.path.exists(os.path.join(ws, 'started.txt')), timeout=10)
+        joined = [self.ad.submit('runner-anthropic', 'follow-up %d for %s' % (i, conv),
+                                 conversation_id=conv).submission_id for i in range(2)]
+        return conv, host, joined
+
     def assert_outcome_true(self, conv, sid):
         """completed => the stream shows the finished answer, every call with its result."""
         recs = self.records(conv)
@@ -446,16 +460,7 @@ class LostJoinAnswerTest(FaultsBase):
                         storaged_env={'CFLUE_FAILPOINTS': 'storaged.reply.ClaimJoinable=crash'})
 
     def test_a_lost_claim_joinable_answer_is_retried_and_the_follow_ups_join_once(self):
-        conv = new_conv('lostjoin')
-        ws = self.workspace(conv)
-        self.fm.set_scenario(load_scenario('joins', conv))
-        host = self.ad.submit('runner-anthropic', 'host message %s' % conv,
-                              conversation_id=conv).submission_id
-        self.wait_for('the host tool call to start',
-                      lambda: os.path.exists(os.path.join(ws, 'started.txt')), timeout=10)
-        texts = ['follow-up %d for %s' % (i, conv) for i in range(2)]
-        joined = [self.ad.submit('runner-anthropic', t, conversation_id=conv).submission_id
-                  for t in texts]
+        conv, host, joined = self.host_with_follow_ups('lostjoin')
         self.stack.sd.proc.wait(15)  # the tool call ends, the drive claims the follow-ups
         self.assertIn('failpoint_crash point=storaged.reply.ClaimJoinable',
                       self.stack.sd.stderr_text())
@@ -525,15 +530,7 @@ class HalfJoinTakeoverTest(FaultsBase):
         self.ad.env['CFLUE_FAILPOINTS'] = point + '=crash'
         self.ad.stop()
         self.ad.start()
-        conv = new_conv('halfjoin')
-        ws = self.workspace(conv)
-        self.fm.set_scenario(load_scenario('joins', conv))
-        host = self.ad.submit('runner-anthropic', 'host message %s' % conv,
-                              conversation_id=conv).submission_id
-        self.wait_for('the host tool call to start',
-                      lambda: os.path.exists(os.path.join(ws, 'started.txt')), timeout=10)
-        joined = [self.ad.submit('runner-anthropic', 'follow-up %d for %s' % (i, conv),
-                                 conversation_id=conv).submission_id for i in range(2)]
+        conv, host, joined = self.host_with_follow_ups('halfjoin')
         self.ad.proc.wait(15)
         self.assertIn('failpoint_crash point=' + point, self.ad.stderr_text())
         del self.ad.env['CFLUE_FAILPOINTS']
