@@ -481,6 +481,43 @@ class LostJoinAnswerTest(FaultsBase):
         self.assert_outcome_true(conv, host)
 
 
+class LongJoinOutageTest(FaultsBase):
+    """The same lost ClaimJoinable answer, with storaged then down for longer than the retry
+    window: the drive gives up and ends interrupted (no engine thread waited meanwhile). Once
+    storaged is back, the next attempt puts the two deliveries the lost claim had made JOINING
+    back in the queue (their inputs never landed), and every message is answered once."""
+    stack_kwargs = LostJoinAnswerTest.stack_kwargs
+
+    def test_storaged_gone_past_the_retry_window_after_a_claim_joinable(self):
+        conv, host, joined = self.host_with_follow_ups('joinoutage')
+        self.stack.sd.proc.wait(15)
+        self.assertIn('failpoint_crash point=storaged.reply.ClaimJoinable',
+                      self.stack.sd.stderr_text())
+        self.wait_for('the host to give up', lambda: 'event=drive_interrupted submission=%s'
+                      % host in self.ad.stderr_text(), timeout=30, interval=0.1)
+        self.assertFalse(self.stack.sd.alive())
+        self.assertIn('event=store_retry submission=%s method=ClaimJoinable' % host,
+                      self.ad.stderr_text())
+        del self.stack.sd.env['CFLUE_FAILPOINTS']
+        self.stack.sd.start()
+        subs = {sid: self.wait_settled(sid, timeout=60) for sid in [host] + joined}
+        for sid, sub in subs.items():
+            self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', (sid, sub.error))
+            self.assertIn(sub.answered_by, [host] + joined, sid)
+        self.assertEqual(subs[host].answered_by, host)
+        self.assertGreaterEqual(subs[host].attempt_count, 2)
+        log = self.ad.stderr_text()
+        for sid in joined:
+            self.assertIn('event=join_reverted submission=%s host=%s' % (sid, host), log)
+        recs = self.records(conv)
+        inputs = [r.id for r in recs if kind(r) == 'user_message']
+        self.assertEqual(sorted(inputs), sorted('input:' + s for s in [host] + joined))
+        self.assertEqual(inputs[0], 'input:' + host)
+        for sid in [host] + joined:
+            if subs[sid].answered_by == sid:
+                self.assert_outcome_true(conv, sid)
+
+
 class HalfJoinTakeoverTest(FaultsBase):
     """agentd dies with two follow-ups JOINING into the running host. The agentd that comes
     back takes the host over and settles both joins before the host goes on."""
