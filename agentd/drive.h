@@ -312,9 +312,6 @@ void dstore_write_behind(struct drive *d);
  * while false. The input is stamped applied by the Append that carries it (a Compact request,
  * with no input record, stamps it with one blocking MarkInputApplied). */
 bool dstore_stored(struct drive *d);
-/* dstore_append_one is dstore_defer_one then dstore_flush: the record is durable on CF_OK. */
-enum cf_status dstore_append_one(struct drive *d, const char *id, const char *submission_id,
-                                 ProtobufCMessage *body);
 /* dstore_append_input writes submission s's message as its user_message `id` (text and one
  * AttachmentRef per attachment; the bytes stay with the submission), pending (as
  * dstore_defer_one). */

@@ -1,15 +1,16 @@
 /* drive_store.c - a drive's calls to storaged: retried under the fence, appended through the
  * record log.
  *
- * The drive reads its conversation once (dstore_load; not at all when the claim saw it empty)
- * and every record it writes joins d->log: pending first (dstore_defer_one), then at the offset
- * storaged gave when the next Append (dstore_flush) or the Settle carrying it is acknowledged (a
- * deduplicated append answers the offset of the record already stored). What must be durable
- * before the drive goes on is flushed at once (dstore_append_one): an answer's tool calls before
- * they run, tool results, a joined message's input before its join is final; the input and the
- * system prompt wait for the first model call (one Append, which also stamps the input applied),
- * the final answer for the Settle. The answers' hints are kept: an abort intent, and how much
- * is queued behind (ClaimJoinable only then). Attachments' bytes come from the claim's
+ * The drive reads its conversation once (dstore_load_start, page by page as the call in flight;
+ * not at all when the claim saw it empty) and every record it writes joins d->log: pending
+ * first (dstore_defer_one), then at the offset storaged gave when the next Append or the Settle
+ * carrying it is acknowledged (a deduplicated append answers the offset of the record already
+ * stored). What must be durable before the drive goes on is waited for (dstore_stored): an
+ * answer's tool calls before they run, a joined message's input before its join is final, a
+ * compaction with its prompt; tool results are written behind (dstore_write_behind); the input and
+ * the system prompt wait for the first model call (one Append, which also stamps the input
+ * applied), the final answer for the Settle. The answers' hints are kept: an abort intent, and how
+ * much is queued behind (ClaimJoinable only then). Attachments' bytes come from the claim's
  * submission or a joined delivery's (kept from ClaimJoinable), and otherwise from one
  * Store.Get per submission for the life of the drive.
  */
@@ -441,13 +442,6 @@ enum cf_status dstore_defer_one(struct drive *d, const char *id, const char *sub
     }
     rlog_add_pending(&d->log, &rec);
     return CF_OK;
-}
-
-enum cf_status dstore_append_one(struct drive *d, const char *id, const char *submission_id,
-                                 ProtobufCMessage *body)
-{
-    enum cf_status rc = dstore_defer_one(d, id, submission_id, body);
-    return rc == CF_OK ? dstore_flush(d) : rc;
 }
 
 void dstore_settled_hints(struct drive *d, const Cflue__V1__SettleResponse *sr)

@@ -119,11 +119,21 @@ static void claimed(struct drive *d, ProtobufCMessage *resp, Cflue__V1__Submissi
 }
 
 /* take_call takes the end of the joining's call in flight: false while it is in flight (or
- * waits for its retry); else true with rc and resp (freed by the caller). */
+ * waits for its retry); else true with rc and resp (freed by the caller; NULL unless rc is
+ * CF_OK). */
 static bool take_call(struct drive *d, void (*resend)(struct drive *), enum cf_status *rc,
                       ProtobufCMessage **resp)
 {
-    return dstore_flight_take(d, resend, rc, resp) != FLIGHT_WAITING;
+    switch (dstore_flight_take(d, resend, rc, resp)) {
+    case FLIGHT_WAITING:
+        return false;
+    case FLIGHT_IDLE: /* nothing in flight: no answer to go on with */
+        *rc = cf_error_set(&d->err, CF_INTERNAL, "storaged: the joining's call was not made");
+        return true;
+    case FLIGHT_ENDED:
+    default:
+        return true;
+    }
 }
 
 /* append_inputs puts the claimed deliveries' inputs in the log (those not there already) and
@@ -200,8 +210,7 @@ static void send_earlier(struct drive *d)
 static bool earlier_next(struct drive *d)
 {
     if (drive_broken(d) || d->joining.next >= d->joining.earlier->n_submissions) {
-        protobuf_c_message_free_unpacked(&d->joining.earlier->base, NULL);
-        d->joining.earlier = NULL;
+        joins_cleanup(d);
         return true;
     }
     send_earlier(d);
