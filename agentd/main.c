@@ -100,7 +100,7 @@ static const char *default_owner(char out[OWNER_MAX + 1], const char *listen)
         snprintf(name + OWNER_MAX - 17, sizeof(name) - (OWNER_MAX - 17), "-%016" PRIx64,
                  ids_hash64(name));
     }
-    snprintf(out, OWNER_MAX + 1, "%s", name);
+    snprintf(out, OWNER_MAX + 1, "%.*s", OWNER_MAX, name); /* fits: shortened above */
     return out;
 }
 

@@ -218,8 +218,6 @@ static void call_free(struct rpc_call *c)
     if (!c->m) {
         grpc_call_details_destroy(&c->details);
     }
-    pthread_mutex_destroy(&c->mu);
-    pthread_cond_destroy(&c->cv);
     bool live = c->live;
     const struct rpc_async_ops *ops = c->ops;
     void *ops_arg = c->ops_arg;
@@ -240,6 +238,9 @@ static void call_free(struct rpc_call *c)
         }
         pthread_mutex_unlock(&s->mu);
     }
+    /* only now: until it left the async list above, end_async_calls could still lock c->mu */
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
     free(c);
     if (ops && ops->release) {
         ops->release(ops_arg);

@@ -331,7 +331,10 @@ enum cf_status ws_open_parent(const struct sandbox *sb, const char *rel, bool cr
         if (ps && ps == partial) {
             snprintf(parent, sizeof(parent), "/");
         }
-        snprintf(base, sizeof(base), "%s", ps ? ps + 1 : partial);
+        int base_n = snprintf(base, sizeof(base), "%s", ps ? ps + 1 : partial);
+        if (base_n < 0 || (size_t)base_n >= sizeof(base)) {
+            return ws_errno_error(ENAMETOOLONG, "mkdir", shown_path, err);
+        }
         if ((rc = ws_open(sb, parent, O_PATH | O_DIRECTORY, 0, shown_path, &pfd, err)) != CF_OK) {
             return rc;
         }
