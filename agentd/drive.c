@@ -192,13 +192,20 @@ static enum drive_state past_attempts(struct drive *d)
 
 static enum drive_state step_start(struct drive *d)
 {
+    const Cflue__V1__Delegation *dg = d->sub->delegation;
     d->agent = agents_find(&g_agentd.agents, d->sub->agent);
-    if (d->agent) {
+    d->depth = dg ? dg->depth : 0;
+    if (d->agent && d->agent->sandbox_tools) {
         const char *ws = d->agent->sandbox_workspace;
+        d->tools_addr = d->agent->sandbox_tools;
         snprintf(d->workspace, sizeof(d->workspace), "%s",
                  !ws                             ? d->agent->name
                  : !strcmp(ws, "{conversation}") ? d->sub->conversation_id
                                                  : ws);
+    } else if (d->agent && dg && *dg->sandbox_tools) {
+        /* a subagent without a sandbox of its own works in its parent's */
+        d->tools_addr = dg->sandbox_tools;
+        snprintf(d->workspace, sizeof(d->workspace), "%s", dg->sandbox);
     }
     (void)dstore_load_start(d); /* any settlement checks the stream: read it first */
     return DRIVE_LOAD_WAIT;
@@ -279,7 +286,7 @@ static enum drive_state step_input(struct drive *d)
     }
     d->mark_pending = true; /* stamped applied by the Append that stores the input */
     if (!drive_halted(d)) {
-        settle_repair(d);
+        settle_repair(d, true);
     }
     if (drive_abort_seen(d)) {
         return settling(d, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "aborted on request");
@@ -316,7 +323,8 @@ static enum drive_state step_prompt_wait(struct drive *d)
         d->turn += r->body_case == CFLUE__V1__RECORD__BODY_ASSISTANT_MESSAGE &&
                    !strcmp(r->submission_id, d->sub->submission_id);
     }
-    return DRIVE_JOIN;
+    /* an earlier attempt stopped while subagents worked for it: wait for them again */
+    return task_resume(d) ? DRIVE_TOOLS : DRIVE_JOIN;
 }
 
 /* step_join lets queued messages join: before the first turn, and after each turn (unless
@@ -508,16 +516,19 @@ static enum drive_state step_tools(struct drive *d)
     if (drive_halted(d)) {
         return DRIVE_SETTLE;
     }
-    return tools_start(d, &d->answer) ? DRIVE_TOOLS_WAIT : tools_done(d);
+    bool batch = tools_start(d, &d->answer);
+    bool tasks = task_start(d, &d->answer);
+    return batch || tasks ? DRIVE_TOOLS_WAIT : tools_done(d);
 }
 
 /* step_tools_wait parks the drive until the batch is over, recording results as they come. */
 static enum drive_state step_tools_wait(struct drive *d)
 {
     dstore_write_behind(d); /* first: a write that failed halts the batch now */
-    bool over = tools_poll(d);
+    bool batch_over = !d->tw.running || tools_poll(d);
+    bool tasks_over = task_poll(d);
     dstore_write_behind(d); /* the results so far go out; watchers see them soon */
-    if (!over) {
+    if (!batch_over || !tasks_over) {
         d->parked = true;
         return DRIVE_TOOLS_WAIT;
     }
@@ -631,6 +642,7 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
     buf_init(&d->delta, 64 * 1024);
     model_call_init(d);
     tools_wait_init(d);
+    task_wait_init(d);
     dcall_init(&d->sf.call, d);
     dcall_init(&d->prompt_call, d);
     d->state = DRIVE_START;
@@ -691,6 +703,7 @@ void drive_free(struct drive *d)
     llm_response_cleanup(&d->answer);
     model_call_cleanup(d);
     tools_wait_cleanup(d);
+    task_wait_cleanup(d);
     joins_cleanup(d);
     dstore_cleanup(d);
     dcall_cleanup(&d->sf.call);

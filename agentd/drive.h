@@ -65,6 +65,7 @@ struct tool_wait {
     int *index; /* its index in the answer */
     bool *done; /* its result arrived */
     size_t m;
+    bool running; /* a batch was started and its end not yet taken */
 };
 
 /* A model call in flight for a parked drive (model_call.c). The fields under mu are written
@@ -96,6 +97,38 @@ struct drive_call {
     struct rpc_status st;   /* under mu */
     ProtobufCMessage *resp; /* under mu: the response when st is OK */
     bool in_flight;         /* started, and its end not yet taken */
+};
+
+/* One `task` call of a turn: a subagent's child submission being admitted, then followed
+ * until it settles (task.c). The fields under the drive's tasks.mu are written by rpc's
+ * callbacks; the rest by the engine thread stepping the drive. */
+struct task_call {
+    struct drive *d;
+    int index;           /* the call's index in the answer */
+    const char *call_id; /* the answer's */
+    char *agent;         /* the subagent */
+    char *prompt;
+    bool done;                 /* its result is recorded (or the drive halted) */
+    struct drive_call admit;   /* the Admit */
+    char *child_submission_id; /* once admitted */
+    char *child_conversation_id;
+    struct rpc_astream *follow; /* the Follow of the child's conversation, or NULL */
+    bool follow_released;
+    ProtobufCMessage *record;    /* under mu: a record of the Follow not yet taken */
+    bool follow_ended;           /* under mu: the Follow is over; follow_st says how */
+    struct rpc_status follow_st; /* under mu */
+    int64_t offset;              /* the last record of the child's conversation seen (-1: none) */
+    char *answer;                /* the child's latest assistant text */
+    int64_t first_fail_ms; /* monotonic: the first failure of the retries going on (0: none) */
+    int64_t retry_at_ms;   /* monotonic: when the next try is due (0: none waits) */
+    int64_t backoff_ms;
+};
+
+/* The `task` calls of a turn (task.c). */
+struct task_wait {
+    pthread_mutex_t mu;
+    struct task_call *calls;
+    size_t n;
 };
 
 /* The drive's Store call in flight (drive_store.c): an Append, or the Settle. At most one at a
@@ -133,7 +166,10 @@ struct drive {
     Cflue__V1__Fence fence;
     struct active *act;
     const struct agent_def *agent;
+    const char *tools_addr; /* the sandbox's toold: the agent's own, or the parent's it shares
+                             * (a subagent without a sandbox of its own); NULL: no sandbox */
     char workspace[256];
+    int depth; /* delegation depth: 0 for work submitted directly, 1.. for subagents */
     bool takeover;
     struct record_log log;         /* the conversation, read once and appended through */
     bool log_loaded;               /* the whole conversation was read into the log */
@@ -160,6 +196,7 @@ struct drive {
     bool parked; /* the last step waits for an event: the engine steps it when posted */
     struct model_wait mw;
     struct tool_wait tw;
+    struct task_wait tasks;
     struct store_flight sf;
     struct drive_call prompt_call; /* the first turn's Glance (or Tools.List) to toold */
     struct engine_link eng;
@@ -254,6 +291,9 @@ bool dcall_take(struct drive_call *c, struct rpc_status *st, ProtobufCMessage **
  * *resp is the caller's to free; the last failure is in d->err. */
 enum cf_status dstore_call(struct drive *d, const char *method, const ProtobufCMessage *req,
                            const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp);
+/* dstore_retry_window: how long a failed Store call is tried again, in milliseconds (as long
+ * as the lease lasts, at least 5 s). */
+int64_t dstore_retry_window(void);
 /* dstore_load reads the whole conversation into d->log, paging with page tokens, blocking
  * (the rarer paths). A failure is a fault. */
 enum cf_status dstore_load(struct drive *d);
@@ -390,6 +430,34 @@ bool tools_poll(struct drive *d);
 void tools_wait_init(struct drive *d);
 void tools_wait_cleanup(struct drive *d);
 
+/* ---- task.c: the framework's `task` tool ---- */
+
+/* The depth below which a drive may still delegate: a `task` call made at this depth fails
+ * with delegation_depth_exceeded. */
+#define TASK_DEPTH_MAX 4
+
+/* task_is_framework: name is a tool agentd runs itself (never sent to a tool server). */
+bool task_is_framework(const char *name);
+/* task_tools_add appends the framework tools to d->tools, after the sandbox's. false (with
+ * d->error set) when a sandbox tool takes a name the framework reserves. */
+bool task_tools_add(struct drive *d);
+/* task_start starts the answer's `task` calls that have no result yet: a call that cannot
+ * delegate (bad arguments, an undeclared subagent, the depth limit) gets its result at once;
+ * each other one admits its child and follows it. true when any is in flight (their ends post
+ * the drive). */
+bool task_start(struct drive *d, const struct llm_response *resp);
+/* task_poll takes what arrived for the calls in flight, records each call's result once its
+ * child settled, retries what failed transiently, stops following when the drive halted, and
+ * returns true once no call is in flight. */
+bool task_poll(struct drive *d);
+/* task_resume fills d->answer with the calls of this submission's latest turn when some of its
+ * `task` calls have no result (an earlier attempt stopped while its children worked) and sets
+ * d->turn to that turn: true when the drive is to wait for those children again. */
+bool task_resume(struct drive *d);
+/* task_wait_init / task_wait_cleanup set up and free d->tasks (cleanup: none in flight). */
+void task_wait_init(struct drive *d);
+void task_wait_cleanup(struct drive *d);
+
 /* ---- model_call.c ---- */
 
 /* model_output_tokens: the output budget of every request to agent a's model. */
@@ -465,7 +533,9 @@ bool settle_unsettled_start(struct drive *d, enum drive_end *end);
 enum drive_end settle_ended(struct drive *d);
 /* settle_answered: the log shows this submission's work finished (settle.c). */
 bool settle_answered(struct drive *d);
-/* settle_repair records the outcome-unknown result for every call without a result. */
-void settle_repair(struct drive *d);
+/* settle_repair records the outcome-unknown result for every call without a result; with
+ * keep_tasks, not for the `task` calls of the latest turn (task_resume waits for their children
+ * again). */
+void settle_repair(struct drive *d, bool keep_tasks);
 
 #endif

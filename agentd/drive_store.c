@@ -30,8 +30,7 @@
 #define STORE_TIMEOUT_MS 15000
 #define STORE_RETRY_MIN_MS 5000 /* a Store call is retried at least this long */
 
-/* store_retry_window: how long a Store call is tried again (as long as the lease lasts). */
-static int64_t store_retry_window(void)
+int64_t dstore_retry_window(void)
 {
     return g_agentd.lease_ms > STORE_RETRY_MIN_MS ? g_agentd.lease_ms : STORE_RETRY_MIN_MS;
 }
@@ -40,7 +39,7 @@ enum cf_status dstore_call(struct drive *d, const char *method, const ProtobufCM
                            const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp)
 {
     int64_t start = clock_mono_ms(), wait = 100;
-    int64_t window = store_retry_window();
+    int64_t window = dstore_retry_window();
     for (d->store_tries = 1;; d->store_tries++) {
         *resp = NULL;
         enum cf_status rc =
@@ -343,7 +342,7 @@ enum flight_state dstore_flight_take(struct drive *d, void (*resend)(struct driv
     }
     int64_t now = clock_mono_ms();
     if (*rc != CF_OK && drive_transient(*rc) && !drive_lost_or_down(d) &&
-        now - f->first_try_ms + f->backoff_ms <= store_retry_window()) {
+        now - f->first_try_ms + f->backoff_ms <= dstore_retry_window()) {
         int64_t wait = f->backoff_ms + thread_jitter_ms(f->backoff_ms / 2 + 1);
         char q[600];
         log_warn("store_retry", "submission=%s method=%s try=%d wait_ms=%lld err=%s",

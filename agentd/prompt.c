@@ -132,6 +132,24 @@ static void add_listing(struct buf *b, const struct sandbox_view *v, const char 
     }
 }
 
+/* add_subagents appends the roster of the subagents agent a may delegate to with `task`. */
+static void add_subagents(struct buf *b, const struct agent_def *a)
+{
+    buf_append_str(b, "\n\n## Subagents\n\n");
+    if (!a->n_subagents) {
+        buf_append_str(b, "No subagents are declared for you, so the task tool has no agent to "
+                          "name: do not call it unless a subagent is announced later.");
+        return;
+    }
+    buf_append_str(b, "You can hand work to these agents with the task tool, naming one of them. "
+                      "This list may change during the conversation; changes are announced.\n");
+    for (size_t i = 0; i < a->n_subagents; i++) {
+        const struct agent_def *sa = agents_find(&g_agentd.agents, a->subagents[i]);
+        const char *desc = sa && sa->description ? sa->description : "";
+        buf_printf(b, "\n- %s%s%s", a->subagents[i], *desc ? ": " : "", desc);
+    }
+}
+
 /* compose writes the prompt of d's agent and tool set and, for a sandboxed agent, of what v
  * shows of the sandbox (NULL: no sandbox). The caller frees it. */
 static char *compose(struct drive *d, const struct sandbox_view *v)
@@ -148,6 +166,7 @@ static char *compose(struct drive *d, const struct sandbox_view *v)
         buf_printf(&b, "\n\n## Project notes (%s)\n\n", v->notes_name);
         utf8_sanitize(&b, (const char *)v->notes_data, v->notes_len);
     }
+    add_subagents(&b, d->agent);
     if (d->tools.n) {
         buf_append_str(&b, "\n\n## Tools you can call\n");
         for (size_t i = 0; i < d->tools.n; i++) {
@@ -250,7 +269,7 @@ static bool took_glance(struct drive *d, const struct rpc_status *st, ProtobufCM
         /* toold answered but refused: that is no tool set either */
         struct cf_error e;
         cf_error_set(&e, status_from_grpc(st->code), "toold at %s refused Sandbox.Glance: %s",
-                     d->agent->sandbox_tools, st->details);
+                     d->tools_addr, st->details);
         drive_fault(d, "looking at the sandbox failed", &e);
     }
     return false;
@@ -271,6 +290,13 @@ bool prompt_take(struct drive *d)
             d->system_text = NULL;
             return true;
         }
+    }
+    if (!drive_halted(d) && !task_tools_add(d)) {
+        /* a tool server that takes a framework tool's name: no retry mends that */
+        d->outcome = CFLUE__V1__OUTCOME__OUTCOME_FAILED;
+        view_cleanup(&v);
+        d->system_text = NULL;
+        return true;
     }
     const char *text = drive_halted(d) ? NULL : in_force(d);
     if (text || drive_halted(d)) {

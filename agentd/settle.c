@@ -56,10 +56,14 @@ static const Cflue__V1__AssistantMessage *own_assistant(struct drive *d, const C
 }
 
 /* unresolved_calls counts this submission's tool calls that have no recorded result; with
- * fix set, it records the outcome-unknown result for each (failures are faults). */
-static size_t unresolved_calls(struct drive *d, bool fix)
+ * fix set, it records the outcome-unknown result for each (failures are faults), except, with
+ * keep_tasks, the `task` calls of the latest turn: their children may still finish. */
+static size_t unresolved_calls(struct drive *d, bool fix, bool keep_tasks)
 {
-    size_t missing = 0;
+    size_t missing = 0, last = 0;
+    for (size_t i = 0; i < d->log.n; i++) {
+        last = own_assistant(d, d->log.recs[i]) ? i : last;
+    }
     for (size_t i = 0; i < d->log.n; i++) {
         const Cflue__V1__AssistantMessage *am = own_assistant(d, d->log.recs[i]);
         for (size_t k = 0; am && k < am->n_tool_calls && d->fault.code == CF_OK; k++) {
@@ -70,7 +74,7 @@ static size_t unresolved_calls(struct drive *d, bool fix)
                 continue;
             }
             missing++;
-            if (fix) {
+            if (fix && !(keep_tasks && i == last && task_is_framework(c->name))) {
                 int saved = d->turn;
                 d->turn = am->turn;
                 tools_record_result(d, (int)k, c->id, c->name, CONTEXT_INTERRUPTED_RESULT, true,
@@ -98,12 +102,12 @@ bool settle_answered(struct drive *d)
         }
     }
     return last && last->assistant_message->n_tool_calls == 0 && !input_after &&
-           unresolved_calls(d, false) == 0;
+           unresolved_calls(d, false, false) == 0;
 }
 
-void settle_repair(struct drive *d)
+void settle_repair(struct drive *d, bool keep_tasks)
 {
-    (void)unresolved_calls(d, true);
+    (void)unresolved_calls(d, true, keep_tasks);
 }
 
 /* checked makes sure the log may be trusted for outcome; false when the drive must end
@@ -124,7 +128,7 @@ static bool checked(struct drive *d, Cflue__V1__Outcome outcome)
             return false;
         }
     } else if (have_records) {
-        settle_repair(d);
+        settle_repair(d, false);
         if (d->fault.code != CF_OK) {
             return false;
         }

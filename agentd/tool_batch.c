@@ -35,7 +35,7 @@ struct rpc_channel *tools_channel(struct drive *d)
     } cache[32];
     static int n;
     static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-    const char *addr = d->agent->sandbox_tools;
+    const char *addr = d->tools_addr;
     struct rpc_channel *ch = NULL;
     if (!addr) {
         return NULL;
@@ -72,9 +72,9 @@ bool tools_failed(struct drive *d, const char *what, const struct rpc_status *st
         struct cf_error e;
         enum cf_status code =
             st->code == GRPC_STATUS_ABORTED ? CF_UNAVAILABLE : status_from_grpc(st->code);
-        cf_error_set(&e, code, "toold at %s: %s (grpc status %d, reason %s)",
-                     d->agent->sandbox_tools, st->details[0] ? st->details : "call failed",
-                     (int)st->code, st->reason[0] ? st->reason : "none");
+        cf_error_set(&e, code, "toold at %s: %s (grpc status %d, reason %s)", d->tools_addr,
+                     st->details[0] ? st->details : "call failed", (int)st->code,
+                     st->reason[0] ? st->reason : "none");
         drive_fault(d, what, &e);
         return true;
     }
@@ -83,11 +83,11 @@ bool tools_failed(struct drive *d, const char *what, const struct rpc_status *st
 
 void tools_no_channel(struct drive *d)
 {
-    if (d->agent->sandbox_tools) {
+    if (d->tools_addr) {
         struct cf_error e;
         cf_error_set(&e, CF_BUSY,
                      "no channel to toold at %s: this agentd reaches at most 32 tool servers",
-                     d->agent->sandbox_tools);
+                     d->tools_addr);
         drive_fault(d, "listing the sandbox's tools failed", &e);
     }
 }
@@ -129,7 +129,7 @@ void tools_load(struct drive *d)
         /* toold answered but refused: that is no tool set either */
         struct cf_error e;
         cf_error_set(&e, status_from_grpc(st.code), "toold at %s refused Tools.List: %s",
-                     d->agent->sandbox_tools, st.details);
+                     d->tools_addr, st.details);
         drive_fault(d, "listing the sandbox's tools failed", &e);
     }
 }
@@ -181,6 +181,11 @@ static void prepare(struct drive *d, const struct llm_response *resp)
     int64_t left = drive_time_left(d);
     for (size_t i = 0; i < n && d->fault.code == CF_OK; i++) {
         const struct llm_call *c = &resp->calls[i];
+        char id[600];
+        context_tool_result_id(id, sizeof(id), d->sub->submission_id, d->turn, c->id);
+        if (task_is_framework(c->name) || rlog_find(&d->log, id)) {
+            continue; /* run by agentd (task.c), or run before (a resumed turn) */
+        }
         bool known = false;
         for (size_t k = 0; k < d->tools.n; k++) {
             known = known || !strcmp(d->tools.tools[k].name, c->name);
@@ -264,6 +269,7 @@ bool tools_start(struct drive *d, const struct llm_response *resp)
     b->ended = false;
     b->released = false;
     b->result = NULL;
+    b->running = true;
     /* no deadline of its own: each call carries the submission's time left */
     b->stream = rpc_astream_open(tools_channel(d), "/cflue.v1.Tools/ExecuteBatch", &batch.base,
                                  &cflue__v1__batch_result__descriptor, 0, &batch_ops, d);
@@ -343,6 +349,7 @@ bool tools_poll(struct drive *d)
         rpc_astream_release(b->stream);
     }
     b->stream = NULL;
+    b->running = false;
     finish_batch(d, &st);
     free_batch(b);
     return true;

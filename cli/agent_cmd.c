@@ -15,6 +15,7 @@
 
 #include "cflue/v1/agent.pb-c.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,14 +40,88 @@ struct view {
     size_t streamed;           /* bytes of the current turn's text printed from deltas */
     bool mid_line;
     Cflue__V1__Outcome outcome; /* UNSPECIFIED until settled */
+    struct rpc_channel *ch;     /* where a subagent's conversation is watched from */
+    bool follow;                /* the watch stays open: subagents are followed live */
+    int depth;                  /* how deep in subagents this view is (0: the conversation asked) */
 };
+
+/* put writes s, with the view's indent at the start of each line, so a subagent's activity
+ * shows nested under the call that delegated it. */
+static void put(struct view *v, const char *s)
+{
+    for (; *s; s++) {
+        for (int i = 0; !v->mid_line && i < v->depth; i++) {
+            fputs(tty ? "\033[2m  | \033[0m" : "  | ", stdout);
+        }
+        fputc(*s, stdout);
+        v->mid_line = *s != '\n';
+    }
+}
+
+static void putf(struct view *v, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void putf(struct view *v, const char *fmt, ...)
+{
+    char small[1024], *big = NULL;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(small, sizeof(small), fmt, ap);
+    va_end(ap);
+    if (n >= (int)sizeof(small)) {
+        big = malloc((size_t)n + 1);
+        va_start(ap, fmt);
+        vsnprintf(big, (size_t)n + 1, fmt, ap);
+        va_end(ap);
+    }
+    put(v, n < 0 ? "" : big ? big : small);
+    free(big);
+}
 
 static void newline(struct view *v)
 {
     if (v->mid_line) {
-        fputc('\n', stdout);
-        v->mid_line = false;
+        put(v, "\n");
     }
+}
+
+static int watch_stream(struct rpc_channel *ch, const char *conversation, int64_t after,
+                        bool follow, struct view *v);
+
+/* show_result writes the head of a tool result. */
+static void show_result(struct view *v, const Cflue__V1__ToolCallResult *t)
+{
+    char *head = NULL;
+    size_t len = 0;
+    FILE *mem = open_memstream(&head, &len);
+    int more = mem ? print_result_head(mem, t->text) : 0;
+    if (mem) {
+        fclose(mem);
+    }
+    newline(v);
+    putf(v, "%s  <- %s%s%s: %s%s\n", dim(), t->name, t->is_error ? " (error)" : "",
+         t->outcome_unknown ? " (outcome unknown)" : "", head ? head : "", reset());
+    if (more) {
+        putf(v, "%s     (%d more lines)%s\n", dim(), more, reset());
+    }
+    free(head);
+}
+
+/* show_task writes a subagent's start, then its conversation nested, until the subagent
+ * settles (or, without follow, as far as it has gone). */
+static void show_task(struct view *v, const Cflue__V1__TaskStarted *t)
+{
+    newline(v);
+    putf(v, "%s  => %s (subagent, depth %d): conversation %s%s\n", dim(), t->agent, t->depth,
+         t->child_conversation_id, reset());
+    struct view child = {.submission_id = t->child_submission_id,
+                         .ch = v->ch,
+                         .follow = v->follow,
+                         .depth = v->depth + 1};
+    fflush(stdout);
+    if (watch_stream(v->ch, t->child_conversation_id, -1, v->follow, &child) != 0) {
+        putf(v, "%s  (the subagent's conversation could not be watched)%s\n", dim(), reset());
+    }
+    newline(&child);
 }
 
 /* show renders one record for a person; returns true when the watched submission settled. */
@@ -56,18 +131,17 @@ static bool show(struct view *v, const Cflue__V1__Record *r)
     switch (r->body_case) {
     case CFLUE__V1__RECORD__BODY_USER_MESSAGE:
         newline(v);
-        printf("%s> %s%s\n", dim(), r->user_message->text, reset());
+        putf(v, "%s> %s%s\n", dim(), r->user_message->text, reset());
         for (size_t i = 0; i < r->user_message->n_attachments; i++) {
             const Cflue__V1__AttachmentRef *a = r->user_message->attachments[i];
-            printf("%s  [attachment %s, %s, %lld bytes]%s\n", dim(), a->name, a->mime_type,
-                   (long long)a->size_bytes, reset());
+            putf(v, "%s  [attachment %s, %s, %lld bytes]%s\n", dim(), a->name, a->mime_type,
+                 (long long)a->size_bytes, reset());
         }
         break;
     case CFLUE__V1__RECORD__BODY_ASSISTANT_DELTA: {
         const char *text = r->assistant_delta->text;
-        fputs(text, stdout);
+        put(v, text);
         v->streamed += strlen(text);
-        v->mid_line = *text ? text[strlen(text) - 1] != '\n' : v->mid_line;
         break;
     }
     case CFLUE__V1__RECORD__BODY_ASSISTANT_MESSAGE: {
@@ -75,41 +149,31 @@ static bool show(struct view *v, const Cflue__V1__Record *r)
         /* deltas stream a prefix of the text (none at all for a quick answer); the message
          * holds the whole of it: print what the deltas did not */
         size_t len = strlen(m->text);
-        const char *rest = v->streamed <= len ? m->text + v->streamed : "";
-        if (*rest) {
-            fputs(rest, stdout);
-            v->mid_line = rest[strlen(rest) - 1] != '\n';
-        }
+        put(v, v->streamed <= len ? m->text + v->streamed : "");
         newline(v);
         v->streamed = 0;
         for (size_t i = 0; i < m->n_tool_calls; i++) {
-            printf("%s  -> %s %s%s\n", dim(), m->tool_calls[i]->name,
-                   m->tool_calls[i]->arguments_json, reset());
+            putf(v, "%s  -> %s %s%s\n", dim(), m->tool_calls[i]->name,
+                 m->tool_calls[i]->arguments_json, reset());
         }
         break;
     }
-    case CFLUE__V1__RECORD__BODY_TOOL_RESULT: {
-        const Cflue__V1__ToolCallResult *t = r->tool_result;
-        newline(v);
-        printf("%s  <- %s%s%s: ", dim(), t->name, t->is_error ? " (error)" : "",
-               t->outcome_unknown ? " (outcome unknown)" : "");
-        int more = print_result_head(stdout, t->text);
-        printf("%s\n", reset());
-        if (more) {
-            printf("%s     (%d more lines)%s\n", dim(), more, reset());
-        }
+    case CFLUE__V1__RECORD__BODY_TOOL_RESULT:
+        show_result(v, r->tool_result);
         break;
-    }
+    case CFLUE__V1__RECORD__BODY_TASK_STARTED:
+        show_task(v, r->task_started);
+        break;
     case CFLUE__V1__RECORD__BODY_SIGNAL:
         newline(v);
-        printf("%s[signal %s] %s%s\n", dim(), r->signal->kind, r->signal->text, reset());
+        putf(v, "%s[signal %s] %s%s\n", dim(), r->signal->kind, r->signal->text, reset());
         break;
     case CFLUE__V1__RECORD__BODY_COMPACTION: {
         const Cflue__V1__Compaction *c = r->compaction;
         newline(v);
-        printf("%s[compaction (%s): %lld -> %lld tokens, records from offset %lld kept]%s\n", dim(),
-               print_trigger_name(c->trigger), (long long)c->tokens_before,
-               (long long)c->tokens_after, (long long)c->first_kept_offset, reset());
+        putf(v, "%s[compaction (%s): %lld -> %lld tokens, records from offset %lld kept]%s\n",
+             dim(), print_trigger_name(c->trigger), (long long)c->tokens_before,
+             (long long)c->tokens_after, (long long)c->first_kept_offset, reset());
         break;
     }
     case CFLUE__V1__RECORD__BODY_SUBMISSION_SETTLED: {
@@ -117,8 +181,8 @@ static bool show(struct view *v, const Cflue__V1__Record *r)
         bool mine = v->submission_id && !strcmp(r->submission_id, v->submission_id);
         newline(v);
         if (!v->submission_id || mine) {
-            printf("%s[%s %s%s%s]%s\n", dim(), r->submission_id, print_outcome_name(s->outcome),
-                   *s->error ? ": " : "", s->error, reset());
+            putf(v, "%s[%s %s%s%s]%s\n", dim(), r->submission_id, print_outcome_name(s->outcome),
+                 *s->error ? ": " : "", s->error, reset());
         }
         if (mine) {
             v->outcome = s->outcome;
@@ -140,6 +204,8 @@ static int watch_stream(struct rpc_channel *ch, const char *conversation, int64_
     req.conversation_id = (char *)conversation;
     req.after_offset = after;
     req.follow = follow;
+    v->ch = ch;
+    v->follow = follow;
     struct rpc_stream *s =
         rpc_stream_open(ch, "/cflue.v1.Agent/Watch", &req.base, guard_timeout_ms(0));
     ProtobufCMessage *m;

@@ -212,6 +212,13 @@ void print_record(FILE *out, const Cflue__V1__Record *r)
         fputc('\n', out);
         break;
     }
+    case CFLUE__V1__RECORD__BODY_TASK_STARTED: {
+        const Cflue__V1__TaskStarted *t = r->task_started;
+        fprintf(out, " turn %d #%d (%s): %s at depth %d, submission %s in conversation %s\n",
+                t->turn, t->index, t->tool_call_id, t->agent, t->depth, t->child_submission_id,
+                t->child_conversation_id);
+        break;
+    }
     default:
         fputc('\n', out);
         break;

@@ -11,7 +11,8 @@
     X(TOOL_RESULT, "tool_result", cflue__v1__tool_call_result__descriptor)                         \
     X(SIGNAL, "signal", cflue__v1__signal__descriptor)                                             \
     X(COMPACTION, "compaction", cflue__v1__compaction__descriptor)                                 \
-    X(SUBMISSION_SETTLED, "submission_settled", cflue__v1__submission_settled__descriptor)
+    X(SUBMISSION_SETTLED, "submission_settled", cflue__v1__submission_settled__descriptor)         \
+    X(TASK_STARTED, "task_started", cflue__v1__task_started__descriptor)
 
 static const struct {
     Cflue__V1__Record__BodyCase kind;

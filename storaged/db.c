@@ -58,13 +58,14 @@ static const char schema_sql[] =
     "  output_tokens INTEGER NOT NULL DEFAULT 0,"
     "  cost_usd REAL NOT NULL DEFAULT 0,"
     "  kind INTEGER NOT NULL DEFAULT 1 CHECK (kind IN (1, 2)),"
+    "  " DB_PARENT_COLUMN ","
     "  CHECK ((status = 'settled') = (outcome IS NOT NULL)));"
     "CREATE UNIQUE INDEX submissions_by_key ON submissions(agent, idempotency_key)"
     "  WHERE idempotency_key IS NOT NULL;"
     "CREATE INDEX submissions_by_conversation ON submissions(conversation_id, status, sequence);"
     "CREATE INDEX submissions_by_status ON submissions(status, sequence);"
     "CREATE INDEX submissions_by_host ON submissions(joined_into) WHERE joined_into IS NOT NULL;"
-    "CREATE TABLE records" DB_RECORDS_TABLE ";" DB_RUNNABLE_SCHEMA DB_LIST_INDEXES
+    "CREATE TABLE records" DB_RECORDS_TABLE ";" DB_RUNNABLE_SCHEMA DB_LIST_INDEXES DB_PARENT_INDEX
     "INSERT INTO meta(key, value) VALUES ('schema_version', '" DB_SCHEMA_VERSION "');";
 
 enum cf_status db_code(int sqlite_rc)

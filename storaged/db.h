@@ -7,7 +7,7 @@
 #include <sqlite3.h>
 #include <stdbool.h>
 
-#define DB_SCHEMA_VERSION "4"
+#define DB_SCHEMA_VERSION "5"
 
 /* The records table's columns (after "CREATE TABLE <name>"): a record's body is stored as its
  * oneof case (`kind`, the Record.body field number) and the body message packed by protobuf-c
@@ -70,9 +70,20 @@
     "CREATE INDEX submissions_abort_requested ON submissions(sequence)"                            \
     "  WHERE abort_requested_at IS NOT NULL;"
 
+/* What schema version 5 added to version 4: subagent delegation. A submission admitted with
+ * AdmitRequest.delegation names its parent in `parent_submission_id` (NULL for every other
+ * submission, so rows of earlier versions need nothing); the partial index finds a parent's
+ * children, which an abort intent on the parent, or the parent settling failed or aborted,
+ * stamps in the same transaction (ledger.c, "abort"). DB_PARENT_COLUMN is the column as the
+ * fresh schema declares it and the migration adds it. */
+#define DB_PARENT_COLUMN "parent_submission_id TEXT"
+#define DB_PARENT_INDEX                                                                            \
+    "CREATE INDEX submissions_by_parent ON submissions(parent_submission_id)"                      \
+    "  WHERE parent_submission_id IS NOT NULL;"
+
 /* db_open opens path. The writer connection creates the schema on first use (WAL mode,
  * synchronous=FULL, foreign keys on), migrates a database of the previous schema version
- * (versions 1 to 3, migrate.h) in one transaction, and refuses one written by another
+ * (versions 1 to 4, migrate.h) in one transaction, and refuses one written by another
  * schema version or by something other than storaged with CF_VERSION and a message saying what
  * was found.
  * Reader connections are read-only and expect the schema to exist. On success *out is an open

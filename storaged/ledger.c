@@ -29,6 +29,12 @@
  *   (check_row asserts these on every row read).
  * - Streams are append-only; record ids are unique per conversation, which makes a resent
  *   batch idempotent and the settlement record (id "settled:<submission>") unique.
+ * - Delegation: a subagent's submission (Admit with a delegation) runs in a new conversation of
+ *   its own and names its parent (the `parent_submission_id` column), which exists and is one
+ *   level above it, so a tree is at most VALIDATE_DEPTH_MAX levels deep. Whatever stops a parent
+ *   stops its descendants in the same transaction: an abort intent on it, or its outcome failed
+ *   or aborted (reserved or settled), stamps an intent on each unsettled descendant, and a child
+ *   admitted under a parent already stopped carries one from its admission.
  * - A combined call (Admit with a claim, Append marking the input applied, Settle with records)
  *   is the separate calls' code run in one transaction, in the order the separate calls would
  *   run: its parts cannot disagree, and a refused part refuses all of it (savepoint).
@@ -45,6 +51,7 @@
 #include "validate.h"
 
 #include <assert.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -182,6 +189,7 @@ static void row_to_sub(struct ledger_ctx *c, sqlite3_stmt *st, Cflue__V1__Submis
     if (p) {
         out->message = p->message;
         out->source = p->source;
+        out->delegation = p->delegation; /* kept in the payload, as admitted */
         out->n_metadata = p->n_metadata;
         if (p->n_metadata) {
             out->metadata = arena_alloc(c->arena, sizeof(void *) * p->n_metadata);
@@ -545,13 +553,74 @@ static enum cf_status admit_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRe
     return CF_OK;
 }
 
+/* strfmt formats into the arena (for abort reasons built from the request's text). */
+static const char *strfmt(struct ledger_ctx *c, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static const char *strfmt(struct ledger_ctx *c, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    char *out = arena_alloc(c->arena, (size_t)(n < 0 ? 0 : n) + 1);
+    va_start(ap, fmt);
+    vsnprintf(out, (size_t)(n < 0 ? 0 : n) + 1, fmt, ap);
+    va_end(ap);
+    return out;
+}
+
+/* admit_parent reads a delegated submission's parent in this transaction: it must exist
+ * (CF_NOT_FOUND), in the conversation the delegation names and one level above the child
+ * (CF_INVALID otherwise: a depth that skips levels would unbound the tree). When the parent was
+ * stopped already (it has an abort intent, or it is settled, whatever its outcome),
+ * *abort_reason_out is the intent the child is admitted with; else NULL. */
+static enum cf_status admit_parent(struct ledger_ctx *c, const Cflue__V1__Delegation *d,
+                                   const char **abort_reason_out, struct cf_error *err)
+{
+    Cflue__V1__Submission parent;
+    enum cf_status rc = load_sub(c, d->parent_submission_id, &parent, err);
+    *abort_reason_out = NULL;
+    if (rc == CF_NOT_FOUND) {
+        return cf_error_set(err, CF_NOT_FOUND,
+                            "delegation.parent_submission_id: no submission with id '%s' (the "
+                            "parent of a delegated submission must exist)",
+                            d->parent_submission_id);
+    }
+    if (rc != CF_OK) {
+        return rc;
+    }
+    if (strcmp(parent.conversation_id, d->parent_conversation_id) != 0) {
+        return cf_error_set(err, CF_INVALID,
+                            "delegation.parent_conversation_id is '%s', but parent submission %s "
+                            "is in conversation %s",
+                            d->parent_conversation_id, parent.submission_id,
+                            parent.conversation_id);
+    }
+    int32_t parent_depth = parent.delegation ? parent.delegation->depth : 0;
+    if (d->depth != parent_depth + 1) {
+        return cf_error_set(err, CF_INVALID,
+                            "delegation.depth is %d, but parent submission %s is at depth %d (a "
+                            "child is one level below its parent)",
+                            (int)d->depth, parent.submission_id, (int)parent_depth);
+    }
+    if (parent.abort_request_time) {
+        *abort_reason_out =
+            strfmt(c, "parent submission %s has an abort intent", parent.submission_id);
+    } else if (parent.status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_SETTLED) {
+        *abort_reason_out = strfmt(c, "parent submission %s is already settled (%s)",
+                                   parent.submission_id, outcome_names[parent.outcome]);
+    }
+    return CF_OK;
+}
+
 enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
                             Cflue__V1__AdmitResponse *out, struct cf_error *err)
 {
     static const char insert_sql[] =
         "INSERT INTO submissions(submission_id, conversation_id, agent, idempotency_key, "
-        "payload, status, max_attempts, accepted_at, admit_pos, kind) "
-        "VALUES (?,?,?,?,?,'queued',?,?,?,?)";
+        "payload, status, max_attempts, accepted_at, admit_pos, kind, parent_submission_id, "
+        "abort_requested_at, abort_reason) "
+        "VALUES (?,?,?,?,?,'queued',?,?,?,?,?,NULLIF(?,0),?)";
     struct stmt s;
     enum cf_status rc;
     size_t payload_len;
@@ -560,12 +629,19 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
     int64_t next_pos = 0;
     bool found = false;
     bool compact = req->kind == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
+    const char *abort_reason = NULL;
 
+    /* a retried delegated Admit finds its child here, whatever became of the parent since */
     if (*req->idempotency_key &&
         ((rc = admitted_before(c, req, payload, payload_len, out, &found, err)) != CF_OK ||
          found)) {
         return rc;
     }
+    if (req->delegation && (rc = admit_parent(c, req->delegation, &abort_reason, err)) != CF_OK) {
+        return rc;
+    }
+    /* validate_admit: a delegated submission starts a new conversation */
+    assert(!req->delegation || !*req->conversation_id);
     if ((rc = admit_conversation(c, req, conv, sizeof(conv), &next_pos, err)) != CF_OK) {
         return rc;
     }
@@ -584,6 +660,9 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
     stmt_int(&s, 9,
              compact ? CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT
                      : CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE);
+    stmt_opt_text(&s, 10, req->delegation ? req->delegation->parent_submission_id : NULL);
+    stmt_int(&s, 11, abort_reason ? c->now : 0);
+    stmt_opt_text(&s, 12, abort_reason);
     if ((rc = stmt_done(&s, err)) != CF_OK) {
         return rc;
     }
@@ -1024,10 +1103,68 @@ enum cf_status ledger_finish_join(struct ledger_ctx *c, const Cflue__V1__JoinReq
 
 /* ---------- abort ---------- */
 
+/* What an abort intent is stamped on: unsettled rows whose outcome is not reserved yet. */
+#define ABORTABLE " AND status IN ('queued','running','joining','joined')"
+
+/* stamp_descendants stamps an abort intent (first stamp wins: an earlier intent keeps its time
+ * and reason) on the unsettled descendants of root, subagents of subagents included, found level by
+ * level through submissions_by_parent. A tree is at most VALIDATE_DEPTH_MAX levels deep (see the
+ * essay), which bounds the walk. As for RequestAbort's own targets, a terminalizing descendant (its
+ * outcome reserved) is not stamped; the walk goes on through it, and through settled ones, to their
+ * children. The stamped ids, and those stamped before, are added to *affected when it is given. */
+static enum cf_status stamp_descendants(struct ledger_ctx *c, const char *root, const char *reason,
+                                        struct strv *affected, struct cf_error *err)
+{
+    static const char children_sql[] = "SELECT submission_id, status FROM submissions "
+                                       "WHERE parent_submission_id = ?1 ORDER BY sequence";
+    static const char stamp_sql[] =
+        "UPDATE submissions SET abort_requested_at = COALESCE(abort_requested_at, ?1), "
+        "abort_reason = COALESCE(abort_reason, ?3) WHERE submission_id = ?2" ABORTABLE;
+    struct strv level = {0};
+    enum cf_status rc;
+    strv_push(c, &level, root);
+    for (int depth = 0; depth < VALIDATE_DEPTH_MAX && level.n > 0; depth++) {
+        struct strv next = {0}, stamp = {0};
+        for (size_t i = 0; i < level.n; i++) {
+            struct stmt s;
+            bool row;
+            if ((rc = stmt_open(&s, c->db, children_sql, "list delegated children", err)) !=
+                CF_OK) {
+                return rc;
+            }
+            stmt_text(&s, 1, level.v[i]);
+            while ((rc = stmt_step(&s, &row, err)) == CF_OK && row) {
+                const char *id = col_text(c, s.st, 0);
+                int st = status_from((const char *)sqlite3_column_text(s.st, 1));
+                strv_push(c, &next, id);
+                if (st != CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_TERMINALIZING &&
+                    st != CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_SETTLED) {
+                    strv_push(c, &stamp, id);
+                }
+            }
+            stmt_close(&s);
+            if (rc != CF_OK) {
+                return rc;
+            }
+        }
+        for (size_t i = 0; i < stamp.n; i++) {
+            if ((rc = update_sub(c, stamp_sql, "stamp abort on a delegated child", stamp.v[i],
+                                 reason, err)) != CF_OK) {
+                return rc;
+            }
+            assert(sqlite3_changes(c->db) == 1); /* read abortable in this transaction */
+            if (affected) {
+                strv_push(c, affected, stamp.v[i]);
+            }
+        }
+        level = next;
+    }
+    return CF_OK;
+}
+
 enum cf_status ledger_request_abort(struct ledger_ctx *c, const Cflue__V1__RequestAbortRequest *req,
                                     Cflue__V1__RequestAbortResponse *out, struct cf_error *err)
 {
-#define ABORTABLE " AND status IN ('queued','running','joining','joined')"
     static const char list_conv_sql[] = "SELECT submission_id FROM submissions "
                                         "WHERE conversation_id = ?1" ABORTABLE " ORDER BY sequence";
     static const char list_sub_sql[] = "SELECT submission_id FROM submissions "
@@ -1056,8 +1193,6 @@ enum cf_status ledger_request_abort(struct ledger_ctx *c, const Cflue__V1__Reque
     if ((rc = column_strings(c, &s, &affected, err)) != CF_OK) {
         return rc;
     }
-    out->affected = affected.v;
-    out->n_affected = affected.n;
     if ((rc = stmt_open(&s, c->db, by_conv ? stamp_conv_sql : stamp_sub_sql, "stamp abort", err)) !=
         CF_OK) {
         return rc;
@@ -1065,7 +1200,23 @@ enum cf_status ledger_request_abort(struct ledger_ctx *c, const Cflue__V1__Reque
     stmt_text(&s, 1, key);
     stmt_int(&s, 2, c->now);
     stmt_opt_text(&s, 3, req->reason);
-    return stmt_done(&s, err);
+    if ((rc = stmt_done(&s, err)) != CF_OK) {
+        return rc;
+    }
+    /* the subagents of each target, in their own conversations, are stopped with it; one walk
+     * per target names it in their reason */
+    size_t n_targets = affected.n;
+    for (size_t i = 0; i < n_targets; i++) {
+        const char *target = affected.v[i]; /* affected grows (and moves) in the walk */
+        const char *why = strfmt(c, "delegating submission %s was aborted%s%s", target,
+                                 *req->reason ? ": " : "", req->reason);
+        if ((rc = stamp_descendants(c, target, why, &affected, err)) != CF_OK) {
+            return rc;
+        }
+    }
+    out->affected = affected.v;
+    out->n_affected = affected.n;
+    return CF_OK;
 }
 
 /* ---------- settlement ---------- */
@@ -1153,6 +1304,24 @@ static enum cf_status record_usage(struct ledger_ctx *c, const char *sub,
     return stmt_done(&s, err);
 }
 
+/* stop_children stamps abort intents on the delegated descendants of sub (stamp_descendants)
+ * when its outcome, reserved or final, is failed or aborted: a parent that will not complete has
+ * no use for its subagents' answers. Settle runs it where the outcome is decided: at the
+ * reservation (reserve_only), so the subagents stop while the parent finishes, and again at the
+ * finishing settlement, which covers an outcome settled without a reservation (the second walk
+ * of a reserved one changes nothing: the first stamp wins). */
+static enum cf_status stop_children(struct ledger_ctx *c, const char *sub, int outcome,
+                                    const char *error, struct cf_error *err)
+{
+    if (outcome != CFLUE__V1__OUTCOME__OUTCOME_FAILED &&
+        outcome != CFLUE__V1__OUTCOME__OUTCOME_ABORTED) {
+        return CF_OK;
+    }
+    const char *why = strfmt(c, "delegating submission %s settled %s%s%s", sub,
+                             outcome_names[outcome], error ? ": " : "", error ? error : "");
+    return stamp_descendants(c, sub, why, NULL, err);
+}
+
 static enum cf_status finish_with_fanout(struct ledger_ctx *c, Cflue__V1__Submission *row,
                                          int outcome, const char *error,
                                          const Cflue__V1__Usage *usage,
@@ -1182,9 +1351,13 @@ static enum cf_status finish_with_fanout(struct ledger_ctx *c, Cflue__V1__Submis
     for (size_t i = 0; i < with.n; i++) {
         int64_t off;
         if ((rc = finish_one(c, with.v[i], row->conversation_id, outcome, error, row->submission_id,
-                             attempt, &off, err)) != CF_OK) {
+                             attempt, &off, err)) != CF_OK ||
+            (rc = stop_children(c, with.v[i], outcome, error, err)) != CF_OK) {
             return rc;
         }
+    }
+    if ((rc = stop_children(c, row->submission_id, outcome, error, err)) != CF_OK) {
+        return rc;
     }
     if ((rc = update_sub(c, release_sql, "release joining deliveries", row->submission_id, NULL,
                          err)) != CF_OK) {
@@ -1319,7 +1492,8 @@ static enum cf_status settle_row(struct ledger_ctx *c, const Cflue__V1__SettleRe
     stmt_text(&s, 1, outcome_names[outcome]);
     stmt_opt_text(&s, 2, error);
     stmt_text(&s, 3, row->submission_id);
-    if ((rc = stmt_done(&s, err)) != CF_OK) {
+    if ((rc = stmt_done(&s, err)) != CF_OK ||
+        (rc = stop_children(c, row->submission_id, outcome, error, err)) != CF_OK) {
         return rc;
     }
     return load_sub(c, row->submission_id, row, err);

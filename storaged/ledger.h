@@ -61,7 +61,12 @@ struct ledger_ctx {
 /* ledger_admit admits a submission (idempotent per agent + idempotency key; req->claim is no
  * part of the key's payload). With req->claim it also claims the admitted submission as
  * ledger_claim naming it would, setting out->claim (and out->submission to the claimed row)
- * only when it was its conversation's runnable head; a deduplicated Admit claims nothing. */
+ * only when it was its conversation's runnable head; a deduplicated Admit claims nothing. With
+ * req->delegation (checked by validate_admit: no conversation_id, kind MESSAGE) the parent is
+ * read in this transaction after the key: CF_NOT_FOUND when unknown, CF_INVALID when it is not
+ * in delegation.parent_conversation_id or not one level above delegation.depth. The child gets
+ * a new conversation and the column parent_submission_id, and is admitted with an abort intent
+ * when the parent has one or is settled. */
 CF_MUST_CHECK enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
                                           Cflue__V1__AdmitResponse *out, struct cf_error *err);
 
@@ -99,14 +104,18 @@ CF_MUST_CHECK enum cf_status ledger_finish_join(struct ledger_ctx *c,
                                                 const Cflue__V1__JoinRequest *req, bool finalize,
                                                 Cflue__V1__Submission *out, struct cf_error *err);
 
-/* ledger_request_abort stamps abort intents (first stamp wins; idempotent). */
+/* ledger_request_abort stamps abort intents (first stamp wins; idempotent) on its targets and
+ * on the unsettled delegated descendants of each (in other conversations); out->affected lists
+ * the targets, then their descendants, stamped now or before. */
 CF_MUST_CHECK enum cf_status ledger_request_abort(struct ledger_ctx *c,
                                                   const Cflue__V1__RequestAbortRequest *req,
                                                   Cflue__V1__RequestAbortResponse *out,
                                                   struct cf_error *err);
 
 /* ledger_settle reserves or finishes a submission's terminal outcome, with joined fan-out and
- * settlement records. req->records are appended first, through Append's path and its rules,
+ * settlement records. A failed or aborted outcome, when reserved and when finished, stamps abort
+ * intents on the unsettled delegated descendants of the submission (and of the joined ones
+ * settled with it). req->records are appended first, through Append's path and its rules,
  * once the fence (with an attempt) matched: records_first_offset is the first one's offset,
  * -1 when none. Repeating an identical finished Settle is answered already_settled and appends
  * nothing. conversation_queued counts the conversation's queued rows after it. */

@@ -1,6 +1,6 @@
 /* migrate.c - schema version 1 (JSON record bodies) to 2 (typed record bodies), and 2 to 3
  * (Claim through indexes: the `runnable` table), and 3 to 4 (the indexes of List's owner and
- * abort filters).
+ * abort filters), and 4 to 5 (a delegated submission's parent, for the abort cascade).
  *
  * Version 1 stored a record as `type TEXT` + `body TEXT` holding JSON whose shape lived in
  * agentd's code; version 2 stores the Record.body oneof case (`kind`) and the body message
@@ -349,6 +349,11 @@ static enum cf_status migrate_kinds(sqlite3 *db, struct cf_error *err)
     return rc;
 }
 
+/* 4 to 5: no submission of an earlier version was delegated, so every row's parent is NULL,
+ * which is what ADD COLUMN gives it. */
+static const char parent_sql[] =
+    "ALTER TABLE submissions ADD COLUMN " DB_PARENT_COLUMN ";" DB_PARENT_INDEX;
+
 enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct cf_error *err)
 {
     enum cf_status rc;
@@ -362,8 +367,13 @@ enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct c
     if (version <= 2 && (rc = db_exec(db, DB_RUNNABLE_SCHEMA DB_RUNNABLE_FILL, err)) != CF_OK) {
         goto fail;
     }
-    if ((rc = db_exec(db, DB_LIST_INDEXES, err)) != CF_OK ||
-        (rc = db_exec(db,
+    if (version <= 3 && (rc = db_exec(db, DB_LIST_INDEXES, err)) != CF_OK) {
+        goto fail;
+    }
+    if (version <= 4 && (rc = db_exec(db, parent_sql, err)) != CF_OK) {
+        goto fail;
+    }
+    if ((rc = db_exec(db,
                       "UPDATE meta SET value = '" DB_SCHEMA_VERSION "' "
                       "WHERE key = 'schema_version'",
                       err)) != CF_OK ||

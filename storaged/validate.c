@@ -113,13 +113,67 @@ static enum cf_status metadata(Cflue__V1__AdmitRequest__MetadataEntry *const *md
     return CF_OK;
 }
 
+/* bounded checks an id that is not a name of ours (a provider's tool call id, an address): set
+ * when required, at most max bytes, valid UTF-8. */
+static enum cf_status bounded(const char *field, const char *v, size_t max, bool required,
+                              struct cf_error *err)
+{
+    if (!*v) {
+        return required ? cf_error_set(err, CF_INVALID, "%s is required", field) : CF_OK;
+    }
+    return text(field, v, max, err);
+}
+
+/* delegation checks AdmitRequest.delegation against the request it came with: a subagent's
+ * submission is a message into a new conversation. That its parent exists, in the conversation
+ * named, one level up, is the ledger's to check (ledger_admit). */
+static enum cf_status delegation(const Cflue__V1__AdmitRequest *r, struct cf_error *err)
+{
+    const Cflue__V1__Delegation *d = r->delegation;
+    enum cf_status rc;
+    if (!d) {
+        return CF_OK;
+    }
+    if ((rc = name("delegation.parent_submission_id", d->parent_submission_id, true, err)) !=
+            CF_OK ||
+        (rc = name("delegation.parent_conversation_id", d->parent_conversation_id, true, err)) !=
+            CF_OK ||
+        (rc = bounded("delegation.tool_call_id", d->tool_call_id, VALIDATE_TOOL_CALL_ID_MAX, true,
+                      err)) != CF_OK ||
+        (rc = bounded("delegation.sandbox_tools", d->sandbox_tools, VALIDATE_SANDBOX_MAX, false,
+                      err)) != CF_OK ||
+        (rc = bounded("delegation.sandbox", d->sandbox, VALIDATE_SANDBOX_MAX, false, err)) !=
+            CF_OK) {
+        return rc;
+    }
+    if (d->depth < 1 || d->depth > VALIDATE_DEPTH_MAX) {
+        return cf_error_set(err, CF_INVALID, "delegation.depth must be 1 to %d (got %d)",
+                            VALIDATE_DEPTH_MAX, (int)d->depth);
+    }
+    if (!*d->sandbox_tools != !*d->sandbox) {
+        return cf_error_set(err, CF_INVALID,
+                            "delegation.sandbox and delegation.sandbox_tools go together: both "
+                            "set (the parent's sandbox shared) or both empty");
+    }
+    if (*r->conversation_id) {
+        return cf_error_set(err, CF_INVALID,
+                            "conversation_id must be empty with delegation: a delegated "
+                            "submission always starts a new conversation");
+    }
+    if (r->kind == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT) {
+        return cf_error_set(err, CF_INVALID, "kind must be MESSAGE with delegation");
+    }
+    return CF_OK;
+}
+
 static enum cf_status admit_claim(const Cflue__V1__ClaimRequest *c, struct cf_error *err);
 
 enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, struct cf_error *err)
 {
     enum cf_status rc;
     if ((rc = name("agent", r->agent, true, err)) != CF_OK ||
-        (rc = name("conversation_id", r->conversation_id, false, err)) != CF_OK) {
+        (rc = name("conversation_id", r->conversation_id, false, err)) != CF_OK ||
+        (rc = delegation(r, err)) != CF_OK) {
         return rc;
     }
     switch (r->kind) {
@@ -476,6 +530,43 @@ static enum cf_status check_tool_result(const char *at, const Cflue__V1__ToolCal
     return CF_OK;
 }
 
+/* body_name checks a body's field that names something of cflue's (an agent, a submission, a
+ * conversation): required, and a name as validate's own fields are. */
+static enum cf_status body_name(const char *at, const char *field, const char *v,
+                                struct cf_error *err)
+{
+    char f[96];
+    snprintf(f, sizeof(f), "%s.%s", at, field);
+    return name(f, v, true, err);
+}
+
+static enum cf_status check_task_started(const char *at, const Cflue__V1__TaskStarted *t,
+                                         struct cf_error *err)
+{
+    enum cf_status rc;
+    char f[96];
+    if ((rc = turn(at, "task_started", t->turn, err)) != CF_OK) {
+        return rc;
+    }
+    if (t->index < 0) {
+        return cf_error_set(err, CF_INVALID, "%s.task_started.index must not be negative", at);
+    }
+    snprintf(f, sizeof(f), "%s.task_started.tool_call_id", at);
+    if ((rc = bounded(f, t->tool_call_id, VALIDATE_TOOL_CALL_ID_MAX, true, err)) != CF_OK ||
+        (rc = body_name(at, "task_started.agent", t->agent, err)) != CF_OK ||
+        (rc = body_name(at, "task_started.child_submission_id", t->child_submission_id, err)) !=
+            CF_OK ||
+        (rc = body_name(at, "task_started.child_conversation_id", t->child_conversation_id, err)) !=
+            CF_OK) {
+        return rc;
+    }
+    if (t->depth < 1 || t->depth > VALIDATE_DEPTH_MAX) {
+        return cf_error_set(err, CF_INVALID, "%s.task_started.depth must be 1 to %d (got %d)", at,
+                            VALIDATE_DEPTH_MAX, (int)t->depth);
+    }
+    return CF_OK;
+}
+
 static enum cf_status check_body(const char *at, const Cflue__V1__Record *rec, struct cf_error *err)
 {
     enum cf_status rc;
@@ -516,6 +607,8 @@ static enum cf_status check_body(const char *at, const Cflue__V1__Record *rec, s
         }
         return body_text(at, "compaction.summary", c->summary, err);
     }
+    case CFLUE__V1__RECORD__BODY_TASK_STARTED:
+        return check_task_started(at, rec->task_started, err);
     case CFLUE__V1__RECORD__BODY_SUBMISSION_SETTLED:
         return cf_error_setr(err, CF_INVALID, "RESERVED_RECORD_TYPE",
                              "%s: submission_settled records are written by storaged only (Settle "

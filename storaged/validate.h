@@ -21,6 +21,9 @@
 #define VALIDATE_LEASE_MIN_MS 100
 #define VALIDATE_LEASE_MAX_MS (3600LL * 1000)
 #define VALIDATE_RESERVED_PREFIX "cflue." /* metadata keys cflue keeps for itself */
+#define VALIDATE_DEPTH_MAX 4              /* delegation depth: a subagent's subagent's ... */
+#define VALIDATE_TOOL_CALL_ID_MAX 256     /* a provider's tool call id */
+#define VALIDATE_SANDBOX_MAX 256          /* Delegation.sandbox_tools and .sandbox */
 
 CF_MUST_CHECK enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, struct cf_error *err);
 CF_MUST_CHECK enum cf_status validate_claim(const Cflue__V1__ClaimRequest *r, struct cf_error *err);

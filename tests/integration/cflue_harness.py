@@ -549,6 +549,9 @@ RECORD_DEFAULTS = {
     'compaction': {'summary': 'so far', 'first_kept_offset': 0,
                    'trigger': 'COMPACTION_TRIGGER_THRESHOLD'},
     'submission_settled': {'outcome': 'OUTCOME_COMPLETED'},
+    'task_started': {'turn': 1, 'index': 0, 'tool_call_id': 'call_1', 'agent': 'helper',
+                     'child_submission_id': 'sub_child', 'child_conversation_id': 'conv_child',
+                     'depth': 1},
 }
 
 

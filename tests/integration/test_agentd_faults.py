@@ -168,7 +168,7 @@ class FaultsCase(FaultsBase):
         reqs = self.model_requests(conv)
         self.assertTrue(reqs)
         names = sorted(t['name'] for t in reqs[0]['body'].get('tools') or [])
-        self.assertEqual(names, ['bash', 'edit', 'glob', 'grep', 'read', 'write'])
+        self.assertEqual(names, ['bash', 'edit', 'glob', 'grep', 'read', 'task', 'write'])
         system = request_system(reqs[0])
         self.assertIn('Working directory:', system)
         self.assertIn('hello.txt', system)

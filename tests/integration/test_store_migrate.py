@@ -2,7 +2,9 @@
 (JSON record bodies, compaction as metadata cflue.kind=compact): every record becomes its typed
 body, unknown types become legacy signals, compact submissions get kind COMPACT. Version 2
 (no `runnable` table): the Claim indexes are built and filled, so Claim finds the right heads.
-Version 3 (no List indexes): the indexes of List's owner and abort filters are built."""
+Version 3 (no List indexes): the indexes of List's owner and abort filters are built.
+Version 4 (no parent column): every submission gets parent_submission_id NULL and its index, and
+delegated submissions can be admitted under the migrated ones."""
 
 import json
 import os
@@ -11,7 +13,8 @@ import tempfile
 import unittest
 
 from cflue_harness import (
-    StoragedTestCase, admit, claim, common_pb2, get, read_all, store_pb2)
+    StoragedTestCase, admit, admit_request, claim, common_pb2, get, read_all, request_abort,
+    settle, store_pb2)
 
 # The version-1 schema exactly as storaged wrote it (git show d3f3e8f:storaged/db.c).
 OLD_SCHEMA = '''
@@ -40,6 +43,10 @@ V2_SCHEMA = OLD_SCHEMA.replace(
 ).replace("VALUES ('schema_version', '1')", "VALUES ('schema_version', '2')")
 
 T = 1700000000000
+
+# What turns this version's schema back into version 4's: no parent column, no index of it.
+TO_V4 = ("DROP INDEX submissions_by_parent;"
+         "ALTER TABLE submissions DROP COLUMN parent_submission_id;")
 
 
 def payload(text='', metadata=None, key=''):
@@ -136,14 +143,14 @@ class MigrateTest(StoragedTestCase):
         self.assertEqual(c.kind, common_pb2.SUBMISSION_KIND_COMPACT)
         self.assertEqual(dict(c.metadata), {'z': '1'})
         self.assertEqual(get(sd.stub, 'sub_a').kind, common_pb2.SUBMISSION_KIND_MESSAGE)
-        # a fresh record appends after the migrated ones; the schema is stamped 4
+        # a fresh record appends after the migrated ones; the schema is stamped 5
         r = admit(sd.stub, conv='old', text='new')
         self.assertEqual(r.offset, len(RECORDS) - 1)
         sd.stop()
         con = sqlite3.connect(path)
         try:
             (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            self.assertEqual(v, '4')
+            self.assertEqual(v, '5')
             cols = [row[1] for row in con.execute('PRAGMA table_info(records)')]
             self.assertIn('kind', cols)
             self.assertNotIn('type', cols)
@@ -190,7 +197,7 @@ class MigrateTest(StoragedTestCase):
         con = sqlite3.connect(path)
         try:
             (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            self.assertEqual(v, '4')
+            self.assertEqual(v, '5')
             self.assertEqual(con.execute('SELECT count(*) FROM runnable').fetchone()[0], 0)
         finally:
             con.close()
@@ -210,6 +217,7 @@ class MigrateTest(StoragedTestCase):
         try:
             con.executescript("DROP INDEX submissions_by_owner;"
                               "DROP INDEX submissions_abort_requested;"
+                              + TO_V4 +
                               "UPDATE meta SET value = '3' WHERE key = 'schema_version';")
         finally:
             con.close()
@@ -223,11 +231,68 @@ class MigrateTest(StoragedTestCase):
         con = sqlite3.connect(sd.db)
         try:
             (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            self.assertEqual(v, '4')
+            self.assertEqual(v, '5')
             names = set(r[0] for r in con.execute(
                 "SELECT name FROM sqlite_master WHERE type = 'index'"))
             self.assertLessEqual({'submissions_by_owner', 'submissions_abort_requested',
                                   'submissions_unsettled', 'submissions_by_lease'}, names)
+        finally:
+            con.close()
+
+    def test_migrates_version_4_and_delegates(self):
+        """A version-4 database (this schema without the parent column and its index, stamped
+        4) with a running, an aborted and a settled submission: after the migration every row's
+        parent is NULL, the index exists, the rows read as before (no delegation), and children
+        admitted under the migrated rows behave as under new ones."""
+        sd = self.start_storaged()
+        running = admit(sd.stub, conv='r').submission
+        c = claim(sd.stub, submission_id=running.submission_id)
+        aborted = admit(sd.stub, conv='a').submission
+        request_abort(sd.stub, submission_id=aborted.submission_id, reason='x')
+        done = admit(sd.stub, conv='d').submission
+        settle(sd.stub, claim(sd.stub, submission_id=done.submission_id).fence)
+        sd.stop()
+        con = sqlite3.connect(sd.db)
+        try:
+            fresh = list(con.execute('PRAGMA table_info(submissions)'))
+            con.executescript(TO_V4 + "UPDATE meta SET value = '4' WHERE key = 'schema_version';")
+            cols = [row[1] for row in con.execute('PRAGMA table_info(submissions)')]
+            self.assertNotIn('parent_submission_id', cols)
+        finally:
+            con.close()
+        sd.start()
+        for sub in (running, aborted, done):
+            self.assertFalse(get(sd.stub, sub.submission_id).HasField('delegation'))
+        children = {}
+        for name, parent in (('running', running), ('aborted', aborted), ('done', done)):
+            req = admit_request(agent='helper', text='subtask')
+            req.delegation.CopyFrom(common_pb2.Delegation(
+                parent_submission_id=parent.submission_id,
+                parent_conversation_id=parent.conversation_id, tool_call_id='call_1', depth=1))
+            children[name] = sd.stub.admit(req).submission
+            self.assertEqual(children[name].delegation.parent_submission_id,
+                             parent.submission_id)
+        stamped = lambda name: get(sd.stub, children[name].submission_id).HasField(
+            'abort_request_time')
+        self.assertEqual([stamped(n) for n in ('running', 'aborted', 'done')],
+                         [False, True, True])
+        settle(sd.stub, c.fence, common_pb2.OUTCOME_FAILED, 'boom')
+        self.assertTrue(stamped('running'))
+        sd.stop()
+        con = sqlite3.connect(sd.db)
+        try:
+            (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            self.assertEqual(v, '5')
+            # the migrated table is the fresh one, column for column
+            self.assertEqual(list(con.execute('PRAGMA table_info(submissions)')), fresh)
+            parents = dict(con.execute('SELECT submission_id, parent_submission_id '
+                                       'FROM submissions'))
+            for sub in (running, aborted, done):
+                self.assertIsNone(parents[sub.submission_id])
+            self.assertEqual(parents[children['done'].submission_id], done.submission_id)
+            (idx,) = con.execute("SELECT sql FROM sqlite_master WHERE type = 'index' AND "
+                                 "name = 'submissions_by_parent'").fetchone()
+            self.assertIn('WHERE parent_submission_id IS NOT NULL', idx)
         finally:
             con.close()
 

@@ -27,6 +27,9 @@ FULL = {
     'signal': {'kind': 'resources_1', 'text': 'disk low'},
     'compaction': {'summary': 'sum', 'firstKeptOffset': 2, 'tokensBefore': 100,
                    'tokensAfter': 10, 'trigger': 'COMPACTION_TRIGGER_REQUEST'},
+    'task_started': {'turn': 2, 'index': 1, 'toolCallId': 'c2', 'agent': 'helper',
+                     'childSubmissionId': 'sub_01CHILD', 'childConversationId': 'conv_01CHILD',
+                     'depth': 3},
 }
 
 

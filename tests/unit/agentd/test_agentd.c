@@ -4,6 +4,7 @@
 
 #include "agents.h"
 #include "clock.h"
+#include "drive.h"
 #include "metadata.h"
 #include "page_token.h"
 #include "provider.h"
@@ -459,6 +460,45 @@ static void test_settled_here_forgets(void)
     CHECK(got == NULL);
 }
 
+struct agentd g_agentd; /* main.c's, which this test does not link: task.c refers to it */
+
+/* The framework's task tool joins after the sandbox's tools; a sandbox tool with a reserved
+ * name is refused, naming the tool server. */
+static void test_task_tools(void)
+{
+    struct drive d;
+    struct llm_tool sandbox[2] = {{.name = "read", .description = "Read.", .schema_json = "{}"},
+                                  {.name = "bash", .description = "Run.", .schema_json = "{}"}};
+    memset(&d, 0, sizeof(d));
+    d.tools_addr = "127.0.0.1:7102";
+    d.tools.tools = malloc(sizeof(sandbox));
+    memcpy(d.tools.tools, sandbox, sizeof(sandbox));
+    d.tools.n = 2;
+    CHECK(task_tools_add(&d));
+    CHECK(d.tools.n == 3);
+    CHECK_STR(d.tools.tools[0].name, "read");
+    CHECK_STR(d.tools.tools[2].name, "task");
+    CHECK(task_is_framework("task") && !task_is_framework("bash"));
+    json_t *props = json_object_get(d.tools.tools[2].schema, "properties");
+    CHECK(json_is_object(json_object_get(props, "prompt")));
+    CHECK(json_is_object(json_object_get(props, "agent")));
+    CHECK(json_array_size(json_object_get(d.tools.tools[2].schema, "required")) == 2);
+    tools_cleanup(&d);
+
+    struct llm_tool clash[1] = {
+        {.name = "activate_skill", .description = "Mine.", .schema_json = "{}"}};
+    memset(&d, 0, sizeof(d));
+    d.tools_addr = "10.0.0.9:7200";
+    d.tools.tools = malloc(sizeof(clash));
+    memcpy(d.tools.tools, clash, sizeof(clash));
+    d.tools.n = 1;
+    CHECK(!task_tools_add(&d));
+    CHECK(d.tools.n == 1);
+    CHECK(strstr(d.error, "\"activate_skill\"") != NULL);
+    CHECK(strstr(d.error, "10.0.0.9:7200") != NULL);
+    tools_cleanup(&d);
+}
+
 int main(void)
 {
     test_agents();
@@ -471,5 +511,6 @@ int main(void)
     test_record_log();
     test_record_log_pending();
     test_settled_here_forgets();
+    test_task_tools();
     return check_done("test_agentd");
 }

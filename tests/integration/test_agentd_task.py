@@ -1,0 +1,388 @@
+"""The framework's `task` tool: subagents as child submissions (agentd/task.c). Real storaged,
+toold and agentd processes; the fake model plays every agent, each step matched to one agent by
+the `ROLE <name>.` line of its instructions.
+
+    cd tests/integration && CFLUE_BUILD_DIR=/work/main/build /usr/bin/python3 -m unittest -v \
+        test_agentd_task
+
+What is checked: a chain lead -> helper -> deep settles with each answer handed up as the
+calling task's result; the child shares its parent's sandbox (a file the child writes is in the
+parent's workspace); the call that would run at depth 5 gets delegation_depth_exceeded; two task
+calls of one turn run at the same time; aborting the parent aborts the child; kill -9 of agentd
+while a child waits on the model, then a restart: the child finishes and its real answer becomes
+the parent's result (never "outcome unknown"); an agent without a sandbox is offered `task` and
+nothing of a workspace.
+"""
+
+import os
+import sys
+import time
+import unittest
+
+import cflue_harness as H
+from cflue_harness import common_pb2
+from test_agentd import (COMPLETED, SETTLED, AgentdCase, body, kind, new_conv,
+                         request_system)
+from test_cli import run_cli
+
+ABORTED = common_pb2.OUTCOME_ABORTED
+
+
+def role(name, **step):
+    """A scenario step for the agent whose instructions say `ROLE name.`"""
+    match = dict(step.pop('match', {}))
+    match['system_contains'] = 'ROLE %s.' % name
+    step['match'] = match
+    return step
+
+
+def task_call(agent, prompt, call_id=None):
+    c = {'name': 'task', 'arguments': {'agent': agent, 'prompt': prompt}}
+    if call_id:
+        c['id'] = call_id
+    return c
+
+
+class TaskCase(AgentdCase):
+    stack_kwargs = {
+        'agents': ('task-lead', 'task-helper', 'task-scout', 'task-deep', 'task-solo'),
+        'agentd_args': ('--lease-ms', '3000', '--heartbeat-ms', '1000'),
+    }
+
+    def setUp(self):
+        for d in [self.stack.sd, self.stack.td] + self.stack.agentds:
+            if not d.alive():
+                d.start()
+
+    def get(self, sid):
+        return H.get(self.stack.sd.stub, sid)
+
+    def task_results(self, conv, sid=None):
+        """The tool_result records of `task` calls in conv (of submission sid when given)."""
+        return [body(r) for r in self.records(conv)
+                if kind(r) == 'tool_result' and body(r).name == 'task'
+                and (sid is None or r.submission_id == sid)]
+
+    def children(self, conv):
+        """The task_started records of conv, in order."""
+        return [body(r) for r in self.records(conv) if kind(r) == 'task_started']
+
+    def final_text(self, conv, sid):
+        texts = [body(r).text for r in self.records(conv)
+                 if kind(r) == 'assistant_message' and r.submission_id == sid]
+        return texts[-1] if texts else None
+
+
+class ChainTest(TaskCase):
+    def test_lead_helper_deep_each_answer_handed_up(self):
+        conv = new_conv('chain')
+        ws = self.workspace(conv)
+        self.fm.set_scenario([
+            role('lead', tool_calls=[task_call('task-helper', 'Write child.txt, then ask deep.')]),
+            role('helper', tool_calls=[{'name': 'bash',
+                                        'arguments': {'command': 'echo from-child > child.txt'}}]),
+            role('helper', tool_calls=[task_call('task-deep', 'What is at the bottom?')]),
+            role('deep', text='The bottom holds a grandchild answer.'),
+            role('helper', text='Child answer: wrote child.txt; deep said the bottom holds a '
+                                'grandchild answer.'),
+            role('lead', text='All done: the helper wrote child.txt.'),
+        ])
+        sid = self.ad.submit('task-lead', 'Please delegate.', conversation_id=conv).submission_id
+        sub = self.wait_settled(sid, timeout=60)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        self.assertEqual(self.final_text(conv, sid), 'All done: the helper wrote child.txt.')
+
+        # the child shares the lead's sandbox
+        with open(os.path.join(ws, 'child.txt')) as f:
+            self.assertEqual(f.read(), 'from-child\n')
+
+        # lead -> helper: one child, depth 1, its answer the lead's task result
+        [started] = self.children(conv)
+        self.assertEqual((started.agent, started.depth, started.turn, started.index),
+                         ('task-helper', 1, 1, 0))
+        [res] = self.task_results(conv, sid)
+        self.assertFalse(res.is_error, res)
+        self.assertEqual(res.text, 'Child answer: wrote child.txt; deep said the bottom holds '
+                                   'a grandchild answer.')
+        child = self.get(started.child_submission_id)
+        self.assertEqual(child.outcome, COMPLETED)
+        self.assertEqual(child.conversation_id, started.child_conversation_id)
+        self.assertEqual(child.delegation.parent_submission_id, sid)
+        self.assertEqual(child.delegation.depth, 1)
+        self.assertEqual(child.source, common_pb2.SOURCE_DISPATCH)
+
+        # helper -> deep: depth 2, the deep answer the helper's result
+        [grand] = self.children(started.child_conversation_id)
+        self.assertEqual((grand.agent, grand.depth), ('task-deep', 2))
+        [gres] = self.task_results(started.child_conversation_id)
+        self.assertEqual(gres.text, 'The bottom holds a grandchild answer.')
+        g = self.get(grand.child_submission_id)
+        self.assertEqual(g.outcome, COMPLETED)
+        self.assertEqual(g.delegation.parent_submission_id, started.child_submission_id)
+
+        # the child's model saw the task prompt, the roster and the shared working directory,
+        # not the lead's conversation
+        child_reqs = [e for e in self.fm.requests()
+                      if 'ROLE helper.' in request_system(e) and 'rejected' not in e]
+        self.assertTrue(child_reqs)
+        first = child_reqs[0]['body']
+        self.assertEqual(first['messages'][0]['content'][0]['text']
+                         if isinstance(first['messages'][0]['content'], list)
+                         else first['messages'][0]['content'],
+                         'Write child.txt, then ask deep.')
+        self.assertIn(conv, request_system(child_reqs[0]))  # the lead's working directory
+        self.assertNotIn('Please delegate.', str(first['messages']))
+        self.assertIn('task-deep', request_system(child_reqs[0]))  # its own roster
+        names = [t['name'] for t in first['tools']]
+        self.assertEqual(names, ['read', 'write', 'edit', 'bash', 'grep', 'glob', 'task'])
+
+        # `cflue watch` shows each subagent's conversation nested under the call
+        rc, out, err = run_cli(['watch', conv, '--agentd', self.ad.target])
+        self.assertEqual(rc, 0, err)
+        lines = out.splitlines()
+
+        def line_of(text):
+            found = [i for i, line in enumerate(lines) if text in line]
+            self.assertTrue(found, 'no line with %r in:\n%s' % (text, out))
+            return found[0]
+
+        self.assertTrue(lines[line_of('=> task-helper')].startswith('  =>'), out)
+        self.assertTrue(lines[line_of('> Write child.txt')].startswith('  | > '), out)
+        self.assertTrue(lines[line_of('=> task-deep')].startswith('  |   =>'), out)
+        self.assertTrue(lines[line_of('The bottom holds')].startswith('  |   | '), out)
+        self.assertTrue(lines[line_of('All done')].startswith('All done'), out)
+        self.assertLess(line_of('=> task-helper'), line_of('> Write child.txt'))
+        self.assertLess(line_of('The bottom holds'), line_of('<- task: Child answer'))
+        self.assertLess(line_of('<- task: Child answer'), line_of('All done'))
+
+    def test_the_call_that_would_reach_depth_5_fails(self):
+        conv = new_conv('depth')
+        self.workspace(conv)
+        steps = [role('lead', tool_calls=[task_call('task-deep', 'Go as deep as you can.')])]
+        steps += [role('deep', tool_calls=[task_call('task-deep', 'Deeper.')]) for _ in range(4)]
+        steps += [role('deep', text='level answer') for _ in range(4)]
+        steps += [role('lead', text='The chain ended.')]
+        self.fm.set_scenario(steps)
+        sid = self.ad.submit('task-lead', 'Delegate deeply.', conversation_id=conv).submission_id
+        sub = self.wait_settled(sid, timeout=90)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        # walk down: depths 1..4 exist, and the depth-4 child's own task call was refused
+        c, depth, last_conv = conv, 0, None
+        while True:
+            started = self.children(c)
+            if not started:
+                break
+            [s] = started
+            depth += 1
+            self.assertEqual(s.depth, depth)
+            last_conv, c = c, s.child_conversation_id
+        self.assertEqual(depth, 4)
+        [refused] = self.task_results(c)
+        self.assertTrue(refused.is_error, refused)
+        self.assertIn('delegation_depth_exceeded', refused.text)
+        self.assertEqual(self.children(c), [])  # no fifth child was admitted
+        self.assertEqual(self.final_text(conv, sid), 'The chain ended.')
+
+
+class ParallelTest(TaskCase):
+    def test_two_task_calls_of_one_turn_overlap(self):
+        conv = new_conv('par')
+        self.workspace(conv)
+        self.fm.set_scenario([
+            role('lead', tool_calls=[task_call('task-scout', 'Look up alpha.'),
+                                     task_call('task-scout', 'Look up beta.')]),
+            role('scout', match={'last_user_contains': 'alpha'}, delay_ms=1500,
+                 text='alpha is first.'),
+            role('scout', match={'last_user_contains': 'beta'}, delay_ms=1500,
+                 text='beta is second.'),
+            role('lead', text='Both scouts answered.'),
+        ])
+        sid = self.ad.submit('task-lead', 'Ask two scouts.', conversation_id=conv).submission_id
+        sub = self.wait_settled(sid, timeout=60)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        results = {r.index: r.text for r in self.task_results(conv, sid)}
+        self.assertEqual(results, {0: 'alpha is first.', 1: 'beta is second.'})
+        kids = [self.get(s.child_submission_id) for s in self.children(conv)]
+        self.assertEqual(len(kids), 2)
+        a, b = [(H.ts_ms(k.create_time), H.ts_ms(k.settle_time)) for k in kids]
+        # each was admitted before the other settled: they ran side by side
+        self.assertLess(a[0], b[1])
+        self.assertLess(b[0], a[1])
+        self.assertLess(max(a[1], b[1]) - min(a[0], b[0]), 2900,
+                        'two 1.5 s children took as long as running one after the other')
+
+
+class AbortTest(TaskCase):
+    def test_aborting_the_parent_aborts_the_child(self):
+        conv = new_conv('abort')
+        self.workspace(conv)
+        self.fm.set_scenario([
+            role('lead', tool_calls=[task_call('task-scout', 'Take your time.')]),
+            role('scout', delay_ms=30000, text='too late'),
+        ])
+        sid = self.ad.submit('task-lead', 'Delegate slowly.', conversation_id=conv).submission_id
+        started = self.wait_for('the child to be admitted', lambda: self.children(conv),
+                                timeout=20)[0]
+        child = started.child_submission_id
+        self.wait_for('the child to run', lambda: self.get(child).status ==
+                      common_pb2.SUBMISSION_STATUS_RUNNING, timeout=20)
+        t0 = time.monotonic()
+        self.ad.abort(submission_id=sid)
+        sub = self.wait_settled(sid, timeout=20)
+        self.assertEqual(sub.outcome, ABORTED, sub)
+        csub = self.wait_settled(child, timeout=20)
+        self.assertEqual(csub.outcome, ABORTED, csub)
+        self.assertLess(time.monotonic() - t0, 10, 'the child ran on after the abort')
+
+
+class CrashTest(TaskCase):
+    def test_kill_9_while_the_child_works_then_restart(self):
+        conv = new_conv('crash')
+        self.workspace(conv)
+        self.fm.set_scenario([
+            role('lead', tool_calls=[task_call('task-scout', 'Survive a crash.')]),
+            role('scout', delay_ms=4000, text='the answer before the crash'),
+            role('scout', text='the answer after the crash'),
+            role('lead', match={'last_user_contains': 'the answer after the crash'},
+                 text='The scout survived.'),
+        ])
+        sid = self.ad.submit('task-lead', 'Delegate and crash.',
+                             conversation_id=conv).submission_id
+        started = self.wait_for('the child to be admitted', lambda: self.children(conv),
+                                timeout=20)[0]
+        child_conv = started.child_conversation_id
+        self.wait_for('the child to ask the model',
+                      lambda: [e for e in self.fm.requests()
+                               if 'ROLE scout.' in request_system(e)], timeout=20)
+        self.ad.kill()
+        self.ad.start()
+        sub = self.wait_settled(sid, timeout=60)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        [res] = self.task_results(conv, sid)
+        self.assertFalse(res.outcome_unknown, res)
+        self.assertFalse(res.is_error, res)
+        self.assertEqual(res.text, 'the answer after the crash')
+        self.assertEqual(self.final_text(conv, sid), 'The scout survived.')
+        # one child, admitted once (the resumed parent found the same one)
+        self.assertEqual(len({s.child_submission_id for s in self.children(conv)}), 1)
+        csub = self.get(started.child_submission_id)
+        self.assertEqual(csub.outcome, COMPLETED)
+        self.assertGreaterEqual(csub.attempt_count, 2)
+        settled = [r for r in self.records(child_conv) if kind(r) == 'submission_settled']
+        self.assertEqual(len(settled), 1)
+
+
+class StoreOutageTest(TaskCase):
+    """storaged goes away while a child works: for less than agentd's retry window (the lease,
+    3 s here, at least 5 s), and for longer."""
+
+    def run_through_outage(self, tag, outage_s):
+        conv = new_conv(tag)
+        self.workspace(conv)
+        self.fm.set_scenario([
+            role('lead', tool_calls=[task_call('task-scout', 'Outlast %s.' % tag)]),
+            role('scout', delay_ms=int(outage_s * 1000) + 1500, text='answer through %s' % tag),
+            role('scout', text='answer through %s' % tag),
+            role('lead', match={'last_user_contains': 'answer through %s' % tag},
+                 text='Done after the outage.'),
+        ])
+        sid = self.ad.submit('task-lead', 'Delegate through an outage.',
+                             conversation_id=conv).submission_id
+        started = self.wait_for('the child to be admitted', lambda: self.children(conv),
+                                timeout=20)[0]
+        self.wait_for('the child to ask the model',
+                      lambda: [e for e in self.fm.requests()
+                               if 'Outlast %s.' % tag in str(e.get('body'))], timeout=20)
+        self.stack.sd.kill()
+        time.sleep(outage_s)
+        self.stack.sd.start()
+        sub = None
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                sub = self.ad.get_submission(sid, wait=True, timeout=10)
+                if sub.status == SETTLED:
+                    break
+            except Exception:
+                time.sleep(0.5)
+        self.assertIsNotNone(sub)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        [res] = self.task_results(conv, sid)
+        self.assertFalse(res.outcome_unknown, res)
+        self.assertEqual(res.text, 'answer through %s' % tag)
+        self.assertEqual(len({s.child_submission_id for s in self.children(conv)}), 1)
+        self.assertEqual(self.get(started.child_submission_id).outcome, COMPLETED)
+        return sub
+
+    def test_short_outage_the_parent_follows_again(self):
+        sub = self.run_through_outage('short', 2)
+        self.assertEqual(sub.attempt_count, 1, 'a short outage interrupted the parent')
+        self.assertIn('event=task_retry', self.ad.stderr_text())
+
+    def test_long_outage_the_next_attempt_waits_for_the_same_child(self):
+        sub = self.run_through_outage('long', 9)
+        self.assertGreaterEqual(sub.attempt_count, 2)
+        self.assertIn('event=task_resume', self.ad.stderr_text())
+
+
+class TimeLimitTest(TaskCase):
+    def test_parent_time_limit_ends_the_wait_and_aborts_the_child(self):
+        conv = new_conv('limit')
+        self.workspace(conv)
+        self.fm.set_scenario([
+            role('lead', tool_calls=[task_call('task-scout', 'Take forever.')]),
+            role('scout', delay_ms=60000, text='never'),
+        ])
+        # the lead's own definition allows 120 s; this conversation's first message gets 3 s
+        # through a definition copy with a short timeout
+        path = os.path.join(self.stack.agents_dir, 'task-lead.md')
+        with open(path) as f:
+            text = f.read()
+        quick = text.replace('name: task-lead', 'name: task-lead-quick').replace(
+            'timeout_ms: 120000', 'timeout_ms: 3000')
+        with open(os.path.join(self.stack.agents_dir, 'task-lead-quick.md'), 'w') as f:
+            f.write(quick)
+        self.ad.stop()
+        self.ad.start()
+        try:
+            sid = self.ad.submit('task-lead-quick', 'Delegate with a deadline.',
+                                 conversation_id=conv).submission_id
+            sub = self.wait_settled(sid, timeout=30)
+        finally:
+            os.unlink(os.path.join(self.stack.agents_dir, 'task-lead-quick.md'))
+            self.ad.stop()
+            self.ad.start()
+        self.assertEqual(sub.outcome, common_pb2.OUTCOME_FAILED, sub)
+        self.assertIn('time limit', sub.error)
+        [res] = self.task_results(conv, sid)
+        self.assertTrue(res.is_error, res)
+        self.assertIn('time limit', res.text)
+        [started] = self.children(conv)
+        child = self.wait_settled(started.child_submission_id, timeout=20)
+        self.assertEqual(child.outcome, ABORTED, child)
+
+
+class NoSandboxTest(TaskCase):
+    def test_agent_without_sandbox_has_task_and_no_workspace(self):
+        conv = new_conv('solo')
+        self.fm.set_scenario([
+            role('solo', tool_calls=[task_call('task-scout', 'Anyone there?')]),
+            role('solo', text='Nobody to delegate to.'),
+        ])
+        sid = self.ad.submit('task-solo', 'Try to delegate.', conversation_id=conv).submission_id
+        sub = self.wait_settled(sid, timeout=30)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        reqs = [e for e in self.fm.requests() if 'ROLE solo.' in request_system(e)]
+        self.assertEqual(len(reqs), 2)
+        self.assertEqual([t['name'] for t in reqs[0]['body']['tools']], ['task'])
+        system = request_system(reqs[0])
+        self.assertNotIn('Working directory', system)
+        self.assertIn('No subagents are declared', system)
+        [res] = self.task_results(conv, sid)
+        self.assertFalse(res.is_error, res)  # an answer: no child was made
+        self.assertIn('task-scout', res.text)
+        self.assertEqual(self.children(conv), [])
+
+
+if __name__ == '__main__':
+    unittest.main()
