@@ -5,6 +5,7 @@
 #include "agents.h"
 #include "provider.h"
 #include "rpc.h"
+#include "skills.h"
 
 #include "cflue/v1/store.pb-c.h"
 
@@ -38,6 +39,7 @@ struct agentd {
     bool stream; /* ask providers to stream */
     struct provider_endpoint anthropic, openai;
     struct agent_set agents;
+    struct skill_set skills; /* the declared skills of every agent (skills.c) */
     struct rpc_channel *store;
     pthread_mutex_t mu;
     pthread_cond_t wake;

@@ -6,7 +6,7 @@
  *   model: anthropic/claude-sonnet-4-5   # provider/model-id; provider anthropic or openai
  *   sandbox: {tools: "127.0.0.1:7102", workspace: example}   # absent: no sandbox tools
  *   agents: [helper]                 # subagents it may delegate to
- *   skills: [review]
+ *   skills: [review]                 # declared skills: DIR/skills/<name>/SKILL.md (skills.h)
  *   tools: ["127.0.0.1:7200"]        # extra cflue.v1.Tools servers
  *   compaction: {reserve_tokens: 20000, keep_recent_tokens: 8000}
  *   durability: {max_attempts: 10, timeout_ms: 3600000, max_turns: 200}

@@ -458,6 +458,17 @@ bool task_resume(struct drive *d);
 void task_wait_init(struct drive *d);
 void task_wait_cleanup(struct drive *d);
 
+/* ---- skill_tools.c: the framework's skill tools ---- */
+
+/* skill_tools_add appends activate_skill (when d's agent has skills) and read_skill_resource
+ * (when one of them has supporting files) to ts. */
+void skill_tools_add(struct drive *d, struct toolset *ts);
+/* skill_roster appends the prompt's section listing agent a's skills (nothing without any). */
+void skill_roster(struct buf *b, const struct agent_def *a);
+/* skill_tool_run answers call c (index `index` of the turn) when it is activate_skill or
+ * read_skill_resource, recording its result at once: true; false for any other tool. */
+bool skill_tool_run(struct drive *d, int index, const struct llm_call *c);
+
 /* ---- model_call.c ---- */
 
 /* model_output_tokens: the output budget of every request to agent a's model. */

@@ -44,8 +44,8 @@ struct agentd_opts {
     bool no_stream;
 };
 
-/* load_definitions loads the agent definitions and the model catalog, warning about agents
- * whose model the catalog does not know. Prints why it failed. */
+/* load_definitions loads the agent definitions, their declared skills and the model catalog,
+ * warning about agents whose model the catalog does not know. Prints why it failed. */
 static bool load_definitions(const struct daemon *d, const struct agentd_opts *o)
 {
     struct cf_error err;
@@ -54,8 +54,21 @@ static bool load_definitions(const struct daemon *d, const struct agentd_opts *o
         log_error("agents_invalid", "dir=%s", o->agents_dir);
         return false;
     }
-    if (*o->models && catalog_load(o->models, &err) != CF_OK) {
+    char **names = NULL;
+    size_t n_names = 0;
+    for (size_t i = 0; i < g_agentd.agents.n; i++) {
+        const struct agent_def *a = &g_agentd.agents.items[i];
+        names = mem_realloc(names, sizeof(*names) * (n_names + a->n_skills + 1));
+        for (size_t k = 0; k < a->n_skills; k++) {
+            names[n_names++] = a->skills[k];
+        }
+    }
+    enum cf_status rc = skills_load(o->agents_dir, names, n_names, &g_agentd.skills, &err);
+    free(names);
+    if (rc != CF_OK || (*o->models && catalog_load(o->models, &err) != CF_OK)) {
         daemon_say(d, 1, "%s", err.msg);
+        log_error("agents_invalid", "dir=%s", o->agents_dir);
+        skills_free(&g_agentd.skills); /* empty when skills_load failed */
         agents_free(&g_agentd.agents);
         return false;
     }
@@ -132,6 +145,7 @@ static void close_clients(void)
     rpc_channel_free(g_agentd.store);
     rpc_global_shutdown();
     curl_global_cleanup();
+    skills_free(&g_agentd.skills);
     agents_free(&g_agentd.agents);
     catalog_free();
 }

@@ -166,6 +166,7 @@ static char *compose(struct drive *d, const struct sandbox_view *v)
         buf_printf(&b, "\n\n## Project notes (%s)\n\n", v->notes_name);
         utf8_sanitize(&b, (const char *)v->notes_data, v->notes_len);
     }
+    skill_roster(&b, d->agent);
     add_subagents(&b, d->agent);
     if (d->tools.n) {
         buf_append_str(&b, "\n\n## Tools you can call\n");

@@ -67,7 +67,8 @@ static const char TASK_SCHEMA[] =
 
 bool task_is_framework(const char *name)
 {
-    return !strcmp(name, TASK_TOOL);
+    return !strcmp(name, TASK_TOOL) || !strcmp(name, "activate_skill") ||
+           !strcmp(name, "read_skill_resource");
 }
 
 bool task_tools_add(struct drive *d)
@@ -91,6 +92,7 @@ bool task_tools_add(struct drive *d)
     t->schema_json = TASK_SCHEMA;
     t->schema = NULL;
     t->schema = llm_tool_schema(t);
+    skill_tools_add(d, ts);
     return true;
 }
 
@@ -374,8 +376,8 @@ bool task_start(struct drive *d, const struct llm_response *resp)
         const struct llm_call *c = &resp->calls[i];
         char id[600];
         context_tool_result_id(id, sizeof(id), d->sub->submission_id, d->turn, c->id);
-        if (!task_is_framework(c->name) || rlog_find(&d->log, id)) {
-            continue;
+        if (!task_is_framework(c->name) || rlog_find(&d->log, id) || skill_tool_run(d, (int)i, c)) {
+            continue; /* not agentd's, run before (a resumed turn), or answered at once */
         }
         json_t *args = check_call(d, (int)i, c);
         if (!args) {

@@ -258,6 +258,9 @@ class Stack(object):
                     text = text.replace('@TOOLS@', self.td.target)
                 with open(os.path.join(self.agents_dir, name + '.md'), 'w') as f:
                     f.write(text)
+            # the declared skills the agents name (agents/skills/<name>/SKILL.md)
+            shutil.copytree(os.path.join(FIXTURES, 'agents', 'skills'),
+                            os.path.join(self.agents_dir, 'skills'))
             self.env = {'ANTHROPIC_BASE_URL': self.fm.anthropic_base_url,
                         'ANTHROPIC_API_KEY': 'test-anthropic-key',
                         'OPENAI_BASE_URL': self.fm.openai_base_url,

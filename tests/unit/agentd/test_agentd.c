@@ -467,9 +467,11 @@ struct agentd g_agentd; /* main.c's, which this test does not link: task.c refer
 static void test_task_tools(void)
 {
     struct drive d;
+    struct agent_def agent = {.name = "a"}; /* no skills: no skill tools */
     struct llm_tool sandbox[2] = {{.name = "read", .description = "Read.", .schema_json = "{}"},
                                   {.name = "bash", .description = "Run.", .schema_json = "{}"}};
     memset(&d, 0, sizeof(d));
+    d.agent = &agent;
     d.tools_addr = "127.0.0.1:7102";
     d.tools.tools = malloc(sizeof(sandbox));
     memcpy(d.tools.tools, sandbox, sizeof(sandbox));
@@ -488,6 +490,7 @@ static void test_task_tools(void)
     struct llm_tool clash[1] = {
         {.name = "activate_skill", .description = "Mine.", .schema_json = "{}"}};
     memset(&d, 0, sizeof(d));
+    d.agent = &agent;
     d.tools_addr = "10.0.0.9:7200";
     d.tools.tools = malloc(sizeof(clash));
     memcpy(d.tools.tools, clash, sizeof(clash));
