@@ -700,6 +700,7 @@ void drive_free(struct drive *d)
     free(d->system_text);
     free(d->load_token);
     tools_cleanup(d);
+    skills_free(&d->ws_skills);
     llm_response_cleanup(&d->answer);
     model_call_cleanup(d);
     tools_wait_cleanup(d);

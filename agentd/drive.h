@@ -16,7 +16,9 @@
 #include "context.h"
 #include "engine_queue.h"
 #include "record_log.h"
+#include "skills.h"
 
+#include "cflue/v1/sandbox.pb-c.h"
 #include "cflue/v1/tools.pb-c.h"
 
 #define DRIVE_MODEL_MIN_MS 1000 /* a model call needs at least this much of the time limit */
@@ -104,9 +106,11 @@ struct drive_call {
  * callbacks; the rest by the engine thread stepping the drive. */
 struct task_call {
     struct drive *d;
-    int index;           /* the call's index in the answer */
-    const char *call_id; /* the answer's */
-    char *agent;         /* the subagent */
+    int index;                 /* the call's index in the answer */
+    const char *call_id;       /* the answer's */
+    const struct skill *skill; /* an activate_skill of a skill in the sandbox: its SKILL.md is
+                                * read again (admit carries the ReadFile); NULL: a task */
+    char *agent;               /* the subagent */
     char *prompt;
     bool done;                 /* its result is recorded (or the drive halted) */
     struct drive_call admit;   /* the Admit */
@@ -201,6 +205,7 @@ struct drive {
     struct drive_call prompt_call; /* the first turn's Glance (or Tools.List) to toold */
     struct engine_link eng;
     struct toolset tools;
+    struct skill_set ws_skills; /* the skills found in the sandbox this attempt (.agents/skills) */
     char *system_text;
     struct llm_response answer; /* the turn's answer, between MODEL and TOOLS */
     bool more;                  /* the work goes on after this turn: calls ran or input joined */
@@ -463,8 +468,20 @@ void task_wait_cleanup(struct drive *d);
 /* skill_tools_add appends activate_skill (when d's agent has skills) and read_skill_resource
  * (when one of them has supporting files) to ts. */
 void skill_tools_add(struct drive *d, struct toolset *ts);
-/* skill_roster appends the prompt's section listing agent a's skills (nothing without any). */
-void skill_roster(struct buf *b, const struct agent_def *a);
+/* skill_roster appends the prompt's section listing d's skills: its agent's declared ones,
+ * then those found in the sandbox (nothing without any). */
+void skill_roster(struct buf *b, const struct drive *d);
+/* skill_tools_discover keeps the skills a Glance found in the sandbox in d->ws_skills (one
+ * whose SKILL.md breaks a rule is skipped, with a warning logged). false, with d->error set, when
+ * one takes the name of a skill the agent declares. */
+bool skill_tools_discover(struct drive *d, Cflue__V1__GlanceSkill *const *found, size_t n);
+/* skill_tools_in_sandbox returns the skill in the sandbox that call c activates (activate_skill
+ * naming a skill found there), or NULL. */
+const struct skill *skill_tools_in_sandbox(struct drive *d, const struct llm_call *c);
+/* skill_tools_activated writes the result of activating s, read again from the sandbox as
+ * data[0..len), into out; false (the reason in out) when it no longer passes the checks. */
+bool skill_tools_activated(struct drive *d, const struct skill *s, const uint8_t *data, size_t len,
+                           struct buf *out);
 /* skill_tool_run answers call c (index `index` of the turn) when it is activate_skill or
  * read_skill_resource, recording its result at once: true; false for any other tool. */
 bool skill_tool_run(struct drive *d, int index, const struct llm_call *c);

@@ -26,6 +26,8 @@
 #define SANDBOX_TIMEOUT_MS 10000 /* the Sandbox reads of the system prompt */
 #define NOTES_MAX 65536
 #define LISTING_MAX 200
+#define SKILLS_DIR ".agents/skills" /* where skills are found in the sandbox */
+#define SKILLS_MAX 64
 
 static const char *const NOTES[] = {"AGENTS.md", "CLAUDE.md"};
 
@@ -86,6 +88,10 @@ static void glance_request(struct drive *d, Cflue__V1__GlanceRequest *rq, bool v
     cflue__v1__glance_request__init(rq);
     rq->sandbox = d->workspace;
     rq->list_tools = list_tools;
+    if (list_tools) {
+        rq->skills_dir = SKILLS_DIR; /* found afresh by every attempt */
+        rq->max_skills = SKILLS_MAX;
+    }
     if (view) {
         rq->files = (char **)NOTES;
         rq->n_files = 2;
@@ -166,7 +172,7 @@ static char *compose(struct drive *d, const struct sandbox_view *v)
         buf_printf(&b, "\n\n## Project notes (%s)\n\n", v->notes_name);
         utf8_sanitize(&b, (const char *)v->notes_data, v->notes_len);
     }
-    skill_roster(&b, d->agent);
+    skill_roster(&b, d);
     add_subagents(&b, d->agent);
     if (d->tools.n) {
         buf_append_str(&b, "\n\n## Tools you can call\n");
@@ -254,6 +260,11 @@ static bool took_glance(struct drive *d, const struct rpc_status *st, ProtobufCM
     if (st->code == GRPC_STATUS_OK) {
         const Cflue__V1__GlanceResponse *g = (const void *)resp;
         view_of_glance(v, g);
+        if (!skill_tools_discover(d, g->skills, g->n_skills)) {
+            v->glance = resp;
+            d->outcome = CFLUE__V1__OUTCOME__OUTCOME_FAILED; /* no retry mends a clash */
+            return false;
+        }
         if (g->n_tools) {
             tools_adopt(d, resp, g->tools, g->n_tools, g->working_directory); /* keeps resp */
         } else {

@@ -5,6 +5,7 @@
  * binary file is paged as base64 lines of 76 characters). Both answer at once: nothing is
  * waited for. */
 #include "drive.h"
+#include "log.h"
 #include "mem.h"
 #include "skills.h"
 #include "utf8.h"
@@ -52,7 +53,7 @@ void skill_tools_add(struct drive *d, struct toolset *ts)
     const char *names[] = {"activate_skill", "read_skill_resource"};
     const char *descs[] = {ACTIVATE_DESCRIPTION, RESOURCE_DESCRIPTION};
     const char *schemas[] = {ACTIVATE_SCHEMA, RESOURCE_SCHEMA};
-    int n = !d->agent->n_skills ? 0 : files ? 2 : 1;
+    int n = !d->agent->n_skills && !d->ws_skills.n ? 0 : files ? 2 : 1;
     ts->tools = mem_realloc(ts->tools, sizeof(*ts->tools) * (ts->n + (size_t)n + 1));
     for (int k = 0; k < n; k++) {
         struct llm_tool *t = &ts->tools[ts->n++];
@@ -64,9 +65,10 @@ void skill_tools_add(struct drive *d, struct toolset *ts)
     }
 }
 
-void skill_roster(struct buf *b, const struct agent_def *a)
+void skill_roster(struct buf *b, const struct drive *d)
 {
-    if (!a->n_skills) {
+    const struct agent_def *a = d->agent;
+    if (!a->n_skills && !d->ws_skills.n) {
         return;
     }
     buf_append_str(b, "\n\n## Skills\n\nSkills are instructions for particular kinds of work, "
@@ -77,6 +79,77 @@ void skill_roster(struct buf *b, const struct agent_def *a)
         const struct skill *s = skills_find(&g_agentd.skills, a->skills[i]);
         buf_printf(b, "\n- %s%s%s", a->skills[i], s ? ": " : "", s ? s->description : "");
     }
+    for (size_t i = 0; i < d->ws_skills.n; i++) {
+        buf_printf(b, "\n- %s: %s", d->ws_skills.items[i].name, d->ws_skills.items[i].description);
+    }
+}
+
+bool skill_tools_discover(struct drive *d, Cflue__V1__GlanceSkill *const *found, size_t n)
+{
+    struct skill_set *ws = &d->ws_skills;
+    skills_free(ws);
+    ws->items = mem_alloc(sizeof(*ws->items) * (n + 1));
+    for (size_t i = 0; i < n; i++) {
+        const Cflue__V1__GlanceSkill *g = found[i];
+        struct skill s;
+        struct cf_error err;
+        if (skill_parse((const char *)g->data.data, g->data.len, g->path, g->dir, &s, &err) !=
+            CF_OK) {
+            char q[600];
+            log_warn("skill_skipped", "submission=%s path=%s err=%s", d->sub->submission_id,
+                     g->path, log_quote(q, sizeof(q), err.msg));
+            continue;
+        }
+        for (size_t k = 0; k < d->agent->n_skills; k++) {
+            if (!strcmp(d->agent->skills[k], s.name)) {
+                snprintf(d->error, sizeof(d->error),
+                         "the skill \"%s\" is declared by agent %s and also found in the sandbox "
+                         "at %s; rename one of them",
+                         s.name, d->agent->name, g->path);
+                skill_free(&s);
+                return false;
+            }
+        }
+        free(s.body); /* read again when activated: an edit since is seen */
+        s.body = NULL;
+        s.origin = mem_strdup(g->path);
+        ws->items[ws->n++] = s;
+    }
+    return true;
+}
+
+const struct skill *skill_tools_in_sandbox(struct drive *d, const struct llm_call *c)
+{
+    if (strcmp(c->name, "activate_skill") != 0) {
+        return NULL;
+    }
+    json_t *args = json_loads(c->arguments_json ? c->arguments_json : "", 0, NULL);
+    const char *name = json_string_value(json_object_get(args, "name"));
+    const struct skill *s = name ? skills_find(&d->ws_skills, name) : NULL;
+    json_decref(args);
+    return s;
+}
+
+bool skill_tools_activated(struct drive *d, const struct skill *s, const uint8_t *data, size_t len,
+                           struct buf *out)
+{
+    struct skill now;
+    struct cf_error err;
+    if (skill_parse((const char *)data, len, s->origin, s->name, &now, &err) != CF_OK) {
+        buf_printf(out, "The skill \"%s\" could not be activated: %s", s->name, err.msg);
+        return false;
+    }
+    const char *slash = strrchr(s->origin, '/');
+    const char *wd = d->tools.working_directory ? d->tools.working_directory : "";
+    buf_printf(out,
+               "Skill \"%s\" is active. Follow these instructions for the work at hand:\n\n"
+               "<skill_instructions>\n%s\n</skill_instructions>\n\n"
+               "Its supporting files, if any, are in the sandbox beside its SKILL.md; read only "
+               "the ones you need, with paths relative to this directory:\n<skill_resources>\n"
+               "- Base directory: %s%s%.*s\n</skill_resources>",
+               now.name, now.body, wd, *wd ? "/" : "", (int)(slash - s->origin), s->origin);
+    skill_free(&now);
+    return true;
 }
 
 /* ---------- activate_skill ---------- */
@@ -98,7 +171,11 @@ static void activate(struct drive *d, json_t *args, struct buf *out, bool *is_er
         for (size_t i = 0; i < d->agent->n_skills; i++) {
             buf_printf(out, "%s%s", i ? ", " : "", d->agent->skills[i]);
         }
-        buf_append_str(out, d->agent->n_skills ? "." : "none.");
+        for (size_t i = 0; i < d->ws_skills.n; i++) {
+            buf_printf(out, "%s%s", i || d->agent->n_skills ? ", " : "",
+                       d->ws_skills.items[i].name);
+        }
+        buf_append_str(out, d->agent->n_skills || d->ws_skills.n ? "." : "none.");
         return; /* an answer, not a failure */
     }
     buf_printf(out,

@@ -471,6 +471,7 @@ void skill_free(struct skill *s)
     free(s->license);
     free(s->compatibility);
     free(s->body);
+    free(s->origin);
     for (size_t i = 0; i < s->n_files; i++) {
         free(s->files[i].path);
         free(s->files[i].data);

@@ -42,9 +42,11 @@ struct skill_file {
 struct skill {
     char *name;
     char *description;
-    char *license;            /* NULL when absent */
-    char *compatibility;      /* NULL when absent */
-    char *body;               /* the instructions, trimmed */
+    char *license;       /* NULL when absent */
+    char *compatibility; /* NULL when absent */
+    char *body;          /* the instructions, trimmed */
+    char *origin; /* a skill found in the sandbox: its SKILL.md there (relative to the working
+                   * directory); NULL for a declared skill */
     struct skill_file *files; /* sorted by path (byte order) */
     size_t n_files;
 };

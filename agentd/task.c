@@ -20,6 +20,10 @@
  * shutdown stops the following at once; storaged carries the parent's abort on to its children
  * (store.proto). A call that cannot delegate (bad arguments, an undeclared subagent, the depth
  * limit) gets its result at once, for the model to read.
+ *
+ * The same batch carries the activate_skill calls of skills found in the sandbox: their SKILL.md
+ * is read again with one Sandbox.ReadFile each (in the call's `admit` slot), so an edit made
+ * since the skill was found is seen (skill_tools.c writes the result).
  */
 #include "clients.h"
 #include "clock.h"
@@ -100,7 +104,8 @@ bool task_tools_add(struct drive *d)
 
 static void record(struct task_call *tc, const char *text, bool is_error)
 {
-    tools_record_result(tc->d, tc->index, tc->call_id, TASK_TOOL, text, is_error, NULL, false);
+    tools_record_result(tc->d, tc->index, tc->call_id, tc->skill ? "activate_skill" : TASK_TOOL,
+                        text, is_error, NULL, false);
     tc->done = true;
 }
 
@@ -367,6 +372,9 @@ static json_t *check_call(struct drive *d, int index, const struct llm_call *c)
     return args;
 }
 
+static void skill_read_start(struct drive *d, struct task_call *tc, int index, const char *call_id,
+                             const struct skill *s);
+
 bool task_start(struct drive *d, const struct llm_response *resp)
 {
     struct task_wait *tw = &d->tasks;
@@ -376,8 +384,16 @@ bool task_start(struct drive *d, const struct llm_response *resp)
         const struct llm_call *c = &resp->calls[i];
         char id[600];
         context_tool_result_id(id, sizeof(id), d->sub->submission_id, d->turn, c->id);
-        if (!task_is_framework(c->name) || rlog_find(&d->log, id) || skill_tool_run(d, (int)i, c)) {
-            continue; /* not agentd's, run before (a resumed turn), or answered at once */
+        if (!task_is_framework(c->name) || rlog_find(&d->log, id)) {
+            continue; /* not agentd's, or run before (a resumed turn) */
+        }
+        const struct skill *in_sandbox = skill_tools_in_sandbox(d, c);
+        if (in_sandbox) {
+            skill_read_start(d, &tw->calls[tw->n++], (int)i, c->id, in_sandbox);
+            continue;
+        }
+        if (skill_tool_run(d, (int)i, c)) {
+            continue; /* answered at once */
         }
         json_t *args = check_call(d, (int)i, c);
         if (!args) {
@@ -401,14 +417,67 @@ bool task_start(struct drive *d, const struct llm_response *resp)
     return tw->n > 0;
 }
 
+/* skill_read_start reads again, from the sandbox, the SKILL.md of a skill found there that a
+ * call activates (a Sandbox.ReadFile in tc->admit): edits made since the skill was found are
+ * seen. */
+static void skill_read_start(struct drive *d, struct task_call *tc, int index, const char *call_id,
+                             const struct skill *s)
+{
+    memset(tc, 0, sizeof(*tc));
+    tc->d = d;
+    tc->index = index;
+    tc->call_id = call_id;
+    tc->skill = s;
+    dcall_init(&tc->admit, d);
+    Cflue__V1__ReadFileRequest rq = CFLUE__V1__READ_FILE_REQUEST__INIT;
+    rq.sandbox = d->workspace;
+    rq.path = s->origin;
+    dcall_start(&tc->admit, tools_channel(d), "/cflue.v1.Sandbox/ReadFile", &rq.base,
+                &cflue__v1__read_file_response__descriptor, ADMIT_TIMEOUT_MS);
+}
+
+/* skill_read records the activation of a skill read again from the sandbox. */
+static void skill_read(struct task_call *tc, const struct rpc_status *st, ProtobufCMessage *resp)
+{
+    struct drive *d = tc->d;
+    struct buf out;
+    bool ok = false;
+    if (tc->done) {
+        return;
+    }
+    buf_init(&out, SKILL_FILE_MAX + 4096);
+    if (st->code == GRPC_STATUS_OK) {
+        const Cflue__V1__ReadFileResponse *f = (const void *)resp;
+        ok = skill_tools_activated(d, tc->skill, f->data.data, f->data.len, &out);
+    } else if (drive_halted(d) || tools_failed(d, "reading a skill from the sandbox failed", st)) {
+        tc->done = true; /* the drive ends interrupted; the next attempt asks again */
+        buf_cleanup(&out);
+        return;
+    } else {
+        buf_printf(&out, "The skill \"%s\" could not be read from the sandbox (%s): %s",
+                   tc->skill->name, tc->skill->origin, st->details);
+    }
+    char *text = buf_take(&out);
+    tools_record_result(d, tc->index, tc->call_id, "activate_skill", text, !ok, NULL, false);
+    tc->done = true;
+    free(text);
+}
+
 /* ---------- waiting ---------- */
 
-/* poll_admit takes the Admit's end. */
+/* poll_admit takes the Admit's end (or, for a skill, the ReadFile's). */
 static void poll_admit(struct task_call *tc)
 {
     struct rpc_status st;
     ProtobufCMessage *resp;
     if (!dcall_take(&tc->admit, &st, &resp)) {
+        return;
+    }
+    if (tc->skill) {
+        skill_read(tc, &st, resp);
+        if (resp) {
+            protobuf_c_message_free_unpacked(resp, NULL);
+        }
         return;
     }
     struct cf_error e;
@@ -488,7 +557,7 @@ static int64_t out_of_time(struct drive *d, int64_t now)
     }
     for (size_t i = 0; left <= 0 && i < d->tasks.n; i++) {
         struct task_call *tc = &d->tasks.calls[i];
-        if (!tc->done && !drive_halted(d)) {
+        if (!tc->done && !tc->skill && !drive_halted(d)) {
             record(tc, "The subagent's work was cut off: this submission reached its time limit.",
                    true);
         }

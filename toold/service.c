@@ -703,6 +703,94 @@ static enum cf_status glance_file(struct rpc_call *c, struct sandbox *sb,
     return CF_OK;
 }
 
+#define GLANCE_SKILLS_MAX 256
+#define GLANCE_SKILL_BYTES (64 << 10)
+
+/* The skills a Glance found (freed once answered). */
+struct glance_skills {
+    Cflue__V1__GlanceSkill *items;
+    Cflue__V1__GlanceSkill **ptrs;
+    char **paths;
+    size_t n;
+};
+
+static void glance_skills_cleanup(struct glance_skills *gs)
+{
+    for (size_t i = 0; i < gs->n; i++) {
+        free(gs->items[i].data.data);
+        free(gs->items[i].dir);
+        free(gs->paths[i]);
+    }
+    free(gs->items);
+    free(gs->ptrs);
+    free(gs->paths);
+    memset(gs, 0, sizeof(*gs));
+}
+
+/* glance_skills reads the SKILL.md of each subdirectory of req->skills_dir (the first
+ * max_skills entries by name) into gs; a directory that is missing, or not one, holds none,
+ * and an entry without a readable SKILL.md is skipped. */
+static enum cf_status glance_skills(struct rpc_call *c, struct sandbox *sb,
+                                    const Cflue__V1__GlanceRequest *req, struct glance_skills *gs,
+                                    bool *more, struct cf_error *err)
+{
+    char rel[WS_PATH_MAX];
+    int dirfd = -1;
+    struct dirpage page = {0};
+    enum cf_status rc = ws_relative(sb, req->skills_dir, rel, sizeof(rel), err);
+    if (rc == CF_OK) {
+        rc = ws_open(sb, rel, O_PATH | O_DIRECTORY, 0, req->skills_dir, &dirfd, err);
+    }
+    if (rc != CF_OK) {
+        bool none = rc == CF_NOT_FOUND || rc == CF_INVALID || rc == CF_PRECONDITION;
+        return none ? CF_OK : rc;
+    }
+    rc = dirpage_select(dirfd, "", (size_t)req->max_skills, call_gone, c, &page, err);
+    close(dirfd);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    *more = page.more;
+    gs->items = mem_alloc(sizeof(*gs->items) * (page.n + 1));
+    gs->ptrs = mem_alloc(sizeof(*gs->ptrs) * (page.n + 1));
+    gs->paths = mem_alloc(sizeof(*gs->paths) * (page.n + 1));
+    for (size_t i = 0; i < page.n && rc == CF_OK; i++) {
+        char *path = mem_asprintf("%s/%s/SKILL.md", req->skills_dir, page.names[i]);
+        char prel[WS_PATH_MAX];
+        int fd = -1;
+        struct stat st;
+        rc = ws_relative(sb, path, prel, sizeof(prel), err);
+        if (rc == CF_OK) {
+            rc = ws_open_regular(sb, prel, path, &fd, &st, err);
+        }
+        Cflue__V1__GlanceSkill *k = &gs->items[gs->n];
+        cflue__v1__glance_skill__init(k);
+        bool truncated = false;
+        if (rc == CF_OK) {
+            rc = read_upto(c, fd, path, GLANCE_SKILL_BYTES, &truncated, &k->data.data, &k->data.len,
+                           err);
+            close(fd);
+        } else if (rc == CF_NOT_FOUND || rc == CF_INVALID || rc == CF_PRECONDITION ||
+                   rc == CF_RANGE) {
+            free(path); /* no SKILL.md there: not a skill */
+            rc = CF_OK;
+            continue;
+        }
+        if (rc != CF_OK) {
+            free(path);
+            break;
+        }
+        k->truncated = truncated;
+        k->dir = mem_strdup(page.names[i]);
+        k->path = path;
+        gs->paths[gs->n] = path;
+        gs->ptrs[gs->n] = k;
+        gs->n++;
+    }
+    dirpage_cleanup(&page);
+    return rc;
+}
+
 static void on_glance(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__GlanceRequest *req = (const void *)msg;
@@ -710,17 +798,24 @@ static void on_glance(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     struct sandbox *sb;
     struct dirpage page = {0};
     Cflue__V1__GlanceResponse resp = CFLUE__V1__GLANCE_RESPONSE__INIT;
+    struct glance_skills gs = {0};
+    bool more_skills = false;
     if (req->n_files > GLANCE_FILES_MAX || req->max_file_bytes < 0 ||
         req->max_file_bytes > SANDBOX_FILE_MAX || req->max_entries < 0 ||
-        req->max_entries > READ_DIR_PAGE_MAX) {
+        req->max_entries > READ_DIR_PAGE_MAX || req->max_skills < 0 ||
+        req->max_skills > GLANCE_SKILLS_MAX) {
         rpc_call_fail(c, CF_INVALID,
-                      "a glance names at most %d files, max_file_bytes 0 to %d and max_entries "
-                      "0 to %d",
-                      GLANCE_FILES_MAX, SANDBOX_FILE_MAX, READ_DIR_PAGE_MAX);
+                      "a glance names at most %d files, max_file_bytes 0 to %d, max_entries "
+                      "0 to %d and max_skills 0 to %d",
+                      GLANCE_FILES_MAX, SANDBOX_FILE_MAX, READ_DIR_PAGE_MAX, GLANCE_SKILLS_MAX);
         return;
     }
     if (workspaces_get(server_state.ws, req->sandbox, &sb, &err) != CF_OK ||
-        glance_file(c, sb, req, &resp, &err) != CF_OK) {
+        glance_file(c, sb, req, &resp, &err) != CF_OK ||
+        (*req->skills_dir && req->max_skills > 0 &&
+         glance_skills(c, sb, req, &gs, &more_skills, &err) != CF_OK)) {
+        free(resp.file_data.data);
+        glance_skills_cleanup(&gs);
         rpc_call_fail_error(c, &err);
         return;
     }
@@ -736,6 +831,7 @@ static void on_glance(struct rpc_call *c, const ProtobufCMessage *msg, void *use
             close(dirfd);
         }
         free(resp.file_data.data);
+        glance_skills_cleanup(&gs);
         rpc_call_fail_error(c, &err);
         return;
     }
@@ -762,8 +858,12 @@ static void on_glance(struct rpc_call *c, const ProtobufCMessage *msg, void *use
         resp.tools = ts.ptrs;
         resp.n_tools = ts.n;
     }
+    resp.skills = gs.ptrs;
+    resp.n_skills = gs.n;
+    resp.more_skills = more_skills;
     rpc_call_reply(c, &resp.base);
     tool_specs_cleanup(&ts);
+    glance_skills_cleanup(&gs);
     free(entries);
     free(infos);
     free(resp.file_data.data);

@@ -15,6 +15,7 @@ import tempfile
 import unittest
 
 import cflue_harness as H
+from cflue_harness import common_pb2
 from test_agentd import COMPLETED, AgentdCase, body, kind, new_conv, request_system
 
 LONG_LINES = 2500
@@ -145,6 +146,69 @@ class ResourceTest(SkillsCase):
         for k in (5, 6):  # SKILL.md is activate_skill's; no path tricks
             self.assertTrue(results[k].is_error, results[k])
             self.assertIn('No supporting file', results[k].text)
+
+
+class WorkspaceTest(SkillsCase):
+    """Skills found in the sandbox (.agents/skills/<dir>/SKILL.md of the working directory)."""
+
+    def sandbox_skills(self, conv, skills):
+        ws = self.workspace(conv)
+        for d, text in skills.items():
+            os.makedirs(os.path.join(ws, '.agents', 'skills', d), exist_ok=True)
+            if text is not None:
+                with open(os.path.join(ws, '.agents', 'skills', d, 'SKILL.md'), 'w') as f:
+                    f.write(text)
+        with open(os.path.join(ws, '.agents', 'skills', 'notes.txt'), 'w') as f:
+            f.write('not a skill')
+        return ws
+
+    def test_found_listed_and_activated_from_the_current_file(self):
+        conv = new_conv('wsskills')
+        ws = self.sandbox_skills(conv, {
+            'lint': '---\nname: lint\ndescription: Lint the code.\n---\nLINT-BODY-FIRST\n',
+            'broken': '---\nname: other\ndescription: d\n---\nx\n',
+            'empty': None,
+        })
+        self.fm.set_scenario([
+            role(delay_ms=1500, tool_calls=[call('activate_skill', name='lint'),
+                                            call('activate_skill', name='gone')]),
+            role(text='Linted.'),
+        ])
+        sid = self.ad.submit('skilled', 'Lint please.', conversation_id=conv).submission_id
+        # the skill is edited after it was found, before it is activated
+        self.wait_for('the first model request',
+                      lambda: [e for e in self.fm.requests() if conv in request_system(e)])
+        with open(os.path.join(ws, '.agents', 'skills', 'lint', 'SKILL.md'), 'w') as f:
+            f.write('---\nname: lint\ndescription: Lint the code.\n---\nLINT-BODY-EDITED\n')
+        sub = self.wait_settled(sid, timeout=30)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        req = [e for e in self.fm.requests() if conv in request_system(e)][0]
+        system = request_system(req)
+        self.assertLess(system.index('- style:'), system.index('- lint: Lint the code.'))
+        self.assertNotIn('other', system.split('## Skills')[1].split('##')[0])
+        results = {body(r).index: body(r) for r in self.records(conv)
+                   if kind(r) == 'tool_result'}
+        lint = results[0]
+        self.assertFalse(lint.is_error, lint)
+        self.assertIn('LINT-BODY-EDITED', lint.text)
+        self.assertIn('- Base directory: %s/.agents/skills/lint' % os.path.realpath(ws),
+                      lint.text)
+        self.assertFalse(results[1].is_error)
+        self.assertIn('review, style, lint', results[1].text)
+        self.assertIn('event=skill_skipped', self.ad.stderr_text())
+        self.assertIn('.agents/skills/broken/SKILL.md', self.ad.stderr_text())
+
+    def test_a_sandbox_skill_with_a_declared_name_fails_the_submission(self):
+        conv = new_conv('wsclash')
+        self.sandbox_skills(conv, {
+            'review': '---\nname: review\ndescription: Mine.\n---\nx\n'})
+        self.fm.set_scenario([role(text='never asked')])
+        sid = self.ad.submit('skilled', 'Clash.', conversation_id=conv).submission_id
+        sub = self.wait_settled(sid, timeout=30)
+        self.assertEqual(sub.outcome, common_pb2.OUTCOME_FAILED, sub)
+        self.assertIn('"review" is declared by agent skilled', sub.error)
+        self.assertIn('.agents/skills/review/SKILL.md', sub.error)
+        self.assertEqual([e for e in self.fm.requests() if conv in request_system(e)], [])
 
 
 class StartTest(unittest.TestCase):

@@ -723,10 +723,42 @@ class TestSandboxService(TooldBase):
         self.assertEqual([e.type for e in g.entries if e.name == 'AGENTS.md'],
                          [sandbox_pb2.FILE_TYPE_SYMLINK])
 
+    def test_glance_reads_skills(self):
+        # nothing there: no skills, no error
+        g = self.sbx('Glance', skills_dir='.agents/skills', max_skills=10)
+        self.assertEqual((len(g.skills), g.more_skills), (0, False))
+        for d in ('b-skill', 'a-skill', 'c-skill', 'no-skill-md', 'z-big'):
+            self.sbx('Mkdir', path='.agents/skills/' + d, parents=True)
+        for d in ('a-skill', 'b-skill', 'c-skill'):
+            self.sbx('WriteFile', path='.agents/skills/%s/SKILL.md' % d, data=d.encode())
+        self.sbx('WriteFile', path='.agents/skills/z-big/SKILL.md', data=b'x' * (70 << 10))
+        self.sbx('WriteFile', path='.agents/skills/loose.md', data=b'not in a directory')
+        outside = os.path.join(self.td.dir, 'outside-skill')
+        os.makedirs(outside, exist_ok=True)
+        with open(os.path.join(outside, 'SKILL.md'), 'w') as f:
+            f.write('SECRET')
+        os.symlink(outside, self.host('.agents/skills/linked'))
+        g = self.sbx('Glance', skills_dir='.agents/skills', max_skills=100)
+        self.assertEqual([(k.dir, k.path) for k in g.skills],
+                         [('a-skill', '.agents/skills/a-skill/SKILL.md'),
+                          ('b-skill', '.agents/skills/b-skill/SKILL.md'),
+                          ('c-skill', '.agents/skills/c-skill/SKILL.md'),
+                          ('z-big', '.agents/skills/z-big/SKILL.md')])
+        self.assertEqual(g.skills[1].data, b'b-skill')
+        self.assertEqual((len(g.skills[3].data), g.skills[3].truncated), (64 << 10, True))
+        self.assertFalse(g.more_skills)
+        # the first entries by name only
+        g = self.sbx('Glance', skills_dir='.agents/skills', max_skills=2)
+        self.assertEqual([k.dir for k in g.skills], ['a-skill', 'b-skill'])
+        self.assertTrue(g.more_skills)
+        # max_skills 0: none read
+        g = self.sbx('Glance', skills_dir='.agents/skills')
+        self.assertEqual(len(g.skills), 0)
+
     def test_glance_refuses_bad_limits(self):
         for fields in ({'files': ['a'] * 9}, {'max_file_bytes': -1},
                        {'max_file_bytes': (64 << 20) + 1}, {'max_entries': -1},
-                       {'max_entries': 10001}):
+                       {'max_entries': 10001}, {'max_skills': -1}, {'max_skills': 257}):
             with self.assertRaises(grpc.RpcError) as cm:
                 self.sbx('Glance', **fields)
             self.assertEqual(cm.exception.code(), INVALID_ARGUMENT, fields)
