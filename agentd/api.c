@@ -21,7 +21,6 @@
 #include "log.h"
 #include "mem.h"
 #include "metadata.h"
-#include "pbtime.h"
 #include "watch.h"
 
 #include "cflue/v1/agent.pb-c.h"
@@ -81,16 +80,7 @@ static void on_admitted(void *arg, const struct rpc_status *st, ProtobufCMessage
     }
     Cflue__V1__AdmitResponse *r = (Cflue__V1__AdmitResponse *)resp;
     bool claimed = r->claim && r->claim->submission;
-    if (claimed) {
-        engine_admit_claimed(r->claim); /* the drive owns the claim now */
-        r->claim = NULL;
-    } else if (r->deduplicated &&
-               r->submission->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING &&
-               !strcmp(r->submission->owner_id, g_agentd.owner_id)) {
-        /* a retried Submit whose first Admit claimed it for this process but lost its answer:
-         * no drive holds the lease; take it back now rather than when the lease runs out */
-        engine_take_back(r->submission->submission_id);
-    }
+    (void)engine_admitted(r); /* a retried Submit's earlier claim is taken back too */
     Cflue__V1__Admission out = CFLUE__V1__ADMISSION__INIT;
     out.submission_id = r->submission->submission_id;
     out.conversation_id = r->submission->conversation_id;
@@ -159,14 +149,8 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     }
     /* with room for a drive, the Admit claims the submission too when it can run at once:
      * no Claim call, and its drive is live here before this answers */
-    Cflue__V1__ClaimRequest claim = CFLUE__V1__CLAIM_REQUEST__INIT;
-    Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
-    if (engine_has_room()) {
-        claim.owner_id = (char *)g_agentd.owner_id;
-        pbdur_set(&lease, g_agentd.lease_ms);
-        claim.lease_duration = &lease;
-        ar.claim = &claim;
-    }
+    struct engine_admit_claim claim;
+    engine_claim_with_admit(&ar, &claim);
     struct submit *s = mem_alloc(sizeof(*s));
     size_t n_md = req->n_metadata;
     s->c = c;

@@ -371,20 +371,38 @@ bool engine_has_room(void)
     return room;
 }
 
-void engine_admit_claimed(Cflue__V1__ClaimResponse *cl)
+void engine_claim_with_admit(Cflue__V1__AdmitRequest *ar, struct engine_admit_claim *c)
 {
-    log_info("claimed", "submission=%s at=admit", cl->submission->submission_id);
-    admit(cl, RESUME_FIRST_MS);
+    cflue__v1__claim_request__init(&c->claim);
+    google__protobuf__duration__init(&c->lease);
+    if (engine_has_room()) {
+        c->claim.owner_id = (char *)g_agentd.owner_id;
+        pbdur_set(&c->lease, g_agentd.lease_ms);
+        c->claim.lease_duration = &c->lease;
+        ar->claim = &c->claim;
+    }
 }
 
-void engine_take_back(const char *submission_id)
+bool engine_admitted(Cflue__V1__AdmitResponse *r)
 {
-    if (driven_here(submission_id)) {
-        return;
+    const Cflue__V1__Submission *s = r->submission;
+    if (r->claim && r->claim->submission) {
+        log_info("claimed", "submission=%s at=admit", r->claim->submission->submission_id);
+        admit(r->claim, RESUME_FIRST_MS); /* the drive owns the claim now */
+        r->claim = NULL;
+        return true;
     }
-    log_info("take_back", "submission=%s", submission_id);
-    resume_later(submission_id, 0);
-    agentd_wake();
+    if (!r->deduplicated || s->status != CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING ||
+        strcmp(s->owner_id, g_agentd.owner_id) != 0) {
+        return false;
+    }
+    if (!driven_here(s->submission_id)) {
+        /* no drive holds the lease: take it back now rather than when the lease runs out */
+        log_info("take_back", "submission=%s", s->submission_id);
+        resume_later(s->submission_id, 0);
+        agentd_wake();
+    }
+    return true;
 }
 
 /* retire frees a done drive, filing an interrupted one for a later claim. */

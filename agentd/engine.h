@@ -38,13 +38,22 @@ void engine_join(void);
 /* engine_has_room: fewer than --max-drives drives are live and the engine is not stopping. */
 bool engine_has_room(void);
 
-/* engine_admit_claimed starts a drive for a claim made elsewhere (Submit's Admit with claim);
- * takes cl. */
-void engine_admit_claimed(Cflue__V1__ClaimResponse *cl);
+/* What an Admit carries to claim the admitted submission for this process too. */
+struct engine_admit_claim {
+    Cflue__V1__ClaimRequest claim;
+    Google__Protobuf__Duration lease;
+};
 
-/* engine_take_back has the claimer take back, at once, a submission this owner holds that no
- * drive here runs (an Admit that claimed it lost its answer); nothing when one does. */
-void engine_take_back(const char *submission_id);
+/* engine_claim_with_admit makes ar claim the submission it admits for this process too
+ * (AdmitRequest.claim) when a drive has room: no Claim call, and the drive starts here when
+ * the answer comes (engine_admitted). c must live until ar is sent. */
+void engine_claim_with_admit(Cflue__V1__AdmitRequest *ar, struct engine_admit_claim *c);
+
+/* engine_admitted takes the answer of an Admit made with engine_claim_with_admit: a claimed
+ * submission's drive starts here (the claim is taken from r); a deduplicated one this owner
+ * holds with no drive here (an earlier Admit claimed it and lost its answer) is taken back by
+ * the claimer at once. true in those two cases: the submission is driven here. */
+bool engine_admitted(Cflue__V1__AdmitResponse *r);
 
 /* engine_post makes d ready: an engine thread steps it (drive_run) soon. Thread-safe and
  * non-blocking: the model I/O loop's callbacks call it. A drive posted while it is being

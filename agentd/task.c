@@ -32,7 +32,6 @@
 #include "ids.h"
 #include "log.h"
 #include "mem.h"
-#include "pbtime.h"
 #include "thread.h"
 #include "utf8.h"
 
@@ -247,15 +246,8 @@ static void admit_send(struct task_call *tc)
     ar.source = CFLUE__V1__SOURCE__SOURCE_DISPATCH;
     ar.kind = CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE;
     ar.delegation = &dg;
-    Cflue__V1__ClaimRequest claim = CFLUE__V1__CLAIM_REQUEST__INIT;
-    Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
-    if (engine_has_room()) {
-        /* drive the child here at once when it can run: no Claim, no claimer's round */
-        claim.owner_id = (char *)g_agentd.owner_id;
-        pbdur_set(&lease, g_agentd.lease_ms);
-        claim.lease_duration = &lease;
-        ar.claim = &claim;
-    }
+    struct engine_admit_claim claim; /* the child driven here at once when there is room */
+    engine_claim_with_admit(&ar, &claim);
     dcall_start(&tc->admit, g_agentd.store, "/cflue.v1.Store/Admit", &ar.base,
                 &cflue__v1__admit_response__descriptor, ADMIT_TIMEOUT_MS);
 }
@@ -269,15 +261,8 @@ static void admitted(struct task_call *tc, Cflue__V1__AdmitResponse *r)
     tc->child_submission_id = mem_strdup(s->submission_id);
     tc->child_conversation_id = mem_strdup(s->conversation_id);
     tc->first_fail_ms = 0;
-    if (r->claim && r->claim->submission) {
-        engine_admit_claimed(r->claim); /* the child's drive owns the claim now */
-        r->claim = NULL;
-    } else if (r->deduplicated &&
-               s->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING &&
-               !strcmp(s->owner_id, g_agentd.owner_id)) {
-        engine_take_back(s->submission_id); /* claimed here by an Admit whose answer was lost */
-    } else {
-        agentd_wake();
+    if (!engine_admitted(r)) {
+        agentd_wake(); /* queued: a claimer of any agentd takes it */
     }
     log_info("task_admitted",
              "submission=%s call=%s agent=%s child=%s conversation=%s depth=%d "
