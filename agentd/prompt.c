@@ -1,16 +1,18 @@
 /* prompt.c - the conversation's system prompt: composed once and frozen.
  *
  * The prompt is the agent's instructions, the project notes (AGENTS.md, else CLAUDE.md, from
- * the sandbox's working directory), the tool roster, today's date, the working directory and
- * its top-level listing. A drive's first step asks toold for the tool set, the notes and the
- * listing in one Sandbox.Glance that holds no engine thread (prompt_start, prompt_take; only
- * the tool set when the conversation holds a prompt still in force). A toold without Glance is
- * read with the older blocking calls (Tools.List, ReadFile and ReadDir). A compaction composes
- * a new prompt from a Glance of the sandbox the same way (prompt_recompose_start, _take). It is
- * recorded as `system_prompt` (id system:<n>) and read back from the stream afterwards, so every
- * turn and every later attempt sees the same text; it is composed again only after a compaction
- * (system:<compactions + 1>). A prompt is frozen only when every part of it was read: toold failing
- * leaves a fault, never a partial prompt.
+ * the sandbox's working directory), its skills (declared, then found in the sandbox), the
+ * subagents it may delegate to, the tool roster, today's date, the working directory and its
+ * top-level listing. A drive's first step asks toold for the tool set, the skills in
+ * .agents/skills, the notes and the listing in one Sandbox.Glance that holds no engine thread
+ * (prompt_start, prompt_take; only the tool set and the skills when the conversation holds a
+ * prompt still in force: every attempt finds the skills afresh for activate_skill). A toold without
+ * Glance is read with the older blocking calls (Tools.List, ReadFile and ReadDir). A compaction
+ * composes a new prompt from a Glance of the sandbox the same way (prompt_recompose_start, _take).
+ * It is recorded as `system_prompt` (id system:<n>) and read back from the stream afterwards, so
+ * every turn and every later attempt sees the same text; it is composed again only after a
+ * compaction (system:<compactions + 1>). A prompt is frozen only when every part of it was read:
+ * toold failing leaves a fault, never a partial prompt.
  */
 #include "drive.h"
 #include "mem.h"
