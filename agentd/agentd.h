@@ -76,4 +76,12 @@ enum drive_end {
 /* api_register adds the Agent service to srv. */
 void api_register(struct rpc_server *srv);
 
+/* tool_servers_check lists once the tools of every agent's own tool servers (and its sandbox's
+ * toold) that answer within a few seconds, and checks each agent's tool set as a drive would
+ * (tool_servers.c): CF_INVALID, naming the agent and both sources, when a name is reserved by
+ * the framework or offered twice. A server that does not answer is logged and checked when a
+ * submission lists it. After rpc_global_init. */
+CF_MUST_CHECK enum cf_status tool_servers_check(const struct agent_set *agents,
+                                                struct cf_error *err);
+
 #endif

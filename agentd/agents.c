@@ -246,6 +246,37 @@ static enum cf_status parse_limits(yaml_document_t *doc, yaml_node_t *root, cons
     return CF_OK;
 }
 
+/* check_tool_servers: at most AGENT_TOOL_SERVERS_MAX addresses, each named once and none the
+ * sandbox's own toold (its tools are there already). */
+static enum cf_status check_tool_servers(const char *file, const struct agent_def *a,
+                                         struct cf_error *err)
+{
+    if (a->n_tool_servers > AGENT_TOOL_SERVERS_MAX) {
+        return cf_error_set(err, CF_INVALID, "%s: tools: %zu tool servers; at most %d", file,
+                            a->n_tool_servers, AGENT_TOOL_SERVERS_MAX);
+    }
+    for (size_t i = 0; i < a->n_tool_servers; i++) {
+        const char *addr = a->tool_servers[i];
+        if (strlen(addr) > AGENT_ADDRESS_MAX) {
+            return cf_error_set(err, CF_INVALID, "%s: tools[%zu]: longer than %d characters", file,
+                                i, AGENT_ADDRESS_MAX);
+        }
+        if (a->sandbox_tools && !strcmp(addr, a->sandbox_tools)) {
+            return cf_error_set(err, CF_INVALID,
+                                "%s: tools[%zu]: %s is the sandbox's toold; its tools are the "
+                                "agent's already",
+                                file, i, addr);
+        }
+        for (size_t k = 0; k < i; k++) {
+            if (!strcmp(addr, a->tool_servers[k])) {
+                return cf_error_set(err, CF_INVALID, "%s: tools[%zu]: %s is listed twice", file, i,
+                                    addr);
+            }
+        }
+    }
+    return CF_OK;
+}
+
 /* parse_fields reads every frontmatter field of a loaded document into a. */
 static enum cf_status parse_fields(yaml_document_t *doc, const char *name_hint, const char *file,
                                    struct agent_def *a, struct cf_error *err)
@@ -264,7 +295,8 @@ static enum cf_status parse_fields(yaml_document_t *doc, const char *name_hint, 
         (rc = string_list(doc, map_get(doc, root, "skills"), file, "skills", &a->skills,
                           &a->n_skills, err)) != CF_OK ||
         (rc = string_list(doc, map_get(doc, root, "tools"), file, "tools", &a->tool_servers,
-                          &a->n_tool_servers, err)) != CF_OK) {
+                          &a->n_tool_servers, err)) != CF_OK ||
+        (rc = check_tool_servers(file, a, err)) != CF_OK) {
         return rc;
     }
     return parse_limits(doc, root, file, a, err);

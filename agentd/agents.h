@@ -21,6 +21,8 @@
 
 #define AGENT_MAX_TURNS_DEFAULT 200
 #define AGENT_MAX_TURNS_LIMIT 10000
+#define AGENT_TOOL_SERVERS_MAX 8 /* tools: addresses of an agent */
+#define AGENT_ADDRESS_MAX 255    /* characters of a tool server's address */
 
 #include "page_token.h"
 #include "status.h"
@@ -41,7 +43,7 @@ struct agent_def {
     size_t n_subagents;
     char **skills;
     size_t n_skills;
-    char **tool_servers;
+    char **tool_servers; /* its own cflue.v1.Tools servers (tool_servers.c), in order */
     size_t n_tool_servers;
     int64_t reserve_tokens;     /* 0: default */
     int64_t keep_recent_tokens; /* 0: default */

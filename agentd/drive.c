@@ -642,6 +642,7 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
     buf_init(&d->delta, 64 * 1024);
     model_call_init(d);
     tools_wait_init(d);
+    servers_init(d);
     task_wait_init(d);
     dcall_init(&d->sf.call, d);
     dcall_init(&d->prompt_call, d);
@@ -704,6 +705,7 @@ void drive_free(struct drive *d)
     llm_response_cleanup(&d->answer);
     model_call_cleanup(d);
     tools_wait_cleanup(d);
+    servers_cleanup(d);
     task_wait_cleanup(d);
     joins_cleanup(d);
     dstore_cleanup(d);

@@ -44,30 +44,54 @@ enum drive_state {
     DRIVE_DONE,
 };
 
-/* A sandbox's tool set, as Sandbox.Glance or Tools.List gave it. */
+/* A drive's tool set, in the order the model sees it: the sandbox's (as Sandbox.Glance or
+ * Tools.List gave it), the framework's, then those of the agent's own tool servers. */
 struct toolset {
-    ProtobufCMessage *owner;       /* the answer the tools came in (their strings are in it) */
-    const char *working_directory; /* where they run ("": not said) */
+    ProtobufCMessage *owner;       /* the sandbox's answer (its tools' strings are in it) */
+    const char *working_directory; /* where the sandbox's tools run ("": not said) */
     struct llm_tool *tools;
+    const char **source; /* for each tool: the address of the server that runs it (NULL: agentd
+                          * runs it, a framework tool) */
     size_t n;
 };
 
-/* A tool batch in flight for a parked drive (tool_batch.c). The fields under mu are written by
- * the stream's callbacks (rpc's client-stream thread); the rest by the engine thread. */
-struct tool_wait {
+/* One stream of a turn's tool calls (tool_batch.c): an ExecuteBatch of the calls for one
+ * server, or an Execute of one call to a server without ExecuteBatch. The fields under mu are
+ * written by the stream's callbacks (rpc's client-stream thread); the rest by the engine
+ * thread. */
+struct tool_lane {
+    struct drive *d;
     pthread_mutex_t mu;
-    ProtobufCMessage *result; /* under mu: a BatchResult not yet recorded (one at a time) */
+    ProtobufCMessage *result; /* under mu: a message not yet recorded (one at a time) */
     bool ended;               /* under mu: the stream is over; st says how */
     struct rpc_status st;     /* under mu */
     struct rpc_astream *stream;
     bool released;              /* the stream was released (cancelled, or taken to its end) */
+    bool over;                  /* its end was taken */
+    bool single;                /* an Execute of calls[0]: its message is a ToolResult */
+    const char *server;         /* the address the calls went to */
     Cflue__V1__ToolCall *calls; /* the calls sent, and for each: */
     Cflue__V1__ToolCall **ptrs;
     Google__Protobuf__Duration *limits;
     int *index; /* its index in the answer */
     bool *done; /* its result arrived */
     size_t m;
-    bool running; /* a batch was started and its end not yet taken */
+};
+
+/* The tool calls of a turn in flight for a parked drive: one lane per server (tool_batch.c). */
+struct tool_wait {
+    struct tool_lane **lanes;
+    size_t n;
+    bool running; /* lanes were started and not all their ends taken */
+};
+
+/* The agent's own tool servers for one drive (tool_servers.c). */
+struct tool_servers {
+    struct drive_call *list;    /* each server's Tools.List of this drive */
+    ProtobufCMessage **answers; /* each server's tools (NULL: it could not be listed) */
+    char **down;                /* why a server could not be listed (NULL: it was) */
+    bool *told;                 /* the model was told this drive that the server is gone */
+    size_t n;
 };
 
 /* A model call in flight for a parked drive (model_call.c). The fields under mu are written
@@ -203,6 +227,7 @@ struct drive {
     struct task_wait tasks;
     struct store_flight sf;
     struct drive_call prompt_call; /* the first turn's Glance (or Tools.List) to toold */
+    struct tool_servers servers;   /* the agent's own tool servers */
     struct engine_link eng;
     struct toolset tools;
     struct skill_set ws_skills; /* the skills found in the sandbox this attempt (.agents/skills) */
@@ -400,12 +425,24 @@ bool prompt_take(struct drive *d);
 
 /* ---- tool_batch.c ---- */
 
-/* tools_channel returns the shared channel to the agent's toold (kept for the process's life),
- * or NULL without a sandbox or past 32 tool servers. */
+/* tools_channel_at returns the shared channel to the tool server at addr (kept for the
+ * process's life), or NULL past TOOLS_CHANNELS_MAX servers. */
+#define TOOLS_CHANNELS_MAX 64
+struct rpc_channel *tools_channel_at(const char *addr);
+/* tools_channel: tools_channel_at the drive's toold; NULL without a sandbox. */
 struct rpc_channel *tools_channel(struct drive *d);
-/* tools_failed reports whether a Tools/Sandbox status means toold itself failed (down,
- * overloaded, timed out) rather than answering about the sandbox; such a failure is a fault. */
+/* tools_server_down: a Tools/Sandbox status that says the server itself failed (down,
+ * overloaded, timed out) rather than answering about the call. */
+bool tools_server_down(const struct rpc_status *st);
+/* tools_failed reports whether a Tools/Sandbox status means toold itself failed
+ * (tools_server_down); such a failure is a fault. */
 bool tools_failed(struct drive *d, const char *what, const struct rpc_status *st);
+/* toolset_add appends one tool to ts, run by the server at source (NULL: by agentd); the
+ * strings must outlive ts. */
+void toolset_add(struct toolset *ts, const char *name, const char *description,
+                 const char *schema_json, const char *source);
+/* toolset_find: the index of the tool named name in ts, or -1. */
+int toolset_find(const struct toolset *ts, const char *name);
 /* tools_load lists the sandbox's tools into d->tools with a blocking Tools.List (for a toold
  * whose Glance does not list them); a sandboxed agent whose toold cannot be reached gets a
  * fault, never an empty tool set. */
@@ -423,17 +460,44 @@ void tools_cleanup(struct drive *d);
 void tools_record_result(struct drive *d, int index, const char *call_id, const char *name,
                          const char *text, bool is_error, const Cflue__V1__Truncation *t,
                          bool outcome_unknown);
-/* tools_start starts the calls of `resp` as one ExecuteBatch (calls naming no tool of the set
- * get their error result at once); false when nothing was started (no call to run, or a
- * fault). The stream's messages and end post the drive. */
+/* tools_start starts the calls of `resp`, one ExecuteBatch per server that runs them (calls
+ * naming no tool of the set get their error result at once); false when nothing was started
+ * (no call to run, or a fault). The streams' messages and ends post the drive. */
 bool tools_start(struct drive *d, const struct llm_response *resp);
-/* tools_poll records the results that arrived, cancels the batch when the drive halted, and
- * returns true once the batch is over (toold failing mid-batch is a fault; toold refusing it
- * gives the calls left an error result). */
+/* tools_poll records the results that arrived, cancels the calls when the drive halted, and
+ * returns true once every lane is over. toold failing mid-batch is a fault; a server refusing
+ * calls, and the agent's own tool server failing, give the calls left an error result (and,
+ * for a server gone, a signal: servers_tell_gone). */
 bool tools_poll(struct drive *d);
 /* tools_wait_init / tools_wait_cleanup set up and free d->tw (cleanup: no batch in flight). */
 void tools_wait_init(struct drive *d);
 void tools_wait_cleanup(struct drive *d);
+
+/* ---- tool_servers.c: the agent's own tool servers ---- */
+
+/* servers_init / servers_cleanup set up and free d->servers (cleanup: no listing in flight). */
+void servers_init(struct drive *d);
+void servers_cleanup(struct drive *d);
+/* servers_list_start asks each of the agent's tool servers for its tools (Tools.List, one
+ * call each that holds no thread; their ends post the drive). */
+void servers_list_start(struct drive *d);
+/* servers_list_take: false while a listing is in flight; then true, each server's tools or
+ * why it could not be listed kept in d->servers. Idempotent once true. */
+bool servers_list_take(struct drive *d);
+/* servers_tools_add appends the listed servers' tools to d->tools, in the agent's order, and
+ * records a `resources` signal naming each server that could not be listed (its tools are
+ * left out). false, with d->error naming both sources, when a name is reserved for the
+ * framework or taken already. */
+bool servers_tools_add(struct drive *d);
+/* servers_tell_gone records, once per drive and server, a `resources` signal that the tool
+ * server at addr stopped answering (st says how) and that its tools fail until it is back. */
+void servers_tell_gone(struct drive *d, const char *addr, const struct rpc_status *st);
+/* servers_clash: true, with why (of size n) naming both sources, when a tool named name from
+ * source (an address; NULL: the framework) may not join ts: the framework reserves the name,
+ * or a tool of ts has it. sandbox_addr tells the sandbox's toold from other servers in the
+ * message. */
+bool servers_clash(const struct toolset *ts, const char *name, const char *source,
+                   const char *sandbox_addr, char *why, size_t n);
 
 /* ---- task.c: the framework's `task` tool ---- */
 
@@ -443,8 +507,12 @@ void tools_wait_cleanup(struct drive *d);
 
 /* task_is_framework: name is a tool agentd runs itself (never sent to a tool server). */
 bool task_is_framework(const char *name);
+/* task_name_reserved: name is one only the framework may give a tool (its own, and the
+ * structured-result tools finish and give_up). */
+bool task_name_reserved(const char *name);
 /* task_tools_add appends the framework tools to d->tools, after the sandbox's. false (with
- * d->error set) when a sandbox tool takes a name the framework reserves. */
+ * d->error naming both sources) when a sandbox tool takes a name the framework reserves or
+ * another sandbox tool's. */
 bool task_tools_add(struct drive *d);
 /* task_start starts the answer's `task` calls that have no result yet: a call that cannot
  * delegate (bad arguments, an undeclared subagent, the depth limit) gets its result at once;

@@ -219,6 +219,13 @@ int main(int argc, char **argv)
     curl_global_init(CURL_GLOBAL_DEFAULT);
     rpc_global_init();
     g_agentd.store = rpc_channel_new(o.store, 64 << 20);
+    struct cf_error err;
+    if (tool_servers_check(&g_agentd.agents, &err) != CF_OK) {
+        daemon_say(&d, 1, "%s", err.msg);
+        log_error("agents_invalid", "dir=%s", o.agents_dir);
+        close_clients();
+        return 1;
+    }
 
     struct rpc_server_opts ro = {.workers = 8,
                                  .max_threads = 1024,

@@ -241,6 +241,7 @@ static const char *in_force(struct drive *d)
 
 void prompt_start(struct drive *d)
 {
+    servers_list_start(d);
     struct rpc_channel *ch = tools_channel(d);
     if (!ch) {
         tools_no_channel(d);
@@ -293,6 +294,9 @@ bool prompt_take(struct drive *d)
 {
     struct sandbox_view v = {0};
     bool sandboxed = d->prompt_call.in_flight;
+    if (!servers_list_take(d)) {
+        return false; /* the agent's own tool servers are being listed */
+    }
     if (sandboxed) {
         struct rpc_status st;
         ProtobufCMessage *resp;
@@ -305,8 +309,8 @@ bool prompt_take(struct drive *d)
             return true;
         }
     }
-    if (!drive_halted(d) && !task_tools_add(d)) {
-        /* a tool server that takes a framework tool's name: no retry mends that */
+    if (!drive_halted(d) && (!task_tools_add(d) || !servers_tools_add(d))) {
+        /* a tool name reserved or offered twice: no retry mends that */
         d->outcome = CFLUE__V1__OUTCOME__OUTCOME_FAILED;
         view_cleanup(&v);
         d->system_text = NULL;

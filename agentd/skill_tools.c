@@ -54,14 +54,8 @@ void skill_tools_add(struct drive *d, struct toolset *ts)
     const char *descs[] = {ACTIVATE_DESCRIPTION, RESOURCE_DESCRIPTION};
     const char *schemas[] = {ACTIVATE_SCHEMA, RESOURCE_SCHEMA};
     int n = !d->agent->n_skills && !d->ws_skills.n ? 0 : files ? 2 : 1;
-    ts->tools = mem_realloc(ts->tools, sizeof(*ts->tools) * (ts->n + (size_t)n + 1));
     for (int k = 0; k < n; k++) {
-        struct llm_tool *t = &ts->tools[ts->n++];
-        t->name = names[k];
-        t->description = descs[k];
-        t->schema_json = schemas[k];
-        t->schema = NULL;
-        t->schema = llm_tool_schema(t);
+        toolset_add(ts, names[k], descs[k], schemas[k], NULL);
     }
 }
 

@@ -74,27 +74,28 @@ bool task_is_framework(const char *name)
            !strcmp(name, "read_skill_resource");
 }
 
+bool task_name_reserved(const char *name)
+{
+    for (size_t k = 0; k < sizeof(RESERVED) / sizeof(*RESERVED); k++) {
+        if (!strcmp(name, RESERVED[k])) {
+            return true;
+        }
+    }
+    return false;
+}
+
 bool task_tools_add(struct drive *d)
 {
     struct toolset *ts = &d->tools;
     for (size_t i = 0; i < ts->n; i++) {
-        for (size_t k = 0; k < sizeof(RESERVED) / sizeof(*RESERVED); k++) {
-            if (!strcmp(ts->tools[i].name, RESERVED[k])) {
-                snprintf(d->error, sizeof(d->error),
-                         "the sandbox's tool server at %s offers a tool named \"%s\", a name "
-                         "reserved for the framework's own tools; rename that tool",
-                         d->tools_addr, RESERVED[k]);
-                return false;
-            }
+        struct toolset before = *ts;
+        before.n = i;
+        if (servers_clash(&before, ts->tools[i].name, ts->source[i], d->tools_addr, d->error,
+                          sizeof(d->error))) {
+            return false;
         }
     }
-    ts->tools = mem_realloc(ts->tools, sizeof(*ts->tools) * (ts->n + 1));
-    struct llm_tool *t = &ts->tools[ts->n++];
-    t->name = TASK_TOOL;
-    t->description = TASK_DESCRIPTION;
-    t->schema_json = TASK_SCHEMA;
-    t->schema = NULL;
-    t->schema = llm_tool_schema(t);
+    toolset_add(ts, TASK_TOOL, TASK_DESCRIPTION, TASK_SCHEMA, NULL);
     skill_tools_add(d, ts);
     return true;
 }

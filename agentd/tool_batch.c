@@ -1,22 +1,28 @@
-/* tool_batch.c - the sandbox's tools for a drive: the tool set (Tools.List) and one model
- * turn's calls run as a single Tools.ExecuteBatch, each result recorded as it arrives.
+/* tool_batch.c - the tools a drive runs on servers: the tool set (Tools.List) and one model
+ * turn's calls, run as one Tools.ExecuteBatch per server (the sandbox's toold, the agent's own
+ * tool servers), each result recorded as it arrives.
  *
- * The batch holds no thread: it is an event-driven client stream (rpc_astream) whose results
- * and end post the drive, parked in DRIVE_TOOLS_WAIT meanwhile; the engine thread stepping it
- * records each result (written behind: one Append in flight at a time, never waited for here;
- * the next turn waits until every result is stored) and then asks for the next. An abort, a lost
- * lease or shutdown posts the drive, which cancels the stream (toold kills the commands) and waits
- * for its end.
+ * The calls hold no thread: each server's batch is an event-driven client stream
+ * (rpc_astream), a lane, whose results and end post the drive, parked in DRIVE_TOOLS_WAIT
+ * meanwhile; the engine thread stepping it records each result (written behind: one Append in
+ * flight at a time, never waited for here; the next turn waits until every result is stored)
+ * and then asks for the next. An abort, a lost lease or shutdown posts the drive, which
+ * cancels the streams (toold kills the commands) and waits for their ends. A tool server
+ * without ExecuteBatch (UNIMPLEMENTED, which the protocol allows) gets one Execute per call,
+ * each its own lane; the server is remembered as such for the process's life.
  *
  * toold itself failing (unreachable, overloaded, a batch broken off) is a fault: the drive
  * ends interrupted, and the calls left without a result get the outcome-unknown result when
  * the work resumes (settle.c). toold refusing a batch as a bad request is an answer: the model
- * hears why each call did not run.
+ * hears why each call did not run. The agent's own tool servers are not the sandbox: one that
+ * fails gives its calls error results and the model a signal (servers_tell_gone), and the
+ * work goes on.
  */
 #include "clients.h"
 #include "drive.h"
 #include "engine.h"
 #include "failpoint.h"
+#include "log.h"
 #include "mem.h"
 #include "pbtime.h"
 
@@ -27,37 +33,70 @@
 
 #define TOOLS_TIMEOUT_MS 10000 /* Tools.List */
 
-struct rpc_channel *tools_channel(struct drive *d)
-{
-    static struct {
+#define CUSTOM_CALL_MS 600000 /* an own tool server's call with no time limit: 10 min */
+
+/* The channels to tool servers and which servers have no ExecuteBatch, for the process's life
+ * (an agent's servers are a handful; reloads reuse them). */
+static struct {
+    pthread_mutex_t mu;
+    struct {
         char *addr;
         struct rpc_channel *ch;
-    } cache[32];
-    static int n;
-    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-    const char *addr = d->tools_addr;
-    struct rpc_channel *ch = NULL;
-    if (!addr) {
-        return NULL;
-    }
-    pthread_mutex_lock(&mu);
-    for (int i = 0; i < n && !ch; i++) {
-        if (!strcmp(cache[i].addr, addr)) {
-            ch = cache[i].ch;
+        bool no_batch;
+    } at[TOOLS_CHANNELS_MAX];
+    int n;
+} g_channels = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+/* channel_slot: the slot of addr, made when new (-1 past the limit); under g_channels.mu. */
+static int channel_slot(const char *addr)
+{
+    for (int i = 0; i < g_channels.n; i++) {
+        if (!strcmp(g_channels.at[i].addr, addr)) {
+            return i;
         }
     }
-    if (!ch && n < 32) {
-        cache[n].addr = mem_strdup(addr);
-        ch = cache[n++].ch = rpc_channel_new(addr, 64 << 20);
+    if (g_channels.n == TOOLS_CHANNELS_MAX) {
+        return -1;
     }
-    pthread_mutex_unlock(&mu);
+    int i = g_channels.n++;
+    g_channels.at[i].addr = mem_strdup(addr);
+    g_channels.at[i].ch = rpc_channel_new(addr, 64 << 20);
+    g_channels.at[i].no_batch = false;
+    return i;
+}
+
+struct rpc_channel *tools_channel_at(const char *addr)
+{
+    pthread_mutex_lock(&g_channels.mu);
+    int i = channel_slot(addr);
+    struct rpc_channel *ch = i < 0 ? NULL : g_channels.at[i].ch;
+    pthread_mutex_unlock(&g_channels.mu);
     return ch;
+}
+
+/* no_batch: the server at addr answered ExecuteBatch with UNIMPLEMENTED before; with set, it
+ * is remembered so. */
+static bool no_batch(const char *addr, bool set)
+{
+    pthread_mutex_lock(&g_channels.mu);
+    int i = channel_slot(addr);
+    if (i >= 0 && set) {
+        g_channels.at[i].no_batch = true;
+    }
+    bool none = i >= 0 && g_channels.at[i].no_batch;
+    pthread_mutex_unlock(&g_channels.mu);
+    return none;
+}
+
+struct rpc_channel *tools_channel(struct drive *d)
+{
+    return d->tools_addr ? tools_channel_at(d->tools_addr) : NULL;
 }
 
 /* FAILED_PRECONDITION is an answer (the sandbox's state does not allow the call: not a
  * directory, say); ABORTED from toold (no fence is involved) is a conflict that trying again
  * later may clear, so it is a failure, recorded as CF_UNAVAILABLE rather than as a lost lease. */
-bool tools_failed(struct drive *d, const char *what, const struct rpc_status *st)
+bool tools_server_down(const struct rpc_status *st)
 {
     switch (st->code) {
     case GRPC_STATUS_OK:
@@ -68,17 +107,24 @@ bool tools_failed(struct drive *d, const char *what, const struct rpc_status *st
     case GRPC_STATUS_OUT_OF_RANGE:
     case GRPC_STATUS_ALREADY_EXISTS:
         return false;
-    default: {
-        struct cf_error e;
-        enum cf_status code =
-            st->code == GRPC_STATUS_ABORTED ? CF_UNAVAILABLE : status_from_grpc(st->code);
-        cf_error_set(&e, code, "toold at %s: %s (grpc status %d, reason %s)", d->tools_addr,
-                     st->details[0] ? st->details : "call failed", (int)st->code,
-                     st->reason[0] ? st->reason : "none");
-        drive_fault(d, what, &e);
+    default:
         return true;
     }
+}
+
+bool tools_failed(struct drive *d, const char *what, const struct rpc_status *st)
+{
+    if (!tools_server_down(st)) {
+        return false;
     }
+    struct cf_error e;
+    enum cf_status code =
+        st->code == GRPC_STATUS_ABORTED ? CF_UNAVAILABLE : status_from_grpc(st->code);
+    cf_error_set(&e, code, "toold at %s: %s (grpc status %d, reason %s)", d->tools_addr,
+                 st->details[0] ? st->details : "call failed", (int)st->code,
+                 st->reason[0] ? st->reason : "none");
+    drive_fault(d, what, &e);
+    return true;
 }
 
 void tools_no_channel(struct drive *d)
@@ -86,8 +132,8 @@ void tools_no_channel(struct drive *d)
     if (d->tools_addr) {
         struct cf_error e;
         cf_error_set(&e, CF_BUSY,
-                     "no channel to toold at %s: this agentd reaches at most 32 tool servers",
-                     d->tools_addr);
+                     "no channel to toold at %s: this agentd reaches at most %d tool servers",
+                     d->tools_addr, TOOLS_CHANNELS_MAX);
         drive_fault(d, "listing the sandbox's tools failed", &e);
     }
 }
@@ -99,15 +145,34 @@ void tools_adopt(struct drive *d, ProtobufCMessage *owner, Cflue__V1__ToolSpec *
     tools_cleanup(d);
     ts->owner = owner;
     ts->working_directory = working_directory;
-    ts->n = n;
-    ts->tools = mem_alloc(sizeof(*ts->tools) * (n + 1));
     for (size_t i = 0; i < n; i++) {
-        ts->tools[i].name = specs[i]->name;
-        ts->tools[i].description = specs[i]->description;
-        ts->tools[i].schema_json = specs[i]->parameters_json;
-        ts->tools[i].schema = NULL;
-        ts->tools[i].schema = llm_tool_schema(&ts->tools[i]); /* once, not per turn */
+        toolset_add(ts, specs[i]->name, specs[i]->description, specs[i]->parameters_json,
+                    d->tools_addr);
     }
+}
+
+void toolset_add(struct toolset *ts, const char *name, const char *description,
+                 const char *schema_json, const char *source)
+{
+    ts->tools = mem_realloc(ts->tools, sizeof(*ts->tools) * (ts->n + 1));
+    ts->source = mem_realloc(ts->source, sizeof(*ts->source) * (ts->n + 1));
+    struct llm_tool *t = &ts->tools[ts->n];
+    t->name = name;
+    t->description = description;
+    t->schema_json = schema_json;
+    t->schema = NULL;
+    t->schema = llm_tool_schema(t); /* once, not per turn */
+    ts->source[ts->n++] = source;
+}
+
+int toolset_find(const struct toolset *ts, const char *name)
+{
+    for (size_t i = 0; i < ts->n; i++) {
+        if (!strcmp(ts->tools[i].name, name)) {
+            return (int)i;
+        }
+    }
+    return -1;
 }
 
 void tools_load(struct drive *d)
@@ -143,6 +208,7 @@ void tools_cleanup(struct drive *d)
         json_decref(d->tools.tools[i].schema);
     }
     free(d->tools.tools);
+    free(d->tools.source);
     memset(&d->tools, 0, sizeof(d->tools));
 }
 
@@ -164,209 +230,332 @@ void tools_record_result(struct drive *d, int index, const char *call_id, const 
     (void)dstore_defer_one(d, id, d->sub->submission_id, &body.base);
 }
 
-/* prepare fills the batch (d->tw) with the calls toold can run; a call naming no tool of the
- * set gets an error result at once. Each call's timeout is what is left of the submission's
- * time (at least 1 ms; unset means no limit). */
+/* ---------- lanes: one stream of calls per server ---------- */
+
+/* own_server: addr is one of the agent's own tool servers, not the sandbox's toold. */
+static bool own_server(const struct drive *d, const char *addr)
+{
+    return !d->tools_addr || strcmp(addr, d->tools_addr) != 0;
+}
+
+/* lane_new makes an empty lane, room for cap calls, for the server at addr. */
+static struct tool_lane *lane_new(struct drive *d, const char *addr, size_t cap, bool single)
+{
+    struct tool_lane *l = mem_alloc(sizeof(*l));
+    memset(l, 0, sizeof(*l));
+    pthread_mutex_init(&l->mu, NULL);
+    l->d = d;
+    l->server = addr;
+    l->single = single;
+    l->calls = mem_alloc(sizeof(*l->calls) * (cap + 1));
+    l->ptrs = mem_alloc(sizeof(void *) * (cap + 1));
+    l->limits = mem_alloc(sizeof(*l->limits) * (cap + 1));
+    l->index = mem_alloc(sizeof(int) * (cap + 1));
+    l->done = mem_alloc(sizeof(bool) * (cap + 1));
+    memset(l->done, 0, sizeof(bool) * (cap + 1));
+    struct tool_wait *w = &d->tw;
+    w->lanes = mem_realloc(w->lanes, sizeof(*w->lanes) * (w->n + 1));
+    w->lanes[w->n++] = l;
+    return l;
+}
+
+/* lane_free frees a lane whose stream is over or never started. */
+static void lane_free(struct tool_lane *l)
+{
+    if (l->result) {
+        protobuf_c_message_free_unpacked(l->result, NULL);
+    }
+    free(l->calls);
+    free(l->ptrs);
+    free(l->limits);
+    free(l->index);
+    free(l->done);
+    pthread_mutex_destroy(&l->mu);
+    free(l);
+}
+
+static void lanes_free(struct tool_wait *w)
+{
+    for (size_t i = 0; i < w->n; i++) {
+        lane_free(w->lanes[i]);
+    }
+    free(w->lanes);
+    w->lanes = NULL;
+    w->n = 0;
+}
+
+/* lane_add puts call c, index `index` of the answer, in l. Its timeout is what is left of the
+ * submission's time (at least 1 ms; unset means no limit). */
+static void lane_add(struct tool_lane *l, const Cflue__V1__ToolCall *c, int index)
+{
+    int64_t left = drive_time_left(l->d);
+    Cflue__V1__ToolCall *tc = &l->calls[l->m];
+    cflue__v1__tool_call__init(tc);
+    tc->sandbox = c->sandbox;
+    tc->call_id = c->call_id;
+    tc->name = c->name;
+    tc->arguments_json = c->arguments_json;
+    if (left != INT64_MAX) {
+        google__protobuf__duration__init(&l->limits[l->m]);
+        pbdur_set(&l->limits[l->m], left > 1 ? left : 1);
+        tc->timeout = &l->limits[l->m];
+    }
+    l->ptrs[l->m] = tc;
+    l->index[l->m] = index;
+    l->m++;
+}
+
+/* lane_for: the batch lane of this turn for the server at addr, made when new; an own tool
+ * server known to have no ExecuteBatch gets a new single-call lane each time. */
+static struct tool_lane *lane_for(struct drive *d, const char *addr, size_t cap)
+{
+    bool single = own_server(d, addr) && no_batch(addr, false);
+    for (size_t i = 0; i < d->tw.n && !single; i++) {
+        if (!d->tw.lanes[i]->single && !strcmp(d->tw.lanes[i]->server, addr)) {
+            return d->tw.lanes[i];
+        }
+    }
+    return lane_new(d, addr, single ? 1 : cap, single);
+}
+
+/* prepare sorts the answer's calls into lanes, one per server; a call naming no tool of the
+ * set gets an error result at once. */
 static void prepare(struct drive *d, const struct llm_response *resp)
 {
-    struct tool_wait *b = &d->tw;
-    size_t n = resp->n_calls;
-    b->calls = mem_alloc(sizeof(*b->calls) * (n + 1));
-    b->ptrs = mem_alloc(sizeof(void *) * (n + 1));
-    b->limits = mem_alloc(sizeof(*b->limits) * (n + 1));
-    b->index = mem_alloc(sizeof(int) * (n + 1));
-    b->done = mem_alloc(sizeof(bool) * (n + 1));
-    memset(b->done, 0, sizeof(bool) * (n + 1));
-    b->m = 0;
-    int64_t left = drive_time_left(d);
-    for (size_t i = 0; i < n && d->fault.code == CF_OK; i++) {
+    for (size_t i = 0; i < resp->n_calls && d->fault.code == CF_OK; i++) {
         const struct llm_call *c = &resp->calls[i];
         char id[600];
         context_tool_result_id(id, sizeof(id), d->sub->submission_id, d->turn, c->id);
         if (task_is_framework(c->name) || rlog_find(&d->log, id)) {
             continue; /* run by agentd (task.c), or run before (a resumed turn) */
         }
-        bool known = false;
-        for (size_t k = 0; k < d->tools.n; k++) {
-            known = known || !strcmp(d->tools.tools[k].name, c->name);
-        }
-        if (!known) {
+        int k = toolset_find(&d->tools, c->name);
+        if (k < 0 || !d->tools.source[k]) {
             char text[512];
             snprintf(text, sizeof(text), "There is no tool named '%s' here.%s", c->name,
                      d->tools.n ? " Use one of the tools listed in your instructions." : "");
             tools_record_result(d, (int)i, c->id, c->name, text, true, NULL, false);
             continue;
         }
-        Cflue__V1__ToolCall *tc = &b->calls[b->m];
-        cflue__v1__tool_call__init(tc);
-        tc->sandbox = d->workspace;
-        tc->call_id = c->id;
-        tc->name = c->name;
-        tc->arguments_json = c->arguments_json;
-        if (left != INT64_MAX) {
-            google__protobuf__duration__init(&b->limits[b->m]);
-            pbdur_set(&b->limits[b->m], left > 1 ? left : 1);
-            tc->timeout = &b->limits[b->m];
-        }
-        b->ptrs[b->m] = tc;
-        b->index[b->m] = (int)i;
-        b->m++;
+        Cflue__V1__ToolCall tc = CFLUE__V1__TOOL_CALL__INIT;
+        tc.sandbox = d->workspace;
+        tc.call_id = c->id;
+        tc.name = c->name;
+        tc.arguments_json = c->arguments_json;
+        lane_add(lane_for(d, d->tools.source[k], resp->n_calls), &tc, (int)i);
     }
-}
-
-/* free_batch frees the batch's calls (the stream is over or never started). */
-static void free_batch(struct tool_wait *b)
-{
-    free(b->calls);
-    free(b->ptrs);
-    free(b->limits);
-    free(b->index);
-    free(b->done);
-    b->calls = NULL;
-    b->ptrs = NULL;
-    b->limits = NULL;
-    b->index = NULL;
-    b->done = NULL;
-    b->m = 0;
 }
 
 /* on_result (rpc's stream thread) hands one result to the drive and posts it; the next is
  * asked for once the drive recorded this one. */
 static void on_result(void *arg, ProtobufCMessage *msg)
 {
-    struct drive *d = arg;
-    pthread_mutex_lock(&d->tw.mu);
-    d->tw.result = msg;
-    pthread_mutex_unlock(&d->tw.mu);
-    engine_post(d);
+    struct tool_lane *l = arg;
+    pthread_mutex_lock(&l->mu);
+    l->result = msg;
+    pthread_mutex_unlock(&l->mu);
+    engine_post(l->d);
 }
 
-static void on_batch_end(void *arg, const struct rpc_status *st)
+static void on_lane_end(void *arg, const struct rpc_status *st)
 {
-    struct drive *d = arg;
-    pthread_mutex_lock(&d->tw.mu);
-    d->tw.ended = true;
-    d->tw.st = *st;
-    /* posted under the lock: once an engine thread sees `ended` the drive may finish and be
-     * freed, so nothing here may touch d after the unlock */
-    engine_post(d);
-    pthread_mutex_unlock(&d->tw.mu);
+    struct tool_lane *l = arg;
+    pthread_mutex_lock(&l->mu);
+    l->ended = true;
+    l->st = *st;
+    /* posted under the lock: once an engine thread sees `ended` the lane may be freed (and
+     * the drive with it), so nothing here may touch l after the unlock */
+    engine_post(l->d);
+    pthread_mutex_unlock(&l->mu);
 }
 
-static const struct rpc_astream_ops batch_ops = {.on_message = on_result, .on_end = on_batch_end};
+static const struct rpc_astream_ops lane_ops = {.on_message = on_result, .on_end = on_lane_end};
+
+/* lane_open starts l's stream. The sandbox's batch has no deadline of its own (each call
+ * carries the submission's time left, and toold its own limits); an own server's calls end
+ * a second after the time left, or after CUSTOM_CALL_MS without a limit. */
+static void lane_open(struct tool_lane *l)
+{
+    struct drive *d = l->d;
+    struct rpc_channel *ch = tools_channel_at(l->server);
+    if (!ch) {
+        l->ended = l->released = true; /* no stream: the lane ends at once */
+        l->st.code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+        snprintf(l->st.details, sizeof(l->st.details),
+                 "this agentd reaches at most %d tool servers", TOOLS_CHANNELS_MAX);
+        return;
+    }
+    int64_t deadline = 0;
+    if (own_server(d, l->server)) {
+        int64_t left = drive_time_left(d);
+        deadline = left == INT64_MAX ? CUSTOM_CALL_MS : left + 1000;
+    }
+    if (l->single) {
+        l->stream = rpc_astream_open(ch, "/cflue.v1.Tools/Execute", &l->calls[0].base,
+                                     &cflue__v1__tool_result__descriptor, deadline, &lane_ops, l);
+        return;
+    }
+    Cflue__V1__ToolBatch batch = CFLUE__V1__TOOL_BATCH__INIT;
+    batch.calls = l->ptrs;
+    batch.n_calls = l->m;
+    l->stream = rpc_astream_open(ch, "/cflue.v1.Tools/ExecuteBatch", &batch.base,
+                                 &cflue__v1__batch_result__descriptor, deadline, &lane_ops, l);
+}
 
 bool tools_start(struct drive *d, const struct llm_response *resp)
 {
-    struct tool_wait *b = &d->tw;
+    struct tool_wait *w = &d->tw;
     prepare(d, resp);
-    if (!b->m || d->fault.code != CF_OK) {
-        free_batch(b);
+    if (!w->n || d->fault.code != CF_OK) {
+        lanes_free(w);
         return false;
     }
-    Cflue__V1__ToolBatch batch = CFLUE__V1__TOOL_BATCH__INIT;
-    batch.calls = b->ptrs;
-    batch.n_calls = b->m;
-    b->ended = false;
-    b->released = false;
-    b->result = NULL;
-    b->running = true;
-    /* no deadline of its own: each call carries the submission's time left */
-    b->stream = rpc_astream_open(tools_channel(d), "/cflue.v1.Tools/ExecuteBatch", &batch.base,
-                                 &cflue__v1__batch_result__descriptor, 0, &batch_ops, d);
+    w->running = true;
+    for (size_t i = 0; i < w->n; i++) {
+        lane_open(w->lanes[i]);
+    }
     return true;
 }
 
-/* record takes one result off the stream and records it (unless the drive cannot write). */
-static void record(struct drive *d, Cflue__V1__BatchResult *br)
+/* lane_record takes one message off l's stream and records its result (unless the drive
+ * cannot write). */
+static void lane_record(struct drive *d, struct tool_lane *l, ProtobufCMessage *msg)
 {
-    struct tool_wait *b = &d->tw;
-    if (br->index >= 0 && (size_t)br->index < b->m && br->result && !b->done[br->index]) {
-        b->done[br->index] = true;
-        const Cflue__V1__ToolCall *c = &b->calls[br->index];
+    const Cflue__V1__BatchResult *br = (const void *)msg;
+    int at = l->single ? 0 : br->index;
+    const Cflue__V1__ToolResult *r = l->single ? (const void *)msg : br->result;
+    if (at >= 0 && (size_t)at < l->m && r && !l->done[at]) {
+        l->done[at] = true;
+        const Cflue__V1__ToolCall *c = &l->calls[at];
         failpoint_hit("agentd.tools.before_record");
         if (d->fault.code == CF_OK && !drive_lost_or_down(d)) {
-            tools_record_result(d, b->index[br->index], c->call_id, c->name, br->result->text,
-                                br->result->is_error, br->result->truncation, false);
+            tools_record_result(d, l->index[at], c->call_id, c->name, r->text, r->is_error,
+                                r->truncation, false);
         }
     }
-    protobuf_c_message_free_unpacked(&br->base, NULL);
+    protobuf_c_message_free_unpacked(msg, NULL);
 }
 
-/* finish_batch handles a batch that ended short of results: toold failing is a fault; toold
- * refusing the batch (a bad request) gives each call without a result an error result. */
-static void finish_batch(struct drive *d, struct rpc_status *st)
+/* split runs each call of l, an own server's batch that the server does not implement, as
+ * its own Execute lane (and remembers the server as one without ExecuteBatch). */
+static void split(struct drive *d, struct tool_lane *l)
 {
-    struct tool_wait *b = &d->tw;
-    bool missing = false;
-    for (size_t k = 0; k < b->m; k++) {
-        missing = missing || !b->done[k];
+    (void)no_batch(l->server, true);
+    char q[300];
+    log_info("tool_server_no_batch", "server=%s note=%s", log_quote(q, sizeof(q), l->server),
+             "\"no ExecuteBatch: one Execute per call\"");
+    for (size_t k = 0; k < l->m; k++) {
+        struct tool_lane *one = lane_new(d, l->server, 1, true);
+        lane_add(one, &l->calls[k], l->index[k]);
+        lane_open(one);
+        l->done[k] = true; /* its result comes through the new lane */
+    }
+}
+
+/* finish_lane handles a lane that ended short of results: toold failing is a fault; an own
+ * server failing gives the calls left an error result and the model a signal; a server
+ * refusing the calls (a bad request) gives each an error result. */
+static void finish_lane(struct drive *d, struct tool_lane *l, struct rpc_status *st)
+{
+    size_t missing = 0;
+    for (size_t k = 0; k < l->m; k++) {
+        missing += !l->done[k];
     }
     if (missing && !drive_halted(d) && st->code == GRPC_STATUS_OK) {
-        /* a stream that ended OK short of results is toold failing too */
+        /* a stream that ended OK short of results is the server failing too */
         st->code = GRPC_STATUS_INTERNAL;
-        snprintf(st->details, sizeof(st->details), "the batch ended with results missing");
+        snprintf(st->details, sizeof(st->details), "the stream ended with results missing");
     }
-    if (!missing || drive_halted(d) || tools_failed(d, "the tool batch failed", st)) {
+    bool own = own_server(d, l->server);
+    if (!missing || drive_halted(d) || (!own && tools_failed(d, "the tool batch failed", st))) {
         return;
     }
-    for (size_t k = 0; k < b->m && d->fault.code == CF_OK; k++) {
-        if (!b->done[k]) {
-            char text[CF_ERROR_MSG_MAX + 128];
-            snprintf(text, sizeof(text),
-                     "The tool server refused this call (%.300s); it did not run.", st->details);
-            tools_record_result(d, b->index[k], b->calls[k].call_id, b->calls[k].name, text, true,
+    if (own && st->code == GRPC_STATUS_UNIMPLEMENTED && !l->single && missing == l->m) {
+        split(d, l);
+        return;
+    }
+    bool down = own && tools_server_down(st);
+    if (down) {
+        servers_tell_gone(d, l->server, st);
+    }
+    for (size_t k = 0; k < l->m && d->fault.code == CF_OK; k++) {
+        if (!l->done[k]) {
+            char text[CF_ERROR_MSG_MAX + 512];
+            if (down) {
+                snprintf(text, sizeof(text),
+                         "The tool server at %s failed before answering this call (%.300s); it "
+                         "may not have run.",
+                         l->server, st->details);
+            } else {
+                snprintf(text, sizeof(text),
+                         "The tool server refused this call (%.300s); it did not run.",
+                         st->details);
+            }
+            tools_record_result(d, l->index[k], l->calls[k].call_id, l->calls[k].name, text, true,
                                 NULL, false);
         }
     }
 }
 
-bool tools_poll(struct drive *d)
+/* lane_poll records what arrived on l and returns true once its end is taken. */
+static bool lane_poll(struct drive *d, struct tool_lane *l)
 {
-    struct tool_wait *b = &d->tw;
-    pthread_mutex_lock(&b->mu);
-    ProtobufCMessage *msg = b->result;
-    b->result = NULL;
-    bool ended = b->ended;
-    struct rpc_status st = b->st;
-    pthread_mutex_unlock(&b->mu);
+    pthread_mutex_lock(&l->mu);
+    ProtobufCMessage *msg = l->result;
+    l->result = NULL;
+    bool ended = l->ended;
+    struct rpc_status st = l->st;
+    pthread_mutex_unlock(&l->mu);
     if (msg) {
-        record(d, (Cflue__V1__BatchResult *)msg);
-        if (!b->released) {
-            rpc_astream_next(b->stream);
+        lane_record(d, l, msg);
+        if (!l->released) {
+            rpc_astream_next(l->stream);
         }
     }
     if (!ended) {
-        if (drive_halted(d) && !b->released) {
-            /* abort, lost lease, shutdown or a fault: toold kills the commands still running;
-             * the stream's end posts the drive */
-            b->released = true;
-            rpc_astream_release(b->stream);
+        if (drive_halted(d) && !l->released) {
+            /* abort, lost lease, shutdown or a fault: the servers stop the calls still running
+             * (toold kills the commands); the stream's end posts the drive */
+            l->released = true;
+            rpc_astream_release(l->stream);
         }
         return false;
     }
-    if (!b->released) {
-        b->released = true;
-        rpc_astream_release(b->stream);
+    if (!l->released) {
+        l->released = true;
+        rpc_astream_release(l->stream);
     }
-    b->stream = NULL;
-    b->running = false;
-    finish_batch(d, &st);
-    free_batch(b);
+    l->stream = NULL;
+    l->over = true;
+    finish_lane(d, l, &st);
     return true;
+}
+
+bool tools_poll(struct drive *d)
+{
+    struct tool_wait *w = &d->tw;
+    bool over = true;
+    for (size_t i = 0; i < w->n; i++) { /* a lane split adds lanes: they are polled too */
+        if (!w->lanes[i]->over && !lane_poll(d, w->lanes[i])) {
+            over = false;
+        }
+    }
+    for (size_t i = 0; over && i < w->n; i++) {
+        over = w->lanes[i]->over; /* a split's lanes, added after they were passed */
+    }
+    if (over) {
+        lanes_free(w);
+        w->running = false;
+    }
+    return over;
 }
 
 void tools_wait_init(struct drive *d)
 {
     memset(&d->tw, 0, sizeof(d->tw));
-    pthread_mutex_init(&d->tw.mu, NULL);
 }
 
 void tools_wait_cleanup(struct drive *d)
 {
-    if (d->tw.result) {
-        protobuf_c_message_free_unpacked(d->tw.result, NULL);
-        d->tw.result = NULL;
-    }
-    free_batch(&d->tw);
-    pthread_mutex_destroy(&d->tw.mu);
+    lanes_free(&d->tw);
 }

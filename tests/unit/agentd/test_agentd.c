@@ -47,6 +47,32 @@ static void test_agents(void)
     CHECK(agents_parse("---\nmodel: openai/gpt\ndurability: {max_attempts: 0}\n---\n", "x", "x.md",
                        &a, &err) == CF_INVALID);
     CHECK(strstr(err.msg, "durability.max_attempts") != NULL);
+
+    /* tool servers: each once, not the sandbox's toold, at most 8, addresses bounded */
+    CHECK(agents_parse("---\nmodel: openai/gpt\ntools: [\"a:1\", \"b:2\"]\n---\n", "x", "x.md", &a,
+                       &err) == CF_OK);
+    CHECK(a.n_tool_servers == 2);
+    CHECK_STR(a.tool_servers[1], "b:2");
+    agents_free_one(&a);
+    CHECK(agents_parse("---\nmodel: openai/gpt\nsandbox: {tools: \"t:1\"}\ntools: [\"t:1\"]\n---\n",
+                       "x", "x.md", &a, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "x.md: tools[0]: t:1 is the sandbox's toold") != NULL);
+    CHECK(agents_parse("---\nmodel: openai/gpt\ntools: [a, b, a]\n---\n", "x", "x.md", &a, &err) ==
+          CF_INVALID);
+    CHECK(strstr(err.msg, "tools[2]: a is listed twice") != NULL);
+    CHECK(agents_parse("---\nmodel: openai/gpt\ntools: [a, b, c, d, e, f, g, h, i]\n---\n", "x",
+                       "x.md", &a, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "9 tool servers; at most 8") != NULL);
+    char long_addr[400];
+    memset(long_addr, 'h', 300);
+    snprintf(long_addr + 300, sizeof(long_addr) - 300, ":1");
+    char def[600];
+    snprintf(def, sizeof(def), "---\nmodel: openai/gpt\ntools: [\"%s\"]\n---\n", long_addr);
+    CHECK(agents_parse(def, "x", "x.md", &a, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "tools[0]: longer than 255 characters") != NULL);
+    CHECK(agents_parse("---\nmodel: openai/gpt\ntools: \"a:1\"\n---\n", "x", "x.md", &a, &err) ==
+          CF_INVALID);
+    CHECK(strstr(err.msg, "tools: expected a list of strings") != NULL);
 }
 
 /* ListAgents pages through the agents by name; a page token carries the last name returned,
@@ -462,43 +488,58 @@ static void test_settled_here_forgets(void)
 
 struct agentd g_agentd; /* main.c's, which this test does not link: task.c refers to it */
 
-/* The framework's task tool joins after the sandbox's tools; a sandbox tool with a reserved
- * name is refused, naming the tool server. */
+/* The framework's task tool joins after the sandbox's tools; a tool with a reserved name, or
+ * one a tool before it has, is refused, naming both sources. */
 static void test_task_tools(void)
 {
     struct drive d;
     struct agent_def agent = {.name = "a"}; /* no skills: no skill tools */
-    struct llm_tool sandbox[2] = {{.name = "read", .description = "Read.", .schema_json = "{}"},
-                                  {.name = "bash", .description = "Run.", .schema_json = "{}"}};
     memset(&d, 0, sizeof(d));
     d.agent = &agent;
     d.tools_addr = "127.0.0.1:7102";
-    d.tools.tools = malloc(sizeof(sandbox));
-    memcpy(d.tools.tools, sandbox, sizeof(sandbox));
-    d.tools.n = 2;
+    toolset_add(&d.tools, "read", "Read.", "{}", d.tools_addr);
+    toolset_add(&d.tools, "bash", "Run.", "{}", d.tools_addr);
     CHECK(task_tools_add(&d));
     CHECK(d.tools.n == 3);
     CHECK_STR(d.tools.tools[0].name, "read");
     CHECK_STR(d.tools.tools[2].name, "task");
+    CHECK(d.tools.source[2] == NULL && toolset_find(&d.tools, "task") == 2);
     CHECK(task_is_framework("task") && !task_is_framework("bash"));
     json_t *props = json_object_get(d.tools.tools[2].schema, "properties");
     CHECK(json_is_object(json_object_get(props, "prompt")));
     CHECK(json_is_object(json_object_get(props, "agent")));
     CHECK(json_array_size(json_object_get(d.tools.tools[2].schema, "required")) == 2);
+
+    /* an own server's tools: a reserved name, a duplicate of the sandbox's, of the framework's */
+    char why[512];
+    CHECK(!servers_clash(&d.tools, "lookup", "10.0.0.9:7200", d.tools_addr, why, sizeof(why)));
+    CHECK(servers_clash(&d.tools, "give_up", "10.0.0.9:7200", d.tools_addr, why, sizeof(why)));
+    CHECK_STR(why, "tool name \"give_up\" is reserved by the framework, but the tool server at "
+                   "10.0.0.9:7200 offers a tool by that name; rename that tool");
+    CHECK(servers_clash(&d.tools, "bash", "10.0.0.9:7200", d.tools_addr, why, sizeof(why)));
+    CHECK_STR(why, "duplicate tool name \"bash\": offered by the sandbox's toold at "
+                   "127.0.0.1:7102 and by the tool server at 10.0.0.9:7200; rename one of them");
+    CHECK(servers_clash(&d.tools, "task", NULL, d.tools_addr, why, sizeof(why)));
+    CHECK(strstr(why, "offered by the framework and by the framework") != NULL);
     tools_cleanup(&d);
 
-    struct llm_tool clash[1] = {
-        {.name = "activate_skill", .description = "Mine.", .schema_json = "{}"}};
     memset(&d, 0, sizeof(d));
     d.agent = &agent;
     d.tools_addr = "10.0.0.9:7200";
-    d.tools.tools = malloc(sizeof(clash));
-    memcpy(d.tools.tools, clash, sizeof(clash));
-    d.tools.n = 1;
+    toolset_add(&d.tools, "activate_skill", "Mine.", "{}", d.tools_addr);
     CHECK(!task_tools_add(&d));
     CHECK(d.tools.n == 1);
-    CHECK(strstr(d.error, "\"activate_skill\"") != NULL);
-    CHECK(strstr(d.error, "10.0.0.9:7200") != NULL);
+    CHECK(strstr(d.error, "\"activate_skill\" is reserved") != NULL);
+    CHECK(strstr(d.error, "the sandbox's toold at 10.0.0.9:7200") != NULL);
+    tools_cleanup(&d);
+
+    memset(&d, 0, sizeof(d));
+    d.agent = &agent;
+    d.tools_addr = "10.0.0.9:7200";
+    toolset_add(&d.tools, "read", "Read.", "{}", d.tools_addr);
+    toolset_add(&d.tools, "read", "Read again.", "{}", d.tools_addr);
+    CHECK(!task_tools_add(&d));
+    CHECK(strstr(d.error, "duplicate tool name \"read\"") != NULL);
     tools_cleanup(&d);
 }
 

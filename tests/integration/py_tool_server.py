@@ -1,0 +1,86 @@
+"""A cflue.v1.Tools server in Python (grpcio generic handlers, no generated stubs): the second
+example of a custom tool server (docs/tool-servers.md), and the one the tool-server tests start
+with whatever tools they need.
+
+    /usr/bin/python3 py_tool_server.py --tools '[{"name": "echo", "description": "...",
+        "schema": {...}, "reply": "echoed", "sleep": 0}]' [--no-batch]
+
+It binds 127.0.0.1 on a free port and prints "listening on PORT" once serving. Each call's
+result text is the tool's `reply` followed by the call's arguments JSON, after sleeping `sleep`
+seconds. With --no-batch, ExecuteBatch is left unimplemented (UNIMPLEMENTED, as the protocol
+allows): the caller must use Execute per call. Every call is appended to --log as one JSON line.
+"""
+
+import argparse
+import json
+import sys
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+import cflue_harness  # noqa: F401  (puts the generated modules on sys.path)
+from cflue.v1 import tools_pb2
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument('--tools', required=True, help='JSON list of tools')
+    ap.add_argument('--no-batch', action='store_true')
+    ap.add_argument('--log', default='')
+    ap.add_argument('--port', type=int, default=0)
+    args = ap.parse_args()
+    tools = json.loads(args.tools)
+    by_name = {t['name']: t for t in tools}
+    log_lock = threading.Lock()
+
+    def run(call):
+        if args.log:
+            with log_lock, open(args.log, 'a') as f:
+                f.write(json.dumps({'name': call.name, 'sandbox': call.sandbox,
+                                    'arguments': call.arguments_json,
+                                    'timeout_s': call.timeout.seconds}) + '\n')
+        t = by_name.get(call.name)
+        if t is None:
+            return tools_pb2.ToolResult(text='no tool named %s' % call.name, is_error=True)
+        time.sleep(t.get('sleep', 0))
+        return tools_pb2.ToolResult(text='%s %s' % (t.get('reply', ''), call.arguments_json))
+
+    def list_tools(req, ctx):
+        return tools_pb2.ListToolsResponse(tools=[
+            tools_pb2.ToolSpec(name=t['name'], description=t.get('description', t['name']),
+                               parameters_json=json.dumps(t.get('schema', {'type': 'object'})))
+            for t in tools])
+
+    def execute(call, ctx):
+        return run(call)
+
+    def execute_batch(batch, ctx):
+        for i, call in enumerate(batch.calls):
+            yield tools_pb2.BatchResult(index=i, result=run(call))
+
+    handlers = {
+        'List': grpc.unary_unary_rpc_method_handler(
+            list_tools, request_deserializer=tools_pb2.ListToolsRequest.FromString,
+            response_serializer=tools_pb2.ListToolsResponse.SerializeToString),
+        'Execute': grpc.unary_unary_rpc_method_handler(
+            execute, request_deserializer=tools_pb2.ToolCall.FromString,
+            response_serializer=tools_pb2.ToolResult.SerializeToString),
+    }
+    if not args.no_batch:
+        handlers['ExecuteBatch'] = grpc.unary_stream_rpc_method_handler(
+            execute_batch, request_deserializer=tools_pb2.ToolBatch.FromString,
+            response_serializer=tools_pb2.BatchResult.SerializeToString)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler('cflue.v1.Tools', handlers),))
+    port = server.add_insecure_port('127.0.0.1:%d' % args.port)
+    server.start()
+    sys.stdout.write('listening on %d\n' % port)
+    sys.stdout.flush()
+    server.wait_for_termination()
+
+
+if __name__ == '__main__':
+    main()

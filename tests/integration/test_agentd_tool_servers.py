@@ -1,0 +1,368 @@
+"""An agent's own tool servers (agent definition `tools:`; agentd/tool_servers.c and
+agentd/tool_batch.c): their tools reach the model after the sandbox's and the framework's and
+run on their server; a name reserved by the framework or offered twice is refused with both
+sources named (at start-up, or by the submission when the server was down at start-up); a
+server down when a submission starts, killed between turns or killed during a call is told to
+the model as a `resources` signal, its calls get error results, and the submission completes.
+Real storaged, toold and agentd, the C example server (examples/tool-server) and the Python one
+(py_tool_server.py); the fake model plays the agents.
+
+    cd tests/integration && CFLUE_BUILD_DIR=/work/main/build /usr/bin/python3 -m unittest -v \
+        test_agentd_tool_servers
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import cflue_harness as H
+from test_agentd import COMPLETED, FAILED, AgentdCase, body, kind, new_conv, request_system
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLE_BIN = os.path.join(H.BUILD_DIR, 'examples', 'tool-server', 'cflue-example-tools')
+SANDBOX_TOOLS = ['read', 'write', 'edit', 'bash', 'grep', 'glob']
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class ToolServer(object):
+    """A tool server process on 127.0.0.1:port."""
+
+    def __init__(self, cmd, port):
+        self.port = port
+        self.addr = '127.0.0.1:%d' % port
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=self.err)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.err.seek(0)
+                raise AssertionError('tool server exited: %s' % self.err.read().decode())
+            try:
+                socket.create_connection(('127.0.0.1', port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError('tool server did not listen on %d' % port)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def close(self):
+        self.kill()
+        self.err.close()
+
+
+def example_server(port=None):
+    if not os.path.exists(EXAMPLE_BIN):
+        raise unittest.SkipTest('example tool server not built: %s' % EXAMPLE_BIN)
+    port = port or free_port()
+    return ToolServer([EXAMPLE_BIN, '--listen', '127.0.0.1:%d' % port], port)
+
+
+def py_server(tools, port=None, no_batch=False, log=''):
+    port = port or free_port()
+    cmd = [sys.executable, os.path.join(HERE, 'py_tool_server.py'), '--port', str(port),
+           '--tools', json.dumps(tools)]
+    if no_batch:
+        cmd.append('--no-batch')
+    if log:
+        cmd += ['--log', log]
+    return ToolServer(cmd, port)
+
+
+def tool(name, reply='ran', sleep=0):
+    return {'name': name, 'description': 'The %s tool of the test server.' % name,
+            'schema': {'type': 'object', 'properties': {'q': {'type': 'string'}}},
+            'reply': reply, 'sleep': sleep}
+
+
+def agent_md(name, servers, toold=None):
+    sandbox = ('sandbox:\n  tools: "%s"\n  workspace: "{conversation}"\n' % toold) if toold else ''
+    return ('---\nname: %s\ndescription: Uses tool servers (%s).\n'
+            'model: anthropic/claude-test-1\n%stools: [%s]\n'
+            'durability:\n  max_attempts: 3\n  timeout_ms: 120000\n---\n\nROLE %s.\n'
+            % (name, name, sandbox, ', '.join('"%s"' % s for s in servers), name))
+
+
+def role(name, **step):
+    step['match'] = dict(step.pop('match', {}), system_contains='ROLE %s.' % name)
+    return step
+
+
+def call(tool_name, **args):
+    return {'name': tool_name, 'arguments': args}
+
+
+class ToolServersTest(AgentdCase):
+    stack_kwargs = {'agents': ('task-scout',)}
+
+    @classmethod
+    def setUpClass(cls):
+        super(ToolServersTest, cls).setUpClass()
+        cls.servers = []
+        try:
+            cls.example = cls._keep(example_server())
+            cls.log = os.path.join(cls.stack.dir, 'py-calls.jsonl')
+            cls.py = cls._keep(py_server([tool('lookup', 'found')], no_batch=True, log=cls.log))
+            cls.fragile = cls._keep(example_server())
+            cls.slow_log = os.path.join(cls.stack.dir, 'slow-calls.jsonl')
+            cls.slow = cls._keep(py_server([tool('crunch', sleep=60)], log=cls.slow_log))
+            cls.absent_port = free_port()  # nothing listens there
+            cls.late_port = free_port()  # a server starts there after agentd
+            toold = cls.stack.td.target
+            agents = {
+                'toolsmith': agent_md('toolsmith', [cls.example.addr, cls.py.addr], toold),
+                'fragile': agent_md('fragile', [cls.fragile.addr]),
+                'slowpoke': agent_md('slowpoke', [cls.slow.addr, cls.example.addr], toold),
+                'absent': agent_md('absent', ['127.0.0.1:%d' % cls.absent_port,
+                                              cls.example.addr]),
+                'late': agent_md('late', ['127.0.0.1:%d' % cls.late_port], toold),
+            }
+            for name, text in agents.items():
+                with open(os.path.join(cls.stack.agents_dir, name + '.md'), 'w') as f:
+                    f.write(text)
+            cls.stack.ad.stop()
+            cls.stack.ad.start()
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def _keep(cls, server):
+        cls.servers.append(server)
+        return server
+
+    @classmethod
+    def tearDownClass(cls):
+        for s in getattr(cls, 'servers', []):
+            s.close()
+        super(ToolServersTest, cls).tearDownClass()
+
+    def run_agent(self, agent, steps, timeout=60, during=None):
+        conv = new_conv(agent)
+        self.workspace(conv)
+        self.fm.set_scenario(steps)
+        sid = self.ad.submit(agent, 'Use your tools.', conversation_id=conv).submission_id
+        if during:
+            during(conv)
+        sub = self.wait_settled(sid, timeout=timeout)
+        reqs = [e for e in self.fm.requests() if 'ROLE %s.' % agent in request_system(e)]
+        return sub, self.records(conv), reqs
+
+    def wait_for(self, what, pred, timeout=30):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pred():
+                return
+            time.sleep(0.05)
+        self.fail('timed out waiting for ' + what)
+
+    def test_tools_reach_the_model_and_run_on_their_servers(self):
+        sub, recs, reqs = self.run_agent('toolsmith', [
+            role('toolsmith', tool_calls=[call('word_count', text='one two three'),
+                                          call('lookup', q='cflue'),
+                                          call('bash', command='echo from-the-sandbox')]),
+            role('toolsmith', text='All three ran.')])
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        names = [t['name'] for t in reqs[0]['body']['tools']]
+        self.assertEqual(names, SANDBOX_TOOLS + ['task', 'word_count', 'utc_now', 'lookup'])
+        results = {body(r).index: body(r) for r in recs if kind(r) == 'tool_result'}
+        self.assertFalse(results[0].is_error, results[0])
+        self.assertIn('words: 3', results[0].text)
+        # the Python server has no ExecuteBatch: agentd used Execute for its call
+        self.assertFalse(results[1].is_error, results[1])
+        self.assertTrue(results[1].text.startswith('found '), results[1])
+        self.assertEqual(json.loads(results[1].text[len('found '):]), {'q': 'cflue'})
+        self.assertIn('from-the-sandbox', results[2].text)
+        with open(self.log) as f:
+            [logged] = [json.loads(line) for line in f]
+        self.assertEqual(logged['name'], 'lookup')
+        self.assertEqual(logged['sandbox'], sub.conversation_id)
+        self.assertGreater(logged['timeout_s'], 0)  # the submission's time left
+        self.assertFalse([r for r in recs if kind(r) == 'signal'])
+
+    def test_a_server_down_when_the_submission_starts_is_left_out_and_told(self):
+        absent = '127.0.0.1:%d' % self.absent_port
+        sub, recs, reqs = self.run_agent('absent', [
+            role('absent', tool_calls=[call('lookup', q='x')]),
+            role('absent', text='Managed without it.')])
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        self.assertEqual([t['name'] for t in reqs[0]['body']['tools']],
+                         ['task', 'word_count', 'utc_now'])
+        [sig] = [body(r) for r in recs if kind(r) == 'signal']
+        self.assertEqual(sig.kind, 'resources')
+        self.assertIn('The tool server at %s cannot be reached' % absent, sig.text)
+        self.assertIn(sig.text, json.dumps(reqs[0]['body']['messages']))
+        [res] = [body(r) for r in recs if kind(r) == 'tool_result']
+        self.assertTrue(res.is_error)
+        self.assertIn("There is no tool named 'lookup'", res.text)
+
+    def test_a_server_killed_between_turns_gives_error_results_and_a_signal(self):
+        def kill_after_first_result(conv):
+            self.wait_for('the first tool result', lambda: any(
+                kind(r) == 'tool_result' for r in self.records(conv)))
+            self.fragile.kill()
+
+        sub, recs, reqs = self.run_agent('fragile', [
+            role('fragile', tool_calls=[call('word_count', text='a b')]),
+            role('fragile', delay_ms=2000, tool_calls=[call('word_count', text='c d e'),
+                                                        call('utc_now')]),
+            role('fragile', text='Finished without the server.')],
+            during=kill_after_first_result)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        results = [body(r) for r in recs if kind(r) == 'tool_result']
+        self.assertEqual([(r.turn, r.is_error) for r in results],
+                         [(1, False), (2, True), (2, True)])
+        self.assertIn('words: 2', results[0].text)
+        for r in results[1:]:
+            self.assertIn('The tool server at %s failed before answering' % self.fragile.addr,
+                          r.text)
+        [sig] = [body(r) for r in recs if kind(r) == 'signal']  # once, for both calls
+        self.assertEqual(sig.kind, 'resources')
+        self.assertIn('%s stopped answering' % self.fragile.addr, sig.text)
+        self.assertIn('word_count utc_now', sig.text)
+        self.assertEqual(len(reqs), 3)
+        self.assertIn('stopped answering', json.dumps(reqs[2]['body']['messages']))
+
+    def test_a_server_killed_during_a_call_gives_an_error_result(self):
+        def kill_during_the_call(conv):
+            self.wait_for('the call to reach the server', lambda: os.path.exists(self.slow_log))
+            self.slow.kill()
+
+        sub, recs, _ = self.run_agent('slowpoke', [
+            role('slowpoke', tool_calls=[call('crunch', q='big'),
+                                         call('word_count', text='still works')]),
+            role('slowpoke', text='crunch failed, word_count ran.')],
+            during=kill_during_the_call)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        results = {body(r).index: body(r) for r in recs if kind(r) == 'tool_result'}
+        self.assertTrue(results[0].is_error)
+        self.assertIn('failed before answering', results[0].text)
+        self.assertFalse(results[1].is_error, results[1])
+        self.assertIn('words: 2', results[1].text)
+        [sig] = [body(r) for r in recs if kind(r) == 'signal']
+        self.assertIn('%s stopped answering' % self.slow.addr, sig.text)
+
+    def test_a_clash_with_a_server_down_at_start_up_fails_the_submission(self):
+        late = self._keep(py_server([tool('bash')], port=self.late_port))
+        # agentd's channel to the server failed at start-up and reconnects within a second:
+        # a submission in that second still finds it down (its tools left out, and told)
+        deadline = time.monotonic() + 15
+        while True:
+            sub, recs, reqs = self.run_agent('late', [role('late', text='not listed yet')])
+            if sub.outcome != COMPLETED or time.monotonic() > deadline:
+                break
+            [sig] = [body(r) for r in recs if kind(r) == 'signal']
+            self.assertIn('cannot be reached', sig.text)
+            time.sleep(0.3)
+        self.assertEqual(sub.outcome, FAILED, sub)
+        self.assertIn('duplicate tool name "bash"', sub.error)
+        self.assertIn("the sandbox's toold at %s" % self.stack.td.target, sub.error)
+        self.assertIn('the tool server at %s' % late.addr, sub.error)
+        # the model never saw two tools by one name
+        self.assertEqual([e for e in self.fm.requests()
+                          if sub.conversation_id in request_system(e)], [])
+
+
+class StartUpCheckTest(unittest.TestCase):
+    """agentd refuses to start when a tool server that answers offers a reserved or taken
+    name, and says which sources clash."""
+
+    def setUp(self):
+        if not os.path.exists(H.AGENTD_BIN):
+            raise unittest.SkipTest('agentd not built')
+        self.dir = tempfile.mkdtemp(prefix='cflue-toolcheck-')
+        self.servers = []
+
+    def tearDown(self):
+        for s in self.servers:
+            s.close()
+        subprocess.run(['rm', '-rf', self.dir])
+
+    def start_agentd(self, agents):
+        adir = os.path.join(self.dir, 'agents-%d' % len(os.listdir(self.dir)))
+        os.makedirs(adir)
+        for name, text in agents.items():
+            with open(os.path.join(adir, name + '.md'), 'w') as f:
+                f.write(text)
+        return subprocess.run([H.AGENTD_BIN, '--listen', '127.0.0.1:0', '--store',
+                               '127.0.0.1:%d' % free_port(), '--agents', adir],
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+
+    def server(self, names):
+        s = py_server([tool(n) for n in names])
+        self.servers.append(s)
+        return s
+
+    def test_reserved_name(self):
+        s = self.server(['task'])
+        p = self.start_agentd({'bad': agent_md('bad', [s.addr])})
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn(b'agent bad: tool name "task" is reserved by the framework, but the tool '
+                      b'server at %s offers a tool by that name' % s.addr.encode(), p.stderr)
+
+    def test_duplicate_between_servers(self):
+        a, b = self.server(['lookup']), self.server(['other', 'lookup'])
+        p = self.start_agentd({'bad': agent_md('bad', [a.addr, b.addr])})
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn(b'duplicate tool name "lookup": offered by the tool server at %s and by '
+                      b'the tool server at %s' % (a.addr.encode(), b.addr.encode()), p.stderr)
+
+    def test_duplicate_of_a_sandbox_tool(self):
+        os.makedirs(os.path.join(self.dir, 'toold'))
+        td = H.Toold(workdir=os.path.join(self.dir, 'toold'))
+        self.servers.append(td)
+        s = self.server(['grep'])
+        p = self.start_agentd({'bad': agent_md('bad', [s.addr], td.target)})
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn(b'duplicate tool name "grep": offered by the sandbox\'s toold at %s and by '
+                      b'the tool server at %s' % (td.target.encode(), s.addr.encode()), p.stderr)
+
+    def test_bad_lists_are_refused_and_a_server_down_is_only_a_warning(self):
+        port = free_port()
+        p = self.start_agentd({'bad': agent_md('bad', ['127.0.0.1:%d' % port] * 2)})
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn(b'bad.md: tools[1]: 127.0.0.1:%d is listed twice' % port, p.stderr)
+        p = self.start_agentd({'bad': agent_md('bad', ['127.0.0.1:%d' % (port + i)
+                                                       for i in range(9)])})
+        self.assertIn(b'bad.md: tools: 9 tool servers; at most 8', p.stderr)
+        # a server that does not answer at start-up: agentd starts (and is stopped here)
+        adir = os.path.join(self.dir, 'agents-ok')
+        os.makedirs(adir)
+        with open(os.path.join(adir, 'ok.md'), 'w') as f:
+            f.write(agent_md('ok', ['127.0.0.1:%d' % port]))
+        proc = subprocess.Popen([H.AGENTD_BIN, '--listen', '127.0.0.1:0', '--store',
+                                 '127.0.0.1:%d' % free_port(), '--agents', adir],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+        try:
+            err = b''
+            deadline = time.monotonic() + 20
+            while b'event=listening' not in err and time.monotonic() < deadline:
+                err += proc.stderr.readline()
+            self.assertIn(b'event=tool_server_unchecked', err)
+            self.assertIn(b'event=listening', err)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)
+            proc.stderr.close()
+
+
+if __name__ == '__main__':
+    unittest.main()
