@@ -153,20 +153,31 @@ static enum cf_status parse_identity(yaml_document_t *doc, yaml_node_t *root, co
         return cf_error_set(err, CF_INVALID, "%s: name: use 1 to 128 of A-Z a-z 0-9 . _ -", file);
     }
     if (!a->model) {
-        return cf_error_set(err, CF_INVALID,
-                            "%s: model: required (e.g. anthropic/claude-sonnet-4-5)", file);
+        return CF_OK; /* runs with its parent's model: a subagent only */
     }
-    const char *slash = strchr(a->model, '/');
-    if (!slash || slash == a->model || !slash[1]) {
-        return cf_error_set(err, CF_INVALID, "%s: model: '%s' must be provider/model-id", file,
-                            a->model);
+    size_t plen;
+    struct cf_error why;
+    if ((rc = agents_model_check(a->model, &plen, &why)) != CF_OK) {
+        return cf_error_set(err, rc, "%s: model: %s", file, why.msg);
     }
-    a->provider = mem_strndup(a->model, (size_t)(slash - a->model));
-    a->model_id = mem_strdup(slash + 1);
-    if (strcmp(a->provider, "anthropic") != 0 && strcmp(a->provider, "openai") != 0) {
-        return cf_error_set(err, CF_INVALID,
-                            "%s: model: unknown provider '%s' (anthropic or openai)", file,
-                            a->provider);
+    a->provider = mem_strndup(a->model, plen);
+    a->model_id = mem_strdup(a->model + plen + 1);
+    return CF_OK;
+}
+
+enum cf_status agents_model_check(const char *model, size_t *provider_len, struct cf_error *err)
+{
+    const char *slash = strchr(model, '/');
+    if (!slash || slash == model || !slash[1]) {
+        return cf_error_set(err, CF_INVALID, "'%.300s' must be provider/model-id", model);
+    }
+    if (strlen(model) > AGENT_MODEL_MAX) {
+        return cf_error_set(err, CF_INVALID, "longer than %d characters", AGENT_MODEL_MAX);
+    }
+    *provider_len = (size_t)(slash - model);
+    if (strncmp(model, "anthropic/", 10) != 0 && strncmp(model, "openai/", 7) != 0) {
+        return cf_error_set(err, CF_INVALID, "unknown provider '%.*s' (anthropic or openai)",
+                            (int)(*provider_len > 64 ? 64 : *provider_len), model);
     }
     return CF_OK;
 }

@@ -3,7 +3,8 @@
  *   ---
  *   name: coder                      # optional; must match the file name when given
  *   description: Fixes small bugs
- *   model: anthropic/claude-sonnet-4-5   # provider/model-id; provider anthropic or openai
+ *   model: anthropic/claude-sonnet-4-5   # provider/model-id; provider anthropic or openai;
+ *                                    # absent: a subagent that runs with its parent's model
  *   sandbox: {tools: "127.0.0.1:7102", workspace: example}   # absent: no sandbox tools
  *   agents: [helper]                 # subagents it may delegate to
  *   skills: [review]                 # declared skills: DIR/skills/<name>/SKILL.md (skills.h)
@@ -21,6 +22,7 @@
 
 #define AGENT_MAX_TURNS_DEFAULT 200
 #define AGENT_MAX_TURNS_LIMIT 10000
+#define AGENT_MODEL_MAX 256      /* characters of provider/model-id (storaged's delegation.model) */
 #define AGENT_TOOL_SERVERS_MAX 8 /* tools: addresses of an agent */
 #define AGENT_ADDRESS_MAX 255    /* characters of a tool server's address */
 
@@ -33,9 +35,9 @@
 struct agent_def {
     char *name;
     char *description;
-    char *model;    /* "anthropic/..." or "openai/..." */
-    char *provider; /* "anthropic" or "openai" */
-    char *model_id;
+    char *model;    /* "anthropic/..." or "openai/..."; NULL: its parent's (a subagent only) */
+    char *provider; /* "anthropic" or "openai" (NULL when model is) */
+    char *model_id; /* (NULL when model is) */
     char *instructions;
     char *sandbox_tools;     /* toold address, NULL without a sandbox */
     char *sandbox_workspace; /* sandbox name; "{conversation}" is replaced by the id */
@@ -56,6 +58,12 @@ struct agent_set {
     struct agent_def *items;
     size_t n;
 };
+
+/* agents_model_check: model is provider/model-id of a provider agentd speaks (anthropic,
+ * openai), at most AGENT_MODEL_MAX characters. CF_OK with the provider's length in
+ * *provider_len; CF_INVALID with why otherwise. */
+CF_MUST_CHECK enum cf_status agents_model_check(const char *model, size_t *provider_len,
+                                                struct cf_error *err);
 
 /* agents_load reads every *.md file of dir. CF_INVALID with "FILE: field: problem" for the
  * first bad definition; CF_IO when dir cannot be read. An empty directory is CF_INVALID. */

@@ -109,8 +109,15 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
         rpc_call_fail(c, CF_INVALID, "agent is required");
         return;
     }
-    if (!agents_find(&g_agentd.agents, req->agent)) {
+    const struct agent_def *a = agents_find(&g_agentd.agents, req->agent);
+    if (!a) {
         unknown_agent(c, req->agent);
+        return;
+    }
+    if (!a->model) {
+        rpc_call_fail(c, CF_PRECONDITION,
+                      "agent %.128s names no model: it runs only as a subagent, with its parent's",
+                      a->name);
         return;
     }
     if (!req->message || (!*req->message->text && !req->message->n_attachments)) {
@@ -310,7 +317,7 @@ static void on_list_agents(struct rpc_call *c, const ProtobufCMessage *msg, void
         cflue__v1__agent_info__init(&infos[i]);
         infos[i].name = a->name;
         infos[i].description = a->description ? a->description : "";
-        infos[i].model = a->model;
+        infos[i].model = a->model ? a->model : ""; /* "": its parent's */
         infos[i].subagents = a->subagents;
         infos[i].n_subagents = a->n_subagents;
         infos[i].skills = a->skills;

@@ -56,8 +56,8 @@ static int64_t reserve_tokens(const struct agent_def *a, const struct model_info
 
 bool compaction_needed(struct drive *d, const struct context *c)
 {
-    struct model_info mi = catalog_lookup(d->agent->model);
-    return estimate_tokens(d->system_text, c, &d->tools) + model_output_tokens(d->agent) >
+    struct model_info mi = catalog_lookup(d->model);
+    return estimate_tokens(d->system_text, c, &d->tools) + model_output_tokens(d->model) >
            mi.context_window - reserve_tokens(d->agent, &mi);
 }
 

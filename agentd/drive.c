@@ -190,6 +190,34 @@ static enum drive_state past_attempts(struct drive *d)
     return settling(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED, d->error);
 }
 
+/* pick_model sets the model d calls: its agent's, or for a subagent without one the model its
+ * parent handed down (checked again here: storaged only bounds it). false, with d->error,
+ * when there is none. */
+static bool pick_model(struct drive *d)
+{
+    const Cflue__V1__Delegation *dg = d->sub->delegation;
+    const char *m = d->agent->model ? d->agent->model : dg && *dg->model ? dg->model : NULL;
+    struct cf_error e;
+    size_t plen = 0;
+    if (!m) {
+        snprintf(d->error, sizeof(d->error),
+                 "agent %s names no model of its own and no parent handed it one: an agent "
+                 "without a model can only run as a subagent",
+                 d->agent->name);
+        return false;
+    }
+    if (agents_model_check(m, &plen, &e) != CF_OK || plen >= sizeof(d->provider)) {
+        snprintf(d->error, sizeof(d->error), "the model handed down by the parent: %s",
+                 plen >= sizeof(d->provider) ? "unknown provider" : e.msg);
+        return false;
+    }
+    d->model = m;
+    memcpy(d->provider, m, plen);
+    d->provider[plen] = '\0';
+    d->model_id = m + plen + 1;
+    return true;
+}
+
 static enum drive_state step_start(struct drive *d)
 {
     const Cflue__V1__Delegation *dg = d->sub->delegation;
@@ -228,6 +256,9 @@ static enum drive_state step_load_wait(struct drive *d)
     if (!d->agent) {
         return settling(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED,
                         "this agentd has no agent with that name");
+    }
+    if (!pick_model(d)) {
+        return settling(d, CFLUE__V1__OUTCOME__OUTCOME_FAILED, d->error);
     }
     /* attempts first: whatever fails later, this attempt has been counted */
     if (d->sub->max_attempts && d->sub->attempt_count > d->sub->max_attempts) {

@@ -197,7 +197,11 @@ struct drive {
     const char *tools_addr; /* the sandbox's toold: the agent's own, or the parent's it shares
                              * (a subagent without a sandbox of its own); NULL: no sandbox */
     char workspace[256];
-    int depth; /* delegation depth: 0 for work submitted directly, 1.. for subagents */
+    const char *model;    /* provider/model-id it calls: its agent's, or (a subagent without one)
+                           * its parent's; NULL: neither, and the drive fails before a turn */
+    char provider[16];    /* the model's provider ("anthropic" or "openai") */
+    const char *model_id; /* the model's id, after the provider */
+    int depth;            /* delegation depth: 0 for work submitted directly, 1.. for subagents */
     bool takeover;
     struct record_log log;         /* the conversation, read once and appended through */
     bool log_loaded;               /* the whole conversation was read into the log */
@@ -556,8 +560,8 @@ bool skill_tool_run(struct drive *d, int index, const struct llm_call *c);
 
 /* ---- model_call.c ---- */
 
-/* model_output_tokens: the output budget of every request to agent a's model. */
-int64_t model_output_tokens(const struct agent_def *a);
+/* model_output_tokens: the output budget of every request to model (provider/model-id). */
+int64_t model_output_tokens(const char *model);
 /* model_call_start starts the turn's model call (attempt 1) on the model I/O loop; ctx is
  * taken (freed when the call finishes). model_call_poll, on each step of the parked drive,
  * flushes streamed deltas, cancels the call when the drive stopped, retries what may be

@@ -73,7 +73,8 @@ static bool load_definitions(const struct daemon *d, const struct agentd_opts *o
         return false;
     }
     for (size_t i = 0; i < g_agentd.agents.n; i++) {
-        if (!catalog_lookup(g_agentd.agents.items[i].model).known) {
+        const char *model = g_agentd.agents.items[i].model;
+        if (model && !catalog_lookup(model).known) {
             log_warn("model_unknown",
                      "agent=%s model=%s msg=\"not in the catalog: using a 128k window, 8192 "
                      "output tokens and no price\"",

@@ -64,9 +64,9 @@ static void flush_delta(struct drive *d)
     }
 }
 
-int64_t model_output_tokens(const struct agent_def *a)
+int64_t model_output_tokens(const char *model)
 {
-    struct model_info mi = catalog_lookup(a->model);
+    struct model_info mi = catalog_lookup(model);
     return mi.max_output_tokens < 16384 ? mi.max_output_tokens : 16384;
 }
 
@@ -81,25 +81,24 @@ static int64_t backoff_ms(struct drive *d, int attempt, const struct llm_respons
     return wait;
 }
 
-/* request is the model request of agent d->agent for system, c and the tools. */
+/* request is the model request of drive d for system, c and the tools. */
 static struct llm_request request(struct drive *d, const char *system, const struct context *c,
                                   const struct llm_tool *tools, size_t n_tools)
 {
-    const struct agent_def *a = d->agent;
-    return (struct llm_request){.provider = a->provider,
-                                .model = a->model_id,
+    return (struct llm_request){.provider = d->provider,
+                                .model = d->model_id,
                                 .system = system,
                                 .messages = c->msgs,
                                 .n_messages = c->n,
                                 .tools = tools,
                                 .n_tools = n_tools,
-                                .max_tokens = model_output_tokens(a),
+                                .max_tokens = model_output_tokens(d->model),
                                 .stream = g_agentd.stream};
 }
 
 static const struct provider_endpoint *endpoint(struct drive *d)
 {
-    return !strcmp(d->agent->provider, "anthropic") ? &g_agentd.anthropic : &g_agentd.openai;
+    return !strcmp(d->provider, "anthropic") ? &g_agentd.anthropic : &g_agentd.openai;
 }
 
 /* ---------- the asynchronous call of a turn ---------- */
@@ -300,7 +299,7 @@ bool model_call_poll(struct drive *d, enum cf_status *out)
 enum cf_status model_record_answer(struct drive *d, const struct llm_response *resp)
 {
     char id[256];
-    struct model_info mi = catalog_lookup(d->agent->model);
+    struct model_info mi = catalog_lookup(d->model);
     Cflue__V1__AssistantMessage body = CFLUE__V1__ASSISTANT_MESSAGE__INIT;
     Cflue__V1__Usage usage = CFLUE__V1__USAGE__INIT;
     Cflue__V1__ToolCallRequest *calls = mem_alloc(sizeof(*calls) * (resp->n_calls + 1));
@@ -320,7 +319,7 @@ enum cf_status model_record_answer(struct drive *d, const struct llm_response *r
     body.tool_calls = ptrs;
     body.n_tool_calls = resp->n_calls;
     body.stop_reason = (char *)resp->stop_reason;
-    body.model = (char *)d->agent->model;
+    body.model = (char *)d->model;
     body.usage = &usage;
     snprintf(id, sizeof(id), "assistant:%s:%d", d->sub->submission_id, d->turn);
     /* pending: calls are made durable before they run (DRIVE_TOOLS waits for that: a later

@@ -239,6 +239,7 @@ static void admit_send(struct task_call *tc)
     dg.depth = d->depth + 1;
     dg.sandbox_tools = (char *)(d->tools_addr ? d->tools_addr : "");
     dg.sandbox = d->tools_addr ? d->workspace : "";
+    dg.model = (char *)d->model;
     Cflue__V1__AdmitRequest ar = CFLUE__V1__ADMIT_REQUEST__INIT;
     ar.agent = tc->agent;
     ar.conversation_id = "";

@@ -143,7 +143,8 @@ static enum cf_status delegation(const Cflue__V1__AdmitRequest *r, struct cf_err
         (rc = bounded("delegation.sandbox_tools", d->sandbox_tools, VALIDATE_SANDBOX_MAX, false,
                       err)) != CF_OK ||
         (rc = bounded("delegation.sandbox", d->sandbox, VALIDATE_SANDBOX_MAX, false, err)) !=
-            CF_OK) {
+            CF_OK ||
+        (rc = bounded("delegation.model", d->model, VALIDATE_MODEL_MAX, false, err)) != CF_OK) {
         return rc;
     }
     if (d->depth < 1 || d->depth > VALIDATE_DEPTH_MAX) {

@@ -24,6 +24,7 @@
 #define VALIDATE_DEPTH_MAX 4              /* delegation depth: a subagent's subagent's ... */
 #define VALIDATE_TOOL_CALL_ID_MAX 256     /* a provider's tool call id */
 #define VALIDATE_SANDBOX_MAX 256          /* Delegation.sandbox_tools and .sandbox */
+#define VALIDATE_MODEL_MAX 256            /* delegation.model: provider/model-id */
 
 CF_MUST_CHECK enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, struct cf_error *err);
 CF_MUST_CHECK enum cf_status validate_claim(const Cflue__V1__ClaimRequest *r, struct cf_error *err);

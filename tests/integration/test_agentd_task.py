@@ -11,7 +11,8 @@ parent's workspace); the call that would run at depth 5 gets delegation_depth_ex
 calls of one turn run at the same time; aborting the parent aborts the child; kill -9 of agentd
 while a child waits on the model, then a restart: the child finishes and its real answer becomes
 the parent's result (never "outcome unknown"); an agent without a sandbox is offered `task` and
-nothing of a workspace.
+nothing of a workspace; a subagent whose definition names no model runs with its parent's, and
+cannot be submitted to directly.
 """
 
 import os
@@ -45,7 +46,8 @@ def task_call(agent, prompt, call_id=None):
 
 class TaskCase(AgentdCase):
     stack_kwargs = {
-        'agents': ('task-lead', 'task-helper', 'task-scout', 'task-deep', 'task-solo'),
+        'agents': ('task-lead', 'task-helper', 'task-scout', 'task-deep', 'task-solo',
+                   'task-openai-lead', 'task-inherit'),
         'agentd_args': ('--lease-ms', '3000', '--heartbeat-ms', '1000'),
     }
 
@@ -382,6 +384,39 @@ class NoSandboxTest(TaskCase):
         self.assertFalse(res.is_error, res)  # an answer: no child was made
         self.assertIn('task-scout', res.text)
         self.assertEqual(self.children(conv), [])
+
+
+class InheritedModelTest(TaskCase):
+    def test_a_subagent_without_a_model_runs_with_its_parents(self):
+        conv = new_conv('inherit')
+        self.fm.set_scenario([
+            role('openai-lead', tool_calls=[task_call('task-inherit', 'Look it up.')]),
+            role('inherit', text='Found it with the parent model.'),
+            role('openai-lead', text='The subagent found it.'),
+        ])
+        sid = self.ad.submit('task-openai-lead', 'Delegate.',
+                             conversation_id=conv).submission_id
+        sub = self.wait_settled(sid, timeout=30)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        [res] = self.task_results(conv, sid)
+        self.assertIn('Found it with the parent model.', res.text)
+        [child] = self.children(conv)
+        [req] = [e for e in self.fm.requests() if 'ROLE inherit.' in request_system(e)]
+        self.assertEqual(req['provider'], 'openai')
+        self.assertEqual(req['body']['model'], 'gpt-test-1')
+        answers = [body(r) for r in self.records(child.child_conversation_id)
+                   if kind(r) == 'assistant_message']
+        self.assertEqual([a.model for a in answers], ['openai/gpt-test-1'])
+        self.assertEqual(H.get(self.stack.sd.stub, child.child_submission_id).delegation.model,
+                         'openai/gpt-test-1')
+
+    def test_submitting_to_a_model_less_agent_directly_is_refused(self):
+        with self.assertRaises(H.grpc.RpcError) as cm:
+            self.ad.submit('task-inherit', 'Hello.')
+        self.assertEqual(cm.exception.code(), H.grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn('names no model', cm.exception.details())
+        info = [a for a in self.ad.list_all_agents() if a.name == 'task-inherit'][0]
+        self.assertEqual(info.model, '')
 
 
 if __name__ == '__main__':

@@ -21,12 +21,12 @@ FAILED = common_pb2.OUTCOME_FAILED
 ABORTED = common_pb2.OUTCOME_ABORTED
 
 
-def delegation(parent, depth=1, tool_call_id='call_1', sandbox_tools='', sandbox=''):
+def delegation(parent, depth=1, tool_call_id='call_1', sandbox_tools='', sandbox='', model=''):
     """A Delegation naming parent (a Submission) as the submission whose `task` call made it."""
     return common_pb2.Delegation(parent_submission_id=parent.submission_id,
                                  parent_conversation_id=parent.conversation_id,
                                  tool_call_id=tool_call_id, depth=depth,
-                                 sandbox_tools=sandbox_tools, sandbox=sandbox)
+                                 sandbox_tools=sandbox_tools, sandbox=sandbox, model=model)
 
 
 def delegated_request(parent, agent='helper', text='do the subtask', key='', conv='', **kw):
@@ -64,9 +64,10 @@ class AdmitTest(DelegationCase):
     def test_delegation_round_trips_on_admit_get_list_and_claim(self):
         parent, _ = self.running()
         want = delegation(parent, tool_call_id='toolu_01AbC', sandbox_tools='unix:/run/toold.sock',
-                          sandbox='sb-1')
+                          sandbox='sb-1', model='openai/gpt-test')
         req = delegated_request(parent, tool_call_id='toolu_01AbC',
-                                sandbox_tools='unix:/run/toold.sock', sandbox='sb-1')
+                                sandbox_tools='unix:/run/toold.sock', sandbox='sb-1',
+                                model='openai/gpt-test')
         r = self.stub.admit(req)
         child = r.submission
         self.assertFalse(r.deduplicated)
@@ -120,6 +121,7 @@ class AdmitTest(DelegationCase):
             ('tools without a sandbox', dict(sandbox_tools='unix:/x'), 'sandbox'),
             ('sandbox name too long', dict(sandbox_tools='unix:/x', sandbox='s' * 257),
              'delegation.sandbox'),
+            ('model too long', dict(model='openai/' + 'm' * 250), 'delegation.model'),
         ]
         for what, kw, word in cases:
             with self.subTest(what):

@@ -31,8 +31,12 @@ static void test_agents(void)
     CHECK_STR(a.instructions, "Be careful.\n");
     agents_free_one(&a);
 
-    CHECK(agents_parse("---\nname: x\n---\nbody", "x", "x.md", &a, &err) == CF_INVALID);
-    CHECK(strstr(err.msg, "x.md: model") != NULL);
+    /* no model: a subagent that runs with its parent's */
+    CHECK(agents_parse("---\nname: x\n---\nbody", "x", "x.md", &a, &err) == CF_OK);
+    CHECK(a.model == NULL && a.provider == NULL && a.model_id == NULL);
+    agents_free_one(&a);
+    CHECK(agents_parse("---\nmodel: anthropic\n---\n", "x", "x.md", &a, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "x.md: model: 'anthropic' must be provider/model-id") != NULL);
     CHECK(agents_parse("---\nmodel: google/gemini\n---\n", "x", "x.md", &a, &err) == CF_INVALID);
     CHECK(strstr(err.msg, "unknown provider 'google'") != NULL);
     CHECK(agents_parse("---\nmodel: openai/gpt\ncolour: red\n---\n", "x", "x.md", &a, &err) ==
