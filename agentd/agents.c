@@ -1,6 +1,8 @@
 /* agents.c - loading agent definitions with libyaml. */
 #include "agents.h"
 
+#include "buf.h"
+
 #include "ids.h"
 #include "mem.h"
 
@@ -78,8 +80,8 @@ static enum cf_status string_list(yaml_document_t *doc, yaml_node_t *n, const ch
     return CF_OK;
 }
 
-static const char *known_keys[] = {"name",   "description", "model",      "sandbox",   "agents",
-                                   "skills", "tools",       "compaction", "durability"};
+static const char *known_keys[] = {"name", "description", "model", "sandbox",    "agents",
+                                   "mcp",  "skills",      "tools", "compaction", "durability"};
 
 /* split_frontmatter finds the YAML frontmatter between the leading '---' lines and the body
  * after it. */
@@ -118,13 +120,15 @@ static enum cf_status check_known_fields(yaml_document_t *doc, yaml_node_t *root
          p++) {
         yaml_node_t *k = yaml_document_get_node(doc, p->key);
         bool known = false;
-        for (size_t i = 0; k && k->type == YAML_SCALAR_NODE && i < 9; i++) {
+        for (size_t i = 0;
+             k && k->type == YAML_SCALAR_NODE && i < sizeof(known_keys) / sizeof(*known_keys);
+             i++) {
             known = known || !strcmp((char *)k->data.scalar.value, known_keys[i]);
         }
         if (!known) {
             return cf_error_set(
                 err, CF_INVALID,
-                "%s: %s: unknown field (known: name, description, model, sandbox, "
+                "%s: %s: unknown field (known: name, description, model, sandbox, mcp, "
                 "agents, skills, tools, compaction, durability)",
                 file, k && k->type == YAML_SCALAR_NODE ? (char *)k->data.scalar.value : "?");
         }
@@ -288,6 +292,161 @@ static enum cf_status check_tool_servers(const char *file, const struct agent_de
     return CF_OK;
 }
 
+/* expand_env copies v with each ${VAR} replaced by the environment's value: false (why in
+ * err) when a variable is not set or the result holds a line break. */
+static bool expand_env(const char *v, const char *file, const char *field, char **out,
+                       struct cf_error *err)
+{
+    struct buf b;
+    buf_init(&b, 8192);
+    for (const char *p = v; *p;) {
+        const char *end = p[0] == '$' && p[1] == '{' ? strchr(p, '}') : NULL;
+        if (!end) {
+            buf_append(&b, p++, 1);
+            continue;
+        }
+        char name[128];
+        snprintf(name, sizeof(name), "%.*s", (int)(end - p - 2), p + 2);
+        const char *val = getenv(name);
+        if (!val) {
+            buf_cleanup(&b);
+            cf_error_set(err, CF_INVALID, "%s: %s: environment variable %s is not set", file, field,
+                         name);
+            return false;
+        }
+        buf_append_str(&b, val);
+        p = end + 1;
+    }
+    if (b.len && (memchr(b.data, '\n', b.len) || memchr(b.data, '\r', b.len))) {
+        buf_cleanup(&b);
+        cf_error_set(err, CF_INVALID, "%s: %s: a header value may not hold a line break", file,
+                     field);
+        return false;
+    }
+    *out = buf_take(&b);
+    return true;
+}
+
+static bool mcp_name_ok(const char *n)
+{
+    size_t len = strlen(n);
+    return len >= 1 && len <= AGENT_MCP_NAME_MAX &&
+           strspn(n, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-") == len &&
+           !strstr(n, "__");
+}
+
+/* parse_mcp_headers reads one server's headers: {Name: value} with ${VAR} expanded. */
+static enum cf_status parse_mcp_headers(yaml_document_t *doc, yaml_node_t *h, const char *file,
+                                        const char *at, struct agent_mcp *m, struct cf_error *err)
+{
+    if (!h) {
+        return CF_OK;
+    }
+    size_t n = h->type == YAML_MAPPING_NODE
+                   ? (size_t)(h->data.mapping.pairs.top - h->data.mapping.pairs.start)
+                   : 0;
+    if (h->type != YAML_MAPPING_NODE || n > AGENT_MCP_HEADERS_MAX) {
+        return cf_error_set(err, CF_INVALID,
+                            "%s: %s.headers: expected a mapping of at most %d "
+                            "header names to values",
+                            file, at, AGENT_MCP_HEADERS_MAX);
+    }
+    m->headers = mem_alloc(sizeof(char *) * (n + 1));
+    for (size_t i = 0; i < n; i++) {
+        yaml_node_pair_t *p = &h->data.mapping.pairs.start[i];
+        yaml_node_t *k = yaml_document_get_node(doc, p->key);
+        yaml_node_t *v = yaml_document_get_node(doc, p->value);
+        const char *name = k && k->type == YAML_SCALAR_NODE ? (char *)k->data.scalar.value : "";
+        char field[160], *value;
+        snprintf(field, sizeof(field), "%s.headers.%.64s", at, name);
+        size_t len = strlen(name);
+        if (!len || len > 64 ||
+            strspn(name, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                         "0123456789-_") != len) {
+            return cf_error_set(err, CF_INVALID, "%s: %s: not a header name", file, field);
+        }
+        if (!v || v->type != YAML_SCALAR_NODE) {
+            return cf_error_set(err, CF_INVALID, "%s: %s: expected a string", file, field);
+        }
+        if (!expand_env((char *)v->data.scalar.value, file, field, &value, err)) {
+            return err->code;
+        }
+        m->headers[m->n_headers++] = mem_asprintf("%s: %s", name, value);
+        free(value);
+    }
+    return CF_OK;
+}
+
+/* parse_mcp reads the optional mcp: {NAME: {url: URL, headers: {...}}, ...}. */
+static enum cf_status parse_mcp(yaml_document_t *doc, yaml_node_t *root, const char *file,
+                                struct agent_def *a, struct cf_error *err)
+{
+    yaml_node_t *mcp = map_get(doc, root, "mcp");
+    if (!mcp) {
+        return CF_OK;
+    }
+    size_t n = mcp->type == YAML_MAPPING_NODE
+                   ? (size_t)(mcp->data.mapping.pairs.top - mcp->data.mapping.pairs.start)
+                   : 0;
+    if (mcp->type != YAML_MAPPING_NODE || n > AGENT_MCP_MAX) {
+        return cf_error_set(err, CF_INVALID,
+                            "%s: mcp: expected a mapping of at most %d server names to {url, "
+                            "headers}",
+                            file, AGENT_MCP_MAX);
+    }
+    a->mcp = mem_alloc(sizeof(*a->mcp) * (n + 1));
+    memset(a->mcp, 0, sizeof(*a->mcp) * (n + 1));
+    for (size_t i = 0; i < n; i++) {
+        yaml_node_pair_t *p = &mcp->data.mapping.pairs.start[i];
+        yaml_node_t *k = yaml_document_get_node(doc, p->key);
+        yaml_node_t *v = yaml_document_get_node(doc, p->value);
+        struct agent_mcp *m = &a->mcp[a->n_mcp++];
+        m->name = mem_strdup(k && k->type == YAML_SCALAR_NODE ? (char *)k->data.scalar.value : "");
+        char at[64];
+        snprintf(at, sizeof(at), "mcp.%.40s", m->name);
+        if (!mcp_name_ok(m->name)) {
+            return cf_error_set(err, CF_INVALID,
+                                "%s: %s: a server name is 1 to %d of A-Z a-z 0-9 _ - (no "
+                                "\"__\")",
+                                file, at, AGENT_MCP_NAME_MAX);
+        }
+        for (size_t j = 0; j < i; j++) {
+            if (!strcmp(a->mcp[j].name, m->name)) {
+                return cf_error_set(err, CF_INVALID, "%s: %s: named twice", file, at);
+            }
+        }
+        m->source = mem_asprintf("mcp:%s", m->name);
+        enum cf_status rc;
+        if (!v || v->type != YAML_MAPPING_NODE) {
+            return cf_error_set(err, CF_INVALID, "%s: %s: expected {url: URL, headers: {...}}",
+                                file, at);
+        }
+        for (yaml_node_pair_t *q = v->data.mapping.pairs.start; q < v->data.mapping.pairs.top;
+             q++) {
+            yaml_node_t *key = yaml_document_get_node(doc, q->key);
+            const char *kn =
+                key && key->type == YAML_SCALAR_NODE ? (char *)key->data.scalar.value : "";
+            if (strcmp(kn, "url") && strcmp(kn, "headers")) {
+                return cf_error_set(err, CF_INVALID,
+                                    "%s: %s: unknown field '%.40s' (known: url, headers)", file, at,
+                                    kn);
+            }
+        }
+        if ((rc = scalar(map_get(doc, v, "url"), file, at, &m->url, err)) != CF_OK ||
+            (rc = parse_mcp_headers(doc, map_get(doc, v, "headers"), file, at, m, err)) != CF_OK) {
+            return rc;
+        }
+        if (!m->url || (strncmp(m->url, "http://", 7) && strncmp(m->url, "https://", 8)) ||
+            strlen(m->url) > AGENT_URL_MAX || strpbrk(m->url, " \r\n")) {
+            return cf_error_set(err, CF_INVALID,
+                                "%s: %s.url: required, an http:// or https:// URL of at most %d "
+                                "characters",
+                                file, at, AGENT_URL_MAX);
+        }
+    }
+    return CF_OK;
+}
+
 /* parse_fields reads every frontmatter field of a loaded document into a. */
 static enum cf_status parse_fields(yaml_document_t *doc, const char *name_hint, const char *file,
                                    struct agent_def *a, struct cf_error *err)
@@ -307,7 +466,8 @@ static enum cf_status parse_fields(yaml_document_t *doc, const char *name_hint, 
                           &a->n_skills, err)) != CF_OK ||
         (rc = string_list(doc, map_get(doc, root, "tools"), file, "tools", &a->tool_servers,
                           &a->n_tool_servers, err)) != CF_OK ||
-        (rc = check_tool_servers(file, a, err)) != CF_OK) {
+        (rc = check_tool_servers(file, a, err)) != CF_OK ||
+        (rc = parse_mcp(doc, root, file, a, err)) != CF_OK) {
         return rc;
     }
     return parse_limits(doc, root, file, a, err);
@@ -447,6 +607,13 @@ void agents_free_one(struct agent_def *a)
     free_list(a->subagents, a->n_subagents);
     free_list(a->skills, a->n_skills);
     free_list(a->tool_servers, a->n_tool_servers);
+    for (size_t i = 0; i < a->n_mcp; i++) {
+        free(a->mcp[i].name);
+        free(a->mcp[i].url);
+        free(a->mcp[i].source);
+        free_list(a->mcp[i].headers, a->mcp[i].n_headers);
+    }
+    free(a->mcp);
     memset(a, 0, sizeof(*a));
 }
 

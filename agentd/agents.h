@@ -9,6 +9,8 @@
  *   agents: [helper]                 # subagents it may delegate to
  *   skills: [review]                 # declared skills: DIR/skills/<name>/SKILL.md (skills.h)
  *   tools: ["127.0.0.1:7200"]        # extra cflue.v1.Tools servers
+ *   mcp:                             # MCP servers (streamable HTTP), tools mcp__<name>__<tool>
+ *     docs: {url: "https://mcp.example.com/mcp", headers: {Authorization: "Bearer ${TOKEN}"}}
  *   compaction: {reserve_tokens: 20000, keep_recent_tokens: 8000}
  *   durability: {max_attempts: 10, timeout_ms: 3600000, max_turns: 200}
  *   ---
@@ -23,6 +25,10 @@
 #define AGENT_MAX_TURNS_DEFAULT 200
 #define AGENT_MAX_TURNS_LIMIT 10000
 #define AGENT_MODEL_MAX 256      /* characters of provider/model-id (storaged's delegation.model) */
+#define AGENT_MCP_MAX 8          /* mcp: servers of an agent */
+#define AGENT_MCP_NAME_MAX 32    /* characters of an MCP server's name */
+#define AGENT_MCP_HEADERS_MAX 16 /* headers of an MCP server */
+#define AGENT_URL_MAX 2048       /* characters of an MCP server's URL */
 #define AGENT_TOOL_SERVERS_MAX 8 /* tools: addresses of an agent */
 #define AGENT_ADDRESS_MAX 255    /* characters of a tool server's address */
 
@@ -31,6 +37,15 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+/* An MCP server an agent uses (mcp: in its definition; mcp.c). */
+struct agent_mcp {
+    char *name;     /* [A-Za-z0-9_-]{1,32}: its tools are mcp__<name>__<tool> */
+    char *url;      /* the streamable HTTP endpoint, http:// or https:// */
+    char *source;   /* "mcp:<name>": the source of its tools in a drive's tool set */
+    char **headers; /* "Name: value" lines sent with every request (${VAR} expanded) */
+    size_t n_headers;
+};
 
 struct agent_def {
     char *name;
@@ -47,6 +62,8 @@ struct agent_def {
     size_t n_skills;
     char **tool_servers; /* its own cflue.v1.Tools servers (tool_servers.c), in order */
     size_t n_tool_servers;
+    struct agent_mcp *mcp; /* its MCP servers, in order */
+    size_t n_mcp;
     int64_t reserve_tokens;     /* 0: default */
     int64_t keep_recent_tokens; /* 0: default */
     int32_t max_attempts;       /* 0: storaged's default */

@@ -15,6 +15,7 @@
 #include "buf.h"
 #include "context.h"
 #include "engine_queue.h"
+#include "mcp.h"
 #include "record_log.h"
 #include "skills.h"
 
@@ -66,10 +67,12 @@ struct tool_lane {
     bool ended;               /* under mu: the stream is over; st says how */
     struct rpc_status st;     /* under mu */
     struct rpc_astream *stream;
-    bool released;              /* the stream was released (cancelled, or taken to its end) */
-    bool over;                  /* its end was taken */
-    bool single;                /* an Execute of calls[0]: its message is a ToolResult */
-    const char *server;         /* the address the calls went to */
+    bool released;               /* the stream was released (cancelled, or taken to its end) */
+    bool over;                   /* its end was taken */
+    bool single;                 /* an Execute of calls[0]: its message is a ToolResult */
+    const char *server;          /* the address the calls went to ("mcp:<name>": an MCP call) */
+    const struct agent_mcp *mcp; /* an MCP server's tools/call of calls[0] (op), not a stream */
+    struct mcp_op *op;
     Cflue__V1__ToolCall *calls; /* the calls sent, and for each: */
     Cflue__V1__ToolCall **ptrs;
     Google__Protobuf__Duration *limits;
@@ -83,15 +86,6 @@ struct tool_wait {
     struct tool_lane **lanes;
     size_t n;
     bool running; /* lanes were started and not all their ends taken */
-};
-
-/* The agent's own tool servers for one drive (tool_servers.c). */
-struct tool_servers {
-    struct drive_call *list;    /* each server's Tools.List of this drive */
-    ProtobufCMessage **answers; /* each server's tools (NULL: it could not be listed) */
-    char **down;                /* why a server could not be listed (NULL: it was) */
-    bool *told;                 /* the model was told this drive that the server is gone */
-    size_t n;
 };
 
 /* A model call in flight for a parked drive (model_call.c). The fields under mu are written
@@ -123,6 +117,27 @@ struct drive_call {
     struct rpc_status st;   /* under mu */
     ProtobufCMessage *resp; /* under mu: the response when st is OK */
     bool in_flight;         /* started, and its end not yet taken */
+};
+
+/* One of the agent's own tool servers, or one of its MCP servers, for one drive
+ * (tool_servers.c). */
+struct tool_source {
+    const char *source;          /* in d->tools.source: the address, or "mcp:<name>" */
+    const struct agent_mcp *mcp; /* an MCP server's definition; NULL: a cflue.v1.Tools server */
+    struct drive_call list;      /* a Tools server's Tools.List of this drive */
+    struct mcp_op *op;           /* an MCP server's tools/list of this drive */
+    ProtobufCMessage *answer;    /* a Tools server's tools */
+    bool listed;                 /* the listing's end was taken */
+    char *down;                  /* why it could not be listed (NULL: it was) */
+    bool told;                   /* the model was told this drive that it is gone */
+};
+
+/* The agent's own tool servers and MCP servers for one drive (tool_servers.c). */
+struct tool_servers {
+    struct tool_source *at; /* its tool servers, then its MCP servers, in the agent's order */
+    size_t n;
+    char **owned; /* names and schemas made for MCP tools */
+    size_t n_owned;
 };
 
 /* One `task` call of a turn: a subagent's child submission being admitted, then followed
@@ -312,6 +327,8 @@ void dcall_cleanup(struct drive_call *c);
 void dcall_start(struct drive_call *c, struct rpc_channel *ch, const char *path,
                  const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
                  int64_t timeout_ms);
+/* dcall_post posts the drive `drive` (an mcp_done_fn). */
+void dcall_post(void *drive);
 /* dcall_take: true when the call has ended, with its status in *st and its response (the
  * caller's: NULL unless OK) in *resp; false while it is in flight (the drive parks). */
 bool dcall_take(struct drive_call *c, struct rpc_status *st, ProtobufCMessage **resp);
@@ -482,20 +499,25 @@ void tools_wait_cleanup(struct drive *d);
 /* servers_init / servers_cleanup set up and free d->servers (cleanup: no listing in flight). */
 void servers_init(struct drive *d);
 void servers_cleanup(struct drive *d);
-/* servers_list_start asks each of the agent's tool servers for its tools (Tools.List, one
- * call each that holds no thread; their ends post the drive). */
+/* servers_list_start asks each of the agent's tool servers for its tools (Tools.List) and
+ * each of its MCP servers (tools/list), one operation each that holds no thread; their ends
+ * post the drive. */
 void servers_list_start(struct drive *d);
 /* servers_list_take: false while a listing is in flight; then true, each server's tools or
  * why it could not be listed kept in d->servers. Idempotent once true. */
 bool servers_list_take(struct drive *d);
-/* servers_tools_add appends the listed servers' tools to d->tools, in the agent's order, and
- * records a `resources` signal naming each server that could not be listed (its tools are
- * left out). false, with d->error naming both sources, when a name is reserved for the
- * framework or taken already. */
+/* servers_tools_add appends the listed servers' tools to d->tools, in the agent's order (an
+ * MCP server's as mcp__<server>__<tool>; a tool whose name would not be a valid tool name is
+ * left out with a warning), and records a `resources` signal naming each server that could
+ * not be listed (its tools are left out). false, with d->error naming both sources, when a
+ * name is reserved for the framework or taken already. */
 bool servers_tools_add(struct drive *d);
-/* servers_tell_gone records, once per drive and server, a `resources` signal that the tool
- * server at addr stopped answering (st says how) and that its tools fail until it is back. */
-void servers_tell_gone(struct drive *d, const char *addr, const struct rpc_status *st);
+/* servers_tell_gone records, once per drive and server, a `resources` signal that the server
+ * that runs d->tools' tools of `source` stopped answering (why) and that its tools fail until
+ * it is back. */
+void servers_tell_gone(struct drive *d, const char *source, const char *why);
+/* servers_mcp: the MCP server whose tools have `source` ("mcp:<name>"), or NULL. */
+const struct agent_mcp *servers_mcp(const struct drive *d, const char *source);
 /* servers_clash: true, with why (of size n) naming both sources, when a tool named name from
  * source (an address; NULL: the framework) may not join ts: the framework reserves the name,
  * or a tool of ts has it. sandbox_addr tells the sandbox's toold from other servers in the

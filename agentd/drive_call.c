@@ -50,6 +50,11 @@ void dcall_start(struct drive_call *c, struct rpc_channel *ch, const char *path,
     rpc_acall_start(ch, path, req, resp_desc, timeout_ms, on_end, c);
 }
 
+void dcall_post(void *drive)
+{
+    engine_post(drive);
+}
+
 bool dcall_take(struct drive_call *c, struct rpc_status *st, ProtobufCMessage **resp)
 {
     *resp = NULL;

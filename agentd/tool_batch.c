@@ -265,6 +265,7 @@ static void lane_free(struct tool_lane *l)
     if (l->result) {
         protobuf_c_message_free_unpacked(l->result, NULL);
     }
+    mcp_op_free(l->op);
     free(l->calls);
     free(l->ptrs);
     free(l->limits);
@@ -309,6 +310,12 @@ static void lane_add(struct tool_lane *l, const Cflue__V1__ToolCall *c, int inde
  * server known to have no ExecuteBatch gets a new single-call lane each time. */
 static struct tool_lane *lane_for(struct drive *d, const char *addr, size_t cap)
 {
+    const struct agent_mcp *m = servers_mcp(d, addr);
+    if (m) {
+        struct tool_lane *l = lane_new(d, addr, 1, true); /* one tools/call per call */
+        l->mcp = m;
+        return l;
+    }
     bool single = own_server(d, addr) && no_batch(addr, false);
     for (size_t i = 0; i < d->tw.n && !single; i++) {
         if (!d->tw.lanes[i]->single && !strcmp(d->tw.lanes[i]->server, addr)) {
@@ -377,8 +384,8 @@ static const struct rpc_astream_ops lane_ops = {.on_message = on_result, .on_end
 static void lane_open(struct tool_lane *l)
 {
     struct drive *d = l->d;
-    struct rpc_channel *ch = tools_channel_at(l->server);
-    if (!ch) {
+    struct rpc_channel *ch = l->mcp ? NULL : tools_channel_at(l->server);
+    if (!ch && !l->mcp) {
         l->ended = l->released = true; /* no stream: the lane ends at once */
         l->st.code = GRPC_STATUS_RESOURCE_EXHAUSTED;
         snprintf(l->st.details, sizeof(l->st.details),
@@ -389,6 +396,11 @@ static void lane_open(struct tool_lane *l)
     if (own_server(d, l->server)) {
         int64_t left = drive_time_left(d);
         deadline = left == INT64_MAX ? CUSTOM_CALL_MS : left + 1000;
+    }
+    if (l->mcp) {
+        const char *tool = l->calls[0].name + strlen("mcp__") + strlen(l->mcp->name) + 2;
+        l->op = mcp_call_start(l->mcp, tool, l->calls[0].arguments_json, deadline, dcall_post, d);
+        return;
     }
     if (l->single) {
         l->stream = rpc_astream_open(ch, "/cflue.v1.Tools/Execute", &l->calls[0].base,
@@ -476,7 +488,7 @@ static void finish_lane(struct drive *d, struct tool_lane *l, struct rpc_status 
     }
     bool down = own && tools_server_down(st);
     if (down) {
-        servers_tell_gone(d, l->server, st);
+        servers_tell_gone(d, l->server, st->details[0] ? st->details : "no answer");
     }
     for (size_t k = 0; k < l->m && d->fault.code == CF_OK; k++) {
         if (!l->done[k]) {
@@ -497,9 +509,44 @@ static void finish_lane(struct drive *d, struct tool_lane *l, struct rpc_status 
     }
 }
 
+/* mcp_lane_poll takes the end of l's tools/call: false while it is in flight. A server that
+ * could not be used gives the call an error result and the model a signal. */
+static bool mcp_lane_poll(struct drive *d, struct tool_lane *l)
+{
+    if (!mcp_op_done(l->op)) {
+        if (drive_halted(d) && !l->released) {
+            l->released = true;
+            mcp_op_cancel(l->op); /* its end posts the drive */
+        }
+        return false;
+    }
+    l->over = true;
+    const Cflue__V1__ToolCall *c = &l->calls[0];
+    const char *why = mcp_op_failure(l->op);
+    if (drive_halted(d) || d->fault.code != CF_OK) {
+        return true;
+    }
+    if (why) {
+        char text[1024];
+        servers_tell_gone(d, l->server, why);
+        snprintf(text, sizeof(text),
+                 "The MCP server \"%s\" failed before answering this call (%.300s); it may not "
+                 "have run.",
+                 l->mcp->name, why);
+        tools_record_result(d, l->index[0], c->call_id, c->name, text, true, NULL, false);
+    } else {
+        tools_record_result(d, l->index[0], c->call_id, c->name, mcp_op_text(l->op),
+                            mcp_op_is_error(l->op), NULL, false);
+    }
+    return true;
+}
+
 /* lane_poll records what arrived on l and returns true once its end is taken. */
 static bool lane_poll(struct drive *d, struct tool_lane *l)
 {
+    if (l->mcp) {
+        return mcp_lane_poll(d, l);
+    }
     pthread_mutex_lock(&l->mu);
     ProtobufCMessage *msg = l->result;
     l->result = NULL;

@@ -36,74 +36,111 @@ void servers_cleanup(struct drive *d)
 {
     struct tool_servers *s = &d->servers;
     for (size_t k = 0; k < s->n; k++) {
-        dcall_cleanup(&s->list[k]);
-        if (s->answers[k]) {
-            protobuf_c_message_free_unpacked(s->answers[k], NULL);
+        struct tool_source *t = &s->at[k];
+        if (!t->mcp) {
+            dcall_cleanup(&t->list);
         }
-        free(s->down[k]);
+        if (t->answer) {
+            protobuf_c_message_free_unpacked(t->answer, NULL);
+        }
+        mcp_op_free(t->op);
+        free(t->down);
     }
-    free(s->list);
-    free(s->answers);
-    free(s->down);
-    free(s->told);
+    for (size_t i = 0; i < s->n_owned; i++) {
+        free(s->owned[i]);
+    }
+    free(s->owned);
+    free(s->at);
     memset(s, 0, sizeof(*s));
+}
+
+/* list_start starts the listing of one Tools server. */
+static void list_start(struct drive *d, struct tool_source *t)
+{
+    dcall_init(&t->list, d);
+    struct rpc_channel *ch = tools_channel_at(t->source);
+    if (!ch) {
+        t->down = mem_asprintf("this agentd reaches at most %d tool servers", TOOLS_CHANNELS_MAX);
+        return;
+    }
+    Cflue__V1__ListToolsRequest rq = CFLUE__V1__LIST_TOOLS_REQUEST__INIT;
+    rq.sandbox = d->workspace;
+    dcall_start(&t->list, ch, "/cflue.v1.Tools/List", &rq.base,
+                &cflue__v1__list_tools_response__descriptor, LIST_TIMEOUT_MS);
 }
 
 void servers_list_start(struct drive *d)
 {
     struct tool_servers *s = &d->servers;
-    size_t n = d->agent->n_tool_servers;
-    if (!n || s->n) {
+    const struct agent_def *a = d->agent;
+    if (s->n || !(a->n_tool_servers + a->n_mcp)) {
         return;
     }
-    s->n = n;
-    s->list = mem_alloc(sizeof(*s->list) * n);
-    s->answers = mem_alloc(sizeof(*s->answers) * n);
-    s->down = mem_alloc(sizeof(*s->down) * n);
-    s->told = mem_alloc(sizeof(*s->told) * n);
-    for (size_t k = 0; k < n; k++) {
-        const char *addr = d->agent->tool_servers[k];
-        dcall_init(&s->list[k], d);
-        s->answers[k] = NULL;
-        s->down[k] = NULL;
-        s->told[k] = false;
-        struct rpc_channel *ch = tools_channel_at(addr);
-        if (!ch) {
-            s->down[k] =
-                mem_asprintf("this agentd reaches at most %d tool servers", TOOLS_CHANNELS_MAX);
-            continue;
+    s->at = mem_alloc(sizeof(*s->at) * (a->n_tool_servers + a->n_mcp));
+    memset(s->at, 0, sizeof(*s->at) * (a->n_tool_servers + a->n_mcp));
+    for (size_t k = 0; k < a->n_tool_servers + a->n_mcp; k++) {
+        struct tool_source *t = &s->at[s->n++];
+        if (k < a->n_tool_servers) {
+            t->source = a->tool_servers[k];
+            list_start(d, t);
+        } else {
+            t->mcp = &a->mcp[k - a->n_tool_servers];
+            t->source = t->mcp->source;
+            t->op = mcp_list_start(t->mcp, LIST_TIMEOUT_MS, dcall_post, d);
         }
-        Cflue__V1__ListToolsRequest rq = CFLUE__V1__LIST_TOOLS_REQUEST__INIT;
-        rq.sandbox = d->workspace;
-        dcall_start(&s->list[k], ch, "/cflue.v1.Tools/List", &rq.base,
-                    &cflue__v1__list_tools_response__descriptor, LIST_TIMEOUT_MS);
     }
+}
+
+/* list_take takes the end of t's listing: false while it is in flight. */
+static bool list_take(struct drive *d, struct tool_source *t)
+{
+    struct rpc_status st;
+    ProtobufCMessage *resp;
+    if (t->mcp) {
+        if (!mcp_op_done(t->op)) {
+            return false;
+        }
+        const char *why = mcp_op_failure(t->op);
+        t->down = why ? mem_strdup(why) : NULL;
+    } else if (!t->list.in_flight) {
+        /* never started: down says why */
+    } else if (!dcall_take(&t->list, &st, &resp)) {
+        return false;
+    } else if (st.code == GRPC_STATUS_OK) {
+        t->answer = resp;
+    } else {
+        t->down = mem_asprintf("%.*s (grpc status %d)", REASON_MAX,
+                               st.details[0] ? st.details : "no answer", (int)st.code);
+    }
+    if (t->down) {
+        char q[400];
+        log_warn("tool_server_unlisted", "submission=%s server=%s why=%s", d->sub->submission_id,
+                 t->source, log_quote(q, sizeof(q), t->down));
+    }
+    return true;
 }
 
 bool servers_list_take(struct drive *d)
 {
-    struct tool_servers *s = &d->servers;
     bool over = true;
-    for (size_t k = 0; k < s->n; k++) {
-        struct rpc_status st;
-        ProtobufCMessage *resp;
-        if (!s->list[k].in_flight) {
-            continue;
-        }
-        if (!dcall_take(&s->list[k], &st, &resp)) {
-            over = false;
-        } else if (st.code == GRPC_STATUS_OK) {
-            s->answers[k] = resp;
-        } else {
-            s->down[k] = mem_asprintf("%.*s (grpc status %d)", REASON_MAX,
-                                      st.details[0] ? st.details : "no answer", (int)st.code);
-            char q[400];
-            log_warn("tool_server_unlisted", "submission=%s server=%s why=%s",
-                     d->sub->submission_id, d->agent->tool_servers[k],
-                     log_quote(q, sizeof(q), s->down[k]));
+    for (size_t k = 0; k < d->servers.n; k++) {
+        struct tool_source *t = &d->servers.at[k];
+        if (!t->listed) {
+            t->listed = list_take(d, t);
+            over = over && t->listed;
         }
     }
     return over;
+}
+
+const struct agent_mcp *servers_mcp(const struct drive *d, const char *source)
+{
+    for (size_t k = 0; k < d->agent->n_mcp; k++) {
+        if (!strcmp(d->agent->mcp[k].source, source)) {
+            return &d->agent->mcp[k];
+        }
+    }
+    return NULL;
 }
 
 /* describe names where a tool comes from, for a clash's message. */
@@ -113,6 +150,8 @@ static const char *describe(char *out, size_t n, const char *source, const char 
         snprintf(out, n, "the framework");
     } else if (sandbox_addr && !strcmp(source, sandbox_addr)) {
         snprintf(out, n, "the sandbox's toold at %s", source);
+    } else if (!strncmp(source, "mcp:", 4)) {
+        snprintf(out, n, "the MCP server \"%s\"", source + 4);
     } else {
         snprintf(out, n, "the tool server at %s", source);
     }
@@ -140,15 +179,38 @@ bool servers_clash(const struct toolset *ts, const char *name, const char *sourc
     return false;
 }
 
+/* server_name names a source in what the model reads. */
+static const char *server_name(char *out, size_t n, const struct tool_source *t)
+{
+    if (t->mcp) {
+        snprintf(out, n, "The MCP server \"%s\"", t->mcp->name);
+    } else {
+        snprintf(out, n, "The tool server at %s", t->source);
+    }
+    return out;
+}
+
+/* record_signal records a `resources` signal with text b, id signal:<sub>:e<epoch>:<what>. */
+static void record_signal(struct drive *d, const char *what, struct buf *b)
+{
+    char id[256];
+    snprintf(id, sizeof(id), "signal:%s:e%lld:%s", d->sub->submission_id, (long long)d->fence.epoch,
+             what);
+    Cflue__V1__Signal sig = CFLUE__V1__SIGNAL__INIT;
+    sig.kind = "resources";
+    sig.text = (char *)buf_cstr(b);
+    (void)dstore_defer_one(d, id, d->sub->submission_id, &sig.base);
+}
+
 /* tell_unlisted records the signal naming the servers that could not be listed. */
 static void tell_unlisted(struct drive *d)
 {
     struct tool_servers *s = &d->servers;
     struct buf b;
-    buf_init(&b, 16384);
+    char name[160];
     size_t n_down = 0, last = 0;
     for (size_t k = 0; k < s->n; k++) {
-        if (s->down[k]) {
+        if (s->at[k].down) {
             n_down++;
             last = k;
         }
@@ -156,82 +218,132 @@ static void tell_unlisted(struct drive *d)
     if (!n_down) {
         return;
     }
+    buf_init(&b, 16384);
     if (n_down == 1) {
-        buf_printf(&b,
-                   "The tool server at %s cannot be reached for this message: %s. Its tools are "
-                   "not available.",
-                   d->agent->tool_servers[last], s->down[last]);
+        buf_printf(&b, "%s cannot be reached for this message: %.*s. Its tools are not available.",
+                   server_name(name, sizeof(name), &s->at[last]), REASON_MAX, s->at[last].down);
     } else {
-        buf_append_str(&b, "These tool servers cannot be reached for this message, so their "
-                           "tools are not available:");
+        buf_append_str(&b, "These servers cannot be reached for this message, so their tools are "
+                           "not available:");
         for (size_t k = 0; k < s->n; k++) {
-            if (s->down[k]) {
-                buf_printf(&b, "\n- %s: %s", d->agent->tool_servers[k], s->down[k]);
+            if (s->at[k].down) {
+                buf_printf(&b, "\n- %s: %.*s", server_name(name, sizeof(name), &s->at[k]),
+                           REASON_MAX, s->at[k].down);
             }
         }
     }
-    char id[256];
-    snprintf(id, sizeof(id), "signal:%s:e%lld:servers", d->sub->submission_id,
-             (long long)d->fence.epoch);
-    Cflue__V1__Signal sig = CFLUE__V1__SIGNAL__INIT;
-    sig.kind = "resources";
-    sig.text = (char *)buf_cstr(&b);
-    (void)dstore_defer_one(d, id, d->sub->submission_id, &sig.base);
+    record_signal(d, "servers", &b);
     buf_cleanup(&b);
+}
+
+/* own keeps p (a string made for the drive's tool set) until the drive ends; returns it. */
+static char *own(struct tool_servers *s, char *p)
+{
+    s->owned = mem_realloc(s->owned, sizeof(char *) * (s->n_owned + 1));
+    s->owned[s->n_owned++] = p;
+    return p;
+}
+
+/* mcp_tool_name_ok: a name every provider takes for a tool ([A-Za-z0-9_-]{1,64}). */
+static bool mcp_tool_name_ok(const char *n)
+{
+    size_t len = strlen(n);
+    return len && len <= 64 &&
+           strspn(n, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-") == len;
+}
+
+/* add_mcp_tools appends t's listed tools as mcp__<server>__<tool>. */
+static bool add_mcp_tools(struct drive *d, struct tool_source *t)
+{
+    size_t i;
+    json_t *tool;
+    json_array_foreach(mcp_op_tools(t->op), i, tool)
+    {
+        const char *raw = json_string_value(json_object_get(tool, "name"));
+        char *name = mem_asprintf("mcp__%s__%s", t->mcp->name, raw ? raw : "");
+        if (!raw || !mcp_tool_name_ok(name)) {
+            char q[200];
+            log_warn("mcp_tool_skipped", "submission=%s server=%s tool=%s why=%s",
+                     d->sub->submission_id, t->mcp->name, log_quote(q, sizeof(q), raw ? raw : ""),
+                     "\"its name as mcp__<server>__<tool> is not 1 to 64 of A-Z a-z 0-9 _ -\"");
+            free(name);
+            continue;
+        }
+        if (servers_clash(&d->tools, name, t->source, d->tools_addr, d->error, sizeof(d->error))) {
+            free(name);
+            return false;
+        }
+        const char *desc = json_string_value(json_object_get(tool, "description"));
+        json_t *schema = json_object_get(tool, "inputSchema");
+        char *schema_json = json_is_object(schema) ? json_dumps(schema, JSON_COMPACT) : NULL;
+        toolset_add(&d->tools, own(&d->servers, name),
+                    desc && *desc ? desc
+                                  : own(&d->servers, mem_asprintf("The %s tool of the MCP server "
+                                                                  "%s.",
+                                                                  raw, t->mcp->name)),
+                    own(&d->servers, schema_json ? schema_json
+                                                 : mem_strdup("{\"type\":\"object\","
+                                                              "\"properties\":{}}")),
+                    t->source);
+    }
+    return true;
 }
 
 bool servers_tools_add(struct drive *d)
 {
     struct tool_servers *s = &d->servers;
     for (size_t k = 0; k < s->n; k++) {
-        const Cflue__V1__ListToolsResponse *list = (const void *)s->answers[k];
-        const char *addr = d->agent->tool_servers[k];
+        struct tool_source *t = &s->at[k];
+        if (t->down) {
+            continue;
+        }
+        if (t->mcp) {
+            if (!add_mcp_tools(d, t)) {
+                return false;
+            }
+            continue;
+        }
+        const Cflue__V1__ListToolsResponse *list = (const void *)t->answer;
         for (size_t i = 0; list && i < list->n_tools; i++) {
-            const Cflue__V1__ToolSpec *t = list->tools[i];
-            if (servers_clash(&d->tools, t->name, addr, d->tools_addr, d->error,
+            const Cflue__V1__ToolSpec *spec = list->tools[i];
+            if (servers_clash(&d->tools, spec->name, t->source, d->tools_addr, d->error,
                               sizeof(d->error))) {
                 return false;
             }
-            toolset_add(&d->tools, t->name, t->description, t->parameters_json, addr);
+            toolset_add(&d->tools, spec->name, spec->description, spec->parameters_json, t->source);
         }
     }
     tell_unlisted(d);
     return true;
 }
 
-void servers_tell_gone(struct drive *d, const char *addr, const struct rpc_status *st)
+void servers_tell_gone(struct drive *d, const char *source, const char *why)
 {
     struct tool_servers *s = &d->servers;
     size_t k = 0;
-    while (k < s->n && strcmp(d->agent->tool_servers[k], addr)) {
+    while (k < s->n && strcmp(s->at[k].source, source)) {
         k++;
     }
-    if (k == s->n || s->told[k]) {
+    if (k == s->n || s->at[k].told) {
         return;
     }
-    s->told[k] = true;
+    s->at[k].told = true;
     struct buf b;
+    char name[160], what[64];
     buf_init(&b, 16384);
-    buf_printf(
-        &b,
-        "The tool server at %s stopped answering (%.*s). Calls to its tools fail until it is back:",
-        addr, REASON_MAX, st->details[0] ? st->details : "no answer");
+    buf_printf(&b, "%s stopped answering (%.*s). Calls to its tools fail until it is back:",
+               server_name(name, sizeof(name), &s->at[k]), REASON_MAX, why);
     for (size_t i = 0; i < d->tools.n; i++) {
-        if (d->tools.source[i] && !strcmp(d->tools.source[i], addr)) {
+        if (d->tools.source[i] && !strcmp(d->tools.source[i], source)) {
             buf_printf(&b, " %s", d->tools.tools[i].name);
         }
     }
     buf_append_str(&b, ".");
-    char id[256];
-    snprintf(id, sizeof(id), "signal:%s:e%lld:t%d:gone:%zu", d->sub->submission_id,
-             (long long)d->fence.epoch, d->turn, k);
-    Cflue__V1__Signal sig = CFLUE__V1__SIGNAL__INIT;
-    sig.kind = "resources";
-    sig.text = (char *)buf_cstr(&b);
-    (void)dstore_defer_one(d, id, d->sub->submission_id, &sig.base);
+    snprintf(what, sizeof(what), "t%d:gone:%zu", d->turn, k);
+    record_signal(d, what, &b);
     char q[400];
-    log_warn("tool_server_gone", "submission=%s server=%s why=%s", d->sub->submission_id, addr,
-             log_quote(q, sizeof(q), st->details));
+    log_warn("tool_server_gone", "submission=%s server=%s why=%s", d->sub->submission_id, source,
+             log_quote(q, sizeof(q), why));
     buf_cleanup(&b);
 }
 

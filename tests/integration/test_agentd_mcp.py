@@ -1,0 +1,300 @@
+"""MCP servers over streamable HTTP (agent definition `mcp:`; agentd/mcp.c): against the real
+reference server `@modelcontextprotocol/server-everything` (npm, run on Node.js; scripts/setup
+installs it under tests/integration/mcp/), its tools are offered as mcp__<server>__<tool> and
+called (text, an error result marked as one, an image described); a server killed during a
+call gives an error result and a signal, one unreachable when a submission starts is left out
+and told. A small MCP server written here covers what the reference server does not ask of a
+client: an auth header from the environment, tools/list pagination, plain JSON answers, and a
+session the server forgot (the client sets up a new one). The fake model plays the agents.
+
+    cd tests/integration && CFLUE_BUILD_DIR=/work/main/build /usr/bin/python3 -m unittest -v \
+        test_agentd_mcp
+"""
+
+import http.server
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import unittest
+
+from test_agentd import COMPLETED, AgentdCase, body, kind, new_conv, request_system
+from test_agentd_tool_servers import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EVERYTHING_JS = os.path.join(HERE, 'mcp', 'node_modules', '@modelcontextprotocol',
+                             'server-everything', 'dist', 'index.js')
+TOKEN = 'tok-%d' % os.getpid()
+
+
+class Everything(object):
+    """The reference MCP server in its streamable HTTP mode, on 127.0.0.1:port/mcp."""
+
+    def __init__(self):
+        node = shutil.which('node')
+        if not node or not os.path.exists(EVERYTHING_JS):
+            raise AssertionError('the MCP reference server is not installed (%s): run '
+                                 'scripts/setup' % EVERYTHING_JS)
+        self.port = free_port()
+        self.url = 'http://127.0.0.1:%d/mcp' % self.port
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([node, EVERYTHING_JS, 'streamableHttp'],
+                                     env=dict(os.environ, PORT=str(self.port)),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=self.err)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            self.err.seek(0)
+            if b'listening on port' in self.err.read():
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.err.seek(0)
+        raise AssertionError('the MCP reference server did not start: %s' % self.err.read())
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def close(self):
+        self.kill()
+        self.err.close()
+
+
+class MiniMCP(object):
+    """A small MCP server: JSON answers (no event streams), an Authorization header required,
+    tools/list in two pages, sessions it can be told to forget."""
+
+    def __init__(self):
+        self.sessions = set()
+        self.initializes = 0
+        self.auth_seen = []
+        self.lock = threading.Lock()
+        mini = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def answer(self, code, obj=None, headers=()):
+                data = json.dumps(obj).encode() if obj is not None else b''
+                self.send_response(code)
+                for k, v in headers:
+                    self.send_header(k, v)
+                self.send_header('Content-Type', 'application/json')
+                self.send_header('Content-Length', str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):
+                msg = json.loads(self.rfile.read(int(self.headers['Content-Length'])))
+                with mini.lock:
+                    mini.auth_seen.append(self.headers.get('Authorization'))
+                if self.headers.get('Authorization') != 'Bearer ' + TOKEN:
+                    return self.answer(401, {'error': 'unauthorized'})
+                method, rid = msg.get('method'), msg.get('id')
+                if method == 'initialize':
+                    with mini.lock:
+                        mini.initializes += 1
+                        sid = 'sess-%d' % mini.initializes
+                        mini.sessions.add(sid)
+                    return self.answer(200, {'jsonrpc': '2.0', 'id': rid, 'result': {
+                        'protocolVersion': '2025-06-18', 'capabilities': {'tools': {}},
+                        'serverInfo': {'name': 'mini', 'version': '1'}}},
+                        [('Mcp-Session-Id', sid)])
+                with mini.lock:
+                    known = self.headers.get('Mcp-Session-Id') in mini.sessions
+                if not known:
+                    return self.answer(404, {'error': 'no such session'})
+                if method == 'notifications/initialized':
+                    return self.answer(202)
+                if method == 'tools/list':
+                    page2 = (msg.get('params') or {}).get('cursor') == 'page-2'
+                    tool = {'name': 'stamp' if page2 else 'lookup',
+                            'description': 'A tool of the small test server.',
+                            'inputSchema': {'type': 'object',
+                                            'properties': {'q': {'type': 'string'}}}}
+                    result = {'tools': [tool]}
+                    if not page2:
+                        result['nextCursor'] = 'page-2'
+                    return self.answer(200, {'jsonrpc': '2.0', 'id': rid, 'result': result})
+                if method == 'tools/call':
+                    p = msg['params']
+                    text = '%s: %s' % (p['name'], p.get('arguments', {}).get('q', ''))
+                    return self.answer(200, {'jsonrpc': '2.0', 'id': rid, 'result': {
+                        'content': [{'type': 'text', 'text': text}]}})
+                return self.answer(200, {'jsonrpc': '2.0', 'id': rid, 'error': {
+                    'code': -32601, 'message': 'no method ' + str(method)}})
+
+        self.server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+        self.url = 'http://127.0.0.1:%d/mcp' % self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def forget_sessions(self):
+        with self.lock:
+            self.sessions.clear()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def agent_md(name, servers):
+    lines = ''.join('  %s: {url: "%s"%s}\n' % (n, url, extra) for n, url, extra in servers)
+    return ('---\nname: %s\ndescription: Uses MCP servers.\nmodel: anthropic/claude-test-1\n'
+            'mcp:\n%sdurability:\n  max_attempts: 3\n  timeout_ms: 120000\n---\n\nROLE %s.\n'
+            % (name, lines, name))
+
+
+def role(name, **step):
+    step['match'] = dict(step.pop('match', {}), system_contains='ROLE %s.' % name)
+    return step
+
+
+def call(tool, **args):
+    return {'name': tool, 'arguments': args}
+
+
+class MCPTest(AgentdCase):
+    stack_kwargs = {'agents': ('task-scout',), 'with_toold': False}
+
+    @classmethod
+    def setUpClass(cls):
+        os.environ['CFLUE_TEST_MCP_TOKEN'] = TOKEN  # agentd inherits it (its headers say ${...})
+        super(MCPTest, cls).setUpClass()
+        cls.servers = []
+        try:
+            cls.everything = cls._keep(Everything())
+            cls.fragile = cls._keep(Everything())
+            cls.mini = cls._keep(MiniMCP())
+            gone = 'http://127.0.0.1:%d/mcp' % free_port()
+            auth = ', headers: {Authorization: "Bearer ${CFLUE_TEST_MCP_TOKEN}"}'
+            agents = {
+                'mcp-user': agent_md('mcp-user', [('everything', cls.everything.url, '')]),
+                'mcp-mini': agent_md('mcp-mini', [('mini', cls.mini.url, auth)]),
+                'mcp-fragile': agent_md('mcp-fragile', [('ev', cls.fragile.url, '')]),
+                'mcp-absent': agent_md('mcp-absent', [('gone', gone, ''),
+                                                      ('mini', cls.mini.url, auth)]),
+            }
+            for name, text in agents.items():
+                with open(os.path.join(cls.stack.agents_dir, name + '.md'), 'w') as f:
+                    f.write(text)
+            cls.stack.ad.stop()
+            cls.stack.ad.start()
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def _keep(cls, server):
+        cls.servers.append(server)
+        return server
+
+    @classmethod
+    def tearDownClass(cls):
+        for s in getattr(cls, 'servers', []):
+            s.close()
+        super(MCPTest, cls).tearDownClass()
+
+    def run_agent(self, agent, steps, timeout=60, during=None):
+        conv = new_conv(agent)
+        self.fm.set_scenario(steps)
+        seen = len(self.fm.requests())
+        sid = self.ad.submit(agent, 'Use your MCP tools.', conversation_id=conv).submission_id
+        if during:
+            during(conv)
+        sub = self.wait_settled(sid, timeout=timeout)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        reqs = [e for e in self.fm.requests()[seen:] if 'ROLE %s.' % agent in request_system(e)]
+        recs = self.records(conv)
+        results = {}
+        for r in recs:
+            if kind(r) == 'tool_result':
+                results.setdefault(body(r).turn, {})[body(r).index] = body(r)
+        return recs, results, reqs
+
+    def test_the_reference_servers_tools_are_offered_and_called(self):
+        recs, results, reqs = self.run_agent('mcp-user', [
+            role('mcp-user', tool_calls=[call('mcp__everything__echo', message='hello mcp'),
+                                         call('mcp__everything__get-sum', a=2, b=3),
+                                         call('mcp__everything__get-sum', a=2, b='x'),
+                                         call('mcp__everything__get-tiny-image')]),
+            role('mcp-user', text='All four answered.')])
+        names = [t['name'] for t in reqs[0]['body']['tools']]
+        self.assertEqual(names[0], 'task')
+        for n in ('mcp__everything__echo', 'mcp__everything__get-sum',
+                  'mcp__everything__get-tiny-image'):
+            self.assertIn(n, names)
+        self.assertTrue(all(n == 'task' or n.startswith('mcp__everything__') for n in names))
+        echo_tool = [t for t in reqs[0]['body']['tools'] if t['name'] == 'mcp__everything__echo']
+        self.assertIn('message', json.dumps(echo_tool[0]['input_schema']))
+        r = results[1]
+        self.assertEqual((r[0].text, r[0].is_error), ('Echo: hello mcp', False))
+        self.assertFalse(r[1].is_error, r[1])
+        self.assertIn('5', r[1].text)
+        self.assertTrue(r[2].is_error, r[2])  # the server's isError
+        self.assertIn('expected number', r[2].text)
+        self.assertFalse(r[3].is_error, r[3])
+        self.assertIn('[image content: image/png', r[3].text)
+        self.assertFalse([x for x in recs if kind(x) == 'signal'])
+
+    def test_auth_header_pages_json_answers_and_a_forgotten_session(self):
+        steps = [role('mcp-mini', tool_calls=[call('mcp__mini__lookup', q='first'),
+                                              call('mcp__mini__stamp', q='page two')]),
+                 role('mcp-mini', text='Both ran.')]
+        _, results, _ = self.run_agent('mcp-mini', steps)
+        self.assertEqual(results[1][0].text, 'lookup: first')
+        self.assertEqual(results[1][1].text, 'stamp: page two')  # listed on the second page
+        self.assertTrue(self.mini.auth_seen)
+        self.assertEqual(set(self.mini.auth_seen), {'Bearer ' + TOKEN})
+        before = self.mini.initializes
+        self.mini.forget_sessions()  # the next request meets HTTP 404: a new session is made
+        _, results, _ = self.run_agent('mcp-mini', [
+            role('mcp-mini', tool_calls=[call('mcp__mini__lookup', q='again')]),
+            role('mcp-mini', text='Ran again.')])
+        self.assertEqual(results[1][0].text, 'lookup: again')
+        self.assertEqual(self.mini.initializes, before + 1)
+
+    def test_a_server_killed_during_a_call_gives_an_error_result_and_a_signal(self):
+        def kill_during_the_call(conv):
+            def started():
+                return any(kind(r) == 'assistant_message' and body(r).tool_calls
+                           for r in self.records(conv))
+            deadline = time.monotonic() + 30
+            while not started() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.0)  # the call is at the server, which works for 20 s
+            self.fragile.kill()
+
+        recs, results, reqs = self.run_agent('mcp-fragile', [
+            role('mcp-fragile', tool_calls=[
+                call('mcp__ev__trigger-long-running-operation', duration=20, steps=2)]),
+            role('mcp-fragile', text='The long operation failed.')],
+            during=kill_during_the_call)
+        res = results[1][0]
+        self.assertTrue(res.is_error, res)
+        self.assertIn('The MCP server "ev" failed before answering this call', res.text)
+        [sig] = [body(r) for r in recs if kind(r) == 'signal']
+        self.assertEqual(sig.kind, 'resources')
+        self.assertIn('The MCP server "ev" stopped answering', sig.text)
+        self.assertIn('stopped answering', json.dumps(reqs[-1]['body']['messages']))
+
+    def test_a_server_unreachable_at_the_start_is_left_out_and_told(self):
+        recs, results, reqs = self.run_agent('mcp-absent', [
+            role('mcp-absent', tool_calls=[call('mcp__mini__lookup', q='still here')]),
+            role('mcp-absent', text='One server was missing.')])
+        names = [t['name'] for t in reqs[0]['body']['tools']]
+        self.assertEqual(names, ['task', 'mcp__mini__lookup', 'mcp__mini__stamp'])
+        [sig] = [body(r) for r in recs if kind(r) == 'signal']
+        self.assertIn('The MCP server "gone" cannot be reached for this message', sig.text)
+        self.assertEqual(results[1][0].text, 'lookup: still here')
+
+
+if __name__ == '__main__':
+    unittest.main()
