@@ -3,6 +3,7 @@
 #define CFLUE_AGENTD_AGENTD_H
 
 #include "agents.h"
+#include "defs.h"
 #include "provider.h"
 #include "rpc.h"
 #include "skills.h"
@@ -38,8 +39,6 @@ struct agentd {
     int64_t heartbeat_ms;
     bool stream; /* ask providers to stream */
     struct provider_endpoint anthropic, openai;
-    struct agent_set agents;
-    struct skill_set skills; /* the declared skills of every agent (skills.c) */
     struct rpc_channel *store;
     pthread_mutex_t mu;
     pthread_cond_t wake;

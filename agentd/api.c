@@ -99,6 +99,17 @@ static void on_admitted(void *arg, const struct rpc_status *st, ProtobufCMessage
     }
 }
 
+/* agent_known: the definitions in force have an agent named name; *has_model says whether its
+ * definition names a model. */
+static bool agent_known(const char *name, bool *has_model)
+{
+    struct agent_defs *defs = defs_get();
+    const struct agent_def *a = agents_find(&defs->agents, name);
+    *has_model = a && a->model;
+    defs_put(defs);
+    return a != NULL;
+}
+
 /* on_submit checks the request and starts its Admit (rpc_acall_start): no thread waits for
  * storaged's commit, and concurrent Submits share its group commits. on_admitted answers. */
 static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
@@ -109,15 +120,15 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
         rpc_call_fail(c, CF_INVALID, "agent is required");
         return;
     }
-    const struct agent_def *a = agents_find(&g_agentd.agents, req->agent);
-    if (!a) {
+    bool has_model;
+    if (!agent_known(req->agent, &has_model)) {
         unknown_agent(c, req->agent);
         return;
     }
-    if (!a->model) {
+    if (!has_model) {
         rpc_call_fail(c, CF_PRECONDITION,
                       "agent %.128s names no model: it runs only as a subagent, with its parent's",
-                      a->name);
+                      req->agent);
         return;
     }
     if (!req->message || (!*req->message->text && !req->message->n_attachments)) {
@@ -305,15 +316,17 @@ static void on_list_agents(struct rpc_call *c, const ProtobufCMessage *msg, void
     char next[PAGE_TOKEN_MAX];
     size_t first, n;
     struct cf_error err;
-    if (agents_page(&g_agentd.agents, req->page_size, req->page_token, &first, &n, next, &err) !=
+    struct agent_defs *defs = defs_get(); /* held until the answer is sent */
+    if (agents_page(&defs->agents, req->page_size, req->page_token, &first, &n, next, &err) !=
         CF_OK) {
+        defs_put(defs);
         fail_err(c, &err);
         return;
     }
     Cflue__V1__AgentInfo *infos = mem_alloc(sizeof(*infos) * (n + 1));
     Cflue__V1__AgentInfo **ptrs = mem_alloc(sizeof(void *) * (n + 1));
     for (size_t i = 0; i < n; i++) {
-        const struct agent_def *a = &g_agentd.agents.items[first + i];
+        const struct agent_def *a = &defs->agents.items[first + i];
         cflue__v1__agent_info__init(&infos[i]);
         infos[i].name = a->name;
         infos[i].description = a->description ? a->description : "";
@@ -330,6 +343,7 @@ static void on_list_agents(struct rpc_call *c, const ProtobufCMessage *msg, void
     rpc_call_reply(c, &out.base);
     free(infos);
     free(ptrs);
+    defs_put(defs);
 }
 
 static void on_get_conversation(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
@@ -445,7 +459,8 @@ static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *us
         return;
     }
     const char *agent = ((Cflue__V1__Conversation *)conv)->agent;
-    if (!agents_find(&g_agentd.agents, agent)) {
+    bool has_model;
+    if (!agent_known(agent, &has_model)) {
         unknown_agent(c, agent);
         protobuf_c_message_free_unpacked(conv, NULL);
         return;

@@ -150,9 +150,13 @@ static void defer_prompt(struct drive *d, char *fresh)
 {
     char id[64];
     snprintf(id, sizeof(id), "system:%d", d->log.compactions + 2);
+    struct narrated state;
+    narrate_state(d, &state); /* the new baseline of what the model was told */
     Cflue__V1__SystemPrompt sp = CFLUE__V1__SYSTEM_PROMPT__INIT;
     sp.text = fresh;
+    sp.state = &state.st;
     (void)dstore_defer_one(d, id, "", &sp.base);
+    narrate_cleanup(&state);
     free(d->system_text);
     d->system_text = fresh;
 }

@@ -221,7 +221,8 @@ static bool pick_model(struct drive *d)
 static enum drive_state step_start(struct drive *d)
 {
     const Cflue__V1__Delegation *dg = d->sub->delegation;
-    d->agent = agents_find(&g_agentd.agents, d->sub->agent);
+    d->defs = defs_get();
+    d->agent = agents_find(&d->defs->agents, d->sub->agent);
     d->depth = dg ? dg->depth : 0;
     if (d->agent && d->agent->sandbox_tools) {
         const char *ws = d->agent->sandbox_workspace;
@@ -744,5 +745,6 @@ void drive_free(struct drive *d)
     dcall_cleanup(&d->prompt_call);
     buf_cleanup(&d->delta);
     protobuf_c_message_free_unpacked(&d->claim->base, NULL);
+    defs_put(d->defs); /* last: tools, skills and servers above point into it */
     free(d);
 }

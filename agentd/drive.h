@@ -208,6 +208,7 @@ struct drive {
     const Cflue__V1__Submission *sub;
     Cflue__V1__Fence fence;
     struct active *act;
+    struct agent_defs *defs; /* the definitions in force when the drive began (held) */
     const struct agent_def *agent;
     const char *tools_addr; /* the sandbox's toold: the agent's own, or the parent's it shares
                              * (a subagent without a sandbox of its own); NULL: no sandbox */
@@ -524,6 +525,40 @@ const struct agent_mcp *servers_mcp(const struct drive *d, const char *source);
  * message. */
 bool servers_clash(const struct toolset *ts, const char *name, const char *source,
                    const char *sandbox_addr, char *why, size_t n);
+
+/* ---- narrate.c: telling the model what changed ---- */
+
+/* One resource of a state (narrate.c). */
+struct narrated_item {
+    Cflue__V1__Resource r;
+    char digest[17];
+    int which; /* 0: a tool, 1: a skill, 2: a subagent */
+};
+
+/* A ResourceState made for a drive; its strings point into the drive. */
+struct narrated {
+    Cflue__V1__ResourceState st;
+    char instructions[17];
+    char sandbox[600];
+    struct narrated_item *items;
+    Cflue__V1__Resource **ptrs;
+    size_t n;
+};
+
+/* narrate_state fills n with d's resources now: its agent's instructions, its sandbox, its
+ * tool set (d->tools, assembled), its skills (declared, then found in the sandbox) and its
+ * subagents. Free with narrate_cleanup. */
+void narrate_state(const struct drive *d, struct narrated *n);
+void narrate_cleanup(struct narrated *n);
+/* narrate_changes compares d's resources now with the newest state the conversation told the
+ * model of and records a signal for each kind of change, pending: `instructions` (with the new
+ * instructions), `environment` (a sandbox attached, detached or switched, with every roster),
+ * `resources` (tools, skills, subagents added, removed or updated). Each carries the new
+ * state. Nothing without a baseline. */
+void narrate_changes(struct drive *d);
+/* narrate_skill_description: the description of skill `name` (declared, or found in the
+ * sandbox), "" when unknown. */
+const char *narrate_skill_description(const struct drive *d, const char *name);
 
 /* ---- task.c: the framework's `task` tool ---- */
 

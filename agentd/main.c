@@ -21,6 +21,7 @@
 
 #include <curl/curl.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,48 +41,75 @@ static const char usage[] =
 /* agentd's own options (the shared ones are in struct daemon) */
 struct agentd_opts {
     const char *store, *agents_dir, *owner, *models;
-    long long workers, lease_ms, heartbeat_ms, model_timeout;
+    long long workers, lease_ms, heartbeat_ms, model_timeout, agents_poll_ms;
     bool no_stream;
 };
 
-/* load_definitions loads the agent definitions, their declared skills and the model catalog,
- * warning about agents whose model the catalog does not know. Prints why it failed. */
+/* load_definitions loads the model catalog, then the agent definitions and their declared
+ * skills (defs.c). Prints why it failed. */
 static bool load_definitions(const struct daemon *d, const struct agentd_opts *o)
 {
     struct cf_error err;
-    if (agents_load(o->agents_dir, &g_agentd.agents, &err) != CF_OK) {
+    if ((*o->models && catalog_load(o->models, &err) != CF_OK) ||
+        defs_start(o->agents_dir, &err) != CF_OK) {
         daemon_say(d, 1, "%s", err.msg);
         log_error("agents_invalid", "dir=%s", o->agents_dir);
+        catalog_free();
         return false;
-    }
-    char **names = NULL;
-    size_t n_names = 0;
-    for (size_t i = 0; i < g_agentd.agents.n; i++) {
-        const struct agent_def *a = &g_agentd.agents.items[i];
-        names = mem_realloc(names, sizeof(*names) * (n_names + a->n_skills + 1));
-        for (size_t k = 0; k < a->n_skills; k++) {
-            names[n_names++] = a->skills[k];
-        }
-    }
-    enum cf_status rc = skills_load(o->agents_dir, names, n_names, &g_agentd.skills, &err);
-    free(names);
-    if (rc != CF_OK || (*o->models && catalog_load(o->models, &err) != CF_OK)) {
-        daemon_say(d, 1, "%s", err.msg);
-        log_error("agents_invalid", "dir=%s", o->agents_dir);
-        skills_free(&g_agentd.skills); /* empty when skills_load failed */
-        agents_free(&g_agentd.agents);
-        return false;
-    }
-    for (size_t i = 0; i < g_agentd.agents.n; i++) {
-        const char *model = g_agentd.agents.items[i].model;
-        if (model && !catalog_lookup(model).known) {
-            log_warn("model_unknown",
-                     "agent=%s model=%s msg=\"not in the catalog: using a 128k window, 8192 "
-                     "output tokens and no price\"",
-                     g_agentd.agents.items[i].name, g_agentd.agents.items[i].model);
-        }
     }
     return true;
+}
+
+/* The watch of --agents: a thread that reloads the definitions when their files change. */
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cond;
+    bool stop;
+    long long every_ms;
+    pthread_t thread;
+    bool running;
+} g_watch = {.mu = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER};
+
+static void *watch_definitions(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&g_watch.mu);
+    while (!g_watch.stop) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        int64_t ns = until.tv_nsec + (g_watch.every_ms % 1000) * 1000000;
+        until.tv_sec += (time_t)(g_watch.every_ms / 1000 + ns / 1000000000);
+        until.tv_nsec = (long)(ns % 1000000000);
+        pthread_cond_timedwait(&g_watch.cond, &g_watch.mu, &until);
+        if (!g_watch.stop) {
+            pthread_mutex_unlock(&g_watch.mu);
+            if (defs_changed()) {
+                (void)defs_reload("files_changed");
+            }
+            pthread_mutex_lock(&g_watch.mu);
+        }
+    }
+    pthread_mutex_unlock(&g_watch.mu);
+    return NULL;
+}
+
+static void watch_stop(void)
+{
+    pthread_mutex_lock(&g_watch.mu);
+    g_watch.stop = true;
+    pthread_cond_signal(&g_watch.cond);
+    pthread_mutex_unlock(&g_watch.mu);
+    if (g_watch.running) {
+        pthread_join(g_watch.thread, NULL);
+        g_watch.running = false;
+    }
+}
+
+/* reload_on_hup (SIGHUP): the definitions are loaded again now. */
+static void reload_on_hup(void *arg)
+{
+    (void)arg;
+    (void)defs_reload("sighup");
 }
 
 #define OWNER_MAX 128 /* storaged's limit on a lease owner's name */
@@ -146,8 +174,7 @@ static void close_clients(void)
     rpc_channel_free(g_agentd.store);
     rpc_global_shutdown();
     curl_global_cleanup();
-    skills_free(&g_agentd.skills);
-    agents_free(&g_agentd.agents);
+    defs_stop();
     catalog_free();
 }
 
@@ -170,11 +197,15 @@ int main(int argc, char **argv)
                             .workers = 4,
                             .lease_ms = 30000,
                             .heartbeat_ms = 10000,
-                            .model_timeout = 600000};
+                            .model_timeout = 600000,
+                            .agents_poll_ms = 2000};
     const struct config_opt opts[] = {
         DAEMON_OPT_LISTEN(&d, "address to serve the Agent API on"),
         CONFIG_OPT_STRING("store", &o.store, "storaged address"),
         CONFIG_OPT_STRING("agents", &o.agents_dir, "directory of agent definitions (NAME.md)"),
+        CONFIG_OPT_INT("agents-poll-ms", &o.agents_poll_ms, 0, 3600000,
+                       "how often to look for changed definitions and reload them (0: only on "
+                       "SIGHUP)"),
         CONFIG_OPT_STRING("owner-id", &o.owner,
                           "stable name of this process for leases (default: host and listen "
                           "address; on port 0, pid and start time too)"),
@@ -221,11 +252,22 @@ int main(int argc, char **argv)
     rpc_global_init();
     g_agentd.store = rpc_channel_new(o.store, 64 << 20);
     struct cf_error err;
-    if (tool_servers_check(&g_agentd.agents, &err) != CF_OK) {
+    struct agent_defs *defs = defs_get();
+    enum cf_status checked = tool_servers_check(&defs->agents, &err);
+    size_t n_agents = defs->agents.n;
+    defs_put(defs);
+    if (checked != CF_OK) {
         daemon_say(&d, 1, "%s", err.msg);
         log_error("agents_invalid", "dir=%s", o.agents_dir);
         close_clients();
         return 1;
+    }
+    g_watch.every_ms = o.agents_poll_ms;
+    if (o.agents_poll_ms &&
+        thread_start(&g_watch.thread, "agents-watch", 0, watch_definitions, NULL, &err) == CF_OK) {
+        g_watch.running = true;
+    } else if (o.agents_poll_ms) {
+        log_warn("agents_watch_off", "err=\"%s\" note=\"SIGHUP still reloads\"", err.msg);
     }
 
     struct rpc_server_opts ro = {.workers = 8,
@@ -246,9 +288,10 @@ int main(int argc, char **argv)
         return 1;
     }
     log_info("listening", "addr=%s port=%d store=%s agents=%zu owner=%s workers=%lld", d.listen,
-             d.port, o.store, g_agentd.agents.n, o.owner, o.workers);
+             d.port, o.store, n_agents, o.owner, o.workers);
 
-    daemon_wait_for_stop(release_memory, NULL);
+    daemon_wait_for_stop_or_hup(release_memory, reload_on_hup, NULL);
+    watch_stop();
     int feeds, watchers;
     watch_counts(&feeds, &watchers);
     /* what Watch(follow) and GetSubmission(wait) held when the stop came: 0 and 0 once every

@@ -140,9 +140,10 @@ static void add_listing(struct buf *b, const struct sandbox_view *v, const char 
     }
 }
 
-/* add_subagents appends the roster of the subagents agent a may delegate to with `task`. */
-static void add_subagents(struct buf *b, const struct agent_def *a)
+/* add_subagents appends the roster of the subagents d's agent may delegate to with `task`. */
+static void add_subagents(struct buf *b, const struct drive *d)
 {
+    const struct agent_def *a = d->agent;
     buf_append_str(b, "\n\n## Subagents\n\n");
     if (!a->n_subagents) {
         buf_append_str(b, "No subagents are declared for you, so the task tool has no agent to "
@@ -152,7 +153,7 @@ static void add_subagents(struct buf *b, const struct agent_def *a)
     buf_append_str(b, "You can hand work to these agents with the task tool, naming one of them. "
                       "This list may change during the conversation; changes are announced.\n");
     for (size_t i = 0; i < a->n_subagents; i++) {
-        const struct agent_def *sa = agents_find(&g_agentd.agents, a->subagents[i]);
+        const struct agent_def *sa = agents_find(&d->defs->agents, a->subagents[i]);
         const char *desc = sa && sa->description ? sa->description : "";
         buf_printf(b, "\n- %s%s%s", a->subagents[i], *desc ? ": " : "", desc);
     }
@@ -175,7 +176,7 @@ static char *compose(struct drive *d, const struct sandbox_view *v)
         utf8_sanitize(&b, (const char *)v->notes_data, v->notes_len);
     }
     skill_roster(&b, d);
-    add_subagents(&b, d->agent);
+    add_subagents(&b, d);
     if (d->tools.n) {
         buf_append_str(&b, "\n\n## Tools you can call\n");
         for (size_t i = 0; i < d->tools.n; i++) {
@@ -319,16 +320,23 @@ bool prompt_take(struct drive *d)
     const char *text = drive_halted(d) ? NULL : in_force(d);
     if (text || drive_halted(d)) {
         d->system_text = text ? mem_strdup(text) : NULL;
+        if (text) {
+            narrate_changes(d); /* the prompt stays as it was: changes are told */
+        }
         view_cleanup(&v);
         return true;
     }
     char *fresh = compose(d, sandboxed ? &v : NULL);
     view_cleanup(&v);
     char id[64];
+    struct narrated state;
     snprintf(id, sizeof(id), "system:%d", d->log.compactions + 1);
+    narrate_state(d, &state);
     Cflue__V1__SystemPrompt sp = CFLUE__V1__SYSTEM_PROMPT__INIT;
     sp.text = fresh;
+    sp.state = &state.st;
     (void)dstore_defer_one(d, id, "", &sp.base); /* stored with the input, before any turn */
+    narrate_cleanup(&state);
     if (d->fault.code != CF_OK) {
         free(fresh);
         fresh = NULL;

@@ -40,7 +40,7 @@ static const char RESOURCE_SCHEMA[] =
 /* the skills of d's agent that are loaded (declared ones; all are, once agentd started) */
 static const struct skill *agent_skill(const struct drive *d, size_t i)
 {
-    return skills_find(&g_agentd.skills, d->agent->skills[i]);
+    return skills_find(&d->defs->skills, d->agent->skills[i]);
 }
 
 void skill_tools_add(struct drive *d, struct toolset *ts)
@@ -70,7 +70,7 @@ void skill_roster(struct buf *b, const struct drive *d)
                       "activate_skill with its name first and follow what it says; its "
                       "supporting files stay unread until you read them.\n");
     for (size_t i = 0; i < a->n_skills; i++) {
-        const struct skill *s = skills_find(&g_agentd.skills, a->skills[i]);
+        const struct skill *s = skills_find(&d->defs->skills, a->skills[i]);
         buf_printf(b, "\n- %s%s%s", a->skills[i], s ? ": " : "", s ? s->description : "");
     }
     for (size_t i = 0; i < d->ws_skills.n; i++) {

@@ -114,7 +114,7 @@ void daemon_port_file(const char *path, int port)
     }
 }
 
-void daemon_wait_for_stop(void (*release)(void *arg), void *arg)
+void daemon_wait_for_stop_or_hup(void (*release)(void *arg), void (*hup)(void *arg), void *arg)
 {
     sigset_t set;
     int sig;
@@ -122,8 +122,14 @@ void daemon_wait_for_stop(void (*release)(void *arg), void *arg)
     sigemptyset(&set);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
-    while ((sig = sigtimedwait(&set, NULL, &every)) < 0) {
-        if (errno == EAGAIN) {
+    if (hup) {
+        sigaddset(&set, SIGHUP);
+    }
+    while ((sig = sigtimedwait(&set, NULL, &every)) < 0 || sig == SIGHUP) {
+        if (sig == SIGHUP) {
+            log_info("signal", "signal=HUP");
+            hup(arg);
+        } else if (errno == EAGAIN) {
             if (release) {
                 release(arg);
             }
@@ -131,4 +137,9 @@ void daemon_wait_for_stop(void (*release)(void *arg), void *arg)
         }
     }
     log_info("stopping", "signal=%s", sig == SIGTERM ? "TERM" : "INT");
+}
+
+void daemon_wait_for_stop(void (*release)(void *arg), void *arg)
+{
+    daemon_wait_for_stop_or_hup(release, NULL, arg);
 }

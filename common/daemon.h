@@ -92,4 +92,9 @@ void daemon_port_file(const char *path, int port);
  * process's free memory back to the system. */
 void daemon_wait_for_stop(void (*release)(void *arg), void *arg);
 
+/* daemon_wait_for_stop_or_hup is daemon_wait_for_stop that also takes SIGHUP: each one calls
+ * hup(arg) (a daemon reloads its configuration) and goes on waiting. Without it SIGHUP, blocked
+ * in every thread, is ignored. */
+void daemon_wait_for_stop_or_hup(void (*release)(void *arg), void (*hup)(void *arg), void *arg);
+
 #endif

@@ -332,7 +332,7 @@ grpc_byte_buffer *rpc_pack(const ProtobufCMessage *msg);
 /* rpc_unpack decodes a byte buffer; NULL when the bytes are not a valid message. */
 ProtobufCMessage *rpc_unpack(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *bb);
 
-/* rpc_global_init blocks SIGINT/SIGTERM/SIGPIPE in the calling thread (so gRPC's threads
+/* rpc_global_init blocks SIGINT/SIGTERM/SIGPIPE/SIGHUP in the calling thread (so gRPC's threads
  * inherit the mask), routes gRPC logs and calls grpc_init. */
 void rpc_global_init(void);
 

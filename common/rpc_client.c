@@ -84,6 +84,7 @@ void rpc_global_init(void)
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGPIPE);
+    sigaddset(&set, SIGHUP); /* taken by daemon_wait_for_stop_or_hup, else ignored */
     pthread_sigmask(SIG_BLOCK, &set, NULL);
     log_capture_grpc();
     grpc_init();

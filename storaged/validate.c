@@ -568,6 +568,45 @@ static enum cf_status check_task_started(const char *at, const Cflue__V1__TaskSt
     return CF_OK;
 }
 
+/* resources checks one list of a ResourceState: at most VALIDATE_RESOURCES_MAX, each named. */
+static enum cf_status resources(const char *at, const char *field, Cflue__V1__Resource *const *r,
+                                size_t n, struct cf_error *err)
+{
+    if (n > VALIDATE_RESOURCES_MAX) {
+        return cf_error_set(err, CF_INVALID, "%s.state.%s: at most %d", at, field,
+                            VALIDATE_RESOURCES_MAX);
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (!*r[i]->name || strlen(r[i]->name) > VALIDATE_RESOURCE_NAME_MAX ||
+            strlen(r[i]->digest) > 64) {
+            return cf_error_set(err, CF_INVALID,
+                                "%s.state.%s[%zu]: a name of 1 to %d bytes and a digest of at "
+                                "most 64",
+                                at, field, i, VALIDATE_RESOURCE_NAME_MAX);
+        }
+    }
+    return CF_OK;
+}
+
+/* resource_state checks a SystemPrompt's or Signal's state (absent is fine). */
+static enum cf_status resource_state(const char *at, const Cflue__V1__ResourceState *st,
+                                     struct cf_error *err)
+{
+    enum cf_status rc;
+    if (!st) {
+        return CF_OK;
+    }
+    if (strlen(st->instructions_digest) > 64 || strlen(st->sandbox) > 2 * VALIDATE_SANDBOX_MAX) {
+        return cf_error_set(err, CF_INVALID, "%s.state: instructions_digest or sandbox too long",
+                            at);
+    }
+    if ((rc = resources(at, "tools", st->tools, st->n_tools, err)) != CF_OK ||
+        (rc = resources(at, "skills", st->skills, st->n_skills, err)) != CF_OK) {
+        return rc;
+    }
+    return resources(at, "subagents", st->subagents, st->n_subagents, err);
+}
+
 static enum cf_status check_body(const char *at, const Cflue__V1__Record *rec, struct cf_error *err)
 {
     enum cf_status rc;
@@ -575,6 +614,9 @@ static enum cf_status check_body(const char *at, const Cflue__V1__Record *rec, s
     case CFLUE__V1__RECORD__BODY_USER_MESSAGE:
         return check_user_message(at, rec->user_message, err);
     case CFLUE__V1__RECORD__BODY_SYSTEM_PROMPT:
+        if ((rc = resource_state(at, rec->system_prompt->state, err)) != CF_OK) {
+            return rc;
+        }
         return body_text(at, "system_prompt.text", rec->system_prompt->text, err);
     case CFLUE__V1__RECORD__BODY_ASSISTANT_DELTA:
         if ((rc = turn(at, "assistant_delta", rec->assistant_delta->turn, err)) != CF_OK) {
@@ -589,6 +631,9 @@ static enum cf_status check_body(const char *at, const Cflue__V1__Record *rec, s
         if (!signal_kind_ok(rec->signal->kind)) {
             return cf_error_set(err, CF_INVALID,
                                 "%s.signal.kind must be 1 to 64 characters of a-z 0-9 _", at);
+        }
+        if ((rc = resource_state(at, rec->signal->state, err)) != CF_OK) {
+            return rc;
         }
         return body_text(at, "signal.text", rec->signal->text, err);
     case CFLUE__V1__RECORD__BODY_COMPACTION: {

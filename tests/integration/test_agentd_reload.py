@@ -1,0 +1,164 @@
+"""Agent definitions reloaded without a restart (agentd/defs.c: SIGHUP, and the watch of
+--agents), and the signals that tell the model what changed while its system prompt stays
+frozen (agentd/narrate.c): an `instructions` signal with the new instructions, an `environment`
+signal when the sandbox goes (and the six tools with it), `resources` signals when tools come
+and go; a definition that does not load leaves the ones in force. Real storaged, toold and
+agentd; the fake model plays the agents.
+
+    cd tests/integration && CFLUE_BUILD_DIR=/work/main/build /usr/bin/python3 -m unittest -v \
+        test_agentd_reload
+"""
+
+import json
+import os
+import signal
+import time
+import unittest
+
+from test_agentd import COMPLETED, AgentdCase, body, kind, new_conv, request_system
+from test_agentd_tool_servers import free_port, py_server, tool
+
+SANDBOX_TOOLS = ['read', 'write', 'edit', 'bash', 'grep', 'glob']
+
+
+def agent_md(name, instructions, toold=None, servers=()):
+    sandbox = ('sandbox:\n  tools: "%s"\n  workspace: "{conversation}"\n' % toold) if toold else ''
+    tools = 'tools: [%s]\n' % ', '.join('"%s"' % s for s in servers) if servers else ''
+    return ('---\nname: %s\ndescription: Reload test agent.\nmodel: anthropic/claude-test-1\n'
+            '%s%sdurability:\n  max_attempts: 3\n  timeout_ms: 120000\n---\n\nROLE %s. %s\n'
+            % (name, sandbox, tools, name, instructions))
+
+
+def role(name, **step):
+    step['match'] = dict(step.pop('match', {}), system_contains='ROLE %s.' % name)
+    return step
+
+
+class ReloadTest(AgentdCase):
+    stack_kwargs = {'agents': ('task-scout',), 'agentd_args': ('--agents-poll-ms', '200')}
+
+    def write(self, name, text):
+        path = os.path.join(self.stack.agents_dir, name + '.md')
+        with open(path + '.tmp', 'w') as f:
+            f.write(text)
+        os.rename(path + '.tmp', path)  # as an editor or a ConfigMap swaps it
+
+    def reloads(self, event='agents_reloaded'):
+        return self.ad.stderr_text().count('event=' + event)
+
+    def wait_reload(self, before, event='agents_reloaded', hup=False):
+        if hup:
+            self.ad.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 15
+        while self.reloads(event) <= before:
+            self.assertLess(time.monotonic(), deadline, 'no %s in the log' % event)
+            time.sleep(0.05)
+
+    def submit(self, agent, conv, steps):
+        self.fm.set_scenario(steps)
+        seen = len(self.fm.requests())
+        sid = self.ad.submit(agent, 'Go on.', conversation_id=conv).submission_id
+        sub = self.wait_settled(sid, timeout=30)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        reqs = [e for e in self.fm.requests()[seen:] if 'ROLE %s.' % agent in request_system(e)]
+        return sid, reqs
+
+    def signals(self, conv, sid=None):
+        return [body(r) for r in self.records(conv)
+                if kind(r) == 'signal' and (sid is None or r.submission_id == sid)]
+
+    def test_edited_instructions_are_told_and_the_prompt_stays_frozen(self):
+        toold = self.stack.td.target
+        self.write('editor', agent_md('editor', 'First instructions.', toold))
+        self.wait_reload(self.reloads(), hup=True)
+        conv = new_conv('editor')
+        self.workspace(conv)
+        _, first = self.submit('editor', conv, [role('editor', text='one')])
+        self.assertIn('First instructions.', request_system(first[0]))
+        before = self.reloads()
+        self.write('editor', agent_md('editor', 'Second instructions: be brief.', toold))
+        self.wait_reload(before, hup=True)
+        sid, second = self.submit('editor', conv, [role('editor', text='two')])
+        [sig] = self.signals(conv, sid)
+        self.assertEqual(sig.kind, 'instructions')
+        self.assertIn('Second instructions: be brief.', sig.text)
+        self.assertEqual(request_system(second[0]), request_system(first[0]))  # byte for byte
+        self.assertIn('Second instructions: be brief.', json.dumps(second[0]['body']['messages']))
+        # told once: the next submission has nothing new to hear
+        sid, _ = self.submit('editor', conv, [role('editor', text='three')])
+        self.assertEqual(self.signals(conv, sid), [])
+        prompts = [r for r in self.records(conv) if kind(r) == 'system_prompt']
+        self.assertEqual(len(prompts), 1)
+
+    def test_a_removed_sandbox_is_told_and_its_tools_go(self):
+        toold = self.stack.td.target
+        self.write('mover', agent_md('mover', 'Move things.', toold))
+        self.wait_reload(self.reloads(), hup=True)
+        conv = new_conv('mover')
+        self.workspace(conv)
+        _, first = self.submit('mover', conv, [role('mover', text='with a sandbox')])
+        self.assertEqual([t['name'] for t in first[0]['body']['tools']], SANDBOX_TOOLS + ['task'])
+        before = self.reloads()
+        self.write('mover', agent_md('mover', 'Move things.'))  # no sandbox now
+        self.wait_reload(before)  # seen by the watch of the directory, no SIGHUP
+        sid, second = self.submit('mover', conv, [role('mover', text='without one')])
+        self.assertEqual([t['name'] for t in second[0]['body']['tools']], ['task'])
+        [sig] = self.signals(conv, sid)
+        self.assertEqual(sig.kind, 'environment')
+        self.assertIn('There is no sandbox any more', sig.text)
+        self.assertIn('All available tools: task', sig.text)
+        self.assertEqual(request_system(second[0]), request_system(first[0]))
+
+    def test_tools_that_come_and_go_are_told(self):
+        port = free_port()
+        addr = '127.0.0.1:%d' % port
+        server = py_server([tool('lookup')], port=port)
+        self.write('gatherer', agent_md('gatherer', 'Gather.', servers=[addr]))
+        self.wait_reload(self.reloads(), hup=True)
+        conv = new_conv('gatherer')
+        try:
+            _, reqs = self.submit('gatherer', conv, [role('gatherer', text='with lookup')])
+            self.assertEqual([t['name'] for t in reqs[0]['body']['tools']], ['task', 'lookup'])
+            server.close()
+            sid, reqs = self.submit('gatherer', conv, [role('gatherer', text='without')])
+            self.assertEqual([t['name'] for t in reqs[0]['body']['tools']], ['task'])
+            texts = [s.text for s in self.signals(conv, sid)]
+            self.assertTrue(any('The tool "lookup" is no longer available.' in t
+                                for t in texts), texts)
+            server = py_server([tool('lookup'), tool('fetch')], port=port)
+            deadline = time.monotonic() + 10
+            while True:  # agentd's channel reconnects within a second
+                sid, reqs = self.submit('gatherer', conv, [role('gatherer', text='back')])
+                names = [t['name'] for t in reqs[0]['body']['tools']]
+                if names != ['task'] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.3)
+            self.assertEqual(names, ['task', 'lookup', 'fetch'])
+            [sig] = [s for s in self.signals(conv, sid) if s.state.tools]
+            self.assertIn('New tools available:\n- **lookup** — The lookup tool', sig.text)
+            self.assertIn('- **fetch**', sig.text)
+            self.assertIn('All available tools: task, lookup, fetch', sig.text)
+        finally:
+            server.close()
+
+    def test_a_definition_that_does_not_load_leaves_the_ones_in_force(self):
+        self.write('steady', agent_md('steady', 'Stay steady.'))
+        self.wait_reload(self.reloads(), hup=True)
+        failed = self.reloads('agents_reload_failed')
+        self.write('steady', '---\nname: steady\nmodel: nobody/x\n---\nbroken\n')
+        self.wait_reload(failed, event='agents_reload_failed')
+        self.assertIn("unknown provider 'nobody'", self.ad.stderr_text())
+        info = [a for a in self.ad.list_all_agents() if a.name == 'steady'][0]
+        self.assertEqual(info.model, 'anthropic/claude-test-1')
+        self.submit('steady', new_conv('steady'), [role('steady', text='still here')])
+        # mended: the watch loads it
+        before = self.reloads()
+        self.write('steady', agent_md('steady', 'Steady again.').replace(
+            'Reload test agent.', 'Mended.'))
+        self.wait_reload(before)
+        info = [a for a in self.ad.list_all_agents() if a.name == 'steady'][0]
+        self.assertEqual(info.description, 'Mended.')
+
+
+if __name__ == '__main__':
+    unittest.main()
