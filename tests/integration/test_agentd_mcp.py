@@ -22,8 +22,8 @@ import threading
 import time
 import unittest
 
-from test_agentd import COMPLETED, AgentdCase, body, kind, new_conv, request_system
-from test_agentd_tool_servers import free_port
+from test_agentd import COMPLETED, body, kind, new_conv, request_system
+from test_agentd_tool_servers import ServersCase, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EVERYTHING_JS = os.path.join(HERE, 'mcp', 'node_modules', '@modelcontextprotocol',
@@ -161,7 +161,7 @@ def call(tool, **args):
     return {'name': tool, 'arguments': args}
 
 
-class MCPTest(AgentdCase):
+class MCPTest(ServersCase):
     stack_kwargs = {'agents': ('task-scout',), 'with_toold': False}
 
     @classmethod
@@ -175,32 +175,16 @@ class MCPTest(AgentdCase):
             cls.mini = cls._keep(MiniMCP())
             gone = 'http://127.0.0.1:%d/mcp' % free_port()
             auth = ', headers: {Authorization: "Bearer ${CFLUE_TEST_MCP_TOKEN}"}'
-            agents = {
+            cls.install_agents({
                 'mcp-user': agent_md('mcp-user', [('everything', cls.everything.url, '')]),
                 'mcp-mini': agent_md('mcp-mini', [('mini', cls.mini.url, auth)]),
                 'mcp-fragile': agent_md('mcp-fragile', [('ev', cls.fragile.url, '')]),
                 'mcp-absent': agent_md('mcp-absent', [('gone', gone, ''),
                                                       ('mini', cls.mini.url, auth)]),
-            }
-            for name, text in agents.items():
-                with open(os.path.join(cls.stack.agents_dir, name + '.md'), 'w') as f:
-                    f.write(text)
-            cls.stack.ad.stop()
-            cls.stack.ad.start()
+            })
         except BaseException:
             cls.tearDownClass()
             raise
-
-    @classmethod
-    def _keep(cls, server):
-        cls.servers.append(server)
-        return server
-
-    @classmethod
-    def tearDownClass(cls):
-        for s in getattr(cls, 'servers', []):
-            s.close()
-        super(MCPTest, cls).tearDownClass()
 
     def run_agent(self, agent, steps, timeout=60, during=None):
         conv = new_conv(agent)

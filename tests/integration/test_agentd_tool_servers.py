@@ -109,7 +109,32 @@ def call(tool_name, **args):
     return {'name': tool_name, 'arguments': args}
 
 
-class ToolServersTest(AgentdCase):
+class ServersCase(AgentdCase):
+    """A stack whose agents use servers the test starts (kept in cls.servers, closed at the
+    end) and whose definitions the test writes (install_agents restarts agentd on them)."""
+    servers = ()
+
+    @classmethod
+    def _keep(cls, server):
+        cls.servers.append(server)
+        return server
+
+    @classmethod
+    def install_agents(cls, agents):
+        for name, text in agents.items():
+            with open(os.path.join(cls.stack.agents_dir, name + '.md'), 'w') as f:
+                f.write(text)
+        cls.stack.ad.stop()
+        cls.stack.ad.start()
+
+    @classmethod
+    def tearDownClass(cls):
+        for s in cls.servers:
+            s.close()
+        super(ServersCase, cls).tearDownClass()
+
+
+class ToolServersTest(ServersCase):
     stack_kwargs = {'agents': ('task-scout',)}
 
     @classmethod
@@ -126,33 +151,17 @@ class ToolServersTest(AgentdCase):
             cls.absent_port = free_port()  # nothing listens there
             cls.late_port = free_port()  # a server starts there after agentd
             toold = cls.stack.td.target
-            agents = {
+            cls.install_agents({
                 'toolsmith': agent_md('toolsmith', [cls.example.addr, cls.py.addr], toold),
                 'fragile': agent_md('fragile', [cls.fragile.addr]),
                 'slowpoke': agent_md('slowpoke', [cls.slow.addr, cls.example.addr], toold),
                 'absent': agent_md('absent', ['127.0.0.1:%d' % cls.absent_port,
                                               cls.example.addr]),
                 'late': agent_md('late', ['127.0.0.1:%d' % cls.late_port], toold),
-            }
-            for name, text in agents.items():
-                with open(os.path.join(cls.stack.agents_dir, name + '.md'), 'w') as f:
-                    f.write(text)
-            cls.stack.ad.stop()
-            cls.stack.ad.start()
+            })
         except BaseException:
             cls.tearDownClass()
             raise
-
-    @classmethod
-    def _keep(cls, server):
-        cls.servers.append(server)
-        return server
-
-    @classmethod
-    def tearDownClass(cls):
-        for s in getattr(cls, 'servers', []):
-            s.close()
-        super(ToolServersTest, cls).tearDownClass()
 
     def run_agent(self, agent, steps, timeout=60, during=None):
         conv = new_conv(agent)
