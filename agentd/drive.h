@@ -151,6 +151,9 @@ struct task_call {
                                 * read again (admit carries the ReadFile); NULL: a task */
     char *agent;               /* the subagent */
     char *prompt;
+    const Cflue__V1__Attachment **atts; /* the conversation's attachments handed to the child
+                                         * (the drive keeps the messages they are in) */
+    size_t n_atts;
     bool done;                 /* its result is recorded (or the drive halted) */
     struct drive_call admit;   /* the Admit */
     char *child_submission_id; /* once admitted */

@@ -43,8 +43,9 @@
 
 #define TASK_TOOL "task"
 #define ADMIT_TIMEOUT_MS 15000
-#define ANSWER_MAX 51200 /* bytes of a child's answer given to the parent's model */
-#define KEY_MAX 256      /* storaged's limit on idempotency keys */
+#define ANSWER_MAX 51200   /* bytes of a child's answer given to the parent's model */
+#define KEY_MAX 256        /* storaged's limit on idempotency keys */
+#define ATTACHMENTS_MAX 16 /* attachments one task hands its child (storaged's limit) */
 
 /* Names only the framework may give a tool. */
 static const char *const RESERVED[] = {"task", "activate_skill", "read_skill_resource", "finish",
@@ -56,7 +57,9 @@ static const char TASK_DESCRIPTION[] =
     "it needs to know. It works in the same sandbox with its own tools and returns its final "
     "answer as this call's result. Use it for independent research, exploring many files, or "
     "parts of a job that can run side by side: several task calls in one turn run at the same "
-    "time. The subagents you can name are listed in your instructions.";
+    "time. To give it files attached to this conversation (images, documents), list their names "
+    "as the attachment notes show them. The subagents you can name are listed in your "
+    "instructions.";
 
 static const char TASK_SCHEMA[] =
     "{\"type\":\"object\",\"properties\":{"
@@ -65,7 +68,11 @@ static const char TASK_SCHEMA[] =
     "\"prompt\":{\"type\":\"string\",\"description\":\"The complete instructions for the "
     "subagent.\"},"
     "\"agent\":{\"type\":\"string\",\"minLength\":1,\"description\":\"The name of the subagent "
-    "to hand the work to.\"}},"
+    "to hand the work to.\"},"
+    "\"attachments\":{\"type\":\"array\",\"description\":\"Files attached to this "
+    "conversation to pass on with the prompt.\",\"items\":{\"type\":\"object\",\"properties\":"
+    "{\"id\":{\"type\":\"string\",\"description\":\"The file's name as the attachment note "
+    "shows it.\"}},\"required\":[\"id\"]}}},"
     "\"required\":[\"prompt\",\"agent\"]}";
 
 bool task_is_framework(const char *name)
@@ -232,6 +239,8 @@ static void admit_send(struct task_call *tc)
     }
     Cflue__V1__Message msg = CFLUE__V1__MESSAGE__INIT;
     msg.text = tc->prompt;
+    msg.attachments = (Cflue__V1__Attachment **)tc->atts;
+    msg.n_attachments = tc->n_atts;
     Cflue__V1__Delegation dg = CFLUE__V1__DELEGATION__INIT;
     dg.parent_submission_id = d->sub->submission_id;
     dg.parent_conversation_id = d->sub->conversation_id;
@@ -362,6 +371,75 @@ static json_t *check_call(struct drive *d, int index, const struct llm_call *c)
 static void skill_read_start(struct drive *d, struct task_call *tc, int index, const char *call_id,
                              const struct skill *s);
 
+/* find_attachment: the attachment named id of a message in d's conversation (the newest one
+ * of that name still in the context), with its bytes; NULL when there is none. */
+static const Cflue__V1__Attachment *find_attachment(struct drive *d, const char *id)
+{
+    for (size_t i = d->log.n; i-- > 0;) {
+        const Cflue__V1__Record *r = d->log.recs[i];
+        bool named = false;
+        for (size_t k = 0; r->body_case == CFLUE__V1__RECORD__BODY_USER_MESSAGE &&
+                           k < r->user_message->n_attachments && !named;
+             k++) {
+            named = !strcmp(r->user_message->attachments[k]->name, id);
+        }
+        const Cflue__V1__Message *msg = NULL;
+        struct cf_error err;
+        if (!named || dstore_attachments(d, r->submission_id, &msg, &err) != CF_OK) {
+            continue;
+        }
+        for (size_t k = 0; msg && k < msg->n_attachments; k++) {
+            if (!strcmp(msg->attachments[k]->name, id)) {
+                return msg->attachments[k];
+            }
+        }
+    }
+    return NULL;
+}
+
+/* take_attachments resolves the call's `attachments` into tc; false (its result recorded, no
+ * child made) when the list is malformed or names a file the conversation does not hold. */
+static bool take_attachments(struct drive *d, struct task_call *tc, json_t *args)
+{
+    json_t *list = json_object_get(args, "attachments"), *it;
+    size_t i;
+    char text[512];
+    if (!list) {
+        return true;
+    }
+    if (!json_is_array(list) || json_array_size(list) > ATTACHMENTS_MAX) {
+        snprintf(text, sizeof(text),
+                 "The task was not started: attachments must be a list of at most %d objects "
+                 "like {\"id\": \"name\"}.",
+                 ATTACHMENTS_MAX);
+        refuse(d, tc->index, tc->call_id, text, true);
+        return false;
+    }
+    tc->atts = mem_alloc(sizeof(*tc->atts) * (json_array_size(list) + 1));
+    json_array_foreach(list, i, it)
+    {
+        const char *id = json_string_value(json_object_get(it, "id"));
+        const Cflue__V1__Attachment *a = id ? find_attachment(d, id) : NULL;
+        if (!a) {
+            snprintf(text, sizeof(text),
+                     "The task was not started: %s%.200s%s is not a file attached to this "
+                     "conversation (or it was compacted away). Name files as their attachment "
+                     "notes show them.",
+                     id ? "\"" : "attachment ", id ? id : "without an id", id ? "\"" : "");
+            refuse(d, tc->index, tc->call_id, text, true);
+            return false;
+        }
+        bool seen = false;
+        for (size_t k = 0; k < tc->n_atts; k++) {
+            seen = seen || tc->atts[k] == a;
+        }
+        if (!seen) {
+            tc->atts[tc->n_atts++] = a;
+        }
+    }
+    return true;
+}
+
 bool task_start(struct drive *d, const struct llm_response *resp)
 {
     struct task_wait *tw = &d->tasks;
@@ -393,8 +471,13 @@ bool task_start(struct drive *d, const struct llm_response *resp)
         tc->call_id = c->id;
         tc->agent = mem_strdup(json_string_value(json_object_get(args, "agent")));
         tc->prompt = mem_strdup(json_string_value(json_object_get(args, "prompt")));
-        json_decref(args);
         dcall_init(&tc->admit, d);
+        if (!take_attachments(d, tc, args)) {
+            tc->done = true; /* answered: nothing is admitted */
+            json_decref(args);
+            continue;
+        }
+        json_decref(args);
         admit_send(tc);
     }
     if (!tw->n) {
@@ -648,6 +731,7 @@ void task_wait_cleanup(struct drive *d)
         }
         free(tc->agent);
         free(tc->prompt);
+        free(tc->atts);
         free(tc->child_submission_id);
         free(tc->child_conversation_id);
         free(tc->answer);

@@ -15,6 +15,7 @@ nothing of a workspace; a subagent whose definition names no model runs with its
 cannot be submitted to directly.
 """
 
+import json
 import os
 import sys
 import time
@@ -388,6 +389,37 @@ class NoSandboxTest(TaskCase):
         self.assertFalse(res.is_error, res)  # an answer: no child was made
         self.assertIn('task-scout', res.text)
         self.assertEqual(self.children(conv), [])
+
+
+class AttachmentsTest(TaskCase):
+    def test_files_of_the_conversation_are_handed_to_the_child(self):
+        png = bytes.fromhex('89504e470d0a1a0a') + b'chart-bytes'
+        conv = new_conv('attach')
+        self.workspace(conv)
+        handed = task_call('task-scout', 'Describe the chart.')
+        handed['arguments']['attachments'] = [{'id': 'chart.png'}, {'id': 'chart.png'}]
+        unknown = task_call('task-scout', 'Describe the other one.')
+        unknown['arguments']['attachments'] = [{'id': 'nope.png'}]
+        self.fm.set_scenario([
+            role('lead', tool_calls=[handed, unknown]),
+            role('scout', text='A chart of growth.'),
+            role('lead', text='The scout described it.'),
+        ])
+        sid = self.ad.submit('task-lead', 'Look at the chart.', conversation_id=conv,
+                             attachments=[{'name': 'chart.png', 'mime_type': 'image/png',
+                                           'data': png}]).submission_id
+        sub = self.wait_settled(sid, timeout=30)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        results = {r.index: r for r in self.task_results(conv, sid)}
+        self.assertEqual(results[0].text, 'A chart of growth.')
+        self.assertTrue(results[1].is_error, results[1])
+        self.assertIn('"nope.png" is not a file attached to this conversation', results[1].text)
+        [child] = self.children(conv)  # the unknown name made no child
+        msg = self.get(child.child_submission_id).message
+        self.assertEqual([(a.name, a.data) for a in msg.attachments], [('chart.png', png)])
+        [req] = [e for e in self.fm.requests()
+                 if 'ROLE scout.' in request_system(e) and 'Describe the chart.' in str(e)]
+        self.assertIn('"type": "image"', json.dumps(req['body']['messages']))
 
 
 class InheritedModelTest(TaskCase):
