@@ -262,13 +262,6 @@ int main(int argc, char **argv)
         close_clients();
         return 1;
     }
-    g_watch.every_ms = o.agents_poll_ms;
-    if (o.agents_poll_ms &&
-        thread_start(&g_watch.thread, "agents-watch", 0, watch_definitions, NULL, &err) == CF_OK) {
-        g_watch.running = true;
-    } else if (o.agents_poll_ms) {
-        log_warn("agents_watch_off", "err=\"%s\" note=\"SIGHUP still reloads\"", err.msg);
-    }
 
     struct rpc_server_opts ro = {.workers = 8,
                                  .max_threads = 1024,
@@ -286,6 +279,15 @@ int main(int argc, char **argv)
         daemon_stop_serving(&d);
         close_clients();
         return 1;
+    }
+    g_watch.every_ms = o.agents_poll_ms;
+    if (o.agents_poll_ms &&
+        thread_start(&g_watch.thread, "agents-watch", 0, watch_definitions, NULL, &err) == CF_OK) {
+        g_watch.running = true;
+    } else if (o.agents_poll_ms) {
+        char q[CF_ERROR_MSG_MAX + 8];
+        log_warn("agents_watch_off", "err=%s note=\"SIGHUP still reloads\"",
+                 log_quote(q, sizeof(q), err.msg));
     }
     log_info("listening", "addr=%s port=%d store=%s agents=%zu owner=%s workers=%lld", d.listen,
              d.port, o.store, n_agents, o.owner, o.workers);
