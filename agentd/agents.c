@@ -298,24 +298,30 @@ static bool expand_env(const char *v, const char *file, const char *field, char 
                        struct cf_error *err)
 {
     struct buf b;
+    bool fits = true;
     buf_init(&b, 8192);
-    for (const char *p = v; *p;) {
+    for (const char *p = v; *p && fits;) {
         const char *end = p[0] == '$' && p[1] == '{' ? strchr(p, '}') : NULL;
         if (!end) {
-            buf_append(&b, p++, 1);
+            fits = buf_append(&b, p++, 1) == CF_OK;
             continue;
         }
         char name[128];
         snprintf(name, sizeof(name), "%.*s", (int)(end - p - 2), p + 2);
-        const char *val = getenv(name);
+        const char *val = end - p - 2 < (long)sizeof(name) ? getenv(name) : NULL;
         if (!val) {
             buf_cleanup(&b);
-            cf_error_set(err, CF_INVALID, "%s: %s: environment variable %s is not set", file, field,
-                         name);
+            cf_error_set(err, CF_INVALID, "%s: %s: environment variable %.*s is not set", file,
+                         field, (int)(end - p - 2 > 200 ? 200 : end - p - 2), p + 2);
             return false;
         }
-        buf_append_str(&b, val);
+        fits = buf_append_str(&b, val) == CF_OK;
         p = end + 1;
+    }
+    if (!fits) {
+        buf_cleanup(&b);
+        cf_error_set(err, CF_INVALID, "%s: %s: longer than 8 KiB", file, field);
+        return false;
     }
     if (b.len && (memchr(b.data, '\n', b.len) || memchr(b.data, '\r', b.len))) {
         buf_cleanup(&b);

@@ -465,6 +465,14 @@ static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *us
         protobuf_c_message_free_unpacked(conv, NULL);
         return;
     }
+    if (!has_model) {
+        rpc_call_fail(c, CF_PRECONDITION,
+                      "agent %.128s names no model: a compaction needs one, and only a parent's "
+                      "task call hands it one",
+                      agent);
+        protobuf_c_message_free_unpacked(conv, NULL);
+        return;
+    }
     /* compaction runs as a submission of its own kind: durable, in order with the
      * conversation's other work, fenced like any turn, never joined; it carries no message */
     Cflue__V1__AdmitRequest ar = CFLUE__V1__ADMIT_REQUEST__INIT;

@@ -424,6 +424,12 @@ enum cf_status dstore_attachments(void *arg, const char *submission_id,
 /* dstore_cleanup frees what the drive's store client keeps. Idempotent. */
 void dstore_cleanup(struct drive *d);
 
+/* dstore_utf8 returns text when it is valid UTF-8, else a copy in *scratch (set up here; the
+ * caller frees it with buf_cleanup either way) with each invalid byte replaced by U+FFFD:
+ * storaged refuses a record whose text is not UTF-8, and text cut at a byte count may end
+ * inside a character. */
+const char *dstore_utf8(const char *text, struct buf *scratch);
+
 /* dstore_build_context flushes the pending records, then builds the context of records before
  * `before` from d->log; a failed flush or attachments lookup is a fault. */
 void dstore_build_context(struct drive *d, struct context *c, int64_t before);

@@ -23,6 +23,7 @@
 #include "pbtime.h"
 #include "record_kind.h"
 #include "thread.h"
+#include "utf8.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -538,4 +539,15 @@ void dstore_cleanup(struct drive *d)
     d->known = NULL;
     d->n_known = 0;
     rlog_cleanup(&d->log);
+}
+
+const char *dstore_utf8(const char *text, struct buf *scratch)
+{
+    size_t n = strlen(text);
+    buf_init(scratch, n * 3 + 16);
+    if (utf8_valid(text, n, NULL)) {
+        return text;
+    }
+    utf8_sanitize(scratch, text, n);
+    return buf_cstr(scratch);
 }

@@ -60,11 +60,14 @@ static bool load_definitions(const struct daemon *d, const struct agentd_opts *o
     return true;
 }
 
-/* The watch of --agents: a thread that reloads the definitions when their files change. */
+/* The watch of --agents: a thread that reloads the definitions when SIGHUP asks or, every
+ * every_ms (0: never), when their files changed. Reloads run here, never on the signal loop:
+ * one may wait seconds on tool servers, and SIGTERM must not wait for it. */
 static struct {
     pthread_mutex_t mu;
     pthread_cond_t cond;
     bool stop;
+    bool hup; /* SIGHUP asked for a reload */
     long long every_ms;
     pthread_t thread;
     bool running;
@@ -75,15 +78,23 @@ static void *watch_definitions(void *arg)
     (void)arg;
     pthread_mutex_lock(&g_watch.mu);
     while (!g_watch.stop) {
-        struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
-        int64_t ns = until.tv_nsec + (g_watch.every_ms % 1000) * 1000000;
-        until.tv_sec += (time_t)(g_watch.every_ms / 1000 + ns / 1000000000);
-        until.tv_nsec = (long)(ns % 1000000000);
-        pthread_cond_timedwait(&g_watch.cond, &g_watch.mu, &until);
-        if (!g_watch.stop) {
+        if (!g_watch.hup && !g_watch.every_ms) {
+            pthread_cond_wait(&g_watch.cond, &g_watch.mu);
+        } else if (!g_watch.hup) {
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            int64_t ns = until.tv_nsec + (g_watch.every_ms % 1000) * 1000000;
+            until.tv_sec += (time_t)(g_watch.every_ms / 1000 + ns / 1000000000);
+            until.tv_nsec = (long)(ns % 1000000000);
+            pthread_cond_timedwait(&g_watch.cond, &g_watch.mu, &until);
+        }
+        bool hup = g_watch.hup, polled = g_watch.every_ms > 0;
+        g_watch.hup = false;
+        if (!g_watch.stop && (hup || polled)) {
             pthread_mutex_unlock(&g_watch.mu);
-            if (defs_changed()) {
+            if (hup) {
+                (void)defs_reload("sighup");
+            } else if (defs_changed()) {
                 (void)defs_reload("files_changed");
             }
             pthread_mutex_lock(&g_watch.mu);
@@ -105,11 +116,14 @@ static void watch_stop(void)
     }
 }
 
-/* reload_on_hup (SIGHUP): the definitions are loaded again now. */
+/* reload_on_hup (SIGHUP): the watch loads the definitions again now. */
 static void reload_on_hup(void *arg)
 {
     (void)arg;
-    (void)defs_reload("sighup");
+    pthread_mutex_lock(&g_watch.mu);
+    g_watch.hup = true;
+    pthread_cond_signal(&g_watch.cond);
+    pthread_mutex_unlock(&g_watch.mu);
 }
 
 #define OWNER_MAX 128 /* storaged's limit on a lease owner's name */
@@ -281,12 +295,11 @@ int main(int argc, char **argv)
         return 1;
     }
     g_watch.every_ms = o.agents_poll_ms;
-    if (o.agents_poll_ms &&
-        thread_start(&g_watch.thread, "agents-watch", 0, watch_definitions, NULL, &err) == CF_OK) {
+    if (thread_start(&g_watch.thread, "agents-watch", 0, watch_definitions, NULL, &err) == CF_OK) {
         g_watch.running = true;
-    } else if (o.agents_poll_ms) {
+    } else {
         char q[CF_ERROR_MSG_MAX + 8];
-        log_warn("agents_watch_off", "err=%s note=\"SIGHUP still reloads\"",
+        log_warn("agents_watch_off", "err=%s note=\"definitions are not reloaded\"",
                  log_quote(q, sizeof(q), err.msg));
     }
     log_info("listening", "addr=%s port=%d store=%s agents=%zu owner=%s workers=%lld", d.listen,

@@ -42,6 +42,10 @@ static struct {
     int n;
 } g_sessions = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
+/* JSON-RPC request ids, unique in the process: operations share sessions, and a server routes
+ * answers by id within a session. */
+static atomic_llong g_request_ids;
+
 enum phase { PH_INIT, PH_NOTIFY, PH_WORK };
 
 struct mcp_op {
@@ -59,8 +63,7 @@ struct mcp_op {
     char session_id[SESSION_ID_MAX + 1];
     char protocol[PROTOCOL_MAX + 1];
     uint64_t generation;
-    json_int_t next_id;
-    json_int_t want_id; /* the id of the request in flight */
+    json_int_t want_id; /* the id of the request in flight (0: a notification) */
     char *cursor;
     int pages;
     struct buf body; /* a JSON answer's bytes */
@@ -253,8 +256,9 @@ static void post(struct mcp_op *op, const char *method, json_t *params, bool wit
     if (params) {
         json_object_set_new(msg, "params", params);
     }
+    op->want_id = 0;
     if (with_id) {
-        op->want_id = ++op->next_id;
+        op->want_id = (json_int_t)atomic_fetch_add(&g_request_ids, 1) + 1;
         json_object_set_new(msg, "id", json_integer(op->want_id));
     }
     char *body = json_dumps(msg, JSON_COMPACT);
@@ -316,11 +320,15 @@ static void error_text(json_t *e, char *out, size_t cap)
 static void answered_initialize(struct mcp_op *op, json_t *result)
 {
     const char *v = json_string_value(json_object_get(result, "protocolVersion"));
-    snprintf(op->protocol, sizeof(op->protocol), "%s",
-             v && strlen(v) <= PROTOCOL_MAX ? v : MCP_PROTOCOL_VERSION);
+    size_t n = v ? strlen(v) : 0;
+    if (!n || n > PROTOCOL_MAX ||
+        strspn(v, "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-_") != n) {
+        fail(op, "initialize answered no usable protocolVersion");
+        return;
+    }
+    memcpy(op->protocol, v, n + 1);
     memcpy(op->session_id, op->new_session, sizeof(op->session_id));
-    session_set(op);
-    op->phase = PH_NOTIFY;
+    op->phase = PH_NOTIFY; /* shared once the server heard notifications/initialized */
     step(op);
 }
 
@@ -395,12 +403,14 @@ static void on_done(void *ctx, const struct model_io_result *res)
     } else if (http / 100 != 2) {
         fail(op, "the server answered HTTP %ld", http);
     } else if (op->phase == PH_NOTIFY) {
+        session_set(op);
         op->phase = PH_WORK;
         step(op);
     } else if (!op->stream && !(op->response = json_loadb(op->body.data ? op->body.data : "",
                                                           op->body.len, 0, NULL))) {
         fail(op, "the answer is not JSON (HTTP %ld, %zu bytes)", http, op->body.len);
-    } else if (!op->response || !json_is_object(op->response)) {
+    } else if (!json_is_object(op->response) ||
+               json_integer_value(json_object_get(op->response, "id")) != op->want_id) {
         fail(op, "the answer holds no JSON-RPC response to the request");
     } else {
         answered(op);

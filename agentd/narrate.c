@@ -18,7 +18,10 @@
 #include <string.h>
 
 #define INSTRUCTIONS_TOLD_MAX 32768 /* bytes of new instructions put in a signal */
-#define DESCRIPTION_TOLD_MAX 200    /* characters of a description in a signal's list */
+#define DESCRIPTION_TOLD_MAX 200    /* bytes of a description in a signal's list */
+#define SIGNAL_TEXT_MAX (1 << 20)   /* bytes of one signal: room for every list at its limits */
+#define RESOURCES_MAX 1024          /* of each kind in a state (storaged's limit) */
+#define RESOURCE_NAME_MAX 256       /* bytes of a name in a state (storaged's limit) */
 
 /* ---------- the state now ---------- */
 
@@ -38,6 +41,13 @@ static void digest(char out[17], const char *a, const char *b)
 /* add appends one resource to list `which` of n (0 tools, 1 skills, 2 subagents). */
 static void add(struct narrated *n, int which, const char *name, const char *a, const char *b)
 {
+    size_t same = 0;
+    for (size_t i = 0; i < n->n; i++) {
+        same += n->items[i].which == which;
+    }
+    if (same >= RESOURCES_MAX || !*name || strlen(name) > RESOURCE_NAME_MAX) {
+        return; /* past what a state may hold: not tracked (nor told) */
+    }
     n->items = mem_realloc(n->items, sizeof(*n->items) * (n->n + 1));
     struct narrated_item *it = &n->items[n->n++];
     cflue__v1__resource__init(&it->r);
@@ -206,11 +216,13 @@ static void tell(struct drive *d, const char *kind, const char *what, struct buf
     char id[256];
     snprintf(id, sizeof(id), "signal:%s:e%lld:%s", d->sub->submission_id, (long long)d->fence.epoch,
              what);
+    struct buf clean;
     Cflue__V1__Signal sig = CFLUE__V1__SIGNAL__INIT;
     sig.kind = (char *)kind;
-    sig.text = (char *)buf_cstr(b);
+    sig.text = (char *)dstore_utf8(buf_cstr(b), &clean); /* descriptions cut at a byte count */
     sig.state = &now->st;
     (void)dstore_defer_one(d, id, d->sub->submission_id, &sig.base);
+    buf_cleanup(&clean);
     buf_reset(b);
 }
 
@@ -249,7 +261,7 @@ void narrate_changes(struct drive *d)
     struct narrated now;
     struct buf b;
     narrate_state(d, &now);
-    buf_init(&b, INSTRUCTIONS_TOLD_MAX + 4096);
+    buf_init(&b, SIGNAL_TEXT_MAX);
     const Cflue__V1__ResourceState *st = &now.st;
     if (strcmp(was->instructions_digest, st->instructions_digest)) {
         const char *ins = d->agent->instructions ? d->agent->instructions : "";

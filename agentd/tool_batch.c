@@ -217,17 +217,19 @@ void tools_record_result(struct drive *d, int index, const char *call_id, const 
                          bool outcome_unknown)
 {
     char id[512];
+    struct buf clean;
     Cflue__V1__ToolCallResult body = CFLUE__V1__TOOL_CALL_RESULT__INIT;
     context_tool_result_id(id, sizeof(id), d->sub->submission_id, d->turn, call_id);
     body.turn = d->turn;
     body.index = index;
     body.tool_call_id = (char *)call_id;
     body.name = (char *)name;
-    body.text = (char *)text;
+    body.text = (char *)dstore_utf8(text, &clean); /* a server's text cut mid-character */
     body.is_error = is_error;
     body.truncation = t && t->truncated ? (Cflue__V1__Truncation *)t : NULL;
     body.outcome_unknown = outcome_unknown;
     (void)dstore_defer_one(d, id, d->sub->submission_id, &body.base);
+    buf_cleanup(&clean);
 }
 
 /* ---------- lanes: one stream of calls per server ---------- */

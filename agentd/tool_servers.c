@@ -196,10 +196,12 @@ static void record_signal(struct drive *d, const char *what, struct buf *b)
     char id[256];
     snprintf(id, sizeof(id), "signal:%s:e%lld:%s", d->sub->submission_id, (long long)d->fence.epoch,
              what);
+    struct buf clean;
     Cflue__V1__Signal sig = CFLUE__V1__SIGNAL__INIT;
     sig.kind = "resources";
-    sig.text = (char *)buf_cstr(b);
+    sig.text = (char *)dstore_utf8(buf_cstr(b), &clean); /* reasons cut at a byte count */
     (void)dstore_defer_one(d, id, d->sub->submission_id, &sig.base);
+    buf_cleanup(&clean);
 }
 
 /* tell_unlisted records the signal naming the servers that could not be listed. */
@@ -268,6 +270,13 @@ static bool add_mcp_tools(struct drive *d, struct tool_source *t)
                      "\"its name as mcp__<server>__<tool> is not 1 to 64 of A-Z a-z 0-9 _ -\"");
             free(name);
             continue;
+        }
+        int twin = toolset_find(&d->tools, name);
+        if (twin >= 0 && d->tools.source[twin] && !strcmp(d->tools.source[twin], t->source)) {
+            log_warn("mcp_tool_skipped", "submission=%s server=%s tool=%s why=%s",
+                     d->sub->submission_id, t->mcp->name, name, "\"listed twice\"");
+            free(name);
+            continue; /* the server's own repeat: its first listing stands */
         }
         if (servers_clash(&d->tools, name, t->source, d->tools_addr, d->error, sizeof(d->error))) {
             free(name);

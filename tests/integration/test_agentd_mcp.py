@@ -208,8 +208,9 @@ class MCPTest(ServersCase):
             role('mcp-user', tool_calls=[call('mcp__everything__echo', message='hello mcp'),
                                          call('mcp__everything__get-sum', a=2, b=3),
                                          call('mcp__everything__get-sum', a=2, b='x'),
-                                         call('mcp__everything__get-tiny-image')]),
-            role('mcp-user', text='All four answered.')])
+                                         call('mcp__everything__get-tiny-image'),
+                                         call('mcp__everything__echo', message='and again')]),
+            role('mcp-user', text='All five answered.')])
         names = [t['name'] for t in reqs[0]['body']['tools']]
         self.assertEqual(names[0], 'task')
         for n in ('mcp__everything__echo', 'mcp__everything__get-sum',
@@ -226,6 +227,8 @@ class MCPTest(ServersCase):
         self.assertIn('expected number', r[2].text)
         self.assertFalse(r[3].is_error, r[3])
         self.assertIn('[image content: image/png', r[3].text)
+        # five calls at once on one session: each answer reached its own call
+        self.assertEqual((r[4].text, r[4].is_error), ('Echo: and again', False))
         self.assertFalse([x for x in recs if kind(x) == 'signal'])
 
     def test_auth_header_pages_json_answers_and_a_forgotten_session(self):

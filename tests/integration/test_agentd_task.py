@@ -445,6 +445,12 @@ class InheritedModelTest(TaskCase):
         self.assertEqual([a.model for a in answers], ['openai/gpt-test-1'])
         self.assertEqual(H.get(self.stack.sd.stub, child.child_submission_id).delegation.model,
                          'openai/gpt-test-1')
+        # its conversation cannot be compacted on its own: no model to summarize with
+        with self.assertRaises(H.grpc.RpcError) as cm:
+            self.ad.call('Compact', H.agent_pb2.CompactRequest(
+                conversation_id=child.child_conversation_id), timeout=10)
+        self.assertEqual(cm.exception.code(), H.grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn('names no model', cm.exception.details())
 
     def test_submitting_to_a_model_less_agent_directly_is_refused(self):
         with self.assertRaises(H.grpc.RpcError) as cm:

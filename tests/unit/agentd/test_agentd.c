@@ -490,6 +490,19 @@ static void test_settled_here_forgets(void)
     CHECK(got == NULL);
 }
 
+/* Text cut at a byte count may end inside a character: what goes into a record is made valid
+ * UTF-8 (storaged refuses anything else), and valid text is passed through as it is. */
+static void test_utf8_for_records(void)
+{
+    struct buf scratch;
+    const char *ok = "caf\xc3\xa9";
+    CHECK(dstore_utf8(ok, &scratch) == ok);
+    buf_cleanup(&scratch);
+    const char *cut = dstore_utf8("caf\xc3", &scratch);
+    CHECK_STR(cut, "caf\xef\xbf\xbd");
+    buf_cleanup(&scratch);
+}
+
 struct agentd g_agentd; /* main.c's, which this test does not link: task.c refers to it */
 
 /* The framework's task tool joins after the sandbox's tools; a tool with a reserved name, or
@@ -560,5 +573,6 @@ int main(void)
     test_record_log_pending();
     test_settled_here_forgets();
     test_task_tools();
+    test_utf8_for_records();
     return check_done("test_agentd");
 }
