@@ -164,6 +164,14 @@ struct agent_defs *defs_get(void)
     return defs;
 }
 
+uint64_t defs_generation(void)
+{
+    pthread_mutex_lock(&g_defs.mu);
+    uint64_t g = g_defs.current ? g_defs.current->generation : 0;
+    pthread_mutex_unlock(&g_defs.mu);
+    return g;
+}
+
 void defs_put(struct agent_defs *defs)
 {
     if (!defs) {

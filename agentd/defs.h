@@ -30,6 +30,8 @@ struct agent_defs {
 CF_MUST_CHECK enum cf_status defs_start(const char *dir, struct cf_error *err);
 /* defs_get returns the snapshot in force, held until defs_put. Thread-safe. */
 struct agent_defs *defs_get(void);
+/* defs_generation: the generation of the snapshot in force (0 before defs_start). */
+uint64_t defs_generation(void);
 /* defs_put releases a snapshot defs_get returned (NULL is fine); the last holder frees it. */
 void defs_put(struct agent_defs *defs);
 /* defs_reload loads the directory again and puts it in force when it is valid and its tool

@@ -218,13 +218,19 @@ static bool pick_model(struct drive *d)
     return true;
 }
 
-static enum drive_state step_start(struct drive *d)
+/* bind sets what d takes from definitions defs: its agent and the sandbox it works in. false
+ * when defs has no agent of that name (nothing is changed). */
+static bool bind(struct drive *d, struct agent_defs *defs)
 {
     const Cflue__V1__Delegation *dg = d->sub->delegation;
-    d->defs = defs_get();
-    d->agent = agents_find(&d->defs->agents, d->sub->agent);
-    d->depth = dg ? dg->depth : 0;
-    if (d->agent && d->agent->sandbox_tools) {
+    const struct agent_def *a = agents_find(&defs->agents, d->sub->agent);
+    if (!a) {
+        return false;
+    }
+    d->agent = a;
+    d->tools_addr = NULL;
+    d->workspace[0] = '\0';
+    if (d->agent->sandbox_tools) {
         const char *ws = d->agent->sandbox_workspace;
         d->tools_addr = d->agent->sandbox_tools;
         snprintf(d->workspace, sizeof(d->workspace), "%s",
@@ -236,8 +242,45 @@ static enum drive_state step_start(struct drive *d)
         d->tools_addr = dg->sandbox_tools;
         snprintf(d->workspace, sizeof(d->workspace), "%s", dg->sandbox);
     }
+    return true;
+}
+
+static enum drive_state step_start(struct drive *d)
+{
+    const Cflue__V1__Delegation *dg = d->sub->delegation;
+    d->defs = defs_get();
+    d->depth = dg ? dg->depth : 0;
+    (void)bind(d, d->defs);     /* no agent: settled failed once the stream is read */
     (void)dstore_load_start(d); /* any settlement checks the stream: read it first */
     return DRIVE_LOAD_WAIT;
+}
+
+/* rebound takes up definitions reloaded since the drive took its own, at a turn boundary:
+ * what pointed into the old ones (the tool set, the servers, the model) is let go, to be made
+ * again by the prompt stage, which tells the model what changed. false when nothing was
+ * reloaded, or the reload dropped this agent (the drive goes on with what it has). */
+static bool rebound(struct drive *d)
+{
+    if (defs_generation() == d->defs->generation) {
+        return false;
+    }
+    struct agent_defs *now = defs_get(), *old = d->defs;
+    if (!agents_find(&now->agents, d->sub->agent)) {
+        defs_put(now);
+        return false;
+    }
+    tools_cleanup(d);
+    servers_cleanup(d);
+    servers_init(d);
+    skills_free(&d->ws_skills);
+    memset(&d->ws_skills, 0, sizeof(d->ws_skills));
+    d->defs = now;
+    (void)bind(d, now);
+    d->model = NULL;
+    defs_put(old);
+    log_info("drive_rebound", "submission=%s turn=%d generation=%llu", d->sub->submission_id,
+             d->turn, (unsigned long long)now->generation);
+    return true;
 }
 
 static enum drive_state loaded(struct drive *d);
@@ -367,6 +410,15 @@ static enum drive_state step_join(struct drive *d)
     d->joined_once = true;
     if (!first && drive_halted(d)) {
         return DRIVE_SETTLE;
+    }
+    if (!first && d->more && rebound(d)) {
+        /* reloaded definitions: the tool set and the model again, and the changes told */
+        if (!pick_model(d)) {
+            char why[sizeof(d->error)];
+            snprintf(why, sizeof(why), "%s", d->error);
+            return failed(d, why);
+        }
+        return DRIVE_PROMPT;
     }
     if (joins_start(d)) {
         d->joining.before_first_turn = first;

@@ -214,8 +214,8 @@ static void tell(struct drive *d, const char *kind, const char *what, struct buf
                  struct narrated *now)
 {
     char id[256];
-    snprintf(id, sizeof(id), "signal:%s:e%lld:%s", d->sub->submission_id, (long long)d->fence.epoch,
-             what);
+    snprintf(id, sizeof(id), "signal:%s:e%lld:t%d:%s", d->sub->submission_id,
+             (long long)d->fence.epoch, d->turn, what);
     struct buf clean;
     Cflue__V1__Signal sig = CFLUE__V1__SIGNAL__INIT;
     sig.kind = (char *)kind;

@@ -319,6 +319,7 @@ bool prompt_take(struct drive *d)
     }
     const char *text = drive_halted(d) ? NULL : in_force(d);
     if (text || drive_halted(d)) {
+        free(d->system_text); /* a drive that took up reloaded definitions had one */
         d->system_text = text ? mem_strdup(text) : NULL;
         if (text) {
             narrate_changes(d); /* the prompt stays as it was: changes are told */

@@ -57,9 +57,7 @@ static const char TASK_DESCRIPTION[] =
     "it needs to know. It works in the same sandbox with its own tools and returns its final "
     "answer as this call's result. Use it for independent research, exploring many files, or "
     "parts of a job that can run side by side: several task calls in one turn run at the same "
-    "time. To give it files attached to this conversation (images, documents), list their names "
-    "as the attachment notes show them. The subagents you can name are listed in your "
-    "instructions.";
+    "time. The subagents you can name are listed in your instructions.";
 
 static const char TASK_SCHEMA[] =
     "{\"type\":\"object\",\"properties\":{"
@@ -69,10 +67,9 @@ static const char TASK_SCHEMA[] =
     "subagent.\"},"
     "\"agent\":{\"type\":\"string\",\"minLength\":1,\"description\":\"The name of the subagent "
     "to hand the work to.\"},"
-    "\"attachments\":{\"type\":\"array\",\"description\":\"Files attached to this "
-    "conversation to pass on with the prompt.\",\"items\":{\"type\":\"object\",\"properties\":"
-    "{\"id\":{\"type\":\"string\",\"description\":\"The file's name as the attachment note "
-    "shows it.\"}},\"required\":[\"id\"]}}},"
+    "\"attachments\":{\"type\":\"array\",\"description\":\"Files of this conversation to "
+    "pass on, by name.\",\"items\":{\"type\":\"object\",\"properties\":{\"id\":{\"type\":"
+    "\"string\"}},\"required\":[\"id\"]}}},"
     "\"required\":[\"prompt\",\"agent\"]}";
 
 bool task_is_framework(const char *name)

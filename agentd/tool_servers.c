@@ -234,7 +234,9 @@ static void tell_unlisted(struct drive *d)
             }
         }
     }
-    record_signal(d, "servers", &b);
+    char what[32];
+    snprintf(what, sizeof(what), "t%d:servers", d->turn);
+    record_signal(d, what, &b);
     buf_cleanup(&b);
 }
 

@@ -46,10 +46,10 @@ class CompactionCase(AgentdCase):
 class CompactionTest(CompactionCase):
     def test_compact_rpc_summarizes_and_later_turns_start_from_the_summary(self):
         adm, sub = self.run_one('list some numbers', [
-            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 300'}}]},
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 250'}}]},
             {'text': 'Here are the numbers.'}])
         self.assertEqual(sub.outcome, COMPLETED, sub.error)
-        self.stack.fm.set_scenario([{'text': 'SUMMARY-RPC: numbers 1..300 were listed.'}])
+        self.stack.fm.set_scenario([{'text': 'SUMMARY-RPC: numbers 1..250 were listed.'}])
         r = self.ad.call('Compact', agent_pb2.CompactRequest(conversation_id=adm.conversation_id),
                          timeout=60)
         self.assertGreaterEqual(r.record_offset, 0)
@@ -102,7 +102,7 @@ class CompactionTest(CompactionCase):
         self.assertIn('<context_summary>', self.last_request()['messages'][0]['content'][0]['text'])
 
     def test_overflow_error_compacts_and_retries_once(self):
-        long_answer = 'word ' * 250  # under the threshold with the prompt and tool set
+        long_answer = 'word ' * 200  # under the threshold with the prompt and tool set
         adm, sub = self.run_one('tell me a lot', [{'text': long_answer}])
         self.assertEqual(sub.outcome, COMPLETED, sub.error)
         adm2, sub2 = self.run_one('and more', [
@@ -127,7 +127,7 @@ class ToolServerGoneDuringSummaryTest(CompactionCase):
 
     def test_no_compaction_without_its_prompt(self):
         adm, sub = self.run_one('list some numbers', [
-            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 300'}}]},
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 250'}}]},
             {'text': 'Here are the numbers.'}])
         self.assertEqual(sub.outcome, COMPLETED, sub.error)
         conv = adm.conversation_id
@@ -173,7 +173,7 @@ class SummaryWaitTest(CompactionCase):
         convs = []
         for i in range(3):
             adm, sub = self.run_one('list numbers %d' % i, [
-                {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 300'}}]},
+                {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 250'}}]},
                 {'text': 'Listed.'}])
             self.assertEqual(sub.outcome, COMPLETED, sub.error)
             convs.append(adm.conversation_id)

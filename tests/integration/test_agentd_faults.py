@@ -610,7 +610,7 @@ class CompactOrderTest(AgentdCase):
         conv = new_conv('compact')
         self.workspace(conv)
         self.fm.set_scenario(bind([
-            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 300'}}]},
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 250'}}]},
             {'text': 'Listed.'},
             {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'sleep 2; echo slept'}}]},
             {'text': 'Slept.'},

@@ -2,7 +2,8 @@
 --agents), and the signals that tell the model what changed while its system prompt stays
 frozen (agentd/narrate.c): an `instructions` signal with the new instructions, an `environment`
 signal when the sandbox goes (and the six tools with it), `resources` signals when tools come
-and go; a definition that does not load leaves the ones in force. Real storaged, toold and
+and go, a reload during a drive told at its next turn; a definition that does not load leaves
+the ones in force. Real storaged, toold and
 agentd; the fake model plays the agents.
 
     cd tests/integration && CFLUE_BUILD_DIR=/work/main/build /usr/bin/python3 -m unittest -v \
@@ -140,6 +141,39 @@ class ReloadTest(AgentdCase):
             self.assertIn('All available tools: task, lookup, fetch', sig.text)
         finally:
             server.close()
+
+    def test_a_reload_during_a_drive_is_told_at_the_next_turn(self):
+        toold = self.stack.td.target
+        self.write('longrun', agent_md('longrun', 'Old way.', toold))
+        self.wait_reload(self.reloads(), hup=True)
+        conv = new_conv('longrun')
+        self.workspace(conv)
+        self.fm.set_scenario([
+            role('longrun', delay_ms=2500,
+                 tool_calls=[{'name': 'bash', 'arguments': {'command': 'echo hi'}}]),
+            role('longrun', text='Done the new way.'),
+        ])
+        seen = len(self.fm.requests())
+        sid = self.ad.submit('longrun', 'Go.', conversation_id=conv).submission_id
+        deadline = time.monotonic() + 15
+        while len(self.fm.requests()) == seen:  # the first turn is being answered
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.05)
+        before = self.reloads()
+        self.write('longrun', agent_md('longrun', 'New way: be quick.', toold))
+        self.wait_reload(before, hup=True)
+        sub = self.wait_settled(sid, timeout=30)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        reqs = [e for e in self.fm.requests()[seen:] if 'ROLE longrun.' in request_system(e)]
+        self.assertEqual(len(reqs), 2)
+        [sig] = self.signals(conv, sid)
+        self.assertEqual(sig.kind, 'instructions')
+        self.assertIn('New way: be quick.', sig.text)
+        self.assertNotIn('New way', json.dumps(reqs[0]['body']['messages']))
+        self.assertIn('New way: be quick.', json.dumps(reqs[1]['body']['messages']))
+        self.assertEqual(request_system(reqs[1]), request_system(reqs[0]))
+        self.assertEqual([t['name'] for t in reqs[1]['body']['tools']], SANDBOX_TOOLS + ['task'])
+        self.assertIn('event=drive_rebound', self.ad.stderr_text())
 
     def test_a_definition_that_does_not_load_leaves_the_ones_in_force(self):
         self.write('steady', agent_md('steady', 'Stay steady.'))
