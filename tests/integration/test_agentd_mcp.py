@@ -23,7 +23,7 @@ import time
 import unittest
 
 from test_agentd import COMPLETED, body, kind, new_conv, request_system
-from test_agentd_tool_servers import ServersCase, free_port
+from test_agentd_tool_servers import ServersCase, call, free_port, role
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EVERYTHING_JS = os.path.join(HERE, 'mcp', 'node_modules', '@modelcontextprotocol',
@@ -150,15 +150,6 @@ def agent_md(name, servers):
     return ('---\nname: %s\ndescription: Uses MCP servers.\nmodel: anthropic/claude-test-1\n'
             'mcp:\n%sdurability:\n  max_attempts: 3\n  timeout_ms: 120000\n---\n\nROLE %s.\n'
             % (name, lines, name))
-
-
-def role(name, **step):
-    step['match'] = dict(step.pop('match', {}), system_contains='ROLE %s.' % name)
-    return step
-
-
-def call(tool, **args):
-    return {'name': tool, 'arguments': args}
 
 
 class MCPTest(ServersCase):

@@ -17,7 +17,7 @@ import time
 import unittest
 
 from test_agentd import COMPLETED, AgentdCase, body, kind, new_conv, request_system
-from test_agentd_tool_servers import free_port, py_server, tool
+from test_agentd_tool_servers import free_port, py_server, role, tool
 
 SANDBOX_TOOLS = ['read', 'write', 'edit', 'bash', 'grep', 'glob']
 
@@ -28,11 +28,6 @@ def agent_md(name, instructions, toold=None, servers=()):
     return ('---\nname: %s\ndescription: Reload test agent.\nmodel: anthropic/claude-test-1\n'
             '%s%sdurability:\n  max_attempts: 3\n  timeout_ms: 120000\n---\n\nROLE %s. %s\n'
             % (name, sandbox, tools, name, instructions))
-
-
-def role(name, **step):
-    step['match'] = dict(step.pop('match', {}), system_contains='ROLE %s.' % name)
-    return step
 
 
 class ReloadTest(AgentdCase):
