@@ -3,6 +3,7 @@
 
 #include "agentd.h"
 #include "catalog.h"
+#include "ids.h"
 #include "log.h"
 #include "mem.h"
 
@@ -27,22 +28,13 @@ static struct {
 
 /* ---------- what the directory holds ---------- */
 
-static uint64_t fnv(uint64_t h, const void *p, size_t n)
-{
-    const unsigned char *b = p;
-    for (size_t i = 0; i < n; i++) {
-        h = (h ^ b[i]) * 1099511628211ULL;
-    }
-    return h;
-}
-
 /* mix adds one file (its path, and its size, times and inode, followed through links). */
 static uint64_t mix(uint64_t h, const char *path, const struct stat *st)
 {
-    h = fnv(h, path, strlen(path) + 1);
+    h = ids_hash64_more(h, path, strlen(path) + 1);
     int64_t v[] = {(int64_t)st->st_size,        (int64_t)st->st_mtim.tv_sec, st->st_mtim.tv_nsec,
                    (int64_t)st->st_ctim.tv_sec, st->st_ctim.tv_nsec,         (int64_t)st->st_ino};
-    return fnv(h, v, sizeof(v));
+    return ids_hash64_more(h, v, sizeof(v));
 }
 
 /* walk mixes in every file under path (sorted, so the order of readdir does not matter). */
@@ -51,7 +43,8 @@ static uint64_t walk(uint64_t h, const char *path, int depth, int *files, bool m
     struct dirent **names;
     int n = scandir(path, &names, NULL, alphasort);
     if (n < 0) {
-        return fnv(h, "?", 1); /* missing or unreadable: that too is a state to compare */
+        return ids_hash64_more(h, "?",
+                               1); /* missing or unreadable: that too is a state to compare */
     }
     for (int i = 0; i < n; i++) {
         const char *name = names[i]->d_name;
@@ -77,7 +70,7 @@ static uint64_t fingerprint(const char *dir)
     char skills[4096];
     int files = 0;
     snprintf(skills, sizeof(skills), "%s/skills", dir);
-    uint64_t h = walk(14695981039346656037ULL, dir, WALK_DEPTH_MAX, &files, true);
+    uint64_t h = walk(IDS_HASH64_INIT, dir, WALK_DEPTH_MAX, &files, true);
     return walk(h, skills, 0, &files, false);
 }
 

@@ -82,10 +82,7 @@ static void *watch_definitions(void *arg)
             pthread_cond_wait(&g_watch.cond, &g_watch.mu);
         } else if (!g_watch.hup) {
             struct timespec until;
-            clock_gettime(CLOCK_REALTIME, &until);
-            int64_t ns = until.tv_nsec + (g_watch.every_ms % 1000) * 1000000;
-            until.tv_sec += (time_t)(g_watch.every_ms / 1000 + ns / 1000000000);
-            until.tv_nsec = (long)(ns % 1000000000);
+            clock_deadline(&until, g_watch.every_ms);
             pthread_cond_timedwait(&g_watch.cond, &g_watch.mu, &until);
         }
         bool hup = g_watch.hup, polled = g_watch.every_ms > 0;

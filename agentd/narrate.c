@@ -11,6 +11,7 @@
  * no baseline and is told nothing.
  */
 #include "drive.h"
+#include "ids.h"
 #include "mem.h"
 
 #include <stdio.h>
@@ -25,16 +26,13 @@
 
 /* ---------- the state now ---------- */
 
+/* digest writes the FNV-1a of a, a separator and b as 16 hex digits (the separator tells
+ * ("ab", "") from ("a", "b")). */
 static void digest(char out[17], const char *a, const char *b)
 {
-    uint64_t h = 14695981039346656037ULL;
-    for (const char *p = a ? a : ""; *p; p++) {
-        h = (h ^ (unsigned char)*p) * 1099511628211ULL;
-    }
-    h = (h ^ 0xff) * 1099511628211ULL; /* a separator: ("ab","") differs from ("a","b") */
-    for (const char *p = b ? b : ""; *p; p++) {
-        h = (h ^ (unsigned char)*p) * 1099511628211ULL;
-    }
+    uint64_t h = ids_hash64_more(IDS_HASH64_INIT, a ? a : "", a ? strlen(a) : 0);
+    h = ids_hash64_more(h, "\xff", 1);
+    h = ids_hash64_more(h, b ? b : "", b ? strlen(b) : 0);
     snprintf(out, 17, "%016llx", (unsigned long long)h);
 }
 

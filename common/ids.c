@@ -59,12 +59,17 @@ bool ids_valid_name(const char *s, size_t max_len)
     return n >= 1 && n <= max_len && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
 }
 
-uint64_t ids_hash64(const char *s)
+uint64_t ids_hash64_more(uint64_t h, const void *p, size_t n)
 {
-    uint64_t h = 0xcbf29ce484222325ULL;
-    for (; s && *s; s++) {
-        h ^= (unsigned char)*s;
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) {
+        h ^= b[i];
         h *= 0x100000001b3ULL;
     }
     return h;
+}
+
+uint64_t ids_hash64(const char *s)
+{
+    return ids_hash64_more(IDS_HASH64_INIT, s ? s : "", s ? strlen(s) : 0);
 }

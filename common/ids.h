@@ -23,4 +23,9 @@ bool ids_valid_name(const char *s, size_t max_len);
  * processes and builds, for names derived from longer ones. Not for security. */
 uint64_t ids_hash64(const char *s);
 
+/* IDS_HASH64_INIT and ids_hash64_more hash bytes in pieces with the same FNV-1a:
+ * ids_hash64(s) == ids_hash64_more(IDS_HASH64_INIT, s, strlen(s)). */
+#define IDS_HASH64_INIT 0xcbf29ce484222325ULL
+uint64_t ids_hash64_more(uint64_t h, const void *p, size_t n);
+
 #endif

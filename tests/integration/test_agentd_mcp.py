@@ -15,15 +15,12 @@ import http.server
 import json
 import os
 import shutil
-import signal
-import subprocess
-import tempfile
 import threading
 import time
 import unittest
 
 from test_agentd import COMPLETED, body, kind, new_conv, request_system
-from test_agentd_tool_servers import ServersCase, call, free_port, role
+from test_agentd_tool_servers import ServersCase, ToolServer, call, free_port, role
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EVERYTHING_JS = os.path.join(HERE, 'mcp', 'node_modules', '@modelcontextprotocol',
@@ -31,40 +28,17 @@ EVERYTHING_JS = os.path.join(HERE, 'mcp', 'node_modules', '@modelcontextprotocol
 TOKEN = 'tok-%d' % os.getpid()
 
 
-class Everything(object):
-    """The reference MCP server in its streamable HTTP mode, on 127.0.0.1:port/mcp."""
-
-    def __init__(self):
-        node = shutil.which('node')
-        if not node or not os.path.exists(EVERYTHING_JS):
-            raise AssertionError('the MCP reference server is not installed (%s): run '
-                                 'scripts/setup' % EVERYTHING_JS)
-        self.port = free_port()
-        self.url = 'http://127.0.0.1:%d/mcp' % self.port
-        self.err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([node, EVERYTHING_JS, 'streamableHttp'],
-                                     env=dict(os.environ, PORT=str(self.port)),
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=self.err)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            self.err.seek(0)
-            if b'listening on port' in self.err.read():
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.err.seek(0)
-        raise AssertionError('the MCP reference server did not start: %s' % self.err.read())
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def close(self):
-        self.kill()
-        self.err.close()
+def everything():
+    """The reference MCP server in its streamable HTTP mode; its URL in .url."""
+    node = shutil.which('node')
+    if not node or not os.path.exists(EVERYTHING_JS):
+        raise AssertionError('the MCP reference server is not installed (%s): run scripts/setup'
+                             % EVERYTHING_JS)
+    port = free_port()
+    server = ToolServer([node, EVERYTHING_JS, 'streamableHttp'], port,
+                        env=dict(os.environ, PORT=str(port)))
+    server.url = 'http://127.0.0.1:%d/mcp' % port
+    return server
 
 
 class MiniMCP(object):
@@ -161,8 +135,8 @@ class MCPTest(ServersCase):
         super(MCPTest, cls).setUpClass()
         cls.servers = []
         try:
-            cls.everything = cls._keep(Everything())
-            cls.fragile = cls._keep(Everything())
+            cls.everything = cls._keep(everything())
+            cls.fragile = cls._keep(everything())
             cls.mini = cls._keep(MiniMCP())
             gone = 'http://127.0.0.1:%d/mcp' % free_port()
             auth = ', headers: {Authorization: "Bearer ${CFLUE_TEST_MCP_TOKEN}"}'

@@ -40,12 +40,12 @@ def free_port():
 class ToolServer(object):
     """A tool server process on 127.0.0.1:port."""
 
-    def __init__(self, cmd, port):
+    def __init__(self, cmd, port, env=None):
         self.port = port
         self.addr = '127.0.0.1:%d' % port
         self.err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=self.err)
+                                     stderr=self.err, env=env)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
