@@ -113,12 +113,14 @@ CF_MUST_CHECK enum cf_status rpc_server_start(struct rpc_server *s);
 /* rpc_server_stopping reports whether shutdown has begun (for long-running handlers). */
 bool rpc_server_stopping(const struct rpc_server *s);
 
-/* rpc_server_set_serving changes the health status of every service (false: NOT_SERVING). */
+/* rpc_server_set_serving changes the health status of every service (false: NOT_SERVING);
+ * health Watch streams are told at once. */
 void rpc_server_set_serving(struct rpc_server *s, bool serving);
 
-/* rpc_server_shutdown stops the server: health turns NOT_SERVING, new calls are refused, live
- * calls get grace_ms to finish, then are cancelled; returns once every call is finished and
- * every server thread joined. Idempotent. */
+/* rpc_server_shutdown stops the server: health turns NOT_SERVING (each health Watch is told at
+ * once and ends 150 ms later, so the client reads it before the connection closes), new calls
+ * are refused, live calls get grace_ms to finish, then are cancelled; returns once every call
+ * is finished and every server thread joined. Idempotent. */
 void rpc_server_shutdown(struct rpc_server *s, int grace_ms);
 
 /* rpc_server_method_calls returns how many calls of a registered method (full path) the

@@ -60,6 +60,7 @@
 #define DEFAULT_QUEUE_BYTES (64 << 20)
 #define STREAM_SPARES_MAX 8          /* finished stream threads kept for the next stream */
 #define STREAM_SPARE_LINGER_MS 10000 /* how long a spare stream thread waits for one */
+#define HEALTH_STOP_LINGER_MS 150    /* a health Watch stays open after its NOT_SERVING */
 
 enum tag_kind { TAG_NEW_CALL, TAG_NEW_GENERIC, TAG_CLOSE, TAG_SEND, TAG_SHUTDOWN };
 
@@ -1071,6 +1072,14 @@ static void post_generic(struct rpc_server *s)
 
 /* ---------- health ---------- */
 
+/* serving_status_locked: the health of every known service now (s->mu held). */
+static int serving_status_locked(const struct rpc_server *s)
+{
+    return s->serving && !s->stopping
+               ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING
+               : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING;
+}
+
 static grpc_status_code health_status(struct rpc_server *s, const char *service, int *out)
 {
     if (*service) {
@@ -1085,11 +1094,22 @@ static grpc_status_code health_status(struct rpc_server *s, const char *service,
         }
     }
     pthread_mutex_lock(&s->mu);
-    *out = s->serving && !s->stopping
-               ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING
-               : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING;
+    *out = serving_status_locked(s);
     pthread_mutex_unlock(&s->mu);
     return GRPC_STATUS_OK;
+}
+
+/* health_wait waits up to ms for the health to differ from seen: rpc_server_set_serving and
+ * rpc_server_shutdown wake every watcher at once (s->cv). */
+static void health_wait(struct rpc_server *s, int seen, int ms)
+{
+    struct timespec ts;
+    clock_deadline(&ts, ms);
+    pthread_mutex_lock(&s->mu);
+    if (serving_status_locked(s) == seen) {
+        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+    }
+    pthread_mutex_unlock(&s->mu);
 }
 
 static void health_check(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
@@ -1130,11 +1150,18 @@ static void health_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *
                 last = st;
             }
         }
-        /* the NOT_SERVING of a shutdown has been sent above; then end the stream */
         if (stopping) {
+            /* NOT_SERVING went out above, the moment the shutdown began. The stream stays
+             * open a little longer: gRPC closes the connection right after its last stream
+             * ends, and a client that writes to it before reading loses what was sent last. */
+            rpc_call_wait(c, HEALTH_STOP_LINGER_MS);
             break;
         }
-        rpc_call_wait(c, 200);
+        if (last == GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN) {
+            rpc_call_wait(c, 200);
+        } else {
+            health_wait(c->srv, last, 200); /* a cancelled call is seen within 200 ms */
+        }
         if (call_dead(c)) {
             break;
         }
@@ -1325,6 +1352,7 @@ void rpc_server_set_serving(struct rpc_server *s, bool serving)
 {
     pthread_mutex_lock(&s->mu);
     s->serving = serving;
+    pthread_cond_broadcast(&s->cv); /* health watchers */
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -1412,6 +1440,7 @@ void rpc_server_shutdown(struct rpc_server *s, int grace_ms)
         return;
     }
     s->stopping = true;
+    pthread_cond_broadcast(&s->cv); /* health watchers send NOT_SERVING now */
     pthread_mutex_unlock(&s->mu);
 
     end_async_calls(s);
