@@ -162,6 +162,26 @@ static void add_assistant(struct context *c, const Cflue__V1__Record *r,
     }
 }
 
+/* signal_text renders a signal for the model: its body inside <signal type="KIND">, with &, <
+ * and > escaped, so names and descriptions it quotes (a skill's, a tool server's) can never
+ * close the envelope or open another. The kind is [a-z0-9_] (storaged checks it). */
+static char *signal_text(const Cflue__V1__Signal *sig)
+{
+    struct buf b;
+    buf_init(&b, SIZE_MAX);
+    buf_printf(&b, "<signal type=\"%s\">\n", sig->kind);
+    for (const char *p = sig->text; *p; p++) {
+        const char *esc = *p == '&' ? "&amp;" : *p == '<' ? "&lt;" : *p == '>' ? "&gt;" : NULL;
+        if (esc) {
+            buf_append_str(&b, esc);
+        } else {
+            buf_append(&b, p, 1);
+        }
+    }
+    buf_append_str(&b, "\n</signal>");
+    return buf_take(&b);
+}
+
 /* add_record adds the message record r stands for, if any. */
 static enum cf_status add_record(struct context *c, const struct context_source *src,
                                  const Cflue__V1__Record *r, const Cflue__V1__Record **results,
@@ -184,8 +204,7 @@ static enum cf_status add_record(struct context *c, const struct context_source 
     } else if (r->body_case == CFLUE__V1__RECORD__BODY_SIGNAL) {
         struct llm_message *m = context_push(c);
         m->role = LLM_USER;
-        m->text = context_keep(c, mem_asprintf("<signal type=\"%s\">\n%s\n</signal>",
-                                               r->signal->kind, r->signal->text));
+        m->text = context_keep(c, signal_text(r->signal));
     } else if (r->body_case == CFLUE__V1__RECORD__BODY_ASSISTANT_MESSAGE) {
         add_assistant(c, r, results, n_results);
     }

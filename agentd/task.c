@@ -348,7 +348,7 @@ static json_t *check_call(struct drive *d, int index, const struct llm_call *c)
         roster_line(&b, d->agent);
         buf_append_str(&b, ".");
         char *t = buf_take(&b);
-        refuse(d, index, c->id, t, false); /* an answer, not a failure: no child was made */
+        refuse(d, index, c->id, t, true); /* an error result; no child was made */
         free(t);
         json_decref(args);
         return NULL;

@@ -386,7 +386,7 @@ class NoSandboxTest(TaskCase):
         self.assertNotIn('Working directory', system)
         self.assertIn('No subagents are declared', system)
         [res] = self.task_results(conv, sid)
-        self.assertFalse(res.is_error, res)  # an answer: no child was made
+        self.assertTrue(res.is_error, res)  # a clear error result; no child was made
         self.assertIn('task-scout', res.text)
         self.assertEqual(self.children(conv), [])
 
