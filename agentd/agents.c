@@ -211,6 +211,14 @@ static enum cf_status parse_sandbox(yaml_document_t *doc, yaml_node_t *root, con
     if (!a->sandbox_workspace) {
         a->sandbox_workspace = mem_strdup(a->name);
     }
+    if (strcmp(a->sandbox_workspace, "{conversation}") &&
+        !ids_valid_name(a->sandbox_workspace, 128)) {
+        return cf_error_set(err, CF_INVALID,
+                            "%s: sandbox.workspace: '%.200s' is neither {conversation} (a "
+                            "workspace per conversation) nor a sandbox name (1 to 128 of A-Z a-z "
+                            "0-9 . _ -, not . or ..)",
+                            file, a->sandbox_workspace);
+    }
     return CF_OK;
 }
 

@@ -225,16 +225,17 @@ static void tell(struct drive *d, const char *kind, const char *what, struct buf
 }
 
 /* tell_environment announces a sandbox attached, detached or switched, with every roster. */
-static void tell_environment(struct drive *d, struct buf *b, struct narrated *now)
+static void tell_environment(struct drive *d, const Cflue__V1__ResourceState *was,
+                             struct buf *b, struct narrated *now)
 {
     const Cflue__V1__ResourceState *st = &now->st;
     if (d->tools_addr) {
         const char *cwd = d->tools.working_directory;
-        buf_printf(b, "The sandbox you work in was replaced.%s%s%s\n",
-                   cwd && *cwd ? " The "
-                                 "working directory is now "
-                               : "",
-                   cwd && *cwd ? cwd : "", cwd && *cwd ? "." : "");
+        buf_printf(b, "%s%s%s%s\n",
+                   *was->sandbox ? "The sandbox you work in was replaced."
+                                 : "You have a sandbox to work in now: file and shell tools.",
+                   cwd && *cwd ? " The working directory is now " : "", cwd && *cwd ? cwd : "",
+                   cwd && *cwd ? "." : "");
     } else {
         buf_append_str(b, "There is no sandbox any more: the file and shell tools are gone, and "
                           "so is the working directory.\n");
@@ -272,7 +273,7 @@ void narrate_changes(struct drive *d)
         tell(d, "instructions", "instructions", &b, &now);
     }
     if (strcmp(was->sandbox, st->sandbox)) {
-        tell_environment(d, &b, &now); /* its rosters stand for every change below */
+        tell_environment(d, was, &b, &now); /* its rosters stand for every change below */
     } else {
         if (delta(&b, d, 0, "tool", was->tools, was->n_tools, st->tools, st->n_tools)) {
             tell(d, "resources", "tools", &b, &now);

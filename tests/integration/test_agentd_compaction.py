@@ -3,6 +3,7 @@ after a context-overflow error; a summary in flight holds no engine thread. Real
 toold and agentd; the offline model."""
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -11,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cflue_harness import agent_pb2, common_pb2  # noqa: E402
-from test_agentd import AgentdCase, kind  # noqa: E402
+from test_agentd import AgentdCase, kind, request_system  # noqa: E402
 
 COMPLETED = common_pb2.OUTCOME_COMPLETED
 
@@ -86,6 +87,55 @@ class CompactionTest(CompactionCase):
         self.assertIn('<context_summary>', first)
         self.assertIn('SUMMARY-RPC', first)
         self.assertNotIn('list some numbers', json.dumps(self.last_request()['messages']))
+
+    def test_a_compaction_rebases_the_prompt_on_the_definitions_in_force(self):
+        """Instructions edited after the prompt froze are told once as a signal; a compaction
+        then recomposes the prompt with them, and nothing more is told."""
+        adm, sub = self.run_one('list some numbers', [
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 250'}}]},
+            {'text': 'Here are the numbers.'}])
+        self.assertEqual(sub.outcome, COMPLETED, sub.error)
+        conv = adm.conversation_id
+        first_system = request_system(self.stack.fm.requests()[-1])
+        path = os.path.join(self.stack.agents_dir, 'compactor.md')
+        with open(path) as f:
+            text = f.read()
+        self.assertIn('Answer briefly.', text)
+        edited = text.replace('Answer briefly.', 'EDITED-INSTRUCTIONS: answer in one word.')
+        try:
+            logged = self.ad.stderr_text().count('event=agents_reloaded')
+            with open(path + '.tmp', 'w') as f:
+                f.write(edited)
+            os.rename(path + '.tmp', path)
+            self.ad.proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + 15
+            while self.ad.stderr_text().count('event=agents_reloaded') <= logged:
+                self.assertLess(time.monotonic(), deadline, 'no reload in the log')
+                time.sleep(0.05)
+            adm2, sub2 = self.run_one('one more', [{'text': 'fine'}], conv)
+            self.assertEqual(sub2.outcome, COMPLETED, sub2.error)
+            self.assertEqual(request_system(self.stack.fm.requests()[-1]), first_system)
+            signals = [x.signal for x in self.records(conv) if kind(x) == 'signal']
+            self.assertEqual([s.kind for s in signals], ['instructions'])
+            self.stack.fm.set_scenario([{'text': 'SUMMARY-REBASE: numbers were listed.'}])
+            self.ad.call('Compact', agent_pb2.CompactRequest(conversation_id=conv), timeout=60)
+            adm3, sub3 = self.run_one('and now?', [{'text': 'ok'}], conv)
+            self.assertEqual(sub3.outcome, COMPLETED, sub3.error)
+            rebased = request_system(self.stack.fm.requests()[-1])
+            self.assertNotEqual(rebased, first_system)
+            self.assertIn('EDITED-INSTRUCTIONS: answer in one word.', rebased)
+            self.assertNotIn('Answer briefly.', rebased)
+            recs = self.records(conv)
+            prompts = [x.system_prompt for x in recs if kind(x) == 'system_prompt']
+            self.assertGreaterEqual(len(prompts), 2)  # the tiny window may compact again
+            self.assertNotIn('EDITED-INSTRUCTIONS', prompts[0].text)
+            self.assertTrue(all('EDITED-INSTRUCTIONS' in p.text for p in prompts[1:]))
+            # the new baseline holds the edit: nothing is told again
+            self.assertEqual(len([x for x in recs if kind(x) == 'signal']), 1)
+        finally:
+            with open(path, 'w') as f:
+                f.write(text)
+            self.ad.proc.send_signal(signal.SIGHUP)
 
     def test_threshold_compacts_before_the_model_call(self):
         adm, sub = self.run_one('print a long list', [

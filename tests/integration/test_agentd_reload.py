@@ -22,12 +22,14 @@ from test_agentd_tool_servers import free_port, py_server, role, tool
 SANDBOX_TOOLS = ['read', 'write', 'edit', 'bash', 'grep', 'glob']
 
 
-def agent_md(name, instructions, toold=None, servers=()):
-    sandbox = ('sandbox:\n  tools: "%s"\n  workspace: "{conversation}"\n' % toold) if toold else ''
+def agent_md(name, instructions, toold=None, servers=(), workspace='{conversation}',
+             subagents=()):
+    sandbox = ('sandbox:\n  tools: "%s"\n  workspace: "%s"\n' % (toold, workspace)) if toold else ''
     tools = 'tools: [%s]\n' % ', '.join('"%s"' % s for s in servers) if servers else ''
+    agents = 'agents: [%s]\n' % ', '.join(subagents) if subagents else ''
     return ('---\nname: %s\ndescription: Reload test agent.\nmodel: anthropic/claude-test-1\n'
-            '%s%sdurability:\n  max_attempts: 3\n  timeout_ms: 120000\n---\n\nROLE %s. %s\n'
-            % (name, sandbox, tools, name, instructions))
+            '%s%s%sdurability:\n  max_attempts: 3\n  timeout_ms: 120000\n---\n\nROLE %s. %s\n'
+            % (name, sandbox, tools, agents, name, instructions))
 
 
 class ReloadTest(AgentdCase):
@@ -104,6 +106,100 @@ class ReloadTest(AgentdCase):
         self.assertIn('There is no sandbox any more', sig.text)
         self.assertIn('All available tools: task', sig.text)
         self.assertEqual(request_system(second[0]), request_system(first[0]))
+
+    def test_a_sandbox_attached_then_switched_is_told(self):
+        toold = self.stack.td.target
+        self.write('roamer', agent_md('roamer', 'Roam.'))
+        self.wait_reload(self.reloads(), hup=True)
+        conv = new_conv('roamer')
+        _, first = self.submit('roamer', conv, [role('roamer', text='no sandbox yet')])
+        self.assertEqual([t['name'] for t in first[0]['body']['tools']], ['task'])
+        self.assertNotIn('Working directory', request_system(first[0]))
+        # attached
+        before = self.reloads()
+        self.workspace(conv)
+        self.write('roamer', agent_md('roamer', 'Roam.', toold))
+        self.wait_reload(before, hup=True)
+        sid, second = self.submit('roamer', conv, [role('roamer', text='a sandbox now')])
+        self.assertEqual([t['name'] for t in second[0]['body']['tools']], SANDBOX_TOOLS + ['task'])
+        [sig] = self.signals(conv, sid)
+        self.assertEqual(sig.kind, 'environment')
+        self.assertIn('You have a sandbox to work in now', sig.text)
+        ws = os.path.realpath(self.stack.td.workspace(conv))
+        self.assertIn('The working directory is now %s.' % ws, sig.text)
+        self.assertIn('All available tools: %s, task' % ', '.join(SANDBOX_TOOLS), sig.text)
+        self.assertEqual(request_system(second[0]), request_system(first[0]))  # still frozen
+        # switched to another workspace of the same toold
+        before = self.reloads()
+        other = self.workspace(conv + '-moved')
+        self.write('roamer', agent_md('roamer', 'Roam.', toold, workspace=conv + '-moved'))
+        self.wait_reload(before, hup=True)
+        sid, third = self.submit('roamer', conv, [role('roamer', text='elsewhere')])
+        [sig] = self.signals(conv, sid)
+        self.assertEqual(sig.kind, 'environment')
+        self.assertIn('was replaced', sig.text)
+        self.assertIn('The working directory is now %s.' % os.path.realpath(other), sig.text)
+        self.assertEqual(request_system(third[0]), request_system(first[0]))
+        # nothing changed since: nothing told
+        sid, _ = self.submit('roamer', conv, [role('roamer', text='settled in')])
+        self.assertEqual(self.signals(conv, sid), [])
+
+    def test_skills_subagents_and_an_updated_tool_are_told(self):
+        toold = self.stack.td.target
+        first_server = py_server([tool('lookup')])
+        second_server = None
+        try:
+            self.write('curator', agent_md('curator', 'Curate.', toold,
+                                           servers=[first_server.addr]))
+            self.wait_reload(self.reloads(), hup=True)
+            conv = new_conv('curator')
+            ws = self.workspace(conv)
+            _, first = self.submit('curator', conv, [role('curator', text='first')])
+            self.assertEqual([t['name'] for t in first[0]['body']['tools']],
+                             SANDBOX_TOOLS + ['task', 'lookup'])
+            # the same tool name from another server that describes it differently, a skill
+            # appearing in the sandbox, and a subagent declared
+            changed = tool('lookup')
+            changed['description'] = 'Looks things up, now in two catalogues.'
+            second_server = py_server([changed])
+            os.makedirs(os.path.join(ws, '.agents', 'skills', 'tidy'))
+            with open(os.path.join(ws, '.agents', 'skills', 'tidy', 'SKILL.md'), 'w') as f:
+                f.write('---\nname: tidy\ndescription: Tidy <the> files & folders.\n---\nTidy.\n')
+            before = self.reloads()
+            self.write('curator', agent_md('curator', 'Curate.', toold,
+                                           servers=[second_server.addr],
+                                           subagents=['task-scout']))
+            self.wait_reload(before, hup=True)
+            sid, second = self.submit('curator', conv, [role('curator', text='second')])
+            self.assertEqual([t['name'] for t in second[0]['body']['tools']],
+                             SANDBOX_TOOLS + ['task', 'activate_skill', 'lookup'])
+            told = {s.text.split('\n')[0]: s for s in self.signals(conv, sid)}
+            self.assertEqual(sorted(s.kind for s in told.values()), ['resources'] * 3, told)
+            tools = [s.text for s in told.values() if 'The tool "lookup" was updated.' in s.text]
+            self.assertEqual(len(tools), 1, told)
+            self.assertIn('New tool available:\n- **activate_skill**', tools[0])
+            self.assertIn('All available tools: %s, task, activate_skill, lookup'
+                          % ', '.join(SANDBOX_TOOLS), tools[0])
+            skills = told['New skill available:'].text
+            self.assertIn('- **tidy** — Tidy <the> files & folders.', skills)
+            self.assertIn('All available skills: tidy', skills)
+            agents = told['New agent available:'].text
+            self.assertIn('- **task-scout** — Looks something up and answers briefly.', agents)
+            self.assertIn('All available agents: task-scout', agents)
+            # what the model reads is escaped inside the signal's envelope
+            sent = json.dumps(second[0]['body']['messages'])
+            self.assertIn('Tidy &lt;the&gt; files &amp; folders.', sent)
+            self.assertEqual(request_system(second[0]), request_system(first[0]))
+            # the skill goes again
+            os.remove(os.path.join(ws, '.agents', 'skills', 'tidy', 'SKILL.md'))
+            sid, _ = self.submit('curator', conv, [role('curator', text='third')])
+            texts = [s.text for s in self.signals(conv, sid)]
+            self.assertTrue(any('The skill "tidy" is no longer available.' in t
+                                for t in texts), texts)
+        finally:
+            first_server.close()
+            if second_server:
+                second_server.close()
 
     def test_tools_that_come_and_go_are_told(self):
         port = free_port()

@@ -77,6 +77,13 @@ class TaskCase(AgentdCase):
 
 
 class ChainTest(TaskCase):
+    def test_list_agents_reports_each_agents_subagents(self):
+        info = {a.name: a for a in self.ad.list_all_agents()}
+        self.assertEqual(list(info['task-lead'].subagents),
+                         ['task-helper', 'task-scout', 'task-deep'])
+        self.assertEqual(list(info['task-deep'].subagents), ['task-deep'])
+        self.assertEqual(list(info['task-scout'].subagents), [])
+
     def test_lead_helper_deep_each_answer_handed_up(self):
         conv = new_conv('chain')
         ws = self.workspace(conv)

@@ -52,6 +52,17 @@ static void test_agents(void)
                        &a, &err) == CF_INVALID);
     CHECK(strstr(err.msg, "durability.max_attempts") != NULL);
 
+    /* the workspace: {conversation}, or a sandbox name toold accepts */
+    CHECK(agents_parse("---\nsandbox: {tools: \"t:1\", workspace: \"{conversation}\"}\n---\n", "x",
+                       "x.md", &a, &err) == CF_OK);
+    CHECK_STR(a.sandbox_workspace, "{conversation}");
+    agents_free_one(&a);
+    CHECK(agents_parse("---\nsandbox: {tools: \"t:1\", workspace: \"team-{conversation}\"}\n---\n",
+                       "x", "x.md", &a, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "x.md: sandbox.workspace: 'team-{conversation}' is neither") != NULL);
+    CHECK(agents_parse("---\nsandbox: {tools: \"t:1\", workspace: \"..\"}\n---\n", "x", "x.md", &a,
+                       &err) == CF_INVALID);
+
     /* tool servers: each once, not the sandbox's toold, at most 8, addresses bounded */
     CHECK(agents_parse("---\nmodel: openai/gpt\ntools: [\"a:1\", \"b:2\"]\n---\n", "x", "x.md", &a,
                        &err) == CF_OK);
