@@ -8,11 +8,14 @@
  * A compaction replaces what precedes its first kept offset with its summary. Tool results are
  * placed right after the assistant message that asked for them, in call order, whenever they
  * were recorded; a call without a result is shown as interrupted, so the model never sees a
- * call without an answer.
+ * call without an answer. Images (a message's attachments, a tool result's images) are
+ * handed on base64-encoded, each provider placing them as its wire format allows.
  */
 #include "context.h"
 
+#include "base64.h"
 #include "buf.h"
+#include "image.h"
 #include "mem.h"
 #include "utf8.h"
 
@@ -21,7 +24,6 @@
 #include <string.h>
 
 #define ATTACHMENT_TEXT_MAX (64 * 1024)
-#define ATTACHMENT_IMAGE_MAX (5 << 20)
 
 const char *context_keep(struct context *c, char *s)
 {
@@ -60,26 +62,19 @@ void context_tool_result_id(char *out, size_t out_len, const char *submission_id
     snprintf(out, out_len, "tool:%s:%d:%s", submission_id, turn, call_id);
 }
 
-static char *base64(const uint8_t *p, size_t n)
+/* add_image makes attachment a the next of images[] when it is an image the model may be
+ * shown (image.h's types, at most IMAGE_BYTES_MAX); false when it is not. */
+static bool add_image(struct context *c, struct llm_image *images, size_t *n,
+                      const Cflue__V1__Attachment *a)
 {
-    static const char tab[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    char *out = mem_alloc(((n + 2) / 3) * 4 + 1), *o = out;
-    for (size_t i = 0; i < n; i += 3) {
-        uint32_t v = (uint32_t)p[i] << 16 | (i + 1 < n ? (uint32_t)p[i + 1] << 8 : 0) |
-                     (i + 2 < n ? p[i + 2] : 0);
-        *o++ = tab[(v >> 18) & 63];
-        *o++ = tab[(v >> 12) & 63];
-        *o++ = i + 1 < n ? tab[(v >> 6) & 63] : '=';
-        *o++ = i + 2 < n ? tab[v & 63] : '=';
+    const char *mt = image_type(a->mime_type);
+    if (!mt || !a->data.len || a->data.len > IMAGE_BYTES_MAX) {
+        return false;
     }
-    *o = '\0';
-    return out;
-}
-
-static bool is_image(const char *mt)
-{
-    return !strcmp(mt, "image/png") || !strcmp(mt, "image/jpeg") || !strcmp(mt, "image/gif") ||
-           !strcmp(mt, "image/webp");
+    images[*n].mime_type = mt;
+    images[*n].base64 = context_keep(c, base64_encode(a->data.data, a->data.len));
+    (*n)++;
+    return true;
 }
 
 /* add_attachments gives the model what message msg carried: images as image blocks, text
@@ -94,10 +89,7 @@ static void add_attachments(struct context *c, struct llm_message *m, const Cflu
     for (size_t i = 0; msg && i < msg->n_attachments; i++) {
         const Cflue__V1__Attachment *a = msg->attachments[i];
         const char *mt = a->mime_type;
-        if (is_image(mt) && a->data.len <= ATTACHMENT_IMAGE_MAX) {
-            images[n_images].mime_type = context_keep(c, mem_strdup(mt));
-            images[n_images].base64 = context_keep(c, base64(a->data.data, a->data.len));
-            n_images++;
+        if (add_image(c, images, &n_images, a)) {
             buf_printf(&text, "\n\n[Attached image %s (%s) follows.]", a->name, mt);
         } else if (!strncmp(mt, "text/", 5) || !strcmp(mt, "application/json")) {
             size_t n = a->data.len < ATTACHMENT_TEXT_MAX ? a->data.len : ATTACHMENT_TEXT_MAX;
@@ -159,6 +151,16 @@ static void add_assistant(struct context *c, const Cflue__V1__Record *r,
         t->tool_name = cs[k].name;
         t->text = res ? res->tool_result->text : CONTEXT_INTERRUPTED_RESULT;
         t->is_error = res ? res->tool_result->is_error : true;
+        if (res && res->tool_result->n_images) {
+            const Cflue__V1__ToolCallResult *tr = res->tool_result;
+            struct llm_image *images = mem_alloc(sizeof(*images) * tr->n_images);
+            size_t n_images = 0;
+            for (size_t i = 0; i < tr->n_images; i++) {
+                (void)add_image(c, images, &n_images, tr->images[i]); /* storaged checked them */
+            }
+            t->images = images;
+            t->n_images = n_images;
+        }
     }
 }
 

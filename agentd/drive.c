@@ -230,6 +230,7 @@ static bool bind(struct drive *d, struct agent_defs *defs)
     d->agent = a;
     d->tools_addr = NULL;
     d->workspace[0] = '\0';
+    d->cwd[0] = '\0';
     if (d->agent->sandbox_tools) {
         const char *ws = d->agent->sandbox_workspace;
         d->tools_addr = d->agent->sandbox_tools;
@@ -241,6 +242,7 @@ static bool bind(struct drive *d, struct agent_defs *defs)
         /* a subagent without a sandbox of its own works in its parent's */
         d->tools_addr = dg->sandbox_tools;
         snprintf(d->workspace, sizeof(d->workspace), "%s", dg->sandbox);
+        snprintf(d->cwd, sizeof(d->cwd), "%s", dg->cwd); /* scoped to a directory of it */
     }
     return true;
 }

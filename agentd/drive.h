@@ -23,6 +23,7 @@
 #include "cflue/v1/tools.pb-c.h"
 
 #define DRIVE_MODEL_MIN_MS 1000 /* a model call needs at least this much of the time limit */
+#define DRIVE_CWD_MAX 1024      /* characters of a subagent's working directory (Delegation.cwd) */
 
 /* The states of a drive; see the essay at the top of drive.c. */
 enum drive_state {
@@ -151,6 +152,7 @@ struct task_call {
                                 * read again (admit carries the ReadFile); NULL: a task */
     char *agent;               /* the subagent */
     char *prompt;
+    char *cwd; /* the child's working directory, relative to the sandbox's (Delegation.cwd) */
     const Cflue__V1__Attachment **atts; /* the conversation's attachments handed to the child
                                          * (the drive keeps the messages they are in) */
     size_t n_atts;
@@ -216,6 +218,9 @@ struct drive {
     const char *tools_addr; /* the sandbox's toold: the agent's own, or the parent's it shares
                              * (a subagent without a sandbox of its own); NULL: no sandbox */
     char workspace[256];
+    char cwd[DRIVE_CWD_MAX + 1]; /* a subagent scoped to a directory of its parent's sandbox
+                                  * (Delegation.cwd), relative to the sandbox's working
+                                  * directory; "": that directory itself */
     const char *model;    /* provider/model-id it calls: its agent's, or (a subagent without one)
                            * its parent's; NULL: neither, and the drive fails before a turn */
     char provider[16];    /* the model's provider ("anthropic" or "openai") */
@@ -369,7 +374,11 @@ enum load_state dstore_load_take(struct drive *d);
  * fault) only when body is no record body. */
 enum cf_status dstore_defer_one(struct drive *d, const char *id, const char *submission_id,
                                 ProtobufCMessage *body);
-/* dstore_flush appends the pending records under the fence in one Append, stamping the input
+/* The bytes of records one Append (or Settle) carries: within storaged's default 16 MiB message
+ * limit, and above its bound on one record, so that any record goes. */
+#define DSTORE_APPEND_BYTES_MAX (8 << 20)
+/* dstore_flush appends the pending records under the fence (in one Append, or in several
+ * of at most DSTORE_APPEND_BYTES_MAX each), stamping the input
  * applied when d->mark_pending (taking the time limit storaged installed); acknowledged, they
  * are in d->log at their offsets. Keeps the answer's hints (abort intent, queued count). Any
  * failure but a stale fence is a fault; on any failure the pending records are dropped. */
@@ -481,6 +490,10 @@ void tools_load(struct drive *d);
 /* tools_adopt makes specs d's tool set; the set keeps `owner`, the answer they came in. */
 void tools_adopt(struct drive *d, ProtobufCMessage *owner, Cflue__V1__ToolSpec **specs, size_t n,
                  const char *working_directory);
+/* tools_scope_refused faults a subagent scoped to a directory (d->cwd) whose sandbox server
+ * did not apply the scope (applied: what it answered), as its calls would run elsewhere; true
+ * then. A fault no retry mends. */
+bool tools_scope_refused(struct drive *d, bool applied);
 /* tools_no_channel faults a sandboxed agent whose toold this agentd cannot reach. */
 void tools_no_channel(struct drive *d);
 /* tools_cleanup frees d->tools. Idempotent. */
@@ -491,6 +504,12 @@ void tools_cleanup(struct drive *d);
 void tools_record_result(struct drive *d, int index, const char *call_id, const char *name,
                          const char *text, bool is_error, const Cflue__V1__Truncation *t,
                          bool outcome_unknown);
+/* tools_record_images is tools_record_result of a result that holds images (the caller keeps
+ * them; they are copied): those within image.h's bounds go with it, in order, and each other
+ * one is named in a note after the text, saying why it is not shown. */
+void tools_record_images(struct drive *d, int index, const char *call_id, const char *name,
+                         const char *text, bool is_error, const Cflue__V1__Truncation *t,
+                         Cflue__V1__Attachment *const *images, size_t n_images);
 /* tools_start starts the calls of `resp`, one ExecuteBatch per server that runs them (calls
  * naming no tool of the set get their error result at once); false when nothing was started
  * (no call to run, or a fault). The streams' messages and ends post the drive. */

@@ -187,7 +187,8 @@ static enum cf_status mark_applied(struct drive *d, Cflue__V1__MarkInputAppliedR
 }
 
 /* append_request fills req (and mark, limit: the caller's) with the pending records (at most
- * max of them) under the fence, stamping the input applied when d->mark_pending; returns how
+ * max of them, and DSTORE_APPEND_BYTES_MAX of bytes unless one record alone is more) under the
+ * fence, stamping the input applied when d->mark_pending; returns how
  * many records it carries. */
 static size_t append_request(struct drive *d, Cflue__V1__AppendRequest *req,
                              Cflue__V1__MarkInputAppliedRequest *mark,
@@ -196,6 +197,17 @@ static size_t append_request(struct drive *d, Cflue__V1__AppendRequest *req,
     size_t n;
     Cflue__V1__Record **recs = rlog_pending(&d->log, &n);
     n = n < max ? n : max;
+    if (d->log.pending_bytes > DSTORE_APPEND_BYTES_MAX) {
+        /* large results (images, long outputs) go in several Appends, each within storaged's
+         * message limit; one record alone always goes (storaged bounds each record) */
+        size_t bytes = protobuf_c_message_get_packed_size(&recs[0]->base);
+        size_t k = 1;
+        while (k < n && (bytes += protobuf_c_message_get_packed_size(&recs[k]->base)) <=
+                            DSTORE_APPEND_BYTES_MAX) {
+            k++;
+        }
+        n = k;
+    }
     if (d->mark_pending) {
         mark->max_attempts = d->agent->max_attempts;
         if (d->agent->timeout_ms > 0) {
@@ -239,27 +251,26 @@ static void append_failed(struct drive *d, enum cf_status rc)
 enum cf_status dstore_flush(struct drive *d)
 {
     size_t n;
-    (void)rlog_pending(&d->log, &n);
-    if (!n && !d->mark_pending) {
-        return CF_OK;
-    }
-    Cflue__V1__AppendRequest req = CFLUE__V1__APPEND_REQUEST__INIT;
-    Cflue__V1__MarkInputAppliedRequest mark = CFLUE__V1__MARK_INPUT_APPLIED_REQUEST__INIT;
-    Google__Protobuf__Duration limit = GOOGLE__PROTOBUF__DURATION__INIT;
-    ProtobufCMessage *resp = NULL;
-    if (!append_request(d, &req, &mark, &limit, SIZE_MAX)) {
-        return mark_applied(d, &mark);
-    }
-    bool marks = d->mark_pending;
-    enum cf_status rc =
-        dstore_call(d, "Append", &req.base, &cflue__v1__append_response__descriptor, &resp);
-    if (rc == CF_OK) {
-        appended(d, (const Cflue__V1__AppendResponse *)resp, n, marks);
-    } else {
-        append_failed(d, rc);
-    }
-    if (resp) {
-        protobuf_c_message_free_unpacked(resp, NULL);
+    enum cf_status rc = CF_OK;
+    while (rc == CF_OK && (rlog_pending(&d->log, &n) || d->mark_pending)) {
+        Cflue__V1__AppendRequest req = CFLUE__V1__APPEND_REQUEST__INIT;
+        Cflue__V1__MarkInputAppliedRequest mark = CFLUE__V1__MARK_INPUT_APPLIED_REQUEST__INIT;
+        Google__Protobuf__Duration limit = GOOGLE__PROTOBUF__DURATION__INIT;
+        ProtobufCMessage *resp = NULL;
+        size_t sent = append_request(d, &req, &mark, &limit, SIZE_MAX);
+        if (!sent) {
+            return mark_applied(d, &mark);
+        }
+        bool marks = d->mark_pending;
+        rc = dstore_call(d, "Append", &req.base, &cflue__v1__append_response__descriptor, &resp);
+        if (rc == CF_OK) {
+            appended(d, (const Cflue__V1__AppendResponse *)resp, sent, marks);
+        } else {
+            append_failed(d, rc);
+        }
+        if (resp) {
+            protobuf_c_message_free_unpacked(resp, NULL);
+        }
     }
     return rc;
 }

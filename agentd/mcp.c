@@ -9,6 +9,7 @@
  */
 #include "mcp.h"
 
+#include "base64.h"
 #include "clock.h"
 #include "mem.h"
 #include "model_io.h"
@@ -73,8 +74,7 @@ struct mcp_op {
     json_t *response;                     /* the JSON-RPC response to the request in flight */
     /* results */
     json_t *tools;
-    struct buf text;
-    bool is_error;
+    struct mcp_result res; /* a call's */
     bool failed;
     char failure[512];
     /* shared */
@@ -367,12 +367,12 @@ static void answered(struct mcp_op *op)
     } else if (op->phase == PH_INIT) {
         fail(op, "initialize was refused: %s", why);
     } else if (op->call && result) {
-        mcp_result_text(result, &op->text, &op->is_error);
+        mcp_result_read(&op->res, result);
         finish(op);
     } else if (op->call) {
         /* the server is there and said no: an answer for the model */
-        buf_printf(&op->text, "The MCP server refused this call: %s", why);
-        op->is_error = true;
+        buf_printf(&op->res.text, "The MCP server refused this call: %s", why);
+        op->res.is_error = true;
         finish(op);
     } else if (result) {
         answered_list(op, result);
@@ -467,7 +467,7 @@ static struct mcp_op *op_new(const struct agent_mcp *m, int64_t timeout_ms, mcp_
     op->done = done;
     op->arg = arg;
     buf_init(&op->body, MCP_RESPONSE_MAX);
-    buf_init(&op->text, MCP_TEXT_MAX + 512);
+    mcp_result_init(&op->res);
     sse_init(&op->sse, MCP_RESPONSE_MAX, on_event, op);
     pthread_mutex_init(&op->mu, NULL);
     atomic_init(&op->cancel, false);
@@ -494,9 +494,10 @@ struct mcp_op *mcp_call_start(const struct agent_mcp *m, const char *tool,
     op->tool = mem_strdup(tool);
     op->args = *arguments_json ? json_loads(arguments_json, 0, &e) : json_object();
     if (!json_is_object(op->args)) {
-        buf_printf(&op->text, "The arguments must be a JSON object%s%.200s; the call was not made.",
+        buf_printf(&op->res.text,
+                   "The arguments must be a JSON object%s%.200s; the call was not made.",
                    op->args ? "" : ": ", op->args ? "" : e.text);
-        op->is_error = true;
+        op->res.is_error = true;
         finish(op);
         return op;
     }
@@ -530,12 +531,18 @@ json_t *mcp_op_tools(const struct mcp_op *op)
 
 const char *mcp_op_text(const struct mcp_op *op)
 {
-    return buf_cstr(&op->text);
+    return buf_cstr(&op->res.text);
 }
 
 bool mcp_op_is_error(const struct mcp_op *op)
 {
-    return op->is_error;
+    return op->res.is_error;
+}
+
+Cflue__V1__Attachment **mcp_op_images(struct mcp_op *op, size_t *n)
+{
+    *n = op->res.n_images;
+    return op->res.ptrs;
 }
 
 void mcp_op_free(struct mcp_op *op)
@@ -549,7 +556,7 @@ void mcp_op_free(struct mcp_op *op)
     json_decref(op->tools);
     json_decref(op->response);
     buf_cleanup(&op->body);
-    buf_cleanup(&op->text);
+    mcp_result_cleanup(&op->res);
     sse_cleanup(&op->sse);
     pthread_mutex_destroy(&op->mu);
     free(op);
@@ -557,8 +564,56 @@ void mcp_op_free(struct mcp_op *op)
 
 /* ---------- what the model reads of a result ---------- */
 
+void mcp_result_init(struct mcp_result *r)
+{
+    memset(r, 0, sizeof(*r));
+    buf_init(&r->text, MCP_TEXT_MAX + 512);
+}
+
+void mcp_result_cleanup(struct mcp_result *r)
+{
+    for (size_t i = 0; i < r->n_images; i++) {
+        free(r->images[i].data.data);
+    }
+    r->n_images = r->image_bytes = 0;
+    buf_cleanup(&r->text);
+}
+
+/* take_image makes image item c one of r's images, or describes in out why it cannot be. */
+static void take_image(struct mcp_result *r, json_t *c, struct buf *out)
+{
+    const char *mime = json_string_value(json_object_get(c, "mimeType"));
+    const char *data = json_string_value(json_object_get(c, "data"));
+    size_t len = data ? strlen(data) : 0, n = 0;
+    uint8_t *bytes = NULL;
+    const char *why = image_type(mime) ? NULL : image_refusal(mime, 0, 0, 0);
+    if (!why) {
+        enum cf_status rc = base64_decode(data ? data : "", len, IMAGE_BYTES_MAX, &bytes, &n);
+        why = rc == CF_INVALID  ? "its data is not valid base64"
+              : rc == CF_TOOBIG ? image_refusal(mime, (size_t)IMAGE_BYTES_MAX + 1, 0, 0)
+                                : image_refusal(mime, n, r->n_images, r->image_bytes);
+    }
+    if (why) {
+        free(bytes);
+        buf_printf(out, "[image content (%.64s, about %zu bytes) that cannot be shown: %s]",
+                   mime ? mime : "of no stated type", len / 4 * 3, why);
+        return;
+    }
+    size_t k = r->n_images++;
+    Cflue__V1__Attachment *a = &r->images[k];
+    cflue__v1__attachment__init(a);
+    snprintf(r->names[k], sizeof(r->names[k]), "image-%zu", k + 1);
+    a->name = r->names[k];
+    a->mime_type = (char *)image_type(mime);
+    a->data.data = bytes;
+    a->data.len = n;
+    r->ptrs[k] = a;
+    r->image_bytes += n;
+    buf_printf(out, "[%s (%s, %zu bytes) is shown after this text]", a->name, a->mime_type, n);
+}
+
 /* describe_content appends one content item. */
-static void describe_content(json_t *c, struct buf *out)
+static void describe_content(struct mcp_result *r, json_t *c, struct buf *out)
 {
     const char *type = json_string_value(json_object_get(c, "type"));
     const char *mime = json_string_value(json_object_get(c, "mimeType"));
@@ -566,14 +621,16 @@ static void describe_content(json_t *c, struct buf *out)
     if (!strcmp(type, "text")) {
         const char *t = json_string_value(json_object_get(c, "text"));
         buf_append_str(out, t ? t : "");
-    } else if (!strcmp(type, "image") || !strcmp(type, "audio")) {
+    } else if (!strcmp(type, "image")) {
+        take_image(r, c, out);
+    } else if (!strcmp(type, "audio")) {
         const char *data = json_string_value(json_object_get(c, "data"));
-        buf_printf(out, "[%s content: %s, about %zu bytes; it cannot be shown here]", type,
+        buf_printf(out, "[audio content: %.64s, about %zu bytes; it cannot be shown here]",
                    mime ? mime : "of no stated type", data ? strlen(data) / 4 * 3 : 0);
     } else if (!strcmp(type, "resource")) {
-        json_t *r = json_object_get(c, "resource");
-        const char *uri = json_string_value(json_object_get(r, "uri"));
-        const char *text = json_string_value(json_object_get(r, "text"));
+        json_t *res = json_object_get(c, "resource");
+        const char *uri = json_string_value(json_object_get(res, "uri"));
+        const char *text = json_string_value(json_object_get(res, "text"));
         if (text) {
             buf_printf(out, "[resource %s]\n%s", uri ? uri : "", text);
         } else {
@@ -590,19 +647,19 @@ static void describe_content(json_t *c, struct buf *out)
     }
 }
 
-void mcp_result_text(json_t *result, struct buf *out, bool *is_error)
+void mcp_result_read(struct mcp_result *r, json_t *result)
 {
     struct buf all;
     buf_init(&all, MCP_RESPONSE_MAX);
     size_t i;
     json_t *c;
-    *is_error = json_is_true(json_object_get(result, "isError"));
+    r->is_error = json_is_true(json_object_get(result, "isError"));
     json_array_foreach(json_object_get(result, "content"), i, c)
     {
         if (i) {
             buf_append_str(&all, "\n");
         }
-        describe_content(c, &all);
+        describe_content(r, c, &all);
     }
     if (!all.len) {
         json_t *s = json_object_get(result, "structuredContent");
@@ -611,10 +668,10 @@ void mcp_result_text(json_t *result, struct buf *out, bool *is_error)
         free(dump);
     }
     size_t keep = utf8_prefix_len(all.data, all.len, MCP_TEXT_MAX);
-    buf_append(out, all.data, keep);
+    buf_append(&r->text, all.data, keep);
     if (keep < all.len) {
-        buf_printf(out, "\n[cut: the result has %zu bytes; only the first %zu are shown]", all.len,
-                   keep);
+        buf_printf(&r->text, "\n[cut: the result has %zu bytes; only the first %zu are shown]",
+                   all.len, keep);
     }
     buf_cleanup(&all);
 }

@@ -9,13 +9,17 @@
  * per URL and headers for the process's life.
  *
  * Bounds: a response of at most MCP_RESPONSE_MAX bytes; at most MCP_PAGES_MAX pages and
- * MCP_TOOLS_MAX tools in a listing; a call's text at most MCP_TEXT_MAX bytes (cut with a note).
+ * MCP_TOOLS_MAX tools in a listing; a call's text at most MCP_TEXT_MAX bytes (cut with a note);
+ * its images as image.h bounds a tool result's (others are described in the text instead).
  */
 #ifndef CFLUE_AGENTD_MCP_H
 #define CFLUE_AGENTD_MCP_H
 
 #include "agents.h"
 #include "buf.h"
+#include "image.h"
+
+#include "cflue/v1/common.pb-c.h"
 
 #include <jansson.h>
 #include <stdbool.h>
@@ -57,13 +61,38 @@ json_t *mcp_op_tools(const struct mcp_op *op);
  * and a result with isError are error results). */
 const char *mcp_op_text(const struct mcp_op *op);
 bool mcp_op_is_error(const struct mcp_op *op);
+/* mcp_op_images: a call's images (mcp_result_read), *n of them; borrowed: valid until
+ * mcp_op_free. */
+Cflue__V1__Attachment **mcp_op_images(struct mcp_op *op, size_t *n);
 /* mcp_op_free frees an operation that is over (NULL is fine). */
 void mcp_op_free(struct mcp_op *op);
 
-/* mcp_result_text writes what the model reads of a tools/call result into out: its text
- * content in order, a line describing each image, audio or resource link, a resource's text;
- * with no content, the structured content as JSON. At most MCP_TEXT_MAX bytes, cut at a
- * character boundary with a note. *is_error is the result's isError. */
-void mcp_result_text(json_t *result, struct buf *out, bool *is_error);
+/* What the model is shown of a tools/call result. */
+struct mcp_result {
+    struct buf text; /* at most MCP_TEXT_MAX bytes, and a note when cut */
+    bool is_error;   /* the result's isError */
+    /* its image content, decoded: names "image-<n>" in names[], mime types image_type()'s
+     * static strings, data owned here; ptrs[] point at images[] (an Attachment list) */
+    Cflue__V1__Attachment images[IMAGE_RESULT_MAX];
+    Cflue__V1__Attachment *ptrs[IMAGE_RESULT_MAX];
+    char names[IMAGE_RESULT_MAX][16];
+    size_t n_images;
+    size_t image_bytes; /* their data together */
+};
+
+/* mcp_result_init prepares an empty result; mcp_result_cleanup frees what it holds (and may
+ * be called again, or after init alone). */
+void mcp_result_init(struct mcp_result *r);
+void mcp_result_cleanup(struct mcp_result *r);
+
+/* mcp_result_read maps a tools/call result into r (fresh from mcp_result_init): its text
+ * content in order; each image item with a type image.h allows, valid base64 and room left
+ * under image.h's bounds becomes one of r's images, with a line in the text saying it is
+ * shown after it; any other image item, and each audio item and binary resource, a line
+ * saying what it was and why it cannot be shown; a resource's text; a resource link's URI;
+ * with no content, the structured content as JSON. The text is cut at a character boundary
+ * with a note past MCP_TEXT_MAX bytes. r->is_error is the result's isError. Never fails:
+ * whatever the server sent is described. */
+void mcp_result_read(struct mcp_result *r, json_t *result);
 
 #endif

@@ -225,8 +225,8 @@ static void tell(struct drive *d, const char *kind, const char *what, struct buf
 }
 
 /* tell_environment announces a sandbox attached, detached or switched, with every roster. */
-static void tell_environment(struct drive *d, const Cflue__V1__ResourceState *was,
-                             struct buf *b, struct narrated *now)
+static void tell_environment(struct drive *d, const Cflue__V1__ResourceState *was, struct buf *b,
+                             struct narrated *now)
 {
     const Cflue__V1__ResourceState *st = &now->st;
     if (d->tools_addr) {

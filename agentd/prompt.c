@@ -89,6 +89,7 @@ static void glance_request(struct drive *d, Cflue__V1__GlanceRequest *rq, bool v
 {
     cflue__v1__glance_request__init(rq);
     rq->sandbox = d->workspace;
+    rq->cwd = d->cwd;
     rq->list_tools = list_tools;
     if (list_tools) {
         rq->skills_dir = SKILLS_DIR; /* found afresh by every attempt */
@@ -264,6 +265,10 @@ static bool took_glance(struct drive *d, const struct rpc_status *st, ProtobufCM
     if (st->code == GRPC_STATUS_OK) {
         const Cflue__V1__GlanceResponse *g = (const void *)resp;
         view_of_glance(v, g);
+        if (tools_scope_refused(d, g->cwd_applied)) {
+            v->glance = resp;
+            return false;
+        }
         if (!skill_tools_discover(d, g->skills, g->n_skills)) {
             v->glance = resp;
             d->outcome = CFLUE__V1__OUTCOME__OUTCOME_FAILED; /* no retry mends a clash */
@@ -278,14 +283,24 @@ static bool took_glance(struct drive *d, const struct rpc_status *st, ProtobufCM
         return !drive_halted(d);
     }
     if (st->code == GRPC_STATUS_UNIMPLEMENTED) {
+        if (tools_scope_refused(d, false)) {
+            return false; /* the older calls cannot scope */
+        }
         tools_load(d);
         return !drive_halted(d) && (in_force(d) || view_by_calls(d, tools_channel(d), v));
     }
     if (!tools_failed(d, "looking at the sandbox failed", st)) {
         /* toold answered but refused: that is no tool set either */
         struct cf_error e;
-        cf_error_set(&e, status_from_grpc(st->code), "toold at %s refused Sandbox.Glance: %s",
-                     d->tools_addr, st->details);
+        if (d->cwd[0] &&
+            (st->code == GRPC_STATUS_NOT_FOUND || st->code == GRPC_STATUS_INVALID_ARGUMENT)) {
+            /* the directory the parent named is not there: no retry mends that */
+            cf_error_set(&e, CF_INVALID, "the working directory %.1024s it was given: %s", d->cwd,
+                         st->details);
+        } else {
+            cf_error_set(&e, status_from_grpc(st->code), "toold at %s refused Sandbox.Glance: %s",
+                         d->tools_addr, st->details);
+        }
         drive_fault(d, "looking at the sandbox failed", &e);
     }
     return false;

@@ -47,7 +47,7 @@ struct llm_image {
 struct llm_message {
     enum llm_role role;
     const char *text;               /* user / assistant text, or the tool result text */
-    const struct llm_image *images; /* user images, after the text */
+    const struct llm_image *images; /* after the text: a user's images, a tool result's */
     size_t n_images;
     const struct llm_call *calls; /* assistant tool calls */
     size_t n_calls;

@@ -2,7 +2,9 @@
  *
  * Request: {model, max_tokens, system, messages, tools, stream}. User text and tool results are
  * user-role messages (tool results as tool_result blocks, consecutive ones merged into one
- * message); assistant messages carry text and tool_use blocks. Streaming events:
+ * message; a result with images has a content array: its text block, then an image block
+ * each); a user's images follow its text as image blocks; assistant messages carry text and
+ * tool_use blocks. Streaming events:
  * message_start, content_block_start (text | tool_use), content_block_delta (text_delta |
  * input_json_delta), content_block_stop, message_delta (stop_reason, usage), message_stop,
  * ping, error.
@@ -13,6 +15,32 @@
 
 #include <stdlib.h>
 #include <string.h>
+
+/* image_blocks appends an image block (base64 source) for each of m's images to content. */
+static void image_blocks(json_t *content, const struct llm_message *m)
+{
+    for (size_t k = 0; k < m->n_images; k++) {
+        json_array_append_new(content,
+                              json_pack("{s:s, s:{s:s, s:s, s:s}}", "type", "image", "source",
+                                        "type", "base64", "media_type", m->images[k].mime_type,
+                                        "data", m->images[k].base64));
+    }
+}
+
+/* result_block is tool result m as a tool_result block: its text as the content, or, with
+ * images, a content array of a text block and the images' blocks. */
+static json_t *result_block(const struct llm_message *m)
+{
+    const char *text = m->text && *m->text ? m->text : "(empty)";
+    json_t *content = json_string(text);
+    if (m->n_images) {
+        json_decref(content);
+        content = json_pack("[{s:s, s:s}]", "type", "text", "text", text);
+        image_blocks(content, m);
+    }
+    return json_pack("{s:s, s:s, s:o, s:b}", "type", "tool_result", "tool_use_id", m->tool_call_id,
+                     "content", content, "is_error", m->is_error);
+}
 
 json_t *anthropic_build(const struct llm_request *req)
 {
@@ -45,23 +73,17 @@ json_t *anthropic_build(const struct llm_request *req)
             pending_user = NULL;
             continue;
         }
-        json_t *block =
-            m->role == LLM_TOOL_RESULT
-                ? json_pack("{s:s, s:s, s:s, s:b}", "type", "tool_result", "tool_use_id",
-                            m->tool_call_id, "content", m->text && *m->text ? m->text : "(empty)",
-                            "is_error", m->is_error)
-                : json_pack("{s:s, s:s}", "type", "text", "text",
-                            m->text && *m->text ? m->text : "(empty)");
         if (!pending_user) {
             pending_user = json_pack("{s:s, s:[]}", "role", "user", "content");
             json_array_append_new(msgs, pending_user);
         }
-        json_array_append_new(json_object_get(pending_user, "content"), block);
-        for (size_t k = 0; k < m->n_images; k++) {
-            json_array_append_new(json_object_get(pending_user, "content"),
-                                  json_pack("{s:s, s:{s:s, s:s, s:s}}", "type", "image", "source",
-                                            "type", "base64", "media_type", m->images[k].mime_type,
-                                            "data", m->images[k].base64));
+        json_t *content = json_object_get(pending_user, "content");
+        if (m->role == LLM_TOOL_RESULT) {
+            json_array_append_new(content, result_block(m));
+        } else {
+            json_array_append_new(content, json_pack("{s:s, s:s}", "type", "text", "text",
+                                                     m->text && *m->text ? m->text : "(empty)"));
+            image_blocks(content, m);
         }
     }
     json_t *body = json_pack("{s:s, s:I, s:o, s:b}", "model", req->model, "max_tokens",

@@ -1,6 +1,8 @@
 /* provider_openai.c - the OpenAI Chat Completions wire format (and compatible servers).
  *
- * Request: {model, messages (system first; assistant tool_calls; role "tool" results),
+ * Request: {model, messages (system first; assistant tool_calls; role "tool" results, text
+ * only, so the images of one turn's results follow them in one user message; a user's images
+ * as image_url parts with data URLs),
  * tools [{type: function, function: {name, description, parameters}}], max_tokens, stream,
  * stream_options.include_usage}. Streaming: "data: {chat.completion.chunk}" lines with
  * choices[0].delta.content and delta.tool_calls pieces keyed by index, finish_reason, a usage
@@ -13,6 +15,40 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* image_parts appends an image_url part (a data URL) for each of m's images to parts. */
+static void image_parts(json_t *parts, const struct llm_message *m)
+{
+    for (size_t k = 0; k < m->n_images; k++) {
+        char *url = mem_asprintf("data:%s;base64,%s", m->images[k].mime_type, m->images[k].base64);
+        json_array_append_new(
+            parts, json_pack("{s:s, s:{s:s}}", "type", "image_url", "image_url", "url", url));
+        free(url);
+    }
+}
+
+/* results_images is the user message that shows the images of tool results msgs[0..n) (a
+ * turn's, each a role "tool" message already: those carry text only), or NULL when none has
+ * any. */
+static json_t *results_images(const struct llm_message *msgs, size_t n)
+{
+    json_t *parts = NULL;
+    for (size_t i = 0; i < n; i++) {
+        if (!msgs[i].n_images) {
+            continue;
+        }
+        if (!parts) {
+            parts = json_pack("[{s:s, s:s}]", "type", "text", "text",
+                              "Images returned by the tool calls above:");
+        }
+        char *label = mem_asprintf("From %s (call %s):", msgs[i].tool_name ? msgs[i].tool_name : "",
+                                   msgs[i].tool_call_id ? msgs[i].tool_call_id : "");
+        json_array_append_new(parts, json_pack("{s:s, s:s}", "type", "text", "text", label));
+        free(label);
+        image_parts(parts, &msgs[i]);
+    }
+    return parts ? json_pack("{s:s, s:o}", "role", "user", "content", parts) : NULL;
+}
 
 json_t *openai_build(const struct llm_request *req)
 {
@@ -27,13 +63,7 @@ json_t *openai_build(const struct llm_request *req)
             json_t *parts = json_array();
             json_array_append_new(
                 parts, json_pack("{s:s, s:s}", "type", "text", "text", m->text ? m->text : ""));
-            for (size_t k = 0; k < m->n_images; k++) {
-                char *url =
-                    mem_asprintf("data:%s;base64,%s", m->images[k].mime_type, m->images[k].base64);
-                json_array_append_new(parts, json_pack("{s:s, s:{s:s}}", "type", "image_url",
-                                                       "image_url", "url", url));
-                free(url);
-            }
+            image_parts(parts, m);
             json_array_append_new(msgs, json_pack("{s:s, s:o}", "role", "user", "content", parts));
         } else if (m->role == LLM_USER) {
             json_array_append_new(
@@ -42,6 +72,18 @@ json_t *openai_build(const struct llm_request *req)
             json_array_append_new(msgs,
                                   json_pack("{s:s, s:s, s:s}", "role", "tool", "tool_call_id",
                                             m->tool_call_id, "content", m->text ? m->text : ""));
+            /* after the turn's last result, so that the tool messages stay together right
+             * after their assistant message */
+            if (i + 1 == req->n_messages || m[1].role != LLM_TOOL_RESULT) {
+                size_t first = i;
+                while (first > 0 && req->messages[first - 1].role == LLM_TOOL_RESULT) {
+                    first--;
+                }
+                json_t *shown = results_images(&req->messages[first], i + 1 - first);
+                if (shown) {
+                    json_array_append_new(msgs, shown);
+                }
+            }
         } else {
             json_t *a = json_pack("{s:s}", "role", "assistant");
             json_object_set_new(a, "content",

@@ -229,6 +229,12 @@ bool settle_start(struct drive *d, Cflue__V1__Outcome outcome, const char *error
     }
     d->settling = outcome;
     d->settling_error = error;
+    if (d->log.pending_bytes > DSTORE_APPEND_BYTES_MAX && dstore_flush(d) != CF_OK) {
+        /* too much for the Settle to carry (a failure path with large results unwritten):
+         * appended first, a rare blocking call; a failed one is a fault like any Append's */
+        *end = settle_ended(d);
+        return false;
+    }
     failpoint_hit("agentd.settle.before");
     send_settle(d);
     return true;

@@ -67,6 +67,9 @@ static const char TASK_SCHEMA[] =
     "subagent.\"},"
     "\"agent\":{\"type\":\"string\",\"minLength\":1,\"description\":\"The name of the subagent "
     "to hand the work to.\"},"
+    "\"cwd\":{\"type\":\"string\",\"description\":\"Optional: a directory of your sandbox for the "
+    "subagent to work in, relative to your working directory. Its notes file, listing and "
+    "skills are read from there, and its relative paths and commands start there.\"},"
     "\"attachments\":{\"type\":\"array\",\"description\":\"Files of this conversation to "
     "pass on, by name.\",\"items\":{\"type\":\"object\",\"properties\":{\"id\":{\"type\":"
     "\"string\"}},\"required\":[\"id\"]}}},"
@@ -246,6 +249,7 @@ static void admit_send(struct task_call *tc)
     dg.sandbox_tools = (char *)(d->tools_addr ? d->tools_addr : "");
     dg.sandbox = d->tools_addr ? d->workspace : "";
     dg.model = (char *)d->model;
+    dg.cwd = d->tools_addr ? tc->cwd : "";
     Cflue__V1__AdmitRequest ar = CFLUE__V1__ADMIT_REQUEST__INIT;
     ar.agent = tc->agent;
     ar.conversation_id = "";
@@ -437,6 +441,85 @@ static bool take_attachments(struct drive *d, struct task_call *tc, json_t *args
     return true;
 }
 
+/* join_cwd normalizes path (relative to base, both relative to the sandbox's working directory)
+ * into out: "." and empty segments dropped, ".." popping one; false when it climbs above the
+ * working directory or does not fit. */
+static bool join_cwd(const char *base, const char *path, char *out, size_t out_len)
+{
+    char in[2 * DRIVE_CWD_MAX + 2];
+    size_t o = 0;
+    if ((size_t)snprintf(in, sizeof(in), "%s/%s", base, path) >= sizeof(in)) {
+        return false;
+    }
+    out[0] = '\0';
+    char *save = NULL;
+    for (char *seg = strtok_r(in, "/", &save); seg; seg = strtok_r(NULL, "/", &save)) {
+        if (!strcmp(seg, ".")) {
+            continue;
+        }
+        if (!strcmp(seg, "..")) {
+            if (!o) {
+                return false;
+            }
+            char *slash = strrchr(out, '/');
+            o = slash ? (size_t)(slash - out) : 0;
+            out[o] = '\0';
+            continue;
+        }
+        size_t n = strlen(seg);
+        if (o + n + 2 > out_len) {
+            return false;
+        }
+        if (o) {
+            out[o++] = '/';
+        }
+        memcpy(out + o, seg, n + 1);
+        o += n;
+    }
+    return true;
+}
+
+/* take_cwd resolves the call's `cwd` into tc->cwd: relative to the drive's own working
+ * directory, or absolute inside the sandbox; without one the child works where its parent
+ * does. false (an error result recorded, no child made) when it cannot be used. */
+static bool take_cwd(struct drive *d, struct task_call *tc, json_t *args)
+{
+    json_t *v = json_object_get(args, "cwd");
+    const char *cwd = json_string_value(v), *why = NULL;
+    char rel[DRIVE_CWD_MAX + 1], text[DRIVE_CWD_MAX + 512];
+    const struct agent_def *child = agents_find(&d->defs->agents, tc->agent);
+    if (!v || (cwd && !*cwd)) {
+        tc->cwd = mem_strdup(d->cwd);
+        return true;
+    }
+    const char *wd = d->tools.working_directory ? d->tools.working_directory : "";
+    size_t wd_len = strlen(wd), own = strlen(d->cwd);
+    size_t root_len = own && wd_len > own ? wd_len - own - 1 : wd_len; /* wd is root/own */
+    if (!cwd || json_string_length(v) != strlen(cwd)) {
+        why = "it must be a string naming a directory";
+    } else if (!d->tools_addr) {
+        why = "you have no sandbox, so there is no directory to hand over";
+    } else if (child && child->sandbox_tools) {
+        why = "that subagent works in a sandbox of its own; cwd applies only to subagents that "
+              "share yours";
+    } else if (cwd[0] == '/' && !(root_len && !strncmp(cwd, wd, root_len) &&
+                                  (cwd[root_len] == '/' || !cwd[root_len]))) {
+        why = "an absolute cwd must lie inside the sandbox";
+    } else if (!join_cwd(cwd[0] == '/' ? "" : d->cwd, cwd[0] == '/' ? cwd + root_len : cwd, rel,
+                         sizeof(rel))) {
+        why = "it leads outside the sandbox or is too long";
+    }
+    if (why) {
+        snprintf(text, sizeof(text),
+                 "The task was not started: cwd \"%.1024s\" cannot be used: %s.", cwd ? cwd : "",
+                 why);
+        refuse(d, tc->index, tc->call_id, text, true);
+        return false;
+    }
+    tc->cwd = mem_strdup(rel);
+    return true;
+}
+
 bool task_start(struct drive *d, const struct llm_response *resp)
 {
     struct task_wait *tw = &d->tasks;
@@ -469,7 +552,7 @@ bool task_start(struct drive *d, const struct llm_response *resp)
         tc->agent = mem_strdup(json_string_value(json_object_get(args, "agent")));
         tc->prompt = mem_strdup(json_string_value(json_object_get(args, "prompt")));
         dcall_init(&tc->admit, d);
-        if (!take_attachments(d, tc, args)) {
+        if (!take_cwd(d, tc, args) || !take_attachments(d, tc, args)) {
             tc->done = true; /* answered: nothing is admitted */
             json_decref(args);
             continue;
@@ -497,10 +580,12 @@ static void skill_read_start(struct drive *d, struct task_call *tc, int index, c
     tc->skill = s;
     dcall_init(&tc->admit, d);
     Cflue__V1__ReadFileRequest rq = CFLUE__V1__READ_FILE_REQUEST__INIT;
+    char *path = mem_asprintf("%s%s%s", d->cwd, d->cwd[0] ? "/" : "", s->origin);
     rq.sandbox = d->workspace;
-    rq.path = s->origin;
+    rq.path = path; /* the Glance named it from the drive's working directory */
     dcall_start(&tc->admit, tools_channel(d), "/cflue.v1.Sandbox/ReadFile", &rq.base,
                 &cflue__v1__read_file_response__descriptor, ADMIT_TIMEOUT_MS);
+    free(path);
 }
 
 /* skill_read records the activation of a skill read again from the sandbox. */
@@ -728,6 +813,7 @@ void task_wait_cleanup(struct drive *d)
         }
         free(tc->agent);
         free(tc->prompt);
+        free(tc->cwd);
         free(tc->atts);
         free(tc->child_submission_id);
         free(tc->child_conversation_id);

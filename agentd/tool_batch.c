@@ -22,9 +22,11 @@
 #include "drive.h"
 #include "engine.h"
 #include "failpoint.h"
+#include "image.h"
 #include "log.h"
 #include "mem.h"
 #include "pbtime.h"
+#include "utf8.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -127,6 +129,20 @@ bool tools_failed(struct drive *d, const char *what, const struct rpc_status *st
     return true;
 }
 
+bool tools_scope_refused(struct drive *d, bool applied)
+{
+    if (!d->cwd[0] || applied) {
+        return false;
+    }
+    struct cf_error e;
+    cf_error_set(&e, CF_INVALID, /* fails the submission: no retry mends it */
+                 "the sandbox server at %s cannot scope a subagent to the directory %.1024s "
+                 "(it does not apply a request's cwd)",
+                 d->tools_addr, d->cwd);
+    drive_fault(d, "looking at the sandbox failed", &e);
+    return true;
+}
+
 void tools_no_channel(struct drive *d)
 {
     if (d->tools_addr) {
@@ -186,9 +202,14 @@ void tools_load(struct drive *d)
     ProtobufCMessage *resp;
     struct rpc_status st;
     rq.sandbox = d->workspace;
+    rq.cwd = d->cwd;
     if (rpc_unary(ch, "/cflue.v1.Tools/List", &rq.base, &cflue__v1__list_tools_response__descriptor,
                   TOOLS_TIMEOUT_MS, &resp, &st)) {
         const Cflue__V1__ListToolsResponse *list = (const void *)resp;
+        if (tools_scope_refused(d, list->cwd_applied)) {
+            protobuf_c_message_free_unpacked(resp, NULL);
+            return;
+        }
         tools_adopt(d, resp, list->tools, list->n_tools, list->working_directory);
     } else if (!tools_failed(d, "listing the sandbox's tools failed", &st)) {
         /* toold answered but refused: that is no tool set either */
@@ -212,24 +233,66 @@ void tools_cleanup(struct drive *d)
     memset(&d->tools, 0, sizeof(d->tools));
 }
 
-void tools_record_result(struct drive *d, int index, const char *call_id, const char *name,
-                         const char *text, bool is_error, const Cflue__V1__Truncation *t,
-                         bool outcome_unknown)
+/* record writes one tool result as a pending record: tools_record_result and
+ * tools_record_images. */
+static void record(struct drive *d, int index, const char *call_id, const char *name,
+                   const char *text, bool is_error, const Cflue__V1__Truncation *t,
+                   bool outcome_unknown, Cflue__V1__Attachment *const *images, size_t n_images)
 {
     char id[512];
-    struct buf clean;
+    struct buf clean, noted;
     Cflue__V1__ToolCallResult body = CFLUE__V1__TOOL_CALL_RESULT__INIT;
+    Cflue__V1__Attachment *kept[IMAGE_RESULT_MAX];
+    size_t bytes = 0;
     context_tool_result_id(id, sizeof(id), d->sub->submission_id, d->turn, call_id);
     body.turn = d->turn;
     body.index = index;
     body.tool_call_id = (char *)call_id;
     body.name = (char *)name;
     body.text = (char *)dstore_utf8(text, &clean); /* a server's text cut mid-character */
+    buf_init(&noted, strlen(body.text) + n_images * 320 + 1);
+    for (size_t i = 0; i < n_images; i++) {
+        const Cflue__V1__Attachment *a = images[i];
+        size_t name_len = strlen(a->name);
+        const char *why = image_refusal(a->mime_type, a->data.len, body.n_images, bytes);
+        if (!why && (name_len > IMAGE_NAME_MAX || !utf8_valid(a->name, name_len, NULL))) {
+            why = "its name is not UTF-8 of at most 255 bytes";
+        }
+        if (why) {
+            if (!noted.len) {
+                buf_append_str(&noted, body.text);
+            }
+            buf_printf(&noted, "\n[image %zu (%.64s, %zu bytes) is not shown: %s]", i + 1,
+                       a->mime_type, a->data.len, why);
+            continue;
+        }
+        kept[body.n_images++] = (Cflue__V1__Attachment *)a; /* packed, never changed */
+        bytes += a->data.len;
+    }
+    if (noted.len) {
+        body.text = (char *)buf_cstr(&noted);
+    }
+    body.images = body.n_images ? kept : NULL;
     body.is_error = is_error;
     body.truncation = t && t->truncated ? (Cflue__V1__Truncation *)t : NULL;
     body.outcome_unknown = outcome_unknown;
     (void)dstore_defer_one(d, id, d->sub->submission_id, &body.base);
+    buf_cleanup(&noted);
     buf_cleanup(&clean);
+}
+
+void tools_record_result(struct drive *d, int index, const char *call_id, const char *name,
+                         const char *text, bool is_error, const Cflue__V1__Truncation *t,
+                         bool outcome_unknown)
+{
+    record(d, index, call_id, name, text, is_error, t, outcome_unknown, NULL, 0);
+}
+
+void tools_record_images(struct drive *d, int index, const char *call_id, const char *name,
+                         const char *text, bool is_error, const Cflue__V1__Truncation *t,
+                         Cflue__V1__Attachment *const *images, size_t n_images)
+{
+    record(d, index, call_id, name, text, is_error, t, false, images, n_images);
 }
 
 /* ---------- lanes: one stream of calls per server ---------- */
@@ -298,6 +361,7 @@ static void lane_add(struct tool_lane *l, const Cflue__V1__ToolCall *c, int inde
     tc->call_id = c->call_id;
     tc->name = c->name;
     tc->arguments_json = c->arguments_json;
+    tc->cwd = c->cwd;
     if (left != INT64_MAX) {
         google__protobuf__duration__init(&l->limits[l->m]);
         pbdur_set(&l->limits[l->m], left > 1 ? left : 1);
@@ -348,6 +412,7 @@ static void prepare(struct drive *d, const struct llm_response *resp)
         }
         Cflue__V1__ToolCall tc = CFLUE__V1__TOOL_CALL__INIT;
         tc.sandbox = d->workspace;
+        tc.cwd = d->tools.source[k] == d->tools_addr ? d->cwd : ""; /* the sandbox's own tools */
         tc.call_id = c->id;
         tc.name = c->name;
         tc.arguments_json = c->arguments_json;
@@ -443,8 +508,8 @@ static void lane_record(struct drive *d, struct tool_lane *l, ProtobufCMessage *
         const Cflue__V1__ToolCall *c = &l->calls[at];
         failpoint_hit("agentd.tools.before_record");
         if (d->fault.code == CF_OK && !drive_lost_or_down(d)) {
-            tools_record_result(d, l->index[at], c->call_id, c->name, r->text, r->is_error,
-                                r->truncation, false);
+            tools_record_images(d, l->index[at], c->call_id, c->name, r->text, r->is_error,
+                                r->truncation, r->images, r->n_images);
         }
     }
     protobuf_c_message_free_unpacked(msg, NULL);
@@ -537,8 +602,10 @@ static bool mcp_lane_poll(struct drive *d, struct tool_lane *l)
                  l->mcp->name, why);
         tools_record_result(d, l->index[0], c->call_id, c->name, text, true, NULL, false);
     } else {
-        tools_record_result(d, l->index[0], c->call_id, c->name, mcp_op_text(l->op),
-                            mcp_op_is_error(l->op), NULL, false);
+        size_t n;
+        Cflue__V1__Attachment **images = mcp_op_images(l->op, &n);
+        tools_record_images(d, l->index[0], c->call_id, c->name, mcp_op_text(l->op),
+                            mcp_op_is_error(l->op), NULL, images, n);
     }
     return true;
 }

@@ -2,6 +2,7 @@
 #include "validate.h"
 
 #include "ids.h"
+#include "image.h"
 #include "pbtime.h"
 #include "record_kind.h"
 #include "utf8.h"
@@ -127,6 +128,20 @@ static enum cf_status bounded(const char *field, const char *v, size_t max, bool
 /* delegation checks AdmitRequest.delegation against the request it came with: a subagent's
  * submission is a message into a new conversation. That its parent exists, in the conversation
  * named, one level up, is the ledger's to check (ledger_admit). */
+/* normalized_relative: p is "a/b/c" with no empty, "." or ".." segment. */
+static bool normalized_relative(const char *p)
+{
+    while (*p) {
+        size_t n = strcspn(p, "/");
+        if (!n || (n == 1 && p[0] == '.') || (n == 2 && p[0] == '.' && p[1] == '.') ||
+            (p[n] == '/' && !p[n + 1])) {
+            return false;
+        }
+        p += n + (p[n] == '/');
+    }
+    return true;
+}
+
 static enum cf_status delegation(const Cflue__V1__AdmitRequest *r, struct cf_error *err)
 {
     const Cflue__V1__Delegation *d = r->delegation;
@@ -144,8 +159,15 @@ static enum cf_status delegation(const Cflue__V1__AdmitRequest *r, struct cf_err
                       err)) != CF_OK ||
         (rc = bounded("delegation.sandbox", d->sandbox, VALIDATE_SANDBOX_MAX, false, err)) !=
             CF_OK ||
-        (rc = bounded("delegation.model", d->model, VALIDATE_MODEL_MAX, false, err)) != CF_OK) {
+        (rc = bounded("delegation.model", d->model, VALIDATE_MODEL_MAX, false, err)) != CF_OK ||
+        (rc = bounded("delegation.cwd", d->cwd, VALIDATE_CWD_MAX, false, err)) != CF_OK) {
         return rc;
+    }
+    if (*d->cwd && (!*d->sandbox || !normalized_relative(d->cwd))) {
+        return cf_error_set(err, CF_INVALID,
+                            "delegation.cwd must be a normalized relative path (no leading or "
+                            "trailing '/', no empty, '.' or '..' segments), and only with "
+                            "delegation.sandbox");
     }
     if (d->depth < 1 || d->depth > VALIDATE_DEPTH_MAX) {
         return cf_error_set(err, CF_INVALID, "delegation.depth must be 1 to %d (got %d)",
@@ -505,6 +527,50 @@ static enum cf_status check_assistant_message(const char *at, const Cflue__V1__A
     return CF_OK;
 }
 
+/* tool_images checks a tool result's images against image.h's bounds: at most
+ * IMAGE_RESULT_MAX, each of a type the providers show and 1 to IMAGE_BYTES_MAX bytes, all
+ * together at most IMAGE_RESULT_BYTES_MAX. */
+static enum cf_status tool_images(const char *at, const Cflue__V1__ToolCallResult *t,
+                                  struct cf_error *err)
+{
+    enum cf_status rc;
+    size_t bytes = 0;
+    if (t->n_images > IMAGE_RESULT_MAX) {
+        return cf_error_set(err, CF_INVALID, "%s.tool_result.images: %zu images; the limit is %d",
+                            at, t->n_images, IMAGE_RESULT_MAX);
+    }
+    for (size_t i = 0; i < t->n_images; i++) {
+        const Cflue__V1__Attachment *a = t->images[i];
+        char f[64];
+        if (!image_type(a->mime_type)) {
+            return cf_error_set(err, CF_INVALID,
+                                "%s.tool_result.images[%zu].mime_type '%.64s' is not one of "
+                                "image/png, image/jpeg, image/gif, image/webp",
+                                at, i, a->mime_type);
+        }
+        if (!a->data.len || a->data.len > IMAGE_BYTES_MAX) {
+            return cf_error_set(err, CF_INVALID,
+                                "%s.tool_result.images[%zu].data is %zu bytes; it must be 1 to %d",
+                                at, i, a->data.len, IMAGE_BYTES_MAX);
+        }
+        snprintf(f, sizeof(f), "tool_result.images[%zu].name", i);
+        if ((rc = body_text(at, f, a->name, err)) != CF_OK) {
+            return rc;
+        }
+        if (strlen(a->name) > IMAGE_NAME_MAX) {
+            return cf_error_set(err, CF_INVALID, "%s.%s is %zu bytes; the limit is %d", at, f,
+                                strlen(a->name), IMAGE_NAME_MAX);
+        }
+        bytes += a->data.len;
+    }
+    if (bytes > IMAGE_RESULT_BYTES_MAX) {
+        return cf_error_set(err, CF_INVALID,
+                            "%s.tool_result.images hold %zu bytes together; the limit is %d", at,
+                            bytes, IMAGE_RESULT_BYTES_MAX);
+    }
+    return CF_OK;
+}
+
 static enum cf_status check_tool_result(const char *at, const Cflue__V1__ToolCallResult *t,
                                         struct cf_error *err)
 {
@@ -528,7 +594,7 @@ static enum cf_status check_tool_result(const char *at, const Cflue__V1__ToolCal
                             "must be a known TruncatedBy",
                             at);
     }
-    return CF_OK;
+    return tool_images(at, t, err);
 }
 
 /* body_name checks a body's field that names something of cflue's (an agent, a submission, a

@@ -75,12 +75,34 @@ static void tool_specs_cleanup(struct tool_specs *ts)
     ts->n = 0;
 }
 
+/* open_cwd resolves a request's working directory (ToolCall.cwd, GlanceRequest.cwd) into rel,
+ * relative to the root ("." for an empty cwd), and checks that it is a directory of the
+ * sandbox; the host path goes to host when host is not NULL. */
+static enum cf_status open_cwd(struct sandbox *sb, const char *cwd, char *rel, size_t rel_len,
+                               char *host, size_t host_len, struct cf_error *err)
+{
+    int fd = -1;
+    enum cf_status rc = CF_OK;
+    snprintf(rel, rel_len, ".");
+    if (*cwd && (rc = ws_relative(sb, cwd, rel, rel_len, err)) == CF_OK &&
+        (rc = ws_open(sb, rel, O_PATH | O_DIRECTORY, 0, cwd, &fd, err)) == CF_OK) {
+        close(fd);
+    }
+    if (rc == CF_OK && host) {
+        ws_host_path(sb, rel, host, host_len);
+    }
+    return rc;
+}
+
 static void on_list(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__ListToolsRequest *req = (const void *)msg;
     struct sandbox *sb = NULL;
     struct cf_error err;
-    if (*req->sandbox && workspaces_get(server_state.ws, req->sandbox, &sb, &err) != CF_OK) {
+    char rel[WS_PATH_MAX], wd[PATH_MAX] = "";
+    if (*req->sandbox &&
+        (workspaces_get(server_state.ws, req->sandbox, &sb, &err) != CF_OK ||
+         open_cwd(sb, req->cwd, rel, sizeof(rel), wd, sizeof(wd), &err) != CF_OK)) {
         rpc_call_fail_error(c, &err);
         return;
     }
@@ -89,7 +111,8 @@ static void on_list(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
     Cflue__V1__ListToolsResponse resp = CFLUE__V1__LIST_TOOLS_RESPONSE__INIT;
     resp.tools = ts.ptrs;
     resp.n_tools = ts.n;
-    resp.working_directory = sb ? sb->root : "";
+    resp.working_directory = wd;
+    resp.cwd_applied = sb && *req->cwd;
     rpc_call_reply(c, &resp.base);
     tool_specs_cleanup(&ts);
 }
@@ -122,7 +145,11 @@ static enum cf_status run_call(const Cflue__V1__ToolCall *call, struct rpc_call 
     }
     int64_t t0 = clock_mono_ms();
     const struct tool_def *t = tool_find(call->name);
-    if (!t) {
+    char cwd[WS_PATH_MAX];
+    struct cf_error why;
+    if (open_cwd(sb, call->cwd, cwd, sizeof(cwd), NULL, 0, &why) != CF_OK) {
+        tool_fail(res, "The call did not run: its working directory cannot be used. %s", why.msg);
+    } else if (!t) {
         tool_fail(res,
                   "There is no tool named '%s'. The tools are read, write, edit, bash, "
                   "grep and glob.",
@@ -131,6 +158,7 @@ static enum cf_status run_call(const Cflue__V1__ToolCall *call, struct rpc_call 
         json_t *args = tool_parse_args(t, call->arguments_json, res);
         if (args) {
             struct tool_ctx ctx = {.sb = sb,
+                                   .cwd = cwd,
                                    .cfg = server_state.cfg,
                                    .call_id = call->call_id,
                                    .deadline_ms = call->timeout ? t0 + dur_ms(call->timeout) : 0,
@@ -245,9 +273,13 @@ static void reserve(struct batch_item *it)
         workspaces_get(server_state.ws, it->call->sandbox, &sb, &err) != CF_OK) {
         return;
     }
+    char cwd[WS_PATH_MAX] = ".";
+    if (*it->call->cwd && ws_relative(sb, it->call->cwd, cwd, sizeof(cwd), &err) != CF_OK) {
+        return; /* the call fails on its own */
+    }
     json_t *args = json_loads(it->call->arguments_json, JSON_REJECT_DUPLICATES, NULL);
     const char *path = json_string_value(json_object_get(args, "path"));
-    if (path && ws_relative(sb, path, it->key, sizeof(it->key), &err) == CF_OK) {
+    if (path && ws_relative_from(sb, cwd, path, it->key, sizeof(it->key), &err) == CF_OK) {
         it->ticket = locks_ticket(sb->locks, it->key);
         it->has_ticket = true;
     }
@@ -672,7 +704,7 @@ static void on_read_dir(struct rpc_call *c, const ProtobufCMessage *msg, void *u
 /* glance_file reads the first of req's files that the sandbox can read into resp; a file
  * that does not exist, is no regular file or may not be read is skipped (what ReadFile would
  * answer with an error that is an answer). */
-static enum cf_status glance_file(struct rpc_call *c, struct sandbox *sb,
+static enum cf_status glance_file(struct rpc_call *c, struct sandbox *sb, const char *cwd,
                                   const Cflue__V1__GlanceRequest *req,
                                   Cflue__V1__GlanceResponse *resp, struct cf_error *err)
 {
@@ -681,7 +713,7 @@ static enum cf_status glance_file(struct rpc_call *c, struct sandbox *sb,
         char rel[WS_PATH_MAX];
         int fd = -1;
         struct stat st;
-        enum cf_status rc = ws_relative(sb, req->files[i], rel, sizeof(rel), err);
+        enum cf_status rc = ws_relative_from(sb, cwd, req->files[i], rel, sizeof(rel), err);
         if (rc == CF_OK) {
             rc = ws_open_regular(sb, rel, req->files[i], &fd, &st, err);
         }
@@ -730,14 +762,14 @@ static void glance_skills_cleanup(struct glance_skills *gs)
 /* glance_skills reads the SKILL.md of each subdirectory of req->skills_dir (the first
  * max_skills entries by name) into gs; a directory that is missing, or not one, holds none,
  * and an entry without a readable SKILL.md is skipped. */
-static enum cf_status glance_skills(struct rpc_call *c, struct sandbox *sb,
+static enum cf_status glance_skills(struct rpc_call *c, struct sandbox *sb, const char *cwd,
                                     const Cflue__V1__GlanceRequest *req, struct glance_skills *gs,
                                     bool *more, struct cf_error *err)
 {
     char rel[WS_PATH_MAX];
     int dirfd = -1;
     struct dirpage page = {0};
-    enum cf_status rc = ws_relative(sb, req->skills_dir, rel, sizeof(rel), err);
+    enum cf_status rc = ws_relative_from(sb, cwd, req->skills_dir, rel, sizeof(rel), err);
     if (rc == CF_OK) {
         rc = ws_open(sb, rel, O_PATH | O_DIRECTORY, 0, req->skills_dir, &dirfd, err);
     }
@@ -759,7 +791,7 @@ static enum cf_status glance_skills(struct rpc_call *c, struct sandbox *sb,
         char prel[WS_PATH_MAX];
         int fd = -1;
         struct stat st;
-        rc = ws_relative(sb, path, prel, sizeof(prel), err);
+        rc = ws_relative_from(sb, cwd, path, prel, sizeof(prel), err);
         if (rc == CF_OK) {
             rc = ws_open_regular(sb, prel, path, &fd, &st, err);
         }
@@ -810,22 +842,23 @@ static void on_glance(struct rpc_call *c, const ProtobufCMessage *msg, void *use
                       GLANCE_FILES_MAX, SANDBOX_FILE_MAX, READ_DIR_PAGE_MAX, GLANCE_SKILLS_MAX);
         return;
     }
+    char here[WS_PATH_MAX], wd[PATH_MAX];
     if (workspaces_get(server_state.ws, req->sandbox, &sb, &err) != CF_OK ||
-        glance_file(c, sb, req, &resp, &err) != CF_OK ||
+        open_cwd(sb, req->cwd, here, sizeof(here), wd, sizeof(wd), &err) != CF_OK ||
+        glance_file(c, sb, here, req, &resp, &err) != CF_OK ||
         (*req->skills_dir && req->max_skills > 0 &&
-         glance_skills(c, sb, req, &gs, &more_skills, &err) != CF_OK)) {
+         glance_skills(c, sb, here, req, &gs, &more_skills, &err) != CF_OK)) {
         free(resp.file_data.data);
         glance_skills_cleanup(&gs);
         rpc_call_fail_error(c, &err);
         return;
     }
     int dirfd = -1;
-    char here[WS_PATH_MAX];
     struct file_info *infos = NULL;
     Cflue__V1__FileInfo **entries = NULL;
     if (req->max_entries > 0 &&
-        (ws_relative(sb, ".", here, sizeof(here), &err) != CF_OK ||
-         ws_open(sb, here, O_PATH | O_DIRECTORY, 0, ".", &dirfd, &err) != CF_OK ||
+        (ws_open(sb, here, O_PATH | O_DIRECTORY, 0, *req->cwd ? req->cwd : ".", &dirfd, &err) !=
+             CF_OK ||
          dirpage_select(dirfd, "", (size_t)req->max_entries, call_gone, c, &page, &err) != CF_OK)) {
         if (dirfd >= 0) {
             close(dirfd);
@@ -851,7 +884,8 @@ static void on_glance(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     }
     resp.entries = entries;
     resp.more_entries = page.more;
-    resp.working_directory = sb->root;
+    resp.working_directory = wd;
+    resp.cwd_applied = *req->cwd != '\0';
     struct tool_specs ts = {.n = 0};
     if (req->list_tools) {
         tool_specs_fill(&ts);

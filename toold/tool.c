@@ -157,6 +157,12 @@ void tool_fail_error(struct tool_result *res, const struct cf_error *err)
     tool_fail(res, "%s", err->msg);
 }
 
+enum cf_status tool_resolve(const struct tool_ctx *ctx, const char *path, char *out, size_t out_len,
+                            struct cf_error *err)
+{
+    return ws_relative_from(ctx->sb, ctx->cwd, path, out, out_len, err);
+}
+
 bool tool_cancelled(struct tool_ctx *ctx)
 {
     if (ctx->deadline_ms && clock_mono_ms() >= ctx->deadline_ms) {
@@ -250,7 +256,7 @@ json_t *tool_parse_args(const struct tool_def *t, const char *arguments_json,
 enum cf_status tool_lock_path(struct tool_ctx *ctx, const char *path, char *key, size_t key_len,
                               struct cf_error *err)
 {
-    enum cf_status rc = ws_relative(ctx->sb, path, key, key_len, err);
+    enum cf_status rc = tool_resolve(ctx, path, key, key_len, err);
     if (rc != CF_OK) {
         return rc;
     }

@@ -34,6 +34,8 @@ struct toold_config {
 
 struct tool_ctx {
     struct sandbox *sb;
+    const char *cwd; /* the call's working directory, relative to the root as ws_relative
+                      * writes it (ToolCall.cwd, checked); NULL: the root */
     const struct toold_config *cfg;
     const char *call_id;
     int64_t deadline_ms;          /* monotonic; 0: none (ToolCall.timeout_ms) */
@@ -93,6 +95,11 @@ void tool_fail(struct tool_result *res, const char *fmt, ...) __attribute__((for
 
 /* tool_fail_error makes the result an error carrying err's message. */
 void tool_fail_error(struct tool_result *res, const struct cf_error *err);
+
+/* tool_resolve resolves a path the model gave against the call's working directory
+ * (ws_relative_from). */
+CF_MUST_CHECK enum cf_status tool_resolve(const struct tool_ctx *ctx, const char *path, char *out,
+                                          size_t out_len, struct cf_error *err);
 
 /* tool_cancelled reports whether the call's caller went away or its deadline passed. */
 bool tool_cancelled(struct tool_ctx *ctx);

@@ -231,10 +231,12 @@ static enum cf_status run_command(struct capture *c, const char *command, int64_
 {
     struct tool_ctx *ctx = c->ctx;
     const char *argv[PROC_ARGV_MAX];
-    ctx->sb->driver->build_argv(ctx->sb, ctx->sb->root, command, argv);
+    char cwd[PATH_MAX];
+    ws_host_path(ctx->sb, ctx->cwd ? ctx->cwd : ".", cwd, sizeof(cwd));
+    ctx->sb->driver->build_argv(ctx->sb, cwd, command, argv);
     char **env = proc_base_env(NULL, 0);
     struct proc_spec spec = {.argv = argv,
-                             .cwd = ctx->sb->root,
+                             .cwd = cwd,
                              .envp = env,
                              .timeout_ms = timeout_ms,
                              .on_output = on_output,

@@ -382,7 +382,7 @@ void tool_read_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
     int fd;
 
     json_object_set_new(res->details, "path", json_string(path));
-    if (ws_relative(ctx->sb, path, rel, sizeof(rel), &err) != CF_OK) {
+    if (tool_resolve(ctx, path, rel, sizeof(rel), &err) != CF_OK) {
         tool_fail_error(res, &err);
         return;
     }

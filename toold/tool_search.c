@@ -109,12 +109,15 @@ static void topk_free(struct topk *k)
     free(k->items);
 }
 
-/* append_path adds a file name as valid UTF-8: names are bytes, and invalid sequences become
+/* append_path writes a hit's path (relative to the root) as the model names it, relative to the
+ * call's working directory, as valid UTF-8: names are bytes, and invalid sequences become
  * U+FFFD (DECISIONS.md), so every protobuf string toold sends parses in any client. Sorting
  * happens before, on the raw bytes. */
-static void append_path(struct buf *b, const char *path)
+static void append_path(const struct tool_ctx *ctx, struct buf *b, const char *path)
 {
-    if (utf8_sanitize(b, path, strlen(path)) != CF_OK) {
+    char shown[WS_PATH_MAX + 1024];
+    ws_shown_path(ctx->cwd, path, shown, sizeof(shown));
+    if (utf8_sanitize(b, shown, strlen(shown)) != CF_OK) {
         /* the result buffer is full: the text is cut like any over-long result */
     }
 }
@@ -411,7 +414,7 @@ static bool search_root(struct tool_ctx *ctx, const char *path, char *rel, size_
 {
     struct cf_error err;
     int fd;
-    if (ws_relative(ctx->sb, path, rel, rel_len, &err) != CF_OK ||
+    if (tool_resolve(ctx, path, rel, rel_len, &err) != CF_OK ||
         ws_open(ctx->sb, rel, O_PATH, 0, path, &fd, &err) != CF_OK) {
         tool_fail_error(res, &err);
         return false;
@@ -439,7 +442,7 @@ static bool list_hits(struct tool_ctx *ctx, struct topk *hits, bool with_lines,
         if (i) {
             buf_append_str(&res->text, "\n");
         }
-        append_path(&res->text, hits->items[i].path);
+        append_path(ctx, &res->text, hits->items[i].path);
         if (with_lines) {
             buf_printf(&res->text, ":%lld:%s", (long long)hits->items[i].line, hits->items[i].text);
         }

@@ -119,7 +119,13 @@ enum cf_status ws_errno_error(int e, const char *op, const char *shown_path, str
 enum cf_status ws_relative(const struct sandbox *sb, const char *path, char *out, size_t out_len,
                            struct cf_error *err)
 {
-    char tmp[WS_PATH_MAX];
+    return ws_relative_from(sb, NULL, path, out, out_len, err);
+}
+
+enum cf_status ws_relative_from(const struct sandbox *sb, const char *base, const char *path,
+                                char *out, size_t out_len, struct cf_error *err)
+{
+    char tmp[WS_PATH_MAX], joined[WS_PATH_MAX];
     const char *p = path;
     size_t root_len = strlen(sb->root);
 
@@ -140,6 +146,14 @@ enum cf_status ws_relative(const struct sandbox *sb, const char *path, char *out
         } else {
             p = path; /* unconfined: absolute host paths pass */
         }
+    }
+    if (path[0] != '/' && base && *base && strcmp(base, ".")) {
+        /* relative to the call's working directory, itself relative to the root */
+        if ((size_t)snprintf(joined, sizeof(joined), "%s/%s", base, path) >= sizeof(joined)) {
+            return cf_error_set(err, CF_INVALID, "the path is longer than %d bytes",
+                                WS_PATH_MAX - 1);
+        }
+        p = joined;
     }
     /* normalize: drop empty and "." segments, pop on ".." */
     size_t o = 0;
@@ -190,6 +204,38 @@ enum cf_status ws_relative(const struct sandbox *sb, const char *path, char *out
         snprintf(out, out_len, ".");
     }
     return CF_OK;
+}
+
+void ws_shown_path(const char *base, const char *rel, char *out, size_t out_len)
+{
+    if (!base || !*base || !strcmp(base, ".") || rel[0] == '/') {
+        snprintf(out, out_len, "%s", rel);
+        return;
+    }
+    const char *b = base, *r = strcmp(rel, ".") ? rel : "";
+    while (*b) { /* skip the leading segments both share */
+        size_t n = strcspn(b, "/");
+        if (strncmp(b, r, n) != 0 || (r[n] != '/' && r[n] != '\0')) {
+            break;
+        }
+        b += n + (b[n] == '/');
+        r += n + (r[n] == '/');
+    }
+    size_t o = 0;
+    out[0] = '\0';
+    while (*b && o + 4 < out_len) { /* one ".." for each segment of base left */
+        memcpy(out + o, "../", 4);
+        o += 3;
+        b += strcspn(b, "/");
+        b += *b == '/';
+    }
+    snprintf(out + o, out_len - o, "%s", r);
+    size_t len = strlen(out);
+    if (len > 1 && out[len - 1] == '/') {
+        out[len - 1] = '\0'; /* "../.." rather than "../../" */
+    } else if (!len) {
+        snprintf(out, out_len, ".");
+    }
 }
 
 void ws_host_path(const struct sandbox *sb, const char *rel, char *out, size_t out_len)

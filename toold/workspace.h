@@ -63,6 +63,17 @@ CF_MUST_CHECK enum cf_status workspaces_get(struct workspaces *w, const char *na
 CF_MUST_CHECK enum cf_status ws_relative(const struct sandbox *sb, const char *path, char *out,
                                          size_t out_len, struct cf_error *err);
 
+/* ws_relative_from is ws_relative with relative paths taken from base, a directory relative to
+ * the root as ws_relative writes it (NULL, "" or ".": the root itself); ".." may climb above
+ * base but never above the root. */
+CF_MUST_CHECK enum cf_status ws_relative_from(const struct sandbox *sb, const char *base,
+                                              const char *path, char *out, size_t out_len,
+                                              struct cf_error *err);
+
+/* ws_shown_path writes rel (relative to the root) as a path relative to base (NULL or ".":
+ * the root): "a/b" from base "a" is "b", from "c" it is "../a/b"; an absolute rel stays. */
+void ws_shown_path(const char *base, const char *rel, char *out, size_t out_len);
+
 /* ws_host_path writes the absolute host path of a relative path into out. */
 void ws_host_path(const struct sandbox *sb, const char *rel, char *out, size_t out_len);
 

@@ -1,5 +1,5 @@
-/* Fuzz target: what the model reads of an MCP server's tools/call result (mcp_result_text):
- * the result is whatever JSON the server sent. */
+/* Fuzz target: what the model is shown of an MCP server's tools/call result (mcp_result_read:
+ * its text and its images, base64 decoded): the result is whatever JSON the server sent. */
 #include "mcp.h"
 
 #include <stdint.h>
@@ -12,11 +12,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (!result) {
         return 0;
     }
-    struct buf out;
-    bool is_error;
-    buf_init(&out, MCP_TEXT_MAX + 512);
-    mcp_result_text(result, &out, &is_error);
-    buf_cleanup(&out);
+    struct mcp_result r;
+    mcp_result_init(&r);
+    mcp_result_read(&r, result);
+    mcp_result_cleanup(&r);
     json_decref(result);
     return 0;
 }

@@ -7,11 +7,13 @@ with whatever tools they need.
 
 It binds 127.0.0.1 on a free port and prints "listening on PORT" once serving. Each call's
 result text is the tool's `reply` followed by the call's arguments JSON, after sleeping `sleep`
-seconds. With --no-batch, ExecuteBatch is left unimplemented (UNIMPLEMENTED, as the protocol
+seconds; a tool's `images` ([{"name", "mime_type", "data" (base64) or "size" (that many
+bytes, made up)}]) go with each result as ToolResult.images. With --no-batch, ExecuteBatch is left unimplemented (UNIMPLEMENTED, as the protocol
 allows): the caller must use Execute per call. Every call is appended to --log as one JSON line.
 """
 
 import argparse
+import base64
 import json
 import sys
 import threading
@@ -21,7 +23,7 @@ from concurrent import futures
 import grpc
 
 import cflue_harness  # noqa: F401  (puts the generated modules on sys.path)
-from cflue.v1 import tools_pb2
+from cflue.v1 import common_pb2, tools_pb2
 
 
 def main():
@@ -45,7 +47,12 @@ def main():
         if t is None:
             return tools_pb2.ToolResult(text='no tool named %s' % call.name, is_error=True)
         time.sleep(t.get('sleep', 0))
-        return tools_pb2.ToolResult(text='%s %s' % (t.get('reply', ''), call.arguments_json))
+        images = [common_pb2.Attachment(name=i.get('name', ''), mime_type=i['mime_type'],
+                                        data=base64.b64decode(i['data']) if 'data' in i
+                                        else (b'\x89PNG' * i['size'])[:i['size']])
+                  for i in t.get('images', ())]
+        return tools_pb2.ToolResult(text='%s %s' % (t.get('reply', ''), call.arguments_json),
+                                    images=images)
 
     def list_tools(req, ctx):
         return tools_pb2.ListToolsResponse(tools=[

@@ -1,16 +1,20 @@
 """MCP servers over streamable HTTP (agent definition `mcp:`; agentd/mcp.c): against the real
 reference server `@modelcontextprotocol/server-everything` (npm, run on Node.js; scripts/setup
 installs it under tests/integration/mcp/), its tools are offered as mcp__<server>__<tool> and
-called (text, an error result marked as one, an image described); a server killed during a
-call gives an error result and a signal, one unreachable when a submission starts is left out
-and told. A small MCP server written here covers what the reference server does not ask of a
-client: an auth header from the environment, tools/list pagination, plain JSON answers, and a
-session the server forgot (the client sets up a new one). The fake model plays the agents.
+called (text, an error result marked as one, an image recorded with the result and shown to
+the model in its tool_result); a server killed during a call gives an error result and a
+signal, one unreachable when a submission starts is left out and told. A small MCP server
+written here covers what the reference server does not ask of a client: an auth header from
+the environment, tools/list pagination, plain JSON answers, a session the server forgot (the
+client sets up a new one), and image content that cannot be shown (bad base64, a type no
+provider takes) staying a note, next to one that is shown, on the OpenAI wire too. The fake
+model plays the agents.
 
     cd tests/integration && CFLUE_BUILD_DIR=/work/main/build /usr/bin/python3 -m unittest -v \
         test_agentd_mcp
 """
 
+import base64
 import http.server
 import json
 import os
@@ -26,6 +30,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EVERYTHING_JS = os.path.join(HERE, 'mcp', 'node_modules', '@modelcontextprotocol',
                              'server-everything', 'dist', 'index.js')
 TOKEN = 'tok-%d' % os.getpid()
+GIF = base64.b64encode(b'GIF89a\x01\x00\x01\x00\x00\x00\x00;').decode()
+PICTURES = [{'type': 'text', 'text': 'Three pictures:'},
+            {'type': 'image', 'mimeType': 'image/png', 'data': 'iVBOR*not base64*'},
+            {'type': 'image', 'mimeType': 'image/svg+xml', 'data': 'PHN2Zy8+'},
+            {'type': 'image', 'mimeType': 'image/gif', 'data': GIF}]
 
 
 def everything():
@@ -100,9 +109,12 @@ class MiniMCP(object):
                     return self.answer(200, {'jsonrpc': '2.0', 'id': rid, 'result': result})
                 if method == 'tools/call':
                     p = msg['params']
-                    text = '%s: %s' % (p['name'], p.get('arguments', {}).get('q', ''))
+                    q = p.get('arguments', {}).get('q', '')
+                    content = [{'type': 'text', 'text': '%s: %s' % (p['name'], q)}]
+                    if q == 'pictures':
+                        content = PICTURES
                     return self.answer(200, {'jsonrpc': '2.0', 'id': rid, 'result': {
-                        'content': [{'type': 'text', 'text': text}]}})
+                        'content': content}})
                 return self.answer(200, {'jsonrpc': '2.0', 'id': rid, 'error': {
                     'code': -32601, 'message': 'no method ' + str(method)}})
 
@@ -119,11 +131,20 @@ class MiniMCP(object):
         self.server.server_close()
 
 
-def agent_md(name, servers):
+def agent_md(name, servers, model='anthropic/claude-test-1'):
     lines = ''.join('  %s: {url: "%s"%s}\n' % (n, url, extra) for n, url, extra in servers)
-    return ('---\nname: %s\ndescription: Uses MCP servers.\nmodel: anthropic/claude-test-1\n'
+    return ('---\nname: %s\ndescription: Uses MCP servers.\nmodel: %s\n'
             'mcp:\n%sdurability:\n  max_attempts: 3\n  timeout_ms: 120000\n---\n\nROLE %s.\n'
-            % (name, lines, name))
+            % (name, model, lines, name))
+
+
+def tool_result_block(req, call_id):
+    """The Anthropic tool_result block answering call_id in a logged model request."""
+    for m in req['body']['messages']:
+        for b in m['content'] if isinstance(m['content'], list) else ():
+            if b.get('type') == 'tool_result' and b.get('tool_use_id') == call_id:
+                return b
+    raise AssertionError('no tool_result for %s in the request' % call_id)
 
 
 class MCPTest(ServersCase):
@@ -143,6 +164,8 @@ class MCPTest(ServersCase):
             cls.install_agents({
                 'mcp-user': agent_md('mcp-user', [('everything', cls.everything.url, '')]),
                 'mcp-mini': agent_md('mcp-mini', [('mini', cls.mini.url, auth)]),
+                'mcp-mini-openai': agent_md('mcp-mini-openai', [('mini', cls.mini.url, auth)],
+                                            model='openai/gpt-test-1'),
                 'mcp-fragile': agent_md('mcp-fragile', [('ev', cls.fragile.url, '')]),
                 'mcp-absent': agent_md('mcp-absent', [('gone', gone, ''),
                                                       ('mini', cls.mini.url, auth)]),
@@ -191,10 +214,81 @@ class MCPTest(ServersCase):
         self.assertTrue(r[2].is_error, r[2])  # the server's isError
         self.assertIn('expected number', r[2].text)
         self.assertFalse(r[3].is_error, r[3])
-        self.assertIn('[image content: image/png', r[3].text)
+        self.assertIn('[image-1 (image/png, ', r[3].text)
+        self.assertEqual(len(r[3].images), 1)
         # five calls at once on one session: each answer reached its own call
         self.assertEqual((r[4].text, r[4].is_error), ('Echo: and again', False))
         self.assertFalse([x for x in recs if kind(x) == 'signal'])
+
+    def test_an_image_is_recorded_and_shown_to_the_model(self):
+        """get-tiny-image's PNG: the tool_result record holds it (decoded, image/png, named
+        image-1) with a line in the text where it was; the next model request shows it as an
+        image block of the tool_result's content, after the text."""
+        recs, results, reqs = self.run_agent('mcp-user', [
+            role('mcp-user', tool_calls=[call('mcp__everything__get-tiny-image')]),
+            role('mcp-user', text='I saw the logo.')])
+        res = results[1][0]
+        self.assertFalse(res.is_error, res)
+        self.assertEqual(len(res.images), 1, res)
+        img = res.images[0]
+        self.assertEqual((img.name, img.mime_type), ('image-1', 'image/png'))
+        self.assertTrue(img.data.startswith(b'\x89PNG\r\n\x1a\n'), img.data[:16])
+        self.assertEqual(res.text, "Here's the image you requested:\n[image-1 (image/png, %d "
+                         "bytes) is shown after this text]\nThe image above is the MCP logo."
+                         % len(img.data))
+        self.assertEqual(len(reqs), 2)
+        call_id = [body(r) for r in recs if kind(r) == 'assistant_message'][0].tool_calls[0].id
+        block = tool_result_block(reqs[1], call_id)
+        self.assertFalse(block['is_error'])
+        text, image = block['content']
+        self.assertEqual(text, {'type': 'text', 'text': res.text})
+        self.assertEqual(image['type'], 'image')
+        self.assertEqual((image['source']['type'], image['source']['media_type']),
+                         ('base64', 'image/png'))
+        self.assertEqual(base64.b64decode(image['source']['data']), img.data)
+
+    def test_images_that_cannot_be_shown_stay_notes(self):
+        """Bad base64 and a type no provider takes are lines of the text saying why; the GIF
+        next to them is an image (on the OpenAI wire: the tool message holds the text, and one
+        user message after the turn's tool messages shows the image)."""
+        for agent in ('mcp-mini', 'mcp-mini-openai'):
+            recs, results, reqs = self.run_agent(agent, [
+                role(agent, tool_calls=[call('mcp__mini__lookup', q='pictures'),
+                                        call('mcp__mini__stamp', q='plain')]),
+                role(agent, text='Saw one picture.')])
+            res = results[1][0]
+            self.assertFalse(res.is_error, res)
+            self.assertEqual(res.text.split('\n'), [
+                'Three pictures:',
+                '[image content (image/png, about 12 bytes) that cannot be shown: its data is '
+                'not valid base64]',
+                '[image content (image/svg+xml, about 6 bytes) that cannot be shown: only PNG, '
+                'JPEG, GIF and WebP images can be shown]',
+                '[image-1 (image/gif, 14 bytes) is shown after this text]'])
+            self.assertEqual([(i.name, i.mime_type, i.data) for i in res.images],
+                             [('image-1', 'image/gif', base64.b64decode(GIF))])
+            self.assertEqual((results[1][1].text, len(results[1][1].images)), ('stamp: plain', 0))
+            ids = [c.id for c in [body(r) for r in recs if kind(r) == 'assistant_message'][0]
+                   .tool_calls]
+            if agent == 'mcp-mini':
+                text, image = tool_result_block(reqs[1], ids[0])['content']
+                self.assertEqual(text['text'], res.text)
+                self.assertEqual(image['source'], {'type': 'base64', 'media_type': 'image/gif',
+                                                   'data': GIF})
+                self.assertEqual(tool_result_block(reqs[1], ids[1])['content'], 'stamp: plain')
+                continue
+            msgs = reqs[1]['body']['messages']
+            at = [i for i, m in enumerate(msgs) if m.get('tool_calls')][0]
+            self.assertEqual([(m['role'], m.get('tool_call_id'), m['content'])
+                              for m in msgs[at + 1:at + 3]],
+                             [('tool', ids[0], res.text), ('tool', ids[1], 'stamp: plain')])
+            shown = msgs[at + 3]
+            self.assertEqual(shown['role'], 'user')
+            self.assertEqual(shown['content'], [
+                {'type': 'text', 'text': 'Images returned by the tool calls above:'},
+                {'type': 'text', 'text': 'From mcp__mini__lookup (call %s):' % ids[0]},
+                {'type': 'image_url', 'image_url': {'url': 'data:image/gif;base64,' + GIF}}])
+            self.assertEqual(len(msgs), at + 4)
 
     def test_auth_header_pages_json_answers_and_a_forgotten_session(self):
         steps = [role('mcp-mini', tool_calls=[call('mcp__mini__lookup', q='first'),

@@ -70,7 +70,8 @@ class Stack(BenchBrainStack):
 class OlderToolServer(object):
     """A tool server in front of toold that forwards every call as bytes, except Glance:
     mode 'no_tools' answers it without the tool set (a toold from before list_tools), mode
-    'unimplemented' has none (UNIMPLEMENTED)."""
+    'unimplemented' has none (UNIMPLEMENTED), mode 'own_set' offers a tool set of its own
+    (toold's without grep and glob, and a `query` tool): a sandbox for another environment."""
 
     def __init__(self, toold_target, mode):
         self.mode = mode
@@ -94,7 +95,16 @@ class OlderToolServer(object):
                 if self.mode == 'unimplemented':
                     ctx.abort(grpc.StatusCode.UNIMPLEMENTED, 'no Glance here')
                 g = sandbox_pb2.GlanceResponse.FromString(forward(req, timeout=10))
-                del g.tools[:]
+                if self.mode == 'own_set':
+                    kept = [t for t in g.tools if t.name not in ('grep', 'glob')]
+                    del g.tools[:]
+                    g.tools.extend(kept)
+                    g.tools.add(name='query', description='Runs a query against the '
+                                'environment\'s database.', parameters_json=json.dumps(
+                                    {'type': 'object', 'properties': {'sql': {'type': 'string'}},
+                                     'required': ['sql']}))
+                else:
+                    del g.tools[:]
                 return g.SerializeToString()
             return forward(req, timeout=60)
         return grpc.unary_unary_rpc_method_handler(unary)
@@ -172,6 +182,24 @@ class FirstStepTest(unittest.TestCase):
     def test_a_glance_without_the_tool_set_is_followed_by_tools_list(self):
         self.same_prompt_through('no_tools', {'/cflue.v1.Sandbox/Glance': 2,
                                               '/cflue.v1.Tools/List': 1})
+
+    def test_the_tool_set_is_the_sandbox_servers_own(self):
+        server = OlderToolServer(self.stack.td.target, 'own_set')
+        try:
+            ad = self.stack.start_agentd(server.target)
+            sub = converse(ad)  # the bench brain calls bash and read: both still offered
+            self.assertEqual(sub.outcome, COMPLETED, sub.error)
+            ad.stop()
+        finally:
+            server.close()
+        reqs = self.stack.fm.requests()
+        self.assertTrue(reqs)
+        for e in reqs:
+            self.assertEqual([t['name'] for t in e['body']['tools']],
+                             ['read', 'write', 'edit', 'bash', 'query', 'task'])
+        [prompt] = system_prompts(self.stack, sub.conversation_id)
+        self.assertIn("\n- query: Runs a query against the environment's database.", prompt)
+        self.assertNotIn('\n- grep: ', prompt)
 
     def test_a_tool_server_without_glance_is_read_with_the_older_calls(self):
         # the notes: AGENTS.md is the first read; the listing: one ReadDir

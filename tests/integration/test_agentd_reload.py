@@ -266,6 +266,25 @@ class ReloadTest(AgentdCase):
         self.assertEqual([t['name'] for t in reqs[1]['body']['tools']], SANDBOX_TOOLS + ['task'])
         self.assertIn('event=drive_rebound', self.ad.stderr_text())
 
+    def test_a_reload_whose_tools_clash_is_refused(self):
+        server = py_server([tool('lookup'), tool('activate_skill')])
+        try:
+            self.write('clasher', agent_md('clasher', 'Clash.'))
+            self.wait_reload(self.reloads(), hup=True)
+            failed = self.reloads('agents_reload_failed')
+            self.write('clasher', agent_md('clasher', 'Clash now.', servers=[server.addr]))
+            self.wait_reload(failed, event='agents_reload_failed', hup=True)
+            self.assertIn('tool name "activate_skill" is reserved by the framework, but the tool '
+                          'server at %s offers a tool by that name' % server.addr,
+                          self.ad.stderr_text().replace('\\"', '"'))  # logfmt quotes
+            # the definition in force stays, and works
+            _, reqs = self.submit('clasher', new_conv('clasher'), [role('clasher', text='ok')])
+            self.assertEqual([t['name'] for t in reqs[0]['body']['tools']], ['task'])
+            self.assertIn('ROLE clasher. Clash.', request_system(reqs[0]))
+        finally:
+            server.close()
+            self.write('clasher', agent_md('clasher', 'Clash.'))
+
     def test_a_definition_that_does_not_load_leaves_the_ones_in_force(self):
         self.write('steady', agent_md('steady', 'Stay steady.'))
         self.wait_reload(self.reloads(), hup=True)

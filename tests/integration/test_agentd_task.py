@@ -165,6 +165,30 @@ class ChainTest(TaskCase):
         self.assertLess(line_of('The bottom holds'), line_of('<- task: Child answer'))
         self.assertLess(line_of('<- task: Child answer'), line_of('All done'))
 
+    def test_submit_follows_a_child_live_nested_under_the_call(self):
+        conv = new_conv('live')
+        self.workspace(conv)
+        self.fm.set_scenario([
+            role('lead', tool_calls=[task_call('task-scout', 'Find the version.')]),
+            role('scout', delay_ms=800, text='The version is 1.2.'),
+            role('lead', text='Reported: 1.2.'),
+        ])
+        rc, out, err = run_cli(['submit', '--agent', 'task-lead', '--conversation', conv,
+                                'What version?', '--agentd', self.ad.target])
+        self.assertEqual(rc, 0, err)
+        lines = out.splitlines()
+
+        def line_of(text):
+            found = [i for i, line in enumerate(lines) if text in line]
+            self.assertTrue(found, 'no line with %r in:\n%s' % (text, out))
+            return found[0]
+
+        self.assertTrue(lines[line_of('=> task-scout')].startswith('  =>'), out)
+        self.assertTrue(lines[line_of('> Find the version.')].startswith('  | > '), out)
+        self.assertTrue(lines[line_of('The version is 1.2.')].startswith('  | '), out)
+        self.assertLess(line_of('The version is 1.2.'), line_of('Reported: 1.2.'))
+        self.assertTrue(lines[line_of('Reported: 1.2.')].startswith('Reported'), out)
+
     def test_the_call_that_would_reach_depth_5_fails(self):
         conv = new_conv('depth')
         self.workspace(conv)
@@ -220,6 +244,43 @@ class ParallelTest(TaskCase):
         self.assertLess(b[0], a[1])
         self.assertLess(max(a[1], b[1]) - min(a[0], b[0]), 2900,
                         'two 1.5 s children took as long as running one after the other')
+
+
+class OtherReplicaTest(TaskCase):
+    """Children left to the ledger are driven by whichever agentd claims them: here agentd0 has
+    one drive slot (held by the parent), so a second agentd runs both children."""
+    stack_kwargs = dict(TaskCase.stack_kwargs,
+                        agentd_args=TaskCase.stack_kwargs['agentd_args'] + ('--max-drives', '1'))
+
+    def test_children_run_on_another_agentd_side_by_side(self):
+        other = H.Agentd(self.stack.sd.target, self.stack.agents_dir, owner_id='agentd-it-other',
+                         env=self.stack.env, extra_args=('--lease-ms', '3000'),
+                         workdir=self.stack._sub('agentd-other'))
+        try:
+            conv = new_conv('replica')
+            self.workspace(conv)
+            self.fm.set_scenario([
+                role('lead', tool_calls=[task_call('task-scout', 'Look up alpha.'),
+                                         task_call('task-scout', 'Look up beta.')]),
+                role('scout', match={'last_user_contains': 'alpha'}, delay_ms=1500,
+                     text='alpha is first.'),
+                role('scout', match={'last_user_contains': 'beta'}, delay_ms=1500,
+                     text='beta is second.'),
+                role('lead', text='Both answered elsewhere.'),
+            ])
+            sid = self.ad.submit('task-lead', 'Ask two scouts.', conversation_id=conv).submission_id
+            sub = self.wait_settled(sid, timeout=60)
+            self.assertEqual(sub.outcome, COMPLETED, sub)
+            self.assertEqual(sub.owner_id, 'agentd-it-0')
+            results = {r.index: r.text for r in self.task_results(conv, sid)}
+            self.assertEqual(results, {0: 'alpha is first.', 1: 'beta is second.'})
+            kids = [self.get(s.child_submission_id) for s in self.children(conv)]
+            self.assertEqual([k.owner_id for k in kids], ['agentd-it-other'] * 2)
+            a, b = [(H.ts_ms(k.create_time), H.ts_ms(k.settle_time)) for k in kids]
+            self.assertLess(a[0], b[1])
+            self.assertLess(b[0], a[1])
+        finally:
+            other.close()
 
 
 class AbortTest(TaskCase):
@@ -374,6 +435,84 @@ class TimeLimitTest(TaskCase):
         [started] = self.children(conv)
         child = self.wait_settled(started.child_submission_id, timeout=20)
         self.assertEqual(child.outcome, ABORTED, child)
+
+
+class CwdTest(TaskCase):
+    """task's cwd: the child works in a directory of its parent's sandbox."""
+
+    def test_the_child_works_and_looks_from_its_directory(self):
+        conv = new_conv('cwd')
+        ws = os.path.realpath(self.workspace(conv))
+        os.makedirs(os.path.join(ws, 'pkg', 'lib'))
+        with open(os.path.join(ws, 'pkg', 'AGENTS.md'), 'w') as f:
+            f.write('PKG-NOTES: run the pkg tests with make.')
+        with open(os.path.join(ws, 'AGENTS.md'), 'w') as f:
+            f.write('ROOT-NOTES')
+        scoped = dict(task_call('task-helper', 'Work in pkg.'))
+        scoped['arguments'] = dict(scoped['arguments'], cwd='pkg')
+        deeper = dict(task_call('task-deep', 'And below.'))
+        deeper['arguments'] = dict(deeper['arguments'], cwd='lib')
+        self.fm.set_scenario([
+            role('lead', tool_calls=[scoped]),
+            role('helper', tool_calls=[
+                {'name': 'bash', 'arguments': {'command': 'pwd > here.txt'}},
+                {'name': 'write', 'arguments': {'path': 'made.txt', 'content': 'x'}}]),
+            role('helper', tool_calls=[deeper]),
+            role('deep', tool_calls=[{'name': 'bash', 'arguments': {'command': 'pwd'}}]),
+            role('deep', text='deep done'),
+            role('helper', tool_calls=[task_call('task-deep', 'Where am I?')]),
+            role('deep', tool_calls=[{'name': 'bash', 'arguments': {'command': 'pwd'}}]),
+            role('deep', text='deep done again'),
+            role('helper', text='helper done'),
+            role('lead', text='lead done'),
+        ])
+        sid = self.ad.submit('task-lead', 'Delegate into pkg.', conversation_id=conv).submission_id
+        sub = self.wait_settled(sid, timeout=60)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        with open(os.path.join(ws, 'pkg', 'here.txt')) as f:
+            self.assertEqual(f.read().strip(), os.path.join(ws, 'pkg'))
+        self.assertTrue(os.path.exists(os.path.join(ws, 'pkg', 'made.txt')))
+        self.assertFalse(os.path.exists(os.path.join(ws, 'made.txt')))
+        [started] = self.children(conv)
+        child = self.get(started.child_submission_id)
+        self.assertEqual(child.delegation.cwd, 'pkg')
+        helper = [e for e in self.fm.requests() if 'ROLE helper.' in request_system(e)][0]
+        system = request_system(helper)
+        self.assertIn('Working directory: %s/pkg' % ws, system)
+        self.assertIn('PKG-NOTES', system)
+        self.assertNotIn('ROOT-NOTES', system)
+        # the grandchildren: one given lib (below pkg), one given nothing (pkg, as its parent)
+        grands = [self.get(g.child_submission_id)
+                  for g in self.children(started.child_conversation_id)]
+        self.assertEqual([g.delegation.cwd for g in grands], ['pkg/lib', 'pkg'])
+        for g in grands:
+            [pwd] = [body(r) for r in self.records(g.conversation_id) if kind(r) == 'tool_result']
+            self.assertEqual(pwd.text.strip(), os.path.join(ws, g.delegation.cwd))
+
+    def test_a_cwd_that_cannot_be_used_makes_no_child_or_fails_it(self):
+        conv = new_conv('badcwd')
+        ws = os.path.realpath(self.workspace(conv))
+        calls = []
+        for i, cwd in enumerate(['../elsewhere', '/etc', 'missing']):
+            c = task_call('task-scout', 'Look.', call_id='call_cwd_%d' % i)
+            c['arguments'] = dict(c['arguments'], cwd=cwd)
+            calls.append(c)
+        self.fm.set_scenario([role('lead', tool_calls=calls), role('lead', text='noted')])
+        sid = self.ad.submit('task-lead', 'Try.', conversation_id=conv).submission_id
+        sub = self.wait_settled(sid, timeout=60)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        results = {r.index: r for r in self.task_results(conv, sid)}
+        self.assertTrue(results[0].is_error and 'outside the sandbox' in results[0].text,
+                        results[0])
+        self.assertTrue(results[1].is_error and 'inside the sandbox' in results[1].text,
+                        results[1])
+        # a directory that is not there: the child is made, and fails saying why
+        self.assertTrue(results[2].is_error, results[2])
+        self.assertIn('missing', results[2].text)
+        [started] = self.children(conv)
+        self.assertEqual(self.get(started.child_submission_id).outcome,
+                         common_pb2.OUTCOME_FAILED)
+        self.assertEqual(sorted(os.listdir(ws)), [])
 
 
 class NoSandboxTest(TaskCase):

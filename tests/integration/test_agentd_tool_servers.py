@@ -11,6 +11,7 @@ Real storaged, toold and agentd, the C example server (examples/tool-server) and
         test_agentd_tool_servers
 """
 
+import base64
 import json
 import os
 import signal
@@ -86,10 +87,13 @@ def py_server(tools, port=None, no_batch=False, log=''):
     return ToolServer(cmd, port)
 
 
-def tool(name, reply='ran', sleep=0):
+PNG = base64.b64encode(b'\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR').decode()
+
+
+def tool(name, reply='ran', sleep=0, images=()):
     return {'name': name, 'description': 'The %s tool of the test server.' % name,
             'schema': {'type': 'object', 'properties': {'q': {'type': 'string'}}},
-            'reply': reply, 'sleep': sleep}
+            'reply': reply, 'sleep': sleep, 'images': list(images)}
 
 
 def agent_md(name, servers, toold=None):
@@ -148,6 +152,13 @@ class ToolServersTest(ServersCase):
             cls.fragile = cls._keep(example_server())
             cls.slow_log = os.path.join(cls.stack.dir, 'slow-calls.jsonl')
             cls.slow = cls._keep(py_server([tool('crunch', sleep=60)], log=cls.slow_log))
+            cls.pics = cls._keep(py_server([tool('snap', 'snapped', images=[
+                {'name': 'shot.png', 'mime_type': 'image/png', 'data': PNG},
+                {'name': 'logo.svg', 'mime_type': 'image/svg+xml', 'data': 'PHN2Zy8+'}])]))
+            cls.scan_log = os.path.join(cls.stack.dir, 'scan-calls.jsonl')
+            cls.scans = cls._keep(py_server([tool('scan', 'scanned', images=[
+                {'name': 'scan.png', 'mime_type': 'image/png', 'size': 4500 << 10}])],
+                log=cls.scan_log))
             cls.absent_port = free_port()  # nothing listens there
             cls.late_port = free_port()  # a server starts there after agentd
             toold = cls.stack.td.target
@@ -158,6 +169,8 @@ class ToolServersTest(ServersCase):
                 'absent': agent_md('absent', ['127.0.0.1:%d' % cls.absent_port,
                                               cls.example.addr]),
                 'late': agent_md('late', ['127.0.0.1:%d' % cls.late_port], toold),
+                'snapper': agent_md('snapper', [cls.pics.addr]),
+                'scanner': agent_md('scanner', [cls.scans.addr]),
             })
         except BaseException:
             cls.tearDownClass()
@@ -205,6 +218,51 @@ class ToolServersTest(ServersCase):
         self.assertEqual(logged['sandbox'], sub.conversation_id)
         self.assertGreater(logged['timeout_s'], 0)  # the submission's time left
         self.assertFalse([r for r in recs if kind(r) == 'signal'])
+
+    def test_a_results_images_are_recorded_and_shown(self):
+        """ToolResult.images: a PNG goes with the tool_result record and reaches the model as
+        an image block of the tool_result; an SVG (no provider shows it) is a note in the
+        text instead."""
+        sub, recs, reqs = self.run_agent('snapper', [
+            role('snapper', tool_calls=[call('snap', q='now')]),
+            role('snapper', text='Saw it.')])
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        [res] = [body(r) for r in recs if kind(r) == 'tool_result']
+        self.assertEqual([(i.name, i.mime_type, i.data) for i in res.images],
+                         [('shot.png', 'image/png', base64.b64decode(PNG))])
+        self.assertEqual(res.text, 'snapped {"q":"now"}\n[image 2 (image/svg+xml, 6 bytes) is '
+                         'not shown: only PNG, JPEG, GIF and WebP images can be shown]')
+        [block] = [b for m in reqs[1]['body']['messages'] if isinstance(m['content'], list)
+                   for b in m['content'] if b.get('type') == 'tool_result']
+        self.assertEqual(block['content'], [
+            {'type': 'text', 'text': res.text},
+            {'type': 'image', 'source': {'type': 'base64', 'media_type': 'image/png',
+                                         'data': PNG}}])
+
+    def test_large_results_of_one_turn_are_stored_in_several_appends(self):
+        """Six results of 4.5 MiB images each (27 MiB together, past storaged's 16 MiB message
+        limit), gathered while storaged is frozen, are all recorded once it is back: each
+        Append carries at most 8 MiB."""
+        sd = self.stack.sd.proc
+
+        def freeze_while_the_tools_run(conv):
+            self.wait_for('the first scan call',
+                          lambda: os.path.exists(self.scan_log) and os.path.getsize(self.scan_log))
+            sd.send_signal(signal.SIGSTOP)
+            try:
+                time.sleep(1.5)  # the six results arrive meanwhile
+            finally:
+                sd.send_signal(signal.SIGCONT)
+
+        sub, recs, reqs = self.run_agent('scanner', [
+            role('scanner', tool_calls=[call('scan', q=str(i)) for i in range(6)]),
+            role('scanner', text='Scanned six.')], timeout=120, during=freeze_while_the_tools_run)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        results = sorted((body(r) for r in recs if kind(r) == 'tool_result'),
+                         key=lambda r: r.index)
+        self.assertEqual([(r.index, len(r.images), len(r.images[0].data)) for r in results],
+                         [(i, 1, 4500 << 10) for i in range(6)])
+        self.assertEqual(len(reqs), 2)
 
     def test_a_server_down_when_the_submission_starts_is_left_out_and_told(self):
         absent = '127.0.0.1:%d' % self.absent_port
@@ -320,11 +378,14 @@ class StartUpCheckTest(unittest.TestCase):
         return s
 
     def test_reserved_name(self):
-        s = self.server(['task'])
-        p = self.start_agentd({'bad': agent_md('bad', [s.addr])})
-        self.assertEqual(p.returncode, 1, p.stderr)
-        self.assertIn(b'agent bad: tool name "task" is reserved by the framework, but the tool '
-                      b'server at %s offers a tool by that name' % s.addr.encode(), p.stderr)
+        for name in ('task', 'activate_skill', 'read_skill_resource', 'finish', 'give_up'):
+            with self.subTest(name=name):
+                s = self.server([name])
+                p = self.start_agentd({'bad': agent_md('bad', [s.addr])})
+                self.assertEqual(p.returncode, 1, p.stderr)
+                self.assertIn(b'agent bad: tool name "%s" is reserved by the framework, but the '
+                              b'tool server at %s offers a tool by that name'
+                              % (name.encode(), s.addr.encode()), p.stderr)
 
     def test_duplicate_between_servers(self):
         a, b = self.server(['lookup']), self.server(['other', 'lookup'])

@@ -2,6 +2,7 @@
 settles, out-of-range offsets, unknown methods. One daemon serves the whole class and must
 still be healthy at the end (test_zz_still_serving runs last: unittest sorts by name)."""
 
+import base64
 import unittest
 
 import grpc
@@ -159,6 +160,20 @@ class BadInputTest(StoragedTestCase):
                ('assistant_message', {'tool_calls': [{'id': '', 'name': 'x'}]}, 'tool_calls'),
                ('assistant_message', {'usage': {'input_tokens': -1}}, 'usage'),
                ('user_message', {'attachments': [{'size_bytes': -1}]}, 'size_bytes')]
+        # a tool result's images: a type no provider shows, none or too many bytes, more than
+        # 8 of them, more than 6 MiB together
+        png = {'name': 'image-1', 'mime_type': 'image/png', 'data': 'iVBORw=='}
+        b64 = lambda n: base64.b64encode(b'\0' * n).decode()  # noqa: E731
+        bad += [('tool_result', {'images': [dict(png, mime_type='image/svg+xml')]},
+                 "tool_result.images[0].mime_type 'image/svg+xml' is not one of"),
+                ('tool_result', {'images': [png, dict(png, data='')]},
+                 'tool_result.images[1].data is 0 bytes'),
+                ('tool_result', {'images': [dict(png, data=b64(5 * MiB + 1))]},
+                 'tool_result.images[0].data is 5242881 bytes; it must be 1 to 5242880'),
+                ('tool_result', {'images': [png] * 9},
+                 'tool_result.images: 9 images; the limit is 8'),
+                ('tool_result', {'images': [dict(png, data=b64(3 * MiB + 512 * 1024))] * 2},
+                 'tool_result.images hold 7340032 bytes together; the limit is 6291456')]
         for type_, body, field in bad:
             self.invalid(append, self.stub, c.fence, [record(type_, body)], field=field)
         self.invalid(append, self.stub, c.fence, [record(id_='settled:x')], field='settled:')

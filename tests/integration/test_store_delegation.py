@@ -21,12 +21,14 @@ FAILED = common_pb2.OUTCOME_FAILED
 ABORTED = common_pb2.OUTCOME_ABORTED
 
 
-def delegation(parent, depth=1, tool_call_id='call_1', sandbox_tools='', sandbox='', model=''):
+def delegation(parent, depth=1, tool_call_id='call_1', sandbox_tools='', sandbox='', model='',
+               cwd=''):
     """A Delegation naming parent (a Submission) as the submission whose `task` call made it."""
     return common_pb2.Delegation(parent_submission_id=parent.submission_id,
                                  parent_conversation_id=parent.conversation_id,
                                  tool_call_id=tool_call_id, depth=depth,
-                                 sandbox_tools=sandbox_tools, sandbox=sandbox, model=model)
+                                 sandbox_tools=sandbox_tools, sandbox=sandbox, model=model,
+                                 cwd=cwd)
 
 
 def delegated_request(parent, agent='helper', text='do the subtask', key='', conv='', **kw):
@@ -64,10 +66,10 @@ class AdmitTest(DelegationCase):
     def test_delegation_round_trips_on_admit_get_list_and_claim(self):
         parent, _ = self.running()
         want = delegation(parent, tool_call_id='toolu_01AbC', sandbox_tools='unix:/run/toold.sock',
-                          sandbox='sb-1', model='openai/gpt-test')
+                          sandbox='sb-1', model='openai/gpt-test', cwd='pkg/lib')
         req = delegated_request(parent, tool_call_id='toolu_01AbC',
                                 sandbox_tools='unix:/run/toold.sock', sandbox='sb-1',
-                                model='openai/gpt-test')
+                                model='openai/gpt-test', cwd='pkg/lib')
         r = self.stub.admit(req)
         child = r.submission
         self.assertFalse(r.deduplicated)
@@ -122,6 +124,12 @@ class AdmitTest(DelegationCase):
             ('sandbox name too long', dict(sandbox_tools='unix:/x', sandbox='s' * 257),
              'delegation.sandbox'),
             ('model too long', dict(model='openai/' + 'm' * 250), 'delegation.model'),
+            ('cwd without a sandbox', dict(cwd='pkg'), 'delegation.cwd'),
+            ('cwd too long', dict(sandbox_tools='unix:/x', sandbox='sb', cwd='d/' * 600),
+             'delegation.cwd'),
+        ] + [
+            ('cwd %r' % cwd, dict(sandbox_tools='unix:/x', sandbox='sb', cwd=cwd), 'delegation.cwd')
+            for cwd in ('/abs', 'pkg/', 'a//b', './a', 'a/..', '..', 'a/./b')
         ]
         for what, kw, word in cases:
             with self.subTest(what):

@@ -23,7 +23,9 @@ FULL = {
                     'isError': True, 'outcomeUnknown': True, 'truncation': {
                         'truncated': True, 'by': 'TRUNCATED_BY_LINES', 'totalLines': 9,
                         'totalBytes': 99, 'shownFirstLine': 1, 'shownLastLine': 4,
-                        'nextOffset': 5, 'lineTooLong': True}},
+                        'nextOffset': 5, 'lineTooLong': True},
+                    'images': [{'name': 'image-1', 'mimeType': 'image/png',
+                                'data': 'iVBORw0KGgo='}]},
     'signal': {'kind': 'resources_1', 'text': 'disk low'},
     'compaction': {'summary': 'sum', 'firstKeptOffset': 2, 'tokensBefore': 100,
                    'tokensAfter': 10, 'trigger': 'COMPACTION_TRIGGER_REQUEST'},

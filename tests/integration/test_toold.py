@@ -917,6 +917,113 @@ class TestSandboxService(TooldBase):
         self.assertFalse(os.path.exists(self.host('b.txt')))
 
 
+class TestCallWorkingDirectory(TooldBase):
+    """ToolCall.cwd, GlanceRequest.cwd and ListToolsRequest.cwd: a call scoped to a directory
+    of the sandbox (a subagent given part of the workspace)."""
+    sb = 'scoped'
+
+    def setUp(self):
+        super().setUp()
+        self.root = os.path.realpath(self.td.workspace(self.sb, create=True))
+        os.makedirs(os.path.join(self.root, 'pkg', 'sub'))
+        with open(os.path.join(self.root, 'top.txt'), 'w') as f:
+            f.write('needle at the top\n')
+        with open(os.path.join(self.root, 'pkg', 'mod.py'), 'w') as f:
+            f.write('needle in pkg\n')
+        with open(os.path.join(self.root, 'pkg', 'AGENTS.md'), 'w') as f:
+            f.write('pkg notes')
+
+    def run_in(self, cwd, name, args):
+        call = tool_call(self.sb, name, args)
+        call.cwd = cwd
+        return self.td.execute_call(call)
+
+    def test_paths_and_commands_start_in_the_call_directory(self):
+        self.assertOk(self.run_in('pkg', 'write', {'path': 'new.txt', 'content': 'made'}))
+        with open(os.path.join(self.root, 'pkg', 'new.txt')) as f:
+            self.assertEqual(f.read(), 'made')
+        self.assertOk(self.run_in('pkg', 'read', {'path': 'mod.py'}), 'needle in pkg')
+        self.assertOk(self.run_in('pkg', 'read', {'path': '../top.txt'}), 'needle at the top')
+        self.assertOk(self.run_in('pkg/sub', 'read', {'path': os.path.join(self.root, 'top.txt')}),
+                      'needle at the top')  # an absolute path inside the sandbox stays
+        self.assertOk(self.run_in('pkg', 'edit', {'path': 'new.txt', 'oldText': 'made',
+                                                  'newText': 'edited'}))
+        with open(os.path.join(self.root, 'pkg', 'new.txt')) as f:
+            self.assertEqual(f.read(), 'edited')
+        res = self.run_in('pkg', 'bash', {'command': 'pwd; ls'})
+        self.assertOk(res)
+        self.assertEqual(res.text.split('\n')[0], os.path.join(self.root, 'pkg'))
+        self.assertIn('mod.py', res.text)
+        self.assertEqual(self.run_in(os.path.join(self.root, 'pkg'), 'bash',
+                                     {'command': 'pwd'}).text, os.path.join(self.root, 'pkg'))
+
+    def test_search_results_are_relative_to_the_call_directory(self):
+        res = self.run_in('pkg', 'grep', {'pattern': 'needle'})
+        self.assertOk(res)
+        self.assertEqual(res.text, 'mod.py:1:needle in pkg')
+        res = self.run_in('pkg', 'grep', {'pattern': 'needle', 'path': '..'})
+        self.assertEqual(sorted(res.text.split('\n')),
+                         ['../top.txt:1:needle at the top', 'mod.py:1:needle in pkg'])
+        res = self.run_in('pkg/sub', 'glob', {'pattern': '*.txt', 'path': '../..'})
+        self.assertEqual(res.text, '../../top.txt')
+        res = self.run_in('pkg/sub', 'glob', {'pattern': '*.py', 'path': '..'})
+        self.assertEqual(res.text, '../mod.py')
+        res = self.run_in('', 'glob', {'pattern': '*.py'})
+        self.assertEqual(res.text, 'pkg/mod.py')
+
+    def test_a_working_directory_that_cannot_be_used_is_an_error_result(self):
+        outside = os.path.join(self.td.dir, 'elsewhere')
+        os.makedirs(outside, exist_ok=True)
+        os.symlink(outside, os.path.join(self.root, 'link'))
+        for cwd in ('missing', 'top.txt', '..', '/etc', 'link'):
+            with self.subTest(cwd=cwd):
+                res = self.run_in(cwd, 'bash', {'command': 'touch ran-%d' % len(cwd)})
+                self.assertErrorResult(res, 'working directory')
+        self.assertEqual(os.listdir(outside), [])
+        self.assertFalse([n for n in os.listdir(self.root) if n.startswith('ran-')])
+
+    def test_glance_and_list_look_from_the_directory(self):
+        os.makedirs(os.path.join(self.root, 'pkg', '.agents', 'skills', 'tidy'))
+        with open(os.path.join(self.root, 'pkg', '.agents', 'skills', 'tidy', 'SKILL.md'),
+                  'w') as f:
+            f.write('tidy')
+        g = self.td.sandbox('Glance', sandbox=self.sb, cwd='pkg', files=['AGENTS.md'],
+                            max_entries=10, skills_dir='.agents/skills', max_skills=5,
+                            list_tools=True)
+        self.assertTrue(g.cwd_applied)
+        self.assertEqual(g.working_directory, os.path.join(self.root, 'pkg'))
+        self.assertEqual((g.file, g.file_data), ('AGENTS.md', b'pkg notes'))
+        self.assertEqual([e.name for e in g.entries], ['.agents', 'AGENTS.md', 'mod.py', 'sub'])
+        self.assertEqual([k.path for k in g.skills], ['.agents/skills/tidy/SKILL.md'])
+        plain = self.td.sandbox('Glance', sandbox=self.sb, max_entries=10)
+        self.assertFalse(plain.cwd_applied)
+        self.assertEqual(plain.working_directory, self.root)
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.td.sandbox('Glance', sandbox=self.sb, cwd='nowhere')
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.NOT_FOUND)
+        c = self.td._current_channel().unary_unary(
+            '/cflue.v1.Tools/List', request_serializer=tools_pb2.ListToolsRequest.SerializeToString,
+            response_deserializer=tools_pb2.ListToolsResponse.FromString)
+        listed = c(tools_pb2.ListToolsRequest(sandbox=self.sb, cwd='pkg/sub'), timeout=10)
+        self.assertTrue(listed.cwd_applied)
+        self.assertEqual(listed.working_directory, os.path.join(self.root, 'pkg', 'sub'))
+
+    def test_batch_locks_one_file_named_from_two_directories(self):
+        with open(os.path.join(self.root, 'pkg', 'n.txt'), 'w') as f:
+            f.write('0')
+        calls = []
+        for i in range(10):
+            call = tool_call(self.sb, 'edit', {'path': 'n.txt' if i % 2 else 'pkg/n.txt',
+                                               'oldText': str(i), 'newText': str(i + 1)})
+            call.cwd = 'pkg' if i % 2 else ''
+            calls.append(call)
+        results = self.td.execute_batch(calls)
+        self.assertTrue(all(not r.result.is_error for r in results),
+                        [r.result.text for r in results])
+        with open(os.path.join(self.root, 'pkg', 'n.txt')) as f:
+            self.assertEqual(f.read(), '10')
+
+
 class TestReadDirPaging(TooldBase):
     """Sandbox.ReadDir pages: sorted by name (bytewise), the token names the last entry and
     belongs to one directory of one sandbox, and a directory that changes between pages never

@@ -321,6 +321,111 @@ static void test_build(void)
     llm_response_cleanup(&r);
 }
 
+/* A tool result with images: Anthropic carries them in the tool_result's content array after a
+ * text block (a result without images keeps a string content); OpenAI keeps the tool messages
+ * together after the assistant message (text only) and shows the turn's images in one user
+ * message after them. */
+static void test_build_result_images(void)
+{
+    struct llm_call calls[] = {{"call_1", "mcp__ev__get-tiny-image", "{}"},
+                               {"call_2", "bash", "{}"},
+                               {"call_3", "shot", "{}"}};
+    struct llm_image png = {"image/png", "iVBORw=="},
+                     gifs[] = {{"image/gif", "R0lG"}, {"image/webp", "UklG"}};
+    struct llm_message msgs[] = {
+        {.role = LLM_USER, .text = "hi"},
+        {.role = LLM_ASSISTANT, .text = "", .calls = calls, .n_calls = 3},
+        {.role = LLM_TOOL_RESULT,
+         .text = "[image-1 (image/png, 4 bytes) is shown after this text]",
+         .images = &png,
+         .n_images = 1,
+         .tool_call_id = "call_1",
+         .tool_name = "mcp__ev__get-tiny-image"},
+        {.role = LLM_TOOL_RESULT, .text = "ok", .tool_call_id = "call_2", .tool_name = "bash"},
+        {.role = LLM_TOOL_RESULT,
+         .text = "two",
+         .images = gifs,
+         .n_images = 2,
+         .tool_call_id = "call_3",
+         .tool_name = "shot"},
+        {.role = LLM_USER, .text = "next"},
+    };
+    struct llm_request req = {
+        .provider = "anthropic", .model = "m", .messages = msgs, .n_messages = 6, .max_tokens = 9};
+    json_t *a = anthropic_build(&req);
+    json_t *m = json_object_get(a, "messages");
+    CHECK(json_array_size(m) == 3);
+    json_t *user = json_object_get(json_array_get(m, 2), "content");
+    CHECK(json_array_size(user) == 4); /* three results, then the user's text */
+    json_t *r0 = json_array_get(user, 0);
+    CHECK_STR(json_string_value(json_object_get(r0, "type")), "tool_result");
+    CHECK_STR(json_string_value(json_object_get(r0, "tool_use_id")), "call_1");
+    json_t *content = json_object_get(r0, "content");
+    CHECK(json_is_array(content) && json_array_size(content) == 2);
+    CHECK_STR(json_string_value(json_object_get(json_array_get(content, 0), "type")), "text");
+    CHECK_STR(json_string_value(json_object_get(json_array_get(content, 0), "text")),
+              "[image-1 (image/png, 4 bytes) is shown after this text]");
+    json_t *img = json_array_get(content, 1);
+    CHECK_STR(json_string_value(json_object_get(img, "type")), "image");
+    json_t *src = json_object_get(img, "source");
+    CHECK_STR(json_string_value(json_object_get(src, "type")), "base64");
+    CHECK_STR(json_string_value(json_object_get(src, "media_type")), "image/png");
+    CHECK_STR(json_string_value(json_object_get(src, "data")), "iVBORw==");
+    CHECK_STR(json_string_value(json_object_get(json_array_get(user, 1), "content")), "ok");
+    content = json_object_get(json_array_get(user, 2), "content");
+    CHECK(json_array_size(content) == 3);
+    CHECK_STR(json_string_value(
+                  json_object_get(json_object_get(json_array_get(content, 2), "source"), "data")),
+              "UklG");
+    CHECK_STR(json_string_value(json_object_get(json_array_get(user, 3), "text")), "next");
+    json_decref(a);
+
+    req.provider = "openai";
+    json_t *o = openai_build(&req);
+    m = json_object_get(o, "messages");
+    CHECK(json_array_size(m) == 7); /* user, assistant, tool x3, the images, user */
+    for (size_t i = 2; i < 5; i++) {
+        json_t *t = json_array_get(m, i);
+        CHECK_STR(json_string_value(json_object_get(t, "role")), "tool");
+        CHECK(json_is_string(json_object_get(t, "content")));
+    }
+    CHECK_STR(json_string_value(json_object_get(json_array_get(m, 2), "content")),
+              "[image-1 (image/png, 4 bytes) is shown after this text]");
+    json_t *shown = json_array_get(m, 5);
+    CHECK_STR(json_string_value(json_object_get(shown, "role")), "user");
+    json_t *parts = json_object_get(shown, "content");
+    CHECK(json_array_size(parts) == 6);
+    CHECK_STR(json_string_value(json_object_get(json_array_get(parts, 0), "text")),
+              "Images returned by the tool calls above:");
+    CHECK_STR(json_string_value(json_object_get(json_array_get(parts, 1), "text")),
+              "From mcp__ev__get-tiny-image (call call_1):");
+    CHECK_STR(json_string_value(
+                  json_object_get(json_object_get(json_array_get(parts, 2), "image_url"), "url")),
+              "data:image/png;base64,iVBORw==");
+    CHECK_STR(json_string_value(json_object_get(json_array_get(parts, 3), "text")),
+              "From shot (call call_3):");
+    CHECK_STR(json_string_value(json_object_get(json_array_get(parts, 4), "type")), "image_url");
+    CHECK_STR(json_string_value(
+                  json_object_get(json_object_get(json_array_get(parts, 5), "image_url"), "url")),
+              "data:image/webp;base64,UklG");
+    CHECK_STR(json_string_value(json_object_get(json_array_get(m, 6), "content")), "next");
+    json_decref(o);
+
+    /* no images in the turn: no extra message */
+    msgs[2].n_images = msgs[4].n_images = 0;
+    o = openai_build(&req);
+    CHECK(json_array_size(json_object_get(o, "messages")) == 6);
+    json_decref(o);
+    /* the results end the request: the images come last */
+    msgs[4].n_images = 2;
+    req.n_messages = 5;
+    o = openai_build(&req);
+    m = json_object_get(o, "messages");
+    CHECK(json_array_size(m) == 6);
+    CHECK_STR(json_string_value(json_object_get(json_array_get(m, 5), "role")), "user");
+    json_decref(o);
+}
+
 /* page packs records into a ReadResponse the way storaged's answer arrives (heap, unpacked). */
 static Cflue__V1__ReadResponse *page(Cflue__V1__Record **recs, size_t n)
 {
@@ -580,6 +685,7 @@ int main(void)
     test_anthropic_stream();
     test_openai_stream();
     test_build();
+    test_build_result_images();
     test_record_log();
     test_record_log_pending();
     test_settled_here_forgets();

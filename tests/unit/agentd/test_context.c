@@ -358,6 +358,45 @@ static void test_joined_order(void)
     recs_free(&rs);
 }
 
+/* A tool result's images become images of its LLM_TOOL_RESULT message, base64-encoded, in
+ * order; a result without images has none. */
+static void test_result_images(void)
+{
+    static const char *const calls[] = {"c1", "c2", NULL};
+    Cflue__V1__Attachment img[2], *ptrs[2];
+    static const char *const types[] = {"image/png", "image/webp"};
+    static const char *const data[] = {"\x89PNG", "abc"};
+    for (int i = 0; i < 2; i++) {
+        cflue__v1__attachment__init(&img[i]);
+        img[i].name = "image-1";
+        img[i].mime_type = (char *)types[i];
+        img[i].data.data = (uint8_t *)data[i];
+        img[i].data.len = strlen(data[i]);
+        ptrs[i] = &img[i];
+    }
+    struct recs rs = {0};
+    user(&rs, "input:s1", "s1", "look", 0);
+    assistant(&rs, "s1", 1, "", calls);
+    result(&rs, "s1", 1, "c1", "[image-1 (image/png, 4 bytes) is shown after this text]");
+    rs.r[rs.n - 1]->tool_result->images = ptrs;
+    rs.r[rs.n - 1]->tool_result->n_images = 2;
+    result(&rs, "s1", 1, "c2", "plain");
+    struct context c;
+    CHECK(build(&c, &rs, INT64_MAX, NULL, NULL) == CF_OK);
+    CHECK(c.n == 4);
+    CHECK(c.msgs[2].role == LLM_TOOL_RESULT);
+    CHECK_STR(c.msgs[2].tool_call_id, "c1");
+    CHECK(c.msgs[2].n_images == 2);
+    CHECK_STR(c.msgs[2].images[0].mime_type, "image/png");
+    CHECK_STR(c.msgs[2].images[0].base64, "iVBORw==");
+    CHECK_STR(c.msgs[2].images[1].mime_type, "image/webp");
+    CHECK_STR(c.msgs[2].images[1].base64, "YWJj");
+    CHECK(strstr(c.msgs[2].text, "image-1") != NULL);
+    CHECK(c.msgs[3].n_images == 0 && c.msgs[3].images == NULL);
+    context_free(&c);
+    recs_free(&rs);
+}
+
 int main(void)
 {
     test_record_types();
@@ -365,5 +404,6 @@ int main(void)
     test_unresolved_calls();
     test_attachments();
     test_joined_order();
+    test_result_images();
     return check_done("test_context");
 }

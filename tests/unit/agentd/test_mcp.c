@@ -10,17 +10,24 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* read_result maps the result JSON `json` into out (the caller cleans it up). */
+static void read_result(struct mcp_result *out, const char *json)
+{
+    json_t *r = json_loads(json, 0, NULL);
+    mcp_result_init(out);
+    mcp_result_read(out, r);
+    json_decref(r);
+}
+
 /* text_of maps the result JSON `json`; *is_error gets isError. */
 static char *text_of(const char *json, bool *is_error)
 {
-    json_t *r = json_loads(json, 0, NULL);
-    struct buf out;
-    buf_init(&out, MCP_TEXT_MAX + 512);
-    mcp_result_text(r, &out, is_error);
-    json_decref(r);
-    char *t = buf_take(&out);
-    buf_cleanup(&out);
-    return t ? t : calloc(1, 1);
+    struct mcp_result r;
+    read_result(&r, json);
+    *is_error = r.is_error;
+    char *t = buf_take(&r.text);
+    mcp_result_cleanup(&r);
+    return t;
 }
 
 static void test_result_text(void)
@@ -35,12 +42,9 @@ static void test_result_text(void)
     t = text_of("{\"isError\":true,\"content\":[{\"type\":\"text\",\"text\":\"bad\"}]}", &err);
     CHECK(err && !strcmp(t, "bad"));
     free(t);
-    /* images and audio are described (their size from the base64), never pasted */
-    t = text_of("{\"content\":[{\"type\":\"image\",\"mimeType\":\"image/png\",\"data\":"
-                "\"AAAAAAAA\"},{\"type\":\"audio\",\"data\":\"AAAA\"}]}",
-                &err);
-    CHECK_STR(t, "[image content: image/png, about 6 bytes; it cannot be shown here]\n"
-                 "[audio content: of no stated type, about 3 bytes; it cannot be shown here]");
+    /* audio is described (its size from the base64), never pasted */
+    t = text_of("{\"content\":[{\"type\":\"audio\",\"data\":\"AAAA\"}]}", &err);
+    CHECK_STR(t, "[audio content: of no stated type, about 3 bytes; it cannot be shown here]");
     free(t);
     t = text_of("{\"content\":[{\"type\":\"resource\",\"resource\":{\"uri\":\"file:///a\","
                 "\"text\":\"A\"}},{\"type\":\"resource\",\"resource\":{\"uri\":\"file:///b\","
@@ -74,6 +78,96 @@ static void test_result_text(void)
     CHECK(!memcmp(t + MCP_TEXT_MAX, "\n[cut", 5));
     free(t);
     free(big);
+}
+
+/* Image content: a supported type with valid base64 becomes an image of the result (decoded,
+ * named image-<n>, its type as image.h spells it) with a line in the text; an unsupported
+ * type, bad base64, no data, or one past the count or size bounds stays a line saying why. */
+static void test_result_images(void)
+{
+    struct mcp_result r;
+    read_result(&r, "{\"content\":[{\"type\":\"text\",\"text\":\"Here:\"},{\"type\":\"image\","
+                    "\"mimeType\":\"image/png\",\"data\":\"iVBORw0K\"},{\"type\":\"image\","
+                    "\"mimeType\":\"IMAGE/JPEG\",\"data\":\"YWJj\"},{\"type\":\"text\",\"text\":"
+                    "\"done\"}]}");
+    CHECK_STR(buf_cstr(&r.text), "Here:\n[image-1 (image/png, 6 bytes) is shown after this text]\n"
+                                 "[image-2 (image/jpeg, 3 bytes) is shown after this text]\ndone");
+    CHECK(r.n_images == 2 && r.image_bytes == 9);
+    CHECK(r.ptrs[0] == &r.images[0] && r.ptrs[1] == &r.images[1]);
+    CHECK_STR(r.images[0].name, "image-1");
+    CHECK_STR(r.images[0].mime_type, "image/png");
+    CHECK(r.images[0].data.len == 6 && !memcmp(r.images[0].data.data, "\x89PNG\r\n", 6));
+    CHECK_STR(r.images[1].name, "image-2");
+    CHECK_STR(r.images[1].mime_type, "image/jpeg");
+    CHECK(r.images[1].data.len == 3 && !memcmp(r.images[1].data.data, "abc", 3));
+    mcp_result_cleanup(&r);
+
+    /* unpadded base64 is fine */
+    read_result(&r, "{\"content\":[{\"type\":\"image\",\"mimeType\":\"image/gif\",\"data\":"
+                    "\"YWI\"}]}");
+    CHECK(r.n_images == 1 && r.images[0].data.len == 2);
+    mcp_result_cleanup(&r);
+
+    read_result(&r, "{\"content\":[{\"type\":\"image\",\"mimeType\":\"image/svg+xml\",\"data\":"
+                    "\"AAAA\"},{\"type\":\"image\",\"mimeType\":\"image/png\",\"data\":"
+                    "\"not base64!\"},{\"type\":\"image\",\"mimeType\":\"image/png\",\"data\":"
+                    "\"AA=A\"},{\"type\":\"image\",\"mimeType\":\"image/png\"},{\"type\":"
+                    "\"image\",\"data\":\"AAAA\"}]}");
+    CHECK(r.n_images == 0);
+    CHECK_STR(buf_cstr(&r.text),
+              "[image content (image/svg+xml, about 3 bytes) that cannot be shown: only PNG, "
+              "JPEG, GIF and WebP images can be shown]\n"
+              "[image content (image/png, about 6 bytes) that cannot be shown: its data is not "
+              "valid base64]\n"
+              "[image content (image/png, about 3 bytes) that cannot be shown: its data is not "
+              "valid base64]\n"
+              "[image content (image/png, about 0 bytes) that cannot be shown: it holds no "
+              "data]\n"
+              "[image content (of no stated type, about 3 bytes) that cannot be shown: only PNG, "
+              "JPEG, GIF and WebP images can be shown]");
+    mcp_result_cleanup(&r);
+
+    /* past IMAGE_RESULT_MAX images: the rest are lines */
+    struct buf j;
+    buf_init(&j, 1 << 20);
+    buf_append_str(&j, "{\"content\":[");
+    for (int i = 0; i < IMAGE_RESULT_MAX + 2; i++) {
+        buf_printf(&j, "%s{\"type\":\"image\",\"mimeType\":\"image/webp\",\"data\":\"AAAA\"}",
+                   i ? "," : "");
+    }
+    buf_append_str(&j, "]}");
+    read_result(&r, buf_cstr(&j));
+    CHECK(r.n_images == IMAGE_RESULT_MAX);
+    CHECK_STR(r.images[IMAGE_RESULT_MAX - 1].name, "image-8");
+    CHECK(strstr(buf_cstr(&r.text), "[image-8 (image/webp, 3 bytes) is shown after this text]\n"
+                                    "[image content (image/webp, about 3 bytes) that cannot be "
+                                    "shown: a tool result can show at most 8 images]\n") != NULL);
+    mcp_result_cleanup(&r);
+
+    /* one image past IMAGE_BYTES_MAX, and two that would pass IMAGE_RESULT_BYTES_MAX together */
+    size_t big = (size_t)IMAGE_BYTES_MAX / 3 * 4 + 8, four = (size_t)(4 << 20) / 3 * 4;
+    buf_reset(&j);
+    j.max = 64 << 20;
+    buf_append_str(&j, "{\"content\":[{\"type\":\"image\",\"mimeType\":\"image/png\",\"data\":\"");
+    for (size_t i = 0; i < big; i++) {
+        buf_append(&j, "A", 1);
+    }
+    for (int k = 0; k < 2; k++) {
+        buf_append_str(&j, "\"},{\"type\":\"image\",\"mimeType\":\"image/png\",\"data\":\"");
+        for (size_t i = 0; i < four; i++) {
+            buf_append(&j, "A", 1);
+        }
+    }
+    buf_append_str(&j, "\"}]}");
+    read_result(&r, buf_cstr(&j));
+    CHECK(r.n_images == 1 && r.images[0].data.len == four / 4 * 3);
+    CHECK(strstr(buf_cstr(&r.text), "that cannot be shown: it is larger than 5 MiB") != NULL);
+    CHECK(strstr(buf_cstr(&r.text), "[image-1 (image/png, 4194303 bytes) is shown") != NULL);
+    CHECK(strstr(buf_cstr(&r.text), "that cannot be shown: the result's images would pass 6 MiB "
+                                    "together]") != NULL);
+    mcp_result_cleanup(&r);
+    mcp_result_cleanup(&r); /* again: nothing left to free */
+    buf_cleanup(&j);
 }
 
 static void test_definitions(void)
@@ -116,6 +210,7 @@ static void test_definitions(void)
 int main(void)
 {
     test_result_text();
+    test_result_images();
     test_definitions();
     return check_done("test_mcp");
 }

@@ -1,13 +1,15 @@
 /* Unit tests of common/: status table, bounded buffers, ids, config and daemon options, UTF-8,
- * arena, log quoting. */
+ * arena, log quoting, base64, image bounds. */
 #include "../check.h"
 
 #include "arena.h"
+#include "base64.h"
 #include "buf.h"
 #include "config.h"
 #include "daemon.h"
 #include "errinfo.h"
 #include "ids.h"
+#include "image.h"
 #include "log.h"
 #include "mem.h"
 #include "page_token.h"
@@ -431,6 +433,55 @@ static void test_thread(void)
     free(s);
 }
 
+/* base64: RFC 4648's test vectors both ways; padding optional on decode; anything outside the
+ * alphabet, padding inside, an impossible length, or output past max refused. */
+static void test_base64(void)
+{
+    static const char *const plain[] = {"", "f", "fo", "foo", "foob", "fooba", "foobar"};
+    static const char *const coded[] = {"",         "Zg==",     "Zm8=",    "Zm9v",
+                                        "Zm9vYg==", "Zm9vYmE=", "Zm9vYmFy"};
+    for (size_t i = 0; i < 7; i++) {
+        char *e = base64_encode((const uint8_t *)plain[i], strlen(plain[i]));
+        CHECK_STR(e, coded[i]);
+        free(e);
+        uint8_t *d;
+        size_t n;
+        CHECK(base64_decode(coded[i], strlen(coded[i]), 64, &d, &n) == CF_OK);
+        CHECK(d != NULL && n == strlen(plain[i]) && !memcmp(d, plain[i], n));
+        free(d);
+    }
+    uint8_t *d;
+    size_t n;
+    CHECK(base64_decode("Zm9vYg", 6, 64, &d, &n) == CF_OK && n == 4 && !memcmp(d, "foob", 4));
+    free(d);
+    CHECK(base64_decode("+/+/", 4, 64, &d, &n) == CF_OK && n == 3 && d[0] == 0xfb);
+    free(d);
+    static const char *const bad[] = {
+        "Zm9v YmFy", "Zm9vY", "Zg=a", "Z===", "====", "Zm9v\n", "Zm-_"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(*bad); i++) {
+        CHECK(base64_decode(bad[i], strlen(bad[i]), 64, &d, &n) == CF_INVALID);
+        CHECK(d == NULL && n == 0);
+    }
+    CHECK(base64_decode("Zm9vYmFy", 8, 5, &d, &n) == CF_TOOBIG && d == NULL);
+    CHECK(base64_decode("Zm9vYmFy", 8, 6, &d, &n) == CF_OK && n == 6);
+    free(d);
+}
+
+/* image bounds: the four types (any case), then size and count; NULL when it may be shown. */
+static void test_image(void)
+{
+    CHECK_STR(image_type("IMAGE/Png"), "image/png");
+    CHECK(image_type("image/svg+xml") == NULL && image_type(NULL) == NULL);
+    CHECK(image_refusal("image/webp", 10, 0, 0) == NULL);
+    CHECK(strstr(image_refusal("image/bmp", 10, 0, 0), "only PNG") != NULL);
+    CHECK(strstr(image_refusal("image/png", 0, 0, 0), "no data") != NULL);
+    CHECK(strstr(image_refusal("image/png", IMAGE_BYTES_MAX + 1, 0, 0), "5 MiB") != NULL);
+    CHECK(image_refusal("image/png", IMAGE_BYTES_MAX, 0, 0) == NULL);
+    CHECK(strstr(image_refusal("image/gif", 1, IMAGE_RESULT_MAX, 0), "at most 8") != NULL);
+    CHECK(strstr(image_refusal("image/gif", 2, 1, IMAGE_RESULT_BYTES_MAX - 1), "6 MiB") != NULL);
+    CHECK(image_refusal("image/gif", 1, 1, IMAGE_RESULT_BYTES_MAX - 1) == NULL);
+}
+
 int main(void)
 {
     test_status();
@@ -446,5 +497,7 @@ int main(void)
     test_arena();
     test_log_quote();
     test_thread();
+    test_base64();
+    test_image();
     return check_done("test_common");
 }

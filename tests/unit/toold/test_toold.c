@@ -50,6 +50,46 @@ static void test_paths(void)
     CHECK_STR(rel(abs), "ERR");
 }
 
+static const char *rel_from(const char *base, const char *path)
+{
+    static char out[WS_PATH_MAX];
+    struct cf_error err;
+    if (ws_relative_from(sb, base, path, out, sizeof(out), &err) != CF_OK) {
+        snprintf(out, sizeof(out), "ERR");
+    }
+    return out;
+}
+
+static const char *shown(const char *base, const char *rel_path)
+{
+    static char out[WS_PATH_MAX];
+    ws_shown_path(base, rel_path, out, sizeof(out));
+    return out;
+}
+
+/* a call's working directory: relative paths start there, ".." may climb to the root only */
+static void test_paths_from_a_directory(void)
+{
+    char abs[PATH_MAX + 16];
+    CHECK_STR(rel_from("pkg", "a.txt"), "pkg/a.txt");
+    CHECK_STR(rel_from("pkg/sub", "../b"), "pkg/b");
+    CHECK_STR(rel_from("pkg", ".."), ".");
+    CHECK_STR(rel_from("pkg", "../.."), "ERR");
+    CHECK_STR(rel_from(".", "x"), "x");
+    CHECK_STR(rel_from(NULL, "x"), "x");
+    snprintf(abs, sizeof(abs), "%s/top", sb->root);
+    CHECK_STR(rel_from("pkg", abs), "top"); /* absolute paths are not moved */
+    CHECK_STR(shown("pkg", "pkg/a.txt"), "a.txt");
+    CHECK_STR(shown("pkg", "pkg"), ".");
+    CHECK_STR(shown("pkg", "top.txt"), "../top.txt");
+    CHECK_STR(shown("pkg/sub", "pkg/x/y"), "../x/y");
+    CHECK_STR(shown("pkg/sub", "."), "../..");
+    CHECK_STR(shown("pkg", "pkgs/a"), "../pkgs/a"); /* a sibling sharing the prefix */
+    CHECK_STR(shown(".", "a/b"), "a/b");
+    CHECK_STR(shown(NULL, "a/b"), "a/b");
+    CHECK_STR(shown("pkg", "/abs/path"), "/abs/path");
+}
+
 static void test_confined_io(void)
 {
     struct cf_error err;
@@ -421,6 +461,7 @@ int main(int argc, char **argv)
     CHECK(workspaces_get(ws, "../x", &sb, &err) == CF_INVALID);
     CHECK(workspaces_get(ws, "sb1", &sb, &err) == CF_OK);
     test_paths();
+    test_paths_from_a_directory();
     test_confined_io();
     test_dirpage();
     test_locks();
