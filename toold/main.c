@@ -59,7 +59,8 @@ static bool open_workspaces(const struct daemon *d, const struct toold_opts *o,
     const struct driver *driver = driver_find(o->driver);
     if (workspaces_new(o->root, !o->no_confine, driver, out, &err) != CF_OK) {
         *out = NULL;
-    } else if (driver_available(driver, o->root, &err) != CF_OK) {
+    } else if (driver_init(driver, &err) != CF_OK ||
+               driver_available(driver, o->root, &err) != CF_OK) {
         workspaces_free(*out);
         *out = NULL;
     }

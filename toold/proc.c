@@ -207,6 +207,9 @@ static int spawn(struct run *r)
     if (r->runner) {
         posix_spawn_file_actions_adddup2(&fa, r->rep_fd[1], 3);
     }
+    if (r->spec->extra_fd > 0) {
+        posix_spawn_file_actions_adddup2(&fa, r->spec->extra_fd, 4);
+    }
     if (r->spec->cwd) {
         posix_spawn_file_actions_addchdir_np(&fa, r->spec->cwd);
     }

@@ -28,12 +28,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define PROC_ARGV_MAX 64
+#define PROC_ARGV_MAX 512
 
 struct proc_spec {
     const char **argv;      /* argv[0] is looked up in PATH */
     const char *cwd;        /* host path */
     char **envp;            /* full environment */
+    int extra_fd;           /* the command inherits it as fd 4 (0: none) */
     int64_t timeout_ms;     /* <= 0: none */
     const void *stdin_data; /* NULL: /dev/null */
     size_t stdin_len;

@@ -1017,20 +1017,10 @@ static void on_exec(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
     }
     target_close(&t);
     ws_host_path(t.sb, t.rel, cwd, sizeof(cwd));
-    const char **extra = mem_alloc(sizeof(char *) * (req->n_env + 1));
+    const char **env = mem_alloc(sizeof(char *) * (req->n_env + 1));
     for (size_t i = 0; i < req->n_env; i++) {
-        size_t len = strlen(req->env[i]->key) + strlen(req->env[i]->value) + 2;
-        char *kv = mem_alloc(len);
-        snprintf(kv, len, "%s=%s", req->env[i]->key, req->env[i]->value);
-        extra[i] = kv;
+        env[i] = mem_asprintf("%s=%s", req->env[i]->key, req->env[i]->value);
     }
-    char **env = proc_base_env(extra, req->n_env);
-    for (size_t i = 0; i < req->n_env; i++) {
-        free((char *)extra[i]);
-    }
-    free(extra);
-    const char *argv[PROC_ARGV_MAX];
-    t.sb->driver->build_argv(t.sb, cwd, req->command, argv);
     struct exec_out o = {.overflow = false};
     buf_init(&o.out, EXEC_OUTPUT_MAX);
     buf_init(&o.err, EXEC_OUTPUT_MAX);
@@ -1038,18 +1028,19 @@ static void on_exec(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
     if (timeout == 0) {
         timeout = server_state.cfg->bash_default_timeout_ms;
     }
-    struct proc_spec spec = {.argv = argv,
-                             .cwd = cwd,
-                             .envp = env,
-                             .timeout_ms = timeout,
+    struct proc_spec spec = {.timeout_ms = timeout,
                              .stdin_data = req->stdin.len ? req->stdin.data : NULL,
                              .stdin_len = req->stdin.len,
                              .on_output = exec_collect,
                              .on_stderr = exec_collect_err,
                              .ctx = &o};
     struct proc_result pr;
-    enum cf_status rc = proc_run(&spec, &pr, &err);
-    proc_env_free(env);
+    enum cf_status rc =
+        driver_run(t.sb, cwd, req->command, (const char *const *)env, req->n_env, &spec, &pr, &err);
+    for (size_t i = 0; i < req->n_env; i++) {
+        free((char *)env[i]);
+    }
+    free(env);
     if (rc != CF_OK) {
         buf_cleanup(&o.out);
         buf_cleanup(&o.err);

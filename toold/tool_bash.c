@@ -230,21 +230,11 @@ static enum cf_status run_command(struct capture *c, const char *command, int64_
                                   struct proc_result *pr, struct cf_error *err)
 {
     struct tool_ctx *ctx = c->ctx;
-    const char *argv[PROC_ARGV_MAX];
     char cwd[PATH_MAX];
     ws_host_path(ctx->sb, ctx->cwd ? ctx->cwd : ".", cwd, sizeof(cwd));
-    ctx->sb->driver->build_argv(ctx->sb, cwd, command, argv);
-    char **env = proc_base_env(NULL, 0);
-    struct proc_spec spec = {.argv = argv,
-                             .cwd = cwd,
-                             .envp = env,
-                             .timeout_ms = timeout_ms,
-                             .on_output = on_output,
-                             .cancelled = cancelled,
-                             .ctx = c};
-    enum cf_status rc = proc_run(&spec, pr, err);
-    proc_env_free(env);
-    return rc;
+    struct proc_spec spec = {
+        .timeout_ms = timeout_ms, .on_output = on_output, .cancelled = cancelled, .ctx = c};
+    return driver_run(ctx->sb, cwd, command, NULL, 0, &spec, pr, err);
 }
 
 /* view_whole shows all the output (it fits the page limits), without its final '\n'. */

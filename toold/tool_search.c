@@ -362,20 +362,12 @@ static void shell_quote(struct buf *b, const char *s)
 static enum cf_status run_engine(struct grep *g, const char *command, int *exit_code,
                                  struct cf_error *err)
 {
-    const char *argv[PROC_ARGV_MAX];
     struct sandbox *sb = g->ctx->sb;
-    sb->driver->build_argv(sb, sb->root, command, argv);
-    char **env = proc_base_env((const char *const[]){"LC_ALL=C.UTF-8"}, 1);
-    struct proc_spec spec = {.argv = argv,
-                             .cwd = sb->root,
-                             .envp = env,
-                             .timeout_ms = 600000,
-                             .on_output = engine_output,
-                             .cancelled = grep_cancelled,
-                             .ctx = g};
-    struct proc_result pr;
-    enum cf_status rc = proc_run(&spec, &pr, err);
-    proc_env_free(env);
+    const char *const env[] = {"LC_ALL=C.UTF-8"};
+    struct proc_spec spec = {
+        .timeout_ms = 600000, .on_output = engine_output, .cancelled = grep_cancelled, .ctx = g};
+    struct proc_result pr = {0};
+    enum cf_status rc = driver_run(sb, sb->root, command, env, 1, &spec, &pr, err);
     if (g->line.len) {
         parse_engine_line(g, buf_cstr(&g->line), g->line.len);
         buf_reset(&g->line);
@@ -393,14 +385,12 @@ static bool rg_available(struct tool_ctx *ctx)
     if (state) {
         return state > 0;
     }
-    const char *argv[PROC_ARGV_MAX];
-    sb->driver->build_argv(sb, sb->root, "rg --version >/dev/null 2>&1", argv);
-    char **env = proc_base_env(NULL, 0);
-    struct proc_spec spec = {.argv = argv, .cwd = sb->root, .envp = env, .timeout_ms = 10000};
+    struct proc_spec spec = {.timeout_ms = 10000};
     struct proc_result pr;
     struct cf_error err;
-    bool ok = proc_run(&spec, &pr, &err) == CF_OK && pr.exit_code == 0;
-    proc_env_free(env);
+    bool ok = driver_run(sb, sb->root, "rg --version >/dev/null 2>&1", NULL, 0, &spec, &pr, &err) ==
+                  CF_OK &&
+              pr.exit_code == 0;
     pthread_mutex_lock(&sb->mu);
     sb->rg_state = ok ? 1 : -1;
     pthread_mutex_unlock(&sb->mu);

@@ -90,51 +90,53 @@ class CompactionTest(CompactionCase):
 
     def test_a_compaction_rebases_the_prompt_on_the_definitions_in_force(self):
         """Instructions edited after the prompt froze are told once as a signal; a compaction
-        then recomposes the prompt with them, and nothing more is told."""
-        adm, sub = self.run_one('list some numbers', [
-            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 250'}}]},
-            {'text': 'Here are the numbers.'}])
-        self.assertEqual(sub.outcome, COMPLETED, sub.error)
-        conv = adm.conversation_id
-        first_system = request_system(self.stack.fm.requests()[-1])
-        path = os.path.join(self.stack.agents_dir, 'compactor.md')
-        with open(path) as f:
-            text = f.read()
-        self.assertIn('Answer briefly.', text)
-        edited = text.replace('Answer briefly.', 'EDITED-INSTRUCTIONS: answer in one word.')
-        try:
+        then recomposes the prompt with them, and nothing more is told. (An agent with a large
+        window: no compaction but the one asked for.)"""
+        path = os.path.join(self.stack.agents_dir, 'rebaser.md')
+        text = ('---\nname: rebaser\nmodel: anthropic/claude-test-1\nsandbox:\n  tools: "%s"\n'
+                '  workspace: "{conversation}"\ncompaction:\n  keep_recent_tokens: 20\n---\n\n'
+                'You are the rebase test agent. %%s\n' % self.stack.td.target)
+
+        def install(instructions):
             logged = self.ad.stderr_text().count('event=agents_reloaded')
             with open(path + '.tmp', 'w') as f:
-                f.write(edited)
+                f.write(text % instructions)
             os.rename(path + '.tmp', path)
             self.ad.proc.send_signal(signal.SIGHUP)
             deadline = time.monotonic() + 15
             while self.ad.stderr_text().count('event=agents_reloaded') <= logged:
                 self.assertLess(time.monotonic(), deadline, 'no reload in the log')
                 time.sleep(0.05)
-            adm2, sub2 = self.run_one('one more', [{'text': 'fine'}], conv)
-            self.assertEqual(sub2.outcome, COMPLETED, sub2.error)
-            self.assertEqual(request_system(self.stack.fm.requests()[-1]), first_system)
+
+        def run(conv, msg, steps):
+            self.stack.fm.set_scenario(steps)
+            adm = self.ad.submit('rebaser', msg, conversation_id=conv)
+            sub = self.ad.get_submission(adm.submission_id, wait=True, timeout=60)
+            self.assertEqual(sub.outcome, COMPLETED, sub.error)
+            return adm.conversation_id, request_system(self.stack.fm.requests()[-1])
+
+        try:
+            install('Answer briefly.')
+            conv, first_system = run('', 'tell me a lot', [{'text': 'word ' * 100}])
+            install('EDITED-INSTRUCTIONS: answer in one word.')
+            _, system = run(conv, 'one more', [{'text': 'fine'}])
+            self.assertEqual(system, first_system)  # frozen: the edit is told instead
             signals = [x.signal for x in self.records(conv) if kind(x) == 'signal']
             self.assertEqual([s.kind for s in signals], ['instructions'])
-            self.stack.fm.set_scenario([{'text': 'SUMMARY-REBASE: numbers were listed.'}])
+            self.stack.fm.set_scenario([{'text': 'SUMMARY-REBASE: words were written.'}])
             self.ad.call('Compact', agent_pb2.CompactRequest(conversation_id=conv), timeout=60)
-            adm3, sub3 = self.run_one('and now?', [{'text': 'ok'}], conv)
-            self.assertEqual(sub3.outcome, COMPLETED, sub3.error)
-            rebased = request_system(self.stack.fm.requests()[-1])
-            self.assertNotEqual(rebased, first_system)
+            _, rebased = run(conv, 'and now?', [{'text': 'ok'}])
             self.assertIn('EDITED-INSTRUCTIONS: answer in one word.', rebased)
             self.assertNotIn('Answer briefly.', rebased)
             recs = self.records(conv)
             prompts = [x.system_prompt for x in recs if kind(x) == 'system_prompt']
-            self.assertGreaterEqual(len(prompts), 2)  # the tiny window may compact again
-            self.assertNotIn('EDITED-INSTRUCTIONS', prompts[0].text)
-            self.assertTrue(all('EDITED-INSTRUCTIONS' in p.text for p in prompts[1:]))
+            self.assertEqual(len(prompts), 2)
+            self.assertIn('EDITED-INSTRUCTIONS', prompts[1].text)
+            self.assertEqual(prompts[1].text, rebased)
             # the new baseline holds the edit: nothing is told again
             self.assertEqual(len([x for x in recs if kind(x) == 'signal']), 1)
         finally:
-            with open(path, 'w') as f:
-                f.write(text)
+            os.remove(path)
             self.ad.proc.send_signal(signal.SIGHUP)
 
     def test_threshold_compacts_before_the_model_call(self):
