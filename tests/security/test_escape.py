@@ -21,8 +21,8 @@ read or changed.
 import os
 import shutil
 import socket
-import subprocess
 import sys
+import threading
 import unittest
 import uuid
 
@@ -43,31 +43,39 @@ class EscapeCases(object):
     def setUp(self):
         if not shutil.which('bwrap'):
             self.skipTest('bubblewrap is not installed')
+        self.td = self.start_bwrap_toold()
+        self.sd = Storaged()
+        self.marker = 'cflue-escape-' + uuid.uuid4().hex[:8]
+        self.sb = 'attacker'
+        self.ws = self.workspace_of(self.td, self.sb)
+        self.addCleanup(self.sd.close)
+
+    def start_bwrap_toold(self, grep_engine=None):
         if self.unprivileged:
             if os.geteuid() != 0 or not shutil.which('setpriv'):
                 self.skipTest('needs root and setpriv to start toold as uid %d' % NOBODY)
-            self.td = NobodyToold(start=False, driver='bwrap')
-            os.chmod(self.td.dir, 0o755)
-            os.makedirs(self.td.root, exist_ok=True)
-            for p in (self.td.dir, self.td.root):
+            td = NobodyToold(start=False, driver='bwrap', grep_engine=grep_engine)
+            os.chmod(td.dir, 0o755)
+            os.makedirs(td.root, exist_ok=True)
+            for p in (td.dir, td.root):
                 os.chown(p, NOBODY, NOBODY)
         else:
-            self.td = Toold(start=False, driver='bwrap')
-        self._toolds.append(self.td)
+            td = Toold(start=False, driver='bwrap', grep_engine=grep_engine)
+        self._toolds.append(td)
         try:
-            self.td.start()
+            td.start()
         except TooldExited as e:
             self.skipTest('bwrap cannot create sandboxes here: %s' % str(e)[:300])
-        self.sd = Storaged()
-        self.addCleanup(self.sd.close)
-        self.sb = 'attacker'
-        self.ws = os.path.realpath(self.td.workspace(self.sb, create=True))
-        if self.unprivileged:
-            os.chown(self.ws, NOBODY, NOBODY)  # made here as root: the user toold runs as
-        self.marker = 'cflue-escape-' + uuid.uuid4().hex[:8]
+        return td
 
-    def bash(self, command, sandbox=None):
-        res = self.td.execute(sandbox or self.sb, 'bash', {'command': command})
+    def workspace_of(self, td, sb):
+        ws = os.path.realpath(td.workspace(sb, create=True))
+        if self.unprivileged:
+            os.chown(ws, NOBODY, NOBODY)  # made here as root: the user toold runs as
+        return ws
+
+    def bash(self, command, sandbox=None, td=None):
+        res = (td or self.td).execute(sandbox or self.sb, 'bash', {'command': command})
         self.assertFalse(res.is_error, res.text)
         return res.text
 
@@ -154,6 +162,65 @@ class EscapeCases(object):
         self.assertEqual(self.bash('ls -A %s' % self.td.root), self.sb)
         out = self.bash('grep -rls VICTIM-SECRET /etc /tmp /dev %s; echo end' % self.td.dir)
         self.assertEqual(out, 'end')
+
+    # ---- grep and glob against a directory swapped for a symbolic link ----
+
+    SWAPS = 100000
+    SWAPPER = (
+        "import os, sys\n"
+        "n = int(sys.argv[1])\n"
+        "os.makedirs('tree/d', exist_ok=True)\n"
+        "for k in range(50):\n"
+        "    open('tree/d/own%d.txt' % k, 'w').write('NEEDLE inside\\n')\n"
+        "for i in range(n):\n"
+        "    os.rename('tree/d', 'tree/real')\n"
+        "    os.symlink(sys.argv[2], 'tree/d')\n"
+        "    os.lstat('tree/d')\n"
+        "    os.unlink('tree/d')\n"
+        "    os.rename('tree/real', 'tree/d')\n"
+        "print('swapped', n)\n")
+
+    def test_grep_and_glob_never_follow_a_swapped_link_out(self):
+        """A command swaps tree/d for a link to a directory of the host 100,000 times while grep
+        (each engine) and glob walk tree: every hit is inside the workspace."""
+        secret_dir = os.path.join(self.td.dir, 'secret-' + self.marker)
+        os.makedirs(secret_dir)
+        # the same names as the files inside: an engine that lists tree/d, then opens
+        # tree/d/ownN.txt by its path after a swap, reads the host's file
+        for k in range(50):
+            with open(os.path.join(secret_dir, 'own%d.txt' % k), 'w') as f:
+                f.write('NEEDLE from the host\n')
+        engines = {'pcre2': self.start_bwrap_toold('pcre2'),
+                   'grep': self.start_bwrap_toold('grep')}
+        if shutil.which('rg'):
+            engines['rg'] = self.start_bwrap_toold('rg')
+        for name, td in engines.items():
+            ws = self.workspace_of(td, self.sb)
+            with open(os.path.join(ws, 'swap.py'), 'w') as f:
+                f.write(self.SWAPPER)
+            done = threading.Event()
+            swapped = []
+
+            def swap(td=td, target=secret_dir):
+                try:
+                    swapped.append(self.bash('python3 swap.py %d %s' % (self.SWAPS, target),
+                                             td=td))
+                finally:
+                    done.set()
+
+            t = threading.Thread(target=swap)
+            t.start()
+            calls = 0
+            while not done.is_set():
+                for tool, args in (('grep', {'pattern': 'NEEDLE', 'path': 'tree'}),
+                                   ('glob', {'pattern': '*.txt', 'path': 'tree'})):
+                    res = td.execute(self.sb, tool, args)
+                    calls += 1
+                    self.assertNotIn('host', res.text, (name, tool, res.text))
+                    self.assertNotIn(secret_dir, res.text, (name, tool, res.text))
+            t.join()
+            self.assertEqual(swapped, ['swapped %d' % self.SWAPS], name)
+            self.assertGreater(calls, 2, name)
 
     # ---- sockets, network, processes ----
 
