@@ -136,7 +136,8 @@ struct call {
     int64_t retry_after_ms;
     enum cf_status parse_rc;
     struct cf_error parse_err;
-    bool not_sse; /* a 2xx answer to a streaming request that is not text/event-stream */
+    bool not_sse;        /* a 2xx answer to a streaming request that is not text/event-stream */
+    const char *api_key; /* the endpoint's (it outlives the call), kept out of every error */
 };
 
 static void call_free(struct call *c)
@@ -281,12 +282,36 @@ static enum cf_status verdict(struct call *c, const struct model_io_result *res,
     return CF_OK;
 }
 
+/* redact replaces each occurrence of key in err's message with "[redacted]": a provider that
+ * quotes the credential it refused must not have it logged or recorded. */
+static void redact(struct cf_error *err, const char *key)
+{
+    size_t klen = key ? strlen(key) : 0;
+    if (klen < 4 || !strstr(err->msg, key)) {
+        return;
+    }
+    char out[sizeof(err->msg)];
+    size_t o = 0;
+    for (const char *p = err->msg; *p && o + 1 < sizeof(out);) {
+        if (!strncmp(p, key, klen)) {
+            o += (size_t)snprintf(out + o, sizeof(out) - o, "[redacted]");
+            o = o < sizeof(out) ? o : sizeof(out) - 1;
+            p += klen;
+        } else {
+            out[o++] = *p++;
+        }
+    }
+    out[o] = '\0';
+    memcpy(err->msg, out, o + 1);
+}
+
 static void on_done(void *ctx, const struct model_io_result *res)
 {
     struct call *c = ctx;
     struct cf_error err;
     cf_error_clear(&err);
     enum cf_status rc = verdict(c, res, &err);
+    redact(&err, c->api_key);
     llm_done_fn done = c->done;
     void *done_ctx = c->done_ctx;
     call_free(c);
@@ -331,6 +356,7 @@ enum cf_status llm_start(const struct provider_endpoint *ep, const struct llm_re
     c->done = done;
     c->done_ctx = done_ctx;
     c->url = request_url(ep->base_url, wire->path);
+    c->api_key = ep->api_key;
     buf_init(&c->body, PROVIDER_RESPONSE_MAX);
     sse_init(&c->sse, PROVIDER_RESPONSE_MAX, on_sse, c);
     c->stream_state = wire->stream_new();

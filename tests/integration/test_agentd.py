@@ -1252,6 +1252,37 @@ class TestAgentdBadInput(AgentdCase):
                 final = [r for r in recs if kind(r) == 'assistant_message']
                 self.assertEqual([body(r).text for r in final], ['fine after %d' % status])
 
+    def test_a_provider_echoing_the_key_never_gets_it_recorded(self):
+        for agent, key in (('runner-anthropic', 'test-anthropic-key'),
+                           ('runner-openai', 'test-openai-key')):
+            with self.subTest(agent=agent):
+                conv, sid, t0 = self.submit(agent, [{'error': {
+                    'status': 401, 'message': 'invalid api key %s for this org' % key}}] * 3)
+                s = self.wait_settled(sid, timeout=20)
+                self.assertEqual(outcome_name(s.outcome), 'FAILED', s.error)
+                self.assertIn('401', s.error)
+                self.assertNotIn(key, s.error)
+                self.assertIn('[redacted]', s.error)
+
+    def test_zz_no_key_in_any_log_or_record(self):
+        """After every test of the class: neither provider key appears in a daemon's log or
+        in any record or submission storaged holds."""
+        keys = ('test-anthropic-key', 'test-openai-key')
+        for name, d in self.stack.daemons:
+            if name == 'fake_model':
+                continue  # the provider itself: it is sent the key
+            for key in keys:
+                self.assertNotIn(key, d.stderr_text(), name)
+        subs = H.list_all(self.stack.sd.stub)
+        self.assertTrue(subs)
+        for conv in sorted({x.conversation_id for x in subs}):
+            for r in self.records(conv):
+                for key in keys:
+                    self.assertNotIn(key.encode(), r.SerializeToString(), conv)
+        for x in subs:
+            for key in keys:
+                self.assertNotIn(key.encode(), x.SerializeToString())
+
     def test_zz_healthy_after_everything(self):
         self.assertTrue(self.ad.alive(), 'agentd exited')
         self.assertEqual(self.ad.health_check(), H.SERVING)
