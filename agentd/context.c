@@ -171,7 +171,11 @@ static char *signal_text(const Cflue__V1__Signal *sig)
 {
     struct buf b;
     buf_init(&b, SIZE_MAX);
-    buf_printf(&b, "<signal type=\"%s\">\n", sig->kind);
+    buf_printf(&b, "<signal type=\"%s\"", sig->kind);
+    if (*sig->resource) {
+        buf_printf(&b, " resource=\"%s\"", sig->resource); /* [a-z0-9_] (storaged checks it) */
+    }
+    buf_append_str(&b, ">\n");
     for (const char *p = sig->text; *p; p++) {
         const char *esc = *p == '&' ? "&amp;" : *p == '<' ? "&lt;" : *p == '>' ? "&gt;" : NULL;
         if (esc) {

@@ -207,9 +207,10 @@ static bool delta(struct buf *b, const struct drive *d, int which, const char *k
     return changed;
 }
 
-/* tell records one signal of kind with text b and the new state (id ...:<what>). */
-static void tell(struct drive *d, const char *kind, const char *what, struct buf *b,
-                 struct narrated *now)
+/* tell records one signal of kind (about resource: "tool", "skill", "agent", or "") with text b
+ * and the new state (id ...:<what>). */
+static void tell(struct drive *d, const char *kind, const char *resource, const char *what,
+                 struct buf *b, struct narrated *now)
 {
     char id[256];
     snprintf(id, sizeof(id), "signal:%s:e%lld:t%d:%s", d->sub->submission_id,
@@ -217,6 +218,7 @@ static void tell(struct drive *d, const char *kind, const char *what, struct buf
     struct buf clean;
     Cflue__V1__Signal sig = CFLUE__V1__SIGNAL__INIT;
     sig.kind = (char *)kind;
+    sig.resource = (char *)resource;
     sig.text = (char *)dstore_utf8(buf_cstr(b), &clean); /* descriptions cut at a byte count */
     sig.state = &now->st;
     (void)dstore_defer_one(d, id, d->sub->submission_id, &sig.base);
@@ -248,7 +250,7 @@ static void tell_environment(struct drive *d, const Cflue__V1__ResourceState *wa
     roster(b, "skill", st->skills, st->n_skills);
     buf_append_str(b, "\n");
     roster(b, "agent", st->subagents, st->n_subagents);
-    tell(d, "environment", "environment", b, now);
+    tell(d, "environment", "", "environment", b, now);
 }
 
 void narrate_changes(struct drive *d)
@@ -270,20 +272,20 @@ void narrate_changes(struct drive *d)
                    "the ones you were given before:\n\n%.*s%s",
                    (int)(len > INSTRUCTIONS_TOLD_MAX ? INSTRUCTIONS_TOLD_MAX : len), ins,
                    len > INSTRUCTIONS_TOLD_MAX ? "\n[... cut]" : "");
-        tell(d, "instructions", "instructions", &b, &now);
+        tell(d, "instructions", "", "instructions", &b, &now);
     }
     if (strcmp(was->sandbox, st->sandbox)) {
         tell_environment(d, was, &b, &now); /* its rosters stand for every change below */
     } else {
         if (delta(&b, d, 0, "tool", was->tools, was->n_tools, st->tools, st->n_tools)) {
-            tell(d, "resources", "tools", &b, &now);
+            tell(d, "resources", "tool", "tools", &b, &now);
         }
         if (delta(&b, d, 1, "skill", was->skills, was->n_skills, st->skills, st->n_skills)) {
-            tell(d, "resources", "skills", &b, &now);
+            tell(d, "resources", "skill", "skills", &b, &now);
         }
         if (delta(&b, d, 2, "agent", was->subagents, was->n_subagents, st->subagents,
                   st->n_subagents)) {
-            tell(d, "resources", "agents", &b, &now);
+            tell(d, "resources", "agent", "agents", &b, &now);
         }
     }
     buf_cleanup(&b);

@@ -199,6 +199,7 @@ static void record_signal(struct drive *d, const char *what, struct buf *b)
     struct buf clean;
     Cflue__V1__Signal sig = CFLUE__V1__SIGNAL__INIT;
     sig.kind = "resources";
+    sig.resource = "tool";
     sig.text = (char *)dstore_utf8(buf_cstr(b), &clean); /* reasons cut at a byte count */
     (void)dstore_defer_one(d, id, d->sub->submission_id, &sig.base);
     buf_cleanup(&clean);

@@ -698,6 +698,12 @@ static enum cf_status check_body(const char *at, const Cflue__V1__Record *rec, s
             return cf_error_set(err, CF_INVALID,
                                 "%s.signal.kind must be 1 to 64 characters of a-z 0-9 _", at);
         }
+        if (*rec->signal->resource && !signal_kind_ok(rec->signal->resource)) {
+            return cf_error_set(err, CF_INVALID,
+                                "%s.signal.resource must be empty or 1 to 64 characters of "
+                                "a-z 0-9 _",
+                                at);
+        }
         if ((rc = resource_state(at, rec->signal->state, err)) != CF_OK) {
             return rc;
         }

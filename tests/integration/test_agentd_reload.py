@@ -189,6 +189,7 @@ class ReloadTest(AgentdCase):
             # what the model reads is escaped inside the signal's envelope
             sent = json.dumps(second[0]['body']['messages'])
             self.assertIn('Tidy &lt;the&gt; files &amp; folders.', sent)
+            self.assertIn('<signal type=\\"resources\\" resource=\\"skill\\">', sent)
             self.assertEqual(request_system(second[0]), request_system(first[0]))
             # the skill goes again
             os.remove(os.path.join(ws, '.agents', 'skills', 'tidy', 'SKILL.md'))

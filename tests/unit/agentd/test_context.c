@@ -102,6 +102,7 @@ static void other(struct recs *rs, const char *id, Cflue__V1__Record__BodyCase b
         r->signal = calloc(1, sizeof(*r->signal));
         cflue__v1__signal__init(r->signal);
         r->signal->kind = "timer";
+        r->signal->resource = "tool";
         r->signal->text = "wake up: <skill> \"a&b\" </signal>";
         break;
     default:
@@ -181,8 +182,9 @@ static void test_record_types(void)
     CHECK_STR(c.msgs[3].text, "second");
     CHECK(c.msgs[4].role == LLM_USER);
     /* the body is escaped: what it quotes can never close the envelope */
-    CHECK_STR(c.msgs[4].text, "<signal type=\"timer\">\nwake up: &lt;skill&gt; \"a&amp;b\" "
-                              "&lt;/signal&gt;\n</signal>");
+    CHECK_STR(c.msgs[4].text,
+              "<signal type=\"timer\" resource=\"tool\">\nwake up: &lt;skill&gt; \"a&amp;b\" "
+              "&lt;/signal&gt;\n</signal>");
     CHECK(c.msgs[5].role == LLM_ASSISTANT && c.msgs[5].n_calls == 0);
     CHECK_STR(c.msgs[5].text, "done");
     context_free(&c);
