@@ -15,9 +15,12 @@
 #include "mem.h"
 #include "model_io.h"
 #include "pbtime.h"
+#include "ready.h"
 #include "settled_here.h"
 #include "thread.h"
 #include "watch.h"
+
+#include "grpc/health/v1/health.pb-c.h"
 
 #include <curl/curl.h>
 #include <inttypes.h>
@@ -178,6 +181,29 @@ static void set_engine(const struct agentd_opts *o)
     pthread_cond_init(&g_agentd.wake, NULL);
 }
 
+/* storaged_answers is agentd's readiness: storaged's health says it serves the ledger. */
+static bool storaged_answers(void *arg, char *why, size_t why_len)
+{
+    const char *addr = arg;
+    Grpc__Health__V1__HealthCheckRequest rq = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    rq.service = "cflue.v1.Store";
+    ProtobufCMessage *resp = NULL;
+    struct rpc_status st;
+    if (!rpc_unary(g_agentd.store, "/grpc.health.v1.Health/Check", &rq.base,
+                   &grpc__health__v1__health_check_response__descriptor, READY_EVERY_MS, &resp,
+                   &st)) {
+        snprintf(why, why_len, "storaged at %s does not answer: %s", addr, st.details);
+        return false;
+    }
+    bool serving = ((Grpc__Health__V1__HealthCheckResponse *)resp)->status ==
+                   GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
+    protobuf_c_message_free_unpacked(resp, NULL);
+    if (!serving) {
+        snprintf(why, why_len, "storaged at %s is not serving", addr);
+    }
+    return serving;
+}
+
 /* close_clients releases what the drives used, after they stopped. */
 static void close_clients(void)
 {
@@ -301,8 +327,16 @@ int main(int argc, char **argv)
     }
     log_info("listening", "addr=%s port=%d store=%s agents=%zu owner=%s workers=%lld", d.listen,
              d.port, o.store, n_agents, o.owner, o.workers);
+    struct ready_probe *ready =
+        ready_start(srv, "storaged", storaged_answers, (void *)o.store, &err);
+    if (!ready) {
+        char q[CF_ERROR_MSG_MAX + 8];
+        log_warn("ready_probe_off", "err=%s note=\"readiness stays SERVING\"",
+                 log_quote(q, sizeof(q), err.msg));
+    }
 
     daemon_wait_for_stop_or_hup(release_memory, reload_on_hup, NULL);
+    ready_stop(ready);
     watch_stop();
     int feeds, watchers;
     watch_counts(&feeds, &watchers);

@@ -113,6 +113,16 @@ CF_MUST_CHECK enum cf_status rpc_server_start(struct rpc_server *s);
 /* rpc_server_stopping reports whether shutdown has begun (for long-running handlers). */
 bool rpc_server_stopping(const struct rpc_server *s);
 
+/* Health service names besides the registered services: liveness ("" too) is SERVING while
+ * the process serves; readiness (and every registered service) only while it is also ready. */
+#define RPC_HEALTH_LIVENESS "liveness"
+#define RPC_HEALTH_READINESS "readiness"
+
+/* rpc_server_set_ready changes readiness (false: "readiness" and the registered services
+ * answer NOT_SERVING, "" and "liveness" stay SERVING); health Watch streams are told at once.
+ * A new server is ready. */
+void rpc_server_set_ready(struct rpc_server *s, bool ready);
+
 /* rpc_server_set_serving changes the health status of every service (false: NOT_SERVING);
  * health Watch streams are told at once. */
 void rpc_server_set_serving(struct rpc_server *s, bool serving);

@@ -147,6 +147,7 @@ struct rpc_server {
     bool shutdown_done;
     bool stopped;
     bool serving;
+    bool ready; /* what the daemon needs is there (rpc_server_set_ready) */
     int live_calls;
     int threads_running;                      /* RPC_THREAD handlers running */
     int threads_alive;                        /* stream threads: running a handler or spare */
@@ -168,6 +169,14 @@ struct rpc_server {
 };
 
 static void post_slot(struct rpc_server *s, struct method *m);
+void rpc_server_set_ready(struct rpc_server *s, bool ready)
+{
+    pthread_mutex_lock(&s->mu);
+    s->ready = ready;
+    pthread_cond_broadcast(&s->cv); /* health watchers */
+    pthread_mutex_unlock(&s->mu);
+}
+
 static bool wait_until(struct rpc_server *s, bool (*cond)(struct rpc_server *), int ms);
 static void post_generic(struct rpc_server *s);
 
@@ -1072,41 +1081,45 @@ static void post_generic(struct rpc_server *s)
 
 /* ---------- health ---------- */
 
-/* serving_status_locked: the health of every known service now (s->mu held). */
-static int serving_status_locked(const struct rpc_server *s)
+/* serving_status_locked: the health of a service now (s->mu held). "" and "liveness" answer
+ * whether the process serves; "readiness" and every registered service also whether it is
+ * ready (rpc_server_set_ready). */
+static int serving_status_locked(const struct rpc_server *s, bool liveness)
 {
-    return s->serving && !s->stopping
+    return s->serving && !s->stopping && (liveness || s->ready)
                ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING
                : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING;
 }
 
+static bool is_liveness(const char *service)
+{
+    return !*service || !strcmp(service, RPC_HEALTH_LIVENESS);
+}
+
 static grpc_status_code health_status(struct rpc_server *s, const char *service, int *out)
 {
-    if (*service) {
-        bool known = false;
-        for (int i = 0; i < s->n_methods; i++) {
-            if (!strcmp(s->methods[i].service, service)) {
-                known = true;
-            }
-        }
-        if (!known) {
-            return GRPC_STATUS_NOT_FOUND;
-        }
+    bool known = is_liveness(service) || !strcmp(service, RPC_HEALTH_READINESS);
+    for (int i = 0; i < s->n_methods && !known; i++) {
+        known = !strcmp(s->methods[i].service, service);
+    }
+    if (!known) {
+        return GRPC_STATUS_NOT_FOUND;
     }
     pthread_mutex_lock(&s->mu);
-    *out = serving_status_locked(s);
+    *out = serving_status_locked(s, is_liveness(service));
     pthread_mutex_unlock(&s->mu);
     return GRPC_STATUS_OK;
 }
 
-/* health_wait waits up to ms for the health to differ from seen: rpc_server_set_serving and
- * rpc_server_shutdown wake every watcher at once (s->cv). */
-static void health_wait(struct rpc_server *s, int seen, int ms)
+/* health_wait waits up to ms for the health of service to differ from seen:
+ * rpc_server_set_serving, rpc_server_set_ready and rpc_server_shutdown wake every watcher at
+ * once (s->cv). */
+static void health_wait(struct rpc_server *s, const char *service, int seen, int ms)
 {
     struct timespec ts;
     clock_deadline(&ts, ms);
     pthread_mutex_lock(&s->mu);
-    if (serving_status_locked(s) == seen) {
+    if (serving_status_locked(s, is_liveness(service)) == seen) {
         pthread_cond_timedwait(&s->cv, &s->mu, &ts);
     }
     pthread_mutex_unlock(&s->mu);
@@ -1160,7 +1173,7 @@ static void health_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *
         if (last == GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN) {
             rpc_call_wait(c, 200);
         } else {
-            health_wait(c->srv, last, 200); /* a cancelled call is seen within 200 ms */
+            health_wait(c->srv, req->service, last, 200); /* a cancel is seen within 200 ms */
         }
         if (call_dead(c)) {
             break;
@@ -1217,6 +1230,7 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
     pthread_cond_init(&s->spare_cv, NULL);
     s->t_shutdown = (struct tag){TAG_SHUTDOWN, s};
     s->serving = true;
+    s->ready = true;
     const char *stats = getenv("CFLUE_RPC_STATS");
     s->log_stats = stats && !strcmp(stats, "1");
     rpc_server_add_method(s, "/grpc.health.v1.Health/Check",

@@ -9,11 +9,14 @@
 #include "failpoint.h"
 #include "log.h"
 #include "proc.h"
+#include "ready.h"
 #include "rpc.h"
 #include "service.h"
 #include "tool.h"
 #include "workspace.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <stdio.h>
 #include <string.h>
@@ -69,6 +72,26 @@ static bool open_workspaces(const struct daemon *d, const struct toold_opts *o,
         log_error("start_failed", "driver=%s root=%s", o->driver, o->root);
     }
     return *out != NULL;
+}
+
+/* root_writable is toold's readiness: a file can be made (and removed) in its root, so new
+ * workspaces and the tools' writes can be served. The probe's name holds a '~', which no
+ * sandbox name may. */
+static bool root_writable(void *arg, char *why, size_t why_len)
+{
+    char path[PATH_MAX];
+    snprintf(path, sizeof(path), "%s/.cflue-ready~%d", (const char *)arg, (int)getpid());
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+    bool ok = fd >= 0 && write(fd, "1", 1) == 1;
+    int e = errno;
+    if (fd >= 0) {
+        close(fd);
+        unlink(path);
+    }
+    if (!ok) {
+        snprintf(why, why_len, "the root %s is not writable: %s", (const char *)arg, strerror(e));
+    }
+    return ok;
 }
 
 int main(int argc, char **argv)
@@ -143,8 +166,16 @@ int main(int argc, char **argv)
     }
     log_info("listening", "addr=%s port=%d root=%s driver=%s confine=%d", d.listen, d.port, o.root,
              o.driver, (int)!o.no_confine);
+    struct cf_error err;
+    struct ready_probe *ready = ready_start(srv, "root", root_writable, (void *)o.root, &err);
+    if (!ready) {
+        char q[CF_ERROR_MSG_MAX + 8];
+        log_warn("ready_probe_off", "err=%s note=\"readiness stays SERVING\"",
+                 log_quote(q, sizeof(q), err.msg));
+    }
 
     daemon_wait_for_stop(NULL, NULL);
+    ready_stop(ready);
     daemon_stop_serving(&d);
     workspaces_free(ws);
     rpc_global_shutdown();

@@ -1013,6 +1013,37 @@ class TestAgentdTwoProcesses(AgentdCase):
 # 7: bad input
 # ---------------------------------------------------------------------------------------------
 
+class TestAgentdReadiness(AgentdCase):
+    """Readiness means storaged answers: "readiness" and cflue.v1.Agent turn NOT_SERVING while it
+    is down and SERVING again once it is back; "" and "liveness" stay SERVING throughout."""
+
+    def wait_health(self, service, want, timeout=10):
+        deadline = time.monotonic() + timeout
+        while self.ad.health_check(service) != want:
+            self.assertLess(time.monotonic(), deadline, 'health of %r never became %d'
+                            % (service, want))
+            time.sleep(0.1)
+
+    def test_readiness_follows_storaged_and_liveness_does_not(self):
+        for service in ('', 'liveness', 'readiness', 'cflue.v1.Agent'):
+            self.assertEqual(self.ad.health_check(service), H.SERVING, service)
+        self.stack.sd.stop()
+        try:
+            self.wait_health('readiness', H.NOT_SERVING)
+            self.assertEqual(self.ad.health_check('cflue.v1.Agent'), H.NOT_SERVING)
+            self.assertEqual(self.ad.health_check(''), H.SERVING)
+            self.assertEqual(self.ad.health_check('liveness'), H.SERVING)
+            self.assertIn('event=not_ready need=storaged', self.ad.stderr_text())
+        finally:
+            self.stack.sd.start()
+        self.wait_health('readiness', H.SERVING)
+        self.assertEqual(self.ad.health_check('cflue.v1.Agent'), H.SERVING)
+        self.assertIn('event=ready need=storaged', self.ad.stderr_text())
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.ad.health_check('cflue.v1.Unknown')
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.NOT_FOUND)
+
+
 class TestAgentdBadInput(AgentdCase):
 
     def assertRpcError(self, code, fn, *args, **kwargs):

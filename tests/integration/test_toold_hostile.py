@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from cflue_harness import (SERVING, Toold, TooldExited, TooldTestCase, result_details,
-                           sandbox_pb2, tools_pb2)
+from cflue_harness import (NOT_SERVING, SERVING, Toold, TooldExited, TooldTestCase,
+                           result_details, sandbox_pb2, tools_pb2)
 from cflue_harness import error_reason, tool_call  # noqa: E402
 
 NOBODY = 65534
@@ -541,6 +541,33 @@ class TestLocalRoot(HostileBase, ChangingFiles, SpecialFiles, Processes, Names):
 
 class TestLocalUnprivileged(HostileBase, ChangingFiles, SpecialFiles, Processes, Names):
     unprivileged = True
+
+
+class TestReadiness(HostileBase):
+    """toold is ready while it can write its root: "readiness" (and its services) turn
+    NOT_SERVING when the root is made read-only to it, "liveness" stays SERVING."""
+    unprivileged = True
+
+    def wait_health(self, service, want, timeout=10):
+        deadline = time.monotonic() + timeout
+        while self.td.health_check(service) != want:
+            self.assertLess(time.monotonic(), deadline, 'health of %r never became %d'
+                            % (service, want))
+            time.sleep(0.1)
+
+    def test_an_unwritable_root_is_not_ready(self):
+        self.assertEqual(self.td.health_check('readiness'), SERVING)
+        os.chmod(self.td.root, 0o555)
+        try:
+            self.wait_health('readiness', NOT_SERVING)
+            self.assertEqual(self.td.health_check('cflue.v1.Tools'), NOT_SERVING)
+            self.assertEqual(self.td.health_check('liveness'), SERVING)
+            self.assertIn('event=not_ready need=root', self.td.stderr_text())
+            self.assertIn('Permission denied', self.td.stderr_text())
+        finally:
+            os.chmod(self.td.root, 0o755)
+        self.wait_health('readiness', SERVING)
+        self.assertNotIn('.cflue-ready', ' '.join(os.listdir(self.td.root)))
 
 
 @unittest.skipUnless(bwrap_works(), 'bubblewrap cannot create sandboxes here')
