@@ -70,6 +70,33 @@ class TaskCase(AgentdCase):
         """The task_started records of conv, in order."""
         return [body(r) for r in self.records(conv) if kind(r) == 'task_started']
 
+    def two_scouts_side_by_side(self, tag):
+        """The lead asks two scouts in one turn, each answering after 1.5 s; both answers come
+        back as the two calls' results, and each child was admitted before the other settled
+        (they ran side by side). Returns (the lead's submission, the two children)."""
+        conv = new_conv(tag)
+        self.workspace(conv)
+        self.fm.set_scenario([
+            role('lead', tool_calls=[task_call('task-scout', 'Look up alpha.'),
+                                     task_call('task-scout', 'Look up beta.')]),
+            role('scout', match={'last_user_contains': 'alpha'}, delay_ms=1500,
+                 text='alpha is first.'),
+            role('scout', match={'last_user_contains': 'beta'}, delay_ms=1500,
+                 text='beta is second.'),
+            role('lead', text='Both scouts answered.'),
+        ])
+        sid = self.ad.submit('task-lead', 'Ask two scouts.', conversation_id=conv).submission_id
+        sub = self.wait_settled(sid, timeout=60)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        results = {r.index: r.text for r in self.task_results(conv, sid)}
+        self.assertEqual(results, {0: 'alpha is first.', 1: 'beta is second.'})
+        kids = [self.get(s.child_submission_id) for s in self.children(conv)]
+        self.assertEqual(len(kids), 2)
+        a, b = [(H.ts_ms(k.create_time), H.ts_ms(k.settle_time)) for k in kids]
+        self.assertLess(a[0], b[1])
+        self.assertLess(b[0], a[1])
+        return sub, kids
+
     def final_text(self, conv, sid):
         texts = [body(r).text for r in self.records(conv)
                  if kind(r) == 'assistant_message' and r.submission_id == sid]
@@ -220,28 +247,8 @@ class ChainTest(TaskCase):
 
 class ParallelTest(TaskCase):
     def test_two_task_calls_of_one_turn_overlap(self):
-        conv = new_conv('par')
-        self.workspace(conv)
-        self.fm.set_scenario([
-            role('lead', tool_calls=[task_call('task-scout', 'Look up alpha.'),
-                                     task_call('task-scout', 'Look up beta.')]),
-            role('scout', match={'last_user_contains': 'alpha'}, delay_ms=1500,
-                 text='alpha is first.'),
-            role('scout', match={'last_user_contains': 'beta'}, delay_ms=1500,
-                 text='beta is second.'),
-            role('lead', text='Both scouts answered.'),
-        ])
-        sid = self.ad.submit('task-lead', 'Ask two scouts.', conversation_id=conv).submission_id
-        sub = self.wait_settled(sid, timeout=60)
-        self.assertEqual(sub.outcome, COMPLETED, sub)
-        results = {r.index: r.text for r in self.task_results(conv, sid)}
-        self.assertEqual(results, {0: 'alpha is first.', 1: 'beta is second.'})
-        kids = [self.get(s.child_submission_id) for s in self.children(conv)]
-        self.assertEqual(len(kids), 2)
+        _, kids = self.two_scouts_side_by_side('par')
         a, b = [(H.ts_ms(k.create_time), H.ts_ms(k.settle_time)) for k in kids]
-        # each was admitted before the other settled: they ran side by side
-        self.assertLess(a[0], b[1])
-        self.assertLess(b[0], a[1])
         self.assertLess(max(a[1], b[1]) - min(a[0], b[0]), 2900,
                         'two 1.5 s children took as long as running one after the other')
 
@@ -257,28 +264,9 @@ class OtherReplicaTest(TaskCase):
                          env=self.stack.env, extra_args=('--lease-ms', '3000'),
                          workdir=self.stack._sub('agentd-other'))
         try:
-            conv = new_conv('replica')
-            self.workspace(conv)
-            self.fm.set_scenario([
-                role('lead', tool_calls=[task_call('task-scout', 'Look up alpha.'),
-                                         task_call('task-scout', 'Look up beta.')]),
-                role('scout', match={'last_user_contains': 'alpha'}, delay_ms=1500,
-                     text='alpha is first.'),
-                role('scout', match={'last_user_contains': 'beta'}, delay_ms=1500,
-                     text='beta is second.'),
-                role('lead', text='Both answered elsewhere.'),
-            ])
-            sid = self.ad.submit('task-lead', 'Ask two scouts.', conversation_id=conv).submission_id
-            sub = self.wait_settled(sid, timeout=60)
-            self.assertEqual(sub.outcome, COMPLETED, sub)
+            sub, kids = self.two_scouts_side_by_side('replica')
             self.assertEqual(sub.owner_id, 'agentd-it-0')
-            results = {r.index: r.text for r in self.task_results(conv, sid)}
-            self.assertEqual(results, {0: 'alpha is first.', 1: 'beta is second.'})
-            kids = [self.get(s.child_submission_id) for s in self.children(conv)]
             self.assertEqual([k.owner_id for k in kids], ['agentd-it-other'] * 2)
-            a, b = [(H.ts_ms(k.create_time), H.ts_ms(k.settle_time)) for k in kids]
-            self.assertLess(a[0], b[1])
-            self.assertLess(b[0], a[1])
         finally:
             other.close()
 
