@@ -23,15 +23,15 @@ struct ready_probe {
 static void *probe_main(void *arg)
 {
     struct ready_probe *p = arg;
-    int ready = -1; /* unknown: the server starts ready, and the first failure is logged */
+    bool ready = true; /* as a new server is */
     for (;;) {
         char why[512] = "";
         bool ok = p->check(p->arg, why, sizeof(why));
-        if (ok != (ready == 1)) {
+        if (ok != ready) {
             rpc_server_set_ready(p->srv, ok);
-            if (ok && ready == 0) {
+            if (ok) {
                 log_info("ready", "need=%s", p->what);
-            } else if (!ok) {
+            } else {
                 char q[sizeof(why) + 8];
                 log_warn("not_ready", "need=%s why=%s", p->what, log_quote(q, sizeof(q), why));
             }

@@ -1043,6 +1043,20 @@ class TestAgentdReadiness(AgentdCase):
             self.ad.health_check('cflue.v1.Unknown')
         self.assertEqual(cm.exception.code(), grpc.StatusCode.NOT_FOUND)
 
+    def test_an_agentd_started_without_storaged_is_alive_but_not_ready(self):
+        lonely = H.Agentd('unix:' + os.path.join(self.stack.dir, 'nobody-listens.sock'),
+                          self.stack.agents_dir, owner_id='agentd-lonely', env=self.stack.env,
+                          workdir=self.stack._sub('agentd-lonely'))
+        try:
+            deadline = time.monotonic() + 10
+            while lonely.health_check('readiness') != H.NOT_SERVING:
+                self.assertLess(time.monotonic(), deadline, 'readiness stayed SERVING')
+                time.sleep(0.1)
+            self.assertEqual(lonely.health_check('liveness'), H.SERVING)
+            self.assertIn('event=not_ready need=storaged', lonely.stderr_text())
+        finally:
+            lonely.close()
+
 
 class TestAgentdBadInput(AgentdCase):
 
