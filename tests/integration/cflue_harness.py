@@ -349,6 +349,15 @@ class Daemon(object):
             response_deserializer=health_pb2.HealthCheckResponse.FromString)
         return c(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
 
+    def wait_health(self, service, want, timeout=10):
+        """Waits until Health/Check of service answers want; False when it never did."""
+        deadline = time.monotonic() + timeout
+        while self.health_check(service) != want:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
     def health_watch(self, service='', timeout=None):
         c = self._current_channel().unary_stream(
             '/grpc.health.v1.Health/Watch',

@@ -1017,12 +1017,9 @@ class TestAgentdReadiness(AgentdCase):
     """Readiness means storaged answers: "readiness" and cflue.v1.Agent turn NOT_SERVING while it
     is down and SERVING again once it is back; "" and "liveness" stay SERVING throughout."""
 
-    def wait_health(self, service, want, timeout=10):
-        deadline = time.monotonic() + timeout
-        while self.ad.health_check(service) != want:
-            self.assertLess(time.monotonic(), deadline, 'health of %r never became %d'
-                            % (service, want))
-            time.sleep(0.1)
+    def wait_health(self, service, want):
+        self.assertTrue(self.ad.wait_health(service, want), 'health of %r never became %d'
+                        % (service, want))
 
     def test_readiness_follows_storaged_and_liveness_does_not(self):
         for service in ('', 'liveness', 'readiness', 'cflue.v1.Agent'):

@@ -97,6 +97,19 @@ class TaskCase(AgentdCase):
         self.assertLess(b[0], a[1])
         return sub, kids
 
+    def cli_lines(self, argv):
+        """Runs cflue (exit 0 expected); returns its output's lines, a line_of(text) giving the
+        index of the first line holding text (failing when none does), and the output."""
+        rc, out, err = run_cli(argv)
+        self.assertEqual(rc, 0, err)
+        lines = out.splitlines()
+
+        def line_of(text):
+            found = [i for i, line in enumerate(lines) if text in line]
+            self.assertTrue(found, 'no line with %r in:\n%s' % (text, out))
+            return found[0]
+        return lines, line_of, out
+
     def final_text(self, conv, sid):
         texts = [body(r).text for r in self.records(conv)
                  if kind(r) == 'assistant_message' and r.submission_id == sid]
@@ -174,14 +187,7 @@ class ChainTest(TaskCase):
         self.assertEqual(names, ['read', 'write', 'edit', 'bash', 'grep', 'glob', 'task'])
 
         # `cflue watch` shows each subagent's conversation nested under the call
-        rc, out, err = run_cli(['watch', conv, '--agentd', self.ad.target])
-        self.assertEqual(rc, 0, err)
-        lines = out.splitlines()
-
-        def line_of(text):
-            found = [i for i, line in enumerate(lines) if text in line]
-            self.assertTrue(found, 'no line with %r in:\n%s' % (text, out))
-            return found[0]
+        lines, line_of, out = self.cli_lines(['watch', conv, '--agentd', self.ad.target])
 
         self.assertTrue(lines[line_of('=> task-helper')].startswith('  =>'), out)
         self.assertTrue(lines[line_of('> Write child.txt')].startswith('  | > '), out)
@@ -200,15 +206,8 @@ class ChainTest(TaskCase):
             role('scout', delay_ms=800, text='The version is 1.2.'),
             role('lead', text='Reported: 1.2.'),
         ])
-        rc, out, err = run_cli(['submit', '--agent', 'task-lead', '--conversation', conv,
-                                'What version?', '--agentd', self.ad.target])
-        self.assertEqual(rc, 0, err)
-        lines = out.splitlines()
-
-        def line_of(text):
-            found = [i for i, line in enumerate(lines) if text in line]
-            self.assertTrue(found, 'no line with %r in:\n%s' % (text, out))
-            return found[0]
+        lines, line_of, out = self.cli_lines(['submit', '--agent', 'task-lead', '--conversation',
+                                              conv, 'What version?', '--agentd', self.ad.target])
 
         self.assertTrue(lines[line_of('=> task-scout')].startswith('  =>'), out)
         self.assertTrue(lines[line_of('> Find the version.')].startswith('  | > '), out)

@@ -548,12 +548,9 @@ class TestReadiness(HostileBase):
     NOT_SERVING when the root is made read-only to it, "liveness" stays SERVING."""
     unprivileged = True
 
-    def wait_health(self, service, want, timeout=10):
-        deadline = time.monotonic() + timeout
-        while self.td.health_check(service) != want:
-            self.assertLess(time.monotonic(), deadline, 'health of %r never became %d'
-                            % (service, want))
-            time.sleep(0.1)
+    def wait_health(self, service, want):
+        self.assertTrue(self.td.wait_health(service, want), 'health of %r never became %d'
+                        % (service, want))
 
     def test_an_unwritable_root_is_not_ready(self):
         self.assertEqual(self.td.health_check('readiness'), SERVING)
