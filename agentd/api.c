@@ -8,9 +8,20 @@
  * processes see the intent within a second through their abort polling). Compact admits a
  * submission of kind SUBMISSION_KIND_COMPACT and waits for it to settle.
  *
+ * Authentication (agentd --tokens, tokens.h): every method first finds the caller's principal
+ * from its bearer token (UNAUTHENTICATED without a known one), then checks what it names: the
+ * agent against the token's `agents` (Submit, Compact: PERMISSION_DENIED, AGENT_NOT_ALLOWED;
+ * ListAgents lists only those), the conversation's principal as storaged recorded it (its
+ * durable record, never a cache here: a conversation id may be chosen by any caller) against
+ * the caller's (PERMISSION_DENIED, NOT_CONVERSATION_OWNER; an admin token passes). Submit's
+ * ownership check is storaged's own, in the Admit's transaction (AdmitRequest.principal), so
+ * two agentds cannot race one conversation id into two principals' hands; the other methods
+ * read the conversation (or the submission, which carries its conversation's principal) before
+ * acting. Without --tokens none of this runs and nothing costs a call more.
+ *
  * Errors carry an ErrorInfo reason: UNKNOWN_AGENT, RESERVED_METADATA_KEY, NOTHING_TO_COMPACT,
- * COMPACTION_FAILED, INVALID_PAGE_TOKEN here; an error storaged answered keeps storaged's
- * reason (store_call).
+ * COMPACTION_FAILED, INVALID_PAGE_TOKEN, AGENT_NOT_ALLOWED, NOT_CONVERSATION_OWNER here; an
+ * error storaged answered keeps storaged's reason (store_call).
  */
 #include "agentd.h"
 #include "clients.h"
@@ -21,6 +32,7 @@
 #include "log.h"
 #include "mem.h"
 #include "metadata.h"
+#include "tokens.h"
 #include "watch.h"
 
 #include "cflue/v1/agent.pb-c.h"
@@ -47,6 +59,86 @@ static void unknown_agent(struct rpc_call *c, const char *name)
     fail_err(c, &e);
 }
 
+/* caller authenticates the call (tokens.h): true with *p its principal (empty without
+ * --tokens); else the call is failed UNAUTHENTICATED and false returned. The token is read into
+ * a buffer wiped after use, and never logged or repeated. */
+static bool caller(struct rpc_call *c, const char *method, struct principal *p)
+{
+    struct cf_error err;
+    char auth[TOKENS_AUTHORIZATION_MAX + 1];
+    memset(p, 0, sizeof(*p));
+    if (!tokens_enabled()) {
+        return true;
+    }
+    bool has = rpc_call_metadata(c, "authorization", auth, sizeof(auth));
+    enum cf_status rc = tokens_authenticate(has ? auth : NULL, p, &err);
+    explicit_bzero(auth, sizeof(auth));
+    if (rc != CF_OK) {
+        log_info("auth_refused", "method=%s why=%s", method, has ? "unknown_token" : "no_token");
+        fail_err(c, &err);
+        return false;
+    }
+    return true;
+}
+
+/* owner_allows: p may act on a conversation of principal owner (tokens_owns); else the call is
+ * failed PERMISSION_DENIED (NOT_CONVERSATION_OWNER, naming neither principal). what and id
+ * name the object asked for ("conversation", its id). */
+static bool owner_allows(struct rpc_call *c, const struct principal *p, const char *owner,
+                         const char *what, const char *id)
+{
+    struct cf_error e;
+    if (tokens_owns(p, owner)) {
+        return true;
+    }
+    cf_error_setr(&e, CF_PERMISSION, "NOT_CONVERSATION_OWNER", "%s '%.128s' belongs to %s", what,
+                  id,
+                  *owner ? "another principal"
+                         : "no principal (it was made without authentication): only an admin "
+                           "token may act on it");
+    fail_err(c, &e);
+    return false;
+}
+
+/* agent_allows: p's token may use agent (tokens_allow_agent); else the call is failed
+ * PERMISSION_DENIED (AGENT_NOT_ALLOWED). */
+static bool agent_allows(struct rpc_call *c, const struct principal *p, const char *agent)
+{
+    struct cf_error e;
+    if (tokens_allow_agent(p, agent)) {
+        return true;
+    }
+    cf_error_setr(&e, CF_PERMISSION, "AGENT_NOT_ALLOWED",
+                  "the token '%s' may not use agent '%.128s' (its agents in the token file)",
+                  p->name, agent);
+    fail_err(c, &e);
+    return false;
+}
+
+/* owns_conversation reads the conversation's principal from storaged and checks it
+ * (owner_allows); false with the call failed (storaged's error, or PERMISSION_DENIED). Costs
+ * nothing without authentication. Blocks for the Get: not for RPC_INLINE handlers. */
+static bool owns_conversation(struct rpc_call *c, const struct principal *p,
+                              const char *conversation_id)
+{
+    struct cf_error err;
+    ProtobufCMessage *conv = NULL;
+    if (!*p->name) {
+        return true;
+    }
+    Cflue__V1__ConversationRequest cr = CFLUE__V1__CONVERSATION_REQUEST__INIT;
+    cr.conversation_id = (char *)conversation_id;
+    if (store_call(g_agentd.store, "GetConversation", &cr.base,
+                   &cflue__v1__conversation__descriptor, STORE_TIMEOUT_MS, &conv, &err) != CF_OK) {
+        fail_err(c, &err);
+        return false;
+    }
+    bool ok = owner_allows(c, p, ((Cflue__V1__Conversation *)conv)->principal, "conversation",
+                           conversation_id);
+    protobuf_c_message_free_unpacked(conv, NULL);
+    return ok;
+}
+
 /* call_over tells a stream guard that our caller went away or the server stops. */
 static bool call_over(void *call)
 {
@@ -61,7 +153,8 @@ static atomic_int submits_in_flight;
 /* A Submit between its Admit's start and its answer. */
 struct submit {
     struct rpc_call *c;
-    const Cflue__V1__SubmitRequest *req; /* the call's: valid until the call is answered */
+    const Cflue__V1__SubmitRequest *req;   /* the call's: valid until the call is answered */
+    char principal[IDS_PRINCIPAL_MAX + 1]; /* the caller's ("" without --tokens) */
 };
 
 /* on_admitted (rpc's client loop) answers the Submit with what its Admit did. Nothing here
@@ -71,6 +164,8 @@ static void on_admitted(void *arg, const struct rpc_status *st, ProtobufCMessage
     struct submit *s = arg;
     struct rpc_call *c = s->c;
     const Cflue__V1__SubmitRequest *req = s->req;
+    char principal[IDS_PRINCIPAL_MAX + 1];
+    snprintf(principal, sizeof(principal), "%s", s->principal);
     free(s);
     atomic_fetch_sub(&submits_in_flight, 1);
     struct cf_error err;
@@ -86,9 +181,9 @@ static void on_admitted(void *arg, const struct rpc_status *st, ProtobufCMessage
     out.conversation_id = r->submission->conversation_id;
     out.offset = r->offset;
     out.deduplicated = r->deduplicated;
-    log_info("submit", "submission=%s conversation=%s agent=%s dedup=%d claimed=%d",
+    log_info("submit", "submission=%s conversation=%s agent=%s dedup=%d claimed=%d principal=%s",
              out.submission_id, out.conversation_id, req->agent, (int)out.deduplicated,
-             (int)claimed);
+             (int)claimed, *principal ? principal : "-");
     /* not claimed: it waits behind its conversation's running work (a drive here joins it or
      * its settlement wakes the claimer), or the claimer takes it when there is room */
     bool behind_here = !claimed && !out.deduplicated && agentd_note_queued(out.conversation_id);
@@ -116,8 +211,16 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
 {
     const Cflue__V1__SubmitRequest *req = (const void *)msg;
     struct cf_error err;
+    struct principal p;
+    if (!caller(c, "Submit", &p)) {
+        return;
+    }
     if (!*req->agent) {
         rpc_call_fail(c, CF_INVALID, "agent is required");
+        return;
+    }
+    /* before UNKNOWN_AGENT: a token learns nothing of agents it may not use */
+    if (!agent_allows(c, &p, req->agent)) {
         return;
     }
     bool has_model;
@@ -153,6 +256,9 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     ar.idempotency_key = req->idempotency_key;
     ar.source = req->source;
     ar.kind = CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE;
+    /* storaged records it with a new conversation and refuses it for another principal's */
+    ar.principal = p.name;
+    ar.admin = p.admin;
     /* the map entries have the same layout; copy them into the Admit type */
     if (req->n_metadata) {
         md = mem_alloc(sizeof(void *) * req->n_metadata);
@@ -173,6 +279,7 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     size_t n_md = req->n_metadata;
     s->c = c;
     s->req = req;
+    snprintf(s->principal, sizeof(s->principal), "%s", p.name);
     /* the request is copied: ar and md may go at once. on_admitted may have run (and the
      * call, req with it, be gone) before this returns. */
     rpc_acall_start(g_agentd.store, "/cflue.v1.Store/Admit", &ar.base,
@@ -186,7 +293,15 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
 /* Watch and GetSubmission(wait) hold no thread while they wait: watch.c. */
 static void on_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
-    watch_start(c, (const Cflue__V1__WatchRequest *)msg);
+    const Cflue__V1__WatchRequest *req = (const void *)msg;
+    struct principal p;
+    /* on the worker pool (RPC_ASYNC): the ownership check's Get may block briefly, as
+     * watch_start's own first Read does */
+    if (!caller(c, "Watch", &p) ||
+        (*req->conversation_id && !owns_conversation(c, &p, req->conversation_id))) {
+        return;
+    }
+    watch_start(c, req);
 }
 
 /* wait_settled (Compact's wait, on its own thread) blocks until the submission is settled,
@@ -246,14 +361,18 @@ static void on_get(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__GetSubmissionRequest *req = (const void *)msg;
     struct cf_error err;
+    struct principal p;
     Cflue__V1__GetRequest gr = CFLUE__V1__GET_REQUEST__INIT;
     ProtobufCMessage *resp = NULL;
     gr.submission_id = req->submission_id;
+    if (!caller(c, "GetSubmission", &p)) {
+        return;
+    }
     if (!*req->submission_id) {
         rpc_call_fail(c, CF_INVALID, "submission_id is required");
         return;
     }
-    if (req->wait) {
+    if (req->wait && !*p.name) {
         watch_wait_settled(c, req->submission_id);
         return;
     }
@@ -265,6 +384,17 @@ static void on_get(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
         fail_err(c, &err);
         return;
     }
+    /* a submission carries its conversation's principal (storaged's copy) */
+    if (!owner_allows(c, &p, ((Cflue__V1__Submission *)resp)->principal, "submission",
+                      req->submission_id)) {
+        protobuf_c_message_free_unpacked(resp, NULL);
+        return;
+    }
+    if (req->wait) {
+        protobuf_c_message_free_unpacked(resp, NULL);
+        watch_wait_settled(c, req->submission_id);
+        return;
+    }
     rpc_call_reply(c, resp);
     protobuf_c_message_free_unpacked(resp, NULL);
 }
@@ -273,7 +403,11 @@ static void on_abort(struct rpc_call *c, const ProtobufCMessage *msg, void *user
 {
     const Cflue__V1__AbortRequest *req = (const void *)msg;
     struct cf_error err;
+    struct principal p;
     Cflue__V1__RequestAbortRequest ar = CFLUE__V1__REQUEST_ABORT_REQUEST__INIT;
+    if (!caller(c, "Abort", &p)) {
+        return;
+    }
     switch (req->target_case) {
     case CFLUE__V1__ABORT_REQUEST__TARGET_CONVERSATION_ID:
         ar.target_case = CFLUE__V1__REQUEST_ABORT_REQUEST__TARGET_CONVERSATION_ID;
@@ -289,6 +423,26 @@ static void on_abort(struct rpc_call *c, const ProtobufCMessage *msg, void *user
     }
     ar.reason = "aborted on request";
     ProtobufCMessage *resp = NULL;
+    if (*p.name && ar.target_case == CFLUE__V1__REQUEST_ABORT_REQUEST__TARGET_CONVERSATION_ID &&
+        !owns_conversation(c, &p, ar.conversation_id)) {
+        return;
+    }
+    if (*p.name && ar.target_case == CFLUE__V1__REQUEST_ABORT_REQUEST__TARGET_SUBMISSION_ID) {
+        Cflue__V1__GetRequest gr = CFLUE__V1__GET_REQUEST__INIT;
+        gr.submission_id = ar.submission_id;
+        if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
+                       STORE_TIMEOUT_MS, &resp, &err) != CF_OK) {
+            fail_err(c, &err);
+            return;
+        }
+        bool ok = owner_allows(c, &p, ((Cflue__V1__Submission *)resp)->principal, "submission",
+                               ar.submission_id);
+        protobuf_c_message_free_unpacked(resp, NULL);
+        resp = NULL;
+        if (!ok) {
+            return;
+        }
+    }
     if (store_call(g_agentd.store, "RequestAbort", &ar.base,
                    &cflue__v1__request_abort_response__descriptor, STORE_TIMEOUT_MS, &resp,
                    &err) != CF_OK) {
@@ -303,7 +457,7 @@ static void on_abort(struct rpc_call *c, const ProtobufCMessage *msg, void *user
     out.aborted = r->n_affected > 0;
     out.affected = r->affected;
     out.n_affected = r->n_affected;
-    log_info("abort", "affected=%zu", r->n_affected);
+    log_info("abort", "affected=%zu principal=%s", r->n_affected, *p.name ? p.name : "-");
     rpc_call_reply(c, &out.base);
     protobuf_c_message_free_unpacked(resp, NULL);
     agentd_wake();
@@ -316,9 +470,28 @@ static void on_list_agents(struct rpc_call *c, const ProtobufCMessage *msg, void
     char next[PAGE_TOKEN_MAX];
     size_t first, n;
     struct cf_error err;
+    struct principal p;
+    if (!caller(c, "ListAgents", &p)) {
+        return;
+    }
     struct agent_defs *defs = defs_get(); /* held until the answer is sent */
-    if (agents_page(&defs->agents, req->page_size, req->page_token, &first, &n, next, &err) !=
-        CF_OK) {
+    /* the agents the token may use, paged as the whole list would be (by name): a view of
+     * shallow copies, valid while defs is held */
+    struct agent_set allowed = defs->agents, *set = &defs->agents;
+    if (*p.name) {
+        allowed.items = mem_alloc(sizeof(*allowed.items) * (defs->agents.n + 1));
+        allowed.n = 0;
+        for (size_t i = 0; i < defs->agents.n; i++) {
+            if (tokens_allow_agent(&p, defs->agents.items[i].name)) {
+                allowed.items[allowed.n++] = defs->agents.items[i];
+            }
+        }
+        set = &allowed;
+    }
+    if (agents_page(set, req->page_size, req->page_token, &first, &n, next, &err) != CF_OK) {
+        if (set == &allowed) {
+            free(allowed.items);
+        }
         defs_put(defs);
         fail_err(c, &err);
         return;
@@ -326,7 +499,7 @@ static void on_list_agents(struct rpc_call *c, const ProtobufCMessage *msg, void
     Cflue__V1__AgentInfo *infos = mem_alloc(sizeof(*infos) * (n + 1));
     Cflue__V1__AgentInfo **ptrs = mem_alloc(sizeof(void *) * (n + 1));
     for (size_t i = 0; i < n; i++) {
-        const struct agent_def *a = &defs->agents.items[first + i];
+        const struct agent_def *a = &set->items[first + i];
         cflue__v1__agent_info__init(&infos[i]);
         infos[i].name = a->name;
         infos[i].description = a->description ? a->description : "";
@@ -343,6 +516,9 @@ static void on_list_agents(struct rpc_call *c, const ProtobufCMessage *msg, void
     rpc_call_reply(c, &out.base);
     free(infos);
     free(ptrs);
+    if (set == &allowed) {
+        free(allowed.items);
+    }
     defs_put(defs);
 }
 
@@ -350,12 +526,21 @@ static void on_get_conversation(struct rpc_call *c, const ProtobufCMessage *msg,
 {
     const Cflue__V1__GetConversationRequest *req = (const void *)msg;
     struct cf_error err;
+    struct principal who;
     Cflue__V1__ConversationRequest cr = CFLUE__V1__CONVERSATION_REQUEST__INIT;
     cr.conversation_id = req->conversation_id;
     ProtobufCMessage *conv = NULL, *list = NULL, *page = NULL;
+    if (!caller(c, "GetConversation", &who)) {
+        return;
+    }
     if (store_call(g_agentd.store, "GetConversation", &cr.base,
                    &cflue__v1__conversation__descriptor, STORE_TIMEOUT_MS, &conv, &err) != CF_OK) {
         fail_err(c, &err);
+        return;
+    }
+    if (!owner_allows(c, &who, ((Cflue__V1__Conversation *)conv)->principal, "conversation",
+                      req->conversation_id)) {
+        protobuf_c_message_free_unpacked(conv, NULL);
         return;
     }
     Cflue__V1__ListRequest lr = CFLUE__V1__LIST_REQUEST__INIT;
@@ -373,6 +558,7 @@ static void on_get_conversation(struct rpc_call *c, const ProtobufCMessage *msg,
     out.conversation_id = cv->conversation_id;
     out.agent = cv->agent;
     out.head_offset = cv->head_offset;
+    out.principal = cv->principal;
     out.submissions = ls->submissions;
     out.n_submissions = ls->n_submissions;
     if (req->include_records) {
@@ -446,9 +632,13 @@ static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *us
 {
     const Cflue__V1__CompactRequest *req = (const void *)msg;
     struct cf_error err;
+    struct principal p;
     ProtobufCMessage *conv = NULL, *resp = NULL;
     Cflue__V1__ConversationRequest cr = CFLUE__V1__CONVERSATION_REQUEST__INIT;
     cr.conversation_id = req->conversation_id;
+    if (!caller(c, "Compact", &p)) {
+        return;
+    }
     if (!*req->conversation_id) {
         rpc_call_fail(c, CF_INVALID, "conversation_id is required");
         return;
@@ -460,6 +650,12 @@ static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *us
     }
     const char *agent = ((Cflue__V1__Conversation *)conv)->agent;
     bool has_model;
+    if (!owner_allows(c, &p, ((Cflue__V1__Conversation *)conv)->principal, "conversation",
+                      req->conversation_id) ||
+        !agent_allows(c, &p, agent)) {
+        protobuf_c_message_free_unpacked(conv, NULL);
+        return;
+    }
     if (!agent_known(agent, &has_model)) {
         unknown_agent(c, agent);
         protobuf_c_message_free_unpacked(conv, NULL);
@@ -479,6 +675,8 @@ static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *us
     ar.agent = (char *)agent;
     ar.conversation_id = req->conversation_id;
     ar.kind = CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
+    ar.principal = p.name; /* storaged checks the conversation's principal again */
+    ar.admin = p.admin;
     enum cf_status rc =
         store_call(g_agentd.store, "Admit", &ar.base, &cflue__v1__admit_response__descriptor,
                    STORE_TIMEOUT_MS, &resp, &err);

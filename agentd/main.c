@@ -18,6 +18,7 @@
 #include "ready.h"
 #include "settled_here.h"
 #include "thread.h"
+#include "tokens.h"
 #include "watch.h"
 
 #include "grpc/health/v1/health.pb-c.h"
@@ -39,11 +40,13 @@ static const char usage[] =
     "and drives submissions: claims them from storaged, calls the agent's model (Anthropic\n"
     "Messages or OpenAI Chat Completions), runs its tools through toold, and settles each once.\n"
     "Model credentials come from ANTHROPIC_API_KEY / ANTHROPIC_BASE_URL and OPENAI_API_KEY /\n"
-    "OPENAI_BASE_URL. Also serves grpc.health.v1.Health.";
+    "OPENAI_BASE_URL. With --tokens every Agent call needs the metadata\n"
+    "'authorization: Bearer <token>' of a token in the file (docs/security.md); grpc.health\n"
+    "stays open. Also serves grpc.health.v1.Health.";
 
 /* agentd's own options (the shared ones are in struct daemon) */
 struct agentd_opts {
-    const char *store, *agents_dir, *owner, *models;
+    const char *store, *agents_dir, *owner, *models, *tokens;
     long long workers, lease_ms, heartbeat_ms, model_timeout, agents_poll_ms;
     bool no_stream;
 };
@@ -63,9 +66,9 @@ static bool load_definitions(const struct daemon *d, const struct agentd_opts *o
     return true;
 }
 
-/* The watch of --agents: a thread that reloads the definitions when SIGHUP asks or, every
- * every_ms (0: never), when their files changed. Reloads run here, never on the signal loop:
- * one may wait seconds on tool servers, and SIGTERM must not wait for it. */
+/* The watch of --agents (and --tokens): a thread that reloads the definitions and the tokens
+ * when SIGHUP asks or, every every_ms (0: never), when their files changed. Reloads run here, never
+ * on the signal loop: one may wait seconds on tool servers, and SIGTERM must not wait for it. */
 static struct {
     pthread_mutex_t mu;
     pthread_cond_t cond;
@@ -94,8 +97,14 @@ static void *watch_definitions(void *arg)
             pthread_mutex_unlock(&g_watch.mu);
             if (hup) {
                 (void)defs_reload("sighup");
-            } else if (defs_changed()) {
-                (void)defs_reload("files_changed");
+                (void)tokens_reload("sighup"); /* nothing without --tokens */
+            } else {
+                if (defs_changed()) {
+                    (void)defs_reload("files_changed");
+                }
+                if (tokens_changed()) {
+                    (void)tokens_reload("file_changed");
+                }
             }
             pthread_mutex_lock(&g_watch.mu);
         }
@@ -213,6 +222,7 @@ static void close_clients(void)
     curl_global_cleanup();
     defs_stop();
     catalog_free();
+    tokens_stop();
 }
 
 /* release_memory (every 10 s): settled submissions are remembered for 10 to 20 s (long
@@ -231,6 +241,7 @@ int main(int argc, char **argv)
                             .agents_dir = "",
                             .owner = "",
                             .models = "",
+                            .tokens = "",
                             .workers = 4,
                             .lease_ms = 30000,
                             .heartbeat_ms = 10000,
@@ -256,12 +267,17 @@ int main(int argc, char **argv)
         CONFIG_OPT_BOOL("no-stream", &o.no_stream, "ask providers for whole responses"),
         CONFIG_OPT_STRING("models", &o.models,
                           "model catalog JSON (context window, output limit, prices)"),
+        CONFIG_OPT_STRING("tokens", &o.tokens,
+                          "bearer tokens of the Agent API, YAML (name, sha256, agents, admin; "
+                          "reloaded on SIGHUP and when it changes); unset: every caller is served"),
         DAEMON_OPT_PORT_FILE(&d, "write the bound TCP port here"),
         DAEMON_OPT_GRACE_MS(&d, "how long shutdown waits for calls"),
         DAEMON_OPT_MAX_QUEUE(&d,
                              "API calls waiting for a thread; more are refused RESOURCE_EXHAUSTED"),
         DAEMON_OPT_MAX_STREAM_MEMORY(&d),
         DAEMON_OPT_LOG_LEVEL(&d),
+        DAEMON_OPTS_TLS(&d),
+        DAEMON_OPTS_PEER_TLS(&d),
     };
     int rc = daemon_configure(&d, opts, CONFIG_COUNT(opts), argc, argv);
     if (rc != DAEMON_RUN) {
@@ -276,6 +292,13 @@ int main(int argc, char **argv)
     }
     if (!load_definitions(&d, &o)) {
         return 1;
+    }
+    struct cf_error terr;
+    if (tokens_start(o.tokens, &terr) != CF_OK) {
+        log_error("tokens_invalid", "file=%s", o.tokens);
+        defs_stop();
+        catalog_free();
+        return daemon_say(&d, 2, "%s", terr.msg);
     }
     char owner[OWNER_MAX + 1];
     if (!*o.owner) {
@@ -327,6 +350,12 @@ int main(int argc, char **argv)
     }
     log_info("listening", "addr=%s port=%d store=%s agents=%zu owner=%s workers=%lld", d.listen,
              d.port, o.store, n_agents, o.owner, o.workers);
+    if (tokens_enabled()) {
+        log_info("auth_on", "tokens=%zu file=%s", tokens_count(), o.tokens);
+    } else {
+        log_warn("auth_off", "note=\"no --tokens: the Agent API serves every caller that reaches "
+                             "it, and conversations record no principal\"");
+    }
     struct ready_probe *ready =
         ready_start(srv, "storaged", storaged_answers, (void *)o.store, &err);
     if (!ready) {

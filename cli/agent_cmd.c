@@ -5,6 +5,8 @@
  * 0 completed, 1 failed, 3 aborted (2 is a usage error). watch shows any conversation the
  * same way; conversation and agents page through their lists to the end; compact runs
  * Agent.Compact. Records are typed (common.proto Record.body): each is shown by its case.
+ * Every call carries the bearer token of --token, --token-file, CFLUE_TOKEN or
+ * CFLUE_TOKEN_FILE when one is given (token.h).
  */
 #include "agent_cmd.h"
 
@@ -12,6 +14,7 @@
 #include "guard.h"
 #include "print.h"
 #include "rpc.h"
+#include "token.h"
 
 #include "cflue/v1/agent.pb-c.h"
 
@@ -381,12 +384,16 @@ static int do_compact(struct rpc_channel *ch, const struct opts *o)
 
 int cmd_agent(int argc, char **argv)
 {
-    const char *cmd = argv[1], *addr = NULL;
+    const char *cmd = argv[1], *addr = NULL, *token = NULL, *token_file = NULL;
     struct opts o = {.after = -1};
     tty = isatty(STDOUT_FILENO);
     for (int i = 2; i < argc; i++) {
         if (!strcmp(argv[i], "--agentd") && i + 1 < argc) {
             addr = argv[++i];
+        } else if (!strcmp(argv[i], "--token") && i + 1 < argc) {
+            token = argv[++i];
+        } else if (!strcmp(argv[i], "--token-file") && i + 1 < argc) {
+            token_file = argv[++i];
         } else if (!strcmp(argv[i], "--agent") && i + 1 < argc) {
             o.agent = argv[++i];
         } else if (!strcmp(argv[i], "--conversation") && i + 1 < argc) {
@@ -409,7 +416,11 @@ int cmd_agent(int argc, char **argv)
     }
     struct rpc_channel *ch = guard_channel(agentd_addr(addr), 64 << 20);
     ProtobufCMessage *resp = NULL;
-    int rc = 0;
+    int rc = token_attach(ch, token, token_file); /* before any call on ch */
+    if (rc) {
+        guard_channel_free(ch);
+        return rc;
+    }
     if (!strcmp(cmd, "submit")) {
         rc = do_submit(ch, &o);
     } else if (!strcmp(cmd, "watch")) {

@@ -8,9 +8,10 @@
  *   (and the Agent API commands of agent_cmd.c: submit, watch, status, abort, agents,
  *   conversation, compact)
  *   cflue tool ADDR NAME JSON [--sandbox NAME] [--timeout-ms N]
+ *   cflue token hash | new       (token.c: the sha256 of a bearer token, or a new one)
  *
- * Every command takes --deadline-ms N (or CFLUE_DEADLINE_MS) and ends promptly on SIGINT or
- * SIGTERM (guard.h).
+ * Every command takes --ca, --cert and --cert-key (TLS: tls_flags.h) and --deadline-ms N (or
+ * CFLUE_DEADLINE_MS), and ends promptly on SIGINT or SIGTERM (guard.h).
  *
  * Listing commands page through the server's page tokens to the end. A server error prints
  * as "cflue: MESSAGE [REASON] (gRPC status N)", REASON the ErrorInfo reason.
@@ -25,6 +26,8 @@
 #include "pbtime.h"
 #include "print.h"
 #include "rpc.h"
+#include "tls_flags.h"
+#include "token.h"
 
 #include "cflue/v1/store.pb-c.h"
 #include "cflue/v1/tools.pb-c.h"
@@ -54,7 +57,11 @@ static const char usage_text[] =
     "  cflue conversation CONVERSATION [--records]\n"
     "                                     show a conversation (and its whole history)\n"
     "  cflue compact CONVERSATION         compact a conversation's context now\n"
-    "agent commands take --agentd ADDR (env CFLUE_AGENTD, default 127.0.0.1:7100)\n"
+    "agent commands take --agentd ADDR (env CFLUE_AGENTD, default 127.0.0.1:7100) and, for an\n"
+    "agentd with --tokens, the bearer token: env CFLUE_TOKEN (or CFLUE_TOKEN_FILE: a file whose\n"
+    "first line is the token), --token-file FILE, or --token TOKEN (seen by ps: prefer the env)\n"
+    "  cflue token hash                   read a token on stdin, print its sha256 (token files)\n"
+    "  cflue token new                    print a new random token and its sha256\n"
     "  cflue health ADDR [SERVICE]        check a daemon's gRPC health\n"
     "  cflue store get SUBMISSION         show one submission\n"
     "  cflue store admit --agent NAME [--conversation ID] [--key KEY] TEXT\n"
@@ -67,6 +74,10 @@ static const char usage_text[] =
     "                                     run one tool call on a toold and print the result\n"
     "                                     and its truncation (sandbox default: debug)\n"
     "store commands take --store ADDR (env CFLUE_STORE, default 127.0.0.1:7101)\n"
+    "every command takes --ca FILE (env CFLUE_CA): TLS to the daemons, verified with that CA,\n"
+    "and --cert FILE --cert-key FILE (env CFLUE_CERT, CFLUE_CERT_KEY): the client certificate\n"
+    "for daemons that require one; cflue up --tls-dir DIR runs all three over TLS and mTLS\n"
+    "with DIR/ca.pem, DIR/server.pem, DIR/server.key, DIR/client.pem, DIR/client.key\n"
     "every command but up takes --deadline-ms N (env CFLUE_DEADLINE_MS): the whole command\n"
     "ends within N ms (calls cancelled, exit 4). Without it one call may take 5 s (health),\n"
     "10 s (store), 15 s (agent commands), the tool's --timeout-ms + 10 s or 10 min (tool);\n"
@@ -385,6 +396,9 @@ int main(int argc, char **argv)
 {
     int rc;
     long long deadline_ms = take_deadline(&argc, argv);
+    if (tls_flags_take(&argc, argv) != 0) {
+        return 2;
+    }
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
         fputs(usage_text, argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
@@ -407,6 +421,8 @@ int main(int argc, char **argv)
         rc = cmd_store(argc, argv);
     } else if (!strcmp(argv[1], "tool")) {
         rc = cmd_tool(argc, argv);
+    } else if (!strcmp(argv[1], "token")) {
+        rc = cmd_token(argc, argv);
     } else if (!strcmp(argv[1], "up")) {
         rc = cmd_up(argc, argv);
     } else if (!strcmp(argv[1], "submit") || !strcmp(argv[1], "watch") ||

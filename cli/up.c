@@ -1,6 +1,12 @@
 /* up.c - cflue up: storaged, toold and agentd on loopback, with one data directory.
  *
- *   cflue up --agents DIR [--data DIR] [--bin DIR] [--driver local|bwrap]
+ *   cflue up --agents DIR [--data DIR] [--bin DIR] [--driver local|bwrap] [--tls-dir DIR]
+ *            [--port-base N]
+ *
+ * The daemons listen on 127.0.0.1: agentd on port N (7100), storaged N+1, toold N+2. With
+ * --tls-dir every daemon serves TLS with DIR/server.pem and DIR/server.key and requires client
+ * certificates signed by DIR/ca.pem; agentd reaches storaged and toold with DIR/client.pem and
+ * DIR/client.key, and so do up's own health checks (server.pem must name IP 127.0.0.1).
  *
  * Logs go to DATA/{storaged,toold,agentd}.log. The command waits until each daemon answers
  * its health check, prints the addresses, and stops them (SIGTERM, in reverse order) on
@@ -9,6 +15,7 @@
 #include "agent_cmd.h"
 
 #include "rpc.h"
+#include "tls.h"
 
 #include "grpc/health/v1/health.pb-c.h"
 
@@ -18,6 +25,7 @@
 #include <limits.h>
 #include <signal.h>
 #include <spawn.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -101,11 +109,49 @@ static bool wait_healthy(const char *name, const char *addr, pid_t pid, const ch
     return false;
 }
 
+/* The files of cflue up --tls-dir DIR. */
+struct tls_dir {
+    char ca[PATH_MAX], server[PATH_MAX], server_key[PATH_MAX], client[PATH_MAX],
+        client_key[PATH_MAX];
+};
+
+/* use_tls_dir names the files of dir and makes up's own health checks TLS, presenting the
+ * client certificate. 2 after printing why a file does not check out; 0 otherwise. */
+static int use_tls_dir(const char *dir, struct tls_dir *t)
+{
+    snprintf(t->ca, sizeof(t->ca), "%s/ca.pem", dir);
+    snprintf(t->server, sizeof(t->server), "%s/server.pem", dir);
+    snprintf(t->server_key, sizeof(t->server_key), "%s/server.key", dir);
+    snprintf(t->client, sizeof(t->client), "%s/client.pem", dir);
+    snprintf(t->client_key, sizeof(t->client_key), "%s/client.key", dir);
+    struct tls_paths own = {t->ca, t->client, t->client_key, "--tls-dir", "--tls-dir", "--tls-dir"};
+    struct cf_error err;
+    if (tls_client_load(&own, &err) != CF_OK) {
+        fprintf(stderr, "cflue up: %s\n", err.msg);
+        return 2;
+    }
+    return 0;
+}
+
+/* ARGS_MAX bounds one daemon's command line in cflue up. */
+#define ARGS_MAX 32
+
+/* add_args appends the NULL-terminated list of strings to args (n entries so far). */
+static void add_args(char **args, int *n, const char *first, ...)
+{
+    va_list ap;
+    va_start(ap, first);
+    for (const char *a = first; a && *n < ARGS_MAX - 1; a = va_arg(ap, const char *)) {
+        args[(*n)++] = (char *)a;
+    }
+    va_end(ap);
+    args[*n] = NULL;
+}
+
 int cmd_up(int argc, char **argv)
 {
-    const char *data = ".data", *agents = NULL, *bin = NULL, *driver = "local";
-    const char *agentd_addr = "127.0.0.1:7100", *store_addr = "127.0.0.1:7101",
-               *toold_addr = "127.0.0.1:7102";
+    const char *data = ".data", *agents = NULL, *bin = NULL, *driver = "local", *tls = NULL;
+    long port_base = 7100;
     for (int i = 2; i < argc; i++) {
         if (i + 1 < argc && !strcmp(argv[i], "--data")) {
             data = argv[++i];
@@ -115,9 +161,18 @@ int cmd_up(int argc, char **argv)
             bin = argv[++i];
         } else if (i + 1 < argc && !strcmp(argv[i], "--driver")) {
             driver = argv[++i];
+        } else if (i + 1 < argc && !strcmp(argv[i], "--tls-dir")) {
+            tls = argv[++i];
+        } else if (i + 1 < argc && !strcmp(argv[i], "--port-base")) {
+            char *end;
+            port_base = strtol(argv[++i], &end, 10);
+            if (*end || port_base < 1 || port_base > 65533) {
+                fprintf(stderr, "cflue up: --port-base must be a port from 1 to 65533\n");
+                return 2;
+            }
         } else {
             fprintf(stderr, "usage: cflue up --agents DIR [--data DIR] [--bin DIR] "
-                            "[--driver local|bwrap]\n");
+                            "[--driver local|bwrap] [--tls-dir DIR] [--port-base N]\n");
             return 2;
         }
     }
@@ -125,6 +180,14 @@ int cmd_up(int argc, char **argv)
         fprintf(stderr, "cflue up: --agents DIR is required (a directory of NAME.md files)\n");
         return 2;
     }
+    struct tls_dir t;
+    if (tls && use_tls_dir(tls, &t) != 0) {
+        return 2;
+    }
+    char agentd_addr[32], store_addr[32], toold_addr[32];
+    snprintf(agentd_addr, sizeof(agentd_addr), "127.0.0.1:%ld", port_base);
+    snprintf(store_addr, sizeof(store_addr), "127.0.0.1:%ld", port_base + 1);
+    snprintf(toold_addr, sizeof(toold_addr), "127.0.0.1:%ld", port_base + 2);
     char self[PATH_MAX], bin_buf[PATH_MAX];
     if (!bin) {
         ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
@@ -141,13 +204,21 @@ int cmd_up(int argc, char **argv)
     for (int i = 0; i < 3; i++) {
         snprintf(logs[i], sizeof(logs[i]), "%s/%s.log", data, names[i]);
     }
-    char *a0[] = {NULL, "--listen", (char *)store_addr, "--db", db, NULL};
-    char *a1[] = {NULL, "--listen", (char *)toold_addr, "--root",
-                  ws,   "--driver", (char *)driver,     NULL};
-    char *a2[] = {
-        NULL,           "--listen", (char *)agentd_addr, "--store", (char *)store_addr, "--agents",
-        (char *)agents, NULL};
-    char **args[3] = {a0, a1, a2};
+    char *args[3][ARGS_MAX];
+    int n[3] = {1, 1, 1}; /* args[i][0]: the binary's path, set by start */
+    add_args(args[0], &n[0], "--listen", store_addr, "--db", db, NULL);
+    add_args(args[1], &n[1], "--listen", toold_addr, "--root", ws, "--driver", driver, NULL);
+    add_args(args[2], &n[2], "--listen", agentd_addr, "--store", store_addr, "--agents", agents,
+             NULL);
+    for (int i = 0; tls && i < 3; i++) {
+        /* every daemon serves TLS and requires a client certificate from the CA */
+        add_args(args[i], &n[i], "--tls-cert", t.server, "--tls-key", t.server_key,
+                 "--tls-client-ca", t.ca, NULL);
+    }
+    if (tls) {
+        add_args(args[2], &n[2], "--peer-ca", t.ca, "--peer-cert", t.client, "--peer-key",
+                 t.client_key, NULL);
+    }
     pid_t pids[3] = {0};
     int rc = 0, sig = 0;
     sigset_t set;
@@ -163,7 +234,14 @@ int cmd_up(int argc, char **argv)
         printf("%-9s %s  (log %s)\n", names[i], addrs[i], logs[i]);
     }
     if (rc == 0) {
-        printf("cflue is up. Try: cflue submit --agent NAME \"your request\"   (Ctrl-C stops)\n");
+        if (tls) {
+            printf("cflue is up, over TLS with client certificates. Try: cflue --ca %s --cert %s "
+                   "--cert-key %s submit --agent NAME \"your request\"   (Ctrl-C stops)\n",
+                   t.ca, t.client, t.client_key);
+        } else {
+            printf("cflue is up. Try: cflue submit --agent NAME \"your request\"   (Ctrl-C "
+                   "stops)\n");
+        }
         fflush(stdout);
         sigwait(&set, &sig);
     }

@@ -14,6 +14,7 @@
 
 #include "failpoint.h"
 #include "log.h"
+#include "tls.h"
 
 #include <errno.h>
 #include <malloc.h>
@@ -29,6 +30,42 @@
 #define MMAP_THRESHOLD (1 << 20)
 
 const char *const daemon_log_levels[] = {"debug", "info", "warn", "error", NULL};
+
+/* The listener's TLS files, read by daemon_configure, served by daemon_serve, reread on SIGHUP
+ * and freed by daemon_stop_serving (one daemon per process). */
+static struct tls_server *g_tls;
+
+static bool given(const char *path)
+{
+    return path && *path;
+}
+
+/* configure_tls reads and checks the TLS files the flags name: DAEMON_RUN, or 2 once printed
+ * why not. */
+static int configure_tls(struct daemon *d)
+{
+    struct cf_error err;
+    if (given(d->tls_client_ca) && !given(d->tls_cert) && !given(d->tls_key)) {
+        return daemon_say(d, 2,
+                          "--tls-client-ca needs --tls-cert and --tls-key (client "
+                          "certificates are asked for over TLS)");
+    }
+    if (given(d->tls_cert) || given(d->tls_key)) {
+        struct tls_paths p = {d->tls_client_ca,  d->tls_cert,  d->tls_key,
+                              "--tls-client-ca", "--tls-cert", "--tls-key"};
+        if (tls_server_new(&p, &g_tls, &err) != CF_OK) {
+            return daemon_say(d, 2, "%s", err.msg);
+        }
+    }
+    if (given(d->peer_ca) || given(d->peer_cert) || given(d->peer_key)) {
+        struct tls_paths p = {d->peer_ca,  d->peer_cert,  d->peer_key,
+                              "--peer-ca", "--peer-cert", "--peer-key"};
+        if (tls_client_load(&p, &err) != CF_OK) {
+            return daemon_say(d, 2, "%s", err.msg);
+        }
+    }
+    return DAEMON_RUN;
+}
 
 int daemon_say(const struct daemon *d, int code, const char *fmt, ...)
 {
@@ -68,13 +105,28 @@ int daemon_configure(struct daemon *d, const struct config_opt *opts, size_t n_o
     }
     log_init(d->name, (enum log_level)lv);
     failpoint_init();
-    return DAEMON_RUN;
+    return configure_tls(d);
+}
+
+/* log_tls logs what the listener and the peer channels use (never a key or a file's text). */
+static void log_tls(void)
+{
+    char what[640] = "";
+    if (g_tls) {
+        tls_server_describe(g_tls, what, sizeof(what));
+    }
+    log_info("tls", "tls=%s mtls=%s peer_tls=%s peer_cert=%s%s%s", g_tls ? "on" : "off",
+             g_tls && tls_server_mtls(g_tls) ? "on" : "off", tls_client_on() ? "on" : "off",
+             tls_client_has_cert() ? "on" : "off", *what ? " " : "", what);
 }
 
 bool daemon_serve(struct daemon *d, struct rpc_server *srv)
 {
     struct cf_error err;
     int port = 0;
+    if (g_tls) {
+        rpc_server_set_credentials(srv, tls_server_credentials(g_tls));
+    }
     if (rpc_server_listen(srv, d->listen, &port, &err) != CF_OK) {
         char q[CF_ERROR_MSG_MAX + 16];
         log_error("listen_failed", "addr=%s err=%s", d->listen, log_quote(q, sizeof(q), err.msg));
@@ -89,6 +141,7 @@ bool daemon_serve(struct daemon *d, struct rpc_server *srv)
     }
     d->server = srv;
     d->port = port;
+    log_tls();
     daemon_port_file(d->port_file, port);
     return true;
 }
@@ -101,6 +154,8 @@ void daemon_stop_serving(struct daemon *d)
     rpc_server_shutdown(d->server, (int)d->grace_ms);
     rpc_server_free(d->server);
     d->server = NULL;
+    tls_server_free(g_tls); /* after the server: its handshakes asked g_tls for certificates */
+    g_tls = NULL;
 }
 
 void daemon_port_file(const char *path, int port)
@@ -122,13 +177,19 @@ void daemon_wait_for_stop_or_hup(void (*release)(void *arg), void (*hup)(void *a
     sigemptyset(&set);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
-    if (hup) {
+    if (hup || g_tls || tls_client_on()) {
         sigaddset(&set, SIGHUP);
     }
     while ((sig = sigtimedwait(&set, NULL, &every)) < 0 || sig == SIGHUP) {
         if (sig == SIGHUP) {
             log_info("signal", "signal=HUP");
-            hup(arg);
+            if (g_tls) {
+                tls_server_reload(g_tls);
+            }
+            tls_client_reload();
+            if (hup) {
+                hup(arg);
+            }
         } else if (errno == EAGAIN) {
             if (release) {
                 release(arg);

@@ -12,7 +12,7 @@
  *   - daemon_stop_serving: health NOT_SERVING, grace, cancel, free; then what it opened.
  *
  * Every server serves grpc.health.v1.Health (rpc.h); the options every daemon shares (listen,
- * port-file, grace-ms, max-queue, log-level) live in struct daemon, each daemon's own in its
+ * port-file, grace-ms, max-queue, log-level, TLS) live in struct daemon, each daemon's own in its
  * main.c, all in one option table (config.h) in the order --help shows them.
  */
 #ifndef CFLUE_DAEMON_H
@@ -35,11 +35,14 @@ struct daemon {
     /* set by daemon_serve */
     struct rpc_server *server;
     int port; /* the bound TCP port (0 for a unix socket) */
+    /* TLS (DAEMON_OPTS_TLS, DAEMON_OPTS_PEER_TLS): PEM file paths, "" for none */
+    const char *tls_cert, *tls_key, *tls_client_ca; /* the listener's; client CA: mTLS */
+    const char *peer_ca, *peer_cert, *peer_key;     /* the channels to peers (tls_client_load) */
 };
 
 #define DAEMON_INIT(name, usage, listen)                                                           \
     {                                                                                              \
-        (name), (usage), (listen), "", "info", 5000, 256, 256, NULL, 0                             \
+        (name), (usage), (listen), "", "info", 5000, 256, 256, NULL, 0, "", "", "", "", "", ""     \
     }
 
 /* The log levels --log-level takes (log.h), for a choices list. */
@@ -57,13 +60,41 @@ extern const char *const daemon_log_levels[];
 #define DAEMON_OPT_LOG_LEVEL(d)                                                                    \
     CONFIG_OPT_CHOICE("log-level", &(d)->log_level, daemon_log_levels, "debug, info, warn or error")
 
+/* The listener's TLS, for every daemon: --tls-cert and --tls-key (both or neither) make it
+ * serve TLS only; --tls-client-ca also requires each client to present a certificate that CA
+ * signed (mTLS). SIGHUP reads the files again (tls.h). */
+#define DAEMON_OPTS_TLS(d)                                                                         \
+    CONFIG_OPT_STRING("tls-cert", &(d)->tls_cert,                                                  \
+                      "PEM certificate chain to serve TLS with (with --tls-key; reread on "        \
+                      "SIGHUP)"),                                                                  \
+        CONFIG_OPT_STRING("tls-key", &(d)->tls_key,                                                \
+                          "PEM private key of --tls-cert (unencrypted)"),                          \
+        CONFIG_OPT_STRING("tls-client-ca", &(d)->tls_client_ca,                                    \
+                          "PEM CA that must sign every client's certificate (mTLS; needs "         \
+                          "--tls-cert)")
+
+/* The channels a daemon opens to its peers: --peer-ca makes them TLS, verifying the peers'
+ * certificates with that CA; --peer-cert and --peer-key (both or neither) are the client
+ * certificate presented to peers that require one. */
+#define DAEMON_OPTS_PEER_TLS(d)                                                                    \
+    CONFIG_OPT_STRING("peer-ca", &(d)->peer_ca,                                                    \
+                      "PEM CA that verifies the peers' certificates (TLS to storaged, toold and "  \
+                      "tool servers)"),                                                            \
+        CONFIG_OPT_STRING("peer-cert", &(d)->peer_cert,                                            \
+                          "PEM client certificate presented to peers (with --peer-key; needs "     \
+                          "--peer-ca)"),                                                           \
+        CONFIG_OPT_STRING("peer-key", &(d)->peer_key, "PEM private key of --peer-cert")
+
 /* daemon_configure's "go on" result; any other is the exit code for main to return. */
 #define DAEMON_RUN (-1)
 
 /* daemon_configure starts logging as d->name, applies CFLUE_* environment variables and then
  * the flags to the targets of opts (config.h), sets the log level and arms the failpoints.
- * Returns DAEMON_RUN to go on; 0 after printing --help; 2 after printing "NAME: MESSAGE" to
- * stderr for a bad flag or variable. Call once, first thing in main. */
+ * It reads and checks the TLS files the flags name (the listener's, kept for daemon_serve;
+ * the peers', for every channel made from then on: tls_client_load). Returns DAEMON_RUN to go
+ * on; 0 after printing --help; 2 after printing "NAME: MESSAGE" to stderr for a bad flag or
+ * variable, or a TLS file that cannot be read or does not check out. Call once, first thing in
+ * main. */
 CF_MUST_CHECK int daemon_configure(struct daemon *d, const struct config_opt *opts, size_t n_opts,
                                    int argc, char **argv);
 
@@ -72,14 +103,17 @@ CF_MUST_CHECK int daemon_configure(struct daemon *d, const struct config_opt *op
 int daemon_say(const struct daemon *d, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
-/* daemon_serve takes srv (made with rpc_server_new, its services registered), binds d->listen,
- * starts serving and writes d->port_file; d->server and d->port are set. On failure it prints
+/* daemon_serve takes srv (made with rpc_server_new, its services registered), binds d->listen
+ * (TLS when --tls-cert was given), starts serving, logs the "tls" line (tls=on|off
+ * mtls=on|off, and the peers' peer_tls, peer_cert) and writes d->port_file; d->server and
+ * d->port are set. On failure it prints
  * and logs why (listen_failed, or the server's own rpc_start_failed), frees srv and returns
  * false. */
 CF_MUST_CHECK bool daemon_serve(struct daemon *d, struct rpc_server *srv);
 
 /* daemon_stop_serving shuts d->server down (health NOT_SERVING, new calls refused, live calls
- * get d->grace_ms and are then cancelled), waits for every handler and frees it. Idempotent. */
+ * get d->grace_ms and are then cancelled), waits for every handler and frees it, and then the
+ * listener's TLS files. Idempotent. */
 void daemon_stop_serving(struct daemon *d);
 
 /* daemon_port_file writes the bound TCP port to path (when path is not empty), for tests and
@@ -94,7 +128,8 @@ void daemon_wait_for_stop(void (*release)(void *arg), void *arg);
 
 /* daemon_wait_for_stop_or_hup is daemon_wait_for_stop that also takes SIGHUP: each one calls
  * hup(arg) (a daemon reloads its configuration) and goes on waiting. Without it SIGHUP, blocked
- * in every thread, is ignored. */
+ * in every thread, is ignored, unless the daemon uses TLS: with either wait, each SIGHUP then
+ * first reads the TLS files again (tls_server_reload, tls_client_reload). */
 void daemon_wait_for_stop_or_hup(void (*release)(void *arg), void (*hup)(void *arg), void *arg);
 
 #endif

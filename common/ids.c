@@ -59,6 +59,22 @@ bool ids_valid_name(const char *s, size_t max_len)
     return n >= 1 && n <= max_len && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
 }
 
+bool ids_valid_principal(const char *s)
+{
+    size_t n = 0;
+    if (!s) {
+        return false;
+    }
+    for (const char *p = s; *p; p++, n++) {
+        char c = *p;
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '.' || c == '_' || c == '-' || c == '@')) {
+            return false;
+        }
+    }
+    return n >= 1 && n <= IDS_PRINCIPAL_MAX;
+}
+
 uint64_t ids_hash64_more(uint64_t h, const void *p, size_t n)
 {
     const unsigned char *b = p;

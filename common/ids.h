@@ -19,6 +19,13 @@ void ids_new(char out[IDS_MAX], const char *prefix);
  * of [A-Za-z0-9._-], not "." or "..". */
 bool ids_valid_name(const char *s, size_t max_len);
 
+/* The longest principal name (an Agent API token's name, AdmitRequest.principal). */
+#define IDS_PRINCIPAL_MAX 64
+
+/* ids_valid_principal reports whether s is a valid principal name: 1..IDS_PRINCIPAL_MAX
+ * characters of [A-Za-z0-9._@-]. */
+bool ids_valid_principal(const char *s);
+
 /* ids_hash64 is the 64-bit FNV-1a hash of the string s (NULL hashes as ""): stable across
  * processes and builds, for names derived from longer ones. Not for security. */
 uint64_t ids_hash64(const char *s);

@@ -76,6 +76,11 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts);
 CF_MUST_CHECK enum cf_status rpc_server_listen(struct rpc_server *s, const char *addr,
                                                int *port_out, struct cf_error *err);
 
+/* rpc_server_set_credentials makes the later rpc_server_listen calls serve with creds (TLS:
+ * tls_server_credentials) instead of plaintext. The server takes creds (released with the
+ * server; a second call releases the first). Call before rpc_server_listen. */
+void rpc_server_set_credentials(struct rpc_server *s, grpc_server_credentials *creds);
+
 /* rpc_server_add_method registers a handler for a full method path ("/cflue.v1.Store/Admit").
  * The request is decoded with req_desc. Call before rpc_server_start. */
 void rpc_server_add_method(struct rpc_server *s, const char *path,
@@ -227,8 +232,11 @@ bool rpc_call_wait(struct rpc_call *c, int ms);
  * the call has none. */
 int64_t rpc_call_remaining_ms(struct rpc_call *c);
 
-/* rpc_call_metadata copies the value of a request metadata key (lower case) into out;
- * false when absent. */
+/* rpc_call_metadata copies the value of the first request metadata entry named key (lower
+ * case, as gRPC delivers keys) into out, NUL-terminated. false, with out "", when there is
+ * none, or when its value holds a NUL byte or is longer than out_len - 1 bytes: a value is
+ * never cut short (a cut value could pass for another). Callable from any thread while the
+ * call lives (the metadata is read-only once the call arrived). */
 bool rpc_call_metadata(struct rpc_call *c, const char *key, char *out, size_t out_len);
 
 /* rpc_call_server returns the server serving the call. */
@@ -246,6 +254,8 @@ struct rpc_status {
 };
 
 /* rpc_channel_new connects lazily to target ("127.0.0.1:7001", "unix:/path"). Never NULL.
+ * Plaintext, or TLS once tls_client_load (tls.h) was called: the server's certificate must
+ * chain to its CA and name the target's host (an IP SAN for an address).
  * Reconnection is bounded: after a lost or refused connection the channel retries after
  * 100 ms, then backs off to at most 1 s between attempts (each attempt may take 1 s to
  * connect); a call that finds the channel in TRANSIENT_FAILURE, or fails UNAVAILABLE, makes
@@ -253,6 +263,13 @@ struct rpc_status {
  * second, however long or often it was away. Calls still fail UNAVAILABLE at once while the
  * peer is down (no wait-for-ready): retrying is the caller's policy. */
 struct rpc_channel *rpc_channel_new(const char *target, int max_message_bytes);
+
+/* rpc_channel_add_metadata makes every call started on ch from now on send the request
+ * metadata key: value (key in lower case; e.g. "authorization", "Bearer <token>"); both are
+ * copied and released with the channel. At most RPC_CHANNEL_METADATA_MAX entries: false,
+ * adding nothing, beyond. Not thread-safe: call before any call on ch starts. */
+#define RPC_CHANNEL_METADATA_MAX 4
+bool rpc_channel_add_metadata(struct rpc_channel *ch, const char *key, const char *value);
 
 /* rpc_channel_free closes the channel (NULL is fine). Every call must be over. */
 void rpc_channel_free(struct rpc_channel *ch);
@@ -348,7 +365,8 @@ ProtobufCMessage *rpc_unpack(const ProtobufCMessageDescriptor *desc, grpc_byte_b
  * inherit the mask), routes gRPC logs and calls grpc_init. */
 void rpc_global_init(void);
 
-/* rpc_global_shutdown calls grpc_shutdown_blocking. */
+/* rpc_global_shutdown calls grpc_shutdown_blocking and forgets the client's TLS files
+ * (tls_client_clear). */
 void rpc_global_shutdown(void);
 
 #endif

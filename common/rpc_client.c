@@ -23,6 +23,7 @@
 #include "log.h"
 #include "mem.h"
 #include "thread.h"
+#include "tls.h"
 
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc_security.h>
@@ -51,6 +52,9 @@ struct rpc_channel {
     bool cancelled;          /* rpc_channel_cancel_all was called */
     char cancel_why[128];
     _Atomic int64_t last_reset_ms;
+    /* request metadata sent with every call (rpc_channel_add_metadata) */
+    grpc_metadata md[RPC_CHANNEL_METADATA_MAX];
+    size_t n_md;
 };
 
 grpc_byte_buffer *rpc_pack(const ProtobufCMessage *msg)
@@ -96,6 +100,7 @@ void rpc_global_shutdown(void)
 {
     aloop_stop();
     grpc_shutdown_blocking();
+    tls_client_clear();
 }
 
 static grpc_arg int_arg(char *key, int value)
@@ -111,7 +116,7 @@ static grpc_arg int_arg(char *key, int value)
 struct rpc_channel *rpc_channel_new(const char *target, int max_message_bytes)
 {
     struct rpc_channel *c = mem_alloc(sizeof(*c));
-    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+    grpc_channel_credentials *creds = tls_channel_credentials();
     int max = max_message_bytes > 0 ? max_message_bytes : 16 << 20;
     grpc_arg args[] = {
         int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max),
@@ -127,9 +132,25 @@ struct rpc_channel *rpc_channel_new(const char *target, int max_message_bytes)
     return c;
 }
 
+bool rpc_channel_add_metadata(struct rpc_channel *ch, const char *key, const char *value)
+{
+    if (ch->n_md == RPC_CHANNEL_METADATA_MAX) {
+        return false;
+    }
+    grpc_metadata *m = &ch->md[ch->n_md++];
+    memset(m, 0, sizeof(*m));
+    m->key = grpc_slice_from_copied_string(key);
+    m->value = grpc_slice_from_copied_string(value);
+    return true;
+}
+
 void rpc_channel_free(struct rpc_channel *ch)
 {
     if (ch) {
+        for (size_t i = 0; i < ch->n_md; i++) {
+            grpc_slice_unref(ch->md[i].key);
+            grpc_slice_unref(ch->md[i].value); /* may hold a secret: gone with the channel */
+        }
         grpc_channel_destroy(ch->ch);
         pthread_mutex_destroy(&ch->mu);
         free(ch);
@@ -247,12 +268,21 @@ static void copy_status(struct rpc_status *st, grpc_status_code code, grpc_slice
     }
 }
 
-/* request_ops fills ops[0..3]: send the metadata and the request, close, receive the
+/* send_metadata fills op with the send of the channel's request metadata. */
+static void send_metadata(grpc_op *op, struct rpc_channel *ch)
+{
+    op->op = GRPC_OP_SEND_INITIAL_METADATA;
+    op->data.send_initial_metadata.count = ch->n_md;
+    op->data.send_initial_metadata.metadata = ch->n_md ? ch->md : NULL;
+}
+
+/* request_ops fills ops[0..3]: send the channel's metadata and the request, close, receive the
  * server's initial metadata into init_md. */
-static void request_ops(grpc_op ops[4], grpc_byte_buffer *send, grpc_metadata_array *init_md)
+static void request_ops(grpc_op ops[4], struct rpc_channel *ch, grpc_byte_buffer *send,
+                        grpc_metadata_array *init_md)
 {
     memset(ops, 0, sizeof(grpc_op) * 4);
-    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    send_metadata(&ops[0], ch);
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = send;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -287,7 +317,7 @@ bool rpc_unary(struct rpc_channel *ch, const char *method, const ProtobufCMessag
     grpc_metadata_array_init(&init_md);
     grpc_metadata_array_init(&trail_md);
     memset(ops, 0, sizeof(ops));
-    request_ops(ops, send, &init_md);
+    request_ops(ops, ch, send, &init_md);
     ops[4].op = GRPC_OP_RECV_MESSAGE;
     ops[4].data.recv_message.recv_message = &recv;
     ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
@@ -360,7 +390,7 @@ struct rpc_stream *rpc_stream_open(struct rpc_channel *ch, const char *method,
     }
     grpc_byte_buffer *send = rpc_pack(req);
     memset(ops, 0, sizeof(ops));
-    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    send_metadata(&ops[0], ch);
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = send;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -656,7 +686,7 @@ struct rpc_astream *rpc_astream_open(struct rpc_channel *ch, const char *method,
                                        deadline_in(timeout_ms), NULL);
     grpc_byte_buffer *send = rpc_pack(req);
     grpc_op ops_[4];
-    request_ops(ops_, send, &s->init_md);
+    request_ops(ops_, ch, send, &s->init_md);
     pthread_mutex_lock(&s->mu);
     thread_handoff_release(&s->t_open); /* s is read on the loop thread through the tags */
     if (grpc_call_start_batch(s->call, ops_, 4, &s->t_open, NULL) == GRPC_CALL_OK) {
@@ -745,7 +775,7 @@ void rpc_acall_start(struct rpc_channel *ch, const char *method, const ProtobufC
     grpc_byte_buffer *send = rpc_pack(req);
     grpc_op ops[6];
     memset(ops, 0, sizeof(ops));
-    request_ops(ops, send, &a->init_md);
+    request_ops(ops, ch, send, &a->init_md);
     ops[4].op = GRPC_OP_RECV_MESSAGE;
     ops[4].data.recv_message.recv_message = &a->bb;
     ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;

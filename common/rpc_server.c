@@ -166,6 +166,7 @@ struct rpc_server {
     int async_calls;                        /* open RPC_ASYNC calls (charged) */
     struct rpc_call *async_head;            /* attached async calls */
     bool log_stats; /* CFLUE_RPC_STATS=1: log each method's call count at shutdown */
+    grpc_server_credentials *creds; /* rpc_server_set_credentials: TLS; NULL: plaintext */
 };
 
 static void post_slot(struct rpc_server *s, struct method *m);
@@ -647,13 +648,16 @@ bool rpc_call_metadata(struct rpc_call *c, const char *key, char *out, size_t ou
             !memcmp(GRPC_SLICE_START_PTR(k), key, strlen(key))) {
             grpc_slice v = c->md.metadata[i].value;
             size_t n = GRPC_SLICE_LENGTH(v);
-            if (n >= out_len) {
-                n = out_len - 1;
+            if (n >= out_len || memchr(GRPC_SLICE_START_PTR(v), '\0', n)) {
+                break; /* never cut short: a cut value could pass for another */
             }
             memcpy(out, GRPC_SLICE_START_PTR(v), n);
             out[n] = '\0';
             return true;
         }
+    }
+    if (out_len) {
+        out[0] = '\0';
     }
     return false;
 }
@@ -1245,9 +1249,12 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
 enum cf_status rpc_server_listen(struct rpc_server *s, const char *addr, int *port_out,
                                  struct cf_error *err)
 {
-    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+    grpc_server_credentials *creds =
+        s->creds ? s->creds : grpc_insecure_server_credentials_create();
     int port = grpc_server_add_http2_port(s->server, addr, creds);
-    grpc_server_credentials_release(creds);
+    if (!s->creds) {
+        grpc_server_credentials_release(creds);
+    }
     if (port == 0) {
         return cf_error_set(err, CF_UNAVAILABLE,
                             "cannot listen on '%s' (address in use, bad address, or no "
@@ -1258,6 +1265,14 @@ enum cf_status rpc_server_listen(struct rpc_server *s, const char *addr, int *po
         *port_out = strncmp(addr, "unix", 4) == 0 ? 0 : port;
     }
     return CF_OK;
+}
+
+void rpc_server_set_credentials(struct rpc_server *s, grpc_server_credentials *creds)
+{
+    if (s->creds) {
+        grpc_server_credentials_release(s->creds);
+    }
+    s->creds = creds;
 }
 
 void rpc_server_add_method(struct rpc_server *s, const char *path,
@@ -1485,6 +1500,9 @@ void rpc_server_free(struct rpc_server *s)
     }
     grpc_server_destroy(s->server);
     grpc_completion_queue_destroy(s->cq);
+    if (s->creds) {
+        grpc_server_credentials_release(s->creds);
+    }
     for (int i = 0; i < s->n_methods; i++) {
         free(s->methods[i].path);
         free(s->methods[i].service);

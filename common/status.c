@@ -68,6 +68,10 @@ enum cf_status status_from_grpc(grpc_status_code code)
         return CF_CANCELLED;
     case GRPC_STATUS_UNIMPLEMENTED:
         return CF_UNIMPLEMENTED;
+    case GRPC_STATUS_UNAUTHENTICATED:
+        return CF_UNAUTHENTICATED;
+    case GRPC_STATUS_PERMISSION_DENIED:
+        return CF_PERMISSION;
     default:
         return CF_INTERNAL;
     }

@@ -31,7 +31,9 @@
     X(CANCELLED, "cancelled", GRPC_STATUS_CANCELLED, "CANCELLED")                                  \
     X(DEADLINE, "deadline exceeded", GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED")           \
     X(UNIMPLEMENTED, "not implemented", GRPC_STATUS_UNIMPLEMENTED, "UNIMPLEMENTED")                \
-    X(INTERNAL, "internal error", GRPC_STATUS_INTERNAL, "INTERNAL")
+    X(INTERNAL, "internal error", GRPC_STATUS_INTERNAL, "INTERNAL")                                \
+    X(UNAUTHENTICATED, "unauthenticated", GRPC_STATUS_UNAUTHENTICATED, "UNAUTHENTICATED")          \
+    X(PERMISSION, "permission denied", GRPC_STATUS_PERMISSION_DENIED, "PERMISSION_DENIED")
 
 enum cf_status {
 #define CF_STATUS_ENUM(name, msg, code, reason) CF_##name,

@@ -7,7 +7,7 @@
 #include <sqlite3.h>
 #include <stdbool.h>
 
-#define DB_SCHEMA_VERSION "5"
+#define DB_SCHEMA_VERSION "6"
 
 /* The records table's columns (after "CREATE TABLE <name>"): a record's body is stored as its
  * oneof case (`kind`, the Record.body field number) and the body message packed by protobuf-c
@@ -81,9 +81,16 @@
     "CREATE INDEX submissions_by_parent ON submissions(parent_submission_id)"                      \
     "  WHERE parent_submission_id IS NOT NULL;"
 
+/* What schema version 6 added to version 5: the principal (the authenticated caller, see
+ * AdmitRequest.principal) owning each conversation, in `conversations.principal`, and a copy
+ * of it on each of the conversation's submissions (`submissions.principal`, so a Get answers
+ * whose it is without a second read; a conversation's principal never changes). NULL (no
+ * principal) in every row of earlier versions, which were written without authentication. */
+#define DB_PRINCIPAL_COLUMN "principal TEXT"
+
 /* db_open opens path. The writer connection creates the schema on first use (WAL mode,
  * synchronous=FULL, foreign keys on), migrates a database of the previous schema version
- * (versions 1 to 4, migrate.h) in one transaction, and refuses one written by another
+ * (versions 1 to 5, migrate.h) in one transaction, and refuses one written by another
  * schema version or by something other than storaged with CF_VERSION and a message saying what
  * was found.
  * Reader connections are read-only and expect the schema to exist. On success *out is an open

@@ -35,6 +35,12 @@
  *   stops its descendants in the same transaction: an abort intent on it, or its outcome failed
  *   or aborted (reserved or settled), stamps an intent on each unsettled descendant, and a child
  *   admitted under a parent already stopped carries one from its admission.
+ * - Principals: a conversation's principal (the authenticated caller whose Admit created it; a
+ *   subagent's conversation takes its parent's) is written once, with the conversation, and
+ *   never changes; each submission row carries a copy. An Admit naming a principal goes into
+ *   an existing conversation only when it is that conversation's (or the caller is an admin),
+ *   checked in the Admit's own transaction, so two agentds cannot race a conversation id into
+ *   two principals' hands. An Admit without a principal (authentication off) is not checked.
  * - A combined call (Admit with a claim, Append marking the input applied, Settle with records)
  *   is the separate calls' code run in one transaction, in the order the separate calls would
  *   run: its parts cannot disagree, and a refused part refuses all of it (savepoint).
@@ -61,7 +67,7 @@
     " outcome, error, attempt_id, epoch, owner_id, lease_expires_at, attempt_count,"               \
     " max_attempts, timeout_at, accepted_at, started_at, input_applied_at,"                        \
     " abort_requested_at, joined_into, settled_at, answered_by, reserved_outcome, admit_pos,"      \
-    " input_tokens, output_tokens, cost_usd, kind"
+    " input_tokens, output_tokens, cost_usd, kind, principal"
 
 #define UNSETTLED "('queued','running','terminalizing','joining','joined')"
 
@@ -152,12 +158,14 @@ static int cmp_entry(const void *a, const void *b)
 /* canonical_payload packs what identifies an admission: the request with its metadata sorted,
  * so two clients that order a map differently produce the same bytes, its kind MESSAGE
  * written as UNSPECIFIED (the two mean the same), and without its claim (a retry that claims
- * differently, or not at all, is the same admission). */
+ * differently, or not at all, is the same admission) or its admin flag. Its principal is
+ * part of it: another principal's request with the same key is never the same admission. */
 static uint8_t *canonical_payload(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
                                   size_t *len_out)
 {
     Cflue__V1__AdmitRequest copy = *req;
-    copy.claim = NULL; /* how the caller wants it claimed is no part of what it admits */
+    copy.claim = NULL;  /* how the caller wants it claimed is no part of what it admits */
+    copy.admin = false; /* nor the rights of the caller's token */
     if (copy.kind == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE) {
         copy.kind = CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_UNSPECIFIED;
     }
@@ -234,6 +242,7 @@ static void row_to_sub(struct ledger_ctx *c, sqlite3_stmt *st, Cflue__V1__Submis
     out->kind = sqlite3_column_int(st, 28) == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT
                     ? CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT
                     : CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE;
+    out->principal = (char *)col_text(c, st, 29); /* NULL (none): "" */
 }
 
 /* check_row asserts the invariants of the essay on a row as read. */
@@ -443,8 +452,9 @@ static enum cf_status admitted_before(struct ledger_ctx *c, const Cflue__V1__Adm
                                       Cflue__V1__AdmitResponse *out, bool *found_out,
                                       struct cf_error *err)
 {
-    static const char sql[] = "SELECT submission_id, payload, admit_pos FROM submissions "
-                              "WHERE agent = ? AND idempotency_key = ?";
+    static const char sql[] =
+        "SELECT submission_id, payload, admit_pos, principal FROM submissions "
+        "WHERE agent = ? AND idempotency_key = ?";
     struct stmt s;
     enum cf_status rc = stmt_open(&s, c->db, sql, "look up idempotency key", err);
     if (rc != CF_OK) {
@@ -460,12 +470,15 @@ static enum cf_status admitted_before(struct ledger_ctx *c, const Cflue__V1__Adm
     bool same = (size_t)sqlite3_column_bytes(s.st, 1) == payload_len &&
                 !memcmp(sqlite3_column_blob(s.st, 1), payload, payload_len);
     int64_t pos = sqlite3_column_int64(s.st, 2);
+    bool theirs = *req->principal && !req->admin && strcmp(col_text(c, s.st, 3), req->principal);
     stmt_close(&s);
     if (!same) {
+        /* another principal's key: refused the same way, without naming their submission */
         return cf_error_setr(err, CF_EXISTS, "IDEMPOTENCY_CONFLICT",
                              "idempotency key '%s' of agent '%s' was already used for a "
-                             "different submission (%s)",
-                             req->idempotency_key, req->agent, existing);
+                             "different submission%s%s%s",
+                             req->idempotency_key, req->agent, theirs ? "" : " (",
+                             theirs ? "" : existing, theirs ? "" : ")");
     }
     out->submission = new_sub(c);
     out->deduplicated = true;
@@ -473,16 +486,35 @@ static enum cf_status admitted_before(struct ledger_ctx *c, const Cflue__V1__Adm
     return load_sub(c, existing, out->submission, err);
 }
 
-/* admit_conversation finds the conversation the request names (owned by its agent) or creates
- * it (named as asked, or a new id), into conv; *next_pos_out is its stream's next offset. */
+/* owned_by checks that the request's principal may admit into a conversation whose principal
+ * is owner: always without a principal (no authentication) or as an admin, else only as that
+ * principal. The message names neither principal. */
+static enum cf_status owned_by(const Cflue__V1__AdmitRequest *req, const char *owner,
+                               struct cf_error *err)
+{
+    if (!*req->principal || req->admin || !strcmp(owner, req->principal)) {
+        return CF_OK;
+    }
+    return cf_error_setr(err, CF_PERMISSION, "NOT_CONVERSATION_OWNER",
+                         "conversation '%s' belongs to %s", req->conversation_id,
+                         *owner ? "another principal"
+                                : "no principal (it was created without authentication): only "
+                                  "an admin token may use it");
+}
+
+/* admit_conversation finds the conversation the request names (owned by its agent, and by the
+ * request's principal: owned_by) or creates it (named as asked, or a new id) with the
+ * principal new_principal, into conv; *next_pos_out is its stream's next offset and
+ * principal_out (IDS_PRINCIPAL_MAX + 1 bytes) its principal ("" for none). */
 static enum cf_status admit_conversation(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
-                                         char *conv, size_t conv_len, int64_t *next_pos_out,
+                                         const char *new_principal, char *conv, size_t conv_len,
+                                         int64_t *next_pos_out, char *principal_out,
                                          struct cf_error *err)
 {
     static const char find_sql[] =
-        "SELECT agent, next_pos FROM conversations WHERE conversation_id = ?";
+        "SELECT agent, next_pos, principal FROM conversations WHERE conversation_id = ?";
     static const char create_sql[] =
-        "INSERT INTO conversations(conversation_id, agent, created_at) VALUES (?,?,?)";
+        "INSERT INTO conversations(conversation_id, agent, created_at, principal) VALUES (?,?,?,?)";
     struct stmt s;
     enum cf_status rc;
     bool row = false;
@@ -495,7 +527,10 @@ static enum cf_status admit_conversation(struct ledger_ctx *c, const Cflue__V1__
         if ((rc = stmt_step(&s, &row, err)) == CF_OK && row) {
             const char *owner = col_text(c, s.st, 0);
             *next_pos_out = sqlite3_column_int64(s.st, 1);
-            if (strcmp(owner, req->agent) != 0) {
+            snprintf(principal_out, IDS_PRINCIPAL_MAX + 1, "%s", col_text(c, s.st, 2));
+            /* the principal first: another principal learns nothing of the conversation */
+            rc = owned_by(req, principal_out, err);
+            if (rc == CF_OK && strcmp(owner, req->agent) != 0) {
                 rc = cf_error_set(err, CF_PRECONDITION,
                                   "conversation '%s' belongs to agent '%s', not '%s'",
                                   req->conversation_id, owner, req->agent);
@@ -524,6 +559,8 @@ static enum cf_status admit_conversation(struct ledger_ctx *c, const Cflue__V1__
     stmt_text(&s, 1, conv);
     stmt_text(&s, 2, req->agent);
     stmt_int(&s, 3, c->now);
+    stmt_opt_text(&s, 4, new_principal);
+    snprintf(principal_out, IDS_PRINCIPAL_MAX + 1, "%s", new_principal);
     return stmt_done(&s, err);
 }
 
@@ -573,10 +610,14 @@ static const char *strfmt(struct ledger_ctx *c, const char *fmt, ...)
  * (CF_NOT_FOUND), in the conversation the delegation names and one level above the child
  * (CF_INVALID otherwise: a depth that skips levels would unbound the tree). When the parent was
  * stopped already (it has an abort intent, or it is settled, whatever its outcome),
- * *abort_reason_out is the intent the child is admitted with; else NULL. */
-static enum cf_status admit_parent(struct ledger_ctx *c, const Cflue__V1__Delegation *d,
-                                   const char **abort_reason_out, struct cf_error *err)
+ * *abort_reason_out is the intent the child is admitted with; else NULL. *principal_out is the
+ * parent conversation's principal, which the child's conversation takes: a request naming
+ * another one is CF_PERMISSION. */
+static enum cf_status admit_parent(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
+                                   const char **abort_reason_out, const char **principal_out,
+                                   struct cf_error *err)
 {
+    const Cflue__V1__Delegation *d = req->delegation;
     Cflue__V1__Submission parent;
     enum cf_status rc = load_sub(c, d->parent_submission_id, &parent, err);
     *abort_reason_out = NULL;
@@ -603,6 +644,13 @@ static enum cf_status admit_parent(struct ledger_ctx *c, const Cflue__V1__Delega
                             "child is one level below its parent)",
                             (int)d->depth, parent.submission_id, (int)parent_depth);
     }
+    if (*req->principal && !req->admin && strcmp(req->principal, parent.principal) != 0) {
+        return cf_error_setr(err, CF_PERMISSION, "NOT_CONVERSATION_OWNER",
+                             "delegation.parent_submission_id: submission %s belongs to another "
+                             "principal (a child takes its parent's)",
+                             parent.submission_id);
+    }
+    *principal_out = parent.principal;
     if (parent.abort_request_time) {
         *abort_reason_out =
             strfmt(c, "parent submission %s has an abort intent", parent.submission_id);
@@ -619,17 +667,18 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
     static const char insert_sql[] =
         "INSERT INTO submissions(submission_id, conversation_id, agent, idempotency_key, "
         "payload, status, max_attempts, accepted_at, admit_pos, kind, parent_submission_id, "
-        "abort_requested_at, abort_reason) "
-        "VALUES (?,?,?,?,?,'queued',?,?,?,?,?,NULLIF(?,0),?)";
+        "abort_requested_at, abort_reason, principal) "
+        "VALUES (?,?,?,?,?,'queued',?,?,?,?,?,NULLIF(?,0),?,?)";
     struct stmt s;
     enum cf_status rc;
     size_t payload_len;
     uint8_t *payload = canonical_payload(c, req, &payload_len);
-    char conv[VALIDATE_NAME_MAX + 1], sub[IDS_MAX];
+    char conv[VALIDATE_NAME_MAX + 1], sub[IDS_MAX], principal[IDS_PRINCIPAL_MAX + 1];
     int64_t next_pos = 0;
     bool found = false;
     bool compact = req->kind == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
     const char *abort_reason = NULL;
+    const char *new_principal = req->principal; /* of a conversation this Admit creates */
 
     /* a retried delegated Admit finds its child here, whatever became of the parent since */
     if (*req->idempotency_key &&
@@ -637,12 +686,14 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
          found)) {
         return rc;
     }
-    if (req->delegation && (rc = admit_parent(c, req->delegation, &abort_reason, err)) != CF_OK) {
+    if (req->delegation &&
+        (rc = admit_parent(c, req, &abort_reason, &new_principal, err)) != CF_OK) {
         return rc;
     }
     /* validate_admit: a delegated submission starts a new conversation */
     assert(!req->delegation || !*req->conversation_id);
-    if ((rc = admit_conversation(c, req, conv, sizeof(conv), &next_pos, err)) != CF_OK) {
+    if ((rc = admit_conversation(c, req, new_principal, conv, sizeof(conv), &next_pos, principal,
+                                 err)) != CF_OK) {
         return rc;
     }
     ids_new(sub, "sub");
@@ -663,6 +714,7 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
     stmt_opt_text(&s, 10, req->delegation ? req->delegation->parent_submission_id : NULL);
     stmt_int(&s, 11, abort_reason ? c->now : 0);
     stmt_opt_text(&s, 12, abort_reason);
+    stmt_opt_text(&s, 13, principal); /* the conversation's, never changed: Get answers it */
     if ((rc = stmt_done(&s, err)) != CF_OK) {
         return rc;
     }
@@ -1804,7 +1856,7 @@ enum cf_status ledger_conversation(struct ledger_ctx *c, const char *conversatio
 {
     static const char sql[] =
         "SELECT agent, created_at, next_pos, epoch, (SELECT count(*) FROM submissions s "
-        "WHERE s.conversation_id = c.conversation_id AND s.status != 'settled') "
+        "WHERE s.conversation_id = c.conversation_id AND s.status != 'settled'), c.principal "
         "FROM conversations c WHERE conversation_id = ?";
     struct stmt s;
     bool row;
@@ -1820,6 +1872,7 @@ enum cf_status ledger_conversation(struct ledger_ctx *c, const char *conversatio
         out->head_offset = sqlite3_column_int64(s.st, 2) - 1;
         out->epoch = sqlite3_column_int64(s.st, 3);
         out->unsettled = sqlite3_column_int(s.st, 4);
+        out->principal = (char *)col_text(c, s.st, 5);
     } else if (rc == CF_OK) {
         rc = cf_error_set(err, CF_NOT_FOUND, "no conversation with id '%s'", conversation_id);
     }

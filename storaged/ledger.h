@@ -66,7 +66,11 @@ struct ledger_ctx {
  * read in this transaction after the key: CF_NOT_FOUND when unknown, CF_INVALID when it is not
  * in delegation.parent_conversation_id or not one level above delegation.depth. The child gets
  * a new conversation and the column parent_submission_id, and is admitted with an abort intent
- * when the parent has one or is settled. */
+ * when the parent has one or is settled. Principals: a new conversation takes req->principal
+ * (a child's, its parent conversation's); into an existing one, a request with a principal and
+ * without admin must name the conversation's principal, else CF_PERMISSION (reason
+ * NOT_CONVERSATION_OWNER), checked before its agent so the error tells another principal
+ * nothing of it. Every submission row keeps its conversation's principal. */
 CF_MUST_CHECK enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
                                           Cflue__V1__AdmitResponse *out, struct cf_error *err);
 

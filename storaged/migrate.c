@@ -1,6 +1,7 @@
 /* migrate.c - schema version 1 (JSON record bodies) to 2 (typed record bodies), and 2 to 3
  * (Claim through indexes: the `runnable` table), and 3 to 4 (the indexes of List's owner and
- * abort filters), and 4 to 5 (a delegated submission's parent, for the abort cascade).
+ * abort filters), and 4 to 5 (a delegated submission's parent, for the abort cascade), and 5
+ * to 6 (the principal owning each conversation).
  *
  * Version 1 stored a record as `type TEXT` + `body TEXT` holding JSON whose shape lived in
  * agentd's code; version 2 stores the Record.body oneof case (`kind`) and the body message
@@ -354,6 +355,11 @@ static enum cf_status migrate_kinds(sqlite3 *db, struct cf_error *err)
 static const char parent_sql[] =
     "ALTER TABLE submissions ADD COLUMN " DB_PARENT_COLUMN ";" DB_PARENT_INDEX;
 
+/* 5 to 6: every conversation of an earlier version was created without authentication, so
+ * its principal (and its submissions' copy) is NULL, which is what ADD COLUMN gives it. */
+static const char principal_sql[] = "ALTER TABLE conversations ADD COLUMN " DB_PRINCIPAL_COLUMN ";"
+                                    "ALTER TABLE submissions ADD COLUMN " DB_PRINCIPAL_COLUMN ";";
+
 enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct cf_error *err)
 {
     enum cf_status rc;
@@ -371,6 +377,9 @@ enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct c
         goto fail;
     }
     if (version <= 4 && (rc = db_exec(db, parent_sql, err)) != CF_OK) {
+        goto fail;
+    }
+    if (version <= 5 && (rc = db_exec(db, principal_sql, err)) != CF_OK) {
         goto fail;
     }
     if ((rc = db_exec(db,

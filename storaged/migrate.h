@@ -20,7 +20,9 @@
  *   the submissions;
  * - 3 to 4: the indexes of List's owner_id and abort_requested filters (DB_LIST_INDEXES);
  * - 4 to 5: the column parent_submission_id (NULL in every existing row) and its partial index
- *   (DB_PARENT_COLUMN, DB_PARENT_INDEX).
+ *   (DB_PARENT_COLUMN, DB_PARENT_INDEX);
+ * - 5 to 6: the column principal (NULL: none) on conversations and on submissions
+ *   (DB_PRINCIPAL_COLUMN).
  * Either everything is migrated and committed or nothing is: on failure the transaction is
  * rolled back, the database stays at its version and the status names what could not be
  * migrated. path is for messages only. */

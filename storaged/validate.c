@@ -232,6 +232,15 @@ enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, struct cf_error 
     if ((rc = metadata(r->metadata, r->n_metadata, err)) != CF_OK) {
         return rc;
     }
+    if (*r->principal && !ids_valid_principal(r->principal)) {
+        return cf_error_set(err, CF_INVALID,
+                            "principal must be 1 to %d characters of A-Z a-z 0-9 . _ @ - (or empty "
+                            "without authentication)",
+                            IDS_PRINCIPAL_MAX);
+    }
+    if (r->admin && !*r->principal) {
+        return cf_error_set(err, CF_INVALID, "admin needs a principal (the admin token's name)");
+    }
     return admit_claim(r->claim, err);
 }
 

@@ -90,6 +90,9 @@ static const char *const SYSCALLS_REFUSED[] = {"mount",
                                                "name_to_handle_at"};
 
 static uint8_t *bpf; /* the compiled seccomp program (driver_init) */
+
+enum { DRIVER_LOCAL, DRIVER_BWRAP };
+static const struct driver drivers[];
 static size_t bpf_len;
 
 /* ---------- commands ---------- */
@@ -153,13 +156,32 @@ enum cf_status driver_run(const struct sandbox *sb, const char *cwd, const char 
     }
     struct driver_cmd c;
     memset(&c, 0, sizeof(c));
+    struct proc_limits lim = sb->limits;
+    bool measured = lim.disk_bytes > 0;
+    lim.disk_dir = sb->root;
+    lim.disk_known = -1;
+    if (measured) {
+        pthread_mutex_lock((pthread_mutex_t *)&sb->mu);
+        lim.disk_known = sb->disk_size;
+        pthread_mutex_unlock((pthread_mutex_t *)&sb->mu);
+    }
+    if (sb->driver == &drivers[DRIVER_BWRAP]) {
+        lim.launcher_procs = 2; /* bwrap outside, and its init inside the namespaces */
+    }
     enum cf_status rc = sb->driver->prepare(sb, cwd, command, env, n_env, &c, err);
     if (rc == CF_OK) {
         spec->argv = (const char **)c.argv;
         spec->cwd = cwd;
         spec->envp = c.envp;
         spec->extra_fd = c.extra_fd;
+        spec->limits = &lim;
         rc = proc_run(spec, res, err);
+        spec->limits = NULL;
+    }
+    if (rc == CF_OK && measured && res->disk_size >= 0) {
+        pthread_mutex_lock((pthread_mutex_t *)&sb->mu);
+        ((struct sandbox *)sb)->disk_size = res->disk_size;
+        pthread_mutex_unlock((pthread_mutex_t *)&sb->mu);
     }
     cmd_cleanup(&c);
     return rc;
@@ -286,6 +308,17 @@ static void setenv_inside(struct args *a, const struct sandbox *sb, const char *
     arg3(a, "--setenv", "TMPDIR", "/tmp");
 }
 
+/* tmp_size is the size of a command's /tmp: the smaller of its disk and memory limits (0: no
+ * bound). */
+static int64_t tmp_size(const struct proc_limits *l)
+{
+    int64_t m = l->disk_bytes;
+    if (l->memory_bytes > 0 && (m <= 0 || l->memory_bytes < m)) {
+        m = l->memory_bytes;
+    }
+    return m > 0 ? m : 0;
+}
+
 static enum cf_status bwrap_prepare(const struct sandbox *sb, const char *cwd, const char *command,
                                     const char *const *env, size_t n_env, struct driver_cmd *c,
                                     struct cf_error *err)
@@ -305,7 +338,12 @@ static enum cf_status bwrap_prepare(const struct sandbox *sb, const char *cwd, c
     arg(&a, "/dev");
     arg(&a, "--proc");
     arg(&a, "/proc");
-    arg(&a, "--tmpfs");
+    int64_t tmp_max = tmp_size(&sb->limits);
+    if (tmp_max > 0) { /* /tmp is memory: bounded by the disk and memory limits */
+        arg3(&a, "--size", own(c, mem_asprintf("%lld", (long long)tmp_max)), "--tmpfs");
+    } else {
+        arg(&a, "--tmpfs");
+    }
     arg(&a, "/tmp");
     arg3(&a, "--bind", sb->root, sb->root);
     arg(&a, "--remount-ro"); /* the sandbox's own root: nothing but /tmp and the workspace */
@@ -389,8 +427,8 @@ static enum cf_status build_bpf(struct cf_error *err)
 /* ---------- the table ---------- */
 
 static const struct driver drivers[] = {
-    {"local", local_prepare},
-    {"bwrap", bwrap_prepare},
+    [DRIVER_LOCAL] = {"local", local_prepare},
+    [DRIVER_BWRAP] = {"bwrap", bwrap_prepare},
 };
 
 const struct driver *driver_find(const char *name)

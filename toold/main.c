@@ -33,7 +33,8 @@ static const char *const grep_engines[] = {"auto", "rg", "pcre2", "grep", NULL};
 /* toold's own options (the shared ones are in struct daemon) */
 struct toold_opts {
     const char *root, *driver, *grep_engine;
-    long long default_timeout, max_timeout, max_msg, workers, max_calls, spill_keep;
+    long long default_timeout, max_timeout, max_msg, workers, max_calls, spill_keep, spill_mib;
+    long long cpu_s, memory_mib, procs, file_mib, disk_mib; /* per command; 0: none */
     bool no_confine;
 };
 
@@ -60,18 +61,36 @@ static bool open_workspaces(const struct daemon *d, const struct toold_opts *o,
 {
     struct cf_error err;
     const struct driver *driver = driver_find(o->driver);
+    struct proc_limits limits = {.cpu_ms = o->cpu_s * 1000,
+                                 .memory_bytes = o->memory_mib << 20,
+                                 .procs = o->procs,
+                                 .file_bytes = o->file_mib << 20,
+                                 .disk_bytes = o->disk_mib << 20};
     if (workspaces_new(o->root, !o->no_confine, driver, out, &err) != CF_OK) {
         *out = NULL;
-    } else if (driver_init(driver, &err) != CF_OK ||
-               driver_available(driver, o->root, &err) != CF_OK) {
+        goto failed;
+    }
+    workspaces_set_limits(*out, &limits);
+    if (driver_init(driver, &err) != CF_OK || driver_available(driver, o->root, &err) != CF_OK) {
         workspaces_free(*out);
         *out = NULL;
     }
+failed:
     if (!*out) {
         daemon_say(d, 1, "%s", err.msg);
         log_error("start_failed", "driver=%s root=%s", o->driver, o->root);
     }
     return *out != NULL;
+}
+
+/* log_limits says what each command may use. */
+static void log_limits(const struct toold_opts *o)
+{
+    log_info("limits",
+             "cpu_s=%lld memory_mib=%lld procs=%lld file_mib=%lld disk_mib=%lld spill_mib=%lld "
+             "watch_ms=%d",
+             o->cpu_s, o->memory_mib, o->procs, o->file_mib, o->disk_mib, o->spill_mib,
+             PROC_WATCH_MS);
 }
 
 /* root_writable is toold's readiness: a file can be made (and removed) in its root, so new
@@ -108,7 +127,13 @@ int main(int argc, char **argv)
                            .max_msg = 64 << 20,
                            .workers = 8,
                            .max_calls = 256,
-                           .spill_keep = 50};
+                           .spill_keep = 50,
+                           .spill_mib = 256,
+                           .cpu_s = 600,
+                           .memory_mib = 1024,
+                           .procs = 128,
+                           .file_mib = 1024,
+                           .disk_mib = 1024};
     const struct config_opt opts[] = {
         DAEMON_OPT_LISTEN(&d, "address to serve on (host:port or unix:PATH)"),
         CONFIG_OPT_STRING("root", &o.root, "directory holding one workspace per sandbox"),
@@ -121,6 +146,20 @@ int main(int argc, char **argv)
         CONFIG_OPT_CHOICE("grep-engine", &o.grep_engine, grep_engines, "auto, rg, pcre2 or grep"),
         CONFIG_OPT_INT("spill-keep", &o.spill_keep, 1, 100000,
                        "bash full-output files kept per sandbox (oldest removed)"),
+        CONFIG_OPT_INT("spill-max-mib", &o.spill_mib, 1, 1 << 20,
+                       "MiB of bash full-output files kept per sandbox (oldest removed)"),
+        CONFIG_OPT_INT("limit-cpu-s", &o.cpu_s, 0, 1 << 24,
+                       "CPU seconds a command and all it starts may use (0: no limit)"),
+        CONFIG_OPT_INT("limit-memory-mib", &o.memory_mib, 0, 1 << 24,
+                       "MiB of memory a command's processes may hold together (0: no limit)"),
+        CONFIG_OPT_INT("limit-procs", &o.procs, 0, 1 << 22,
+                       "processes and threads a command may run at once; reaching it stops "
+                       "the command (0: no limit)"),
+        CONFIG_OPT_INT("limit-file-mib", &o.file_mib, 0, 1 << 24,
+                       "MiB the largest file a command writes may reach (0: no limit)"),
+        CONFIG_OPT_INT("limit-disk-mib", &o.disk_mib, 0, 1 << 24,
+                       "MiB a workspace may grow to; a command that grows it past this is "
+                       "stopped (0: no limit)"),
         CONFIG_OPT_BOOL("no-confine", &o.no_confine,
                         "let paths reach outside the workspace (trusted use only)"),
         CONFIG_OPT_INT("max-message-bytes", &o.max_msg, 1 << 20, 1 << 30,
@@ -131,6 +170,7 @@ int main(int argc, char **argv)
         DAEMON_OPT_MAX_QUEUE(
             &d, "Sandbox calls waiting for a thread; more are refused RESOURCE_EXHAUSTED"),
         DAEMON_OPT_LOG_LEVEL(&d),
+        DAEMON_OPTS_TLS(&d),
     };
     int rc = daemon_configure(&d, opts, CONFIG_COUNT(opts), argc, argv);
     if (rc != DAEMON_RUN) {
@@ -142,7 +182,8 @@ int main(int argc, char **argv)
     struct toold_config cfg = {.bash_default_timeout_ms = o.default_timeout,
                                .bash_max_timeout_ms = o.max_timeout,
                                .grep_engine = o.grep_engine,
-                               .spill_keep = (int)o.spill_keep};
+                               .spill_keep = (int)o.spill_keep,
+                               .spill_max_bytes = (int64_t)o.spill_mib << 20};
     if (cfg.bash_default_timeout_ms > cfg.bash_max_timeout_ms) {
         cfg.bash_default_timeout_ms = cfg.bash_max_timeout_ms;
     }
@@ -166,6 +207,7 @@ int main(int argc, char **argv)
     }
     log_info("listening", "addr=%s port=%d root=%s driver=%s confine=%d", d.listen, d.port, o.root,
              o.driver, (int)!o.no_confine);
+    log_limits(&o);
     struct cf_error err;
     struct ready_probe *ready = ready_start(srv, "root", root_writable, (void *)o.root, &err);
     if (!ready) {

@@ -176,20 +176,57 @@ static enum cf_status open_pipes(struct run *r, struct cf_error *err)
     return CF_OK;
 }
 
+#define LIMIT_ARGS 10
+
+/* limit_argv writes the runner's KEY=VALUE arguments for l (NULL: none) into out, the numbers
+ * in buf and the workspace's path allocated (*disk_dir; the caller frees it); returns how many. */
+static size_t limit_argv(const struct proc_limits *l, char buf[LIMIT_ARGS][48], const char **out,
+                         char **disk_dir)
+{
+    size_t n = 0;
+    if (!l) {
+        return 0;
+    }
+#define NUM(key, v)                                                                                \
+    do {                                                                                           \
+        if ((v) > 0) {                                                                             \
+            snprintf(buf[n], sizeof(buf[n]), "%s=%lld", key, (long long)(v));                      \
+            out[n] = buf[n];                                                                       \
+            n++;                                                                                   \
+        }                                                                                          \
+    } while (0)
+    NUM("cpu_ms", l->cpu_ms);
+    NUM("memory_bytes", l->memory_bytes);
+    NUM("procs", l->procs);
+    NUM("file_bytes", l->file_bytes);
+    NUM("launcher_procs", l->launcher_procs);
+    if (l->disk_bytes > 0 && l->disk_dir) {
+        NUM("disk_bytes", l->disk_bytes);
+        snprintf(buf[n], sizeof(buf[n]), "disk_known=%lld", (long long)l->disk_known);
+        out[n] = buf[n];
+        n++;
+        out[n++] = *disk_dir = mem_asprintf("disk_dir=%s", l->disk_dir);
+    }
+#undef NUM
+    return n;
+}
+
 /* spawn starts the command (or the runner with the command after "--") in a new session with
  * default signal dispositions and an empty mask, then closes the child's ends of the pipes.
  * Returns posix_spawn's error number (0: started). */
 static int spawn(struct run *r)
 {
     const char **argv = r->spec->argv;
-    const char *rargv[PROC_ARGV_MAX + 8];
-    char ppid[24];
+    const char *rargv[PROC_ARGV_MAX + 8 + LIMIT_ARGS];
+    char ppid[24], limit_args[LIMIT_ARGS][48];
+    char *disk_dir = NULL;
     if (r->runner) {
         size_t n = 0;
         snprintf(ppid, sizeof(ppid), "%d", (int)getpid());
         rargv[n++] = runner_exe;
         rargv[n++] = PROC_RUNNER_FLAG;
         rargv[n++] = ppid;
+        n += limit_argv(r->spec->limits, limit_args, rargv + n, &disk_dir);
         rargv[n++] = "--";
         for (size_t i = 0; r->spec->argv[i] && i < PROC_ARGV_MAX; i++) {
             rargv[n++] = r->spec->argv[i];
@@ -225,6 +262,7 @@ static int spawn(struct run *r)
                  : posix_spawnp(&r->pid, argv[0], &fa, &attr, (char *const *)argv, r->spec->envp);
     posix_spawn_file_actions_destroy(&fa);
     posix_spawnattr_destroy(&attr);
+    free(disk_dir);
     close_fd(&r->out_fd[1]);
     close_fd(&r->err_fd[1]);
     close_fd(&r->null_fd);
@@ -251,7 +289,9 @@ static int await_start(struct run *r)
         } else {
             r->group = rep.pid;
         }
-        close_fd(&r->rep_fd[0]);
+        if (rc) {
+            close_fd(&r->rep_fd[0]);
+        }
     }
     return rc;
 }
@@ -375,6 +415,30 @@ static void pump(struct run *r)
     }
 }
 
+/* read_end takes the runner's last word (struct runner_end), written before it exited, and
+ * notes a process killed by the file size limit (SIGXFSZ, seen only in the exit status). */
+static void read_end(struct run *r)
+{
+    struct runner_end end = {0, 0, 0, -1};
+    r->out->disk_size = -1;
+    if (r->rep_fd[0] >= 0) {
+        fcntl(r->rep_fd[0], F_SETFL, O_NONBLOCK);
+        if (read(r->rep_fd[0], &end, sizeof(end)) == (ssize_t)sizeof(end) &&
+            end.limit > PROC_LIMIT_NONE && end.limit <= PROC_LIMIT_DISK) {
+            r->out->limit = (enum proc_limit)end.limit;
+            r->out->limit_used = end.used;
+            r->out->limit_after_exit = end.after_exit != 0;
+        }
+        r->out->disk_size = end.disk_size;
+        close_fd(&r->rep_fd[0]);
+    }
+    if (!r->out->limit && r->spec->limits && r->spec->limits->file_bytes > 0 &&
+        ((WIFEXITED(r->status) && WEXITSTATUS(r->status) == 128 + SIGXFSZ) ||
+         (WIFSIGNALED(r->status) && WTERMSIG(r->status) == SIGXFSZ))) {
+        r->out->limit = PROC_LIMIT_FILE;
+    }
+}
+
 /* reap makes sure nothing of the command is left and fills in its result. */
 static void reap(struct run *r)
 {
@@ -387,6 +451,7 @@ static void reap(struct run *r)
     if (!r->runner) {
         kill_group(r->pid, SIGKILL); /* background leftovers (the runner has killed its own) */
     }
+    read_end(r);
     if (r->out->timed_out) {
         r->out->exit_code = 124;
     } else if (WIFEXITED(r->status)) {
@@ -418,8 +483,8 @@ enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out, s
     if (start_err == 0) {
         start_err = await_start(&r);
     }
-    close_fd(&r.rep_fd[0]);
     if (start_err != 0) {
+        close_fd(&r.rep_fd[0]);
         close_fd(&r.out_fd[0]);
         close_fd(&r.err_fd[0]);
         close_fd(&r.in_fd[1]);

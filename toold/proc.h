@@ -30,6 +30,43 @@
 
 #define PROC_ARGV_MAX 512
 
+/* What one command may use (0: no bound). The runner enforces them two ways: kernel limits
+ * set before the command starts (RLIMIT_CPU and RLIMIT_DATA per process, at the bound plus a
+ * margin, so a single process cannot run far past them between two looks; RLIMIT_FSIZE;
+ * RLIMIT_CORE 0), and a watch of the whole process tree every PROC_WATCH_MS: the processes and
+ * threads alive, the CPU time they and their reaped children used, their resident private
+ * memory, and, every PROC_DISK_WATCH_MS at most, the workspace's size. Past a bound the
+ * command and everything it started are killed (SIGKILL) and the result names the limit
+ * (proc_result.limit). RLIMIT_NPROC is not used: the kernel counts it per user across toold's
+ * own threads and every other command, even in a user namespace of the command's own. */
+struct proc_limits {
+    int64_t cpu_ms;       /* CPU time of the command and all it started */
+    int64_t memory_bytes; /* resident private memory of all its processes together */
+    int64_t procs;        /* processes and threads at once; reaching it stops the command */
+    int64_t file_bytes;   /* the largest file it may write (RLIMIT_FSIZE) */
+    int64_t disk_bytes;   /* the workspace's size; a command that grows it past this stops */
+    const char *disk_dir; /* the workspace (host path) whose size disk_bytes bounds */
+    int launcher_procs;   /* processes of the driver itself, not counted (bwrap: 2) */
+    int64_t disk_known;   /* the workspace's size as last measured (-1: unknown: walked first) */
+};
+
+#define PROC_WATCH_MS 40       /* between two looks at the process tree */
+#define PROC_DISK_WATCH_MS 250 /* at least this between two walks of the workspace */
+
+/* The limit that stopped a command. */
+enum proc_limit {
+    PROC_LIMIT_NONE = 0,
+    PROC_LIMIT_CPU,
+    PROC_LIMIT_MEMORY,
+    PROC_LIMIT_PROCS,
+    PROC_LIMIT_FILE, /* a process was killed by SIGXFSZ (seen from the exit status only) */
+    PROC_LIMIT_DISK,
+};
+
+/* proc_limit_name is the limit's name in results and logs ("cpu", "memory", "processes",
+ * "file_size", "disk"; "" for none). */
+const char *proc_limit_name(enum proc_limit l);
+
 struct proc_spec {
     const char **argv;      /* argv[0] is looked up in PATH */
     const char *cwd;        /* host path */
@@ -45,6 +82,7 @@ struct proc_spec {
     void *ctx;
     /* cancelled is polled every 100 ms; true kills the group (NULL: never) */
     bool (*cancelled)(void *ctx);
+    const struct proc_limits *limits; /* NULL: none (enforced only under the runner) */
 };
 
 struct proc_result {
@@ -52,6 +90,10 @@ struct proc_result {
     bool timed_out;
     bool cancelled;
     int64_t duration_ms;
+    enum proc_limit limit; /* the limit that stopped it, or PROC_LIMIT_NONE */
+    int64_t limit_used; /* what it had used when stopped (ms, bytes or processes; 0 if unknown) */
+    bool limit_after_exit; /* disk only: found over the bound once the command had exited */
+    int64_t disk_size;     /* the workspace's size as the runner last knew it (-1: unknown) */
 };
 
 #define PROC_KILL_GRACE_MS 2000      /* SIGTERM to SIGKILL */
@@ -63,6 +105,16 @@ struct runner_report {
     int32_t pid; /* the command's main process (leader of its own process group) */
 };
 
+/* What the runner tells toold on fd 3 as it ends, after the command and all it started are
+ * gone: the limit that stopped it (enum proc_limit), what was used, and the workspace's size
+ * as last measured (-1: not measured), for the next command's disk check. */
+struct runner_end {
+    int32_t limit;
+    int32_t after_exit;
+    int64_t used;
+    int64_t disk_size;
+};
+
 /* PROC_RUNNER_FLAG as argv[1] makes a program that calls proc_runner_main act as the runner. */
 #define PROC_RUNNER_FLAG "--proc-runner"
 
@@ -71,8 +123,10 @@ struct runner_report {
  * or "" turns the runner off. Call once at start-up, before any proc_run. */
 void proc_set_runner(const char *exe);
 
-/* proc_runner_main is the runner's whole life (argv: exe PROC_RUNNER_FLAG parent_pid -- argv
- * of the command...); returns the exit code for main to return. Only for the runner process. */
+/* proc_runner_main is the runner's whole life (argv: exe PROC_RUNNER_FLAG parent_pid
+ * [KEY=VALUE ...] -- argv of the command..., the keys those of struct proc_limits: cpu_ms,
+ * memory_bytes, procs, file_bytes, disk_bytes, disk_known, disk_dir, launcher_procs);
+ * returns the exit code for main to return. Only for the runner process. */
 int proc_runner_main(int argc, char **argv);
 
 /* proc_run runs the command to completion. CF_UNAVAILABLE when it cannot be started (the

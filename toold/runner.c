@@ -14,6 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -23,6 +26,25 @@ static int64_t mono_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+const char *proc_limit_name(enum proc_limit l)
+{
+    switch (l) {
+    case PROC_LIMIT_CPU:
+        return "cpu";
+    case PROC_LIMIT_MEMORY:
+        return "memory";
+    case PROC_LIMIT_PROCS:
+        return "processes";
+    case PROC_LIMIT_FILE:
+        return "file_size";
+    case PROC_LIMIT_DISK:
+        return "disk";
+    case PROC_LIMIT_NONE:
+        break;
+    }
+    return "";
 }
 
 /* ---------- the runner (a separate, single-threaded process) ---------- */
@@ -117,22 +139,354 @@ static void kill_all(void)
     }
 }
 
+/* ---------- limits: set before the command starts, watched while it runs ---------- */
+
+#define WATCH_PIDS_MAX 16384   /* processes one look follows; more is past any process limit */
+#define DISK_DEPTH_MAX 256     /* directory levels one walk of the workspace goes down */
+#define DISK_FULL_WALK_MS 2000 /* at least this between walks not asked for by statvfs */
+
+struct watch {
+    struct proc_limits lim;
+    int64_t next_tree, next_disk, next_full_walk;
+    int64_t fs_used0;  /* bytes in use on the workspace's filesystem at the start */
+    int64_t disk_base; /* the larger of the bound and the size at the start */
+    long ticks_per_s;
+    pid_t pids[WATCH_PIDS_MAX];
+    enum proc_limit hit;
+    int64_t used;
+    bool after_exit;
+};
+
+static int64_t parse_i64(const char *v)
+{
+    char *end;
+    long long x = strtoll(v, &end, 10);
+    return *end || x < 0 ? 0 : (int64_t)x;
+}
+
+/* watch_parse reads the KEY=VALUE arguments before "--" (proc.h); returns the index of "--",
+ * or -1 when one is not understood. */
+static int watch_parse(struct watch *w, int argc, char **argv, int from)
+{
+    int i;
+    for (i = from; i < argc && strcmp(argv[i], "--") != 0; i++) {
+        const char *eq = strchr(argv[i], '=');
+        const char *v = eq ? eq + 1 : "";
+        size_t k = eq ? (size_t)(eq - argv[i]) : 0;
+#define KEY(name) (k == sizeof(name) - 1 && !strncmp(argv[i], name, k))
+        if (KEY("cpu_ms")) {
+            w->lim.cpu_ms = parse_i64(v);
+        } else if (KEY("memory_bytes")) {
+            w->lim.memory_bytes = parse_i64(v);
+        } else if (KEY("procs")) {
+            w->lim.procs = parse_i64(v);
+        } else if (KEY("file_bytes")) {
+            w->lim.file_bytes = parse_i64(v);
+        } else if (KEY("disk_bytes")) {
+            w->lim.disk_bytes = parse_i64(v);
+        } else if (KEY("disk_known")) {
+            w->lim.disk_known = strcmp(v, "-1") ? parse_i64(v) : -1;
+        } else if (KEY("disk_dir")) {
+            w->lim.disk_dir = v;
+        } else if (KEY("launcher_procs")) {
+            w->lim.launcher_procs = (int)parse_i64(v);
+        } else {
+            return -1;
+        }
+#undef KEY
+    }
+    return i < argc ? i : -1;
+}
+
+static void set_rlimit(int resource, rlim_t soft, rlim_t hard)
+{
+    struct rlimit r = {soft, hard};
+    setrlimit(resource, &r);
+}
+
+/* apply_limits runs in the command's process before exec: the kernel's part of the limits. */
+static void apply_limits(const struct proc_limits *l)
+{
+    set_rlimit(RLIMIT_CORE, 0, 0); /* no core files in the workspace */
+    if (l->cpu_ms > 0) {
+        /* a backstop per process: the watch stops the whole tree at the bound itself */
+        rlim_t s = (rlim_t)((l->cpu_ms + 999) / 1000 + 1);
+        set_rlimit(RLIMIT_CPU, s, s + 1);
+    }
+    if (l->memory_bytes > 0) {
+        rlim_t m = (rlim_t)l->memory_bytes * 4 + ((rlim_t)256 << 20);
+        set_rlimit(RLIMIT_DATA, m, m);
+    }
+    if (l->file_bytes > 0) {
+        set_rlimit(RLIMIT_FSIZE, (rlim_t)l->file_bytes, (rlim_t)l->file_bytes);
+    }
+}
+
+/* read_small reads a /proc file into buf (NUL-terminated); false when it cannot. */
+static bool read_small(const char *path, char *buf, size_t len)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        return false;
+    }
+    ssize_t n = read(fd, buf, len - 1);
+    close(fd);
+    if (n <= 0) {
+        return false;
+    }
+    buf[n] = '\0';
+    return true;
+}
+
+/* add_children appends the children of every thread of pid (at most max in all). */
+static int add_children(pid_t pid, long threads, pid_t *out, int n, int max)
+{
+    char path[96], buf[8192];
+    DIR *d = NULL;
+    struct dirent *e;
+    long tid = pid;
+    if (threads > 1) {
+        snprintf(path, sizeof(path), "/proc/%d/task", (int)pid);
+        d = opendir(path);
+    }
+    for (;;) {
+        if (d) {
+            while ((e = readdir(d)) && (e->d_name[0] < '1' || e->d_name[0] > '9')) {
+            }
+            if (!e) {
+                break;
+            }
+            tid = atol(e->d_name);
+        }
+        snprintf(path, sizeof(path), "/proc/%d/task/%ld/children", (int)pid, tid);
+        if (read_small(path, buf, sizeof(buf))) {
+            for (char *p = buf; *p && n < max;) {
+                char *end;
+                long c = strtol(p, &end, 10);
+                if (end == p) {
+                    break;
+                }
+                out[n++] = (pid_t)c;
+                p = end;
+            }
+        }
+        if (!d) {
+            break;
+        }
+    }
+    if (d) {
+        closedir(d);
+    }
+    return n;
+}
+
+/* look_at_tree measures every process below the runner; sets w->hit when one of the tree's
+ * limits is passed. */
+static void look_at_tree(struct watch *w)
+{
+    struct rusage ru;
+    int64_t cpu_ms = 0, mem = 0, tasks = 0;
+    long page = sysconf(_SC_PAGESIZE);
+    getrusage(RUSAGE_CHILDREN, &ru); /* what the processes the runner reaped used */
+    cpu_ms = (int64_t)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000 +
+             (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1000;
+    int n = add_children(getpid(), 1, w->pids, 0, WATCH_PIDS_MAX);
+    for (int i = 0; i < n; i++) {
+        char path[64], buf[1024];
+        unsigned long long ut = 0, st = 0;
+        long long cut = 0, cst = 0, threads = 1, size = 0, resident = 0, shared = 0;
+        snprintf(path, sizeof(path), "/proc/%d/stat", (int)w->pids[i]);
+        const char *rp = read_small(path, buf, sizeof(buf)) ? strrchr(buf, ')') : NULL;
+        if (!rp || sscanf(rp + 2,
+                          "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu %lld %lld %*d "
+                          "%*d %lld",
+                          &ut, &st, &cut, &cst, &threads) != 5) {
+            continue; /* gone meanwhile */
+        }
+        cpu_ms += (int64_t)(ut + st + (unsigned long long)(cut + cst)) * 1000 / w->ticks_per_s;
+        tasks += threads;
+        snprintf(path, sizeof(path), "/proc/%d/statm", (int)w->pids[i]);
+        if (read_small(path, buf, sizeof(buf)) &&
+            sscanf(buf, "%lld %lld %lld", &size, &resident, &shared) == 3 && resident > shared) {
+            mem += (resident - shared) * page; /* private: shared pages are not its own */
+        }
+        n = add_children(w->pids[i], (long)threads, w->pids, n, WATCH_PIDS_MAX);
+    }
+    tasks -= w->lim.launcher_procs;
+    if (w->lim.procs > 0 && (tasks >= w->lim.procs || n >= WATCH_PIDS_MAX)) {
+        w->hit = PROC_LIMIT_PROCS;
+        w->used = tasks;
+    } else if (w->lim.memory_bytes > 0 && mem > w->lim.memory_bytes) {
+        w->hit = PROC_LIMIT_MEMORY;
+        w->used = mem;
+    } else if (w->lim.cpu_ms > 0 && cpu_ms > w->lim.cpu_ms) {
+        w->hit = PROC_LIMIT_CPU;
+        w->used = cpu_ms;
+    }
+}
+
+/* dir_usage adds the bytes allocated under the directory dfd (closed here) to *sum, without
+ * following links or leaving its filesystem. */
+static void dir_usage(int dfd, dev_t dev, int depth, int64_t *sum)
+{
+    DIR *d = fdopendir(dfd);
+    struct dirent *e;
+    if (!d) {
+        close(dfd);
+        return;
+    }
+    while ((e = readdir(d))) {
+        struct stat st;
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") ||
+            fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_dev != dev) {
+            continue;
+        }
+        *sum += (int64_t)st.st_blocks * 512;
+        if (S_ISDIR(st.st_mode) && depth < DISK_DEPTH_MAX) {
+            int sub = openat(dirfd(d), e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            if (sub >= 0) {
+                dir_usage(sub, dev, depth + 1, sum);
+            }
+        }
+    }
+    closedir(d);
+}
+
+/* workspace_size walks the workspace; -1 when it cannot be read. */
+static int64_t workspace_size(const struct watch *w)
+{
+    struct stat st;
+    int fd = open(w->lim.disk_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0 || fstat(fd, &st) != 0) {
+        if (fd >= 0) {
+            close(fd);
+        }
+        return -1;
+    }
+    int64_t sum = 0;
+    dir_usage(fd, st.st_dev, 0, &sum);
+    return sum;
+}
+
+/* fs_used is the bytes in use on the workspace's filesystem (-1 when unknown). */
+static int64_t fs_used(const struct watch *w)
+{
+    struct statvfs v;
+    if (statvfs(w->lim.disk_dir, &v) != 0) {
+        return -1;
+    }
+    return (int64_t)(v.f_blocks - v.f_bfree) * (int64_t)v.f_frsize;
+}
+
+/* watch_disk_start learns the workspace's size when the command starts: from toold (what an
+ * earlier command measured) or by a walk. */
+static void watch_disk_start(struct watch *w)
+{
+    if (w->lim.disk_bytes <= 0 || !w->lim.disk_dir || !w->lim.disk_dir[0]) {
+        w->lim.disk_bytes = 0;
+        return;
+    }
+    w->fs_used0 = fs_used(w);
+    if (w->lim.disk_known < 0) {
+        w->lim.disk_known = workspace_size(w);
+    }
+    if (w->lim.disk_known < 0) {
+        w->lim.disk_bytes = 0; /* no workspace to measure */
+        return;
+    }
+    w->disk_base = w->lim.disk_known > w->lim.disk_bytes ? w->lim.disk_known : w->lim.disk_bytes;
+    w->next_full_walk = mono_ms() + DISK_FULL_WALK_MS;
+}
+
+/* look_at_disk checks whether the command grew the workspace past its bound: cheaply from the
+ * filesystem's use (statvfs), walking the workspace only when that says it may have, and every
+ * DISK_FULL_WALK_MS at the least (the filesystem's use also moves with others' writes). Keeps
+ * w->lim.disk_known up to date: the last walk plus what the filesystem gained since. */
+static void look_at_disk(struct watch *w, int64_t now, bool exited)
+{
+    int64_t used = w->fs_used0 >= 0 ? fs_used(w) : -1;
+    int64_t grown = used >= 0 ? used - w->fs_used0 : 0;
+    bool may_be_over = used < 0 || w->lim.disk_known + grown > w->disk_base;
+    if (!may_be_over && (exited || now < w->next_full_walk)) {
+        return;
+    }
+    int64_t t0 = mono_ms();
+    int64_t size = workspace_size(w);
+    int64_t took = mono_ms() - t0;
+    /* walks of a large workspace are spaced out: at most about 5% of the time */
+    w->next_full_walk = now + (took * 20 > DISK_FULL_WALK_MS ? took * 20 : DISK_FULL_WALK_MS);
+    if (took * 20 > PROC_DISK_WATCH_MS) {
+        w->next_disk = now + took * 20;
+    }
+    if (size < 0) {
+        return;
+    }
+    w->lim.disk_known = size; /* from here on, growth is counted from this walk */
+    w->fs_used0 = used;
+    if (size > w->disk_base) {
+        w->hit = PROC_LIMIT_DISK;
+        w->used = size;
+        w->after_exit = exited;
+    }
+}
+
+/* disk_estimate is the workspace's size as the runner last knew it, plus what the filesystem
+ * gained since (-1: not measured). */
+static int64_t disk_estimate(const struct watch *w)
+{
+    if (w->lim.disk_bytes <= 0) {
+        return -1;
+    }
+    int64_t used = w->fs_used0 >= 0 ? fs_used(w) : -1;
+    int64_t grown = used >= 0 ? used - w->fs_used0 : 0; /* less, after a command removed files */
+    return w->lim.disk_known + grown > 0 ? w->lim.disk_known + grown : 0;
+}
+
+/* watch_tick looks at what the command uses when a look is due. */
+static void watch_tick(struct watch *w, int64_t now)
+{
+    if ((w->lim.procs > 0 || w->lim.memory_bytes > 0 || w->lim.cpu_ms > 0) && now >= w->next_tree) {
+        w->next_tree = now + PROC_WATCH_MS;
+        look_at_tree(w);
+    }
+    if (!w->hit && w->lim.disk_bytes > 0 && now >= w->next_disk) {
+        w->next_disk = now + PROC_DISK_WATCH_MS;
+        look_at_disk(w, now, false);
+    }
+}
+
+/* send_end tells toold how the command ended (struct runner_end) and closes fd 3. */
+static void send_end(int fd, const struct watch *w)
+{
+    struct runner_end end = {(int32_t)w->hit, w->after_exit, w->used, disk_estimate(w)};
+    ssize_t n = write(fd, &end, sizeof(end));
+    (void)n;
+    close(fd);
+}
+
 int proc_runner_main(int argc, char **argv)
 {
     const int report_fd = 3;
     struct runner_report rep = {0, 0};
     sigset_t set, empty;
+    static struct watch w; /* one per runner process */
+    w.lim.disk_known = -1;
+    int dashes = argc >= 4 ? watch_parse(&w, argc, argv, 3) : -1;
 
-    if (argc < 5 || strcmp(argv[1], PROC_RUNNER_FLAG) != 0 || strcmp(argv[3], "--") != 0) {
-        fprintf(stderr, "usage: %s %s PARENT_PID -- COMMAND...\n", argv[0], PROC_RUNNER_FLAG);
+    if (argc < 5 || strcmp(argv[1], PROC_RUNNER_FLAG) != 0 || dashes < 0 || dashes + 1 >= argc) {
+        fprintf(stderr, "usage: %s %s PARENT_PID [KEY=VALUE...] -- COMMAND...\n", argv[0],
+                PROC_RUNNER_FLAG);
         return 127;
     }
+    char **cmd = argv + dashes + 1;
+    w.ticks_per_s = sysconf(_SC_CLK_TCK) > 0 ? sysconf(_SC_CLK_TCK) : 100;
     fcntl(report_fd, F_SETFD, FD_CLOEXEC);
     prctl(PR_SET_PDEATHSIG, SIGTERM);
     if (getppid() != (pid_t)atol(argv[2])) {
         return 127; /* toold is already gone */
     }
     prctl(PR_SET_CHILD_SUBREAPER, 1);
+    watch_disk_start(&w);
     sigemptyset(&empty);
     sigemptyset(&set);
     sigaddset(&set, SIGTERM);
@@ -154,7 +508,8 @@ int proc_runner_main(int argc, char **argv)
     if (pid == 0) {
         sigprocmask(SIG_SETMASK, &empty, NULL);
         setsid();
-        execvp(argv[4], argv + 4);
+        apply_limits(&w.lim);
+        execvp(cmd[0], cmd);
         int e = errno;
         if (write(ep[1], &e, sizeof(e)) < 0) {
             _exit(127);
@@ -175,9 +530,9 @@ int proc_runner_main(int argc, char **argv)
         rep.pid = pid;
     }
     close(ep[0]);
-    ssize_t w = write(report_fd, &rep, sizeof(rep));
-    close(report_fd);
-    if (rep.err || w != (ssize_t)sizeof(rep)) {
+    ssize_t sent = write(report_fd, &rep, sizeof(rep));
+    if (rep.err || sent != (ssize_t)sizeof(rep)) {
+        close(report_fd);
         kill_all();
         return 127;
     }
@@ -214,6 +569,12 @@ int proc_runner_main(int argc, char **argv)
         if ((main_done && now >= drain_until) || (stopping && now >= stop_at)) {
             break;
         }
+        if (!stopping) {
+            watch_tick(&w, now);
+            if (w.hit) {
+                break; /* past a limit: everything is killed at once */
+            }
+        }
         struct timespec ts = {0, 20 * 1000 * 1000};
         int sig = sigtimedwait(&set, NULL, &ts);
         if (sig > 0 && sig != SIGCHLD && !stopping) {
@@ -224,7 +585,11 @@ int proc_runner_main(int argc, char **argv)
         }
     }
     kill_all();
-    if (!main_done) {
+    if (!w.hit && !stopping && w.lim.disk_bytes > 0) {
+        look_at_disk(&w, mono_ms(), true); /* a fast filler is over before any look */
+    }
+    send_end(report_fd, &w);
+    if (!main_done || (w.hit && !w.after_exit)) {
         return 128 + SIGKILL;
     }
     if (WIFEXITED(main_status)) {

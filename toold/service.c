@@ -1052,6 +1052,7 @@ static void on_exec(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
     resp.stdout.len = o.out.len;
     resp.exit_code = pr.exit_code;
     resp.timed_out = pr.timed_out;
+    resp.limit = (char *)proc_limit_name(pr.limit);
     if (o.overflow) {
         buf_reset(&o.err);
         buf_append_str(&o.err, "[output exceeded 8 MiB in all; the command was stopped]");

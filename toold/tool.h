@@ -30,6 +30,7 @@ struct toold_config {
     int64_t bash_max_timeout_ms;     /* the most a call may ask for */
     const char *grep_engine;         /* "auto", "rg", "pcre2" or "grep" */
     int spill_keep;                  /* bash spill files kept per sandbox, newest first */
+    int64_t spill_max_bytes;         /* and at most these bytes of them (0: no bound) */
 };
 
 struct tool_ctx {

@@ -39,6 +39,9 @@ struct capture {
     int spill_fd;
     char spill_rel[128];
     bool spill_failed;
+    uint64_t spill_room;    /* bytes the spill file may still take (UINT64_MAX: no bound) */
+    bool spill_cut;         /* the spill file stopped at its bound */
+    uint64_t spill_dropped; /* bytes of output not saved for that */
 };
 
 static void ring_add(struct capture *c, const char *p, size_t n)
@@ -80,14 +83,16 @@ static int cmp_name(const void *a, const void *b)
 }
 
 /* prune_spills removes the oldest spill files so that, with the one about to be created, at
- * most keep remain. Names carry a time-ordered id, so name order is age order. */
-static void prune_spills(int dirfd, int keep)
+ * most keep remain and the rest hold at most half of max_bytes (0: no bound). Names carry a
+ * time-ordered id, so name order is age order. Returns the bytes the rest hold. */
+static uint64_t prune_spills(int dirfd, int keep, int64_t max_bytes)
 {
     int fd = openat(dirfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
     char **names = NULL;
     size_t n = 0;
     struct dirent *e;
+    uint64_t total = 0, *sizes = NULL;
     while (d && (e = readdir(d))) {
         size_t len = strlen(e->d_name);
         if (!strncmp(e->d_name, "bash_", 5) && len > 4 && !strcmp(e->d_name + len - 4, ".log")) {
@@ -102,14 +107,38 @@ static void prune_spills(int dirfd, int keep)
     }
     if (names) {
         qsort(names, n, sizeof(char *), cmp_name);
+        sizes = mem_alloc(sizeof(*sizes) * n);
     }
     for (size_t i = 0; i < n; i++) {
-        if (n - i >= (size_t)keep) {
+        struct stat st;
+        if (fstatat(dirfd, names[i], &st, AT_SYMLINK_NOFOLLOW) == 0) {
+            sizes[i] = (uint64_t)st.st_size;
+            total += sizes[i];
+        }
+    }
+    for (size_t i = 0; i < n; i++) {
+        if ((keep > 0 && n - i >= (size_t)keep) ||
+            (max_bytes > 0 && total > (uint64_t)max_bytes / 2)) {
             unlinkat(dirfd, names[i], 0);
+            total -= sizes[i];
         }
         free(names[i]);
     }
     free(names);
+    free(sizes);
+    return total;
+}
+
+/* spill_write appends to the spill file up to its bound; false when a write failed. */
+static bool spill_write(struct capture *c, const char *p, size_t n)
+{
+    if (n > c->spill_room) {
+        c->spill_dropped += n - c->spill_room;
+        n = (size_t)c->spill_room;
+        c->spill_cut = true;
+    }
+    c->spill_room -= n;
+    return write_all(c->spill_fd, p, n);
 }
 
 static void open_spill(struct capture *c)
@@ -125,13 +154,13 @@ static void open_spill(struct capture *c)
         c->spill_failed = true;
         return;
     }
-    if (c->ctx->cfg->spill_keep > 0) {
-        prune_spills(dirfd, c->ctx->cfg->spill_keep);
-    }
+    int64_t max = c->ctx->cfg->spill_max_bytes;
+    uint64_t kept = prune_spills(dirfd, c->ctx->cfg->spill_keep, max);
+    c->spill_room = max > 0 ? (uint64_t)max - kept : UINT64_MAX;
     c->spill_fd = openat(dirfd, base, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     close(dirfd);
     if (c->spill_fd < 0 ||
-        !write_all(c->spill_fd, c->pending.data ? c->pending.data : "", c->pending.len)) {
+        !spill_write(c, c->pending.data ? c->pending.data : "", c->pending.len)) {
         c->spill_failed = true;
     }
     buf_cleanup(&c->pending);
@@ -150,11 +179,11 @@ static bool on_output(void *arg, const char *p, size_t n)
         bool kept = buf_append(&c->pending, p, n) == CF_OK;
         if (!kept || c->total_bytes > TOOL_BYTES_MAX + 1 || c->newlines > TOOL_LINES_MAX) {
             open_spill(c);
-            if (!kept && c->spill_fd >= 0 && !write_all(c->spill_fd, p, n)) {
+            if (!kept && c->spill_fd >= 0 && !spill_write(c, p, n)) {
                 c->spill_failed = true;
             }
         }
-    } else if (c->spill_fd >= 0 && !c->spill_failed && !write_all(c->spill_fd, p, n)) {
+    } else if (c->spill_fd >= 0 && !c->spill_failed && !spill_write(c, p, n)) {
         c->spill_failed = true;
     }
     return true;
@@ -310,6 +339,18 @@ static void view_tail(struct capture *c, uint64_t total_lines, struct tool_resul
                    (unsigned long long)(first_line - 1),
                    (unsigned long long)(c->total_bytes - shown_bytes),
                    line_cut ? " The last line is cut: only its end is shown." : "");
+    } else if (c->spill_cut) {
+        buf_printf(&res->text,
+                   "[Output truncated: showing lines %llu-%llu of %llu (the last %llu of %llu "
+                   "bytes).%s Only the first %llu bytes were saved, in %s (read it with "
+                   "offset=1): the rest was past this sandbox's room for saved output.]\n",
+                   (unsigned long long)first_line, (unsigned long long)total_lines,
+                   (unsigned long long)total_lines, (unsigned long long)shown_bytes,
+                   (unsigned long long)c->total_bytes,
+                   line_cut ? " The last line is cut: only its end is shown." : "",
+                   (unsigned long long)(c->total_bytes - c->spill_dropped), c->spill_rel);
+        json_object_set_new(res->details, "spill_path", json_string(c->spill_rel));
+        json_object_set_new(res->details, "spill_cut", json_true());
     } else {
         buf_printf(&res->text,
                    "[Output truncated: showing lines %llu-%llu of %llu (the last %llu of %llu "
@@ -353,12 +394,85 @@ static void view_output(struct capture *c, struct tool_result *res)
     }
 }
 
-/* note_ending says how the command ended (timeout, cancelled, exit code) and records it in
- * the details. */
-static void note_ending(const struct proc_result *pr, int64_t timeout_ms, bool by_caller,
-                        struct tool_result *res)
+/* format_mib writes a byte count in MiB for the model ("1024 MiB", "0.5 MiB"). */
+static void format_mib(char *out, size_t len, int64_t bytes)
 {
-    if (pr->timed_out) {
+    double mib = (double)bytes / (1 << 20);
+    snprintf(out, len, mib >= 10 ? "%.0f MiB" : "%.1f MiB", mib);
+}
+
+/* note_limit tells the model which of the sandbox's limits stopped the command (or, for the
+ * disk, that it left the workspace over its limit) and records it in the details. */
+static void note_limit(const struct proc_result *pr, const struct proc_limits *l,
+                       struct tool_result *res)
+{
+    char used[32], bound[32];
+    switch (pr->limit) {
+    case PROC_LIMIT_CPU:
+        buf_printf(&res->text,
+                   "\n\n[Stopped: the command and what it started used %.1f s of CPU time, over "
+                   "this sandbox's limit of %.0f s, so all of it was killed. Exit code %d.]",
+                   (double)pr->limit_used / 1000, (double)l->cpu_ms / 1000, pr->exit_code);
+        break;
+    case PROC_LIMIT_MEMORY:
+        format_mib(used, sizeof(used), pr->limit_used);
+        format_mib(bound, sizeof(bound), l->memory_bytes);
+        buf_printf(&res->text,
+                   "\n\n[Stopped: the command's processes held %s of memory together, over this "
+                   "sandbox's limit of %s, so all of them were killed. Exit code %d.]",
+                   used, bound, pr->exit_code);
+        break;
+    case PROC_LIMIT_PROCS:
+        buf_printf(&res->text,
+                   "\n\n[Stopped: the command reached this sandbox's limit of %lld processes and "
+                   "threads running at once (runaway background jobs or a fork bomb look like "
+                   "this), so all of them were killed. Exit code %d.]",
+                   (long long)l->procs, pr->exit_code);
+        break;
+    case PROC_LIMIT_FILE:
+        format_mib(bound, sizeof(bound), l->file_bytes);
+        buf_printf(&res->text,
+                   "\n\n[Exit code %d: a process was stopped by the file size limit: no file in "
+                   "this sandbox may grow past %s.]",
+                   pr->exit_code, bound);
+        break;
+    case PROC_LIMIT_DISK:
+        format_mib(used, sizeof(used), pr->limit_used);
+        format_mib(bound, sizeof(bound), l->disk_bytes);
+        if (pr->limit_after_exit) {
+            buf_printf(&res->text,
+                       "\n\n[The command left the workspace at %s, over this sandbox's disk limit "
+                       "of %s: the next command that writes more will be stopped. Remove files "
+                       "to make room.]",
+                       used, bound);
+            if (pr->exit_code) {
+                buf_printf(&res->text, "\n\n[Exit code %d]", pr->exit_code);
+            }
+        } else {
+            buf_printf(&res->text,
+                       "\n\n[Stopped: the workspace grew to %s, over this sandbox's disk limit of "
+                       "%s, so the command and all it started were killed. Remove files to make "
+                       "room. Exit code %d.]",
+                       used, bound, pr->exit_code);
+        }
+        break;
+    case PROC_LIMIT_NONE:
+        return;
+    }
+    json_object_set_new(res->details, "limit", json_string(proc_limit_name(pr->limit)));
+    if (pr->limit_used > 0) {
+        json_object_set_new(res->details, "limit_used", json_integer(pr->limit_used));
+    }
+}
+
+/* note_ending says how the command ended (timeout, cancelled, a limit, exit code) and records
+ * it in the details. */
+static void note_ending(const struct proc_result *pr, const struct proc_limits *limits,
+                        int64_t timeout_ms, bool by_caller, struct tool_result *res)
+{
+    if (pr->limit && !pr->timed_out && !pr->cancelled) {
+        note_limit(pr, limits, res);
+    } else if (pr->timed_out) {
         char secs[32];
         format_seconds(secs, sizeof(secs), timeout_ms);
         buf_printf(&res->text,
@@ -400,7 +514,7 @@ void tool_bash_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
         tool_fail(res, "The command could not be started: %s", err.msg);
     } else {
         view_output(c, res);
-        note_ending(&pr, timeout_ms, by_caller, res);
+        note_ending(&pr, &ctx->sb->limits, timeout_ms, by_caller, res);
     }
     buf_cleanup(&c->pending);
     free(c);

@@ -22,6 +22,7 @@ struct workspaces {
     char root[PATH_MAX];
     bool confine;
     const struct driver *driver;
+    struct proc_limits limits;
     pthread_mutex_t mu;
     struct sandbox *items[MAX_SANDBOXES];
     int n;
@@ -532,6 +533,15 @@ enum cf_status workspaces_new(const char *root, bool confine, const struct drive
     return CF_OK;
 }
 
+void workspaces_set_limits(struct workspaces *w, const struct proc_limits *l)
+{
+    w->limits = (struct proc_limits){.cpu_ms = l->cpu_ms,
+                                     .memory_bytes = l->memory_bytes,
+                                     .procs = l->procs,
+                                     .file_bytes = l->file_bytes,
+                                     .disk_bytes = l->disk_bytes};
+}
+
 void workspaces_free(struct workspaces *w)
 {
     if (!w) {
@@ -653,6 +663,8 @@ enum cf_status workspaces_get(struct workspaces *w, const char *name, struct san
     sb->root_fd = fd;
     sb->confine = w->confine;
     sb->driver = w->driver;
+    sb->limits = w->limits;
+    sb->disk_size = -1;
     sb->locks = locks_new();
     pthread_mutex_init(&sb->mu, NULL);
     w->items[w->n++] = sb;

@@ -11,6 +11,7 @@
 #ifndef CFLUE_TOOLD_WORKSPACE_H
 #define CFLUE_TOOLD_WORKSPACE_H
 
+#include "proc.h"
 #include "status.h"
 
 #include <limits.h>
@@ -33,7 +34,10 @@ struct sandbox {
     const struct driver *driver;
     struct lock_table *locks; /* per-path write/edit locks */
     pthread_mutex_t mu;
-    int rg_state; /* 0 unknown, 1 present, -1 absent: probed once */
+    int rg_state;              /* 0 unknown, 1 present, -1 absent: probed once */
+    struct proc_limits limits; /* what each of its commands may use (driver_run adds the rest) */
+    int64_t disk_size;         /* the workspace's size as its last command left it (-1: not
+                                * measured); under mu */
 };
 
 struct workspaces;
@@ -43,6 +47,11 @@ struct workspaces;
 CF_MUST_CHECK enum cf_status workspaces_new(const char *root, bool confine,
                                             const struct driver *driver, struct workspaces **out,
                                             struct cf_error *err);
+
+/* workspaces_set_limits sets the limits every sandbox created from now on gives its commands
+ * (only the bounds of l are taken: cpu_ms, memory_bytes, procs, file_bytes, disk_bytes). Call
+ * before serving. */
+void workspaces_set_limits(struct workspaces *w, const struct proc_limits *l);
 
 /* workspaces_free closes every sandbox (NULL is fine). */
 void workspaces_free(struct workspaces *w);

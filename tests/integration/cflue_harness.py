@@ -181,6 +181,8 @@ class Daemon(object):
 
     NAME = 'daemon'
     EXITED = RuntimeError
+    # grpc.ChannelCredentials for a daemon serving TLS (set before start(); see tls_credentials)
+    credentials = None
 
     def _init_daemon(self, workdir, prefix, tcp, env, extra_args):
         self.dir = workdir or tempfile.mkdtemp(prefix=prefix)
@@ -228,7 +230,11 @@ class Daemon(object):
             if self.channel is None or target != self.target:
                 old = self.channel
                 self.target = target
-                self.channel = grpc.insecure_channel(target, options=channel_options())
+                if self.credentials is not None:
+                    self.channel = grpc.secure_channel(target, self.credentials,
+                                                       options=channel_options())
+                else:
+                    self.channel = grpc.insecure_channel(target, options=channel_options())
                 # A connectivity subscription keeps a thread polling the channel. Without
                 # it, a sync client whose fail-fast calls are refused while the channel is
                 # in backoff does not drive the next connection's HTTP/2 handshake, and
@@ -1314,3 +1320,106 @@ class BenchBrainStack(object):
             except Exception:
                 pass
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# TLS: a throw-away PKI made with the openssl command (the --tls-* and --peer-* flags)
+# ---------------------------------------------------------------------------------------------
+
+OPENSSL_BIN = shutil.which('openssl')
+
+
+def _openssl(*args, cwd=None):
+    if OPENSSL_BIN is None:
+        raise unittest.SkipTest('the openssl command is not installed (scripts/setup)')
+    r = subprocess.run([OPENSSL_BIN] + list(args), cwd=cwd, stdin=subprocess.DEVNULL,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if r.returncode != 0:
+        raise AssertionError('openssl %s failed:\n%s' % (' '.join(args),
+                                                           r.stdout.decode('utf-8', 'replace')))
+
+
+class Pki(object):
+    """Paths of a test PKI in dir: ca (ca.pem, its key ca.key), a server certificate for
+    127.0.0.1 and localhost (server.pem, server.key), a client certificate (client.pem,
+    client.key: the CLI's and agentd's), and a second CA that has nothing to do with the first (other-ca.pem) with a
+    client certificate of its own (other-client.pem, other-client.key). Keys are EC P-256,
+    unencrypted; certificates last two days."""
+
+    def __init__(self, dir):
+        self.dir = dir
+        for name in ('ca', 'server', 'client', 'other-ca', 'other-client'):
+            setattr(self, name.replace('-', '_'), os.path.join(dir, name + '.pem'))
+            setattr(self, name.replace('-', '_') + '_key', os.path.join(dir, name + '.key'))
+
+    def read(self, path):
+        with open(path, 'rb') as f:
+            return f.read()
+
+
+def _new_ca(dir, name, cn):
+    _openssl('req', '-x509', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:prime256v1',
+             '-nodes', '-keyout', name + '.key', '-out', name + '.pem', '-days', '2',
+             '-subj', '/CN=' + cn, '-addext', 'basicConstraints=critical,CA:TRUE',
+             '-addext', 'keyUsage=critical,keyCertSign,cRLSign', cwd=dir)
+
+
+def issue_cert(dir, name, serial, ca='ca', cn=None, server=True, out_dir=None):
+    """Issues NAME.pem and NAME.key in out_dir (default dir) signed by the CA dir/CA.pem, with
+    the serial number given (an int). A server certificate names IP 127.0.0.1 and DNS
+    localhost; a client certificate is for client authentication only. Returns (cert, key)."""
+    out_dir = out_dir or dir
+    cert = os.path.join(out_dir, name + '.pem')
+    key = os.path.join(out_dir, name + '.key')
+    csr = os.path.join(out_dir, name + '.csr')
+    ext = os.path.join(out_dir, name + '.ext')
+    with open(ext, 'w') as f:
+        if server:
+            f.write('subjectAltName=IP:127.0.0.1,DNS:localhost\n'
+                    'extendedKeyUsage=serverAuth,clientAuth\n')
+        else:
+            f.write('subjectAltName=DNS:%s\nextendedKeyUsage=clientAuth\n' % (cn or name))
+    _openssl('req', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:prime256v1', '-nodes',
+             '-keyout', key, '-out', csr, '-subj', '/CN=' + (cn or name), cwd=dir)
+    _openssl('x509', '-req', '-in', csr, '-CA', ca + '.pem', '-CAkey', ca + '.key',
+             '-set_serial', str(serial), '-days', '2', '-extfile', ext, '-out', cert, cwd=dir)
+    os.unlink(csr)
+    os.unlink(ext)
+    return cert, key
+
+
+def make_pki(dir):
+    """Makes the test PKI of Pki in dir (created if missing); returns the Pki. One server
+    certificate serves every daemon (they all listen on 127.0.0.1)."""
+    os.makedirs(dir, exist_ok=True)
+    _new_ca(dir, 'ca', 'cflue-test-ca')
+    _new_ca(dir, 'other-ca', 'cflue-other-ca')
+    issue_cert(dir, 'server', 0x1001, cn='localhost')
+    issue_cert(dir, 'client', 0x2001, server=False)
+    issue_cert(dir, 'other-client', 0x3001, ca='other-ca', server=False)
+    return Pki(dir)
+
+
+def tls_credentials(pki, client=True, ca=None, cert=None, key=None):
+    """grpc.ssl_channel_credentials trusting pki.ca (or ca), presenting pki's client
+    certificate (client=False: none; cert/key: another pair)."""
+    root = pki.read(ca or pki.ca)
+    if not client:
+        return grpc.ssl_channel_credentials(root)
+    return grpc.ssl_channel_credentials(root, pki.read(key or pki.client_key),
+                                        pki.read(cert or pki.client))
+
+
+def tls_server_args(pki, mtls=True):
+    """A daemon's flags to serve TLS with pki's server certificate (and require its clients'
+    certificates when mtls)."""
+    args = ['--tls-cert', pki.server, '--tls-key', pki.server_key]
+    return args + (['--tls-client-ca', pki.ca] if mtls else [])
+
+
+def tls_peer_args(pki, cert=True):
+    """agentd's flags to reach TLS peers verified by pki.ca, presenting pki's client
+    certificate (cert=False: none)."""
+    args = ['--peer-ca', pki.ca]
+    return args + (['--peer-cert', pki.client, '--peer-key', pki.client_key] if cert else [])
+

@@ -4,10 +4,14 @@ body, unknown types become legacy signals, compact submissions get kind COMPACT.
 (no `runnable` table): the Claim indexes are built and filled, so Claim finds the right heads.
 Version 3 (no List indexes): the indexes of List's owner and abort filters are built.
 Version 4 (no parent column): every submission gets parent_submission_id NULL and its index, and
-delegated submissions can be admitted under the migrated ones."""
+delegated submissions can be admitted under the migrated ones. Version 5 (no principal columns):
+every conversation and submission gets principal NULL (none: made without authentication), so
+only an admin Admit or one without a principal goes into a migrated conversation."""
 
 import json
 import os
+
+import grpc
 import sqlite3
 import tempfile
 import unittest
@@ -44,9 +48,16 @@ V2_SCHEMA = OLD_SCHEMA.replace(
 
 T = 1700000000000
 
-# What turns this version's schema back into version 4's: no parent column, no index of it.
-TO_V4 = ("DROP INDEX submissions_by_parent;"
-         "ALTER TABLE submissions DROP COLUMN parent_submission_id;")
+# The schema version this storaged writes.
+CURRENT = '6'
+
+# What turns this version's schema back into version 5's: no principal columns.
+TO_V5 = ("ALTER TABLE conversations DROP COLUMN principal;"
+         "ALTER TABLE submissions DROP COLUMN principal;")
+
+# ... and into version 4's: no parent column, no index of it.
+TO_V4 = TO_V5 + ("DROP INDEX submissions_by_parent;"
+                 "ALTER TABLE submissions DROP COLUMN parent_submission_id;")
 
 
 def payload(text='', metadata=None, key=''):
@@ -143,14 +154,14 @@ class MigrateTest(StoragedTestCase):
         self.assertEqual(c.kind, common_pb2.SUBMISSION_KIND_COMPACT)
         self.assertEqual(dict(c.metadata), {'z': '1'})
         self.assertEqual(get(sd.stub, 'sub_a').kind, common_pb2.SUBMISSION_KIND_MESSAGE)
-        # a fresh record appends after the migrated ones; the schema is stamped 5
+        # a fresh record appends after the migrated ones; the schema is stamped CURRENT
         r = admit(sd.stub, conv='old', text='new')
         self.assertEqual(r.offset, len(RECORDS) - 1)
         sd.stop()
         con = sqlite3.connect(path)
         try:
             (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            self.assertEqual(v, '5')
+            self.assertEqual(v, CURRENT)
             cols = [row[1] for row in con.execute('PRAGMA table_info(records)')]
             self.assertIn('kind', cols)
             self.assertNotIn('type', cols)
@@ -197,7 +208,7 @@ class MigrateTest(StoragedTestCase):
         con = sqlite3.connect(path)
         try:
             (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            self.assertEqual(v, '5')
+            self.assertEqual(v, CURRENT)
             self.assertEqual(con.execute('SELECT count(*) FROM runnable').fetchone()[0], 0)
         finally:
             con.close()
@@ -231,7 +242,7 @@ class MigrateTest(StoragedTestCase):
         con = sqlite3.connect(sd.db)
         try:
             (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            self.assertEqual(v, '5')
+            self.assertEqual(v, CURRENT)
             names = set(r[0] for r in con.execute(
                 "SELECT name FROM sqlite_master WHERE type = 'index'"))
             self.assertLessEqual({'submissions_by_owner', 'submissions_abort_requested',
@@ -282,7 +293,7 @@ class MigrateTest(StoragedTestCase):
         con = sqlite3.connect(sd.db)
         try:
             (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            self.assertEqual(v, '5')
+            self.assertEqual(v, CURRENT)
             # the migrated table is the fresh one, column for column
             self.assertEqual(list(con.execute('PRAGMA table_info(submissions)')), fresh)
             parents = dict(con.execute('SELECT submission_id, parent_submission_id '
@@ -293,6 +304,47 @@ class MigrateTest(StoragedTestCase):
             (idx,) = con.execute("SELECT sql FROM sqlite_master WHERE type = 'index' AND "
                                  "name = 'submissions_by_parent'").fetchone()
             self.assertIn('WHERE parent_submission_id IS NOT NULL', idx)
+        finally:
+            con.close()
+
+    def test_migrates_version_5_and_guards_principals(self):
+        """A version-5 database (this schema without the principal columns, stamped 5): after
+        the migration every conversation and submission has no principal, an Admit naming a
+        principal is refused in a migrated conversation (nobody owns it) while an admin's and
+        one without a principal pass, and a new conversation records its principal."""
+        sd = self.start_storaged()
+        old = admit(sd.stub, conv='before').submission
+        sd.stop()
+        con = sqlite3.connect(sd.db)
+        try:
+            fresh = {t: list(con.execute('PRAGMA table_info(%s)' % t))
+                     for t in ('conversations', 'submissions')}
+            con.executescript(TO_V5 + "UPDATE meta SET value = '5' WHERE key = 'schema_version';")
+        finally:
+            con.close()
+        sd.start()
+        self.assertEqual(get(sd.stub, old.submission_id).principal, '')
+        self.assertEqual(sd.stub.get_conversation(
+            store_pb2.ConversationRequest(conversation_id='before')).principal, '')
+        req = admit_request(conv='before', text='mine now?')
+        req.principal = 'alice'
+        self.assertRpcError(grpc.StatusCode.PERMISSION_DENIED, sd.stub.admit, req)
+        req.admin = True
+        self.assertEqual(sd.stub.admit(req).submission.principal, '')
+        self.assertEqual(admit(sd.stub, conv='before').submission.principal, '')
+        req = admit_request(conv='after')
+        req.principal = 'alice'
+        self.assertEqual(sd.stub.admit(req).submission.principal, 'alice')
+        sd.stop()
+        con = sqlite3.connect(sd.db)
+        try:
+            (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            self.assertEqual(v, CURRENT)
+            for t, cols in fresh.items():  # the migrated tables are the fresh ones
+                self.assertEqual(list(con.execute('PRAGMA table_info(%s)' % t)), cols)
+            self.assertEqual(dict(con.execute('SELECT conversation_id, principal '
+                                              'FROM conversations')),
+                             {'before': None, 'after': 'alice'})
         finally:
             con.close()
 

@@ -419,6 +419,8 @@ class TestEngineParity(TooldTestCase):
 # ---------------------------------------------------------------------------------------------
 
 class TestHugeOutput(TooldBase):
+    # the whole GiB is saved: room for saved output and a workspace that may hold it
+    toold_kwargs = {'extra_args': ['--spill-max-mib', '2048', '--limit-disk-mib', '4096']}
 
     def test_one_gib_of_output(self):
         sb = 'huge'

@@ -32,6 +32,10 @@ static void test_status(void)
     CHECK(status_grpc_code(CF_PRECONDITION) == GRPC_STATUS_FAILED_PRECONDITION);
     CHECK(status_from_grpc(GRPC_STATUS_FAILED_PRECONDITION) == CF_PRECONDITION);
     CHECK(status_from_grpc(GRPC_STATUS_DEADLINE_EXCEEDED) == CF_UNAVAILABLE);
+    /* the Agent API's authentication answers travel through agentd's store calls unchanged */
+    CHECK(status_from_grpc(GRPC_STATUS_PERMISSION_DENIED) == CF_PERMISSION);
+    CHECK(status_from_grpc(GRPC_STATUS_UNAUTHENTICATED) == CF_UNAUTHENTICATED);
+    CHECK(status_grpc_code(CF_PERMISSION) == GRPC_STATUS_PERMISSION_DENIED);
     CHECK_STR(status_reason(CF_STALE), "STALE_FENCE");
     /* every status has a reason in UPPER_SNAKE_CASE, distinct from the others */
     for (int i = 1; i < CF_STATUS_COUNT; i++) {

@@ -46,6 +46,18 @@ static void on_get(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
         rpc_call_reply(c, &resp.base);
         return;
     }
+    if (!strcmp(req->submission_id, "md")) {
+        /* echoes the request metadata "x-who" (at most 8 bytes) as the submission id */
+        char who[9];
+        if (!rpc_call_metadata(c, "x-who", who, sizeof(who))) {
+            CHECK(!*who);
+            rpc_call_fail(c, CF_NOT_FOUND, "no x-who");
+            return;
+        }
+        resp.submission_id = who;
+        rpc_call_reply(c, &resp.base);
+        return;
+    }
     if (!strcmp(req->submission_id, "stale")) {
         struct cf_error err;
         cf_error_set(&err, CF_STALE, "attempt a1 no longer holds it");
@@ -592,6 +604,49 @@ static void test_basic(const char *listen_addr)
     rpc_server_free(s);
 }
 
+/* who_is makes the "md" Get on ch: the x-who metadata the server saw, or "" when none. */
+static void who_is(struct rpc_channel *ch, const char *want)
+{
+    Cflue__V1__GetRequest req = CFLUE__V1__GET_REQUEST__INIT;
+    ProtobufCMessage *resp;
+    struct rpc_status st;
+    req.submission_id = "md";
+    bool ok = rpc_unary(ch, "/cflue.v1.Store/Get", &req.base, &cflue__v1__submission__descriptor,
+                        5000, &resp, &st);
+    CHECK(ok == (*want != '\0'));
+    if (ok) {
+        CHECK_STR(((Cflue__V1__Submission *)resp)->submission_id, want);
+        protobuf_c_message_free_unpacked(resp, NULL);
+    }
+}
+
+/* Channel metadata reaches the handler (rpc_call_metadata), whole or not at all. */
+static void test_metadata(void)
+{
+    int port = 0;
+    char target[64];
+    struct rpc_server *s = start("127.0.0.1:0", &port);
+    snprintf(target, sizeof(target), "127.0.0.1:%d", port);
+    struct rpc_channel *plain = rpc_channel_new(target, 0), *alice = rpc_channel_new(target, 0),
+                       *longer = rpc_channel_new(target, 0);
+    CHECK(rpc_channel_add_metadata(alice, "x-who", "alice"));
+    CHECK(rpc_channel_add_metadata(longer, "x-who", "alice-and-more")); /* over 8 bytes */
+    for (int i = 1; i < RPC_CHANNEL_METADATA_MAX; i++) {
+        CHECK(rpc_channel_add_metadata(plain, "x-other", "v"));
+    }
+    CHECK(rpc_channel_add_metadata(plain, "x-other", "v"));
+    CHECK(!rpc_channel_add_metadata(plain, "x-who", "full")); /* the table is full */
+    who_is(plain, "");
+    who_is(alice, "alice");
+    who_is(longer, ""); /* never cut short */
+    /* (streams send it the same way: cflue submit's Watch in test_agentd_auth) */
+    rpc_channel_free(plain);
+    rpc_channel_free(alice);
+    rpc_channel_free(longer);
+    rpc_server_shutdown(s, 1000);
+    rpc_server_free(s);
+}
+
 struct cancel_arg {
     struct rpc_stream *s;
 };
@@ -1133,6 +1188,7 @@ int main(void)
     test_basic("127.0.0.1:0");
     test_basic(listen_addr);
     unlink(sock);
+    test_metadata();
     test_cancel_and_shutdown();
     test_admission_flood();
     test_async_streams();

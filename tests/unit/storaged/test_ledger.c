@@ -727,7 +727,8 @@ static void test_migrate_from_2(const char *path)
         CHECK(db_exec(h.db, "RELEASE op", &err) == CF_OK);
     }
     /* back to schema 2 exactly: no runnable table, triggers, Claim or List indexes (and below,
-     * once the ledger of this version admitted rows, no parent column and its index) */
+     * once the ledger of this version admitted rows, no parent column and its index, no
+     * principal columns) */
     CHECK(db_exec(h.db,
                   "DROP TRIGGER runnable_on_admit; DROP TRIGGER runnable_on_status;"
                   "DROP TABLE runnable; DROP INDEX submissions_unsettled;"
@@ -753,7 +754,9 @@ static void test_migrate_from_2(const char *path)
     }
     CHECK(db_exec(h.db,
                   "DROP INDEX submissions_by_parent;"
-                  "ALTER TABLE submissions DROP COLUMN parent_submission_id",
+                  "ALTER TABLE submissions DROP COLUMN parent_submission_id;"
+                  "ALTER TABLE submissions DROP COLUMN principal;"
+                  "ALTER TABLE conversations DROP COLUMN principal",
                   &err) == CF_OK);
     CHECK(sqlite3_close(h.db) == SQLITE_OK);
     sqlite3 *reader;

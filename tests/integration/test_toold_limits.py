@@ -1,0 +1,211 @@
+"""Limits on every command (issue 10, scope 3): a fork bomb, a memory hog, a CPU burner, a
+disk filler and an oversized file are each stopped by their limit, the result names it, and
+toold keeps serving other sandboxes meanwhile.
+
+Each case runs against a real toold: the local driver as root, the bwrap driver as root, and
+the bwrap driver as uid 65534.
+bwrap cases skip where bubblewrap cannot run, and fail instead with CFLUE_REQUIRE_BWRAP=1.
+
+    cd tests/integration && CFLUE_BUILD_DIR=/work/main/build /usr/bin/python3 test_toold_limits.py
+"""
+
+import os
+import shutil
+import threading
+import time
+import unittest
+
+
+from cflue_harness import Toold, TooldExited, TooldTestCase, result_details, sandbox_pb2
+from test_toold_hostile import NOBODY, NobodyToold
+
+LIMITS = ['--limit-procs', '48', '--limit-memory-mib', '64', '--limit-cpu-s', '1',
+          '--limit-disk-mib', '8', '--limit-file-mib', '4', '--spill-max-mib', '1']
+
+# 2^9 = 512 processes at its widest, were nothing to stop it; every leaf sleeps 30 s
+FORK_BOMB = 'b() { if [ $1 -gt 0 ]; then b $(($1-1)) & b $(($1-1)) & wait; else sleep 30; fi; }; b 9'
+# touches 300 MiB, 16 MiB at a time
+MEMORY_HOG = ('python3 -c "import time\nx=[]\nfor i in range(19):\n'
+              '    x.append(bytearray(b\'%s\' * (16<<20)))\n    time.sleep(0.02)\ntime.sleep(5)"'
+              % 'x')
+DISK_FILLER = 'sleep 0.3; for i in $(seq 40); do head -c 1M /dev/zero > f$i; sleep 0.03; done'
+
+
+class LimitCases(object):
+    driver = 'local'
+    unprivileged = False
+
+    def setUp(self):
+        self.td = self.start()
+
+    def cannot_run(self, why):
+        if os.environ.get('CFLUE_REQUIRE_BWRAP') == '1':
+            self.fail('CFLUE_REQUIRE_BWRAP=1, but ' + why)
+        self.skipTest(why)
+
+    def start(self, extra=LIMITS):
+        if self.driver == 'bwrap' and not shutil.which('bwrap'):
+            self.cannot_run('bubblewrap is not installed')
+        if self.unprivileged:
+            if os.geteuid() != 0 or not shutil.which('setpriv'):
+                self.skipTest('needs root and setpriv to start toold as uid %d' % NOBODY)
+            td = NobodyToold(start=False, driver=self.driver, extra_args=list(extra))
+            os.chmod(td.dir, 0o755)
+            os.makedirs(td.root, exist_ok=True)
+            for p in (td.dir, td.root):
+                os.chown(p, NOBODY, NOBODY)
+        else:
+            td = Toold(start=False, driver=self.driver, extra_args=list(extra))
+        self._toolds.append(td)
+        try:
+            td.start()
+        except TooldExited as e:
+            if self.driver == 'bwrap':
+                self.cannot_run('bwrap cannot create sandboxes here: %s' % str(e)[:300])
+            raise
+        return td
+
+    def bash(self, sb, command, td=None):
+        t0 = time.monotonic()
+        res = (td or self.td).execute(sb, 'bash', {'command': command})
+        return res, time.monotonic() - t0
+
+    def assertStoppedBy(self, res, limit, *words):
+        d = result_details(res)
+        self.assertEqual(d.get('limit'), limit, res.text[-600:])
+        for w in words:
+            self.assertIn(w, res.text)
+        return d
+
+    def assertServes(self, sb='other'):
+        res, took = self.bash(sb, 'echo served')
+        self.assertEqual(res.text, 'served')
+        self.assertLess(took, 5)
+
+    def test_fork_bomb_is_stopped_and_others_are_served(self):
+        served = []
+
+        def others():
+            time.sleep(0.2)
+            for _ in range(3):
+                res, took = self.bash('other', 'echo served')
+                served.append((res.text, took))
+
+        t = threading.Thread(target=others)
+        t.start()
+        res, took = self.bash('bomb', FORK_BOMB)
+        t.join()
+        d = self.assertStoppedBy(res, 'processes', 'limit of 48 processes', 'Exit code 137')
+        self.assertEqual(d['exit_code'], 137)
+        self.assertLess(took, 15)  # not the leaves' 30 s
+        self.assertEqual([s[0] for s in served], ['served'] * 3)
+        time.sleep(0.3)
+        left = [p for p in os.listdir('/proc') if p.isdigit() and _cmd(p) == b'sleep\x0030\x00']
+        self.assertEqual(left, [], 'the bomb left processes behind')
+        self.assertServes('bomb')
+
+    def test_memory_hog_is_stopped(self):
+        res, took = self.bash('hog', MEMORY_HOG)
+        self.assertStoppedBy(res, 'memory', 'limit of 64 MiB', 'Exit code 137')
+        self.assertLess(took, 5)
+        self.assertServes('hog')
+
+    def test_cpu_burner_is_stopped(self):
+        res, took = self.bash('burn', 'while :; do :; done')
+        d = self.assertStoppedBy(res, 'cpu', 'limit of 1 s', 'CPU time')
+        self.assertGreaterEqual(d['limit_used'], 1000)
+        self.assertLess(took, 6)
+        # CPU time of children counts too: two burners reach it in about half the time
+        res, took = self.bash('burn', '(while :; do :; done) & (while :; do :; done) & wait')
+        self.assertStoppedBy(res, 'cpu')
+        self.assertServes('burn')
+
+    def test_disk_filler_is_stopped_and_room_can_be_made(self):
+        res, took = self.bash('fill', DISK_FILLER)
+        self.assertStoppedBy(res, 'disk', 'disk limit of 8.0 MiB', 'Exit code 137')
+        self.assertLess(took, 3)
+        ws = self.td.workspace('fill')
+        self.assertLess(len([f for f in os.listdir(ws) if f.startswith('f')]), 40)
+        # over the limit, a command that writes nothing more still runs: room can be made
+        res, _ = self.bash('fill', 'rm -f f*; echo cleaned')
+        self.assertEqual(res.text, 'cleaned')
+        self.assertNotIn('limit', result_details(res))
+        # a filler done before any look is named once it exited
+        res, _ = self.bash('fill', 'for i in $(seq 12); do head -c 1M /dev/zero > q$i; done')
+        self.assertStoppedBy(res, 'disk', 'left the workspace at', 'Remove files')
+        self.bash('fill', 'rm -f q*')
+        self.assertServes('fill')
+
+    def test_file_size_limit(self):
+        res, _ = self.bash('big', 'head -c 6M /dev/zero > big')
+        self.assertStoppedBy(res, 'file_size', 'may grow past 4.0 MiB')
+        self.assertLessEqual(os.path.getsize(os.path.join(self.td.workspace('big'), 'big')),
+                             4 << 20)
+
+    def test_exec_names_the_limit(self):
+        req = sandbox_pb2.ExecRequest(sandbox='ex', command='while :; do :; done')
+        call = self.td.channel.unary_unary(
+            '/cflue.v1.Sandbox/Exec', request_serializer=sandbox_pb2.ExecRequest.SerializeToString,
+            response_deserializer=sandbox_pb2.ExecResponse.FromString)
+        resp = call(req, timeout=30)
+        self.assertEqual((resp.limit, resp.exit_code), ('cpu', 137))
+        resp = call(sandbox_pb2.ExecRequest(sandbox='ex', command='echo fine'), timeout=30)
+        self.assertEqual((resp.limit, resp.stdout), ('', b'fine\n'))
+
+    def test_saved_output_is_bounded(self):
+        # 3 MiB of output with 1 MiB of room for saved output
+        res, _ = self.bash('spill', 'yes 0123456789abcdef | head -c 3M')
+        d = result_details(res)
+        self.assertTrue(d.get('spill_cut'), res.text[:400])
+        self.assertIn('Only the first', res.text)
+        path = os.path.join(self.td.workspace('spill'), d['spill_path'])
+        self.assertLessEqual(os.path.getsize(path), 1 << 20)
+        for _ in range(3):  # older ones make room: together never over the bound
+            self.bash('spill', 'yes 0123456789abcdef | head -c 700K')
+        spill = os.path.join(self.td.workspace('spill'), '.cflue', 'spill')
+        total = sum(os.path.getsize(os.path.join(spill, f)) for f in os.listdir(spill))
+        self.assertLessEqual(total, 1 << 20)
+
+    def test_the_limits_are_logged(self):
+        log = self.td.stderr_text()
+        self.assertIn('event=limits cpu_s=1 memory_mib=64 procs=48 file_mib=4 disk_mib=8', log)
+        self.assertIn('watch_ms=40', log)
+
+
+def _cmd(pid):
+    try:
+        with open('/proc/%s/cmdline' % pid, 'rb') as f:
+            return f.read()
+    except OSError:
+        return b''
+
+
+class LocalRoot(LimitCases, TooldTestCase):
+    pass
+
+
+class BwrapRoot(LimitCases, TooldTestCase):
+    driver = 'bwrap'
+
+
+class BwrapNobody(LimitCases, TooldTestCase):
+    driver = 'bwrap'
+    unprivileged = True
+
+
+class NoLimits(TooldTestCase):
+    """0 turns a limit off: what the defaults would stop runs."""
+
+    def test_zero_is_no_limit(self):
+        td = Toold(start=False, extra_args=['--limit-procs', '0', '--limit-cpu-s', '0'])
+        self._toolds.append(td)
+        td.start()
+        res = td.execute('sb', 'bash', {'command': 'for i in $(seq 150); do sleep 2 & done; '
+                                                   'wait; echo all'})
+        self.assertEqual(res.text, 'all')
+        self.assertNotIn('limit', result_details(res))
+        self.assertIn('procs=0', td.stderr_text())
+
+
+if __name__ == '__main__':
+    unittest.main()
