@@ -80,8 +80,9 @@ static enum cf_status string_list(yaml_document_t *doc, yaml_node_t *n, const ch
     return CF_OK;
 }
 
-static const char *known_keys[] = {"name", "description", "model", "sandbox",    "agents",
-                                   "mcp",  "skills",      "tools", "compaction", "durability"};
+static const char *const known_keys[] = {"name",       "description", "model",  "sandbox",
+                                         "agents",     "mcp",         "skills", "tools",
+                                         "compaction", "durability"};
 
 /* split_frontmatter finds the YAML frontmatter between the leading '---' lines and the body
  * after it. */
@@ -112,25 +113,27 @@ static enum cf_status split_frontmatter(const char *text, const char *file, cons
     return CF_OK;
 }
 
-/* check_known_fields refuses a frontmatter field this version does not know. */
-static enum cf_status check_known_fields(yaml_document_t *doc, yaml_node_t *root, const char *file,
+/* check_known_fields refuses a field of the mapping m (the frontmatter, or the mapping at
+ * `where`) that is not one of the n known ones, naming them. */
+static enum cf_status check_known_fields(yaml_document_t *doc, yaml_node_t *m, const char *file,
+                                         const char *where, const char *const *known, size_t n,
                                          struct cf_error *err)
 {
-    for (yaml_node_pair_t *p = root->data.mapping.pairs.start; p < root->data.mapping.pairs.top;
-         p++) {
+    for (yaml_node_pair_t *p = m->data.mapping.pairs.start; p < m->data.mapping.pairs.top; p++) {
         yaml_node_t *k = yaml_document_get_node(doc, p->key);
-        bool known = false;
-        for (size_t i = 0;
-             k && k->type == YAML_SCALAR_NODE && i < sizeof(known_keys) / sizeof(*known_keys);
-             i++) {
-            known = known || !strcmp((char *)k->data.scalar.value, known_keys[i]);
+        const char *name = k && k->type == YAML_SCALAR_NODE ? (char *)k->data.scalar.value : "?";
+        bool found = false;
+        for (size_t i = 0; i < n && !found; i++) {
+            found = !strcmp(name, known[i]);
         }
-        if (!known) {
-            return cf_error_set(
-                err, CF_INVALID,
-                "%s: %s: unknown field (known: name, description, model, sandbox, mcp, "
-                "agents, skills, tools, compaction, durability)",
-                file, k && k->type == YAML_SCALAR_NODE ? (char *)k->data.scalar.value : "?");
+        if (!found) {
+            char list[256] = "";
+            for (size_t i = 0, len = 0; i < n && len < sizeof(list); i++) {
+                len += (size_t)snprintf(list + len, sizeof(list) - len, "%s%s", i ? ", " : "",
+                                        known[i]);
+            }
+            return cf_error_set(err, CF_INVALID, "%s: %s%s%.64s: unknown field (known: %s)", file,
+                                where, *where ? "." : "", name, list);
         }
     }
     return CF_OK;
@@ -186,7 +189,41 @@ enum cf_status agents_model_check(const char *model, size_t *provider_len, struc
     return CF_OK;
 }
 
-/* parse_sandbox reads the optional sandbox: {tools: ADDRESS, workspace: NAME}. */
+/* parse_sandbox_limits reads sandbox.limits: {cpu_s, memory_mib, procs, file_mib, disk_mib},
+ * each optional, each tightening toold's own bound (CommandLimits). */
+static enum cf_status parse_sandbox_limits(yaml_document_t *doc, yaml_node_t *sb, const char *file,
+                                           struct agent_def *a, struct cf_error *err)
+{
+    static const char *const keys[] = {"cpu_s", "memory_mib", "procs", "file_mib", "disk_mib"};
+    yaml_node_t *l = map_get(doc, sb, "limits");
+    if (!l) {
+        return CF_OK;
+    }
+    if (l->type != YAML_MAPPING_NODE) {
+        return cf_error_set(err, CF_INVALID,
+                            "%s: sandbox.limits: expected {cpu_s, memory_mib, procs, file_mib, "
+                            "disk_mib}",
+                            file);
+    }
+    struct agent_limits *o = &a->sandbox_limits;
+    enum cf_status rc;
+    if ((rc = check_known_fields(doc, l, file, "sandbox.limits", keys, 5, err)) != CF_OK ||
+        (rc = integer(map_get(doc, l, "cpu_s"), file, "sandbox.limits.cpu_s", 1, 86400 * 30,
+                      &o->cpu_s, err)) != CF_OK ||
+        (rc = integer(map_get(doc, l, "memory_mib"), file, "sandbox.limits.memory_mib", 1, 1 << 30,
+                      &o->memory_mib, err)) != CF_OK ||
+        (rc = integer(map_get(doc, l, "procs"), file, "sandbox.limits.procs", 1, 1 << 20, &o->procs,
+                      err)) != CF_OK ||
+        (rc = integer(map_get(doc, l, "file_mib"), file, "sandbox.limits.file_mib", 1, 1 << 30,
+                      &o->file_mib, err)) != CF_OK ||
+        (rc = integer(map_get(doc, l, "disk_mib"), file, "sandbox.limits.disk_mib", 1, 1 << 30,
+                      &o->disk_mib, err)) != CF_OK) {
+        return rc;
+    }
+    return CF_OK;
+}
+
+/* parse_sandbox reads the optional sandbox: {tools: ADDRESS, workspace: NAME, limits: {...}}. */
 static enum cf_status parse_sandbox(yaml_document_t *doc, yaml_node_t *root, const char *file,
                                     struct agent_def *a, struct cf_error *err)
 {
@@ -195,9 +232,14 @@ static enum cf_status parse_sandbox(yaml_document_t *doc, yaml_node_t *root, con
     if (!sb) {
         return CF_OK;
     }
+    static const char *const keys[] = {"tools", "workspace", "limits"};
     if (sb->type != YAML_MAPPING_NODE) {
         return cf_error_set(err, CF_INVALID,
                             "%s: sandbox: expected {tools: ADDRESS, workspace: NAME}", file);
+    }
+    if ((rc = check_known_fields(doc, sb, file, "sandbox", keys, 3, err)) != CF_OK ||
+        (rc = parse_sandbox_limits(doc, sb, file, a, err)) != CF_OK) {
+        return rc;
     }
     if ((rc = scalar(map_get(doc, sb, "tools"), file, "sandbox.tools", &a->sandbox_tools, err)) !=
             CF_OK ||
@@ -471,7 +513,8 @@ static enum cf_status parse_fields(yaml_document_t *doc, const char *name_hint, 
         return cf_error_set(err, CF_INVALID, "%s: the frontmatter must be a mapping of fields",
                             file);
     }
-    if ((rc = check_known_fields(doc, root, file, err)) != CF_OK ||
+    if ((rc = check_known_fields(doc, root, file, "", known_keys,
+                                 sizeof(known_keys) / sizeof(*known_keys), err)) != CF_OK ||
         (rc = parse_identity(doc, root, name_hint, file, a, err)) != CF_OK ||
         (rc = parse_sandbox(doc, root, file, a, err)) != CF_OK ||
         (rc = string_list(doc, map_get(doc, root, "agents"), file, "agents", &a->subagents,

@@ -6,6 +6,8 @@
  *   model: anthropic/claude-sonnet-4-5   # provider/model-id; provider anthropic or openai;
  *                                    # absent: a subagent that runs with its parent's model
  *   sandbox: {tools: "127.0.0.1:7102", workspace: example}   # absent: no sandbox tools
+ *     # optional, under sandbox: limits each of its commands gets, tighter than toold's own
+ *     # (a larger one leaves toold's): limits: {cpu_s, memory_mib, procs, file_mib, disk_mib}
  *   agents: [helper]                 # subagents it may delegate to
  *   skills: [review]                 # declared skills: DIR/skills/<name>/SKILL.md (skills.h)
  *   tools: ["127.0.0.1:7200"]        # extra cflue.v1.Tools servers
@@ -47,6 +49,15 @@ struct agent_mcp {
     size_t n_headers;
 };
 
+/* sandbox.limits: bounds on each command of the agent's sandbox (0: toold's own). */
+struct agent_limits {
+    int64_t cpu_s;
+    int64_t memory_mib;
+    int64_t procs;
+    int64_t file_mib;
+    int64_t disk_mib;
+};
+
 struct agent_def {
     char *name;
     char *description;
@@ -56,6 +67,7 @@ struct agent_def {
     char *instructions;
     char *sandbox_tools;     /* toold address, NULL without a sandbox */
     char *sandbox_workspace; /* sandbox name; "{conversation}" is replaced by the id */
+    struct agent_limits sandbox_limits;
     char **subagents;
     size_t n_subagents;
     char **skills;

@@ -218,6 +218,42 @@ static bool pick_model(struct drive *d)
     return true;
 }
 
+/* bind_limits sets d's limits on the sandbox's commands from the agent's definition or, for
+ * a child in its parent's sandbox, the parent's (shared: NULL for its own sandbox). */
+static void bind_limits(struct drive *d, const Cflue__V1__CommandLimits *shared)
+{
+    Cflue__V1__CommandLimits *l = &d->limits_buf;
+    cflue__v1__command_limits__init(l);
+    google__protobuf__duration__init(&d->limits_cpu);
+    d->limits = NULL;
+    if (shared) {
+        l->memory_bytes = shared->memory_bytes;
+        l->processes = shared->processes;
+        l->file_size_bytes = shared->file_size_bytes;
+        l->disk_bytes = shared->disk_bytes;
+        if (shared->cpu_time) {
+            d->limits_cpu.seconds = shared->cpu_time->seconds;
+            d->limits_cpu.nanos = shared->cpu_time->nanos;
+            l->cpu_time = &d->limits_cpu;
+        }
+        d->limits = l;
+        return;
+    }
+    const struct agent_limits *a = &d->agent->sandbox_limits;
+    if (!a->cpu_s && !a->memory_mib && !a->procs && !a->file_mib && !a->disk_mib) {
+        return;
+    }
+    l->memory_bytes = a->memory_mib << 20;
+    l->processes = (int32_t)a->procs;
+    l->file_size_bytes = a->file_mib << 20;
+    l->disk_bytes = a->disk_mib << 20;
+    if (a->cpu_s) {
+        d->limits_cpu.seconds = a->cpu_s;
+        l->cpu_time = &d->limits_cpu;
+    }
+    d->limits = l;
+}
+
 /* bind sets what d takes from definitions defs: its agent and the sandbox it works in. false
  * when defs has no agent of that name (nothing is changed). */
 static bool bind(struct drive *d, struct agent_defs *defs)
@@ -229,6 +265,7 @@ static bool bind(struct drive *d, struct agent_defs *defs)
     }
     d->agent = a;
     d->tools_addr = NULL;
+    d->limits = NULL;
     d->workspace[0] = '\0';
     d->cwd[0] = '\0';
     if (d->agent->sandbox_tools) {
@@ -238,11 +275,15 @@ static bool bind(struct drive *d, struct agent_defs *defs)
                  !ws                             ? d->agent->name
                  : !strcmp(ws, "{conversation}") ? d->sub->conversation_id
                                                  : ws);
+        bind_limits(d, NULL);
     } else if (d->agent && dg && *dg->sandbox_tools) {
         /* a subagent without a sandbox of its own works in its parent's */
         d->tools_addr = dg->sandbox_tools;
         snprintf(d->workspace, sizeof(d->workspace), "%s", dg->sandbox);
         snprintf(d->cwd, sizeof(d->cwd), "%s", dg->cwd); /* scoped to a directory of it */
+        if (dg->sandbox_limits) {
+            bind_limits(d, dg->sandbox_limits);
+        }
     }
     return true;
 }

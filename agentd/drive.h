@@ -218,6 +218,11 @@ struct drive {
     const char *tools_addr; /* the sandbox's toold: the agent's own, or the parent's it shares
                              * (a subagent without a sandbox of its own); NULL: no sandbox */
     char workspace[256];
+    /* the limits on the sandbox's commands: its agent's sandbox.limits, or those the parent
+     * shared its sandbox with (Delegation.sandbox_limits); NULL: toold's own */
+    Cflue__V1__CommandLimits *limits;
+    Cflue__V1__CommandLimits limits_buf;
+    Google__Protobuf__Duration limits_cpu;
     char cwd[DRIVE_CWD_MAX + 1]; /* a subagent scoped to a directory of its parent's sandbox
                                   * (Delegation.cwd), relative to the sandbox's working
                                   * directory; "": that directory itself */

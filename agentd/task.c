@@ -250,6 +250,7 @@ static void admit_send(struct task_call *tc)
     dg.sandbox = d->tools_addr ? d->workspace : "";
     dg.model = (char *)d->model;
     dg.cwd = d->tools_addr ? tc->cwd : "";
+    dg.sandbox_limits = d->tools_addr ? d->limits : NULL;
     Cflue__V1__AdmitRequest ar = CFLUE__V1__ADMIT_REQUEST__INIT;
     ar.agent = tc->agent;
     ar.conversation_id = "";

@@ -362,6 +362,7 @@ static void lane_add(struct tool_lane *l, const Cflue__V1__ToolCall *c, int inde
     tc->name = c->name;
     tc->arguments_json = c->arguments_json;
     tc->cwd = c->cwd;
+    tc->limits = c->limits;
     if (left != INT64_MAX) {
         google__protobuf__duration__init(&l->limits[l->m]);
         pbdur_set(&l->limits[l->m], left > 1 ? left : 1);
@@ -412,7 +413,9 @@ static void prepare(struct drive *d, const struct llm_response *resp)
         }
         Cflue__V1__ToolCall tc = CFLUE__V1__TOOL_CALL__INIT;
         tc.sandbox = d->workspace;
-        tc.cwd = d->tools.source[k] == d->tools_addr ? d->cwd : ""; /* the sandbox's own tools */
+        bool sandbox_tool = d->tools.source[k] == d->tools_addr; /* the sandbox's own tools */
+        tc.cwd = sandbox_tool ? d->cwd : "";
+        tc.limits = sandbox_tool ? d->limits : NULL;
         tc.call_id = c->id;
         tc.name = c->name;
         tc.arguments_json = c->arguments_json;

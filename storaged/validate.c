@@ -173,6 +173,17 @@ static enum cf_status delegation(const Cflue__V1__AdmitRequest *r, struct cf_err
         return cf_error_set(err, CF_INVALID, "delegation.depth must be 1 to %d (got %d)",
                             VALIDATE_DEPTH_MAX, (int)d->depth);
     }
+    const Cflue__V1__CommandLimits *l = d->sandbox_limits;
+    if (l && (!*d->sandbox || l->memory_bytes < 0 || l->processes < 0 || l->file_size_bytes < 0 ||
+              l->disk_bytes < 0)) {
+        return cf_error_set(err, CF_INVALID,
+                            "delegation.sandbox_limits: only with delegation.sandbox, and none "
+                            "negative");
+    }
+    if (l &&
+        (rc = pbdur_check(l->cpu_time, "delegation.sandbox_limits.cpu_time", 0, err)) != CF_OK) {
+        return rc;
+    }
     if (!*d->sandbox_tools != !*d->sandbox) {
         return cf_error_set(err, CF_INVALID,
                             "delegation.sandbox and delegation.sandbox_tools go together: both "

@@ -138,9 +138,21 @@ const char *driver_env_refused(const char *kv)
     return NULL;
 }
 
-enum cf_status driver_run(const struct sandbox *sb, const char *cwd, const char *command,
-                          const char *const *env, size_t n_env, struct proc_spec *spec,
-                          struct proc_result *res, struct cf_error *err)
+/* tmp_size is the size of a command's /tmp: the smaller of its disk and memory limits (0: no
+ * bound). */
+static int64_t tmp_size(const struct proc_limits *l)
+{
+    int64_t m = l->disk_bytes;
+    if (l->memory_bytes > 0 && (m <= 0 || l->memory_bytes < m)) {
+        m = l->memory_bytes;
+    }
+    return m > 0 ? m : 0;
+}
+
+enum cf_status driver_run(const struct sandbox *sb, const struct proc_limits *limits,
+                          const char *cwd, const char *command, const char *const *env,
+                          size_t n_env, struct proc_spec *spec, struct proc_result *res,
+                          struct cf_error *err)
 {
     if (n_env > DRIVER_ENV_MAX) {
         return cf_error_set(err, CF_INVALID, "at most %d environment variables (got %zu)",
@@ -156,7 +168,8 @@ enum cf_status driver_run(const struct sandbox *sb, const char *cwd, const char 
     }
     struct driver_cmd c;
     memset(&c, 0, sizeof(c));
-    struct proc_limits lim = sb->limits;
+    struct proc_limits lim = limits ? *limits : sb->limits;
+    c.tmp_bytes = tmp_size(&lim);
     bool measured = lim.disk_bytes > 0;
     lim.disk_dir = sb->root;
     lim.disk_known = -1;
@@ -308,17 +321,6 @@ static void setenv_inside(struct args *a, const struct sandbox *sb, const char *
     arg3(a, "--setenv", "TMPDIR", "/tmp");
 }
 
-/* tmp_size is the size of a command's /tmp: the smaller of its disk and memory limits (0: no
- * bound). */
-static int64_t tmp_size(const struct proc_limits *l)
-{
-    int64_t m = l->disk_bytes;
-    if (l->memory_bytes > 0 && (m <= 0 || l->memory_bytes < m)) {
-        m = l->memory_bytes;
-    }
-    return m > 0 ? m : 0;
-}
-
 static enum cf_status bwrap_prepare(const struct sandbox *sb, const char *cwd, const char *command,
                                     const char *const *env, size_t n_env, struct driver_cmd *c,
                                     struct cf_error *err)
@@ -338,9 +340,8 @@ static enum cf_status bwrap_prepare(const struct sandbox *sb, const char *cwd, c
     arg(&a, "/dev");
     arg(&a, "--proc");
     arg(&a, "/proc");
-    int64_t tmp_max = tmp_size(&sb->limits);
-    if (tmp_max > 0) { /* /tmp is memory: bounded by the disk and memory limits */
-        arg3(&a, "--size", own(c, mem_asprintf("%lld", (long long)tmp_max)), "--tmpfs");
+    if (c->tmp_bytes > 0) { /* /tmp is memory: bounded by the disk and memory limits */
+        arg3(&a, "--size", own(c, mem_asprintf("%lld", (long long)c->tmp_bytes)), "--tmpfs");
     } else {
         arg(&a, "--tmpfs");
     }
@@ -469,7 +470,7 @@ enum cf_status driver_available(const struct driver *d, const char *root, struct
     char output[256] = "";
     struct proc_spec spec = {.timeout_ms = 10000, .on_output = collect, .ctx = output};
     struct proc_result res;
-    enum cf_status rc = driver_run(&probe, root, "true", NULL, 0, &spec, &res, err);
+    enum cf_status rc = driver_run(&probe, NULL, root, "true", NULL, 0, &spec, &res, err);
     if (rc != CF_OK) {
         return cf_error_set(err, CF_UNAVAILABLE,
                             "the bwrap driver needs bubblewrap (apt-get install bubblewrap): %s",

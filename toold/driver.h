@@ -26,9 +26,11 @@
  * command inherits as fd 4 (bwrap's seccomp program). */
 struct driver_cmd {
     const char *argv[PROC_ARGV_MAX];
-    char **envp;  /* the environment of the process started (for bwrap: bwrap's own) */
-    int extra_fd; /* 0: none */
-    char **owned; /* strings argv points into */
+    char **envp;       /* the environment of the process started (for bwrap: bwrap's own) */
+    int extra_fd;      /* 0: none */
+    int64_t tmp_bytes; /* the size of the command's private /tmp, where the driver makes one
+                        * (0: no bound); set by driver_run */
+    char **owned;      /* strings argv points into */
     size_t n_owned;
 };
 
@@ -60,9 +62,10 @@ const char *driver_env_refused(const char *kv);
 /* driver_run runs command in sb with sb's driver, working directory cwd (a host path inside
  * sb) and env ("K=V", at most DRIVER_ENV_MAX, over the base environment; a refused one is
  * CF_INVALID naming it, and nothing runs): proc_run with spec's timeout, callbacks and stdin,
- * its argv, cwd, envp and extra_fd set here. */
-CF_MUST_CHECK enum cf_status driver_run(const struct sandbox *sb, const char *cwd,
-                                        const char *command, const char *const *env, size_t n_env,
+ * its argv, cwd, envp and extra_fd set here, under limits (NULL: sb's own, sb->limits). */
+CF_MUST_CHECK enum cf_status driver_run(const struct sandbox *sb, const struct proc_limits *limits,
+                                        const char *cwd, const char *command,
+                                        const char *const *env, size_t n_env,
                                         struct proc_spec *spec, struct proc_result *res,
                                         struct cf_error *err);
 

@@ -50,6 +50,10 @@ struct proc_limits {
     int64_t disk_known;   /* the workspace's size as last measured (-1: unknown: walked first) */
 };
 
+/* proc_limits_tighten lowers each bound of l (cpu_ms, memory_bytes, procs, file_bytes,
+ * disk_bytes) to want's where want sets one (> 0) that is tighter (l's 0 is no bound). */
+void proc_limits_tighten(struct proc_limits *l, const struct proc_limits *want);
+
 #define PROC_WATCH_MS 40       /* between two looks at the process tree */
 #define PROC_DISK_WATCH_MS 250 /* at least this between two walks of the workspace */
 

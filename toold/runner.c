@@ -47,6 +47,21 @@ const char *proc_limit_name(enum proc_limit l)
     return "";
 }
 
+/* tighter is want's bound where it sets one tighter than have's (0: no bound). */
+static int64_t tighter(int64_t have, int64_t want)
+{
+    return want > 0 && (have <= 0 || want < have) ? want : have;
+}
+
+void proc_limits_tighten(struct proc_limits *l, const struct proc_limits *want)
+{
+    l->cpu_ms = tighter(l->cpu_ms, want->cpu_ms);
+    l->memory_bytes = tighter(l->memory_bytes, want->memory_bytes);
+    l->procs = tighter(l->procs, want->procs);
+    l->file_bytes = tighter(l->file_bytes, want->file_bytes);
+    l->disk_bytes = tighter(l->disk_bytes, want->disk_bytes);
+}
+
 /* ---------- the runner (a separate, single-threaded process) ---------- */
 
 static void send_to(pid_t pid, int sig)

@@ -134,6 +134,36 @@ static bool call_gone(void *arg)
 /* run_call executes one ToolCall into res (with gRPC-level problems in *err). A batch passes
  * the per-path turn it reserved in ticket_key/ticket; a call that ends without using it still
  * waits for and passes its turn, so later calls on the path are not stranded. */
+/* command_limits is what sb's commands may use under the caller's limits m (NULL: sb's own):
+ * each of sb's bounds tightened, never loosened. A negative value is CF_INVALID naming it. */
+static enum cf_status command_limits(const struct sandbox *sb, const Cflue__V1__CommandLimits *m,
+                                     struct proc_limits *out, struct cf_error *err)
+{
+    *out = sb->limits;
+    if (!m) {
+        return CF_OK;
+    }
+    enum cf_status rc = pbdur_check(m->cpu_time, "limits.cpu_time", 0, err);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    const char *negative = m->memory_bytes < 0      ? "memory_bytes"
+                           : m->processes < 0       ? "processes"
+                           : m->file_size_bytes < 0 ? "file_size_bytes"
+                           : m->disk_bytes < 0      ? "disk_bytes"
+                                                    : NULL;
+    if (negative) {
+        return cf_error_set(err, CF_INVALID, "limits.%s must not be negative", negative);
+    }
+    struct proc_limits want = {.cpu_ms = m->cpu_time ? dur_ms(m->cpu_time) : 0,
+                               .memory_bytes = m->memory_bytes,
+                               .procs = m->processes,
+                               .file_bytes = m->file_size_bytes,
+                               .disk_bytes = m->disk_bytes};
+    proc_limits_tighten(out, &want);
+    return CF_OK;
+}
+
 static enum cf_status run_call(const Cflue__V1__ToolCall *call, struct rpc_call *rpc,
                                const char *ticket_key, uint64_t ticket, struct tool_result *res,
                                struct cf_error *err)
@@ -147,8 +177,12 @@ static enum cf_status run_call(const Cflue__V1__ToolCall *call, struct rpc_call 
     const struct tool_def *t = tool_find(call->name);
     char cwd[WS_PATH_MAX];
     struct cf_error why;
+    struct proc_limits limits;
     if (open_cwd(sb, call->cwd, cwd, sizeof(cwd), NULL, 0, &why) != CF_OK) {
         tool_fail(res, "The call did not run: its working directory cannot be used. %s", why.msg);
+    } else if (command_limits(sb, call->limits, &limits, &why) != CF_OK) {
+        tool_fail(res, "The call did not run: the limits it was given cannot be used: %s.",
+                  why.msg);
     } else if (!t) {
         tool_fail(res,
                   "There is no tool named '%s'. The tools are read, write, edit, bash, "
@@ -160,6 +194,7 @@ static enum cf_status run_call(const Cflue__V1__ToolCall *call, struct rpc_call 
             struct tool_ctx ctx = {.sb = sb,
                                    .cwd = cwd,
                                    .cfg = server_state.cfg,
+                                   .limits = &limits,
                                    .call_id = call->call_id,
                                    .deadline_ms = call->timeout ? t0 + dur_ms(call->timeout) : 0,
                                    .cancelled = call_gone,
@@ -1016,6 +1051,11 @@ static void on_exec(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
         return;
     }
     target_close(&t);
+    struct proc_limits limits;
+    if (command_limits(t.sb, req->limits, &limits, &err) != CF_OK) {
+        rpc_call_fail_error(c, &err);
+        return;
+    }
     ws_host_path(t.sb, t.rel, cwd, sizeof(cwd));
     const char **env = mem_alloc(sizeof(char *) * (req->n_env + 1));
     for (size_t i = 0; i < req->n_env; i++) {
@@ -1035,8 +1075,8 @@ static void on_exec(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
                              .on_stderr = exec_collect_err,
                              .ctx = &o};
     struct proc_result pr;
-    enum cf_status rc =
-        driver_run(t.sb, cwd, req->command, (const char *const *)env, req->n_env, &spec, &pr, &err);
+    enum cf_status rc = driver_run(t.sb, &limits, cwd, req->command, (const char *const *)env,
+                                   req->n_env, &spec, &pr, &err);
     for (size_t i = 0; i < req->n_env; i++) {
         free((char *)env[i]);
     }

@@ -38,6 +38,8 @@ struct tool_ctx {
     const char *cwd; /* the call's working directory, relative to the root as ws_relative
                       * writes it (ToolCall.cwd, checked); NULL: the root */
     const struct toold_config *cfg;
+    const struct proc_limits *limits; /* what the commands it runs may use: the sandbox's,
+                                       * tightened by ToolCall.limits; NULL: the sandbox's */
     const char *call_id;
     int64_t deadline_ms;          /* monotonic; 0: none (ToolCall.timeout_ms) */
     bool (*cancelled)(void *ctx); /* the caller went away */

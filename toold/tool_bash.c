@@ -263,7 +263,7 @@ static enum cf_status run_command(struct capture *c, const char *command, int64_
     ws_host_path(ctx->sb, ctx->cwd ? ctx->cwd : ".", cwd, sizeof(cwd));
     struct proc_spec spec = {
         .timeout_ms = timeout_ms, .on_output = on_output, .cancelled = cancelled, .ctx = c};
-    return driver_run(ctx->sb, cwd, command, NULL, 0, &spec, pr, err);
+    return driver_run(ctx->sb, ctx->limits, cwd, command, NULL, 0, &spec, pr, err);
 }
 
 /* view_whole shows all the output (it fits the page limits), without its final '\n'. */
@@ -514,7 +514,7 @@ void tool_bash_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
         tool_fail(res, "The command could not be started: %s", err.msg);
     } else {
         view_output(c, res);
-        note_ending(&pr, &ctx->sb->limits, timeout_ms, by_caller, res);
+        note_ending(&pr, ctx->limits ? ctx->limits : &ctx->sb->limits, timeout_ms, by_caller, res);
     }
     buf_cleanup(&c->pending);
     free(c);

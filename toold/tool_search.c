@@ -367,7 +367,7 @@ static enum cf_status run_engine(struct grep *g, const char *command, int *exit_
     struct proc_spec spec = {
         .timeout_ms = 600000, .on_output = engine_output, .cancelled = grep_cancelled, .ctx = g};
     struct proc_result pr = {0};
-    enum cf_status rc = driver_run(sb, sb->root, command, env, 1, &spec, &pr, err);
+    enum cf_status rc = driver_run(sb, g->ctx->limits, sb->root, command, env, 1, &spec, &pr, err);
     if (g->line.len) {
         parse_engine_line(g, buf_cstr(&g->line), g->line.len);
         buf_reset(&g->line);
@@ -388,8 +388,8 @@ static bool rg_available(struct tool_ctx *ctx)
     struct proc_spec spec = {.timeout_ms = 10000};
     struct proc_result pr;
     struct cf_error err;
-    bool ok = driver_run(sb, sb->root, "rg --version >/dev/null 2>&1", NULL, 0, &spec, &pr, &err) ==
-                  CF_OK &&
+    bool ok = driver_run(sb, NULL, sb->root, "rg --version >/dev/null 2>&1", NULL, 0, &spec, &pr,
+                         &err) == CF_OK &&
               pr.exit_code == 0;
     pthread_mutex_lock(&sb->mu);
     sb->rg_state = ok ? 1 : -1;

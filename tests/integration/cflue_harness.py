@@ -28,6 +28,8 @@ import unittest
 
 import grpc
 
+import secret_scan
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 BUILD_DIR = os.path.abspath(os.environ.get('CFLUE_BUILD_DIR') or os.path.join(REPO, 'build'))
@@ -186,6 +188,7 @@ class Daemon(object):
 
     def _init_daemon(self, workdir, prefix, tcp, env, extra_args):
         self.dir = workdir or tempfile.mkdtemp(prefix=prefix)
+        secret_scan.watch(self.dir)
         self.tcp = tcp
         self.sock = os.path.join(self.dir, self.NAME + '.sock')
         self.port_file = os.path.join(self.dir, 'port')
@@ -213,6 +216,7 @@ class Daemon(object):
             os.unlink(self.port_file)
         env = dict(os.environ)
         env.update(self.env)
+        secret_scan.note_env(env)
         self.starts += 1
         with open(self.stderr_path, 'ab') as f:
             f.write(('---- start #%d: %s\n' % (self.starts, ' '.join(self.command())))
@@ -339,7 +343,7 @@ class Daemon(object):
 
     def remove(self):
         self.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        secret_scan.discard(self.dir)
 
     def stderr_text(self):
         try:
@@ -392,6 +396,9 @@ class Storaged(Daemon):
             raise unittest.SkipTest('storaged binary not built: %s' % STORAGED_BIN)
         self._init_daemon(workdir, 'cflue-it-', tcp, env, extra_args)
         self.db = db or os.path.join(self.dir, 'store.db')
+        if os.path.dirname(os.path.abspath(self.db)) != os.path.abspath(self.dir):
+            secret_scan.watch(self.db)
+            secret_scan.watch(self.db + '-wal')
         self.stub = StoreStub(self._current_channel)
         if start:
             self.start()
@@ -747,7 +754,7 @@ class StoragedTestCase(unittest.TestCase):
                                      '==== end of storaged stderr ====\n'
                                      % (self.id(), sd.dir, _tail(sd.stderr_text())))
                 if sd in self._daemons:
-                    shutil.rmtree(sd.dir, ignore_errors=True)
+                    secret_scan.discard(sd.dir)
 
     def start_storaged(self, **kwargs):
         sd = Storaged(start=False, **kwargs)
@@ -867,6 +874,7 @@ class Toold(Daemon):
             raise unittest.SkipTest('generated tools_pb2/sandbox_pb2 missing in %s' % PY_DIR)
         self._init_daemon(workdir, 'cflue-toold-', tcp, env, extra_args)
         self.root = os.path.join(self.dir, 'root')
+        secret_scan.skip(self.root)
         self.driver = driver
         self.grep_engine = grep_engine
         if start:
@@ -975,7 +983,7 @@ class TooldTestCase(unittest.TestCase):
                     sys.stderr.write('\n==== toold stderr for %s (%s) ====\n%s'
                                      '==== end of toold stderr ====\n'
                                      % (self.id(), td.dir, _tail(td.stderr_text(), 60)))
-                shutil.rmtree(td.dir, ignore_errors=True)
+                secret_scan.discard(td.dir)
 
     def start_toold(self, **kwargs):
         td = Toold(start=False, **kwargs)
@@ -1270,6 +1278,7 @@ class BenchBrainStack(object):
                  store_env=None, prefix='cflue-stack-', workdir=None, tool_env=None):
         self.dir = workdir or tempfile.mkdtemp(prefix=prefix)
         os.makedirs(self.dir, exist_ok=True)
+        secret_scan.watch(self.dir)
         self.daemons = []
         try:
             self.sd = self._add(Storaged(workdir=self._sub('storaged'), env=store_env))
@@ -1299,7 +1308,8 @@ class BenchBrainStack(object):
 
     def add_agentd(self, agentd_args=(), owner_id=''):
         """One more agentd on this stack's storaged, toold and model."""
-        env = {'ANTHROPIC_BASE_URL': self.fm.anthropic_base_url, 'ANTHROPIC_API_KEY': 'k'}
+        env = {'ANTHROPIC_BASE_URL': self.fm.anthropic_base_url,
+               'ANTHROPIC_API_KEY': secret_scan.secret('anthropic-key')}
         return self._add(Agentd(self.sd.target, self.agents, env=env, owner_id=owner_id,
                                 workdir=self._sub('agentd%d' % len(self.daemons)),
                                 extra_args=tuple(agentd_args)))
@@ -1319,7 +1329,7 @@ class BenchBrainStack(object):
                 d.close()
             except Exception:
                 pass
-        shutil.rmtree(self.dir, ignore_errors=True)
+        secret_scan.discard(self.dir)
 
 
 # ---------------------------------------------------------------------------------------------

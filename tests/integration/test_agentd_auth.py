@@ -13,7 +13,6 @@ log or in storaged's database files.
 
 import hashlib
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -25,6 +24,7 @@ import uuid
 import grpc
 
 import cflue_harness as H
+import secret_scan
 from cflue_harness import (Agentd, FakeModel, Storaged, agent_pb2, common_pb2, error_reason,
                            get, get_conversation, _tail)
 
@@ -42,7 +42,7 @@ You answer every message with one short sentence.
 '''
 
 # every secret this test ever sends, the wrong ones too: none may be found on disk afterwards
-SECRETS = {name: 'sekrit-%s-%s' % (name, secrets.token_hex(16))
+SECRETS = {name: secret_scan.secret('token-' + name)
            for name in ('alice', 'bob', 'carol', 'root', 'dave', 'wrong')}
 
 

@@ -48,7 +48,7 @@ def task_call(agent, prompt, call_id=None):
 class TaskCase(AgentdCase):
     stack_kwargs = {
         'agents': ('task-lead', 'task-helper', 'task-scout', 'task-deep', 'task-solo',
-                   'task-openai-lead', 'task-inherit'),
+                   'task-openai-lead', 'task-inherit', 'task-limited'),
         'agentd_args': ('--lease-ms', '3000', '--heartbeat-ms', '1000'),
     }
 
@@ -500,6 +500,58 @@ class CwdTest(TaskCase):
         self.assertEqual(self.get(started.child_submission_id).outcome,
                          common_pb2.OUTCOME_FAILED)
         self.assertEqual(sorted(os.listdir(ws)), [])
+
+
+HOG = ('python3 -c "x=[bytearray(256<<20)]; x[0][::4096]=b\'y\'*(len(x[0])//4096); '
+       'print(\'kept\')"')
+
+
+class SandboxLimitsTest(TaskCase):
+    """sandbox.limits: the agent's commands, and those of a child in its sandbox, run under
+    the tighter limits of the agent's definition."""
+
+    def test_the_agent_and_its_child_run_under_its_limits(self):
+        conv = new_conv('limited')
+        self.workspace(conv)
+        self.fm.set_scenario([
+            role('limited', tool_calls=[{'name': 'bash', 'arguments': {'command': HOG}}]),
+            role('limited', tool_calls=[task_call('task-helper', 'Run it too.')]),
+            role('helper', tool_calls=[{'name': 'bash', 'arguments': {'command': HOG}}]),
+            role('helper', text='stopped here too'),
+            role('limited', text='done'),
+        ])
+        sid = self.ad.submit('task-limited', 'Use a lot of memory.',
+                             conversation_id=conv).submission_id
+        sub = self.wait_settled(sid, timeout=60)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        [mine] = [body(r) for r in self.records(conv)
+                  if kind(r) == 'tool_result' and body(r).name == 'bash']
+        self.assertIn('limit of 64 MiB', mine.text)
+        self.assertNotIn('kept', mine.text)
+        [started] = self.children(conv)
+        child = self.get(started.child_submission_id)
+        self.assertEqual((child.delegation.sandbox_limits.memory_bytes,
+                          child.delegation.sandbox_limits.processes), (64 << 20, 20))
+        [theirs] = [body(r) for r in self.records(started.child_conversation_id)
+                    if kind(r) == 'tool_result' and body(r).name == 'bash']
+        self.assertIn('limit of 64 MiB', theirs.text)
+        # the same command in a sandbox of an agent without limits: toold's own 1 GiB
+        conv = new_conv('unlimited')
+        self.workspace(conv)
+        self.fm.set_scenario([
+            role('helper', tool_calls=[{'name': 'bash', 'arguments': {'command': HOG}}]),
+            role('helper', text='kept'),
+            role('lead', tool_calls=[task_call('task-helper', 'Run it.')]),
+            role('lead', text='done'),
+        ])
+        sid = self.ad.submit('task-lead', 'Use memory.', conversation_id=conv).submission_id
+        self.assertEqual(self.wait_settled(sid, timeout=60).outcome, COMPLETED)
+        [started] = self.children(conv)
+        self.assertFalse(self.get(started.child_submission_id).delegation.HasField(
+            'sandbox_limits'))
+        [theirs] = [body(r) for r in self.records(started.child_conversation_id)
+                    if kind(r) == 'tool_result' and body(r).name == 'bash']
+        self.assertIn('kept', theirs.text)
 
 
 class NoSandboxTest(TaskCase):

@@ -37,6 +37,7 @@ from cflue_harness import (AGENTD_BIN, BUILD_DIR, CLI_BIN, HERE, NOT_SERVING, RE
                            UNAVAILABLE, Agentd, FakeModel, Storaged, Toold, _tail, admit, get,
                            health_pb2, issue_cert, make_pki, tls_credentials, tls_peer_args,
                            tls_server_args)
+import secret_scan
 
 FIXTURES_DIR = os.path.join(HERE, 'agentd_fixtures')
 
@@ -325,7 +326,8 @@ class AgentdTlsTest(TlsCase):
         return d
 
     def model_env(self, fm):
-        return {'ANTHROPIC_BASE_URL': fm.anthropic_base_url, 'ANTHROPIC_API_KEY': 'k'}
+        return {'ANTHROPIC_BASE_URL': fm.anthropic_base_url,
+                'ANTHROPIC_API_KEY': secret_scan.secret('anthropic-key')}
 
     def test_submit_end_to_end_over_mtls(self):
         sd = self.start(Storaged(tcp=True, extra_args=tls_server_args(PKI), start=False),

@@ -16,7 +16,10 @@ import time
 import unittest
 
 
-from cflue_harness import Toold, TooldExited, TooldTestCase, result_details, sandbox_pb2
+import grpc
+
+from cflue_harness import (Toold, TooldExited, TooldTestCase, common_pb2, result_details,
+                           sandbox_pb2, tool_call)
 from test_toold_hostile import NOBODY, NobodyToold
 
 LIMITS = ['--limit-procs', '48', '--limit-memory-mib', '64', '--limit-cpu-s', '1',
@@ -191,6 +194,60 @@ class BwrapRoot(LimitCases, TooldTestCase):
 class BwrapNobody(LimitCases, TooldTestCase):
     driver = 'bwrap'
     unprivileged = True
+
+
+class CallerLimits(TooldTestCase):
+    """The caller's limits (ToolCall.limits, ExecRequest.limits: an agent's sandbox.limits)
+    tighten toold's own for one call, and never loosen them."""
+
+    def setUp(self):
+        self.td = Toold(start=False, extra_args=['--limit-procs', '48'])
+        self._toolds.append(self.td)
+        self.td.start()
+
+    def bash(self, sb, command, **limits):
+        call = tool_call(sb, 'bash', {'command': command})
+        if limits:
+            cpu_s = limits.pop('cpu_s', None)
+            call.limits.CopyFrom(common_pb2.CommandLimits(**limits))
+            if cpu_s is not None:
+                call.limits.cpu_time.seconds = cpu_s
+        return self.td.execute_call(call, timeout=60)
+
+    def test_a_call_tightens_toolds_limits(self):
+        res = self.bash('hog', MEMORY_HOG, memory_bytes=64 << 20)
+        self.assertEqual(result_details(res).get('limit'), 'memory', res.text[-400:])
+        self.assertIn('limit of 64 MiB', res.text)
+        res = self.bash('hog', MEMORY_HOG)  # toold's own 1 GiB: the same command runs
+        self.assertNotIn('limit', result_details(res), res.text[-400:])
+        res = self.bash('burn', 'while :; do :; done', cpu_s=1)
+        self.assertEqual(result_details(res).get('limit'), 'cpu', res.text[-400:])
+        res = self.bash('fill', DISK_FILLER, disk_bytes=4 << 20)
+        self.assertEqual(result_details(res).get('limit'), 'disk', res.text[-400:])
+        self.assertIn('disk limit of 4.0 MiB', res.text)
+        res = self.bash('big', 'head -c 3M /dev/zero > big', file_size_bytes=1 << 20)
+        self.assertEqual(result_details(res).get('limit'), 'file_size', res.text[-400:])
+
+    def test_a_call_cannot_loosen_them(self):
+        res = self.bash('bomb', FORK_BOMB, processes=100000)
+        self.assertEqual(result_details(res).get('limit'), 'processes', res.text[-400:])
+        self.assertIn('limit of 48 processes', res.text)
+
+    def test_a_negative_limit_is_an_error_result(self):
+        res = self.bash('neg', 'echo ran', memory_bytes=-1)
+        self.assertTrue(res.is_error)
+        self.assertIn('limits.memory_bytes must not be negative', res.text)
+        self.assertNotIn('ran', res.text)
+
+    def test_exec_takes_limits(self):
+        lim = common_pb2.CommandLimits(processes=8)
+        resp = self.td.sandbox('Exec', sandbox='ex', command=FORK_BOMB, limits=lim)
+        self.assertEqual((resp.limit, resp.exit_code), ('processes', 137))
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.td.sandbox('Exec', sandbox='ex', command='true',
+                            limits=common_pb2.CommandLimits(disk_bytes=-5))
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn('limits.disk_bytes', cm.exception.details())
 
 
 class NoLimits(TooldTestCase):

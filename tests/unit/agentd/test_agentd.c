@@ -63,6 +63,28 @@ static void test_agents(void)
     CHECK(agents_parse("---\nsandbox: {tools: \"t:1\", workspace: \"..\"}\n---\n", "x", "x.md", &a,
                        &err) == CF_INVALID);
 
+    /* sandbox.limits: each optional, whole numbers in range, no unknown field */
+    CHECK(agents_parse("---\nsandbox: {tools: \"t:1\", limits: {memory_mib: 64, cpu_s: 30}}\n---\n",
+                       "x", "x.md", &a, &err) == CF_OK);
+    CHECK(a.sandbox_limits.memory_mib == 64 && a.sandbox_limits.cpu_s == 30 &&
+          a.sandbox_limits.procs == 0 && a.sandbox_limits.disk_mib == 0);
+    agents_free_one(&a);
+    CHECK(agents_parse("---\nsandbox: {tools: \"t:1\", limits: {memory_mib: 0}}\n---\n", "x",
+                       "x.md", &a, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "x.md: sandbox.limits.memory_mib: expected a whole number") != NULL);
+    CHECK(agents_parse("---\nsandbox: {tools: \"t:1\", limits: {memory: 64}}\n---\n", "x", "x.md",
+                       &a, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "sandbox.limits.memory: unknown field (known: cpu_s, memory_mib") !=
+          NULL);
+    CHECK(agents_parse("---\nsandbox: {tools: \"t:1\", limits: 64}\n---\n", "x", "x.md", &a,
+                       &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "sandbox.limits: expected {cpu_s") != NULL);
+    CHECK(agents_parse("---\nsandbox: {tools: \"t:1\", workspce: ex}\n---\n", "x", "x.md", &a,
+                       &err) == CF_INVALID);
+    CHECK(strstr(err.msg,
+                 "x.md: sandbox.workspce: unknown field (known: tools, workspace, limits)") !=
+          NULL);
+
     /* tool servers: each once, not the sandbox's toold, at most 8, addresses bounded */
     CHECK(agents_parse("---\nmodel: openai/gpt\ntools: [\"a:1\", \"b:2\"]\n---\n", "x", "x.md", &a,
                        &err) == CF_OK);
