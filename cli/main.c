@@ -5,6 +5,7 @@
  *   cflue store admit --agent NAME [--conversation ID] [--key KEY] TEXT [--store ADDR]
  *   cflue store list [--conversation ID] [--store ADDR]
  *   cflue store read CONVERSATION [--after N] [--follow] [--store ADDR]
+ *   cflue store backup FILE [--store ADDR]
  *   (and the Agent API commands of agent_cmd.c: submit, watch, status, abort, agents,
  *   conversation, compact)
  *   cflue tool ADDR NAME JSON [--sandbox NAME] [--timeout-ms N]
@@ -26,6 +27,7 @@
 #include "pbtime.h"
 #include "print.h"
 #include "rpc.h"
+#include "store_backup.h"
 #include "tls_flags.h"
 #include "token.h"
 
@@ -70,6 +72,8 @@ static const char usage_text[] =
     "                                     list submissions in admission order\n"
     "  cflue store read CONVERSATION [--after N] [--follow]\n"
     "                                     print a conversation's records\n"
+    "  cflue store backup FILE            write a consistent copy of the database to FILE (a\n"
+    "                                     new file), while storaged serves\n"
     "  cflue tool ADDR NAME JSON [--sandbox NAME] [--timeout-ms N]\n"
     "                                     run one tool call on a toold and print the result\n"
     "                                     and its truncation (sandbox default: debug)\n"
@@ -276,6 +280,12 @@ static int store_get(struct rpc_channel *ch, const struct args *a)
     return 0;
 }
 
+/* store_backup writes a copy of the database (store_backup.c) */
+static int store_backup(struct rpc_channel *ch, const struct args *a)
+{
+    return store_backup_run(ch, a->pos[0]);
+}
+
 static int cmd_store(int argc, char **argv)
 {
     struct args a = {0};
@@ -292,6 +302,8 @@ static int cmd_store(int argc, char **argv)
         run = store_list;
     } else if (!strcmp(sub, "read") && a.n_pos == 1) {
         run = store_read;
+    } else if (!strcmp(sub, "backup") && a.n_pos == 1) {
+        run = store_backup;
     } else {
         return usage();
     }

@@ -4,6 +4,7 @@
  * database, so a storaged killed at any moment restarts into a consistent ledger. Leases that
  * ran out while it was down are found by ScanExpired and Claim.
  */
+#include "backup.h"
 #include "clock.h"
 #include "daemon.h"
 #include "db.h"
@@ -98,6 +99,7 @@ static bool open_ledger(const struct daemon *d, const struct storaged_opts *o, s
                  fenced, boot_id);
     }
     log_startup_state(o->db_path);
+    backup_sweep(o->db_path);
     return true;
 }
 

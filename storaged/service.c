@@ -14,9 +14,13 @@
  * under way; a wake meanwhile sets `dirty` so it reads again), PAUSED (its send queue is full:
  * it resumes from rpc's drained callback, re-reading from the last offset pushed), FINISHED.
  * The follower is freed when both the call let go of it (release) and no read is queued.
+ *
+ * Backup: a thread of its own (RPC_THREAD) takes the copy (backup.h), opens it and unlinks it
+ * at once (so nothing is left if storaged dies), then streams it with its SHA-256.
  */
 #include "service.h"
 
+#include "backup.h"
 #include "failpoint.h"
 
 #include "clock.h"
@@ -27,11 +31,16 @@
 #include "stmt.h"
 #include "validate.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <openssl/evp.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define READERS_MAX 32
 #define FOLLOW_PAGE 200
@@ -46,6 +55,7 @@ struct service {
     pthread_mutex_t mu;
     sqlite3 *idle[READERS_MAX];
     int n_idle;
+    atomic_bool backup_running; /* one Backup at a time */
 };
 
 typedef enum cf_status (*validate_fn)(const ProtobufCMessage *req, struct cf_error *err);
@@ -747,6 +757,95 @@ struct service *service_new(const char *db_path, struct writer *w, const struct 
     return svc;
 }
 
+/* ---------- Backup ---------- */
+
+/* send_copy streams the open copy fd in chunks, then the closing chunk with its size, SHA-256
+ * and schema version. false when the client went away or the file could not be read (the
+ * call is then finished here). */
+static bool send_copy(struct rpc_call *c, int fd, const struct backup_copy *copy)
+{
+    EVP_MD_CTX *md = EVP_MD_CTX_new();
+    if (!md || EVP_DigestInit_ex(md, EVP_sha256(), NULL) != 1) {
+        EVP_MD_CTX_free(md);
+        rpc_call_fail(c, CF_NOMEM, "cannot start the SHA-256 of the copy");
+        return false;
+    }
+    unsigned char *chunk = mem_alloc(BACKUP_CHUNK_BYTES);
+    bool ok = true;
+    int64_t sent = 0;
+    while (ok && sent < copy->size) {
+        ssize_t n = read(fd, chunk, BACKUP_CHUNK_BYTES);
+        if (n <= 0) {
+            rpc_call_fail(c, CF_IO, "cannot read the copy after %lld of %lld bytes: %s",
+                          (long long)sent, (long long)copy->size, n < 0 ? strerror(errno) : "end");
+            ok = false;
+            break;
+        }
+        EVP_DigestUpdate(md, chunk, (size_t)n);
+        failpoint_hit("storaged.backup.chunk"); /* a chunk read, about to be sent */
+        Cflue__V1__BackupChunk m = CFLUE__V1__BACKUP_CHUNK__INIT;
+        m.data.data = chunk;
+        m.data.len = (size_t)n;
+        if (!rpc_call_send(c, &m.base)) {
+            rpc_call_finish(c, GRPC_STATUS_CANCELLED, "the caller went away");
+            ok = false;
+        }
+        sent += n;
+    }
+    if (ok) {
+        unsigned char sha[32];
+        unsigned int len = 0;
+        EVP_DigestFinal_ex(md, sha, &len);
+        Cflue__V1__BackupChunk m = CFLUE__V1__BACKUP_CHUNK__INIT;
+        m.done = true;
+        m.size_bytes = sent;
+        m.sha256.data = sha;
+        m.sha256.len = len;
+        m.schema_version = (char *)copy->schema_version;
+        ok = rpc_call_send(c, &m.base);
+        rpc_call_finish(c, ok ? GRPC_STATUS_OK : GRPC_STATUS_CANCELLED,
+                        ok ? NULL : "the caller went away");
+    }
+    EVP_MD_CTX_free(md);
+    free(chunk);
+    return ok;
+}
+
+static void backup(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
+{
+    (void)msg;
+    struct service *svc = user;
+    if (atomic_exchange(&svc->backup_running, true)) {
+        rpc_call_fail(c, CF_BUSY, "a backup is running already; ask again once it is done");
+        return;
+    }
+    int64_t t0 = clock_mono_ms();
+    struct backup_copy copy;
+    struct cf_error err;
+    int fd = -1;
+    if (backup_take(svc->db_path, &copy, &err) == CF_OK) {
+        failpoint_hit("storaged.backup.copied"); /* the copy is there, not yet unlinked */
+        fd = open(copy.path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            cf_error_set(&err, CF_IO, "cannot open the copy: %s", strerror(errno));
+        }
+        unlink(copy.path); /* open or not, the copy goes: the open descriptor keeps it */
+    }
+    char q[CF_ERROR_MSG_MAX + 16];
+    if (fd < 0) {
+        log_error("backup_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
+        rpc_call_fail_error(c, &err);
+    } else {
+        int64_t copied_ms = clock_mono_ms() - t0;
+        bool sent = send_copy(c, fd, &copy);
+        close(fd);
+        log_info("backup", "bytes=%lld schema=%s copy_ms=%lld total_ms=%lld sent=%d",
+                 (long long)copy.size, copy.schema_version, (long long)copied_ms,
+                 (long long)(clock_mono_ms() - t0), (int)sent);
+    }
+    atomic_store(&svc->backup_running, false);
+}
+
 void service_register(struct service *svc, struct rpc_server *srv)
 {
     char path[128];
@@ -766,6 +865,8 @@ void service_register(struct service *svc, struct rpc_server *srv)
     svc->srv = srv;
     rpc_server_add_method(srv, "/cflue.v1.Store/Follow", &cflue__v1__follow_request__descriptor,
                           follow, svc, RPC_ASYNC);
+    rpc_server_add_method(srv, "/cflue.v1.Store/Backup", &cflue__v1__backup_request__descriptor,
+                          backup, svc, RPC_THREAD);
 }
 
 void service_free(struct service *svc)

@@ -41,6 +41,7 @@ import grpc
 import cflue_harness as H
 from cflue_harness import (Agentd, FakeModel, Storaged, Toold, agent_pb2, common_pb2,
                            read_all, _tail)
+import secret_scan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, 'agentd_fixtures')
@@ -290,7 +291,7 @@ class Stack(object):
                 d.close()
             except Exception:
                 pass
-        shutil.rmtree(self.dir, ignore_errors=True)
+        secret_scan.discard(self.dir)
 
     def dump(self, out, lines=80):
         for name, d in self.daemons:

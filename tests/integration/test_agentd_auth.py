@@ -107,7 +107,7 @@ class AgentdAuthTest(unittest.TestCase):
                 d.close()
             except Exception:
                 pass
-        shutil.rmtree(cls.dir, ignore_errors=True)
+        secret_scan.discard(cls.dir)
 
     @classmethod
     def _sub(cls, name):
