@@ -5,6 +5,7 @@
 
 #include "ids.h"
 #include "mem.h"
+#include "placement.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -223,6 +224,45 @@ static enum cf_status parse_sandbox_limits(yaml_document_t *doc, yaml_node_t *sb
     return CF_OK;
 }
 
+/* sandbox_replicas reads sandbox.tools: one address, a dns: name, or a list of replicas (kept
+ * joined with commas: the spec placement.h reads), checked. */
+static enum cf_status sandbox_replicas(yaml_document_t *doc, yaml_node_t *n, const char *file,
+                                       struct agent_def *a, struct cf_error *err)
+{
+    enum cf_status rc;
+    if (!n || n->type != YAML_SEQUENCE_NODE) {
+        rc = scalar(n, file, "sandbox.tools", &a->sandbox_tools, err);
+    } else {
+        char **list = NULL;
+        size_t k = 0;
+        rc = string_list(doc, n, file, "sandbox.tools", &list, &k, err);
+        struct buf joined;
+        buf_init(&joined, (size_t)PLACEMENT_REPLICAS_MAX * (PLACEMENT_ADDRESS_MAX + 1) * 2);
+        for (size_t i = 0; i < k; i++) {
+            if (rc == CF_OK && strchr(list[i], ',')) {
+                rc = cf_error_set(err, CF_INVALID, "%s: sandbox.tools[%zu]: '%.200s' holds a ','",
+                                  file, i, list[i]);
+            }
+            buf_printf(&joined, "%s%s", i ? "," : "", list[i]);
+            free(list[i]);
+        }
+        free(list);
+        if (rc == CF_OK && k == 0) {
+            rc = cf_error_set(err, CF_INVALID, "%s: sandbox.tools: an empty list", file);
+        }
+        if (rc == CF_OK) {
+            a->sandbox_tools = mem_strdup(buf_cstr(&joined));
+        }
+        buf_cleanup(&joined);
+    }
+    char why[300];
+    if (rc == CF_OK && a->sandbox_tools &&
+        placement_check(a->sandbox_tools, why, sizeof(why)) != CF_OK) {
+        rc = cf_error_set(err, CF_INVALID, "%s: sandbox.tools: %s", file, why);
+    }
+    return rc;
+}
+
 /* parse_sandbox reads the optional sandbox: {tools: ADDRESS, workspace: NAME, limits: {...}}. */
 static enum cf_status parse_sandbox(yaml_document_t *doc, yaml_node_t *root, const char *file,
                                     struct agent_def *a, struct cf_error *err)
@@ -241,8 +281,7 @@ static enum cf_status parse_sandbox(yaml_document_t *doc, yaml_node_t *root, con
         (rc = parse_sandbox_limits(doc, sb, file, a, err)) != CF_OK) {
         return rc;
     }
-    if ((rc = scalar(map_get(doc, sb, "tools"), file, "sandbox.tools", &a->sandbox_tools, err)) !=
-            CF_OK ||
+    if ((rc = sandbox_replicas(doc, map_get(doc, sb, "tools"), file, a, err)) != CF_OK ||
         (rc = scalar(map_get(doc, sb, "workspace"), file, "sandbox.workspace",
                      &a->sandbox_workspace, err)) != CF_OK) {
         return rc;
@@ -311,6 +350,20 @@ static enum cf_status parse_limits(yaml_document_t *doc, yaml_node_t *root, cons
     return CF_OK;
 }
 
+/* is_replica: addr is one of the replicas spec names (a dns: spec names none here). */
+static bool is_replica(const char *spec, const char *addr)
+{
+    const char *names[PLACEMENT_REPLICAS_MAX];
+    size_t n =
+        strncmp(spec, "dns:", 4) ? placement_replicas(spec, names, PLACEMENT_REPLICAS_MAX) : 0;
+    for (size_t i = 0; i < n && i < PLACEMENT_REPLICAS_MAX; i++) {
+        if (!strcmp(names[i], addr)) {
+            return true;
+        }
+    }
+    return false;
+}
+
 /* check_tool_servers: at most AGENT_TOOL_SERVERS_MAX addresses, each named once and none the
  * sandbox's own toold (its tools are there already). */
 static enum cf_status check_tool_servers(const char *file, const struct agent_def *a,
@@ -326,7 +379,7 @@ static enum cf_status check_tool_servers(const char *file, const struct agent_de
             return cf_error_set(err, CF_INVALID, "%s: tools[%zu]: longer than %d characters", file,
                                 i, AGENT_ADDRESS_MAX);
         }
-        if (a->sandbox_tools && !strcmp(addr, a->sandbox_tools)) {
+        if (a->sandbox_tools && is_replica(a->sandbox_tools, addr)) {
             return cf_error_set(err, CF_INVALID,
                                 "%s: tools[%zu]: %s is the sandbox's toold; its tools are the "
                                 "agent's already",

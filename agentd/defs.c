@@ -6,6 +6,7 @@
 #include "ids.h"
 #include "log.h"
 #include "mem.h"
+#include "placement.h"
 
 #include <dirent.h>
 #include <pthread.h>
@@ -109,6 +110,9 @@ static enum cf_status load(const char *dir, struct agent_defs **out, struct cf_e
         return rc;
     }
     for (size_t i = 0; i < defs->agents.n; i++) {
+        if (defs->agents.items[i].sandbox_tools) {
+            placement_watch(defs->agents.items[i].sandbox_tools); /* dns: looked up now */
+        }
         const char *model = defs->agents.items[i].model;
         if (model && !catalog_lookup(model).known) {
             log_warn("model_unknown",

@@ -61,6 +61,7 @@
 #include "log.h"
 #include "mem.h"
 #include "pbtime.h"
+#include "placement.h"
 #include "settled_here.h"
 
 #include <assert.h>
@@ -270,11 +271,16 @@ static bool bind(struct drive *d, struct agent_defs *defs)
     d->cwd[0] = '\0';
     if (d->agent->sandbox_tools) {
         const char *ws = d->agent->sandbox_workspace;
-        d->tools_addr = d->agent->sandbox_tools;
         snprintf(d->workspace, sizeof(d->workspace), "%s",
                  !ws                             ? d->agent->name
                  : !strcmp(ws, "{conversation}") ? d->sub->conversation_id
                                                  : ws);
+        /* the replica holding the workspace; a dns: name with none known yet stays as it is,
+         * and tools_channel refuses it (tools_no_channel says why) */
+        d->tools_addr = placement_pick(d->agent->sandbox_tools, d->workspace);
+        if (!d->tools_addr) {
+            d->tools_addr = d->agent->sandbox_tools;
+        }
         bind_limits(d, NULL);
     } else if (d->agent && dg && *dg->sandbox_tools) {
         /* a subagent without a sandbox of its own works in its parent's */

@@ -15,6 +15,7 @@
 #include "mem.h"
 #include "model_io.h"
 #include "pbtime.h"
+#include "placement.h"
 #include "ready.h"
 #include "settled_here.h"
 #include "thread.h"
@@ -221,6 +222,7 @@ static void close_clients(void)
     rpc_global_shutdown();
     curl_global_cleanup();
     defs_stop();
+    placement_stop(); /* after the definitions: nothing looks a replica up any more */
     catalog_free();
     tokens_stop();
 }

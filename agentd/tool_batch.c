@@ -69,6 +69,9 @@ static int channel_slot(const char *addr)
 
 struct rpc_channel *tools_channel_at(const char *addr)
 {
+    if (!strncmp(addr, "dns:", 4)) {
+        return NULL; /* replicas behind a name with none known yet (placement.h) */
+    }
     pthread_mutex_lock(&g_channels.mu);
     int i = channel_slot(addr);
     struct rpc_channel *ch = i < 0 ? NULL : g_channels.at[i].ch;
@@ -147,9 +150,15 @@ void tools_no_channel(struct drive *d)
 {
     if (d->tools_addr) {
         struct cf_error e;
-        cf_error_set(&e, CF_BUSY,
-                     "no channel to toold at %s: this agentd reaches at most %d tool servers",
-                     d->tools_addr, TOOLS_CHANNELS_MAX);
+        if (!strncmp(d->tools_addr, "dns:", 4)) {
+            cf_error_set(&e, CF_UNAVAILABLE,
+                         "no toold replica is known behind %s: its DNS lookup found none yet",
+                         d->tools_addr);
+        } else {
+            cf_error_set(&e, CF_BUSY,
+                         "no channel to toold at %s: this agentd reaches at most %d tool servers",
+                         d->tools_addr, TOOLS_CHANNELS_MAX);
+        }
         drive_fault(d, "listing the sandbox's tools failed", &e);
     }
 }

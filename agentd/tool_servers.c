@@ -18,6 +18,7 @@
 #include "drive.h"
 #include "log.h"
 #include "mem.h"
+#include "placement.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -409,12 +410,14 @@ static enum cf_status check_agent(const struct agent_def *a, struct listed **see
     const char *ws = a->sandbox_workspace && strcmp(a->sandbox_workspace, "{conversation}")
                          ? a->sandbox_workspace
                          : a->name;
+    /* the replica of the sandbox's toold that holds ws (placement.h) */
+    const char *sandbox = a->sandbox_tools ? placement_pick(a->sandbox_tools, ws) : NULL;
     for (size_t k = 0; k <= a->n_tool_servers && rc == CF_OK; k++) {
         /* the sandbox's toold first, then the agent's own servers */
-        const char *addr = k ? a->tool_servers[k - 1] : a->sandbox_tools;
+        const char *addr = k ? a->tool_servers[k - 1] : sandbox;
         const Cflue__V1__ListToolsResponse *l = addr ? listing(seen, n, addr, ws) : NULL;
         for (size_t i = 0; l && i < l->n_tools && rc == CF_OK; i++) {
-            if (servers_clash(&ts, l->tools[i]->name, addr, a->sandbox_tools, why, sizeof(why))) {
+            if (servers_clash(&ts, l->tools[i]->name, addr, sandbox, why, sizeof(why))) {
                 rc = cf_error_set(err, CF_INVALID, "agent %s: %s", a->name, why);
             } else {
                 toolset_add(&ts, l->tools[i]->name, "", "{}", addr);

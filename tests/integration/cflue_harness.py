@@ -183,6 +183,7 @@ class Daemon(object):
 
     NAME = 'daemon'
     EXITED = RuntimeError
+    LOOPBACK = '127.0.0.1'  # the address a TCP daemon is reached at (with its port file's port)
     # grpc.ChannelCredentials for a daemon serving TLS (set before start(); see tls_credentials)
     credentials = None
 
@@ -260,7 +261,7 @@ class Daemon(object):
                     txt = f.read().strip()
                 if txt:
                     self.port = int(txt)
-                    return '127.0.0.1:%d' % self.port
+                    return '%s:%d' % (self.LOOPBACK, self.port)
             except (IOError, ValueError):
                 pass
             time.sleep(0.02)

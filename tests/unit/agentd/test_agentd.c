@@ -63,6 +63,27 @@ static void test_agents(void)
     CHECK(agents_parse("---\nsandbox: {tools: \"t:1\", workspace: \"..\"}\n---\n", "x", "x.md", &a,
                        &err) == CF_INVALID);
 
+    /* sandbox.tools: one address, a list of replicas (kept joined), or dns:NAME:PORT */
+    CHECK(agents_parse("---\nsandbox: {tools: [\"a:1\", \"b:2\"]}\n---\n", "x", "x.md", &a, &err) ==
+          CF_OK);
+    CHECK_STR(a.sandbox_tools, "a:1,b:2");
+    agents_free_one(&a);
+    CHECK(agents_parse("---\nsandbox: {tools: [\"a:1\", \"a:1\"]}\n---\n", "x", "x.md", &a, &err) ==
+          CF_INVALID);
+    CHECK(strstr(err.msg, "x.md: sandbox.tools: replica 1: a:1 is listed twice") != NULL);
+    CHECK(agents_parse("---\nsandbox: {tools: [\"a:1,b:2\"]}\n---\n", "x", "x.md", &a, &err) ==
+          CF_INVALID);
+    CHECK(strstr(err.msg, "sandbox.tools[0]: 'a:1,b:2' holds a ','") != NULL);
+    CHECK(agents_parse("---\nsandbox: {tools: []}\n---\n", "x", "x.md", &a, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "sandbox.tools: an empty list") != NULL);
+    CHECK(agents_parse("---\nsandbox: {tools: \"dns:toold\"}\n---\n", "x", "x.md", &a, &err) ==
+          CF_INVALID);
+    CHECK(strstr(err.msg, "sandbox.tools: 'dns:toold' is not dns:NAME:PORT") != NULL);
+    CHECK(agents_parse("---\nmodel: openai/gpt\nsandbox: {tools: [\"a:1\", \"b:2\"]}\ntools: "
+                       "[\"b:2\"]\n---\n",
+                       "x", "x.md", &a, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "tools[0]: b:2 is the sandbox's toold") != NULL);
+
     /* sandbox.limits: each optional, whole numbers in range, no unknown field */
     CHECK(agents_parse("---\nsandbox: {tools: \"t:1\", limits: {memory_mib: 64, cpu_s: 30}}\n---\n",
                        "x", "x.md", &a, &err) == CF_OK);

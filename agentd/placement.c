@@ -1,0 +1,410 @@
+/* placement.c - which toold replica holds a sandbox (see placement.h). */
+#include "placement.h"
+
+#include "clock.h"
+#include "log.h"
+#include "mem.h"
+#include "thread.h"
+
+#include <netdb.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#define DNS_PREFIX "dns:"
+
+typedef char replica_name[PLACEMENT_ADDRESS_MAX + 1];
+
+/* One replica a lookup found: the name it is placed by, and the address it is reached at. */
+struct found {
+    replica_name name; /* the reverse lookup's name (stable), else the address */
+    replica_name addr; /* the address just looked up, IP:PORT */
+};
+
+/* A dns: spec and the replicas its last good lookup found. */
+struct watched {
+    char *spec;
+    char host[PLACEMENT_ADDRESS_MAX + 1];
+    char port[8];
+    const char *names[PLACEMENT_REPLICAS_MAX]; /* interned, sorted */
+    const char *addrs[PLACEMENT_REPLICAS_MAX]; /* interned, names[i]'s address */
+    size_t n;
+};
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+    struct watched *watched;
+    size_t n_watched;
+    char **interned; /* every replica address handed out, for the process's life */
+    size_t n_interned;
+    bool started, stopping;
+    pthread_t thread;
+} g = {.mu = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+/* intern returns the process-lifetime copy of s; under g.mu. */
+static const char *intern(const char *s)
+{
+    for (size_t i = 0; i < g.n_interned; i++) {
+        if (!strcmp(g.interned[i], s)) {
+            return g.interned[i];
+        }
+    }
+    g.interned = mem_realloc(g.interned, sizeof(*g.interned) * (g.n_interned + 1));
+    return g.interned[g.n_interned++] = mem_strdup(s);
+}
+
+/* score is the rendezvous weight of sandbox on replica: FNV-1a over both (a 0 byte between),
+ * then the splitmix64 finalizer so that near names spread over the whole range. */
+static uint64_t score(const char *replica, const char *sandbox)
+{
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (const char *p = replica; *p; p++) {
+        h = (h ^ (unsigned char)*p) * 0x100000001b3ULL;
+    }
+    h = (h ^ 0) * 0x100000001b3ULL;
+    for (const char *p = sandbox; *p; p++) {
+        h = (h ^ (unsigned char)*p) * 0x100000001b3ULL;
+    }
+    h ^= h >> 30;
+    h *= 0xbf58476d1ce4e5b9ULL;
+    h ^= h >> 27;
+    h *= 0x94d049bb133111ebULL;
+    return h ^ (h >> 31);
+}
+
+/* best returns the index of the replica of names[0..n) that holds sandbox (-1 when n is 0);
+ * a tie (never seen in practice) goes to the smaller name, so that every agentd decides
+ * alike. */
+static int best(const char *const *names, size_t n, const char *sandbox)
+{
+    int win = -1;
+    uint64_t top = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t s = score(names[i], sandbox);
+        if (win < 0 || s > top || (s == top && strcmp(names[i], names[win]) < 0)) {
+            win = (int)i;
+            top = s;
+        }
+    }
+    return win;
+}
+
+/* split_list cuts a list spec into its entries (at most max, each at most
+ * PLACEMENT_ADDRESS_MAX characters; longer ones are cut: placement_check refuses them). */
+static size_t split_list(const char *spec, replica_name *out, size_t max)
+{
+    size_t n = 0;
+    for (const char *p = spec; *p && n < max;) {
+        const char *end = strchr(p, ',');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        snprintf(out[n++], sizeof(out[0]), "%.*s", (int)len, p);
+        p += len + (end != NULL);
+    }
+    return n;
+}
+
+/* split_dns takes "dns:HOST:PORT" apart; false when it is not of that form. */
+static bool split_dns(const char *spec, char *host, size_t host_len, char *port, size_t port_len)
+{
+    const char *rest = spec + strlen(DNS_PREFIX);
+    const char *colon = strrchr(rest, ':');
+    if (!colon || colon == rest || !colon[1] || strlen(colon + 1) >= port_len ||
+        (size_t)(colon - rest) >= host_len) {
+        return false;
+    }
+    for (const char *p = colon + 1; *p; p++) {
+        if (*p < '0' || *p > '9') {
+            return false;
+        }
+    }
+    long v = strtol(colon + 1, NULL, 10);
+    if (v < 1 || v > 65535) {
+        return false;
+    }
+    snprintf(host, host_len, "%.*s", (int)(colon - rest), rest);
+    snprintf(port, port_len, "%s", colon + 1);
+    return true;
+}
+
+enum cf_status placement_check(const char *spec, char *why, size_t n)
+{
+    if (!strncmp(spec, DNS_PREFIX, strlen(DNS_PREFIX))) {
+        char host[PLACEMENT_ADDRESS_MAX + 1], port[8];
+        if (!split_dns(spec, host, sizeof(host), port, sizeof(port))) {
+            snprintf(why, n, "'%.200s' is not dns:NAME:PORT (a port from 1 to 65535)", spec);
+            return CF_INVALID;
+        }
+        return CF_OK;
+    }
+    if (!strchr(spec, ',')) {
+        return CF_OK; /* one toold: any address gRPC takes */
+    }
+    replica_name names[PLACEMENT_REPLICAS_MAX];
+    size_t k = 0;
+    for (const char *p = spec;; p++) {
+        const char *end = strchr(p, ',');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        if (k == PLACEMENT_REPLICAS_MAX) {
+            snprintf(why, n, "more than %d replicas", PLACEMENT_REPLICAS_MAX);
+            return CF_INVALID;
+        }
+        if (len == 0 || len > PLACEMENT_ADDRESS_MAX || memchr(p, ' ', len) ||
+            !strncmp(p, DNS_PREFIX, strlen(DNS_PREFIX))) {
+            snprintf(why, n, "replica %zu: '%.*s' is not an address (at most %d characters)", k,
+                     (int)(len < 200 ? len : 200), p, PLACEMENT_ADDRESS_MAX);
+            return CF_INVALID;
+        }
+        snprintf(names[k], sizeof(names[k]), "%.*s", (int)len, p);
+        for (size_t j = 0; j < k; j++) {
+            if (!strcmp(names[k], names[j])) {
+                snprintf(why, n, "replica %zu: %s is listed twice", k, names[k]);
+                return CF_INVALID;
+            }
+        }
+        k++;
+        if (!end) {
+            return CF_OK;
+        }
+        p = end;
+    }
+}
+
+static int name_order(const void *a, const void *b)
+{
+    return strcmp(((const struct found *)a)->name, ((const struct found *)b)->name);
+}
+
+/* resolve looks host up and names each address found by its reverse lookup, or by the address
+ * itself; sorted by name, one per name. Returns how many (0: the lookup failed or found none). */
+static size_t resolve(const char *host, const char *port, struct found *out, size_t max)
+{
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
+    struct addrinfo *res = NULL;
+    if (getaddrinfo(host, port, &hints, &res) != 0) {
+        return 0;
+    }
+    size_t n = 0;
+    for (struct addrinfo *ai = res; ai && n < max; ai = ai->ai_next) {
+        char ip[NI_MAXHOST], name[NI_MAXHOST];
+        if (getnameinfo(ai->ai_addr, ai->ai_addrlen, ip, sizeof(ip), NULL, 0, NI_NUMERICHOST)) {
+            continue;
+        }
+        bool named =
+            getnameinfo(ai->ai_addr, ai->ai_addrlen, name, sizeof(name), NULL, 0, NI_NAMEREQD) == 0;
+        struct found f;
+        bool v6 = ai->ai_family == AF_INET6;
+        int len =
+            snprintf(f.addr, sizeof(f.addr), "%s%s%s:%s", v6 ? "[" : "", ip, v6 ? "]" : "", port);
+        int nlen = named ? snprintf(f.name, sizeof(f.name), "%s:%s", name, port)
+                         : snprintf(f.name, sizeof(f.name), "%s", f.addr);
+        if (len >= (int)sizeof(f.addr) || nlen >= (int)sizeof(f.name)) {
+            continue;
+        }
+        bool seen = false;
+        for (size_t i = 0; i < n && !seen; i++) {
+            seen = !strcmp(out[i].name, f.name);
+        }
+        if (!seen) {
+            out[n++] = f;
+        }
+    }
+    freeaddrinfo(res);
+    qsort(out, n, sizeof(*out), name_order);
+    return n;
+}
+
+/* store puts what a lookup of w found in force (nothing found: the replicas known stay) and
+ * logs a change; under g.mu. */
+static void store(struct watched *w, const struct found *found, size_t n)
+{
+    bool same = n == w->n;
+    for (size_t i = 0; same && i < n; i++) {
+        same = !strcmp(found[i].name, w->names[i]) && !strcmp(found[i].addr, w->addrs[i]);
+    }
+    if (same) {
+        return;
+    }
+    if (n == 0) {
+        log_warn("toold_replicas_unresolved",
+                 "spec=%s known=%zu note=\"the lookup found none: the replicas known stay\"",
+                 w->spec, w->n);
+        return;
+    }
+    char list[1024] = "";
+    for (size_t i = 0, len = 0; i < n; i++) {
+        w->names[i] = intern(found[i].name);
+        w->addrs[i] = intern(found[i].addr);
+        if (len < sizeof(list)) {
+            len += (size_t)snprintf(list + len, sizeof(list) - len, "%s%s=%s", i ? "," : "",
+                                    found[i].name, found[i].addr);
+        }
+    }
+    log_info("toold_replicas", "spec=%s replicas=%zu was=%zu list=%s", w->spec, n, w->n, list);
+    w->n = n;
+}
+
+static void *refresh_main(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&g.mu);
+    while (!g.stopping) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += PLACEMENT_REFRESH_MS / 1000;
+        until.tv_nsec += (long)(PLACEMENT_REFRESH_MS % 1000) * 1000000L;
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000L;
+        }
+        while (!g.stopping && pthread_cond_timedwait(&g.wake, &g.mu, &until) == 0) {
+        }
+        for (size_t i = 0; i < g.n_watched && !g.stopping; i++) {
+            char host[sizeof(g.watched[i].host)], port[sizeof(g.watched[i].port)];
+            memcpy(host, g.watched[i].host, sizeof(host));
+            memcpy(port, g.watched[i].port, sizeof(port));
+            pthread_mutex_unlock(&g.mu); /* a lookup may take seconds */
+            struct found found[PLACEMENT_REPLICAS_MAX];
+            size_t n = resolve(host, port, found, PLACEMENT_REPLICAS_MAX);
+            pthread_mutex_lock(&g.mu);
+            store(&g.watched[i], found, n); /* entries are only ever added, never moved out */
+        }
+    }
+    pthread_mutex_unlock(&g.mu);
+    return NULL;
+}
+
+/* find returns the watched entry of spec, or NULL; under g.mu. */
+static struct watched *find(const char *spec)
+{
+    for (size_t i = 0; i < g.n_watched; i++) {
+        if (!strcmp(g.watched[i].spec, spec)) {
+            return &g.watched[i];
+        }
+    }
+    return NULL;
+}
+
+void placement_watch(const char *spec)
+{
+    char host[PLACEMENT_ADDRESS_MAX + 1], port[8];
+    if (strncmp(spec, DNS_PREFIX, strlen(DNS_PREFIX)) ||
+        !split_dns(spec, host, sizeof(host), port, sizeof(port))) {
+        return;
+    }
+    pthread_mutex_lock(&g.mu);
+    bool known = find(spec) != NULL;
+    pthread_mutex_unlock(&g.mu);
+    if (known) {
+        return;
+    }
+    struct found found[PLACEMENT_REPLICAS_MAX];
+    size_t n = resolve(host, port, found, PLACEMENT_REPLICAS_MAX);
+    pthread_mutex_lock(&g.mu);
+    if (!find(spec)) {
+        /* the refresh thread reads entries by index under g.mu: growing the array is safe */
+        g.watched = mem_realloc(g.watched, sizeof(*g.watched) * (g.n_watched + 1));
+        struct watched *w = &g.watched[g.n_watched++];
+        memset(w, 0, sizeof(*w));
+        w->spec = mem_strdup(spec);
+        memcpy(w->host, host, sizeof(w->host));
+        memcpy(w->port, port, sizeof(w->port));
+        store(w, found, n);
+        if (n == 0) {
+            log_warn("toold_replicas_unresolved",
+                     "spec=%s note=\"no replica found yet: looked up again every %d ms\"", spec,
+                     PLACEMENT_REFRESH_MS);
+        }
+    }
+    struct cf_error err;
+    if (!g.started && !g.stopping) {
+        g.started = thread_start(&g.thread, "placement", 0, refresh_main, NULL, &err) == CF_OK;
+        if (!g.started) {
+            log_error("placement_thread_failed",
+                      "err=%s note=\"replicas are not looked up "
+                      "again\"",
+                      err.msg);
+        }
+    }
+    pthread_mutex_unlock(&g.mu);
+}
+
+/* replicas_locked fills names and addrs with spec's replicas known now (at most max) and
+ * returns how many there are; under g.mu. */
+static size_t replicas_locked(const char *spec, const char **names, const char **addrs, size_t max)
+{
+    size_t n = 0;
+    if (!strncmp(spec, DNS_PREFIX, strlen(DNS_PREFIX))) {
+        struct watched *w = find(spec);
+        for (size_t i = 0; w && i < w->n; i++, n++) {
+            if (n < max) {
+                names[n] = w->names[i];
+                addrs[n] = w->addrs[i];
+            }
+        }
+    } else if (strchr(spec, ',')) {
+        replica_name list[PLACEMENT_REPLICAS_MAX];
+        size_t k = split_list(spec, list, PLACEMENT_REPLICAS_MAX);
+        for (size_t i = 0; i < k; i++, n++) {
+            if (n < max) {
+                names[n] = addrs[n] = intern(list[i]);
+            }
+        }
+    } else {
+        if (max) {
+            names[0] = addrs[0] = spec;
+        }
+        n = 1;
+    }
+    return n;
+}
+
+size_t placement_replicas(const char *spec, const char **out, size_t max)
+{
+    const char *names[PLACEMENT_REPLICAS_MAX];
+    pthread_mutex_lock(&g.mu);
+    size_t n = replicas_locked(spec, names, out,
+                               max < PLACEMENT_REPLICAS_MAX ? max : PLACEMENT_REPLICAS_MAX);
+    pthread_mutex_unlock(&g.mu);
+    return n;
+}
+
+const char *placement_pick(const char *spec, const char *sandbox)
+{
+    if (strncmp(spec, DNS_PREFIX, strlen(DNS_PREFIX)) && !strchr(spec, ',')) {
+        return spec;
+    }
+    const char *names[PLACEMENT_REPLICAS_MAX], *addrs[PLACEMENT_REPLICAS_MAX];
+    pthread_mutex_lock(&g.mu);
+    size_t n = replicas_locked(spec, names, addrs, PLACEMENT_REPLICAS_MAX);
+    int i = best(names, n < PLACEMENT_REPLICAS_MAX ? n : PLACEMENT_REPLICAS_MAX, sandbox);
+    pthread_mutex_unlock(&g.mu);
+    return i < 0 ? NULL : addrs[i];
+}
+
+void placement_stop(void)
+{
+    pthread_mutex_lock(&g.mu);
+    g.stopping = true;
+    bool started = g.started;
+    pthread_cond_broadcast(&g.wake);
+    pthread_mutex_unlock(&g.mu);
+    if (started) {
+        pthread_join(g.thread, NULL);
+    }
+    for (size_t i = 0; i < g.n_watched; i++) {
+        free(g.watched[i].spec);
+    }
+    free(g.watched);
+    for (size_t i = 0; i < g.n_interned; i++) {
+        free(g.interned[i]);
+    }
+    free(g.interned);
+    g.watched = NULL;
+    g.interned = NULL;
+    g.n_watched = g.n_interned = 0;
+}

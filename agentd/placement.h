@@ -1,0 +1,51 @@
+/* placement.h - which toold replica holds a sandbox: rendezvous hashing over the replicas an
+ * agent's sandbox.tools names.
+ *
+ * sandbox.tools names them one of three ways (the spec, as agents.c keeps it):
+ *   "HOST:PORT"                one toold: every sandbox is there (no hashing)
+ *   "A:PORT,B:PORT,..."        a list (the YAML list form, joined with commas): the replicas
+ *                              by their addresses
+ *   "dns:NAME:PORT"            the replicas behind a DNS name (a Kubernetes headless Service):
+ *                              NAME's addresses, looked up at load and then every
+ *                              PLACEMENT_REFRESH_MS, each replica named by the reverse lookup of
+ *                              its address (a StatefulSet pod's stable name, e.g.
+ *                              toold-0.toold.ns.svc.cluster.local) or, without one, by the
+ *                              address itself, and reached at the address just looked up (so
+ *                              a pod that comes back with a new address keeps its sandboxes)
+ * A sandbox is placed on the replica whose hash of (replica name, sandbox name) is highest, so
+ * every agentd that sees the same replicas places it alike, a replica added takes over only its
+ * share of the sandboxes (about 1/n), and one that goes away gives away only its own. A lookup
+ * that fails, or finds nothing, keeps the replicas known before.
+ */
+#ifndef CFLUE_AGENTD_PLACEMENT_H
+#define CFLUE_AGENTD_PLACEMENT_H
+
+#include "status.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#define PLACEMENT_REPLICAS_MAX 64 /* replicas of one spec (more are left out, logged) */
+#define PLACEMENT_REFRESH_MS 5000 /* between two lookups of a dns: spec */
+#define PLACEMENT_ADDRESS_MAX 255 /* characters of one replica's address */
+
+/* placement_check validates a spec (as agents.c builds it); CF_INVALID with why filled. */
+CF_MUST_CHECK enum cf_status placement_check(const char *spec, char *why, size_t n);
+
+/* placement_watch looks a dns: spec up now (blocking: call it where definitions load) and has
+ * it looked up again every PLACEMENT_REFRESH_MS from then on; other specs need nothing. */
+void placement_watch(const char *spec);
+
+/* placement_pick returns the address of the replica of spec that holds sandbox: spec itself
+ * for one toold, else a string that lives as long as the process. NULL when a dns: spec has no
+ * replica known (never resolved). */
+const char *placement_pick(const char *spec, const char *sandbox);
+
+/* placement_replicas writes up to max of spec's replicas known now into out (their addresses,
+ * as placement_pick returns them) and returns how many there are. */
+size_t placement_replicas(const char *spec, const char **out, size_t max);
+
+/* placement_stop ends the lookups and frees what placement holds (at exit). */
+void placement_stop(void);
+
+#endif

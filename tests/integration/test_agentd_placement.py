@@ -1,0 +1,227 @@
+"""Sandbox placement over toold replicas (agentd/placement.c): each sandbox's calls all reach
+the one replica rendezvous hashing gives it, whether the agent lists its replicas or names
+them by DNS, and replicas that appear in DNS are taken on without a restart.
+
+    cd tests/integration && CFLUE_BUILD_DIR=/work/main/build /usr/bin/python3 -m unittest -v \
+        test_agentd_placement
+
+Real storaged, toold and agentd processes and the fake model. The DNS case runs agentd in a
+mount namespace of its own whose /etc/hosts names the replicas (the system resolver reads it as
+a cluster's DNS would answer for a headless Service), so it needs root and unshare(1).
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import unittest
+
+import cflue_harness as H
+from cflue_harness import Agentd, FakeModel, Storaged, Toold, common_pb2
+import secret_scan
+
+M64 = (1 << 64) - 1
+CONVERSATIONS = 10
+
+
+def score(replica, sandbox):
+    """The rendezvous weight placement.c gives sandbox on replica (FNV-1a, then splitmix64's
+    finalizer), written again here so that the test checks agentd against an oracle."""
+    h = 0xcbf29ce484222325
+    for b in replica.encode() + b'\0' + sandbox.encode():
+        h = ((h ^ b) * 0x100000001b3) & M64
+    h ^= h >> 30
+    h = (h * 0xbf58476d1ce4e5b9) & M64
+    h ^= h >> 27
+    h = (h * 0x94d049bb133111eb) & M64
+    return h ^ (h >> 31)
+
+
+def owner(names, sandbox):
+    return max(sorted(names), key=lambda n: score(n, sandbox))
+
+
+AGENT = '''---
+name: spread
+description: Test agent whose sandboxes are spread over toold replicas.
+model: anthropic/claude-test-1
+sandbox:
+  tools: %s
+  workspace: "{conversation}"
+durability:
+  max_attempts: 3
+  timeout_ms: 60000
+---
+
+You write a file in your sandbox.
+'''
+
+
+class PlacementCase(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix='cflue-place-')
+        self.daemons = []
+        self.sd = self.keep(Storaged())
+        self.fm = self.keep(FakeModel())
+        self.agents = os.path.join(self.dir, 'agents')
+        os.makedirs(self.agents)
+
+    def tearDown(self):
+        for d in reversed(self.daemons):
+            d.remove()
+        secret_scan.discard(self.dir)
+
+    def keep(self, d):
+        self.daemons.append(d)
+        return d
+
+    def define(self, tools_yaml):
+        with open(os.path.join(self.agents, 'spread.md'), 'w') as f:
+            f.write(AGENT % tools_yaml)
+
+    def model_env(self):
+        return {'ANTHROPIC_BASE_URL': self.fm.anthropic_base_url,
+                'ANTHROPIC_API_KEY': secret_scan.secret('anthropic-key')}
+
+    def converse(self, ad, conv):
+        """One conversation: a bash call writing placed.txt, then an answer."""
+        self.fm.set_scenario([
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'echo placed > placed.txt'}}]},
+            {'text': 'written'},
+        ])
+        sid = ad.submit('spread', 'Write the file.', conversation_id=conv).submission_id
+        sub = ad.get_submission(sid, wait=True, timeout=60)
+        self.assertEqual(sub.outcome, common_pb2.OUTCOME_COMPLETED, sub)
+
+    def where(self, toolds, conv):
+        """The toolds (by index) whose workspace for conv exists, and whose log names it."""
+        held = [i for i, td in enumerate(toolds)
+                if os.path.exists(os.path.join(td.workspace(conv), 'placed.txt'))]
+        logged = [i for i, td in enumerate(toolds) if 'sandbox=%s ' % conv in td.stderr_text()]
+        return held, logged
+
+
+class ListTest(PlacementCase):
+    def test_each_sandbox_on_its_replica(self):
+        toolds = [self.keep(Toold(tcp=True)) for _ in range(3)]
+        names = [td.target for td in toolds]
+        self.define('[%s]' % ', '.join('"%s"' % n for n in names))
+        ad = self.keep(Agentd(self.sd.target, self.agents, env=self.model_env()))
+        used = set()
+        for i in range(CONVERSATIONS):
+            conv = 'conv_list_%02d' % i
+            self.converse(ad, conv)
+            want = names.index(owner(names, conv))
+            self.assertEqual(self.where(toolds, conv), ([want], [want]), conv)
+            used.add(want)
+        self.assertGreater(len(used), 1)  # spread, not all on one
+        # a second agentd places alike (nothing but the names decides)
+        ad2 = self.keep(Agentd(self.sd.target, self.agents, env=self.model_env()))
+        conv = 'conv_list_00'
+        self.converse(ad2, conv)
+        want = names.index(owner(names, conv))
+        self.assertEqual(self.where(toolds, conv)[0], [want])
+
+    def test_a_name_with_no_replica_fails_the_submission_saying_so(self):
+        self.define('"dns:no-such-toold.invalid:7102"')
+        ad = self.keep(Agentd(self.sd.target, self.agents, env=self.model_env()))
+        self.assertIn('event=toold_replicas_unresolved spec=dns:no-such-toold.invalid:7102',
+                      ad.stderr_text())
+        sid = ad.submit('spread', 'Write the file.', conversation_id='conv_none').submission_id
+        sub = ad.get_submission(sid, wait=True, timeout=90)
+        self.assertEqual(sub.outcome, common_pb2.OUTCOME_FAILED, sub)
+        # each attempt was put back as a passing fault (toold unreachable), then given up on
+        self.assertIn('gave up after 3 attempts', sub.error)
+        self.assertIn('no toold replica is known behind dns:no-such-toold.invalid:7102',
+                      ad.stderr_text())
+
+    def test_a_bad_list_stops_the_start(self):
+        self.define('["a:1", "a:1"]')
+        ad = Agentd(self.sd.target, self.agents, env=self.model_env(), start=False)
+        self.daemons.append(ad)
+        with self.assertRaises(H.AgentdExited):
+            ad.start()
+        self.assertIn('sandbox.tools: replica 1: a:1 is listed twice', ad.stderr_text())
+
+
+def free_port(ip):
+    s = socket.socket()
+    s.bind((ip, 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class ReplicaToold(Toold):
+    """A toold listening on ip:port (the replicas share a port, as pods do)."""
+
+    def __init__(self, ip, port):
+        self.LOOPBACK, self.fixed_port = ip, port
+        Toold.__init__(self, tcp=True, start=False)
+
+    def listen_args(self):
+        return ['--listen', '%s:%d' % (self.LOOPBACK, self.fixed_port), '--port-file',
+                self.port_file]
+
+
+class NamespacedAgentd(Agentd):
+    """agentd in a mount namespace of its own, with hosts bind-mounted on /etc/hosts."""
+
+    def __init__(self, hosts, *args, **kwargs):
+        self.hosts = hosts
+        Agentd.__init__(self, *args, **kwargs)
+
+    def command(self):
+        return (['unshare', '-m', '--', 'sh', '-c', 'mount --bind "$0" /etc/hosts && exec "$@"',
+                 self.hosts] + Agentd.command(self))
+
+
+@unittest.skipUnless(os.geteuid() == 0 and shutil.which('unshare'),
+                     'needs root and unshare(1) for a private /etc/hosts')
+class DnsTest(PlacementCase):
+    def write_hosts(self, replicas):
+        with open(self.hosts, 'w') as f:  # rewritten in place: the bind mount sees it
+            f.write('127.0.0.1 localhost\n')
+            for ip, name in replicas:
+                f.write('%s %s.cflue.test tools.cflue.test\n' % (ip, name))
+
+    def test_replicas_by_dns_and_one_added(self):
+        self.hosts = os.path.join(self.dir, 'hosts')
+        port = free_port('127.0.0.2')
+        ips = {'toold-a': '127.0.0.2', 'toold-b': '127.0.0.3', 'toold-c': '127.0.0.4'}
+        toolds = {}
+        for name, ip in ips.items():
+            toolds[name] = self.keep(ReplicaToold(ip, port))
+            toolds[name].start()
+        self.write_hosts([(ips['toold-a'], 'toold-a'), (ips['toold-b'], 'toold-b')])
+        self.define('"dns:tools.cflue.test:%d"' % port)
+        ad = self.keep(NamespacedAgentd(self.hosts, self.sd.target, self.agents,
+                                        env=self.model_env()))
+        order = ['toold-a', 'toold-b', 'toold-c']
+        listed = [toolds[n] for n in order]
+
+        def check(names, conv):
+            self.converse(ad, conv)
+            want = order.index(owner(['%s.cflue.test:%d' % (n, port) for n in names],
+                                     conv).split('.')[0])
+            self.assertEqual(self.where(listed, conv), ([want], [want]), conv)
+            return want
+
+        two = {check(['toold-a', 'toold-b'], 'conv_dns_%02d' % i) for i in range(6)}
+        self.assertEqual(two, {0, 1})
+        self.assertIn('event=toold_replicas spec=dns:tools.cflue.test:%d replicas=2' % port,
+                      ad.stderr_text())
+        # a third replica appears in DNS: taken on within a lookup period, no restart
+        self.write_hosts([(ips[n], n) for n in order])
+        deadline = time.monotonic() + 15
+        while 'replicas=3' not in ad.stderr_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.assertIn('replicas=3 was=2', ad.stderr_text())
+        three = {check(order, 'conv_dns3_%02d' % i) for i in range(8)}
+        self.assertIn(2, three)
+
+
+if __name__ == '__main__':
+    unittest.main()
