@@ -63,6 +63,7 @@
 #include "pbtime.h"
 #include "placement.h"
 #include "settled_here.h"
+#include "stats.h"
 
 #include <assert.h>
 #include <stdio.h>
@@ -784,6 +785,8 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
         drive_free(d);
         return NULL; /* the lease expires; another claim takes it */
     }
+    stats_drive(d->takeover);
+    d->turn_mark_us = clock_mono_us();
     log_info("drive", "submission=%s conversation=%s attempt=%s count=%d takeover=%d",
              d->sub->submission_id, d->sub->conversation_id, d->fence.attempt_id,
              d->sub->attempt_count, (int)d->takeover);

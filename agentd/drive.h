@@ -93,15 +93,16 @@ struct tool_wait {
  * by the model I/O loop's callbacks; the rest by the engine thread stepping the drive. */
 struct model_wait {
     pthread_mutex_t mu;
-    bool done;             /* under mu: the call ended; rc and err say how */
-    enum cf_status rc;     /* under mu */
-    struct cf_error err;   /* under mu */
-    struct buf pending;    /* under mu: streamed text not yet handed to the drive */
-    bool flush_posted;     /* under mu: the drive was posted to flush deltas */
-    int64_t flushed_ms;    /* under mu: monotonic time of the last delta flush */
-    bool in_flight;        /* a call was started and its done not yet handled */
-    bool backing_off;      /* waiting for backoff_until before the next try */
-    int64_t backoff_until; /* monotonic ms */
+    bool done;              /* under mu: the call ended; rc and err say how */
+    enum cf_status rc;      /* under mu */
+    struct cf_error err;    /* under mu */
+    struct buf pending;     /* under mu: streamed text not yet handed to the drive */
+    bool flush_posted;      /* under mu: the drive was posted to flush deltas */
+    int64_t flushed_ms;     /* under mu: monotonic time of the last delta flush */
+    bool in_flight;         /* a call was started and its done not yet handled */
+    bool backing_off;       /* waiting for backoff_until before the next try */
+    int64_t backoff_until;  /* monotonic ms */
+    int64_t try_started_us; /* monotonic: when the current try started (stats) */
     int attempt;
     struct context ctx; /* the turn's context, kept for retries */
     struct llm_request req;
@@ -232,9 +233,10 @@ struct drive {
     const char *model_id; /* the model's id, after the provider */
     int depth;            /* delegation depth: 0 for work submitted directly, 1.. for subagents */
     bool takeover;
-    struct record_log log;         /* the conversation, read once and appended through */
-    bool log_loaded;               /* the whole conversation was read into the log */
-    char *load_token;              /* the next page of the reading in flight, or NULL */
+    int64_t turn_mark_us;  /* monotonic: the drive's start, then its last answer (stats_turn) */
+    struct record_log log; /* the conversation, read once and appended through */
+    bool log_loaded;       /* the whole conversation was read into the log */
+    char *load_token;      /* the next page of the reading in flight, or NULL */
     Cflue__V1__Submission **known; /* submissions whose messages the drive holds (joins, Gets) */
     size_t n_known;
     /* streaming deltas */

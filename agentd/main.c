@@ -18,6 +18,7 @@
 #include "placement.h"
 #include "ready.h"
 #include "settled_here.h"
+#include "stats.h"
 #include "thread.h"
 #include "tokens.h"
 #include "watch.h"
@@ -279,6 +280,7 @@ int main(int argc, char **argv)
         DAEMON_OPT_MAX_STREAM_MEMORY(&d),
         DAEMON_OPT_LOG_LEVEL(&d),
         DAEMON_OPTS_TLS(&d),
+        DAEMON_OPT_METRICS(&d),
         DAEMON_OPTS_PEER_TLS(&d),
     };
     int rc = daemon_configure(&d, opts, CONFIG_COUNT(opts), argc, argv);
@@ -310,6 +312,7 @@ int main(int argc, char **argv)
                           OWNER_MAX);
     }
     set_engine(&o);
+    stats_init();
     curl_global_init(CURL_GLOBAL_DEFAULT);
     rpc_global_init();
     g_agentd.store = rpc_channel_new(o.store, 64 << 20);

@@ -22,6 +22,7 @@
 #include "engine.h"
 #include "log.h"
 #include "mem.h"
+#include "stats.h"
 #include "thread.h"
 
 #include <stdio.h>
@@ -180,6 +181,7 @@ static void try_start(struct drive *d)
     w->flushed_ms = d->delta_flushed_ms;
     pthread_mutex_unlock(&w->mu);
     w->in_flight = true;
+    w->try_started_us = clock_mono_us();
     struct cf_error err = {0};
     enum cf_status rc;
     int64_t left = drive_time_left(d);
@@ -282,6 +284,7 @@ bool model_call_poll(struct drive *d, enum cf_status *out)
         }
         set_call(d, 0);
         w->in_flight = false;
+        stats_model_call(d->model, rc, &d->answer, clock_mono_us() - w->try_started_us);
         if (rc != CF_OK) {
             d->err = err;
         }
@@ -314,6 +317,12 @@ enum cf_status model_record_answer(struct drive *d, const struct llm_response *r
     usage.input_tokens = resp->input_tokens;
     usage.output_tokens = resp->output_tokens;
     usage.cost_usd = catalog_cost(&mi, resp->input_tokens, resp->output_tokens);
+    stats_usage(d->model, resp->input_tokens, resp->output_tokens, usage.cost_usd);
+    int64_t now = clock_mono_us();
+    if (d->turn_mark_us) {
+        stats_turn(now - d->turn_mark_us);
+    }
+    d->turn_mark_us = now;
     body.turn = d->turn;
     body.text = (char *)buf_cstr(&resp->text);
     body.tool_calls = ptrs;

@@ -22,6 +22,7 @@
 #include "failpoint.h"
 #include "log.h"
 #include "settled_here.h"
+#include "stats.h"
 #include "utf8.h"
 
 #include <stdio.h>
@@ -197,11 +198,12 @@ static enum drive_end settle_answered_with(struct drive *d, enum cf_status rc,
     failpoint_hit("agentd.settle.after");
     Cflue__V1__SettleResponse *sr = (Cflue__V1__SettleResponse *)resp;
     dstore_settled_hints(d, sr);
+    const char *name = outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED ? "completed"
+                       : outcome == CFLUE__V1__OUTCOME__OUTCOME_FAILED  ? "failed"
+                                                                        : "aborted";
+    stats_settled(name, sr->n_settled_with);
     log_info(
-        "settled", "submission=%s outcome=%s joined=%zu err=%s", d->sub->submission_id,
-        outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED ? "completed"
-        : outcome == CFLUE__V1__OUTCOME__OUTCOME_FAILED  ? "failed"
-                                                         : "aborted",
+        "settled", "submission=%s outcome=%s joined=%zu err=%s", d->sub->submission_id, name,
         sr->n_settled_with,
         log_quote(q, sizeof(q), outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED ? "" : error));
     if (sr->submission) {

@@ -26,6 +26,7 @@
 #include "log.h"
 #include "mem.h"
 #include "pbtime.h"
+#include "stats.h"
 #include "utf8.h"
 
 #include <pthread.h>
@@ -254,6 +255,7 @@ static void record(struct drive *d, int index, const char *call_id, const char *
     Cflue__V1__Attachment *kept[IMAGE_RESULT_MAX];
     size_t bytes = 0;
     context_tool_result_id(id, sizeof(id), d->sub->submission_id, d->turn, call_id);
+    stats_tool_result(name, is_error, t && t->truncated);
     body.turn = d->turn;
     body.index = index;
     body.tool_call_id = (char *)call_id;

@@ -10,6 +10,9 @@ int64_t clock_now_ms(void);
 /* clock_mono_ms returns a monotonic clock in milliseconds, for intervals and deadlines. */
 int64_t clock_mono_ms(void);
 
+/* clock_mono_us is clock_mono_ms in microseconds, for latencies. */
+int64_t clock_mono_us(void);
+
 struct timespec;
 
 /* clock_deadline fills ts with the wall-clock time ms milliseconds from now, the form

@@ -14,6 +14,7 @@
 
 #include "failpoint.h"
 #include "log.h"
+#include "metrics_http.h"
 #include "tls.h"
 
 #include <errno.h>
@@ -124,19 +125,34 @@ bool daemon_serve(struct daemon *d, struct rpc_server *srv)
 {
     struct cf_error err;
     int port = 0;
+    char q[CF_ERROR_MSG_MAX + 16];
+    if (d->metrics_listen && *d->metrics_listen) {
+        if (metrics_http_start(d->metrics_listen, &d->metrics, &d->metrics_port, &err) != CF_OK) {
+            log_error("metrics_listen_failed", "addr=%s err=%s", d->metrics_listen,
+                      log_quote(q, sizeof(q), err.msg));
+            daemon_say(d, 1, "%s", err.msg);
+            rpc_server_free(srv);
+            return false;
+        }
+        log_info("metrics_listening", "addr=%s port=%d path=/metrics", d->metrics_listen,
+                 d->metrics_port);
+    }
     if (g_tls) {
         rpc_server_set_credentials(srv, tls_server_credentials(g_tls));
     }
     if (rpc_server_listen(srv, d->listen, &port, &err) != CF_OK) {
-        char q[CF_ERROR_MSG_MAX + 16];
         log_error("listen_failed", "addr=%s err=%s", d->listen, log_quote(q, sizeof(q), err.msg));
         daemon_say(d, 1, "%s", err.msg);
         rpc_server_free(srv);
+        metrics_http_stop(d->metrics);
+        d->metrics = NULL;
         return false;
     }
     if (rpc_server_start(srv) != CF_OK) {
         daemon_say(d, 1, "could not start serving (threads); see the log");
         rpc_server_free(srv);
+        metrics_http_stop(d->metrics);
+        d->metrics = NULL;
         return false;
     }
     d->server = srv;
@@ -156,6 +172,8 @@ void daemon_stop_serving(struct daemon *d)
     d->server = NULL;
     tls_server_free(g_tls); /* after the server: its handshakes asked g_tls for certificates */
     g_tls = NULL;
+    metrics_http_stop(d->metrics);
+    d->metrics = NULL;
 }
 
 void daemon_port_file(const char *path, int port)

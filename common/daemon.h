@@ -38,11 +38,15 @@ struct daemon {
     /* TLS (DAEMON_OPTS_TLS, DAEMON_OPTS_PEER_TLS): PEM file paths, "" for none */
     const char *tls_cert, *tls_key, *tls_client_ca; /* the listener's; client CA: mTLS */
     const char *peer_ca, *peer_cert, *peer_key;     /* the channels to peers (tls_client_load) */
+    const char *metrics_listen;                     /* --metrics-listen: "" for none */
+    struct metrics_http *metrics;                   /* set by daemon_serve */
+    int metrics_port;                               /* its bound port */
 };
 
 #define DAEMON_INIT(name, usage, listen)                                                           \
     {                                                                                              \
-        (name), (usage), (listen), "", "info", 5000, 256, 256, NULL, 0, "", "", "", "", "", ""     \
+        (name), (usage), (listen), "", "info", 5000, 256, 256, NULL, 0, "", "", "", "", "", "",    \
+            "", NULL, 0                                                                            \
     }
 
 /* The log levels --log-level takes (log.h), for a choices list. */
@@ -84,6 +88,11 @@ extern const char *const daemon_log_levels[];
                           "PEM client certificate presented to peers (with --peer-key; needs "     \
                           "--peer-ca)"),                                                           \
         CONFIG_OPT_STRING("peer-key", &(d)->peer_key, "PEM private key of --peer-cert")
+
+/* --metrics-listen, for every daemon: Prometheus /metrics (metrics_http.h). */
+#define DAEMON_OPT_METRICS(d)                                                                      \
+    CONFIG_OPT_STRING("metrics-listen", &(d)->metrics_listen,                                      \
+                      "HOST:PORT serving Prometheus metrics at /metrics over HTTP (empty: none)")
 
 /* daemon_configure's "go on" result; any other is the exit code for main to return. */
 #define DAEMON_RUN (-1)

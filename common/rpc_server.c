@@ -36,6 +36,7 @@
 #include "errinfo.h"
 #include "log.h"
 #include "mem.h"
+#include "metrics.h"
 #include "pbcheck.h"
 #include "thread.h"
 
@@ -116,6 +117,7 @@ struct rpc_call {
     int q_len;
     grpc_byte_buffer *inflight;
     bool live;                    /* counted in srv->live_calls */
+    int64_t started_us;           /* monotonic: when the call arrived (for its latency) */
     char *input_problem;          /* lenient methods: what pbcheck found, or NULL */
     struct rpc_call *next_queued; /* the server's pending-call queue */
     size_t queued_bytes;          /* undecoded request bytes counted in srv->queue_bytes */
@@ -131,6 +133,7 @@ struct rpc_call {
 
 struct rpc_server {
     struct rpc_server_opts opts;
+    struct metric *handled, *latency; /* cflue_rpc_server_* (metrics.h) */
     grpc_server *server;
     grpc_completion_queue *cq;
     struct method methods[MAX_METHODS];
@@ -426,9 +429,41 @@ static void enqueue_locked(struct rpc_call *c, grpc_byte_buffer *bb)
 
 /* finish_locked queues the call's status; an error status also gets its ErrorInfo trailer
  * (reason NULL or "": the one named after the code). */
+/* observe_call counts a finished call in cflue_rpc_server_handled_total and its latency. */
+static void observe_call(const struct rpc_call *c, grpc_status_code code)
+{
+    static const char *const names[] = {"OK",
+                                        "CANCELLED",
+                                        "UNKNOWN",
+                                        "INVALID_ARGUMENT",
+                                        "DEADLINE_EXCEEDED",
+                                        "NOT_FOUND",
+                                        "ALREADY_EXISTS",
+                                        "PERMISSION_DENIED",
+                                        "RESOURCE_EXHAUSTED",
+                                        "FAILED_PRECONDITION",
+                                        "ABORTED",
+                                        "OUT_OF_RANGE",
+                                        "UNIMPLEMENTED",
+                                        "INTERNAL",
+                                        "UNAVAILABLE",
+                                        "DATA_LOSS",
+                                        "UNAUTHENTICATED"};
+    struct rpc_server *s = c->srv;
+    const char *method = c->m ? c->m->path : "unknown";
+    const char *name =
+        (int)code >= 0 && (size_t)code < sizeof(names) / sizeof(names[0]) ? names[code] : "UNKNOWN";
+    metrics_add(s->handled, METRICS_LABELS(method, name), 1);
+    if (c->started_us) {
+        metrics_observe(s->latency, METRICS_LABELS(method),
+                        (double)(clock_mono_us() - c->started_us) / 1e6);
+    }
+}
+
 static void finish_locked(struct rpc_call *c, grpc_status_code code, const char *details,
                           const char *reason)
 {
+    observe_call(c, code);
     c->finished = true;
     c->status_pending = true;
     c->status_code = code;
@@ -977,6 +1012,7 @@ static void on_new_call(struct rpc_call *c, int success)
         post_slot(s, c->m);
     }
     atomic_fetch_add_explicit(&c->m->calls, 1, memory_order_relaxed);
+    c->started_us = clock_mono_us();
     begin_call(c);
     size_t bytes = c->payload ? grpc_byte_buffer_length(c->payload) : 0;
     switch (c->m->mode) {
@@ -1191,6 +1227,12 @@ static void health_watch(struct rpc_call *c, const ProtobufCMessage *msg, void *
 struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
 {
     struct rpc_server *s = mem_alloc(sizeof(*s));
+    s->handled = metrics_counter("cflue_rpc_server_handled_total",
+                                 "gRPC calls this server finished, by method and status code.",
+                                 "method,code");
+    s->latency = metrics_histogram("cflue_rpc_server_handling_seconds",
+                                   "Time from a call's arrival to its status, by method.", "method",
+                                   metrics_latency_buckets, metrics_latency_buckets_n);
     if (opts) {
         s->opts = *opts;
     }

@@ -132,6 +132,7 @@ int main(int argc, char **argv)
         DAEMON_OPT_MAX_STREAM_MEMORY(&d),
         DAEMON_OPT_LOG_LEVEL(&d),
         DAEMON_OPTS_TLS(&d),
+        DAEMON_OPT_METRICS(&d),
         CONFIG_OPT_STRING(
             "boot-id-file", &o.boot_id_file,
             "where the machine's boot id is read (a new boot after an unclean stop fences running "

@@ -28,6 +28,7 @@
 #include "follow_hub.h"
 #include "log.h"
 #include "mem.h"
+#include "metrics.h"
 #include "stmt.h"
 #include "validate.h"
 
@@ -244,6 +245,66 @@ struct pending {
     int n_woken;                               /* -1: unknown, wake every follower */
 };
 
+/* storaged's Prometheus series (metrics.h), made by service_register. */
+static struct {
+    struct metric *submissions, *claims, *settle_seconds;
+} stats;
+
+/* count_result adds a committed claim (by Claim, or with Admit) or Settle to the series. */
+static void count_result(const struct pending *p)
+{
+    if (!strcmp(p->m->name, "Admit")) {
+        const Cflue__V1__AdmitResponse *r = (const void *)p->resp;
+        if (r->claim) { /* admitted and claimed in one call: a first attempt */
+            metrics_add(stats.claims, METRICS_LABELS("first"), 1);
+        }
+    } else if (!strcmp(p->m->name, "Claim")) {
+        const Cflue__V1__ClaimResponse *r = (const void *)p->resp;
+        if (r->submission) {
+            const char *kind = r->takeover                        ? "takeover"
+                               : r->submission->attempt_count > 1 ? "retry"
+                                                                  : "first";
+            metrics_add(stats.claims, METRICS_LABELS(kind), 1);
+        }
+    } else if (!strcmp(p->m->name, "Settle")) {
+        const Cflue__V1__SettleResponse *r = (const void *)p->resp;
+        const Cflue__V1__Submission *s = r->submission;
+        if (!r->already_settled && s && s->create_time && s->settle_time) {
+            double secs = (double)(s->settle_time->seconds - s->create_time->seconds) +
+                          (s->settle_time->nanos - s->create_time->nanos) / 1e9;
+            metrics_observe(stats.settle_seconds, NULL, secs > 0 ? secs : 0);
+        }
+    }
+}
+
+/* count_submissions (at each scrape) sets cflue_store_submissions from the database: one read
+ * of the submissions table, grouped by status and outcome. */
+static void count_submissions(void *arg)
+{
+    struct service *svc = arg;
+    sqlite3 *db;
+    struct cf_error err;
+    if (reader_begin(svc, &db, &err) != CF_OK) {
+        return; /* the last values stay: a scrape during an outage still answers */
+    }
+    struct stmt s;
+    bool row = false;
+    if (stmt_open(&s, db,
+                  "SELECT status, COALESCE(outcome, ''), count(*) FROM submissions "
+                  "GROUP BY status, outcome",
+                  "count submissions", &err) == CF_OK) {
+        metrics_clear(stats.submissions);
+        while (stmt_step(&s, &row, &err) == CF_OK && row) {
+            metrics_set(stats.submissions,
+                        METRICS_LABELS((const char *)sqlite3_column_text(s.st, 0),
+                                       (const char *)sqlite3_column_text(s.st, 1)),
+                        (double)sqlite3_column_int64(s.st, 2));
+        }
+        stmt_close(&s);
+    }
+    reader_end(svc, db);
+}
+
 static void log_result(const struct pending *p, enum cf_status st, const struct cf_error *err)
 {
     char q[CF_ERROR_MSG_MAX + 32];
@@ -301,6 +362,7 @@ static void complete(void *arg, enum cf_status st, const struct cf_error *err)
     log_result(p, st, err);
     if (st == CF_OK) {
         wake_followers(p);
+        count_result(p);
     }
     if (st == CF_OK) {
         if (failpoint_armed()) {
@@ -863,6 +925,18 @@ void service_register(struct service *svc, struct rpc_server *srv)
         rpc_server_add_method(srv, path, methods[i].req_desc, dispatch, &bindings[i], mode);
     }
     svc->srv = srv;
+    stats.submissions = metrics_gauge("cflue_store_submissions",
+                                      "Submissions in the ledger, by status and outcome (read "
+                                      "from the database at each scrape).",
+                                      "status,outcome");
+    stats.claims = metrics_counter("cflue_store_claims_total",
+                                   "Submissions claimed: first attempts, retries after a requeue "
+                                   "or failure, and takeovers of an expired lease.",
+                                   "kind");
+    stats.settle_seconds = metrics_histogram(
+        "cflue_store_settle_seconds", "Time from a submission's admission to its settlement.", "",
+        metrics_latency_buckets, metrics_latency_buckets_n);
+    metrics_on_scrape(count_submissions, svc);
     rpc_server_add_method(srv, "/cflue.v1.Store/Follow", &cflue__v1__follow_request__descriptor,
                           follow, svc, RPC_ASYNC);
     rpc_server_add_method(srv, "/cflue.v1.Store/Backup", &cflue__v1__backup_request__descriptor,

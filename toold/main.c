@@ -171,6 +171,7 @@ int main(int argc, char **argv)
             &d, "Sandbox calls waiting for a thread; more are refused RESOURCE_EXHAUSTED"),
         DAEMON_OPT_LOG_LEVEL(&d),
         DAEMON_OPTS_TLS(&d),
+        DAEMON_OPT_METRICS(&d),
     };
     int rc = daemon_configure(&d, opts, CONFIG_COUNT(opts), argc, argv);
     if (rc != DAEMON_RUN) {

@@ -14,6 +14,7 @@
 #include "locks.h"
 #include "log.h"
 #include "mem.h"
+#include "metrics.h"
 #include "page_token.h"
 #include "pbtime.h"
 #include "proc.h"
@@ -134,6 +135,26 @@ static bool call_gone(void *arg)
 /* run_call executes one ToolCall into res (with gRPC-level problems in *err). A batch passes
  * the per-path turn it reserved in ticket_key/ticket; a call that ends without using it still
  * waits for and passes its turn, so later calls on the path are not stranded. */
+/* toold's Prometheus series (metrics.h), made by toold_register. */
+static struct {
+    struct metric *calls, *seconds, *truncated, *limits;
+} stats;
+
+/* count_call adds one finished tool call to the cflue_toold_* series (tool: a known tool's
+ * name, or "unknown"). */
+static void count_call(const char *tool, const struct tool_result *res, int64_t ms)
+{
+    metrics_add(stats.calls, METRICS_LABELS(tool, res->is_error ? "true" : "false"), 1);
+    metrics_observe(stats.seconds, METRICS_LABELS(tool), (double)ms / 1000.0);
+    if (res->trunc.truncated) {
+        metrics_add(stats.truncated, METRICS_LABELS(tool), 1);
+    }
+    const char *limit = json_string_value(json_object_get(res->details, "limit"));
+    if (limit) {
+        metrics_add(stats.limits, METRICS_LABELS(limit), 1);
+    }
+}
+
 /* command_limits is what sb's commands may use under the caller's limits m (NULL: sb's own):
  * each of sb's bounds tightened, never loosened. A negative value is CF_INVALID naming it. */
 static enum cf_status command_limits(const struct sandbox *sb, const Cflue__V1__CommandLimits *m,
@@ -211,6 +232,7 @@ static enum cf_status run_call(const Cflue__V1__ToolCall *call, struct rpc_call 
         locks_release(sb->locks, ticket_key);
     }
     failpoint_hit("toold.tool.after_run"); /* ran; its result not yet sent */
+    count_call(t ? t->name : "unknown", res, clock_mono_ms() - t0);
     char q[256];
     log_info("tool.call", "sandbox=%s tool=%s call=%s error=%d truncated=%d ms=%lld", sb->name,
              log_quote(q, sizeof(q), call->name), *call->call_id ? call->call_id : "-",
@@ -1093,6 +1115,9 @@ static void on_exec(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
     resp.exit_code = pr.exit_code;
     resp.timed_out = pr.timed_out;
     resp.limit = (char *)proc_limit_name(pr.limit);
+    if (pr.limit) {
+        metrics_add(stats.limits, METRICS_LABELS(resp.limit), 1);
+    }
     if (o.overflow) {
         buf_reset(&o.err);
         buf_append_str(&o.err, "[output exceeded 8 MiB in all; the command was stopped]");
@@ -1108,6 +1133,16 @@ void toold_register(struct rpc_server *srv, struct workspaces *ws, const struct 
 {
     server_state.ws = ws;
     server_state.cfg = cfg;
+    stats.calls = metrics_counter("cflue_toold_tool_calls_total",
+                                  "Tool calls run, by tool and whether the result is an error.",
+                                  "tool,error");
+    stats.seconds = metrics_histogram("cflue_toold_tool_call_seconds", "Tool calls' run time.",
+                                      "tool", metrics_latency_buckets, metrics_latency_buckets_n);
+    stats.truncated = metrics_counter("cflue_toold_tool_truncations_total",
+                                      "Tool results cut to the page limits, by tool.", "tool");
+    stats.limits =
+        metrics_counter("cflue_toold_limit_stops_total",
+                        "Commands stopped by one of their limits, by the limit.", "limit");
     /* commands (Execute, ExecuteBatch, Exec) may run for minutes: a thread each */
     static const struct rpc_method_def methods[] = {
         {"/cflue.v1.Tools/List", &cflue__v1__list_tools_request__descriptor, on_list, RPC_POOL},

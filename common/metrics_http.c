@@ -1,0 +1,130 @@
+/* metrics_http.c - the /metrics endpoint over libmicrohttpd (see metrics_http.h). */
+#include "metrics_http.h"
+
+#include "mem.h"
+#include "metrics.h"
+
+#include <arpa/inet.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+struct metrics_http {
+    struct MHD_Daemon *d;
+};
+
+static enum MHD_Result reply(struct MHD_Connection *conn, unsigned int code, const char *type,
+                             char *body, size_t len, enum MHD_ResponseMemoryMode mode)
+{
+    struct MHD_Response *r = MHD_create_response_from_buffer(len, body, mode);
+    if (!r) {
+        if (mode == MHD_RESPMEM_MUST_FREE) {
+            free(body);
+        }
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", type);
+    enum MHD_Result ok = MHD_queue_response(conn, code, r);
+    MHD_destroy_response(r);
+    return ok;
+}
+
+static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char *url,
+                              const char *method, const char *version, const char *upload,
+                              size_t *upload_len, void **state)
+{
+    (void)cls;
+    (void)version;
+    (void)upload;
+    (void)upload_len;
+    (void)state;
+    static char not_found[] = "only /metrics is served here\n";
+    static char not_allowed[] = "only GET and HEAD\n";
+    if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0) {
+        return reply(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "text/plain", not_allowed,
+                     strlen(not_allowed), MHD_RESPMEM_PERSISTENT);
+    }
+    if (strcmp(url, "/metrics") != 0) {
+        return reply(conn, MHD_HTTP_NOT_FOUND, "text/plain", not_found, strlen(not_found),
+                     MHD_RESPMEM_PERSISTENT);
+    }
+    size_t len;
+    char *text = metrics_render(&len);
+    return reply(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", text, len,
+                 MHD_RESPMEM_MUST_FREE);
+}
+
+/* parse_addr reads HOST:PORT ([V6]:PORT, :PORT for every address) into ss. */
+static enum cf_status parse_addr(const char *addr, struct sockaddr_storage *ss, socklen_t *len,
+                                 struct cf_error *err)
+{
+    char host[256];
+    const char *colon = strrchr(addr, ':');
+    if (!colon || (size_t)(colon - addr) >= sizeof(host)) {
+        return cf_error_set(err, CF_INVALID, "--metrics-listen '%.200s' is not HOST:PORT", addr);
+    }
+    snprintf(host, sizeof(host), "%.*s", (int)(colon - addr), addr);
+    if (host[0] == '[' && host[strlen(host) - 1] == ']') {
+        memmove(host, host + 1, strlen(host) - 2);
+        host[strlen(host) - 2] = '\0';
+    }
+    char *end;
+    long port = strtol(colon + 1, &end, 10);
+    if (!colon[1] || *end || port < 0 || port > 65535) {
+        return cf_error_set(err, CF_INVALID, "--metrics-listen '%.200s': a port from 0 to 65535",
+                            addr);
+    }
+    struct addrinfo hints = {.ai_flags = AI_PASSIVE | AI_NUMERICSERV, .ai_socktype = SOCK_STREAM};
+    struct addrinfo *res = NULL;
+    int rc = getaddrinfo(host[0] ? host : NULL, colon + 1, &hints, &res);
+    if (rc != 0 || !res) {
+        return cf_error_set(err, CF_INVALID, "--metrics-listen '%.200s': %s", addr,
+                            gai_strerror(rc));
+    }
+    memcpy(ss, res->ai_addr, res->ai_addrlen);
+    *len = res->ai_addrlen;
+    freeaddrinfo(res);
+    return CF_OK;
+}
+
+enum cf_status metrics_http_start(const char *addr, struct metrics_http **out, int *port,
+                                  struct cf_error *err)
+{
+    struct sockaddr_storage ss;
+    socklen_t len;
+    enum cf_status rc = parse_addr(addr, &ss, &len, err);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    unsigned int flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
+    if (ss.ss_family == AF_INET6) {
+        flags |= MHD_USE_IPv6;
+    }
+    struct MHD_Daemon *d =
+        MHD_start_daemon(flags, 0, NULL, NULL, handle, NULL, MHD_OPTION_SOCK_ADDR,
+                         (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, (unsigned int)64,
+                         MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)30, MHD_OPTION_END);
+    if (!d) {
+        return cf_error_set(err, CF_IO,
+                            "cannot serve metrics on %s (in use, or not an address "
+                            "of this host)",
+                            addr);
+    }
+    const union MHD_DaemonInfo *info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
+    *port = info ? (int)info->port : 0;
+    *out = mem_alloc(sizeof(**out));
+    (*out)->d = d;
+    return CF_OK;
+}
+
+void metrics_http_stop(struct metrics_http *h)
+{
+    if (!h) {
+        return;
+    }
+    MHD_stop_daemon(h->d);
+    free(h);
+}

@@ -1,0 +1,190 @@
+"""Prometheus /metrics on each daemon (--metrics-listen; common/metrics.c, metrics_http.c):
+`promtool check metrics` (Debian's prometheus) passes on each, and the series move as the work
+they count happens.
+
+    cd tests/integration && CFLUE_BUILD_DIR=/work/main/build /usr/bin/python3 -m unittest -v \
+        test_metrics
+
+Real storaged, toold and agentd with the fake model: conversations that run bash, a model
+error that is retried, and a command stopped by a limit; then each daemon's series are read.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import unittest
+import urllib.error
+import urllib.request
+
+import cflue_harness as H
+from cflue_harness import Agentd, FakeModel, Storaged, Toold, common_pb2
+import secret_scan
+
+CONVERSATIONS = 3
+SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$')
+
+AGENT = '''---
+name: measured
+description: Test agent of the metrics test.
+model: anthropic/claude-test-1
+sandbox:
+  tools: "%s"
+  workspace: "{conversation}"
+durability:
+  max_attempts: 3
+  timeout_ms: 60000
+---
+
+You run what you are asked.
+'''
+
+
+def metrics_port(daemon):
+    m = re.search(r'event=metrics_listening addr=\S+ port=(\d+)', daemon.stderr_text())
+    assert m, 'no metrics_listening line:\n' + daemon.stderr_text()[-2000:]
+    return int(m.group(1))
+
+
+def scrape(daemon, path='/metrics'):
+    url = 'http://127.0.0.1:%d%s' % (metrics_port(daemon), path)
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.headers.get('Content-Type'), r.read().decode()
+
+
+def samples(text):
+    """{(name, 'labels'): value} of every sample line."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith('#') or not line:
+            continue
+        m = SAMPLE.match(line)
+        assert m, 'not a sample line: %r' % line
+        out[(m.group(1), m.group(2) or '')] = float(m.group(3))
+    return out
+
+
+METRICS = ['--metrics-listen', '127.0.0.1:0']
+
+
+class MetricsTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp(prefix='cflue-metrics-')
+        cls.daemons = []
+        try:
+            cls.sd = cls.keep(Storaged(extra_args=METRICS))
+            cls.td = cls.keep(Toold(tcp=True, extra_args=METRICS + ['--limit-procs', '16']))
+            cls.fm = cls.keep(FakeModel())
+            agents = os.path.join(cls.dir, 'agents')
+            os.makedirs(agents)
+            with open(os.path.join(agents, 'measured.md'), 'w') as f:
+                f.write(AGENT % cls.td.target)
+            env = {'ANTHROPIC_BASE_URL': cls.fm.anthropic_base_url,
+                   'ANTHROPIC_API_KEY': secret_scan.secret('anthropic-key')}
+            cls.ad = cls.keep(Agentd(cls.sd.target, agents, env=env, extra_args=METRICS))
+            cls.run_work()
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def keep(cls, d):
+        cls.daemons.append(d)
+        return d
+
+    @classmethod
+    def tearDownClass(cls):
+        for d in reversed(cls.daemons):
+            d.remove()
+        secret_scan.discard(cls.dir)
+
+    @classmethod
+    def run_work(cls):
+        for i in range(CONVERSATIONS):
+            steps = [{'tool_calls': [{'name': 'bash', 'arguments': {'command': 'echo %d' % i}}]},
+                     {'text': 'done %d' % i}]
+            if i == 0:  # one retried model error: an HTTP 529 before the answer
+                steps.insert(0, {'error': {'status': 529, 'message': 'overloaded'}})
+            cls.fm.set_scenario(steps)
+            sid = cls.ad.submit('measured', 'Run it.', conversation_id='conv_m_%d' % i)
+            sub = cls.ad.get_submission(sid.submission_id, wait=True, timeout=60)
+            assert sub.outcome == common_pb2.OUTCOME_COMPLETED, sub
+        bomb = 'for i in $(seq 40); do sleep 5 & done; wait'
+        res = cls.td.execute('bombed', 'bash', {'command': bomb})
+        assert 'processes' in res.details_json, res.details_json
+
+    def check_promtool(self, text):
+        if not shutil.which('promtool'):
+            self.fail('promtool is not installed (scripts/setup installs Debian prometheus)')
+        r = subprocess.run(['promtool', 'check', 'metrics'], input=text.encode(),
+                           capture_output=True, timeout=60)
+        self.assertEqual(r.returncode, 0, r.stdout.decode() + r.stderr.decode())
+
+    def test_storaged(self):
+        ctype, text = scrape(self.sd)
+        self.assertEqual(ctype, 'text/plain; version=0.0.4; charset=utf-8')
+        self.check_promtool(text)
+        s = samples(text)
+        self.assertEqual(s[('cflue_store_submissions',
+                            '{status="settled",outcome="completed"}')], CONVERSATIONS)
+        self.assertEqual(s[('cflue_store_settle_seconds_count', '')], CONVERSATIONS)
+        self.assertGreaterEqual(s[('cflue_store_claims_total', '{kind="first"}')], CONVERSATIONS)
+        self.assertGreaterEqual(s[('cflue_rpc_server_handled_total',
+                                   '{method="/cflue.v1.Store/Admit",code="OK"}')], CONVERSATIONS)
+        self.assertGreater(s[('process_resident_memory_bytes', '')], 1 << 20)
+
+    def test_agentd(self):
+        _, text = scrape(self.ad)
+        self.check_promtool(text)
+        s = samples(text)
+        self.assertEqual(s[('cflue_agentd_settled_total', '{outcome="completed"}')],
+                         CONVERSATIONS)
+        self.assertEqual(s[('cflue_agentd_drives_total', '{takeover="false"}')], CONVERSATIONS)
+        # two answers per conversation, and the one 529 before the first
+        self.assertEqual(s[('cflue_agentd_model_call_seconds_count',
+                            '{provider="anthropic",result="ok"}')], 2 * CONVERSATIONS)
+        self.assertEqual(s[('cflue_agentd_model_errors_total',
+                            '{provider="anthropic",kind="http_529"}')], 1)
+        self.assertGreater(s[('cflue_agentd_model_tokens_total',
+                              '{provider="anthropic",direction="output"}')], 0)
+        self.assertEqual(s[('cflue_agentd_tool_results_total', '{tool="bash",error="false"}')],
+                         CONVERSATIONS)
+        self.assertEqual(s[('cflue_agentd_turn_seconds_count', '')], 2 * CONVERSATIONS)
+        self.assertGreaterEqual(s[('cflue_rpc_server_handled_total',
+                                   '{method="/cflue.v1.Agent/Submit",code="OK"}')], CONVERSATIONS)
+
+    def test_toold(self):
+        _, text = scrape(self.td)
+        self.check_promtool(text)
+        s = samples(text)
+        self.assertEqual(s[('cflue_toold_tool_calls_total', '{tool="bash",error="false"}')],
+                         CONVERSATIONS + 1)
+        self.assertEqual(s[('cflue_toold_limit_stops_total', '{limit="processes"}')], 1)
+        self.assertEqual(s[('cflue_toold_tool_call_seconds_count', '{tool="bash"}')],
+                         CONVERSATIONS + 1)
+
+    def test_other_paths_and_methods(self):
+        port = metrics_port(self.sd)
+        with self.assertRaises(urllib.error.HTTPError) as cm:
+            urllib.request.urlopen('http://127.0.0.1:%d/' % port, timeout=10)
+        self.assertEqual(cm.exception.code, 404)
+        req = urllib.request.Request('http://127.0.0.1:%d/metrics' % port, data=b'x',
+                                     method='POST')
+        with self.assertRaises(urllib.error.HTTPError) as cm:
+            urllib.request.urlopen(req, timeout=10)
+        self.assertEqual(cm.exception.code, 405)
+
+    def test_a_bad_address_stops_the_start(self):
+        sd = Storaged(start=False, extra_args=['--metrics-listen', 'nowhere'])
+        try:
+            with self.assertRaises(H.StoragedExited):
+                sd.start()
+            self.assertIn("--metrics-listen 'nowhere' is not HOST:PORT", sd.stderr_text())
+        finally:
+            sd.remove()
+
+
+if __name__ == '__main__':
+    unittest.main()
