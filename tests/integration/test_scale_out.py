@@ -10,7 +10,8 @@ Checked over the whole run: every submission settles once, completed (exactly on
 submission_settled record each); each conversation's submissions settle in the order they were
 admitted; each conversation's sandbox lives on the one toold rendezvous hashing gives it and
 every one of its tool calls reached that toold (its ledger there, its calls in that toold's log
-only); every agentd took work. The same workload then runs on one agentd and one toold, and the
+only); every agentd took work; the daemons' /metrics (settlements, joins, tool calls) agree with
+the ledger. The same workload then runs on one agentd and one toold, and the
 throughput of both setups and their ratio are printed.
 """
 
@@ -25,6 +26,7 @@ from cflue_harness import Agentd, FakeModel, Storaged, Toold, common_pb2
 import secret_scan
 from test_agentd import kind
 from test_agentd_placement import owner
+from test_metrics import samples, scrape
 
 LONG = os.environ.get('CFLUE_SCALE_LONG') == '1'
 SUBMISSIONS, CONVERSATIONS = (2000, 200) if LONG else (600, 60)
@@ -54,8 +56,9 @@ class Setup(object):
         import tempfile
         self.dir = tempfile.mkdtemp(prefix='cflue-scale-')
         self.daemons = []
-        self.sd = self.keep(Storaged(tcp=True))
-        self.toolds = [self.keep(Toold(tcp=True)) for _ in range(n_toold)]
+        metrics = ['--metrics-listen', '127.0.0.1:0']
+        self.sd = self.keep(Storaged(tcp=True, extra_args=metrics))
+        self.toolds = [self.keep(Toold(tcp=True, extra_args=metrics)) for _ in range(n_toold)]
         self.fm = self.keep(FakeModel(extra_args=['--brain', 'chaos', '--quiet']))
         agents = os.path.join(self.dir, 'agents')
         os.makedirs(agents)
@@ -63,7 +66,8 @@ class Setup(object):
             f.write(AGENT % ', '.join('"%s"' % td.target for td in self.toolds))
         env = {'ANTHROPIC_BASE_URL': self.fm.anthropic_base_url,
                'ANTHROPIC_API_KEY': secret_scan.secret('anthropic-key')}
-        self.agentds = [self.keep(Agentd(self.sd.target, agents, env=env, owner_id='a%d' % i))
+        self.agentds = [self.keep(Agentd(self.sd.target, agents, env=env, owner_id='a%d' % i,
+                                         extra_args=metrics))
                         for i in range(n_agentd)]
 
     def keep(self, d):
@@ -156,9 +160,29 @@ class ScaleOutTest(unittest.TestCase):
                 self.assertEqual(len(f.read().splitlines()), runs, conv)
             owners_seen.add(want)
         self.assertEqual(owners_seen, {0, 1})
+        self.check_metrics(setup, sids)
         took_work = [ad for ad in setup.agentds if 'event=drive ' in ad.stderr_text()]
         self.assertEqual(len(took_work), len(setup.agentds),
                          'an agentd drove nothing: %s' % [ad.owner_id for ad in setup.agentds])
+
+
+    def check_metrics(self, setup, sids):
+        """The daemons' /metrics agree with what the ledger holds."""
+        def total(daemons, name, labels=''):
+            return sum(samples(scrape(d)[1]).get((name, labels), 0) for d in daemons)
+        n = sum(len(v) for v in sids.values())
+        self.assertEqual(total([setup.sd], 'cflue_store_submissions',
+                               '{status="settled",outcome="completed"}'), n)
+        # each submission settled by the drive that ran it, or as one joined into another
+        settled = total(setup.agentds, 'cflue_agentd_settled_total', '{outcome="completed"}')
+        joined = total(setup.agentds, 'cflue_agentd_joined_total')
+        self.assertEqual(settled + joined, n)
+        runs = sum(1 for c in sids for r in H.read_all(setup.sd.stub, c)
+                   if kind(r) == 'tool_result')
+        self.assertEqual(total(setup.toolds, 'cflue_toold_tool_calls_total',
+                               '{tool="bash",error="false"}'), runs)
+        self.assertEqual(total(setup.agentds, 'cflue_agentd_tool_results_total',
+                               '{tool="bash",error="false"}'), runs)
 
 
 if __name__ == '__main__':
