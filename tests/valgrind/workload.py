@@ -129,4 +129,12 @@ except grpc.RpcError as e:
 h = ch.unary_unary("/grpc.health.v1.Health/Check", request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
                    response_deserializer=health_pb2.HealthCheckResponse.FromString)
 assert h(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+# Backup: a whole copy streamed, then one cancelled after its first chunk
+bk = ch.unary_stream("/cflue.v1.Store/Backup", request_serializer=s.BackupRequest.SerializeToString,
+                     response_deserializer=s.BackupChunk.FromString)
+chunks = list(bk(s.BackupRequest(), timeout=60))
+assert chunks[-1].done and chunks[-1].size_bytes == sum(len(x.data) for x in chunks), chunks[-1]
+part = bk(s.BackupRequest(), timeout=60)
+next(part)
+part.cancel()
 print("workload done")
