@@ -21,8 +21,11 @@ typedef char replica_name[PLACEMENT_ADDRESS_MAX + 1];
 
 /* One replica a lookup found: the name it is placed by, and the address it is reached at. */
 struct found {
-    replica_name name; /* the reverse lookup's name (stable), else the address */
-    replica_name addr; /* the address just looked up, IP:PORT */
+    replica_name name; /* NAME:PORT of the reverse lookup (stable), else ip */
+    replica_name addr; /* what it is dialled at: its name (gRPC resolves it anew on each
+                        * connect, so a pod back at a new address is found), else ip */
+    replica_name ip;   /* the address just looked up, IP:PORT */
+    bool named;        /* the reverse lookup answered */
 };
 
 /* A dns: spec and the replicas its last good lookup found. */
@@ -32,6 +35,7 @@ struct watched {
     char port[8];
     const char *names[PLACEMENT_REPLICAS_MAX]; /* interned, sorted */
     const char *addrs[PLACEMENT_REPLICAS_MAX]; /* interned, names[i]'s address */
+    const char *ips[PLACEMENT_REPLICAS_MAX];   /* interned, the IP:PORT it was found at */
     size_t n;
 };
 
@@ -196,15 +200,15 @@ static size_t resolve(const char *host, const char *port, struct found *out, siz
         }
         bool named =
             getnameinfo(ai->ai_addr, ai->ai_addrlen, name, sizeof(name), NULL, 0, NI_NAMEREQD) == 0;
-        struct found f;
+        struct found f = {.named = named};
         bool v6 = ai->ai_family == AF_INET6;
-        int len =
-            snprintf(f.addr, sizeof(f.addr), "%s%s%s:%s", v6 ? "[" : "", ip, v6 ? "]" : "", port);
+        int len = snprintf(f.ip, sizeof(f.ip), "%s%s%s:%s", v6 ? "[" : "", ip, v6 ? "]" : "", port);
         int nlen = named ? snprintf(f.name, sizeof(f.name), "%s:%s", name, port)
-                         : snprintf(f.name, sizeof(f.name), "%s", f.addr);
-        if (len >= (int)sizeof(f.addr) || nlen >= (int)sizeof(f.name)) {
+                         : snprintf(f.name, sizeof(f.name), "%s", f.ip);
+        if (len >= (int)sizeof(f.ip) || nlen >= (int)sizeof(f.name)) {
             continue;
         }
+        memcpy(f.addr, f.name, sizeof(f.addr));
         bool seen = false;
         for (size_t i = 0; i < n && !seen; i++) {
             seen = !strcmp(out[i].name, f.name);
@@ -220,11 +224,26 @@ static size_t resolve(const char *host, const char *port, struct found *out, siz
 
 /* store puts what a lookup of w found in force (nothing found: the replicas known stay) and
  * logs a change; under g.mu. */
-static void store(struct watched *w, const struct found *found, size_t n)
+static void store(struct watched *w, struct found *found, size_t n)
 {
+    /* a reverse lookup that failed this time keeps the name the address had: a passing DNS
+     * fault must not move sandboxes between replicas */
+    bool renamed = false;
+    for (size_t i = 0; i < n; i++) {
+        for (size_t j = 0; j < w->n && !found[i].named; j++) {
+            if (!strcmp(found[i].ip, w->ips[j]) && strcmp(w->names[j], w->ips[j]) != 0) {
+                snprintf(found[i].name, sizeof(found[i].name), "%s", w->names[j]);
+                snprintf(found[i].addr, sizeof(found[i].addr), "%s", w->addrs[j]);
+                found[i].named = renamed = true;
+            }
+        }
+    }
+    if (renamed) {
+        qsort(found, n, sizeof(*found), name_order);
+    }
     bool same = n == w->n;
     for (size_t i = 0; same && i < n; i++) {
-        same = !strcmp(found[i].name, w->names[i]) && !strcmp(found[i].addr, w->addrs[i]);
+        same = !strcmp(found[i].name, w->names[i]) && !strcmp(found[i].ip, w->ips[i]);
     }
     if (same) {
         return;
@@ -239,9 +258,10 @@ static void store(struct watched *w, const struct found *found, size_t n)
     for (size_t i = 0, len = 0; i < n; i++) {
         w->names[i] = intern(found[i].name);
         w->addrs[i] = intern(found[i].addr);
+        w->ips[i] = intern(found[i].ip);
         if (len < sizeof(list)) {
             len += (size_t)snprintf(list + len, sizeof(list) - len, "%s%s=%s", i ? "," : "",
-                                    found[i].name, found[i].addr);
+                                    found[i].name, found[i].ip);
         }
     }
     log_info("toold_replicas", "spec=%s replicas=%zu was=%zu list=%s", w->spec, n, w->n, list);

@@ -10,8 +10,11 @@
  *                              PLACEMENT_REFRESH_MS, each replica named by the reverse lookup of
  *                              its address (a StatefulSet pod's stable name, e.g.
  *                              toold-0.toold.ns.svc.cluster.local) or, without one, by the
- *                              address itself, and reached at the address just looked up (so
- *                              a pod that comes back with a new address keeps its sandboxes)
+ *                              address itself; a named replica is dialled by its name
+ *                              (resolved anew on each connect, so a pod that comes back at a
+ *                              new address keeps its sandboxes, and a child handed the name
+ *                              reaches it too), an unnamed one at its address; a reverse
+ *                              lookup that fails once keeps the name the address had
  * A sandbox is placed on the replica whose hash of (replica name, sandbox name) is highest, so
  * every agentd that sees the same replicas places it alike, a replica added takes over only its
  * share of the sandboxes (about 1/n), and one that goes away gives away only its own. A lookup

@@ -117,12 +117,14 @@ int store_backup_run(struct rpc_channel *ch, const char *file)
     ProtobufCMessage *m;
     ProtobufCMessage *closing = NULL;
     bool io_ok = true;
+    int write_errno = 0; /* why the write failed (0: a chunk came after the last one) */
     while (io_ok && rpc_stream_read(s, &cflue__v1__backup_chunk__descriptor, &m) == 1) {
         const Cflue__V1__BackupChunk *c = (const Cflue__V1__BackupChunk *)m;
         if (closing) { /* nothing may follow the closing chunk */
             io_ok = false;
         } else if (c->data.len) {
             io_ok = write_all(r.fd, c->data.data, c->data.len);
+            write_errno = io_ok ? 0 : errno;
             EVP_DigestUpdate(r.md, c->data.data, c->data.len);
             r.bytes += (int64_t)c->data.len;
         }
@@ -141,7 +143,7 @@ int store_backup_run(struct rpc_channel *ch, const char *file)
     int rc = 0;
     if (!io_ok) {
         fprintf(stderr, "cflue: backup: cannot write %s: %s\n", partial,
-                errno ? strerror(errno) : "a chunk came after the last one");
+                write_errno ? strerror(write_errno) : "a chunk came after the last one");
         rc = 1;
     } else if (!call_ok) {
         rc = guard_fail(&rs);

@@ -59,13 +59,18 @@ static struct {
 static struct metric *family(const char *name, const char *help, const char *labels,
                              enum metric_type type, const double *bounds, size_t n_bounds);
 
+static pthread_once_t dropped_once = PTHREAD_ONCE_INIT;
+
+static void make_dropped(void)
+{
+    g.dropped = family("cflue_metrics_series_dropped_total",
+                       "Observations left out because their family had too many series.", "family",
+                       METRIC_COUNTER, NULL, 0);
+}
+
 static void note_dropped(const char *name)
 {
-    if (!g.dropped) {
-        g.dropped = family("cflue_metrics_series_dropped_total",
-                           "Observations left out because their family had too many series.",
-                           "family", METRIC_COUNTER, NULL, 0);
-    }
+    pthread_once(&dropped_once, make_dropped);
     metrics_add(g.dropped, METRICS_LABELS(name), 1);
 }
 
@@ -181,7 +186,7 @@ static void update(struct metric *m, const char *const *labels, double v)
         }
     }
     pthread_mutex_unlock(&m->mu);
-    if (!s && m != g.dropped) {
+    if (!s && strcmp(m->name, "cflue_metrics_series_dropped_total") != 0) {
         note_dropped(m->name);
     }
 }

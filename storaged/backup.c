@@ -141,8 +141,10 @@ int backup_sweep(const char *db_path)
             continue;
         }
         long pid = strtol(e->d_name + plen, NULL, 10);
-        if (pid == (long)getpid() || (pid > 0 && kill((pid_t)pid, 0) == 0)) {
-            continue; /* a live storaged's copy in the making */
+        if (pid != (long)getpid() && pid > 0 && kill((pid_t)pid, 0) == 0) {
+            continue; /* another live storaged's copy in the making (ours: none yet, this runs
+                       * before serving; in a container storaged often has the same pid each
+                       * start, so a leftover with ours is a dead one's) */
         }
         char path[PATH_MAX + 256];
         snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);

@@ -29,7 +29,8 @@ CF_MUST_CHECK enum cf_status backup_take(const char *db_path, struct backup_copy
                                          struct cf_error *err);
 
 /* backup_sweep removes the copies beside db_path that no live storaged is sending (left by a
- * storaged that was killed mid-backup); returns how many it removed. */
+ * storaged that was killed mid-backup); returns how many it removed. Call before serving: a
+ * copy named with the caller's own pid is taken for a dead one's. */
 int backup_sweep(const char *db_path);
 
 #endif

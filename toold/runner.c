@@ -402,7 +402,11 @@ static void watch_disk_start(struct watch *w)
         return;
     }
     w->fs_used0 = fs_used(w);
-    if (w->lim.disk_known < 0) {
+    if (w->lim.disk_known < 0 || w->lim.disk_known > w->lim.disk_bytes) {
+        /* unknown, or over the bound as last estimated: walked afresh, since an estimate
+         * after removals can stay high until the filesystem frees their blocks (ext4 does
+         * at its next journal commit), and a stale size over the bound would let this
+         * command grow the workspace up to it */
         w->lim.disk_known = workspace_size(w);
     }
     if (w->lim.disk_known < 0) {
