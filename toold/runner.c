@@ -163,6 +163,7 @@ static void kill_all(void)
 struct watch {
     struct proc_limits lim;
     int64_t next_tree, next_disk, next_full_walk;
+    int64_t walk_ms;   /* how long the last walk of the workspace took */
     int64_t fs_used0;  /* bytes in use on the workspace's filesystem at the start */
     int64_t disk_base; /* the larger of the bound and the size at the start */
     long ticks_per_s;
@@ -407,7 +408,9 @@ static void watch_disk_start(struct watch *w)
          * after removals can stay high until the filesystem frees their blocks (ext4 does
          * at its next journal commit), and a stale size over the bound would let this
          * command grow the workspace up to it */
+        int64_t t0 = mono_ms();
         w->lim.disk_known = workspace_size(w);
+        w->walk_ms = mono_ms() - t0;
     }
     if (w->lim.disk_known < 0) {
         w->lim.disk_bytes = 0; /* no workspace to measure */
@@ -426,12 +429,18 @@ static void look_at_disk(struct watch *w, int64_t now, bool exited)
     int64_t used = w->fs_used0 >= 0 ? fs_used(w) : -1;
     int64_t grown = used >= 0 ? used - w->fs_used0 : 0;
     bool may_be_over = used < 0 || w->lim.disk_known + grown > w->disk_base;
-    if (!may_be_over && (exited || now < w->next_full_walk)) {
+    /* at the command's end a workspace that walks fast is walked anyway: the filesystem's use
+     * moves with everyone's writes and removals, so a filler finished between two looks can
+     * hide behind another's deletions there; a slow walk (over 5% of the full-walk period)
+     * keeps to its spacing */
+    bool walk_at_exit = exited && w->walk_ms * 20 <= DISK_FULL_WALK_MS;
+    if (!may_be_over && !walk_at_exit && (exited || now < w->next_full_walk)) {
         return;
     }
     int64_t t0 = mono_ms();
     int64_t size = workspace_size(w);
     int64_t took = mono_ms() - t0;
+    w->walk_ms = took;
     /* walks of a large workspace are spaced out: at most about 5% of the time */
     w->next_full_walk = now + (took * 20 > DISK_FULL_WALK_MS ? took * 20 : DISK_FULL_WALK_MS);
     if (took * 20 > PROC_DISK_WATCH_MS) {

@@ -793,7 +793,9 @@ static void test_admission_flood(void)
     }
     fprintf(stderr, "flood: %d served, %d refused (slowest refusal %lld ms), %d other\n", ok, busy,
             (long long)slowest_busy, other);
-    CHECK(ok >= 5);    /* the worker's call and the four queued ones */
+    /* the four the queue holds; and the worker's own when it took the first before the fifth
+     * arrived (under load the flood can fill the queue first: four served, then) */
+    CHECK(ok >= 4);
     CHECK(busy >= 30); /* the rest refused ... */
     CHECK(other == 0);
     /* ... quickly, not after the queue drained (2.5 s: five 500 ms calls on one worker);
