@@ -156,9 +156,11 @@ static void kill_all(void)
 
 /* ---------- limits: set before the command starts, watched while it runs ---------- */
 
-#define WATCH_PIDS_MAX 16384   /* processes one look follows; more is past any process limit */
-#define DISK_DEPTH_MAX 256     /* directory levels one walk of the workspace goes down */
-#define DISK_FULL_WALK_MS 2000 /* at least this between walks not asked for by statvfs */
+#define WATCH_PIDS_MAX 16384 /* processes one look follows; more is past any process limit */
+#define DISK_DEPTH_MAX 256   /* directory levels one walk of the workspace goes down */
+#define DISK_FULL_WALK_MS                                                                          \
+    2000 /* the most between walks not asked for by statvfs, unless a                              \
+          * walk takes over 5% of it (then 20 times the walk's time) */
 
 struct watch {
     struct proc_limits lim;
@@ -394,6 +396,16 @@ static int64_t fs_used(const struct watch *w)
     return (int64_t)(v.f_blocks - v.f_bfree) * (int64_t)v.f_frsize;
 }
 
+/* walk_spacing is the time until the next walk not asked for by statvfs, after one that took
+ * took_ms: 20 times that (walks take at most about 5% of the time), and PROC_DISK_WATCH_MS at
+ * the least: a small workspace is walked at every look, since the filesystem's use moves with
+ * every other writer and remover on it and so cannot clear a command alone. */
+static int64_t walk_spacing(int64_t took_ms)
+{
+    int64_t t = took_ms * 20;
+    return t < PROC_DISK_WATCH_MS ? PROC_DISK_WATCH_MS : t;
+}
+
 /* watch_disk_start learns the workspace's size when the command starts: from toold (what an
  * earlier command measured) or by a walk. */
 static void watch_disk_start(struct watch *w)
@@ -417,7 +429,7 @@ static void watch_disk_start(struct watch *w)
         return;
     }
     w->disk_base = w->lim.disk_known > w->lim.disk_bytes ? w->lim.disk_known : w->lim.disk_bytes;
-    w->next_full_walk = mono_ms() + DISK_FULL_WALK_MS;
+    w->next_full_walk = mono_ms() + walk_spacing(w->walk_ms);
 }
 
 /* look_at_disk checks whether the command grew the workspace past its bound: cheaply from the
@@ -442,7 +454,7 @@ static void look_at_disk(struct watch *w, int64_t now, bool exited)
     int64_t took = mono_ms() - t0;
     w->walk_ms = took;
     /* walks of a large workspace are spaced out: at most about 5% of the time */
-    w->next_full_walk = now + (took * 20 > DISK_FULL_WALK_MS ? took * 20 : DISK_FULL_WALK_MS);
+    w->next_full_walk = now + walk_spacing(took);
     if (took * 20 > PROC_DISK_WATCH_MS) {
         w->next_disk = now + took * 20;
     }

@@ -278,6 +278,11 @@ static bool released_is(int n)
     return tail_released == n;
 }
 
+static bool ended_shutdown_is(int n)
+{
+    return tail_ended_shutdown == n;
+}
+
 static int threads_now(void)
 {
     FILE *f = fopen("/proc/self/status", "r");
@@ -428,8 +433,10 @@ static void test_async_streams(void)
     fprintf(stderr, "async: shutdown with %d idle streams took %lld ms\n", IDLE_STREAMS,
             (long long)took);
     CHECK(took < 5000);
-    CHECK(tail_ended_shutdown == IDLE_STREAMS);
-    CHECK(tail_released == 6 + IDLE_STREAMS);
+    /* under load a few ends can still be on their way when shutdown returns (seen once in CI
+     * with ctest -j2: see the stop's note); they must all come */
+    CHECK(wait_for(ended_shutdown_is, IDLE_STREAMS, 5000));
+    CHECK(wait_for(released_is, 6 + IDLE_STREAMS, 5000));
     int unavailable = 0;
     for (int i = 0; i < IDLE_STREAMS; i++) {
         while (rpc_stream_read(many[i], &cflue__v1__record__descriptor, &m) == 1) {
