@@ -10,10 +10,11 @@
 # the runtime libraries the binaries link (found with ldd and dpkg in the first stage, so the
 # list cannot go stale), bubblewrap and ripgrep for toold, tini, and SANDBOX_PACKAGES: what
 # the agents' commands need inside a sandbox (default python3, which the example project's
-# tests run with; Python's compiled caches are left out, so the first import of a module in a
-# command compiles it). It runs as the unprivileged user cflue (uid and gid 10001).
-# Documentation, man pages and translations are not installed, the way Debian's -slim images
-# leave them out. docs/operations.md has the image's size and how it is tested.
+# tests run with; Python's compiled caches, its own tests, IDLE, pydoc's data, ensurepip and
+# lib2to3 are left out, so a command compiles the modules it imports as it runs). It runs as
+# the unprivileged user cflue (uid and gid 10001). Documentation, man pages and translations
+# are not installed, the way Debian's -slim images leave them out. docs/operations.md has the
+# image's size and how it is tested.
 ARG BASE=debian:bookworm-slim
 
 FROM ${BASE} AS build
@@ -46,13 +47,13 @@ COPY --from=build /out/runtime-packages /tmp/runtime-packages
 RUN printf '%s\n' 'path-exclude /usr/share/doc/*' 'path-include /usr/share/doc/*/copyright' \
       'path-exclude /usr/share/man/*' 'path-exclude /usr/share/info/*' \
       'path-exclude /usr/share/locale/*' 'path-exclude /usr/share/lintian/*' \
-      'path-exclude /usr/lib/python3*/test/*' 'path-exclude /usr/lib/python3*/idlelib/*' \
-      'path-exclude /usr/lib/python3*/pydoc_data/*' 'path-exclude /usr/lib/python3*/ensurepip/*' \
       >/etc/dpkg/dpkg.cfg.d/cflue-slim \
  && apt-get update \
  && apt-get install -y --no-install-recommends $(cat /tmp/runtime-packages) \
       ca-certificates bubblewrap ripgrep tini ${SANDBOX_PACKAGES} \
  && find /usr/lib -name __pycache__ -prune -exec rm -rf {} + \
+ && rm -rf /usr/lib/python3*/test /usr/lib/python3*/idlelib /usr/lib/python3*/pydoc_data \
+      /usr/lib/python3*/ensurepip /usr/lib/python3*/lib2to3 \
  && apt-get clean \
  && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/apt /var/log/dpkg.log \
       /tmp/runtime-packages \

@@ -2,10 +2,11 @@
 # The container image, built and run the way an operator would: a Debian 12 base made offline
 # (debootstrap --variant=minbase bookworm, slimmed of documentation and locales, podman
 # import), the repository's Dockerfile built on it with podman, then the three daemons started
-# as three containers from that image and the README's example run through them with the
-# offline model: the coder agent fixes examples/project, whose tests fail before and pass
-# after. Also checks the image is under 150 MB and runs as a non-root user, and that each
-# daemon stops cleanly (exit 0) on SIGTERM through tini.
+# as three containers from that image (toold with the bwrap driver where the host allows it)
+# and the README's example run through them with the offline model: the coder agent fixes
+# examples/project, whose tests fail before and pass after. Also checks that the image is
+# under 150 MB and runs as a non-root user, and that each daemon stops cleanly (exit 0) on
+# SIGTERM through tini.
 #
 # Exit 77 (CTest: skipped) where podman or debootstrap cannot run here, saying why; with
 # CFLUE_REQUIRE_PODMAN=1 (CI on a machine that runs containers) that is a failure instead.
@@ -154,8 +155,19 @@ run() { # NAME ARGS...: a daemon as a detached container
 }
 run storaged -v "$work/store:/var/lib/cflue/store" "$image" \
   storaged --listen "$storaged_addr" --db /var/lib/cflue/store/store.db
-run toold -v "$work/workspaces:/var/lib/cflue/workspaces" "$image" \
-  toold --listen "$toold_addr" --root /var/lib/cflue/workspaces --driver local
+# toold with the bwrap driver where this host lets bubblewrap make user namespaces, under the
+# exception docs/security.md gives its container: a seccomp profile that allows them
+# (unconfined here) and an unmasked /proc (a masked one forbids the sandbox's own /proc mount).
+if command -v bwrap >/dev/null && bwrap --unshare-all --unshare-user --ro-bind / / true 2>/dev/null; then
+  toold_opts=(--security-opt seccomp=unconfined --security-opt systempaths=unconfined)
+  driver=bwrap
+else
+  toold_opts=()
+  driver=local
+  say "bubblewrap cannot make user namespaces on this host: toold runs with the local driver"
+fi
+run toold "${toold_opts[@]}" -v "$work/workspaces:/var/lib/cflue/workspaces" "$image" \
+  toold --listen "$toold_addr" --root /var/lib/cflue/workspaces --driver "$driver"
 run agentd -v "$work/agents:/etc/cflue/agents:ro" \
   -e ANTHROPIC_BASE_URL="http://127.0.0.1:${ports[3]}" -e ANTHROPIC_API_KEY=offline-demo "$image" \
   agentd --listen "$agentd_addr" --store "$storaged_addr" --agents /etc/cflue/agents
@@ -167,7 +179,7 @@ for addr in "$storaged_addr" "$toold_addr" "$agentd_addr"; do
     sleep 0.2
   done
 done
-say "three daemons ready in containers; cflue submit --agent coder"
+say "three daemons ready in containers (toold's driver: $driver); cflue submit --agent coder"
 podman exec "$agentd_c" cflue submit --agentd "$agentd_addr" --agent coder \
   "The tests of this project fail. Find the bug, fix it, and show that the tests pass." \
   | tee "$work/submit.log" | tail -15
