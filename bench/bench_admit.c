@@ -19,7 +19,10 @@
  * smoke run) the sizes are 100 and 1,000 unless --claim-sizes says otherwise.
  *
  * usage: bench_admit --storaged PATH [--count N] [--clients N] [--dir DIR]
- *                    [--claim-sizes N,N,...] (0: skip the Claim part)
+ *                    [--claim-sizes N,N,...] (0: skip the Claim part) [--json FILE]
+ *
+ * --json FILE also writes the key figures, each with its baseline, ratio and target, as JSON
+ * (the format bench/run reads: bench/README.md).
  */
 #include "clock.h"
 #include "db.h"
@@ -42,6 +45,7 @@
 static int count = 2000, clients = 16;
 static const char *claim_sizes; /* default: 100,10000,100000 (100,1000 for a smoke run) */
 static int rounds = 3;
+static const char *json_path; /* --json FILE */
 static struct rpc_channel *chan;
 static int next_index;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -301,8 +305,9 @@ static int64_t old_walk_us(sqlite3 *db)
     return now_us() - t0;
 }
 
-/* claim_latency measures Claim on a queue of q; prints one line; returns the median (us). */
-static double claim_latency(const char *dir, int q)
+/* claim_latency measures Claim on a queue of q; prints one line; returns the median (us) and
+ * sets *walk_us to the median of the pre-schema-3 walk. */
+static double claim_latency(const char *dir, int q, double *walk_us)
 {
     char path[512];
     struct cf_error err;
@@ -345,13 +350,20 @@ static double claim_latency(const char *dir, int q)
     printf("  %7d queued: Claim median %6lld us, p95 %6lld us   (walk before schema 3: %lld us)\n",
            q, (long long)runs[CLAIM_RUNS / 2], (long long)runs[CLAIM_RUNS * 95 / 100],
            (long long)walks[2]);
+    *walk_us = (double)walks[2];
     return (double)runs[CLAIM_RUNS / 2];
 }
+
+/* What the Claim part measured, for --json: the smallest and the largest queue. */
+static struct {
+    int ran, q_first, q_last;
+    double first, last, last_walk;
+} claim_res;
 
 static void claim_part(const char *dir)
 {
     char sizes[256];
-    double first = 0, worst = 0;
+    double first = 0, worst = 0, walk = 0;
     int n = 0;
     snprintf(sizes, sizeof(sizes), "%s", claim_sizes);
     if (!strcmp(sizes, "0")) {
@@ -361,10 +373,19 @@ static void claim_part(const char *dir)
            CLAIM_RUNS);
     for (char *save = NULL, *tok = strtok_r(sizes, ",", &save); tok;
          tok = strtok_r(NULL, ",", &save)) {
-        double m = claim_latency(dir, atoi(tok));
+        int q = atoi(tok);
+        double m = claim_latency(dir, q, &walk);
+        if (!n) {
+            claim_res.q_first = q;
+        }
         first = n++ ? first : m;
         worst = m > worst ? m : worst;
+        claim_res.q_last = q;
+        claim_res.last = m;
+        claim_res.last_walk = walk;
     }
+    claim_res.ran = n > 0;
+    claim_res.first = first;
     printf("largest / smallest-queue median: %.2f (target <= 1.20)\n", worst / (first ? first : 1));
 }
 
@@ -372,6 +393,63 @@ static int cmp_double(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
+}
+
+/* json_figure writes one figure object (see bench/README.md); baseline < 0: none; target NULL:
+ * none (meets is then left out). */
+static void json_figure(FILE *f, bool *first, const char *id, const char *label, double value,
+                        const char *unit, double baseline, const char *baseline_label, double ratio,
+                        const char *target, bool meets)
+{
+    fprintf(f, "%s\n  {\"id\": \"%s\", \"label\": \"%s\", \"value\": %.6g, \"unit\": \"%s\"",
+            *first ? "" : ",", id, label, value, unit);
+    if (baseline >= 0) {
+        fprintf(f, ", \"baseline\": %.6g, \"baseline_label\": \"%s\", \"ratio\": %.6g", baseline,
+                baseline_label, ratio);
+    }
+    if (target) {
+        fprintf(f, ", \"target\": \"%s\", \"meets\": %s", target, meets ? "true" : "false");
+    }
+    fputc('}', f);
+    *first = false;
+}
+
+/* write_json writes --json FILE: the admissions' medians and, when it ran, the Claim part. */
+static void write_json(double direct, double served, double ratio, double cpu_us, double seconds)
+{
+    FILE *f = fopen(json_path, "w");
+    bool first = true;
+    char label[128], base[128];
+    if (!f) {
+        fprintf(stderr, "bench: cannot write %s\n", json_path);
+        exit(1);
+    }
+    fprintf(f, "{\"bench\": \"bench_admit\", \"seconds\": %.1f, \"errors\": [", seconds);
+    if (failures) {
+        fprintf(f, "\"%d admissions failed\"", failures);
+    }
+    fprintf(f, "],\n\"figures\": [");
+    snprintf(label, sizeof(label), "Admit/s, %d clients (group commit)", clients);
+    json_figure(f, &first, "admit.rate", label, served, "/s", direct,
+                "direct SQLite, a commit each", ratio, ">= 3x", ratio >= 3.0);
+    json_figure(f, &first, "admit.storaged_cpu", "storaged CPU per Admit", cpu_us, "us", -1, "", 0,
+                NULL, false);
+    if (claim_res.ran) {
+        snprintf(label, sizeof(label), "Claim median, %d queued", claim_res.q_last);
+        snprintf(base, sizeof(base), "Claim median, %d queued", claim_res.q_first);
+        /* the largest queue against the smallest (the text's line takes the worst size) */
+        double flat = claim_res.last / (claim_res.first ? claim_res.first : 1);
+        json_figure(f, &first, "claim.flat", label, claim_res.last, "us", claim_res.first, base,
+                    flat, "<= 1.2x", flat <= 1.20);
+        json_figure(f, &first, "claim.vs_walk", label, claim_res.last, "us", claim_res.last_walk,
+                    "walk before schema 3",
+                    claim_res.last / (claim_res.last_walk ? claim_res.last_walk : 1), NULL, false);
+    }
+    fprintf(f, "\n]}\n");
+    if (fclose(f) != 0) {
+        fprintf(stderr, "bench: cannot write %s\n", json_path);
+        exit(1);
+    }
 }
 
 int main(int argc, char **argv)
@@ -390,11 +468,13 @@ int main(int argc, char **argv)
             rounds = atoi(argv[i + 1]);
         } else if (!strcmp(argv[i], "--claim-sizes")) {
             claim_sizes = argv[i + 1];
+        } else if (!strcmp(argv[i], "--json")) {
+            json_path = argv[i + 1];
         }
     }
     if (!storaged || count <= 0 || clients <= 0 || rounds <= 0 || rounds > 15) {
         fprintf(stderr, "usage: bench_admit --storaged PATH [--count N] [--clients N] [--dir D] "
-                        "[--rounds N] [--claim-sizes N,N,...]\n");
+                        "[--rounds N] [--claim-sizes N,N,...] [--json FILE]\n");
         return 2;
     }
     if (!claim_sizes) { /* a smoke run (ctest's bench/admit_smoke) keeps the Claim part short */
@@ -402,7 +482,8 @@ int main(int argc, char **argv)
     }
     char tmpl[] = "/tmp/cflue-bench-XXXXXX";
     const char *dir = dir_arg ? dir_arg : mkdtemp(tmpl);
-    double direct[16], served[16], ratio[16];
+    double direct[16], served[16], ratio[16], cpu[16];
+    int64_t started = clock_mono_ms();
     printf("admissions: %d per run, clients: %d, durability: WAL + synchronous=FULL; %d rounds "
            "(direct then storaged in each, so both see the same disk)\n",
            count, clients, rounds);
@@ -411,6 +492,7 @@ int main(int argc, char **argv)
         direct[r] = direct_rate(dir, r);
         served[r] = grpc_rate(storaged, dir, r);
         ratio[r] = served[r] / direct[r];
+        cpu[r] = storaged_cpu_us;
         printf("  round %d: direct SQLite %7.0f /s, storaged over gRPC %7.0f /s, ratio %.2f "
                "(CPU per admission: storaged %.0f us, client %.0f us)\n",
                r + 1, direct[r], served[r], ratio[r], storaged_cpu_us, client_cpu_us);
@@ -420,6 +502,7 @@ int main(int argc, char **argv)
     qsort(direct, (size_t)rounds, sizeof(double), cmp_double);
     qsort(served, (size_t)rounds, sizeof(double), cmp_double);
     qsort(ratio, (size_t)rounds, sizeof(double), cmp_double);
+    qsort(cpu, (size_t)rounds, sizeof(double), cmp_double);
     printf("direct SQLite, one commit per admission: %9.0f /s (median)\n", direct[rounds / 2]);
     printf("storaged over gRPC (group commit):       %9.0f /s (median)\n", served[rounds / 2]);
     printf("ratio storaged/direct: %.2f (median of the rounds' ratios; target >= 3.00)\n",
@@ -428,6 +511,10 @@ int main(int argc, char **argv)
         printf("failed admissions: %d\n", failures);
     }
     claim_part(dir);
+    if (json_path) {
+        write_json(direct[rounds / 2], served[rounds / 2], ratio[rounds / 2], cpu[rounds / 2],
+                   (double)(clock_mono_ms() - started) / 1000.0);
+    }
     if (!dir_arg) {
         char cmd[600];
         snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);

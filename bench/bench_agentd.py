@@ -10,6 +10,8 @@ in one run:
      its memory right after start-up.
 
 usage: /usr/bin/python3 bench/bench_agentd.py --build build [--turns 100] [--conversations 1000]
+           [--json FILE]
+--json FILE also writes the figures as JSON (bench/benchjson.py), for bench/run.
 """
 import argparse
 import json
@@ -23,6 +25,8 @@ import urllib.request
 
 here = os.path.dirname(os.path.abspath(__file__))
 root = os.path.dirname(here)
+sys.path.insert(0, here)
+from benchjson import Report  # noqa: E402
 
 
 def rss_kb(pid):
@@ -49,7 +53,19 @@ def main():
     ap.add_argument("--build", default=os.path.join(root, "build"))
     ap.add_argument("--turns", type=int, default=100)
     ap.add_argument("--conversations", type=int, default=1000)
+    ap.add_argument("--json", help="also write the figures here as JSON")
     a = ap.parse_args()
+    report = Report("bench_agentd")
+    try:
+        run_bench(a, report)
+    except BaseException as e:
+        report.error("%s: %s" % (type(e).__name__, e))
+        raise
+    finally:
+        report.write(a.json)
+
+
+def run_bench(a, report):
     sys.path.insert(0, os.path.join(a.build, "py"))
     import grpc
     from cflue.v1 import agent_pb2, common_pb2
@@ -126,6 +142,8 @@ def main():
               "last request)" % (model * 1000))
         print("agentd overhead per turn:             %7.2f ms = %.1fx the model's own time"
               % ((e2e - model) * 1000, (e2e - model) / model))
+        report.add("turn.e2e", "per turn through agentd", e2e * 1000, "ms", model * 1000,
+                   "fake model's own time")
 
         # 2. memory with idle conversations
         ids = [submit(agent_pb2.SubmitRequest(agent="bench", message=common_pb2.Message(text="hi")), timeout=30)
@@ -136,6 +154,8 @@ def main():
         idle_rss = rss_kb(ag.pid)
         print("agentd resident memory: %d KiB at start, %d KiB with %d idle conversations (ratio %.2f)"
               % (base_rss, idle_rss, a.conversations, idle_rss / base_rss))
+        report.add("rss.idle", "agentd RSS, %d idle conversations" % a.conversations,
+                   idle_rss / 1024.0, "MiB", base_rss / 1024.0, "at start")
     finally:
         for p in reversed(procs):
             p.terminate()

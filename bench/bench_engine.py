@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 """bench_engine - issue 8's engine acceptance numbers, in one command, against real daemons.
 
-    /usr/bin/python3 bench/bench_engine.py [--quick] [--build DIR] [--sections 1,2,3,4]
-                                           [--cap SECONDS]
+    /usr/bin/python3 bench/bench_engine.py [--quick | --smoke] [--build DIR] [--sections 1,2,3,4]
+                                           [--cap SECONDS] [--json FILE]
 
 Starts storaged, toold (driver local) and agentd from $CFLUE_BUILD_DIR (or --build; default
 build/) with the offline model (tests/fake_model/fake_model.py), all on loopback in a temporary
@@ -22,7 +22,10 @@ the issue's target beside what it measured:
   4. idle RSS of the three daemons after start and after K conversations.
 
 A section that cannot reach its goal ends after --cap seconds and says how far it got.
---quick: N=100, W=500, K=1000 (about 5 minutes on 2 cores). Not part of CI.
+--quick: N=100, W=500, K=1000 (about a minute on 2 cores). --smoke: the smallest sizes, only to
+show that every section runs (ctest's bench/all_smoke, through bench/run --smoke); its figures
+mean nothing. --json FILE also writes the key figures, each with its baseline and target, as
+JSON (bench/benchjson.py), for bench/run.
 """
 import argparse
 import http.client
@@ -46,8 +49,11 @@ if '--build' in sys.argv[:-1]:
     os.environ['CFLUE_BUILD_DIR'] = os.path.abspath(sys.argv[sys.argv.index('--build') + 1])
 sys.path.insert(0, os.path.join(REPO, 'tests', 'integration'))
 
+sys.path.insert(0, HERE)
+
 import grpc  # noqa: E402
 import cflue_harness as H  # noqa: E402
+from benchjson import Report  # noqa: E402
 from cflue.v1 import agent_pb2, common_pb2, store_pb2  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
@@ -380,6 +386,21 @@ def verdict(ok):
     return 'meets target' if ok else 'MISSES target'
 
 
+REPORT = Report('bench_engine')
+
+
+def size(a, smoke, quick, full):
+    """The size of a workload for --smoke, --quick or the full run."""
+    return smoke if a.smoke else quick if a.quick else full
+
+
+def fig(section, id, label, value, unit, baseline=None, baseline_label=None, ratio=None,
+        target=None, meets=None):
+    """Records one figure for --json (section N: id 'sN.id')."""
+    REPORT.add('s%d.%s' % (section, id), label, value, unit, baseline, baseline_label, ratio,
+               target, meets)
+
+
 def line(label, value, target=None, ok=None):
     s = '  %-46s %s' % (label, value)
     if target is not None:
@@ -477,7 +498,7 @@ def store_calls_from_log(text):
 
 def section1(root, a):
     print('\n== 1. fake model answering at once (3-call scenario) ==')
-    n_seq, n_tp = (100, 300) if a.quick else (300, 2000)
+    n_seq, n_tp = size(a, (5, 20), (100, 300), (300, 2000))
     stack = Stack(root, 's1', model_log=True, store_env={'CFLUE_RPC_STATS': '1'})
     conversations = 0
     try:
@@ -503,6 +524,9 @@ def section1(root, a):
         print('  model: %s; %d sequential conversations (%s), %.2f model requests each'
               % (MODEL_HOW, n_seq, outcomes_text(outcomes), reqs_per_conv))
         line('Submit -> settled median, sequential', ms(med), '<= 8 ms', med <= 0.008)
+        fig(1, 'settle_median', 'Submit -> settled median, sequential', med * 1000, 'ms',
+            (model_conv + tools_conv) * 1000, "model's + tools' own time", target='<= 8 ms',
+            meets=med <= 0.008)
         line('Submit -> settled p95, sequential', ms(pct(lat, 95)))
         line("fake model's own time per conversation", ms(model_conv) +
              ' (its 3 requests replayed directly, median of 20 each)')
@@ -517,6 +541,9 @@ def section1(root, a):
             line('%s CPU per conversation' % k, ms(per))
         line('daemon CPU per conversation, summed', ms(daemon_total), '<= 4 ms',
              daemon_total <= 0.004)
+        fig(1, 'daemon_cpu', 'daemon CPU per conversation', daemon_total * 1000, 'ms',
+            cpu['commands'] / n_seq * 1000, "its tools' commands' CPU", target='<= 4 ms',
+            meets=daemon_total <= 0.004)
         line('fake model CPU per conversation', ms(cpu['fake model'] / n_seq))
         line("tools' commands CPU per conversation", ms(cpu['commands'] / n_seq) +
              ' (toold-runner and bash, reaped by toold)')
@@ -534,6 +561,8 @@ def section1(root, a):
         print('  %d conversations, 10 in flight, %.1f s (%s)'
               % (n_tp, wall, outcomes_text(outcomes)))
         line('conversations/s, 10 in flight', '%.1f/s' % rate, '>= 200/s', rate >= 200)
+        fig(1, 'rate', 'conversations/s, 10 in flight', rate, '/s', target='>= 200/s',
+            meets=rate >= 200)
         line('  CPU shares of %d cores' % NCPU,
              'fake model %s, client %s, storaged %s, agentd %s, toold %s, its commands %s'
              % (share(cpu['fake model']), share(client), share(cpu['storaged']),
@@ -569,6 +598,8 @@ def section1(root, a):
         line('model TCP connections per 100 conversations',
              '%.1f (%d for %d conversations)' % (per100, conns, nconv),
              '<= model calls at once (%d), not 300' % concurrent, conns <= concurrent)
+        fig(1, 'model_connections', 'model connections, %d conversations' % nconv, conns, '',
+            target='<= %d' % concurrent, meets=conns <= concurrent)
         print('    (%s)' % how)
 
         # storaged calls: its counters, logged when it stops
@@ -578,6 +609,8 @@ def section1(root, a):
         total = sum(calls.values())
         per = total / float(conversations)
         line('storaged calls per conversation (all methods)', '%.1f' % per, '<= 8', per <= 8)
+        fig(1, 'store_calls', 'storaged calls per conversation', per, '', target='<= 8',
+            meets=per <= 8)
         top = sorted(calls.items(), key=lambda kv: -kv[1])
         print('    ' + ', '.join('%s %.1f' % (k, v / float(conversations)) for k, v in top if v))
         print('    (CFLUE_RPC_STATS over storaged\'s life: %d conversations including warm-up; '
@@ -593,7 +626,7 @@ def section1(root, a):
 
 
 def section2(root, a):
-    n = 100 if a.quick else 1000
+    n = size(a, 10, 100, 1000)
     delay_ms = 1000
     model_s = 3 * delay_ms / 1000.0
     print('\n== 2. fake model answering each call after 1 s: %d conversations in flight ==' % n)
@@ -642,10 +675,17 @@ def section2(root, a):
         med = statistics.median(lat) if lat else float('nan')
         line('Submit -> settled median (of those settled)', '%.2f s' % med, '<= %.1f s'
              % (1.5 * model_s), len(done) == n and med <= 1.5 * model_s)
+        fig(2, 'settle_median', 'Submit -> settled median, %d in flight, 1 s model' % n, med, 's',
+            model_s, "the model's time (3 x 1 s)", target='<= 1.5x',
+            meets=len(done) == n and med <= 1.5 * model_s)
         line('Submit -> settled max (of those settled)', '%.2f s' % (max(lat) if lat else 0))
         line('settled within 1.5x model time (%.1f s)' % (1.5 * model_s), '%d of %d' % (within, n),
              '%d of %d' % (n, n), within == n)
+        fig(2, 'within', 'settled within 1.5x the model time, of %d' % n, within, '',
+            target='%d' % n, meets=within == n)
         line("agentd threads, max sampled every 0.1 s", '%d' % thr.max, '< 64', thr.max < 64)
+        fig(2, 'threads', 'agentd threads, %d in flight' % n, thr.max, '', target='< 64',
+            meets=thr.max < 64)
         print("    (settle times: storaged's settled_at_ms, polled with Store.List every 0.5 s)")
     finally:
         stack.close()
@@ -656,13 +696,14 @@ def section2(root, a):
 # ---------------------------------------------------------------------------------------------
 
 
-def submit_latencies(stack, n=30, cap_s=120):
+def submit_latencies(stack, n, cap_s=120):
     lat, sub, outcomes, _ = run_conversations(stack.calls, n, 1, cap_s=cap_s)
     return statistics.median(sub), statistics.median(lat), outcomes
 
 
 def section3(root, a):
-    w = 500 if a.quick else 10000
+    w = size(a, 20, 500, 10000)
+    n_lat = size(a, 5, 30, 30)
     print('\n== 3. %d idle Watch(follow) streams on one agentd ==' % w)
     nofile = raise_nofile()
     stack = Stack(root, 's3')
@@ -673,7 +714,7 @@ def section3(root, a):
             sid, conv = submit(stack.calls, AGENT, GO + ': run the steps you are given.')
             wait_settled(stack.calls, sid)
             convs.append((conv, conversation_head(stack.calls, conv)))
-        sub0, lat0, _ = submit_latencies(stack)
+        sub0, lat0, _ = submit_latencies(stack, n_lat)
         time.sleep(1)
         pid = stack.ad.pid
         rss0, rss_sd0, thr0 = rss_kib(pid), rss_kib(stack.sd.pid), threads(pid)
@@ -712,18 +753,26 @@ def section3(root, a):
                   % (len(live), time.perf_counter() - t0, len(channels), nofile))
         alive = stack.ad.alive() and stack.sd.alive()
         if alive:
-            sub1, lat1, oc1 = submit_latencies(stack)
+            sub1, lat1, oc1 = submit_latencies(stack, n_lat)
             line('Submit median without / with %d live watchers' % len(live),
                  '%s / %s' % (ms(sub0), ms(sub1)), 'within 1.5x', sub1 <= 1.5 * sub0 + 0.001)
             line('Submit -> settled median without / with', '%s / %s (%s)'
                  % (ms(lat0), ms(lat1), outcomes_text(oc1)), 'within 1.5x',
                  lat1 <= 1.5 * lat0 + 0.001)
+            fig(3, 'submit', 'Submit median, %d idle watchers' % len(live), sub1 * 1000, 'ms',
+                sub0 * 1000, 'without them', target='<= 1.5x', meets=sub1 <= 1.5 * sub0 + 0.001)
+            fig(3, 'settle', 'Submit -> settled median, %d watchers' % len(live), lat1 * 1000,
+                'ms', lat0 * 1000, 'without them', target='<= 1.5x',
+                meets=lat1 <= 1.5 * lat0 + 0.001)
         else:
             print('  a daemon died with the watchers open: agentd %s, storaged %s'
                   % (stack.ad.alive(), stack.sd.alive()))
+            REPORT.error('section 3: a daemon died with the watchers open')
         per = (rss1 - rss0) * 1024.0 / max(1, len(live))
         line('agentd RSS per live idle watcher', '%.1f KiB' % (per / 1024.0), '<= 16 KiB',
              len(live) == w and per <= 16 * 1024)
+        fig(3, 'rss_per_watcher', 'agentd RSS per idle watcher, of %d' % w, per / 1024.0, 'KiB',
+            target='<= 16 KiB', meets=len(live) == w and per <= 16 * 1024)
         line('  agentd RSS / threads before -> with watchers', '%d -> %d KiB, %d -> %d threads'
              % (rss0, rss1, thr0, thr1))
         line('  storaged RSS before -> with watchers', '%d -> %d KiB' % (rss_sd0, rss_sd1))
@@ -764,11 +813,12 @@ def memory(pids):
 
 
 def section4(root, a):
-    k = 1000 if a.quick else 10000
+    k = size(a, 20, 1000, 10000)
+    idle_wait = 1 if a.smoke else IDLE_WAIT_S
     print('\n== 4. idle RSS of the three daemons, after start and after %d conversations ==' % k)
     stack = Stack(root, 's4')
     try:
-        time.sleep(IDLE_WAIT_S)
+        time.sleep(idle_wait)
         pids = stack.pids()
         mem0 = memory(pids)
         before = {n: m[0] for n, m in mem0.items()}
@@ -783,7 +833,7 @@ def section4(root, a):
             for kk, v in oc.items():
                 outcomes[kk] = outcomes.get(kk, 0) + v
         wall = time.perf_counter() - t0
-        time.sleep(IDLE_WAIT_S)
+        time.sleep(idle_wait)
         mem1 = memory(pids)
         after = {n: m[0] for n, m in mem1.items()}
         if done < k:
@@ -798,6 +848,10 @@ def section4(root, a):
         line('summed, after start', '%.1f MiB' % b, '<= 30 MiB', b <= 30)
         line('summed, after %d conversations' % done, '%.1f MiB (%+.1f MiB)' % (f, f - b),
              '<= 30 MiB, within +-1 MiB', f <= 30 and abs(f - b) <= 1)
+        fig(4, 'rss_start', "daemons' RSS summed, idle after start", b, 'MiB',
+            target='<= 30 MiB', meets=b <= 30)
+        fig(4, 'rss_after', "daemons' RSS summed, idle after %d conv." % done, f, 'MiB', b,
+            'after start', target='<= 30 MiB, +-1', meets=f <= 30 and abs(f - b) <= 1)
         for i, what in ((1, 'private (RssAnon)'), (2, 'PSS (shared pages shared out)')):
             b2 = sum(m[i] for m in mem0.values()) / 1024.0
             f2 = sum(m[i] for m in mem1.values()) / 1024.0
@@ -810,6 +864,9 @@ def section4(root, a):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--quick', action='store_true', help='N=100, W=500, K=1000')
+    ap.add_argument('--smoke', action='store_true',
+                    help='the smallest sizes: shows that every section runs, nothing more')
+    ap.add_argument('--json', help='also write the key figures here as JSON')
     ap.add_argument('--build', help='build directory (default $CFLUE_BUILD_DIR or build/)')
     ap.add_argument('--sections', default='1,2,3,4')
     ap.add_argument('--cap', type=int, default=120,
@@ -818,7 +875,8 @@ def main():
     for b in (H.STORAGED_BIN, H.AGENTD_BIN):
         if not os.path.exists(b):
             sys.exit('bench_engine: %s is not built (set CFLUE_BUILD_DIR or --build)' % b)
-    print('bench_engine %s: build %s, %d cores, %s' % ('--quick' if a.quick else '(full)',
+    print('bench_engine %s: build %s, %d cores, %s' % ('--smoke' if a.smoke else
+                                                       '--quick' if a.quick else '(full)',
                                                        H.BUILD_DIR, NCPU,
                                                        time.strftime('%Y-%m-%d %H:%M')))
     root = tempfile.mkdtemp(prefix='cflue-bench-engine-')
@@ -830,8 +888,13 @@ def main():
             except (H.StoragedExited, H.AgentdExited, H.TooldExited, H.FakeModelExited,
                     AssertionError, RuntimeError, grpc.RpcError) as e:
                 print('  section %s stopped: %s' % (s, str(e).split('\n')[0]))
+                REPORT.error('section %s stopped: %s' % (s, str(e).split('\n')[0]))
+    except BaseException as e:
+        REPORT.error('%s: %s' % (type(e).__name__, e))
+        raise
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        REPORT.write(a.json)
     print('\ntotal %.0f s' % (time.time() - t0))
 
 

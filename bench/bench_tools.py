@@ -9,6 +9,8 @@ Each figure is the median of REPEAT runs; ratios are toold / direct (target <= 1
 and glob). Caches are warm: every command runs once before it is timed.
 
 usage: /usr/bin/python3 bench/bench_tools.py --toold build/toold/toold [--files N] [--repeat N]
+           [--file-bytes N] [--big-mb N] [--pages N] [--json FILE]
+--json FILE also writes the ratios as JSON (bench/benchjson.py), for bench/run.
 """
 import argparse
 import json
@@ -23,6 +25,8 @@ import time
 
 here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(here, "..", "tests", "integration"))
+sys.path.insert(0, here)
+from benchjson import Report  # noqa: E402
 
 WORDS = ("alpha beta gamma delta epsilon zeta theta lambda sigma omega request response "
          "buffer socket thread commit ledger record stream offset").split()
@@ -63,7 +67,19 @@ def main():
     ap.add_argument("--big-mb", type=int, default=100)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--pages", type=int, default=200, help="pages of the big file to read")
+    ap.add_argument("--json", help="also write the figures here as JSON")
     a = ap.parse_args()
+    report = Report("bench_tools")
+    try:
+        run_bench(a, report)
+    except BaseException as e:
+        report.error("%s: %s" % (type(e).__name__, e))
+        raise
+    finally:
+        report.write(a.json)
+
+
+def run_bench(a, report):
 
     import grpc
     build = os.path.dirname(os.path.dirname(os.path.abspath(a.toold)))
@@ -100,15 +116,16 @@ def main():
             subprocess.run(cmd, cwd=ws, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, shell=True)
 
         pattern = "needle_[0-9]+7\\b"
-        rows = []
+        rows = []  # (label, toold s, direct s, JSON id, direct command, target)
         t_grep = timed(lambda: tool("grep", pattern=pattern, path="tree"), a.repeat)
         t_rg = timed(lambda: run("rg -n --no-heading '%s' tree" % pattern), a.repeat)
         t_gnu = timed(lambda: run("LC_ALL=C grep -rnE 'needle_[0-9]+7' tree"), a.repeat)
-        rows.append(("grep (toold) / rg", t_grep, t_rg))
-        rows.append(("grep (toold) / LC_ALL=C grep -rnE", t_grep, t_gnu))
+        rows.append(("grep (toold) / rg", t_grep, t_rg, "grep.rg", "rg", True))
+        rows.append(("grep (toold) / LC_ALL=C grep -rnE", t_grep, t_gnu, "grep.gnu", "LC_ALL=C grep -rnE",
+                     True))
         t_glob = timed(lambda: tool("glob", pattern="*7.py", path="tree"), a.repeat)
         t_find = timed(lambda: run("find tree -type f -name '*7.py'"), a.repeat)
-        rows.append(("glob (toold) / find -name", t_glob, t_find))
+        rows.append(("glob (toold) / find -name", t_glob, t_find, "glob.find", "find -name", True))
 
         def read_pages():
             off = 1
@@ -126,11 +143,18 @@ def main():
 
         t_read = timed(read_pages, 1)
         t_sed = timed(sed_pages, 1)
-        rows.append(("read %d pages (toold) / sed -n" % a.pages, t_read, t_sed))
+        rows.append(("read %d pages (toold) / sed -n" % a.pages, t_read, t_sed, "read.sed", "sed -n per page",
+                     False))
 
         print("%-40s %10s %10s %7s" % ("comparison", "toold s", "direct s", "ratio"))
-        for name, mine, direct in rows:
+        for name, mine, direct, fid, what, has_target in rows:
             print("%-40s %10.3f %10.3f %7.2f" % (name, mine, direct, mine / direct))
+            tool_name = name.split(" (")[0] + " (toold)"
+            if has_target:
+                report.add(fid, "%s, %d files" % (tool_name, a.files), mine, "s", direct, what,
+                           target="<= 1.3x", meets=mine / direct <= 1.3)
+            else:
+                report.add(fid, tool_name, mine, "s", direct, what)
         proc.terminate()
         proc.wait(timeout=10)
     finally:
