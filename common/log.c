@@ -1,6 +1,8 @@
 /* log.c - logfmt lines on stderr. */
 #include "log.h"
 
+#include "trace.h"
+
 #include <grpc/support/log.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -68,31 +70,40 @@ const char *log_quote(char *out, unsigned long out_len, const char *text)
 void log_write(enum log_level level, const char *event, const char *fmt, ...)
 {
     char line[4096];
+    char traced[80] = ""; /* the current trace's fields: always at the end of the line */
     struct timespec ts;
     struct tm tm;
-    size_t n;
+    size_t n, tail;
     va_list ap;
 
     if (level < min_level) {
         return;
     }
+    const struct trace_ctx *t = trace_current();
+    if (t) {
+        snprintf(traced, sizeof(traced), " trace_id=%s span_id=%s", t->trace_id, t->span_id);
+    }
+    tail = strlen(traced);
     clock_gettime(CLOCK_REALTIME, &ts);
     gmtime_r(&ts.tv_sec, &tm);
     n = strftime(line, sizeof(line), "ts=%Y-%m-%dT%H:%M:%S", &tm);
     n += (size_t)snprintf(line + n, sizeof(line) - n, ".%03ldZ level=%s svc=%s event=%s",
                           ts.tv_nsec / 1000000, level_names[level], service_name, event);
-    if (fmt && *fmt && n < sizeof(line) - 2) {
+    size_t room = sizeof(line) - tail - 1; /* the fields end before the trace and the newline */
+    if (fmt && *fmt && n < room - 1) {
         line[n++] = ' ';
         va_start(ap, fmt);
-        int m = vsnprintf(line + n, sizeof(line) - n, fmt, ap);
+        int m = vsnprintf(line + n, room - n, fmt, ap);
         va_end(ap);
         if (m > 0) {
             n += (size_t)m;
         }
     }
-    if (n > sizeof(line) - 2) {
-        n = sizeof(line) - 2;
+    if (n > room - 1) {
+        n = room - 1;
     }
+    memcpy(line + n, traced, tail);
+    n += tail;
     line[n++] = '\n';
     ssize_t w = write(STDERR_FILENO, line, n);
     (void)w;

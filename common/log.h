@@ -3,7 +3,9 @@
  *   ts=2026-11-29T21:00:00.123Z level=info svc=storaged event=admit submission=sub_01...
  *
  * Thread-safe: each line is written with a single write(2). gRPC's own log lines are routed
- * through the same writer by log_capture_grpc().
+ * through the same writer by log_capture_grpc(). A line written while the thread has a current
+ * trace (trace.h) ends with its `trace_id=<32 hex> span_id=<16 hex>`, kept whole however long
+ * the line's other fields are.
  */
 #ifndef CFLUE_LOG_H
 #define CFLUE_LOG_H

@@ -239,6 +239,18 @@ int64_t rpc_call_remaining_ms(struct rpc_call *c);
  * call lives (the metadata is read-only once the call arrived). */
 bool rpc_call_metadata(struct rpc_call *c, const char *key, char *out, size_t out_len);
 
+/* rpc_call_trace reads the W3C trace context the call carried (request metadata
+ * `traceparent`, and `tracestate`, each sent once or more, joined by ',') into out: CF_OK;
+ * CF_NOT_FOUND when it carried no traceparent; CF_INVALID (err says why) when the traceparent
+ * is malformed, longer than TRACE_PARENT_INPUT_MAX - 1 bytes or sent twice. out holds no trace
+ * unless CF_OK; a tracestate that is malformed or too long is dropped, the trace kept
+ * (trace.h). The server makes this the current trace of the thread running the call's handler
+ * (trace_current), for as long as the handler runs; a handler that hands the call to another
+ * thread reads it here to carry it there. Callable from any thread while the call lives. */
+struct trace_ctx;
+CF_MUST_CHECK enum cf_status rpc_call_trace(struct rpc_call *c, struct trace_ctx *out,
+                                            struct cf_error *err);
+
 /* rpc_call_server returns the server serving the call. */
 struct rpc_server *rpc_call_server(struct rpc_call *c);
 

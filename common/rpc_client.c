@@ -14,6 +14,10 @@
  *
  * Every call in flight is linked into its channel so rpc_channel_cancel_all can end them from
  * another thread (the CLI's signal and deadline watchdog).
+ *
+ * Trace context: a call started while the calling thread has a current trace (trace.h) sends
+ * `traceparent` with the trace's id and flags and a new parent-id (the call's own span), and
+ * the trace's `tracestate`; the call keeps the slices until it is freed.
  */
 #include "rpc.h"
 
@@ -24,6 +28,7 @@
 #include "mem.h"
 #include "thread.h"
 #include "tls.h"
+#include "trace.h"
 
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc_security.h>
@@ -268,21 +273,55 @@ static void copy_status(struct rpc_status *st, grpc_status_code code, grpc_slice
     }
 }
 
-/* send_metadata fills op with the send of the channel's request metadata. */
-static void send_metadata(grpc_op *op, struct rpc_channel *ch)
+/* The request metadata of one call: the channel's entries (the channel owns their slices),
+ * then the calling thread's trace (slices of the call's own, from md[n_channel] on). */
+struct call_md {
+    grpc_metadata md[RPC_CHANNEL_METADATA_MAX + 2];
+    size_t n, n_channel;
+};
+
+/* call_md_init fills m for a call on ch started now, on the calling thread. */
+static void call_md_init(struct call_md *m, struct rpc_channel *ch)
 {
-    op->op = GRPC_OP_SEND_INITIAL_METADATA;
-    op->data.send_initial_metadata.count = ch->n_md;
-    op->data.send_initial_metadata.metadata = ch->n_md ? ch->md : NULL;
+    char parent[TRACE_PARENT_SIZE];
+    memset(m, 0, sizeof(*m));
+    memcpy(m->md, ch->md, sizeof(ch->md[0]) * ch->n_md);
+    m->n = m->n_channel = ch->n_md;
+    if (trace_outgoing(parent)) {
+        m->md[m->n].key = grpc_slice_from_static_string("traceparent");
+        m->md[m->n++].value = grpc_slice_from_copied_string(parent);
+        const char *state = trace_current()->state;
+        if (*state) {
+            m->md[m->n].key = grpc_slice_from_static_string("tracestate");
+            m->md[m->n++].value = grpc_slice_from_copied_string(state);
+        }
+    }
 }
 
-/* request_ops fills ops[0..3]: send the channel's metadata and the request, close, receive the
+/* call_md_cleanup releases the slices m made. Idempotent. */
+static void call_md_cleanup(struct call_md *m)
+{
+    for (size_t i = m->n_channel; i < m->n; i++) {
+        grpc_slice_unref(m->md[i].value);
+    }
+    m->n = m->n_channel;
+}
+
+/* send_metadata fills op with the send of a call's request metadata. */
+static void send_metadata(grpc_op *op, struct call_md *m)
+{
+    op->op = GRPC_OP_SEND_INITIAL_METADATA;
+    op->data.send_initial_metadata.count = m->n;
+    op->data.send_initial_metadata.metadata = m->n ? m->md : NULL;
+}
+
+/* request_ops fills ops[0..3]: send the call's metadata and the request, close, receive the
  * server's initial metadata into init_md. */
-static void request_ops(grpc_op ops[4], struct rpc_channel *ch, grpc_byte_buffer *send,
+static void request_ops(grpc_op ops[4], struct call_md *md, grpc_byte_buffer *send,
                         grpc_metadata_array *init_md)
 {
     memset(ops, 0, sizeof(grpc_op) * 4);
-    send_metadata(&ops[0], ch);
+    send_metadata(&ops[0], md);
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = send;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -305,6 +344,7 @@ bool rpc_unary(struct rpc_channel *ch, const char *method, const ProtobufCMessag
     grpc_op ops[6];
     int tag = 0;
     struct live_call lc;
+    struct call_md md;
 
     *resp_out = NULL;
     if (!call_begin(ch, &lc, call)) {
@@ -316,8 +356,9 @@ bool rpc_unary(struct rpc_channel *ch, const char *method, const ProtobufCMessag
     }
     grpc_metadata_array_init(&init_md);
     grpc_metadata_array_init(&trail_md);
+    call_md_init(&md, ch);
     memset(ops, 0, sizeof(ops));
-    request_ops(ops, ch, send, &init_md);
+    request_ops(ops, &md, send, &init_md);
     ops[4].op = GRPC_OP_RECV_MESSAGE;
     ops[4].data.recv_message.recv_message = &recv;
     ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
@@ -345,6 +386,7 @@ bool rpc_unary(struct rpc_channel *ch, const char *method, const ProtobufCMessag
     }
     grpc_call_unref(call);
     drain_cq(cq);
+    call_md_cleanup(&md);
     return st->code == GRPC_STATUS_OK;
 }
 
@@ -361,6 +403,7 @@ struct rpc_stream {
     bool ended;
     bool failed_early; /* never started: the channel was cancelled */
     int tag_open, tag_status, tag_read;
+    struct call_md md;
 };
 
 struct rpc_stream *rpc_stream_open(struct rpc_channel *ch, const char *method,
@@ -389,8 +432,9 @@ struct rpc_stream *rpc_stream_open(struct rpc_channel *ch, const char *method,
         return s;
     }
     grpc_byte_buffer *send = rpc_pack(req);
+    call_md_init(&s->md, ch);
     memset(ops, 0, sizeof(ops));
-    send_metadata(&ops[0], ch);
+    send_metadata(&ops[0], &s->md);
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = send;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -464,6 +508,7 @@ bool rpc_stream_finish(struct rpc_stream *s, struct rpc_status *st)
     grpc_metadata_array_destroy(&s->trail_md);
     grpc_call_unref(s->call);
     drain_cq(s->cq);
+    call_md_cleanup(&s->md);
     free(s);
     return st->code == GRPC_STATUS_OK;
 }
@@ -502,6 +547,7 @@ struct rpc_astream {
     bool in_end;     /* on_end is running */
     bool released;   /* the owner let go */
     bool md_asked;
+    struct call_md md;
 };
 
 static pthread_once_t aloop_once = PTHREAD_ONCE_INIT;
@@ -515,6 +561,7 @@ static void astream_free(struct rpc_astream *s)
     grpc_metadata_array_destroy(&s->trail_md);
     grpc_slice_unref(s->details);
     grpc_call_unref(s->call);
+    call_md_cleanup(&s->md);
     pthread_mutex_destroy(&s->mu);
     free(s);
 }
@@ -604,6 +651,7 @@ struct rpc_acall {
     grpc_slice details;
     grpc_byte_buffer *bb;
     char method[96];
+    struct call_md md;
 };
 
 static void on_aunary_complete(struct atag *t)
@@ -626,6 +674,7 @@ static void on_aunary_complete(struct atag *t)
     grpc_metadata_array_destroy(&a->init_md);
     grpc_metadata_array_destroy(&a->trail_md);
     grpc_call_unref(a->call);
+    call_md_cleanup(&a->md);
     rpc_acall_done_fn done = a->done;
     void *arg = a->arg;
     free(a);
@@ -686,7 +735,8 @@ struct rpc_astream *rpc_astream_open(struct rpc_channel *ch, const char *method,
                                        deadline_in(timeout_ms), NULL);
     grpc_byte_buffer *send = rpc_pack(req);
     grpc_op ops_[4];
-    request_ops(ops_, ch, send, &s->init_md);
+    call_md_init(&s->md, ch);
+    request_ops(ops_, &s->md, send, &s->init_md);
     pthread_mutex_lock(&s->mu);
     thread_handoff_release(&s->t_open); /* s is read on the loop thread through the tags */
     if (grpc_call_start_batch(s->call, ops_, 4, &s->t_open, NULL) == GRPC_CALL_OK) {
@@ -775,7 +825,8 @@ void rpc_acall_start(struct rpc_channel *ch, const char *method, const ProtobufC
     grpc_byte_buffer *send = rpc_pack(req);
     grpc_op ops[6];
     memset(ops, 0, sizeof(ops));
-    request_ops(ops, ch, send, &a->init_md);
+    call_md_init(&a->md, ch);
+    request_ops(ops, &a->md, send, &a->init_md);
     ops[4].op = GRPC_OP_RECV_MESSAGE;
     ops[4].data.recv_message.recv_message = &a->bb;
     ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
@@ -812,6 +863,7 @@ void rpc_acall_start(struct rpc_channel *ch, const char *method, const ProtobufC
     grpc_metadata_array_destroy(&a->init_md);
     grpc_metadata_array_destroy(&a->trail_md);
     grpc_call_unref(a->call);
+    call_md_cleanup(&a->md);
     free(a);
     done(arg, &st, NULL);
 }

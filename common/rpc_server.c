@@ -39,6 +39,7 @@
 #include "metrics.h"
 #include "pbcheck.h"
 #include "thread.h"
+#include "trace.h"
 
 #include "grpc/health/v1/health.pb-c.h"
 
@@ -702,6 +703,59 @@ struct rpc_server *rpc_call_server(struct rpc_call *c)
     return c->srv;
 }
 
+/* md_join copies the values of every request metadata entry named key into out, joined by
+ * ',' (how HTTP combines a header sent more than once); *count_out is how many there were.
+ * false when there is none, or when they hold a NUL byte or do not fit whole. */
+static bool md_join(struct rpc_call *c, const char *key, char *out, size_t out_len, int *count_out)
+{
+    size_t o = 0, klen = strlen(key);
+    bool fits = true;
+    *count_out = 0;
+    for (size_t i = 0; i < c->md.count; i++) {
+        grpc_slice k = c->md.metadata[i].key;
+        if (GRPC_SLICE_LENGTH(k) != klen || memcmp(GRPC_SLICE_START_PTR(k), key, klen)) {
+            continue;
+        }
+        grpc_slice v = c->md.metadata[i].value;
+        size_t n = GRPC_SLICE_LENGTH(v);
+        size_t sep = (*count_out)++ ? 1 : 0;
+        if (!fits || o + sep + n >= out_len || memchr(GRPC_SLICE_START_PTR(v), '\0', n)) {
+            fits = false;
+            continue;
+        }
+        if (sep) {
+            out[o++] = ',';
+        }
+        memcpy(out + o, GRPC_SLICE_START_PTR(v), n);
+        o += n;
+    }
+    if (out_len) {
+        out[fits ? o : 0] = '\0';
+    }
+    return fits && *count_out > 0;
+}
+
+enum cf_status rpc_call_trace(struct rpc_call *c, struct trace_ctx *out, struct cf_error *err)
+{
+    char parent[TRACE_PARENT_INPUT_MAX], state[TRACE_STATE_INPUT_MAX];
+    int n_parent, n_state;
+    bool has = md_join(c, "traceparent", parent, sizeof(parent), &n_parent);
+    memset(out, 0, sizeof(*out));
+    if (!n_parent) {
+        return cf_error_set(err, CF_NOT_FOUND, "no traceparent");
+    }
+    if (n_parent > 1) {
+        return cf_error_set(err, CF_INVALID, "traceparent came %d times", n_parent);
+    }
+    if (!has) {
+        return cf_error_set(err, CF_INVALID, "traceparent is longer than %d bytes or holds NUL",
+                            TRACE_PARENT_INPUT_MAX - 1);
+    }
+    /* a tracestate that does not fit is dropped, the trace kept */
+    bool has_state = md_join(c, "tracestate", state, sizeof(state), &n_state);
+    return trace_parse(out, parent, has_state ? state : NULL, err);
+}
+
 /* ---------- dispatch ---------- */
 
 /* decode turns the call's payload into c->req. On failure the call is finished (bad request)
@@ -742,11 +796,23 @@ static bool decode(struct rpc_call *c)
     return true;
 }
 
+/* decode_and_run runs the handler with the trace the call carried (traceparent, tracestate) as
+ * the thread's current one, so its log lines and the calls it makes carry it; a call without
+ * a usable one runs without a trace. */
 static void decode_and_run(struct rpc_call *c)
 {
+    struct trace_ctx t, saved;
+    struct cf_error err;
+    if (rpc_call_trace(c, &t, &err) != CF_OK && err.code == CF_INVALID) {
+        char q[CF_ERROR_MSG_MAX + 16];
+        log_debug("trace_refused", "method=%s why=%s", c->m->path,
+                  log_quote(q, sizeof(q), err.msg));
+    }
+    trace_enter(&t, &saved);
     if (decode(c)) {
         c->m->fn(c, c->req, c->m->user);
     }
+    trace_leave(&saved);
 }
 
 /* next_stream_call waits, as a spare, for the next call handed to this thread: NULL when none

@@ -3,6 +3,7 @@
 
 #include "clock.h"
 #include "rpc.h"
+#include "trace.h"
 
 #include "cflue/v1/store.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
@@ -55,6 +56,22 @@ static void on_get(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
             return;
         }
         resp.submission_id = who;
+        rpc_call_reply(c, &resp.base);
+        return;
+    }
+    if (!strcmp(req->submission_id, "trace")) {
+        /* the handler's current trace (trace_id/span_id, "" for none) as the submission id,
+         * and the raw traceparent and tracestate it received as attempt and owner ids */
+        char id[64] = "", tp[128], ts[128];
+        const struct trace_ctx *t = trace_current();
+        if (t) {
+            snprintf(id, sizeof(id), "%s/%s", t->trace_id, t->span_id);
+        }
+        (void)rpc_call_metadata(c, "traceparent", tp, sizeof(tp));
+        (void)rpc_call_metadata(c, "tracestate", ts, sizeof(ts));
+        resp.submission_id = id;
+        resp.attempt_id = tp;
+        resp.owner_id = ts;
         rpc_call_reply(c, &resp.base);
         return;
     }
@@ -654,6 +671,72 @@ static void test_metadata(void)
     rpc_server_free(s);
 }
 
+/* traced makes the "trace" Get on ch (blocking, or event-driven with async) and returns what
+ * the handler saw: its current trace "trace_id/span_id" ("" none), the traceparent and
+ * tracestate received. */
+struct seen {
+    char current[64], parent[128], state[128];
+};
+
+static struct seen traced(struct rpc_channel *ch, bool async);
+
+/* A call made with the thread's current trace carries it (a new parent-id each time, the
+ * tracestate as is), and the handler runs with it as its own current trace; a call made
+ * without one carries none; a malformed or doubled traceparent is no trace. */
+static void test_trace_propagation(void)
+{
+    int port = 0;
+    char target[64];
+    struct rpc_server *s = start("127.0.0.1:0", &port);
+    snprintf(target, sizeof(target), "127.0.0.1:%d", port);
+    struct rpc_channel *ch = rpc_channel_new(target, 0);
+    struct seen w = traced(ch, false);
+    CHECK_STR(w.current, "");
+    CHECK_STR(w.parent, "");
+    struct trace_ctx t, saved;
+    struct cf_error err;
+    const char *tid = "4bf92f3577b34da6a3ce929d0e0e4736";
+    CHECK(trace_parse(&t, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                      "rojo=1,congo=2", &err) == CF_OK);
+    trace_enter(&t, &saved);
+    for (int async = 0; async < 2; async++) {
+        struct seen a = traced(ch, async), b = traced(ch, async);
+        CHECK(!strncmp(a.parent, "00-", 3) && !strncmp(a.parent + 3, tid, 32));
+        CHECK(strlen(a.parent) == 55 && !strcmp(a.parent + 52, "-01"));
+        CHECK(strncmp(a.parent + 36, "00f067aa0ba902b7", 16) != 0); /* a span of the call's */
+        CHECK(strcmp(a.parent, b.parent) != 0);                     /* ... each call its own */
+        /* the handler's current trace: the trace, the caller's call span as its span id */
+        CHECK(!strncmp(a.current, tid, 32) && a.current[32] == '/');
+        CHECK(!strncmp(a.current + 33, a.parent + 36, 16));
+        CHECK_STR(a.state, "rojo=1,congo=2");
+    }
+    trace_leave(&saved);
+    w = traced(ch, true);
+    CHECK_STR(w.current, "");
+    rpc_channel_free(ch);
+    /* a traceparent sent by hand: a malformed one is no trace; one that is fine is taken */
+    ch = rpc_channel_new(target, 0);
+    CHECK(rpc_channel_add_metadata(ch, "traceparent",
+                                   "00-4BF92F3577B34DA6A3CE929D0E0E4736-"
+                                   "00f067aa0ba902b7-01"));
+    w = traced(ch, false);
+    CHECK_STR(w.current, "");
+    rpc_channel_free(ch);
+    ch = rpc_channel_new(target, 0);
+    CHECK(rpc_channel_add_metadata(ch, "traceparent",
+                                   "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"));
+    w = traced(ch, false);
+    CHECK_STR(w.current, "4bf92f3577b34da6a3ce929d0e0e4736/00f067aa0ba902b7");
+    /* ... and the same with a current trace too: two traceparents, so none */
+    trace_enter(&t, &saved);
+    w = traced(ch, false);
+    CHECK_STR(w.current, "");
+    trace_leave(&saved);
+    rpc_channel_free(ch);
+    rpc_server_shutdown(s, 1000);
+    rpc_server_free(s);
+}
+
 struct cancel_arg {
     struct rpc_stream *s;
 };
@@ -1188,6 +1271,38 @@ static void test_async_unary(void)
     rpc_channel_free(ch);
 }
 
+static struct seen traced(struct rpc_channel *ch, bool async)
+{
+    struct seen out;
+    memset(&out, 0, sizeof(out));
+    Cflue__V1__Submission *sub = NULL;
+    struct acaller a;
+    if (async) {
+        ac_call(&a, ch, "trace", 5000);
+        CHECK(a.st.code == GRPC_STATUS_OK);
+        sub = (Cflue__V1__Submission *)a.resp;
+    } else {
+        Cflue__V1__GetRequest req = CFLUE__V1__GET_REQUEST__INIT;
+        ProtobufCMessage *resp = NULL;
+        struct rpc_status st;
+        req.submission_id = "trace";
+        CHECK(rpc_unary(ch, "/cflue.v1.Store/Get", &req.base, &cflue__v1__submission__descriptor,
+                        5000, &resp, &st));
+        sub = (Cflue__V1__Submission *)resp;
+    }
+    if (sub) {
+        snprintf(out.current, sizeof(out.current), "%s", sub->submission_id);
+        snprintf(out.parent, sizeof(out.parent), "%s", sub->attempt_id);
+        snprintf(out.state, sizeof(out.state), "%s", sub->owner_id);
+    }
+    if (async) {
+        ac_free(&a);
+    } else if (sub) {
+        protobuf_c_message_free_unpacked(&sub->base, NULL);
+    }
+    return out;
+}
+
 int main(void)
 {
     char sock[128], listen_addr[160];
@@ -1198,6 +1313,7 @@ int main(void)
     test_basic(listen_addr);
     unlink(sock);
     test_metadata();
+    test_trace_propagation();
     test_cancel_and_shutdown();
     test_admission_flood();
     test_async_streams();
