@@ -61,6 +61,8 @@ static const char schema_sql[] =
     "  kind INTEGER NOT NULL DEFAULT 1 CHECK (kind IN (1, 2)),"
     "  " DB_PARENT_COLUMN ","
     "  " DB_PRINCIPAL_COLUMN ","
+    "  " DB_TRACEPARENT_COLUMN ","
+    "  " DB_TRACESTATE_COLUMN ","
     "  CHECK ((status = 'settled') = (outcome IS NOT NULL)));"
     "CREATE UNIQUE INDEX submissions_by_key ON submissions(agent, idempotency_key)"
     "  WHERE idempotency_key IS NOT NULL;"

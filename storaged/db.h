@@ -7,7 +7,7 @@
 #include <sqlite3.h>
 #include <stdbool.h>
 
-#define DB_SCHEMA_VERSION "6"
+#define DB_SCHEMA_VERSION "7"
 
 /* The records table's columns (after "CREATE TABLE <name>"): a record's body is stored as its
  * oneof case (`kind`, the Record.body field number) and the body message packed by protobuf-c
@@ -88,9 +88,15 @@
  * principal) in every row of earlier versions, which were written without authentication. */
 #define DB_PRINCIPAL_COLUMN "principal TEXT"
 
+/* What schema version 7 added to version 6: each submission's W3C trace context as admitted
+ * (AdmitRequest.traceparent and .tracestate; NULL: none), kept outside the idempotency
+ * payload. NULL in every row of earlier versions, admitted before storaged kept them. */
+#define DB_TRACEPARENT_COLUMN "traceparent TEXT"
+#define DB_TRACESTATE_COLUMN "tracestate TEXT"
+
 /* db_open opens path. The writer connection creates the schema on first use (WAL mode,
  * synchronous=FULL, foreign keys on), migrates a database of the previous schema version
- * (versions 1 to 5, migrate.h) in one transaction, and refuses one written by another
+ * (versions 1 to 6, migrate.h) in one transaction, and refuses one written by another
  * schema version or by something other than storaged with CF_VERSION and a message saying what
  * was found.
  * Reader connections are read-only and expect the schema to exist. On success *out is an open

@@ -67,7 +67,7 @@
     " outcome, error, attempt_id, epoch, owner_id, lease_expires_at, attempt_count,"               \
     " max_attempts, timeout_at, accepted_at, started_at, input_applied_at,"                        \
     " abort_requested_at, joined_into, settled_at, answered_by, reserved_outcome, admit_pos,"      \
-    " input_tokens, output_tokens, cost_usd, kind, principal"
+    " input_tokens, output_tokens, cost_usd, kind, principal, traceparent, tracestate"
 
 #define UNSETTLED "('queued','running','terminalizing','joining','joined')"
 
@@ -158,14 +158,17 @@ static int cmp_entry(const void *a, const void *b)
 /* canonical_payload packs what identifies an admission: the request with its metadata sorted,
  * so two clients that order a map differently produce the same bytes, its kind MESSAGE
  * written as UNSPECIFIED (the two mean the same), and without its claim (a retry that claims
- * differently, or not at all, is the same admission) or its admin flag. Its principal is
- * part of it: another principal's request with the same key is never the same admission. */
+ * differently, or not at all, is the same admission), its admin flag or its trace context (a
+ * retry comes with a trace of its own; the first one's is kept). Its principal is part of it:
+ * another principal's request with the same key is never the same admission. */
 static uint8_t *canonical_payload(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
                                   size_t *len_out)
 {
     Cflue__V1__AdmitRequest copy = *req;
-    copy.claim = NULL;  /* how the caller wants it claimed is no part of what it admits */
-    copy.admin = false; /* nor the rights of the caller's token */
+    copy.claim = NULL;     /* how the caller wants it claimed is no part of what it admits */
+    copy.admin = false;    /* nor the rights of the caller's token */
+    copy.traceparent = ""; /* nor the trace of the call that admits it (a retry has its own) */
+    copy.tracestate = "";
     if (copy.kind == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE) {
         copy.kind = CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_UNSPECIFIED;
     }
@@ -243,6 +246,8 @@ static void row_to_sub(struct ledger_ctx *c, sqlite3_stmt *st, Cflue__V1__Submis
                     ? CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT
                     : CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE;
     out->principal = (char *)col_text(c, st, 29); /* NULL (none): "" */
+    out->traceparent = (char *)col_text(c, st, 30);
+    out->tracestate = (char *)col_text(c, st, 31);
 }
 
 /* check_row asserts the invariants of the essay on a row as read. */
@@ -667,8 +672,8 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
     static const char insert_sql[] =
         "INSERT INTO submissions(submission_id, conversation_id, agent, idempotency_key, "
         "payload, status, max_attempts, accepted_at, admit_pos, kind, parent_submission_id, "
-        "abort_requested_at, abort_reason, principal) "
-        "VALUES (?,?,?,?,?,'queued',?,?,?,?,?,NULLIF(?,0),?,?)";
+        "abort_requested_at, abort_reason, principal, traceparent, tracestate) "
+        "VALUES (?,?,?,?,?,'queued',?,?,?,?,?,NULLIF(?,0),?,?,?,?)";
     struct stmt s;
     enum cf_status rc;
     size_t payload_len;
@@ -714,7 +719,9 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
     stmt_opt_text(&s, 10, req->delegation ? req->delegation->parent_submission_id : NULL);
     stmt_int(&s, 11, abort_reason ? c->now : 0);
     stmt_opt_text(&s, 12, abort_reason);
-    stmt_opt_text(&s, 13, principal); /* the conversation's, never changed: Get answers it */
+    stmt_opt_text(&s, 13, principal);        /* the conversation's, never changed: Get answers it */
+    stmt_opt_text(&s, 14, req->traceparent); /* kept as admitted, outside the payload */
+    stmt_opt_text(&s, 15, req->tracestate);
     if ((rc = stmt_done(&s, err)) != CF_OK) {
         return rc;
     }

@@ -1,7 +1,7 @@
 /* migrate.c - schema version 1 (JSON record bodies) to 2 (typed record bodies), and 2 to 3
  * (Claim through indexes: the `runnable` table), and 3 to 4 (the indexes of List's owner and
  * abort filters), and 4 to 5 (a delegated submission's parent, for the abort cascade), and 5
- * to 6 (the principal owning each conversation).
+ * to 6 (the principal owning each conversation), and 6 to 7 (each submission's trace context).
  *
  * Version 1 stored a record as `type TEXT` + `body TEXT` holding JSON whose shape lived in
  * agentd's code; version 2 stores the Record.body oneof case (`kind`) and the body message
@@ -360,6 +360,11 @@ static const char parent_sql[] =
 static const char principal_sql[] = "ALTER TABLE conversations ADD COLUMN " DB_PRINCIPAL_COLUMN ";"
                                     "ALTER TABLE submissions ADD COLUMN " DB_PRINCIPAL_COLUMN ";";
 
+/* 6 to 7: no submission of an earlier version was admitted with a trace context kept, so its
+ * traceparent and tracestate are NULL, which is what ADD COLUMN gives them. */
+static const char trace_sql[] = "ALTER TABLE submissions ADD COLUMN " DB_TRACEPARENT_COLUMN ";"
+                                "ALTER TABLE submissions ADD COLUMN " DB_TRACESTATE_COLUMN ";";
+
 enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct cf_error *err)
 {
     enum cf_status rc;
@@ -380,6 +385,9 @@ enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct c
         goto fail;
     }
     if (version <= 5 && (rc = db_exec(db, principal_sql, err)) != CF_OK) {
+        goto fail;
+    }
+    if (version <= 6 && (rc = db_exec(db, trace_sql, err)) != CF_OK) {
         goto fail;
     }
     if ((rc = db_exec(db,

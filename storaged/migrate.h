@@ -22,7 +22,9 @@
  * - 4 to 5: the column parent_submission_id (NULL in every existing row) and its partial index
  *   (DB_PARENT_COLUMN, DB_PARENT_INDEX);
  * - 5 to 6: the column principal (NULL: none) on conversations and on submissions
- *   (DB_PRINCIPAL_COLUMN).
+ *   (DB_PRINCIPAL_COLUMN);
+ * - 6 to 7: the columns traceparent and tracestate (NULL: none) on submissions
+ *   (DB_TRACEPARENT_COLUMN, DB_TRACESTATE_COLUMN).
  * Either everything is migrated and committed or nothing is: on failure the transaction is
  * rolled back, the database stays at its version and the status names what could not be
  * migrated. path is for messages only. */

@@ -17,6 +17,10 @@
  *
  * Backup: a thread of its own (RPC_THREAD) takes the copy (backup.h), opens it and unlinks it
  * at once (so nothing is left if storaged dies), then streams it with its SHA-256.
+ *
+ * Tracing: the lines logged for a call carry the trace its `traceparent` gave (the server sets
+ * it around the handler; the writer's completion, on the writer's thread, sets it again), or,
+ * for a write that carried none (a Claim), the trace of the submission it answers with.
  */
 #include "service.h"
 
@@ -30,6 +34,7 @@
 #include "mem.h"
 #include "metrics.h"
 #include "stmt.h"
+#include "trace.h"
 #include "validate.h"
 
 #include <errno.h>
@@ -243,6 +248,7 @@ struct pending {
     bool appended;                             /* the write appended records */
     const char *woken[WAKE_CONVERSATIONS_MAX]; /* their conversations (arena) */
     int n_woken;                               /* -1: unknown, wake every follower */
+    struct trace_ctx trace; /* the call's (none: trace_id ""), for the lines the writer logs */
 };
 
 /* storaged's Prometheus series (metrics.h), made by service_register. */
@@ -356,9 +362,46 @@ static void wake_followers(struct pending *p)
     }
 }
 
+/* resp_submission returns the submission an answered call names, or NULL. */
+static const Cflue__V1__Submission *resp_submission(const struct pending *p)
+{
+    const ProtobufCMessageDescriptor *d = p->m->resp_desc;
+    if (d == &cflue__v1__submission__descriptor) {
+        return (const Cflue__V1__Submission *)p->resp;
+    }
+    if (d == &cflue__v1__admit_response__descriptor) {
+        return ((const Cflue__V1__AdmitResponse *)p->resp)->submission;
+    }
+    if (d == &cflue__v1__claim_response__descriptor) {
+        return ((const Cflue__V1__ClaimResponse *)p->resp)->submission;
+    }
+    if (d == &cflue__v1__settle_response__descriptor) {
+        return ((const Cflue__V1__SettleResponse *)p->resp)->submission;
+    }
+    return NULL;
+}
+
+/* pending_trace picks the trace of a finished call's lines: the one the call carried, else,
+ * for a write (a Claim: agentd's claimer knows no submission before it asks), the trace the
+ * submission it answers with was admitted with. */
+static void pending_trace(const struct pending *p, enum cf_status st, struct trace_ctx *out)
+{
+    struct cf_error ignored;
+    const Cflue__V1__Submission *sub = st == CF_OK && p->m->write ? resp_submission(p) : NULL;
+    if (p->trace.trace_id[0]) {
+        *out = p->trace;
+    } else if (!sub || !*sub->traceparent ||
+               trace_parse(out, sub->traceparent, sub->tracestate, &ignored) != CF_OK) {
+        memset(out, 0, sizeof(*out));
+    }
+}
+
 static void complete(void *arg, enum cf_status st, const struct cf_error *err)
 {
     struct pending *p = arg;
+    struct trace_ctx t, saved;
+    pending_trace(p, st, &t);
+    trace_enter(&t, &saved); /* the writer's thread runs this for many calls in turn */
     log_result(p, st, err);
     if (st == CF_OK) {
         wake_followers(p);
@@ -378,6 +421,7 @@ static void complete(void *arg, enum cf_status st, const struct cf_error *err)
     }
     arena_cleanup(&p->arena);
     free(p);
+    trace_leave(&saved);
 }
 
 static void woken_add(struct pending *p, const char *conversation_id)
@@ -501,6 +545,9 @@ static void dispatch(struct rpc_call *call, const ProtobufCMessage *req, void *u
     p->svc = b->svc;
     p->req = req;
     p->started_ms = clock_mono_ms();
+    if (trace_current()) {
+        p->trace = *trace_current(); /* the server set it from the call's traceparent */
+    }
     arena_init(&p->arena);
     p->resp = arena_alloc(&p->arena, m->resp_desc->sizeof_message);
     protobuf_c_message_init(m->resp_desc, p->resp);

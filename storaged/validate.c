@@ -5,6 +5,7 @@
 #include "image.h"
 #include "pbtime.h"
 #include "record_kind.h"
+#include "trace.h"
 #include "utf8.h"
 
 #include <stdio.h>
@@ -49,6 +50,39 @@ static enum cf_status fence(const char *field, const Cflue__V1__Fence *f, bool n
     }
     snprintf(sub, sizeof(sub), "%s.attempt_id", field);
     return name(sub, f->attempt_id, need_attempt, err);
+}
+
+/* trace_context checks AdmitRequest.traceparent and .tracestate: none, or a version-00
+ * traceparent in its one spelling (trace.h's rules) with, optionally, a tracestate of at most
+ * TRACE_STATE_MAX printable ASCII characters. */
+static enum cf_status trace_context(const Cflue__V1__AdmitRequest *r, struct cf_error *err)
+{
+    struct trace_ctx t;
+    struct cf_error why;
+    if (!*r->traceparent) {
+        return *r->tracestate ? cf_error_set(err, CF_INVALID, "tracestate needs a traceparent")
+                              : CF_OK;
+    }
+    if (strlen(r->traceparent) != TRACE_PARENT_SIZE - 1 || strncmp(r->traceparent, "00-", 3) ||
+        trace_parse(&t, r->traceparent, NULL, &why) != CF_OK) {
+        return cf_error_set(err, CF_INVALID,
+                            "traceparent must be a W3C version-00 traceparent: \"00-\", 32 "
+                            "lowercase hex digits (not all 0), \"-\", 16 (not all 0), \"-\", 2");
+    }
+    size_t n = strlen(r->tracestate);
+    if (n > TRACE_STATE_MAX) {
+        return cf_error_set(err, CF_INVALID, "tracestate is %zu characters; the limit is %d", n,
+                            TRACE_STATE_MAX);
+    }
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)r->tracestate[i];
+        if (c < 0x20 || c > 0x7e) {
+            return cf_error_set(err, CF_INVALID,
+                                "tracestate holds a byte that is not printable ASCII (byte %zu)",
+                                i);
+        }
+    }
+    return CF_OK;
 }
 
 /* message checks an AdmitRequest's message: text or attachments, each attachment typed. */
@@ -251,6 +285,9 @@ enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, struct cf_error 
     }
     if (r->admin && !*r->principal) {
         return cf_error_set(err, CF_INVALID, "admin needs a principal (the admin token's name)");
+    }
+    if ((rc = trace_context(r, err)) != CF_OK) {
+        return rc;
     }
     return admit_claim(r->claim, err);
 }

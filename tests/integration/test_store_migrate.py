@@ -6,7 +6,9 @@ Version 3 (no List indexes): the indexes of List's owner and abort filters are b
 Version 4 (no parent column): every submission gets parent_submission_id NULL and its index, and
 delegated submissions can be admitted under the migrated ones. Version 5 (no principal columns):
 every conversation and submission gets principal NULL (none: made without authentication), so
-only an admin Admit or one without a principal goes into a migrated conversation."""
+only an admin Admit or one without a principal goes into a migrated conversation. Version 6
+(no trace columns): every submission gets traceparent and tracestate NULL (read back empty),
+and submissions admitted afterwards keep theirs."""
 
 import json
 import os
@@ -49,11 +51,15 @@ V2_SCHEMA = OLD_SCHEMA.replace(
 T = 1700000000000
 
 # The schema version this storaged writes.
-CURRENT = '6'
+CURRENT = '7'
 
-# What turns this version's schema back into version 5's: no principal columns.
-TO_V5 = ("ALTER TABLE conversations DROP COLUMN principal;"
-         "ALTER TABLE submissions DROP COLUMN principal;")
+# What turns this version's schema back into version 6's: no trace columns.
+TO_V6 = ("ALTER TABLE submissions DROP COLUMN tracestate;"
+         "ALTER TABLE submissions DROP COLUMN traceparent;")
+
+# ... and into version 5's: no principal columns.
+TO_V5 = TO_V6 + ("ALTER TABLE conversations DROP COLUMN principal;"
+                 "ALTER TABLE submissions DROP COLUMN principal;")
 
 # ... and into version 4's: no parent column, no index of it.
 TO_V4 = TO_V5 + ("DROP INDEX submissions_by_parent;"
@@ -345,6 +351,59 @@ class MigrateTest(StoragedTestCase):
             self.assertEqual(dict(con.execute('SELECT conversation_id, principal '
                                               'FROM conversations')),
                              {'before': None, 'after': 'alice'})
+        finally:
+            con.close()
+
+    def test_migrates_version_6_and_keeps_traces(self):
+        """A version-6 database (this schema without the trace columns, stamped 6) with a
+        queued and a settled submission: after the migration both read back without a trace
+        context and are claimed and settled as before; a submission admitted afterwards keeps
+        its traceparent and tracestate, and a retried Admit with another trace is the same
+        admission with the first one's."""
+        tp = '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01'
+        sd = self.start_storaged()
+        queued = admit(sd.stub, conv='q').submission
+        done = admit(sd.stub, conv='d').submission
+        settle(sd.stub, claim(sd.stub, submission_id=done.submission_id).fence)
+        sd.stop()
+        con = sqlite3.connect(sd.db)
+        try:
+            fresh = list(con.execute('PRAGMA table_info(submissions)'))
+            con.executescript(TO_V6 + "UPDATE meta SET value = '6' WHERE key = 'schema_version';")
+            cols = [row[1] for row in con.execute('PRAGMA table_info(submissions)')]
+            self.assertNotIn('traceparent', cols)
+        finally:
+            con.close()
+        sd.start()
+        for sub in (queued, done):
+            got = get(sd.stub, sub.submission_id)
+            self.assertEqual((got.traceparent, got.tracestate), ('', ''))
+        c = claim(sd.stub, submission_id=queued.submission_id)
+        self.assertEqual(c.submission.traceparent, '')
+        settle(sd.stub, c.fence)
+        req = admit_request(conv='after', key='k-trace')
+        req.traceparent = tp
+        req.tracestate = 'rojo=1'
+        first = sd.stub.admit(req).submission
+        self.assertEqual((first.traceparent, first.tracestate), (tp, 'rojo=1'))
+        req.traceparent = '00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01'
+        req.tracestate = ''
+        again = sd.stub.admit(req)
+        self.assertTrue(again.deduplicated)
+        self.assertEqual(again.submission.submission_id, first.submission_id)
+        self.assertEqual((again.submission.traceparent, again.submission.tracestate),
+                         (tp, 'rojo=1'))
+        sd.stop()
+        con = sqlite3.connect(sd.db)
+        try:
+            (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            self.assertEqual(v, CURRENT)
+            # the migrated table is the fresh one, column for column
+            self.assertEqual(list(con.execute('PRAGMA table_info(submissions)')), fresh)
+            rows = dict(con.execute('SELECT submission_id, traceparent FROM submissions'))
+            self.assertIsNone(rows[queued.submission_id])
+            self.assertIsNone(rows[done.submission_id])
+            self.assertEqual(rows[first.submission_id], tp)
         finally:
             con.close()
 

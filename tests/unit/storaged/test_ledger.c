@@ -7,6 +7,7 @@
 #include "page_token.h"
 #include "pbtime.h"
 #include "stmt.h"
+#include "validate.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -182,6 +183,67 @@ static void test_idempotency(void)
     req.message = &msg;
     CHECK(ledger_admit(&c, &req, &out, &err) == CF_EXISTS);
     CHECK(!strcmp(cf_error_reason(&err), "IDEMPOTENCY_CONFLICT"));
+}
+
+/* A submission keeps the trace context it was admitted with; a retry of the same admission
+ * with another trace is the same admission, and keeps the first trace; validate_admit takes a
+ * version-00 traceparent only, and a tracestate only with it. */
+static void test_trace_context(void)
+{
+    static const char tp1[] = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    static const char tp2[] = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00";
+    Cflue__V1__AdmitRequest req = CFLUE__V1__ADMIT_REQUEST__INIT;
+    Cflue__V1__AdmitResponse out = CFLUE__V1__ADMIT_RESPONSE__INIT;
+    Cflue__V1__Message msg = CFLUE__V1__MESSAGE__INIT;
+    struct cf_error err;
+    struct ledger_ctx c = ctx();
+    msg.text = "traced";
+    req.agent = "assistant";
+    req.idempotency_key = "key-trace";
+    req.message = &msg;
+    req.traceparent = (char *)tp1;
+    req.tracestate = "rojo=1";
+    CHECK(validate_admit(&req, &err) == CF_OK);
+    CHECK(ledger_admit(&c, &req, &out, &err) == CF_OK);
+    CHECK(!strcmp(out.submission->traceparent, tp1));
+    CHECK(!strcmp(out.submission->tracestate, "rojo=1"));
+    const char *sid = out.submission->submission_id;
+    Cflue__V1__Submission got = CFLUE__V1__SUBMISSION__INIT;
+    CHECK(ledger_get(&c, sid, &got, &err) == CF_OK && !strcmp(got.traceparent, tp1));
+    /* the retry: same admission, the first trace */
+    req.traceparent = (char *)tp2;
+    req.tracestate = "";
+    cflue__v1__admit_response__init(&out);
+    CHECK(ledger_admit(&c, &req, &out, &err) == CF_OK && out.deduplicated);
+    CHECK(!strcmp(out.submission->submission_id, sid));
+    CHECK(!strcmp(out.submission->traceparent, tp1));
+    CHECK(!strcmp(out.submission->tracestate, "rojo=1"));
+    /* without one: none */
+    Cflue__V1__Submission *plain = admit("", "untraced", "");
+    CHECK(plain && !*plain->traceparent && !*plain->tracestate);
+    /* what validate_admit refuses */
+    req.idempotency_key = "";
+    const char *bad[] = {"01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                         "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x",
+                         " 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                         "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+                         "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+                         "junk"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        req.traceparent = (char *)bad[i];
+        CHECK(validate_admit(&req, &err) == CF_INVALID && strstr(err.msg, "traceparent"));
+    }
+    req.traceparent = "";
+    req.tracestate = "a=b";
+    CHECK(validate_admit(&req, &err) == CF_INVALID && strstr(err.msg, "tracestate"));
+    req.traceparent = (char *)tp1;
+    char long_state[600];
+    memset(long_state, 'a', sizeof(long_state) - 1);
+    long_state[sizeof(long_state) - 1] = '\0';
+    req.tracestate = long_state;
+    CHECK(validate_admit(&req, &err) == CF_INVALID && strstr(err.msg, "tracestate"));
+    req.tracestate = "a=\x01";
+    CHECK(validate_admit(&req, &err) == CF_INVALID && strstr(err.msg, "tracestate"));
 }
 
 /* Pages are bounded by bytes (issue 7, defect 3): with a 4 KiB budget, ten records of ~1 KiB
@@ -728,7 +790,7 @@ static void test_migrate_from_2(const char *path)
     }
     /* back to schema 2 exactly: no runnable table, triggers, Claim or List indexes (and below,
      * once the ledger of this version admitted rows, no parent column and its index, no
-     * principal columns) */
+     * principal columns, no trace columns) */
     CHECK(db_exec(h.db,
                   "DROP TRIGGER runnable_on_admit; DROP TRIGGER runnable_on_status;"
                   "DROP TABLE runnable; DROP INDEX submissions_unsettled;"
@@ -756,7 +818,9 @@ static void test_migrate_from_2(const char *path)
                   "DROP INDEX submissions_by_parent;"
                   "ALTER TABLE submissions DROP COLUMN parent_submission_id;"
                   "ALTER TABLE submissions DROP COLUMN principal;"
-                  "ALTER TABLE conversations DROP COLUMN principal",
+                  "ALTER TABLE conversations DROP COLUMN principal;"
+                  "ALTER TABLE submissions DROP COLUMN traceparent;"
+                  "ALTER TABLE submissions DROP COLUMN tracestate",
                   &err) == CF_OK);
     CHECK(sqlite3_close(h.db) == SQLITE_OK);
     sqlite3 *reader;
@@ -783,6 +847,7 @@ int main(void)
     test_fifo_and_fencing();
     test_takeover();
     test_idempotency();
+    test_trace_context();
     test_page_bytes();
     test_compact_not_joined();
     test_schema_version(path);
