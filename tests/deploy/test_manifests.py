@@ -42,6 +42,8 @@ BUILDS = {
     "production+toold-gvisor": {"resources": ["overlays/production"],
                                 "components": ["components/toold-gvisor"],
                                 "image": "registry.example.com/cflue/cflue:0.1.0"},
+    "dev+tls": {"resources": ["overlays/dev"], "components": ["components/tls"],
+                "image": "cflue:dev"},
 }
 
 DAEMONS = ("storaged", "agentd", "toold")
@@ -425,7 +427,7 @@ class Properties(unittest.TestCase):
                 pdb = one(objs, "PodDisruptionBudget")
                 self.assertTrue(selects(pdb["spec"]["selector"],
                                         pod_template(dep)["metadata"]["labels"]))
-                if name == "dev":
+                if name.startswith("dev"):
                     self.assertEqual(hpas, [])
                     self.assertEqual(dep["spec"]["replicas"], 1)
                     self.assertEqual(daemon(objs, "toold")["spec"]["replicas"], 1)
@@ -487,10 +489,48 @@ class Properties(unittest.TestCase):
                     self.assertEqual(ann.get("prometheus.io/path"), "/metrics")
                     grpc = int(env_value(c, "CFLUE_LISTEN").rsplit(":", 1)[1])
                     self.assertEqual(ports["grpc"], grpc)
+                    tls = env_value(c, "CFLUE_TLS_CERT")
                     for probe, service in (("readinessProbe", "readiness"),
                                            ("livenessProbe", "liveness"),
                                            ("startupProbe", "liveness")):
-                        self.assertEqual(c[probe]["grpc"], {"port": grpc, "service": service})
+                        if not tls:
+                            self.assertEqual(set(c[probe]) & {"grpc", "exec"}, {"grpc"})
+                            self.assertEqual(c[probe]["grpc"],
+                                             {"port": grpc, "service": service})
+                            continue
+                        # TLS: the kubelet's grpc probes speak plaintext only
+                        self.assertEqual(set(c[probe]) & {"grpc", "exec"}, {"exec"})
+                        cmd = c[probe]["exec"]["command"]
+                        self.assertEqual(cmd[-3:], ["health", f"localhost:{grpc}", service])
+                        for flag, var in (("--ca", "CFLUE_TLS_CLIENT_CA"),
+                                          ("--cert", "CFLUE_TLS_CERT"),
+                                          ("--cert-key", "CFLUE_TLS_KEY")):
+                            self.assertEqual(cmd[cmd.index(flag) + 1], env_value(c, var))
+
+    def test_tls_component(self):
+        """With components/tls: storaged and toold serve TLS and require client certificates,
+        agentd and the backup job present one, every file from a mounted Secret."""
+        for name, objs in self.builds():
+            if "tls" not in name:
+                continue
+            with self.subTest(build=name):
+                wanted = {"storaged": ("CFLUE_TLS_CERT", "CFLUE_TLS_KEY", "CFLUE_TLS_CLIENT_CA"),
+                          "toold": ("CFLUE_TLS_CERT", "CFLUE_TLS_KEY", "CFLUE_TLS_CLIENT_CA"),
+                          "agentd": ("CFLUE_PEER_CA", "CFLUE_PEER_CERT", "CFLUE_PEER_KEY"),
+                          "backup": ("CFLUE_CA", "CFLUE_CERT", "CFLUE_CERT_KEY")}
+                for component, names in wanted.items():
+                    w = (one(objs, "CronJob", component=component) if component == "backup"
+                         else daemon(objs, component))
+                    c = containers(w)[0]
+                    vols = {v["name"]: v for v in pod_template(w)["spec"]["volumes"]}
+                    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+                    for var in names:
+                        path = env_value(c, var)
+                        self.assertTrue(path, f"{component}: {var}")
+                        mount = mounts[os.path.dirname(path)]
+                        self.assertTrue(mount.get("readOnly"))
+                        self.assertIn("secret", vols[mount["name"]], f"{component}: {var}")
+                    self.assertEqual(pod_template(w)["spec"]["securityContext"]["fsGroup"], 10001)
 
     def test_graceful_termination(self):
         for name, objs in self.builds():
