@@ -266,6 +266,9 @@ class PlantedMistakes(unittest.TestCase):
                 if pass_ == "fields":
                     field = path.rstrip("$").rsplit("\\.", 1)[-1]
                     self.assertIn(f'unknown field "{field}"', hits[0]["message"])
+                if what in ("a misspelt top-level spec field", "a field in the wrong case"):
+                    # what the API's schemas alone let through: only the walk sees it
+                    self.assertEqual({p["pass"] for p in problems}, {"fields"})
                 if what == "a required field gone":
                     self.assertIn('"missingProperty":"name"', hits[0]["message"])
 
