@@ -3,6 +3,9 @@
  * Execute runs on a thread of its own (a bash call may take minutes). Problems with what the
  * model asked become error results; gRPC errors are kept for calls that never ran: a bad
  * sandbox name, an undecodable request, a server shutting down.
+ *
+ * The lines a call logs carry the trace of its `traceparent` (the server sets it around the
+ * handler; ExecuteBatch's threads, one per call, set the batch's).
  */
 #include "service.h"
 
@@ -19,6 +22,7 @@
 #include "pbtime.h"
 #include "proc.h"
 #include "thread.h"
+#include "trace.h"
 #include "utf8.h"
 
 #include "cflue/v1/sandbox.pb-c.h"
@@ -306,13 +310,17 @@ struct batch {
     struct rpc_call *rpc;
     pthread_mutex_t mu;
     pthread_cond_t cv;
+    struct trace_ctx trace; /* the call's: each call's thread logs under it */
 };
 
 static void *batch_worker(void *arg)
 {
     struct batch_item *it = arg;
+    struct trace_ctx saved;
+    trace_enter(&it->b->trace, &saved);
     it->st = run_call(it->call, it->b->rpc, it->has_ticket ? it->key : NULL, it->ticket, &it->res,
                       &it->err);
+    trace_leave(&saved);
     pthread_mutex_lock(&it->b->mu);
     it->done = true;
     pthread_cond_broadcast(&it->b->cv);
@@ -375,6 +383,9 @@ static void on_execute_batch(struct rpc_call *c, const ProtobufCMessage *msg, vo
         }
     }
     struct batch b = {.rpc = c};
+    if (trace_current()) {
+        b.trace = *trace_current();
+    }
     pthread_mutex_init(&b.mu, NULL);
     pthread_cond_init(&b.cv, NULL);
     struct batch_item *items = mem_alloc(sizeof(*items) * (req->n_calls + 1));
