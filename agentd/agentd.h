@@ -7,6 +7,7 @@
 #include "provider.h"
 #include "rpc.h"
 #include "skills.h"
+#include "trace.h"
 
 #include "cflue/v1/store.pb-c.h"
 
@@ -31,6 +32,7 @@ struct active {
     bool shutting_down;   /* this process is stopping: stop, recovery will resume */
     struct drive *drive;  /* posted when a flag above is set (engine.c) */
     uint64_t model_call;  /* the model call it is parked on (0: none), cancelled with them */
+    char traceparent[TRACE_PARENT_SIZE]; /* the drive's trace, for lines logged elsewhere */
 };
 
 struct agentd {

@@ -19,6 +19,12 @@
  * read the conversation (or the submission, which carries its conversation's principal) before
  * acting. Without --tokens none of this runs and nothing costs a call more.
  *
+ * Tracing: the server runs each handler with the trace the call's `traceparent` carried
+ * (rpc_server.c), so its lines and Store calls carry it. Submit and Compact give the
+ * submission they admit that trace, or a new one when the call carried none usable
+ * (submission_trace); storaged keeps it (AdmitRequest.traceparent) and every drive of the
+ * submission carries it on. A bad traceparent never fails a call.
+ *
  * Errors carry an ErrorInfo reason: UNKNOWN_AGENT, RESERVED_METADATA_KEY, NOTHING_TO_COMPACT,
  * COMPACTION_FAILED, INVALID_PAGE_TOKEN, AGENT_NOT_ALLOWED, NOT_CONVERSATION_OWNER here; an
  * error storaged answered keeps storaged's reason (store_call).
@@ -33,6 +39,7 @@
 #include "mem.h"
 #include "metadata.h"
 #include "tokens.h"
+#include "trace.h"
 #include "watch.h"
 
 #include "cflue/v1/agent.pb-c.h"
@@ -145,6 +152,29 @@ static bool call_over(void *call)
     return rpc_call_cancelled(call);
 }
 
+/* submission_trace fills out with the trace of a submission admitted now: the one the call
+ * carried (the caller's span its parent: the server made it the thread's current trace), else
+ * a new one. */
+static void submission_trace(struct trace_ctx *out)
+{
+    const struct trace_ctx *cur = trace_current();
+    if (cur) {
+        *out = *cur;
+    } else {
+        trace_start(out);
+    }
+}
+
+/* admit_trace gives ar the thread's current trace (traceparent is its storage; ar points into
+ * it and into the thread's trace, which must not change until ar is sent). */
+static void admit_trace(Cflue__V1__AdmitRequest *ar, char traceparent[TRACE_PARENT_SIZE])
+{
+    const struct trace_ctx *t = trace_current();
+    trace_format(t, traceparent);
+    ar->traceparent = traceparent;
+    ar->tracestate = t ? (char *)t->state : "";
+}
+
 /* Submits whose Admit is in flight (no thread holds them); past SUBMITS_IN_FLIGHT_MAX a
  * Submit is refused as busy, so a flood of them cannot queue unbounded work on storaged. */
 #define SUBMITS_IN_FLIGHT_MAX 4096
@@ -155,6 +185,7 @@ struct submit {
     struct rpc_call *c;
     const Cflue__V1__SubmitRequest *req;   /* the call's: valid until the call is answered */
     char principal[IDS_PRINCIPAL_MAX + 1]; /* the caller's ("" without --tokens) */
+    struct trace_ctx trace;                /* the Submit's (submission_trace) */
 };
 
 /* on_admitted (rpc's client loop) answers the Submit with what its Admit did. Nothing here
@@ -165,12 +196,15 @@ static void on_admitted(void *arg, const struct rpc_status *st, ProtobufCMessage
     struct rpc_call *c = s->c;
     const Cflue__V1__SubmitRequest *req = s->req;
     char principal[IDS_PRINCIPAL_MAX + 1];
+    struct trace_ctx saved;
     snprintf(principal, sizeof(principal), "%s", s->principal);
+    trace_enter(&s->trace, &saved); /* on the client loop: the Submit's lines carry its trace */
     free(s);
     atomic_fetch_sub(&submits_in_flight, 1);
     struct cf_error err;
     if (store_status("Admit", st, &err) != CF_OK) {
         fail_err(c, &err);
+        trace_leave(&saved);
         return;
     }
     Cflue__V1__AdmitResponse *r = (Cflue__V1__AdmitResponse *)resp;
@@ -181,6 +215,7 @@ static void on_admitted(void *arg, const struct rpc_status *st, ProtobufCMessage
     out.conversation_id = r->submission->conversation_id;
     out.offset = r->offset;
     out.deduplicated = r->deduplicated;
+    out.traceparent = r->submission->traceparent; /* a retried Submit's: the first one's */
     log_info("submit", "submission=%s conversation=%s agent=%s dedup=%d claimed=%d principal=%s",
              out.submission_id, out.conversation_id, req->agent, (int)out.deduplicated,
              (int)claimed, *principal ? principal : "-");
@@ -192,6 +227,7 @@ static void on_admitted(void *arg, const struct rpc_status *st, ProtobufCMessage
     if (!claimed && !behind_here) {
         agentd_wake();
     }
+    trace_leave(&saved);
 }
 
 /* agent_known: the definitions in force have an agent named name; *has_model says whether its
@@ -277,13 +313,19 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     engine_claim_with_admit(&ar, &claim);
     struct submit *s = mem_alloc(sizeof(*s));
     size_t n_md = req->n_metadata;
+    char traceparent[TRACE_PARENT_SIZE];
+    struct trace_ctx saved;
     s->c = c;
     s->req = req;
     snprintf(s->principal, sizeof(s->principal), "%s", p.name);
+    submission_trace(&s->trace);
+    trace_enter(&s->trace, &saved); /* the Admit call carries it too */
+    admit_trace(&ar, traceparent);
     /* the request is copied: ar and md may go at once. on_admitted may have run (and the
-     * call, req with it, be gone) before this returns. */
+     * call, req with it, be gone) before this returns: s is not read after the start. */
     rpc_acall_start(g_agentd.store, "/cflue.v1.Store/Admit", &ar.base,
                     &cflue__v1__admit_response__descriptor, STORE_TIMEOUT_MS, on_admitted, s);
+    trace_leave(&saved);
     for (size_t i = 0; i < n_md; i++) {
         free(md[i]);
     }
@@ -628,9 +670,9 @@ static enum cf_status find_compaction(const char *conversation_id, const char *s
     }
 }
 
-static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
+/* compact runs Compact under the trace its submission is admitted with (on_compact). */
+static void compact(struct rpc_call *c, const Cflue__V1__CompactRequest *req)
 {
-    const Cflue__V1__CompactRequest *req = (const void *)msg;
     struct cf_error err;
     struct principal p;
     ProtobufCMessage *conv = NULL, *resp = NULL;
@@ -677,6 +719,8 @@ static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *us
     ar.kind = CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
     ar.principal = p.name; /* storaged checks the conversation's principal again */
     ar.admin = p.admin;
+    char traceparent[TRACE_PARENT_SIZE];
+    admit_trace(&ar, traceparent);
     enum cf_status rc =
         store_call(g_agentd.store, "Admit", &ar.base, &cflue__v1__admit_response__descriptor,
                    STORE_TIMEOUT_MS, &resp, &err);
@@ -723,6 +767,15 @@ static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *us
         return;
     }
     rpc_call_reply(c, &out.base);
+}
+
+static void on_compact(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
+{
+    struct trace_ctx t, saved;
+    submission_trace(&t);
+    trace_enter(&t, &saved); /* its lines, its Store calls and its submission carry it */
+    compact(c, (const Cflue__V1__CompactRequest *)msg);
+    trace_leave(&saved);
 }
 
 void api_register(struct rpc_server *srv)

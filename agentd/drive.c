@@ -54,6 +54,13 @@
  * next continues it); interrupted (storaged or toold failed past the retry window; the first
  * failure is kept in d->fault and the work is claimed again later, each attempt counting against
  * max_attempts).
+ *
+ * Tracing: a drive carries its submission's trace (Submission.traceparent, kept by storaged
+ * since the Submit) with a span id of its own, so every attempt, on whatever agentd takes the
+ * work over, logs the same trace id. The engine makes it the thread's current trace while it
+ * steps the drive (trace.h): the lines logged, the Store, toold and tool-server calls, the
+ * model's and MCP servers' requests started then all carry it. Callbacks on the loops only
+ * post the drive, so no other drive's lines can pick it up.
  */
 #include "drive.h"
 #include "clock.h"
@@ -736,6 +743,7 @@ static bool begin_drive(struct drive *d)
             snprintf(d->act->conversation_id, sizeof(d->act->conversation_id), "%s",
                      d->sub->conversation_id);
             d->act->epoch = d->fence.epoch;
+            trace_format(&d->trace, d->act->traceparent);
             d->act->abort_requested = d->sub->abort_request_time != NULL;
             d->act->shutting_down = g_agentd.stopping;
         }
@@ -760,12 +768,35 @@ static void end_drive(struct drive *d)
     }
 }
 
+bool drive_sub_trace(const Cflue__V1__Submission *s, struct trace_ctx *out)
+{
+    struct cf_error ignored;
+    if (!s || !*s->traceparent ||
+        trace_parse(out, s->traceparent, s->tracestate, &ignored) != CF_OK) {
+        memset(out, 0, sizeof(*out));
+        return false;
+    }
+    return true;
+}
+
+const struct trace_ctx *drive_trace(const struct drive *d)
+{
+    return &d->trace;
+}
+
 struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
 {
     struct drive *d = mem_alloc(sizeof(*d));
     memset(d, 0, sizeof(*d));
     d->claim = claim;
     d->sub = claim->submission;
+    if (drive_sub_trace(d->sub, &d->trace)) {
+        trace_child(&d->trace, &d->trace); /* the same trace, a span of this drive's own */
+    } else {
+        trace_start(&d->trace); /* admitted without one: a trace for this drive alone */
+    }
+    struct trace_ctx saved;
+    trace_enter(&d->trace, &saved); /* its first lines, on the claimer's or a Submit's thread */
     d->takeover = claim->takeover;
     d->fence = *claim->fence;
     d->timeout_at_ms = pbtime_ms(d->sub->deadline);
@@ -783,6 +814,7 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
     d->state = DRIVE_START;
     if (!begin_drive(d)) {
         drive_free(d);
+        trace_leave(&saved);
         return NULL; /* the lease expires; another claim takes it */
     }
     stats_drive(d->takeover);
@@ -790,6 +822,7 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
     log_info("drive", "submission=%s conversation=%s attempt=%s count=%d takeover=%d",
              d->sub->submission_id, d->sub->conversation_id, d->fence.attempt_id,
              d->sub->attempt_count, (int)d->takeover);
+    trace_leave(&saved);
     return d;
 }
 

@@ -18,6 +18,7 @@
 #include "mcp.h"
 #include "record_log.h"
 #include "skills.h"
+#include "trace.h"
 
 #include "cflue/v1/sandbox.pb-c.h"
 #include "cflue/v1/tools.pb-c.h"
@@ -212,6 +213,10 @@ struct engine_link {
 struct drive {
     Cflue__V1__ClaimResponse *claim; /* owned */
     const Cflue__V1__Submission *sub;
+    /* the submission's trace (Submission.traceparent) with a span of this drive's own: the
+     * engine makes it the current trace while it steps the drive, so its lines and its calls
+     * carry it (a submission admitted without one gets a trace for this drive alone) */
+    struct trace_ctx trace;
     Cflue__V1__Fence fence;
     struct active *act;
     struct agent_defs *defs; /* the definitions in force when the drive began (held) */
@@ -306,6 +311,11 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim);
 bool drive_run(struct drive *d);
 /* drive_end_of: how a done drive ended. */
 enum drive_end drive_end_of(const struct drive *d);
+/* drive_sub_trace reads the trace submission s was admitted with (Submission.traceparent and
+ * .tracestate) into out: true; false, out holding no trace, when it has none usable. */
+bool drive_sub_trace(const Cflue__V1__Submission *s, struct trace_ctx *out);
+/* drive_trace: d's trace (its submission's, with the drive's own span). */
+const struct trace_ctx *drive_trace(const struct drive *d);
 /* drive_submission_id: the submission d drives. */
 const char *drive_submission_id(const struct drive *d);
 /* drive_free releases a done drive (its active slot first: nothing posts it afterwards). */

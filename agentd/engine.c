@@ -29,6 +29,10 @@
  * until the claim succeeds or finds it settled or taken by someone else. Each such claim is a
  * new attempt and counts against max_attempts.
  *
+ * Tracing: an engine thread steps a drive under the drive's trace (drive.h) and drops it after,
+ * so nothing a drive logs or calls is attributed to another; the claimer's and heartbeat's lines
+ * about one submission carry its trace (log_sub_info), their calls none.
+ *
  * Locks: g_agentd.mu (the active table, flags, resume list) is taken before the engine's own
  * lock (ready queue, timers, counts), never after.
  */
@@ -65,6 +69,17 @@ static struct engine {
 } eng = {.mu = PTHREAD_MUTEX_INITIALIZER, .work = PTHREAD_COND_INITIALIZER};
 
 static bool woken; /* under g_agentd.mu: agentd_wake since the claimer last looked */
+
+/* log_sub_info logs an info line about submission s under the trace it was admitted with
+ * (drive_sub_trace; none: no trace), whatever thread logs it. */
+#define log_sub_info(s, ev, ...)                                                                   \
+    do {                                                                                           \
+        struct trace_ctx t_, saved_;                                                               \
+        (void)drive_sub_trace((s), &t_);                                                           \
+        trace_enter(&t_, &saved_);                                                                 \
+        log_info(ev, __VA_ARGS__);                                                                 \
+        trace_leave(&saved_);                                                                      \
+    } while (0)
 
 /* ---------- the ready queue and timers ---------- */
 
@@ -218,8 +233,8 @@ void engine_reclaim_own(void)
             protobuf_c_message_free_unpacked(&cl->base, NULL);
             return;
         }
-        log_info("reclaimed", "submission=%s takeover=%d", cl->submission->submission_id,
-                 (int)cl->takeover);
+        log_sub_info(cl->submission, "reclaimed", "submission=%s takeover=%d",
+                     cl->submission->submission_id, (int)cl->takeover);
         reclaimed[n_reclaimed++] = cl;
     }
 }
@@ -387,7 +402,8 @@ bool engine_admitted(Cflue__V1__AdmitResponse *r)
 {
     const Cflue__V1__Submission *s = r->submission;
     if (r->claim && r->claim->submission) {
-        log_info("claimed", "submission=%s at=admit", r->claim->submission->submission_id);
+        log_sub_info(r->claim->submission, "claimed", "submission=%s at=admit",
+                     r->claim->submission->submission_id);
         admit(r->claim, RESUME_FIRST_MS); /* the drive owns the claim now */
         r->claim = NULL;
         return true;
@@ -398,7 +414,7 @@ bool engine_admitted(Cflue__V1__AdmitResponse *r)
     }
     if (!driven_here(s->submission_id)) {
         /* no drive holds the lease: take it back now rather than when the lease runs out */
-        log_info("take_back", "submission=%s", s->submission_id);
+        log_sub_info(s, "take_back", "submission=%s", s->submission_id);
         resume_later(s->submission_id, 0);
         agentd_wake();
     }
@@ -433,12 +449,15 @@ static void *worker_main(void *arg)
         struct engine_queue_item *it = engine_queue_pop(&eng.ready);
         if (it) {
             struct drive *d = DRIVE_OF(it, eng.ready);
+            struct trace_ctx saved;
             d->eng.running = true;
             pthread_mutex_unlock(&eng.mu);
+            trace_enter(drive_trace(d), &saved); /* its lines and calls carry its trace */
             bool done = drive_run(d);
             if (done) {
                 retire(d); /* posts meanwhile are moot: nothing is left to step */
             }
+            trace_leave(&saved);
             pthread_mutex_lock(&eng.mu);
             if (!done) {
                 d->eng.running = false;
@@ -482,8 +501,8 @@ static bool resume_one(void)
     Cflue__V1__ClaimResponse *cl = NULL;
     enum cf_status rc = claim(r.submission_id, clock_now_ms() + 1, &cl, &err);
     if (rc == CF_OK && cl->submission) {
-        log_info("resumed", "submission=%s attempt=%s count=%d", r.submission_id,
-                 cl->fence->attempt_id, cl->submission->attempt_count);
+        log_sub_info(cl->submission, "resumed", "submission=%s attempt=%s count=%d",
+                     r.submission_id, cl->fence->attempt_id, cl->submission->attempt_count);
         admit(cl, next);
         return true;
     }
@@ -602,9 +621,16 @@ static bool heartbeat(const struct active *snap, int n)
             for (int i = 0; i < ACTIVE_MAX; i++) {
                 struct active *a = &g_agentd.active[i];
                 if (a->in_use && !strcmp(a->submission_id, r->lost[k])) {
+                    struct trace_ctx t, saved;
+                    struct cf_error ignored;
                     a->lease_lost = true;
                     cancel = kick_locked(a);
+                    if (trace_parse(&t, a->traceparent, NULL, &ignored) != CF_OK) {
+                        memset(&t, 0, sizeof(t));
+                    }
+                    trace_enter(&t, &saved); /* the drive's trace, on the heartbeat's thread */
                     log_warn("lease_lost", "submission=%s", r->lost[k]);
+                    trace_leave(&saved);
                 }
             }
             pthread_mutex_unlock(&g_agentd.mu);

@@ -163,7 +163,10 @@ static bool finalized(struct drive *d, enum cf_status rc)
 {
     const Cflue__V1__Submission *s = d->known[d->joining.first + d->joining.next];
     if (rc == CF_OK) {
-        log_info("joined", "submission=%s host=%s", s->submission_id, d->sub->submission_id);
+        /* the host's trace; the joined one's own trace id too, so a search by either finds it */
+        struct trace_ctx own;
+        log_info("joined", "submission=%s host=%s joined_trace_id=%s", s->submission_id,
+                 d->sub->submission_id, drive_sub_trace(s, &own) ? own.trace_id : "-");
     } else if (rc == CF_STALE) {
         return false; /* this host's lease is lost: the drive stops */
     } else if (rc != CF_PRECONDITION) {

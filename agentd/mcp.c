@@ -6,6 +6,9 @@
  * the next, so the whole operation holds no thread. The session found or made is shared with
  * later operations on the same server; one that the server no longer knows (HTTP 404 to a
  * request that carried it) is dropped and set up again, once per operation.
+ *
+ * An operation keeps the trace of the thread that started it (a drive's): each of its POSTs
+ * sends `traceparent` (a new parent-id per request) and `tracestate`.
  */
 #include "mcp.h"
 
@@ -14,6 +17,7 @@
 #include "mem.h"
 #include "model_io.h"
 #include "sse.h"
+#include "trace.h"
 #include "utf8.h"
 
 #include <pthread.h>
@@ -82,6 +86,7 @@ struct mcp_op {
     bool over; /* under mu */
     atomic_bool cancel;
     _Atomic uint64_t transfer;
+    struct trace_ctx trace; /* its starter's (trace_id "": none) */
 };
 
 static void step(struct mcp_op *op);
@@ -263,8 +268,9 @@ static void post(struct mcp_op *op, const char *method, json_t *params, bool wit
     }
     char *body = json_dumps(msg, JSON_COMPACT);
     json_decref(msg);
-    const char *headers[AGENT_MCP_HEADERS_MAX + 6];
+    const char *headers[AGENT_MCP_HEADERS_MAX + 8];
     char sid[SESSION_ID_MAX + 32], proto[PROTOCOL_MAX + 32];
+    char parent[TRACE_PARENT_SIZE + 16], state[TRACE_STATE_MAX + 16];
     size_t n = 0;
     headers[n++] = "content-type: application/json";
     headers[n++] = "accept: application/json, text/event-stream";
@@ -276,6 +282,18 @@ static void post(struct mcp_op *op, const char *method, json_t *params, bool wit
     if (op->protocol[0]) {
         snprintf(proto, sizeof(proto), "mcp-protocol-version: %s", op->protocol);
         headers[n++] = proto;
+    }
+    if (op->trace.trace_id[0]) {
+        struct trace_ctx hop;
+        char tp[TRACE_PARENT_SIZE];
+        trace_child(&hop, &op->trace); /* this request's own span */
+        trace_format(&hop, tp);
+        snprintf(parent, sizeof(parent), "traceparent: %s", tp);
+        headers[n++] = parent;
+        if (op->trace.state[0]) {
+            snprintf(state, sizeof(state), "tracestate: %s", op->trace.state);
+            headers[n++] = state;
+        }
     }
     for (size_t i = 0; i < op->m->n_headers; i++) {
         headers[n++] = op->m->headers[i];
@@ -472,6 +490,9 @@ static struct mcp_op *op_new(const struct agent_mcp *m, int64_t timeout_ms, mcp_
     pthread_mutex_init(&op->mu, NULL);
     atomic_init(&op->cancel, false);
     atomic_init(&op->transfer, 0);
+    if (trace_current()) {
+        op->trace = *trace_current();
+    }
     return op;
 }
 

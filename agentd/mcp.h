@@ -6,7 +6,9 @@
  * (HTTP 404). Every request is one HTTP POST on the model I/O loop (model_io.h): nothing
  * waits on a thread. Answers come as JSON or as a text/event-stream whose event carrying the
  * response ends the transfer. Sessions (their Mcp-Session-Id and protocol version) are kept
- * per URL and headers for the process's life.
+ * per URL and headers for the process's life. An operation carries the trace of the thread
+ * that started it (trace.h) on each of its POSTs: traceparent (a new parent-id each) and
+ * tracestate.
  *
  * Bounds: a response of at most MCP_RESPONSE_MAX bytes; at most MCP_PAGES_MAX pages and
  * MCP_TOOLS_MAX tools in a listing; a call's text at most MCP_TEXT_MAX bytes (cut with a note);

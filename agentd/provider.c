@@ -1,7 +1,9 @@
 /* provider.c - the HTTP side of a model call, shared by every provider: the request (URL,
  * headers, body), streaming (SSE) and whole answers, error classification, and the two ways to
  * wait for the answer (llm_start's callback, llm_complete's condition variable). The transfer
- * itself runs on model_io's event loop, over a kept-alive connection. */
+ * itself runs on model_io's event loop, over a kept-alive connection. A call started while the
+ * thread has a current trace (a drive's) sends it as `traceparent` (a new parent-id for each
+ * request, so each try is a span of its own) and `tracestate`. */
 #include "provider.h"
 
 #include "clock.h"
@@ -9,6 +11,7 @@
 #include "mem.h"
 #include "model_io.h"
 #include "sse.h"
+#include "trace.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -362,10 +365,19 @@ enum cf_status llm_start(const struct provider_endpoint *ep, const struct llm_re
     c->stream_state = wire->stream_new();
 
     char *auth = mem_asprintf("%s%s", wire->auth_prefix, ep->api_key ? ep->api_key : "");
-    const char *headers[5];
+    const char *headers[7];
+    char parent[TRACE_PARENT_SIZE + 16], state[TRACE_STATE_MAX + 16], tp[TRACE_PARENT_SIZE];
     size_t n = 0;
     headers[n++] = "content-type: application/json";
     headers[n++] = auth;
+    if (trace_outgoing(tp)) { /* the drive's trace; this request is a span of its own */
+        snprintf(parent, sizeof(parent), "traceparent: %s", tp);
+        headers[n++] = parent;
+        if (*trace_current()->state) {
+            snprintf(state, sizeof(state), "tracestate: %s", trace_current()->state);
+            headers[n++] = state;
+        }
+    }
     if (wire->extra_header) {
         headers[n++] = wire->extra_header;
     }

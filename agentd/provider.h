@@ -121,7 +121,9 @@ CF_MUST_CHECK enum cf_status llm_complete(const struct provider_endpoint *ep,
  * events and out must stay valid until done. events->on_text and events->cancelled run on
  * the loop thread and must not block (model_io.h); so must done. On failure (CF_BUSY past the
  * cap on calls in flight, CF_CANCELLED while model I/O shuts down, CF_INVALID for an unknown
- * provider) done is never called; err says why and out->retryable is set for CF_BUSY. */
+ * provider) done is never called; err says why and out->retryable is set for CF_BUSY. The
+ * request carries the calling thread's current trace (trace.h), when it has one, as the HTTP
+ * headers traceparent (a new parent-id: each request its own span) and tracestate. */
 CF_MUST_CHECK enum cf_status llm_start(const struct provider_endpoint *ep,
                                        const struct llm_request *req,
                                        const struct llm_events *events, struct llm_response *out,

@@ -259,6 +259,13 @@ static void admit_send(struct task_call *tc)
     ar.source = CFLUE__V1__SOURCE__SOURCE_DISPATCH;
     ar.kind = CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_MESSAGE;
     ar.delegation = &dg;
+    /* the child's work is part of the parent's trace: a span of the task call's own */
+    char traceparent[TRACE_PARENT_SIZE];
+    struct trace_ctx child;
+    trace_child(&child, drive_trace(d));
+    trace_format(&child, traceparent);
+    ar.traceparent = traceparent;
+    ar.tracestate = child.state;
     struct engine_admit_claim claim; /* the child driven here at once when there is room */
     engine_claim_with_admit(&ar, &claim);
     dcall_start(&tc->admit, g_agentd.store, "/cflue.v1.Store/Admit", &ar.base,

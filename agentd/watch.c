@@ -39,6 +39,7 @@
 #include "log.h"
 #include "mem.h"
 #include "settled_here.h"
+#include "trace.h"
 
 #include <pthread.h>
 #include <stddef.h>
@@ -220,10 +221,14 @@ static struct feed *feed_get_locked(const char *conversation_id, int64_t offset)
     Cflue__V1__FollowRequest fr = CFLUE__V1__FOLLOW_REQUEST__INIT;
     fr.conversation_id = f->conversation_id;
     fr.after_offset = offset;
+    /* shared by every watcher of the conversation: the Follow carries none's trace */
+    struct trace_ctx saved;
+    trace_enter(NULL, &saved);
     /* callbacks come on the client loop thread and take mu: not before we release it */
     f->follow = rpc_astream_open(g_agentd.store, "/cflue.v1.Store/Follow", &fr.base,
                                  &cflue__v1__record__descriptor, 0, &feed_ops, f);
     log_debug("watch.feed_open", "conversation=%s after=%lld", conversation_id, (long long)offset);
+    trace_leave(&saved);
     return f;
 }
 

@@ -6,7 +6,9 @@
  * same way; conversation and agents page through their lists to the end; compact runs
  * Agent.Compact. Records are typed (common.proto Record.body): each is shown by its case.
  * Every call carries the bearer token of --token, --token-file, CFLUE_TOKEN or
- * CFLUE_TOKEN_FILE when one is given (token.h).
+ * CFLUE_TOKEN_FILE when one is given (token.h), and the W3C trace context of the environment's
+ * TRACEPARENT and TRACESTATE when set (the convention of tools that run a command inside a
+ * trace): a Submit's work then joins that trace.
  */
 #include "agent_cmd.h"
 
@@ -27,6 +29,16 @@
 #define AGENT_TIMEOUT_MS 15000 /* one unary call to agentd */
 
 static bool tty;
+
+/* trace_attach makes every call on ch send TRACEPARENT and TRACESTATE from the environment, as
+ * given (agentd checks them; a bad one only means it starts a trace of its own). */
+static void trace_attach(struct rpc_channel *ch)
+{
+    const char *tp = getenv("TRACEPARENT"), *ts = getenv("TRACESTATE");
+    if (tp && *tp && rpc_channel_add_metadata(ch, "traceparent", tp) && ts && *ts) {
+        (void)rpc_channel_add_metadata(ch, "tracestate", ts);
+    }
+}
 
 static const char *dim(void)
 {
@@ -264,8 +276,8 @@ static int do_submit(struct rpc_channel *ch, const struct opts *o)
         return 1;
     }
     Cflue__V1__Admission *a = (Cflue__V1__Admission *)resp;
-    fprintf(stderr, "%ssubmission %s in conversation %s%s\n", dim(), a->submission_id,
-            a->conversation_id, reset());
+    fprintf(stderr, "%ssubmission %s in conversation %s (trace %s)%s\n", dim(), a->submission_id,
+            a->conversation_id, *a->traceparent ? a->traceparent : "none", reset());
     struct view v = {.submission_id = a->submission_id};
     int rc = watch_stream(ch, a->conversation_id, a->offset, true, &v);
     protobuf_c_message_free_unpacked(resp, NULL);
@@ -421,6 +433,7 @@ int cmd_agent(int argc, char **argv)
         guard_channel_free(ch);
         return rc;
     }
+    trace_attach(ch);
     if (!strcmp(cmd, "submit")) {
         rc = do_submit(ch, &o);
     } else if (!strcmp(cmd, "watch")) {

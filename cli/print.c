@@ -81,6 +81,9 @@ void print_submission(FILE *out, const Cflue__V1__Submission *s)
     if (*s->idempotency_key) {
         fprintf(out, "%-16s %s\n", "idempotency key", s->idempotency_key);
     }
+    if (*s->traceparent) {
+        fprintf(out, "%-16s %s\n", "trace", s->traceparent);
+    }
     for (size_t i = 0; i < s->n_metadata; i++) {
         fprintf(out, "%-16s %s=%s\n", "metadata", s->metadata[i]->key, s->metadata[i]->value);
     }
