@@ -17,6 +17,7 @@
 #include "print.h"
 #include "rpc.h"
 #include "token.h"
+#include "trace.h"
 
 #include "cflue/v1/agent.pb-c.h"
 
@@ -30,13 +31,26 @@
 
 static bool tty;
 
-/* trace_attach makes every call on ch send TRACEPARENT and TRACESTATE from the environment, as
- * given (agentd checks them; a bad one only means it starts a trace of its own). */
+/* trace_attach makes every call on ch send the trace of TRACEPARENT and TRACESTATE from the
+ * environment, normalized (gRPC refuses a header value with a tab or a byte outside ASCII, which
+ * the raw variables may hold). A TRACEPARENT that does not parse is named on stderr and not
+ * sent: agentd then starts a trace of its own. */
 static void trace_attach(struct rpc_channel *ch)
 {
     const char *tp = getenv("TRACEPARENT"), *ts = getenv("TRACESTATE");
-    if (tp && *tp && rpc_channel_add_metadata(ch, "traceparent", tp) && ts && *ts) {
-        (void)rpc_channel_add_metadata(ch, "tracestate", ts);
+    if (!tp || !*tp) {
+        return;
+    }
+    struct trace_ctx t;
+    struct cf_error err = {0};
+    if (trace_parse(&t, tp, ts, &err) != CF_OK) {
+        fprintf(stderr, "cflue: TRACEPARENT ignored: %s\n", err.msg);
+        return;
+    }
+    char header[TRACE_PARENT_SIZE];
+    trace_format(&t, header);
+    if (rpc_channel_add_metadata(ch, "traceparent", header) && t.state[0]) {
+        (void)rpc_channel_add_metadata(ch, "tracestate", t.state);
     }
 }
 

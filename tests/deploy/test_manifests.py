@@ -36,14 +36,16 @@ NODE = shutil.which("node")
 # overlay and components) and the image every container must run.
 BUILDS = {
     "base": {"dir": "base", "image": "cflue"},
-    "dev": {"dir": "overlays/dev", "image": "cflue:dev"},
+    # dev clusters' provisioners (kind's local-path, minikube's hostpath) are not CSI, and
+    # ReadWriteOncePod needs CSI: dev asks for ReadWriteOnce
+    "dev": {"dir": "overlays/dev", "image": "cflue:dev", "access": "ReadWriteOnce"},
     "production": {"dir": "overlays/production",
                    "image": "registry.example.com/cflue/cflue:0.1.0"},
     "production+toold-gvisor": {"resources": ["overlays/production"],
                                 "components": ["components/toold-gvisor"],
                                 "image": "registry.example.com/cflue/cflue:0.1.0"},
     "dev+tls": {"resources": ["overlays/dev"], "components": ["components/tls"],
-                "image": "cflue:dev"},
+                "image": "cflue:dev", "access": "ReadWriteOnce"},
 }
 
 DAEMONS = ("storaged", "agentd", "toold")
@@ -237,12 +239,12 @@ class PlantedMistakes(unittest.TestCase):
          "fields", r"^metadata\.namespce$"),
         ("a misspelt NetworkPolicy field", "  policyTypes:\n", "  policyType:\n",
          "fields", r"^spec\.policyType$"),
-        ("a misspelt field inside a volume claim template", "    - ReadWriteOncePod\n",
-         "    - ReadWriteOncePod\n      storageClass: fast\n", "fields",
+        ("a misspelt field inside a volume claim template", "      - ReadWriteOnce\n",
+         "      - ReadWriteOnce\n      storageClass: fast\n", "fields",
          r"^spec\.volumeClaimTemplates\[0\]\.spec\.storageClass$"),
         ("a wrong type", "- containerPort: 7100", "- containerPort: \"7100\"", "schema",
          r"^spec\.template\.spec\.containers\[0\]\.ports\[0\]\.containerPort$"),
-        ("a value out of its enum", "- ReadWriteOncePod", "- ReadWriteOncePd", "schema",
+        ("a value out of its enum", "      - ReadWriteOnce\n", "      - ReadWriteOnse\n", "schema",
          r"^spec\.volumeClaimTemplates\[0\]\.spec\.accessModes\[0\]$"),
         ("a required field gone", "        name: storaged\n", "", "schema",
          r"^spec\.template\.spec\.containers\[0\]$"),
@@ -398,7 +400,8 @@ class Properties(unittest.TestCase):
                 sts = daemon(objs, "storaged")
                 self.assertEqual(sts["spec"]["replicas"], 1)
                 (claim,) = sts["spec"]["volumeClaimTemplates"]
-                self.assertEqual(claim["spec"]["accessModes"], ["ReadWriteOncePod"])
+                self.assertEqual(claim["spec"]["accessModes"],
+                                 [BUILDS[name].get("access", "ReadWriteOncePod")])
                 c = containers(sts)[0]
                 self.assertIn("startupProbe", c)
                 mounts = [m["mountPath"] for m in c["volumeMounts"]]

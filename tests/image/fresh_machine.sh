@@ -44,7 +44,7 @@ git -C "$root" archive --format=tar --prefix=cflue/ HEAD |
   podman "${runtime[@]}" run --rm -i --name "$name" --network host "${ulimits[@]}" \
     --security-opt seccomp=unconfined --security-opt systempaths=unconfined \
     ${local_ca[@]+"${local_ca[@]}"} -e DEBIAN_FRONTEND=noninteractive "$base" \
-    bash -c "tar -C /root -x && cd /root/cflue && ($steps)" 2>&1 | tee "$log" | tail -60
-rc=${PIPESTATUS[1]}
+    bash -c "tar -C /root -x && cd /root/cflue && ($steps)" 2>&1 | tee "$log" | tail -60 &&
+  rc=0 || rc=${PIPESTATUS[1]}
 echo "== fresh machine: $steps exited $rc"
 exit "$rc"

@@ -45,7 +45,7 @@ cleanup() {
     fi
     podman rm -f -t 2 "$c" >/dev/null 2>&1 || true
   done
-  [ -n "${model_pid:-}" ] && kill "$model_pid" 2>/dev/null
+  [ -z "${model_pid:-}" ] || kill "$model_pid" 2>/dev/null || true
   if [ "$rc" != 0 ] && [ -f "$work/model.log" ]; then
     echo "---- offline model log" >&2
     tail -20 "$work/model.log" >&2
@@ -150,8 +150,8 @@ model_pid=$!
 run() { # NAME ARGS...: a daemon as a detached container
   local name="cflue-test-$1-$$"
   shift
+  containers+=("$name") # cleaned up (and its logs shown) even if it never starts
   podman run -d --name "$name" --network host --stop-timeout 20 "$@" >/dev/null
-  containers+=("$name")
 }
 run storaged -v "$work/store:/var/lib/cflue/store" "$image" \
   storaged --listen "$storaged_addr" --db /var/lib/cflue/store/store.db

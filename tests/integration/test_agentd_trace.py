@@ -273,6 +273,34 @@ class TraceCase(AgentdCase):
         self.assertEqual(header_trace(req['headers']['traceparent'])[0], tid)
 
 
+    def test_cli_normalizes_or_drops_the_environments_trace(self):
+        """A TRACEPARENT with blanks around it (which the spec allows, and gRPC refuses in a
+        header) is sent normalized; one that does not parse is named on stderr and not sent:
+        either way the command works."""
+        from test_cli import run_cli
+        tp, tid, pid = new_traceparent()
+        for raw, expect in (('\t' + tp + ' ', tid), ('00-not-a-trace', None)):
+            conv = new_conv('tpn')
+            self.workspace(conv)
+            self.fm.set_scenario(bind([{'text': 'Still answered.'}], conv))
+            env = dict(os.environ)
+            os.environ.update({'TRACEPARENT': raw, 'TRACESTATE': 'caf\u00e9=1'})
+            try:
+                rc, out, err = run_cli(['submit', '--agent', 'runner-anthropic', '--conversation',
+                                        conv, 'hello', '--agentd', self.ad.target])
+            finally:
+                os.environ.clear()
+                os.environ.update(env)
+            self.assertEqual(rc, 0, out + err)
+            m = re.search(r'\(trace (\S+)\)', err)
+            self.assertTrue(m, err)
+            if expect:
+                self.assertEqual(header_trace(m.group(1))[:2], (tid, pid))
+            else:
+                self.assertIn('TRACEPARENT ignored', err)
+                self.assertNotEqual(header_trace(m.group(1))[0], tid)
+
+
 class TraceTakeoverCase(AgentdCase):
     """agentd A is killed mid-drive; agentd B (another owner) takes the work over once A's
     lease runs out."""
