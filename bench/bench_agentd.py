@@ -26,7 +26,7 @@ import urllib.request
 here = os.path.dirname(os.path.abspath(__file__))
 root = os.path.dirname(here)
 sys.path.insert(0, here)
-from benchjson import Report  # noqa: E402
+from benchjson import run_reporting  # noqa: E402
 
 
 def rss_kb(pid):
@@ -54,15 +54,7 @@ def main():
     ap.add_argument("--turns", type=int, default=100)
     ap.add_argument("--conversations", type=int, default=1000)
     ap.add_argument("--json", help="also write the figures here as JSON")
-    a = ap.parse_args()
-    report = Report("bench_agentd")
-    try:
-        run_bench(a, report)
-    except BaseException as e:
-        report.error("%s: %s" % (type(e).__name__, e))
-        raise
-    finally:
-        report.write(a.json)
+    run_reporting("bench_agentd", run_bench, ap.parse_args())
 
 
 def run_bench(a, report):

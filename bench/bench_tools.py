@@ -26,7 +26,7 @@ import time
 here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(here, "..", "tests", "integration"))
 sys.path.insert(0, here)
-from benchjson import Report  # noqa: E402
+from benchjson import run_reporting  # noqa: E402
 
 WORDS = ("alpha beta gamma delta epsilon zeta theta lambda sigma omega request response "
          "buffer socket thread commit ledger record stream offset").split()
@@ -68,15 +68,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--pages", type=int, default=200, help="pages of the big file to read")
     ap.add_argument("--json", help="also write the figures here as JSON")
-    a = ap.parse_args()
-    report = Report("bench_tools")
-    try:
-        run_bench(a, report)
-    except BaseException as e:
-        report.error("%s: %s" % (type(e).__name__, e))
-        raise
-    finally:
-        report.write(a.json)
+    run_reporting("bench_tools", run_bench, ap.parse_args())
 
 
 def run_bench(a, report):

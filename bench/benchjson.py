@@ -50,3 +50,16 @@ class Report(object):
             json.dump({'bench': self.bench, 'seconds': round(time.time() - self.t0, 1),
                        'errors': self.errors, 'figures': self.figures}, f, indent=1)
             f.write('\n')
+
+
+def run_reporting(bench, run, args):
+    """Runs run(args, report) for the bench named bench, with a Report that is written to
+    args.json whatever happens: an exception is recorded as the run's error, then raised."""
+    report = Report(bench)
+    try:
+        run(args, report)
+    except BaseException as e:
+        report.error("%s: %s" % (type(e).__name__, e))
+        raise
+    finally:
+        report.write(args.json)

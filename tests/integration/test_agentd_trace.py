@@ -245,6 +245,18 @@ class TraceCase(AgentdCase):
             self.assertEqual(header_trace(e['headers'].get('traceparent'))[0], TID)
 
 
+    def submit_with_env(self, conv, variables):
+        """cflue submit 'hello' to conv with variables added to its environment: (rc, out, err)."""
+        from test_cli import run_cli
+        env = dict(os.environ)
+        os.environ.update(variables)
+        try:
+            return run_cli(['submit', '--agent', 'runner-anthropic', '--conversation', conv,
+                            'hello', '--agentd', self.ad.target])
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+
     def test_cli_sends_the_environments_trace(self):
         """cflue's agent commands send TRACEPARENT (and TRACESTATE) from the environment;
         submit names the trace, status shows it."""
@@ -253,14 +265,7 @@ class TraceCase(AgentdCase):
         conv = new_conv('tpc')
         self.workspace(conv)
         self.fm.set_scenario(bind([{'text': 'Traced from the shell.'}], conv))
-        env = dict(os.environ)
-        os.environ.update({'TRACEPARENT': tp, 'TRACESTATE': 'shell=1'})
-        try:
-            rc, out, err = run_cli(['submit', '--agent', 'runner-anthropic', '--conversation',
-                                    conv, 'hello', '--agentd', self.ad.target])
-        finally:
-            os.environ.clear()
-            os.environ.update(env)
+        rc, out, err = self.submit_with_env(conv, {'TRACEPARENT': tp, 'TRACESTATE': 'shell=1'})
         self.assertEqual(rc, 0, out + err)
         m = re.search(r'submission (\S+) in conversation %s \(trace (\S+)\)' % conv, err)
         self.assertTrue(m, err)
@@ -277,20 +282,13 @@ class TraceCase(AgentdCase):
         """A TRACEPARENT with blanks around it (which the spec allows, and gRPC refuses in a
         header) is sent normalized; one that does not parse is named on stderr and not sent:
         either way the command works."""
-        from test_cli import run_cli
         tp, tid, pid = new_traceparent()
         for raw, expect in (('\t' + tp + ' ', tid), ('00-not-a-trace', None)):
             conv = new_conv('tpn')
             self.workspace(conv)
             self.fm.set_scenario(bind([{'text': 'Still answered.'}], conv))
-            env = dict(os.environ)
-            os.environ.update({'TRACEPARENT': raw, 'TRACESTATE': 'caf\u00e9=1'})
-            try:
-                rc, out, err = run_cli(['submit', '--agent', 'runner-anthropic', '--conversation',
-                                        conv, 'hello', '--agentd', self.ad.target])
-            finally:
-                os.environ.clear()
-                os.environ.update(env)
+            rc, out, err = self.submit_with_env(conv, {'TRACEPARENT': raw,
+                                                       'TRACESTATE': 'caf\u00e9=1'})
             self.assertEqual(rc, 0, out + err)
             m = re.search(r'\(trace (\S+)\)', err)
             self.assertTrue(m, err)
