@@ -111,7 +111,8 @@ static enum cf_status load(const char *dir, struct agent_defs **out, struct cf_e
     }
     for (size_t i = 0; i < defs->agents.n; i++) {
         if (defs->agents.items[i].sandbox_tools) {
-            placement_watch(defs->agents.items[i].sandbox_tools); /* dns: looked up now */
+            placement_watch(
+                defs->agents.items[i].sandbox_tools); /* dns: looked up in the background */
         }
         const char *model = defs->agents.items[i].model;
         if (model && !catalog_lookup(model).known) {

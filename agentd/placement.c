@@ -37,18 +37,23 @@ struct watched {
     const char *addrs[PLACEMENT_REPLICAS_MAX]; /* interned, names[i]'s address */
     const char *ips[PLACEMENT_REPLICAS_MAX];   /* interned, the IP:PORT it was found at */
     size_t n;
+    bool looked_up; /* its first lookup has ended (found some or none) */
 };
 
 static struct {
     pthread_mutex_t mu;
-    pthread_cond_t wake;
+    pthread_cond_t wake;   /* the refresh thread: stop, or a spec was added */
+    pthread_cond_t looked; /* a round of lookups ended */
+    unsigned added;        /* specs ever added: a change wakes the refresh thread */
     struct watched *watched;
     size_t n_watched;
     char **interned; /* every replica address handed out, for the process's life */
     size_t n_interned;
     bool started, stopping;
     pthread_t thread;
-} g = {.mu = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+} g = {.mu = PTHREAD_MUTEX_INITIALIZER,
+       .wake = PTHREAD_COND_INITIALIZER,
+       .looked = PTHREAD_COND_INITIALIZER};
 
 /* intern returns the process-lifetime copy of s; under g.mu. */
 static const char *intern(const char *s)
@@ -268,32 +273,57 @@ static void store(struct watched *w, struct found *found, size_t n)
     w->n = n;
 }
 
+/* deadline_in returns the CLOCK_REALTIME time ms from now (pthread_cond_timedwait's clock). */
+static struct timespec deadline_in(long ms)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    t.tv_sec += ms / 1000;
+    t.tv_nsec += (ms % 1000) * 1000000L;
+    if (t.tv_nsec >= 1000000000L) {
+        t.tv_sec++;
+        t.tv_nsec -= 1000000000L;
+    }
+    return t;
+}
+
+/* lookup_all looks every watched spec up once and puts what it found in force; under g.mu,
+ * which it drops around each lookup (one may take seconds). */
+static void lookup_all(void)
+{
+    for (size_t i = 0; i < g.n_watched && !g.stopping; i++) {
+        char host[sizeof(g.watched[i].host)], port[sizeof(g.watched[i].port)];
+        memcpy(host, g.watched[i].host, sizeof(host));
+        memcpy(port, g.watched[i].port, sizeof(port));
+        pthread_mutex_unlock(&g.mu);
+        struct found found[PLACEMENT_REPLICAS_MAX];
+        size_t n = resolve(host, port, found, PLACEMENT_REPLICAS_MAX);
+        pthread_mutex_lock(&g.mu);
+        struct watched *w = &g.watched[i]; /* entries are only ever added, never moved out */
+        store(w, found, n);
+        if (!w->looked_up && n == 0) {
+            log_warn("toold_replicas_unresolved",
+                     "spec=%s note=\"no replica found yet: looked up again every %d ms\"", w->spec,
+                     PLACEMENT_REFRESH_MS);
+        }
+        w->looked_up = true;
+    }
+    pthread_cond_broadcast(&g.looked);
+}
+
 static void *refresh_main(void *arg)
 {
     (void)arg;
     pthread_mutex_lock(&g.mu);
     while (!g.stopping) {
-        struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
-        until.tv_sec += PLACEMENT_REFRESH_MS / 1000;
-        until.tv_nsec += (long)(PLACEMENT_REFRESH_MS % 1000) * 1000000L;
-        if (until.tv_nsec >= 1000000000L) {
-            until.tv_sec++;
-            until.tv_nsec -= 1000000000L;
-        }
-        while (!g.stopping && pthread_cond_timedwait(&g.wake, &g.mu, &until) == 0) {
-        }
-        for (size_t i = 0; i < g.n_watched && !g.stopping; i++) {
-            char host[sizeof(g.watched[i].host)], port[sizeof(g.watched[i].port)];
-            memcpy(host, g.watched[i].host, sizeof(host));
-            memcpy(port, g.watched[i].port, sizeof(port));
-            pthread_mutex_unlock(&g.mu); /* a lookup may take seconds */
-            struct found found[PLACEMENT_REPLICAS_MAX];
-            size_t n = resolve(host, port, found, PLACEMENT_REPLICAS_MAX);
-            pthread_mutex_lock(&g.mu);
-            store(&g.watched[i], found, n); /* entries are only ever added, never moved out */
+        unsigned added = g.added;
+        lookup_all();
+        struct timespec until = deadline_in(PLACEMENT_REFRESH_MS);
+        while (!g.stopping && g.added == added &&
+               pthread_cond_timedwait(&g.wake, &g.mu, &until) == 0) {
         }
     }
+    pthread_cond_broadcast(&g.looked);
     pthread_mutex_unlock(&g.mu);
     return NULL;
 }
@@ -317,40 +347,43 @@ void placement_watch(const char *spec)
         return;
     }
     pthread_mutex_lock(&g.mu);
-    bool known = find(spec) != NULL;
-    pthread_mutex_unlock(&g.mu);
-    if (known) {
+    if (find(spec) || g.stopping) {
+        pthread_mutex_unlock(&g.mu);
         return;
     }
-    struct found found[PLACEMENT_REPLICAS_MAX];
-    size_t n = resolve(host, port, found, PLACEMENT_REPLICAS_MAX);
-    pthread_mutex_lock(&g.mu);
-    if (!find(spec)) {
-        /* the refresh thread reads entries by index under g.mu: growing the array is safe */
-        g.watched = mem_realloc(g.watched, sizeof(*g.watched) * (g.n_watched + 1));
-        struct watched *w = &g.watched[g.n_watched++];
-        memset(w, 0, sizeof(*w));
-        w->spec = mem_strdup(spec);
-        memcpy(w->host, host, sizeof(w->host));
-        memcpy(w->port, port, sizeof(w->port));
-        store(w, found, n);
-        if (n == 0) {
-            log_warn("toold_replicas_unresolved",
-                     "spec=%s note=\"no replica found yet: looked up again every %d ms\"", spec,
-                     PLACEMENT_REFRESH_MS);
-        }
-    }
-    struct cf_error err;
-    if (!g.started && !g.stopping) {
+    /* the refresh thread reads entries by index under g.mu: growing the array is safe */
+    g.watched = mem_realloc(g.watched, sizeof(*g.watched) * (g.n_watched + 1));
+    struct watched *w = &g.watched[g.n_watched++];
+    memset(w, 0, sizeof(*w));
+    w->spec = mem_strdup(spec);
+    memcpy(w->host, host, sizeof(w->host));
+    memcpy(w->port, port, sizeof(w->port));
+    g.added++;
+    if (!g.started) {
+        struct cf_error err;
         g.started = thread_start(&g.thread, "placement", 0, refresh_main, NULL, &err) == CF_OK;
         if (!g.started) {
             log_error("placement_thread_failed",
-                      "err=%s note=\"replicas are not looked up "
-                      "again\"",
-                      err.msg);
+                      "err=%s note=\"replicas are looked up once, now, and not again\"", err.msg);
+            lookup_all();
         }
     }
+    pthread_cond_broadcast(&g.wake);
     pthread_mutex_unlock(&g.mu);
+}
+
+/* await_first_lookup waits (at most PLACEMENT_FIRST_LOOKUP_MS) until w's first lookup has
+ * ended, so that a drive claimed just after start finds the replicas; under g.mu. Returns w
+ * again: the array may have grown while g.mu was dropped. */
+static struct watched *await_first_lookup(struct watched *w)
+{
+    const char *spec = w->spec;
+    struct timespec until = deadline_in(PLACEMENT_FIRST_LOOKUP_MS);
+    while (!w->looked_up && g.started && !g.stopping &&
+           pthread_cond_timedwait(&g.looked, &g.mu, &until) == 0) {
+        w = find(spec);
+    }
+    return find(spec);
 }
 
 /* replicas_locked fills names and addrs with spec's replicas known now (at most max) and
@@ -360,6 +393,9 @@ static size_t replicas_locked(const char *spec, const char **names, const char *
     size_t n = 0;
     if (!strncmp(spec, DNS_PREFIX, strlen(DNS_PREFIX))) {
         struct watched *w = find(spec);
+        if (w && !w->looked_up) {
+            w = await_first_lookup(w);
+        }
         for (size_t i = 0; w && i < w->n; i++, n++) {
             if (n < max) {
                 names[n] = w->names[i];

@@ -28,15 +28,18 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#define PLACEMENT_REPLICAS_MAX 64 /* replicas of one spec (more are left out, logged) */
-#define PLACEMENT_REFRESH_MS 5000 /* between two lookups of a dns: spec */
-#define PLACEMENT_ADDRESS_MAX 255 /* characters of one replica's address */
+#define PLACEMENT_REPLICAS_MAX 64       /* replicas of one spec (more are left out, logged) */
+#define PLACEMENT_REFRESH_MS 5000       /* between two lookups of a dns: spec */
+#define PLACEMENT_ADDRESS_MAX 255       /* characters of one replica's address */
+#define PLACEMENT_FIRST_LOOKUP_MS 10000 /* a pick waits this long for a new spec's lookup */
 
 /* placement_check validates a spec (as agents.c builds it); CF_INVALID with why filled. */
 CF_MUST_CHECK enum cf_status placement_check(const char *spec, char *why, size_t n);
 
-/* placement_watch looks a dns: spec up now (blocking: call it where definitions load) and has
- * it looked up again every PLACEMENT_REFRESH_MS from then on; other specs need nothing. */
+/* placement_watch has a dns: spec looked up by a thread of its own, at once and again every
+ * PLACEMENT_REFRESH_MS (it never blocks on DNS: a resolver that does not answer must not hold
+ * up agentd's start); a pick or a listing of the spec before its first lookup has ended waits
+ * for it, at most PLACEMENT_FIRST_LOOKUP_MS. Other specs need nothing. */
 void placement_watch(const char *spec);
 
 /* placement_pick returns the address of the replica of spec that holds sandbox: spec itself

@@ -31,6 +31,7 @@ from cflue_harness import (NOT_SERVING, SERVING, Toold, TooldExited, TooldTestCa
 from cflue_harness import error_reason, tool_call  # noqa: E402
 
 NOBODY = 65534
+LIMITED_UID = 64987  # LimitedToold's own user
 
 
 def _pids():
@@ -81,14 +82,19 @@ def bwrap_works():
 
 class NobodyToold(Toold):
     """toold as uid/gid 65534 (setpriv), over a root directory that user owns."""
+    uid = NOBODY
 
     def command(self):
-        return ['setpriv', '--reuid=%d' % NOBODY, '--regid=%d' % NOBODY, '--clear-groups',
+        return ['setpriv', '--reuid=%d' % self.uid, '--regid=%d' % self.uid, '--clear-groups',
                 '--'] + super(NobodyToold, self).command()
 
 
 class LimitedToold(NobodyToold):
-    """NobodyToold under an RLIMIT_NPROC of limit."""
+    """toold as a uid no other test uses, under an RLIMIT_NPROC of limit: the limit counts
+    every process and thread of the user on the machine, so under 65534 the tests that run
+    beside this one (fork bombs of test_toold_limits, bwrap sandboxes of test_toold) would use
+    it up before toold starts."""
+    uid = LIMITED_UID
 
     def __init__(self, limit, **kw):
         self.limit = limit
@@ -507,7 +513,7 @@ class TestFailpointAndThreads(HostileBase):
         os.chmod(td.dir, 0o755)
         os.makedirs(td.root, exist_ok=True)
         for p in (td.dir, td.root):
-            os.chown(p, NOBODY, NOBODY)
+            os.chown(p, td.uid, td.uid)
         td.start()
         sb = 'threads'
         self.assertFalse(self.call(sb, 'write', {'path': 'a.txt', 'content': 'x\n'},
