@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define ARENA_MAX 2
 #define TRIM_EVERY_S 10
@@ -149,11 +150,12 @@ bool daemon_serve(struct daemon *d, struct rpc_server *srv)
         return false;
     }
     if (rpc_server_start(srv) != CF_OK) {
+        /* a process that cannot start threads cannot tear gRPC down either (its destroy waits
+         * for gRPC threads that may never have started, or aborts on a server never started):
+         * it stops here, as a crash would, with nothing in flight */
         daemon_say(d, 1, "could not start serving (threads); see the log");
-        rpc_server_free(srv);
-        metrics_http_stop(d->metrics);
-        d->metrics = NULL;
-        return false;
+        fflush(NULL);
+        _exit(1);
     }
     d->server = srv;
     d->port = port;

@@ -115,9 +115,9 @@ int daemon_say(const struct daemon *d, int code, const char *fmt, ...)
 /* daemon_serve takes srv (made with rpc_server_new, its services registered), binds d->listen
  * (TLS when --tls-cert was given), starts serving, logs the "tls" line (tls=on|off
  * mtls=on|off, and the peers' peer_tls, peer_cert) and writes d->port_file; d->server and
- * d->port are set. On failure it prints
- * and logs why (listen_failed, or the server's own rpc_start_failed), frees srv and returns
- * false. */
+ * d->port are set. When it cannot bind it prints and logs why (listen_failed), frees srv and
+ * returns false; when the server's threads cannot start (rpc_start_failed) it prints so and
+ * ends the process with code 1 at once (see daemon.c). */
 CF_MUST_CHECK bool daemon_serve(struct daemon *d, struct rpc_server *srv);
 
 /* daemon_stop_serving shuts d->server down (health NOT_SERVING, new calls refused, live calls

@@ -495,6 +495,24 @@ class TestFailpointAndThreads(HostileBase):
         with open(os.path.join(td.workspace('fp'), 'marker')) as f:
             self.assertEqual(f.read(), 'ran\n')  # it ran; its result was never sent
 
+    def test_serving_threads_that_cannot_start(self):
+        """Under a process limit too small for its serving threads, toold says so and exits
+        with code 1 (it used to abort inside gRPC, or wait forever for gRPC's own threads)."""
+        if os.geteuid() != 0 or not shutil.which('prlimit'):
+            self.skipTest('needs root and prlimit')
+        for limit in (4, 8):
+            td = LimitedToold(start=False, driver='local', limit=limit)
+            self._toolds.append(td)
+            os.chmod(td.dir, 0o755)
+            os.makedirs(td.root, exist_ok=True)
+            for p in (td.dir, td.root):
+                os.chown(p, td.uid, td.uid)
+            with self.assertRaises(TooldExited) as cm:
+                td.start()
+            self.assertIn('exited with code 1 during start-up', str(cm.exception))
+            self.assertIn('could not start serving (threads)', str(cm.exception))
+            self.assertIn('event=rpc_start_failed', str(cm.exception))
+
     def test_batch_threads_that_cannot_start(self):
         """With the process limit reached, calls whose thread cannot start get an error result
         and the batch still completes (it used to hang and join an unset handle)."""
