@@ -41,6 +41,10 @@ FORMS = {
     # client threads, settle bound (s)
     'short': dict(submissions=500, faults=40, long_outages=5, sigstops=3, toold_starts=2,
                   clients=10, bound_s=90),
+    # the sanitizer build's (CI's ASan stage): every kind of fault and failpoint, at half the
+    # short form's counts; the daemons' code under ASan is the short form's
+    'brief': dict(submissions=250, faults=20, long_outages=3, sigstops=2, toold_starts=1,
+                  clients=10, bound_s=90),
     'long': dict(submissions=10000, faults=300, long_outages=30, sigstops=20, toold_starts=10,
                  clients=12, bound_s=90),
 }
@@ -606,7 +610,10 @@ def read_records(H, stack, conv):
 def main(argv=None):
     ap = argparse.ArgumentParser(description='cflue chaos harness (docs/chaos.md)')
     ap.add_argument('--long', action='store_true', help='the long form (10,000 submissions, '
-                    '300 faults)')
+                    '300 faults); the same as --form long')
+    ap.add_argument('--form', choices=sorted(FORMS), default=None,
+                    help='short (the default: 500 submissions, 40 faults), brief (half the '
+                    'short form: the sanitizer build\'s) or long')
     ap.add_argument('--seed', type=int, default=None, help='seed of every random choice')
     ap.add_argument('--build-dir', default=None,
                     help='the C build ($CFLUE_BUILD_DIR, else <repo>/build)')
@@ -616,7 +623,10 @@ def main(argv=None):
     ap.add_argument('--faults', type=int, default=None, help='override the form')
     args = ap.parse_args(argv)
 
-    form = dict(FORMS['long' if args.long else 'short'])
+    if args.long and args.form not in (None, 'long'):
+        ap.error('--long and --form %s disagree' % args.form)
+    form_name = 'long' if args.long else args.form or 'short'
+    form = dict(FORMS[form_name])
     if args.submissions is not None:
         form['submissions'] = args.submissions
     if args.faults is not None:
@@ -631,9 +641,9 @@ def main(argv=None):
 
     workdir = args.workdir or tempfile.mkdtemp(prefix='cflue-chaos-')
     os.makedirs(workdir, exist_ok=True)
-    log('form %s seed %d build %s workdir %s' % ('long' if args.long else 'short', seed,
+    log('form %s seed %d build %s workdir %s' % (form_name, seed,
                                                  H.BUILD_DIR, workdir))
-    log('to replay: tests/chaos/run%s --seed %d' % (' --long' if args.long else '', seed))
+    log('to replay: tests/chaos/run --form %s --seed %d' % (form_name, seed))
     t_start = time.monotonic()
     try:
         stack = Stack(H, workdir)
@@ -682,7 +692,7 @@ def main(argv=None):
         violations, notes = checker.check(client.acks, subs, records, side, client.watched,
                                           sorted(pending))
         rc = report(stack, client, nem, form, subs, records, side, violations, notes,
-                    time.monotonic() - t_start, settle_s, seed, args.long)
+                    time.monotonic() - t_start, settle_s, seed, form_name)
     finally:
         nem.stop.set()
         nem.monitor_stop.set()
@@ -695,12 +705,11 @@ def main(argv=None):
 
 
 def report(stack, client, nem, form, subs, records, side, violations, notes, elapsed, settle_s,
-           seed, long_form):
+           seed, form_name):
     out = []
     p = out.append
     acked = set(a['sid'] for a in client.acks)
-    p('==== chaos %s form, seed %d, %.0f s ====' % ('long' if long_form else 'short', seed,
-                                                   elapsed))
+    p('==== chaos %s form, seed %d, %.0f s ====' % (form_name, seed, elapsed))
     outcomes = collections.Counter(subs[s]['outcome'] for s in acked if s in subs)
     joined = sum(1 for s in acked if s in subs and subs[s]['answered_by'] not in ('', s))
     p('submissions checked: %d acknowledged (%d in the ledger), %d conversations, %d joined, '
