@@ -495,18 +495,23 @@ class TestFailpointAndThreads(HostileBase):
         with open(os.path.join(td.workspace('fp'), 'marker')) as f:
             self.assertEqual(f.read(), 'ran\n')  # it ran; its result was never sent
 
+    def limited_toold(self, limit):
+        """A LimitedToold (not started yet) over directories its user owns."""
+        td = LimitedToold(start=False, driver='local', limit=limit)
+        self._toolds.append(td)
+        os.chmod(td.dir, 0o755)
+        os.makedirs(td.root, exist_ok=True)
+        for p in (td.dir, td.root):
+            os.chown(p, td.uid, td.uid)
+        return td
+
     def test_serving_threads_that_cannot_start(self):
         """Under a process limit too small for its serving threads, toold says so and exits
         with code 1 (it used to abort inside gRPC, or wait forever for gRPC's own threads)."""
         if os.geteuid() != 0 or not shutil.which('prlimit'):
             self.skipTest('needs root and prlimit')
         for limit in (4, 8):
-            td = LimitedToold(start=False, driver='local', limit=limit)
-            self._toolds.append(td)
-            os.chmod(td.dir, 0o755)
-            os.makedirs(td.root, exist_ok=True)
-            for p in (td.dir, td.root):
-                os.chown(p, td.uid, td.uid)
+            td = self.limited_toold(limit)
             with self.assertRaises(TooldExited) as cm:
                 td.start()
             self.assertIn('exited with code 1 during start-up', str(cm.exception))
@@ -525,13 +530,7 @@ class TestFailpointAndThreads(HostileBase):
         probe.close()
         # RLIMIT_NPROC counts the threads of every process of the user: toold's idle threads,
         # the batch's handler thread and a few more
-        limit = threads + 8
-        td = LimitedToold(start=False, driver='local', limit=limit)
-        self._toolds.append(td)
-        os.chmod(td.dir, 0o755)
-        os.makedirs(td.root, exist_ok=True)
-        for p in (td.dir, td.root):
-            os.chown(p, td.uid, td.uid)
+        td = self.limited_toold(threads + 8)
         td.start()
         sb = 'threads'
         self.assertFalse(self.call(sb, 'write', {'path': 'a.txt', 'content': 'x\n'},
