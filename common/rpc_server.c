@@ -428,39 +428,20 @@ static void enqueue_locked(struct rpc_call *c, grpc_byte_buffer *bb)
     c->q_bytes += grpc_byte_buffer_length(bb);
 }
 
-/* finish_locked queues the call's status; an error status also gets its ErrorInfo trailer
- * (reason NULL or "": the one named after the code). */
 /* observe_call counts a finished call in cflue_rpc_server_handled_total and its latency. */
 static void observe_call(const struct rpc_call *c, grpc_status_code code)
 {
-    static const char *const names[] = {"OK",
-                                        "CANCELLED",
-                                        "UNKNOWN",
-                                        "INVALID_ARGUMENT",
-                                        "DEADLINE_EXCEEDED",
-                                        "NOT_FOUND",
-                                        "ALREADY_EXISTS",
-                                        "PERMISSION_DENIED",
-                                        "RESOURCE_EXHAUSTED",
-                                        "FAILED_PRECONDITION",
-                                        "ABORTED",
-                                        "OUT_OF_RANGE",
-                                        "UNIMPLEMENTED",
-                                        "INTERNAL",
-                                        "UNAVAILABLE",
-                                        "DATA_LOSS",
-                                        "UNAUTHENTICATED"};
     struct rpc_server *s = c->srv;
     const char *method = c->m ? c->m->path : "unknown";
-    const char *name =
-        (int)code >= 0 && (size_t)code < sizeof(names) / sizeof(names[0]) ? names[code] : "UNKNOWN";
-    metrics_add(s->handled, METRICS_LABELS(method, name), 1);
+    metrics_add(s->handled, METRICS_LABELS(method, errinfo_default_reason(code)), 1);
     if (c->started_us) {
         metrics_observe(s->latency, METRICS_LABELS(method),
                         (double)(clock_mono_us() - c->started_us) / 1e6);
     }
 }
 
+/* finish_locked queues the call's status; an error status also gets its ErrorInfo trailer
+ * (reason NULL or "": the one named after the code). */
 static void finish_locked(struct rpc_call *c, grpc_status_code code, const char *details,
                           const char *reason)
 {
