@@ -237,6 +237,57 @@ static void release_memory(void *arg)
     here_forget_older(clock_mono_ms(), 10 * 1000);
 }
 
+/* start_serving_extras starts what runs beside the API once it serves (the definitions'
+ * watch, the storaged readiness probe), logs the listening line and the auth mode, and
+ * returns the probe (NULL: readiness stays SERVING, logged). */
+static struct ready_probe *start_serving_extras(const struct daemon *d, const struct agentd_opts *o,
+                                                struct rpc_server *srv, size_t n_agents)
+{
+    struct cf_error err;
+    g_watch.every_ms = o->agents_poll_ms;
+    if (thread_start(&g_watch.thread, "agents-watch", 0, watch_definitions, NULL, &err) == CF_OK) {
+        g_watch.running = true;
+    } else {
+        char q[CF_ERROR_MSG_MAX + 8];
+        log_warn("agents_watch_off", "err=%s note=\"definitions are not reloaded\"",
+                 log_quote(q, sizeof(q), err.msg));
+    }
+    log_info("listening", "addr=%s port=%d store=%s agents=%zu owner=%s workers=%lld", d->listen,
+             d->port, o->store, n_agents, o->owner, o->workers);
+    if (tokens_enabled()) {
+        log_info("auth_on", "tokens=%zu file=%s", tokens_count(), o->tokens);
+    } else {
+        log_warn("auth_off", "note=\"no --tokens: the Agent API serves every caller that reaches "
+                             "it, and conversations record no principal\"");
+    }
+    struct ready_probe *ready =
+        ready_start(srv, "storaged", storaged_answers, (void *)o->store, &err);
+    if (!ready) {
+        char q[CF_ERROR_MSG_MAX + 8];
+        log_warn("ready_probe_off", "err=%s note=\"readiness stays SERVING\"",
+                 log_quote(q, sizeof(q), err.msg));
+    }
+    return ready;
+}
+
+/* stop ends agentd in order: the probe and the watch, the engine's new work, the API (its
+ * grace), then the drives, and the clients last. */
+static void stop(struct daemon *d, struct ready_probe *ready)
+{
+    ready_stop(ready);
+    watch_stop();
+    int feeds, watchers;
+    watch_counts(&feeds, &watchers);
+    /* what Watch(follow) and GetSubmission(wait) held when the stop came: 0 and 0 once every
+     * caller left (tests/integration/test_watch_outage.py reads it) */
+    log_info("watch.counts", "feeds=%d watchers=%d", feeds, watchers);
+    engine_stop();
+    daemon_stop_serving(d);
+    engine_join();
+    close_clients();
+    log_info("stopped", "code=0");
+}
+
 int main(int argc, char **argv)
 {
     struct daemon d = DAEMON_INIT("agentd", usage, "127.0.0.1:7100");
@@ -345,42 +396,8 @@ int main(int argc, char **argv)
         close_clients();
         return 1;
     }
-    g_watch.every_ms = o.agents_poll_ms;
-    if (thread_start(&g_watch.thread, "agents-watch", 0, watch_definitions, NULL, &err) == CF_OK) {
-        g_watch.running = true;
-    } else {
-        char q[CF_ERROR_MSG_MAX + 8];
-        log_warn("agents_watch_off", "err=%s note=\"definitions are not reloaded\"",
-                 log_quote(q, sizeof(q), err.msg));
-    }
-    log_info("listening", "addr=%s port=%d store=%s agents=%zu owner=%s workers=%lld", d.listen,
-             d.port, o.store, n_agents, o.owner, o.workers);
-    if (tokens_enabled()) {
-        log_info("auth_on", "tokens=%zu file=%s", tokens_count(), o.tokens);
-    } else {
-        log_warn("auth_off", "note=\"no --tokens: the Agent API serves every caller that reaches "
-                             "it, and conversations record no principal\"");
-    }
-    struct ready_probe *ready =
-        ready_start(srv, "storaged", storaged_answers, (void *)o.store, &err);
-    if (!ready) {
-        char q[CF_ERROR_MSG_MAX + 8];
-        log_warn("ready_probe_off", "err=%s note=\"readiness stays SERVING\"",
-                 log_quote(q, sizeof(q), err.msg));
-    }
-
+    struct ready_probe *ready = start_serving_extras(&d, &o, srv, n_agents);
     daemon_wait_for_stop_or_hup(release_memory, reload_on_hup, NULL);
-    ready_stop(ready);
-    watch_stop();
-    int feeds, watchers;
-    watch_counts(&feeds, &watchers);
-    /* what Watch(follow) and GetSubmission(wait) held when the stop came: 0 and 0 once every
-     * caller left (tests/integration/test_watch_outage.py reads it) */
-    log_info("watch.counts", "feeds=%d watchers=%d", feeds, watchers);
-    engine_stop();
-    daemon_stop_serving(&d);
-    engine_join();
-    close_clients();
-    log_info("stopped", "code=0");
+    stop(&d, ready);
     return 0;
 }

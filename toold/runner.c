@@ -504,10 +504,77 @@ static void send_end(int fd, const struct watch *w)
     close(fd);
 }
 
+/* start_command forks and execs cmd (under lim, in a session of its own, with the signal
+ * mask empty) and reports to toold on report_fd its pid or why it did not start. Returns the
+ * pid, or -1 when it did not start or the report could not be sent (what it started is then
+ * killed). */
+static pid_t start_command(char **cmd, const struct proc_limits *lim, const sigset_t *empty,
+                           int report_fd)
+{
+    struct runner_report rep = {0, 0};
+    int ep[2];
+    if (pipe2(ep, O_CLOEXEC) != 0) {
+        rep.err = errno;
+        if (write(report_fd, &rep, sizeof(rep)) < 0) {
+            return -1;
+        }
+        return -1;
+    }
+    pid_t pid = fork();
+    if (pid == 0) {
+        sigprocmask(SIG_SETMASK, empty, NULL);
+        setsid();
+        apply_limits(lim);
+        execvp(cmd[0], cmd);
+        int e = errno;
+        if (write(ep[1], &e, sizeof(e)) < 0) {
+            _exit(127);
+        }
+        _exit(127);
+    }
+    close(ep[1]);
+    if (pid < 0) {
+        rep.err = errno;
+    } else {
+        int e;
+        ssize_t r;
+        while ((r = read(ep[0], &e, sizeof(e))) < 0 && errno == EINTR) {
+        }
+        if (r == (ssize_t)sizeof(e)) {
+            rep.err = e;
+        }
+        rep.pid = pid;
+    }
+    close(ep[0]);
+    ssize_t sent = write(report_fd, &rep, sizeof(rep));
+    if (rep.err || sent != (ssize_t)sizeof(rep)) {
+        close(report_fd);
+        kill_all();
+        return -1;
+    }
+    return pid;
+}
+
+/* drop_stdio points fds 0-2 at /dev/null: the runner holds no end of the command's pipes, so
+ * they close when its processes are gone. */
+static void drop_stdio(void)
+{
+    int nul = open("/dev/null", O_RDWR | O_CLOEXEC);
+    for (int fd = 0; fd < 3; fd++) {
+        if (nul >= 0) {
+            dup2(nul, fd);
+        } else {
+            close(fd);
+        }
+    }
+    if (nul > 2) {
+        close(nul);
+    }
+}
+
 int proc_runner_main(int argc, char **argv)
 {
     const int report_fd = 3;
-    struct runner_report rep = {0, 0};
     sigset_t set, empty;
     static struct watch w; /* one per runner process */
     w.lim.disk_known = -1;
@@ -536,58 +603,11 @@ int proc_runner_main(int argc, char **argv)
     sigaddset(&set, SIGCHLD);
     sigprocmask(SIG_BLOCK, &set, NULL);
 
-    int ep[2];
-    if (pipe2(ep, O_CLOEXEC) != 0) {
-        rep.err = errno;
-        if (write(report_fd, &rep, sizeof(rep)) < 0) {
-            return 127;
-        }
-        return 127;
-    }
-    pid_t pid = fork();
-    if (pid == 0) {
-        sigprocmask(SIG_SETMASK, &empty, NULL);
-        setsid();
-        apply_limits(&w.lim);
-        execvp(cmd[0], cmd);
-        int e = errno;
-        if (write(ep[1], &e, sizeof(e)) < 0) {
-            _exit(127);
-        }
-        _exit(127);
-    }
-    close(ep[1]);
+    pid_t pid = start_command(cmd, &w.lim, &empty, report_fd);
     if (pid < 0) {
-        rep.err = errno;
-    } else {
-        int e;
-        ssize_t r;
-        while ((r = read(ep[0], &e, sizeof(e))) < 0 && errno == EINTR) {
-        }
-        if (r == (ssize_t)sizeof(e)) {
-            rep.err = e;
-        }
-        rep.pid = pid;
-    }
-    close(ep[0]);
-    ssize_t sent = write(report_fd, &rep, sizeof(rep));
-    if (rep.err || sent != (ssize_t)sizeof(rep)) {
-        close(report_fd);
-        kill_all();
         return 127;
     }
-    /* the runner holds no end of the command's pipes: they close when its processes are gone */
-    int nul = open("/dev/null", O_RDWR | O_CLOEXEC);
-    for (int fd = 0; fd < 3; fd++) {
-        if (nul >= 0) {
-            dup2(nul, fd);
-        } else {
-            close(fd);
-        }
-    }
-    if (nul > 2) {
-        close(nul);
-    }
+    drop_stdio();
 
     int main_status = 0;
     bool main_done = false, stopping = false;
