@@ -43,35 +43,30 @@ void ids_new(char out[IDS_MAX], const char *prefix)
     snprintf(out, IDS_MAX, "%.24s_%s", prefix, ulid);
 }
 
-bool ids_valid_name(const char *s, size_t max_len)
+/* name_chars returns the length of s when every character is A-Z a-z 0-9 . _ - (or one of
+ * extra), else 0 (so for NULL and ""). */
+static size_t name_chars(const char *s, const char *extra)
 {
     size_t n = 0;
-    if (!s) {
-        return false;
-    }
-    for (const char *p = s; *p; p++, n++) {
+    for (const char *p = s; p && *p; p++, n++) {
         char c = *p;
         if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-              c == '.' || c == '_' || c == '-')) {
-            return false;
+              c == '.' || c == '_' || c == '-' || strchr(extra, c))) {
+            return 0;
         }
     }
+    return n;
+}
+
+bool ids_valid_name(const char *s, size_t max_len)
+{
+    size_t n = name_chars(s, "");
     return n >= 1 && n <= max_len && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
 }
 
 bool ids_valid_principal(const char *s)
 {
-    size_t n = 0;
-    if (!s) {
-        return false;
-    }
-    for (const char *p = s; *p; p++, n++) {
-        char c = *p;
-        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-              c == '.' || c == '_' || c == '-' || c == '@')) {
-            return false;
-        }
-    }
+    size_t n = name_chars(s, "@");
     return n >= 1 && n <= IDS_PRINCIPAL_MAX;
 }
 

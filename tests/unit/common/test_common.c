@@ -209,6 +209,12 @@ static void test_ids(void)
     CHECK(!ids_valid_name(".", 128));
     CHECK(!ids_valid_name("a/b", 128));
     CHECK(!ids_valid_name("abc", 2));
+    CHECK(!ids_valid_name(NULL, 128));
+    CHECK(!ids_valid_name("a@b", 128));
+    CHECK(ids_valid_principal("ops@example.com"));
+    CHECK(!ids_valid_principal(""));
+    CHECK(!ids_valid_principal(NULL));
+    CHECK(!ids_valid_principal("a b"));
 }
 
 static void test_config(void)
