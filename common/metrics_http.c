@@ -7,6 +7,9 @@
 #include <arpa/inet.h>
 #include <microhttpd.h>
 #include <netdb.h>
+#include <netinet/in.h>
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,6 +93,25 @@ static enum cf_status parse_addr(const char *addr, struct sockaddr_storage *ss, 
     return CF_OK;
 }
 
+/* every_address says whether ss is the any-address of its family. */
+static bool every_address(const struct sockaddr_storage *ss)
+{
+    if (ss->ss_family == AF_INET6) {
+        return IN6_IS_ADDR_UNSPECIFIED(&((const struct sockaddr_in6 *)ss)->sin6_addr);
+    }
+    return ((const struct sockaddr_in *)ss)->sin_addr.s_addr == htonl(INADDR_ANY);
+}
+
+/* start serves /metrics at sa with libmicrohttpd (family flags as MHD_USE_IPv6 or
+ * MHD_USE_DUAL_STACK); NULL when it cannot bind there. */
+static struct MHD_Daemon *start(unsigned int family_flags, struct sockaddr *sa)
+{
+    return MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG | family_flags, 0,
+                            NULL, NULL, handle, NULL, MHD_OPTION_SOCK_ADDR, sa,
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned int)64,
+                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)30, MHD_OPTION_END);
+}
+
 enum cf_status metrics_http_start(const char *addr, struct metrics_http **out, int *port,
                                   struct cf_error *err)
 {
@@ -99,14 +121,24 @@ enum cf_status metrics_http_start(const char *addr, struct metrics_http **out, i
     if (rc != CF_OK) {
         return rc;
     }
-    unsigned int flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
-    if (ss.ss_family == AF_INET6) {
-        flags |= MHD_USE_IPv6;
+    struct MHD_Daemon *d = NULL;
+    uint16_t port_be = ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                                : ((struct sockaddr_in *)&ss)->sin_port;
+    if (every_address(&ss)) {
+        /* ":PORT", "[::]:PORT" and "0.0.0.0:PORT" all mean every address of the host: IPv6
+         * and IPv4 on one socket, so that an IPv6-only pod is scraped as well as an IPv4 one;
+         * IPv4 alone where the host has no IPv6 */
+        struct sockaddr_in6 any6 = {
+            .sin6_family = AF_INET6, .sin6_port = port_be, .sin6_addr = IN6ADDR_ANY_INIT};
+        d = start(MHD_USE_DUAL_STACK, (struct sockaddr *)&any6);
+        if (!d) {
+            struct sockaddr_in any4 = {
+                .sin_family = AF_INET, .sin_port = port_be, .sin_addr.s_addr = htonl(INADDR_ANY)};
+            d = start(0, (struct sockaddr *)&any4);
+        }
+    } else {
+        d = start(ss.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0, (struct sockaddr *)&ss);
     }
-    struct MHD_Daemon *d =
-        MHD_start_daemon(flags, 0, NULL, NULL, handle, NULL, MHD_OPTION_SOCK_ADDR,
-                         (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, (unsigned int)64,
-                         MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)30, MHD_OPTION_END);
     if (!d) {
         return cf_error_set(err, CF_IO,
                             "cannot serve metrics on %s (in use, or not an address "

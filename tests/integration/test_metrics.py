@@ -12,6 +12,7 @@ error that is retried, and a command stopped by a limit; then each daemon's seri
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
 import unittest
@@ -175,6 +176,30 @@ class MetricsTest(unittest.TestCase):
         with self.assertRaises(urllib.error.HTTPError) as cm:
             urllib.request.urlopen(req, timeout=10)
         self.assertEqual(cm.exception.code, 405)
+
+    def test_every_address_is_ipv6_and_ipv4(self):
+        """':PORT', '[::]:PORT' and '0.0.0.0:PORT' take every address, as gRPC's listeners do:
+        an IPv6-only pod is scraped at its IPv6 address, an IPv4 one at its IPv4 address."""
+        try:
+            with socket.socket(socket.AF_INET6) as s:
+                s.bind(('::1', 0))
+            has_v6 = True
+        except OSError:
+            has_v6 = False
+        for addr in (':0', '[::]:0', '0.0.0.0:0'):
+            sd = Storaged(extra_args=['--metrics-listen', addr])
+            try:
+                port = metrics_port(sd)
+                hosts = ['127.0.0.1'] + (['[::1]'] if has_v6 else [])
+                for host in hosts:
+                    url = 'http://%s:%d/metrics' % (host, port)
+                    with urllib.request.urlopen(url, timeout=10) as r:
+                        self.assertEqual(r.status, 200, (addr, host))
+            finally:
+                sd.close()
+                sd.remove()
+        if not has_v6:
+            self.skipTest('no IPv6 loopback here: only IPv4 was tried')
 
     def test_a_bad_address_stops_the_start(self):
         sd = Storaged(start=False, extra_args=['--metrics-listen', 'nowhere'])
