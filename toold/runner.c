@@ -470,16 +470,20 @@ static void look_at_disk(struct watch *w, int64_t now, bool exited)
     }
 }
 
-/* disk_estimate is the workspace's size as the runner last knew it, plus what the filesystem
- * gained since (-1: not measured). */
+/* disk_estimate is the workspace's size as the runner last walked it, plus what the
+ * filesystem gained since (-1: not measured). What it lost is not taken off: the filesystem's
+ * use falls with everyone's removals, and an estimate brought under the bound by another
+ * workspace's deletions would let the next command start from the bound instead of from a
+ * workspace already past it (and stop it for what an earlier one wrote). Too high an estimate
+ * costs a walk at the next start, never a stop. */
 static int64_t disk_estimate(const struct watch *w)
 {
     if (w->lim.disk_bytes <= 0) {
         return -1;
     }
     int64_t used = w->fs_used0 >= 0 ? fs_used(w) : -1;
-    int64_t grown = used >= 0 ? used - w->fs_used0 : 0; /* less, after a command removed files */
-    return w->lim.disk_known + grown > 0 ? w->lim.disk_known + grown : 0;
+    int64_t grown = used > w->fs_used0 ? used - w->fs_used0 : 0;
+    return w->lim.disk_known + grown;
 }
 
 /* watch_tick looks at what the command uses when a look is due. */

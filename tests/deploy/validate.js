@@ -384,8 +384,7 @@ function check(text) {
 // With --batch, stdin is a JSON list of YAML streams and stdout the list of their reports
 // (one process for many checks; the exit status is then 0). The status is set, not exited
 // with, so that all of a large report reaches a pipe.
-function main() {
-    const input = fs.readFileSync(0, 'utf8');
+function main(input) {
     if (process.argv.includes('--batch')) {
         process.stdout.write(JSON.stringify(JSON.parse(input).map(check)) + '\n');
         return;
@@ -395,4 +394,8 @@ function main() {
     process.exitCode = result.problems.length ? 1 : 0;
 }
 
-main();
+// stdin is read as a stream: fs.readFileSync(0) fails with EAGAIN where the pipe is
+// non-blocking and its writer has not written yet (seen with Node.js 18)
+const chunks = [];
+process.stdin.on('data', (c) => chunks.push(c));
+process.stdin.on('end', () => main(Buffer.concat(chunks).toString('utf8')));

@@ -29,6 +29,8 @@ from test_agentd_tool_servers import ServersCase, ToolServer, call, free_port, r
 HERE = os.path.dirname(os.path.abspath(__file__))
 EVERYTHING_JS = os.path.join(HERE, 'mcp', 'node_modules', '@modelcontextprotocol',
                              'server-everything', 'dist', 'index.js')
+# gives Node.js 18 (Debian 12's) the global `crypto` the server's sessions need
+WEBCRYPTO_CJS = os.path.join(HERE, 'mcp', 'webcrypto.cjs')
 TOKEN = 'tok-%d' % os.getpid()
 GIF = base64.b64encode(b'GIF89a\x01\x00\x01\x00\x00\x00\x00;').decode()
 PICTURES = [{'type': 'text', 'text': 'Three pictures:'},
@@ -44,7 +46,7 @@ def everything():
         raise AssertionError('the MCP reference server is not installed (%s): run scripts/setup'
                              % EVERYTHING_JS)
     port = free_port()
-    server = ToolServer([node, EVERYTHING_JS, 'streamableHttp'], port,
+    server = ToolServer([node, '--require', WEBCRYPTO_CJS, EVERYTHING_JS, 'streamableHttp'], port,
                         env=dict(os.environ, PORT=str(port)))
     server.url = 'http://127.0.0.1:%d/mcp' % port
     return server
