@@ -273,20 +273,6 @@ static void store(struct watched *w, struct found *found, size_t n)
     w->n = n;
 }
 
-/* deadline_in returns the CLOCK_REALTIME time ms from now (pthread_cond_timedwait's clock). */
-static struct timespec deadline_in(long ms)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_REALTIME, &t);
-    t.tv_sec += ms / 1000;
-    t.tv_nsec += (ms % 1000) * 1000000L;
-    if (t.tv_nsec >= 1000000000L) {
-        t.tv_sec++;
-        t.tv_nsec -= 1000000000L;
-    }
-    return t;
-}
-
 /* lookup_all looks every watched spec up once and puts what it found in force; under g.mu,
  * which it drops around each lookup (one may take seconds). */
 static void lookup_all(void)
@@ -318,7 +304,8 @@ static void *refresh_main(void *arg)
     while (!g.stopping) {
         unsigned added = g.added;
         lookup_all();
-        struct timespec until = deadline_in(PLACEMENT_REFRESH_MS);
+        struct timespec until;
+        clock_deadline(&until, PLACEMENT_REFRESH_MS);
         while (!g.stopping && g.added == added &&
                pthread_cond_timedwait(&g.wake, &g.mu, &until) == 0) {
         }
@@ -372,18 +359,18 @@ void placement_watch(const char *spec)
     pthread_mutex_unlock(&g.mu);
 }
 
-/* await_first_lookup waits (at most PLACEMENT_FIRST_LOOKUP_MS) until w's first lookup has
- * ended, so that a drive claimed just after start finds the replicas; under g.mu. Returns w
- * again: the array may have grown while g.mu was dropped. */
-static struct watched *await_first_lookup(struct watched *w)
+/* await_first_lookup waits (at most PLACEMENT_FIRST_LOOKUP_MS) until spec's first lookup has
+ * ended, so that a drive claimed just after start finds the replicas, and returns its entry
+ * (found anew: the array may have grown while g.mu was dropped); under g.mu. */
+static struct watched *await_first_lookup(const char *spec)
 {
-    const char *spec = w->spec;
-    struct timespec until = deadline_in(PLACEMENT_FIRST_LOOKUP_MS);
-    while (!w->looked_up && g.started && !g.stopping &&
+    struct timespec until;
+    clock_deadline(&until, PLACEMENT_FIRST_LOOKUP_MS);
+    struct watched *w;
+    while ((w = find(spec)) && !w->looked_up && g.started && !g.stopping &&
            pthread_cond_timedwait(&g.looked, &g.mu, &until) == 0) {
-        w = find(spec);
     }
-    return find(spec);
+    return w;
 }
 
 /* replicas_locked fills names and addrs with spec's replicas known now (at most max) and
@@ -392,10 +379,7 @@ static size_t replicas_locked(const char *spec, const char **names, const char *
 {
     size_t n = 0;
     if (!strncmp(spec, DNS_PREFIX, strlen(DNS_PREFIX))) {
-        struct watched *w = find(spec);
-        if (w && !w->looked_up) {
-            w = await_first_lookup(w);
-        }
+        struct watched *w = await_first_lookup(spec);
         for (size_t i = 0; w && i < w->n; i++, n++) {
             if (n < max) {
                 names[n] = w->names[i];
