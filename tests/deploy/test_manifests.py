@@ -16,12 +16,13 @@ Run: /usr/bin/python3 tests/deploy/test_manifests.py -v   (CTest: deploy/test_ma
 """
 import json
 import os
+import queue
 import re
-import select
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 
@@ -690,18 +691,30 @@ class AgentdLoadsTheConfigMaps(unittest.TestCase):
                               "127.0.0.1:0", "--store", "127.0.0.1:1", "--agents-poll-ms", "0"],
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True, cwd=tmp)
-        log, deadline = [], time.monotonic() + 20
+        # A thread reads the log line by line: a select() on the pipe cannot see lines already
+        # read into the file object's buffer (a loaded machine hands several over at once).
+        lines = queue.Queue()
+
+        def read_log():
+            for text in p.stderr:
+                lines.put(text)
+            lines.put(None)  # agentd closed its stderr: it stopped
+
+        reader = threading.Thread(target=read_log, daemon=True)
+        reader.start()
+        log, deadline = [], time.monotonic() + 30
         try:
             while time.monotonic() < deadline:
-                ready, _, _ = select.select([p.stderr], [], [], 0.5)
-                if ready:
-                    line = p.stderr.readline()
-                    if not line:
-                        break
-                    log.append(line)
-                    if "event=listening" in line:
-                        return None, line, log
-            return p.wait(timeout=10), None, log
+                try:
+                    line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if line is None:
+                    return p.wait(timeout=10), None, log
+                log.append(line)
+                if "event=listening" in line:
+                    return None, line, log
+            self.fail("agentd neither listened nor stopped in 30 s:\n" + "".join(log))
         finally:
             if p.poll() is None:
                 p.terminate()
@@ -710,6 +723,7 @@ class AgentdLoadsTheConfigMaps(unittest.TestCase):
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+            reader.join(timeout=5)
             p.stderr.close()
 
     def maps(self):
