@@ -49,7 +49,9 @@ except ImportError as e:  # pragma: no cover - reported clearly instead of a bar
 
 MiB = 1024 * 1024
 CLIENT_MAX_MESSAGE = 64 * MiB
-READY_TIMEOUT_S = 10.0
+# Bounds waits for success only (a daemon that exits early fails at once): generous, as an
+# ASan/TSan build on a loaded CI machine can take well over 10 s to start
+READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -248,7 +250,7 @@ class Daemon(object):
                 if old is not None:
                     old.unsubscribe(_ignore_state)
                     old.close()
-        self._wait_serving(deadline)
+        self._wait_serving(deadline, timeout)
         return self
 
     def _wait_target(self, deadline):
@@ -275,7 +277,7 @@ class Daemon(object):
             raise self.EXITED('%s exited with code %d during start-up\n%s'
                               % (self.NAME, rc, self.stderr_text()))
 
-    def _wait_serving(self, deadline):
+    def _wait_serving(self, deadline, timeout=READY_TIMEOUT_S):
         last = None
         while time.monotonic() < deadline:
             self._check_alive()
@@ -288,7 +290,7 @@ class Daemon(object):
                 last = '%s: %s' % (e.code(), e.details())
             time.sleep(0.02)
         raise AssertionError('%s not SERVING within %.0f s (last: %s)\n%s'
-                             % (self.NAME, READY_TIMEOUT_S, last, self.stderr_text()))
+                             % (self.NAME, timeout, last, self.stderr_text()))
 
     def _current_channel(self):
         with self._chan_lock:
@@ -360,7 +362,7 @@ class Daemon(object):
             response_deserializer=health_pb2.HealthCheckResponse.FromString)
         return c(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
 
-    def wait_health(self, service, want, timeout=10):
+    def wait_health(self, service, want, timeout=60):
         """Waits until Health/Check of service answers want; False when it never did."""
         deadline = time.monotonic() + timeout
         while self.health_check(service) != want:
