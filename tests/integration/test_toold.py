@@ -88,7 +88,7 @@ def processes_running(argv):
     return out
 
 
-def wait_no_process(argv, timeout=5.0):
+def wait_no_process(argv, timeout=30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         left = processes_running(argv)
@@ -105,6 +105,39 @@ def zombie_children(pid):
         if st and st[1] == pid and st[0] == 'Z':
             out.append(p)
     return out
+
+
+def wait_no_zombies(pid, timeout=30.0):
+    """pid's zombie children once there are none, or those still left after timeout (toold
+    reaps its children asynchronously: on a loaded machine a fixed short sleep was not enough)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not zombie_children(pid):
+            return []
+        time.sleep(0.05)
+    return zombie_children(pid)
+
+
+def _descends_from(pid, ancestor):
+    for _ in range(64):
+        st = _stat_fields(pid)
+        if st is None or st[1] <= 1:
+            return False
+        if st[1] == ancestor:
+            return True
+        pid = st[1]
+    return False
+
+
+def wait_descendant(ancestor, argv, timeout=30.0):
+    """A live process with exactly argv below ancestor, once there is one (None after timeout)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in processes_running(argv):
+            if _descends_from(pid, ancestor):
+                return pid
+        time.sleep(0.02)
+    return None
 
 
 class _Sampler(threading.Thread):
@@ -301,7 +334,7 @@ class TestBatch(TooldBase):
             request_serializer=tools_pb2.ToolBatch.SerializeToString,
             response_deserializer=tools_pb2.BatchResult.FromString)
         stream = c(tools_pb2.ToolBatch(calls=[
-            tool_call(sb, 'bash', {'command': 'sleep 1.5; echo slow'}),
+            tool_call(sb, 'bash', {'command': 'sleep 8; echo slow'}),
             tool_call(sb, 'bash', {'command': 'echo fast'}),
         ]), timeout=30)
         first = next(stream)
@@ -309,19 +342,22 @@ class TestBatch(TooldBase):
         rest = list(stream)
         self.assertEqual(first.index, 1)
         self.assertEqual(first.result.text, 'fast')
-        self.assertLess(t_first, 1.2, 'the fast result waited for the slow one')
+        # 8 s against 5 s: a loaded machine's slack (1.5 s against 1.2 s left it 0.3 s)
+        self.assertLess(t_first, 5.0, 'the fast result waited for the slow one')
         self.assertEqual([(r.index, r.result.text) for r in rest], [(0, 'slow')])
 
     def test_different_files_run_concurrently(self):
         sb = 'concurrent'
         t0 = time.monotonic()
         out = self.td.execute_batch([
-            tool_call(sb, 'bash', {'command': 'sleep 1; echo a > a.txt'}),
-            tool_call(sb, 'bash', {'command': 'sleep 1; echo b > b.txt'}),
-            tool_call(sb, 'bash', {'command': 'sleep 1; echo c > c.txt'}),
+            tool_call(sb, 'bash', {'command': 'sleep 3; echo a > a.txt'}),
+            tool_call(sb, 'bash', {'command': 'sleep 3; echo b > b.txt'}),
+            tool_call(sb, 'bash', {'command': 'sleep 3; echo c > c.txt'}),
         ])
         self.assertEqual(len(out), 3)
-        self.assertLess(time.monotonic() - t0, 2.5, 'batch calls did not run in parallel')
+        # one after the other takes 9 s; 3 s sleeps leave a loaded machine 4.5 s of slack (1 s
+        # sleeps against 2.5 s left it 1.5 s)
+        self.assertLess(time.monotonic() - t0, 7.5, 'batch calls did not run in parallel')
 
     def test_batch_limit(self):
         calls = [tool_call('lim', 'read', {'path': 'x'}) for _ in range(65)]
@@ -598,11 +634,11 @@ class TestBadInput(TooldBase):
                 self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
                 self.assertFalse(os.path.exists(marker))
         # a set sub-millisecond timeout is a limit, not "unset"
-        call = tool_call('t', 'bash', {'command': 'sleep 5'})
+        call = tool_call('t', 'bash', {'command': 'sleep 30'})
         call.timeout.nanos = 500000
         t0 = time.monotonic()
         res = self.td.execute_call(call)
-        self.assertLess(time.monotonic() - t0, 4)
+        self.assertLess(time.monotonic() - t0, 20)  # not sleep's 30 s (4 of 5 was too tight)
         self.assertIn('124', res.text)
         # unset: no limit from the caller
         self.assertOk(self.call('t', 'bash', {'command': 'echo fine'}), 'fine')
@@ -835,8 +871,8 @@ class TestSandboxService(TooldBase):
         self.assertIn(b'stdout text', both)
         self.assertIn(b'stderr text', both)
         t0 = time.monotonic()
-        r = self.sbx('Exec', command='echo before; sleep 5', timeout_ms=500)
-        self.assertLess(time.monotonic() - t0, 4)
+        r = self.sbx('Exec', command='echo before; sleep 30', timeout_ms=500)
+        self.assertLess(time.monotonic() - t0, 20)  # not sleep's 30 s (4 of 5 was too tight)
         self.assertEqual((r.exit_code, r.timed_out), (124, True))
         self.assertIn(b'before', r.stdout)
         r = self.sbx('Exec', command='printf "\\x00\\xff"')
@@ -1252,7 +1288,7 @@ class TestBwrapDriver(TooldBase):
         res = self.call(self.sb, 'bash', {'command': 'sleep 876.5 & sleep 876.5', 'timeout': 1})
         self.assertEqual(result_details(res).get('exit_code'), 124)
         self.assertEqual(wait_no_process(['sleep', '876.5']), [])
-        self.assertEqual(zombie_children(self.td.pid), [])
+        self.assertEqual(wait_no_zombies(self.td.pid), [])
 
     def test_grep_and_files_under_bwrap(self):
         self.assertFalse(self.call(self.sb, 'write', {'path': 'g/a.txt',
@@ -1274,7 +1310,7 @@ class TestProcessHygiene(TooldBase):
         sb = 'hyg'
         t0 = time.monotonic()
         res = self.call(sb, 'bash', {'command': 'sleep 1000 & sleep 1000', 'timeout': 1})
-        self.assertLess(time.monotonic() - t0, 5)
+        self.assertLess(time.monotonic() - t0, 20)  # the 1 s limit, not sleep's 1000 s
         self.assertFalse(res.is_error)
         d = result_details(res)
         self.assertEqual((d.get('exit_code'), d.get('timed_out')), (124, True))
@@ -1286,17 +1322,15 @@ class TestProcessHygiene(TooldBase):
         self.td.sandbox('Exec', sandbox=sb, command='sleep 1000 & sleep 1000', timeout_ms=300)
         self.td.sandbox('Exec', sandbox=sb, command='true')
         self.assertEqual(wait_no_process(['sleep', '1000']), [])
-        time.sleep(0.3)
-        self.assertEqual(zombie_children(self.td.pid), [])
+        self.assertEqual(wait_no_zombies(self.td.pid), [])
 
     def test_cancelled_call_kills_its_command(self):
         sb = 'cancel'
         with self.assertRaises(grpc.RpcError) as cm:
             self.call(sb, 'bash', {'command': 'sleep 1000'}, timeout=1)
         self.assertEqual(cm.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
-        self.assertEqual(wait_no_process(['sleep', '1000'], timeout=5), [])
-        time.sleep(0.3)
-        self.assertEqual(zombie_children(self.td.pid), [])
+        self.assertEqual(wait_no_process(['sleep', '1000']), [])
+        self.assertEqual(wait_no_zombies(self.td.pid), [])
         self.assertHealthy()
 
     def test_caller_deadline_ends_command(self):
@@ -1305,7 +1339,7 @@ class TestProcessHygiene(TooldBase):
         # 800 ms it was sometimes killed before its first line, which is another test's case)
         res = self.call('deadline', 'bash', {'command': 'echo early; sleep 1000'},
                         timeout_ms=2500)
-        self.assertLess(time.monotonic() - t0, 7)
+        self.assertLess(time.monotonic() - t0, 20)  # the 2.5 s deadline, not sleep's 1000 s
         self.assertFalse(res.is_error)
         self.assertTrue(res.text.startswith('early\n'))
         self.assertEqual(result_details(res).get('exit_code'), 124)
@@ -1333,7 +1367,9 @@ class TestShutdown(TooldBase):
 
         t = threading.Thread(target=run)
         t.start()
-        time.sleep(0.3)
+        # the call's command is running (a fixed 0.3 s sleep could signal a loaded machine's
+        # toold before the call reached it)
+        self.assertIsNotNone(wait_descendant(self.td.pid, ['sleep', '1']), 'the call never ran')
         self.td.proc.send_signal(signal.SIGTERM)
         self.assertEqual(self.td.proc.wait(20), 0)
         t.join(20)
@@ -1352,7 +1388,9 @@ class TestShutdown(TooldBase):
 
         t = threading.Thread(target=run)
         t.start()
-        time.sleep(0.3)
+        # the call's command is running (a fixed 0.3 s sleep could signal a loaded machine's
+        # toold before the call reached it)
+        self.assertIsNotNone(wait_descendant(self.td.pid, ['sleep', '1']), 'the call never ran')
         self.td.proc.send_signal(signal.SIGTERM)
         self.assertEqual(self.td.proc.wait(20), 0)
         t.join(20)
