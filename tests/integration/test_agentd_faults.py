@@ -66,7 +66,7 @@ class FaultsBase(AgentdCase):
         host = self.ad.submit('runner-anthropic', 'host message %s' % conv,
                               conversation_id=conv).submission_id
         self.wait_for('the host tool call to start',
-                      lambda: os.path.exists(os.path.join(ws, 'started.txt')), timeout=10)
+                      lambda: os.path.exists(os.path.join(ws, 'started.txt')), timeout=60)
         joined = [self.ad.submit('runner-anthropic', 'follow-up %d for %s' % (i, conv),
                                  conversation_id=conv).submission_id for i in range(2)]
         return conv, host, joined
@@ -319,13 +319,23 @@ class ShortOutageTest(FaultsBase):
         ws = self.workspace(conv)
         self.fm.set_scenario(bind([
             {'tool_calls': [{'name': 'bash', 'arguments': {
-                'command': 'sleep 1; date +%s.%N >> effects.txt; echo tool-finished'}}]},
+                'command': 'while [ ! -e go ]; do sleep 0.05; done; '
+                           'date +%s.%N >> effects.txt; echo tool-finished'}}]},
             {'text': 'Done despite the blip.'}], conv))
         adm = self.ad.submit('runner-anthropic', 'run it (%s)' % conv, conversation_id=conv)
         self.wait_record(conv, lambda r: kind(r) == 'assistant_message', 'the tool call')
         self.stack.sd.kill()
         down_at = time.time()
-        time.sleep(2.5)
+        # the tool finishes once storaged is down (a 'sleep 1' in it could finish first when
+        # the test saw the record late on a loaded machine), and storaged stays down a while
+        # after that, for the result's Append to meet the outage
+        with open(os.path.join(ws, 'go'), 'w'):
+            pass
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(ws, 'effects.txt')):
+            self.assertLess(time.monotonic(), deadline, 'the tool never finished')
+            time.sleep(0.05)
+        time.sleep(max(1.0, 2.5 - (time.time() - down_at)))
         up_at = time.time()
         self.stack.sd.start()
         sub = self.wait_settled(adm.submission_id, timeout=60)
@@ -348,18 +358,19 @@ class ShortOutageTest(FaultsBase):
     def test_a_settle_made_during_a_short_outage_is_recorded_by_the_same_attempt(self):
         conv = new_conv('blipsettle')
         self.workspace(conv)
-        self.fm.set_scenario(bind([{'text': 'The answer, late.', 'delay_ms': 1500}], conv))
+        # 4 s: the kill below must come before the answer (1.5 s was tight on a loaded machine)
+        self.fm.set_scenario(bind([{'text': 'The answer, late.', 'delay_ms': 4000}], conv))
         adm = self.ad.submit('runner-anthropic', 'answer (%s)' % conv, conversation_id=conv)
         self.wait_for('the model call', lambda: self.model_requests(conv), timeout=20,
                       interval=0.02)
         asked_at = time.time()
         self.stack.sd.kill()
-        time.sleep(3)
+        time.sleep(6)
         up_at = time.time()
         self.stack.sd.start()
-        # the answer came 1.5 s after the request, with storaged down: the Settle carrying it
+        # the answer came 4 s after the request, with storaged down: the Settle carrying it
         # was tried again until storaged was back
-        self.assertGreater(up_at, asked_at + 2.0)
+        self.assertGreater(up_at, asked_at + 5.0)
         sub = self.wait_settled(adm.submission_id, timeout=60)
         self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
         self.assertEqual(sub.attempt_count, 1, 'the outage cost an attempt')
