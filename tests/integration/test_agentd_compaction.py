@@ -103,7 +103,7 @@ class CompactionTest(CompactionCase):
                 f.write(text % instructions)
             os.rename(path + '.tmp', path)
             self.ad.proc.send_signal(signal.SIGHUP)
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 60
             while self.ad.stderr_text().count('event=agents_reloaded') <= logged:
                 self.assertLess(time.monotonic(), deadline, 'no reload in the log')
                 time.sleep(0.05)
@@ -195,7 +195,7 @@ class ToolServerGoneDuringSummaryTest(CompactionCase):
                 self.assertLess(time.monotonic(), deadline, 'no summary call was made')
                 time.sleep(0.05)
             self.stack.td.kill()  # the summary is on its way; the Glance after it fails
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 60
             while 'event=drive_interrupted' not in self.ad.stderr_text():
                 self.assertLess(time.monotonic(), deadline, self.ad.stderr_text())
                 time.sleep(0.1)
@@ -229,7 +229,7 @@ class SummaryWaitTest(CompactionCase):
                 {'text': 'Listed.'}])
             self.assertEqual(sub.outcome, COMPLETED, sub.error)
             convs.append(adm.conversation_id)
-        self.stack.fm.set_scenario([{'text': 'SUMMARY-%d' % i, 'delay_ms': 1500}
+        self.stack.fm.set_scenario([{'text': 'SUMMARY-%d' % i, 'delay_ms': 4000}
                                     for i in range(3)])
 
         def compact(conv):
@@ -241,7 +241,9 @@ class SummaryWaitTest(CompactionCase):
         took = time.monotonic() - t0
         for r in answers:
             self.assertGreater(r.tokens_before, r.tokens_after)
-        self.assertLess(took, 3.5, 'three 1.5 s summaries took %.1f s on one engine thread'
+        # one after the other takes 12 s: 4 s summaries leave a loaded machine 5 s of slack
+        # (1.5 s ones against 3.5 s left it 2 s)
+        self.assertLess(took, 9.0, 'three 4 s summaries took %.1f s on one engine thread'
                         % took)
         summaries = sorted(x.compaction.summary for conv in convs for x in self.records(conv)
                            if kind(x) == 'compaction')
