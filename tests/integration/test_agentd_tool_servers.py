@@ -47,7 +47,7 @@ class ToolServer(object):
         self.err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=self.err, env=env)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.err.seek(0)
@@ -423,9 +423,14 @@ class StartUpCheckTest(unittest.TestCase):
                                 stderr=subprocess.PIPE)
         try:
             err = b''
-            deadline = time.monotonic() + 20
+            # readline blocks until a line comes, so only EOF (agentd gone) ends the loop early;
+            # the deadline bounds a wait for success (a sanitizer build on a loaded machine)
+            deadline = time.monotonic() + 60
             while b'event=listening' not in err and time.monotonic() < deadline:
-                err += proc.stderr.readline()
+                line = proc.stderr.readline()
+                if not line:
+                    break
+                err += line
             self.assertIn(b'event=tool_server_unchecked', err)
             self.assertIn(b'event=listening', err)
         finally:
