@@ -786,7 +786,7 @@ class TooldWorkspace:
         self.proc = subprocess.Popen([TOOLD, "--listen", "127.0.0.1:0", "--root", root,
                                       "--driver", "local", "--port-file", port_file],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60
         while not (os.path.exists(port_file) and open(port_file).read().strip()):
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 self.stop()

@@ -179,7 +179,7 @@ class AgentdAuthTest(unittest.TestCase):
         self.settled('alice', adm.submission_id)
         return adm
 
-    def wait_log(self, event, count, timeout=10):
+    def wait_log(self, event, count, timeout=60):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.ad.stderr_text().count('event=' + event) >= count:

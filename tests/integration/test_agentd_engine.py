@@ -167,7 +167,7 @@ class EngineAbortTest(unittest.TestCase):
         (each parked on its first model call: 30 s)."""
         ids = [ad.submit(AGENT, 'engine test %d: run the steps you are given' % i).submission_id
                for i in range(n)]
-        deadline = time.time() + 10
+        deadline = time.time() + 60
         while time.time() < deadline and len(self.stack.fm.requests()) < n:
             time.sleep(0.05)
         self.assertEqual(len(self.stack.fm.requests()), n, 'the model was not asked')

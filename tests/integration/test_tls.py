@@ -95,7 +95,7 @@ def run_cli(argv, timeout=60, env=None):
     return p.returncode, p.stdout.decode('utf-8', 'replace'), p.stderr.decode('utf-8', 'replace')
 
 
-def wait_log(daemon, text, timeout=10):
+def wait_log(daemon, text, timeout=60):
     deadline = time.monotonic() + timeout
     while text not in daemon.stderr_text():
         if time.monotonic() > deadline:
