@@ -240,8 +240,10 @@ class ReloadTest(AgentdCase):
         self.wait_reload(self.reloads(), hup=True)
         conv = new_conv('longrun')
         self.workspace(conv)
+        # the reload below must land while the first answer is on its way (6 s: 2.5 s was
+        # little for a HUP, a reload and its log line on a loaded machine)
         self.fm.set_scenario([
-            role('longrun', delay_ms=2500,
+            role('longrun', delay_ms=6000,
                  tool_calls=[{'name': 'bash', 'arguments': {'command': 'echo hi'}}]),
             role('longrun', text='Done the new way.'),
         ])
