@@ -102,22 +102,32 @@ class LimitCases(object):
         self.assertEqual(d['exit_code'], 137)
         self.assertLess(took, 15)  # not the leaves' 30 s
         self.assertEqual([s[0] for s in served], ['served'] * 3)
-        time.sleep(0.3)
-        left = [p for p in os.listdir('/proc') if p.isdigit() and _cmd(p) == b'sleep\x0030\x00']
+        # the leaves are gone soon after the stop (a fixed 0.3 s was a guess on a loaded machine);
+        # 10 s more stays short of a leftover leaf's 30 s
+        deadline = time.monotonic() + 10
+        while True:
+            left = [p for p in os.listdir('/proc')
+                    if p.isdigit() and _cmd(p) == b'sleep\x0030\x00']
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         self.assertEqual(left, [], 'the bomb left processes behind')
         self.assertServes('bomb')
 
     def test_memory_hog_is_stopped(self):
         res, took = self.bash('hog', MEMORY_HOG)
         self.assertStoppedBy(res, 'memory', 'limit of 64 MiB', 'Exit code 137')
-        self.assertLess(took, 5)
+        # 5 s was tight on a loaded machine; a hog not stopped ends with exit 0, not 137
+        self.assertLess(took, 20)
         self.assertServes('hog')
 
     def test_cpu_burner_is_stopped(self):
         res, took = self.bash('burn', 'while :; do :; done')
         d = self.assertStoppedBy(res, 'cpu', 'limit of 1 s', 'CPU time')
         self.assertGreaterEqual(d['limit_used'], 1000)
-        self.assertLess(took, 6)
+        # 1 s of CPU takes several seconds of wall-clock time on a loaded machine (6 s was
+        # tight); without the limit the burner runs into the call's deadline
+        self.assertLess(took, 30)
         # CPU time of children counts too: two burners reach it in about half the time
         res, took = self.bash('burn', '(while :; do :; done) & (while :; do :; done) & wait')
         self.assertStoppedBy(res, 'cpu')
@@ -126,7 +136,7 @@ class LimitCases(object):
     def test_disk_filler_is_stopped_and_room_can_be_made(self):
         res, took = self.bash('fill', DISK_FILLER)
         self.assertStoppedBy(res, 'disk', 'disk limit of 8.0 MiB', 'Exit code 137')
-        self.assertLess(took, 3)
+        self.assertLess(took, 20)  # killed (exit 137) while writing; 3 s was tight when loaded
         ws = self.td.workspace('fill')
         self.assertLess(len([f for f in os.listdir(ws) if f.startswith('f')]), 40)
         # over the limit, a command that writes nothing more still runs: room can be made
