@@ -217,6 +217,13 @@ static enum cf_status add_record(struct context *c, const struct context_source 
     return CF_OK;
 }
 
+/* offset_of is where r stands in the stream: a record not stored yet (offset -1) is the
+ * newest, after every stored one. */
+static int64_t offset_of(const Cflue__V1__Record *r)
+{
+    return r->offset < 0 ? INT64_MAX - 1 : r->offset;
+}
+
 enum cf_status context_build(struct context *c, const struct context_source *src,
                              struct cf_error *err)
 {
@@ -227,7 +234,7 @@ enum cf_status context_build(struct context *c, const struct context_source *src
      * results are looked up once per call instead of by scanning the stream each time) */
     for (size_t i = 0; i < src->n_records; i++) {
         const Cflue__V1__Record *r = src->records[i];
-        if (r->offset < src->before && r->body_case == CFLUE__V1__RECORD__BODY_COMPACTION) {
+        if (offset_of(r) < src->before && r->body_case == CFLUE__V1__RECORD__BODY_COMPACTION) {
             compaction = r;
         } else if (r->body_case == CFLUE__V1__RECORD__BODY_TOOL_RESULT) {
             results = mem_realloc(results, sizeof(*results) * (n_results + 1));
@@ -250,7 +257,7 @@ enum cf_status context_build(struct context *c, const struct context_source *src
     enum cf_status rc = CF_OK;
     for (size_t i = 0; i < src->n_records && rc == CF_OK; i++) {
         const Cflue__V1__Record *r = src->records[i];
-        if (r->offset < src->before && r->offset >= first_kept) {
+        if (offset_of(r) < src->before && offset_of(r) >= first_kept) {
             rc = add_record(c, src, r, results, n_results, err);
         }
     }

@@ -33,9 +33,11 @@ typedef enum cf_status (*context_attachments_fn)(void *arg, const char *submissi
 
 /* What a context is built from. */
 struct context_source {
-    const Cflue__V1__Record *const *records; /* in offset order */
+    const Cflue__V1__Record *const *records; /* in offset order; offset -1 (not stored yet)
+                                              * last, the newest */
     size_t n_records;
-    int64_t before; /* only records before this offset count (INT64_MAX: all) */
+    int64_t before; /* only records before this offset count (INT64_MAX: all, those not
+                     * stored yet included) */
     context_attachments_fn attachments;
     void *arg;
 };

@@ -45,9 +45,10 @@
  * the batch and the drive parks in TOOLS_WAIT, posted by each result and by the batch's end.
  * Nor does a compaction's summary (COMPACT_WAIT), the conversation's pages (LOAD_WAIT) or the
  * first turn's Glance to toold (PROMPT_WAIT). Appends do not hold it either: the
- * records a turn builds on, an answer's calls before they run and tool results as they arrive go
- * out as one Append at a time per drive (dstore_stored, dstore_write_behind), and the drive parks
- * until the Append's end posts it. The Settle of an outcome goes out the same way. The other Store
+ * first turn's input, an answer's calls before they run, tool results as they arrive and a
+ * batch's last results beside the next model call go out as one Append at a time per drive
+ * (dstore_stored, dstore_write_behind), and a drive that must wait parks until the Append's
+ * end posts it. The Settle of an outcome goes out the same way. The other Store
  * calls (reading the conversation, joins, compaction, settlements on the rarer paths) block the
  * engine thread for their (short) duration, and only once no call is in flight. A drive ends in one
  * of three ways (enum drive_end): settled; stopped (lease lost or shutdown: whoever holds the work
@@ -548,12 +549,16 @@ static enum drive_state model_done(struct drive *d, enum cf_status rc)
 }
 
 /* step_model asks the model for the next turn, compacting first when the context is too
- * large (once per turn). */
+ * large (once per turn). The first turn waits for its input to be stored and stamped applied
+ * (the budgets installed); a later turn's records (the tool results, mostly) are written
+ * behind while the model is asked: an answer is only ever appended after them, so a crash
+ * between the two loses the answer with them, and the stream never holds one without the
+ * other. */
 static enum drive_state step_model(struct drive *d)
 {
     d->more = false;
-    if (!drive_halted(d) && !dstore_stored(d)) {
-        d->parked = true; /* what the turn builds on is made durable (the budgets installed) */
+    if (!drive_halted(d) && d->mark_pending && !dstore_stored(d)) {
+        d->parked = true;
         return DRIVE_MODEL;
     }
     if (drive_halted(d)) {
@@ -583,14 +588,17 @@ static enum drive_state step_model(struct drive *d)
         context_free(&ctx);
         return DRIVE_SETTLE;
     }
+    dstore_write_behind(d);
     model_call_start(d, d->system_text, &ctx, d->tools.tools, d->tools.n);
     return DRIVE_MODEL_WAIT;
 }
 
-/* step_model_wait parks the drive until its model call (retries included) has finished. */
+/* step_model_wait parks the drive until its model call (retries included) has finished,
+ * taking the end of the records written behind meanwhile (or retrying them). */
 static enum drive_state step_model_wait(struct drive *d)
 {
     enum cf_status rc;
+    (void)dstore_writes_done(d);
     if (!model_call_poll(d, &rc)) {
         d->parked = true;
         return DRIVE_MODEL_WAIT;
@@ -662,14 +670,18 @@ static enum drive_state step_tools(struct drive *d)
     return batch || tasks ? DRIVE_TOOLS_WAIT : tools_done(d);
 }
 
-/* step_tools_wait parks the drive until the batch is over, recording results as they come. */
+/* step_tools_wait parks the drive until the batch is over, recording results as they come:
+ * written behind while others still run (watchers see them soon), the last ones with the
+ * next model call (step_model). */
 static enum drive_state step_tools_wait(struct drive *d)
 {
-    dstore_write_behind(d); /* first: a write that failed halts the batch now */
+    (void)dstore_writes_done(d); /* first: a write that failed halts the batch now */
     bool batch_over = !d->tw.running || tools_poll(d);
     bool tasks_over = task_poll(d);
-    dstore_write_behind(d); /* the results so far go out; watchers see them soon */
     if (!batch_over || !tasks_over) {
+        if (!tasks_over || !tools_all_answered(d)) {
+            dstore_write_behind(d);
+        }
         d->parked = true;
         return DRIVE_TOOLS_WAIT;
     }

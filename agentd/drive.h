@@ -456,8 +456,8 @@ void dstore_cleanup(struct drive *d);
  * inside a character. */
 const char *dstore_utf8(const char *text, struct buf *scratch);
 
-/* dstore_build_context flushes the pending records, then builds the context of records before
- * `before` from d->log; a failed flush or attachments lookup is a fault. */
+/* dstore_build_context builds the context of the records before `before` from d->log, the
+ * pending ones (not stored yet) the newest; a failed attachments lookup is a fault. */
 void dstore_build_context(struct drive *d, struct context *c, int64_t before);
 
 /* ---- prompt.c ---- */
@@ -536,6 +536,9 @@ bool tools_start(struct drive *d, const struct llm_response *resp);
  * calls, and the agent's own tool server failing, give the calls left an error result (and,
  * for a server gone, a signal: servers_tell_gone). */
 bool tools_poll(struct drive *d);
+/* tools_all_answered: every call of the batch in flight has its result recorded (the streams'
+ * ends may still be on their way). */
+bool tools_all_answered(const struct drive *d);
 /* tools_wait_init / tools_wait_cleanup set up and free d->tw (cleanup: no batch in flight). */
 void tools_wait_init(struct drive *d);
 void tools_wait_cleanup(struct drive *d);

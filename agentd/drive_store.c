@@ -7,7 +7,8 @@
  * carrying it is acknowledged (a deduplicated append answers the offset of the record already
  * stored). What must be durable before the drive goes on is waited for (dstore_stored): an
  * answer's tool calls before they run, a joined message's input before its join is final, a
- * compaction with its prompt; tool results are written behind (dstore_write_behind); the input and
+ * compaction with its prompt; tool results are written behind (dstore_write_behind: as they
+ * arrive, and a batch's last ones beside the next model call); the input and
  * the system prompt wait for the first model call (one Append, which also stamps the input
  * applied), the final answer for the Settle. The answers' hints are kept: an abort intent, and how
  * much is queued behind (ClaimJoinable only then). Attachments' bytes come from the claim's
@@ -526,9 +527,6 @@ enum cf_status dstore_attachments(void *arg, const char *submission_id,
 
 void dstore_build_context(struct drive *d, struct context *c, int64_t before)
 {
-    if (dstore_flush(d) != CF_OK) {
-        return; /* a fault or a lost lease: the caller checks before using c */
-    }
     struct context_source src = {.records = d->log.recs,
                                  .n_records = d->log.n,
                                  .before = before,

@@ -262,7 +262,7 @@ bool model_call_poll(struct drive *d, enum cf_status *out)
         enum cf_status rc;
         struct cf_error err;
         if (w->backing_off) {
-            if (drive_stopped(d)) {
+            if (drive_halted(d)) {
                 return finished(d, CF_CANCELLED, out);
             }
             if (clock_mono_ms() < w->backoff_until) {
@@ -274,7 +274,7 @@ bool model_call_poll(struct drive *d, enum cf_status *out)
             continue;
         }
         if (!take_text(d, &rc, &err)) {
-            if (drive_stopped(d)) {
+            if (drive_halted(d)) { /* stopped, or the records written behind failed */
                 pthread_mutex_lock(&g_agentd.mu);
                 uint64_t id = d->act->model_call;
                 pthread_mutex_unlock(&g_agentd.mu);

@@ -680,6 +680,26 @@ bool tools_poll(struct drive *d)
     return over;
 }
 
+bool tools_all_answered(const struct drive *d)
+{
+    const struct tool_wait *w = &d->tw;
+    for (size_t i = 0; i < w->n; i++) {
+        const struct tool_lane *l = w->lanes[i];
+        if (l->over) {
+            continue;
+        }
+        if (l->mcp) {
+            return false; /* its one result is recorded with its end */
+        }
+        for (size_t k = 0; k < l->m; k++) {
+            if (!l->done[k]) {
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
 void tools_wait_init(struct drive *d)
 {
     memset(&d->tw, 0, sizeof(d->tw));

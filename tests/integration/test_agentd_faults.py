@@ -147,6 +147,49 @@ class FaultsCase(FaultsBase):
             self.assertTrue(results[0].is_error, results[0])
         self.assertIn('drive_interrupted', self.ad.stderr_text())
 
+    def test_results_written_beside_a_model_call_that_cannot_be_stored_stop_the_call(self):
+        # A batch's last results go out beside the next model call. When storaged stays down
+        # past the retry window, the drive stops at once: it does not wait for the model's
+        # answer (30 s here), which could never be appended after results that are not stored.
+        conv = new_conv('beside')
+        ws = self.workspace(conv)
+        self.fm.set_scenario(bind([
+            {'tool_calls': [{'name': 'bash', 'arguments': {
+                'command': 'while [ ! -e go ]; do sleep 0.05; done; '
+                           'echo ran >> effects.txt; echo tool-finished'}}]},
+            {'text': 'An answer that comes too late.', 'delay_ms': 30000},
+            {'text': 'Answered by the next attempt.'}], conv))
+        adm = self.ad.submit('runner-anthropic', 'run it (%s)' % conv, conversation_id=conv)
+        self.wait_record(conv, lambda r: kind(r) == 'assistant_message', 'the tool call')
+        self.stack.sd.kill()
+        with open(os.path.join(ws, 'go'), 'w'):
+            pass
+        self.wait_for('the second model request', lambda: len(self.model_requests(conv)) >= 2,
+                      timeout=30, interval=0.02)
+        asked_at = time.monotonic()
+        # the model was asked with the result the drive was still writing
+        self.assertIn('tool-finished', json.dumps(self.model_requests(conv)[1]['body']['messages']))
+        # (an earlier attempt may have been interrupted for another reason: toold just back)
+        gave_up = 'event=drive_interrupted submission=%s' % adm.submission_id
+        self.wait_for('the drive to give up', lambda: [
+            line for line in self.ad.stderr_text().splitlines()
+            if gave_up in line and 'recording to the conversation failed' in line],
+            timeout=40, interval=0.1)
+        self.assertLess(time.monotonic() - asked_at, 20, 'the drive waited for the late answer')
+        self.stack.sd.start()
+        sub = self.wait_settled(adm.submission_id, timeout=60)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertGreaterEqual(sub.attempt_count, 2, 'the interrupted attempt was not counted')
+        recs = self.assert_outcome_true(conv, adm.submission_id)
+        answers = [body(r).text for r in recs if kind(r) == 'assistant_message' and body(r).text]
+        self.assertEqual(answers, ['Answered by the next attempt.'])
+        with open(os.path.join(ws, 'effects.txt')) as f:
+            self.assertEqual(f.read(), 'ran\n')  # the tool was not run again
+        results = [body(r) for r in recs if kind(r) == 'tool_result']
+        self.assertEqual(len(results), 1, results)
+        self.assertIn('store_retry submission=%s method=Append' % adm.submission_id,
+                      self.ad.stderr_text())
+
     # ---- toold unreachable when a drive starts ----
 
     def test_toold_down_at_drive_start_never_reaches_the_model_without_tools(self):

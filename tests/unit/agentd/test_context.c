@@ -226,6 +226,23 @@ static void test_compaction_cut(void)
     CHECK_STR(c.msgs[0].text, "old question");
     CHECK_STR(c.msgs[1].text, "old answer");
     context_free(&c);
+
+    /* records not stored yet (offset -1: a turn's results written beside the next model call)
+     * are the newest: after the summary's kept part, and never before a cut */
+    static const char *const calls[] = {"c1", NULL};
+    assistant(&rs, "s1", 2, "running it", calls);
+    result(&rs, "s1", 2, "c1", "it ran");
+    rs.r[rs.n - 2]->offset = rs.r[rs.n - 1]->offset = -1;
+    CHECK(build(&c, &rs, INT64_MAX, NULL, NULL) == CF_OK);
+    CHECK(c.n == 5);
+    CHECK_STR(c.msgs[2].text, "kept answer");
+    CHECK_STR(c.msgs[3].text, "running it");
+    CHECK_STR(c.msgs[4].text, "it ran");
+    CHECK(!c.msgs[4].is_error);
+    context_free(&c);
+    CHECK(build(&c, &rs, 2, NULL, NULL) == CF_OK);
+    CHECK(c.n == 2);
+    context_free(&c);
     recs_free(&rs);
 }
 
