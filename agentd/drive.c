@@ -134,7 +134,13 @@ void drive_fault(struct drive *d, const char *what, const struct cf_error *e)
 
 int64_t drive_time_left(struct drive *d)
 {
-    return d->timeout_at_ms ? d->timeout_at_ms - clock_now_ms() : INT64_MAX;
+    int64_t left = d->timeout_at_ms ? d->timeout_at_ms - clock_now_ms() : INT64_MAX;
+    if (d->mark_pending && d->agent->timeout_ms > 0 && left > d->agent->timeout_ms) {
+        /* storaged installs the agent's limit (from the first claim) with the input's stamp;
+         * until that is answered, the limit counted from now bounds what starts */
+        left = d->agent->timeout_ms;
+    }
+    return left;
 }
 
 bool drive_transient(enum cf_status rc)
@@ -549,15 +555,18 @@ static enum drive_state model_done(struct drive *d, enum cf_status rc)
 }
 
 /* step_model asks the model for the next turn, compacting first when the context is too
- * large (once per turn). The first turn waits for its input to be stored and stamped applied
- * (the budgets installed); a later turn's records (the tool results, mostly) are written
- * behind while the model is asked: an answer is only ever appended after them, so a crash
- * between the two loses the answer with them, and the stream never holds one without the
- * other. */
+ * large (once per turn). The turn's records not stored yet (the input and its stamp on the
+ * first turn, the tool results on later ones) are written behind while the model is asked: an
+ * answer is only ever appended after them, so a crash between the two loses the answer with
+ * them, and the stream never holds one without the other; a write that fails for good cancels
+ * the call. Only a stamp with no record to carry it (a recovery whose input is stored) is
+ * waited for. Until the stamp is answered, the time limit counts from now (drive_time_left). */
 static enum drive_state step_model(struct drive *d)
 {
+    size_t pending;
     d->more = false;
-    if (!drive_halted(d) && d->mark_pending && !dstore_stored(d)) {
+    if (!drive_halted(d) && d->mark_pending && !rlog_pending(&d->log, &pending) &&
+        !dstore_stored(d)) {
         d->parked = true;
         return DRIVE_MODEL;
     }

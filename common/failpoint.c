@@ -1,19 +1,22 @@
-/* failpoint.c - crash points armed from the environment. */
+/* failpoint.c - crash and delay points armed from the environment. */
 #include "failpoint.h"
 
 #include "log.h"
 
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MAX_POINTS 16
 
 static struct {
     char name[96];
-    atomic_int remaining;
+    atomic_int remaining; /* crash: hits left before the crash */
+    int sleep_ms;         /* sleep: every hit waits this long (0: a crash point) */
 } points[MAX_POINTS];
 static int n_points;
 
@@ -39,9 +42,12 @@ void failpoint_init(void)
         if (colon) {
             count = atoi(colon + 1);
         }
+        bool sleeps = !strncmp(eq + 1, "sleep:", 6);
         strncpy(points[n_points].name, tok, sizeof(points[n_points].name) - 1);
         atomic_store(&points[n_points].remaining, count > 0 ? count : 1);
-        log_warn("failpoint_armed", "point=%s count=%d", points[n_points].name, count);
+        points[n_points].sleep_ms = sleeps && count > 0 ? count : 0;
+        log_warn("failpoint_armed", "point=%s action=%s count=%d", points[n_points].name,
+                 sleeps ? "sleep_ms" : "crash", count);
         n_points++;
     }
 }
@@ -49,6 +55,13 @@ void failpoint_init(void)
 void failpoint_hit(const char *name)
 {
     for (int i = 0; i < n_points; i++) {
+        if (points[i].sleep_ms && !strcmp(points[i].name, name)) {
+            struct timespec ts = {points[i].sleep_ms / 1000,
+                                  (points[i].sleep_ms % 1000) * 1000000L};
+            while (nanosleep(&ts, &ts) != 0) {
+            }
+            continue;
+        }
         if (!strcmp(points[i].name, name) && atomic_fetch_sub(&points[i].remaining, 1) == 1) {
             log_error("failpoint_crash", "point=%s", name);
             raise(SIGKILL);

@@ -47,6 +47,10 @@ class FaultsBase(AgentdCase):
         for d in (self.stack.sd, self.stack.td):
             if not d.alive():
                 d.start()
+        self.wait_store_reachable()
+
+    def wait_store_reachable(self):
+        """Waits until agentd reaches storaged."""
 
         def store_reachable():
             try:
@@ -189,6 +193,37 @@ class FaultsCase(FaultsBase):
         self.assertEqual(len(results), 1, results)
         self.assertIn('store_retry submission=%s method=Append' % adm.submission_id,
                       self.ad.stderr_text())
+
+    def test_the_input_is_written_beside_the_first_model_call(self):
+        # The first turn's input (and its stamp) goes out beside the model call, not before
+        # it: with each of storaged's commits taking 1 s (a slow disk), the model is asked while
+        # the input's commit is under way, and the stream still holds the input first.
+        conv = new_conv('input-beside')
+        self.workspace(conv)
+        self.fm.set_scenario(bind([{'text': 'Answered beside the input.'}], conv))
+        sd = self.stack.sd
+        sd.stop()
+        sd.env['CFLUE_FAILPOINTS'] = 'storaged.commit.before=sleep:1000'
+        try:
+            sd.start()
+            self.wait_store_reachable()
+            adm = self.ad.submit('runner-anthropic', 'hello (%s)' % conv, conversation_id=conv)
+            self.wait_for('the model request', lambda: self.model_requests(conv), timeout=30,
+                          interval=0.01)
+            self.assertEqual([kind(r) for r in self.records(conv) if kind(r) == 'user_message'],
+                             [], 'the model was asked only once the input was stored')
+            sub = self.wait_settled(adm.submission_id, timeout=60)
+            self.assertIn('event=failpoint_armed point=storaged.commit.before action=sleep_ms',
+                          sd.stderr_text())
+        finally:
+            del sd.env['CFLUE_FAILPOINTS']
+            sd.stop()
+            sd.start()
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        recs = self.assert_outcome_true(conv, adm.submission_id)
+        kinds = [kind(r) for r in recs if kind(r) in ('user_message', 'assistant_message')]
+        self.assertEqual(kinds, ['user_message', 'assistant_message'])
+        self.assertEqual(len(self.model_requests(conv)), 1)
 
     # ---- toold unreachable when a drive starts ----
 
