@@ -134,13 +134,7 @@ void drive_fault(struct drive *d, const char *what, const struct cf_error *e)
 
 int64_t drive_time_left(struct drive *d)
 {
-    int64_t left = d->timeout_at_ms ? d->timeout_at_ms - clock_now_ms() : INT64_MAX;
-    if (d->mark_pending && d->agent->timeout_ms > 0 && left > d->agent->timeout_ms) {
-        /* storaged installs the agent's limit (from the first claim) with the input's stamp;
-         * until that is answered, the limit counted from now bounds what starts */
-        left = d->agent->timeout_ms;
-    }
-    return left;
+    return d->timeout_at_ms ? d->timeout_at_ms - clock_now_ms() : INT64_MAX;
 }
 
 bool drive_transient(enum cf_status rc)
@@ -424,6 +418,11 @@ static enum drive_state step_input(struct drive *d)
         (void)dstore_append_input(d, id, d->sub); /* pending: the first model call flushes it */
     }
     d->mark_pending = true; /* stamped applied by the Append that stores the input */
+    if (!d->sub->input_apply_time && d->sub->start_time && d->agent->timeout_ms > 0) {
+        /* the limit the stamp installs (storaged: this attempt's start plus the agent's limit),
+         * in force before its answer: the first model call goes out beside the stamp */
+        d->timeout_at_ms = pbtime_ms(d->sub->start_time) + d->agent->timeout_ms;
+    }
     if (!drive_halted(d)) {
         settle_repair(d, true);
     }
@@ -560,7 +559,7 @@ static enum drive_state model_done(struct drive *d, enum cf_status rc)
  * answer is only ever appended after them, so a crash between the two loses the answer with
  * them, and the stream never holds one without the other; a write that fails for good cancels
  * the call. Only a stamp with no record to carry it (a recovery whose input is stored) is
- * waited for. Until the stamp is answered, the time limit counts from now (drive_time_left). */
+ * waited for; the time limit the stamp installs is in force already (step_input). */
 static enum drive_state step_model(struct drive *d)
 {
     size_t pending;

@@ -338,8 +338,7 @@ bool drive_broken(struct drive *d);
 bool drive_halted(struct drive *d);
 /* drive_fault keeps why this attempt cannot go on (the first reason wins) and logs it. */
 void drive_fault(struct drive *d, const char *what, const struct cf_error *e);
-/* drive_time_left: milliseconds left before the time limit (INT64_MAX: none); while the
- * input's stamp is unanswered, at most the agent's whole limit. */
+/* drive_time_left: milliseconds left before the time limit (INT64_MAX: none). */
 int64_t drive_time_left(struct drive *d);
 /* drive_transient: a status from storaged or toold that says "try again later". */
 bool drive_transient(enum cf_status rc);

@@ -43,9 +43,13 @@ void failpoint_init(void)
             count = atoi(colon + 1);
         }
         bool sleeps = !strncmp(eq + 1, "sleep:", 6);
+        if (sleeps && count <= 0) {
+            log_warn("failpoint_refused", "point=%s why=\"sleep needs milliseconds above 0\"", tok);
+            continue;
+        }
         strncpy(points[n_points].name, tok, sizeof(points[n_points].name) - 1);
         atomic_store(&points[n_points].remaining, count > 0 ? count : 1);
-        points[n_points].sleep_ms = sleeps && count > 0 ? count : 0;
+        points[n_points].sleep_ms = sleeps ? count : 0;
         log_warn("failpoint_armed", "point=%s action=%s count=%d", points[n_points].name,
                  sleeps ? "sleep_ms" : "crash", count);
         n_points++;

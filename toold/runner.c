@@ -530,8 +530,8 @@ static pid_t start_command(char **cmd, const struct proc_limits *lim, const sigs
      * the pipe, and _exits. */
     pid_t pid = vfork();
     if (pid == 0) {
+        setsid(); /* first: a terminal's stop signal must not reach it while the runner waits */
         sigprocmask(SIG_SETMASK, empty, NULL);
-        setsid();
         apply_limits(lim);
         execvp(cmd[0], cmd);
         int e = errno;
