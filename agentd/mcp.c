@@ -270,7 +270,7 @@ static void post(struct mcp_op *op, const char *method, json_t *params, bool wit
     json_decref(msg);
     const char *headers[AGENT_MCP_HEADERS_MAX + 8];
     char sid[SESSION_ID_MAX + 32], proto[PROTOCOL_MAX + 32];
-    char parent[TRACE_PARENT_SIZE + 16], state[TRACE_STATE_MAX + 16];
+    struct trace_http trace_lines;
     size_t n = 0;
     headers[n++] = "content-type: application/json";
     headers[n++] = "accept: application/json, text/event-stream";
@@ -283,18 +283,7 @@ static void post(struct mcp_op *op, const char *method, json_t *params, bool wit
         snprintf(proto, sizeof(proto), "mcp-protocol-version: %s", op->protocol);
         headers[n++] = proto;
     }
-    if (op->trace.trace_id[0]) {
-        struct trace_ctx hop;
-        char tp[TRACE_PARENT_SIZE];
-        trace_child(&hop, &op->trace); /* this request's own span */
-        trace_format(&hop, tp);
-        snprintf(parent, sizeof(parent), "traceparent: %s", tp);
-        headers[n++] = parent;
-        if (op->trace.state[0]) {
-            snprintf(state, sizeof(state), "tracestate: %s", op->trace.state);
-            headers[n++] = state;
-        }
-    }
+    n += trace_http_headers(&op->trace, &trace_lines, headers + n); /* this request's span */
     for (size_t i = 0; i < op->m->n_headers; i++) {
         headers[n++] = op->m->headers[i];
     }

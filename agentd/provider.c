@@ -366,18 +366,11 @@ enum cf_status llm_start(const struct provider_endpoint *ep, const struct llm_re
 
     char *auth = mem_asprintf("%s%s", wire->auth_prefix, ep->api_key ? ep->api_key : "");
     const char *headers[7];
-    char parent[TRACE_PARENT_SIZE + 16], state[TRACE_STATE_MAX + 16], tp[TRACE_PARENT_SIZE];
+    struct trace_http trace_lines;
     size_t n = 0;
     headers[n++] = "content-type: application/json";
     headers[n++] = auth;
-    if (trace_outgoing(tp)) { /* the drive's trace; this request is a span of its own */
-        snprintf(parent, sizeof(parent), "traceparent: %s", tp);
-        headers[n++] = parent;
-        if (*trace_current()->state) {
-            snprintf(state, sizeof(state), "tracestate: %s", trace_current()->state);
-            headers[n++] = state;
-        }
-    }
+    n += trace_http_headers(NULL, &trace_lines, headers + n); /* the drive's trace, a new span */
     if (wire->extra_header) {
         headers[n++] = wire->extra_header;
     }

@@ -333,6 +333,26 @@ void trace_leave(const struct trace_ctx *saved)
     current = *saved;
 }
 
+size_t trace_http_headers(const struct trace_ctx *t, struct trace_http *h, const char **lines)
+{
+    t = t ? t : &current;
+    if (!t->trace_id[0]) {
+        return 0;
+    }
+    struct trace_ctx hop;
+    char tp[TRACE_PARENT_SIZE];
+    trace_child(&hop, t);
+    trace_format(&hop, tp);
+    snprintf(h->parent, sizeof(h->parent), "traceparent: %s", tp);
+    lines[0] = h->parent;
+    if (!t->state[0]) {
+        return 1;
+    }
+    snprintf(h->state, sizeof(h->state), "tracestate: %s", t->state);
+    lines[1] = h->state;
+    return 2;
+}
+
 bool trace_outgoing(char out[TRACE_PARENT_SIZE])
 {
     if (!current.trace_id[0]) {

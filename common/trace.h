@@ -86,4 +86,16 @@ void trace_leave(const struct trace_ctx *saved);
  * no current trace. Its tracestate, if any, is trace_current()->state. */
 bool trace_outgoing(char out[TRACE_PARENT_SIZE]);
 
+/* The HTTP header lines of one request leaving under a trace (trace_http_headers). */
+struct trace_http {
+    char parent[TRACE_PARENT_SIZE + 16];
+    char state[TRACE_STATE_MAX + 16];
+};
+
+/* trace_http_headers makes the header lines of an HTTP request leaving under t (NULL: the
+ * calling thread's current trace) as a span of its own: "traceparent: ..." and, when the trace
+ * carries one, "tracestate: ...", written into h and appended to lines. Returns how many (0
+ * without a trace, else 1 or 2). */
+size_t trace_http_headers(const struct trace_ctx *t, struct trace_http *h, const char **lines);
+
 #endif

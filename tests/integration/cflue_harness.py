@@ -629,6 +629,17 @@ def read(stub, conversation_id, after_offset=-1, page_size=0, page_token='', tim
                      timeout=timeout)
 
 
+def poll_until(fn, timeout, interval=0.05):
+    """fn()'s first true value, asking every interval seconds; after timeout seconds, fn()'s
+    last (false) value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = fn()
+        if v or time.monotonic() >= deadline:
+            return v
+        time.sleep(interval)
+
+
 def read_all(stub, conversation_id, after_offset=-1, page_size=1000):
     """Every record after after_offset, walking next_page_token."""
     out = []

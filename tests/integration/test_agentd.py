@@ -365,13 +365,10 @@ class AgentdCase(unittest.TestCase):
         return sub
 
     def wait_for(self, what, fn, timeout=60, interval=0.05):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            v = fn()
-            if v:
-                return v
-            time.sleep(interval)
-        self.fail('timed out after %.0f s waiting for %s' % (timeout, what))
+        v = H.poll_until(fn, timeout, interval)
+        if not v:
+            self.fail('timed out after %.0f s waiting for %s' % (timeout, what))
+        return v
 
     def model_requests(self, conv):
         """The fake model's log entries of requests made for conv, in arrival order."""

@@ -34,6 +34,13 @@ def tool_calls(rec):
     return list(body(rec).tool_calls)
 
 
+def gated_bash(effect):
+    """A turn calling bash that waits for a file `go` in the workspace, then runs effect and
+    prints tool-finished (FaultsBase.storaged_down_then_go opens the gate)."""
+    return {'tool_calls': [{'name': 'bash', 'arguments': {
+        'command': 'while [ ! -e go ]; do sleep 0.05; done; %s; echo tool-finished' % effect}}]}
+
+
 class FaultsBase(AgentdCase):
     """The stack and helpers of the fault tests (no tests of its own)."""
     stack_kwargs = {
@@ -70,6 +77,16 @@ class FaultsBase(AgentdCase):
         joined = [self.ad.submit('runner-anthropic', 'follow-up %d for %s' % (i, conv),
                                  conversation_id=conv).submission_id for i in range(2)]
         return conv, host, joined
+
+    def storaged_down_then_go(self, conv, ws):
+        """Once the gated call (gated_bash) is recorded, kills storaged and opens the gate: the
+        tool finishes while storaged is down. Returns when storaged was killed (time.time())."""
+        self.wait_record(conv, lambda r: kind(r) == 'assistant_message', 'the tool call')
+        self.stack.sd.kill()
+        down_at = time.time()
+        with open(os.path.join(ws, 'go'), 'w'):
+            pass
+        return down_at
 
     def assert_outcome_true(self, conv, sid):
         """completed => the stream shows the finished answer, every call with its result."""
@@ -154,16 +171,11 @@ class FaultsCase(FaultsBase):
         conv = new_conv('beside')
         ws = self.workspace(conv)
         self.fm.set_scenario(bind([
-            {'tool_calls': [{'name': 'bash', 'arguments': {
-                'command': 'while [ ! -e go ]; do sleep 0.05; done; '
-                           'echo ran >> effects.txt; echo tool-finished'}}]},
+            gated_bash('echo ran >> effects.txt'),
             {'text': 'An answer that comes too late.', 'delay_ms': 30000},
             {'text': 'Answered by the next attempt.'}], conv))
         adm = self.ad.submit('runner-anthropic', 'run it (%s)' % conv, conversation_id=conv)
-        self.wait_record(conv, lambda r: kind(r) == 'assistant_message', 'the tool call')
-        self.stack.sd.kill()
-        with open(os.path.join(ws, 'go'), 'w'):
-            pass
+        self.storaged_down_then_go(conv, ws)
         self.wait_for('the second model request', lambda: len(self.model_requests(conv)) >= 2,
                       timeout=30, interval=0.02)
         asked_at = time.monotonic()
@@ -361,19 +373,13 @@ class ShortOutageTest(FaultsBase):
         conv = new_conv('blip')
         ws = self.workspace(conv)
         self.fm.set_scenario(bind([
-            {'tool_calls': [{'name': 'bash', 'arguments': {
-                'command': 'while [ ! -e go ]; do sleep 0.05; done; '
-                           'date +%s.%N >> effects.txt; echo tool-finished'}}]},
+            gated_bash('date +%s.%N >> effects.txt'),
             {'text': 'Done despite the blip.'}], conv))
         adm = self.ad.submit('runner-anthropic', 'run it (%s)' % conv, conversation_id=conv)
-        self.wait_record(conv, lambda r: kind(r) == 'assistant_message', 'the tool call')
-        self.stack.sd.kill()
-        down_at = time.time()
         # the tool finishes once storaged is down (a 'sleep 1' in it could finish first when
         # the test saw the record late on a loaded machine), and storaged stays down a while
         # after that, for the result's Append to meet the outage
-        with open(os.path.join(ws, 'go'), 'w'):
-            pass
+        down_at = self.storaged_down_then_go(conv, ws)
         deadline = time.monotonic() + 60
         while not os.path.exists(os.path.join(ws, 'effects.txt')):
             self.assertLess(time.monotonic(), deadline, 'the tool never finished')

@@ -21,7 +21,7 @@ import grpc
 
 from cflue_harness import (INVALID_ARGUMENT, NOT_FOUND, SERVING, TooldTestCase, result_details,
                            sandbox_pb2, tools_pb2)
-from cflue_harness import error_reason, tool_call, truncation_dict  # noqa: E402
+from cflue_harness import error_reason, poll_until, tool_call, truncation_dict  # noqa: E402
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -89,12 +89,8 @@ def processes_running(argv):
 
 
 def wait_no_process(argv, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        left = processes_running(argv)
-        if not left:
-            return []
-        time.sleep(0.05)
+    """The processes with exactly argv still running after timeout ([] once there are none)."""
+    poll_until(lambda: not processes_running(argv), timeout)
     return processes_running(argv)
 
 
@@ -110,11 +106,7 @@ def zombie_children(pid):
 def wait_no_zombies(pid, timeout=30.0):
     """pid's zombie children once there are none, or those still left after timeout (toold
     reaps its children asynchronously: on a loaded machine a fixed short sleep was not enough)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not zombie_children(pid):
-            return []
-        time.sleep(0.05)
+    poll_until(lambda: not zombie_children(pid), timeout)
     return zombie_children(pid)
 
 
@@ -131,13 +123,8 @@ def _descends_from(pid, ancestor):
 
 def wait_descendant(ancestor, argv, timeout=30.0):
     """A live process with exactly argv below ancestor, once there is one (None after timeout)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for pid in processes_running(argv):
-            if _descends_from(pid, ancestor):
-                return pid
-        time.sleep(0.02)
-    return None
+    return poll_until(lambda: next((pid for pid in processes_running(argv)
+                                    if _descends_from(pid, ancestor)), None), timeout, 0.02)
 
 
 class _Sampler(threading.Thread):

@@ -28,7 +28,7 @@ import grpc
 
 from cflue_harness import (NOT_SERVING, SERVING, Toold, TooldExited, TooldTestCase,
                            result_details, sandbox_pb2, tools_pb2)
-from cflue_harness import error_reason, tool_call  # noqa: E402
+from cflue_harness import error_reason, poll_until, tool_call  # noqa: E402
 
 NOBODY = 65534
 LIMITED_UID = 64987  # LimitedToold's own user
@@ -61,11 +61,8 @@ def running(argv):
 
 
 def wait_gone(argv, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not running(argv):
-            return []
-        time.sleep(0.05)
+    """The processes with exactly argv still running after timeout ([] once there are none)."""
+    poll_until(lambda: not running(argv), timeout)
     return running(argv)
 
 

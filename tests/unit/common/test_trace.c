@@ -240,6 +240,9 @@ static void test_current(void)
     struct cf_error err;
     CHECK(trace_current() == NULL);
     CHECK(!trace_outgoing(tp) && !*tp);
+    struct trace_http none_h;
+    const char *none_lines[2];
+    CHECK(trace_http_headers(NULL, &none_h, none_lines) == 0);
     CHECK(trace_parse(&t, "00-" TID "-" PID "-01", "k=v", &err) == CF_OK);
     trace_enter(&t, &saved);
     CHECK(trace_current() && !strcmp(trace_current()->trace_id, TID));
@@ -249,6 +252,18 @@ static void test_current(void)
     CHECK(trace_outgoing(tp) && trace_outgoing(tp2));
     CHECK(!strncmp(tp, "00-" TID "-", 36) && !strcmp(tp + 52, "-01"));
     CHECK(strncmp(tp + 36, PID, 16) != 0 && strcmp(tp, tp2) != 0);
+    /* an HTTP request's header lines: the current trace, or one given; a span of their own */
+    struct trace_http h;
+    const char *lines[2] = {NULL, NULL};
+    CHECK(trace_http_headers(NULL, &h, lines) == 2);
+    CHECK(!strncmp(lines[0], "traceparent: 00-" TID "-", 49) && !strcmp(lines[0] + 65, "-01"));
+    CHECK(strncmp(lines[0] + 49, PID, 16) != 0);
+    CHECK_STR(lines[1], "tracestate: k=v");
+    struct trace_ctx plain;
+    trace_start(&plain);
+    lines[1] = NULL;
+    CHECK(trace_http_headers(&plain, &h, lines) == 1 && lines[1] == NULL);
+    CHECK(!strncmp(lines[0] + 16, plain.trace_id, 32) && strncmp(lines[0] + 49, plain.span_id, 16));
     bool none = false;
     pthread_t th;
     CHECK(pthread_create(&th, NULL, other_thread, &none) == 0);
