@@ -341,7 +341,7 @@ size_t trace_http_headers(const struct trace_ctx *t, struct trace_http *h, const
     }
     struct trace_ctx hop;
     char tp[TRACE_PARENT_SIZE];
-    trace_child(&hop, t);
+    trace_child(&hop, t); /* the request's own span */
     trace_format(&hop, tp);
     snprintf(h->parent, sizeof(h->parent), "traceparent: %s", tp);
     lines[0] = h->parent;
@@ -360,9 +360,7 @@ bool trace_outgoing(char out[TRACE_PARENT_SIZE])
         return false;
     }
     struct trace_ctx hop;
-    memcpy(hop.trace_id, current.trace_id, sizeof(hop.trace_id));
-    hop.flags = current.flags;
-    trace_new_span(hop.span_id);
+    trace_child(&hop, &current);
     trace_format(&hop, out);
     return true;
 }

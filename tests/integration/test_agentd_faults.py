@@ -779,10 +779,7 @@ class SlowDiskCase(unittest.TestCase):
         self.assertIn('event=failpoint_armed point=storaged.commit.before action=sleep_ms',
                       st.sd.stderr_text())
         adm = st.ad.submit(st.AGENT, 'hello', timeout=60)
-        deadline = time.monotonic() + 60
-        while not st.fm.requests():
-            self.assertLess(time.monotonic(), deadline, 'the model was never asked')
-            time.sleep(0.01)
+        self.assertTrue(H.poll_until(st.fm.requests, 60, 0.01), 'the model was never asked')
         inputs = [r for r in H.read_all(st.sd.stub, adm.conversation_id)
                   if kind(r) == 'user_message']
         self.assertEqual(inputs, [], 'the model was asked only once the input was stored')
