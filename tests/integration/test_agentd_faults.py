@@ -54,6 +54,10 @@ class FaultsBase(AgentdCase):
         for d in (self.stack.sd, self.stack.td):
             if not d.alive():
                 d.start()
+        self.wait_store_reachable()
+
+    def wait_store_reachable(self):
+        """Waits until agentd reaches storaged."""
 
         def store_reachable():
             try:
@@ -201,6 +205,46 @@ class FaultsCase(FaultsBase):
         self.assertEqual(len(results), 1, results)
         self.assertIn('store_retry submission=%s method=Append' % adm.submission_id,
                       self.ad.stderr_text())
+
+    def test_an_input_that_cannot_be_stored_stops_the_first_model_call(self):
+        # The input goes out beside the first model call. storaged, every commit of which takes
+        # 2 s, is killed while the input's commit is under way and stays down past the retry
+        # window: the drive stops at once instead of waiting for the model's answer (30 s
+        # here), and the next attempt stores the input once, before its answer.
+        conv = new_conv('input-lost')
+        self.workspace(conv)
+        self.fm.set_scenario(bind([
+            {'text': 'An answer that comes too late.', 'delay_ms': 30000},
+            {'text': 'Answered by the next attempt.'}], conv))
+        sd = self.stack.sd
+        sd.stop()
+        sd.env['CFLUE_FAILPOINTS'] = 'storaged.commit.before=sleep:2000'
+        try:
+            sd.start()
+            self.wait_store_reachable()
+            adm = self.ad.submit('runner-anthropic', 'hello (%s)' % conv, conversation_id=conv,
+                                 timeout=30)
+            self.wait_for('the first model request', lambda: self.model_requests(conv),
+                          timeout=30, interval=0.01)
+            sd.kill()
+            asked_at = time.monotonic()
+        finally:
+            del sd.env['CFLUE_FAILPOINTS']
+        self.assertEqual(len(self.model_requests(conv)), 1)
+        gave_up = 'event=drive_interrupted submission=%s' % adm.submission_id
+        self.wait_for('the drive to give up', lambda: gave_up in self.ad.stderr_text(),
+                      timeout=40, interval=0.1)
+        self.assertLess(time.monotonic() - asked_at, 20, 'the drive waited for the late answer')
+        time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - asked_at)))  # past the retry window
+        sd.start()
+        sub = self.wait_settled(adm.submission_id, timeout=60)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertGreaterEqual(sub.attempt_count, 2, 'the interrupted attempt was not counted')
+        recs = self.assert_outcome_true(conv, adm.submission_id)
+        self.assertEqual([kind(r) for r in recs if kind(r) in ('user_message', 'assistant_message')],
+                         ['user_message', 'assistant_message'])
+        self.assertEqual([body(r).text for r in recs if kind(r) == 'assistant_message'],
+                         ['Answered by the next attempt.'])
 
     # ---- toold unreachable when a drive starts ----
 
