@@ -7,8 +7,8 @@
 # BASE is any Debian 12 image: debian:bookworm-slim from a registry, or a base made offline
 # with `debootstrap --variant=minbase bookworm` and `podman import` (tests/image/test_image.sh
 # does that). Two stages: the first builds with Debian's -dev packages; the second holds only
-# the runtime libraries the binaries link (found with ldd and dpkg in the first stage, so the
-# list cannot go stale), bubblewrap and ripgrep for toold, tini, and SANDBOX_PACKAGES: what
+# the runtime libraries the binaries link or load (found with ldd, the build's
+# dlopened-libraries and dpkg in the first stage, so the list cannot go stale), bubblewrap and ripgrep for toold, tini, and SANDBOX_PACKAGES: what
 # the agents' commands need inside a sandbox (default python3, which the example project's
 # tests run with; Python's compiled caches, its own tests, IDLE, pydoc's data, ensurepip and
 # lib2to3 are left out, so a command compiles the modules it imports as it runs). It runs as
@@ -33,7 +33,8 @@ RUN cmake -S /src -B /build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCFLUE_TESTS=OFF 
  && for b in storaged/storaged toold/toold toold/toold-runner agentd/agentd cli/cflue; do \
       install -s -m 0755 "/build/$b" /out/bin/; \
     done \
- && for lib in $(ldd /out/bin/* | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u); do \
+ && for lib in $( (ldd /out/bin/* | awk '$2 == "=>" && $3 ~ /^\// {print $3}'; \
+                   cat /build/dlopened-libraries) | sort -u); do \
       dpkg -S "$lib" 2>/dev/null || dpkg -S "$(realpath "$lib")"; \
     done | cut -d: -f1 | sort -u >/out/runtime-packages \
  && echo "runtime packages: $(tr '\n' ' ' </out/runtime-packages)"

@@ -128,13 +128,14 @@ say "every binary runs in the image as uid $uid"
 # 3. The README example through three containers (host network, loopback ports).
 ports=($(/usr/bin/python3 - <<'PY'
 import socket
-socks = [socket.socket() for _ in range(4)]
+socks = [socket.socket() for _ in range(5)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 print(" ".join(str(s.getsockname()[1]) for s in socks))
 PY
 ))
 agentd_addr=127.0.0.1:${ports[0]} storaged_addr=127.0.0.1:${ports[1]} toold_addr=127.0.0.1:${ports[2]}
+metrics_addr=127.0.0.1:${ports[4]}
 mkdir -p "$work/store" "$work/workspaces" "$work/agents"
 cp -r "$root/examples/project" "$work/workspaces/example"
 cp "$root"/examples/agents/*.md "$work/agents/"
@@ -154,7 +155,7 @@ run() { # NAME ARGS...: a daemon as a detached container
   podman run -d --name "$name" --network host --stop-timeout 20 "$@" >/dev/null
 }
 run storaged -v "$work/store:/var/lib/cflue/store" "$image" \
-  storaged --listen "$storaged_addr" --db /var/lib/cflue/store/store.db
+  storaged --listen "$storaged_addr" --db /var/lib/cflue/store/store.db --metrics-listen "$metrics_addr"
 # toold with the bwrap driver where this host lets bubblewrap make user namespaces, under the
 # exception docs/security.md gives its container: a seccomp profile that allows them
 # (unconfined here) and an unmasked /proc (a masked one forbids the sandbox's own /proc mount).
@@ -179,7 +180,13 @@ for addr in "$storaged_addr" "$toold_addr" "$agentd_addr"; do
     sleep 0.2
   done
 done
-say "three daemons ready in containers (toold's driver: $driver); cflue submit --agent coder"
+# /metrics: the image holds the libmicrohttpd the daemons load for it (dlopened-libraries)
+/usr/bin/python3 - "$metrics_addr" <<'PY' || { echo "FAIL: storaged does not serve /metrics in the image" >&2; exit 1; }
+import sys, urllib.request
+text = urllib.request.urlopen("http://%s/metrics" % sys.argv[1], timeout=10).read().decode()
+assert "# TYPE cflue_" in text, text[:500]
+PY
+say "three daemons ready in containers (toold's driver: $driver), storaged serves /metrics; cflue submit --agent coder"
 podman exec "$agentd_c" cflue submit --agentd "$agentd_addr" --agent coder \
   "The tests of this project fail. Find the bug, fix it, and show that the tests pass." \
   | tee "$work/submit.log" | tail -15

@@ -48,6 +48,12 @@ def metrics_port(daemon):
     return int(m.group(1))
 
 
+def mapped_libraries(pid):
+    """The file names mapped into process pid."""
+    with open('/proc/%d/maps' % pid) as f:
+        return ' '.join(os.path.basename(line.split()[-1]) for line in f if '/' in line)
+
+
 def scrape(daemon, path='/metrics'):
     url = 'http://127.0.0.1:%d%s' % (metrics_port(daemon), path)
     with urllib.request.urlopen(url, timeout=10) as r:
@@ -200,6 +206,41 @@ class MetricsTest(unittest.TestCase):
                 sd.remove()
         if not has_v6:
             self.skipTest('no IPv6 loopback here: only IPv4 was tried')
+
+    def test_the_library_is_loaded_for_the_listener_only(self):
+        """libmicrohttpd (and the GnuTLS it links) is mapped by a daemon serving /metrics
+        only: one without --metrics-listen, the default, does not pay for it."""
+        for d in (self.sd, self.td, self.ad):
+            self.assertIn('libmicrohttpd', mapped_libraries(d.pid), d)
+        sd = Storaged()
+        td = Toold()
+        try:
+            for d in (sd, td):
+                libs = mapped_libraries(d.pid)
+                self.assertNotIn('libmicrohttpd', libs, d)
+                self.assertNotIn('libgnutls', libs, d)
+        finally:
+            for d in (sd, td):
+                d.close()
+                d.remove()
+
+    def test_a_missing_library_stops_the_start_with_its_name(self):
+        """When libmicrohttpd cannot be loaded (here: read as an empty file, in a mount
+        namespace of bubblewrap's), a daemon asked to serve /metrics says so and exits 1."""
+        bwrap = shutil.which('bwrap')
+        if not bwrap:
+            self.fail('bubblewrap is not installed (scripts/setup installs it)')
+        with open(os.path.join(H.BUILD_DIR, 'dlopened-libraries')) as f:
+            lib = f.read().split()[0]
+        r = subprocess.run([bwrap, '--dev-bind', '/', '/', '--ro-bind', '/dev/null', lib,
+                            H.STORAGED_BIN, '--listen', '127.0.0.1:0',
+                            '--db', os.path.join(self.dir, 'no-metrics.db'),
+                            '--metrics-listen', '127.0.0.1:0'],
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn('--metrics-listen needs libmicrohttpd (%s), which cannot be loaded'
+                      % os.path.basename(lib), r.stderr)
+        self.assertIn('event=metrics_listen_failed', r.stderr)
 
     def test_a_bad_address_stops_the_start(self):
         sd = Storaged(start=False, extra_args=['--metrics-listen', 'nowhere'])
