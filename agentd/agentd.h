@@ -30,6 +30,7 @@ struct active {
     bool abort_requested; /* durable abort intent seen: settle aborted */
     bool lease_lost;      /* another attempt took over: stop without writing */
     bool shutting_down;   /* this process is stopping: stop, recovery will resume */
+    bool settle_sent;     /* its Settle went out: a Heartbeat may find it settled, not lost */
     struct drive *drive;  /* posted when a flag above is set (engine.c) */
     uint64_t model_call;  /* the model call it is parked on (0: none), cancelled with them */
     char traceparent[TRACE_PARENT_SIZE]; /* the drive's trace, for lines logged elsewhere */

@@ -775,6 +775,18 @@ static bool begin_drive(struct drive *d)
     return d->act != NULL;
 }
 
+bool drive_lease_held(const struct drive *d, struct active *out)
+{
+    bool held = false;
+    if (d->end == DRIVE_STOPPED && d->act) {
+        pthread_mutex_lock(&g_agentd.mu);
+        held = d->act->shutting_down && !d->act->lease_lost;
+        *out = *d->act;
+        pthread_mutex_unlock(&g_agentd.mu);
+    }
+    return held;
+}
+
 static void end_drive(struct drive *d)
 {
     if (d->act) {

@@ -14,14 +14,15 @@
  * --max-drives drives are live, woken by Submit and by a settlement (agentd_wake), by a
  * drive's end when all --max-drives were live, and every 500 ms for work admitted elsewhere;
  * it stops at the first empty Claim, so a burst of Submits costs one empty Claim, not one per
- * thread. One heartbeat thread renews every lease
- * in one Heartbeat call and polls abort intents (one List of its aborted work per tick). Abort,
+ * thread. One heartbeat thread renews every lease (a Heartbeat call per 1000 drives, storaged's
+ * limit) and polls abort intents (one List of its aborted work per tick). Abort,
  * a lost lease and shutdown set the drive's flag, cancel the model call it is parked on at
  * once (llm_cancel) and post it, so it settles or stops without waiting for the model.
  *
  * Crash-only: all state is in storaged. With a stable --owner-id, a restarted agentd takes
  * back its own unfinished work at once (engine_reclaim_own) instead of waiting for the leases
- * to run out.
+ * to run out. A graceful stop hands back the leases of the drives it stopped
+ * (engine_release_leases: Store.Release), so any agentd takes that work over at its next claim.
  *
  * A drive that storaged or toold interrupted (drive.c) is not settled: its submission goes on
  * the resume list, and the claimer claims it again (own-owner reclaim of that one submission)
@@ -53,7 +54,9 @@
 
 long long engine_max_drives = ENGINE_MAX_DRIVES_DEFAULT;
 
-#define CLAIM_POLL_MS 500 /* the claimer asks for work admitted elsewhere this often */
+#define CLAIM_POLL_MS 500       /* the claimer asks for work admitted elsewhere this often */
+#define FENCES_PER_CALL 1000    /* storaged's limit on the fences of one Heartbeat or Release */
+#define RELEASE_TIMEOUT_MS 2000 /* a Release at shutdown: past it the leases run out instead */
 
 static struct engine {
     pthread_mutex_t mu;
@@ -66,6 +69,8 @@ static struct engine {
     bool stopping;              /* engine_stop was called (g_agentd.stopping, under eng.mu) */
     pthread_t *threads;         /* workers, then the claimer, then the heartbeat */
     long long n_workers, n_started;
+    struct active *held; /* drives that stopped at shutdown holding their lease */
+    size_t n_held, cap_held;
 } eng = {.mu = PTHREAD_MUTEX_INITIALIZER, .work = PTHREAD_COND_INITIALIZER};
 
 static bool woken; /* under g_agentd.mu: agentd_wake since the claimer last looked */
@@ -421,14 +426,24 @@ bool engine_admitted(Cflue__V1__AdmitResponse *r)
     return true;
 }
 
-/* retire frees a done drive, filing an interrupted one for a later claim. */
+/* retire frees a done drive, filing an interrupted one for a later claim and keeping the
+ * lease of one stopped by the shutdown for engine_release_leases. */
 static void retire(struct drive *d)
 {
+    struct active held;
+    bool keep = drive_lease_held(d, &held);
     if (drive_end_of(d) == DRIVE_INTERRUPTED) {
         resume_later(drive_submission_id(d), d->eng.resume_ms);
     }
     pthread_mutex_lock(&eng.mu);
     engine_queue_remove(&eng.timers, &d->eng.timer);
+    if (keep) {
+        if (eng.n_held == eng.cap_held) {
+            eng.cap_held = eng.cap_held ? eng.cap_held * 2 : 16;
+            eng.held = mem_realloc(eng.held, sizeof(*eng.held) * eng.cap_held);
+        }
+        eng.held[eng.n_held++] = held;
+    }
     pthread_mutex_unlock(&eng.mu);
     drive_free(d); /* its slot goes first: nothing posts it afterwards */
     pthread_mutex_lock(&eng.mu);
@@ -589,21 +604,29 @@ static void *claimer_main(void *arg)
 
 /* ---------- heartbeats and abort polling ---------- */
 
-/* heartbeat renews the leases of snap[0..n) in one call; lost ones are marked, their model
- * calls cancelled and their drives posted. Returns whether storaged answered. */
-static bool heartbeat(const struct active *snap, int n)
+/* fences_of fills fences[0..n) (and ptrs, pointing at them) with the fences of slots[0..n). */
+static void fences_of(const struct active *slots, int n, Cflue__V1__Fence *fences,
+                      Cflue__V1__Fence **ptrs)
+{
+    for (int i = 0; i < n; i++) {
+        cflue__v1__fence__init(&fences[i]);
+        fences[i].submission_id = (char *)slots[i].submission_id;
+        fences[i].attempt_id = (char *)slots[i].attempt_id;
+        fences[i].epoch = slots[i].epoch;
+        ptrs[i] = &fences[i];
+    }
+}
+
+/* heartbeat_some renews the leases of snap[0..n) (at most FENCES_PER_CALL) in one call; lost
+ * ones are marked, their model calls cancelled and their drives posted. Returns whether
+ * storaged answered. */
+static bool heartbeat_some(const struct active *snap, int n)
 {
     struct cf_error err;
     Cflue__V1__HeartbeatRequest hb = CFLUE__V1__HEARTBEAT_REQUEST__INIT;
     Cflue__V1__Fence *fences = mem_alloc(sizeof(*fences) * (size_t)n);
     Cflue__V1__Fence **ptrs = mem_alloc(sizeof(void *) * (size_t)n);
-    for (int i = 0; i < n; i++) {
-        cflue__v1__fence__init(&fences[i]);
-        fences[i].submission_id = (char *)snap[i].submission_id;
-        fences[i].attempt_id = (char *)snap[i].attempt_id;
-        fences[i].epoch = snap[i].epoch;
-        ptrs[i] = &fences[i];
-    }
+    fences_of(snap, n, fences, ptrs);
     hb.owner_id = (char *)g_agentd.owner_id;
     Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
     pbdur_set(&lease, g_agentd.lease_ms);
@@ -620,7 +643,9 @@ static bool heartbeat(const struct active *snap, int n)
             pthread_mutex_lock(&g_agentd.mu);
             for (int i = 0; i < ACTIVE_MAX; i++) {
                 struct active *a = &g_agentd.active[i];
-                if (a->in_use && !strcmp(a->submission_id, r->lost[k])) {
+                /* a drive whose Settle went out may be settled already: its Settle's answer,
+                 * not the Heartbeat, says whether its lease was lost */
+                if (a->in_use && !a->settle_sent && !strcmp(a->submission_id, r->lost[k])) {
                     struct trace_ctx t, saved;
                     struct cf_error ignored;
                     a->lease_lost = true;
@@ -640,6 +665,19 @@ static bool heartbeat(const struct active *snap, int n)
     }
     free(fences);
     free(ptrs);
+    return ok;
+}
+
+/* heartbeat renews the leases of snap[0..n), FENCES_PER_CALL at a time (more drives than that
+ * are in flight at once). Returns whether storaged answered every call. */
+static bool heartbeat(const struct active *snap, int n)
+{
+    bool ok = true;
+    for (int first = 0; first < n; first += FENCES_PER_CALL) {
+        ok = heartbeat_some(snap + first,
+                            n - first < FENCES_PER_CALL ? n - first : FENCES_PER_CALL) &&
+             ok;
+    }
     return ok;
 }
 
@@ -760,6 +798,44 @@ bool engine_start(const struct daemon *d, long long workers)
     }
     engine_join();
     return false;
+}
+
+void engine_release_leases(void)
+{
+    size_t released = 0, lost = 0, failed = 0;
+    Cflue__V1__Fence *fences = mem_alloc(sizeof(*fences) * FENCES_PER_CALL);
+    Cflue__V1__Fence **ptrs = mem_alloc(sizeof(void *) * FENCES_PER_CALL);
+    char q[600];
+    for (size_t first = 0; first < eng.n_held; first += FENCES_PER_CALL) {
+        int n = (int)(eng.n_held - first < FENCES_PER_CALL ? eng.n_held - first : FENCES_PER_CALL);
+        Cflue__V1__ReleaseRequest rr = CFLUE__V1__RELEASE_REQUEST__INIT;
+        fences_of(eng.held + first, n, fences, ptrs);
+        rr.owner_id = (char *)g_agentd.owner_id;
+        rr.fences = ptrs;
+        rr.n_fences = (size_t)n;
+        ProtobufCMessage *resp = NULL;
+        struct cf_error err;
+        if (store_call(g_agentd.store, "Release", &rr.base,
+                       &cflue__v1__release_response__descriptor, RELEASE_TIMEOUT_MS, &resp,
+                       &err) != CF_OK) {
+            failed += (size_t)n;
+            log_warn("leases_not_released", "n=%d err=%s", n, log_quote(q, sizeof(q), err.msg));
+            continue;
+        }
+        Cflue__V1__ReleaseResponse *r = (Cflue__V1__ReleaseResponse *)resp;
+        released += r->n_released;
+        lost += r->n_lost;
+        protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    if (eng.n_held) {
+        log_info("leases_released", "released=%zu lost=%zu not_released=%zu", released, lost,
+                 failed);
+    }
+    free(fences);
+    free(ptrs);
+    free(eng.held);
+    eng.held = NULL;
+    eng.n_held = eng.cap_held = 0;
 }
 
 void engine_join(void)

@@ -35,6 +35,12 @@ void engine_stop(void);
 /* engine_join waits for the threads that engine_start started (after engine_stop). */
 void engine_join(void);
 
+/* engine_release_leases (after engine_join) hands back to storaged, in Release calls, the
+ * leases of the drives that the shutdown stopped, so that another agentd takes their work
+ * over at its next claim instead of when the leases run out. A call that fails (storaged
+ * down) is logged; those leases run out as before. */
+void engine_release_leases(void);
+
 /* engine_has_room: fewer than --max-drives drives are live and the engine is not stopping. */
 bool engine_has_room(void);
 

@@ -284,6 +284,7 @@ static void stop(struct daemon *d, struct ready_probe *ready)
     engine_stop();
     daemon_stop_serving(d);
     engine_join();
+    engine_release_leases();
     close_clients();
     log_info("stopped", "code=0");
 }

@@ -238,6 +238,9 @@ bool settle_start(struct drive *d, Cflue__V1__Outcome outcome, const char *error
         return false;
     }
     failpoint_hit("agentd.settle.before");
+    pthread_mutex_lock(&g_agentd.mu);
+    d->act->settle_sent = true;
+    pthread_mutex_unlock(&g_agentd.mu);
     send_settle(d);
     return true;
 }

@@ -964,38 +964,58 @@ enum cf_status ledger_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRequest 
     return count_queued(c, row->conversation_id, row->sequence, &out->queued_behind, err);
 }
 
-enum cf_status ledger_heartbeat(struct ledger_ctx *c, const Cflue__V1__HeartbeatRequest *req,
-                                Cflue__V1__HeartbeatResponse *out, struct cf_error *err)
+/* set_leases sets the lease end of each of fences this owner still holds (running or
+ * terminalizing, same attempt and epoch) to until; their ids go to held, the others to lost
+ * (arrays of n_fences, in c's arena). */
+static enum cf_status set_leases(struct ledger_ctx *c, const char *owner_id,
+                                 Cflue__V1__Fence *const *fences, size_t n_fences, int64_t until,
+                                 char ***held, size_t *n_held, char ***lost, size_t *n_lost,
+                                 struct cf_error *err)
 {
     static const char sql[] =
         "UPDATE submissions SET lease_expires_at = ? WHERE submission_id = ? AND attempt_id = ? "
         "AND epoch = ? AND owner_id = ? AND status IN ('running','terminalizing')";
     struct stmt s;
     enum cf_status rc = CF_OK;
-    int64_t lease = req->lease_duration ? pbdur_ms(req->lease_duration) : c->cfg->lease_ms;
-    out->renewed = arena_alloc(c->arena, sizeof(char *) * (req->n_fences + 1));
-    out->lost = arena_alloc(c->arena, sizeof(char *) * (req->n_fences + 1));
-    out->lease_expire_time = pbtime_in(c->arena, c->now + lease);
-    for (size_t i = 0; i < req->n_fences && rc == CF_OK; i++) {
-        const Cflue__V1__Fence *f = req->fences[i];
-        if ((rc = stmt_open(&s, c->db, sql, "renew lease", err)) != CF_OK) {
+    *held = arena_alloc(c->arena, sizeof(char *) * (n_fences + 1));
+    *lost = arena_alloc(c->arena, sizeof(char *) * (n_fences + 1));
+    for (size_t i = 0; i < n_fences && rc == CF_OK; i++) {
+        const Cflue__V1__Fence *f = fences[i];
+        if ((rc = stmt_open(&s, c->db, sql, "set a lease", err)) != CF_OK) {
             break;
         }
-        stmt_int(&s, 1, c->now + lease);
+        stmt_int(&s, 1, until);
         stmt_text(&s, 2, f->submission_id);
         stmt_text(&s, 3, f->attempt_id);
         stmt_int(&s, 4, f->epoch);
-        stmt_text(&s, 5, req->owner_id);
+        stmt_text(&s, 5, owner_id);
         if ((rc = stmt_done(&s, err)) != CF_OK) {
             break;
         }
         if (sqlite3_changes(c->db) == 1) {
-            out->renewed[out->n_renewed++] = f->submission_id;
+            (*held)[(*n_held)++] = f->submission_id;
         } else {
-            out->lost[out->n_lost++] = f->submission_id;
+            (*lost)[(*n_lost)++] = f->submission_id;
         }
     }
     return rc;
+}
+
+enum cf_status ledger_heartbeat(struct ledger_ctx *c, const Cflue__V1__HeartbeatRequest *req,
+                                Cflue__V1__HeartbeatResponse *out, struct cf_error *err)
+{
+    int64_t lease = req->lease_duration ? pbdur_ms(req->lease_duration) : c->cfg->lease_ms;
+    out->lease_expire_time = pbtime_in(c->arena, c->now + lease);
+    return set_leases(c, req->owner_id, req->fences, req->n_fences, c->now + lease, &out->renewed,
+                      &out->n_renewed, &out->lost, &out->n_lost, err);
+}
+
+enum cf_status ledger_release(struct ledger_ctx *c, const Cflue__V1__ReleaseRequest *req,
+                              Cflue__V1__ReleaseResponse *out, struct cf_error *err)
+{
+    /* ran out a millisecond ago: the next Claim takes it over (lease_expires_at < now) */
+    return set_leases(c, req->owner_id, req->fences, req->n_fences, c->now - 1, &out->released,
+                      &out->n_released, &out->lost, &out->n_lost, err);
 }
 
 /* stamp_input does MarkInputApplied's work on row, read through its fence in this transaction:

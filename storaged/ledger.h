@@ -86,6 +86,13 @@ CF_MUST_CHECK enum cf_status ledger_heartbeat(struct ledger_ctx *c,
                                               Cflue__V1__HeartbeatResponse *out,
                                               struct cf_error *err);
 
+/* ledger_release ends now the leases the owner still holds of req's fences (work it stopped
+ * without settling): the next Claim takes each submission over. Fences it no longer holds are
+ * reported lost and left alone. */
+CF_MUST_CHECK enum cf_status ledger_release(struct ledger_ctx *c,
+                                            const Cflue__V1__ReleaseRequest *req,
+                                            Cflue__V1__ReleaseResponse *out, struct cf_error *err);
+
 /* ledger_mark_input_applied stamps the input and installs budgets (first call only). */
 CF_MUST_CHECK enum cf_status
 ledger_mark_input_applied(struct ledger_ctx *c, const Cflue__V1__MarkInputAppliedRequest *req,

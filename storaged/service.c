@@ -180,6 +180,8 @@ ADAPT(run_admit, ledger_admit(c, req, resp, err), Cflue__V1__AdmitRequest, Cflue
 ADAPT(run_claim, ledger_claim(c, req, resp, err), Cflue__V1__ClaimRequest, Cflue__V1__ClaimResponse)
 ADAPT(run_heartbeat, ledger_heartbeat(c, req, resp, err), Cflue__V1__HeartbeatRequest,
       Cflue__V1__HeartbeatResponse)
+ADAPT(run_release, ledger_release(c, req, resp, err), Cflue__V1__ReleaseRequest,
+      Cflue__V1__ReleaseResponse)
 ADAPT(run_mark, ledger_mark_input_applied(c, req, resp, err), Cflue__V1__MarkInputAppliedRequest,
       Cflue__V1__Submission)
 ADAPT(run_requeue, ledger_requeue(c, req->fence, resp, err), Cflue__V1__FencedRequest,
@@ -213,6 +215,8 @@ static const struct method methods[] = {
     {"Claim", D(claim_request), D(claim_response), V(validate_claim), run_claim, true, false},
     {"Heartbeat", D(heartbeat_request), D(heartbeat_response), V(validate_heartbeat), run_heartbeat,
      true, false},
+    {"Release", D(release_request), D(release_response), V(validate_release), run_release, true,
+     false},
     {"MarkInputApplied", D(mark_input_applied_request), D(submission),
      V(validate_mark_input_applied), run_mark, true, true},
     {"Requeue", D(fenced_request), D(submission), V(validate_fenced), run_requeue, true, false},

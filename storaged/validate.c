@@ -346,25 +346,34 @@ enum cf_status validate_claim(const Cflue__V1__ClaimRequest *r, struct cf_error 
     return pbtime_check(r->reclaim_started_before, "reclaim_started_before", err);
 }
 
-enum cf_status validate_heartbeat(const Cflue__V1__HeartbeatRequest *r, struct cf_error *err)
+/* owner_fences checks the owner and the fences of a Heartbeat or a Release (what: its name). */
+static enum cf_status owner_fences(const char *owner_id, Cflue__V1__Fence *const *fences,
+                                   size_t n_fences, const char *what, struct cf_error *err)
 {
     enum cf_status rc;
-    if ((rc = name("owner_id", r->owner_id, true, err)) != CF_OK) {
+    if ((rc = name("owner_id", owner_id, true, err)) != CF_OK) {
         return rc;
     }
-    if ((rc = lease(r->lease_duration, err)) != CF_OK) {
-        return rc;
+    if (n_fences > VALIDATE_FENCES_MAX) {
+        return cf_error_set(err, CF_INVALID, "at most %d fences per %s", VALIDATE_FENCES_MAX, what);
     }
-    if (r->n_fences > VALIDATE_FENCES_MAX) {
-        return cf_error_set(err, CF_INVALID, "at most %d fences per heartbeat",
-                            VALIDATE_FENCES_MAX);
-    }
-    for (size_t i = 0; i < r->n_fences; i++) {
-        if ((rc = fence("fences[]", r->fences[i], true, err)) != CF_OK) {
+    for (size_t i = 0; i < n_fences; i++) {
+        if ((rc = fence("fences[]", fences[i], true, err)) != CF_OK) {
             return rc;
         }
     }
     return CF_OK;
+}
+
+enum cf_status validate_heartbeat(const Cflue__V1__HeartbeatRequest *r, struct cf_error *err)
+{
+    enum cf_status rc = lease(r->lease_duration, err);
+    return rc != CF_OK ? rc : owner_fences(r->owner_id, r->fences, r->n_fences, "heartbeat", err);
+}
+
+enum cf_status validate_release(const Cflue__V1__ReleaseRequest *r, struct cf_error *err)
+{
+    return owner_fences(r->owner_id, r->fences, r->n_fences, "release", err);
 }
 
 /* input_budgets checks what a MarkInputApplied installs (field names are prefixed with at). */

@@ -17,7 +17,7 @@
 #define VALIDATE_METADATA_VALUE_MAX 4096
 #define VALIDATE_ERROR_MAX 8192   /* settlement error text */
 #define VALIDATE_RECORDS_MAX 1000 /* records per Append */
-#define VALIDATE_FENCES_MAX 1000  /* fences per Heartbeat */
+#define VALIDATE_FENCES_MAX 1000  /* fences per Heartbeat or Release */
 #define VALIDATE_LEASE_MIN_MS 100
 #define VALIDATE_LEASE_MAX_MS (3600LL * 1000)
 #define VALIDATE_RESERVED_PREFIX "cflue." /* metadata keys cflue keeps for itself */
@@ -33,6 +33,8 @@ CF_MUST_CHECK enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, st
 CF_MUST_CHECK enum cf_status validate_claim(const Cflue__V1__ClaimRequest *r, struct cf_error *err);
 CF_MUST_CHECK enum cf_status validate_heartbeat(const Cflue__V1__HeartbeatRequest *r,
                                                 struct cf_error *err);
+CF_MUST_CHECK enum cf_status validate_release(const Cflue__V1__ReleaseRequest *r,
+                                              struct cf_error *err);
 CF_MUST_CHECK enum cf_status
 validate_mark_input_applied(const Cflue__V1__MarkInputAppliedRequest *r, struct cf_error *err);
 CF_MUST_CHECK enum cf_status validate_fenced(const Cflue__V1__FencedRequest *r,

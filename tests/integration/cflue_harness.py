@@ -62,6 +62,7 @@ STORE_METHODS = {
     'Admit': (store_pb2.AdmitRequest, store_pb2.AdmitResponse, False),
     'Claim': (store_pb2.ClaimRequest, store_pb2.ClaimResponse, False),
     'Heartbeat': (store_pb2.HeartbeatRequest, store_pb2.HeartbeatResponse, False),
+    'Release': (store_pb2.ReleaseRequest, store_pb2.ReleaseResponse, False),
     'MarkInputApplied': (store_pb2.MarkInputAppliedRequest, common_pb2.Submission, False),
     'Requeue': (store_pb2.FencedRequest, common_pb2.Submission, False),
     'ClaimJoinable': (store_pb2.ClaimJoinableRequest, store_pb2.ClaimJoinableResponse, False),
@@ -692,6 +693,10 @@ def heartbeat(stub, owner, fences, lease_ms=30000):
     if lease_ms:
         req.lease_duration.CopyFrom(duration(lease_ms))
     return stub.heartbeat(req)
+
+
+def release(stub, owner, fences):
+    return stub.release(store_pb2.ReleaseRequest(owner_id=owner, fences=fences))
 
 
 def scan_expired(stub, limit=0):

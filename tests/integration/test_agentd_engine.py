@@ -127,6 +127,52 @@ class EngineLoadTest(unittest.TestCase):
         self.assertLessEqual(med, 4.5 + 3 * floor)
 
 
+class EngineManyLeasesTest(unittest.TestCase):
+    """More drives in flight than one Heartbeat may carry (storaged takes at most 1000 fences a
+    call): agentd renews them all, in several calls, so none of their leases runs out."""
+    N = 1001
+
+    def setUp(self):
+        from test_agentd import Stack
+        self.stack = Stack(agents=('runner-anthropic',),
+                           agentd_args=('--lease-ms', '4000', '--heartbeat-ms', '500'))
+
+    def tearDown(self):
+        self.stack.remove()
+
+    def test_every_lease_is_renewed_when_more_than_a_heartbeat_holds_are_held(self):
+        # each drive's first call is told to come back in 10 s (it parks on a timer, holding its
+        # 4 s lease and no connection); the retry is answered
+        busy = {'error': {'status': 529, 'message': 'overloaded', 'retry_after': 10}}
+        self.stack.fm.set_scenario([busy] * self.N + [{'text': 'ok'}] * self.N)
+        ad = self.stack.ad
+        with ThreadPoolExecutor(16) as ex:
+            ids = list(ex.map(lambda i: ad.submit('runner-anthropic', 'lease %d' % i,
+                                                  timeout=30).submission_id, range(self.N)))
+        want, done, deadline = set(ids), {}, time.time() + 180
+        while time.time() < deadline and len(done) < self.N:
+            time.sleep(1)
+            token = ''
+            while True:
+                resp = self.stack.sd.stub.list(store_pb2.ListRequest(
+                    statuses=[common_pb2.SUBMISSION_STATUS_SETTLED], page_size=1000,
+                    page_token=token), timeout=30)
+                done.update((s.submission_id, s) for s in resp.submissions
+                            if s.submission_id in want)
+                token = resp.next_page_token
+                if not token:
+                    break
+        self.assertEqual(len(done), self.N, 'not all settled in 180 s')
+        failed = [s for s in done.values() if s.outcome != common_pb2.OUTCOME_COMPLETED]
+        self.assertEqual(failed, [], '%d did not complete; the first: %s'
+                         % (len(failed), failed[0].error if failed else ''))
+        taken_over = [s.submission_id for s in done.values() if s.attempt_count != 1]
+        self.assertEqual(taken_over, [], '%d leases ran out' % len(taken_over))
+        log = ad.stderr_text()
+        self.assertNotIn('lease_lost', log)
+        self.assertNotIn('fences per heartbeat', log)
+
+
 class EngineToolBatchTest(unittest.TestCase):
     """A tool batch holds no engine thread: with one engine thread, conversations whose first
     command sleeps run their commands side by side."""

@@ -1,6 +1,8 @@
 """agentd's graceful shutdown: SIGTERM with a live Watch, a waiting GetSubmission and a
 running submission ends the process with exit code 0 (under the ASan build this also proves
-no leaks), and the interrupted submission is finished by the next agentd."""
+no leaks), and the interrupted submission is finished by the next agentd; the leases of the
+work it stopped are handed back (Store.Release), so another agentd takes it over at once
+rather than when the leases run out."""
 import os
 import sys
 import threading
@@ -10,6 +12,12 @@ import unittest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cflue_harness import Agentd, common_pb2  # noqa: E402
 from test_agentd import Stack  # noqa: E402
+
+
+def settled_records(ad, conversation_id, submission_id):
+    """The submission_settled records of submission_id in the conversation's stream."""
+    return [r for r in ad.watch_all(conversation_id)
+            if r.WhichOneof('body') == 'submission_settled' and r.submission_id == submission_id]
 
 
 class ShutdownTest(unittest.TestCase):
@@ -48,9 +56,7 @@ class ShutdownTest(unittest.TestCase):
         self.stack.daemons.append(('agentd-b', ad2))
         sub = ad2.get_submission(second.submission_id, wait=True, timeout=60)
         self.assertEqual(sub.status, common_pb2.SUBMISSION_STATUS_SETTLED)
-        settled = [r for r in ad2.watch_all(first.conversation_id)
-                   if r.WhichOneof('body') == 'submission_settled'
-                   and r.submission_id == second.submission_id]
+        settled = settled_records(ad2, first.conversation_id, second.submission_id)
         self.assertEqual(len(settled), 1)
         self.assertEqual(settled[0].submission_settled.outcome, sub.outcome)
 
@@ -61,6 +67,53 @@ class ShutdownTest(unittest.TestCase):
                 yield r
         except Exception:
             return
+
+
+class HandBackTest(unittest.TestCase):
+    """Two agentds with the default 30 s lease: the one that stops hands its lease back."""
+
+    def setUp(self):
+        self.stack = Stack(agents=('runner-anthropic',), n_agentd=2,
+                           owner_ids=['handback-a', 'handback-b'])
+
+    def tearDown(self):
+        self.stack.remove()
+
+    def test_sigterm_hands_the_lease_back_and_another_agentd_takes_over_at_once(self):
+        a, b = self.stack.agentds
+        self.stack.fm.set_scenario([
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'sleep 5'}}]},
+            {'text': 'done by the other agentd'}])
+        sub = a.submit('runner-anthropic', 'run the slow command')
+        self.assertEqual(a.get_submission(sub.submission_id).owner_id, 'handback-a')
+        time.sleep(1.0)  # the sleep is running in toold, under A's 30 s lease
+        t0 = time.time()
+        self.assertEqual(a.terminate(timeout=20), 0, a.stderr_text()[-3000:])
+        self.assertIn('event=leases_released released=1 lost=0 not_released=0',
+                      a.stderr_text())
+        done = b.get_submission(sub.submission_id, wait=True, timeout=25)
+        took = time.time() - t0
+        self.assertEqual(done.outcome, common_pb2.OUTCOME_COMPLETED, done)
+        self.assertEqual(done.owner_id, 'handback-b')
+        self.assertEqual(done.attempt_count, 2)
+        # the lease was 30 s: without the hand-back B could not have claimed it before then
+        self.assertLess(took, 20, 'B took the work over %.1f s after the SIGTERM' % took)
+        self.assertEqual(len(settled_records(b, sub.conversation_id, sub.submission_id)), 1)
+
+    def test_a_hand_back_storaged_does_not_answer_is_logged_and_the_stop_goes_on(self):
+        a = self.stack.agentds[0]
+        self.stack.fm.set_scenario([
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'sleep 5'}}]},
+            {'text': 'done'}])
+        a.submit('runner-anthropic', 'run the slow command')
+        time.sleep(1.0)
+        self.stack.sd.kill()
+        t0 = time.time()
+        self.assertEqual(a.terminate(timeout=30), 0, a.stderr_text()[-3000:])
+        self.assertLess(time.time() - t0, 15)
+        self.assertRegex(a.stderr_text(), r'event=leases_not_released n=1 err=')
+        self.assertIn('event=leases_released released=0 lost=0 not_released=1',
+                      a.stderr_text())
 
 
 if __name__ == '__main__':

@@ -116,6 +116,12 @@ class BadInputTest(StoragedTestCase):
         self.invalid(s.heartbeat, store_pb2.HeartbeatRequest(owner_id='o',
                                                              lease_duration=duration(50)),
                      field='lease_duration')
+        fence = store_pb2.Fence(submission_id='sub_x', attempt_id='att_x', epoch=1)
+        self.invalid(s.release, store_pb2.ReleaseRequest(fences=[fence]), field='owner_id')
+        self.invalid(s.release, store_pb2.ReleaseRequest(owner_id='o', fences=[fence] * 1001),
+                     field='fences')
+        self.invalid(s.release, store_pb2.ReleaseRequest(owner_id='o', fences=[
+            store_pb2.Fence(attempt_id='att_x', epoch=1)]), field='submission_id')
         self.invalid(s.list, store_pb2.ListRequest(page_size=-1), field='page_size')
         self.invalid(s.scan_expired, store_pb2.ScanExpiredRequest(page_size=-1), field='page_size')
         self.invalid(s.read, store_pb2.ReadRequest(conversation_id='c', page_size=-1),

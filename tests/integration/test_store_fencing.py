@@ -10,7 +10,7 @@ from cflue_harness import (
     ts_ms, error_reason, duration,
     FAILED_PRECONDITION, StoragedTestCase, common_pb2,
     admit, append, claim, claim_joinable, finalize_join, get, heartbeat, list_all,
-    mark_input_applied, read_all, record, requeue, revert_join, settle)
+    mark_input_applied, read_all, record, release, requeue, revert_join, settle)
 
 LEASE_MS = 300
 
@@ -141,6 +141,39 @@ class FencingTest(StoragedTestCase):
         recs = read_all(self.stub, 'fenced')
         self.assertEqual(len(recs), 1)
         self.assertEqual(recs[0].attempt_id, b.fence.attempt_id)
+
+    def test_a_released_lease_is_taken_over_at_once(self):
+        """Release ends the lease of a fence its owner holds: the next Claim (of any owner)
+        takes the submission over at once, as a new attempt, and the released attempt is
+        fenced off. Fences the owner does not hold (another owner's, a settled one's) are
+        reported lost and left alone."""
+        s = admit(self.stub, conv='released', text='host').submission
+        a = claim(self.stub, owner='owner-a', lease_ms=30000)
+        self.assertEqual(a.submission.submission_id, s.submission_id)
+        self.assertFalse(claim(self.stub, owner='owner-b').HasField('submission'),
+                         'a 30 s lease was taken over before it was released')
+        other = release(self.stub, 'owner-b', [a.fence])  # not owner-b's lease
+        self.assertEqual((list(other.released), list(other.lost)), ([], [s.submission_id]))
+        self.assertFalse(claim(self.stub, owner='owner-b').HasField('submission'))
+        r = release(self.stub, 'owner-a', [a.fence])
+        self.assertEqual((list(r.released), list(r.lost)), ([s.submission_id], []))
+        self.assertLess(ts_ms(get(self.stub, s.submission_id).lease_expire_time),
+                        time.time() * 1000)
+        b = claim(self.stub, owner='owner-b', lease_ms=30000)
+        self.assertEqual(b.submission.submission_id, s.submission_id)
+        self.assertTrue(b.takeover)
+        self.assertEqual(b.submission.attempt_count, 2)
+        self.assertGreater(b.fence.epoch, a.fence.epoch)
+        self.assertRpcError(STALE, append, self.stub, a.fence, [record(id_='late')])
+        # released again by its old owner: lost, and B's lease is untouched
+        again = release(self.stub, 'owner-a', [a.fence])
+        self.assertEqual((list(again.released), list(again.lost)), ([], [s.submission_id]))
+        self.assertGreater(ts_ms(get(self.stub, s.submission_id).lease_expire_time),
+                           time.time() * 1000 + 20000)
+        settle(self.stub, b.fence, common_pb2.OUTCOME_COMPLETED)
+        done = release(self.stub, 'owner-b', [b.fence])  # settled: nothing to hand back
+        self.assertEqual((list(done.released), list(done.lost)), ([], [s.submission_id]))
+        self.assertEqual(get(self.stub, s.submission_id).outcome, common_pb2.OUTCOME_COMPLETED)
 
 
 if __name__ == '__main__':
