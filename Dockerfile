@@ -37,6 +37,9 @@ RUN cmake -S /src -B /build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCFLUE_TESTS=OFF 
                    cat /build/dlopened-libraries) | sort -u); do \
       dpkg -S "$lib" 2>/dev/null || dpkg -S "$(realpath "$lib")"; \
     done | cut -d: -f1 | sort -u >/out/runtime-packages \
+ && for lib in $(cat /build/dlopened-libraries); do \
+      dpkg -S "$(realpath "$lib")" >/dev/null || { echo "no package holds $lib" >&2; exit 1; }; \
+    done \
  && echo "runtime packages: $(tr '\n' ' ' </out/runtime-packages)"
 
 FROM ${BASE}

@@ -22,7 +22,7 @@
  * Crash-only: all state is in storaged. With a stable --owner-id, a restarted agentd takes
  * back its own unfinished work at once (engine_reclaim_own) instead of waiting for the leases
  * to run out. A graceful stop hands back the leases of the drives it stopped
- * (engine_release_leases: Store.Release), so any agentd takes that work over at its next claim.
+ * (engine_release_leases: Store.Release), so any agentd takes that work over 5 s later.
  *
  * A drive that storaged or toold interrupted (drive.c) is not settled: its submission goes on
  * the resume list, and the claimer claims it again (own-owner reclaim of that one submission)
@@ -57,6 +57,10 @@ long long engine_max_drives = ENGINE_MAX_DRIVES_DEFAULT;
 #define CLAIM_POLL_MS 500       /* the claimer asks for work admitted elsewhere this often */
 #define FENCES_PER_CALL 1000    /* storaged's limit on the fences of one Heartbeat or Release */
 #define RELEASE_TIMEOUT_MS 2000 /* a Release at shutdown: past it the leases run out instead */
+/* A released lease lasts this much longer: a command the stop cancelled in toold is still
+ * being stopped (SIGTERM, 2 s of grace, SIGKILL) when agentd's side of its stream has ended,
+ * and the workspace must not see the next attempt's commands before it is gone. */
+#define RELEASE_AFTER_MS 5000
 
 static struct engine {
     pthread_mutex_t mu;
@@ -669,16 +673,17 @@ static bool heartbeat_some(const struct active *snap, int n)
 }
 
 /* heartbeat renews the leases of snap[0..n), FENCES_PER_CALL at a time (more drives than that
- * are in flight at once). Returns whether storaged answered every call. */
+ * are in flight at once). Returns whether storaged answered every call; it stops at the first
+ * it did not answer (the next tick renews them all again). */
 static bool heartbeat(const struct active *snap, int n)
 {
-    bool ok = true;
     for (int first = 0; first < n; first += FENCES_PER_CALL) {
-        ok = heartbeat_some(snap + first,
-                            n - first < FENCES_PER_CALL ? n - first : FENCES_PER_CALL) &&
-             ok;
+        if (!heartbeat_some(snap + first,
+                            n - first < FENCES_PER_CALL ? n - first : FENCES_PER_CALL)) {
+            return false;
+        }
     }
-    return ok;
+    return true;
 }
 
 /* poll_aborts asks storaged, in one List (a page per 1000 of them), which of this owner's
@@ -805,6 +810,8 @@ void engine_release_leases(void)
     size_t released = 0, lost = 0, failed = 0;
     Cflue__V1__Fence *fences = mem_alloc(sizeof(*fences) * FENCES_PER_CALL);
     Cflue__V1__Fence **ptrs = mem_alloc(sizeof(void *) * FENCES_PER_CALL);
+    Google__Protobuf__Duration after = GOOGLE__PROTOBUF__DURATION__INIT;
+    pbdur_set(&after, RELEASE_AFTER_MS);
     char q[600];
     for (size_t first = 0; first < eng.n_held; first += FENCES_PER_CALL) {
         int n = (int)(eng.n_held - first < FENCES_PER_CALL ? eng.n_held - first : FENCES_PER_CALL);
@@ -813,14 +820,17 @@ void engine_release_leases(void)
         rr.owner_id = (char *)g_agentd.owner_id;
         rr.fences = ptrs;
         rr.n_fences = (size_t)n;
+        rr.expire_after = &after;
         ProtobufCMessage *resp = NULL;
         struct cf_error err;
         if (store_call(g_agentd.store, "Release", &rr.base,
                        &cflue__v1__release_response__descriptor, RELEASE_TIMEOUT_MS, &resp,
                        &err) != CF_OK) {
-            failed += (size_t)n;
-            log_warn("leases_not_released", "n=%d err=%s", n, log_quote(q, sizeof(q), err.msg));
-            continue;
+            /* storaged does not answer: the next calls would wait as long; all run out */
+            failed = eng.n_held - first;
+            log_warn("leases_not_released", "n=%zu err=%s", failed,
+                     log_quote(q, sizeof(q), err.msg));
+            break;
         }
         Cflue__V1__ReleaseResponse *r = (Cflue__V1__ReleaseResponse *)resp;
         released += r->n_released;

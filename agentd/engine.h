@@ -36,9 +36,10 @@ void engine_stop(void);
 void engine_join(void);
 
 /* engine_release_leases (after engine_join) hands back to storaged, in Release calls, the
- * leases of the drives that the shutdown stopped, so that another agentd takes their work
- * over at its next claim instead of when the leases run out. A call that fails (storaged
- * down) is logged; those leases run out as before. */
+ * leases of the drives that the shutdown stopped: each ends 5 s later (the time toold takes to
+ * stop a cancelled command), so that another agentd takes the work over then instead of when
+ * the lease runs out. A call storaged does not answer (2 s) ends the hand-back, logged; those
+ * leases run out as before. */
 void engine_release_leases(void);
 
 /* engine_has_room: fewer than --max-drives drives are live and the engine is not stopping. */

@@ -1013,8 +1013,11 @@ enum cf_status ledger_heartbeat(struct ledger_ctx *c, const Cflue__V1__Heartbeat
 enum cf_status ledger_release(struct ledger_ctx *c, const Cflue__V1__ReleaseRequest *req,
                               Cflue__V1__ReleaseResponse *out, struct cf_error *err)
 {
-    /* ran out a millisecond ago: the next Claim takes it over (lease_expires_at < now) */
-    return set_leases(c, req->owner_id, req->fences, req->n_fences, c->now - 1, &out->released,
+    /* unset: ran out a millisecond ago, so the next Claim takes it over (lease_expires_at <
+     * now) */
+    int64_t after = req->expire_after ? pbdur_ms(req->expire_after) : 0;
+    int64_t until = after > 0 ? c->now + after : c->now - 1;
+    return set_leases(c, req->owner_id, req->fences, req->n_fences, until, &out->released,
                       &out->n_released, &out->lost, &out->n_lost, err);
 }
 

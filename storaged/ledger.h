@@ -86,9 +86,9 @@ CF_MUST_CHECK enum cf_status ledger_heartbeat(struct ledger_ctx *c,
                                               Cflue__V1__HeartbeatResponse *out,
                                               struct cf_error *err);
 
-/* ledger_release ends now the leases the owner still holds of req's fences (work it stopped
- * without settling): the next Claim takes each submission over. Fences it no longer holds are
- * reported lost and left alone. */
+/* ledger_release ends the leases the owner still holds of req's fences (work it stopped
+ * without settling) after req's expire_after (unset: now): the next Claim after that takes
+ * each submission over. Fences it no longer holds are reported lost and left alone. */
 CF_MUST_CHECK enum cf_status ledger_release(struct ledger_ctx *c,
                                             const Cflue__V1__ReleaseRequest *req,
                                             Cflue__V1__ReleaseResponse *out, struct cf_error *err);

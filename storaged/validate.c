@@ -373,7 +373,8 @@ enum cf_status validate_heartbeat(const Cflue__V1__HeartbeatRequest *r, struct c
 
 enum cf_status validate_release(const Cflue__V1__ReleaseRequest *r, struct cf_error *err)
 {
-    return owner_fences(r->owner_id, r->fences, r->n_fences, "release", err);
+    enum cf_status rc = pbdur_check(r->expire_after, "expire_after", VALIDATE_LEASE_MAX_MS, err);
+    return rc != CF_OK ? rc : owner_fences(r->owner_id, r->fences, r->n_fences, "release", err);
 }
 
 /* input_budgets checks what a MarkInputApplied installs (field names are prefixed with at). */

@@ -695,8 +695,11 @@ def heartbeat(stub, owner, fences, lease_ms=30000):
     return stub.heartbeat(req)
 
 
-def release(stub, owner, fences):
-    return stub.release(store_pb2.ReleaseRequest(owner_id=owner, fences=fences))
+def release(stub, owner, fences, expire_after_ms=0):
+    req = store_pb2.ReleaseRequest(owner_id=owner, fences=fences)
+    if expire_after_ms:
+        req.expire_after.CopyFrom(duration(expire_after_ms))
+    return stub.release(req)
 
 
 def scan_expired(stub, limit=0):

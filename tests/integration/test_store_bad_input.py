@@ -122,6 +122,8 @@ class BadInputTest(StoragedTestCase):
                      field='fences')
         self.invalid(s.release, store_pb2.ReleaseRequest(owner_id='o', fences=[
             store_pb2.Fence(attempt_id='att_x', epoch=1)]), field='submission_id')
+        self.invalid(s.release, store_pb2.ReleaseRequest(
+            owner_id='o', fences=[fence], expire_after=duration(3600001)), field='expire_after')
         self.invalid(s.list, store_pb2.ListRequest(page_size=-1), field='page_size')
         self.invalid(s.scan_expired, store_pb2.ScanExpiredRequest(page_size=-1), field='page_size')
         self.invalid(s.read, store_pb2.ReadRequest(conversation_id='c', page_size=-1),

@@ -170,8 +170,18 @@ class FencingTest(StoragedTestCase):
         self.assertEqual((list(again.released), list(again.lost)), ([], [s.submission_id]))
         self.assertGreater(ts_ms(get(self.stub, s.submission_id).lease_expire_time),
                            time.time() * 1000 + 20000)
+        # released to end 1.5 s later: not claimable before then, claimable after
+        later = release(self.stub, 'owner-b', [b.fence], expire_after_ms=1500)
+        self.assertEqual(list(later.released), [s.submission_id])
+        self.assertFalse(claim(self.stub, owner='owner-c').HasField('submission'),
+                         'a lease released to end in 1.5 s was taken over at once')
+        time.sleep(1.7)
+        c = claim(self.stub, owner='owner-c', lease_ms=30000)
+        self.assertEqual(c.submission.submission_id, s.submission_id)
+        self.assertEqual(c.submission.attempt_count, 3)
+        b = c
         settle(self.stub, b.fence, common_pb2.OUTCOME_COMPLETED)
-        done = release(self.stub, 'owner-b', [b.fence])  # settled: nothing to hand back
+        done = release(self.stub, 'owner-c', [b.fence])  # settled: nothing to hand back
         self.assertEqual((list(done.released), list(done.lost)), ([], [s.submission_id]))
         self.assertEqual(get(self.stub, s.submission_id).outcome, common_pb2.OUTCOME_COMPLETED)
 
