@@ -75,6 +75,9 @@ struct tool_lane {
     const char *server;          /* the address the calls went to ("mcp:<name>": an MCP call) */
     const struct agent_mcp *mcp; /* an MCP server's tools/call of calls[0] (op), not a stream */
     struct mcp_op *op;
+    struct tool_lane *after;    /* the same server's batch before this one: this one opens when
+                                 * that one is over (a batch holds at most BATCH_CALLS_MAX) */
+    bool opened;                /* its stream (or MCP call) was started */
     Cflue__V1__ToolCall *calls; /* the calls sent, and for each: */
     Cflue__V1__ToolCall **ptrs;
     Google__Protobuf__Duration *limits;
@@ -83,7 +86,8 @@ struct tool_lane {
     size_t m;
 };
 
-/* The tool calls of a turn in flight for a parked drive: one lane per server (tool_batch.c). */
+/* The tool calls of a turn in flight for a parked drive: one lane per server and batch of
+ * calls (tool_batch.c). */
 struct tool_wait {
     struct tool_lane **lanes;
     size_t n;

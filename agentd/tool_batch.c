@@ -35,6 +35,7 @@
 #include <string.h>
 
 #define TOOLS_TIMEOUT_MS 10000 /* Tools.List */
+#define BATCH_CALLS_MAX 64     /* calls in one ExecuteBatch (tools.proto) */
 
 #define CUSTOM_CALL_MS 600000 /* an own tool server's call with no time limit: 10 min */
 
@@ -384,8 +385,10 @@ static void lane_add(struct tool_lane *l, const Cflue__V1__ToolCall *c, int inde
     l->m++;
 }
 
-/* lane_for: the batch lane of this turn for the server at addr, made when new; an own tool
- * server known to have no ExecuteBatch gets a new single-call lane each time. */
+/* lane_for: the batch lane of this turn for the server at addr, made when new or when the last
+ * one holds BATCH_CALLS_MAX calls (the next batch opens when that one is over, so same-path
+ * calls keep the answer's order); an own tool server known to have no ExecuteBatch gets a new
+ * single-call lane each time. */
 static struct tool_lane *lane_for(struct drive *d, const char *addr, size_t cap)
 {
     const struct agent_mcp *m = servers_mcp(d, addr);
@@ -395,12 +398,22 @@ static struct tool_lane *lane_for(struct drive *d, const char *addr, size_t cap)
         return l;
     }
     bool single = own_server(d, addr) && no_batch(addr, false);
+    struct tool_lane *last = NULL;
     for (size_t i = 0; i < d->tw.n && !single; i++) {
         if (!d->tw.lanes[i]->single && !strcmp(d->tw.lanes[i]->server, addr)) {
-            return d->tw.lanes[i];
+            last = d->tw.lanes[i];
         }
     }
-    return lane_new(d, addr, single ? 1 : cap, single);
+    if (last && last->m < BATCH_CALLS_MAX) {
+        return last;
+    }
+    struct tool_lane *l = lane_new(d, addr,
+                                   single                  ? 1
+                                   : cap < BATCH_CALLS_MAX ? cap
+                                                           : BATCH_CALLS_MAX,
+                                   single);
+    l->after = last;
+    return l;
 }
 
 /* prepare sorts the answer's calls into lanes, one per server; a call naming no tool of the
@@ -465,6 +478,7 @@ static const struct rpc_astream_ops lane_ops = {.on_message = on_result, .on_end
 static void lane_open(struct tool_lane *l)
 {
     struct drive *d = l->d;
+    l->opened = true;
     struct rpc_channel *ch = l->mcp ? NULL : tools_channel_at(l->server);
     if (!ch && !l->mcp) {
         l->ended = l->released = true; /* no stream: the lane ends at once */
@@ -505,7 +519,9 @@ bool tools_start(struct drive *d, const struct llm_response *resp)
     }
     w->running = true;
     for (size_t i = 0; i < w->n; i++) {
-        lane_open(w->lanes[i]);
+        if (!w->lanes[i]->after) {
+            lane_open(w->lanes[i]);
+        }
     }
     return true;
 }
@@ -661,12 +677,31 @@ static bool lane_poll(struct drive *d, struct tool_lane *l)
     return true;
 }
 
+/* lane_waits opens a lane not yet opened once the batch before it is over; true while it
+ * still waits. A drive that stops opens no more: such a lane is over, its calls never run. */
+static bool lane_waits(struct drive *d, struct tool_lane *l)
+{
+    if (l->opened) {
+        return false;
+    }
+    if (l->after && !l->after->over) {
+        return true;
+    }
+    if (drive_halted(d) || d->fault.code != CF_OK) {
+        l->over = true;
+        return false;
+    }
+    lane_open(l);
+    return false;
+}
+
 bool tools_poll(struct drive *d)
 {
     struct tool_wait *w = &d->tw;
     bool over = true;
     for (size_t i = 0; i < w->n; i++) { /* a lane split adds lanes: they are polled too */
-        if (!w->lanes[i]->over && !lane_poll(d, w->lanes[i])) {
+        struct tool_lane *l = w->lanes[i];
+        if (lane_waits(d, l) || (!l->over && !lane_poll(d, l))) {
             over = false;
         }
     }

@@ -684,6 +684,28 @@ class TestAgentdNoStream(AgentdCase, RunMixin):
 # 3 + 4: joins and aborts
 # ---------------------------------------------------------------------------------------------
 
+class TestAgentdLargeBatch(AgentdCase):
+
+    def test_an_answer_with_more_calls_than_a_batch_holds_runs_them_all_in_order(self):
+        """A batch holds at most 64 calls (tools.proto): an answer with 70 runs in two batches,
+        the second once the first is over, so every call runs and calls on one path keep the
+        answer's order (the last write wins)."""
+        conv = new_conv('batch')
+        ws = self.workspace(conv)
+        calls = [{'name': 'write', 'arguments': {'path': 'same.txt', 'content': 'write %d\n' % i}}
+                 for i in range(70)]
+        self.fm.set_scenario([{'tool_calls': calls}, {'text': 'all written'}])
+        sid = self.ad.submit('runner-anthropic', 'write it 70 times', conversation_id=conv)
+        sub = self.wait_settled(sid.submission_id, timeout=60)
+        self.assertEqual(sub.outcome, common_pb2.OUTCOME_COMPLETED, sub)
+        results = [body(r) for r in self.records(conv) if kind(r) == 'tool_result']
+        self.assertEqual(sorted(r.index for r in results), list(range(70)))
+        errors = [(r.index, r.text) for r in results if r.is_error]
+        self.assertEqual(errors, [])
+        with open(os.path.join(ws, 'same.txt')) as f:
+            self.assertEqual(f.read(), 'write 69\n')
+
+
 class TestAgentdJoinsAndAbort(AgentdCase):
 
     def start_host_with_tool(self, scenario, tag):
