@@ -401,6 +401,8 @@ enum cf_status dstore_defer_one(struct drive *d, const char *id, const char *sub
 /* The bytes of records one Append (or Settle) carries: within storaged's default 16 MiB message
  * limit, and above its bound on one record, so that any record goes. */
 #define DSTORE_APPEND_BYTES_MAX (8 << 20)
+/* records in one Append or Settle: storaged's limit */
+#define DSTORE_APPEND_RECORDS_MAX 1000
 /* dstore_flush appends the pending records under the fence (in one Append, or in several
  * of at most DSTORE_APPEND_BYTES_MAX each), stamping the input
  * applied when d->mark_pending (taking the time limit storaged installed); acknowledged, they

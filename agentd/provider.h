@@ -23,6 +23,9 @@
 
 #define PROVIDER_RESPONSE_MAX (16 << 20)
 #define PROVIDER_TEXT_MAX (4 << 20)
+/* A streamed answer's content blocks (Anthropic) or tool calls (OpenAI) at most: an index
+ * past it is refused as a bad answer, never dropped */
+#define PROVIDER_STREAM_PARTS_MAX 4096
 
 struct llm_tool {
     const char *name;

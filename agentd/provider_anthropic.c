@@ -144,9 +144,12 @@ enum cf_status anthropic_parse_body(const char *body, size_t len, struct llm_res
     return CF_OK;
 }
 
+/* The blocks of a streamed answer, by index (grown as they come, up to
+ * PROVIDER_STREAM_PARTS_MAX). */
 struct astream {
-    int block_type[256]; /* 1 text, 2 tool_use */
-    int call_index[256];
+    int *block_type; /* 1 text, 2 tool_use */
+    int *call_index;
+    size_t cap;
     struct buf args; /* partial_json of the open tool_use block */
 };
 
@@ -162,8 +165,30 @@ void anthropic_stream_free(void *state)
     struct astream *s = state;
     if (s) {
         buf_cleanup(&s->args);
+        free(s->block_type);
+        free(s->call_index);
         free(s);
     }
+}
+
+/* block_room makes room for block i: false when i is no index a stream may use. */
+static bool block_room(struct astream *s, int i)
+{
+    if (i < 0 || i >= PROVIDER_STREAM_PARTS_MAX) {
+        return false;
+    }
+    if ((size_t)i >= s->cap) {
+        size_t cap = s->cap ? s->cap : 16;
+        while (cap <= (size_t)i) {
+            cap *= 2;
+        }
+        s->block_type = mem_realloc(s->block_type, sizeof(int) * cap);
+        s->call_index = mem_realloc(s->call_index, sizeof(int) * cap);
+        memset(s->block_type + s->cap, 0, sizeof(int) * (cap - s->cap));
+        memset(s->call_index + s->cap, 0, sizeof(int) * (cap - s->cap));
+        s->cap = cap;
+    }
+    return true;
 }
 
 enum cf_status anthropic_parse_event(void *state, const char *event, const char *data,
@@ -181,10 +206,15 @@ enum cf_status anthropic_parse_event(void *state, const char *event, const char 
         type = event;
     }
     json_t *idx = json_object_get(j, "index");
-    int i = json_is_integer(idx) ? (int)json_integer_value(idx) : -1;
-    if (!strcmp(type, "message_start")) {
+    json_int_t at = json_is_integer(idx) ? json_integer_value(idx) : -1;
+    int i = at >= 0 && at < PROVIDER_STREAM_PARTS_MAX ? (int)at : -1;
+    if (!strncmp(type, "content_block_", 14) && !block_room(s, i)) {
+        rc = cf_error_set(err, CF_INVALID,
+                          "the Anthropic stream sent content block %lld; at most %d are taken",
+                          (long long)at, PROVIDER_STREAM_PARTS_MAX);
+    } else if (!strcmp(type, "message_start")) {
         usage_from(json_object_get(json_object_get(j, "message"), "usage"), out);
-    } else if (!strcmp(type, "content_block_start") && i >= 0 && i < 256) {
+    } else if (!strcmp(type, "content_block_start")) {
         json_t *b = json_object_get(j, "content_block");
         const char *bt = json_string_value(json_object_get(b, "type"));
         if (bt && !strcmp(bt, "tool_use")) {
@@ -196,7 +226,7 @@ enum cf_status anthropic_parse_event(void *state, const char *event, const char 
         } else {
             s->block_type[i] = 1;
         }
-    } else if (!strcmp(type, "content_block_delta") && i >= 0 && i < 256) {
+    } else if (!strcmp(type, "content_block_delta")) {
         json_t *d = json_object_get(j, "delta");
         const char *dt = json_string_value(json_object_get(d, "type"));
         if (dt && !strcmp(dt, "text_delta")) {
@@ -204,7 +234,7 @@ enum cf_status anthropic_parse_event(void *state, const char *event, const char 
         } else if (dt && !strcmp(dt, "input_json_delta")) {
             rc = llm_args_delta(&s->args, json_object_get(d, "partial_json"), err);
         }
-    } else if (!strcmp(type, "content_block_stop") && i >= 0 && i < 256) {
+    } else if (!strcmp(type, "content_block_stop")) {
         if (s->block_type[i] == 2 && s->args.len) {
             struct llm_call *c = &out->calls[s->call_index[i]];
             free(c->arguments_json);

@@ -165,17 +165,18 @@ enum cf_status openai_parse_body(const char *body, size_t len, struct llm_respon
     return CF_OK;
 }
 
+/* The argument pieces of a streamed answer's tool calls, by index (grown as they come, up to
+ * PROVIDER_STREAM_PARTS_MAX). */
 struct ostream {
-    struct buf args[64];
+    struct buf *args;
+    size_t n_args;
     bool done;
 };
 
 void *openai_stream_new(void)
 {
     struct ostream *s = mem_alloc(sizeof(*s));
-    for (int i = 0; i < 64; i++) {
-        buf_init(&s->args[i], PROVIDER_RESPONSE_MAX);
-    }
+    memset(s, 0, sizeof(*s));
     return s;
 }
 
@@ -183,17 +184,31 @@ void openai_stream_free(void *state)
 {
     struct ostream *s = state;
     if (s) {
-        for (int i = 0; i < 64; i++) {
+        for (size_t i = 0; i < s->n_args; i++) {
             buf_cleanup(&s->args[i]);
         }
+        free(s->args);
         free(s);
     }
+}
+
+/* args_of: the pieces of call idx (< PROVIDER_STREAM_PARTS_MAX), made when new. */
+static struct buf *args_of(struct ostream *s, size_t idx)
+{
+    if (idx >= s->n_args) {
+        s->args = mem_realloc(s->args, sizeof(*s->args) * (idx + 1));
+        for (size_t i = s->n_args; i <= idx; i++) {
+            buf_init(&s->args[i], PROVIDER_RESPONSE_MAX);
+        }
+        s->n_args = idx + 1;
+    }
+    return &s->args[idx];
 }
 
 /* flush_args moves the accumulated argument pieces into the calls. */
 static void flush_args(struct ostream *s, struct llm_response *out)
 {
-    for (size_t i = 0; i < out->n_calls && i < 64; i++) {
+    for (size_t i = 0; i < out->n_calls && i < s->n_args; i++) {
         free(out->calls[i].arguments_json);
         out->calls[i].arguments_json = mem_strdup(s->args[i].len ? buf_cstr(&s->args[i]) : "{}");
     }
@@ -235,8 +250,9 @@ enum cf_status openai_parse_event(void *state, const char *event, const char *da
     {
         json_t *jidx = json_object_get(tc, "index");
         size_t idx = json_is_integer(jidx) ? (size_t)json_integer_value(jidx) : i;
-        if (idx >= 64) {
-            rc = cf_error_set(err, CF_INVALID, "the model made more than 64 tool calls");
+        if (idx >= PROVIDER_STREAM_PARTS_MAX) {
+            rc = cf_error_set(err, CF_INVALID, "the model made more than %d tool calls",
+                              PROVIDER_STREAM_PARTS_MAX);
             break;
         }
         json_t *f = json_object_get(tc, "function");
@@ -253,7 +269,7 @@ enum cf_status openai_parse_event(void *state, const char *event, const char *da
             free(out->calls[idx].name);
             out->calls[idx].name = mem_strdup(name);
         }
-        enum cf_status arc = llm_args_delta(&s->args[idx], json_object_get(f, "arguments"), err);
+        enum cf_status arc = llm_args_delta(args_of(s, idx), json_object_get(f, "arguments"), err);
         if (arc != CF_OK) {
             rc = arc;
         }

@@ -687,23 +687,26 @@ class TestAgentdNoStream(AgentdCase, RunMixin):
 class TestAgentdLargeBatch(AgentdCase):
 
     def test_an_answer_with_more_calls_than_a_batch_holds_runs_them_all_in_order(self):
-        """A batch holds at most 64 calls (tools.proto): an answer with 70 runs in two batches,
-        the second once the first is over, so every call runs and calls on one path keep the
-        answer's order (the last write wins)."""
+        """A streamed answer with 1001 tool calls keeps them all (the Anthropic stream's blocks
+        are not capped at a small table), and a batch holds at most 64 calls (tools.proto): they
+        run in batches of 64, each once the one before it is over, so every call runs and calls
+        on one path keep the answer's order (the last write wins)."""
+        n = 1001
         conv = new_conv('batch')
         ws = self.workspace(conv)
         calls = [{'name': 'write', 'arguments': {'path': 'same.txt', 'content': 'write %d\n' % i}}
-                 for i in range(70)]
+                 for i in range(n)]
         self.fm.set_scenario([{'tool_calls': calls}, {'text': 'all written'}])
-        sid = self.ad.submit('runner-anthropic', 'write it 70 times', conversation_id=conv)
-        sub = self.wait_settled(sid.submission_id, timeout=60)
+        sid = self.ad.submit('runner-anthropic', 'write it %d times' % n, conversation_id=conv)
+        sub = self.wait_settled(sid.submission_id, timeout=120)
         self.assertEqual(sub.outcome, common_pb2.OUTCOME_COMPLETED, sub)
+        self.assertEqual(sub.attempt_count, 1)
         results = [body(r) for r in self.records(conv) if kind(r) == 'tool_result']
-        self.assertEqual(sorted(r.index for r in results), list(range(70)))
+        self.assertEqual(sorted(r.index for r in results), list(range(n)))
         errors = [(r.index, r.text) for r in results if r.is_error]
         self.assertEqual(errors, [])
         with open(os.path.join(ws, 'same.txt')) as f:
-            self.assertEqual(f.read(), 'write 69\n')
+            self.assertEqual(f.read(), 'write %d\n' % (n - 1))
 
 
 class TestAgentdJoinsAndAbort(AgentdCase):

@@ -322,6 +322,65 @@ static void test_openai_stream(void)
     llm_response_cleanup(&r);
 }
 
+/* A streamed answer with more blocks or calls than a small table holds keeps every one; an
+ * index past PROVIDER_STREAM_PARTS_MAX is refused, not dropped. */
+static void test_streams_with_many_calls(void)
+{
+    enum { N = 300 };
+    char ev[300];
+    struct llm_response r;
+    struct cf_error err;
+    llm_response_init(&r);
+    void *st = anthropic_stream_new();
+    for (int i = 0; i < N; i++) {
+        snprintf(ev, sizeof(ev),
+                 "{\"type\":\"content_block_start\",\"index\":%d,\"content_block\":{\"type\":"
+                 "\"tool_use\",\"id\":\"toolu_%d\",\"name\":\"read\",\"input\":{}}}",
+                 i, i);
+        CHECK(anthropic_parse_event(st, "content_block_start", ev, NULL, &r, &err) == CF_OK);
+        snprintf(ev, sizeof(ev),
+                 "{\"type\":\"content_block_delta\",\"index\":%d,\"delta\":{\"type\":"
+                 "\"input_json_delta\",\"partial_json\":\"{\\\"path\\\":\\\"%d\\\"}\"}}",
+                 i, i);
+        CHECK(anthropic_parse_event(st, "content_block_delta", ev, NULL, &r, &err) == CF_OK);
+        snprintf(ev, sizeof(ev), "{\"type\":\"content_block_stop\",\"index\":%d}", i);
+        CHECK(anthropic_parse_event(st, "content_block_stop", ev, NULL, &r, &err) == CF_OK);
+    }
+    CHECK(r.n_calls == N);
+    CHECK_STR(r.calls[N - 1].id, "toolu_299");
+    CHECK_STR(r.calls[N - 1].arguments_json, "{\"path\":\"299\"}");
+    snprintf(ev, sizeof(ev), "{\"type\":\"content_block_stop\",\"index\":%d}",
+             PROVIDER_STREAM_PARTS_MAX);
+    CHECK(anthropic_parse_event(st, "content_block_stop", ev, NULL, &r, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "content block 4096") != NULL);
+    CHECK(anthropic_parse_event(st, "content_block_stop", "{\"type\":\"content_block_stop\"}", NULL,
+                                &r, &err) == CF_INVALID);
+    anthropic_stream_free(st);
+    llm_response_cleanup(&r);
+
+    llm_response_init(&r);
+    st = openai_stream_new();
+    for (int i = 0; i < N; i++) {
+        snprintf(ev, sizeof(ev),
+                 "{\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":%d,"
+                 "\"id\":\"call_%d\",\"type\":\"function\",\"function\":{\"name\":\"read\","
+                 "\"arguments\":\"{\\\"path\\\":\\\"%d\\\"}\"}}]}}]}",
+                 i, i, i);
+        CHECK(openai_parse_event(st, "", ev, NULL, &r, &err) == CF_OK);
+    }
+    CHECK(openai_parse_event(st, "", "[DONE]", NULL, &r, &err) == CF_OK);
+    CHECK(r.n_calls == N);
+    CHECK_STR(r.calls[N - 1].id, "call_299");
+    CHECK_STR(r.calls[N - 1].arguments_json, "{\"path\":\"299\"}");
+    snprintf(ev, sizeof(ev),
+             "{\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":%d,"
+             "\"function\":{\"arguments\":\"{}\"}}]}}]}",
+             PROVIDER_STREAM_PARTS_MAX);
+    CHECK(openai_parse_event(st, "", ev, NULL, &r, &err) == CF_INVALID);
+    openai_stream_free(st);
+    llm_response_cleanup(&r);
+}
+
 static void test_build(void)
 {
     struct llm_call call = {"toolu_1", "bash", "{\"command\":\"ls\"}"};
@@ -727,6 +786,7 @@ int main(void)
     test_sse();
     test_anthropic_stream();
     test_openai_stream();
+    test_streams_with_many_calls();
     test_build();
     test_build_result_images();
     test_record_log();
