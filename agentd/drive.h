@@ -16,6 +16,7 @@
 #include "context.h"
 #include "engine_queue.h"
 #include "mcp.h"
+#include "proto_limits.h"
 #include "record_log.h"
 #include "skills.h"
 #include "trace.h"
@@ -76,7 +77,7 @@ struct tool_lane {
     const struct agent_mcp *mcp; /* an MCP server's tools/call of calls[0] (op), not a stream */
     struct mcp_op *op;
     struct tool_lane *after;    /* the same server's batch before this one: this one opens when
-                                 * that one is over (a batch holds at most BATCH_CALLS_MAX) */
+                                 * that one is over (a batch holds at most PROTO_BATCH_CALLS_MAX) */
     bool opened;                /* its stream (or MCP call) was started */
     Cflue__V1__ToolCall *calls; /* the calls sent, and for each: */
     Cflue__V1__ToolCall **ptrs;
@@ -401,8 +402,6 @@ enum cf_status dstore_defer_one(struct drive *d, const char *id, const char *sub
 /* The bytes of records one Append (or Settle) carries: within storaged's default 16 MiB message
  * limit, and above its bound on one record, so that any record goes. */
 #define DSTORE_APPEND_BYTES_MAX (8 << 20)
-/* records in one Append or Settle: storaged's limit */
-#define DSTORE_APPEND_RECORDS_MAX 1000
 /* dstore_flush appends the pending records under the fence (in one Append, or in several
  * of at most DSTORE_APPEND_BYTES_MAX each), stamping the input
  * applied when d->mark_pending (taking the time limit storaged installed); acknowledged, they

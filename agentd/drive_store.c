@@ -188,7 +188,7 @@ static enum cf_status mark_applied(struct drive *d, Cflue__V1__MarkInputAppliedR
 }
 
 /* append_request fills req (and mark, limit: the caller's) with the pending records (at most
- * max and DSTORE_APPEND_RECORDS_MAX of them, and DSTORE_APPEND_BYTES_MAX of bytes unless one
+ * max and PROTO_RECORDS_MAX of them, and DSTORE_APPEND_BYTES_MAX of bytes unless one
  * record alone is more) under the
  * fence, stamping the input applied when d->mark_pending; returns how
  * many records it carries. */
@@ -199,7 +199,7 @@ static size_t append_request(struct drive *d, Cflue__V1__AppendRequest *req,
     size_t n;
     Cflue__V1__Record **recs = rlog_pending(&d->log, &n);
     n = n < max ? n : max;
-    n = n < DSTORE_APPEND_RECORDS_MAX ? n : DSTORE_APPEND_RECORDS_MAX;
+    n = n < PROTO_RECORDS_MAX ? n : PROTO_RECORDS_MAX;
     if (d->log.pending_bytes > DSTORE_APPEND_BYTES_MAX) {
         /* large results (images, long outputs) go in several Appends, each within storaged's
          * message limit; one record alone always goes (storaged bounds each record) */

@@ -45,6 +45,7 @@
 #include "log.h"
 #include "mem.h"
 #include "pbtime.h"
+#include "proto_limits.h"
 #include "thread.h"
 
 #include <stddef.h>
@@ -55,7 +56,6 @@
 long long engine_max_drives = ENGINE_MAX_DRIVES_DEFAULT;
 
 #define CLAIM_POLL_MS 500       /* the claimer asks for work admitted elsewhere this often */
-#define FENCES_PER_CALL 1000    /* storaged's limit on the fences of one Heartbeat or Release */
 #define RELEASE_TIMEOUT_MS 2000 /* a Release at shutdown: past it the leases run out instead */
 /* A released lease lasts this much longer: a command the stop cancelled in toold is still
  * being stopped (SIGTERM, 2 s of grace, SIGKILL) when agentd's side of its stream has ended,
@@ -608,35 +608,36 @@ static void *claimer_main(void *arg)
 
 /* ---------- heartbeats and abort polling ---------- */
 
-/* fences_of fills fences[0..n) (and ptrs, pointing at them) with the fences of slots[0..n). */
-static void fences_of(const struct active *slots, int n, Cflue__V1__Fence *fences,
-                      Cflue__V1__Fence **ptrs)
+/* fences_of fills fences (and ptrs, pointing at them) with the fences of one call's share of
+ * slots[first..n): at most PROTO_FENCES_MAX of them; returns how many. */
+static size_t fences_of(const struct active *slots, size_t n, size_t first,
+                        Cflue__V1__Fence *fences, Cflue__V1__Fence **ptrs)
 {
-    for (int i = 0; i < n; i++) {
+    size_t k = n - first < PROTO_FENCES_MAX ? n - first : PROTO_FENCES_MAX;
+    for (size_t i = 0; i < k; i++) {
+        const struct active *a = &slots[first + i];
         cflue__v1__fence__init(&fences[i]);
-        fences[i].submission_id = (char *)slots[i].submission_id;
-        fences[i].attempt_id = (char *)slots[i].attempt_id;
-        fences[i].epoch = slots[i].epoch;
+        fences[i].submission_id = (char *)a->submission_id;
+        fences[i].attempt_id = (char *)a->attempt_id;
+        fences[i].epoch = a->epoch;
         ptrs[i] = &fences[i];
     }
+    return k;
 }
 
-/* heartbeat_some renews the leases of snap[0..n) (at most FENCES_PER_CALL) in one call; lost
+/* heartbeat_some renews the leases of ptrs[0..n) (at most PROTO_FENCES_MAX) in one call; lost
  * ones are marked, their model calls cancelled and their drives posted. Returns whether
  * storaged answered. */
-static bool heartbeat_some(const struct active *snap, int n)
+static bool heartbeat_some(Cflue__V1__Fence **ptrs, size_t n)
 {
     struct cf_error err;
     Cflue__V1__HeartbeatRequest hb = CFLUE__V1__HEARTBEAT_REQUEST__INIT;
-    Cflue__V1__Fence *fences = mem_alloc(sizeof(*fences) * (size_t)n);
-    Cflue__V1__Fence **ptrs = mem_alloc(sizeof(void *) * (size_t)n);
-    fences_of(snap, n, fences, ptrs);
     hb.owner_id = (char *)g_agentd.owner_id;
     Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
     pbdur_set(&lease, g_agentd.lease_ms);
     hb.lease_duration = &lease;
     hb.fences = ptrs;
-    hb.n_fences = (size_t)n;
+    hb.n_fences = n;
     ProtobufCMessage *resp = NULL;
     bool ok = store_call(g_agentd.store, "Heartbeat", &hb.base,
                          &cflue__v1__heartbeat_response__descriptor, 10000, &resp, &err) == CF_OK;
@@ -667,23 +668,24 @@ static bool heartbeat_some(const struct active *snap, int n)
         }
         protobuf_c_message_free_unpacked(resp, NULL);
     }
-    free(fences);
-    free(ptrs);
     return ok;
 }
 
-/* heartbeat renews the leases of snap[0..n), FENCES_PER_CALL at a time (more drives than that
+/* heartbeat renews the leases of snap[0..n), PROTO_FENCES_MAX at a time (more drives than that
  * are in flight at once). Returns whether storaged answered every call; it stops at the first
  * it did not answer (the next tick renews them all again). */
 static bool heartbeat(const struct active *snap, int n)
 {
-    for (int first = 0; first < n; first += FENCES_PER_CALL) {
-        if (!heartbeat_some(snap + first,
-                            n - first < FENCES_PER_CALL ? n - first : FENCES_PER_CALL)) {
-            return false;
-        }
+    Cflue__V1__Fence *fences = mem_alloc(sizeof(*fences) * PROTO_FENCES_MAX);
+    Cflue__V1__Fence **ptrs = mem_alloc(sizeof(void *) * PROTO_FENCES_MAX);
+    bool ok = true;
+    for (size_t first = 0, k; ok && first < (size_t)n; first += k) {
+        k = fences_of(snap, (size_t)n, first, fences, ptrs);
+        ok = heartbeat_some(ptrs, k);
     }
-    return true;
+    free(fences);
+    free(ptrs);
+    return ok;
 }
 
 /* poll_aborts asks storaged, in one List (a page per 1000 of them), which of this owner's
@@ -808,18 +810,17 @@ bool engine_start(const struct daemon *d, long long workers)
 void engine_release_leases(void)
 {
     size_t released = 0, lost = 0, failed = 0;
-    Cflue__V1__Fence *fences = mem_alloc(sizeof(*fences) * FENCES_PER_CALL);
-    Cflue__V1__Fence **ptrs = mem_alloc(sizeof(void *) * FENCES_PER_CALL);
+    Cflue__V1__Fence *fences = mem_alloc(sizeof(*fences) * PROTO_FENCES_MAX);
+    Cflue__V1__Fence **ptrs = mem_alloc(sizeof(void *) * PROTO_FENCES_MAX);
     Google__Protobuf__Duration after = GOOGLE__PROTOBUF__DURATION__INIT;
     pbdur_set(&after, RELEASE_AFTER_MS);
     char q[600];
-    for (size_t first = 0; first < eng.n_held; first += FENCES_PER_CALL) {
-        int n = (int)(eng.n_held - first < FENCES_PER_CALL ? eng.n_held - first : FENCES_PER_CALL);
+    for (size_t first = 0, n; first < eng.n_held; first += n) {
         Cflue__V1__ReleaseRequest rr = CFLUE__V1__RELEASE_REQUEST__INIT;
-        fences_of(eng.held + first, n, fences, ptrs);
+        n = fences_of(eng.held, eng.n_held, first, fences, ptrs);
         rr.owner_id = (char *)g_agentd.owner_id;
         rr.fences = ptrs;
-        rr.n_fences = (size_t)n;
+        rr.n_fences = n;
         rr.expire_after = &after;
         ProtobufCMessage *resp = NULL;
         struct cf_error err;

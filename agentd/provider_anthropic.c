@@ -147,8 +147,10 @@ enum cf_status anthropic_parse_body(const char *body, size_t len, struct llm_res
 /* The blocks of a streamed answer, by index (grown as they come, up to
  * PROVIDER_STREAM_PARTS_MAX). */
 struct astream {
-    int *block_type; /* 1 text, 2 tool_use */
-    int *call_index;
+    struct ablock {
+        int type; /* 1 text, 2 tool_use */
+        int call; /* a tool_use block's index in the answer's calls */
+    } * blocks;
     size_t cap;
     struct buf args; /* partial_json of the open tool_use block */
 };
@@ -165,8 +167,7 @@ void anthropic_stream_free(void *state)
     struct astream *s = state;
     if (s) {
         buf_cleanup(&s->args);
-        free(s->block_type);
-        free(s->call_index);
+        free(s->blocks);
         free(s);
     }
 }
@@ -182,10 +183,8 @@ static bool block_room(struct astream *s, int i)
         while (cap <= (size_t)i) {
             cap *= 2;
         }
-        s->block_type = mem_realloc(s->block_type, sizeof(int) * cap);
-        s->call_index = mem_realloc(s->call_index, sizeof(int) * cap);
-        memset(s->block_type + s->cap, 0, sizeof(int) * (cap - s->cap));
-        memset(s->call_index + s->cap, 0, sizeof(int) * (cap - s->cap));
+        s->blocks = mem_realloc(s->blocks, sizeof(*s->blocks) * cap);
+        memset(s->blocks + s->cap, 0, sizeof(*s->blocks) * (cap - s->cap));
         s->cap = cap;
     }
     return true;
@@ -218,13 +217,13 @@ enum cf_status anthropic_parse_event(void *state, const char *event, const char 
         json_t *b = json_object_get(j, "content_block");
         const char *bt = json_string_value(json_object_get(b, "type"));
         if (bt && !strcmp(bt, "tool_use")) {
-            s->block_type[i] = 2;
-            s->call_index[i] = (int)out->n_calls;
+            s->blocks[i].type = 2;
+            s->blocks[i].call = (int)out->n_calls;
             llm_add_call(out, json_string_value(json_object_get(b, "id")),
                          json_string_value(json_object_get(b, "name")), "{}");
             buf_reset(&s->args);
         } else {
-            s->block_type[i] = 1;
+            s->blocks[i].type = 1;
         }
     } else if (!strcmp(type, "content_block_delta")) {
         json_t *d = json_object_get(j, "delta");
@@ -235,8 +234,8 @@ enum cf_status anthropic_parse_event(void *state, const char *event, const char 
             rc = llm_args_delta(&s->args, json_object_get(d, "partial_json"), err);
         }
     } else if (!strcmp(type, "content_block_stop")) {
-        if (s->block_type[i] == 2 && s->args.len) {
-            struct llm_call *c = &out->calls[s->call_index[i]];
+        if (s->blocks[i].type == 2 && s->args.len) {
+            struct llm_call *c = &out->calls[s->blocks[i].call];
             free(c->arguments_json);
             c->arguments_json = mem_strdup(buf_cstr(&s->args));
         }

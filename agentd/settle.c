@@ -231,9 +231,7 @@ bool settle_start(struct drive *d, Cflue__V1__Outcome outcome, const char *error
     }
     d->settling = outcome;
     d->settling_error = error;
-    size_t pending;
-    (void)rlog_pending(&d->log, &pending);
-    if ((d->log.pending_bytes > DSTORE_APPEND_BYTES_MAX || pending > DSTORE_APPEND_RECORDS_MAX) &&
+    if ((d->log.pending_bytes > DSTORE_APPEND_BYTES_MAX || d->log.n_pending > PROTO_RECORDS_MAX) &&
         dstore_flush(d) != CF_OK) {
         /* too much for the Settle to carry (a failure path with large results unwritten):
          * appended first, a rare blocking call; a failed one is a fault like any Append's */

@@ -26,6 +26,7 @@
 #include "log.h"
 #include "mem.h"
 #include "pbtime.h"
+#include "proto_limits.h"
 #include "stats.h"
 #include "utf8.h"
 
@@ -35,7 +36,6 @@
 #include <string.h>
 
 #define TOOLS_TIMEOUT_MS 10000 /* Tools.List */
-#define BATCH_CALLS_MAX 64     /* calls in one ExecuteBatch (tools.proto) */
 
 #define CUSTOM_CALL_MS 600000 /* an own tool server's call with no time limit: 10 min */
 
@@ -386,7 +386,7 @@ static void lane_add(struct tool_lane *l, const Cflue__V1__ToolCall *c, int inde
 }
 
 /* lane_for: the batch lane of this turn for the server at addr, made when new or when the last
- * one holds BATCH_CALLS_MAX calls (the next batch opens when that one is over, so same-path
+ * one holds PROTO_BATCH_CALLS_MAX calls (the next batch opens when that one is over, so same-path
  * calls keep the answer's order); an own tool server known to have no ExecuteBatch gets a new
  * single-call lane each time. */
 static struct tool_lane *lane_for(struct drive *d, const char *addr, size_t cap)
@@ -404,14 +404,11 @@ static struct tool_lane *lane_for(struct drive *d, const char *addr, size_t cap)
             last = d->tw.lanes[i];
         }
     }
-    if (last && last->m < BATCH_CALLS_MAX) {
+    if (last && last->m < PROTO_BATCH_CALLS_MAX) {
         return last;
     }
-    struct tool_lane *l = lane_new(d, addr,
-                                   single                  ? 1
-                                   : cap < BATCH_CALLS_MAX ? cap
-                                                           : BATCH_CALLS_MAX,
-                                   single);
+    size_t room = cap < PROTO_BATCH_CALLS_MAX ? cap : PROTO_BATCH_CALLS_MAX;
+    struct tool_lane *l = lane_new(d, addr, single ? 1 : room, single);
     l->after = last;
     return l;
 }

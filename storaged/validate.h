@@ -5,6 +5,7 @@
 #ifndef CFLUE_STORAGED_VALIDATE_H
 #define CFLUE_STORAGED_VALIDATE_H
 
+#include "proto_limits.h"
 #include "status.h"
 
 #include "cflue/v1/store.pb-c.h"
@@ -15,9 +16,9 @@
 #define VALIDATE_ATTACHMENTS_MAX 16
 #define VALIDATE_METADATA_MAX 64
 #define VALIDATE_METADATA_VALUE_MAX 4096
-#define VALIDATE_ERROR_MAX 8192   /* settlement error text */
-#define VALIDATE_RECORDS_MAX 1000 /* records per Append */
-#define VALIDATE_FENCES_MAX 1000  /* fences per Heartbeat or Release */
+#define VALIDATE_ERROR_MAX 8192                /* settlement error text */
+#define VALIDATE_RECORDS_MAX PROTO_RECORDS_MAX /* records per Append or Settle */
+#define VALIDATE_FENCES_MAX PROTO_FENCES_MAX   /* fences per Heartbeat or Release */
 #define VALIDATE_LEASE_MIN_MS 100
 #define VALIDATE_LEASE_MAX_MS (3600LL * 1000)
 #define VALIDATE_RESERVED_PREFIX "cflue." /* metadata keys cflue keeps for itself */

@@ -21,6 +21,7 @@
 #include "page_token.h"
 #include "pbtime.h"
 #include "proc.h"
+#include "proto_limits.h"
 #include "thread.h"
 #include "trace.h"
 #include "utf8.h"
@@ -287,8 +288,6 @@ static void on_execute(struct rpc_call *c, const ProtobufCMessage *msg, void *us
 
 /* ---------- ExecuteBatch ---------- */
 
-#define BATCH_MAX 64
-
 struct batch;
 
 struct batch_item {
@@ -370,9 +369,9 @@ static enum cf_status check_batch_call(const Cflue__V1__ToolCall *call, size_t i
 static void on_execute_batch(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__ToolBatch *req = (const void *)msg;
-    if (req->n_calls > BATCH_MAX) {
-        rpc_call_fail(c, CF_INVALID, "a batch holds at most %d calls; this one has %zu", BATCH_MAX,
-                      req->n_calls);
+    if (req->n_calls > PROTO_BATCH_CALLS_MAX) {
+        rpc_call_fail(c, CF_INVALID, "a batch holds at most %d calls; this one has %zu",
+                      PROTO_BATCH_CALLS_MAX, req->n_calls);
         return;
     }
     for (size_t i = 0; i < req->n_calls; i++) {

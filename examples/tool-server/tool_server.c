@@ -28,6 +28,7 @@
  */
 #include "daemon.h"
 #include "log.h"
+#include "proto_limits.h"
 #include "rpc.h"
 #include "utf8.h"
 
@@ -44,7 +45,6 @@
 #define LISTEN_ENV "CFLUE_EXAMPLE_TOOLS_LISTEN"
 #define TEXT_MAX (1 << 20) /* word_count's text, bytes */
 #define ARGS_MAX (8 << 20) /* one call's arguments JSON, bytes (TEXT_MAX escaped fits) */
-#define BATCH_MAX 64       /* calls in one ExecuteBatch (tools.proto) */
 #define RESULT_MAX 1024    /* a result's text and details: every message here fits */
 #define NAME_SHOWN 64      /* bytes of a name from the caller quoted back in a message */
 
@@ -311,9 +311,9 @@ static void on_execute(struct rpc_call *c, const ProtobufCMessage *msg, void *us
 static void on_execute_batch(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
 {
     const Cflue__V1__ToolBatch *req = (const void *)msg;
-    if (req->n_calls > BATCH_MAX) {
-        rpc_call_fail(c, CF_INVALID, "a batch holds at most %d calls; this one has %zu", BATCH_MAX,
-                      req->n_calls);
+    if (req->n_calls > PROTO_BATCH_CALLS_MAX) {
+        rpc_call_fail(c, CF_INVALID, "a batch holds at most %d calls; this one has %zu",
+                      PROTO_BATCH_CALLS_MAX, req->n_calls);
         return;
     }
     for (size_t i = 0; i < req->n_calls; i++) {
