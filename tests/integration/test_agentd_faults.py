@@ -275,6 +275,45 @@ class FaultsCase(FaultsBase):
         results = [body(r) for r in self.records(conv) if kind(r) == 'tool_result']
         self.assertEqual([r.text.strip() for r in results], ['hi'])
 
+    def test_toold_down_during_the_first_of_two_batches_never_runs_the_second(self):
+        """An answer of 70 calls goes as two batches (64 at most each, the second opened when
+        the first is over). toold dies while the first one's gated call runs and stays down
+        through the resumes that follow (4 s): the second batch never runs. The attempt that
+        gets toold back records the calls left without a result as outcome unknown (the
+        model is told so), runs none of them, and completes: every call has one result."""
+        conv = new_conv('twobatches')
+        ws = self.workspace(conv)
+        gated = 'while [ ! -e go ]; do sleep 0.05; done; echo gated'
+        calls = [{'name': 'bash', 'arguments': {'command': gated}}] + [
+            {'name': 'write', 'arguments': {'path': 'same.txt', 'content': 'write %d\n' % i}}
+            for i in range(1, 70)]
+        self.fm.set_scenario(bind([{'tool_calls': calls}, {'text': 'all written'}], conv))
+        adm = self.ad.submit('runner-anthropic', 'write it (%s)' % conv, conversation_id=conv)
+        self.wait_record(conv, lambda r: kind(r) == 'tool_result' and body(r).index == 63,
+                         'the first batch\'s last write')
+        self.stack.td.kill()
+        try:
+            # the stream breaks at once (the drive is interrupted); 4 s of resumes that find
+            # toold down, within the agent's 5 attempts
+            time.sleep(4)
+            late = [body(r).index for r in self.records(conv) if kind(r) == 'tool_result'
+                    and body(r).index >= 64 and not body(r).outcome_unknown]
+            self.assertEqual(late, [], 'a call of the second batch ran')
+        finally:
+            with open(os.path.join(ws, 'go'), 'w'):
+                pass
+            self.stack.td.start()
+        sub = self.wait_settled(adm.submission_id, timeout=90)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', (sub.error, sub.attempt_count))
+        self.assertGreater(sub.attempt_count, 1)
+        self.assert_outcome_true(conv, adm.submission_id)
+        results = [body(r) for r in self.records(conv) if kind(r) == 'tool_result']
+        self.assertEqual(sorted(r.index for r in results), list(range(70)))
+        self.assertEqual(sorted(r.index for r in results if r.outcome_unknown),
+                         [0] + list(range(64, 70)))
+        with open(os.path.join(ws, 'same.txt')) as f:
+            self.assertEqual(f.read(), 'write 63\n', 'a call of the second batch ran')
+
     # ---- every attempt counts, whatever fails ----
 
     def test_every_interrupted_attempt_counts_against_max_attempts(self):
