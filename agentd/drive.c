@@ -891,11 +891,6 @@ enum drive_end drive_end_of(const struct drive *d)
     return d->end;
 }
 
-const char *drive_submission_id(const struct drive *d)
-{
-    return d->sub->submission_id;
-}
-
 void drive_free(struct drive *d)
 {
     end_drive(d);

@@ -321,8 +321,6 @@ enum drive_end drive_end_of(const struct drive *d);
 bool drive_sub_trace(const Cflue__V1__Submission *s, struct trace_ctx *out);
 /* drive_trace: d's trace (its submission's, with the drive's own span). */
 const struct trace_ctx *drive_trace(const struct drive *d);
-/* drive_submission_id: the submission d drives. */
-const char *drive_submission_id(const struct drive *d);
 /* drive_lease_held copies into out the active slot of a done drive that stopped because this
  * process is stopping, its lease still held (a lease to hand back): true; false otherwise. */
 bool drive_lease_held(const struct drive *d, struct active *out);

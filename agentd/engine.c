@@ -20,9 +20,10 @@
  * once (llm_cancel) and post it, so it settles or stops without waiting for the model.
  *
  * Crash-only: all state is in storaged. With a stable --owner-id, a restarted agentd takes
- * back its own unfinished work at once (engine_reclaim_own) instead of waiting for the leases
- * to run out. A graceful stop hands back the leases of the drives it stopped
- * (engine_release_leases: Store.Release), so any agentd takes that work over 5 s later.
+ * back its own unfinished work at once (engine_note_start) instead of waiting for the leases
+ * to run out. A graceful stop hands back the leases of the drives it stopped and of the work
+ * waiting on the resume list (engine_release_leases: Store.Release), so any agentd takes that
+ * work over 5 s later.
  *
  * A drive that storaged or toold interrupted (drive.c) is not settled: its submission goes on
  * the resume list, and the claimer claims it again (own-owner reclaim of that one submission)
@@ -186,10 +187,10 @@ bool agentd_note_queued(const char *conversation_id)
     return here;
 }
 
-/* Work this process held before it restarted, taken back at start-up (reclaim_own) before the
- * workers begin claiming anything else. */
-static Cflue__V1__ClaimResponse *reclaimed[256];
-static int n_reclaimed;
+/* This process's start (wall clock, ms, engine_note_start): until a claim succeeds and finds
+ * nothing, the claimer's claims also take back this owner's attempts started before it. 0: that
+ * is done. Set before the claimer starts, then the claimer's alone. */
+static int64_t reclaim_before_ms;
 
 /* claim asks storaged for work under this process's owner id and lease: submission_id (NULL:
  * any queued or expired one), taking back this owner's own leases started before before_ms
@@ -217,35 +218,9 @@ static enum cf_status claim(const char *submission_id, int64_t before_ms,
     return rc;
 }
 
-void engine_reclaim_own(void)
+void engine_note_start(void)
 {
-    struct cf_error err;
-    int64_t started = clock_now_ms();
-    while (n_reclaimed < 256) {
-        Cflue__V1__ClaimResponse *cl = NULL;
-        if (claim(NULL, started, &cl, &err) != CF_OK) {
-            if (cl) {
-                protobuf_c_message_free_unpacked(&cl->base, NULL);
-            }
-            return;
-        }
-        if (!cl->submission) {
-            protobuf_c_message_free_unpacked(&cl->base, NULL);
-            return;
-        }
-        bool again = false;
-        for (int i = 0; i < n_reclaimed; i++) {
-            again = again ||
-                    !strcmp(reclaimed[i]->submission->submission_id, cl->submission->submission_id);
-        }
-        if (again) { /* clocks disagree: never take one submission twice */
-            protobuf_c_message_free_unpacked(&cl->base, NULL);
-            return;
-        }
-        log_sub_info(cl->submission, "reclaimed", "submission=%s takeover=%d",
-                     cl->submission->submission_id, (int)cl->takeover);
-        reclaimed[n_reclaimed++] = cl;
-    }
+    reclaim_before_ms = clock_now_ms();
 }
 
 void engine_stop(void)
@@ -292,13 +267,17 @@ static bool driven_here(const char *submission_id)
 #define RESUME_MAX_MS 30000
 static struct resume {
     char submission_id[64];
+    char attempt_id[64]; /* the attempt whose lease this process holds (handed back at a stop) */
+    int64_t epoch;
     int64_t due_ms;   /* monotonic */
     int64_t delay_ms; /* the next backoff */
 } resumes[RESUME_MAX];
 static int n_resumes;
 
-/* resume_later puts an interrupted submission on the resume list (or backs it off again). */
-static void resume_later(const char *submission_id, int64_t delay_ms)
+/* resume_later puts an interrupted submission, held under the fence (submission_id,
+ * attempt_id, epoch), on the resume list (or backs it off again). */
+static void resume_later(const char *submission_id, const char *attempt_id, int64_t epoch,
+                         int64_t delay_ms)
 {
     pthread_mutex_lock(&g_agentd.mu);
     struct resume *r = NULL;
@@ -310,6 +289,8 @@ static void resume_later(const char *submission_id, int64_t delay_ms)
         snprintf(r->submission_id, sizeof(r->submission_id), "%s", submission_id);
     }
     if (r) {
+        snprintf(r->attempt_id, sizeof(r->attempt_id), "%s", attempt_id);
+        r->epoch = epoch;
         r->delay_ms = delay_ms;
         r->due_ms = clock_mono_ms() + delay_ms + thread_jitter_ms(delay_ms / 4 + 1);
     }
@@ -351,17 +332,6 @@ static void note_claim_result(enum cf_status rc, const struct cf_error *err)
         log_debug("claim_failed", "err=%s", log_quote(q, sizeof(q), err->msg));
     }
     pthread_mutex_unlock(&g_agentd.mu);
-}
-
-static Cflue__V1__ClaimResponse *next_reclaimed(void)
-{
-    Cflue__V1__ClaimResponse *cl = NULL;
-    pthread_mutex_lock(&g_agentd.mu);
-    if (n_reclaimed > 0) {
-        cl = reclaimed[--n_reclaimed];
-    }
-    pthread_mutex_unlock(&g_agentd.mu);
-    return cl;
 }
 
 /* ---------- drives ---------- */
@@ -424,10 +394,48 @@ bool engine_admitted(Cflue__V1__AdmitResponse *r)
     if (!driven_here(s->submission_id)) {
         /* no drive holds the lease: take it back now rather than when the lease runs out */
         log_sub_info(s, "take_back", "submission=%s", s->submission_id);
-        resume_later(s->submission_id, 0);
+        resume_later(s->submission_id, s->attempt_id, s->epoch, 0);
         agentd_wake();
     }
     return true;
+}
+
+/* hold_locked keeps a lease to hand back at the stop (eng.mu held). */
+static void hold_locked(const struct active *a)
+{
+    if (eng.n_held == eng.cap_held) {
+        eng.cap_held = eng.cap_held ? eng.cap_held * 2 : 16;
+        eng.held = mem_realloc(eng.held, sizeof(*eng.held) * eng.cap_held);
+    }
+    eng.held[eng.n_held++] = *a;
+}
+
+/* hold_resumes adds the leases of the resume list's submissions (interrupted, waiting for
+ * their next claim) to those to hand back, but for submissions a stopped drive held since. */
+static void hold_resumes(void)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    pthread_mutex_lock(&eng.mu);
+    size_t stopped = eng.n_held;
+    for (int i = 0; i < n_resumes; i++) {
+        const struct resume *r = &resumes[i];
+        bool known = !r->attempt_id[0];
+        for (size_t k = 0; k < stopped && !known; k++) {
+            known = !strcmp(eng.held[k].submission_id, r->submission_id);
+        }
+        if (!known) {
+            struct active a = {.epoch = r->epoch};
+            _Static_assert(sizeof(a.submission_id) == sizeof(r->submission_id) &&
+                               sizeof(a.attempt_id) == sizeof(r->attempt_id),
+                           "a resume's ids fit a slot's");
+            memcpy(a.submission_id, r->submission_id, sizeof(a.submission_id));
+            memcpy(a.attempt_id, r->attempt_id, sizeof(a.attempt_id));
+            hold_locked(&a);
+        }
+    }
+    n_resumes = 0;
+    pthread_mutex_unlock(&eng.mu);
+    pthread_mutex_unlock(&g_agentd.mu);
 }
 
 /* retire frees a done drive, filing an interrupted one for a later claim and keeping the
@@ -437,16 +445,12 @@ static void retire(struct drive *d)
     struct active held;
     bool keep = drive_lease_held(d, &held);
     if (drive_end_of(d) == DRIVE_INTERRUPTED) {
-        resume_later(drive_submission_id(d), d->eng.resume_ms);
+        resume_later(d->fence.submission_id, d->fence.attempt_id, d->fence.epoch, d->eng.resume_ms);
     }
     pthread_mutex_lock(&eng.mu);
     engine_queue_remove(&eng.timers, &d->eng.timer);
     if (keep) {
-        if (eng.n_held == eng.cap_held) {
-            eng.cap_held = eng.cap_held ? eng.cap_held * 2 : 16;
-            eng.held = mem_realloc(eng.held, sizeof(*eng.held) * eng.cap_held);
-        }
-        eng.held[eng.n_held++] = held;
+        hold_locked(&held);
     }
     pthread_mutex_unlock(&eng.mu);
     drive_free(d); /* its slot goes first: nothing posts it afterwards */
@@ -527,7 +531,7 @@ static bool resume_one(void)
     }
     if (rc == CF_UNAVAILABLE || rc == CF_BUSY) {
         /* storaged is away: no attempt was spent; ask again soon */
-        resume_later(r.submission_id, r.delay_ms < 2000 ? r.delay_ms : 2000);
+        resume_later(r.submission_id, r.attempt_id, r.epoch, r.delay_ms < 2000 ? r.delay_ms : 2000);
     } else if (rc != CF_OK) {
         char q[600];
         log_warn("resume_dropped", "submission=%s err=%s", r.submission_id,
@@ -540,7 +544,29 @@ static bool resume_one(void)
     return true;
 }
 
-/* claim_some admits one drive (own work reclaimed at start, a due resume, or a new claim);
+/* taken_from_self checks a claim made while reclaiming: one of this process's own drives holds
+ * the submission when storaged's clock is behind this one's and a lease taken since the start
+ * looked older. The claim made that drive's fence stale (it stops without writing); the claim
+ * is not driven either, so the submission waits for its lease to run out. Reclaiming ends
+ * there. Logs what it took back. */
+static bool taken_from_self(const Cflue__V1__ClaimResponse *cl)
+{
+    if (driven_here(cl->submission->submission_id)) {
+        log_warn("reclaim_stopped",
+                 "submission=%s reason=\"a lease taken since the start looked older: the clocks "
+                 "of agentd and storaged disagree\"",
+                 cl->submission->submission_id);
+        reclaim_before_ms = 0;
+        return true;
+    }
+    if (cl->takeover) {
+        log_sub_info(cl->submission, "reclaimed", "submission=%s", cl->submission->submission_id);
+    }
+    return false;
+}
+
+/* claim_some admits one drive (a due resume, or a new claim: at first also the work this owner
+ * held before the start);
  * returns whether it found something (the claimer asks again at once). *wait_ms is how long
  * to wait otherwise. */
 static bool claim_some(int64_t *wait_ms)
@@ -553,19 +579,21 @@ static bool claim_some(int64_t *wait_ms)
     if (!room) {
         return false; /* a drive's end wakes the claimer */
     }
-    Cflue__V1__ClaimResponse *own = next_reclaimed();
-    if (own) {
-        admit(own, RESUME_FIRST_MS);
-        return true;
-    }
     if (resume_one()) {
         return true;
     }
     Cflue__V1__ClaimResponse *cl = NULL;
-    enum cf_status rc = claim(NULL, 0, &cl, &err);
+    enum cf_status rc = claim(NULL, reclaim_before_ms, &cl, &err);
+    if (rc == CF_OK && cl->submission && reclaim_before_ms && taken_from_self(cl)) {
+        protobuf_c_message_free_unpacked(&cl->base, NULL);
+        return true;
+    }
     if (rc == CF_OK && cl->submission) {
         admit(cl, RESUME_FIRST_MS);
         return true;
+    }
+    if (rc == CF_OK) {
+        reclaim_before_ms = 0; /* nothing of the previous process is left to take back */
     }
     if (cl) {
         protobuf_c_message_free_unpacked(&cl->base, NULL);
@@ -815,6 +843,7 @@ void engine_release_leases(void)
     Google__Protobuf__Duration after = GOOGLE__PROTOBUF__DURATION__INIT;
     pbdur_set(&after, RELEASE_AFTER_MS);
     char q[600];
+    hold_resumes();
     for (size_t first = 0, n; first < eng.n_held; first += n) {
         Cflue__V1__ReleaseRequest rr = CFLUE__V1__RELEASE_REQUEST__INIT;
         n = fences_of(eng.held, eng.n_held, first, fences, ptrs);

@@ -18,9 +18,10 @@ struct drive;
 /* --max-drives: how many drives may be in flight at once; the claimer claims while fewer are. */
 extern long long engine_max_drives;
 
-/* engine_reclaim_own takes back, before anything else is claimed, the work this owner id held
- * before the process restarted. */
-void engine_reclaim_own(void);
+/* engine_note_start records this process's start, before it serves anything: the claimer's
+ * first claims also take back the work this owner id held before (its attempts started
+ * earlier, leases not yet run out), until one finds nothing, at most --max-drives at a time. */
+void engine_note_start(void);
 
 /* engine_start starts `workers` engine threads (they step ready drives), the claimer and the
  * heartbeat. When one cannot start it
@@ -36,7 +37,8 @@ void engine_stop(void);
 void engine_join(void);
 
 /* engine_release_leases (after engine_join) hands back to storaged, in Release calls, the
- * leases of the drives that the shutdown stopped: each ends 5 s later (the time toold takes to
+ * leases of the drives that the shutdown stopped and of the interrupted work on the resume
+ * list: each ends 5 s later (the time toold takes to
  * stop a cancelled command), so that another agentd takes the work over then instead of when
  * the lease runs out. A call storaged does not answer (2 s) ends the hand-back, logged; those
  * leases run out as before. */

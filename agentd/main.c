@@ -386,11 +386,11 @@ int main(int argc, char **argv)
                                  .max_stream_memory = (int64_t)d.max_stream_mib << 20};
     struct rpc_server *srv = rpc_server_new(&ro);
     api_register(srv);
+    engine_note_start();
     if (!daemon_serve(&d, srv)) {
         close_clients();
         return 1;
     }
-    engine_reclaim_own();
     if (!engine_start(&d, o.workers)) {
         d.grace_ms = 0;
         daemon_stop_serving(&d);

@@ -173,6 +173,44 @@ class EngineManyLeasesTest(unittest.TestCase):
         self.assertNotIn('fences per heartbeat', log)
 
 
+class EngineReclaimManyTest(unittest.TestCase):
+    """A restarted agentd (same --owner-id) takes back all of its earlier work at once, however
+    much of it there is, not the first part and the rest when the leases run out (30 s)."""
+    N = 300
+
+    def setUp(self):
+        from test_agentd import Stack
+        self.stack = Stack(agents=('runner-anthropic',), owner_ids=['reclaim-many'])
+
+    def tearDown(self):
+        self.stack.remove()
+
+    def test_every_own_submission_is_taken_back_at_the_restart(self):
+        # each drive's first call is told to come back in 60 s: all N hold a lease when agentd
+        # is killed; after the restart the model answers
+        busy = {'error': {'status': 529, 'message': 'overloaded', 'retry_after': 60}}
+        self.stack.fm.set_scenario([busy] * self.N + [{'text': 'ok'}] * self.N)
+        ad, fm = self.stack.ad, self.stack.fm
+        with ThreadPoolExecutor(16) as ex:
+            ids = list(ex.map(lambda i: ad.submit('runner-anthropic', 'reclaim %d' % i,
+                                                  timeout=30).submission_id, range(self.N)))
+        deadline = time.time() + 60
+        while time.time() < deadline and len(fm.requests()) < self.N:
+            time.sleep(0.2)
+        self.assertEqual(len(fm.requests()), self.N, 'not every drive asked the model')
+        ad.kill()
+        ad.start()
+        t0 = time.time()
+        with ThreadPoolExecutor(16) as ex:
+            subs = list(ex.map(lambda s: ad.get_submission(s, wait=True, timeout=25), ids))
+        took = time.time() - t0
+        self.assertEqual([s.submission_id for s in subs
+                          if s.outcome != common_pb2.OUTCOME_COMPLETED], [])
+        # the leases were 30 s: one not taken back would settle only once its lease ran out
+        self.assertLess(took, 15, 'the last one settled %.1f s after the restart' % took)
+        self.assertEqual(ad.stderr_text().count('event=reclaimed '), self.N)
+
+
 class EngineToolBatchTest(unittest.TestCase):
     """A tool batch holds no engine thread: with one engine thread, conversations whose first
     command sleeps run their commands side by side."""

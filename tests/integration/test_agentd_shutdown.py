@@ -100,6 +100,31 @@ class HandBackTest(unittest.TestCase):
         self.assertLess(took, 20, 'B took the work over %.1f s after the SIGTERM' % took)
         self.assertEqual(len(settled_records(b, sub.conversation_id, sub.submission_id)), 1)
 
+    def test_work_waiting_to_be_retried_is_handed_back_too(self):
+        """With toold down, A's drive is interrupted at once and waits on the resume list to
+        be claimed again (1 s, then 2 s): a drive that holds its lease and no thread. A stop
+        during that wait hands that lease back too."""
+        a, b = self.stack.agentds
+        self.stack.fm.set_scenario([{'text': 'done once toold is back'}])
+        self.stack.td.kill()
+        sub = a.submit('runner-anthropic', 'hello')
+        deadline = time.time() + 20
+        while time.time() < deadline and a.stderr_text().count('event=drive_interrupted') < 2:
+            time.sleep(0.05)
+        # the second interruption: the next claim is 2 s away
+        self.assertEqual(a.stderr_text().count('event=drive_interrupted'), 2, a.stderr_text())
+        t0 = time.time()
+        self.assertEqual(a.terminate(timeout=20), 0, a.stderr_text()[-3000:])
+        self.assertIn('event=leases_released released=1 lost=0 not_released=0',
+                      a.stderr_text())
+        self.stack.td.start()
+        done = b.get_submission(sub.submission_id, wait=True, timeout=25)
+        took = time.time() - t0
+        self.assertEqual(done.outcome, common_pb2.OUTCOME_COMPLETED, done)
+        self.assertEqual(done.owner_id, 'handback-b')
+        self.assertEqual(done.attempt_count, 3)
+        self.assertLess(took, 20, 'B took the work over %.1f s after the SIGTERM' % took)
+
     def test_a_hand_back_storaged_does_not_answer_is_logged_and_the_stop_goes_on(self):
         a = self.stack.agentds[0]
         self.stack.fm.set_scenario([
