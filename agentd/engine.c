@@ -62,6 +62,7 @@ long long engine_max_drives = ENGINE_MAX_DRIVES_DEFAULT;
  * being stopped (SIGTERM, 2 s of grace, SIGKILL) when agentd's side of its stream has ended,
  * and the workspace must not see the next attempt's commands before it is gone. */
 #define RELEASE_AFTER_MS 5000
+#define DRAIN_POLL_MS 50 /* a drain looks whether the last drive has ended this often */
 
 static struct engine {
     pthread_mutex_t mu;
@@ -72,6 +73,7 @@ static struct engine {
     long long live;             /* drives admitted and not yet freed */
     bool claimer_done;          /* the claimer exited: no drive is admitted any more */
     bool stopping;              /* engine_stop was called (g_agentd.stopping, under eng.mu) */
+    bool draining;              /* engine_drain: nothing new is claimed here */
     pthread_t *threads;         /* workers, then the claimer, then the heartbeat */
     long long n_workers, n_started;
     struct active *held; /* drives that stopped at shutdown holding their lease */
@@ -223,6 +225,40 @@ void engine_note_start(void)
     reclaim_before_ms = clock_now_ms();
 }
 
+/* live_drives: how many drives are admitted and not yet freed. */
+static long long live_drives(void)
+{
+    pthread_mutex_lock(&eng.mu);
+    long long live = eng.live;
+    pthread_mutex_unlock(&eng.mu);
+    return live;
+}
+
+void engine_drain(int64_t drain_ms)
+{
+    pthread_mutex_lock(&eng.mu);
+    eng.draining = true;
+    long long live = eng.live;
+    pthread_mutex_unlock(&eng.mu);
+    if (drain_ms <= 0 || live == 0) {
+        return;
+    }
+    log_info("draining", "drives=%lld up_to_ms=%lld", live, (long long)drain_ms);
+    int64_t t0 = clock_mono_ms(), now = t0;
+    bool signalled = false;
+    while ((live = live_drives()) > 0 && now - t0 < drain_ms && !signalled) {
+        int64_t left = drain_ms - (now - t0);
+        signalled = daemon_stop_signal_within(left < DRAIN_POLL_MS ? left : DRAIN_POLL_MS);
+        now = clock_mono_ms();
+    }
+    if (live == 0) {
+        log_info("drained", "after_ms=%lld", (long long)(now - t0));
+    } else {
+        log_warn("drain_ended", "drives_left=%lld reason=%s after_ms=%lld", live,
+                 signalled ? "signal" : "time", (long long)(now - t0));
+    }
+}
+
 void engine_stop(void)
 {
     uint64_t *cancel = mem_alloc(sizeof(*cancel) * ACTIVE_MAX);
@@ -360,7 +396,7 @@ static void admit(Cflue__V1__ClaimResponse *cl, int64_t resume_ms)
 bool engine_has_room(void)
 {
     pthread_mutex_lock(&eng.mu);
-    bool room = eng.live < engine_max_drives && !eng.stopping;
+    bool room = eng.live < engine_max_drives && !eng.stopping && !eng.draining;
     pthread_mutex_unlock(&eng.mu);
     return room;
 }
@@ -573,11 +609,8 @@ static bool claim_some(int64_t *wait_ms)
 {
     struct cf_error err;
     *wait_ms = CLAIM_POLL_MS;
-    pthread_mutex_lock(&eng.mu);
-    bool room = eng.live < engine_max_drives;
-    pthread_mutex_unlock(&eng.mu);
-    if (!room) {
-        return false; /* a drive's end wakes the claimer */
+    if (!engine_has_room()) {
+        return false; /* a drive's end wakes the claimer; a stop or a drain ends the claims */
     }
     if (resume_one()) {
         return true;

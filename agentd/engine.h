@@ -29,6 +29,12 @@ void engine_note_start(void);
  * non-zero and a restart resumes the work). */
 bool engine_start(const struct daemon *d, long long workers);
 
+/* engine_drain (at a stop, before engine_stop) ends claiming here: a Submit admits without
+ * claiming, the claimer and the resume list stop. The drives in flight run on until none is
+ * left, drain_ms passes, or a second SIGTERM or SIGINT comes; logged. Returns at once when
+ * drain_ms is 0 or no drive is live. The drives left are then stopped by engine_stop. */
+void engine_drain(int64_t drain_ms);
+
 /* engine_stop tells the threads to stop and every drive that it is stopping (recovery resumes
  * their work). Returns at once. */
 void engine_stop(void);

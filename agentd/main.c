@@ -49,7 +49,7 @@ static const char usage[] =
 /* agentd's own options (the shared ones are in struct daemon) */
 struct agentd_opts {
     const char *store, *agents_dir, *owner, *models, *tokens;
-    long long workers, lease_ms, heartbeat_ms, model_timeout, agents_poll_ms;
+    long long workers, lease_ms, heartbeat_ms, model_timeout, agents_poll_ms, drain_ms;
     bool no_stream;
 };
 
@@ -270,11 +270,13 @@ static struct ready_probe *start_serving_extras(const struct daemon *d, const st
     return ready;
 }
 
-/* stop ends agentd in order: the probe and the watch, the engine's new work, the API (its
- * grace), then the drives, and the clients last. */
-static void stop(struct daemon *d, struct ready_probe *ready)
+/* stop ends agentd in order: the probe (not ready from then on), the drain, the watch, the
+ * engine's new work, the API (its grace), then the drives, and the clients last. */
+static void stop(struct daemon *d, struct ready_probe *ready, int64_t drain_ms)
 {
     ready_stop(ready);
+    rpc_server_set_ready(d->server, false);
+    engine_drain(drain_ms);
     watch_stop();
     int feeds, watchers;
     watch_counts(&feeds, &watchers);
@@ -326,6 +328,10 @@ int main(int argc, char **argv)
                           "bearer tokens of the Agent API, YAML (name, sha256, agents, admin; "
                           "reloaded on SIGHUP and when it changes); unset: every caller is served"),
         DAEMON_OPT_PORT_FILE(&d, "write the bound TCP port here"),
+        CONFIG_OPT_INT("drain-ms", &o.drain_ms, 0, 3600000,
+                       "on SIGTERM, how long the drives in flight may run on to settle before "
+                       "the rest are stopped and handed back (0: at once; a second SIGTERM "
+                       "ends the wait)"),
         DAEMON_OPT_GRACE_MS(&d, "how long shutdown waits for calls"),
         DAEMON_OPT_MAX_QUEUE(&d,
                              "API calls waiting for a thread; more are refused RESOURCE_EXHAUSTED"),
@@ -399,6 +405,6 @@ int main(int argc, char **argv)
     }
     struct ready_probe *ready = start_serving_extras(&d, &o, srv, n_agents);
     daemon_wait_for_stop_or_hup(release_memory, reload_on_hup, NULL);
-    stop(&d, ready);
+    stop(&d, ready, o.drain_ms);
     return 0;
 }

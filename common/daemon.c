@@ -220,6 +220,21 @@ void daemon_wait_for_stop_or_hup(void (*release)(void *arg), void (*hup)(void *a
     log_info("stopping", "signal=%s", sig == SIGTERM ? "TERM" : "INT");
 }
 
+bool daemon_stop_signal_within(int64_t ms)
+{
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    struct timespec wait = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+    int sig = sigtimedwait(&set, NULL, &wait);
+    if (sig < 0) {
+        return false; /* the time passed (or EINTR: the caller asks again) */
+    }
+    log_info("signal", "signal=%s", sig == SIGTERM ? "TERM" : "INT");
+    return true;
+}
+
 void daemon_wait_for_stop(void (*release)(void *arg), void *arg)
 {
     daemon_wait_for_stop_or_hup(release, NULL, arg);

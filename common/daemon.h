@@ -24,6 +24,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 struct daemon {
     const char *name;  /* "toold": the log's daemon name and the prefix of its messages */
@@ -134,6 +135,10 @@ void daemon_port_file(const char *path, int port);
  * (when not NULL: the daemon drops what its caches hold beyond their use) and gives the
  * process's free memory back to the system. */
 void daemon_wait_for_stop(void (*release)(void *arg), void *arg);
+
+/* daemon_stop_signal_within waits up to ms for SIGINT or SIGTERM (a second one, after
+ * daemon_wait_for_stop returned): true, logged, when one arrived. */
+bool daemon_stop_signal_within(int64_t ms);
 
 /* daemon_wait_for_stop_or_hup is daemon_wait_for_stop that also takes SIGHUP: each one calls
  * hup(arg) (a daemon reloads its configuration) and goes on waiting. Without it SIGHUP, blocked

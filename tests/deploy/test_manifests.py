@@ -545,8 +545,13 @@ class Properties(unittest.TestCase):
                 for component in DAEMONS:
                     w = daemon(objs, component)
                     grace_ms = int(env_value(containers(w)[0], "CFLUE_GRACE_MS"))
+                    # agentd drains first (its drives settle), then gives calls their grace
+                    drain_ms = int(env_value(containers(w)[0], "CFLUE_DRAIN_MS") or 0)
                     period = pod_template(w)["spec"]["terminationGracePeriodSeconds"]
-                    self.assertGreater(period * 1000, grace_ms + 10000, component)
+                    self.assertGreater(period * 1000, drain_ms + grace_ms + 10000, component)
+                agentd = containers(daemon(objs, "agentd"))[0]
+                self.assertGreater(int(env_value(agentd, "CFLUE_DRAIN_MS")), 0,
+                                   "a rolling update lets agentd's work in flight settle")
                 toold = daemon(objs, "toold")
                 self.assertGreaterEqual(int(env_value(containers(toold)[0], "CFLUE_GRACE_MS")),
                                         BASH_TIMEOUT_MS, "toold lets a default bash call finish")

@@ -4,13 +4,14 @@ no leaks), and the interrupted submission is finished by the next agentd; the le
 work it stopped are handed back (Store.Release), so another agentd takes it over at once
 rather than when the leases run out."""
 import os
+import signal
 import sys
 import threading
 import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cflue_harness import Agentd, common_pb2  # noqa: E402
+from cflue_harness import NOT_SERVING, SERVING, Agentd, common_pb2  # noqa: E402
 from test_agentd import Stack  # noqa: E402
 
 
@@ -139,6 +140,85 @@ class HandBackTest(unittest.TestCase):
         self.assertRegex(a.stderr_text(), r'event=leases_not_released n=1 err=')
         self.assertIn('event=leases_released released=0 lost=0 not_released=1',
                       a.stderr_text())
+
+
+class DrainTest(unittest.TestCase):
+    """Two agentds with --drain-ms 3000 and the default 30 s lease: a SIGTERM lets the drives
+    in flight settle where they are, for up to 3 s, while nothing new is claimed there."""
+
+    def setUp(self):
+        self.stack = Stack(agents=('runner-anthropic',), n_agentd=2,
+                           owner_ids=['drain-a', 'drain-b'], agentd_args=('--drain-ms', '3000'))
+
+    def tearDown(self):
+        self.stack.remove()
+
+    def start_slow_command(self, seconds):
+        """Submits through A a conversation whose first answer runs `sleep seconds`, then its
+        second and any other answer are text; returns once the command runs."""
+        a = self.stack.agentds[0]
+        self.stack.fm.set_scenario([
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'sleep %d' % seconds}}]},
+            {'text': 'answered'}, {'text': 'answered'}])
+        sub = a.submit('runner-anthropic', 'run the slow command')
+        deadline = time.time() + 20
+        while time.time() < deadline and not self.stack.fm.requests():
+            time.sleep(0.05)
+        time.sleep(0.5)  # the answer is in: the command runs in toold
+        return sub
+
+    def test_work_in_flight_settles_before_the_stop_and_new_work_goes_elsewhere(self):
+        a, b = self.stack.agentds
+        sub = self.start_slow_command(2)
+        t0 = time.time()
+        a.proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + 10
+        while time.time() < deadline and 'event=draining drives=1' not in a.stderr_text():
+            time.sleep(0.05)
+        self.assertIn('event=draining drives=1 up_to_ms=3000', a.stderr_text())
+        # A still serves its API while it drains, not ready (a load balancer sends new calls
+        # elsewhere) and claiming nothing new: B takes this one
+        self.assertEqual(a.health_check('readiness'), NOT_SERVING)
+        self.assertEqual(a.health_check('liveness'), SERVING)
+        other = a.submit('runner-anthropic', 'submitted while A drains')
+        self.assertEqual(a.proc.wait(20), 0, a.stderr_text()[-3000:])
+        a.terminate()  # it exited: the harness forgets it
+        self.assertLess(time.time() - t0, 3 + 5)
+        self.assertRegex(a.stderr_text(), r'event=drained after_ms=\d+')
+        self.assertNotIn('event=leases_released', a.stderr_text())
+        done = b.get_submission(sub.submission_id)
+        self.assertEqual(done.outcome, common_pb2.OUTCOME_COMPLETED, done)
+        self.assertEqual((done.owner_id, done.attempt_count), ('drain-a', 1))
+        later = b.get_submission(other.submission_id, wait=True, timeout=20)
+        self.assertEqual(later.outcome, common_pb2.OUTCOME_COMPLETED, later)
+        self.assertEqual((later.owner_id, later.attempt_count), ('drain-b', 1))
+
+    def test_a_drain_past_its_time_stops_the_rest_and_hands_it_back(self):
+        a, b = self.stack.agentds
+        sub = self.start_slow_command(30)
+        t0 = time.time()
+        self.assertEqual(a.terminate(timeout=20), 0, a.stderr_text()[-3000:])
+        self.assertGreaterEqual(time.time() - t0, 3)
+        self.assertRegex(a.stderr_text(), r'event=drain_ended drives_left=1 reason=time')
+        self.assertIn('event=leases_released released=1 lost=0 not_released=0',
+                      a.stderr_text())
+        done = b.get_submission(sub.submission_id, wait=True, timeout=25)
+        self.assertEqual(done.outcome, common_pb2.OUTCOME_COMPLETED, done)
+        self.assertEqual((done.owner_id, done.attempt_count), ('drain-b', 2))
+        self.assertLess(time.time() - t0, 20)
+
+    def test_a_second_sigterm_ends_the_drain(self):
+        a = self.stack.agentds[0]
+        self.start_slow_command(30)
+        a.proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + 10
+        while time.time() < deadline and 'event=draining' not in a.stderr_text():
+            time.sleep(0.05)
+        t0 = time.time()
+        self.assertEqual(a.terminate(timeout=20), 0, a.stderr_text()[-3000:])
+        self.assertLess(time.time() - t0, 2.5, 'the second SIGTERM did not end the drain')
+        self.assertRegex(a.stderr_text(), r'event=drain_ended drives_left=1 reason=signal')
+        self.assertIn('event=leases_released released=1', a.stderr_text())
 
 
 if __name__ == '__main__':
