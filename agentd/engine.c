@@ -251,6 +251,7 @@ void engine_drain(int64_t drain_ms)
         signalled = daemon_stop_signal_within(left < DRAIN_POLL_MS ? left : DRAIN_POLL_MS);
         now = clock_mono_ms();
     }
+    live = live_drives(); /* as the drain ends, not as the last wait began */
     if (live == 0) {
         log_info("drained", "after_ms=%lld", (long long)(now - t0));
     } else {
@@ -621,12 +622,14 @@ static bool claim_some(int64_t *wait_ms)
         protobuf_c_message_free_unpacked(&cl->base, NULL);
         return true;
     }
+    if (rc == CF_OK && (!cl->submission || !cl->takeover)) {
+        /* storaged hands out takeovers before queued work: nothing of the previous process is
+         * left to take back */
+        reclaim_before_ms = 0;
+    }
     if (rc == CF_OK && cl->submission) {
         admit(cl, RESUME_FIRST_MS);
         return true;
-    }
-    if (rc == CF_OK) {
-        reclaim_before_ms = 0; /* nothing of the previous process is left to take back */
     }
     if (cl) {
         protobuf_c_message_free_unpacked(&cl->base, NULL);

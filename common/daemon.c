@@ -85,6 +85,7 @@ int daemon_configure(struct daemon *d, const struct config_opt *opts, size_t n_o
 {
     struct cf_error err;
     bool help;
+    rpc_block_signals(); /* before any thread: a stop signal reaches only the waiting main */
     log_init(d->name, LOG_INFO);
     if (!getenv("MALLOC_ARENA_MAX")) {
         mallopt(M_ARENA_MAX, ARENA_MAX);

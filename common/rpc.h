@@ -373,8 +373,13 @@ grpc_byte_buffer *rpc_pack(const ProtobufCMessage *msg);
 /* rpc_unpack decodes a byte buffer; NULL when the bytes are not a valid message. */
 ProtobufCMessage *rpc_unpack(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *bb);
 
-/* rpc_global_init blocks SIGINT/SIGTERM/SIGPIPE/SIGHUP in the calling thread (so gRPC's threads
- * inherit the mask), routes gRPC logs and calls grpc_init. */
+/* rpc_block_signals blocks SIGINT/SIGTERM/SIGPIPE/SIGHUP in the calling thread, so that every
+ * thread it starts afterwards inherits the mask and only a sigwait takes them (daemon.h). A
+ * daemon calls it (through daemon_configure) before it starts any thread. */
+void rpc_block_signals(void);
+
+/* rpc_global_init blocks the signals (rpc_block_signals), routes gRPC logs and calls
+ * grpc_init. */
 void rpc_global_init(void);
 
 /* rpc_global_shutdown calls grpc_shutdown_blocking and forgets the client's TLS files

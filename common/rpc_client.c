@@ -86,7 +86,7 @@ ProtobufCMessage *rpc_unpack(const ProtobufCMessageDescriptor *desc, grpc_byte_b
     return m;
 }
 
-void rpc_global_init(void)
+void rpc_block_signals(void)
 {
     sigset_t set;
     sigemptyset(&set);
@@ -95,6 +95,11 @@ void rpc_global_init(void)
     sigaddset(&set, SIGPIPE);
     sigaddset(&set, SIGHUP); /* taken by daemon_wait_for_stop_or_hup, else ignored */
     pthread_sigmask(SIG_BLOCK, &set, NULL);
+}
+
+void rpc_global_init(void)
+{
+    rpc_block_signals();
     log_capture_grpc();
     grpc_init();
 }

@@ -740,8 +740,9 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
  * queues (see docs/storaged.md, "Claim"):
  * - an expired lease: the partial index submissions_by_lease holds running and terminalizing
  *   rows by lease expiry; expired ones are few;
- * - the caller's own earlier attempts (reclaim_started_before, once at agentd's start): the
- *   rows of that owner among running and terminalizing ones;
+ * - the caller's own earlier attempts (reclaim_started_before, a restarted agentd's claims
+ *   until the first that is no takeover): that owner's rows (submissions_by_owner, settled
+ *   ones too), the running and terminalizing ones among them;
  * - a conversation whose head (first unsettled submission) is queued: the `runnable` table,
  *   kept by triggers on every insert and status change of submissions, one row per such
  *   conversation, keyed by the head's sequence, so the oldest is its first row.
@@ -965,16 +966,18 @@ enum cf_status ledger_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRequest 
 }
 
 /* set_leases sets the lease end of each of fences this owner still holds (running or
- * terminalizing, same attempt and epoch) to until; their ids go to held, the others to lost
- * (arrays of n_fences, in c's arena). */
+ * terminalizing, same attempt and epoch) to until (with shorten, only where that is earlier: a
+ * lease handed back never lasts longer than it would have); their ids go to held, the others
+ * to lost (arrays of n_fences, in c's arena). */
 static enum cf_status set_leases(struct ledger_ctx *c, const char *owner_id,
                                  Cflue__V1__Fence *const *fences, size_t n_fences, int64_t until,
-                                 char ***held, size_t *n_held, char ***lost, size_t *n_lost,
-                                 struct cf_error *err)
+                                 bool shorten, char ***held, size_t *n_held, char ***lost,
+                                 size_t *n_lost, struct cf_error *err)
 {
     static const char sql[] =
-        "UPDATE submissions SET lease_expires_at = ? WHERE submission_id = ? AND attempt_id = ? "
-        "AND epoch = ? AND owner_id = ? AND status IN ('running','terminalizing')";
+        "UPDATE submissions SET lease_expires_at = CASE WHEN ?6 AND lease_expires_at < ?1 "
+        "THEN lease_expires_at ELSE ?1 END WHERE submission_id = ?2 AND attempt_id = ?3 "
+        "AND epoch = ?4 AND owner_id = ?5 AND status IN ('running','terminalizing')";
     struct stmt s;
     enum cf_status rc = CF_OK;
     *held = arena_alloc(c->arena, sizeof(char *) * (n_fences + 1));
@@ -989,6 +992,7 @@ static enum cf_status set_leases(struct ledger_ctx *c, const char *owner_id,
         stmt_text(&s, 3, f->attempt_id);
         stmt_int(&s, 4, f->epoch);
         stmt_text(&s, 5, owner_id);
+        stmt_int(&s, 6, shorten);
         if ((rc = stmt_done(&s, err)) != CF_OK) {
             break;
         }
@@ -1006,8 +1010,8 @@ enum cf_status ledger_heartbeat(struct ledger_ctx *c, const Cflue__V1__Heartbeat
 {
     int64_t lease = req->lease_duration ? pbdur_ms(req->lease_duration) : c->cfg->lease_ms;
     out->lease_expire_time = pbtime_in(c->arena, c->now + lease);
-    return set_leases(c, req->owner_id, req->fences, req->n_fences, c->now + lease, &out->renewed,
-                      &out->n_renewed, &out->lost, &out->n_lost, err);
+    return set_leases(c, req->owner_id, req->fences, req->n_fences, c->now + lease, false,
+                      &out->renewed, &out->n_renewed, &out->lost, &out->n_lost, err);
 }
 
 enum cf_status ledger_release(struct ledger_ctx *c, const Cflue__V1__ReleaseRequest *req,
@@ -1017,7 +1021,7 @@ enum cf_status ledger_release(struct ledger_ctx *c, const Cflue__V1__ReleaseRequ
      * now) */
     int64_t after = req->expire_after ? pbdur_ms(req->expire_after) : 0;
     int64_t until = after > 0 ? c->now + after : c->now - 1;
-    return set_leases(c, req->owner_id, req->fences, req->n_fences, until, &out->released,
+    return set_leases(c, req->owner_id, req->fences, req->n_fences, until, true, &out->released,
                       &out->n_released, &out->lost, &out->n_lost, err);
 }
 

@@ -12,6 +12,7 @@ a cluster's DNS would answer for a headless Service), so it needs root and unsha
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -123,6 +124,27 @@ class ListTest(PlacementCase):
         self.converse(ad2, conv)
         want = names.index(owner(names, conv))
         self.assertEqual(self.where(toolds, conv)[0], [want])
+
+    def test_stop_signals_reach_only_the_main_thread(self):
+        """The placement watch (a dns: address) starts while the definitions load, before the
+        gRPC threads: it too blocks SIGTERM and SIGINT, so a burst of SIGTERMs is taken by the
+        main thread's wait and ends in a clean stop, never in the default action."""
+        self.define('"dns:no-such-toold.invalid:7102"')
+        ad = self.keep(Agentd(self.sd.target, self.agents, env=self.model_env()))
+        term = 1 << (signal.SIGTERM - 1)
+        names, unblocked = [], []
+        for tid in os.listdir('/proc/%d/task' % ad.pid):
+            with open('/proc/%d/task/%s/status' % (ad.pid, tid)) as f:
+                fields = dict(line.split(':', 1) for line in f if ':' in line)
+            names.append(fields['Name'].strip())
+            if int(tid) != ad.pid and not int(fields['SigBlk'].strip(), 16) & term:
+                unblocked.append(names[-1])  # the main thread's wait is the one to take them
+        self.assertIn('placement', names)
+        self.assertEqual(unblocked, [], 'threads that would take a SIGTERM')
+        for _ in range(5):
+            ad.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(ad.proc.wait(30), 0, ad.stderr_text()[-2000:])
+        ad.terminate()
 
     def test_a_name_with_no_replica_fails_the_submission_saying_so(self):
         self.define('"dns:no-such-toold.invalid:7102"')

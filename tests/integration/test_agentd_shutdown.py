@@ -123,7 +123,8 @@ class HandBackTest(unittest.TestCase):
         took = time.time() - t0
         self.assertEqual(done.outcome, common_pb2.OUTCOME_COMPLETED, done)
         self.assertEqual(done.owner_id, 'handback-b')
-        self.assertEqual(done.attempt_count, 3)
+        # A's two attempts (three, had the stop come after the next one) and B's
+        self.assertIn(done.attempt_count, (3, 4))
         self.assertLess(took, 20, 'B took the work over %.1f s after the SIGTERM' % took)
 
     def test_a_hand_back_storaged_does_not_answer_is_logged_and_the_stop_goes_on(self):
@@ -142,13 +143,14 @@ class HandBackTest(unittest.TestCase):
                       a.stderr_text())
 
 
-class DrainTest(unittest.TestCase):
-    """Two agentds with --drain-ms 3000 and the default 30 s lease: a SIGTERM lets the drives
-    in flight settle where they are, for up to 3 s, while nothing new is claimed there."""
+class DrainStack(object):
+    """Two agentds (owners drain-a, drain-b) with --drain-ms drain_ms and the default 30 s
+    lease."""
 
     def setUp(self):
         self.stack = Stack(agents=('runner-anthropic',), n_agentd=2,
-                           owner_ids=['drain-a', 'drain-b'], agentd_args=('--drain-ms', '3000'))
+                           owner_ids=['drain-a', 'drain-b'],
+                           agentd_args=('--drain-ms', str(self.DRAIN_MS)))
 
     def tearDown(self):
         self.stack.remove()
@@ -167,58 +169,67 @@ class DrainTest(unittest.TestCase):
         time.sleep(0.5)  # the answer is in: the command runs in toold
         return sub
 
+    def sigterm_and_wait_for_the_drain(self, a):
+        a.proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + 10
+        while time.time() < deadline and 'event=draining' not in a.stderr_text():
+            time.sleep(0.05)
+        self.assertIn('event=draining drives=1 up_to_ms=%d' % self.DRAIN_MS, a.stderr_text())
+
+
+class DrainTest(DrainStack, unittest.TestCase):
+    """A SIGTERM lets the drives in flight settle where they are (for up to 60 s here) while
+    nothing new is claimed there."""
+    DRAIN_MS = 60000
+
     def test_work_in_flight_settles_before_the_stop_and_new_work_goes_elsewhere(self):
         a, b = self.stack.agentds
         sub = self.start_slow_command(2)
-        t0 = time.time()
-        a.proc.send_signal(signal.SIGTERM)
-        deadline = time.time() + 10
-        while time.time() < deadline and 'event=draining drives=1' not in a.stderr_text():
-            time.sleep(0.05)
-        self.assertIn('event=draining drives=1 up_to_ms=3000', a.stderr_text())
+        self.sigterm_and_wait_for_the_drain(a)
         # A still serves its API while it drains, not ready (a load balancer sends new calls
         # elsewhere) and claiming nothing new: B takes this one
         self.assertEqual(a.health_check('readiness'), NOT_SERVING)
         self.assertEqual(a.health_check('liveness'), SERVING)
         other = a.submit('runner-anthropic', 'submitted while A drains')
-        self.assertEqual(a.proc.wait(20), 0, a.stderr_text()[-3000:])
+        self.assertEqual(a.proc.wait(60), 0, a.stderr_text()[-3000:])
         a.terminate()  # it exited: the harness forgets it
-        self.assertLess(time.time() - t0, 3 + 5)
         self.assertRegex(a.stderr_text(), r'event=drained after_ms=\d+')
         self.assertNotIn('event=leases_released', a.stderr_text())
         done = b.get_submission(sub.submission_id)
         self.assertEqual(done.outcome, common_pb2.OUTCOME_COMPLETED, done)
         self.assertEqual((done.owner_id, done.attempt_count), ('drain-a', 1))
-        later = b.get_submission(other.submission_id, wait=True, timeout=20)
+        later = b.get_submission(other.submission_id, wait=True, timeout=30)
         self.assertEqual(later.outcome, common_pb2.OUTCOME_COMPLETED, later)
         self.assertEqual((later.owner_id, later.attempt_count), ('drain-b', 1))
+
+    def test_a_second_sigterm_ends_the_drain(self):
+        a = self.stack.agentds[0]
+        self.start_slow_command(120)
+        self.sigterm_and_wait_for_the_drain(a)
+        t0 = time.time()
+        self.assertEqual(a.terminate(timeout=40), 0, a.stderr_text()[-3000:])
+        self.assertLess(time.time() - t0, 30, 'the second SIGTERM did not end the 60 s drain')
+        self.assertRegex(a.stderr_text(), r'event=drain_ended drives_left=1 reason=signal')
+        self.assertIn('event=leases_released released=1', a.stderr_text())
+
+
+class DrainTimeTest(DrainStack, unittest.TestCase):
+    DRAIN_MS = 2000
 
     def test_a_drain_past_its_time_stops_the_rest_and_hands_it_back(self):
         a, b = self.stack.agentds
         sub = self.start_slow_command(30)
         t0 = time.time()
-        self.assertEqual(a.terminate(timeout=20), 0, a.stderr_text()[-3000:])
-        self.assertGreaterEqual(time.time() - t0, 3)
+        self.assertEqual(a.terminate(timeout=30), 0, a.stderr_text()[-3000:])
+        self.assertGreaterEqual(time.time() - t0, 2)
         self.assertRegex(a.stderr_text(), r'event=drain_ended drives_left=1 reason=time')
         self.assertIn('event=leases_released released=1 lost=0 not_released=0',
                       a.stderr_text())
-        done = b.get_submission(sub.submission_id, wait=True, timeout=25)
+        done = b.get_submission(sub.submission_id, wait=True, timeout=30)
         self.assertEqual(done.outcome, common_pb2.OUTCOME_COMPLETED, done)
         self.assertEqual((done.owner_id, done.attempt_count), ('drain-b', 2))
-        self.assertLess(time.time() - t0, 20)
-
-    def test_a_second_sigterm_ends_the_drain(self):
-        a = self.stack.agentds[0]
-        self.start_slow_command(30)
-        a.proc.send_signal(signal.SIGTERM)
-        deadline = time.time() + 10
-        while time.time() < deadline and 'event=draining' not in a.stderr_text():
-            time.sleep(0.05)
-        t0 = time.time()
-        self.assertEqual(a.terminate(timeout=20), 0, a.stderr_text()[-3000:])
-        self.assertLess(time.time() - t0, 2.5, 'the second SIGTERM did not end the drain')
-        self.assertRegex(a.stderr_text(), r'event=drain_ended drives_left=1 reason=signal')
-        self.assertIn('event=leases_released released=1', a.stderr_text())
+        # the lease was 30 s: without the hand-back B could not have claimed it before then
+        self.assertLess(time.time() - t0, 25)
 
 
 if __name__ == '__main__':

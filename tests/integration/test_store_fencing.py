@@ -179,6 +179,13 @@ class FencingTest(StoragedTestCase):
         c = claim(self.stub, owner='owner-c', lease_ms=30000)
         self.assertEqual(c.submission.submission_id, s.submission_id)
         self.assertEqual(c.submission.attempt_count, 3)
+        # a release never makes a lease last longer than it would have: one that ends in 1 s,
+        # handed back to end in an hour, still ends in 1 s
+        hb = heartbeat(self.stub, 'owner-c', [c.fence], lease_ms=1000)
+        ends = ts_ms(hb.lease_expire_time)
+        kept = release(self.stub, 'owner-c', [c.fence], expire_after_ms=3600000)
+        self.assertEqual(list(kept.released), [s.submission_id])
+        self.assertEqual(ts_ms(get(self.stub, s.submission_id).lease_expire_time), ends)
         b = c
         settle(self.stub, b.fence, common_pb2.OUTCOME_COMPLETED)
         done = release(self.stub, 'owner-c', [b.fence])  # settled: nothing to hand back
