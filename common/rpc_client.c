@@ -43,6 +43,13 @@
 #define RECONNECT_MAX_MS 1000
 #define CONNECT_TIMEOUT_MS 1000 /* GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: a connect attempt's floor */
 #define RESET_INTERVAL_MS 100
+/* A connection with a call in flight is pinged (HTTP/2 PING) after this long without word
+ * from the peer, and dropped when the ping goes unanswered as long again: a peer that hangs,
+ * or whose host is gone without a reset (packets dropped), fails the calls on it within
+ * 20 s, and the next call connects again (to what the address names now) instead of waiting
+ * for TCP to give up (about 15 minutes). gRPC's default of at most two pings without data
+ * sent keeps this within what any gRPC server allows by default (another's tool server too). */
+#define KEEPALIVE_MS 10000
 
 /* One call in flight on a channel, linked while it may block. */
 struct live_call {
@@ -134,6 +141,8 @@ struct rpc_channel *rpc_channel_new(const char *target, int max_message_bytes)
         int_arg(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, RECONNECT_INITIAL_MS),
         int_arg(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, CONNECT_TIMEOUT_MS),
         int_arg(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, RECONNECT_MAX_MS),
+        int_arg(GRPC_ARG_KEEPALIVE_TIME_MS, KEEPALIVE_MS),
+        int_arg(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, KEEPALIVE_MS),
     };
     grpc_channel_args ca = {sizeof(args) / sizeof(args[0]), args};
     c->ch = grpc_channel_create(target, creds, &ca);

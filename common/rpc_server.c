@@ -63,6 +63,7 @@
 #define STREAM_SPARES_MAX 8          /* finished stream threads kept for the next stream */
 #define STREAM_SPARE_LINGER_MS 10000 /* how long a spare stream thread waits for one */
 #define HEALTH_STOP_LINGER_MS 150    /* a health Watch stays open after its NOT_SERVING */
+#define PING_MIN_MS 5000             /* pings closer than this, with nothing sent, are strikes */
 
 enum tag_kind { TAG_NEW_CALL, TAG_NEW_GENERIC, TAG_CLOSE, TAG_SEND, TAG_SHUTDOWN };
 
@@ -1306,14 +1307,20 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
     if (s->opts.max_stream_memory <= 0) {
         s->opts.max_stream_memory = RPC_STREAM_MEMORY_DEFAULT;
     }
-    grpc_arg args[2];
-    args[0].type = GRPC_ARG_INTEGER;
-    args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-    args[0].value.integer = s->opts.max_message_bytes;
-    args[1].type = GRPC_ARG_INTEGER;
-    args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
-    args[1].value.integer = s->opts.max_message_bytes;
-    grpc_channel_args ca = {2, args};
+    grpc_arg args[] = {
+        {GRPC_ARG_INTEGER,
+         GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
+         {.integer = s->opts.max_message_bytes}},
+        {GRPC_ARG_INTEGER,
+         GRPC_ARG_MAX_SEND_MESSAGE_LENGTH,
+         {.integer = s->opts.max_message_bytes}},
+        /* our clients ping a connection with a call in flight every 10 s (rpc_client.c): no
+         * ping that often is taken for abuse, even while the server has nothing to send */
+        {GRPC_ARG_INTEGER,
+         GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+         {.integer = PING_MIN_MS}},
+    };
+    grpc_channel_args ca = {sizeof(args) / sizeof(args[0]), args};
     s->server = grpc_server_create(&ca, NULL);
     s->cq = grpc_completion_queue_create_for_next(NULL);
     grpc_server_register_completion_queue(s->server, s->cq, NULL);

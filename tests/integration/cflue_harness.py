@@ -339,6 +339,10 @@ class Daemon(object):
     def close(self):
         """Kills the process (if any) and closes the channel; keeps the directory."""
         self.kill()
+        self.drop_channel()
+
+    def drop_channel(self):
+        """Closes this test process's channel to the daemon (the next start makes one)."""
         with self._chan_lock:
             if self.channel is not None:
                 self.channel.unsubscribe(_ignore_state)

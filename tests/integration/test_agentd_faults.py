@@ -875,5 +875,53 @@ class SlowDiskCase(unittest.TestCase):
         self.assertEqual(len(st.fm.requests()), 3)
 
 
+class HungPeerTest(unittest.TestCase):
+    """A storaged that hangs (SIGSTOP: its connections stay open, nothing answers, as when
+    its host is cut off without a reset) and is replaced by a new process at the same
+    address. agentd's connection pings (HTTP/2 keepalive: 10 s, then 10 s for the answer)
+    drop the dead connection, and its next call reaches the new process, within seconds
+    rather than once TCP gives up (about 15 minutes)."""
+    WITHIN_S = 45
+
+    def setUp(self):
+        from test_agentd import Stack
+        self.stack = Stack(agents=('runner-anthropic',))
+        self.replacement = None
+
+    def tearDown(self):
+        self.stack.sd.kill()  # a stopped process takes SIGKILL
+        if self.replacement is not None:
+            self.replacement.close()
+        self.stack.remove()
+
+    def test_a_hung_storaged_replaced_at_its_address_is_reached_within_seconds(self):
+        st = self.stack
+        st.fm.set_scenario([{'text': 'before'}, {'text': 'after'}])
+        first = st.ad.submit('runner-anthropic', 'before the hang')
+        done = st.ad.get_submission(first.submission_id, wait=True, timeout=30)
+        self.assertEqual(done.outcome, common_pb2.OUTCOME_COMPLETED, done)
+        # this process's own channel would share agentd's fate (gRPC pools connections by
+        # address): close it before the hang
+        st.sd.drop_channel()
+        os.kill(st.sd.pid, signal.SIGSTOP)
+        os.unlink(st.sd.sock)  # the hung process keeps its socket; the path is free
+        self.replacement = H.Storaged(workdir=st._sub('storaged-new'), start=False)
+        self.replacement.sock = st.sd.sock
+        self.replacement.start()
+        t0, errors = time.time(), []
+        while time.time() - t0 < self.WITHIN_S:
+            try:
+                adm = st.ad.submit('runner-anthropic', 'after the hang', timeout=10)
+                break
+            except grpc.RpcError as e:
+                errors.append('%.1f s: %s' % (time.time() - t0, e.code()))
+        else:
+            self.fail('agentd never reached the new storaged: %s' % errors)
+        sub = st.ad.get_submission(adm.submission_id, wait=True, timeout=30)
+        self.assertEqual(sub.outcome, common_pb2.OUTCOME_COMPLETED, sub)
+        self.assertEqual(H.get(self.replacement.stub, adm.submission_id).outcome,
+                         common_pb2.OUTCOME_COMPLETED)
+
+
 if __name__ == '__main__':
     unittest.main()
