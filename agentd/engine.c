@@ -189,9 +189,10 @@ bool agentd_note_queued(const char *conversation_id)
     return here;
 }
 
-/* This process's start (wall clock, ms, engine_note_start): until a claim succeeds and finds
- * nothing, the claimer's claims also take back this owner's attempts started before it. 0: that
- * is done. Set before the claimer starts, then the claimer's alone. */
+/* This process's start (wall clock, ms, engine_note_start): until a claim succeeds with no
+ * takeover (nothing, or queued work), the claimer's claims also take back this owner's
+ * attempts started before it. 0: that is done. Set before the claimer starts, then the
+ * claimer's alone. */
 static int64_t reclaim_before_ms;
 
 /* claim asks storaged for work under this process's owner id and lease: submission_id (NULL:

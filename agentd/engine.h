@@ -20,7 +20,8 @@ extern long long engine_max_drives;
 
 /* engine_note_start records this process's start, before it serves anything: the claimer's
  * first claims also take back the work this owner id held before (its attempts started
- * earlier, leases not yet run out), until one finds nothing, at most --max-drives at a time. */
+ * earlier, leases not yet run out), until one takes over nothing, at most --max-drives at a
+ * time. */
 void engine_note_start(void);
 
 /* engine_start starts `workers` engine threads (they step ready drives), the claimer and the
