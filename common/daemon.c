@@ -190,14 +190,20 @@ void daemon_port_file(const char *path, int port)
     }
 }
 
+/* stop_signals makes set the signals that stop a daemon: SIGINT and SIGTERM. */
+static void stop_signals(sigset_t *set)
+{
+    sigemptyset(set);
+    sigaddset(set, SIGINT);
+    sigaddset(set, SIGTERM);
+}
+
 void daemon_wait_for_stop_or_hup(void (*release)(void *arg), void (*hup)(void *arg), void *arg)
 {
     sigset_t set;
     int sig;
     struct timespec every = {TRIM_EVERY_S, 0};
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
+    stop_signals(&set);
     if (hup || g_tls || tls_client_on()) {
         sigaddset(&set, SIGHUP);
     }
@@ -224,9 +230,7 @@ void daemon_wait_for_stop_or_hup(void (*release)(void *arg), void (*hup)(void *a
 bool daemon_stop_signal_within(int64_t ms)
 {
     sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
+    stop_signals(&set);
     struct timespec wait = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
     int sig = sigtimedwait(&set, NULL, &wait);
     if (sig < 0) {

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cflue_harness import AGENTD_BIN, BenchBrainStack, proc_cpu_seconds  # noqa: E402
 from cflue_harness import proc_status_field  # noqa: E402
 from cflue_harness import common_pb2, store_pb2  # noqa: E402
+import cflue_harness as H  # noqa: E402
 
 AGENT = BenchBrainStack.AGENT
 
@@ -186,30 +187,44 @@ class EngineReclaimManyTest(unittest.TestCase):
     def tearDown(self):
         self.stack.remove()
 
-    def test_every_own_submission_is_taken_back_at_the_restart(self):
-        # each drive's first call is told to come back in 600 s: all N hold a lease when
-        # agentd is killed; after the restart the model answers
+    def park_kill_and_restart(self, n, storaged_down_s=0):
+        """n drives parked on the model (told to come back in 600 s), agentd killed and started
+        again, storaged away for storaged_down_s meanwhile; returns the submissions once
+        settled and the seconds from the restart (or storaged's return) until then."""
         busy = {'error': {'status': 529, 'message': 'overloaded', 'retry_after': 600}}
-        self.stack.fm.set_scenario([busy] * self.N + [{'text': 'ok'}] * self.N)
+        self.stack.fm.set_scenario([busy] * n + [{'text': 'ok'}] * n)
         ad, fm = self.stack.ad, self.stack.fm
         with ThreadPoolExecutor(16) as ex:
             ids = list(ex.map(lambda i: ad.submit('runner-anthropic', 'reclaim %d' % i,
-                                                  timeout=30).submission_id, range(self.N)))
-        deadline = time.time() + 60
-        while time.time() < deadline and len(fm.requests()) < self.N:
-            time.sleep(0.2)
-        self.assertEqual(len(fm.requests()), self.N, 'not every drive asked the model')
+                                                  timeout=30).submission_id, range(n)))
+        self.assertTrue(H.poll_until(lambda: len(fm.requests()) >= n, 60, 0.2),
+                        'not every drive asked the model')
         ad.kill()
+        if storaged_down_s:
+            self.stack.sd.kill()
         ad.start()
+        if storaged_down_s:
+            time.sleep(storaged_down_s)
+            self.stack.sd.start()
         t0 = time.time()
         with ThreadPoolExecutor(16) as ex:
             subs = list(ex.map(lambda s: ad.get_submission(s, wait=True, timeout=90), ids))
         took = time.time() - t0
         self.assertEqual([s.submission_id for s in subs
                           if s.outcome != common_pb2.OUTCOME_COMPLETED], [])
+        self.assertEqual(ad.stderr_text().count('event=reclaimed '), n)
+        return subs, took
+
+    def test_every_own_submission_is_taken_back_at_the_restart(self):
+        _, took = self.park_kill_and_restart(self.N)
         # the leases were 120 s: one not taken back would settle only once its lease ran out
         self.assertLess(took, 60, 'the last one settled %.1f s after the restart' % took)
-        self.assertEqual(ad.stderr_text().count('event=reclaimed '), self.N)
+
+    def test_storaged_away_at_the_restart_delays_the_taking_back_only(self):
+        # storaged is down when agentd starts, for longer than agentd's retry window (5 s):
+        # the claims that fail meanwhile keep the taking back on until one gets an answer
+        _, took = self.park_kill_and_restart(20, storaged_down_s=8)
+        self.assertLess(took, 60, 'the last one settled %.1f s after storaged came back' % took)
 
 
 class EngineToolBatchTest(unittest.TestCase):

@@ -13,6 +13,7 @@ import unittest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cflue_harness import NOT_SERVING, SERVING, Agentd, common_pb2  # noqa: E402
 from test_agentd import Stack  # noqa: E402
+import cflue_harness as H  # noqa: E402
 
 
 def settled_records(ad, conversation_id, submission_id):
@@ -109,9 +110,7 @@ class HandBackTest(unittest.TestCase):
         self.stack.fm.set_scenario([{'text': 'done once toold is back'}])
         self.stack.td.kill()
         sub = a.submit('runner-anthropic', 'hello')
-        deadline = time.time() + 20
-        while time.time() < deadline and a.stderr_text().count('event=drive_interrupted') < 2:
-            time.sleep(0.05)
+        H.poll_until(lambda: a.stderr_text().count('event=drive_interrupted') >= 2, 20)
         # the second interruption: the next claim is 2 s away
         self.assertEqual(a.stderr_text().count('event=drive_interrupted'), 2, a.stderr_text())
         t0 = time.time()
@@ -163,17 +162,13 @@ class DrainStack(object):
             {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'sleep %d' % seconds}}]},
             {'text': 'answered'}, {'text': 'answered'}])
         sub = a.submit('runner-anthropic', 'run the slow command')
-        deadline = time.time() + 20
-        while time.time() < deadline and not self.stack.fm.requests():
-            time.sleep(0.05)
+        H.poll_until(self.stack.fm.requests, 20)
         time.sleep(0.5)  # the answer is in: the command runs in toold
         return sub
 
     def sigterm_and_wait_for_the_drain(self, a):
         a.proc.send_signal(signal.SIGTERM)
-        deadline = time.time() + 10
-        while time.time() < deadline and 'event=draining' not in a.stderr_text():
-            time.sleep(0.05)
+        H.poll_until(lambda: 'event=draining' in a.stderr_text(), 10)
         self.assertIn('event=draining drives=1 up_to_ms=%d' % self.DRAIN_MS, a.stderr_text())
 
 
