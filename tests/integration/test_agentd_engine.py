@@ -206,6 +206,8 @@ class EngineReclaimManyTest(unittest.TestCase):
         if storaged_down_s:
             time.sleep(storaged_down_s)
             self.stack.sd.start()
+            # a wait through agentd fails at once while agentd cannot reach storaged yet
+            self.assertTrue(ad.wait_health('readiness', H.SERVING), 'agentd never got back')
         t0 = time.time()
         with ThreadPoolExecutor(16) as ex:
             subs = list(ex.map(lambda s: ad.get_submission(s, wait=True, timeout=90), ids))
