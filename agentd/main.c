@@ -50,6 +50,7 @@ static const char usage[] =
 struct agentd_opts {
     const char *store, *agents_dir, *owner, *models, *tokens;
     long long workers, lease_ms, heartbeat_ms, model_timeout, agents_poll_ms, drain_ms;
+    long long keepalive_ms;
     bool no_stream;
 };
 
@@ -303,7 +304,8 @@ int main(int argc, char **argv)
                             .lease_ms = 30000,
                             .heartbeat_ms = 10000,
                             .model_timeout = 600000,
-                            .agents_poll_ms = 2000};
+                            .agents_poll_ms = 2000,
+                            .keepalive_ms = 10000};
     const struct config_opt opts[] = {
         DAEMON_OPT_LISTEN(&d, "address to serve the Agent API on"),
         CONFIG_OPT_STRING("store", &o.store, "storaged address"),
@@ -332,6 +334,10 @@ int main(int argc, char **argv)
                        "on SIGTERM, how long the drives in flight may run on to settle before "
                        "the rest are stopped and handed back (0: at once; a second SIGTERM "
                        "ends the wait)"),
+        CONFIG_OPT_INT("keepalive-ms", &o.keepalive_ms, 1000, 3600000,
+                       "a connection to storaged or a tool server with a call in flight is "
+                       "pinged after this long without word, and dropped when the ping goes "
+                       "unanswered as long (a peer lost without a reset)"),
         DAEMON_OPT_GRACE_MS(&d, "how long shutdown waits for calls"),
         DAEMON_OPT_MAX_QUEUE(&d,
                              "API calls waiting for a thread; more are refused RESOURCE_EXHAUSTED"),
@@ -373,6 +379,7 @@ int main(int argc, char **argv)
     stats_init();
     curl_global_init(CURL_GLOBAL_DEFAULT);
     rpc_global_init();
+    rpc_set_keepalive_ms((int)o.keepalive_ms);
     g_agentd.store = rpc_channel_new(o.store, 64 << 20);
     struct cf_error err;
     struct agent_defs *defs = defs_get();

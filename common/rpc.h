@@ -273,8 +273,18 @@ struct rpc_status {
  * connect); a call that finds the channel in TRANSIENT_FAILURE, or fails UNAVAILABLE, makes
  * the next attempt start at once. So a peer that comes back is used again within about a
  * second, however long or often it was away. Calls still fail UNAVAILABLE at once while the
- * peer is down (no wait-for-ready): retrying is the caller's policy. */
+ * peer is down (no wait-for-ready): retrying is the caller's policy.
+ * A peer lost without a reset (a hung process, a host cut off) is noticed by the connection's
+ * pings within twice rpc_keepalive_ms() while a call is in flight, however long that call is
+ * silent (rpc_client.c, KEEPALIVE); its calls then fail UNAVAILABLE. */
 struct rpc_channel *rpc_channel_new(const char *target, int max_message_bytes);
+
+/* rpc_set_keepalive_ms sets how long a connection with a call in flight may go without word
+ * from its peer before it is pinged, and how long the ping may go unanswered before the
+ * connection is dropped: 10 s unless set, clamped to 1 s .. 1 h. Call before the first
+ * channel. rpc_keepalive_ms reads it. */
+void rpc_set_keepalive_ms(int ms);
+int rpc_keepalive_ms(void);
 
 /* rpc_channel_add_metadata makes every call started on ch from now on send the request
  * metadata key: value (key in lower case; e.g. "authorization", "Bearer <token>"); both are
@@ -283,7 +293,8 @@ struct rpc_channel *rpc_channel_new(const char *target, int max_message_bytes);
 #define RPC_CHANNEL_METADATA_MAX 4
 bool rpc_channel_add_metadata(struct rpc_channel *ch, const char *key, const char *value);
 
-/* rpc_channel_free closes the channel (NULL is fine). Every call must be over. */
+/* rpc_channel_free closes the channel (NULL is fine). Every call must be over (its probe, if
+ * one is in flight, is cancelled and ends on its own). */
 void rpc_channel_free(struct rpc_channel *ch);
 
 /* rpc_channel_cancel_all cancels every call in flight on ch (they end CANCELLED with why as

@@ -18,6 +18,9 @@
  * Trace context: a call started while the calling thread has a current trace (trace.h) sends
  * `traceparent` with the trace's id and flags and a new parent-id (the call's own span), and
  * the trace's `tracestate`; the call keeps the slices until it is freed.
+ *
+ * A peer that is lost silently: see KEEPALIVE below, and the probe that keeps it working on
+ * a connection whose calls send nothing for minutes (a long tool call).
  */
 #include "rpc.h"
 
@@ -29,6 +32,8 @@
 #include "thread.h"
 #include "tls.h"
 #include "trace.h"
+
+#include "grpc/health/v1/health.pb-c.h"
 
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc_security.h>
@@ -43,27 +48,49 @@
 #define RECONNECT_MAX_MS 1000
 #define CONNECT_TIMEOUT_MS 1000 /* GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: a connect attempt's floor */
 #define RESET_INTERVAL_MS 100
-/* A connection with a call in flight is pinged (HTTP/2 PING) after this long without word
- * from the peer, and dropped when the ping goes unanswered as long again: a peer that hangs,
- * or whose host is gone without a reset (packets dropped), fails the calls on it within
- * 20 s, and the next call connects again (to what the address names now) instead of waiting
- * for TCP to give up (about 15 minutes). gRPC's default of at most two pings without data
- * sent keeps this within what any gRPC server allows by default (another's tool server too). */
-#define KEEPALIVE_MS 10000
+/* KEEPALIVE: a connection with a call in flight is pinged (HTTP/2 PING) after
+ * rpc_keepalive_ms() (10 s) without word from the peer, and dropped when the ping goes
+ * unanswered as long again: a peer that hangs, or whose host is gone without a reset (packets
+ * dropped), fails the calls on it within 20 s, and the next call connects again (to what the
+ * address names now) instead of waiting for TCP to give up (about 15 minutes, or never on a
+ * connection with nothing to send).
+ *
+ * gRPC sends at most two pings until data is exchanged again, and servers take more, with
+ * nothing sent between, for abuse (gRPC's default server policy: one per 5 minutes). So a
+ * call that sends and receives nothing for longer than two pings (a tool call running for
+ * minutes) would be left unguarded. The PROBE fills that gap within every server's default
+ * policy: when a channel has calls in flight and no call started on it for
+ * rpc_keepalive_ms(), the client loop makes one grpc.health.v1 Check on it. Its request and
+ * answer are the data that let the next pings go out (any answer will do, UNIMPLEMENTED too;
+ * what it says is not used: a peer that answers pings is alive, and one that does not is
+ * dropped by the pings). */
+#define KEEPALIVE_DEFAULT_MS 10000
+#define KEEPALIVE_MIN_MS 1000
+#define KEEPALIVE_MAX_MS 3600000
+#define PROBE_TICKS 4  /* the loop looks for channels to probe KEEPALIVE / PROBE_TICKS apart */
+#define PROBE_BATCH 64 /* probes started per look at most (the rest at the next) */
 
 /* One call in flight on a channel, linked while it may block. */
 struct live_call {
     grpc_call *call;
+    bool probe; /* the channel's PROBE: not counted as busy */
     struct live_call *prev, *next;
 };
 
 struct rpc_channel {
     grpc_channel *ch;
+    char target[128]; /* for the logs */
     pthread_mutex_t mu;
+    _Atomic int refs;        /* the owner's (until rpc_channel_free), each event-driven call's */
     struct live_call *calls; /* in flight, for rpc_channel_cancel_all */
     bool cancelled;          /* rpc_channel_cancel_all was called */
     char cancel_why[128];
     _Atomic int64_t last_reset_ms;
+    /* the PROBE, under mu: calls in flight (the probe not counted), whether a probe is */
+    int busy;
+    bool probing;
+    _Atomic int64_t last_start_ms;             /* when a call last started on it */
+    struct rpc_channel *open_prev, *open_next; /* in g_open until rpc_channel_free */
     /* request metadata sent with every call (rpc_channel_add_metadata) */
     grpc_metadata md[RPC_CHANNEL_METADATA_MAX];
     size_t n_md;
@@ -112,12 +139,54 @@ void rpc_global_init(void)
 }
 
 static void aloop_stop(void);
+static void aloop_start(void);
+static pthread_once_t aloop_once = PTHREAD_ONCE_INIT;
 
 void rpc_global_shutdown(void)
 {
     aloop_stop();
     grpc_shutdown_blocking();
     tls_client_clear();
+}
+
+static _Atomic int keepalive_ms = KEEPALIVE_DEFAULT_MS;
+
+void rpc_set_keepalive_ms(int ms)
+{
+    atomic_store(&keepalive_ms, ms < KEEPALIVE_MIN_MS   ? KEEPALIVE_MIN_MS
+                                : ms > KEEPALIVE_MAX_MS ? KEEPALIVE_MAX_MS
+                                                        : ms);
+}
+
+int rpc_keepalive_ms(void)
+{
+    return atomic_load(&keepalive_ms);
+}
+
+/* The channels whose owner has not freed them yet, which the PROBE looks through. Lock order:
+ * g_open.mu before a channel's mu. */
+static struct {
+    pthread_mutex_t mu;
+    struct rpc_channel *head;
+} g_open = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static struct rpc_channel *channel_ref(struct rpc_channel *ch)
+{
+    atomic_fetch_add(&ch->refs, 1);
+    return ch;
+}
+
+static void channel_unref(struct rpc_channel *ch)
+{
+    if (atomic_fetch_sub(&ch->refs, 1) != 1) {
+        return;
+    }
+    for (size_t i = 0; i < ch->n_md; i++) {
+        grpc_slice_unref(ch->md[i].key);
+        grpc_slice_unref(ch->md[i].value); /* may hold a secret: gone with the channel */
+    }
+    pthread_mutex_destroy(&ch->mu);
+    free(ch);
 }
 
 static grpc_arg int_arg(char *key, int value)
@@ -141,13 +210,24 @@ struct rpc_channel *rpc_channel_new(const char *target, int max_message_bytes)
         int_arg(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, RECONNECT_INITIAL_MS),
         int_arg(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, CONNECT_TIMEOUT_MS),
         int_arg(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, RECONNECT_MAX_MS),
-        int_arg(GRPC_ARG_KEEPALIVE_TIME_MS, KEEPALIVE_MS),
-        int_arg(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, KEEPALIVE_MS),
+        int_arg(GRPC_ARG_KEEPALIVE_TIME_MS, rpc_keepalive_ms()),
+        int_arg(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, rpc_keepalive_ms()),
     };
     grpc_channel_args ca = {sizeof(args) / sizeof(args[0]), args};
     c->ch = grpc_channel_create(target, creds, &ca);
     grpc_channel_credentials_release(creds);
+    snprintf(c->target, sizeof(c->target), "%s", target);
     pthread_mutex_init(&c->mu, NULL);
+    atomic_init(&c->refs, 1);
+    atomic_init(&c->last_start_ms, clock_mono_ms());
+    pthread_once(&aloop_once, aloop_start); /* the PROBE runs there */
+    pthread_mutex_lock(&g_open.mu);
+    c->open_next = g_open.head;
+    if (g_open.head) {
+        g_open.head->open_prev = c;
+    }
+    g_open.head = c;
+    pthread_mutex_unlock(&g_open.mu);
     return c;
 }
 
@@ -163,17 +243,36 @@ bool rpc_channel_add_metadata(struct rpc_channel *ch, const char *key, const cha
     return true;
 }
 
+/* cancel_probe cancels ch's probe if one is in flight; under ch->mu. */
+static void cancel_probe(struct rpc_channel *ch)
+{
+    for (struct live_call *lc = ch->calls; lc; lc = lc->next) {
+        if (lc->probe) {
+            grpc_call_cancel(lc->call, NULL);
+        }
+    }
+}
+
 void rpc_channel_free(struct rpc_channel *ch)
 {
-    if (ch) {
-        for (size_t i = 0; i < ch->n_md; i++) {
-            grpc_slice_unref(ch->md[i].key);
-            grpc_slice_unref(ch->md[i].value); /* may hold a secret: gone with the channel */
-        }
-        grpc_channel_destroy(ch->ch);
-        pthread_mutex_destroy(&ch->mu);
-        free(ch);
+    if (!ch) {
+        return;
     }
+    pthread_mutex_lock(&g_open.mu);
+    if (ch->open_prev) {
+        ch->open_prev->open_next = ch->open_next;
+    } else {
+        g_open.head = ch->open_next;
+    }
+    if (ch->open_next) {
+        ch->open_next->open_prev = ch->open_prev;
+    }
+    pthread_mutex_lock(&ch->mu);
+    cancel_probe(ch); /* its end lets go of the last reference */
+    pthread_mutex_unlock(&ch->mu);
+    pthread_mutex_unlock(&g_open.mu);
+    grpc_channel_destroy(ch->ch); /* calls still ending keep the core's channel */
+    channel_unref(ch);
 }
 
 /* reset_backoff makes the channel's next connection attempt start now, at most once per
@@ -191,9 +290,10 @@ static void reset_backoff(struct rpc_channel *ch)
 /* call_begin links a new call into its channel, or returns false (the call must not start)
  * when the channel was cancelled. A call that finds the channel failing asks for a fresh
  * connect. */
-static bool call_begin(struct rpc_channel *ch, struct live_call *lc, grpc_call *call)
+static bool call_begin(struct rpc_channel *ch, struct live_call *lc, grpc_call *call, bool probe)
 {
     lc->call = call;
+    lc->probe = probe;
     lc->prev = NULL;
     pthread_mutex_lock(&ch->mu);
     if (ch->cancelled) {
@@ -205,7 +305,9 @@ static bool call_begin(struct rpc_channel *ch, struct live_call *lc, grpc_call *
         ch->calls->prev = lc;
     }
     ch->calls = lc;
+    ch->busy += !lc->probe;
     pthread_mutex_unlock(&ch->mu);
+    atomic_store(&ch->last_start_ms, clock_mono_ms());
     if (grpc_channel_check_connectivity_state(ch->ch, 0) == GRPC_CHANNEL_TRANSIENT_FAILURE) {
         reset_backoff(ch);
     }
@@ -224,6 +326,7 @@ static void call_end(struct rpc_channel *ch, struct live_call *lc, grpc_status_c
     if (lc->next) {
         lc->next->prev = lc->prev;
     }
+    ch->busy -= !lc->probe;
     pthread_mutex_unlock(&ch->mu);
     if (code == GRPC_STATUS_UNAVAILABLE) {
         reset_backoff(ch);
@@ -361,7 +464,7 @@ bool rpc_unary(struct rpc_channel *ch, const char *method, const ProtobufCMessag
     struct call_md md;
 
     *resp_out = NULL;
-    if (!call_begin(ch, &lc, call)) {
+    if (!call_begin(ch, &lc, call, false)) {
         set_cancelled_status(ch, st);
         grpc_byte_buffer_destroy(send);
         grpc_call_unref(call);
@@ -434,7 +537,7 @@ struct rpc_stream *rpc_stream_open(struct rpc_channel *ch, const char *method,
     s->code = GRPC_STATUS_UNKNOWN;
     s->details = grpc_empty_slice();
     s->ch = ch;
-    s->linked = call_begin(ch, &s->lc, s->call);
+    s->linked = call_begin(ch, &s->lc, s->call, false);
     if (!s->linked) {
         struct rpc_status st;
         set_cancelled_status(ch, &st);
@@ -544,6 +647,8 @@ struct atag {
 };
 
 struct rpc_astream {
+    struct rpc_channel *ch; /* a reference, for the PROBE's count of calls in flight */
+    bool busy;              /* counted in ch->busy until its status came */
     grpc_call *call;
     const ProtobufCMessageDescriptor *desc;
     const struct rpc_astream_ops *ops;
@@ -564,10 +669,18 @@ struct rpc_astream {
     struct call_md md;
 };
 
-static pthread_once_t aloop_once = PTHREAD_ONCE_INIT;
 static grpc_completion_queue *aloop_cq;
 static pthread_t aloop_thread;
 static bool aloop_started;
+static bool aloop_stopping; /* under g_open.mu: no probe starts any more */
+
+/* channel_busy counts a call in or out of ch's calls in flight (the PROBE looks for those). */
+static void channel_busy(struct rpc_channel *ch, int delta)
+{
+    pthread_mutex_lock(&ch->mu);
+    ch->busy += delta;
+    pthread_mutex_unlock(&ch->mu);
+}
 
 static void astream_free(struct rpc_astream *s)
 {
@@ -577,6 +690,7 @@ static void astream_free(struct rpc_astream *s)
     grpc_call_unref(s->call);
     call_md_cleanup(&s->md);
     pthread_mutex_destroy(&s->mu);
+    channel_unref(s->ch);
     free(s);
 }
 
@@ -598,7 +712,7 @@ static void on_acomplete(struct atag *t, int success)
 {
     struct rpc_astream *s = t->s;
     ProtobufCMessage *msg = NULL;
-    bool deliver_msg = false, bad = false;
+    bool deliver_msg = false, bad = false, idle = false;
     pthread_mutex_lock(&s->mu);
     s->pending--;
     switch (t->kind) {
@@ -607,6 +721,8 @@ static void on_acomplete(struct atag *t, int success)
         break;
     case ATAG_STATUS:
         s->got_status = true;
+        idle = s->busy;
+        s->busy = false;
         break;
     case ATAG_READ:
         s->reading = false;
@@ -622,6 +738,9 @@ static void on_acomplete(struct atag *t, int success)
         break;
     }
     pthread_mutex_unlock(&s->mu);
+    if (idle) {
+        channel_busy(s->ch, -1);
+    }
     if (bad) {
         grpc_call_cancel_with_status(s->call, GRPC_STATUS_INTERNAL,
                                      "a stream message could not be decoded", NULL);
@@ -671,9 +790,10 @@ struct rpc_acall {
 static void on_aunary_complete(struct atag *t)
 {
     struct rpc_acall *a = (struct rpc_acall *)t;
+    struct rpc_channel *ch = a->ch;
     struct rpc_status st;
     ProtobufCMessage *resp = NULL;
-    call_end(a->ch, &a->lc, a->code);
+    call_end(ch, &a->lc, a->code);
     copy_status(&st, a->code, a->details, &a->trail_md);
     if (st.code == GRPC_STATUS_OK && (!a->bb || !(resp = rpc_unpack(a->desc, a->bb)))) {
         st.code = GRPC_STATUS_INTERNAL;
@@ -693,15 +813,24 @@ static void on_aunary_complete(struct atag *t)
     void *arg = a->arg;
     free(a);
     done(arg, &st, resp);
+    channel_unref(ch);
 }
+
+static void probe_look(void);
 
 static void *aloop_main(void *arg)
 {
     (void)arg;
     (void)pthread_setname_np(pthread_self(), "rpc-client");
+    int64_t tick = rpc_keepalive_ms() / PROBE_TICKS;
+    int64_t next_look = clock_mono_ms() + tick;
     for (;;) {
-        grpc_event ev =
-            grpc_completion_queue_next(aloop_cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        int64_t now = clock_mono_ms();
+        if (now >= next_look) {
+            probe_look();
+            next_look = now + tick;
+        }
+        grpc_event ev = grpc_completion_queue_next(aloop_cq, deadline_in(next_look - now), NULL);
         if (ev.type == GRPC_QUEUE_SHUTDOWN) {
             return NULL;
         }
@@ -744,9 +873,11 @@ struct rpc_astream *rpc_astream_open(struct rpc_channel *ch, const char *method,
     grpc_metadata_array_init(&s->trail_md);
     s->code = GRPC_STATUS_UNKNOWN;
     s->details = grpc_empty_slice();
+    s->ch = channel_ref(ch);
     s->call = grpc_channel_create_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, aloop_cq,
                                        grpc_slice_from_static_string(method), NULL,
                                        deadline_in(timeout_ms), NULL);
+    atomic_store(&ch->last_start_ms, clock_mono_ms());
     grpc_byte_buffer *send = rpc_pack(req);
     grpc_op ops_[4];
     call_md_init(&s->md, ch);
@@ -765,6 +896,8 @@ struct rpc_astream *rpc_astream_open(struct rpc_channel *ch, const char *method,
     thread_handoff_release(&s->t_status);
     if (grpc_call_start_batch(s->call, &st, 1, &s->t_status, NULL) == GRPC_CALL_OK) {
         s->pending++;
+        s->busy = true; /* until the status comes */
+        channel_busy(ch, 1);
     } else {
         s->got_status = true; /* never started: end at the first read */
         s->code = GRPC_STATUS_INTERNAL;
@@ -816,15 +949,16 @@ void rpc_astream_release(struct rpc_astream *s)
     grpc_call_unref(call);
 }
 
-void rpc_acall_start(struct rpc_channel *ch, const char *method, const ProtobufCMessage *req,
-                     const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
-                     rpc_acall_done_fn done, void *arg)
+/* acall_start is rpc_acall_start; probe: the call is ch's PROBE. */
+static void acall_start(struct rpc_channel *ch, const char *method, const ProtobufCMessage *req,
+                        const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
+                        rpc_acall_done_fn done, void *arg, bool probe)
 {
     pthread_once(&aloop_once, aloop_start);
     struct rpc_acall *a = mem_alloc(sizeof(*a));
     memset(a, 0, sizeof(*a));
     a->tag.kind = ATAG_UNARY;
-    a->ch = ch;
+    a->ch = channel_ref(ch);
     a->desc = resp_desc;
     a->done = done;
     a->arg = arg;
@@ -849,7 +983,7 @@ void rpc_acall_start(struct rpc_channel *ch, const char *method, const ProtobufC
     ops[5].data.recv_status_on_client.status_details = &a->details;
     bool started = false;
     grpc_call *call = a->call;
-    if (call_begin(ch, &a->lc, call)) {
+    if (call_begin(ch, &a->lc, call, probe)) {
         /* a is the loop's from here (read through its tag): nothing below reads it once the
          * batch started */
         thread_handoff_release(&a->tag);
@@ -880,14 +1014,80 @@ void rpc_acall_start(struct rpc_channel *ch, const char *method, const ProtobufC
     call_md_cleanup(&a->md);
     free(a);
     done(arg, &st, NULL);
+    channel_unref(ch);
 }
 
-/* aloop_stop stops the client stream thread (every stream must be over). */
+void rpc_acall_start(struct rpc_channel *ch, const char *method, const ProtobufCMessage *req,
+                     const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
+                     rpc_acall_done_fn done, void *arg)
+{
+    acall_start(ch, method, req, resp_desc, timeout_ms, done, arg, false);
+}
+
+/* probe_done ends a PROBE: what the peer answered does not matter (see KEEPALIVE), but a
+ * probe that got no answer is logged, beside what the calls on the channel then report. */
+static void probe_done(void *arg, const struct rpc_status *st, ProtobufCMessage *resp)
+{
+    struct rpc_channel *ch = arg;
+    if (resp) {
+        protobuf_c_message_free_unpacked(resp, NULL);
+    }
+    if (st->code == GRPC_STATUS_DEADLINE_EXCEEDED || st->code == GRPC_STATUS_UNAVAILABLE) {
+        log_info("rpc_probe",
+                 "target=%s code=%d msg=\"a peer with calls in flight did not answer a "
+                 "probe: the connection is dropped if its pings go unanswered too\"",
+                 ch->target, (int)st->code);
+    }
+    pthread_mutex_lock(&ch->mu);
+    ch->probing = false;
+    pthread_mutex_unlock(&ch->mu);
+}
+
+/* probe_look starts the PROBE on each open channel that has calls in flight and has started
+ * none for rpc_keepalive_ms(), and has no probe in flight; on the loop thread. The probes
+ * start under g_open.mu, so a channel being freed meanwhile is not probed (rpc_channel_free
+ * takes it out of g_open first). */
+static void probe_look(void)
+{
+    int64_t now = clock_mono_ms();
+    int keepalive = rpc_keepalive_ms();
+    int started = 0;
+    pthread_mutex_lock(&g_open.mu);
+    for (struct rpc_channel *ch = g_open.head; ch && !aloop_stopping && started < PROBE_BATCH;
+         ch = ch->open_next) {
+        if (now - atomic_load(&ch->last_start_ms) < keepalive) {
+            continue;
+        }
+        pthread_mutex_lock(&ch->mu);
+        bool due = ch->busy > 0 && !ch->probing && !ch->cancelled;
+        ch->probing |= due;
+        pthread_mutex_unlock(&ch->mu);
+        if (due) {
+            Grpc__Health__V1__HealthCheckRequest rq = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+            acall_start(ch, "/grpc.health.v1.Health/Check", &rq.base,
+                        &grpc__health__v1__health_check_response__descriptor, keepalive, probe_done,
+                        ch, true);
+            started++;
+        }
+    }
+    pthread_mutex_unlock(&g_open.mu);
+}
+
+/* aloop_stop stops the client stream thread (every stream must be over; probes are
+ * cancelled). */
 static void aloop_stop(void)
 {
     if (!aloop_started) {
         return;
     }
+    pthread_mutex_lock(&g_open.mu);
+    aloop_stopping = true;
+    for (struct rpc_channel *ch = g_open.head; ch; ch = ch->open_next) {
+        pthread_mutex_lock(&ch->mu);
+        cancel_probe(ch);
+        pthread_mutex_unlock(&ch->mu);
+    }
+    pthread_mutex_unlock(&g_open.mu);
     grpc_completion_queue_shutdown(aloop_cq);
     pthread_join(aloop_thread, NULL);
     grpc_completion_queue_destroy(aloop_cq);

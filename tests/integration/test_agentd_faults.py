@@ -923,5 +923,69 @@ class HungPeerTest(unittest.TestCase):
                          common_pb2.OUTCOME_COMPLETED)
 
 
+class HungToolPeerTest(unittest.TestCase):
+    """A toold that hangs (SIGSTOP) while the only call on agentd's connection to it is a
+    command that has been running, silent, for longer than the connection's two pings
+    without data, and is replaced by a new process at the same address. gRPC sends no more
+    pings on such a connection by itself; agentd's probe (a health Check once the connection
+    has started nothing for a keepalive period) lets them go on, so the dead connection is
+    dropped, the drive is interrupted and resumes on the new toold: the call gets the
+    outcome-unknown result and the model answers. Without the probe the drive waits on the
+    hung connection for good. agentd's keepalive is shortened to 2 s (--keepalive-ms), so the
+    whole story takes seconds."""
+    KEEPALIVE_MS = 2000
+
+    def setUp(self):
+        from test_agentd import Stack
+        self.stack = Stack(agents=('runner-anthropic',),
+                           agentd_args=('--keepalive-ms', str(self.KEEPALIVE_MS)))
+        self.replacement = None
+
+    def tearDown(self):
+        self.stack.td.kill()  # a stopped process takes SIGKILL
+        if self.replacement is not None:
+            self.replacement.close()
+        self.stack.remove()
+
+    def test_a_toold_hung_under_a_long_silent_call_is_left_and_the_work_resumes(self):
+        st = self.stack
+        conv = new_conv('hung-toold')
+        ws = st.td.workspace(conv, create=True)
+        st.fm.set_scenario(bind([
+            {'tool_calls': [{'name': 'bash', 'arguments': {
+                'command': 'echo started > started.txt; sleep 600'}}]},
+            {'text': 'answered after the lost call'}], conv))
+        adm = st.ad.submit('runner-anthropic', 'a long command (%s)' % conv,
+                           conversation_id=conv)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(ws, 'started.txt')):
+            self.assertLess(time.monotonic(), deadline, 'the command never started')
+            time.sleep(0.05)
+        # past the two pings gRPC sends without data (one keepalive apart), with margin; the
+        # connection lives on meanwhile (the probes keep its pings within toold's policy)
+        time.sleep(4 * self.KEEPALIVE_MS / 1000.0)
+        self.assertNotIn('drive_interrupted', st.ad.stderr_text())
+        self.assertNotEqual(st.ad.get_submission(adm.submission_id).status, SETTLED)
+        st.td.drop_channel()  # this process's own channel would share agentd's connection
+        os.kill(st.td.pid, signal.SIGSTOP)
+        os.unlink(st.td.sock)
+        self.replacement = H.Toold(workdir=st._sub('toold-new'), start=False)
+        self.replacement.sock = st.td.sock
+        self.replacement.start()
+        hung_at = time.monotonic()
+        sub = st.ad.get_submission(adm.submission_id, wait=True, timeout=40)
+        lost_after = time.monotonic() - hung_at
+        self.assertEqual(sub.outcome, common_pb2.OUTCOME_COMPLETED, sub)
+        recs = H.read_all(st.sd.stub, conv)
+        results = [body(r) for r in recs if kind(r) == 'tool_result']
+        self.assertEqual(len(results), 1, results)
+        self.assertTrue(results[0].outcome_unknown, results[0])
+        texts = [body(r).text for r in recs if kind(r) == 'assistant_message']
+        self.assertIn('answered after the lost call', texts)
+        # noticed through the pings: a few keepalive periods, not the command's 600 s
+        self.assertLess(lost_after, 30, 'the hung toold was noticed after %.1f s' % lost_after)
+        self.assertIn('drive_interrupted', st.ad.stderr_text())
+
+
 if __name__ == '__main__':
     unittest.main()
