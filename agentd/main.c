@@ -50,7 +50,7 @@ static const char usage[] =
 struct agentd_opts {
     const char *store, *agents_dir, *owner, *models, *tokens;
     long long workers, lease_ms, heartbeat_ms, model_timeout, agents_poll_ms, drain_ms;
-    long long keepalive_ms;
+    long long keepalive_ms, replica_linger_ms;
     bool no_stream;
 };
 
@@ -305,7 +305,8 @@ int main(int argc, char **argv)
                             .heartbeat_ms = 10000,
                             .model_timeout = 600000,
                             .agents_poll_ms = 2000,
-                            .keepalive_ms = 10000};
+                            .keepalive_ms = 10000,
+                            .replica_linger_ms = PLACEMENT_LINGER_DEFAULT_MS};
     const struct config_opt opts[] = {
         DAEMON_OPT_LISTEN(&d, "address to serve the Agent API on"),
         CONFIG_OPT_STRING("store", &o.store, "storaged address"),
@@ -334,6 +335,9 @@ int main(int argc, char **argv)
                        "on SIGTERM, how long the drives in flight may run on to settle before "
                        "the rest are stopped and handed back (0: at once; a second SIGTERM "
                        "ends the wait)"),
+        CONFIG_OPT_INT("replica-linger-ms", &o.replica_linger_ms, 0, 86400000,
+                       "a toold replica that a lookup of a dns: sandbox.tools no longer finds "
+                       "keeps its sandboxes this long (a pod restarting)"),
         CONFIG_OPT_INT("keepalive-ms", &o.keepalive_ms, 1000, 3600000,
                        "a connection to storaged or a tool server with a call in flight is "
                        "pinged after this long without word, and dropped when the ping goes "
@@ -358,6 +362,7 @@ int main(int argc, char **argv)
     if (o.heartbeat_ms * 2 > o.lease_ms) {
         o.heartbeat_ms = o.lease_ms / 3;
     }
+    placement_set_linger_ms(o.replica_linger_ms); /* before the definitions' first lookups */
     if (!load_definitions(&d, &o)) {
         return 1;
     }

@@ -36,8 +36,10 @@ struct watched {
     const char *names[PLACEMENT_REPLICAS_MAX]; /* interned, sorted */
     const char *addrs[PLACEMENT_REPLICAS_MAX]; /* interned, names[i]'s address */
     const char *ips[PLACEMENT_REPLICAS_MAX];   /* interned, the IP:PORT it was found at */
+    int64_t seen_ms[PLACEMENT_REPLICAS_MAX];   /* when a lookup last found names[i] */
     size_t n;
-    bool looked_up; /* its first lookup has ended (found some or none) */
+    int64_t last_lookup_ms; /* when a lookup last found some */
+    bool looked_up;         /* its first lookup has ended (found some or none) */
 };
 
 static struct {
@@ -50,8 +52,10 @@ static struct {
     char **interned; /* every replica address handed out, for the process's life */
     size_t n_interned;
     bool started, stopping;
+    int64_t linger_ms; /* placement_set_linger_ms */
     pthread_t thread;
-} g = {.mu = PTHREAD_MUTEX_INITIALIZER,
+} g = {.linger_ms = PLACEMENT_LINGER_DEFAULT_MS,
+       .mu = PTHREAD_MUTEX_INITIALIZER,
        .wake = PTHREAD_COND_INITIALIZER,
        .looked = PTHREAD_COND_INITIALIZER};
 
@@ -227,12 +231,11 @@ static size_t resolve(const char *host, const char *port, struct found *out, siz
     return n;
 }
 
-/* store puts what a lookup of w found in force (nothing found: the replicas known stay) and
- * logs a change; under g.mu. */
-static void store(struct watched *w, struct found *found, size_t n)
+/* keep_names gives the replicas a reverse lookup failed to name this time the names their
+ * addresses had: a passing DNS fault must not move sandboxes between replicas. found stays
+ * sorted by name. */
+static void keep_names(const struct watched *w, struct found *found, size_t n)
 {
-    /* a reverse lookup that failed this time keeps the name the address had: a passing DNS
-     * fault must not move sandboxes between replicas */
     bool renamed = false;
     for (size_t i = 0; i < n; i++) {
         for (size_t j = 0; j < w->n && !found[i].named; j++) {
@@ -246,17 +249,87 @@ static void store(struct watched *w, struct found *found, size_t n)
     if (renamed) {
         qsort(found, n, sizeof(*found), name_order);
     }
+}
+
+/* linger adds to found (n of them, sorted by name; room for PLACEMENT_REPLICAS_MAX) the
+ * replicas w knew that this lookup did not find, for g.linger_ms after a lookup last found
+ * each: a toold pod that a rolling restart takes out of DNS for a moment keeps its sandboxes
+ * (their calls fail meanwhile, and the drives resume once it is back) instead of having them
+ * placed anew on a replica where their workspaces are not. Logs a replica missing for the
+ * first time, and one given up. seen_ms[i] is filled for each of found. Returns the new n. */
+static size_t linger(const struct watched *w, struct found *found, int64_t *seen_ms, size_t n,
+                     int64_t now)
+{
+    size_t found_n = n;
+    for (size_t i = 0; i < found_n; i++) {
+        seen_ms[i] = now;
+    }
+    for (size_t j = 0; j < w->n; j++) {
+        bool there = false;
+        for (size_t i = 0; i < found_n && !there; i++) {
+            there = !strcmp(found[i].name, w->names[j]);
+        }
+        if (there) {
+            continue;
+        }
+        int64_t gone_ms = now - w->seen_ms[j];
+        if (gone_ms >= g.linger_ms || n == PLACEMENT_REPLICAS_MAX) {
+            log_warn("toold_replica_dropped",
+                     "spec=%s replica=%s missing_ms=%lld note=\"its sandboxes are placed on the "
+                     "replicas left\"",
+                     w->spec, w->names[j], (long long)gone_ms);
+            continue;
+        }
+        if (w->seen_ms[j] == w->last_lookup_ms) { /* found by the lookup before this one */
+            log_warn("toold_replica_missing",
+                     "spec=%s replica=%s linger_ms=%lld note=\"no longer in DNS: its sandboxes "
+                     "stay placed on it until it is back or the time is up\"",
+                     w->spec, w->names[j], (long long)g.linger_ms);
+        }
+        struct found f = {.named = true};
+        snprintf(f.name, sizeof(f.name), "%s", w->names[j]);
+        snprintf(f.addr, sizeof(f.addr), "%s", w->addrs[j]);
+        snprintf(f.ip, sizeof(f.ip), "%s", w->ips[j]);
+        seen_ms[n] = w->seen_ms[j];
+        found[n++] = f;
+    }
+    /* sorted by name, seen_ms alongside (a few dozen entries at most) */
+    for (size_t i = 1; i < n; i++) {
+        for (size_t k = i; k > 0 && strcmp(found[k - 1].name, found[k].name) > 0; k--) {
+            struct found t = found[k];
+            found[k] = found[k - 1];
+            found[k - 1] = t;
+            int64_t ts = seen_ms[k];
+            seen_ms[k] = seen_ms[k - 1];
+            seen_ms[k - 1] = ts;
+        }
+    }
+    return n;
+}
+
+/* store puts what a lookup of w found in force (nothing found: the replicas known stay; a
+ * replica not found lingers: see linger) and logs a change; under g.mu. */
+static void store(struct watched *w, struct found *found, size_t n)
+{
+    int64_t now = clock_mono_ms();
+    if (n == 0) {
+        if (w->n) {
+            log_warn("toold_replicas_unresolved",
+                     "spec=%s known=%zu note=\"the lookup found none: the replicas known stay\"",
+                     w->spec, w->n);
+        }
+        return;
+    }
+    keep_names(w, found, n);
+    int64_t seen_ms[PLACEMENT_REPLICAS_MAX];
+    n = linger(w, found, seen_ms, n, now);
+    w->last_lookup_ms = now;
     bool same = n == w->n;
     for (size_t i = 0; same && i < n; i++) {
         same = !strcmp(found[i].name, w->names[i]) && !strcmp(found[i].ip, w->ips[i]);
     }
+    memcpy(w->seen_ms, seen_ms, sizeof(seen_ms[0]) * n);
     if (same) {
-        return;
-    }
-    if (n == 0) {
-        log_warn("toold_replicas_unresolved",
-                 "spec=%s known=%zu note=\"the lookup found none: the replicas known stay\"",
-                 w->spec, w->n);
         return;
     }
     char list[1024] = "";
@@ -424,6 +497,13 @@ const char *placement_pick(const char *spec, const char *sandbox)
     int i = best(names, n < PLACEMENT_REPLICAS_MAX ? n : PLACEMENT_REPLICAS_MAX, sandbox);
     pthread_mutex_unlock(&g.mu);
     return i < 0 ? NULL : addrs[i];
+}
+
+void placement_set_linger_ms(int64_t ms)
+{
+    pthread_mutex_lock(&g.mu);
+    g.linger_ms = ms;
+    pthread_mutex_unlock(&g.mu);
 }
 
 void placement_stop(void)

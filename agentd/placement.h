@@ -18,7 +18,10 @@
  * A sandbox is placed on the replica whose hash of (replica name, sandbox name) is highest, so
  * every agentd that sees the same replicas places it alike, a replica added takes over only its
  * share of the sandboxes (about 1/n), and one that goes away gives away only its own. A lookup
- * that fails, or finds nothing, keeps the replicas known before.
+ * that fails, or finds nothing, keeps the replicas known before. A replica that a lookup no
+ * longer finds stays for the linger time (placement_set_linger_ms) after it was last found: a
+ * toold pod out of DNS for a moment in a rolling restart keeps its sandboxes, whose calls fail
+ * until it is back, rather than having them placed where their workspaces are not.
  */
 #ifndef CFLUE_AGENTD_PLACEMENT_H
 #define CFLUE_AGENTD_PLACEMENT_H
@@ -28,10 +31,11 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#define PLACEMENT_REPLICAS_MAX 64       /* replicas of one spec (more are left out, logged) */
-#define PLACEMENT_REFRESH_MS 5000       /* between two lookups of a dns: spec */
-#define PLACEMENT_ADDRESS_MAX 255       /* characters of one replica's address */
-#define PLACEMENT_FIRST_LOOKUP_MS 10000 /* a pick waits this long for a new spec's lookup */
+#define PLACEMENT_REPLICAS_MAX 64          /* replicas of one spec (more are left out, logged) */
+#define PLACEMENT_REFRESH_MS 5000          /* between two lookups of a dns: spec */
+#define PLACEMENT_ADDRESS_MAX 255          /* characters of one replica's address */
+#define PLACEMENT_FIRST_LOOKUP_MS 10000    /* a pick waits this long for a new spec's lookup */
+#define PLACEMENT_LINGER_DEFAULT_MS 300000 /* a replica missing from DNS stays this long */
 
 /* placement_check validates a spec (as agents.c builds it); CF_INVALID with why filled. */
 CF_MUST_CHECK enum cf_status placement_check(const char *spec, char *why, size_t n);
@@ -50,6 +54,10 @@ const char *placement_pick(const char *spec, const char *sandbox);
 /* placement_replicas writes up to max of spec's replicas known now into out (their addresses,
  * as placement_pick returns them) and returns how many there are. */
 size_t placement_replicas(const char *spec, const char **out, size_t max);
+
+/* placement_set_linger_ms sets how long a replica a lookup no longer finds stays placed on
+ * (0: it goes at once). */
+void placement_set_linger_ms(int64_t ms);
 
 /* placement_stop ends the lookups and frees what placement holds (at exit). */
 void placement_stop(void);

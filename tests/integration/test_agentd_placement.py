@@ -276,6 +276,60 @@ class DnsTest(PlacementCase):
         three = {check(order, c) for c in pick(order, 'conv_dns3')}
         self.assertEqual(three, {0, 1, 2})
 
+    def test_a_replica_out_of_dns_for_a_moment_keeps_its_sandboxes(self):
+        """A rolling restart takes a toold pod out of DNS for a moment. Its sandboxes stay
+        placed on it for --replica-linger-ms (here 8 s: between one 5 s lookup period and two),
+        so a conversation started meanwhile runs there once the replica is back, not on another
+        replica without its workspace; a replica missing for longer is given up and its
+        sandboxes go to the replicas left."""
+        self.hosts = os.path.join(self.dir, 'hosts')
+        port = free_port('127.0.0.2')
+        ips = {'toold-a': '127.0.0.2', 'toold-b': '127.0.0.3'}
+        listed = []
+        for name in ('toold-a', 'toold-b'):
+            listed.append(self.keep(ReplicaToold(ips[name], port)))
+            listed[-1].start()
+        both = [(ips[n], n) for n in ('toold-a', 'toold-b')]
+        self.write_hosts(both)
+        self.define('"dns:tools.cflue.test:%d"' % port)
+        ad = self.keep(NamespacedAgentd(self.hosts, self.sd.target, self.agents,
+                                        env=self.model_env(),
+                                        extra_args=('--replica-linger-ms', '8000')))
+        full = ['%s.cflue.test:%d' % (n, port) for n in ('toold-a', 'toold-b')]
+        on_b = [c for c in ('conv_linger_%03d' % i for i in range(200))
+                if owner(full, c) == full[1]][:3]
+
+        def wait_log(what, timeout=30):
+            deadline = time.monotonic() + timeout
+            while what not in ad.stderr_text():
+                self.assertLess(time.monotonic(), deadline, 'no %s in agentd\'s log' % what)
+                time.sleep(0.2)
+
+        self.converse(ad, on_b[0])
+        self.assertEqual(self.where(listed, on_b[0]), ([1], [1]))
+        # b leaves DNS; a conversation of one of its sandboxes starts meanwhile, and b is back
+        # a moment later: the conversation ran on b
+        self.write_hosts(both[:1])
+        wait_log('event=toold_replica_missing spec=dns:tools.cflue.test:%d replica=%s'
+                 % (port, full[1]))
+        self.fm.set_scenario([
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'echo placed > placed.txt'}}]},
+            {'text': 'written'},
+        ])
+        sid = ad.submit('spread', 'Write the file.', conversation_id=on_b[1]).submission_id
+        time.sleep(1)
+        self.write_hosts(both)
+        sub = ad.get_submission(sid, wait=True, timeout=60)
+        self.assertEqual(sub.outcome, common_pb2.OUTCOME_COMPLETED, sub)
+        self.assertEqual(self.where(listed, on_b[1]), ([1], [1]))
+        self.assertNotIn('toold_replica_dropped', ad.stderr_text())
+        # b leaves DNS for longer than the linger: given up, its sandboxes go to a
+        self.write_hosts(both[:1])
+        wait_log('event=toold_replica_dropped spec=dns:tools.cflue.test:%d replica=%s'
+                 % (port, full[1]))
+        self.converse(ad, on_b[2])
+        self.assertEqual(self.where(listed, on_b[2]), ([0], [0]))
+
 
 if __name__ == '__main__':
     unittest.main()
