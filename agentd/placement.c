@@ -33,13 +33,12 @@ struct watched {
     char *spec;
     char host[PLACEMENT_ADDRESS_MAX + 1];
     char port[8];
-    const char *names[PLACEMENT_REPLICAS_MAX]; /* interned, sorted */
-    const char *addrs[PLACEMENT_REPLICAS_MAX]; /* interned, names[i]'s address */
-    const char *ips[PLACEMENT_REPLICAS_MAX];   /* interned, the IP:PORT it was found at */
-    int64_t seen_ms[PLACEMENT_REPLICAS_MAX];   /* when a lookup last found names[i] */
+    const char *names[PLACEMENT_REPLICAS_MAX];  /* interned, sorted */
+    const char *addrs[PLACEMENT_REPLICAS_MAX];  /* interned, names[i]'s address */
+    const char *ips[PLACEMENT_REPLICAS_MAX];    /* interned, the IP:PORT it was found at */
+    int64_t missing_ms[PLACEMENT_REPLICAS_MAX]; /* since when lookups miss names[i]; 0: found */
     size_t n;
-    int64_t last_lookup_ms; /* when a lookup last found some */
-    bool looked_up;         /* its first lookup has ended (found some or none) */
+    bool looked_up; /* its first lookup has ended (found some or none) */
 };
 
 static struct {
@@ -252,18 +251,17 @@ static void keep_names(const struct watched *w, struct found *found, size_t n)
 }
 
 /* linger adds to found (n of them, sorted by name; room for PLACEMENT_REPLICAS_MAX) the
- * replicas w knew that this lookup did not find, for g.linger_ms after a lookup last found
- * each: a toold pod that a rolling restart takes out of DNS for a moment keeps its sandboxes
- * (their calls fail meanwhile, and the drives resume once it is back) instead of having them
- * placed anew on a replica where their workspaces are not. Logs a replica missing for the
- * first time, and one given up. seen_ms[i] is filled for each of found. Returns the new n. */
-static size_t linger(const struct watched *w, struct found *found, int64_t *seen_ms, size_t n,
+ * replicas w knew that this lookup did not find, until g.linger_ms after the first lookup that
+ * missed each (lookups that found nothing do not count): a toold pod that a rolling restart
+ * takes out of DNS for a moment keeps its sandboxes (their calls fail meanwhile, and the
+ * drives resume once it is back) instead of having them placed anew on a replica where their
+ * workspaces are not. Logs a replica missing for the first time, and one given up.
+ * missing_ms[i] is filled for each of found. Returns the new n. */
+static size_t linger(const struct watched *w, struct found *found, int64_t *missing_ms, size_t n,
                      int64_t now)
 {
     size_t found_n = n;
-    for (size_t i = 0; i < found_n; i++) {
-        seen_ms[i] = now;
-    }
+    memset(missing_ms, 0, sizeof(*missing_ms) * found_n);
     for (size_t j = 0; j < w->n; j++) {
         bool there = false;
         for (size_t i = 0; i < found_n && !there; i++) {
@@ -272,15 +270,15 @@ static size_t linger(const struct watched *w, struct found *found, int64_t *seen
         if (there) {
             continue;
         }
-        int64_t gone_ms = now - w->seen_ms[j];
-        if (gone_ms >= g.linger_ms || n == PLACEMENT_REPLICAS_MAX) {
+        int64_t since = w->missing_ms[j] ? w->missing_ms[j] : now;
+        if (now - since >= g.linger_ms || n == PLACEMENT_REPLICAS_MAX) {
             log_warn("toold_replica_dropped",
                      "spec=%s replica=%s missing_ms=%lld note=\"its sandboxes are placed on the "
                      "replicas left\"",
-                     w->spec, w->names[j], (long long)gone_ms);
+                     w->spec, w->names[j], (long long)(now - since));
             continue;
         }
-        if (w->seen_ms[j] == w->last_lookup_ms) { /* found by the lookup before this one */
+        if (!w->missing_ms[j]) {
             log_warn("toold_replica_missing",
                      "spec=%s replica=%s linger_ms=%lld note=\"no longer in DNS: its sandboxes "
                      "stay placed on it until it is back or the time is up\"",
@@ -290,18 +288,18 @@ static size_t linger(const struct watched *w, struct found *found, int64_t *seen
         snprintf(f.name, sizeof(f.name), "%s", w->names[j]);
         snprintf(f.addr, sizeof(f.addr), "%s", w->addrs[j]);
         snprintf(f.ip, sizeof(f.ip), "%s", w->ips[j]);
-        seen_ms[n] = w->seen_ms[j];
+        missing_ms[n] = since;
         found[n++] = f;
     }
-    /* sorted by name, seen_ms alongside (a few dozen entries at most) */
+    /* sorted by name, missing_ms alongside (a few dozen entries at most) */
     for (size_t i = 1; i < n; i++) {
         for (size_t k = i; k > 0 && strcmp(found[k - 1].name, found[k].name) > 0; k--) {
             struct found t = found[k];
             found[k] = found[k - 1];
             found[k - 1] = t;
-            int64_t ts = seen_ms[k];
-            seen_ms[k] = seen_ms[k - 1];
-            seen_ms[k - 1] = ts;
+            int64_t ts = missing_ms[k];
+            missing_ms[k] = missing_ms[k - 1];
+            missing_ms[k - 1] = ts;
         }
     }
     return n;
@@ -311,7 +309,6 @@ static size_t linger(const struct watched *w, struct found *found, int64_t *seen
  * replica not found lingers: see linger) and logs a change; under g.mu. */
 static void store(struct watched *w, struct found *found, size_t n)
 {
-    int64_t now = clock_mono_ms();
     if (n == 0) {
         if (w->n) {
             log_warn("toold_replicas_unresolved",
@@ -321,14 +318,13 @@ static void store(struct watched *w, struct found *found, size_t n)
         return;
     }
     keep_names(w, found, n);
-    int64_t seen_ms[PLACEMENT_REPLICAS_MAX];
-    n = linger(w, found, seen_ms, n, now);
-    w->last_lookup_ms = now;
+    int64_t missing_ms[PLACEMENT_REPLICAS_MAX];
+    n = linger(w, found, missing_ms, n, clock_mono_ms());
     bool same = n == w->n;
     for (size_t i = 0; same && i < n; i++) {
         same = !strcmp(found[i].name, w->names[i]) && !strcmp(found[i].ip, w->ips[i]);
     }
-    memcpy(w->seen_ms, seen_ms, sizeof(seen_ms[0]) * n);
+    memcpy(w->missing_ms, missing_ms, sizeof(missing_ms[0]) * n);
     if (same) {
         return;
     }

@@ -55,15 +55,19 @@
  * address names now) instead of waiting for TCP to give up (about 15 minutes, or never on a
  * connection with nothing to send).
  *
- * gRPC sends at most two pings until data is exchanged again, and servers take more, with
- * nothing sent between, for abuse (gRPC's default server policy: one per 5 minutes). So a
- * call that sends and receives nothing for longer than two pings (a tool call running for
- * minutes) would be left unguarded. The PROBE fills that gap within every server's default
- * policy: when a channel has calls in flight and no call started on it for
- * rpc_keepalive_ms(), the client loop makes one grpc.health.v1 Check on it. Its request and
- * answer are the data that let the next pings go out (any answer will do, UNIMPLEMENTED too;
- * what it says is not used: a peer that answers pings is alive, and one that does not is
- * dropped by the pings). */
+ * gRPC's client sends at most two pings until it writes data again, and a server counts the
+ * pings that come while it writes nothing as abuse beyond a rate (gRPC's default policy: one
+ * per 5 minutes) and then drops the connection. So a call that sends and receives nothing for
+ * longer than two pings (a tool call running for minutes) would be left unguarded, and a
+ * connection whose server writes nothing for long could be dropped for its pings. The PROBE
+ * keeps both sides writing within every server's policy: when a channel has calls in flight
+ * and, for rpc_keepalive_ms(), no call started on it or nothing came back on it (heard), the
+ * client loop makes one grpc.health.v1 Check on it. Its request and answer are the writes
+ * that let the next pings go out and clear the server's count (any answer will do,
+ * UNIMPLEMENTED too; what it says is not used: a peer that answers pings is alive, and one
+ * that does not is dropped by the pings). The probe takes the channel's current connection:
+ * a silent call left on an older one (the server sent GOAWAY, say) keeps only gRPC's two
+ * pings. */
 #define KEEPALIVE_DEFAULT_MS 10000
 #define KEEPALIVE_MIN_MS 1000
 #define KEEPALIVE_MAX_MS 3600000
@@ -90,6 +94,7 @@ struct rpc_channel {
     int busy;
     bool probing;
     _Atomic int64_t last_start_ms;             /* when a call last started on it */
+    _Atomic int64_t last_heard_ms;             /* when its peer last answered on it (heard) */
     struct rpc_channel *open_prev, *open_next; /* in g_open until rpc_channel_free */
     /* request metadata sent with every call (rpc_channel_add_metadata) */
     grpc_metadata md[RPC_CHANNEL_METADATA_MAX];
@@ -220,6 +225,7 @@ struct rpc_channel *rpc_channel_new(const char *target, int max_message_bytes)
     pthread_mutex_init(&c->mu, NULL);
     atomic_init(&c->refs, 1);
     atomic_init(&c->last_start_ms, clock_mono_ms());
+    atomic_init(&c->last_heard_ms, clock_mono_ms());
     pthread_once(&aloop_once, aloop_start); /* the PROBE runs there */
     pthread_mutex_lock(&g_open.mu);
     c->open_next = g_open.head;
@@ -314,6 +320,17 @@ static bool call_begin(struct rpc_channel *ch, struct live_call *lc, grpc_call *
     return true;
 }
 
+/* heard notes word from ch's peer for the PROBE: a message, or a call's end with a status
+ * the peer may have sent (not one the local core makes for a lost connection, a deadline or a
+ * cancel). */
+static void heard(struct rpc_channel *ch, grpc_status_code code)
+{
+    if (code != GRPC_STATUS_UNAVAILABLE && code != GRPC_STATUS_DEADLINE_EXCEEDED &&
+        code != GRPC_STATUS_CANCELLED) {
+        atomic_store(&ch->last_heard_ms, clock_mono_ms());
+    }
+}
+
 /* call_end unlinks a call; afterwards rpc_channel_cancel_all no longer touches it. */
 static void call_end(struct rpc_channel *ch, struct live_call *lc, grpc_status_code code)
 {
@@ -328,7 +345,9 @@ static void call_end(struct rpc_channel *ch, struct live_call *lc, grpc_status_c
     }
     ch->busy -= !lc->probe;
     pthread_mutex_unlock(&ch->mu);
-    if (code == GRPC_STATUS_UNAVAILABLE) {
+    heard(ch, code);
+    /* not for a probe: its channel may be closed by now (the probe holds only our struct) */
+    if (code == GRPC_STATUS_UNAVAILABLE && !lc->probe) {
         reset_backoff(ch);
     }
 }
@@ -597,6 +616,7 @@ int rpc_stream_read(struct rpc_stream *s, const ProtobufCMessageDescriptor *desc
         s->ended = true;
         return 0;
     }
+    heard(s->ch, GRPC_STATUS_OK);
     *msg_out = rpc_unpack(desc, bb);
     grpc_byte_buffer_destroy(bb);
     return *msg_out ? 1 : -1;
@@ -723,10 +743,12 @@ static void on_acomplete(struct atag *t, int success)
         s->got_status = true;
         idle = s->busy;
         s->busy = false;
+        heard(s->ch, s->code);
         break;
     case ATAG_READ:
         s->reading = false;
         if (success && s->bb) {
+            heard(s->ch, GRPC_STATUS_OK);
             msg = rpc_unpack(s->desc, s->bb);
             bad = !msg;
             deliver_msg = msg && !s->released;
@@ -1043,9 +1065,9 @@ static void probe_done(void *arg, const struct rpc_status *st, ProtobufCMessage 
     pthread_mutex_unlock(&ch->mu);
 }
 
-/* probe_look starts the PROBE on each open channel that has calls in flight and has started
- * none for rpc_keepalive_ms(), and has no probe in flight; on the loop thread. The probes
- * start under g_open.mu, so a channel being freed meanwhile is not probed (rpc_channel_free
+/* probe_look starts the PROBE on each open channel that has calls in flight, no probe in
+ * flight, and has started no call or heard nothing for rpc_keepalive_ms(); on the loop thread. The
+ * probes start under g_open.mu, so a channel being freed meanwhile is not probed (rpc_channel_free
  * takes it out of g_open first). */
 static void probe_look(void)
 {
@@ -1055,7 +1077,8 @@ static void probe_look(void)
     pthread_mutex_lock(&g_open.mu);
     for (struct rpc_channel *ch = g_open.head; ch && !aloop_stopping && started < PROBE_BATCH;
          ch = ch->open_next) {
-        if (now - atomic_load(&ch->last_start_ms) < keepalive) {
+        if (now - atomic_load(&ch->last_start_ms) < keepalive &&
+            now - atomic_load(&ch->last_heard_ms) < keepalive) {
             continue;
         }
         pthread_mutex_lock(&ch->mu);

@@ -931,9 +931,9 @@ class HungToolPeerTest(unittest.TestCase):
     has started nothing for a keepalive period) lets them go on, so the dead connection is
     dropped, the drive is interrupted and resumes on the new toold: the call gets the
     outcome-unknown result and the model answers. Without the probe the drive waits on the
-    hung connection for good. agentd's keepalive is shortened to 2 s (--keepalive-ms), so the
+    hung connection for good. agentd's keepalive is shortened to 3 s (--keepalive-ms), so the
     whole story takes seconds."""
-    KEEPALIVE_MS = 2000
+    KEEPALIVE_MS = 3000
 
     def setUp(self):
         from test_agentd import Stack

@@ -278,7 +278,8 @@ class DnsTest(PlacementCase):
 
     def test_a_replica_out_of_dns_for_a_moment_keeps_its_sandboxes(self):
         """A rolling restart takes a toold pod out of DNS for a moment. Its sandboxes stay
-        placed on it for --replica-linger-ms (here 8 s: between one 5 s lookup period and two),
+        placed on it for --replica-linger-ms from the first lookup that misses it (here 8 s:
+        it is given up at the second lookup after that one, 10 s later),
         so a conversation started meanwhile runs there once the replica is back, not on another
         replica without its workspace; a replica missing for longer is given up and its
         sandboxes go to the replicas left."""

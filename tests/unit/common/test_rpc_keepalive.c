@@ -1,7 +1,8 @@
 /* Tests of common/rpc_client's keepalive probe over real loopback gRPC: a channel whose calls
  * send nothing for several keepalive periods gets a grpc.health.v1 Check each period (the data
- * that lets gRPC's pings go on), for blocking and event-driven calls alike, and a channel with
- * nothing in flight gets none. Its own process: the keepalive, here 1 s, is set before the
+ * that lets gRPC's pings go on), for blocking and event-driven calls alike; so does one whose
+ * calls keep starting while its server answers nothing; a channel with nothing in flight gets
+ * none. Its own process: the keepalive, here 1 s, is set before the
  * first channel. */
 #include "../check.h"
 
@@ -48,7 +49,7 @@ static struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int messages;
-    bool ended;
+    int ended;
     grpc_status_code code;
 } g_stream = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
@@ -65,15 +66,28 @@ static void on_end(void *arg, const struct rpc_status *st)
 {
     (void)arg;
     pthread_mutex_lock(&g_stream.mu);
-    g_stream.ended = true;
+    g_stream.ended++;
     g_stream.code = st->code;
     pthread_cond_broadcast(&g_stream.cv);
     pthread_mutex_unlock(&g_stream.mu);
 }
 
+/* probes counts the probes the server received, once a probe started just before the last
+ * call ended had time to arrive. */
 static uint64_t probes(struct rpc_server *s)
 {
+    clock_sleep_ms(300);
     return rpc_server_method_calls(s, HEALTH_CHECK);
+}
+
+static void wait_streams_ended(int n)
+{
+    pthread_mutex_lock(&g_stream.mu);
+    while (g_stream.ended < n) {
+        pthread_cond_wait(&g_stream.cv, &g_stream.mu);
+    }
+    CHECK(g_stream.messages == n && g_stream.code == GRPC_STATUS_OK);
+    pthread_mutex_unlock(&g_stream.mu);
 }
 
 int main(void)
@@ -118,17 +132,33 @@ int main(void)
     static const struct rpc_astream_ops ops = {.on_message = on_message, .on_end = on_end};
     struct rpc_astream *as = rpc_astream_open(ch, "/test.Hold/Stream", &req.base,
                                               &cflue__v1__submission__descriptor, 0, &ops, NULL);
-    pthread_mutex_lock(&g_stream.mu);
-    while (!g_stream.ended) {
-        pthread_cond_wait(&g_stream.cv, &g_stream.mu);
-    }
-    CHECK(g_stream.messages == 1 && g_stream.code == GRPC_STATUS_OK);
-    pthread_mutex_unlock(&g_stream.mu);
+    wait_streams_ended(1);
     rpc_astream_release(as);
-    uint64_t after_stream = probes(s) - after_unary;
-    CHECK(after_stream >= 2 && after_stream <= 4);
+    uint64_t after_stream = probes(s);
+    CHECK(after_stream - after_unary >= 2 && after_stream - after_unary <= 4);
     clock_sleep_ms(2 * KEEPALIVE_MS);
-    CHECK(probes(s) - after_unary == after_stream);
+    CHECK(probes(s) == after_stream);
+
+    /* calls start every 400 ms, so something is always sent, but the server answers none of
+     * them for HOLD_MS: probed all the same (a server counts the pings that come while it
+     * writes nothing; the probe's answer is a write) */
+    enum { STAGGERED = 8 };
+    struct rpc_astream *more[STAGGERED];
+    int64_t t0 = clock_mono_ms();
+    uint64_t before_any_answer = 0;
+    for (int i = 0; i < STAGGERED; i++) {
+        more[i] = rpc_astream_open(ch, "/test.Hold/Stream", &req.base,
+                                   &cflue__v1__submission__descriptor, 0, &ops, NULL);
+        clock_sleep_ms(400);
+        if (clock_mono_ms() - t0 < HOLD_MS - 200) { /* none has been answered yet */
+            before_any_answer = rpc_server_method_calls(s, HEALTH_CHECK) - after_stream;
+        }
+    }
+    CHECK(before_any_answer >= 2);
+    wait_streams_ended(1 + STAGGERED);
+    for (int i = 0; i < STAGGERED; i++) {
+        rpc_astream_release(more[i]);
+    }
 
     rpc_channel_free(ch);
     rpc_server_shutdown(s, 1000);
