@@ -195,6 +195,18 @@ bool agentd_note_queued(const char *conversation_id)
  * claimer's alone. */
 static int64_t reclaim_before_ms;
 
+/* This process's start (wall clock, ms, engine_note_start), sent with every claim as
+ * owner_started_at: what a later start of this owner reclaims by. */
+static int64_t started_ms;
+
+/* owner_started fills ts with started_ms for a claim. */
+static Google__Protobuf__Timestamp *owner_started(Google__Protobuf__Timestamp *ts)
+{
+    google__protobuf__timestamp__init(ts);
+    pbtime_set(ts, started_ms);
+    return ts;
+}
+
 /* claim asks storaged for work under this process's owner id and lease: submission_id (NULL:
  * any queued or expired one), taking back this owner's own leases started before before_ms
  * (0: none). */
@@ -203,9 +215,10 @@ static enum cf_status claim(const char *submission_id, int64_t before_ms,
 {
     Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
     Google__Protobuf__Duration lease = GOOGLE__PROTOBUF__DURATION__INIT;
-    Google__Protobuf__Timestamp before = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+    Google__Protobuf__Timestamp before = GOOGLE__PROTOBUF__TIMESTAMP__INIT, started;
     ProtobufCMessage *resp = NULL;
     req.owner_id = (char *)g_agentd.owner_id;
+    req.owner_started_at = owner_started(&started);
     pbdur_set(&lease, g_agentd.lease_ms);
     req.lease_duration = &lease;
     if (submission_id) {
@@ -223,7 +236,7 @@ static enum cf_status claim(const char *submission_id, int64_t before_ms,
 
 void engine_note_start(void)
 {
-    reclaim_before_ms = clock_now_ms();
+    started_ms = reclaim_before_ms = clock_now_ms();
 }
 
 /* live_drives: how many drives are admitted and not yet freed. */
@@ -411,6 +424,7 @@ void engine_claim_with_admit(Cflue__V1__AdmitRequest *ar, struct engine_admit_cl
         c->claim.owner_id = (char *)g_agentd.owner_id;
         pbdur_set(&c->lease, g_agentd.lease_ms);
         c->claim.lease_duration = &c->lease;
+        c->claim.owner_started_at = owner_started(&c->started);
         ar->claim = &c->claim;
     }
 }

@@ -58,6 +58,7 @@ bool engine_has_room(void);
 struct engine_admit_claim {
     Cflue__V1__ClaimRequest claim;
     Google__Protobuf__Duration lease;
+    Google__Protobuf__Timestamp started; /* claim.owner_started_at */
 };
 
 /* engine_claim_with_admit makes ar claim the submission it admits for this process too

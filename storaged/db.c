@@ -63,6 +63,7 @@ static const char schema_sql[] =
     "  " DB_PRINCIPAL_COLUMN ","
     "  " DB_TRACEPARENT_COLUMN ","
     "  " DB_TRACESTATE_COLUMN ","
+    "  " DB_OWNER_STARTED_COLUMN ","
     "  CHECK ((status = 'settled') = (outcome IS NOT NULL)));"
     "CREATE UNIQUE INDEX submissions_by_key ON submissions(agent, idempotency_key)"
     "  WHERE idempotency_key IS NOT NULL;"

@@ -7,7 +7,7 @@
 #include <sqlite3.h>
 #include <stdbool.h>
 
-#define DB_SCHEMA_VERSION "7"
+#define DB_SCHEMA_VERSION "8"
 
 /* The records table's columns (after "CREATE TABLE <name>"): a record's body is stored as its
  * oneof case (`kind`, the Record.body field number) and the body message packed by protobuf-c
@@ -94,9 +94,15 @@
 #define DB_TRACEPARENT_COLUMN "traceparent TEXT"
 #define DB_TRACESTATE_COLUMN "tracestate TEXT"
 
+/* What schema version 8 added to version 7: the start of the process that claimed each
+ * submission's current attempt, by that process's clock (ClaimRequest.owner_started_at, ms;
+ * 0: not given), which a reclaim compares with its own start instead of started_at, a time
+ * of storaged's clock. 0 in every row of earlier versions. */
+#define DB_OWNER_STARTED_COLUMN "owner_started_at INTEGER NOT NULL DEFAULT 0"
+
 /* db_open opens path. The writer connection creates the schema on first use (WAL mode,
  * synchronous=FULL, foreign keys on), migrates a database of the previous schema version
- * (versions 1 to 6, migrate.h) in one transaction, and refuses one written by another
+ * (versions 1 to 7, migrate.h) in one transaction, and refuses one written by another
  * schema version or by something other than storaged with CF_VERSION and a message saying what
  * was found.
  * Reader connections are read-only and expect the schema to exist. On success *out is an open

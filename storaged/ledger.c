@@ -71,6 +71,12 @@
 
 #define UNSETTLED "('queued','running','terminalizing','joining','joined')"
 
+/* When the process holding a row's attempt started, as a reclaim (reclaim_started_before)
+ * compares it: by that process's own clock when its claim said (owner_started_at), else the
+ * attempt's start by storaged's clock (rows of schema 7, and claimers that do not say). */
+#define LEDGER_CLAIMER_STARTED                                                                     \
+    "(CASE WHEN owner_started_at > 0 THEN owner_started_at ELSE started_at END)"
+
 static const char *status_names[] = {"",        "queued",  "running", "terminalizing",
                                      "settled", "joining", "joined"};
 static const char *outcome_names[] = {NULL, "completed", "failed", "aborted"};
@@ -774,7 +780,7 @@ static enum cf_status pick_takeover(struct ledger_ctx *c, const Cflue__V1__Claim
         "ORDER BY sequence LIMIT 1";
     static const char owned_sql[] =
         "SELECT sequence, submission_id FROM submissions WHERE status IN "
-        "('running','terminalizing') AND owner_id = ?1 AND started_at < ?2 "
+        "('running','terminalizing') AND owner_id = ?1 AND " LEDGER_CLAIMER_STARTED " < ?2 "
         "AND (?3 = '' OR conversation_id = ?3) ORDER BY sequence LIMIT 1";
     struct stmt s;
     enum cf_status rc;
@@ -838,6 +844,26 @@ static enum cf_status is_runnable(struct ledger_ctx *c, int64_t sequence, bool *
     return rc;
 }
 
+/* claimer_started reads when the process holding submission id's attempt started (see
+ * LEDGER_CLAIMER_STARTED) into *ms. */
+static enum cf_status claimer_started(struct ledger_ctx *c, const char *id, int64_t *ms,
+                                      struct cf_error *err)
+{
+    static const char sql[] =
+        "SELECT " LEDGER_CLAIMER_STARTED " FROM submissions WHERE submission_id = ?";
+    struct stmt s;
+    bool row = false;
+    enum cf_status rc = stmt_open(&s, c->db, sql, "read the claimer's start", err);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    stmt_text(&s, 1, id);
+    rc = stmt_step(&s, &row, err);
+    *ms = row ? sqlite3_column_int64(s.st, 0) : 0;
+    stmt_close(&s);
+    return rc;
+}
+
 /* pick_target decides a Claim of one submission (req->submission_id), as the picks above
  * would: *takeover_out when it takes over an attempt, id[0] = 0 when it cannot be claimed. */
 static enum cf_status pick_target(struct ledger_ctx *c, const Cflue__V1__ClaimRequest *req,
@@ -855,12 +881,16 @@ static enum cf_status pick_target(struct ledger_ctx *c, const Cflue__V1__ClaimRe
     if (*req->conversation_id && strcmp(req->conversation_id, row.conversation_id) != 0) {
         return CF_OK;
     }
-    int64_t lease = pbtime_ms(row.lease_expire_time), started = pbtime_ms(row.start_time);
+    int64_t lease = pbtime_ms(row.lease_expire_time);
     switch (row.status) {
     case CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING:
     case CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_TERMINALIZING:
-        *takeover_out = (lease > 0 && lease < c->now) ||
-                        (before > 0 && !strcmp(row.owner_id, req->owner_id) && started < before);
+        *takeover_out = lease > 0 && lease < c->now;
+        if (!*takeover_out && before > 0 && !strcmp(row.owner_id, req->owner_id)) {
+            int64_t started;
+            rc = claimer_started(c, row.submission_id, &started, err);
+            *takeover_out = rc == CF_OK && started < before;
+        }
         break;
     case CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_QUEUED:
         rc = is_runnable(c, row.sequence, &head, err);
@@ -883,9 +913,10 @@ static enum cf_status start_attempt(struct ledger_ctx *c, const Cflue__V1__Claim
         "UPDATE conversations SET epoch = epoch + 1 WHERE conversation_id = ? RETURNING epoch";
     static const char claim_sql[] =
         "UPDATE submissions SET status = CASE status WHEN 'queued' THEN 'running' ELSE status "
-        "END, attempt_id = ?, epoch = ?, owner_id = ?, lease_expires_at = ?, started_at = ?, "
-        "attempt_count = attempt_count + 1, "
-        "timeout_at = CASE timeout_at WHEN 0 THEN ? ELSE timeout_at END WHERE submission_id = ?";
+        "END, attempt_id = ?1, epoch = ?2, owner_id = ?3, lease_expires_at = ?4, "
+        "started_at = ?5, owner_started_at = ?8, attempt_count = attempt_count + 1, "
+        "timeout_at = CASE timeout_at WHEN 0 THEN ?6 ELSE timeout_at END "
+        "WHERE submission_id = ?7";
     int64_t lease = req->lease_duration ? pbdur_ms(req->lease_duration) : c->cfg->lease_ms;
     struct stmt s;
     bool got;
@@ -918,6 +949,7 @@ static enum cf_status start_attempt(struct ledger_ctx *c, const Cflue__V1__Claim
     stmt_int(&s, 5, c->now);
     stmt_int(&s, 6, c->now + c->cfg->timeout_ms);
     stmt_text(&s, 7, row->submission_id);
+    stmt_int(&s, 8, pbtime_ms(req->owner_started_at));
     return stmt_done(&s, err);
 }
 

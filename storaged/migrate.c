@@ -365,6 +365,11 @@ static const char principal_sql[] = "ALTER TABLE conversations ADD COLUMN " DB_P
 static const char trace_sql[] = "ALTER TABLE submissions ADD COLUMN " DB_TRACEPARENT_COLUMN ";"
                                 "ALTER TABLE submissions ADD COLUMN " DB_TRACESTATE_COLUMN ";";
 
+/* 7 to 8: no attempt of an earlier version recorded its claimer's start, so every row's
+ * owner_started_at is 0 (a reclaim compares its started_at then, as before). */
+static const char owner_started_sql[] =
+    "ALTER TABLE submissions ADD COLUMN " DB_OWNER_STARTED_COLUMN ";";
+
 enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct cf_error *err)
 {
     enum cf_status rc;
@@ -388,6 +393,9 @@ enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct c
         goto fail;
     }
     if (version <= 6 && (rc = db_exec(db, trace_sql, err)) != CF_OK) {
+        goto fail;
+    }
+    if (version <= 7 && (rc = db_exec(db, owner_started_sql, err)) != CF_OK) {
         goto fail;
     }
     if ((rc = db_exec(db,

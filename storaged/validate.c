@@ -329,6 +329,9 @@ static enum cf_status admit_claim(const Cflue__V1__ClaimRequest *c, struct cf_er
                             : *c->conversation_id ? "conversation_id"
                                                   : "reclaim_started_before");
     }
+    if ((rc = pbtime_check(c->owner_started_at, "claim.owner_started_at", err)) != CF_OK) {
+        return rc;
+    }
     return lease(c->lease_duration, err);
 }
 
@@ -341,6 +344,9 @@ enum cf_status validate_claim(const Cflue__V1__ClaimRequest *r, struct cf_error 
         return rc;
     }
     if ((rc = lease(r->lease_duration, err)) != CF_OK) {
+        return rc;
+    }
+    if ((rc = pbtime_check(r->owner_started_at, "owner_started_at", err)) != CF_OK) {
         return rc;
     }
     return pbtime_check(r->reclaim_started_before, "reclaim_started_before", err);

@@ -12,6 +12,7 @@ own, so none takes over another's running work.
 """
 import os
 import re
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -202,6 +203,7 @@ class EngineReclaimManyTest(unittest.TestCase):
         ad.kill()
         if storaged_down_s:
             self.stack.sd.kill()
+        restarted_ms = int(time.time() * 1000)
         ad.start()
         if storaged_down_s:
             time.sleep(storaged_down_s)
@@ -215,6 +217,16 @@ class EngineReclaimManyTest(unittest.TestCase):
         self.assertEqual([s.submission_id for s in subs
                           if s.outcome != common_pb2.OUTCOME_COMPLETED], [])
         self.assertEqual(ad.stderr_text().count('event=reclaimed '), n)
+        # each attempt that settled them carries the new process's start (owner_started_at,
+        # by agentd's clock), which a later restart reclaims by
+        con = sqlite3.connect('file:%s?mode=ro' % self.stack.sd.db, uri=True)
+        try:
+            starts = dict(con.execute('SELECT submission_id, owner_started_at FROM submissions'))
+        finally:
+            con.close()
+        late = [(i, starts[i]) for i in ids
+                if not restarted_ms <= starts[i] <= restarted_ms + 30000]
+        self.assertEqual(late, [], 'restarted at %d' % restarted_ms)
         return subs, took
 
     def test_every_own_submission_is_taken_back_at_the_restart(self):

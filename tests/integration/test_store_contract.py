@@ -1172,7 +1172,7 @@ class EdgeCaseTest(ContractCase):
 
     def test_schema_version_stamp_and_refusal(self):
         """6.1 #71-73 (format_version → cflue schema_version): a fresh db is stamped
-        meta.schema_version = 7; a db stamped 9 makes storaged exit non-zero with a message
+        meta.schema_version = 8; a db stamped 9 makes storaged exit non-zero with a message
         naming the version; the stamp is left unchanged."""
         sd = self.storaged
         admit(sd.stub)
@@ -1180,7 +1180,7 @@ class EdgeCaseTest(ContractCase):
         con = sqlite3.connect(sd.db)
         try:
             (v,) = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            self.assertEqual(str(v), '7')
+            self.assertEqual(str(v), '8')
             con.execute("UPDATE meta SET value = '9' WHERE key = 'schema_version'")
             con.commit()
         finally:

@@ -51,11 +51,14 @@ V2_SCHEMA = OLD_SCHEMA.replace(
 T = 1700000000000
 
 # The schema version this storaged writes.
-CURRENT = '7'
+CURRENT = '8'
 
-# What turns this version's schema back into version 6's: no trace columns.
-TO_V6 = ("ALTER TABLE submissions DROP COLUMN tracestate;"
-         "ALTER TABLE submissions DROP COLUMN traceparent;")
+# What turns this version's schema back into version 7's: no claimer start.
+TO_V7 = "ALTER TABLE submissions DROP COLUMN owner_started_at;"
+
+# ... and into version 6's: no trace columns.
+TO_V6 = TO_V7 + ("ALTER TABLE submissions DROP COLUMN tracestate;"
+                 "ALTER TABLE submissions DROP COLUMN traceparent;")
 
 # ... and into version 5's: no principal columns.
 TO_V5 = TO_V6 + ("ALTER TABLE conversations DROP COLUMN principal;"
@@ -404,6 +407,50 @@ class MigrateTest(StoragedTestCase):
             self.assertIsNone(rows[queued.submission_id])
             self.assertIsNone(rows[done.submission_id])
             self.assertEqual(rows[first.submission_id], tp)
+        finally:
+            con.close()
+
+    def test_migrates_version_7_and_reclaims_by_the_owners_start(self):
+        """A database of version 7 has no owner_started_at: its attempts are taken back by a
+        restarted owner as before (their started_at, storaged's clock, before its start);
+        once migrated, an attempt claimed with owner_started_at is taken back by that start
+        alone, so one claimed since the new start is not taken again however storaged's clock
+        stands."""
+        sd = self.start_storaged()
+        held = admit(sd.stub, conv='held').submission
+        self.assertTrue(claim(sd.stub, owner='R', submission_id=held.submission_id)
+                        .HasField('submission'))
+        sd.stop()
+        con = sqlite3.connect(sd.db)
+        try:
+            fresh = list(con.execute('PRAGMA table_info(submissions)'))
+            con.executescript(TO_V7 + "UPDATE meta SET value = '7' WHERE key = 'schema_version';")
+        finally:
+            con.close()
+        sd.start()
+
+        def reclaim(sub, started, before):
+            req = store_pb2.ClaimRequest(owner_id='R', submission_id=sub.submission_id)
+            req.owner_started_at.FromMilliseconds(started)
+            req.reclaim_started_before.FromMilliseconds(before)
+            return sd.stub.claim(req, timeout=5)
+
+        import time
+        ahead = int(time.time() * 1000) + 3600 * 1000  # the owner's clock, an hour ahead
+        got = reclaim(held, ahead, ahead)
+        self.assertTrue(got.HasField('submission') and got.takeover, got)
+        again = reclaim(held, ahead, ahead)
+        self.assertFalse(again.HasField('submission'), again)
+        settle(sd.stub, got.fence)
+        sd.stop()
+        con = sqlite3.connect(sd.db)
+        try:
+            (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            self.assertEqual(v, CURRENT)
+            self.assertEqual(list(con.execute('PRAGMA table_info(submissions)')), fresh)
+            (started,) = con.execute('SELECT owner_started_at FROM submissions WHERE '
+                                     'submission_id = ?', (held.submission_id,)).fetchone()
+            self.assertEqual(started, ahead)
         finally:
             con.close()
 

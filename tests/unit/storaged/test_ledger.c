@@ -164,6 +164,75 @@ static void test_takeover(void)
     CHECK(append_one(b.fence, "fresh", "{}") == CF_OK);
 }
 
+/* reclaim_claim claims as a process of owner that started at started_ms (its own clock;
+ * 0: not said), taking back this owner's attempts of processes started before before_ms
+ * (0: none); submission_id "" for any. */
+static Cflue__V1__ClaimResponse reclaim_claim(const char *owner, int64_t started_ms,
+                                              int64_t before_ms, const char *submission_id)
+{
+    Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
+    Cflue__V1__ClaimResponse out = CFLUE__V1__CLAIM_RESPONSE__INIT;
+    Google__Protobuf__Timestamp started = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+    Google__Protobuf__Timestamp before = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+    struct cf_error err;
+    struct ledger_ctx c = ctx();
+    req.owner_id = (char *)owner;
+    req.submission_id = (char *)submission_id;
+    if (started_ms) {
+        pbtime_set(&started, started_ms);
+        req.owner_started_at = &started;
+    }
+    if (before_ms) {
+        pbtime_set(&before, before_ms);
+        req.reclaim_started_before = &before;
+    }
+    CHECK(ledger_claim(&c, &req, &out, &err) == CF_OK);
+    return out;
+}
+
+/* A restarted owner takes back what its previous process held by the two processes' own
+ * start times (owner_started_at), not by storaged's clock: with the owner's clock an hour
+ * ahead of storaged's, what the new process claims after its start is not taken back as
+ * older at its next claim (by started_at, every attempt of the first hour would be), while
+ * the previous process's attempts are, and an attempt claimed without owner_started_at (an
+ * older claimer) still goes by its started_at. */
+static void test_reclaim_by_owner_start(void)
+{
+    const int64_t ahead = 3600 * 1000;
+    int64_t old_start = clock_now_ms() + ahead - 600000, new_start = clock_now_ms() + ahead;
+    Cflue__V1__Submission *a = admit("c-reclaim-a", "a", "");
+    Cflue__V1__Submission *b = admit("c-reclaim-b", "b", "");
+    CHECK(a && b);
+    /* the previous process (started 10 minutes before the new one) claims both */
+    Cflue__V1__ClaimResponse oa = reclaim_claim("R", old_start, 0, a->submission_id);
+    Cflue__V1__ClaimResponse ob = reclaim_claim("R", old_start, 0, b->submission_id);
+    CHECK(oa.submission && ob.submission && !oa.takeover && !ob.takeover);
+    /* the new process takes a back (its lease has not run out)... */
+    Cflue__V1__ClaimResponse na = reclaim_claim("R", new_start, new_start, a->submission_id);
+    CHECK(na.submission && na.takeover && na.submission->attempt_count == 2);
+    /* ...and a is its own now: neither a targeted nor an open reclaim takes it again, though
+     * its attempt started an hour before new_start by storaged's clock */
+    Cflue__V1__ClaimResponse again = reclaim_claim("R", new_start, new_start, a->submission_id);
+    CHECK(again.submission == NULL);
+    Cflue__V1__ClaimResponse open = reclaim_claim("R", new_start, new_start, "");
+    CHECK(open.submission && open.takeover &&
+          !strcmp(open.submission->submission_id, b->submission_id));
+    CHECK(append_one(na.fence, "still-mine", "{}") == CF_OK);
+    /* an attempt claimed without owner_started_at is taken back by its started_at */
+    Cflue__V1__Submission *c = admit("c-reclaim-c", "c", "");
+    CHECK(c != NULL);
+    Cflue__V1__ClaimResponse oc = reclaim_claim("R", 0, 0, c->submission_id);
+    CHECK(oc.submission && !oc.takeover);
+    Cflue__V1__ClaimResponse nc = reclaim_claim("R", new_start, new_start, c->submission_id);
+    CHECK(nc.submission && nc.takeover);
+    CHECK(settle(na.fence, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, "",
+                 &(Cflue__V1__SettleResponse){0}) == CF_OK);
+    CHECK(settle(open.fence, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, "",
+                 &(Cflue__V1__SettleResponse){0}) == CF_OK);
+    CHECK(settle(nc.fence, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, "",
+                 &(Cflue__V1__SettleResponse){0}) == CF_OK);
+}
+
 static void test_idempotency(void)
 {
     Cflue__V1__Submission *x = admit("", "same", "key-1");
@@ -790,7 +859,7 @@ static void test_migrate_from_2(const char *path)
     }
     /* back to schema 2 exactly: no runnable table, triggers, Claim or List indexes (and below,
      * once the ledger of this version admitted rows, no parent column and its index, no
-     * principal columns, no trace columns) */
+     * principal columns, no trace columns, no claimer start) */
     CHECK(db_exec(h.db,
                   "DROP TRIGGER runnable_on_admit; DROP TRIGGER runnable_on_status;"
                   "DROP TABLE runnable; DROP INDEX submissions_unsettled;"
@@ -820,7 +889,8 @@ static void test_migrate_from_2(const char *path)
                   "ALTER TABLE submissions DROP COLUMN principal;"
                   "ALTER TABLE conversations DROP COLUMN principal;"
                   "ALTER TABLE submissions DROP COLUMN traceparent;"
-                  "ALTER TABLE submissions DROP COLUMN tracestate",
+                  "ALTER TABLE submissions DROP COLUMN tracestate;"
+                  "ALTER TABLE submissions DROP COLUMN owner_started_at",
                   &err) == CF_OK);
     CHECK(sqlite3_close(h.db) == SQLITE_OK);
     sqlite3 *reader;
@@ -846,6 +916,7 @@ int main(void)
     arena_init(&arena);
     test_fifo_and_fencing();
     test_takeover();
+    test_reclaim_by_owner_start();
     test_idempotency();
     test_trace_context();
     test_page_bytes();
