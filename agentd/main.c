@@ -339,9 +339,10 @@ int main(int argc, char **argv)
                        "a toold replica that a lookup of a dns: sandbox.tools no longer finds "
                        "keeps its sandboxes this long (a pod restarting)"),
         CONFIG_OPT_INT("keepalive-ms", &o.keepalive_ms, 1000, 3600000,
-                       "a connection to storaged or a tool server with a call in flight is "
-                       "pinged after this long without word, and dropped when the ping goes "
-                       "unanswered as long (a peer lost without a reset)"),
+                       "a connection with a call in flight (to storaged or a tool server, or "
+                       "from an API client) is pinged after this long without word, and "
+                       "dropped when the ping goes unanswered as long (a peer lost without a "
+                       "reset)"),
         DAEMON_OPT_GRACE_MS(&d, "how long shutdown waits for calls"),
         DAEMON_OPT_MAX_QUEUE(&d,
                              "API calls waiting for a thread; more are refused RESOURCE_EXHAUSTED"),

@@ -281,8 +281,9 @@ struct rpc_channel *rpc_channel_new(const char *target, int max_message_bytes);
 
 /* rpc_set_keepalive_ms sets how long a connection with a call in flight may go without word
  * from its peer before it is pinged, and how long the ping may go unanswered before the
- * connection is dropped: 10 s unless set, clamped to 1 s .. 1 h. Call before the first
- * channel. rpc_keepalive_ms reads it. */
+ * connection is dropped, for the channels and the servers made after it (a server pings its
+ * clients' connections alike): 10 s unless set, clamped to 1 s .. 1 h. Call before the first
+ * channel or server. rpc_keepalive_ms reads it. */
 void rpc_set_keepalive_ms(int ms);
 int rpc_keepalive_ms(void);
 

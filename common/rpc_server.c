@@ -1319,6 +1319,15 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
         {GRPC_ARG_INTEGER,
          GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
          {.integer = PING_MIN_MS}},
+        /* and the server pings each connection with a call in flight as the clients do, with
+         * no limit of pings while it sends nothing (clients do not police pings): a client
+         * lost without a reset (its host gone, a NAT or balancer that drops idle connections
+         * silently) is dropped within two keepalive periods, and its calls end with it, an
+         * idle Watch(follow) too, instead of holding their share of max_stream_memory for
+         * good */
+        {GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIME_MS, {.integer = rpc_keepalive_ms()}},
+        {GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIMEOUT_MS, {.integer = rpc_keepalive_ms()}},
+        {GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, {.integer = 0}},
     };
     grpc_channel_args ca = {sizeof(args) / sizeof(args[0]), args};
     s->server = grpc_server_create(&ca, NULL);

@@ -887,7 +887,7 @@ static enum cf_status pick_target(struct ledger_ctx *c, const Cflue__V1__ClaimRe
     case CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_TERMINALIZING:
         *takeover_out = lease > 0 && lease < c->now;
         if (!*takeover_out && before > 0 && !strcmp(row.owner_id, req->owner_id)) {
-            int64_t started;
+            int64_t started = 0;
             rc = claimer_started(c, row.submission_id, &started, err);
             *takeover_out = rc == CF_OK && started < before;
         }

@@ -13,6 +13,7 @@ tool call has a recorded result (the real one, or "outcome unknown" after an int
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -985,6 +986,77 @@ class HungToolPeerTest(unittest.TestCase):
         # noticed through the pings: a few keepalive periods, not the command's 600 s
         self.assertLess(lost_after, 30, 'the hung toold was noticed after %.1f s' % lost_after)
         self.assertIn('drive_interrupted', st.ad.stderr_text())
+
+
+# A client holding n idle Watch(follow) streams of a conversation: prints "open" once each has
+# its first record, then waits.
+WATCHING_CLIENT = r'''
+import sys, time, grpc
+from cflue_harness import agent_pb2, common_pb2
+target, conv, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+watch = grpc.insecure_channel(target).unary_stream(
+    '/cflue.v1.Agent/Watch', request_serializer=agent_pb2.WatchRequest.SerializeToString,
+    response_deserializer=common_pb2.Record.FromString)
+streams = [watch(agent_pb2.WatchRequest(conversation_id=conv, after_offset=-1, follow=True))
+           for _ in range(n)]
+for s in streams:
+    next(s)
+print('open', flush=True)
+time.sleep(3600)
+'''
+
+
+class LostClientTest(unittest.TestCase):
+    """A client lost without a reset (frozen with SIGSTOP: its kernel keeps the connection open
+    and nothing answers, as when its host is gone or a NAT drops the idle connection silently)
+    while it holds idle Watch(follow) streams. agentd pings each connection with a call in
+    flight (every --keepalive-ms of silence, 2 s here) and drops the one whose ping goes
+    unanswered, which ends its streams and gives back their share of --max-stream-memory:
+    with 1 MiB (64 streams), all held by the frozen client, a new Watch is refused
+    RESOURCE_EXHAUSTED at first and served within seconds. Without the server's pings the
+    streams would be held for good."""
+    STREAMS = 64  # 1 MiB at 16 KiB a stream
+
+    def setUp(self):
+        from test_agentd import Stack
+        self.stack = Stack(agents=('runner-anthropic',),
+                           agentd_args=('--keepalive-ms', '2000', '--max-stream-memory', '1'))
+        self.client = None
+
+    def tearDown(self):
+        if self.client is not None:
+            self.client.kill()  # a stopped process takes SIGKILL
+            self.client.wait()
+        self.stack.remove()
+
+    def test_streams_of_a_client_lost_silently_are_ended(self):
+        st = self.stack
+        conv = new_conv('lost-client')
+        st.fm.set_scenario(bind([{'text': 'watched'}], conv))
+        adm = st.ad.submit('runner-anthropic', 'hello (%s)' % conv, conversation_id=conv)
+        st.ad.get_submission(adm.submission_id, wait=True, timeout=30)
+        self.client = subprocess.Popen(
+            [sys.executable, '-c', WATCHING_CLIENT, st.ad.target, conv, str(self.STREAMS)],
+            stdout=subprocess.PIPE, cwd=os.path.dirname(os.path.abspath(__file__)))
+        self.assertEqual(self.client.stdout.readline().strip(), b'open')
+        with self.assertRaises(grpc.RpcError) as cm:
+            st.ad.watch_all(conv)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         cm.exception.details())
+        os.kill(self.client.pid, signal.SIGSTOP)
+        t0, last = time.monotonic(), None
+        while time.monotonic() - t0 < 30:
+            try:
+                self.assertTrue(st.ad.watch_all(conv))
+                break
+            except grpc.RpcError as e:
+                last = e
+                self.assertEqual(e.code(), grpc.StatusCode.RESOURCE_EXHAUSTED, e.details())
+                time.sleep(0.2)
+        else:
+            self.fail('the frozen client\'s streams were still held after 30 s: %s' % last)
+        # two keepalive periods and the client's silence, not the streams' life
+        self.assertLess(time.monotonic() - t0, 15)
 
 
 if __name__ == '__main__':
