@@ -21,11 +21,12 @@ typedef char replica_name[PLACEMENT_ADDRESS_MAX + 1];
 
 /* One replica a lookup found: the name it is placed by, and the address it is reached at. */
 struct found {
-    replica_name name; /* NAME:PORT of the reverse lookup (stable), else ip */
-    replica_name addr; /* what it is dialled at: its name (gRPC resolves it anew on each
-                        * connect, so a pod back at a new address is found), else ip */
-    replica_name ip;   /* the address just looked up, IP:PORT */
-    bool named;        /* the reverse lookup answered */
+    replica_name name;  /* NAME:PORT of the reverse lookup (stable), else ip */
+    replica_name addr;  /* what it is dialled at: its name (gRPC resolves it anew on each
+                         * connect, so a pod back at a new address is found), else ip */
+    replica_name ip;    /* the address just looked up, IP:PORT */
+    bool named;         /* the reverse lookup answered */
+    int64_t missing_ms; /* since when lookups miss it (linger); 0: this one found it */
 };
 
 /* A dns: spec and the replicas its last good lookup found. */
@@ -255,13 +256,11 @@ static void keep_names(const struct watched *w, struct found *found, size_t n)
  * missed each (lookups that found nothing do not count): a toold pod that a rolling restart
  * takes out of DNS for a moment keeps its sandboxes (their calls fail meanwhile, and the
  * drives resume once it is back) instead of having them placed anew on a replica where their
- * workspaces are not. Logs a replica missing for the first time, and one given up.
- * missing_ms[i] is filled for each of found. Returns the new n. */
-static size_t linger(const struct watched *w, struct found *found, int64_t *missing_ms, size_t n,
-                     int64_t now)
+ * workspaces are not. Logs a replica missing for the first time, and one given up. Returns
+ * the new n, found sorted by name again. */
+static size_t linger(const struct watched *w, struct found *found, size_t n, int64_t now)
 {
     size_t found_n = n;
-    memset(missing_ms, 0, sizeof(*missing_ms) * found_n);
     for (size_t j = 0; j < w->n; j++) {
         bool there = false;
         for (size_t i = 0; i < found_n && !there; i++) {
@@ -284,23 +283,14 @@ static size_t linger(const struct watched *w, struct found *found, int64_t *miss
                      "stay placed on it until it is back or the time is up\"",
                      w->spec, w->names[j], (long long)g.linger_ms);
         }
-        struct found f = {.named = true};
+        struct found f = {.named = true, .missing_ms = since};
         snprintf(f.name, sizeof(f.name), "%s", w->names[j]);
         snprintf(f.addr, sizeof(f.addr), "%s", w->addrs[j]);
         snprintf(f.ip, sizeof(f.ip), "%s", w->ips[j]);
-        missing_ms[n] = since;
         found[n++] = f;
     }
-    /* sorted by name, missing_ms alongside (a few dozen entries at most) */
-    for (size_t i = 1; i < n; i++) {
-        for (size_t k = i; k > 0 && strcmp(found[k - 1].name, found[k].name) > 0; k--) {
-            struct found t = found[k];
-            found[k] = found[k - 1];
-            found[k - 1] = t;
-            int64_t ts = missing_ms[k];
-            missing_ms[k] = missing_ms[k - 1];
-            missing_ms[k - 1] = ts;
-        }
+    if (n > found_n) {
+        qsort(found, n, sizeof(*found), name_order);
     }
     return n;
 }
@@ -318,13 +308,14 @@ static void store(struct watched *w, struct found *found, size_t n)
         return;
     }
     keep_names(w, found, n);
-    int64_t missing_ms[PLACEMENT_REPLICAS_MAX];
-    n = linger(w, found, missing_ms, n, clock_mono_ms());
+    n = linger(w, found, n, clock_mono_ms());
     bool same = n == w->n;
     for (size_t i = 0; same && i < n; i++) {
         same = !strcmp(found[i].name, w->names[i]) && !strcmp(found[i].ip, w->ips[i]);
     }
-    memcpy(w->missing_ms, missing_ms, sizeof(missing_ms[0]) * n);
+    for (size_t i = 0; i < n; i++) {
+        w->missing_ms[i] = found[i].missing_ms;
+    }
     if (same) {
         return;
     }
