@@ -223,7 +223,7 @@ enum cf_status db_open(const char *path, bool writer, sqlite3 **out, struct cf_e
     /* a page cache of 256 KiB per connection, not SQLite's 2 MiB: see docs/storaged.md */
     if ((rc = db_exec(db,
                       "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;"
-                      "PRAGMA foreign_keys=ON; PRAGMA cache_size=-256;",
+                      "PRAGMA foreign_keys=ON; PRAGMA cache_size=-256; PRAGMA temp_store=MEMORY;",
                       err)) != CF_OK) {
         goto fail;
     }

@@ -448,6 +448,26 @@ static void test_schema_version(const char *path)
                   &err) == CF_OK);
 }
 
+/* Every connection db_open makes keeps its temporary storage in memory (a savepoint's statement
+ * journal opens no file) and its page cache at 256 KiB, writer and readers alike. */
+static void test_connection_settings(const char *path)
+{
+    struct cf_error err;
+    sqlite3 *reader;
+    CHECK(db_open(path, false, &reader, &err) == CF_OK);
+    sqlite3 *conns[] = {db, reader};
+    for (size_t i = 0; i < 2; i++) {
+        sqlite3_stmt *q;
+        CHECK(sqlite3_prepare_v2(conns[i], "PRAGMA temp_store", -1, &q, NULL) == SQLITE_OK);
+        CHECK(sqlite3_step(q) == SQLITE_ROW && sqlite3_column_int(q, 0) == 2); /* 2: MEMORY */
+        sqlite3_finalize(q);
+        CHECK(sqlite3_prepare_v2(conns[i], "PRAGMA cache_size", -1, &q, NULL) == SQLITE_OK);
+        CHECK(sqlite3_step(q) == SQLITE_ROW && sqlite3_column_int(q, 0) == -256);
+        sqlite3_finalize(q);
+    }
+    sqlite3_close(reader);
+}
+
 /* ---------- stmt.c: statements prepared once, every step checked ---------- */
 
 static void test_stmt(void)
@@ -922,6 +942,7 @@ int main(void)
     test_page_bytes();
     test_compact_not_joined();
     test_schema_version(path);
+    test_connection_settings(path);
     test_stmt();
     test_stmt_close(path);
     char other[160];
