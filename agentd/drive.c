@@ -27,7 +27,8 @@
  *    it applied, installing the budgets), unresolved calls repaired;
  *  - PROMPT(_WAIT): the tool set listed and the sandbox looked at in one Sandbox.Glance (the
  *    drive parked meanwhile), the system prompt frozen (a sandboxed agent never reaches the
- *    model without its tool set, nor a prompt composed from a partial environment);
+ *    model without its tool set, nor a prompt composed from a partial environment); a
+ *    sandbox whose replica is out of DNS and not answering is waited for here (replica_wait);
  *  - JOIN: queued messages join; with nothing new and no calls run, the work is finished;
  *  - MODEL: the turn's context built from the log (compacting first when it is too large),
  *    the model asked, its answer recorded; COMPACT when it overflowed (once per drive);
@@ -65,6 +66,7 @@
  */
 #include "drive.h"
 #include "clock.h"
+#include "engine.h"
 #include "failpoint.h"
 #include "log.h"
 #include "mem.h"
@@ -77,6 +79,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#define REPLICA_WAIT_POLL_MS 1000   /* a drive waiting for its replica looks again this often */
+#define REPLICA_BACK_GRACE_MS 10000 /* and has it answer within this long of its return */
 
 /* ---------- the drive's flags ---------- */
 
@@ -286,7 +291,7 @@ static bool bind(struct drive *d, struct agent_defs *defs)
                                                  : ws);
         /* the replica holding the workspace; a dns: name with none known yet stays as it is,
          * and tools_channel refuses it (tools_no_channel says why) */
-        d->tools_addr = placement_pick(d->agent->sandbox_tools, d->workspace);
+        d->tools_addr = placement_pick(d->agent->sandbox_tools, d->workspace, NULL);
         if (!d->tools_addr) {
             d->tools_addr = d->agent->sandbox_tools;
         }
@@ -435,10 +440,69 @@ static enum drive_state step_input(struct drive *d)
     return DRIVE_PROMPT;
 }
 
+/* step_prompt asks toold for the tool set and the sandbox (one Glance); a drive waiting for
+ * its replica (replica_wait) asks only once the lookups find it again or it was given up. */
 static enum drive_state step_prompt(struct drive *d)
 {
+    if (d->replica_wait_ms && !d->replica_back_ms) {
+        bool missing = false;
+        (void)placement_pick(d->agent->sandbox_tools, d->workspace, &missing);
+        if (missing && !drive_stopped(d) && drive_time_left(d) > 0) {
+            engine_post_at(d, clock_mono_ms() + REPLICA_WAIT_POLL_MS);
+            d->parked = true; /* the timer, or an abort, posts the drive */
+            return DRIVE_PROMPT;
+        }
+        d->replica_back_ms = clock_mono_ms();
+    }
     prompt_start(d);
     return DRIVE_PROMPT_WAIT;
+}
+
+/* replica_wait: toold could not be reached for the Glance. When the sandbox's
+ * replica is out of DNS for the moment (a toold pod restarting: placement.h), the drive waits
+ * for it instead of ending interrupted, on a timer and holding its lease, and asks again once
+ * the lookups find it (allowing REPLICA_BACK_GRACE_MS for the reconnect): each retry of an
+ * interrupted drive is a new attempt, and the attempts would run out before a replica that is
+ * back within its linger. A replica given up meanwhile places the sandbox elsewhere: the drive
+ * asks there at once. true: ask again (parked when waiting); false: end as before (an abort, a
+ * lost lease or a shutdown, the time limit, a replica in DNS that does not answer). */
+static bool replica_wait(struct drive *d)
+{
+    if (!d->glance_unreached || !d->agent->sandbox_tools || drive_stopped(d) ||
+        drive_time_left(d) <= 0) {
+        return false;
+    }
+    bool missing = false;
+    const char *addr = placement_pick(d->agent->sandbox_tools, d->workspace, &missing);
+    int64_t now = clock_mono_ms();
+    if (!addr) {
+        return false;
+    }
+    if (!missing && addr != d->tools_addr) {
+        log_info("sandbox_replica_moved", "submission=%s sandbox=%s from=%s to=%s",
+                 d->sub->submission_id, d->workspace, d->tools_addr, addr);
+        d->tools_addr = addr;
+        d->replica_back_ms = d->replica_wait_ms ? now : 0;
+        cf_error_clear(&d->fault);
+        return true;
+    }
+    if (!missing && (!d->replica_back_ms || now - d->replica_back_ms > REPLICA_BACK_GRACE_MS)) {
+        return false;
+    }
+    if (missing) {
+        if (!d->replica_wait_ms) {
+            d->replica_wait_ms = now;
+            log_info("sandbox_replica_wait",
+                     "submission=%s sandbox=%s replica=%s note=\"out of DNS and not answering: "
+                     "waiting for it to come back or be given up\"",
+                     d->sub->submission_id, d->workspace, d->tools_addr);
+        }
+        d->replica_back_ms = 0;
+    }
+    cf_error_clear(&d->fault);
+    engine_post_at(d, now + REPLICA_WAIT_POLL_MS);
+    d->parked = true; /* the timer, or an abort, posts the drive */
+    return true;
 }
 
 static enum drive_state step_prompt_wait(struct drive *d)
@@ -448,7 +512,13 @@ static enum drive_state step_prompt_wait(struct drive *d)
         return DRIVE_PROMPT_WAIT;
     }
     if (!d->system_text) {
-        return DRIVE_SETTLE;
+        return replica_wait(d) ? DRIVE_PROMPT : DRIVE_SETTLE;
+    }
+    if (d->replica_wait_ms) {
+        log_info("sandbox_replica_back", "submission=%s sandbox=%s replica=%s waited_ms=%lld",
+                 d->sub->submission_id, d->workspace, d->tools_addr,
+                 (long long)(clock_mono_ms() - d->replica_wait_ms));
+        d->replica_wait_ms = d->replica_back_ms = 0;
     }
     if (d->compact_request) {
         /* a Compact request: compact now, whatever the size, and answer nothing else */

@@ -226,8 +226,12 @@ struct drive {
     struct active *act;
     struct agent_defs *defs; /* the definitions in force when the drive began (held) */
     const struct agent_def *agent;
-    const char *tools_addr; /* the sandbox's toold: the agent's own, or the parent's it shares
-                             * (a subagent without a sandbox of its own); NULL: no sandbox */
+    const char *tools_addr;  /* the sandbox's toold: the agent's own, or the parent's it shares
+                              * (a subagent without a sandbox of its own); NULL: no sandbox */
+    int64_t replica_wait_ms; /* since when the drive waits for its replica, out of DNS
+                              * (monotonic; 0: it does not) */
+    int64_t replica_back_ms; /* when the lookups found it again (0: not yet) */
+    bool glance_unreached;   /* the last Glance failed for want of its toold (tools_failed) */
     char workspace[256];
     /* the limits on the sandbox's commands: its agent's sandbox.limits, or those the parent
      * shared its sandbox with (Delegation.sandbox_limits); NULL: toold's own */

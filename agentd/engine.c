@@ -29,7 +29,8 @@
  * the resume list, and the claimer claims it again (own-owner reclaim of that one submission)
  * after a backoff of 1 s doubling to 30 s (at most 2 s while storaged cannot be reached),
  * until the claim succeeds or finds it settled or taken by someone else. Each such claim is a
- * new attempt and counts against max_attempts.
+ * new attempt and counts against max_attempts (a drive whose sandbox's replica is out of DNS
+ * waits for it instead, in its attempt: drive.c).
  *
  * Tracing: an engine thread steps a drive under the drive's trace (drive.h) and drops it after,
  * so nothing a drive logs or calls is attributed to another; the claimer's and heartbeat's lines

@@ -253,9 +253,9 @@ static void keep_names(const struct watched *w, struct found *found, size_t n)
 
 /* linger adds to found (n of them, sorted by name; room for PLACEMENT_REPLICAS_MAX) the
  * replicas w knew that this lookup did not find, until g.linger_ms after the first lookup that
- * missed each (lookups that found nothing do not count): a toold pod that a rolling restart
- * takes out of DNS for a moment keeps its sandboxes (their calls fail meanwhile, and the
- * drives resume once it is back) instead of having them placed anew on a replica where their
+ * missed each (a lookup that found nothing starts that time again: see store): a toold pod
+ * that a rolling restart takes out of DNS for a moment keeps its sandboxes (the drives that
+ * need it wait for it: drive.c) instead of having them placed anew on a replica where their
  * workspaces are not. Logs a replica missing for the first time, and one given up. Returns
  * the new n, found sorted by name again. */
 static size_t linger(const struct watched *w, struct found *found, size_t n, int64_t now)
@@ -295,8 +295,10 @@ static size_t linger(const struct watched *w, struct found *found, size_t n, int
     return n;
 }
 
-/* store puts what a lookup of w found in force (nothing found: the replicas known stay; a
- * replica not found lingers: see linger) and logs a change; under g.mu. */
+/* store puts what a lookup of w found in force (nothing found: the replicas known stay, and
+ * those missing start their linger again, so that only lookups that answered without a
+ * replica for a whole linger give it up, never a DNS outage; a replica not found lingers: see
+ * linger) and logs a change; under g.mu. */
 static void store(struct watched *w, struct found *found, size_t n)
 {
     if (n == 0) {
@@ -304,6 +306,10 @@ static void store(struct watched *w, struct found *found, size_t n)
             log_warn("toold_replicas_unresolved",
                      "spec=%s known=%zu note=\"the lookup found none: the replicas known stay\"",
                      w->spec, w->n);
+        }
+        int64_t now = clock_mono_ms();
+        for (size_t i = 0; i < w->n; i++) {
+            w->missing_ms[i] = w->missing_ms[i] ? now : 0;
         }
         return;
     }
@@ -435,7 +441,8 @@ static struct watched *await_first_lookup(const char *spec)
 
 /* replicas_locked fills names and addrs with spec's replicas known now (at most max) and
  * returns how many there are; under g.mu. */
-static size_t replicas_locked(const char *spec, const char **names, const char **addrs, size_t max)
+static size_t replicas_locked(const char *spec, const char **names, const char **addrs,
+                              bool *missing, size_t max)
 {
     size_t n = 0;
     if (!strncmp(spec, DNS_PREFIX, strlen(DNS_PREFIX))) {
@@ -444,6 +451,7 @@ static size_t replicas_locked(const char *spec, const char **names, const char *
             if (n < max) {
                 names[n] = w->names[i];
                 addrs[n] = w->addrs[i];
+                missing[n] = w->missing_ms[i] != 0;
             }
         }
     } else if (strchr(spec, ',')) {
@@ -452,11 +460,13 @@ static size_t replicas_locked(const char *spec, const char **names, const char *
         for (size_t i = 0; i < k; i++, n++) {
             if (n < max) {
                 names[n] = addrs[n] = intern(list[i]);
+                missing[n] = false;
             }
         }
     } else {
         if (max) {
             names[0] = addrs[0] = spec;
+            missing[0] = false;
         }
         n = 1;
     }
@@ -466,24 +476,32 @@ static size_t replicas_locked(const char *spec, const char **names, const char *
 size_t placement_replicas(const char *spec, const char **out, size_t max)
 {
     const char *names[PLACEMENT_REPLICAS_MAX];
+    bool missing[PLACEMENT_REPLICAS_MAX];
     pthread_mutex_lock(&g.mu);
-    size_t n = replicas_locked(spec, names, out,
+    size_t n = replicas_locked(spec, names, out, missing,
                                max < PLACEMENT_REPLICAS_MAX ? max : PLACEMENT_REPLICAS_MAX);
     pthread_mutex_unlock(&g.mu);
     return n;
 }
 
-const char *placement_pick(const char *spec, const char *sandbox)
+const char *placement_pick(const char *spec, const char *sandbox, bool *missing)
 {
-    if (strncmp(spec, DNS_PREFIX, strlen(DNS_PREFIX)) && !strchr(spec, ',')) {
-        return spec;
+    bool away = false;
+    const char *addr = spec;
+    if (!strncmp(spec, DNS_PREFIX, strlen(DNS_PREFIX)) || strchr(spec, ',')) {
+        const char *names[PLACEMENT_REPLICAS_MAX], *addrs[PLACEMENT_REPLICAS_MAX];
+        bool gone[PLACEMENT_REPLICAS_MAX];
+        pthread_mutex_lock(&g.mu);
+        size_t n = replicas_locked(spec, names, addrs, gone, PLACEMENT_REPLICAS_MAX);
+        int i = best(names, n < PLACEMENT_REPLICAS_MAX ? n : PLACEMENT_REPLICAS_MAX, sandbox);
+        pthread_mutex_unlock(&g.mu);
+        addr = i < 0 ? NULL : addrs[i];
+        away = i >= 0 && gone[i];
     }
-    const char *names[PLACEMENT_REPLICAS_MAX], *addrs[PLACEMENT_REPLICAS_MAX];
-    pthread_mutex_lock(&g.mu);
-    size_t n = replicas_locked(spec, names, addrs, PLACEMENT_REPLICAS_MAX);
-    int i = best(names, n < PLACEMENT_REPLICAS_MAX ? n : PLACEMENT_REPLICAS_MAX, sandbox);
-    pthread_mutex_unlock(&g.mu);
-    return i < 0 ? NULL : addrs[i];
+    if (missing) {
+        *missing = away;
+    }
+    return addr;
 }
 
 void placement_set_linger_ms(int64_t ms)

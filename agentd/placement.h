@@ -19,9 +19,10 @@
  * every agentd that sees the same replicas places it alike, a replica added takes over only its
  * share of the sandboxes (about 1/n), and one that goes away gives away only its own. A lookup
  * that fails, or finds nothing, keeps the replicas known before. A replica that a lookup no
- * longer finds stays for the linger time (placement_set_linger_ms) after it was last found: a
- * toold pod out of DNS for a moment in a rolling restart keeps its sandboxes, whose calls fail
- * until it is back, rather than having them placed where their workspaces are not.
+ * longer finds stays for the linger time (placement_set_linger_ms) from the first lookup that
+ * missed it (a lookup that fails or finds nothing starts that time again): a toold pod out of
+ * DNS for a moment in a rolling restart keeps its sandboxes, whose work waits for it
+ * (drive.c), rather than having them placed where their workspaces are not.
  */
 #ifndef CFLUE_AGENTD_PLACEMENT_H
 #define CFLUE_AGENTD_PLACEMENT_H
@@ -48,8 +49,10 @@ void placement_watch(const char *spec);
 
 /* placement_pick returns the address of the replica of spec that holds sandbox: spec itself
  * for one toold, else a string that lives as long as the process. NULL when a dns: spec has no
- * replica known (never resolved). */
-const char *placement_pick(const char *spec, const char *sandbox);
+ * replica known (never resolved). *missing (when not NULL) tells whether that replica is one
+ * the lookups no longer find, kept for the linger: its calls fail until it is back in DNS or
+ * given up (then another replica holds the sandbox). */
+const char *placement_pick(const char *spec, const char *sandbox, bool *missing);
 
 /* placement_replicas writes up to max of spec's replicas known now into out (their addresses,
  * as placement_pick returns them) and returns how many there are. */

@@ -243,6 +243,7 @@ static const char *in_force(struct drive *d)
 
 void prompt_start(struct drive *d)
 {
+    d->glance_unreached = false;
     servers_list_start(d);
     struct rpc_channel *ch = tools_channel(d);
     if (!ch) {
@@ -289,7 +290,11 @@ static bool took_glance(struct drive *d, const struct rpc_status *st, ProtobufCM
         tools_load(d);
         return !drive_halted(d) && (in_force(d) || view_by_calls(d, tools_channel(d), v));
     }
-    if (!tools_failed(d, "looking at the sandbox failed", st)) {
+    if (tools_failed(d, "looking at the sandbox failed", st)) {
+        /* its replica may be away for a moment: replica_wait */
+        d->glance_unreached =
+            st->code == GRPC_STATUS_UNAVAILABLE || st->code == GRPC_STATUS_DEADLINE_EXCEEDED;
+    } else {
         /* toold answered but refused: that is no tool set either */
         struct cf_error e;
         if (d->cwd[0] &&

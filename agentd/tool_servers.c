@@ -411,7 +411,7 @@ static enum cf_status check_agent(const struct agent_def *a, struct listed **see
                          ? a->sandbox_workspace
                          : a->name;
     /* the replica of the sandbox's toold that holds ws (placement.h) */
-    const char *sandbox = a->sandbox_tools ? placement_pick(a->sandbox_tools, ws) : NULL;
+    const char *sandbox = a->sandbox_tools ? placement_pick(a->sandbox_tools, ws, NULL) : NULL;
     for (size_t k = 0; k <= a->n_tool_servers && rc == CF_OK; k++) {
         /* the sandbox's toold first, then the agent's own servers */
         const char *addr = k ? a->tool_servers[k - 1] : sandbox;

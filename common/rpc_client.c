@@ -294,8 +294,8 @@ static void reset_backoff(struct rpc_channel *ch)
 }
 
 /* call_begin links a new call into its channel, or returns false (the call must not start)
- * when the channel was cancelled. A call that finds the channel failing asks for a fresh
- * connect. */
+ * when the channel was cancelled. A call (not a probe) that finds the channel failing asks for
+ * a fresh connect. */
 static bool call_begin(struct rpc_channel *ch, struct live_call *lc, grpc_call *call, bool probe)
 {
     lc->call = call;
@@ -314,8 +314,9 @@ static bool call_begin(struct rpc_channel *ch, struct live_call *lc, grpc_call *
     ch->busy += !lc->probe;
     pthread_mutex_unlock(&ch->mu);
     atomic_store(&ch->last_start_ms, clock_mono_ms());
-    if (grpc_channel_check_connectivity_state(ch->ch, 0) == GRPC_CHANNEL_TRANSIENT_FAILURE) {
-        reset_backoff(ch);
+    if (!probe &&
+        grpc_channel_check_connectivity_state(ch->ch, 0) == GRPC_CHANNEL_TRANSIENT_FAILURE) {
+        reset_backoff(ch); /* a probe's channel may be closed by the time it ends: none */
     }
     return true;
 }
@@ -1079,6 +1080,11 @@ static void probe_look(void)
          ch = ch->open_next) {
         if (now - atomic_load(&ch->last_start_ms) < keepalive &&
             now - atomic_load(&ch->last_heard_ms) < keepalive) {
+            continue;
+        }
+        /* a channel failing to connect has no connection to look at: a probe would fail at
+         * once, every look, and say nothing the calls' own failures do not */
+        if (grpc_channel_check_connectivity_state(ch->ch, 0) == GRPC_CHANNEL_TRANSIENT_FAILURE) {
             continue;
         }
         pthread_mutex_lock(&ch->mu);

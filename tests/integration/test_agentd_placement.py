@@ -11,6 +11,7 @@ a cluster's DNS would answer for a headless Service), so it needs root and unsha
 """
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -279,10 +280,13 @@ class DnsTest(PlacementCase):
     def test_a_replica_out_of_dns_for_a_moment_keeps_its_sandboxes(self):
         """A rolling restart takes a toold pod out of DNS for a moment. Its sandboxes stay
         placed on it for --replica-linger-ms from the first lookup that misses it (here 8 s:
-        it is given up at the second lookup after that one, 10 s later),
-        so a conversation started meanwhile runs there once the replica is back, not on another
-        replica without its workspace; a replica missing for longer is given up and its
-        sandboxes go to the replicas left."""
+        it is given up at the second lookup after that one, 10 s later), so a conversation
+        started meanwhile runs there once the replica is back, not on another replica without
+        its workspace. While the pod is down, the conversation waits for it holding its lease,
+        in one attempt: interrupted and retried instead, each retry a new attempt, it would
+        have spent the agent's three before the pod was back. A DNS that answers nothing is no
+        word on a replica: its linger starts again. A replica missing for longer is given up
+        and its sandboxes go to the replicas left."""
         self.hosts = os.path.join(self.dir, 'hosts')
         port = free_port('127.0.0.2')
         ips = {'toold-a': '127.0.0.2', 'toold-b': '127.0.0.3'}
@@ -308,26 +312,49 @@ class DnsTest(PlacementCase):
 
         self.converse(ad, on_b[0])
         self.assertEqual(self.where(listed, on_b[0]), ([1], [1]))
-        # b leaves DNS; a conversation of one of its sandboxes starts meanwhile, and b is back
-        # a moment later: the conversation ran on b
+        # b's pod restarts: out of DNS and down; a conversation of one of its sandboxes starts
+        # meanwhile and waits; b is back 5 s later: the conversation ran on b, in one attempt
         self.write_hosts(both[:1])
         wait_log('event=toold_replica_missing spec=dns:tools.cflue.test:%d replica=%s'
                  % (port, full[1]))
+        listed[1].stop()
         self.fm.set_scenario([
             {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'echo placed > placed.txt'}}]},
             {'text': 'written'},
         ])
         sid = ad.submit('spread', 'Write the file.', conversation_id=on_b[1]).submission_id
-        time.sleep(1)
+        wait_log('event=sandbox_replica_wait submission=%s sandbox=%s replica=%s'
+                 % (sid, on_b[1], full[1]))
+        time.sleep(4)
+        listed[1].start()
         self.write_hosts(both)
         sub = ad.get_submission(sid, wait=True, timeout=60)
         self.assertEqual(sub.outcome, common_pb2.OUTCOME_COMPLETED, sub)
+        self.assertEqual(sub.attempt_count, 1, sub)
         self.assertEqual(self.where(listed, on_b[1]), ([1], [1]))
         self.assertNotIn('toold_replica_dropped', ad.stderr_text())
-        # b leaves DNS for longer than the linger: given up, its sandboxes go to a
+        self.assertIn('event=sandbox_replica_back submission=%s' % sid, ad.stderr_text())
+        # b leaves DNS, then the DNS answers nothing for longer than the linger (an outage):
+        # that is no word on b, whose linger starts again once lookups answer without it
+        missed = ad.stderr_text().count('event=toold_replica_missing')
+        self.write_hosts(both[:1])
+        deadline = time.monotonic() + 30
+        while ad.stderr_text().count('event=toold_replica_missing') == missed:
+            self.assertLess(time.monotonic(), deadline, 'b was not missed again')
+            time.sleep(0.2)
+        first_miss = time.monotonic()
+        self.write_hosts([])
+        wait_log('event=toold_replicas_unresolved spec=dns:tools.cflue.test:%d known=2' % port)
+        time.sleep(12)
+        self.assertNotIn('toold_replica_dropped', ad.stderr_text())
+        # the lookups answer again without b: given up a linger later, its sandboxes go to a
         self.write_hosts(both[:1])
         wait_log('event=toold_replica_dropped spec=dns:tools.cflue.test:%d replica=%s'
                  % (port, full[1]))
+        since_first_miss_ms = (time.monotonic() - first_miss) * 1000
+        dropped = re.search(r'event=toold_replica_dropped spec=\S+ replica=\S+ missing_ms=(\d+)',
+                            ad.stderr_text())
+        self.assertLess(int(dropped.group(1)), since_first_miss_ms - 8000, dropped.group(0))
         self.converse(ad, on_b[2])
         self.assertEqual(self.where(listed, on_b[2]), ([0], [0]))
 

@@ -19,7 +19,7 @@ static void place(const char *spec, int out[SANDBOXES])
     for (int i = 0; i < SANDBOXES; i++) {
         char sb[32];
         snprintf(sb, sizeof(sb), "conv_%05d", i);
-        const char *addr = placement_pick(spec, sb);
+        const char *addr = placement_pick(spec, sb, NULL);
         out[i] = -1;
         for (int k = 0; addr && k < 4; k++) {
             if (!strcmp(addr, four[k])) {
@@ -57,7 +57,9 @@ static void test_spread_and_moves(void)
         CHECK(three[i] == 1 ? minus[i] != 1 : minus[i] == three[i]);
     }
     /* one toold: the spec itself, for every sandbox */
-    CHECK_STR(placement_pick("127.0.0.1:7102", "anything"), "127.0.0.1:7102");
+    bool missing = true;
+    CHECK_STR(placement_pick("127.0.0.1:7102", "anything", &missing), "127.0.0.1:7102");
+    CHECK(!missing); /* one toold is never out of DNS */
     const char *out[4];
     CHECK(placement_replicas("a:1,b:2", out, 4) == 2);
     CHECK_STR(out[1], "b:2");
@@ -103,14 +105,16 @@ static void test_dns(void)
     const char *out[4];
     size_t n = placement_replicas("dns:localhost:7102", out, 4);
     CHECK(n == 1);
-    const char *picked = placement_pick("dns:localhost:7102", "sb");
+    bool missing = true;
+    const char *picked = placement_pick("dns:localhost:7102", "sb", &missing);
+    CHECK(!missing); /* found by the lookup that just ended */
     CHECK(picked != NULL && !strcmp(picked, "localhost:7102"));
     /* a name that does not resolve: no replica (agentd then faults the drive, saying so) */
     placement_watch("dns:no-such-host.invalid:7102");
-    CHECK(placement_pick("dns:no-such-host.invalid:7102", "sb") == NULL);
+    CHECK(placement_pick("dns:no-such-host.invalid:7102", "sb", NULL) == NULL);
     CHECK(placement_replicas("dns:no-such-host.invalid:7102", out, 4) == 0);
     /* never watched: nothing known */
-    CHECK(placement_pick("dns:other:7102", "sb") == NULL);
+    CHECK(placement_pick("dns:other:7102", "sb", NULL) == NULL);
 }
 
 int main(void)
