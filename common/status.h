@@ -22,6 +22,7 @@
     X(TOOBIG, "too big", GRPC_STATUS_RESOURCE_EXHAUSTED, "TOO_LARGE")                              \
     X(BUSY, "resource exhausted", GRPC_STATUS_RESOURCE_EXHAUSTED, "OVERLOADED")                    \
     X(NOMEM, "out of memory", GRPC_STATUS_RESOURCE_EXHAUSTED, "OUT_OF_MEMORY")                     \
+    X(FULL, "storage full", GRPC_STATUS_RESOURCE_EXHAUSTED, "STORAGE_FULL")                        \
     X(IO, "input/output error", GRPC_STATUS_INTERNAL, "IO_ERROR")                                  \
     X(DB, "database error", GRPC_STATUS_INTERNAL, "DATABASE_ERROR")                                \
     X(CORRUPT, "stored data is not what cflue wrote", GRPC_STATUS_DATA_LOSS, "DATA_CORRUPTED")     \

@@ -83,6 +83,7 @@ enum cf_status db_code(int sqlite_rc)
     case SQLITE_NOTADB:
         return CF_CORRUPT;
     case SQLITE_FULL:
+        return CF_FULL; /* the disk: RESOURCE_EXHAUSTED, retried; nothing is lost */
     case SQLITE_IOERR:
     case SQLITE_READONLY:
     case SQLITE_CANTOPEN:

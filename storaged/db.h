@@ -116,7 +116,8 @@ CF_MUST_CHECK enum cf_status db_exec(sqlite3 *db, const char *sql, struct cf_err
 
 /* db_code maps an SQLite result code to the status a client sees: SQLITE_BUSY and
  * SQLITE_LOCKED (the busy timeout ran out) are CF_UNAVAILABLE, so the caller retries;
- * SQLITE_CORRUPT and SQLITE_NOTADB are CF_CORRUPT (DATA_LOSS); SQLITE_FULL, SQLITE_IOERR,
+ * SQLITE_CORRUPT and SQLITE_NOTADB are CF_CORRUPT (DATA_LOSS); SQLITE_FULL (the disk is full)
+ * is CF_FULL (RESOURCE_EXHAUSTED, STORAGE_FULL: retried once there is room); SQLITE_IOERR,
  * SQLITE_READONLY and SQLITE_CANTOPEN are CF_IO; anything else is CF_DB. Never CF_OK. */
 enum cf_status db_code(int sqlite_rc);
 

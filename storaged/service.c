@@ -320,7 +320,8 @@ static void log_result(const struct pending *p, enum cf_status st, const struct 
     char q[CF_ERROR_MSG_MAX + 32];
     int64_t ms = clock_mono_ms() - p->started_ms;
     if (st != CF_OK) {
-        bool db_failure = st == CF_DB || st == CF_INTERNAL || st == CF_IO || st == CF_CORRUPT;
+        bool db_failure =
+            st == CF_DB || st == CF_INTERNAL || st == CF_IO || st == CF_CORRUPT || st == CF_FULL;
         log_write(db_failure ? LOG_ERROR : LOG_INFO, "store.refused",
                   "method=%s code=%s ms=%lld err=%s", p->m->name, status_name(st), (long long)ms,
                   log_quote(q, sizeof(q), err->msg));

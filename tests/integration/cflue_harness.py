@@ -1288,6 +1288,46 @@ class Agentd(Daemon):
 
 # ---- a whole stack on the fake model's bench brain ----
 
+def private_mount_problem():
+    """Why storaged cannot be given a tmpfs of its own here (None: it can)."""
+    if os.geteuid() != 0 or not shutil.which('unshare') or not shutil.which('nsenter'):
+        return 'needs root, unshare(1) and nsenter(1) for a private tmpfs'
+    probe = subprocess.run(['unshare', '-m', '--', 'mount', '-t', 'tmpfs', 'tmpfs', '/mnt'],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if probe.returncode != 0:
+        return 'cannot mount a tmpfs in a mount namespace here (%s)' % probe.stderr.strip()
+    return None
+
+
+class TmpfsStoraged(Storaged):
+    """storaged in a mount namespace of its own, its database on a small tmpfs there (a disk
+    that can fill up: in_namespace writes and removes files on it)."""
+
+    SIZE = '4m'
+
+    def __init__(self, **kwargs):
+        workdir = kwargs.pop('workdir', None) or self._new_dir()
+        self.mount_dir = os.path.join(workdir, 'disk')
+        os.makedirs(self.mount_dir, exist_ok=True)
+        Storaged.__init__(self, workdir=workdir, db=os.path.join(self.mount_dir, 'store.db'),
+                          **kwargs)
+
+    @staticmethod
+    def _new_dir():
+        return tempfile.mkdtemp(prefix='cflue-full-')
+
+    def command(self):
+        return (['unshare', '-m', '--', 'sh', '-c',
+                 'mount -t tmpfs -o size=%s tmpfs "$0" && exec "$@"' % self.SIZE,
+                 self.mount_dir] + Storaged.command(self))
+
+    def in_namespace(self, script):
+        """Runs a shell script in storaged's mount namespace (where its tmpfs is)."""
+        return subprocess.run(['nsenter', '-t', str(self.proc.pid), '-m', '--', 'sh', '-c',
+                               script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+
+
 class BenchBrainStack(object):
     """storaged + toold (its workspace 'bench' holding BIG_FILE) + the fake model playing its
     bench brain (`bash echo hello`, `read` of BIG_FILE, a short answer; --delay-ms delay_ms) +
@@ -1295,19 +1335,21 @@ class BenchBrainStack(object):
     temporary directory (remove() stops them and deletes it). store_env, tool_env: storaged's
     and toold's extra environment; owner_ids: the agentds' --owner-id (default: none, the agentd's own);
     agentd_args: extra flags of the first n_agentd agentds; workdir: the directory to use
-    instead of a new temporary one."""
+    instead of a new temporary one; storaged_cls: the kind of storaged (TmpfsStoraged, say)."""
 
     AGENT = 'bench'
     BIG_FILE = 'big.txt'
 
     def __init__(self, delay_ms, big_text, n_agentd=1, owner_ids=None, agentd_args=(),
-                 store_env=None, prefix='cflue-stack-', workdir=None, tool_env=None):
+                 store_env=None, prefix='cflue-stack-', workdir=None, tool_env=None,
+                 storaged_cls=None):
         self.dir = workdir or tempfile.mkdtemp(prefix=prefix)
         os.makedirs(self.dir, exist_ok=True)
         secret_scan.watch(self.dir)
         self.daemons = []
         try:
-            self.sd = self._add(Storaged(workdir=self._sub('storaged'), env=store_env))
+            self.sd = self._add((storaged_cls or Storaged)(workdir=self._sub('storaged'),
+                                                           env=store_env))
             self.td = Toold(workdir=self._sub('toold'), env=tool_env, start=False)
             with open(os.path.join(self.td.workspace('bench', create=True), self.BIG_FILE),
                       'w') as f:

@@ -876,6 +876,56 @@ class SlowDiskCase(unittest.TestCase):
         self.assertEqual(len(st.fm.requests()), 3)
 
 
+class DiskFullTest(unittest.TestCase):
+    """storaged's disk fills up under running conversations (a real tmpfs, in storaged's own
+    mount namespace) and is emptied 8 s later. Submit answers RESOURCE_EXHAUSTED, reason
+    STORAGE_FULL, meanwhile; the conversations under way retry their writes (an outage
+    shorter than their retry window, the lease: 30 s) and all complete, each in its one
+    attempt, once there is room."""
+
+    def setUp(self):
+        problem = H.private_mount_problem()
+        if problem:
+            # where the namespace can be made (CI's machines), a skip would hide a failure
+            if os.environ.get('CI') == 'true' and os.geteuid() == 0:
+                self.fail(problem)
+            self.skipTest(problem)
+        self.stack = H.BenchBrainStack(500, 'a line of the file the bench brain reads\n' * 10,
+                                       prefix='cflue-disk-full-it-',
+                                       storaged_cls=H.TmpfsStoraged)
+
+    def tearDown(self):
+        self.stack.remove()
+
+    def test_running_work_waits_for_room_and_completes(self):
+        st = self.stack
+        running = [st.ad.submit(st.AGENT, 'go %d' % i).submission_id for i in range(5)]
+        self.assertTrue(H.poll_until(lambda: len(st.fm.requests()) >= 5, 30, 0.05),
+                        'the conversations did not start')
+        filled = st.sd.in_namespace('cat /dev/zero > %s/filler' % st.sd.mount_dir)
+        self.assertIn('No space left', filled.stdout)
+        big = 'x' * (200 << 10)  # past what the WAL already holds: it must grow
+        refused = None
+        for i in range(30):
+            try:
+                running.append(st.ad.submit(st.AGENT, 'go %d %s' % (i, big)).submission_id)
+            except grpc.RpcError as e:
+                refused = e
+                break
+        self.assertIsNotNone(refused, 'no Submit was refused on a full disk')
+        self.assertEqual(refused.code(), grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details())
+        self.assertEqual(H.error_reason(refused), 'STORAGE_FULL')
+        time.sleep(8)
+        self.assertEqual(st.sd.in_namespace('rm %s/filler' % st.sd.mount_dir).returncode, 0)
+        for sid in running:
+            sub = st.ad.get_submission(sid, wait=True, timeout=120)
+            self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub)
+            # their writes were retried (within the retry window): never interrupted
+            self.assertEqual(sub.attempt_count, 1, sub)
+        self.assertIn('event=store_retry', st.ad.stderr_text())
+        self.assertIsNone(st.sd.proc.poll())
+        self.assertIsNone(st.ad.proc.poll())
+
 class HungPeerTest(unittest.TestCase):
     """A storaged that hangs (SIGSTOP: its connections stay open, nothing answers, as when
     its host is cut off without a reset) and is replaced by a new process at the same

@@ -1,7 +1,9 @@
 """A database that fails under storaged: every SQLite step error reaches the client as an
 error status (DATA_LOSS for corruption, INTERNAL or UNAVAILABLE otherwise), never as an empty
 or "not found" answer. The fault is real: a page of the database file is overwritten while
-storaged is stopped, the way a bad disk sector or a stray writer would.
+storaged is stopped, the way a bad disk sector or a stray writer would. And a disk that fills
+up under a running storaged (a real tmpfs, filled and emptied again) refuses writes
+RESOURCE_EXHAUSTED (STORAGE_FULL) until there is room, losing nothing.
 """
 
 import os
@@ -11,7 +13,8 @@ import unittest
 import grpc
 
 from cflue_harness import (
-    StoragedTestCase, admit, append, claim, common_pb2, read_all, record, settle, store_pb2)
+    StoragedTestCase, TmpfsStoraged, admit, append, claim, common_pb2, error_reason, get,
+    private_mount_problem, read_all, record, settle, store_pb2)
 
 ERROR_CODES = (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.INTERNAL,
                grpc.StatusCode.UNAVAILABLE)
@@ -85,6 +88,54 @@ class StepErrorTest(StoragedTestCase):
         self.assertEqual(stub.get(store_pb2.GetRequest(submission_id=sub.submission_id)).status,
                          common_pb2.SUBMISSION_STATUS_SETTLED)
 
+
+
+class DiskFullTest(StoragedTestCase):
+
+    def setUp(self):
+        problem = private_mount_problem()
+        if problem:
+            # where the namespace can be made (CI's machines), a skip would hide a failure
+            if os.environ.get('CI') == 'true' and os.geteuid() == 0:
+                self.fail(problem)
+            self.skipTest(problem)
+
+    def test_a_full_disk_refuses_writes_until_there_is_room(self):
+        """The tmpfs under storaged's database fills up (a file written until ENOSPC). Admits
+        are refused RESOURCE_EXHAUSTED, reason STORAGE_FULL, naming the full disk; reads go
+        on; storaged keeps running. The file removed, the same storaged admits again, and
+        every admission it had answered OK is there."""
+        sd = TmpfsStoraged(start=False)
+        self._daemons.append(sd)
+        sd.start()
+        stub = sd.stub
+        ok = [admit(stub, conv='full-c', text='before %d' % i).submission.submission_id
+              for i in range(5)]
+        filled = sd.in_namespace('cat /dev/zero > %s/filler; df -k %s | tail -1'
+                                 % (sd.mount_dir, sd.mount_dir))
+        self.assertIn('No space left', filled.stdout)
+        refused = None
+        big = 'x' * (256 << 10)  # past what the WAL already holds: it must grow
+        for i in range(40):
+            try:
+                ok.append(admit(stub, conv='full-c', text='%d %s' % (i, big)).submission.submission_id)
+            except grpc.RpcError as e:
+                refused = e
+                break
+        self.assertIsNotNone(refused, 'no Admit was refused on a full disk')
+        self.assertEqual(refused.code(), grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details())
+        self.assertEqual(error_reason(refused), 'STORAGE_FULL')
+        self.assertIn('full', refused.details())
+        # reads go on, storaged runs on and says what happened
+        self.assertEqual(get(stub, ok[0]).submission_id, ok[0])
+        self.assertIsNone(sd.proc.poll())
+        self.assertIn('code=FULL', sd.stderr_text())
+        # room again: the same process admits, and nothing answered OK was lost
+        self.assertEqual(sd.in_namespace('rm %s/filler' % sd.mount_dir).returncode, 0)
+        after = admit(stub, conv='full-c', text='after').submission.submission_id
+        for sid in ok + [after]:
+            self.assertEqual(get(stub, sid).submission_id, sid)
+        self.assertIsNone(sd.proc.poll())
 
 if __name__ == '__main__':
     unittest.main()
