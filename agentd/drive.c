@@ -445,12 +445,20 @@ static enum drive_state step_input(struct drive *d)
 static enum drive_state step_prompt(struct drive *d)
 {
     if (d->replica_wait_ms && !d->replica_back_ms) {
+        if (drive_stopped(d)) {
+            return DRIVE_SETTLE; /* aborted, lease lost or shutting down: no call to make */
+        }
         bool missing = false;
-        (void)placement_pick(d->agent->sandbox_tools, d->workspace, &missing);
-        if (missing && !drive_stopped(d) && drive_time_left(d) > 0) {
+        const char *addr = placement_pick(d->agent->sandbox_tools, d->workspace, &missing);
+        if (missing && drive_time_left(d) > 0) {
             engine_post_at(d, clock_mono_ms() + REPLICA_WAIT_POLL_MS);
             d->parked = true; /* the timer, or an abort, posts the drive */
             return DRIVE_PROMPT;
+        }
+        if (!missing && addr && addr != d->tools_addr) {
+            log_info("sandbox_replica_moved", "submission=%s sandbox=%s from=%s to=%s",
+                     d->sub->submission_id, d->workspace, d->tools_addr, addr);
+            d->tools_addr = addr; /* given up meanwhile: the sandbox is placed elsewhere */
         }
         d->replica_back_ms = clock_mono_ms();
     }

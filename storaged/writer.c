@@ -144,6 +144,13 @@ static void run_batch(struct writer *w, struct writer_job *jobs)
         cf_error_clear(&j->err);
         j->st = j->run(&ctx, j->arg, &j->err);
         if (j->st != CF_OK && (st = run(w, rollback_to_sql, &err)) != CF_OK) {
+            if (j->st == CF_FULL) {
+                /* the disk filled up within the job's statement and SQLite rolled the whole
+                 * transaction back (its savepoints with it): the batch's other jobs get the
+                 * job's retryable status, not the missing savepoint's */
+                st = CF_FULL;
+                err = j->err;
+            }
             goto broken;
         }
         if ((st = run(w, release_sql, &err)) != CF_OK) {

@@ -8,6 +8,7 @@ RESOURCE_EXHAUSTED (STORAGE_FULL) until there is room, losing nothing.
 
 import os
 import sqlite3
+import threading
 import unittest
 
 import grpc
@@ -130,6 +131,29 @@ class DiskFullTest(StoragedTestCase):
         self.assertEqual(get(stub, ok[0]).submission_id, ok[0])
         self.assertIsNone(sd.proc.poll())
         self.assertIn('code=FULL', sd.stderr_text())
+        # many at once, big and small, batched together: the batch-mates of a statement the
+        # full disk stopped (SQLite rolls its whole transaction back) are refused the same way,
+        # never INTERNAL
+        codes, lock = {}, threading.Lock()
+
+        def admit_many(k):
+            for i in range(20):
+                try:
+                    text = big if k % 2 else 'small %d' % i
+                    sid = admit(stub, conv='full-%d' % k, text=text).submission.submission_id
+                    code = 'OK'
+                except grpc.RpcError as e:
+                    sid, code = None, '%s %s' % (e.code().name, error_reason(e))
+                with lock:
+                    codes[code] = codes.get(code, 0) + 1
+                    if sid:
+                        ok.append(sid)
+        workers = [threading.Thread(target=admit_many, args=(k,)) for k in range(8)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        self.assertEqual(set(codes) - {'OK'}, {'RESOURCE_EXHAUSTED STORAGE_FULL'}, codes)
         # room again: the same process admits, and nothing answered OK was lost
         self.assertEqual(sd.in_namespace('rm %s/filler' % sd.mount_dir).returncode, 0)
         after = admit(stub, conv='full-c', text='after').submission.submission_id
