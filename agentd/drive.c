@@ -440,6 +440,19 @@ static enum drive_state step_input(struct drive *d)
     return DRIVE_PROMPT;
 }
 
+/* moved_to takes up the placement of a sandbox whose replica was given up: addr (non-NULL),
+ * where it is placed now, when that is not d->tools_addr. Returns whether it moved. */
+static bool moved_to(struct drive *d, const char *addr)
+{
+    if (addr == d->tools_addr) {
+        return false;
+    }
+    log_info("sandbox_replica_moved", "submission=%s sandbox=%s from=%s to=%s",
+             d->sub->submission_id, d->workspace, d->tools_addr, addr);
+    d->tools_addr = addr;
+    return true;
+}
+
 /* step_prompt asks toold for the tool set and the sandbox (one Glance); a drive waiting for
  * its replica (replica_wait) asks only once the lookups find it again or it was given up. */
 static enum drive_state step_prompt(struct drive *d)
@@ -455,10 +468,8 @@ static enum drive_state step_prompt(struct drive *d)
             d->parked = true; /* the timer, or an abort, posts the drive */
             return DRIVE_PROMPT;
         }
-        if (!missing && addr && addr != d->tools_addr) {
-            log_info("sandbox_replica_moved", "submission=%s sandbox=%s from=%s to=%s",
-                     d->sub->submission_id, d->workspace, d->tools_addr, addr);
-            d->tools_addr = addr; /* given up meanwhile: the sandbox is placed elsewhere */
+        if (!missing && addr) {
+            (void)moved_to(d, addr); /* given up meanwhile: the sandbox is placed elsewhere */
         }
         d->replica_back_ms = clock_mono_ms();
     }
@@ -486,10 +497,7 @@ static bool replica_wait(struct drive *d)
     if (!addr) {
         return false;
     }
-    if (!missing && addr != d->tools_addr) {
-        log_info("sandbox_replica_moved", "submission=%s sandbox=%s from=%s to=%s",
-                 d->sub->submission_id, d->workspace, d->tools_addr, addr);
-        d->tools_addr = addr;
+    if (!missing && moved_to(d, addr)) {
         d->replica_back_ms = d->replica_wait_ms ? now : 0;
         cf_error_clear(&d->fault);
         return true;
