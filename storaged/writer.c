@@ -143,14 +143,15 @@ static void run_batch(struct writer *w, struct writer_job *jobs)
         }
         cf_error_clear(&j->err);
         j->st = j->run(&ctx, j->arg, &j->err);
+        if (j->st != CF_OK && sqlite3_get_autocommit(w->db)) {
+            /* The job's statement failed in a way after which SQLite rolls the whole
+             * transaction back, its savepoints with it (a full disk, an I/O error, no memory,
+             * an interrupt): the batch is gone, and its other jobs get the job's cause. */
+            st = j->st;
+            err = j->err;
+            goto broken;
+        }
         if (j->st != CF_OK && (st = run(w, rollback_to_sql, &err)) != CF_OK) {
-            if (j->st == CF_FULL) {
-                /* the disk filled up within the job's statement and SQLite rolled the whole
-                 * transaction back (its savepoints with it): the batch's other jobs get the
-                 * job's retryable status, not the missing savepoint's */
-                st = CF_FULL;
-                err = j->err;
-            }
             goto broken;
         }
         if ((st = run(w, release_sql, &err)) != CF_OK) {
@@ -175,10 +176,11 @@ static void run_batch(struct writer *w, struct writer_job *jobs)
     return;
 
 broken : {
-    /* A savepoint statement failed: which work is inside the transaction is unknown, so all
-     * of it is rolled back and every job not refused on its own fails. */
+    /* A savepoint statement failed, or SQLite rolled the transaction back itself: which work
+     * is inside the transaction is unknown, so all of it is rolled back and every job not
+     * refused on its own fails. */
     char q[CF_ERROR_MSG_MAX + 16];
-    log_error("savepoint_failed", "code=%s err=%s", status_name(st),
+    log_error("batch_rolled_back", "code=%s err=%s", status_name(st),
               log_quote(q, sizeof(q), err.msg));
     end_transaction(w);
     fail_rest(jobs, st, "the batch was rolled back: ", err.msg);

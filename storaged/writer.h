@@ -42,7 +42,9 @@ struct writer_job {
  * Failures inside a batch: a job whose work fails is rolled back to its savepoint alone. When
  * SAVEPOINT, ROLLBACK TO, RELEASE or COMMIT fail, the whole batch is rolled back and every job
  * that had not failed on its own gets that error: nothing is answered as written unless its
- * COMMIT returned. SQLITE_BUSY/LOCKED after the busy timeout are CF_UNAVAILABLE (retry). */
+ * COMMIT returned. When a job's failure made SQLite roll the whole transaction back (a full
+ * disk, an I/O error, no memory), the other jobs get that job's error: the batch is gone.
+ * SQLITE_BUSY/LOCKED after the busy timeout are CF_UNAVAILABLE (retry). */
 CF_MUST_CHECK enum cf_status writer_start(struct writer **out, sqlite3 *db,
                                           const struct ledger_config *cfg, int max_batch,
                                           struct cf_error *err);

@@ -1,0 +1,209 @@
+/* Unit tests of storaged/writer.c on a real SQLite file: how a batch's jobs are answered when
+ * one of them fails. */
+#include "../check.h"
+
+#include "db.h"
+#include "writer.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static struct ledger_config cfg = {.lease_ms = 30000, .timeout_ms = 3600000, .max_attempts = 10};
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static bool gate_entered, gate_open;
+static int n_done;
+
+/* One job of a test: the row it inserts (0: none, the gate), once done, how it was answered. */
+struct job {
+    struct writer_job wj;
+    int row;
+    bool interrupt; /* fail the way SQLite rolls the whole transaction back for */
+    enum cf_status st;
+    char msg[CF_ERROR_MSG_MAX];
+};
+
+static enum cf_status insert(sqlite3 *db, int row, struct cf_error *err)
+{
+    char sql[64];
+    snprintf(sql, sizeof(sql), "INSERT INTO t(x) VALUES (%d)", row);
+    return db_exec(db, sql, err);
+}
+
+/* run_gate holds the writer inside its first batch until the test has queued the next one. */
+static enum cf_status run_gate(struct ledger_ctx *c, void *arg, struct cf_error *err)
+{
+    (void)c, (void)arg, (void)err;
+    pthread_mutex_lock(&mu);
+    gate_entered = true;
+    pthread_cond_broadcast(&cv);
+    while (!gate_open) {
+        pthread_cond_wait(&cv, &mu);
+    }
+    pthread_mutex_unlock(&mu);
+    return CF_OK;
+}
+
+static int stop_statement(void *arg)
+{
+    (void)arg;
+    return 1;
+}
+
+/* run_job inserts the job's row. An interrupting job is stopped midway through a statement
+ * that writes many rows (a progress handler: SQLITE_INTERRUPT), after which SQLite rolls the
+ * whole explicit transaction back, savepoints included, as it may after SQLITE_FULL,
+ * SQLITE_IOERR or SQLITE_NOMEM. */
+static enum cf_status run_job(struct ledger_ctx *c, void *arg, struct cf_error *err)
+{
+    struct job *j = arg;
+    if (!j->interrupt) {
+        return insert(c->db, j->row, err);
+    }
+    sqlite3_progress_handler(c->db, 1000, stop_statement, NULL);
+    enum cf_status st = db_exec(c->db,
+                                "INSERT INTO t(x) WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL "
+                                "SELECT i + 1 FROM n WHERE i < 100000) SELECT i FROM n",
+                                err);
+    sqlite3_progress_handler(c->db, 0, NULL, NULL);
+    return st;
+}
+
+static void done(void *arg, enum cf_status st, const struct cf_error *err)
+{
+    struct job *j = arg;
+    pthread_mutex_lock(&mu);
+    j->st = st;
+    snprintf(j->msg, sizeof(j->msg), "%s", st == CF_OK ? "" : err->msg);
+    n_done++;
+    pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+}
+
+static void init_job(struct job *j, int row, bool interrupt)
+{
+    memset(j, 0, sizeof(*j));
+    j->row = row;
+    j->interrupt = interrupt;
+    j->st = CF_UNAVAILABLE;
+    j->wj.run = row ? run_job : run_gate;
+    j->wj.done = done;
+    j->wj.arg = j;
+}
+
+static int count_rows(const char *path)
+{
+    sqlite3 *db = NULL;
+    sqlite3_stmt *s = NULL;
+    int n = -1;
+    if (sqlite3_open_v2(path, &db, SQLITE_OPEN_READONLY, NULL) == SQLITE_OK &&
+        sqlite3_prepare_v2(db, "SELECT count(*) FROM t", -1, &s, NULL) == SQLITE_OK &&
+        sqlite3_step(s) == SQLITE_ROW) {
+        n = sqlite3_column_int(s, 0);
+    }
+    sqlite3_finalize(s);
+    sqlite3_close(db);
+    return n;
+}
+
+/* run_as_one_batch has w run jobs[0..n) in one batch (queued while a gate job holds the
+ * writer in the batch before) and waits until all are answered. */
+static void run_as_one_batch(struct writer *w, struct job **jobs, int n)
+{
+    static struct job gate;
+    init_job(&gate, 0, false);
+    pthread_mutex_lock(&mu);
+    gate_entered = gate_open = false;
+    n_done = 0;
+    pthread_mutex_unlock(&mu);
+    writer_submit(w, &gate.wj);
+    pthread_mutex_lock(&mu);
+    while (!gate_entered) {
+        pthread_cond_wait(&cv, &mu);
+    }
+    pthread_mutex_unlock(&mu);
+    for (int i = 0; i < n; i++) {
+        writer_submit(w, &jobs[i]->wj);
+    }
+    pthread_mutex_lock(&mu);
+    gate_open = true;
+    pthread_cond_broadcast(&cv);
+    while (n_done < n + 1) {
+        pthread_cond_wait(&cv, &mu);
+    }
+    pthread_mutex_unlock(&mu);
+    CHECK(gate.st == CF_OK);
+}
+
+/* A job that fails on its own is rolled back alone: the jobs before and after it in the batch
+ * are committed. */
+static void test_job_rolled_back_alone(const char *path, struct writer *w)
+{
+    struct job before, failing, after;
+    init_job(&before, 1, false);
+    init_job(&failing, -1, false); /* a CHECK constraint refuses it */
+    init_job(&after, 2, false);
+    struct job *batch[] = {&before, &failing, &after};
+    run_as_one_batch(w, batch, 3);
+    CHECK(failing.st != CF_OK && strstr(failing.msg, "CHECK constraint") != NULL);
+    CHECK(before.st == CF_OK && after.st == CF_OK);
+    CHECK(count_rows(path) == 2);
+}
+
+/* A job whose failure makes SQLite roll the whole transaction back takes its batch-mates with
+ * it: those that ran before it and those after it are answered with its cause, not with the
+ * savepoint the rollback removed ("no such savepoint"), and nothing of the batch is written.
+ * The writer goes on with the next batch. */
+static void test_transaction_rolled_back_by_sqlite(const char *path, struct writer *w)
+{
+    int rows = count_rows(path);
+    struct job before, failing, after, next;
+    init_job(&before, 3, false);
+    init_job(&failing, 4, true);
+    init_job(&after, 5, false);
+    init_job(&next, 6, false);
+    struct job *batch[] = {&before, &failing, &after};
+    run_as_one_batch(w, batch, 3);
+    CHECK(failing.st != CF_OK && failing.st != CF_UNAVAILABLE);
+    CHECK(strstr(failing.msg, "interrupt") != NULL);
+    struct job *mates[] = {&before, &after};
+    for (size_t i = 0; i < sizeof(mates) / sizeof(mates[0]); i++) {
+        struct job *j = mates[i];
+        CHECK(j->st == failing.st);
+        CHECK(strstr(j->msg, "interrupt") != NULL);
+        if (!strstr(j->msg, "interrupt")) {
+            fprintf(stderr, "  batch-mate answered: %s\n", j->msg);
+        }
+    }
+    CHECK(count_rows(path) == rows);
+
+    struct job *later[] = {&next}; /* the writer is not stuck in the rolled-back transaction */
+    run_as_one_batch(w, later, 1);
+    CHECK(next.st == CF_OK);
+    CHECK(count_rows(path) == rows + 1);
+}
+
+int main(void)
+{
+    char path[128], side[160];
+    sqlite3 *db = NULL;
+    struct writer *w = NULL;
+    struct cf_error err;
+    snprintf(path, sizeof(path), "/tmp/cflue-test-writer-%d.db", (int)getpid());
+    CHECK(db_open(path, true, &db, &err) == CF_OK);
+    CHECK(db_exec(db, "CREATE TABLE t(x INTEGER CHECK (x > 0))", &err) == CF_OK);
+    CHECK(writer_start(&w, db, &cfg, 16, &err) == CF_OK);
+    test_job_rolled_back_alone(path, w);
+    test_transaction_rolled_back_by_sqlite(path, w);
+    writer_stop(w);
+    unlink(path);
+    snprintf(side, sizeof(side), "%s-wal", path);
+    unlink(side);
+    snprintf(side, sizeof(side), "%s-shm", path);
+    unlink(side);
+    return check_done("test_writer");
+}
