@@ -637,6 +637,7 @@ def section2(root, a):
         thr = Sampler(lambda: threads(pid))
         starts = {}
         lock = threading.Lock()
+        cpu0, client0 = phase_cpu(stack), self_cpu_s()
         t0 = time.perf_counter()
 
         def one(_):
@@ -659,6 +660,7 @@ def section2(root, a):
                 break
             time.sleep(0.5)
         wall = time.perf_counter() - t0
+        cpu, client = cpu_delta(cpu0, phase_cpu(stack)), self_cpu_s() - client0
         thr.stop()
         lat = [(done[s][0] / 1000.0 - starts[s]) for s in done]
         outcomes = {}
@@ -685,6 +687,10 @@ def section2(root, a):
         fig(2, 'within', 'settled within 1.5x the model time, of %d' % n, within, '',
             target='%d' % n, meets=within == n)
         line("agentd threads, max sampled every 0.1 s", '%d' % thr.max, '< 64', thr.max < 64)
+        line('  CPU per conversation, everything counted',
+             ', '.join('%s %s' % (k, ms(v / max(1, n))) for k, v in
+                       [('fake model', cpu['fake model']), ('client', client)] +
+                       [(k, cpu[k]) for k in ('storaged', 'agentd', 'toold', 'commands')]))
         fig(2, 'threads', 'agentd threads, %d in flight' % n, thr.max, '', target='< 64',
             meets=thr.max < 64)
         print("    (settle times: storaged's settled_at_ms, polled with Store.List every 0.5 s)")
