@@ -279,7 +279,7 @@ static bool bind(struct drive *d, struct agent_defs *defs)
         return false;
     }
     d->agent = a;
-    d->tools_addr = NULL;
+    d->tools_addr = d->tools_spec = NULL;
     d->limits = NULL;
     d->workspace[0] = '\0';
     d->cwd[0] = '\0';
@@ -291,14 +291,17 @@ static bool bind(struct drive *d, struct agent_defs *defs)
                                                  : ws);
         /* the replica holding the workspace; a dns: name with none known yet stays as it is,
          * and tools_channel refuses it (tools_no_channel says why) */
-        d->tools_addr = placement_pick(d->agent->sandbox_tools, d->workspace, NULL);
+        d->tools_spec = d->agent->sandbox_tools;
+        d->tools_addr = placement_pick(d->tools_spec, d->workspace, NULL);
         if (!d->tools_addr) {
             d->tools_addr = d->agent->sandbox_tools;
         }
         bind_limits(d, NULL);
     } else if (d->agent && dg && *dg->sandbox_tools) {
-        /* a subagent without a sandbox of its own works in its parent's */
+        /* a subagent without a sandbox of its own works in its parent's, on the parent's
+         * replica; the parent's dns: name lets it wait for that replica as the parent would */
         d->tools_addr = dg->sandbox_tools;
+        d->tools_spec = *dg->sandbox_placement ? dg->sandbox_placement : NULL;
         snprintf(d->workspace, sizeof(d->workspace), "%s", dg->sandbox);
         snprintf(d->cwd, sizeof(d->cwd), "%s", dg->cwd); /* scoped to a directory of it */
         if (dg->sandbox_limits) {
@@ -444,7 +447,7 @@ static enum drive_state step_input(struct drive *d)
  * where it is placed now, when that is not d->tools_addr. Returns whether it moved. */
 static bool moved_to(struct drive *d, const char *addr)
 {
-    if (addr == d->tools_addr) {
+    if (addr == d->tools_addr || !strcmp(addr, d->tools_addr)) {
         return false;
     }
     log_info("sandbox_replica_moved", "submission=%s sandbox=%s from=%s to=%s",
@@ -462,7 +465,7 @@ static enum drive_state step_prompt(struct drive *d)
             return DRIVE_SETTLE; /* aborted, lease lost or shutting down: no call to make */
         }
         bool missing = false;
-        const char *addr = placement_pick(d->agent->sandbox_tools, d->workspace, &missing);
+        const char *addr = placement_pick(d->tools_spec, d->workspace, &missing);
         if (missing && drive_time_left(d) > 0) {
             engine_post_at(d, clock_mono_ms() + REPLICA_WAIT_POLL_MS);
             d->parked = true; /* the timer, or an abort, posts the drive */
@@ -487,12 +490,11 @@ static enum drive_state step_prompt(struct drive *d)
  * lost lease or a shutdown, the time limit, a replica in DNS that does not answer). */
 static bool replica_wait(struct drive *d)
 {
-    if (!d->glance_unreached || !d->agent->sandbox_tools || drive_stopped(d) ||
-        drive_time_left(d) <= 0) {
+    if (!d->glance_unreached || !d->tools_spec || drive_stopped(d) || drive_time_left(d) <= 0) {
         return false;
     }
     bool missing = false;
-    const char *addr = placement_pick(d->agent->sandbox_tools, d->workspace, &missing);
+    const char *addr = placement_pick(d->tools_spec, d->workspace, &missing);
     int64_t now = clock_mono_ms();
     if (!addr) {
         return false;

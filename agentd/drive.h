@@ -228,6 +228,8 @@ struct drive {
     const struct agent_def *agent;
     const char *tools_addr;  /* the sandbox's toold: the agent's own, or the parent's it shares
                               * (a subagent without a sandbox of its own); NULL: no sandbox */
+    const char *tools_spec;  /* the placement tools_addr was picked by (placement.h): the
+                              * agent's sandbox.tools, or the parent's dns: name; NULL: none */
     int64_t replica_wait_ms; /* since when the drive waits for its replica, out of DNS
                               * (monotonic; 0: it does not) */
     int64_t replica_back_ms; /* when the lookups found it again (0: not yet) */

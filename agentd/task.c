@@ -251,6 +251,10 @@ static void admit_send(struct task_call *tc)
     dg.model = (char *)d->model;
     dg.cwd = d->tools_addr ? tc->cwd : "";
     dg.sandbox_limits = d->tools_addr ? d->limits : NULL;
+    dg.sandbox_placement =
+        (char *)(d->tools_addr && d->tools_spec && !strncmp(d->tools_spec, "dns:", 4)
+                     ? d->tools_spec
+                     : "");
     Cflue__V1__AdmitRequest ar = CFLUE__V1__ADMIT_REQUEST__INIT;
     ar.agent = tc->agent;
     ar.conversation_id = "";

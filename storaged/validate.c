@@ -193,6 +193,8 @@ static enum cf_status delegation(const Cflue__V1__AdmitRequest *r, struct cf_err
                       err)) != CF_OK ||
         (rc = bounded("delegation.sandbox", d->sandbox, VALIDATE_SANDBOX_MAX, false, err)) !=
             CF_OK ||
+        (rc = bounded("delegation.sandbox_placement", d->sandbox_placement, VALIDATE_SANDBOX_MAX,
+                      false, err)) != CF_OK ||
         (rc = bounded("delegation.model", d->model, VALIDATE_MODEL_MAX, false, err)) != CF_OK ||
         (rc = bounded("delegation.cwd", d->cwd, VALIDATE_CWD_MAX, false, err)) != CF_OK) {
         return rc;
@@ -217,6 +219,11 @@ static enum cf_status delegation(const Cflue__V1__AdmitRequest *r, struct cf_err
     if (l &&
         (rc = pbdur_check(l->cpu_time, "delegation.sandbox_limits.cpu_time", 0, err)) != CF_OK) {
         return rc;
+    }
+    if (*d->sandbox_placement && (!*d->sandbox || strncmp(d->sandbox_placement, "dns:", 4))) {
+        return cf_error_set(err, CF_INVALID,
+                            "delegation.sandbox_placement: a \"dns:NAME:PORT\" name, and only "
+                            "with delegation.sandbox");
     }
     if (!*d->sandbox_tools != !*d->sandbox) {
         return cf_error_set(err, CF_INVALID,

@@ -24,7 +24,7 @@
 #define VALIDATE_RESERVED_PREFIX "cflue." /* metadata keys cflue keeps for itself */
 #define VALIDATE_DEPTH_MAX 4              /* delegation depth: a subagent's subagent's ... */
 #define VALIDATE_TOOL_CALL_ID_MAX 256     /* a provider's tool call id */
-#define VALIDATE_SANDBOX_MAX 256          /* Delegation.sandbox_tools and .sandbox */
+#define VALIDATE_SANDBOX_MAX 256          /* Delegation.sandbox_tools, sandbox, sandbox_placement */
 #define VALIDATE_CWD_MAX 1024             /* Delegation.cwd */
 #define VALIDATE_RESOURCES_MAX 1024       /* entries of each list of a ResourceState */
 #define VALIDATE_RESOURCE_NAME_MAX 256    /* bytes of a Resource's name */

@@ -354,6 +354,105 @@ class DnsTest(PlacementCase):
         self.converse(ad, on_b[2])
         self.assertEqual(self.where(listed, on_b[2]), ([0], [0]))
 
+    def test_a_subagent_waits_for_its_parents_replica(self):
+        """A subagent without a sandbox of its own works in its parent's, on the parent's
+        replica. When that replica is restarting (out of DNS and down) as the child starts,
+        the child waits for it in its first attempt, as the parent would (the parent hands it
+        the dns: name with the address: Delegation.sandbox_placement), rather than spending
+        an attempt on each retry."""
+        self.hosts = os.path.join(self.dir, 'hosts')
+        port = free_port('127.0.0.2')
+        ips = {'toold-a': '127.0.0.2', 'toold-b': '127.0.0.3'}
+        listed = []
+        for name in ('toold-a', 'toold-b'):
+            listed.append(self.keep(ReplicaToold(ips[name], port)))
+            listed[-1].start()
+        both = [(ips[n], n) for n in ('toold-a', 'toold-b')]
+        self.write_hosts(both)
+        with open(os.path.join(self.agents, 'lead.md'), 'w') as f:
+            f.write(LEAD % ('"dns:tools.cflue.test:%d"' % port))
+        with open(os.path.join(self.agents, 'helper.md'), 'w') as f:
+            f.write(HELPER)
+        ad = self.keep(NamespacedAgentd(self.hosts, self.sd.target, self.agents,
+                                        env=self.model_env(),
+                                        extra_args=('--replica-linger-ms', '15000')))
+        full = ['%s.cflue.test:%d' % (n, port) for n in ('toold-a', 'toold-b')]
+        conv = [c for c in ('conv_child_%03d' % i for i in range(200))
+                if owner(full, c) == full[1]][0]
+
+        def wait_for(what, text, timeout=30):
+            deadline = time.monotonic() + timeout
+            while not re.search(what, text()):
+                self.assertLess(time.monotonic(), deadline, 'no %s' % what)
+                time.sleep(0.1)
+            return re.search(what, text())
+
+        # the lead starts on b; while its model call takes 7 s, b's pod restarts: out of DNS
+        # (missed by a lookup) and down as the child starts
+        self.fm.set_scenario([
+            {'match': {'system_contains': 'ROLE lead.'}, 'delay_ms': 7000, 'tool_calls': [
+                {'name': 'task', 'arguments': {'agent': 'helper', 'prompt': 'Write it.'}}]},
+            {'match': {'system_contains': 'ROLE helper.'}, 'tool_calls': [
+                {'name': 'bash', 'arguments': {'command': 'echo child > child.txt'}}]},
+            {'match': {'system_contains': 'ROLE helper.'}, 'text': 'written'},
+            {'match': {'system_contains': 'ROLE lead.'}, 'text': 'the helper wrote it'},
+        ])
+        asked = len(self.fm.requests())
+        sid = ad.submit('lead', 'Have it written.', conversation_id=conv).submission_id
+        deadline = time.monotonic() + 30
+        while len(self.fm.requests()) == asked:  # the lead looked at b, and asks the model
+            self.assertLess(time.monotonic(), deadline, 'the lead did not ask the model')
+            time.sleep(0.05)
+        self.write_hosts(both[:1])
+        wait_for('event=toold_replica_missing spec=dns:tools.cflue.test:%d replica=%s'
+                 % (port, re.escape(full[1])), ad.stderr_text)
+        listed[1].stop()
+        waiting = wait_for(r'event=sandbox_replica_wait submission=(\S+) sandbox=%s replica=%s'
+                           % (conv, re.escape(full[1])), ad.stderr_text)
+        child = waiting.group(1)
+        self.assertNotEqual(child, sid, ad.stderr_text())
+        listed[1].start()
+        self.write_hosts(both)
+        sub = ad.get_submission(sid, wait=True, timeout=60)
+        self.assertEqual(sub.outcome, common_pb2.OUTCOME_COMPLETED, sub)
+        self.assertEqual(sub.attempt_count, 1, sub)
+        kid = ad.get_submission(child, wait=True, timeout=10)
+        self.assertEqual(kid.outcome, common_pb2.OUTCOME_COMPLETED, kid)
+        self.assertEqual(kid.attempt_count, 1, kid)
+        self.assertEqual(H.get(self.sd.stub, child).delegation.sandbox_placement,
+                         'dns:tools.cflue.test:%d' % port)
+        self.assertTrue(os.path.exists(os.path.join(listed[1].workspace(conv), 'child.txt')))
+        self.assertIn('event=sandbox_replica_back submission=%s' % child, ad.stderr_text())
+
+
+LEAD = '''---
+name: lead
+description: Test agent that has its helper work in its sandbox.
+model: anthropic/claude-test-1
+sandbox:
+  tools: %s
+  workspace: "{conversation}"
+agents: [helper]
+durability:
+  max_attempts: 3
+  timeout_ms: 60000
+---
+
+ROLE lead. You have your helper write the file.
+'''
+
+HELPER = '''---
+name: helper
+description: Writes a file in its lead's sandbox.
+model: anthropic/claude-test-1
+durability:
+  max_attempts: 3
+  timeout_ms: 60000
+---
+
+ROLE helper. You write the file you are asked to.
+'''
+
 
 if __name__ == '__main__':
     unittest.main()

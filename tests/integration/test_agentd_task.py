@@ -463,6 +463,7 @@ class CwdTest(TaskCase):
         [started] = self.children(conv)
         child = self.get(started.child_submission_id)
         self.assertEqual(child.delegation.cwd, 'pkg')
+        self.assertEqual(child.delegation.sandbox_placement, '')  # one toold: its address
         helper = [e for e in self.fm.requests() if 'ROLE helper.' in request_system(e)][0]
         system = request_system(helper)
         self.assertIn('Working directory: %s/pkg' % ws, system)

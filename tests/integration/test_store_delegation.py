@@ -22,13 +22,13 @@ ABORTED = common_pb2.OUTCOME_ABORTED
 
 
 def delegation(parent, depth=1, tool_call_id='call_1', sandbox_tools='', sandbox='', model='',
-               cwd=''):
+               cwd='', sandbox_placement=''):
     """A Delegation naming parent (a Submission) as the submission whose `task` call made it."""
     return common_pb2.Delegation(parent_submission_id=parent.submission_id,
                                  parent_conversation_id=parent.conversation_id,
                                  tool_call_id=tool_call_id, depth=depth,
                                  sandbox_tools=sandbox_tools, sandbox=sandbox, model=model,
-                                 cwd=cwd)
+                                 cwd=cwd, sandbox_placement=sandbox_placement)
 
 
 def delegated_request(parent, agent='helper', text='do the subtask', key='', conv='', **kw):
@@ -66,10 +66,12 @@ class AdmitTest(DelegationCase):
     def test_delegation_round_trips_on_admit_get_list_and_claim(self):
         parent, _ = self.running()
         want = delegation(parent, tool_call_id='toolu_01AbC', sandbox_tools='unix:/run/toold.sock',
-                          sandbox='sb-1', model='openai/gpt-test', cwd='pkg/lib')
+                          sandbox='sb-1', model='openai/gpt-test', cwd='pkg/lib',
+                          sandbox_placement='dns:toold.ns.svc:7000')
         req = delegated_request(parent, tool_call_id='toolu_01AbC',
                                 sandbox_tools='unix:/run/toold.sock', sandbox='sb-1',
-                                model='openai/gpt-test', cwd='pkg/lib')
+                                model='openai/gpt-test', cwd='pkg/lib',
+                                sandbox_placement='dns:toold.ns.svc:7000')
         r = self.stub.admit(req)
         child = r.submission
         self.assertFalse(r.deduplicated)
@@ -125,6 +127,14 @@ class AdmitTest(DelegationCase):
              'delegation.sandbox'),
             ('model too long', dict(model='openai/' + 'm' * 250), 'delegation.model'),
             ('cwd without a sandbox', dict(cwd='pkg'), 'delegation.cwd'),
+            ('placement without a sandbox', dict(sandbox_placement='dns:t:1'),
+             'delegation.sandbox_placement'),
+            ('placement not by dns', dict(sandbox_tools='unix:/x', sandbox='sb',
+                                          sandbox_placement='a:1,b:1'),
+             'delegation.sandbox_placement'),
+            ('placement too long', dict(sandbox_tools='unix:/x', sandbox='sb',
+                                        sandbox_placement='dns:' + 't' * 253 + ':1'),
+             'delegation.sandbox_placement'),
             ('cwd too long', dict(sandbox_tools='unix:/x', sandbox='sb', cwd='d/' * 600),
              'delegation.cwd'),
         ] + [
