@@ -292,6 +292,37 @@ static void stop(struct daemon *d, struct ready_probe *ready, int64_t drain_ms)
     log_info("stopped", "code=0");
 }
 
+/* prepare checks what the options alone cannot, loads the definitions and the tokens and
+ * names the owner (in owner when it is the default): DAEMON_RUN, or the exit status, said. */
+static int prepare(struct daemon *d, struct agentd_opts *o, char owner[OWNER_MAX + 1])
+{
+    if (!*o->agents_dir) {
+        return daemon_say(d, 2,
+                          "--agents DIR is required (a directory of NAME.md agent definitions)");
+    }
+    if (o->heartbeat_ms * 2 > o->lease_ms) {
+        o->heartbeat_ms = o->lease_ms / 3;
+    }
+    placement_set_linger_ms(o->replica_linger_ms); /* before the definitions' first lookups */
+    if (!load_definitions(d, o)) {
+        return 1;
+    }
+    struct cf_error err;
+    if (tokens_start(o->tokens, &err) != CF_OK) {
+        log_error("tokens_invalid", "file=%s", o->tokens);
+        defs_stop();
+        catalog_free();
+        return daemon_say(d, 2, "%s", err.msg);
+    }
+    if (!*o->owner) {
+        o->owner = default_owner(owner, d->listen);
+    } else if (!ids_valid_name(o->owner, OWNER_MAX)) {
+        return daemon_say(d, 2, "--owner-id must be 1 to %d characters of A-Z a-z 0-9 . _ -",
+                          OWNER_MAX);
+    }
+    return DAEMON_RUN;
+}
+
 int main(int argc, char **argv)
 {
     struct daemon d = DAEMON_INIT("agentd", usage, "127.0.0.1:7100");
@@ -356,30 +387,9 @@ int main(int argc, char **argv)
     if (rc != DAEMON_RUN) {
         return rc;
     }
-    if (!*o.agents_dir) {
-        return daemon_say(&d, 2,
-                          "--agents DIR is required (a directory of NAME.md agent definitions)");
-    }
-    if (o.heartbeat_ms * 2 > o.lease_ms) {
-        o.heartbeat_ms = o.lease_ms / 3;
-    }
-    placement_set_linger_ms(o.replica_linger_ms); /* before the definitions' first lookups */
-    if (!load_definitions(&d, &o)) {
-        return 1;
-    }
-    struct cf_error terr;
-    if (tokens_start(o.tokens, &terr) != CF_OK) {
-        log_error("tokens_invalid", "file=%s", o.tokens);
-        defs_stop();
-        catalog_free();
-        return daemon_say(&d, 2, "%s", terr.msg);
-    }
     char owner[OWNER_MAX + 1];
-    if (!*o.owner) {
-        o.owner = default_owner(owner, d.listen);
-    } else if (!ids_valid_name(o.owner, OWNER_MAX)) {
-        return daemon_say(&d, 2, "--owner-id must be 1 to %d characters of A-Z a-z 0-9 . _ -",
-                          OWNER_MAX);
+    if ((rc = prepare(&d, &o, owner)) != DAEMON_RUN) {
+        return rc;
     }
     set_engine(&o);
     stats_init();
