@@ -447,7 +447,7 @@ static enum drive_state step_input(struct drive *d)
  * where it is placed now, when that is not d->tools_addr. Returns whether it moved. */
 static bool moved_to(struct drive *d, const char *addr)
 {
-    if (addr == d->tools_addr || !strcmp(addr, d->tools_addr)) {
+    if (addr == d->tools_addr || (d->tools_addr && !strcmp(addr, d->tools_addr))) {
         return false;
     }
     log_info("sandbox_replica_moved", "submission=%s sandbox=%s from=%s to=%s",

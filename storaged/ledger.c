@@ -458,6 +458,42 @@ static enum cf_status insert_records(struct ledger_ctx *c, const char *conv,
 
 /* admitted_before looks the idempotency key up: *found_out tells whether it was used; then out
  * holds the earlier admission when the payload is the same, else IDEMPOTENCY_CONFLICT. */
+/* where_reached packs a delegated admission's payload without where its parent's sandbox is
+ * reached (Delegation.sandbox_tools and .sandbox_placement): NULL when it has no delegation or
+ * does not unpack. */
+static uint8_t *where_reached(struct ledger_ctx *c, const uint8_t *payload, size_t len,
+                              size_t *len_out)
+{
+    Cflue__V1__AdmitRequest *r = (Cflue__V1__AdmitRequest *)protobuf_c_message_unpack(
+        &cflue__v1__admit_request__descriptor, arena_protobuf_allocator(c->arena), len, payload);
+    if (!r || !r->delegation) {
+        return NULL;
+    }
+    r->delegation->sandbox_tools = "";
+    r->delegation->sandbox_placement = "";
+    *len_out = protobuf_c_message_get_packed_size(&r->base);
+    uint8_t *buf = arena_alloc(c->arena, *len_out + 1);
+    protobuf_c_message_pack(&r->base, buf);
+    return buf;
+}
+
+/* same_admission: a stored payload and a request's (canonical_payload) are the same
+ * admission. A delegated one is the same task call whatever address its parent's sandbox is
+ * reached at: that may change between the parent's attempts (its replica given up, an agentd
+ * of another version or with reloaded definitions), and a retry of the call must find its
+ * child, not a conflict. */
+static bool same_admission(struct ledger_ctx *c, const void *stored, size_t stored_len,
+                           const uint8_t *payload, size_t payload_len)
+{
+    if (stored_len == payload_len && !memcmp(stored, payload, payload_len)) {
+        return true;
+    }
+    size_t a_len = 0, b_len = 0;
+    const uint8_t *a = where_reached(c, stored, stored_len, &a_len);
+    const uint8_t *b = a ? where_reached(c, payload, payload_len, &b_len) : NULL;
+    return b && a_len == b_len && !memcmp(a, b, a_len);
+}
+
 static enum cf_status admitted_before(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
                                       const uint8_t *payload, size_t payload_len,
                                       Cflue__V1__AdmitResponse *out, bool *found_out,
@@ -478,8 +514,8 @@ static enum cf_status admitted_before(struct ledger_ctx *c, const Cflue__V1__Adm
         return rc;
     }
     const char *existing = col_text(c, s.st, 0);
-    bool same = (size_t)sqlite3_column_bytes(s.st, 1) == payload_len &&
-                !memcmp(sqlite3_column_blob(s.st, 1), payload, payload_len);
+    bool same = same_admission(c, sqlite3_column_blob(s.st, 1),
+                               (size_t)sqlite3_column_bytes(s.st, 1), payload, payload_len);
     int64_t pos = sqlite3_column_int64(s.st, 2);
     bool theirs = *req->principal && !req->admin && strcmp(col_text(c, s.st, 3), req->principal);
     stmt_close(&s);

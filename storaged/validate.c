@@ -189,12 +189,12 @@ static enum cf_status delegation(const Cflue__V1__AdmitRequest *r, struct cf_err
             CF_OK ||
         (rc = bounded("delegation.tool_call_id", d->tool_call_id, VALIDATE_TOOL_CALL_ID_MAX, true,
                       err)) != CF_OK ||
-        (rc = bounded("delegation.sandbox_tools", d->sandbox_tools, VALIDATE_SANDBOX_MAX, false,
-                      err)) != CF_OK ||
+        (rc = bounded("delegation.sandbox_tools", d->sandbox_tools, VALIDATE_SANDBOX_ADDRESS_MAX,
+                      false, err)) != CF_OK ||
         (rc = bounded("delegation.sandbox", d->sandbox, VALIDATE_SANDBOX_MAX, false, err)) !=
             CF_OK ||
-        (rc = bounded("delegation.sandbox_placement", d->sandbox_placement, VALIDATE_SANDBOX_MAX,
-                      false, err)) != CF_OK ||
+        (rc = bounded("delegation.sandbox_placement", d->sandbox_placement,
+                      VALIDATE_SANDBOX_ADDRESS_MAX, false, err)) != CF_OK ||
         (rc = bounded("delegation.model", d->model, VALIDATE_MODEL_MAX, false, err)) != CF_OK ||
         (rc = bounded("delegation.cwd", d->cwd, VALIDATE_CWD_MAX, false, err)) != CF_OK) {
         return rc;

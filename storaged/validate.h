@@ -24,11 +24,14 @@
 #define VALIDATE_RESERVED_PREFIX "cflue." /* metadata keys cflue keeps for itself */
 #define VALIDATE_DEPTH_MAX 4              /* delegation depth: a subagent's subagent's ... */
 #define VALIDATE_TOOL_CALL_ID_MAX 256     /* a provider's tool call id */
-#define VALIDATE_SANDBOX_MAX 256          /* Delegation.sandbox_tools, sandbox, sandbox_placement */
+#define VALIDATE_SANDBOX_MAX 256          /* Delegation.sandbox: a sandbox's name */
 #define VALIDATE_CWD_MAX 1024             /* Delegation.cwd */
 #define VALIDATE_RESOURCES_MAX 1024       /* entries of each list of a ResourceState */
 #define VALIDATE_RESOURCE_NAME_MAX 256    /* bytes of a Resource's name */
 #define VALIDATE_MODEL_MAX 256            /* delegation.model: provider/model-id */
+/* Delegation.sandbox_tools and .sandbox_placement: a host name of up to 255 characters with
+ * its port (and "dns:") */
+#define VALIDATE_SANDBOX_ADDRESS_MAX 300
 
 CF_MUST_CHECK enum cf_status validate_admit(const Cflue__V1__AdmitRequest *r, struct cf_error *err);
 CF_MUST_CHECK enum cf_status validate_claim(const Cflue__V1__ClaimRequest *r, struct cf_error *err);

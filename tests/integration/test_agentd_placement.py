@@ -375,7 +375,7 @@ class DnsTest(PlacementCase):
             f.write(HELPER)
         ad = self.keep(NamespacedAgentd(self.hosts, self.sd.target, self.agents,
                                         env=self.model_env(),
-                                        extra_args=('--replica-linger-ms', '15000')))
+                                        extra_args=('--replica-linger-ms', '30000')))
         full = ['%s.cflue.test:%d' % (n, port) for n in ('toold-a', 'toold-b')]
         conv = [c for c in ('conv_child_%03d' % i for i in range(200))
                 if owner(full, c) == full[1]][0]
@@ -387,10 +387,10 @@ class DnsTest(PlacementCase):
                 time.sleep(0.1)
             return re.search(what, text())
 
-        # the lead starts on b; while its model call takes 7 s, b's pod restarts: out of DNS
-        # (missed by a lookup) and down as the child starts
+        # the lead starts on b; while its model call takes 12 s, b's pod restarts: out of DNS
+        # (missed by a lookup, within 5 s) and down as the child starts
         self.fm.set_scenario([
-            {'match': {'system_contains': 'ROLE lead.'}, 'delay_ms': 7000, 'tool_calls': [
+            {'match': {'system_contains': 'ROLE lead.'}, 'delay_ms': 12000, 'tool_calls': [
                 {'name': 'task', 'arguments': {'agent': 'helper', 'prompt': 'Write it.'}}]},
             {'match': {'system_contains': 'ROLE helper.'}, 'tool_calls': [
                 {'name': 'bash', 'arguments': {'command': 'echo child > child.txt'}}]},

@@ -133,8 +133,10 @@ class AdmitTest(DelegationCase):
                                           sandbox_placement='a:1,b:1'),
              'delegation.sandbox_placement'),
             ('placement too long', dict(sandbox_tools='unix:/x', sandbox='sb',
-                                        sandbox_placement='dns:' + 't' * 253 + ':1'),
+                                        sandbox_placement='dns:' + 't' * 295 + ':12'),
              'delegation.sandbox_placement'),
+            ('address too long', dict(sandbox_tools='t' * 298 + ':12', sandbox='sb'),
+             'delegation.sandbox_tools'),
             ('cwd too long', dict(sandbox_tools='unix:/x', sandbox='sb', cwd='d/' * 600),
              'delegation.cwd'),
         ] + [
@@ -192,6 +194,29 @@ class AdmitTest(DelegationCase):
         self.assertTrue(c.deduplicated)
         self.assertEqual(c.submission.submission_id, a.submission.submission_id)
         self.assertEqual(ts_ms(c.submission.abort_request_time), 0)
+        self.assertEqual(len(list_all(self.stub)), 2)
+
+    def test_a_retry_reaching_the_sandbox_elsewhere_finds_its_child(self):
+        """Where the parent's sandbox is reached may change between the parent's attempts (its
+        replica given up, an agentd of another version): the task call is the same, and its
+        retry finds the child admitted first, as it was admitted."""
+        parent, _ = self.running()
+        a = self.delegate(parent, key='task:call_9', sandbox_tools='toold-0.toold:7102',
+                          sandbox='sb', sandbox_placement='dns:toold:7102')
+        b = self.delegate(parent, key='task:call_9', sandbox_tools='toold-1.toold:7102',
+                          sandbox='sb')
+        self.assertFalse(a.deduplicated)
+        self.assertTrue(b.deduplicated)
+        self.assertEqual(b.submission.submission_id, a.submission.submission_id)
+        self.assertEqual(b.submission.delegation.sandbox_placement, 'dns:toold:7102')
+        self.assertEqual(b.submission.delegation.sandbox_tools, 'toold-0.toold:7102')
+        # another sandbox, or another directory of it, is another admission
+        for kw in (dict(sandbox='other'), dict(sandbox='sb', cwd='pkg')):
+            with self.subTest(kw):
+                e = self.assertRpcError(ALREADY_EXISTS, self.delegate, parent,
+                                        key='task:call_9', sandbox_tools='toold-0.toold:7102',
+                                        sandbox_placement='dns:toold:7102', **kw)
+                self.assertEqual(error_reason(e), 'IDEMPOTENCY_CONFLICT')
         self.assertEqual(len(list_all(self.stub)), 2)
 
     def test_child_of_a_stopped_parent_is_admitted_with_an_abort_intent(self):

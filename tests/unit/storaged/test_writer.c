@@ -175,6 +175,7 @@ static void test_transaction_rolled_back_by_sqlite(const char *path, struct writ
         struct job *j = mates[i];
         CHECK(j->st == failing.st);
         CHECK(strstr(j->msg, "interrupt") != NULL);
+        CHECK(strstr(j->msg, "no such savepoint") == NULL);
         if (!strstr(j->msg, "interrupt")) {
             fprintf(stderr, "  batch-mate answered: %s\n", j->msg);
         }
