@@ -456,8 +456,6 @@ static enum cf_status insert_records(struct ledger_ctx *c, const char *conv,
 
 /* ---------- admission ---------- */
 
-/* admitted_before looks the idempotency key up: *found_out tells whether it was used; then out
- * holds the earlier admission when the payload is the same, else IDEMPOTENCY_CONFLICT. */
 /* where_reached packs a delegated admission's payload without where its parent's sandbox is
  * reached (Delegation.sandbox_tools and .sandbox_placement): NULL when it has no delegation or
  * does not unpack. */
@@ -494,6 +492,9 @@ static bool same_admission(struct ledger_ctx *c, const void *stored, size_t stor
     return b && a_len == b_len && !memcmp(a, b, a_len);
 }
 
+/* admitted_before looks the idempotency key up: *found_out tells whether it was used; then out
+ * holds the earlier admission when it is the same one (same_admission), else
+ * IDEMPOTENCY_CONFLICT. */
 static enum cf_status admitted_before(struct ledger_ctx *c, const Cflue__V1__AdmitRequest *req,
                                       const uint8_t *payload, size_t payload_len,
                                       Cflue__V1__AdmitResponse *out, bool *found_out,
