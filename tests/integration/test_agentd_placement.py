@@ -224,6 +224,20 @@ class DnsTest(PlacementCase):
             for ip, name in replicas:
                 f.write('%s %s.cflue.test tools.cflue.test\n' % (ip, name))
 
+    def two_replicas(self):
+        """Replicas toold-a and toold-b, both in DNS, on one port: (port, the two toolds,
+        their hosts entries, their addresses as placement names them)."""
+        self.hosts = os.path.join(self.dir, 'hosts')
+        port = free_port('127.0.0.2')
+        ips = {'toold-a': '127.0.0.2', 'toold-b': '127.0.0.3'}
+        listed = []
+        for name in ('toold-a', 'toold-b'):
+            listed.append(self.keep(ReplicaToold(ips[name], port)))
+            listed[-1].start()
+        both = [(ips[n], n) for n in ('toold-a', 'toold-b')]
+        self.write_hosts(both)
+        return port, listed, both, ['%s.cflue.test:%d' % (n, port) for n in ('toold-a', 'toold-b')]
+
     def test_replicas_by_dns_and_one_added(self):
         self.hosts = os.path.join(self.dir, 'hosts')
         port = free_port('127.0.0.2')
@@ -282,20 +296,11 @@ class DnsTest(PlacementCase):
         have spent the agent's three before the pod was back. A DNS that answers nothing is no
         word on a replica: its linger starts again. A replica missing for longer is given up
         and its sandboxes go to the replicas left."""
-        self.hosts = os.path.join(self.dir, 'hosts')
-        port = free_port('127.0.0.2')
-        ips = {'toold-a': '127.0.0.2', 'toold-b': '127.0.0.3'}
-        listed = []
-        for name in ('toold-a', 'toold-b'):
-            listed.append(self.keep(ReplicaToold(ips[name], port)))
-            listed[-1].start()
-        both = [(ips[n], n) for n in ('toold-a', 'toold-b')]
-        self.write_hosts(both)
+        port, listed, both, full = self.two_replicas()
         self.define('"dns:tools.cflue.test:%d"' % port)
         ad = self.keep(NamespacedAgentd(self.hosts, self.sd.target, self.agents,
                                         env=self.model_env(),
                                         extra_args=('--replica-linger-ms', '8000')))
-        full = ['%s.cflue.test:%d' % (n, port) for n in ('toold-a', 'toold-b')]
         on_b = [c for c in ('conv_linger_%03d' % i for i in range(200))
                 if owner(full, c) == full[1]][:3]
 
@@ -360,15 +365,7 @@ class DnsTest(PlacementCase):
         the child waits for it in its first attempt, as the parent would (the parent hands it
         the dns: name with the address: Delegation.sandbox_placement), rather than spending
         an attempt on each retry."""
-        self.hosts = os.path.join(self.dir, 'hosts')
-        port = free_port('127.0.0.2')
-        ips = {'toold-a': '127.0.0.2', 'toold-b': '127.0.0.3'}
-        listed = []
-        for name in ('toold-a', 'toold-b'):
-            listed.append(self.keep(ReplicaToold(ips[name], port)))
-            listed[-1].start()
-        both = [(ips[n], n) for n in ('toold-a', 'toold-b')]
-        self.write_hosts(both)
+        port, listed, both, full = self.two_replicas()
         with open(os.path.join(self.agents, 'lead.md'), 'w') as f:
             f.write(LEAD % ('"dns:tools.cflue.test:%d"' % port))
         with open(os.path.join(self.agents, 'helper.md'), 'w') as f:
@@ -376,7 +373,6 @@ class DnsTest(PlacementCase):
         ad = self.keep(NamespacedAgentd(self.hosts, self.sd.target, self.agents,
                                         env=self.model_env(),
                                         extra_args=('--replica-linger-ms', '30000')))
-        full = ['%s.cflue.test:%d' % (n, port) for n in ('toold-a', 'toold-b')]
         conv = [c for c in ('conv_child_%03d' % i for i in range(200))
                 if owner(full, c) == full[1]][0]
 
