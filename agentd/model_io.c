@@ -1,12 +1,17 @@
 /* model_io.c - the event loop that carries every model transfer (see model_io.h).
  *
  * Method. One thread owns the CURLM, the CURLSH and every easy handle: nothing but the loop
- * thread calls into libcurl, so libcurl needs no locks. Other threads talk to the loop
- * through io->mu:
+ * thread calls into libcurl, so libcurl needs no locks. The loop is event-driven: libcurl
+ * tells it which sockets to watch (CURLMOPT_SOCKETFUNCTION, kept in an epoll set) and when
+ * to come back (CURLMOPT_TIMERFUNCTION), and the loop hands it only the sockets that are
+ * ready (curl_multi_socket_action). One event costs the same with one transfer in flight as
+ * with a thousand, where curl_multi_perform and curl_multi_poll visit every transfer and
+ * every socket on each wake-up. Other threads talk to the loop through io->mu, and wake it
+ * with a write to an eventfd in the same epoll set:
  *
  *   start:  the transfer gets a slot (its id is the slot plus a process-wide sequence number,
- *           so an old id never names a new transfer), joins io->pending, and the loop is woken
- *           (curl_multi_wakeup). The loop makes its easy handle and adds it to the multi.
+ *           so an old id never names a new transfer), joins io->pending, and the loop is woken.
+ *           The loop makes its easy handle and adds it to the multi.
  *   cancel: the id is looked up through its slot; a live transfer gets cancel_requested and
  *           its id joins io->cancels; the loop is woken, removes it from the multi and ends
  *           it.
@@ -17,8 +22,10 @@
  * the loop's active list (in the multi). It holds its slot from start until end(), which is
  * the only place a transfer is freed, runs on the loop thread, and calls on_done exactly once
  * without io->mu held (so on_done may start or cancel transfers). in_flight counts the slots
- * taken. Each loop iteration: take pending and cancels, add, cancel, perform, reap finished
- * transfers, ask the cancelled checks (at most every MODEL_IO_CANCEL_POLL_MS), poll.
+ * taken. Each loop iteration: take pending and cancels, add, cancel, run libcurl's timer when
+ * it is due, reap finished transfers, ask the cancelled checks (at most every
+ * MODEL_IO_CANCEL_POLL_MS), wait for events (epoll_wait, until the timer or the next check),
+ * hand each ready socket to libcurl, reap.
  */
 #include "model_io.h"
 
@@ -28,14 +35,20 @@
 #include "thread.h"
 
 #include <curl/curl.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #define SLOT_BITS 16
+/* events taken from the epoll set per epoll_wait */
+#define EVENTS_PER_WAIT 64
 
 struct xfer {
     uint64_t id;
@@ -68,11 +81,14 @@ struct model_io {
     /* loop thread only */
     CURLM *multi;
     CURLSH *share;
+    int epfd;             /* libcurl's sockets and wake_fd */
+    int64_t timer_at_ms;  /* when libcurl wants its timer run (-1: no timer) */
     struct xfer *active;
     int n_polled; /* active transfers with a cancelled check */
     int64_t polled_at_ms;
     uint64_t *cancels_work;
     /* fixed */
+    int wake_fd; /* eventfd: other threads write to it to wake the loop */
     int max_transfers;
     pthread_t thread;
     bool thread_started;
@@ -338,9 +354,96 @@ static void end_all(struct model_io *io, struct xfer *pending)
     }
 }
 
+/* on_socket is libcurl telling the loop which events to watch on s (CURLMOPT_SOCKETFUNCTION).
+ * socketp is non-NULL once s is in the epoll set (curl_multi_assign). */
+static int on_socket(CURL *easy, curl_socket_t s, int what, void *userp, void *socketp)
+{
+    (void)easy;
+    struct model_io *io = userp;
+    if (what == CURL_POLL_REMOVE) {
+        epoll_ctl(io->epfd, EPOLL_CTL_DEL, s, NULL); /* ENOENT/EBADF: already gone */
+        return 0;
+    }
+    struct epoll_event ev = {.data.fd = s};
+    ev.events = (what & CURL_POLL_IN ? EPOLLIN : 0u) | (what & CURL_POLL_OUT ? EPOLLOUT : 0u);
+    int op = socketp ? EPOLL_CTL_MOD : EPOLL_CTL_ADD;
+    if (epoll_ctl(io->epfd, op, s, &ev) != 0) {
+        /* the set's view and libcurl's may differ after an fd number was reused */
+        int again = op == EPOLL_CTL_ADD ? EPOLL_CTL_MOD : EPOLL_CTL_ADD;
+        if (epoll_ctl(io->epfd, again, s, &ev) != 0) {
+            log_warn("model_io_watch", "fd=%d err=%s", (int)s, strerror(errno));
+            return -1; /* libcurl fails the transfers on s */
+        }
+    }
+    if (!socketp) {
+        curl_multi_assign(io->multi, s, io);
+    }
+    return 0;
+}
+
+/* on_timer is libcurl asking to be called back in timeout_ms (-1: never)
+ * (CURLMOPT_TIMERFUNCTION). */
+static int on_timer(CURLM *multi, long timeout_ms, void *userp)
+{
+    (void)multi;
+    struct model_io *io = userp;
+    io->timer_at_ms = timeout_ms < 0 ? -1 : clock_mono_ms() + timeout_ms;
+    return 0;
+}
+
+static void socket_action(struct model_io *io, curl_socket_t s, int flags)
+{
+    int running = 0;
+    CURLMcode mc = curl_multi_socket_action(io->multi, s, flags, &running);
+    if (mc != CURLM_OK) {
+        log_warn("model_io_action", "err=%s", curl_multi_strerror(mc));
+    }
+}
+
+/* run_timer runs libcurl's timer when it is due (timeouts, connection set-up, new transfers,
+ * stall checks). */
+static void run_timer(struct model_io *io)
+{
+    if (io->timer_at_ms >= 0 && clock_mono_ms() >= io->timer_at_ms) {
+        io->timer_at_ms = -1;
+        socket_action(io, CURL_SOCKET_TIMEOUT, 0);
+    }
+}
+
+/* wait_ms is how long the loop may sleep: until libcurl's timer, or the next cancelled
+ * check, or a second. */
+static int wait_ms(const struct model_io *io)
+{
+    int64_t wait = io->n_polled ? MODEL_IO_CANCEL_POLL_MS : 1000;
+    if (io->timer_at_ms >= 0) {
+        int64_t until = io->timer_at_ms - clock_mono_ms();
+        wait = until < 0 ? 0 : until < wait ? until : wait;
+    }
+    return (int)wait;
+}
+
+/* dispatch hands the ready sockets to libcurl and drains a wake-up. */
+static void dispatch(struct model_io *io, const struct epoll_event *evs, int n)
+{
+    for (int i = 0; i < n; i++) {
+        int fd = evs[i].data.fd;
+        if (fd == io->wake_fd) {
+            uint64_t v;
+            ssize_t got = read(io->wake_fd, &v, sizeof(v));
+            (void)got; /* EAGAIN: another read took it */
+            continue;
+        }
+        uint32_t e = evs[i].events;
+        int flags = (e & EPOLLIN ? CURL_CSELECT_IN : 0) | (e & EPOLLOUT ? CURL_CSELECT_OUT : 0) |
+                    (e & (EPOLLERR | EPOLLHUP) ? CURL_CSELECT_ERR : 0);
+        socket_action(io, fd, flags);
+    }
+}
+
 static void *loop_main(void *arg)
 {
     struct model_io *io = arg;
+    struct epoll_event evs[EVENTS_PER_WAIT];
     for (;;) {
         struct xfer *pending;
         int n_cancels;
@@ -351,21 +454,26 @@ static void *loop_main(void *arg)
         }
         add_pending(io, pending);
         cancel_requested(io, n_cancels);
-        int running = 0;
-        CURLMcode mc = curl_multi_perform(io->multi, &running);
-        if (mc != CURLM_OK) {
-            log_warn("model_io_perform", "err=%s", curl_multi_strerror(mc));
-        }
+        run_timer(io);
         reap(io);
         poll_cancelled(io);
-        int wait_ms = io->n_polled ? MODEL_IO_CANCEL_POLL_MS : 1000;
-        mc = curl_multi_poll(io->multi, NULL, 0, wait_ms, NULL);
-        if (mc != CURLM_OK) {
-            log_warn("model_io_poll", "err=%s", curl_multi_strerror(mc));
+        int n = epoll_wait(io->epfd, evs, EVENTS_PER_WAIT, wait_ms(io));
+        if (n < 0 && errno != EINTR) {
+            log_warn("model_io_wait", "err=%s", strerror(errno));
             clock_sleep_ms(10);
         }
+        dispatch(io, evs, n);
+        reap(io);
     }
     return NULL;
+}
+
+/* wake gets the loop out of epoll_wait. */
+static void wake(struct model_io *io)
+{
+    uint64_t one = 1;
+    ssize_t put = write(io->wake_fd, &one, sizeof(one));
+    (void)put; /* EAGAIN: the counter is full, so the loop is awake anyway */
 }
 
 /* ---------- the API ---------- */
@@ -395,12 +503,28 @@ enum cf_status model_io_new(struct model_io **out, const struct model_io_opts *o
     io->cancels = mem_alloc(sizeof(uint64_t) * 2 * (size_t)max_transfers);
     io->cancels_work = mem_alloc(sizeof(uint64_t) * 2 * (size_t)max_transfers);
     pthread_mutex_init(&io->mu, NULL);
+    io->timer_at_ms = -1;
+    io->epfd = epoll_create1(EPOLL_CLOEXEC);
+    io->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    struct epoll_event wake_ev = {.events = EPOLLIN};
+    wake_ev.data.fd = io->wake_fd;
+    if (io->epfd < 0 || io->wake_fd < 0 ||
+        epoll_ctl(io->epfd, EPOLL_CTL_ADD, io->wake_fd, &wake_ev) != 0) {
+        int e = errno;
+        model_io_free(io);
+        return cf_error_set(err, CF_INTERNAL, "model_io: no epoll set or eventfd: %s",
+                            strerror(e));
+    }
     io->multi = curl_multi_init();
     io->share = curl_share_init();
     if (!io->multi || !io->share) {
         model_io_free(io);
         return cf_error_set(err, CF_INTERNAL, "libcurl could not make a multi or share handle");
     }
+    curl_multi_setopt(io->multi, CURLMOPT_SOCKETFUNCTION, on_socket);
+    curl_multi_setopt(io->multi, CURLMOPT_SOCKETDATA, io);
+    curl_multi_setopt(io->multi, CURLMOPT_TIMERFUNCTION, on_timer);
+    curl_multi_setopt(io->multi, CURLMOPT_TIMERDATA, io);
     curl_multi_setopt(io->multi, CURLMOPT_MAXCONNECTS, (long)max_conns);
     curl_multi_setopt(io->multi, CURLMOPT_PIPELINING, (long)CURLPIPE_MULTIPLEX);
     curl_share_setopt(io->share, CURLSHOPT_SHARE, CURL_LOCK_DATA_DNS);
@@ -425,14 +549,20 @@ void model_io_free(struct model_io *io)
     io->stopping = true;
     pthread_mutex_unlock(&io->mu);
     if (io->thread_started) {
-        curl_multi_wakeup(io->multi);
+        wake(io);
         pthread_join(io->thread, NULL);
     }
     if (io->multi) {
-        curl_multi_cleanup(io->multi);
+        curl_multi_cleanup(io->multi); /* closes the cached connections: on_socket REMOVE */
     }
     if (io->share) {
         curl_share_cleanup(io->share);
+    }
+    if (io->epfd >= 0) {
+        close(io->epfd);
+    }
+    if (io->wake_fd >= 0) {
+        close(io->wake_fd);
     }
     pthread_mutex_destroy(&io->mu);
     free(io->slots);
@@ -488,7 +618,7 @@ enum cf_status model_io_start(struct model_io *io, const struct model_io_request
     io->started++;
     *out_id = x->id;
     pthread_mutex_unlock(&io->mu);
-    curl_multi_wakeup(io->multi);
+    wake(io);
     return CF_OK;
 }
 
@@ -496,15 +626,15 @@ void model_io_cancel(struct model_io *io, uint64_t id)
 {
     pthread_mutex_lock(&io->mu);
     struct xfer *x = lookup(io, id);
-    bool wake = false;
+    bool wake_it = false;
     if (x && !x->cancel_requested && io->n_cancels < 2 * io->max_transfers) {
         x->cancel_requested = true;
         io->cancels[io->n_cancels++] = id;
-        wake = true;
+        wake_it = true;
     }
     pthread_mutex_unlock(&io->mu);
-    if (wake) {
-        curl_multi_wakeup(io->multi);
+    if (wake_it) {
+        wake(io);
     }
 }
 

@@ -1,7 +1,8 @@
 /* model_io.h - every HTTP transfer to a model provider, on one event loop.
  *
- * One libcurl multi handle, driven by one thread (curl_multi_poll, woken by
- * curl_multi_wakeup), carries the transfers of the whole agentd. A transfer waiting for the
+ * One libcurl multi handle, driven by one thread (an epoll loop over the sockets libcurl
+ * names, curl_multi_socket_action), carries the transfers of the whole agentd: each event
+ * costs the same however many transfers are in flight. A transfer waiting for the
  * model costs no thread of its own, and the multi's connection cache keeps connections alive
  * across calls and turns: a call reuses an idle connection to the same host (HTTP/1.1
  * keep-alive), or shares one (HTTP/2 multiplexing, offered over TLS by ALPN); DNS answers and
