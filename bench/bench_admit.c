@@ -15,6 +15,8 @@
  * own. ledger_claim runs directly (no RPC) inside a transaction that is rolled back, so every
  * measured Claim sees the same queue; the median and p95 of 200 are printed, and beside them
  * the walk over queued rows that Claim used before schema 3 (the same query, timed alone).
+ * The databases are filled first, and the 200 Claims of each size are taken in 5 rounds over
+ * all sizes, so that the machine's drift during the run weighs on every size alike.
  * Target: flat within 20% from the smallest to the largest queue. With --count under 1000 (a
  * smoke run) the sizes are 100 and 1,000 unless --claim-sizes says otherwise.
  *
@@ -305,53 +307,76 @@ static int64_t old_walk_us(sqlite3 *db)
     return now_us() - t0;
 }
 
-/* claim_latency measures Claim on a queue of q; prints one line; returns the median (us) and
- * sets *walk_us to the median of the pre-schema-3 walk. */
-static double claim_latency(const char *dir, int q, double *walk_us)
+#define CLAIM_ROUNDS 5
+#define CLAIM_MAX_SIZES 16
+
+/* One queue size of the Claim part: its database and its measured Claims. */
+struct claim_queue {
+    int q;
+    sqlite3 *db;
+    int n_runs;
+    int64_t runs[CLAIM_RUNS];
+};
+
+/* leases outlive the run: a busy head taken over would be a different measurement */
+static struct ledger_config claim_cfg = {
+    .lease_ms = 36000000, .timeout_ms = 36000000, .max_attempts = 10};
+
+/* claim_open makes cq's database (dir/claim-Q.db) and fills its queue. */
+static void claim_open(const char *dir, struct claim_queue *cq)
 {
     char path[512];
     struct cf_error err;
-    sqlite3 *db;
-    int64_t runs[CLAIM_RUNS], walks[5];
-    /* leases outlive the run: a busy head taken over would be a different measurement */
-    struct ledger_config cfg = {.lease_ms = 36000000, .timeout_ms = 36000000, .max_attempts = 10};
-    snprintf(path, sizeof(path), "%s/claim-%d.db", dir, q);
-    if (db_open(path, true, &db, &err) != CF_OK) {
+    snprintf(path, sizeof(path), "%s/claim-%d.db", dir, cq->q);
+    if (db_open(path, true, &cq->db, &err) != CF_OK) {
         fprintf(stderr, "bench: %s\n", err.msg);
         exit(1);
     }
-    fill_queue(db, &cfg, q);
-    for (int i = 0; i < CLAIM_RUNS; i++) {
+    fill_queue(cq->db, &claim_cfg, cq->q);
+}
+
+/* claim_runs times n more Claims on cq's queue. */
+static void claim_runs(struct claim_queue *cq, int n)
+{
+    struct cf_error err;
+    for (int i = 0; i < n && cq->n_runs < CLAIM_RUNS; i++) {
         struct arena a;
         arena_init(&a);
         Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
         Cflue__V1__ClaimResponse out = CFLUE__V1__CLAIM_RESPONSE__INIT;
         req.owner_id = "bench";
-        must(db, "BEGIN IMMEDIATE");
-        struct ledger_ctx c = {.db = db, .arena = &a, .cfg = &cfg, .now = clock_now_ms()};
+        must(cq->db, "BEGIN IMMEDIATE");
+        struct ledger_ctx c = {.db = cq->db, .arena = &a, .cfg = &claim_cfg, .now = clock_now_ms()};
         int64_t t0 = now_us();
         if (ledger_claim(&c, &req, &out, &err) != CF_OK || !out.submission ||
             strncmp(out.submission->conversation_id, "lane-", 5) != 0) {
-            fprintf(stderr, "bench: claim on %d queued failed or took a busy row: %s %s\n", q,
+            fprintf(stderr, "bench: claim on %d queued failed or took a busy row: %s %s\n", cq->q,
                     out.submission ? out.submission->conversation_id : "(none)",
                     out.submission ? "" : err.msg);
             exit(1);
         }
-        runs[i] = now_us() - t0;
-        must(db, "ROLLBACK");
+        cq->runs[cq->n_runs++] = now_us() - t0;
+        must(cq->db, "ROLLBACK");
         arena_cleanup(&a);
     }
+}
+
+/* claim_report closes cq's database after timing the pre-schema-3 walk on it; prints one
+ * line; returns the Claim median (us) and sets *walk_us to the walk's. */
+static double claim_report(struct claim_queue *cq, double *walk_us)
+{
+    int64_t walks[5];
     for (int i = 0; i < 5; i++) {
-        walks[i] = old_walk_us(db);
+        walks[i] = old_walk_us(cq->db);
     }
-    sqlite3_close(db);
-    qsort(runs, CLAIM_RUNS, sizeof(runs[0]), cmp_i64);
+    sqlite3_close(cq->db);
+    qsort(cq->runs, (size_t)cq->n_runs, sizeof(cq->runs[0]), cmp_i64);
     qsort(walks, 5, sizeof(walks[0]), cmp_i64);
     printf("  %7d queued: Claim median %6lld us, p95 %6lld us   (walk before schema 3: %lld us)\n",
-           q, (long long)runs[CLAIM_RUNS / 2], (long long)runs[CLAIM_RUNS * 95 / 100],
-           (long long)walks[2]);
+           cq->q, (long long)cq->runs[cq->n_runs / 2],
+           (long long)cq->runs[cq->n_runs * 95 / 100], (long long)walks[2]);
     *walk_us = (double)walks[2];
-    return (double)runs[CLAIM_RUNS / 2];
+    return (double)cq->runs[cq->n_runs / 2];
 }
 
 /* What the Claim part measured, for --json: the first (smallest) queue, the slowest and the
@@ -361,34 +386,48 @@ static struct {
     double first, worst, last, last_walk;
 } claim_res;
 
+/* claim_part fills a database per queue size, then times Claims on them in CLAIM_ROUNDS
+ * rounds, each taking its share of every size in turn, so that the machine's drift over the
+ * minutes of the run (another process, the CPU's clock) falls on every size alike. */
 static void claim_part(const char *dir)
 {
     char sizes[256];
+    static struct claim_queue queues[CLAIM_MAX_SIZES];
     double first = 0, worst = 0, walk = 0;
     int n = 0;
     snprintf(sizes, sizeof(sizes), "%s", claim_sizes);
     if (!strcmp(sizes, "0")) {
         return;
     }
-    printf("Claim latency (ledger_claim directly, each in a rolled-back transaction, %d runs):\n",
-           CLAIM_RUNS);
-    for (char *save = NULL, *tok = strtok_r(sizes, ",", &save); tok;
+    for (char *save = NULL, *tok = strtok_r(sizes, ",", &save); tok && n < CLAIM_MAX_SIZES;
          tok = strtok_r(NULL, ",", &save)) {
-        int q = atoi(tok);
-        double m = claim_latency(dir, q, &walk);
-        if (!n) {
-            claim_res.q_first = q;
+        queues[n].q = atoi(tok);
+        claim_open(dir, &queues[n++]);
+    }
+    if (!n) {
+        return;
+    }
+    printf("Claim latency (ledger_claim directly, each in a rolled-back transaction, %d runs "
+           "per size in %d rounds over the sizes):\n",
+           CLAIM_RUNS, CLAIM_ROUNDS);
+    for (int r = 0; r < CLAIM_ROUNDS; r++) {
+        for (int i = 0; i < n; i++) {
+            claim_runs(&queues[i], CLAIM_RUNS / CLAIM_ROUNDS);
         }
-        first = n++ ? first : m;
+    }
+    for (int i = 0; i < n; i++) {
+        double m = claim_report(&queues[i], &walk);
+        first = i ? first : m;
         if (m > worst) {
             worst = m;
-            claim_res.q_worst = q;
+            claim_res.q_worst = queues[i].q;
         }
-        claim_res.q_last = q;
         claim_res.last = m;
         claim_res.last_walk = walk;
     }
     claim_res.ran = n > 0;
+    claim_res.q_first = queues[0].q;
+    claim_res.q_last = queues[n - 1].q;
     claim_res.first = first;
     claim_res.worst = worst;
     printf("largest / smallest-queue median: %.2f (target <= 1.20)\n", worst / (first ? first : 1));

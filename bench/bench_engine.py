@@ -136,7 +136,7 @@ GO = 'BENCH-ENGINE-GO'          # the user message (must not contain "hello")
 FILE_MARK = 'BENCH-FILE-165K'   # first line of the file the model reads
 BIG_FILE = H.BenchBrainStack.BIG_FILE
 BIG_BYTES = 165 * 1000
-MODEL_HOW = "the fake model's bench brain (stateless), TCP_NODELAY set on the fake model"
+MODEL_HOW = "the fake model's bench brain (stateless; one asyncio thread)"
 
 
 def big_file_text():
@@ -212,20 +212,9 @@ class Sampler(object):
 # ---------------------------------------------------------------------------------------------
 
 
-# The fake model as is, with TCP_NODELAY on its sockets: it writes each SSE event on its own,
-# and with Nagle's algorithm each streamed answer waited ~40 ms for the client's delayed ACK
-# (44 ms against 0.5 ms for a short answer on this machine), which no real provider does. Its
-# listen backlog is raised from socketserver's 5, so a thousand calls may connect at once.
-FAKE_MODEL_NODELAY = ('import sys; sys.path.insert(0, %r); import fake_model; '
-                      'fake_model.Handler.disable_nagle_algorithm = True; '
-                      'fake_model.Server.request_queue_size = 4096; '
-                      'sys.exit(fake_model.main(sys.argv[1:]))'
-                      % os.path.dirname(H.FAKE_MODEL_PY))
-
-
 class FakeModel(H.FakeModel):
-    """The harness's fake model on a chosen port, with TCP_NODELAY, logging only when asked
-    (the log re-encodes every request body: a cost the real model does not have)."""
+    """The harness's fake model on a chosen port, logging only when asked (the log re-encodes
+    every request body: a cost the real model does not have)."""
 
     def __init__(self, workdir, port=0, log=False, delay_ms=0):
         self.want_port, self.want_log = port, log
@@ -233,7 +222,7 @@ class FakeModel(H.FakeModel):
             '--quiet', '--brain', 'bench', '--delay-ms', str(delay_ms)])
 
     def command(self):
-        cmd = [H.FAKE_MODEL_PYTHON, '-c', FAKE_MODEL_NODELAY, '--port', str(self.want_port)]
+        cmd = [H.FAKE_MODEL_PYTHON, H.FAKE_MODEL_PY, '--port', str(self.want_port)]
         if self.want_log:
             cmd += ['--log', self.log_path]
         return cmd + self.extra_args
@@ -286,7 +275,7 @@ class StracedAgentd(H.Agentd):
 
 class Stack(H.BenchBrainStack):
     """The harness's stack on the bench brain in root/name, with this bench's fake model
-    (TCP_NODELAY, logging only when asked) and one agentd (start_agentd: another kind)."""
+    (logging only when asked) and one agentd (start_agentd: another kind)."""
 
     def __init__(self, root, name, model_log=False, store_env=None, model_delay_ms=0):
         self.model_log = model_log

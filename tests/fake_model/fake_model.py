@@ -23,9 +23,17 @@ in examples/project by deciding each step from the conversation it is sent.
 
 The first line on stdout is "listening on PORT". SIGTERM and SIGINT exit with status 0.
 Standard library only.
+
+One thread serves every connection (asyncio): a thousand model calls waiting out --delay-ms
+cost a thousand sleeping coroutines, not a thousand threads taking turns at the interpreter
+lock. A request is read whole, answered by Handler into a Recorder (the bytes of each flush,
+and the pauses between them), and the recording is then sent as it was written: each flush
+its own send, each pause a sleep.
 """
 
 import argparse
+import asyncio
+import io
 import json
 import re
 import signal
@@ -34,7 +42,7 @@ import sys
 import threading
 import time
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
 MAX_BODY = 64 * 1024 * 1024
@@ -942,23 +950,55 @@ class Dropped(Exception):
     """The step asked for the connection to be dropped."""
 
 
+class Recorder:
+    """Handler's wfile: what it writes, cut into one piece per flush, and the pauses between
+    pieces, for Server.serve_connection to send in that order."""
+
+    def __init__(self):
+        self.ops = []  # bytes: one send each; a float: seconds to wait
+        self.buf = []
+
+    def write(self, data):
+        self.buf.append(bytes(data))
+        return len(data)
+
+    def flush(self):
+        if self.buf:
+            self.ops.append(b"".join(self.buf))
+            self.buf = []
+
+    def pause(self, seconds):
+        self.flush()
+        self.ops.append(float(seconds))
+
+    def take(self):
+        self.flush()
+        ops, self.ops = self.ops, []
+        return ops
+
+
 class Handler(BaseHTTPRequestHandler):
+    """Answers the requests of one connection. BaseHTTPRequestHandler parses each request
+    and formats the status and headers; Server.serve_connection does the socket I/O."""
+
     protocol_version = "HTTP/1.1"
-    # headers, body and each SSE chunk are separate writes: without TCP_NODELAY, Nagle holds
-    # each one back until the client's delayed ACK of the previous one (40 ms) on a
-    # kept-alive connection
-    disable_nagle_algorithm = True
+
+    def __init__(self, server, client_address):
+        # not BaseRequestHandler's __init__, which would serve a socket itself
+        self.server = server
+        self.client_address = client_address
+        self.wfile = Recorder()
+        self.rfile = io.BytesIO()
+        self.counted = False  # this connection carried model traffic
+        self.dropped = False  # a step asked for the connection to be dropped
+        with self.server.stats_lock:
+            self.server.stats["accepted"] += 1
+
     def version_string(self):
         return "fake-model/1.0"
 
     def log_message(self, fmt, *args):
         pass
-
-    def setup(self):
-        super().setup()
-        self.counted = False  # this connection carried model traffic
-        with self.server.stats_lock:
-            self.server.stats["accepted"] += 1
 
     def count_request(self, path):
         """Counts a request (and its connection, the first time) unless it is control traffic."""
@@ -1030,7 +1070,7 @@ class Handler(BaseHTTPRequestHandler):
             if limit is not None and i >= limit:
                 raise Dropped()
             if i and gap:
-                time.sleep(gap)
+                self.wfile.pause(gap)
             data = ev.encode("utf-8")
             self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
             self.wfile.flush()
@@ -1061,12 +1101,7 @@ class Handler(BaseHTTPRequestHandler):
             self.handle_post()
         except Dropped:
             self.close_connection = True
-            try:
-                self.connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
+            self.dropped = True
 
     def handle_post(self):
         path = urlsplit(self.path).path
@@ -1158,7 +1193,7 @@ class Handler(BaseHTTPRequestHandler):
     def respond(self, provider, body, step, req_id, id_header):
         delay_ms = step.get("delay_ms") or self.server.delay_ms
         if delay_ms:
-            time.sleep(delay_ms / 1000.0)
+            self.wfile.pause(delay_ms / 1000.0)
         stream = body.get("stream") is True
         if "error" in step:
             err = step["error"]
@@ -1206,17 +1241,12 @@ class Handler(BaseHTTPRequestHandler):
                                cut_half=step.get("disconnect_after_chunks") is not None)
 
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    allow_reuse_address = True
+class Server:
     request_queue_size = 4096  # listen backlog: a thousand calls may connect at once
 
     def __init__(self, addr, script, log_path, require_key, validate, quiet, brain="demo",
                  delay_ms=0):
-        if ":" in addr[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(addr, Handler)
+        self.addr = addr
         self.script = script
         self.require_key = require_key
         self.validate = validate
@@ -1228,6 +1258,7 @@ class Server(ThreadingHTTPServer):
         self.stats = {"connections": 0, "requests": 0, "accepted": 0}
         self.log_lock = threading.Lock()
         self.log_file = open(log_path, "a", encoding="utf-8") if log_path else None
+        self.listener = None
 
     def log(self, entry):
         if self.log_file is None:
@@ -1235,6 +1266,90 @@ class Server(ThreadingHTTPServer):
         with self.log_lock:
             self.log_file.write(dumps(entry) + "\n")
             self.log_file.flush()
+
+    async def listen(self):
+        """Binds and starts accepting; returns the port (OSError when it cannot bind)."""
+        self.listener = await asyncio.start_server(
+            self.serve_connection, self.addr[0], self.addr[1], reuse_address=True,
+            backlog=self.request_queue_size,
+            family=socket.AF_INET6 if ":" in self.addr[0] else socket.AF_INET)
+        return self.listener.sockets[0].getsockname()[1]
+
+    async def serve_connection(self, reader, writer):
+        sock = writer.get_extra_info("socket")
+        # headers, body and each SSE chunk are separate sends: without TCP_NODELAY, Nagle
+        # holds each one back until the client's delayed ACK of the previous one (40 ms)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        h = Handler(self, writer.get_extra_info("peername"))
+        try:
+            while await self.serve_request(h, reader, writer):
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ValueError):
+            pass  # the client went away, or sent what is not HTTP
+        finally:
+            if h.dropped:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            writer.close()
+
+    async def serve_request(self, h, reader, writer):
+        """Serves one request of h's connection; False when the connection is to close."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return False  # closed between requests
+        line, _, rest = head.partition(b"\n")
+        h.raw_requestline = line + b"\n"
+        h.rfile = io.BytesIO(rest)
+        h.close_connection = True
+        ok = h.parse_request()  # may record an error answer, or "100 Continue"
+        await self.send(writer, h.wfile.take())
+        if not ok:
+            return False
+        h.rfile = io.BytesIO(await self.read_body(h.headers, reader))
+        method = getattr(h, "do_" + h.command, None)
+        if method is None:
+            h.send_error(501, "Unsupported method (%r)" % h.command)
+        else:
+            method()
+        await self.send(writer, h.wfile.take())
+        return not h.close_connection
+
+    @staticmethod
+    async def read_body(headers, reader):
+        """The request's body as sent, chunked framing included; Handler.read_body decodes it
+        and answers 413 past MAX_BODY (then the rest is not read: the connection closes)."""
+        if "chunked" in (headers.get("Transfer-Encoding") or "").lower():
+            raw = bytearray()
+            while True:
+                line = await reader.readuntil(b"\n")
+                raw += line
+                size = int(line.split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while True:
+                        trailer = await reader.readuntil(b"\n")
+                        raw += trailer
+                        if trailer in (b"\r\n", b"\n"):
+                            return bytes(raw)
+                if len(raw) + size > MAX_BODY:
+                    return bytes(raw)
+                raw += await reader.readexactly(size)
+                raw += await reader.readuntil(b"\n")
+        n = int(headers.get("Content-Length") or 0)
+        return await reader.readexactly(n) if 0 < n <= MAX_BODY else b""
+
+    @staticmethod
+    async def send(writer, ops):
+        for op in ops:
+            if isinstance(op, bytes):
+                writer.write(op)
+            else:
+                await writer.drain()
+                await asyncio.sleep(op)
+        await writer.drain()
 
 
 def main(argv=None):
@@ -1264,24 +1379,29 @@ def main(argv=None):
         except (OSError, ValueError) as e:
             sys.stderr.write("fake_model: bad scenario %s: %s\n" % (args.scenario, e))
             return 2
+    server = Server((args.host, args.port), script, args.log, args.require_key,
+                    not args.no_validate, args.quiet, args.brain, args.delay_ms)
     try:
-        server = Server((args.host, args.port), script, args.log, args.require_key,
-                        not args.no_validate, args.quiet, args.brain, args.delay_ms)
+        return asyncio.run(serve(server, args))
+    finally:
+        if server.log_file:
+            server.log_file.close()
+
+
+async def serve(server, args):
+    try:
+        port = await server.listen()
     except OSError as e:
         sys.stderr.write("fake_model: cannot listen on %s:%d: %s\n" % (args.host, args.port, e))
         return 1
-
-    def stop(signum, frame):
-        threading.Thread(target=server.shutdown, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    sys.stdout.write("listening on %d\n" % server.server_address[1])
+    stopped = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopped.set)
+    sys.stdout.write("listening on %d\n" % port)
     sys.stdout.flush()
-    server.serve_forever(poll_interval=0.2)
-    server.server_close()
-    if server.log_file:
-        server.log_file.close()
+    await stopped.wait()
+    server.listener.close()
     return 0
 
 
