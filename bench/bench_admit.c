@@ -373,8 +373,8 @@ static double claim_report(struct claim_queue *cq, double *walk_us)
     qsort(cq->runs, (size_t)cq->n_runs, sizeof(cq->runs[0]), cmp_i64);
     qsort(walks, 5, sizeof(walks[0]), cmp_i64);
     printf("  %7d queued: Claim median %6lld us, p95 %6lld us   (walk before schema 3: %lld us)\n",
-           cq->q, (long long)cq->runs[cq->n_runs / 2],
-           (long long)cq->runs[cq->n_runs * 95 / 100], (long long)walks[2]);
+           cq->q, (long long)cq->runs[cq->n_runs / 2], (long long)cq->runs[cq->n_runs * 95 / 100],
+           (long long)walks[2]);
     *walk_us = (double)walks[2];
     return (double)cq->runs[cq->n_runs / 2];
 }
