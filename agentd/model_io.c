@@ -81,8 +81,8 @@ struct model_io {
     /* loop thread only */
     CURLM *multi;
     CURLSH *share;
-    int epfd;             /* libcurl's sockets and wake_fd */
-    int64_t timer_at_ms;  /* when libcurl wants its timer run (-1: no timer) */
+    int epfd;            /* libcurl's sockets and wake_fd */
+    int64_t timer_at_ms; /* when libcurl wants its timer run (-1: no timer) */
     struct xfer *active;
     int n_polled; /* active transfers with a cancelled check */
     int64_t polled_at_ms;
@@ -512,8 +512,7 @@ enum cf_status model_io_new(struct model_io **out, const struct model_io_opts *o
         epoll_ctl(io->epfd, EPOLL_CTL_ADD, io->wake_fd, &wake_ev) != 0) {
         int e = errno;
         model_io_free(io);
-        return cf_error_set(err, CF_INTERNAL, "model_io: no epoll set or eventfd: %s",
-                            strerror(e));
+        return cf_error_set(err, CF_INTERNAL, "model_io: no epoll set or eventfd: %s", strerror(e));
     }
     io->multi = curl_multi_init();
     io->share = curl_share_init();
