@@ -49,6 +49,9 @@
 #define SLOT_BITS 16
 /* events taken from the epoll set per epoll_wait */
 #define EVENTS_PER_WAIT 64
+/* sockets libcurl may let go of while one batch of events is handed to it (more: the rest
+ * of the batch waits for the next epoll_wait, which reports what is still ready) */
+#define REMOVED_PER_BATCH 64
 
 struct xfer {
     uint64_t id;
@@ -60,6 +63,8 @@ struct xfer {
     int64_t started_ms;
     bool refused;          /* on_header/on_body returned false */
     bool cancel_requested; /* under io->mu */
+    bool unwatched;        /* its socket could not join the epoll set: on io->unwatched */
+    struct xfer *unwatched_next;
     char errbuf[CURL_ERROR_SIZE];
     struct xfer *next, *prev; /* io->pending (next only) or the active list */
 };
@@ -84,7 +89,13 @@ struct model_io {
     int epfd;            /* libcurl's sockets and wake_fd */
     int64_t timer_at_ms; /* when libcurl wants its timer run (-1: no timer) */
     struct xfer *active;
-    int n_polled; /* active transfers with a cancelled check */
+    int n_polled;           /* active transfers with a cancelled check */
+    struct xfer *unwatched; /* transfers to end: a socket of theirs could not be watched */
+    /* the sockets libcurl let go of during the batch dispatch() is handing it, whose
+     * remaining events in the batch are stale (the fd may be another socket by now) */
+    bool in_batch;
+    int n_removed;
+    int removed[REMOVED_PER_BATCH];
     int64_t polled_at_ms;
     uint64_t *cancels_work;
     /* fixed */
@@ -355,13 +366,19 @@ static void end_all(struct model_io *io, struct xfer *pending)
 }
 
 /* on_socket is libcurl telling the loop which events to watch on s (CURLMOPT_SOCKETFUNCTION).
- * socketp is non-NULL once s is in the epoll set (curl_multi_assign). */
+ * socketp is non-NULL once s is in the epoll set (curl_multi_assign). It never returns an
+ * error to libcurl, which would take it as a reason to fail every transfer of the multi and
+ * refuse new ones: a transfer whose socket cannot be watched is ended on its own instead
+ * (end_unwatched), as a network failure. */
 static int on_socket(CURL *easy, curl_socket_t s, int what, void *userp, void *socketp)
 {
-    (void)easy;
     struct model_io *io = userp;
     if (what == CURL_POLL_REMOVE) {
         epoll_ctl(io->epfd, EPOLL_CTL_DEL, s, NULL); /* ENOENT/EBADF: already gone */
+        if (io->in_batch && io->n_removed < REMOVED_PER_BATCH) {
+            io->removed[io->n_removed] = s;
+        }
+        io->n_removed += io->in_batch;
         return 0;
     }
     struct epoll_event ev = {.data.fd = s};
@@ -372,13 +389,30 @@ static int on_socket(CURL *easy, curl_socket_t s, int what, void *userp, void *s
         int again = op == EPOLL_CTL_ADD ? EPOLL_CTL_MOD : EPOLL_CTL_ADD;
         if (epoll_ctl(io->epfd, again, s, &ev) != 0) {
             log_warn("model_io_watch", "fd=%d err=%s", (int)s, strerror(errno));
-            return -1; /* libcurl fails the transfers on s */
+            struct xfer *x = NULL;
+            curl_easy_getinfo(easy, CURLINFO_PRIVATE, (char **)&x);
+            if (x && !x->unwatched) { /* NULL: libcurl's own handle, closing a connection */
+                x->unwatched = true;
+                x->unwatched_next = io->unwatched;
+                io->unwatched = x;
+            }
+            return 0;
         }
     }
     if (!socketp) {
         curl_multi_assign(io->multi, s, io);
     }
     return 0;
+}
+
+/* end_unwatched ends the transfers on_socket could not watch. */
+static void end_unwatched(struct model_io *io)
+{
+    while (io->unwatched) {
+        struct xfer *x = io->unwatched;
+        io->unwatched = x->unwatched_next;
+        end_with(io, x, true, CF_UNAVAILABLE, "the connection to the model could not be watched");
+    }
 }
 
 /* on_timer is libcurl asking to be called back in timeout_ms (-1: never)
@@ -391,13 +425,20 @@ static int on_timer(CURLM *multi, long timeout_ms, void *userp)
     return 0;
 }
 
+/* socket_action hands libcurl an event (or its timer: s is CURL_SOCKET_TIMEOUT). */
 static void socket_action(struct model_io *io, curl_socket_t s, int flags)
 {
     int running = 0;
     CURLMcode mc = curl_multi_socket_action(io->multi, s, flags, &running);
     if (mc != CURLM_OK) {
+        /* libcurl leaves its timer as it was after an error: ask for it, and come back soon
+         * at the latest, or a transfer waiting only on a timeout would wait for good */
         log_warn("model_io_action", "err=%s", curl_multi_strerror(mc));
+        long t = -1;
+        curl_multi_timeout(io->multi, &t);
+        io->timer_at_ms = clock_mono_ms() + (t >= 0 && t < 10 ? 10 : t >= 0 ? t : 1000);
     }
+    end_unwatched(io);
 }
 
 /* run_timer runs libcurl's timer when it is due (timeouts, connection set-up, new transfers,
@@ -422,9 +463,28 @@ static int wait_ms(const struct model_io *io)
     return (int)wait;
 }
 
-/* dispatch hands the ready sockets to libcurl and drains a wake-up. */
+/* removed_in_batch tells whether libcurl let go of fd earlier in this batch. */
+static bool removed_in_batch(const struct model_io *io, int fd)
+{
+    if (io->n_removed > REMOVED_PER_BATCH) {
+        return true; /* lost count: every event left is taken as stale */
+    }
+    for (int i = 0; i < io->n_removed; i++) {
+        if (io->removed[i] == fd) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* dispatch hands the ready sockets to libcurl and drains a wake-up. An event for a socket
+ * libcurl let go of earlier in the batch is dropped: its fd may name a new socket by now, to
+ * which an error flag meant for the old one would be fatal; the epoll set is level-triggered,
+ * so whatever is ready on the new socket comes again with the next wait. */
 static void dispatch(struct model_io *io, const struct epoll_event *evs, int n)
 {
+    io->in_batch = true;
+    io->n_removed = 0;
     for (int i = 0; i < n; i++) {
         int fd = evs[i].data.fd;
         if (fd == io->wake_fd) {
@@ -433,11 +493,15 @@ static void dispatch(struct model_io *io, const struct epoll_event *evs, int n)
             (void)got; /* EAGAIN: another read took it */
             continue;
         }
+        if (removed_in_batch(io, fd)) {
+            continue;
+        }
         uint32_t e = evs[i].events;
         int flags = (e & EPOLLIN ? CURL_CSELECT_IN : 0) | (e & EPOLLOUT ? CURL_CSELECT_OUT : 0) |
                     (e & (EPOLLERR | EPOLLHUP) ? CURL_CSELECT_ERR : 0);
         socket_action(io, fd, flags);
     }
+    io->in_batch = false;
 }
 
 static void *loop_main(void *arg)
@@ -461,6 +525,11 @@ static void *loop_main(void *arg)
         if (n < 0 && errno != EINTR) {
             log_warn("model_io_wait", "err=%s", strerror(errno));
             clock_sleep_ms(10);
+        }
+        if (n == 0 && io->timer_at_ms < 0 && io->active) {
+            /* a second with transfers in flight and no timer: let libcurl look (it would have
+             * set one; this is a guard against losing it, not a poll) */
+            socket_action(io, CURL_SOCKET_TIMEOUT, 0);
         }
         dispatch(io, evs, n);
         reap(io);

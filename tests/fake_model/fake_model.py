@@ -1284,9 +1284,8 @@ class Server:
         try:
             while await self.serve_request(h, reader, writer):
                 pass
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                ValueError):
-            pass  # the client went away, or sent what is not HTTP
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away
         finally:
             if h.dropped:
                 try:
@@ -1294,16 +1293,27 @@ class Server:
                 except OSError:
                     pass
             writer.close()
+            try:
+                await writer.wait_closed()
+            except (ConnectionError, OSError):
+                pass
 
     async def serve_request(self, h, reader, writer):
         """Serves one request of h's connection; False when the connection is to close."""
+        lines = []
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-        except asyncio.IncompleteReadError:
-            return False  # closed between requests
-        line, _, rest = head.partition(b"\n")
-        h.raw_requestline = line + b"\n"
-        h.rfile = io.BytesIO(rest)
+            while not lines or (len(lines[0]) > 2 and lines[-1] not in (b"\r\n", b"\n")):
+                line = await reader.readline()
+                if not line.endswith(b"\n"):
+                    return False  # closed, between requests or within one
+                lines.append(line)
+        except ValueError:  # a line past the reader's limit, answered as http.server does
+            h.requestline = h.request_version = h.command = ""
+            h.send_error(431 if lines else 414)
+            await self.send(writer, h.wfile.take())
+            return False
+        h.raw_requestline = lines[0]
+        h.rfile = io.BytesIO(b"".join(lines[1:]))
         h.close_connection = True
         ok = h.parse_request()  # may record an error answer, or "100 Continue"
         await self.send(writer, h.wfile.take())
@@ -1320,26 +1330,32 @@ class Server:
 
     @staticmethod
     async def read_body(headers, reader):
-        """The request's body as sent, chunked framing included; Handler.read_body decodes it
-        and answers 413 past MAX_BODY (then the rest is not read: the connection closes)."""
-        if "chunked" in (headers.get("Transfer-Encoding") or "").lower():
-            raw = bytearray()
+        """The request's body as sent, chunked framing included. Handler.read_body decodes it
+        and answers 413 past MAX_BODY or on framing it cannot read, as the old threaded server
+        did; the body is then read no further, and the connection closes."""
+        raw = bytearray()
+        try:
+            if "chunked" not in (headers.get("Transfer-Encoding") or "").lower():
+                n = int(headers.get("Content-Length") or 0)
+                return await reader.readexactly(n) if 0 < n <= MAX_BODY else b""
+            body_len = 0
             while True:
-                line = await reader.readuntil(b"\n")
+                line = await reader.readline()
                 raw += line
                 size = int(line.split(b";")[0].strip() or b"0", 16)
                 if size == 0:
                     while True:
-                        trailer = await reader.readuntil(b"\n")
+                        trailer = await reader.readline()
                         raw += trailer
-                        if trailer in (b"\r\n", b"\n"):
+                        if trailer in (b"\r\n", b"\n", b""):
                             return bytes(raw)
-                if len(raw) + size > MAX_BODY:
+                if body_len + size > MAX_BODY:
                     return bytes(raw)
                 raw += await reader.readexactly(size)
-                raw += await reader.readuntil(b"\n")
-        n = int(headers.get("Content-Length") or 0)
-        return await reader.readexactly(n) if 0 < n <= MAX_BODY else b""
+                raw += await reader.readline()
+                body_len += size
+        except ValueError:  # a size that is not a number, or a line past the reader's limit
+            return bytes(raw)
 
     @staticmethod
     async def send(writer, ops):

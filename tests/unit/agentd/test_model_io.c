@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -34,6 +35,21 @@ static int g_port;
 static pid_t g_fake;
 static int64_t g_slack = 1;
 static char g_anthropic_url[64], g_openai_url[64];
+
+/* epoll_ctl, as model_io.c calls it (linked with -Wl,--wrap=epoll_ctl): while g_epoll_fail
+ * is set, a socket cannot join or change in the epoll set (ENOMEM), as when the kernel is
+ * out of memory or the user's max_user_watches is reached. */
+static atomic_int g_epoll_fail;
+int __real_epoll_ctl(int epfd, int op, int fd, struct epoll_event *ev);
+int __wrap_epoll_ctl(int epfd, int op, int fd, struct epoll_event *ev);
+int __wrap_epoll_ctl(int epfd, int op, int fd, struct epoll_event *ev)
+{
+    if (atomic_load(&g_epoll_fail) && (op == EPOLL_CTL_ADD || op == EPOLL_CTL_MOD)) {
+        errno = ENOMEM;
+        return -1;
+    }
+    return __real_epoll_ctl(epfd, op, fd, ev);
+}
 
 /* ---------- the fake model ---------- */
 
@@ -570,6 +586,88 @@ static void test_cap_and_free(void)
     CHECK(atomic_load(&d.calls) == 2 && atomic_load(&d.cancelled) == 2);
 }
 
+struct timed_done {
+    atomic_int calls;
+    atomic_int status;
+    atomic_llong ended_ms;
+    char msg[sizeof(((struct cf_error *)0)->msg)];
+};
+
+static void timed_done(void *ctx, const struct model_io_result *res)
+{
+    struct timed_done *d = ctx;
+    snprintf(d->msg, sizeof(d->msg), "%s", res->err.msg);
+    atomic_store(&d->status, (int)res->status);
+    atomic_store(&d->ended_ms, (long long)clock_mono_ms());
+    atomic_fetch_add(&d->calls, 1);
+}
+
+static uint64_t start_raw(struct model_io *io, const char *url, int64_t timeout_ms,
+                          struct timed_done *d)
+{
+    static const char *headers[] = {"content-type: application/json",
+                                    "anthropic-version: 2023-06-01"};
+    struct model_io_request r = {
+        .url = url,
+        .headers = headers,
+        .n_headers = 2,
+        .body_take = mem_strdup("{\"model\":\"m\",\"max_tokens\":8,\"messages\":[{\"role\":"
+                                "\"user\",\"content\":\"hi\"}]}"),
+        .timeout_ms = timeout_ms,
+        .on_done = timed_done,
+        .ctx = d,
+    };
+    r.body_len = strlen(r.body_take);
+    uint64_t id = 0;
+    struct cf_error err;
+    CHECK(model_io_start(io, &r, &id, &err) == CF_OK);
+    return id;
+}
+
+static bool wait_done(struct timed_done *d, int64_t ms)
+{
+    int64_t until = clock_mono_ms() + ms;
+    while (!atomic_load(&d->calls) && clock_mono_ms() < until) {
+        clock_sleep_ms(5);
+    }
+    return atomic_load(&d->calls) == 1;
+}
+
+/* A transfer whose socket cannot be watched ends alone, as a network failure, at once; the
+ * loop goes on: a transfer already waiting still times out on time, and the next one
+ * completes. */
+static void test_unwatched(void)
+{
+    scenario("{\"steps\": [{\"text\": \"slow\", \"delay_ms\": 3000}, {\"text\": \"fine\"}]}");
+    struct model_io *io = NULL;
+    struct cf_error err;
+    CHECK(model_io_new(&io, NULL, &err) == CF_OK);
+    char url[128];
+    snprintf(url, sizeof(url), "http://127.0.0.1:%d/v1/messages", g_port);
+    struct timed_done waiting = {0}, unwatched = {0}, next = {0};
+    int64_t t0 = clock_mono_ms();
+    start_raw(io, url, 1000, &waiting);
+    clock_sleep_ms(300); /* it has sent its request and waits for the answer */
+    atomic_store(&g_epoll_fail, 1);
+    int64_t t1 = clock_mono_ms();
+    start_raw(io, url, 0, &unwatched);
+    CHECK(wait_done(&unwatched, 2000 * g_slack));
+    atomic_store(&g_epoll_fail, 0);
+    CHECK(atomic_load(&unwatched.status) == CF_UNAVAILABLE);
+    CHECK(strstr(unwatched.msg, "could not be watched") != NULL);
+    CHECK(atomic_load(&unwatched.ended_ms) - t1 < 500 * g_slack);
+    CHECK(wait_done(&waiting, 3000 * g_slack));
+    CHECK(atomic_load(&waiting.status) == CF_DEADLINE);
+    long long waited = atomic_load(&waiting.ended_ms) - t0;
+    printf("unwatched: ended after %lld ms; the waiting transfer timed out after %lld ms\n",
+           atomic_load(&unwatched.ended_ms) - (long long)t1, waited);
+    CHECK(waited >= 900 && waited < 1000 + 500 * g_slack);
+    start_raw(io, url, 10000, &next);
+    CHECK(wait_done(&next, 5000 * g_slack));
+    CHECK(atomic_load(&next.status) == CF_OK);
+    model_io_free(io);
+}
+
 /* model_io_shutdown with llm_complete calls in flight: they end CF_CANCELLED at once; a
  * later call starts a fresh loop. */
 static void test_shutdown(void)
@@ -628,6 +726,7 @@ int main(void)
     test_async();
     test_broken();
     test_cap_and_free();
+    test_unwatched();
     test_shutdown();
     CHECK(atomic_load(&g_inconsistent) == 0);
     fake_stop();
