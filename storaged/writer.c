@@ -59,11 +59,11 @@ static enum cf_status run(struct writer *w, const char *sql, struct cf_error *er
 
 /* fail_rest gives every job of the batch that succeeded or never ran the batch's error: when
  * the transaction cannot be trusted, nothing in it is committed and nobody is told otherwise.
- * Jobs that failed on their own keep their own reason. */
+ * Jobs that failed on their own (refused) keep their own reason. */
 static void fail_rest(struct writer_job *jobs, enum cf_status st, const char *what, const char *why)
 {
     for (struct writer_job *j = jobs; j; j = j->next) {
-        if (j->st == CF_OK || j->st == CF_UNAVAILABLE) {
+        if (!j->refused) {
             j->st = cf_error_set(&j->err, st, "%s%s", what, why);
         }
     }
@@ -118,8 +118,9 @@ static void run_batch(struct writer *w, struct writer_job *jobs)
 
     for (struct writer_job *j = jobs; j; j = j->next) {
         durable = durable || j->durable;
-        /* not run yet: what fail_rest reports if the batch stops before this job */
+        /* not run yet: fail_rest answers it if the batch stops before this job */
         j->st = cf_error_set(&j->err, CF_UNAVAILABLE, "not run");
+        j->refused = false;
     }
     if (!end_transaction(w)) {
         fail_rest(jobs, CF_DB,
@@ -143,6 +144,7 @@ static void run_batch(struct writer *w, struct writer_job *jobs)
         }
         cf_error_clear(&j->err);
         j->st = j->run(&ctx, j->arg, &j->err);
+        j->refused = j->st != CF_OK;
         if (j->st != CF_OK && sqlite3_get_autocommit(w->db)) {
             /* The job's statement failed in a way after which SQLite rolls the whole
              * transaction back, its savepoints with it (a full disk, an I/O error, no memory,

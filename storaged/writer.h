@@ -32,6 +32,7 @@ struct writer_job {
     struct writer_job *next;
     enum cf_status st;
     struct cf_error err;
+    bool refused; /* the writer's: run failed on its own, so st and err stand whatever follows */
 };
 
 /* writer_start starts the writer thread on db, which it then owns and closes, and stores it

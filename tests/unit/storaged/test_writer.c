@@ -18,7 +18,11 @@ static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static bool gate_entered, gate_open;
 static int n_done;
 
-/* One job of a test: the row it inserts (0: none, the gate), once done, how it was answered. */
+/* One job of a test: the row it inserts (0: none, the gate; REFUSE_ROW: none, it fails on
+ * its own with CF_UNAVAILABLE), once done, how it was answered. */
+#define REFUSE_ROW (-2)
+#define REFUSE_REASON "the job's own reason"
+
 struct job {
     struct writer_job wj;
     int row;
@@ -61,6 +65,9 @@ static int stop_statement(void *arg)
 static enum cf_status run_job(struct ledger_ctx *c, void *arg, struct cf_error *err)
 {
     struct job *j = arg;
+    if (j->row == REFUSE_ROW) {
+        return cf_error_set(err, CF_UNAVAILABLE, REFUSE_REASON);
+    }
     if (!j->interrupt) {
         return insert(c->db, j->row, err);
     }
@@ -156,18 +163,22 @@ static void test_job_rolled_back_alone(const char *path, struct writer *w)
 
 /* A job whose failure makes SQLite roll the whole transaction back takes its batch-mates with
  * it: those that ran before it and those after it are answered with its cause, not with the
- * savepoint the rollback removed ("no such savepoint"), and nothing of the batch is written.
- * The writer goes on with the next batch. */
+ * savepoint the rollback removed ("no such savepoint"), and nothing of the batch is written;
+ * a batch-mate that had failed on its own keeps its own answer, whatever its status. The
+ * writer goes on with the next batch. */
 static void test_transaction_rolled_back_by_sqlite(const char *path, struct writer *w)
 {
     int rows = count_rows(path);
-    struct job before, failing, after, next;
+    struct job before, refused, failing, after, next;
     init_job(&before, 3, false);
+    init_job(&refused, REFUSE_ROW, false);
     init_job(&failing, 4, true);
     init_job(&after, 5, false);
     init_job(&next, 6, false);
-    struct job *batch[] = {&before, &failing, &after};
-    run_as_one_batch(w, batch, 3);
+    struct job *batch[] = {&before, &refused, &failing, &after};
+    run_as_one_batch(w, batch, 4);
+    CHECK(refused.st == CF_UNAVAILABLE);
+    CHECK_STR(refused.msg, REFUSE_REASON);
     CHECK(failing.st != CF_OK && failing.st != CF_UNAVAILABLE);
     CHECK(strstr(failing.msg, "interrupt") != NULL);
     struct job *mates[] = {&before, &after};
