@@ -543,6 +543,27 @@ static void raw_done(void *ctx, const struct model_io_result *res)
     }
 }
 
+/* raw_request asks the fake model at url for a short answer, straight through model_io. */
+static struct model_io_request raw_request(const char *url, int64_t timeout_ms,
+                                           void (*on_done)(void *, const struct model_io_result *),
+                                           void *ctx)
+{
+    static const char *headers[] = {"content-type: application/json",
+                                    "anthropic-version: 2023-06-01"};
+    struct model_io_request r = {
+        .url = url,
+        .headers = headers,
+        .n_headers = 2,
+        .body_take = mem_strdup("{\"model\":\"m\",\"max_tokens\":8,\"messages\":[{\"role\":"
+                                "\"user\",\"content\":\"hi\"}]}"),
+        .timeout_ms = timeout_ms,
+        .on_done = on_done,
+        .ctx = ctx,
+    };
+    r.body_len = strlen(r.body_take);
+    return r;
+}
+
 /* A private model_io: the cap on transfers in flight, and model_io_free with transfers in
  * flight. */
 static void test_cap_and_free(void)
@@ -554,19 +575,9 @@ static void test_cap_and_free(void)
     CHECK(model_io_new(&io, &(struct model_io_opts){.max_transfers = 2}, &err) == CF_OK);
     char url[128];
     snprintf(url, sizeof(url), "http://127.0.0.1:%d/v1/messages", g_port);
-    const char *headers[] = {"content-type: application/json", "anthropic-version: 2023-06-01"};
     struct raw_done d = {0};
     for (int i = 0; i < 3; i++) {
-        struct model_io_request r = {
-            .url = url,
-            .headers = headers,
-            .n_headers = 2,
-            .body_take = mem_strdup("{\"model\":\"m\",\"max_tokens\":8,\"messages\":[{\"role\":"
-                                    "\"user\",\"content\":\"hi\"}]}"),
-            .on_done = raw_done,
-            .ctx = &d,
-        };
-        r.body_len = strlen(r.body_take);
+        struct model_io_request r = raw_request(url, 0, raw_done, &d);
         uint64_t id;
         enum cf_status rc = model_io_start(io, &r, &id, &err);
         CHECK(rc == (i < 2 ? CF_OK : CF_BUSY));
@@ -605,19 +616,7 @@ static void timed_done(void *ctx, const struct model_io_result *res)
 static uint64_t start_raw(struct model_io *io, const char *url, int64_t timeout_ms,
                           struct timed_done *d)
 {
-    static const char *headers[] = {"content-type: application/json",
-                                    "anthropic-version: 2023-06-01"};
-    struct model_io_request r = {
-        .url = url,
-        .headers = headers,
-        .n_headers = 2,
-        .body_take = mem_strdup("{\"model\":\"m\",\"max_tokens\":8,\"messages\":[{\"role\":"
-                                "\"user\",\"content\":\"hi\"}]}"),
-        .timeout_ms = timeout_ms,
-        .on_done = timed_done,
-        .ctx = d,
-    };
-    r.body_len = strlen(r.body_take);
+    struct model_io_request r = raw_request(url, timeout_ms, timed_done, d);
     uint64_t id = 0;
     struct cf_error err;
     CHECK(model_io_start(io, &r, &id, &err) == CF_OK);
