@@ -714,6 +714,10 @@ def report(stack, client, nem, form, subs, records, side, violations, notes, ela
     joined = sum(1 for s in acked if s in subs and subs[s]['answered_by'] not in ('', s))
     p('submissions checked: %d acknowledged (%d in the ledger), %d conversations, %d joined, '
       'outcomes %s' % (len(acked), len(subs), len(records), joined, dict(outcomes)))
+    failed = sorted(s for s in acked if s in subs and subs[s]['outcome'] == 'FAILED')
+    for sid in failed[:5]:  # not a violation, but worth a look: why did it fail?
+        p('  failed: %s after %d of %d attempts: %s'
+          % (sid, subs[sid]['attempt_count'], subs[sid]['max_attempts'], subs[sid]['error']))
     p('client: %d acks (%d deliberate duplicates, %d after retries), %d Submits given up, '
       '%d aborts, %d watches, RPC errors %s'
       % (len(client.acks), sum(1 for a in client.acks if a['resend']),
