@@ -436,7 +436,8 @@ static void socket_action(struct model_io *io, curl_socket_t s, int flags)
         log_warn("model_io_action", "err=%s", curl_multi_strerror(mc));
         long t = -1;
         curl_multi_timeout(io->multi, &t);
-        io->timer_at_ms = clock_mono_ms() + (t >= 0 && t < 10 ? 10 : t >= 0 ? t : 1000);
+        long in_ms = t < 0 ? 1000 : t < 10 ? 10 : t;
+        io->timer_at_ms = clock_mono_ms() + in_ms;
     }
     end_unwatched(io);
 }
