@@ -344,9 +344,8 @@ enum cf_status llm_start(const struct provider_endpoint *ep, const struct llm_re
         return cf_error_set(err, CF_INVALID, "unknown model provider '%s'",
                             req->provider ? req->provider : "");
     }
-    json_t *body = wire->build(req);
-    char *payload = json_dumps(body, JSON_COMPACT);
-    json_decref(body);
+    size_t payload_len = 0;
+    char *payload = wire->build(req, &payload_len);
     if (!payload) {
         return cf_error_set(err, CF_INVALID, "the request to the %s API could not be encoded",
                             wire->name);
@@ -387,7 +386,7 @@ enum cf_status llm_start(const struct provider_endpoint *ep, const struct llm_re
         .headers = headers,
         .n_headers = n,
         .body_take = payload,
-        .body_len = strlen(payload),
+        .body_len = payload_len,
         .timeout_ms = timeout,
         .connect_timeout_ms = 10000,
         .stall_ms = 60000, /* a stream without a byte for 60 s is a network failure */

@@ -146,7 +146,7 @@ struct provider_wire {
     const char *path;         /* appended to the base URL (its /v1 is not repeated) */
     const char *auth_prefix;  /* the header line that carries the API key, up to the key */
     const char *extra_header; /* a fixed header line, or NULL */
-    json_t *(*build)(const struct llm_request *req);
+    char *(*build)(const struct llm_request *req, size_t *len_out);
     enum cf_status (*parse_body)(const char *body, size_t len, struct llm_response *out,
                                  struct cf_error *err);
     enum cf_status (*parse_event)(void *state, const char *event, const char *data,
@@ -185,8 +185,9 @@ json_t *llm_tool_schema(const struct llm_tool *t);
 void llm_usage_read(json_t *usage, const char *in_key, const char *out_key,
                     struct llm_response *out);
 
-/* Provider modules: build the request body; parse a non-streamed body or one SSE event. */
-json_t *anthropic_build(const struct llm_request *req);
+/* Provider modules: write the request body (the caller frees it; its length in *len_out; NULL
+ * when it cannot be written); parse a non-streamed body or one SSE event. */
+char *anthropic_build(const struct llm_request *req, size_t *len_out);
 CF_MUST_CHECK enum cf_status anthropic_parse_body(const char *body, size_t len,
                                                   struct llm_response *out, struct cf_error *err);
 CF_MUST_CHECK enum cf_status anthropic_parse_event(void *state, const char *event, const char *data,
@@ -195,7 +196,7 @@ CF_MUST_CHECK enum cf_status anthropic_parse_event(void *state, const char *even
 void *anthropic_stream_new(void);
 void anthropic_stream_free(void *state);
 
-json_t *openai_build(const struct llm_request *req);
+char *openai_build(const struct llm_request *req, size_t *len_out);
 CF_MUST_CHECK enum cf_status openai_parse_body(const char *body, size_t len,
                                                struct llm_response *out, struct cf_error *err);
 CF_MUST_CHECK enum cf_status openai_parse_event(void *state, const char *event, const char *data,

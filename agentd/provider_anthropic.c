@@ -11,97 +11,156 @@
  */
 #include "provider.h"
 
+#include "json_write.h"
 #include "mem.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-/* image_blocks appends an image block (base64 source) for each of m's images to content. */
-static void image_blocks(json_t *content, const struct llm_message *m)
+/* text_block writes a text content block. */
+static void text_block(struct jw *w, const char *text)
+{
+    jw_object(w);
+    jw_key_string(w, "type", "text");
+    jw_key_string(w, "text", text);
+    jw_end(w);
+}
+
+/* image_blocks writes an image block (base64 source) for each of m's images. */
+static void image_blocks(struct jw *w, const struct llm_message *m)
 {
     for (size_t k = 0; k < m->n_images; k++) {
-        json_array_append_new(content,
-                              json_pack("{s:s, s:{s:s, s:s, s:s}}", "type", "image", "source",
-                                        "type", "base64", "media_type", m->images[k].mime_type,
-                                        "data", m->images[k].base64));
+        jw_object(w);
+        jw_key_string(w, "type", "image");
+        jw_key(w, "source");
+        jw_object(w);
+        jw_key_string(w, "type", "base64");
+        jw_key_string(w, "media_type", m->images[k].mime_type);
+        jw_key_string(w, "data", m->images[k].base64);
+        jw_end(w);
+        jw_end(w);
     }
 }
 
-/* result_block is tool result m as a tool_result block: its text as the content, or, with
+/* result_block writes tool result m as a tool_result block: its text as the content, or, with
  * images, a content array of a text block and the images' blocks. */
-static json_t *result_block(const struct llm_message *m)
+static void result_block(struct jw *w, const struct llm_message *m)
 {
     const char *text = m->text && *m->text ? m->text : "(empty)";
-    json_t *content = json_string(text);
+    jw_object(w);
+    jw_key_string(w, "type", "tool_result");
+    jw_key_string(w, "tool_use_id", m->tool_call_id);
+    jw_key(w, "content");
     if (m->n_images) {
-        json_decref(content);
-        content = json_pack("[{s:s, s:s}]", "type", "text", "text", text);
-        image_blocks(content, m);
+        jw_array(w);
+        text_block(w, text);
+        image_blocks(w, m);
+        jw_end(w);
+    } else {
+        jw_string(w, text);
     }
-    return json_pack("{s:s, s:s, s:o, s:b}", "type", "tool_result", "tool_use_id", m->tool_call_id,
-                     "content", content, "is_error", m->is_error);
+    jw_key(w, "is_error");
+    jw_bool(w, m->is_error);
+    jw_end(w);
 }
 
-json_t *anthropic_build(const struct llm_request *req)
+/* assistant_message writes assistant message m: its text, then its calls as tool_use blocks
+ * (arguments that are not a JSON object become {}). */
+static void assistant_message(struct jw *w, const struct llm_message *m)
 {
-    json_t *msgs = json_array();
-    json_t *pending_user = NULL; /* the user message being filled (results are merged) */
+    bool has_text = m->text && *m->text;
+    jw_object(w);
+    jw_key_string(w, "role", "assistant");
+    jw_key(w, "content");
+    jw_array(w);
+    if (has_text) {
+        text_block(w, m->text);
+    }
+    for (size_t k = 0; k < m->n_calls; k++) {
+        json_t *input = json_loads(m->calls[k].arguments_json, 0, NULL);
+        if (!json_is_object(input)) {
+            json_decref(input);
+            input = json_object();
+        }
+        jw_object(w);
+        jw_key_string(w, "type", "tool_use");
+        jw_key_string(w, "id", m->calls[k].id);
+        jw_key_string(w, "name", m->calls[k].name);
+        jw_key(w, "input");
+        jw_json(w, input);
+        jw_end(w);
+        json_decref(input);
+    }
+    if (!has_text && !m->n_calls) {
+        text_block(w, "(no text)");
+    }
+    jw_end(w);
+    jw_end(w);
+}
+
+char *anthropic_build(const struct llm_request *req, size_t *len_out)
+{
+    struct jw w;
+    jw_init(&w, SIZE_MAX);
+    jw_object(&w);
+    jw_key_string(&w, "model", req->model);
+    jw_key(&w, "max_tokens");
+    jw_int(&w, req->max_tokens);
+    jw_key(&w, "messages");
+    jw_array(&w);
+    bool in_user = false; /* a user message is open: the texts and results that follow join it */
     for (size_t i = 0; i < req->n_messages; i++) {
         const struct llm_message *m = &req->messages[i];
         if (m->role == LLM_ASSISTANT) {
-            json_t *content = json_array();
-            if (m->text && *m->text) {
-                json_array_append_new(content,
-                                      json_pack("{s:s, s:s}", "type", "text", "text", m->text));
+            if (in_user) {
+                jw_end(&w); /* its content */
+                jw_end(&w);
+                in_user = false;
             }
-            for (size_t k = 0; k < m->n_calls; k++) {
-                json_t *input = json_loads(m->calls[k].arguments_json, 0, NULL);
-                if (!json_is_object(input)) {
-                    json_decref(input);
-                    input = json_object();
-                }
-                json_array_append_new(content, json_pack("{s:s, s:s, s:s, s:o}", "type", "tool_use",
-                                                         "id", m->calls[k].id, "name",
-                                                         m->calls[k].name, "input", input));
-            }
-            if (json_array_size(content) == 0) {
-                json_array_append_new(content,
-                                      json_pack("{s:s, s:s}", "type", "text", "text", "(no text)"));
-            }
-            json_array_append_new(msgs,
-                                  json_pack("{s:s, s:o}", "role", "assistant", "content", content));
-            pending_user = NULL;
+            assistant_message(&w, m);
             continue;
         }
-        if (!pending_user) {
-            pending_user = json_pack("{s:s, s:[]}", "role", "user", "content");
-            json_array_append_new(msgs, pending_user);
+        if (!in_user) {
+            jw_object(&w);
+            jw_key_string(&w, "role", "user");
+            jw_key(&w, "content");
+            jw_array(&w);
+            in_user = true;
         }
-        json_t *content = json_object_get(pending_user, "content");
         if (m->role == LLM_TOOL_RESULT) {
-            json_array_append_new(content, result_block(m));
+            result_block(&w, m);
         } else {
-            json_array_append_new(content, json_pack("{s:s, s:s}", "type", "text", "text",
-                                                     m->text && *m->text ? m->text : "(empty)"));
-            image_blocks(content, m);
+            text_block(&w, m->text && *m->text ? m->text : "(empty)");
+            image_blocks(&w, m);
         }
     }
-    json_t *body = json_pack("{s:s, s:I, s:o, s:b}", "model", req->model, "max_tokens",
-                             (json_int_t)req->max_tokens, "messages", msgs, "stream", req->stream);
+    if (in_user) {
+        jw_end(&w);
+        jw_end(&w);
+    }
+    jw_end(&w); /* messages */
+    jw_key(&w, "stream");
+    jw_bool(&w, req->stream);
     if (req->system && *req->system) {
-        json_object_set_new(body, "system", json_string(req->system));
+        jw_key_string(&w, "system", req->system);
     }
     if (req->n_tools) {
-        json_t *tools = json_array();
+        jw_key(&w, "tools");
+        jw_array(&w);
         for (size_t i = 0; i < req->n_tools; i++) {
-            json_array_append_new(tools,
-                                  json_pack("{s:s, s:s, s:o}", "name", req->tools[i].name,
-                                            "description", req->tools[i].description,
-                                            "input_schema", llm_tool_schema(&req->tools[i])));
+            json_t *schema = llm_tool_schema(&req->tools[i]);
+            jw_object(&w);
+            jw_key_string(&w, "name", req->tools[i].name);
+            jw_key_string(&w, "description", req->tools[i].description);
+            jw_key(&w, "input_schema");
+            jw_json(&w, schema);
+            jw_end(&w);
+            json_decref(schema);
         }
-        json_object_set_new(body, "tools", tools);
+        jw_end(&w);
     }
-    return body;
+    jw_end(&w);
+    return jw_take(&w, len_out);
 }
 
 static void usage_from(json_t *u, struct llm_response *out)

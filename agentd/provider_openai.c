@@ -10,113 +10,184 @@
  */
 #include "provider.h"
 
+#include "json_write.h"
 #include "mem.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* image_parts appends an image_url part (a data URL) for each of m's images to parts. */
-static void image_parts(json_t *parts, const struct llm_message *m)
+/* text_part writes a text content part. */
+static void text_part(struct jw *w, const char *text)
+{
+    jw_object(w);
+    jw_key_string(w, "type", "text");
+    jw_key_string(w, "text", text);
+    jw_end(w);
+}
+
+/* image_parts writes an image_url part (a data URL) for each of m's images. */
+static void image_parts(struct jw *w, const struct llm_message *m)
 {
     for (size_t k = 0; k < m->n_images; k++) {
         char *url = mem_asprintf("data:%s;base64,%s", m->images[k].mime_type, m->images[k].base64);
-        json_array_append_new(
-            parts, json_pack("{s:s, s:{s:s}}", "type", "image_url", "image_url", "url", url));
+        jw_object(w);
+        jw_key_string(w, "type", "image_url");
+        jw_key(w, "image_url");
+        jw_object(w);
+        jw_key_string(w, "url", url);
+        jw_end(w);
+        jw_end(w);
         free(url);
     }
 }
 
-/* results_images is the user message that shows the images of tool results msgs[0..n) (a
- * turn's, each a role "tool" message already: those carry text only), or NULL when none has
- * any. */
-static json_t *results_images(const struct llm_message *msgs, size_t n)
+/* results_images writes the user message that shows the images of tool results msgs[0..n) (a
+ * turn's, each a role "tool" message already: those carry text only), when any has one. */
+static void results_images(struct jw *w, const struct llm_message *msgs, size_t n)
 {
-    json_t *parts = NULL;
-    for (size_t i = 0; i < n; i++) {
+    size_t first = 0;
+    while (first < n && !msgs[first].n_images) {
+        first++;
+    }
+    if (first == n) {
+        return;
+    }
+    jw_object(w);
+    jw_key_string(w, "role", "user");
+    jw_key(w, "content");
+    jw_array(w);
+    text_part(w, "Images returned by the tool calls above:");
+    for (size_t i = first; i < n; i++) {
         if (!msgs[i].n_images) {
             continue;
         }
-        if (!parts) {
-            parts = json_pack("[{s:s, s:s}]", "type", "text", "text",
-                              "Images returned by the tool calls above:");
-        }
         char *label = mem_asprintf("From %s (call %s):", msgs[i].tool_name ? msgs[i].tool_name : "",
                                    msgs[i].tool_call_id ? msgs[i].tool_call_id : "");
-        json_array_append_new(parts, json_pack("{s:s, s:s}", "type", "text", "text", label));
+        text_part(w, label);
         free(label);
-        image_parts(parts, &msgs[i]);
+        image_parts(w, &msgs[i]);
     }
-    return parts ? json_pack("{s:s, s:o}", "role", "user", "content", parts) : NULL;
+    jw_end(w);
+    jw_end(w);
 }
 
-json_t *openai_build(const struct llm_request *req)
+/* assistant_message writes assistant message m: its text (null when it has none) and its
+ * calls, their arguments as the model wrote them. */
+static void assistant_message(struct jw *w, const struct llm_message *m)
 {
-    json_t *msgs = json_array();
+    jw_object(w);
+    jw_key_string(w, "role", "assistant");
+    jw_key(w, "content");
+    if (m->text && *m->text) {
+        jw_string(w, m->text);
+    } else {
+        jw_null(w);
+    }
+    if (m->n_calls) {
+        jw_key(w, "tool_calls");
+        jw_array(w);
+        for (size_t k = 0; k < m->n_calls; k++) {
+            jw_object(w);
+            jw_key_string(w, "id", m->calls[k].id);
+            jw_key_string(w, "type", "function");
+            jw_key(w, "function");
+            jw_object(w);
+            jw_key_string(w, "name", m->calls[k].name);
+            jw_key_string(w, "arguments", m->calls[k].arguments_json);
+            jw_end(w);
+            jw_end(w);
+        }
+        jw_end(w);
+    }
+    jw_end(w);
+}
+
+/* message writes message i of req, and after a turn's last tool result the user message with
+ * the images of the turn's results. */
+static void message(struct jw *w, const struct llm_request *req, size_t i)
+{
+    const struct llm_message *m = &req->messages[i];
+    if (m->role == LLM_ASSISTANT) {
+        assistant_message(w, m);
+        return;
+    }
+    jw_object(w);
+    jw_key_string(w, "role", m->role == LLM_TOOL_RESULT ? "tool" : "user");
+    if (m->role == LLM_TOOL_RESULT) {
+        jw_key_string(w, "tool_call_id", m->tool_call_id);
+    }
+    jw_key(w, "content");
+    if (m->role == LLM_USER && m->n_images) {
+        jw_array(w);
+        text_part(w, m->text ? m->text : "");
+        image_parts(w, m);
+        jw_end(w);
+    } else {
+        jw_string(w, m->text);
+    }
+    jw_end(w);
+    /* after the turn's last result, so that the tool messages stay together right after
+     * their assistant message */
+    if (m->role == LLM_TOOL_RESULT && (i + 1 == req->n_messages || m[1].role != LLM_TOOL_RESULT)) {
+        size_t first = i;
+        while (first > 0 && req->messages[first - 1].role == LLM_TOOL_RESULT) {
+            first--;
+        }
+        results_images(w, &req->messages[first], i + 1 - first);
+    }
+}
+
+char *openai_build(const struct llm_request *req, size_t *len_out)
+{
+    struct jw w;
+    jw_init(&w, SIZE_MAX);
+    jw_object(&w);
+    jw_key_string(&w, "model", req->model);
+    jw_key(&w, "messages");
+    jw_array(&w);
     if (req->system && *req->system) {
-        json_array_append_new(msgs,
-                              json_pack("{s:s, s:s}", "role", "system", "content", req->system));
+        jw_object(&w);
+        jw_key_string(&w, "role", "system");
+        jw_key_string(&w, "content", req->system);
+        jw_end(&w);
     }
     for (size_t i = 0; i < req->n_messages; i++) {
-        const struct llm_message *m = &req->messages[i];
-        if (m->role == LLM_USER && m->n_images) {
-            json_t *parts = json_array();
-            json_array_append_new(
-                parts, json_pack("{s:s, s:s}", "type", "text", "text", m->text ? m->text : ""));
-            image_parts(parts, m);
-            json_array_append_new(msgs, json_pack("{s:s, s:o}", "role", "user", "content", parts));
-        } else if (m->role == LLM_USER) {
-            json_array_append_new(
-                msgs, json_pack("{s:s, s:s}", "role", "user", "content", m->text ? m->text : ""));
-        } else if (m->role == LLM_TOOL_RESULT) {
-            json_array_append_new(msgs,
-                                  json_pack("{s:s, s:s, s:s}", "role", "tool", "tool_call_id",
-                                            m->tool_call_id, "content", m->text ? m->text : ""));
-            /* after the turn's last result, so that the tool messages stay together right
-             * after their assistant message */
-            if (i + 1 == req->n_messages || m[1].role != LLM_TOOL_RESULT) {
-                size_t first = i;
-                while (first > 0 && req->messages[first - 1].role == LLM_TOOL_RESULT) {
-                    first--;
-                }
-                json_t *shown = results_images(&req->messages[first], i + 1 - first);
-                if (shown) {
-                    json_array_append_new(msgs, shown);
-                }
-            }
-        } else {
-            json_t *a = json_pack("{s:s}", "role", "assistant");
-            json_object_set_new(a, "content",
-                                m->text && *m->text ? json_string(m->text) : json_null());
-            if (m->n_calls) {
-                json_t *calls = json_array();
-                for (size_t k = 0; k < m->n_calls; k++) {
-                    json_array_append_new(
-                        calls, json_pack("{s:s, s:s, s:{s:s, s:s}}", "id", m->calls[k].id, "type",
-                                         "function", "function", "name", m->calls[k].name,
-                                         "arguments", m->calls[k].arguments_json));
-                }
-                json_object_set_new(a, "tool_calls", calls);
-            }
-            json_array_append_new(msgs, a);
-        }
+        message(&w, req, i);
     }
-    json_t *body = json_pack("{s:s, s:o, s:I, s:b}", "model", req->model, "messages", msgs,
-                             "max_tokens", (json_int_t)req->max_tokens, "stream", req->stream);
+    jw_end(&w);
+    jw_key(&w, "max_tokens");
+    jw_int(&w, req->max_tokens);
+    jw_key(&w, "stream");
+    jw_bool(&w, req->stream);
     if (req->stream) {
-        json_object_set_new(body, "stream_options", json_pack("{s:b}", "include_usage", 1));
+        jw_key(&w, "stream_options");
+        jw_object(&w);
+        jw_key(&w, "include_usage");
+        jw_bool(&w, true);
+        jw_end(&w);
     }
     if (req->n_tools) {
-        json_t *tools = json_array();
+        jw_key(&w, "tools");
+        jw_array(&w);
         for (size_t i = 0; i < req->n_tools; i++) {
-            json_array_append_new(tools, json_pack("{s:s, s:{s:s, s:s, s:o}}", "type", "function",
-                                                   "function", "name", req->tools[i].name,
-                                                   "description", req->tools[i].description,
-                                                   "parameters", llm_tool_schema(&req->tools[i])));
+            json_t *schema = llm_tool_schema(&req->tools[i]);
+            jw_object(&w);
+            jw_key_string(&w, "type", "function");
+            jw_key(&w, "function");
+            jw_object(&w);
+            jw_key_string(&w, "name", req->tools[i].name);
+            jw_key_string(&w, "description", req->tools[i].description);
+            jw_key(&w, "parameters");
+            jw_json(&w, schema);
+            jw_end(&w);
+            jw_end(&w);
+            json_decref(schema);
         }
-        json_object_set_new(body, "tools", tools);
+        jw_end(&w);
     }
-    return body;
+    jw_end(&w);
+    return jw_take(&w, len_out);
 }
 
 static void usage_from(json_t *u, struct llm_response *out)

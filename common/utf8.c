@@ -47,10 +47,13 @@ bad:
 
 #include "buf.h"
 
-/* seq_len returns the length of the valid sequence at p (1..4), or 0 when invalid. */
-static size_t seq_len(const uint8_t *s, size_t n)
+size_t utf8_seq_len(const char *p, size_t n)
 {
+    const uint8_t *s = (const uint8_t *)p;
     size_t bad;
+    if (!n) {
+        return 0;
+    }
     uint8_t c = s[0];
     size_t len = c < 0x80             ? 1
                  : (c & 0xe0) == 0xc0 ? 2
@@ -69,7 +72,7 @@ enum cf_status utf8_sanitize(struct buf *out, const char *p, size_t n)
     size_t i = 0, run = 0;
     enum cf_status rc;
     while (i < n) {
-        size_t len = s[i] < 0x80 ? 1 : seq_len(s + i, n - i);
+        size_t len = s[i] < 0x80 ? 1 : utf8_seq_len(p + i, n - i);
         if (len) {
             i += len;
             run += len;

@@ -17,6 +17,10 @@ struct buf;
  * at the end of the input counts as invalid. CF_TOOBIG when out's cap is reached. */
 enum cf_status utf8_sanitize(struct buf *out, const char *p, size_t n);
 
+/* utf8_seq_len returns the length (1 to 4) of the well-formed sequence that starts p[0..n), or
+ * 0 when p starts with a bad or cut-off one (or n is 0). */
+size_t utf8_seq_len(const char *p, size_t n);
+
 /* utf8_prefix_len returns the largest length <= max of a prefix of p[0..n) that does not end
  * inside a multi-byte sequence. */
 size_t utf8_prefix_len(const char *p, size_t n, size_t max);

@@ -381,6 +381,16 @@ static void test_streams_with_many_calls(void)
     llm_response_cleanup(&r);
 }
 
+/* parsed is a built request body as JSON (it takes the text), NULL when it was not JSON. */
+static json_t *parsed(char *text)
+{
+    json_error_t je;
+    json_t *j = text ? json_loads(text, 0, &je) : NULL;
+    CHECK(j != NULL);
+    free(text);
+    return j;
+}
+
 static void test_build(void)
 {
     struct llm_call call = {"toolu_1", "bash", "{\"command\":\"ls\"}"};
@@ -396,7 +406,7 @@ static void test_build(void)
                               .messages = msgs,
                               .n_messages = 4,
                               .max_tokens = 100};
-    json_t *a = anthropic_build(&req);
+    json_t *a = parsed(anthropic_build(&req, NULL));
     json_t *m = json_object_get(a, "messages");
     CHECK(json_array_size(m) == 3); /* the tool result and the next user text share a message */
     json_t *last = json_object_get(json_array_get(m, 2), "content");
@@ -405,7 +415,7 @@ static void test_build(void)
     CHECK_STR(json_string_value(json_object_get(a, "system")), "sys");
     json_decref(a);
     req.provider = "openai";
-    json_t *o = openai_build(&req);
+    json_t *o = parsed(openai_build(&req, NULL));
     m = json_object_get(o, "messages");
     CHECK(json_array_size(m) == 5); /* system, user, assistant, tool, user */
     CHECK_STR(json_string_value(json_object_get(json_array_get(m, 3), "role")), "tool");
@@ -454,7 +464,7 @@ static void test_build_result_images(void)
     };
     struct llm_request req = {
         .provider = "anthropic", .model = "m", .messages = msgs, .n_messages = 6, .max_tokens = 9};
-    json_t *a = anthropic_build(&req);
+    json_t *a = parsed(anthropic_build(&req, NULL));
     json_t *m = json_object_get(a, "messages");
     CHECK(json_array_size(m) == 3);
     json_t *user = json_object_get(json_array_get(m, 2), "content");
@@ -483,7 +493,7 @@ static void test_build_result_images(void)
     json_decref(a);
 
     req.provider = "openai";
-    json_t *o = openai_build(&req);
+    json_t *o = parsed(openai_build(&req, NULL));
     m = json_object_get(o, "messages");
     CHECK(json_array_size(m) == 7); /* user, assistant, tool x3, the images, user */
     for (size_t i = 2; i < 5; i++) {
@@ -515,13 +525,13 @@ static void test_build_result_images(void)
 
     /* no images in the turn: no extra message */
     msgs[2].n_images = msgs[4].n_images = 0;
-    o = openai_build(&req);
+    o = parsed(openai_build(&req, NULL));
     CHECK(json_array_size(json_object_get(o, "messages")) == 6);
     json_decref(o);
     /* the results end the request: the images come last */
     msgs[4].n_images = 2;
     req.n_messages = 5;
-    o = openai_build(&req);
+    o = parsed(openai_build(&req, NULL));
     m = json_object_get(o, "messages");
     CHECK(json_array_size(m) == 6);
     CHECK_STR(json_string_value(json_object_get(json_array_get(m, 5), "role")), "user");
