@@ -98,23 +98,45 @@ static bool woken; /* under g_agentd.mu: agentd_wake since the claimer last look
 
 #define DRIVE_OF(item, field) ((struct drive *)((char *)(item)-offsetof(struct drive, field)))
 
-/* post_locked makes d ready (eng.mu held). Ready drives are stepped oldest first: when the
- * CPU is the limit, the conversations admitted first finish first, instead of every one of
- * them finishing late. */
-static void post_locked(struct drive *d)
+/* queue_locked makes d ready (eng.mu held) and returns whether a thread must be woken for it.
+ * Ready drives are stepped oldest first: when the CPU is the limit, the conversations admitted
+ * first finish first, instead of every one of them finishing late. */
+static bool queue_locked(struct drive *d)
 {
     if (d->eng.running) {
-        d->eng.again = true;
-    } else if (engine_queue_push(&eng.ready, &d->eng.ready)) {
+        d->eng.again = true; /* its thread steps it again */
+        return false;
+    }
+    return engine_queue_push(&eng.ready, &d->eng.ready);
+}
+
+/* post_locked makes d ready and wakes a thread for it (eng.mu held: for the timers and the
+ * rarer paths; the usual posts wake after the unlock). */
+static void post_locked(struct drive *d)
+{
+    if (queue_locked(d)) {
         pthread_cond_signal(&eng.work);
     }
 }
 
-void engine_post(struct drive *d)
+bool engine_post_quiet(struct drive *d)
 {
     pthread_mutex_lock(&eng.mu);
-    post_locked(d);
+    bool wake = queue_locked(d);
     pthread_mutex_unlock(&eng.mu);
+    return wake;
+}
+
+void engine_wake(void)
+{
+    pthread_cond_signal(&eng.work);
+}
+
+void engine_post(struct drive *d)
+{
+    if (engine_post_quiet(d)) {
+        engine_wake(); /* after the unlock: the thread woken finds eng.mu free */
+    }
 }
 
 void engine_post_at(struct drive *d, int64_t due_ms)
@@ -538,8 +560,12 @@ static void *worker_main(void *arg)
             if (!done) {
                 d->eng.running = false;
                 if (d->eng.again) {
+                    /* posted while it ran: this thread pops it (or an older drive) next, so
+                     * another is woken only when more than that one is waiting */
                     d->eng.again = false;
-                    post_locked(d);
+                    if (engine_queue_push(&eng.ready, &d->eng.ready) && eng.ready.n > 1) {
+                        pthread_cond_signal(&eng.work);
+                    }
                 }
             }
             continue;

@@ -77,6 +77,15 @@ bool engine_admitted(Cflue__V1__AdmitResponse *r);
  * stepped is stepped again afterwards. */
 void engine_post(struct drive *d);
 
+/* engine_post_quiet is engine_post without the wake-up: it returns whether an engine thread must
+ * be woken (engine_wake) for d. For callbacks that post under a lock of the drive's: they wake
+ * after their unlock (engine_wake touches no drive), so the thread woken does not block at once
+ * on the lock the callback still holds. */
+bool engine_post_quiet(struct drive *d);
+
+/* engine_wake wakes one idle engine thread. */
+void engine_wake(void);
+
 /* engine_post_at posts d at monotonic time due_ms (a timer; replaces d's earlier one). */
 void engine_post_at(struct drive *d, int64_t due_ms);
 

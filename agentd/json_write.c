@@ -175,6 +175,12 @@ void jw_null(struct jw *w)
     put(w, "null", 4);
 }
 
+void jw_raw(struct jw *w, const char *text)
+{
+    before_value(w);
+    put(w, text, strlen(text));
+}
+
 void jw_json(struct jw *w, const json_t *v)
 {
     before_value(w);

@@ -57,6 +57,10 @@ void jw_int(struct jw *w, long long v);
 void jw_bool(struct jw *w, bool v);
 void jw_null(struct jw *w);
 
+/* jw_raw writes text as a value as it is: it must be one JSON value (jansson's own output,
+ * say), which the writer does not check. */
+void jw_raw(struct jw *w, const char *text);
+
 /* jw_json writes v (any JSON value; it is not stolen) through jansson. */
 void jw_json(struct jw *w, const json_t *v);
 

@@ -14,6 +14,7 @@
 #include "trace.h"
 
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -97,17 +98,52 @@ enum cf_status llm_args_delta(struct buf *args, json_t *piece, struct cf_error *
     return CF_OK;
 }
 
-json_t *llm_tool_schema(const struct llm_tool *t)
+static struct schema_entry {
+    uint64_t hash;
+    char *json; /* the text asked for */
+    char *text; /* its answer */
+} schema_cache[LLM_SCHEMA_CACHE_MAX];
+static size_t schema_next; /* the slot replaced next, once the cache is full */
+static pthread_mutex_t schema_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static uint64_t fnv1a(const char *s)
 {
-    if (t->schema) {
-        return json_incref(t->schema);
+    uint64_t h = 1469598103934665603ull;
+    for (; *s; s++) {
+        h = (h ^ (uint8_t)*s) * 1099511628211ull;
     }
-    json_t *schema = json_loads(t->schema_json ? t->schema_json : "", 0, NULL);
-    if (!json_is_object(schema)) {
-        json_decref(schema);
-        schema = json_object();
+    return h;
+}
+
+char *llm_schema_text(const char *schema_json)
+{
+    const char *json = schema_json ? schema_json : "";
+    uint64_t hash = fnv1a(json);
+    char *text = NULL;
+    pthread_mutex_lock(&schema_mu);
+    for (size_t i = 0; i < LLM_SCHEMA_CACHE_MAX && !text && schema_cache[i].json; i++) {
+        if (schema_cache[i].hash == hash && !strcmp(schema_cache[i].json, json)) {
+            text = mem_strdup(schema_cache[i].text);
+        }
     }
-    return schema;
+    pthread_mutex_unlock(&schema_mu);
+    if (text) {
+        return text;
+    }
+    json_t *schema = json_loads(json, 0, NULL);
+    text = json_is_object(schema) ? json_dumps(schema, JSON_COMPACT) : NULL;
+    json_decref(schema);
+    if (!text) {
+        text = mem_strdup("{}");
+    }
+    pthread_mutex_lock(&schema_mu);
+    struct schema_entry *e = &schema_cache[schema_next];
+    schema_next = (schema_next + 1) % LLM_SCHEMA_CACHE_MAX;
+    free(e->json);
+    free(e->text);
+    *e = (struct schema_entry){hash, mem_strdup(json), mem_strdup(text)};
+    pthread_mutex_unlock(&schema_mu);
+    return text;
 }
 
 void llm_usage_read(json_t *usage, const char *in_key, const char *out_key,

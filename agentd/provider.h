@@ -31,7 +31,7 @@ struct llm_tool {
     const char *name;
     const char *description;
     const char *schema_json;
-    json_t *schema; /* schema_json parsed once (owned by whoever filled it), or NULL */
+    char *schema_text; /* llm_schema_text(schema_json), owned by whoever filled it, or NULL */
 };
 
 struct llm_call {
@@ -175,10 +175,12 @@ CF_MUST_CHECK enum cf_status llm_text_delta(struct llm_response *out, const stru
  * set) past args' cap. */
 CF_MUST_CHECK enum cf_status llm_args_delta(struct buf *args, json_t *piece, struct cf_error *err);
 
-/* llm_tool_schema returns a tool's parameter schema as a new reference to a JSON object: t's
- * parsed schema when it has one, else schema_json parsed ({} when its text is not an
- * object). */
-json_t *llm_tool_schema(const struct llm_tool *t);
+/* llm_schema_text returns a tool's parameter schema (JSON text, NULL read as "") as compact
+ * JSON text of an object, which the caller frees: schema_json re-encoded, or {} when it is not
+ * a JSON object. Each text is parsed once: the last LLM_SCHEMA_CACHE_MAX texts seen are kept
+ * with their answers, so the tool set every drive lists costs a lookup. Thread-safe. */
+#define LLM_SCHEMA_CACHE_MAX 128
+char *llm_schema_text(const char *schema_json);
 
 /* llm_usage_read copies the integer fields in_key and out_key of a usage object into out's
  * token counts; absent fields (or a NULL key) leave them unchanged. */

@@ -171,7 +171,6 @@ char *openai_build(const struct llm_request *req, size_t *len_out)
         jw_key(&w, "tools");
         jw_array(&w);
         for (size_t i = 0; i < req->n_tools; i++) {
-            json_t *schema = llm_tool_schema(&req->tools[i]);
             jw_object(&w);
             jw_key_string(&w, "type", "function");
             jw_key(&w, "function");
@@ -179,10 +178,9 @@ char *openai_build(const struct llm_request *req, size_t *len_out)
             jw_key_string(&w, "name", req->tools[i].name);
             jw_key_string(&w, "description", req->tools[i].description);
             jw_key(&w, "parameters");
-            jw_json(&w, schema);
+            jw_raw(&w, req->tools[i].schema_text ? req->tools[i].schema_text : "{}");
             jw_end(&w);
             jw_end(&w);
-            json_decref(schema);
         }
         jw_end(&w);
     }

@@ -187,8 +187,7 @@ void toolset_add(struct toolset *ts, const char *name, const char *description,
     t->name = name;
     t->description = description;
     t->schema_json = schema_json;
-    t->schema = NULL;
-    t->schema = llm_tool_schema(t); /* once, not per turn */
+    t->schema_text = llm_schema_text(schema_json); /* once, not per turn */
     ts->source[ts->n++] = source;
 }
 
@@ -237,7 +236,7 @@ void tools_cleanup(struct drive *d)
         protobuf_c_message_free_unpacked(d->tools.owner, NULL);
     }
     for (size_t i = 0; d->tools.tools && i < d->tools.n; i++) {
-        json_decref(d->tools.tools[i].schema);
+        free(d->tools.tools[i].schema_text);
     }
     free(d->tools.tools);
     free(d->tools.source);
@@ -462,9 +461,13 @@ static void on_lane_end(void *arg, const struct rpc_status *st)
     l->ended = true;
     l->st = *st;
     /* posted under the lock: once an engine thread sees `ended` the lane may be freed (and
-     * the drive with it), so nothing here may touch l after the unlock */
-    engine_post(l->d);
+     * the drive with it), so nothing here may touch l after the unlock (engine_wake touches
+     * no drive) */
+    bool wake = engine_post_quiet(l->d);
     pthread_mutex_unlock(&l->mu);
+    if (wake) {
+        engine_wake();
+    }
 }
 
 static const struct rpc_astream_ops lane_ops = {.on_message = on_result, .on_end = on_lane_end};

@@ -425,7 +425,7 @@ static enum cf_status check_agent(const struct agent_def *a, struct listed **see
         }
     }
     for (size_t i = 0; i < ts.n; i++) {
-        json_decref(ts.tools[i].schema);
+        free(ts.tools[i].schema_text);
     }
     free(ts.tools);
     free(ts.source);

@@ -391,6 +391,37 @@ static json_t *parsed(char *text)
     return j;
 }
 
+/* A tool's schema: re-encoded compact once, then answered from the cache; what is not a JSON
+ * object becomes {}; past the cache's size the oldest texts are parsed again, answers unchanged. */
+static void test_schema_text(void)
+{
+    const char *schema =
+        "{ \"type\": \"object\", \"properties\": {\"p\": {\"type\": \"string\"}} }";
+    const char *compact = "{\"type\":\"object\",\"properties\":{\"p\":{\"type\":\"string\"}}}";
+    for (int round = 0; round < 2; round++) {
+        char *t = llm_schema_text(schema);
+        CHECK_STR(t, compact);
+        free(t);
+    }
+    const char *not_objects[] = {"", "[1]", "\"s\"", "{\"a\":", "{\"a\":\"\xff\"}", NULL};
+    for (size_t i = 0; i < sizeof(not_objects) / sizeof(not_objects[0]); i++) {
+        char *t = llm_schema_text(not_objects[i]);
+        CHECK_STR(t, "{}");
+        free(t);
+    }
+    for (int i = 0; i < LLM_SCHEMA_CACHE_MAX + 8; i++) {
+        char in[64], want[64];
+        snprintf(in, sizeof(in), "{ \"n\": %d }", i);
+        snprintf(want, sizeof(want), "{\"n\":%d}", i);
+        char *t = llm_schema_text(in);
+        CHECK_STR(t, want);
+        free(t);
+    }
+    char *t = llm_schema_text(schema);
+    CHECK_STR(t, compact);
+    free(t);
+}
+
 static void test_build(void)
 {
     struct llm_call call = {"toolu_1", "bash", "{\"command\":\"ls\"}"};
@@ -750,10 +781,12 @@ static void test_task_tools(void)
     CHECK_STR(d.tools.tools[2].name, "task");
     CHECK(d.tools.source[2] == NULL && toolset_find(&d.tools, "task") == 2);
     CHECK(task_is_framework("task") && !task_is_framework("bash"));
-    json_t *props = json_object_get(d.tools.tools[2].schema, "properties");
+    json_t *schema = json_loads(d.tools.tools[2].schema_text, 0, NULL);
+    json_t *props = json_object_get(schema, "properties");
     CHECK(json_is_object(json_object_get(props, "prompt")));
     CHECK(json_is_object(json_object_get(props, "agent")));
-    CHECK(json_array_size(json_object_get(d.tools.tools[2].schema, "required")) == 2);
+    CHECK(json_array_size(json_object_get(schema, "required")) == 2);
+    json_decref(schema);
 
     /* an own server's tools: a reserved name, a duplicate of the sandbox's, of the framework's */
     char why[512];
@@ -797,6 +830,7 @@ int main(void)
     test_anthropic_stream();
     test_openai_stream();
     test_streams_with_many_calls();
+    test_schema_text();
     test_build();
     test_build_result_images();
     test_record_log();
