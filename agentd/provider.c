@@ -7,6 +7,7 @@
 #include "provider.h"
 
 #include "clock.h"
+#include "json_write.h"
 #include "log.h"
 #include "mem.h"
 #include "model_io.h"
@@ -96,6 +97,14 @@ enum cf_status llm_args_delta(struct buf *args, json_t *piece, struct cf_error *
         return cf_error_set(err, CF_TOOBIG, "a tool call's arguments passed %zu bytes", args->max);
     }
     return CF_OK;
+}
+
+void llm_text_part(struct jw *w, const char *text)
+{
+    jw_object(w);
+    jw_key_string(w, "type", "text");
+    jw_key_string(w, "text", text);
+    jw_end(w);
 }
 
 static struct schema_entry {

@@ -187,6 +187,12 @@ char *llm_schema_text(const char *schema_json);
 void llm_usage_read(json_t *usage, const char *in_key, const char *out_key,
                     struct llm_response *out);
 
+struct jw;
+
+/* llm_text_part writes {"type":"text","text":text}: a text content block (Anthropic) or part
+ * (OpenAI). */
+void llm_text_part(struct jw *w, const char *text);
+
 /* Provider modules: write the request body (the caller frees it; its length in *len_out; NULL
  * when it cannot be written); parse a non-streamed body or one SSE event. */
 char *anthropic_build(const struct llm_request *req, size_t *len_out);

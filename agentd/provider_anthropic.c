@@ -17,15 +17,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* text_block writes a text content block. */
-static void text_block(struct jw *w, const char *text)
-{
-    jw_object(w);
-    jw_key_string(w, "type", "text");
-    jw_key_string(w, "text", text);
-    jw_end(w);
-}
-
 /* image_blocks writes an image block (base64 source) for each of m's images. */
 static void image_blocks(struct jw *w, const struct llm_message *m)
 {
@@ -53,7 +44,7 @@ static void result_block(struct jw *w, const struct llm_message *m)
     jw_key(w, "content");
     if (m->n_images) {
         jw_array(w);
-        text_block(w, text);
+        llm_text_part(w, text);
         image_blocks(w, m);
         jw_end(w);
     } else {
@@ -74,7 +65,7 @@ static void assistant_message(struct jw *w, const struct llm_message *m)
     jw_key(w, "content");
     jw_array(w);
     if (has_text) {
-        text_block(w, m->text);
+        llm_text_part(w, m->text);
     }
     for (size_t k = 0; k < m->n_calls; k++) {
         json_t *input = json_loads(m->calls[k].arguments_json, 0, NULL);
@@ -92,7 +83,7 @@ static void assistant_message(struct jw *w, const struct llm_message *m)
         json_decref(input);
     }
     if (!has_text && !m->n_calls) {
-        text_block(w, "(no text)");
+        llm_text_part(w, "(no text)");
     }
     jw_end(w);
     jw_end(w);
@@ -130,7 +121,7 @@ char *anthropic_build(const struct llm_request *req, size_t *len_out)
         if (m->role == LLM_TOOL_RESULT) {
             result_block(&w, m);
         } else {
-            text_block(&w, m->text && *m->text ? m->text : "(empty)");
+            llm_text_part(&w, m->text && *m->text ? m->text : "(empty)");
             image_blocks(&w, m);
         }
     }

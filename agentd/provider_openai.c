@@ -17,15 +17,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* text_part writes a text content part. */
-static void text_part(struct jw *w, const char *text)
-{
-    jw_object(w);
-    jw_key_string(w, "type", "text");
-    jw_key_string(w, "text", text);
-    jw_end(w);
-}
-
 /* image_parts writes an image_url part (a data URL) for each of m's images. */
 static void image_parts(struct jw *w, const struct llm_message *m)
 {
@@ -57,14 +48,14 @@ static void results_images(struct jw *w, const struct llm_message *msgs, size_t 
     jw_key_string(w, "role", "user");
     jw_key(w, "content");
     jw_array(w);
-    text_part(w, "Images returned by the tool calls above:");
+    llm_text_part(w, "Images returned by the tool calls above:");
     for (size_t i = first; i < n; i++) {
         if (!msgs[i].n_images) {
             continue;
         }
         char *label = mem_asprintf("From %s (call %s):", msgs[i].tool_name ? msgs[i].tool_name : "",
                                    msgs[i].tool_call_id ? msgs[i].tool_call_id : "");
-        text_part(w, label);
+        llm_text_part(w, label);
         free(label);
         image_parts(w, &msgs[i]);
     }
@@ -120,7 +111,7 @@ static void message(struct jw *w, const struct llm_request *req, size_t i)
     jw_key(w, "content");
     if (m->role == LLM_USER && m->n_images) {
         jw_array(w);
-        text_part(w, m->text ? m->text : "");
+        llm_text_part(w, m->text ? m->text : "");
         image_parts(w, m);
         jw_end(w);
     } else {
