@@ -99,6 +99,17 @@ enum cf_status llm_args_delta(struct buf *args, json_t *piece, struct cf_error *
     return CF_OK;
 }
 
+void llm_schema_write(struct jw *w, const struct llm_tool *t)
+{
+    if (t->schema_text) {
+        jw_raw(w, t->schema_text);
+        return;
+    }
+    char *text = llm_schema_text(t->schema_json);
+    jw_raw(w, text);
+    free(text);
+}
+
 void llm_text_part(struct jw *w, const char *text)
 {
     jw_object(w);

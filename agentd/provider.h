@@ -31,7 +31,8 @@ struct llm_tool {
     const char *name;
     const char *description;
     const char *schema_json;
-    char *schema_text; /* llm_schema_text(schema_json), owned by whoever filled it, or NULL */
+    char *schema_text; /* llm_schema_text(schema_json), owned by whoever filled it, or NULL:
+                        * then each request reads schema_json through llm_schema_text */
 };
 
 struct llm_call {
@@ -188,6 +189,9 @@ void llm_usage_read(json_t *usage, const char *in_key, const char *out_key,
                     struct llm_response *out);
 
 struct jw;
+
+/* llm_schema_write writes t's parameter schema: its schema_text, or llm_schema_text's. */
+void llm_schema_write(struct jw *w, const struct llm_tool *t);
 
 /* llm_text_part writes {"type":"text","text":text}: a text content block (Anthropic) or part
  * (OpenAI). */

@@ -169,7 +169,7 @@ char *openai_build(const struct llm_request *req, size_t *len_out)
             jw_key_string(&w, "name", req->tools[i].name);
             jw_key_string(&w, "description", req->tools[i].description);
             jw_key(&w, "parameters");
-            jw_raw(&w, req->tools[i].schema_text ? req->tools[i].schema_text : "{}");
+            llm_schema_write(&w, &req->tools[i]);
             jw_end(&w);
             jw_end(&w);
         }

@@ -3,12 +3,14 @@
 
 #include "ids.h"
 #include "image.h"
+#include "mem.h"
 #include "pbtime.h"
 #include "record_kind.h"
 #include "trace.h"
 #include "utf8.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static enum cf_status name(const char *field, const char *v, bool required, struct cf_error *err)
@@ -820,6 +822,47 @@ static enum cf_status check_body(const char *at, const Cflue__V1__Record *rec, s
     }
 }
 
+struct id_at {
+    const char *id;
+    size_t at; /* its place in the batch */
+};
+
+static int cmp_id_at(const void *a, const void *b)
+{
+    const struct id_at *x = a, *y = b;
+    int c = strcmp(x->id, y->id);
+    return c ? c : (x->at > y->at) - (x->at < y->at);
+}
+
+/* ids_unique tells whether no record of recs[0..n) repeats an earlier one's id (empty ids
+ * aside), sorting a copy of the ids so that a batch of a thousand costs no million
+ * comparisons (small Appends are checked on storaged's poller). When one does, *later_out is
+ * the first record that repeats an id and *earlier_out the first record with that id. */
+static bool ids_unique(Cflue__V1__Record *const *recs, size_t n, size_t *later_out,
+                       size_t *earlier_out)
+{
+    struct id_at *ids = mem_alloc(sizeof(*ids) * (n ? n : 1));
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (*recs[i]->id) {
+            ids[m++] = (struct id_at){recs[i]->id, i};
+        }
+    }
+    qsort(ids, m, sizeof(*ids), cmp_id_at);
+    bool unique = true;
+    for (size_t k = 1, first = 0; k < m; k++) {
+        if (strcmp(ids[k - 1].id, ids[k].id)) {
+            first = k; /* the first of a run of equal ids, the earliest in the batch */
+        } else if (unique || ids[k].at < *later_out) {
+            *later_out = ids[k].at;
+            *earlier_out = ids[first].at;
+            unique = false;
+        }
+    }
+    free(ids);
+    return unique;
+}
+
 /* records checks a batch of records to append (AppendRequest.records, SettleRequest.records):
  * ids, reserved ids and types, bodies. The count is the caller's to check. */
 static enum cf_status records(Cflue__V1__Record *const *recs, size_t n, struct cf_error *err)
@@ -841,16 +884,15 @@ static enum cf_status records(Cflue__V1__Record *const *recs, size_t n, struct c
                                  "settlement records",
                                  i);
         }
-        for (size_t k = 0; k < i && *rec->id; k++) {
-            if (!strcmp(recs[k]->id, rec->id)) {
-                return cf_error_set(err, CF_INVALID, "records[%zu].id '%s' repeats records[%zu]", i,
-                                    rec->id, k);
-            }
-        }
         if ((rc = name("records[].submission_id", rec->submission_id, false, err)) != CF_OK ||
             (rc = check_body(at, rec, err)) != CF_OK) {
             return rc;
         }
+    }
+    size_t later = 0, earlier = 0;
+    if (!ids_unique(recs, n, &later, &earlier)) {
+        return cf_error_set(err, CF_INVALID, "records[%zu].id '%s' repeats records[%zu]", later,
+                            recs[later]->id, earlier);
     }
     return CF_OK;
 }

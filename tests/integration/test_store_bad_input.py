@@ -185,6 +185,13 @@ class BadInputTest(StoragedTestCase):
         for type_, body, field in bad:
             self.invalid(append, self.stub, c.fence, [record(type_, body)], field=field)
         self.invalid(append, self.stub, c.fence, [record(id_='settled:x')], field='settled:')
+        # ids repeated within the batch: the first record that repeats one is named, with the
+        # first record of that id (a thousand records, checked on the poller, sorted)
+        ids = ['r%d' % i for i in range(1000)]
+        ids[700], ids[999], ids[800] = 'r3', 'r500', 'r3'
+        e = self.invalid(append, self.stub, c.fence, [record(id_=i) for i in ids],
+                         field='records[700]')
+        self.assertIn("records[700].id 'r3' repeats records[3]", e.details())
         conv = c.submission.conversation_id
         self.assertEqual(read(self.stub, conv).head_offset, -1)
         r = append(self.stub, c.fence, [record() for _ in range(1000)])

@@ -431,13 +431,29 @@ static void test_build(void)
         {.role = LLM_TOOL_RESULT, .text = "a\nb", .tool_call_id = "toolu_1", .tool_name = "bash"},
         {.role = LLM_USER, .text = "also this"},
     };
+    /* a schema as the tool set keeps it (schema_text), and one filled by hand (schema_json) */
+    char kept[] = "{\"type\":\"object\",\"properties\":{\"command\":{\"type\":\"string\"}}}";
+    struct llm_tool tools[] = {
+        {"bash", "Run.", "{ }", kept},
+        {"read", "Read.", "{\"type\": \"object\", \"required\": [\"path\"]}", NULL}};
     struct llm_request req = {.provider = "anthropic",
                               .model = "m",
                               .system = "sys",
                               .messages = msgs,
                               .n_messages = 4,
+                              .tools = tools,
+                              .n_tools = 2,
                               .max_tokens = 100};
     json_t *a = parsed(anthropic_build(&req, NULL));
+    json_t *ts = json_object_get(a, "tools");
+    CHECK(json_is_object(json_object_get(
+        json_object_get(json_object_get(json_array_get(ts, 0), "input_schema"), "properties"),
+        "command")));
+    CHECK_STR(
+        json_string_value(json_array_get(
+            json_object_get(json_object_get(json_array_get(ts, 1), "input_schema"), "required"),
+            0)),
+        "path");
     json_t *m = json_object_get(a, "messages");
     CHECK(json_array_size(m) == 3); /* the tool result and the next user text share a message */
     json_t *last = json_object_get(json_array_get(m, 2), "content");
@@ -447,6 +463,20 @@ static void test_build(void)
     json_decref(a);
     req.provider = "openai";
     json_t *o = parsed(openai_build(&req, NULL));
+    ts = json_object_get(o, "tools");
+    CHECK_STR(json_string_value(
+                  json_object_get(json_object_get(json_array_get(ts, 1), "function"), "name")),
+              "read");
+    CHECK(json_is_object(json_object_get(
+        json_object_get(json_object_get(json_array_get(ts, 0), "function"), "parameters"),
+        "properties")));
+    CHECK_STR(
+        json_string_value(json_array_get(
+            json_object_get(
+                json_object_get(json_object_get(json_array_get(ts, 1), "function"), "parameters"),
+                "required"),
+            0)),
+        "path");
     m = json_object_get(o, "messages");
     CHECK(json_array_size(m) == 5); /* system, user, assistant, tool, user */
     CHECK_STR(json_string_value(json_object_get(json_array_get(m, 3), "role")), "tool");

@@ -151,11 +151,11 @@ static void scenario(const char *steps_json)
 
 /* ---------- calls ---------- */
 
-#define BASH_SCHEMA                                                                                \
-    "{\"type\":\"object\",\"properties\":{\"command\":{\"type\":\"string\"}},\"required\":"        \
-    "[\"command\"]}"
 static const struct llm_tool k_tools[] = {
-    {"bash", "Run a command", BASH_SCHEMA, BASH_SCHEMA},
+    {"bash", "Run a command",
+     "{\"type\":\"object\",\"properties\":{\"command\":{\"type\":"
+     "\"string\"}},\"required\":[\"command\"]}",
+     NULL}, /* no schema_text: each request reads schema_json (llm_schema_write) */
 };
 
 struct texts {
