@@ -36,12 +36,8 @@ static void on_end(void *arg, const struct rpc_status *st, ProtobufCMessage *res
     c->st = *st;
     c->resp = resp;
     /* posted under the lock: once an engine thread sees `ended` the drive may finish and be
-     * freed, so nothing here may touch c after the unlock (engine_wake touches no drive) */
-    bool wake = engine_post_quiet(c->d);
-    pthread_mutex_unlock(&c->mu);
-    if (wake) {
-        engine_wake();
-    }
+     * freed, so nothing here may touch c after the unlock */
+    engine_post_unlock(c->d, &c->mu);
 }
 
 void dcall_start(struct drive_call *c, struct rpc_channel *ch, const char *path,

@@ -119,7 +119,8 @@ static void post_locked(struct drive *d)
     }
 }
 
-bool engine_post_quiet(struct drive *d)
+/* post_quiet queues d and returns whether an engine thread must be woken for it. */
+static bool post_quiet(struct drive *d)
 {
     pthread_mutex_lock(&eng.mu);
     bool wake = queue_locked(d);
@@ -127,15 +128,19 @@ bool engine_post_quiet(struct drive *d)
     return wake;
 }
 
-void engine_wake(void)
-{
-    pthread_cond_signal(&eng.work);
-}
-
 void engine_post(struct drive *d)
 {
-    if (engine_post_quiet(d)) {
-        engine_wake(); /* after the unlock: the thread woken finds eng.mu free */
+    if (post_quiet(d)) {
+        pthread_cond_signal(&eng.work); /* after the unlock: the thread woken finds eng.mu free */
+    }
+}
+
+void engine_post_unlock(struct drive *d, pthread_mutex_t *held)
+{
+    bool wake = post_quiet(d);
+    pthread_mutex_unlock(held);
+    if (wake) {
+        pthread_cond_signal(&eng.work); /* eng is global: no drive touched */
     }
 }
 

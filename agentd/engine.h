@@ -7,6 +7,7 @@
 
 #include "cflue/v1/store.pb-c.h"
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -77,14 +78,12 @@ bool engine_admitted(Cflue__V1__AdmitResponse *r);
  * stepped is stepped again afterwards. */
 void engine_post(struct drive *d);
 
-/* engine_post_quiet is engine_post without the wake-up: it returns whether an engine thread must
- * be woken (engine_wake) for d. For callbacks that post under a lock of the drive's: they wake
- * after their unlock (engine_wake touches no drive), so the thread woken does not block at once
- * on the lock the callback still holds. */
-bool engine_post_quiet(struct drive *d);
-
-/* engine_wake wakes one idle engine thread. */
-void engine_wake(void);
+/* engine_post_unlock posts d for a callback that holds held, a lock of the drive's, and
+ * releases it: the drive is queued under the lock (once it sees the callback's news it may
+ * finish and be freed) and an engine thread woken after the unlock, so the thread does not
+ * block at once on the lock the callback still holds. Nothing of the drive is touched after
+ * the unlock. */
+void engine_post_unlock(struct drive *d, pthread_mutex_t *held);
 
 /* engine_post_at posts d at monotonic time due_ms (a timer; replaces d's earlier one). */
 void engine_post_at(struct drive *d, int64_t due_ms);

@@ -152,13 +152,8 @@ static void async_done(void *ctx, enum cf_status rc, const struct cf_error *err)
     if (err && rc != CF_OK) {
         w->err = *err;
     }
-    /* posted under the lock: once the drive sees `done` it may finish and be freed; the wake
-     * comes after the unlock, so the engine thread does not wait for it here */
-    bool wake = engine_post_quiet(d);
-    pthread_mutex_unlock(&w->mu);
-    if (wake) {
-        engine_wake();
-    }
+    /* posted under the lock: once the drive sees `done` it may finish and be freed */
+    engine_post_unlock(d, &w->mu);
 }
 
 /* set_call records the call the drive is parked on, for Abort and shutdown to cancel. */

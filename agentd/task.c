@@ -156,11 +156,7 @@ static void on_record(void *arg, ProtobufCMessage *msg)
     struct task_call *tc = arg;
     pthread_mutex_lock(&tc->d->tasks.mu);
     tc->record = msg;
-    bool wake = engine_post_quiet(tc->d);
-    pthread_mutex_unlock(&tc->d->tasks.mu);
-    if (wake) {
-        engine_wake();
-    }
+    engine_post_unlock(tc->d, &tc->d->tasks.mu);
 }
 
 static void on_follow_end(void *arg, const struct rpc_status *st)
@@ -170,12 +166,8 @@ static void on_follow_end(void *arg, const struct rpc_status *st)
     tc->follow_ended = true;
     tc->follow_st = *st;
     /* posted under the lock: once the engine thread sees the end the drive may finish and be
-     * freed, so nothing here may touch tc after the unlock (engine_wake touches no drive) */
-    bool wake = engine_post_quiet(tc->d);
-    pthread_mutex_unlock(&tc->d->tasks.mu);
-    if (wake) {
-        engine_wake();
-    }
+     * freed, so nothing here may touch tc after the unlock */
+    engine_post_unlock(tc->d, &tc->d->tasks.mu);
 }
 
 static const struct rpc_astream_ops follow_ops = {.on_message = on_record, .on_end = on_follow_end};

@@ -461,13 +461,8 @@ static void on_lane_end(void *arg, const struct rpc_status *st)
     l->ended = true;
     l->st = *st;
     /* posted under the lock: once an engine thread sees `ended` the lane may be freed (and
-     * the drive with it), so nothing here may touch l after the unlock (engine_wake touches
-     * no drive) */
-    bool wake = engine_post_quiet(l->d);
-    pthread_mutex_unlock(&l->mu);
-    if (wake) {
-        engine_wake();
-    }
+     * the drive with it), so nothing here may touch l after the unlock */
+    engine_post_unlock(l->d, &l->mu);
 }
 
 static const struct rpc_astream_ops lane_ops = {.on_message = on_result, .on_end = on_lane_end};
