@@ -7,11 +7,16 @@
 #include <sqlite3.h>
 #include <stdbool.h>
 
-#define DB_SCHEMA_VERSION "8"
+#define DB_SCHEMA_VERSION "9"
 
 /* The records table's columns (after "CREATE TABLE <name>"): a record's body is stored as its
  * oneof case (`kind`, the Record.body field number) and the body message packed by protobuf-c
- * (`body`); no JSON. */
+ * (`body`); no JSON. Rows are keyed by SQLite's implicit rowid, in the order they were
+ * written; the two unique indexes find a record by its position and by its id. (Up to version
+ * 8 the table was WITHOUT ROWID, keyed by (conversation_id, pos). A b-tree of that kind keeps
+ * whole rows as its keys, and SQLite reads a key longer than its page in full, overflow pages
+ * and all, to compare it: every seek that met a long record, such as a page of a file, read
+ * that record again.) */
 #define DB_RECORDS_TABLE                                                                           \
     "(conversation_id TEXT NOT NULL,"                                                              \
     "  pos INTEGER NOT NULL,"                                                                      \
@@ -21,8 +26,8 @@
     "  attempt_id TEXT,"                                                                           \
     "  ts INTEGER NOT NULL,"                                                                       \
     "  body BLOB NOT NULL,"                                                                        \
-    "  PRIMARY KEY (conversation_id, pos),"                                                        \
-    "  UNIQUE (conversation_id, record_id)) WITHOUT ROWID"
+    "  UNIQUE (conversation_id, pos),"                                                             \
+    "  UNIQUE (conversation_id, record_id))"
 
 /* What schema version 3 added to version 2: Claim finds work through indexes (see ledger.c).
  * `runnable` holds one row per conversation whose head (its first unsettled submission) is

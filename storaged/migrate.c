@@ -1,17 +1,20 @@
 /* migrate.c - schema version 1 (JSON record bodies) to 2 (typed record bodies), and 2 to 3
  * (Claim through indexes: the `runnable` table), and 3 to 4 (the indexes of List's owner and
  * abort filters), and 4 to 5 (a delegated submission's parent, for the abort cascade), and 5
- * to 6 (the principal owning each conversation), and 6 to 7 (each submission's trace context).
+ * to 6 (the principal owning each conversation), and 6 to 7 (each submission's trace context),
+ * and 7 to 8 (each attempt's claimer start), and 8 to 9 (records keyed by rowid).
  *
  * Version 1 stored a record as `type TEXT` + `body TEXT` holding JSON whose shape lived in
  * agentd's code; version 2 stores the Record.body oneof case (`kind`) and the body message
  * packed by protobuf-c. This file is the only place in storaged that parses JSON, and it only
- * runs once per database, inside one transaction with the rest of the upgrade.
+ * runs once per database, inside one transaction with the steps up to version 8.
  */
 #include "migrate.h"
 
 #include "arena.h"
+#include "clock.h"
 #include "db.h"
+#include "log.h"
 #include "record_kind.h"
 #include "stmt.h"
 
@@ -20,6 +23,7 @@
 #include <jansson.h>
 #include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define LEGACY_KIND_KEY "cflue.kind"
@@ -370,8 +374,117 @@ static const char trace_sql[] = "ALTER TABLE submissions ADD COLUMN " DB_TRACEPA
 static const char owner_started_sql[] =
     "ALTER TABLE submissions ADD COLUMN " DB_OWNER_STARTED_COLUMN ";";
 
-enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct cf_error *err)
+/* 8 to 9: the records table keyed by rowid instead of WITHOUT ROWID (db.h says why). The rows
+ * move in steps of at most MOVE_STEP_BYTES of bodies or MOVE_STEP_ROWS rows, in the order of
+ * their positions; each step copies its rows into records_v9 and deletes them from records in
+ * one transaction, so a row is always in exactly one of the two tables. Step by step, the pages
+ * the old table frees take the new rows and the WAL is checkpointed: the database file grows by
+ * about one step, not by a copy of the records, and the WAL stays near one step's size. A
+ * migration stopped part way (a crash, a full disk) leaves the database at version 8 with both
+ * tables; the next start goes on from there. */
+#define MOVE_STEP_BYTES (32 << 20)
+#define MOVE_STEP_ROWS 10000
+
+/* move_step_end finds the key (conversation_id, pos) of the last row the next step moves, the
+ * id malloc'd into *conv (the caller frees it); *found false when records is empty. */
+static enum cf_status move_step_end(sqlite3 *db, char **conv, int64_t *pos, bool *found,
+                                    struct cf_error *err)
 {
+    static const char sql[] =
+        "SELECT conversation_id, pos, length(body) FROM records ORDER BY conversation_id, pos";
+    struct stmt s;
+    bool row;
+    int64_t bytes = 0;
+    enum cf_status rc = stmt_open(&s, db, sql, "size the next step of records", err);
+    *found = false;
+    for (int rows = 0; rc == CF_OK && rows < MOVE_STEP_ROWS && bytes < MOVE_STEP_BYTES; rows++) {
+        if ((rc = stmt_step(&s, &row, err)) != CF_OK || !row) {
+            break;
+        }
+        const char *id = (const char *)sqlite3_column_text(s.st, 0);
+        free(*conv);
+        if (!(*conv = strdup(id ? id : ""))) {
+            rc = cf_error_set(err, CF_NOMEM, "out of memory sizing a step of records");
+            break;
+        }
+        *pos = sqlite3_column_int64(s.st, 1);
+        bytes += sqlite3_column_int64(s.st, 2);
+        *found = true;
+    }
+    stmt_close(&s);
+    return rc;
+}
+
+/* move_records_step moves one step of rows; *done true (and the tables swapped, the version
+ * stamped) when none was left. Runs in its own transaction. */
+static enum cf_status move_records_step(sqlite3 *db, bool *done, struct cf_error *err)
+{
+    static const char copy_sql[] =
+        "INSERT INTO records_v9(conversation_id, pos, record_id, kind, submission_id, "
+        "attempt_id, ts, body) SELECT conversation_id, pos, record_id, kind, submission_id, "
+        "attempt_id, ts, body FROM records WHERE (conversation_id, pos) <= (?1, ?2) "
+        "ORDER BY conversation_id, pos";
+    static const char delete_sql[] = "DELETE FROM records WHERE (conversation_id, pos) <= (?1, ?2)";
+    static const char swap_sql[] = "DROP TABLE records;"
+                                   "ALTER TABLE records_v9 RENAME TO records;"
+                                   "UPDATE meta SET value = '9' WHERE key = 'schema_version';";
+    char *conv = NULL;
+    int64_t pos = 0;
+    struct stmt s;
+    enum cf_status rc;
+    *done = false;
+    if ((rc = db_exec(db, "BEGIN IMMEDIATE", err)) != CF_OK) {
+        return rc;
+    }
+    if ((rc = db_exec(db, "CREATE TABLE IF NOT EXISTS records_v9" DB_RECORDS_TABLE, err)) !=
+            CF_OK ||
+        (rc = move_step_end(db, &conv, &pos, done, err)) != CF_OK) {
+        goto fail;
+    }
+    *done = !*done;
+    if (*done) {
+        rc = db_exec(db, swap_sql, err);
+    } else {
+        for (int i = 0; i < 2 && rc == CF_OK; i++) {
+            if ((rc = stmt_open(&s, db, i ? delete_sql : copy_sql, "move a step of records",
+                                err)) == CF_OK) {
+                stmt_text(&s, 1, conv);
+                stmt_int(&s, 2, pos);
+                rc = stmt_done(&s, err);
+            }
+        }
+    }
+    if (rc == CF_OK && (rc = db_exec(db, "COMMIT", err)) == CF_OK) {
+        free(conv);
+        return CF_OK;
+    }
+fail : {
+    struct cf_error ignored;
+    free(conv);
+    if (db_exec(db, "ROLLBACK", &ignored) != CF_OK) {
+        /* closing the connection rolls back what is left */
+    }
+    return rc;
+}
+}
+
+static enum cf_status move_records_to_rowid(sqlite3 *db, struct cf_error *err)
+{
+    bool done = false;
+    enum cf_status rc = CF_OK;
+    while (rc == CF_OK && !done) {
+        rc = move_records_step(db, &done, err);
+    }
+    return rc;
+}
+
+/* migrate_in_one runs the steps from `version` up to 8 in one transaction and stamps
+ * `stamp`. */
+static enum cf_status migrate_in_one(sqlite3 *db, int version, const char *stamp,
+                                     struct cf_error *err)
+{
+    static const char stamp_sql[] = "UPDATE meta SET value = ? WHERE key = 'schema_version'";
+    struct stmt s;
     enum cf_status rc;
     if ((rc = db_exec(db, "BEGIN IMMEDIATE", err)) != CF_OK) {
         return rc;
@@ -398,22 +511,44 @@ enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct c
     if (version <= 7 && (rc = db_exec(db, owner_started_sql, err)) != CF_OK) {
         goto fail;
     }
-    if ((rc = db_exec(db,
-                      "UPDATE meta SET value = '" DB_SCHEMA_VERSION "' "
-                      "WHERE key = 'schema_version'",
-                      err)) != CF_OK ||
-        (rc = db_exec(db, "COMMIT", err)) != CF_OK) {
+    if ((rc = stmt_open(&s, db, stamp_sql, "stamp the schema version", err)) != CF_OK) {
+        goto fail;
+    }
+    stmt_text(&s, 1, stamp);
+    if ((rc = stmt_done(&s, err)) != CF_OK || (rc = db_exec(db, "COMMIT", err)) != CF_OK) {
         goto fail;
     }
     return CF_OK;
 fail : {
     struct cf_error ignored;
-    char why[CF_ERROR_MSG_MAX];
-    snprintf(why, sizeof(why), "%s", err->msg);
     if (db_exec(db, "ROLLBACK", &ignored) != CF_OK) {
         /* closing the connection rolls back what is left */
     }
-    return cf_error_set(err, rc, "cannot migrate %s from schema version %d to %s: %s", path,
-                        version, DB_SCHEMA_VERSION, why);
+    return rc;
 }
+}
+
+enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct cf_error *err)
+{
+    enum cf_status rc = CF_OK;
+    int64_t start = clock_mono_ms();
+    /* version 1's records are rewritten in the rowid layout (migrate_records): it goes to 9 at
+     * once; every later version moves its records step by step from 8 */
+    if (version < 8) {
+        rc = migrate_in_one(db, version, version <= 1 ? DB_SCHEMA_VERSION : "8", err);
+    }
+    if (rc == CF_OK && version >= 2) {
+        rc = move_records_to_rowid(db, err);
+    }
+    if (rc != CF_OK) {
+        char why[CF_ERROR_MSG_MAX];
+        snprintf(why, sizeof(why), "%s", err->msg);
+        return cf_error_set(err, rc, "cannot migrate %s from schema version %d to %s: %s", path,
+                            version, DB_SCHEMA_VERSION, why);
+    }
+    char quoted[1024];
+    log_info("migrated", "db=%s from_version=%d to_version=%s ms=%lld",
+             log_quote(quoted, sizeof(quoted), path), version, DB_SCHEMA_VERSION,
+             (long long)(clock_mono_ms() - start));
+    return CF_OK;
 }

@@ -79,7 +79,7 @@ class BackupTest(BackupCase):
             stop.set()
             t.join()
         self.assertEqual(rc, 0, err)
-        self.assertRegex(out, r'^backup: %s \(\d+ bytes, schema version 8\)' % path)
+        self.assertRegex(out, r'^backup: %s \(\d+ bytes, schema version 9\)' % path)
         self.assertGreater(len(during), 0)
         self.assertFalse(os.path.exists(path + '.partial'))
         self.assertEqual(self.leftovers(sd), [])

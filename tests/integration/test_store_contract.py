@@ -1172,7 +1172,7 @@ class EdgeCaseTest(ContractCase):
 
     def test_schema_version_stamp_and_refusal(self):
         """6.1 #71-73 (format_version → cflue schema_version): a fresh db is stamped
-        meta.schema_version = 8; a db stamped 9 makes storaged exit non-zero with a message
+        meta.schema_version = 9; a db stamped 10 makes storaged exit non-zero with a message
         naming the version; the stamp is left unchanged."""
         sd = self.storaged
         admit(sd.stub)
@@ -1180,20 +1180,20 @@ class EdgeCaseTest(ContractCase):
         con = sqlite3.connect(sd.db)
         try:
             (v,) = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            self.assertEqual(str(v), '8')
-            con.execute("UPDATE meta SET value = '9' WHERE key = 'schema_version'")
+            self.assertEqual(str(v), '9')
+            con.execute("UPDATE meta SET value = '10' WHERE key = 'schema_version'")
             con.commit()
         finally:
             con.close()
         rc, err = sd.run_to_exit(timeout=10)
-        self.assertNotEqual(rc, 0, 'storaged accepted a db with schema_version 9')
+        self.assertNotEqual(rc, 0, 'storaged accepted a db with schema_version 10')
         lines = [l for l in err.splitlines()
-                 if 'schema' in l.lower() and re.search(r'(?<![0-9.:-])9(?![0-9.:-])', l)]
-        self.assertTrue(lines, 'no stderr line names schema version 9:\n' + err)
+                 if 'schema' in l.lower() and re.search(r'(?<![0-9.:-])10(?![0-9.:-])', l)]
+        self.assertTrue(lines, 'no stderr line names schema version 10:\n' + err)
         con = sqlite3.connect(sd.db)
         try:
             (v,) = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            self.assertEqual(str(v), '9')
+            self.assertEqual(str(v), '10')
         finally:
             con.close()
 

@@ -8,7 +8,10 @@ delegated submissions can be admitted under the migrated ones. Version 5 (no pri
 every conversation and submission gets principal NULL (none: made without authentication), so
 only an admin Admit or one without a principal goes into a migrated conversation. Version 6
 (no trace columns): every submission gets traceparent and tracestate NULL (read back empty),
-and submissions admitted afterwards keep theirs."""
+and submissions admitted afterwards keep theirs. Version 7 (no claimer start): a restarted owner
+takes its attempts back by storaged's clock until they are claimed again. Version 8 (records
+WITHOUT ROWID): the records are copied into the rowid table, long ones included, in order,
+and the conversation goes on after them."""
 
 import json
 import os
@@ -19,8 +22,8 @@ import tempfile
 import unittest
 
 from cflue_harness import (
-    StoragedTestCase, admit, admit_request, claim, common_pb2, get, read_all, request_abort,
-    settle, store_pb2)
+    StoragedTestCase, admit, admit_request, append, claim, common_pb2, error_reason, get,
+    read_all, record, request_abort, settle, store_pb2)
 
 # The version-1 schema exactly as storaged wrote it (git show d3f3e8f:storaged/db.c).
 OLD_SCHEMA = '''
@@ -51,10 +54,21 @@ V2_SCHEMA = OLD_SCHEMA.replace(
 T = 1700000000000
 
 # The schema version this storaged writes.
-CURRENT = '8'
+CURRENT = '9'
 
-# What turns this version's schema back into version 7's: no claimer start.
-TO_V7 = "ALTER TABLE submissions DROP COLUMN owner_started_at;"
+# What turns this version's schema back into version 8's: records WITHOUT ROWID, keyed by
+# position (git show 7b1aaf0:storaged/db.h).
+TO_V8 = ("CREATE TABLE records_v8(conversation_id TEXT NOT NULL,  pos INTEGER NOT NULL,  "
+         "record_id TEXT NOT NULL,  kind INTEGER NOT NULL,  submission_id TEXT,  attempt_id "
+         "TEXT,  ts INTEGER NOT NULL,  body BLOB NOT NULL,  PRIMARY KEY (conversation_id, pos),  "
+         "UNIQUE (conversation_id, record_id)) WITHOUT ROWID;"
+         "INSERT INTO records_v8 SELECT conversation_id, pos, record_id, kind, submission_id, "
+         "attempt_id, ts, body FROM records;"
+         "DROP TABLE records;"
+         "ALTER TABLE records_v8 RENAME TO records;")
+
+# ... and into version 7's: no claimer start.
+TO_V7 = TO_V8 + "ALTER TABLE submissions DROP COLUMN owner_started_at;"
 
 # ... and into version 6's: no trace columns.
 TO_V6 = TO_V7 + ("ALTER TABLE submissions DROP COLUMN tracestate;"
@@ -174,6 +188,9 @@ class MigrateTest(StoragedTestCase):
             cols = [row[1] for row in con.execute('PRAGMA table_info(records)')]
             self.assertIn('kind', cols)
             self.assertNotIn('type', cols)
+            (sql,) = con.execute("SELECT sql FROM sqlite_master WHERE name = 'records'")\
+                .fetchone()
+            self.assertNotIn('WITHOUT ROWID', sql)
         finally:
             con.close()
 
@@ -451,6 +468,102 @@ class MigrateTest(StoragedTestCase):
             (started,) = con.execute('SELECT owner_started_at FROM submissions WHERE '
                                      'submission_id = ?', (held.submission_id,)).fetchone()
             self.assertEqual(started, ahead)
+        finally:
+            con.close()
+
+    def test_migrates_version_8_records_to_rowid(self):
+        """A database of version 8 keeps its records WITHOUT ROWID. Once migrated, the table
+        is keyed by rowid with unique indexes on position and id; every record reads back as
+        written, in order, the long ones (overflow pages) included; an Append goes on at the
+        next position; a repeated id with the same body is taken as a retry and one with
+        another body is refused."""
+        sd = self.start_storaged()
+        adm = admit(sd.stub, conv='long')
+        c = claim(sd.stub, submission_id=adm.submission.submission_id)
+        long_text = ''.join('line %06d of a long page\n' % i for i in range(8000))  # 200 KB
+        # 40 MB of records: more than one step of the move (32 MiB)
+        written = [record('tool_result', {'text': long_text + str(i)}, id_='t%d' % i)
+                   if i % 2 else record(id_='a%d' % i) for i in range(400)]
+        for i in range(0, len(written), 20):
+            append(sd.stub, c.fence, written[i:i + 20])
+        before = read_all(sd.stub, 'long')
+        sd.stop()
+        con = sqlite3.connect(sd.db)
+        try:
+            con.executescript(TO_V8 + "UPDATE meta SET value = '8' WHERE key = 'schema_version';")
+            (old_sql,) = con.execute("SELECT sql FROM sqlite_master WHERE name = 'records'")\
+                .fetchone()
+            self.assertIn('WITHOUT ROWID', old_sql)
+        finally:
+            con.close()
+        sd.start()
+        after = read_all(sd.stub, 'long', page_size=7)
+        self.assertEqual(after, before)
+        self.assertEqual([r.id for r in after[-400:]], [r.id for r in written])
+        self.assertEqual(after[-1].tool_result.text, long_text + '399')
+        r = append(sd.stub, c.fence, [record(id_='next')])
+        self.assertEqual(r.first_offset, before[-1].offset + 1)
+        again = append(sd.stub, c.fence, [written[3]])
+        self.assertEqual(again.first_offset, after[-397].offset)
+        e = self.assertRpcError(grpc.StatusCode.ALREADY_EXISTS, append, sd.stub, c.fence,
+                                [record('tool_result', {'text': 'other'}, id_='t3')])
+        self.assertEqual(error_reason(e), 'RECORD_CONFLICT')
+        sd.stop()
+        con = sqlite3.connect(sd.db)
+        try:
+            (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            self.assertEqual(v, CURRENT)
+            (sql,) = con.execute("SELECT sql FROM sqlite_master WHERE name = 'records'")\
+                .fetchone()
+            self.assertNotIn('WITHOUT ROWID', sql)
+            plan = ' '.join(row[-1] for row in con.execute(
+                "EXPLAIN QUERY PLAN SELECT body FROM records WHERE conversation_id = 'long' "
+                "AND pos > 2 ORDER BY pos"))
+            self.assertIn('USING INDEX', plan)
+            self.assertEqual(con.execute("SELECT count(*) FROM records WHERE conversation_id = "
+                                         "'long'").fetchone()[0], len(after) + 1)
+        finally:
+            con.close()
+
+    def test_migrates_version_8_after_a_partial_move(self):
+        """The move of version 8's records goes in steps, each its own transaction. A start
+        that stopped between steps leaves version 8 with rows in both tables: the next start
+        moves the rest, and every record of every conversation reads back once, in order."""
+        sd = self.start_storaged()
+        convs = ['c%d' % i for i in range(4)]
+        before = {}
+        for conv in convs:
+            c = claim(sd.stub, submission_id=admit(sd.stub, conv=conv).submission.submission_id)
+            append(sd.stub, c.fence, [record(id_='%s-%d' % (conv, i)) for i in range(5)])
+            before[conv] = read_all(sd.stub, conv)
+        sd.stop()
+        con = sqlite3.connect(sd.db)
+        try:
+            (sql,) = con.execute("SELECT sql FROM sqlite_master WHERE name = 'records'")\
+                .fetchone()
+            con.executescript(TO_V8 + "UPDATE meta SET value = '8' WHERE key = 'schema_version';"
+                              + sql.replace('records', 'records_v9', 1) + ";"
+                              "INSERT INTO records_v9 SELECT * FROM records "
+                              "  WHERE (conversation_id, pos) <= ('c1', 2);"
+                              "DELETE FROM records WHERE (conversation_id, pos) <= ('c1', 2);")
+            moved = con.execute('SELECT count(*) FROM records_v9').fetchone()[0]
+            left = con.execute('SELECT count(*) FROM records').fetchone()[0]
+            self.assertTrue(moved > 0 and left > 0, (moved, left))
+        finally:
+            con.close()
+        sd.start()
+        for conv in convs:
+            self.assertEqual(read_all(sd.stub, conv), before[conv])
+        sd.stop()
+        con = sqlite3.connect(sd.db)
+        try:
+            names = set(r[0] for r in con.execute("SELECT name FROM sqlite_master"))
+            self.assertIn('records', names)
+            self.assertNotIn('records_v9', names)
+            self.assertEqual(con.execute('SELECT count(*) FROM records').fetchone()[0],
+                             moved + left)
+            (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            self.assertEqual(v, CURRENT)
         finally:
             con.close()
 

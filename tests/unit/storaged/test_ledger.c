@@ -441,9 +441,9 @@ static void test_schema_version(const char *path)
 {
     struct cf_error err;
     sqlite3 *other;
-    CHECK(db_exec(db, "UPDATE meta SET value='9' WHERE key='schema_version'", &err) == CF_OK);
+    CHECK(db_exec(db, "UPDATE meta SET value='99' WHERE key='schema_version'", &err) == CF_OK);
     CHECK(db_open(path, true, &other, &err) == CF_VERSION);
-    CHECK(strstr(err.msg, "schema version 9") != NULL);
+    CHECK(strstr(err.msg, "schema version 99") != NULL);
     CHECK(db_exec(db, "UPDATE meta SET value='" DB_SCHEMA_VERSION "' WHERE key='schema_version'",
                   &err) == CF_OK);
 }
