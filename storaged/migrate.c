@@ -430,6 +430,7 @@ static enum cf_status move_records_step(sqlite3 *db, bool *done, struct cf_error
                                    "UPDATE meta SET value = '9' WHERE key = 'schema_version';";
     char *conv = NULL;
     int64_t pos = 0;
+    bool rows_left;
     struct stmt s;
     enum cf_status rc;
     *done = false;
@@ -438,11 +439,10 @@ static enum cf_status move_records_step(sqlite3 *db, bool *done, struct cf_error
     }
     if ((rc = db_exec(db, "CREATE TABLE IF NOT EXISTS records_v9" DB_RECORDS_TABLE, err)) !=
             CF_OK ||
-        (rc = move_step_end(db, &conv, &pos, done, err)) != CF_OK) {
+        (rc = move_step_end(db, &conv, &pos, &rows_left, err)) != CF_OK) {
         goto fail;
     }
-    *done = !*done;
-    if (*done) {
+    if (!rows_left) {
         rc = db_exec(db, swap_sql, err);
     } else {
         for (int i = 0; i < 2 && rc == CF_OK; i++) {
@@ -456,6 +456,7 @@ static enum cf_status move_records_step(sqlite3 *db, bool *done, struct cf_error
     }
     if (rc == CF_OK && (rc = db_exec(db, "COMMIT", err)) == CF_OK) {
         free(conv);
+        *done = !rows_left;
         return CF_OK;
     }
 fail : {
