@@ -374,6 +374,16 @@ static const char trace_sql[] = "ALTER TABLE submissions ADD COLUMN " DB_TRACEPA
 static const char owner_started_sql[] =
     "ALTER TABLE submissions ADD COLUMN " DB_OWNER_STARTED_COLUMN ";";
 
+/* rolled_back ends the open transaction of a failed step and returns its status rc. */
+static enum cf_status rolled_back(sqlite3 *db, enum cf_status rc)
+{
+    struct cf_error ignored;
+    if (db_exec(db, "ROLLBACK", &ignored) != CF_OK) {
+        /* closing the connection rolls back what is left */
+    }
+    return rc;
+}
+
 /* 8 to 9: the records table keyed by rowid instead of WITHOUT ROWID (db.h says why). The rows
  * move in steps of at most MOVE_STEP_BYTES of bodies or MOVE_STEP_ROWS rows, in the order of
  * their positions; each step copies its rows into records_v9 and deletes them from records in
@@ -459,14 +469,9 @@ static enum cf_status move_records_step(sqlite3 *db, bool *done, struct cf_error
         *done = !rows_left;
         return CF_OK;
     }
-fail : {
-    struct cf_error ignored;
+fail:
     free(conv);
-    if (db_exec(db, "ROLLBACK", &ignored) != CF_OK) {
-        /* closing the connection rolls back what is left */
-    }
-    return rc;
-}
+    return rolled_back(db, rc);
 }
 
 static enum cf_status move_records_to_rowid(sqlite3 *db, struct cf_error *err)
@@ -520,13 +525,8 @@ static enum cf_status migrate_in_one(sqlite3 *db, int version, const char *stamp
         goto fail;
     }
     return CF_OK;
-fail : {
-    struct cf_error ignored;
-    if (db_exec(db, "ROLLBACK", &ignored) != CF_OK) {
-        /* closing the connection rolls back what is left */
-    }
-    return rc;
-}
+fail:
+    return rolled_back(db, rc);
 }
 
 enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct cf_error *err)
@@ -536,7 +536,7 @@ enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct c
     /* version 1's records are rewritten in the rowid layout (migrate_records): it goes to 9 at
      * once; every later version moves its records step by step from 8 */
     if (version < 8) {
-        rc = migrate_in_one(db, version, version <= 1 ? DB_SCHEMA_VERSION : "8", err);
+        rc = migrate_in_one(db, version, version <= 1 ? "9" : "8", err);
     }
     if (rc == CF_OK && version >= 2) {
         rc = move_records_to_rowid(db, err);
