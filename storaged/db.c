@@ -187,6 +187,10 @@ static enum cf_status check_version(sqlite3 *db, const char *path, bool *fresh, 
     if (!strcmp(v, DB_SCHEMA_VERSION)) {
         return CF_OK;
     }
+    if (!strcmp(v, MIGRATE_MOVING_STAMP)) {
+        *old_out = 8; /* its records part way through the move to 9: migrate_from goes on */
+        return CF_OK;
+    }
     for (int old = MIGRATE_OLDEST_VERSION; old < atoi(DB_SCHEMA_VERSION); old++) {
         char name[16];
         snprintf(name, sizeof(name), "%d", old);

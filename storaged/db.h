@@ -106,12 +106,12 @@
 #define DB_OWNER_STARTED_COLUMN "owner_started_at INTEGER NOT NULL DEFAULT 0"
 
 /* db_open opens path. The writer connection creates the schema on first use (WAL mode,
- * synchronous=FULL, foreign keys on), migrates a database of the previous schema version
- * (versions 1 to 7, migrate.h) in one transaction, and refuses one written by another
- * schema version or by something other than storaged with CF_VERSION and a message saying what
- * was found.
- * Reader connections are read-only and expect the schema to exist. On success *out is an open
- * connection with a statement cache (stmt.h) that the caller closes with sqlite3_close. */
+ * synchronous=FULL, foreign keys on), migrates a database of an earlier schema version
+ * (versions 1 to 8, or one stamped MIGRATE_MOVING_STAMP: migrate.h), and refuses one written by
+ * another schema version or by something other than storaged with CF_VERSION and a message saying
+ * what was found. Reader connections are read-only and expect the schema to exist. On success *out
+ * is an open connection with a statement cache (stmt.h) that the caller closes with sqlite3_close.
+ */
 CF_MUST_CHECK enum cf_status db_open(const char *path, bool writer, sqlite3 **out,
                                      struct cf_error *err);
 

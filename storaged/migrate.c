@@ -14,6 +14,7 @@
 #include "arena.h"
 #include "clock.h"
 #include "db.h"
+#include "failpoint.h"
 #include "log.h"
 #include "record_kind.h"
 #include "stmt.h"
@@ -389,9 +390,10 @@ static enum cf_status rolled_back(sqlite3 *db, enum cf_status rc)
  * their positions; each step copies its rows into records_v9 and deletes them from records in
  * one transaction, so a row is always in exactly one of the two tables. Step by step, the pages
  * the old table frees take the new rows and the WAL is checkpointed: the database file grows by
- * about one step, not by a copy of the records, and the WAL stays near one step's size. A
- * migration stopped part way (a crash, a full disk) leaves the database at version 8 with both
- * tables; the next start goes on from there. */
+ * about one step, not by a copy of the records, and the WAL by about two. Every step stamps
+ * MIGRATE_MOVING_STAMP (migrate.h), so a storaged of version 8 never serves a half-moved
+ * stream; a move stopped part way (a crash, a full disk) keeps that stamp with both tables,
+ * and the next start goes on from there. */
 #define MOVE_STEP_BYTES (32 << 20)
 #define MOVE_STEP_ROWS 10000
 
@@ -435,6 +437,9 @@ static enum cf_status move_records_step(sqlite3 *db, bool *done, struct cf_error
         "attempt_id, ts, body FROM records WHERE (conversation_id, pos) <= (?1, ?2) "
         "ORDER BY conversation_id, pos";
     static const char delete_sql[] = "DELETE FROM records WHERE (conversation_id, pos) <= (?1, ?2)";
+    static const char start_sql[] =
+        "CREATE TABLE IF NOT EXISTS records_v9" DB_RECORDS_TABLE ";"
+        "UPDATE meta SET value = '" MIGRATE_MOVING_STAMP "' WHERE key = 'schema_version';";
     static const char swap_sql[] = "DROP TABLE records;"
                                    "ALTER TABLE records_v9 RENAME TO records;"
                                    "UPDATE meta SET value = '9' WHERE key = 'schema_version';";
@@ -447,8 +452,7 @@ static enum cf_status move_records_step(sqlite3 *db, bool *done, struct cf_error
     if ((rc = db_exec(db, "BEGIN IMMEDIATE", err)) != CF_OK) {
         return rc;
     }
-    if ((rc = db_exec(db, "CREATE TABLE IF NOT EXISTS records_v9" DB_RECORDS_TABLE, err)) !=
-            CF_OK ||
+    if ((rc = db_exec(db, start_sql, err)) != CF_OK ||
         (rc = move_step_end(db, &conv, &pos, &rows_left, err)) != CF_OK) {
         goto fail;
     }
@@ -462,6 +466,14 @@ static enum cf_status move_records_step(sqlite3 *db, bool *done, struct cf_error
                 stmt_int(&s, 2, pos);
                 rc = stmt_done(&s, err);
             }
+        }
+        /* a key that does not compare equal to itself once read back (a row storaged did not
+         * write: a BLOB id, a pos that is no integer) would move nothing, step after step */
+        if (rc == CF_OK && sqlite3_changes(db) == 0) {
+            rc = cf_error_set(err, CF_CORRUPT,
+                              "a step of the move matched no record: the row of conversation "
+                              "%.200s at position %lld is not as storaged writes it",
+                              conv, (long long)pos);
         }
     }
     if (rc == CF_OK && (rc = db_exec(db, "COMMIT", err)) == CF_OK) {
@@ -480,6 +492,7 @@ static enum cf_status move_records_to_rowid(sqlite3 *db, struct cf_error *err)
     enum cf_status rc = CF_OK;
     while (rc == CF_OK && !done) {
         rc = move_records_step(db, &done, err);
+        failpoint_hit("storaged.migrate.step"); /* a step committed (or failed) */
     }
     return rc;
 }

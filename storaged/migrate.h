@@ -9,6 +9,12 @@
 /* The oldest schema version migrate_from upgrades (1: records with JSON bodies). */
 #define MIGRATE_OLDEST_VERSION 1
 
+/* The stamp of a database whose records are part way through the move from version 8 to 9:
+ * this storaged goes on with the move (db_open hands it to migrate_from as version 8), and a
+ * storaged of version 8, which would serve the records not moved yet as the whole stream,
+ * refuses it as a version it does not know. */
+#define MIGRATE_MOVING_STAMP "9-moving"
+
 /* migrate_from upgrades the database on the writer connection db from schema version `version`
  * (MIGRATE_OLDEST_VERSION up to DB_SCHEMA_VERSION - 1) to DB_SCHEMA_VERSION, one step per
  * version:
@@ -29,8 +35,9 @@
  * - 8 to 9: the records table keyed by rowid (DB_RECORDS_TABLE), its rows moved in steps.
  * The steps up to 8 run in one transaction: either all of them are committed or none is. The
  * move from 8 to 9 commits each step of at most 32 MiB (or 10,000 records) on its own, a row
- * always in exactly one of the two tables; when it stops part way, the database stays at
- * version 8 and the next call goes on where it stopped. On failure nothing of the failed
+ * always in exactly one of the two tables, the first step stamping MIGRATE_MOVING_STAMP; when
+ * it stops part way, the database keeps that stamp and the next call (with version 8) goes on
+ * where it stopped. On failure nothing of the failed
  * transaction is kept and the status names what could not be migrated. Logs `migrated` with
  * the time it took. path is for messages only. */
 CF_MUST_CHECK enum cf_status migrate_from(sqlite3 *db, const char *path, int version,

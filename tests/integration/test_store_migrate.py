@@ -526,26 +526,35 @@ class MigrateTest(StoragedTestCase):
             con.close()
 
     def test_migrates_version_8_after_a_partial_move(self):
-        """The move of version 8's records goes in steps, each its own transaction. A start
-        that stopped between steps leaves version 8 with rows in both tables: the next start
-        moves the rest, and every record of every conversation reads back once, in order."""
+        """The move of version 8's records goes in steps of 32 MiB, each its own transaction.
+        storaged killed after the first step leaves the records in two tables under a stamp a
+        storaged of version 8 refuses (MIGRATE_MOVING_STAMP); the next start moves the rest,
+        and every record of every conversation reads back once, in order."""
         sd = self.start_storaged()
+        long_text = ''.join('line %06d of a long page\n' % i for i in range(8000))  # 200 KB
         convs = ['c%d' % i for i in range(4)]
         before = {}
-        for conv in convs:
+        for conv in convs:  # 4 x 60 records of 200 KB: 48 MB, two steps
             c = claim(sd.stub, submission_id=admit(sd.stub, conv=conv).submission.submission_id)
-            append(sd.stub, c.fence, [record(id_='%s-%d' % (conv, i)) for i in range(5)])
+            for i in range(0, 60, 20):
+                append(sd.stub, c.fence, [
+                    record('tool_result', {'text': long_text + str(j)}, id_='%s-%d' % (conv, j))
+                    for j in range(i, i + 20)])
             before[conv] = read_all(sd.stub, conv)
         sd.stop()
         con = sqlite3.connect(sd.db)
         try:
-            (sql,) = con.execute("SELECT sql FROM sqlite_master WHERE name = 'records'")\
-                .fetchone()
-            con.executescript(TO_V8 + "UPDATE meta SET value = '8' WHERE key = 'schema_version';"
-                              + sql.replace('records', 'records_v9', 1) + ";"
-                              "INSERT INTO records_v9 SELECT * FROM records "
-                              "  WHERE (conversation_id, pos) <= ('c1', 2);"
-                              "DELETE FROM records WHERE (conversation_id, pos) <= ('c1', 2);")
+            con.executescript(TO_V8 + "UPDATE meta SET value = '8' WHERE key = 'schema_version';")
+        finally:
+            con.close()
+        sd.env['CFLUE_FAILPOINTS'] = 'storaged.migrate.step=crash'
+        rc, err = sd.run_to_exit(timeout=60)
+        self.assertNotEqual(rc, 0, err)
+        del sd.env['CFLUE_FAILPOINTS']
+        con = sqlite3.connect(sd.db)
+        try:
+            (v,) = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            self.assertEqual(v, '9-moving')
             moved = con.execute('SELECT count(*) FROM records_v9').fetchone()[0]
             left = con.execute('SELECT count(*) FROM records').fetchone()[0]
             self.assertTrue(moved > 0 and left > 0, (moved, left))
@@ -553,7 +562,7 @@ class MigrateTest(StoragedTestCase):
             con.close()
         sd.start()
         for conv in convs:
-            self.assertEqual(read_all(sd.stub, conv), before[conv])
+            self.assertEqual(read_all(sd.stub, conv, page_size=7), before[conv])
         sd.stop()
         con = sqlite3.connect(sd.db)
         try:
@@ -567,6 +576,34 @@ class MigrateTest(StoragedTestCase):
         finally:
             con.close()
 
+    def test_a_move_that_matches_no_row_stops(self):
+        """A row storaged did not write (a BLOB conversation id, which no bound text equals)
+        would make every step of the move match nothing: storaged stops with an error naming
+        it instead of looping, and the database keeps every row."""
+        sd = self.start_storaged()
+        c = claim(sd.stub, submission_id=admit(sd.stub, conv='ok').submission.submission_id)
+        append(sd.stub, c.fence, [record(id_='r1')])
+        sd.stop()
+        con = sqlite3.connect(sd.db)
+        try:
+            con.executescript(TO_V8 + "UPDATE meta SET value = '8' WHERE key = 'schema_version';"
+                              "INSERT INTO records VALUES (x'00ff', 0, 'odd', 1, NULL, NULL, 0,"
+                              "  x'');")
+            total = con.execute('SELECT count(*) FROM records').fetchone()[0]
+        finally:
+            con.close()
+        rc, err = sd.run_to_exit(timeout=30)
+        self.assertNotEqual(rc, 0, err)
+        self.assertIn('matched no record', err)
+        con = sqlite3.connect(sd.db)
+        try:
+            names = set(r[0] for r in con.execute("SELECT name FROM sqlite_master"))
+            moved = (con.execute('SELECT count(*) FROM records_v9').fetchone()[0]
+                     if 'records_v9' in names else 0)
+            left = con.execute('SELECT count(*) FROM records').fetchone()[0]
+            self.assertEqual(moved + left, total)
+        finally:
+            con.close()
 
 if __name__ == '__main__':
     unittest.main()
