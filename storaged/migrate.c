@@ -542,23 +542,43 @@ fail:
     return rolled_back(db, rc);
 }
 
+/* room_hint writes to out what a migration stopped by a full disk needs. moving: the 8-to-9
+ * move ran, which wants about three steps (the file grows by one, the WAL by two) and keeps
+ * the steps it committed; else the one transaction up to 8 rolled back whole. */
+static void room_hint(char *out, size_t len, bool moving)
+{
+    if (moving) {
+        snprintf(out, len,
+                 "; the move of the records wants about %d MiB free beside the database: make "
+                 "room and start again, it goes on with the records not moved yet",
+                 3 * (MOVE_STEP_BYTES >> 20));
+    } else {
+        snprintf(out, len, "; nothing of it was kept: make room and start again");
+    }
+}
+
 enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct cf_error *err)
 {
     enum cf_status rc = CF_OK;
     int64_t start = clock_mono_ms();
     /* version 1's records are rewritten in the rowid layout (migrate_records): it goes to 9 at
      * once; every later version moves its records step by step from 8 */
+    bool moving = false;
     if (version < 8) {
         rc = migrate_in_one(db, version, version <= 1 ? "9" : "8", err);
     }
     if (rc == CF_OK && version >= 2) {
+        moving = true;
         rc = move_records_to_rowid(db, err);
     }
     if (rc != CF_OK) {
-        char why[CF_ERROR_MSG_MAX];
+        char why[CF_ERROR_MSG_MAX], room[224] = "";
         snprintf(why, sizeof(why), "%s", err->msg);
-        return cf_error_set(err, rc, "cannot migrate %s from schema version %d to %s: %s", path,
-                            version, DB_SCHEMA_VERSION, why);
+        if (rc == CF_FULL) {
+            room_hint(room, sizeof(room), moving);
+        }
+        return cf_error_set(err, rc, "cannot migrate %s from schema version %d to %s: %s%s",
+                            path, version, DB_SCHEMA_VERSION, why, room);
     }
     char quoted[1024];
     log_info("migrated", "db=%s from_version=%d to_version=%s ms=%lld",

@@ -1337,6 +1337,62 @@ class TmpfsStoraged(Storaged):
                               text=True)
 
 
+class TmpfsNamespace(object):
+    """A mount namespace holding a tmpfs of size_mib MiB at <workdir>/disk (self.dir), kept by
+    a sleeping process until close(): unlike TmpfsStoraged's, its files outlive each daemon
+    started in it (command()), and its size can change (resize) between runs."""
+
+    def __init__(self, workdir, size_mib):
+        self.workdir = workdir
+        self.dir = os.path.join(workdir, 'disk')
+        os.makedirs(self.dir, exist_ok=True)
+        self.proc = subprocess.Popen(
+            ['unshare', '-m', '--', 'sh', '-c',
+             'mount -t tmpfs -o size=%dm tmpfs "$0" && echo mounted && exec sleep 86400'
+             % size_mib, self.dir],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != 'mounted':
+            self.proc.wait()
+            raise AssertionError('cannot mount a tmpfs: %s' % self.proc.stderr.read())
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
+
+    def command(self, argv):
+        """argv run in the namespace (nsenter execs it: the pid is the command's own)."""
+        return ['nsenter', '-t', str(self.proc.pid), '-m', '--'] + list(argv)
+
+    def run(self, script, *args):
+        """Runs a shell script in the namespace ($0, $1...: args); returns its stdout, fails
+        when it does."""
+        r = subprocess.run(self.command(['sh', '-c', script] + list(args)),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if r.returncode != 0:
+            raise AssertionError('%s: exit %d: %s' % (script, r.returncode, r.stderr))
+        return r.stdout
+
+    def resize(self, size_mib):
+        self.run('mount -o remount,size=%dm "$0"' % size_mib, self.dir)
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class NamespacedStoraged(Storaged):
+    """storaged run in a TmpfsNamespace (its database there: db=ns.path('store.db'))."""
+
+    def __init__(self, ns, **kwargs):
+        self.ns = ns
+        Storaged.__init__(self, **kwargs)
+
+    def command(self):
+        return self.ns.command(Storaged.command(self))
+
+
 class BenchBrainStack(object):
     """storaged + toold (its workspace 'bench' holding BIG_FILE) + the fake model playing its
     bench brain (`bash echo hello`, `read` of BIG_FILE, a short answer; --delay-ms delay_ms) +

@@ -22,8 +22,9 @@ import tempfile
 import unittest
 
 from cflue_harness import (
-    StoragedTestCase, admit, admit_request, append, claim, common_pb2, error_reason, get,
-    read_all, record, request_abort, settle, store_pb2)
+    NamespacedStoraged, StoragedTestCase, TmpfsNamespace, admit, admit_request, append, claim,
+    common_pb2, error_reason, get, private_mount_problem, read_all, record, request_abort,
+    require_namespace, settle, store_pb2)
 
 # The version-1 schema exactly as storaged wrote it (git show d3f3e8f:storaged/db.c).
 OLD_SCHEMA = '''
@@ -112,6 +113,24 @@ RECORDS = [
     ('note.v2', {'x': 1}),
 ]
 
+
+# Reads, inside a TmpfsNamespace, its store.db's schema version, the rows of each records table
+# (both while the move is part way) and SQLite's integrity check.
+DISK_STATE = """
+import json, sqlite3, sys
+con = sqlite3.connect(sys.argv[1])
+state = {'version': con.execute("SELECT value FROM meta WHERE key = 'schema_version'")
+         .fetchone()[0], 'check': con.execute('PRAGMA integrity_check').fetchone()[0]}
+for (t,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall():
+    if t in ('records', 'records_v9'):
+        state[t] = con.execute('SELECT count(*) FROM ' + t).fetchone()[0]
+print(json.dumps(state))
+"""
+
+
+def disk_state(disk):
+    return json.loads(disk.run('exec /usr/bin/python3 -c "$0" "$1"', DISK_STATE,
+                               disk.path('store.db')))
 
 class MigrateTest(StoragedTestCase):
 
@@ -604,6 +623,64 @@ class MigrateTest(StoragedTestCase):
             self.assertEqual(moved + left, total)
         finally:
             con.close()
+
+    def test_a_full_disk_stops_the_move_and_space_lets_it_finish(self):
+        """The disk fills up part way through the move of version 8's records (a real tmpfs, in
+        a mount namespace that outlives each storaged): storaged stops with an error that says
+        the disk is full and how much room the move wants; the database keeps the step it
+        committed and every record, in exactly one of the two tables, and SQLite finds it
+        sound. Once the disk has room, the next start finishes the move and every conversation
+        reads back as it was written."""
+        require_namespace(self, private_mount_problem())
+        sd = self.start_storaged()
+        c = claim(sd.stub, submission_id=admit(sd.stub, conv='c0').submission.submission_id)
+        long_text = ''.join('line %06d of a long page\n' % i for i in range(8000))  # 200 KB
+        append(sd.stub, c.fence, [record('tool_result', {'text': long_text + str(j)},
+                                         id_='t%d' % j) for j in range(10)])
+        append(sd.stub, c.fence, [record(id_='last')])
+        before = read_all(sd.stub, 'c0')
+        sd.stop()
+        convs = ['c%d' % i for i in range(40)]  # 40 x 2 MB: three steps of the move
+        con = sqlite3.connect(sd.db)
+        try:
+            for conv in convs[1:]:
+                con.execute("INSERT INTO conversations(conversation_id, agent, created_at, "
+                            "next_pos, epoch) SELECT ?, agent, created_at, next_pos, epoch FROM "
+                            "conversations WHERE conversation_id = 'c0'", (conv,))
+                con.execute("INSERT INTO records(conversation_id, pos, record_id, kind, "
+                            "submission_id, attempt_id, ts, body) SELECT ?, pos, record_id, "
+                            "kind, submission_id, attempt_id, ts, body FROM records WHERE "
+                            "conversation_id = 'c0'", (conv,))
+            con.commit()
+            con.executescript(TO_V8 + "UPDATE meta SET value = '8' WHERE key = 'schema_version';"
+                              "VACUUM;")
+            total = con.execute('SELECT count(*) FROM records').fetchone()[0]
+        finally:
+            con.close()
+        # room for the database and about two and a half steps: the first step commits, the
+        # next one finds the disk full (its WAL cannot start over while the first step's
+        # frames are not all in the database: their checkpoint found no room either)
+        disk = TmpfsNamespace(tempfile.mkdtemp(prefix='cflue-mig-full-'),
+                              os.path.getsize(sd.db) // (1 << 20) + 80)
+        self.addCleanup(disk.close)
+        disk.run('cp "$0" "$1"', sd.db, disk.path('store.db'))
+        moved = NamespacedStoraged(disk, db=disk.path('store.db'), start=False)
+        self._daemons.append(moved)
+        rc, err = moved.run_to_exit(timeout=60)
+        self.assertNotEqual(rc, 0, err)
+        self.assertIn('disk is full', err)
+        self.assertIn('the move of the records wants about 96 MiB free beside the database', err)
+        state = disk_state(disk)
+        self.assertEqual((state['version'], state['check']), ('9-moving', 'ok'), state)
+        self.assertTrue(state['records'] > 0 and state['records_v9'] > 0, state)
+        self.assertEqual(state['records'] + state['records_v9'], total)
+        disk.resize(1024)
+        moved.start()
+        for conv in convs:
+            self.assertEqual(read_all(moved.stub, conv, page_size=3), before, conv)
+        moved.stop()
+        self.assertEqual(disk_state(disk), {'version': CURRENT, 'records': total, 'check': 'ok'})
+
 
 if __name__ == '__main__':
     unittest.main()
