@@ -577,8 +577,8 @@ enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct c
         if (rc == CF_FULL) {
             room_hint(room, sizeof(room), moving);
         }
-        return cf_error_set(err, rc, "cannot migrate %s from schema version %d to %s: %s%s",
-                            path, version, DB_SCHEMA_VERSION, why, room);
+        return cf_error_set(err, rc, "cannot migrate %s from schema version %d to %s: %s%s", path,
+                            version, DB_SCHEMA_VERSION, why, room);
     }
     char quoted[1024];
     log_info("migrated", "db=%s from_version=%d to_version=%s ms=%lld",
