@@ -225,10 +225,12 @@ enum cf_status db_open(const char *path, bool writer, sqlite3 **out, struct cf_e
     stmt_cache_attach(db);
     sqlite3_busy_timeout(db, 10000);
     sqlite3_extended_result_codes(db, 1);
-    /* a page cache of 256 KiB per connection, not SQLite's 2 MiB: see docs/storaged.md */
+    /* a page cache of 256 KiB per connection, not SQLite's 2 MiB; deleted content zeroed
+     * whatever SQLite's build defaults to: see docs/storaged.md */
     if ((rc = db_exec(db,
                       "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;"
-                      "PRAGMA foreign_keys=ON; PRAGMA cache_size=-256; PRAGMA temp_store=MEMORY;",
+                      "PRAGMA foreign_keys=ON; PRAGMA cache_size=-256; PRAGMA temp_store=MEMORY;"
+                      "PRAGMA secure_delete=ON;",
                       err)) != CF_OK) {
         goto fail;
     }

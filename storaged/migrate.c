@@ -390,7 +390,8 @@ static enum cf_status rolled_back(sqlite3 *db, enum cf_status rc)
  * their positions; each step copies its rows into records_v9 and deletes them from records in
  * one transaction, so a row is always in exactly one of the two tables. Step by step, the pages
  * the old table frees take the new rows and the WAL is checkpointed: the database file grows by
- * about one step, not by a copy of the records, and the WAL by about two. Every step stamps
+ * about one step, not by a copy of the records, and the WAL by about two (a step's new rows,
+ * and the zeros secure_delete writes over the pages it frees: db.c). Every step stamps
  * MIGRATE_MOVING_STAMP (migrate.h), so a storaged of version 8 never serves a half-moved
  * stream; a move stopped part way (a crash, a full disk) keeps that stamp with both tables,
  * and the next start goes on from there. */
@@ -542,18 +543,21 @@ fail:
     return rolled_back(db, rc);
 }
 
-/* room_hint writes to out what a migration stopped by a full disk needs. moving: the 8-to-9
- * move ran, which wants about three steps (the file grows by one, the WAL by two) and keeps
- * the steps it committed; else the one transaction up to 8 rolled back whole. */
+/* room_hint writes to out, for a migration stopped by a full disk, what it needs. moving: the
+ * 8-to-9 move ran, which wants about three steps (the file grows by one, the WAL by two) and
+ * keeps the steps it committed; else the one transaction up to 8 rolled back whole. */
 static void room_hint(char *out, size_t len, bool moving)
 {
     if (moving) {
         snprintf(out, len,
-                 "; the move of the records wants about %d MiB free beside the database: make "
-                 "room and start again, it goes on with the records not moved yet",
+                 " (the disk is full: the move of the records wants about %d MiB free beside "
+                 "the database; make room and start again, it goes on with the records not "
+                 "moved yet)",
                  3 * (MOVE_STEP_BYTES >> 20));
     } else {
-        snprintf(out, len, "; nothing of it was kept: make room and start again");
+        snprintf(out, len,
+                 " (the disk is full; nothing of it was kept: make room and start "
+                 "again)");
     }
 }
 
@@ -577,8 +581,9 @@ enum cf_status migrate_from(sqlite3 *db, const char *path, int version, struct c
         if (rc == CF_FULL) {
             room_hint(room, sizeof(room), moving);
         }
-        return cf_error_set(err, rc, "cannot migrate %s from schema version %d to %s: %s%s", path,
-                            version, DB_SCHEMA_VERSION, why, room);
+        /* the hint before the cause, which may be long (SQL text) and is cut first */
+        return cf_error_set(err, rc, "cannot migrate %.200s from schema version %d to %s%s: %s",
+                            path, version, DB_SCHEMA_VERSION, room, why);
     }
     char quoted[1024];
     log_info("migrated", "db=%s from_version=%d to_version=%s ms=%lld",

@@ -1339,8 +1339,9 @@ class TmpfsStoraged(Storaged):
 
 class TmpfsNamespace(object):
     """A mount namespace holding a tmpfs of size_mib MiB at <workdir>/disk (self.dir), kept by
-    a sleeping process until close(): unlike TmpfsStoraged's, its files outlive each daemon
-    started in it (command()), and its size can change (resize) between runs."""
+    a shell waiting on its stdin until close() (or until this process is gone and the pipe with
+    it): unlike TmpfsStoraged's, its files outlive each daemon started in it (command()), and
+    its size can change (resize) between runs."""
 
     def __init__(self, workdir, size_mib):
         self.workdir = workdir
@@ -1348,12 +1349,13 @@ class TmpfsNamespace(object):
         os.makedirs(self.dir, exist_ok=True)
         self.proc = subprocess.Popen(
             ['unshare', '-m', '--', 'sh', '-c',
-             'mount -t tmpfs -o size=%dm tmpfs "$0" && echo mounted && exec sleep 86400'
-             % size_mib, self.dir],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             'mount -t tmpfs -o size=%dm tmpfs "$0" && echo mounted && read _' % size_mib,
+             self.dir],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if self.proc.stdout.readline().strip() != 'mounted':
-            self.proc.wait()
-            raise AssertionError('cannot mount a tmpfs: %s' % self.proc.stderr.read())
+            why = self.proc.stderr.read()
+            self.close()
+            raise AssertionError('cannot mount a tmpfs: %s' % why)
 
     def path(self, name):
         return os.path.join(self.dir, name)
@@ -1375,8 +1377,13 @@ class TmpfsNamespace(object):
         self.run('mount -o remount,size=%dm "$0"' % size_mib, self.dir)
 
     def close(self):
-        self.proc.kill()
-        self.proc.wait()
+        """Ends the namespace (the tmpfs goes once no daemon started in it is left)."""
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.proc.stdout.close()
         self.proc.stderr.close()
         shutil.rmtree(self.workdir, ignore_errors=True)

@@ -15,6 +15,7 @@ and the conversation goes on after them."""
 
 import json
 import os
+import sys
 
 import grpc
 import sqlite3
@@ -129,7 +130,7 @@ print(json.dumps(state))
 
 
 def disk_state(disk):
-    return json.loads(disk.run('exec /usr/bin/python3 -c "$0" "$1"', DISK_STATE,
+    return json.loads(disk.run('exec "$0" -c "$1" "$2"', sys.executable, DISK_STATE,
                                disk.path('store.db')))
 
 class MigrateTest(StoragedTestCase):
@@ -657,9 +658,10 @@ class MigrateTest(StoragedTestCase):
             total = con.execute('SELECT count(*) FROM records').fetchone()[0]
         finally:
             con.close()
-        # room for the database and about two and a half steps: the first step commits, the
-        # next one finds the disk full (its WAL cannot start over while the first step's
-        # frames are not all in the database: their checkpoint found no room either)
+        # room for the database and two and a half steps: the first step commits (its WAL
+        # holds its new rows and the zeros secure_delete writes over the pages it frees: two
+        # steps), the next one finds the disk full (its WAL cannot start over while the first
+        # step's frames are not all in the database: their checkpoint found no room either)
         disk = TmpfsNamespace(tempfile.mkdtemp(prefix='cflue-mig-full-'),
                               os.path.getsize(sd.db) // (1 << 20) + 80)
         self.addCleanup(disk.close)
@@ -668,8 +670,9 @@ class MigrateTest(StoragedTestCase):
         self._daemons.append(moved)
         rc, err = moved.run_to_exit(timeout=60)
         self.assertNotEqual(rc, 0, err)
-        self.assertIn('disk is full', err)
-        self.assertIn('the move of the records wants about 96 MiB free beside the database', err)
+        self.assertIn('from schema version 8 to 9 (the disk is full: the move of the records '
+                      'wants about 96 MiB free beside the database; make room and start again, '
+                      'it goes on with the records not moved yet): ', err)
         state = disk_state(disk)
         self.assertEqual((state['version'], state['check']), ('9-moving', 'ok'), state)
         self.assertTrue(state['records'] > 0 and state['records_v9'] > 0, state)
