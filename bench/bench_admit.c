@@ -14,17 +14,16 @@
  * (admitted first, so they come first in sequence order), half in Q/2 conversations of their
  * own. ledger_claim runs directly (no RPC) inside a savepoint rolled back after it, so every
  * measured Claim sees the same queue. The savepoints of a round share one transaction: a
- * ROLLBACK of the whole transaction after each Claim would also drop every page the Claim
- * wrote from SQLite's cache, and the next Claim would read them from the file again, a cost a
+ * ROLLBACK of the whole transaction after each Claim would also drop every page the Claim wrote
+ * from SQLite's cache, and the next Claim would read them from the file again, a cost a
  * storaged that commits its Claims does not pay (measured that way, in the same minutes, each
  * Claim took about twice as long: 66-93 us against 35-43). storaged's writer runs each job in a
  * savepoint too; the connection has storaged's page cache (256 KiB). The median and p95 of 200
- * are printed,
- * and beside them the walk over queued rows that Claim used before schema 3 (the same query, timed
- * alone). The databases are filled first, and the 200 Claims of each size are taken in 5 rounds
- * over all sizes, so that the machine's drift during the run weighs on every size alike. Target:
- * flat within 20% from the smallest to the largest queue. With --count under 1000 (a smoke run) the
- * sizes are 100 and 1,000 unless --claim-sizes says otherwise.
+ * are printed, and beside them the walk over queued rows that Claim used before schema 3 (the
+ * same query, timed alone). The databases are filled first, and the 200 Claims of each size are
+ * taken in 5 rounds over all sizes, so that the machine's drift during the run weighs on every
+ * size alike. Target: flat within 20% from the smallest to the largest queue. With --count
+ * under 1000 (a smoke run) the sizes are 100 and 1,000 unless --claim-sizes says otherwise.
  *
  * usage: bench_admit --storaged PATH [--count N] [--clients N] [--dir DIR]
  *                    [--claim-sizes N,N,...] (0: skip the Claim part) [--json FILE]
