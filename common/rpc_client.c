@@ -452,6 +452,20 @@ static void send_metadata(grpc_op *op, struct call_md *m)
     op->data.send_initial_metadata.metadata = m->n ? m->md : NULL;
 }
 
+/* new_call creates ch's call to method (a path, "/pkg.Service/Method") on cq. The path is
+ * copied into the call: gRPC reads a static slice's bytes when it encodes the call's headers,
+ * which under load is after the caller returned, and callers build paths in their own stack
+ * frames (storaged then saw a stack's leftovers as the method: UNIMPLEMENTED). */
+static grpc_call *new_call(struct rpc_channel *ch, grpc_completion_queue *cq, const char *method,
+                           int64_t timeout_ms)
+{
+    grpc_slice path = grpc_slice_from_copied_string(method);
+    grpc_call *call = grpc_channel_create_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, path,
+                                               NULL, deadline_in(timeout_ms), NULL);
+    grpc_slice_unref(path); /* the call holds its own reference */
+    return call;
+}
+
 /* request_ops fills ops[0..3]: send the call's metadata and the request, close, receive the
  * server's initial metadata into init_md. */
 static void request_ops(grpc_op ops[4], struct call_md *md, grpc_byte_buffer *send,
@@ -471,9 +485,7 @@ bool rpc_unary(struct rpc_channel *ch, const char *method, const ProtobufCMessag
                ProtobufCMessage **resp_out, struct rpc_status *st)
 {
     grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
-    grpc_slice mslice = grpc_slice_from_static_string(method);
-    grpc_call *call = grpc_channel_create_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, mslice,
-                                               NULL, deadline_in(timeout_ms), NULL);
+    grpc_call *call = new_call(ch, cq, method, timeout_ms);
     grpc_metadata_array init_md, trail_md;
     grpc_byte_buffer *send = rpc_pack(req), *recv = NULL;
     grpc_status_code code = GRPC_STATUS_UNKNOWN;
@@ -549,9 +561,7 @@ struct rpc_stream *rpc_stream_open(struct rpc_channel *ch, const char *method,
     struct rpc_stream *s = mem_alloc(sizeof(*s));
     grpc_op ops[3];
     s->cq = grpc_completion_queue_create_for_pluck(NULL);
-    s->call = grpc_channel_create_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, s->cq,
-                                       grpc_slice_from_static_string(method), NULL,
-                                       deadline_in(timeout_ms), NULL);
+    s->call = new_call(ch, s->cq, method, timeout_ms);
     grpc_metadata_array_init(&s->init_md);
     grpc_metadata_array_init(&s->trail_md);
     s->code = GRPC_STATUS_UNKNOWN;
@@ -897,9 +907,7 @@ struct rpc_astream *rpc_astream_open(struct rpc_channel *ch, const char *method,
     s->code = GRPC_STATUS_UNKNOWN;
     s->details = grpc_empty_slice();
     s->ch = channel_ref(ch);
-    s->call = grpc_channel_create_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, aloop_cq,
-                                       grpc_slice_from_static_string(method), NULL,
-                                       deadline_in(timeout_ms), NULL);
+    s->call = new_call(ch, aloop_cq, method, timeout_ms);
     atomic_store(&ch->last_start_ms, clock_mono_ms());
     grpc_byte_buffer *send = rpc_pack(req);
     grpc_op ops_[4];
@@ -990,9 +998,7 @@ static void acall_start(struct rpc_channel *ch, const char *method, const Protob
     snprintf(a->method, sizeof(a->method), "%s", method);
     grpc_metadata_array_init(&a->init_md);
     grpc_metadata_array_init(&a->trail_md);
-    a->call = grpc_channel_create_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, aloop_cq,
-                                       grpc_slice_from_static_string(method), NULL,
-                                       deadline_in(timeout_ms), NULL);
+    a->call = new_call(ch, aloop_cq, method, timeout_ms);
     grpc_byte_buffer *send = rpc_pack(req);
     grpc_op ops[6];
     memset(ops, 0, sizeof(ops));

@@ -1205,6 +1205,81 @@ static void ac_free(struct acaller *a)
     pthread_cond_destroy(&a->cv);
 }
 
+/* The method path is the caller's only while the call starts: agentd builds paths in a stack
+ * buffer ("/cflue.v1.Store/%s") that an event-driven call outlives. gRPC reads a path given as
+ * a static slice when it encodes the call's headers: on an idle connection inside the start,
+ * under load later (the channel still connecting, its connection busy writing another call's
+ * large message, a slow machine). A buffer overwritten by then must not be what the server sees
+ * (storaged once saw "\x17": UNIMPLEMENTED, and an attempt lost). The late read does not happen
+ * on every run of this test; it always does when the buffer changes between the call's creation
+ * and its start, which the client does in one function. */
+static void test_method_path_copied(void)
+{
+    enum { ROUNDS = 10 };
+    int port;
+    char target[64], path[64];
+    struct rpc_server *s = start("127.0.0.1:0", &port);
+    snprintf(target, sizeof(target), "127.0.0.1:%d", port);
+    struct rpc_channel *ch = rpc_channel_new(target, 0);
+    struct acaller *big = calloc(ROUNDS, sizeof(*big)), *small = calloc(ROUNDS, sizeof(*small));
+    size_t big_len = 512 << 10;
+    char *big_id = malloc(big_len + 1);
+    memset(big_id, 'b', big_len);
+    big_id[big_len] = '\0';
+    for (int i = 0; i < ROUNDS; i++) {
+        Cflue__V1__GetRequest req = CFLUE__V1__GET_REQUEST__INIT;
+        ac_init(&big[i]);
+        ac_init(&small[i]);
+        req.submission_id = big_id; /* answered NOT_FOUND, after 512 KB went out */
+        rpc_acall_start(ch, "/cflue.v1.Store/Get", &req.base, &cflue__v1__submission__descriptor,
+                        5000, ac_done, &big[i]);
+        req.submission_id = "ok";
+        snprintf(path, sizeof(path), "/cflue.v1.Store/%s", "Get");
+        rpc_acall_start(ch, path, &req.base, &cflue__v1__submission__descriptor, 5000, ac_done,
+                        &small[i]);
+        memset(path, 0x17, sizeof(path));
+    }
+    for (int i = 0; i < ROUNDS; i++) {
+        ac_wait(&big[i]);
+        ac_wait(&small[i]);
+        CHECK(big[i].ended == 1 && big[i].st.code == GRPC_STATUS_NOT_FOUND);
+        CHECK(small[i].ended == 1 && small[i].st.code == GRPC_STATUS_OK && small[i].resp);
+        ac_free(&big[i]);
+        ac_free(&small[i]);
+    }
+    free(big);
+    free(small);
+    free(big_id);
+    rpc_channel_free(ch);
+
+    /* a channel not connected yet: connects on its first call; a stream the same way */
+    for (int round = 0; round < 3; round++) {
+        struct acaller a;
+        struct areader r;
+        ch = rpc_channel_new(target, 0);
+        ac_init(&a);
+        Cflue__V1__GetRequest req = CFLUE__V1__GET_REQUEST__INIT;
+        req.submission_id = "ok";
+        snprintf(path, sizeof(path), "/cflue.v1.Store/%s", "Get");
+        rpc_acall_start(ch, path, &req.base, &cflue__v1__submission__descriptor, 5000, ac_done, &a);
+        memset(path, 0x17, sizeof(path));
+        ac_wait(&a);
+        CHECK(a.ended == 1 && a.st.code == GRPC_STATUS_OK && a.resp);
+        ac_free(&a);
+        rpc_channel_free(ch);
+        ch = rpc_channel_new(target, 0);
+        snprintf(path, sizeof(path), "/cflue.v1.Store/%s", "Follow");
+        ar_open(&r, ch, path, 5, "", 5000, -1);
+        memset(path, 0x17, sizeof(path));
+        CHECK(ar_wait(&r, -1, 5000));
+        CHECK(r.got == 5 && r.st.code == GRPC_STATUS_OK);
+        ar_done(&r);
+        rpc_channel_free(ch);
+    }
+    rpc_server_shutdown(s, 1000);
+    rpc_server_free(s);
+}
+
 static void test_async_unary(void)
 {
     int port;
@@ -1320,6 +1395,7 @@ int main(void)
     test_async_limit();
     test_async_client();
     test_async_unary();
+    test_method_path_copied();
     test_reconnect_after_outages();
     rpc_global_shutdown();
     return check_done("test_rpc");
