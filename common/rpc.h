@@ -27,7 +27,7 @@ struct rpc_call;
 
 /* Where a handler runs. */
 enum rpc_mode {
-    RPC_INLINE, /* on a poller thread: must not block (no disk, no downstream calls) */
+    RPC_INLINE, /* on the event loop (rpc_loop.h): must not block (no disk, no blocking call) */
     RPC_POOL,   /* on the server's worker pool: may block briefly (a database read) */
     RPC_THREAD, /* on a thread of its own: may block for the life of the call (streams) */
     RPC_ASYNC,  /* event-driven stream: the handler runs on the worker pool, registers the call
@@ -43,14 +43,13 @@ typedef void (*rpc_handler_fn)(struct rpc_call *call, const ProtobufCMessage *re
  * once with RESOURCE_EXHAUSTED ("server busy ... retry later"). A worker drops a call whose
  * deadline passed while it waited (DEADLINE_EXCEEDED) or whose client left (CANCELLED)
  * without running its handler. Requests are decoded on the worker (or the call's own thread),
- * never on a poller, except small RPC_INLINE requests such as health checks, which are
+ * never on the event loop, except small RPC_INLINE requests such as health checks, which are
  * therefore answered while the queue is full. RPC_THREAD calls beyond max_threads, or whose
  * thread cannot start, get RESOURCE_EXHAUSTED. RPC_ASYNC calls wait for a worker in the same
  * FIFO, bounded by max_queue_bytes but not by max_queue (a burst of streams opening at once is
  * served in order), and are refused with RESOURCE_EXHAUSTED while the open RPC_ASYNC calls,
  * each charged RPC_ASYNC_CALL_BYTES, would exceed max_stream_memory. */
 struct rpc_server_opts {
-    int pollers;               /* completion-queue threads; 0: 1 (see rpc_server.c) */
     int workers;               /* RPC_POOL threads; 0: 8 */
     int max_threads;           /* concurrent RPC_THREAD handlers; 0: 256 */
     int max_message_bytes;     /* receive and send limit; 0: 16 MiB */
@@ -160,7 +159,7 @@ CF_MUST_CHECK bool rpc_call_send(struct rpc_call *c, const ProtobufCMessage *msg
  *
  * The handler sets up its own state for the call, then hands the call to rpc_call_async and
  * returns. From then on any thread may rpc_call_push messages and rpc_call_finish the call
- * (exactly once). The server calls back, on a poller thread or the thread running
+ * (exactly once). The server calls back, on the event loop's thread or the thread running
  * rpc_server_shutdown, never holding its locks; callbacks must not block:
  * - ended(arg, why): the call is over for the client (cancelled, deadline passed, connection
  *   lost: RPC_END_CLIENT) or the server began shutting down (RPC_END_SHUTDOWN: finish with

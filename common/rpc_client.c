@@ -25,6 +25,7 @@
 #include "rpc.h"
 
 #include "errinfo.h"
+#include "rpc_loop.h"
 
 #include "clock.h"
 #include "log.h"
@@ -35,6 +36,7 @@
 
 #include "grpc/health/v1/health.pb-c.h"
 
+#include <dlfcn.h>
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc_security.h>
 #include <pthread.h>
@@ -136,20 +138,54 @@ void rpc_block_signals(void)
     pthread_sigmask(SIG_BLOCK, &set, NULL);
 }
 
+/* quiet_lock_order_checks turns off abseil's lock-order checks under gRPC. Debian builds abseil
+ * without NDEBUG, which leaves them on: every absl::Mutex lock in gRPC then records the order of
+ * the locks its thread holds in one process-wide graph (about 3% of the daemons' CPU in a
+ * profile), and an order it takes for a cycle aborts the process. gRPC's release builds run
+ * without them. absl::SetMutexDeadlockDetectionMode is C++, so it is looked up by its name in
+ * Debian 12's abseil; with another abseil the name is missing and nothing changes. */
+static void quiet_lock_order_checks(void)
+{
+    void *sym = dlsym(RTLD_DEFAULT,
+                      "_ZN4absl7debian329SetMutexDeadlockDetectionModeENS0_15OnDeadlockCycleE");
+    if (sym) {
+        void (*set_mode)(int);
+        memcpy(&set_mode, &sym, sizeof(set_mode));
+        set_mode(0); /* absl::OnDeadlockCycle::kIgnore */
+    }
+}
+
+/* loop_cq is the event loop's queue for a client call, starting the loop if need be. A process
+ * that cannot start its thread stops, as it would out of memory (crash-only). */
+static grpc_completion_queue *loop_cq(void)
+{
+    struct cf_error err;
+    if (rpc_loop_start(&err) != CF_OK) {
+        char q[CF_ERROR_MSG_MAX + 16];
+        log_error("rpc_loop_thread", "msg=\"cannot start the gRPC event loop\" err=%s",
+                  log_quote(q, sizeof(q), err.msg));
+        abort();
+    }
+    return rpc_loop_cq();
+}
+
+static int64_t probe_look(void);
+
 void rpc_global_init(void)
 {
     rpc_block_signals();
     log_capture_grpc();
+    quiet_lock_order_checks();
     grpc_init();
+    rpc_loop_set_tick(probe_look);
 }
 
-static void aloop_stop(void);
-static void aloop_start(void);
-static pthread_once_t aloop_once = PTHREAD_ONCE_INIT;
+static void probes_stop(void);
 
 void rpc_global_shutdown(void)
 {
-    aloop_stop();
+    probes_stop();
+    rpc_loop_stop();
     grpc_shutdown_blocking();
     tls_client_clear();
 }
@@ -226,7 +262,7 @@ struct rpc_channel *rpc_channel_new(const char *target, int max_message_bytes)
     atomic_init(&c->refs, 1);
     atomic_init(&c->last_start_ms, clock_mono_ms());
     atomic_init(&c->last_heard_ms, clock_mono_ms());
-    pthread_once(&aloop_once, aloop_start); /* the PROBE runs there */
+    (void)loop_cq(); /* the PROBE runs there */
     pthread_mutex_lock(&g_open.mu);
     c->open_next = g_open.head;
     if (g_open.head) {
@@ -663,8 +699,8 @@ bool rpc_stream_finish(struct rpc_stream *s, struct rpc_status *st)
 
 /* ---------- event-driven client streams ----------
  *
- * One process-wide completion queue, driven by one thread started with the first stream: an
- * rpc_astream costs no thread while it waits. Each stream has three tags: the opening batch
+ * On the process's event loop (rpc_loop.h), started with the first channel: an rpc_astream
+ * costs no thread while it waits. Each stream has three tags: the opening batch
  * (send request, close, receive initial metadata), the status, and the one read in flight;
  * the next read is started only when the owner asks (rpc_astream_next), which is the
  * backpressure. The stream ends once the status arrived and no read is in flight; then on_end
@@ -673,6 +709,7 @@ bool rpc_stream_finish(struct rpc_stream *s, struct rpc_status *st)
 enum atag_kind { ATAG_OPEN, ATAG_STATUS, ATAG_READ, ATAG_UNARY };
 
 struct atag {
+    struct rpc_loop_tag base; /* first: the loop calls base.on_event */
     enum atag_kind kind;
     struct rpc_astream *s; /* NULL for ATAG_UNARY */
 };
@@ -700,10 +737,7 @@ struct rpc_astream {
     struct call_md md;
 };
 
-static grpc_completion_queue *aloop_cq;
-static pthread_t aloop_thread;
-static bool aloop_started;
-static bool aloop_stopping; /* under g_open.mu: no probe starts any more */
+static bool probes_stopped; /* under g_open.mu: no probe starts any more */
 
 /* channel_busy counts a call in or out of ch's calls in flight (the PROBE looks for those). */
 static void channel_busy(struct rpc_channel *ch, int delta)
@@ -739,8 +773,10 @@ static bool astream_settle(struct rpc_astream *s, bool *free_out)
     return end;
 }
 
-static void on_acomplete(struct atag *t, int success)
+/* on_acomplete is a stream tag's event on the loop. */
+static void on_acomplete(struct rpc_loop_tag *lt, bool success)
 {
+    struct atag *t = (struct atag *)lt;
     struct rpc_astream *s = t->s;
     ProtobufCMessage *msg = NULL;
     bool deliver_msg = false, bad = false, idle = false;
@@ -748,7 +784,7 @@ static void on_acomplete(struct atag *t, int success)
     s->pending--;
     switch (t->kind) {
     case ATAG_OPEN:
-    case ATAG_UNARY: /* dispatched to on_aunary_complete by the loop */
+    case ATAG_UNARY: /* on_aunary_complete's */
         break;
     case ATAG_STATUS:
         s->got_status = true;
@@ -820,8 +856,10 @@ struct rpc_acall {
     struct call_md md;
 };
 
-static void on_aunary_complete(struct atag *t)
+/* on_aunary_complete is an event-driven unary call's end, on the loop. */
+static void on_aunary_complete(struct rpc_loop_tag *t, bool ok)
 {
+    (void)ok; /* the status says it */
     struct rpc_acall *a = (struct rpc_acall *)t;
     struct rpc_channel *ch = a->ch;
     struct rpc_status st;
@@ -849,65 +887,25 @@ static void on_aunary_complete(struct atag *t)
     channel_unref(ch);
 }
 
-static void probe_look(void);
-
-static void *aloop_main(void *arg)
-{
-    (void)arg;
-    (void)pthread_setname_np(pthread_self(), "rpc-client");
-    int64_t tick = rpc_keepalive_ms() / PROBE_TICKS;
-    int64_t next_look = clock_mono_ms() + tick;
-    for (;;) {
-        int64_t now = clock_mono_ms();
-        if (now >= next_look) {
-            probe_look();
-            next_look = now + tick;
-        }
-        grpc_event ev = grpc_completion_queue_next(aloop_cq, deadline_in(next_look - now), NULL);
-        if (ev.type == GRPC_QUEUE_SHUTDOWN) {
-            return NULL;
-        }
-        if (ev.type == GRPC_OP_COMPLETE) {
-            thread_handoff_acquire(ev.tag);
-            if (((struct atag *)ev.tag)->kind == ATAG_UNARY) {
-                on_aunary_complete(ev.tag);
-            } else {
-                on_acomplete(ev.tag, ev.success);
-            }
-        }
-    }
-}
-
-static void aloop_start(void)
-{
-    aloop_cq = grpc_completion_queue_create_for_next(NULL);
-    if (pthread_create(&aloop_thread, NULL, aloop_main, NULL) != 0) {
-        log_error("rpc_astream_thread", "msg=\"cannot start the client stream thread\"");
-        abort(); /* crash-only: like running out of memory */
-    }
-    aloop_started = true;
-}
-
 struct rpc_astream *rpc_astream_open(struct rpc_channel *ch, const char *method,
                                      const ProtobufCMessage *req,
                                      const ProtobufCMessageDescriptor *desc, int64_t timeout_ms,
                                      const struct rpc_astream_ops *ops, void *arg)
 {
-    pthread_once(&aloop_once, aloop_start);
     struct rpc_astream *s = mem_alloc(sizeof(*s));
     s->desc = desc;
     s->ops = ops;
     s->arg = arg;
     pthread_mutex_init(&s->mu, NULL);
-    s->t_open = (struct atag){ATAG_OPEN, s};
-    s->t_status = (struct atag){ATAG_STATUS, s};
-    s->t_read = (struct atag){ATAG_READ, s};
+    s->t_open = (struct atag){{on_acomplete}, ATAG_OPEN, s};
+    s->t_status = (struct atag){{on_acomplete}, ATAG_STATUS, s};
+    s->t_read = (struct atag){{on_acomplete}, ATAG_READ, s};
     grpc_metadata_array_init(&s->init_md);
     grpc_metadata_array_init(&s->trail_md);
     s->code = GRPC_STATUS_UNKNOWN;
     s->details = grpc_empty_slice();
     s->ch = channel_ref(ch);
-    s->call = new_call(ch, aloop_cq, method, timeout_ms);
+    s->call = new_call(ch, loop_cq(), method, timeout_ms);
     atomic_store(&ch->last_start_ms, clock_mono_ms());
     grpc_byte_buffer *send = rpc_pack(req);
     grpc_op ops_[4];
@@ -985,10 +983,9 @@ static void acall_start(struct rpc_channel *ch, const char *method, const Protob
                         const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
                         rpc_acall_done_fn done, void *arg, bool probe)
 {
-    pthread_once(&aloop_once, aloop_start);
     struct rpc_acall *a = mem_alloc(sizeof(*a));
     memset(a, 0, sizeof(*a));
-    a->tag.kind = ATAG_UNARY;
+    a->tag = (struct atag){{on_aunary_complete}, ATAG_UNARY, NULL};
     a->ch = channel_ref(ch);
     a->desc = resp_desc;
     a->done = done;
@@ -998,7 +995,7 @@ static void acall_start(struct rpc_channel *ch, const char *method, const Protob
     snprintf(a->method, sizeof(a->method), "%s", method);
     grpc_metadata_array_init(&a->init_md);
     grpc_metadata_array_init(&a->trail_md);
-    a->call = new_call(ch, aloop_cq, method, timeout_ms);
+    a->call = new_call(ch, loop_cq(), method, timeout_ms);
     grpc_byte_buffer *send = rpc_pack(req);
     grpc_op ops[6];
     memset(ops, 0, sizeof(ops));
@@ -1073,16 +1070,16 @@ static void probe_done(void *arg, const struct rpc_status *st, ProtobufCMessage 
 }
 
 /* probe_look starts the PROBE on each open channel that has calls in flight, no probe in
- * flight, and has started no call or heard nothing for rpc_keepalive_ms(); on the loop thread. The
- * probes start under g_open.mu, so a channel being freed meanwhile is not probed (rpc_channel_free
- * takes it out of g_open first). */
-static void probe_look(void)
+ * flight, and has started no call or heard nothing for rpc_keepalive_ms(); the loop's tick.
+ * The probes start under g_open.mu, so a channel being freed meanwhile is not probed
+ * (rpc_channel_free takes it out of g_open first). Returns when to look next (ms). */
+static int64_t probe_look(void)
 {
     int64_t now = clock_mono_ms();
     int keepalive = rpc_keepalive_ms();
     int started = 0;
     pthread_mutex_lock(&g_open.mu);
-    for (struct rpc_channel *ch = g_open.head; ch && !aloop_stopping && started < PROBE_BATCH;
+    for (struct rpc_channel *ch = g_open.head; ch && !probes_stopped && started < PROBE_BATCH;
          ch = ch->open_next) {
         if (now - atomic_load(&ch->last_start_ms) < keepalive &&
             now - atomic_load(&ch->last_heard_ms) < keepalive) {
@@ -1106,25 +1103,18 @@ static void probe_look(void)
         }
     }
     pthread_mutex_unlock(&g_open.mu);
+    return keepalive / PROBE_TICKS;
 }
 
-/* aloop_stop stops the client stream thread (every stream must be over; probes are
- * cancelled). */
-static void aloop_stop(void)
+/* probes_stop cancels the probes in flight and starts no more (before the loop stops). */
+static void probes_stop(void)
 {
-    if (!aloop_started) {
-        return;
-    }
     pthread_mutex_lock(&g_open.mu);
-    aloop_stopping = true;
+    probes_stopped = true;
     for (struct rpc_channel *ch = g_open.head; ch; ch = ch->open_next) {
         pthread_mutex_lock(&ch->mu);
         cancel_probe(ch);
         pthread_mutex_unlock(&ch->mu);
     }
     pthread_mutex_unlock(&g_open.mu);
-    grpc_completion_queue_shutdown(aloop_cq);
-    pthread_join(aloop_thread, NULL);
-    grpc_completion_queue_destroy(aloop_cq);
-    aloop_started = false;
 }

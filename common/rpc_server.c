@@ -1,7 +1,7 @@
 /* rpc_server.c - the server side of the gRPC layer.
  *
- * Method: one completion queue served by a poller thread (more are possible, but they wake
- * each other on every event). Each registered method keeps
+ * Method: every call's events come on the process's event loop (rpc_loop.h), whose one thread
+ * also carries the client's event-driven calls. Each registered method keeps
  * SLOTS_PER_METHOD request slots posted; a few generic slots catch unknown methods and answer
  * UNIMPLEMENTED. A call's state (struct rpc_call) holds three tags: new-call, close and
  * send. It is reference counted: one reference for the RECV_CLOSE_ON_SERVER op, one for the
@@ -11,12 +11,12 @@
  * shutdown tag and then for our own count of live calls, because the core's notification
  * does not cover calls a handler still holds.
  *
- * Admission: a poller never decodes a large request and never waits. A new RPC_POOL call
+ * Admission: the loop never decodes a large request and never waits. A new RPC_POOL call
  * joins a bounded FIFO (max_queue calls, max_queue_bytes of undecoded request bytes) or is
  * refused at once with RESOURCE_EXHAUSTED; a worker takes it, drops it with
  * DEADLINE_EXCEEDED if its deadline passed while it waited (or CANCELLED if the client left),
  * and only then decodes the request and runs the handler. RPC_THREAD calls are decoded on
- * their own thread. RPC_INLINE calls (health checks among them) run on the poller when their
+ * their own thread. RPC_INLINE calls (health checks among them) run on the loop when their
  * request is small (INLINE_DECODE_MAX), so they keep being answered while the queue is full;
  * a larger one goes through the queue like a pool call. Workers are woken one per job.
  *
@@ -38,6 +38,7 @@
 #include "mem.h"
 #include "metrics.h"
 #include "pbcheck.h"
+#include "rpc_loop.h"
 #include "thread.h"
 #include "trace.h"
 
@@ -68,6 +69,7 @@
 enum tag_kind { TAG_NEW_CALL, TAG_NEW_GENERIC, TAG_CLOSE, TAG_SEND, TAG_SHUTDOWN };
 
 struct tag {
+    struct rpc_loop_tag base; /* first: the loop calls base.on_event (on_event) */
     enum tag_kind kind;
     void *owner;
 };
@@ -137,12 +139,12 @@ struct rpc_server {
     struct rpc_server_opts opts;
     struct metric *handled, *latency; /* cflue_rpc_server_* (metrics.h) */
     grpc_server *server;
-    grpc_completion_queue *cq;
+    grpc_completion_queue *cq; /* the event loop's (rpc_loop.h), from rpc_server_start */
     struct method methods[MAX_METHODS];
     int n_methods;
-    pthread_t *pollers;
     pthread_t *workers;
-    int n_pollers, n_workers; /* threads started */
+    int n_workers; /* threads started */
+    int slots_out; /* request slots posted whose tag has not come back (under mu) */
     struct tag t_shutdown;
     pthread_mutex_t mu;
     pthread_cond_t cv;      /* live calls, shutdown */
@@ -188,14 +190,16 @@ static void post_generic(struct rpc_server *s);
 
 /* ---------- call lifetime ---------- */
 
+static void on_event(struct rpc_loop_tag *lt, bool ok);
+
 static struct rpc_call *call_new(struct rpc_server *s, struct method *m)
 {
     struct rpc_call *c = mem_alloc(sizeof(*c));
     c->srv = s;
     c->m = m;
-    c->t_new = (struct tag){m ? TAG_NEW_CALL : TAG_NEW_GENERIC, c};
-    c->t_close = (struct tag){TAG_CLOSE, c};
-    c->t_send = (struct tag){TAG_SEND, c};
+    c->t_new = (struct tag){{on_event}, m ? TAG_NEW_CALL : TAG_NEW_GENERIC, c};
+    c->t_close = (struct tag){{on_event}, TAG_CLOSE, c};
+    c->t_send = (struct tag){{on_event}, TAG_SEND, c};
     grpc_metadata_array_init(&c->md);
     if (!m) {
         grpc_call_details_init(&c->details);
@@ -741,7 +745,7 @@ enum cf_status rpc_call_trace(struct rpc_call *c, struct trace_ctx *out, struct 
 /* ---------- dispatch ---------- */
 
 /* decode turns the call's payload into c->req. On failure the call is finished (bad request)
- * and false is returned. Runs on a worker or a call's own thread, or on a poller for small
+ * and false is returned. Runs on a worker or a call's own thread, or on the loop for small
  * RPC_INLINE requests. */
 static bool decode(struct rpc_call *c)
 {
@@ -889,7 +893,7 @@ static void start_thread(struct rpc_call *c)
 
 /* enqueue puts a call in the pending-call queue for the workers, or refuses it with
  * RESOURCE_EXHAUSTED when the queue is full (by count, or by bytes unless it is empty). Never
- * waits: runs on a poller. */
+ * waits: runs on the loop. */
 static void enqueue(struct rpc_call *c, size_t bytes)
 {
     struct rpc_server *s = c->srv;
@@ -996,13 +1000,20 @@ static void *worker_main(void *arg)
     }
 }
 
-static void begin_call(struct rpc_call *c)
+/* begin_call makes a call that came through a request slot live, and counts the slot back;
+ * returns whether to post the slot again (not once the server is stopping: then the slot is
+ * counted out, as slot_lost does). */
+static bool begin_call(struct rpc_call *c)
 {
     struct rpc_server *s = c->srv;
     grpc_op op;
     pthread_mutex_lock(&s->mu);
     s->live_calls++;
     c->live = true;
+    bool again = !s->stopping;
+    if (!again) {
+        s->slots_out--; /* shutdown waits for this live call anyway: no wake-up */
+    }
     pthread_mutex_unlock(&s->mu);
     c->refs = 2; /* the close op and the handler */
     memset(&op, 0, sizeof(op));
@@ -1014,6 +1025,20 @@ static void begin_call(struct rpc_call *c)
         c->closed = true;
         c->dead = true;
     }
+    return again;
+}
+
+/* slot_lost counts out a request slot that will not be posted again: its tag came back failed
+ * (the server shut down), or the core refused it. The last one wakes a shutdown waiting for
+ * them (no_live_calls), so none reaches the loop after the server is freed. Touches nothing of
+ * s after. */
+static void slot_lost(struct rpc_server *s)
+{
+    pthread_mutex_lock(&s->mu);
+    if (--s->slots_out == 0) {
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
 }
 
 /* charge_async reserves an open RPC_ASYNC call's share of max_stream_memory, or refuses the
@@ -1047,21 +1072,21 @@ static bool charge_async(struct rpc_call *c)
     return true;
 }
 
-/* on_new_call runs on a poller: it reposts the slot and hands the call on without decoding
+/* on_new_call runs on the loop: it reposts the slot and hands the call on without decoding
  * anything but a small RPC_INLINE request. */
 static void on_new_call(struct rpc_call *c, int success)
 {
     struct rpc_server *s = c->srv;
     if (!success) {
         call_free(c);
+        slot_lost(s);
         return;
-    }
-    if (!rpc_server_stopping(s)) {
-        post_slot(s, c->m);
     }
     atomic_fetch_add_explicit(&c->m->calls, 1, memory_order_relaxed);
     c->started_us = clock_mono_us();
-    begin_call(c);
+    if (begin_call(c)) {
+        post_slot(s, c->m);
+    }
     size_t bytes = c->payload ? grpc_byte_buffer_length(c->payload) : 0;
     switch (c->m->mode) {
     case RPC_INLINE:
@@ -1092,12 +1117,12 @@ static void on_new_generic(struct rpc_call *c, int success)
     char method[256];
     if (!success) {
         call_free(c);
+        slot_lost(s);
         return;
     }
-    if (!rpc_server_stopping(s)) {
+    if (begin_call(c)) {
         post_generic(s);
     }
-    begin_call(c);
     size_t n = GRPC_SLICE_LENGTH(c->details.method);
     if (n >= sizeof(method)) {
         n = sizeof(method) - 1;
@@ -1109,39 +1134,31 @@ static void on_new_generic(struct rpc_call *c, int success)
     rpc_call_fail(c, CF_UNIMPLEMENTED, "unknown method %s", method);
 }
 
-static void *poller_main(void *arg)
+/* on_event is a server tag's event, on the loop. */
+static void on_event(struct rpc_loop_tag *lt, bool ok)
 {
-    struct rpc_server *s = arg;
-    for (;;) {
-        grpc_event ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-        if (ev.type == GRPC_QUEUE_SHUTDOWN) {
-            return NULL;
-        }
-        if (ev.type != GRPC_OP_COMPLETE) {
-            continue;
-        }
-        thread_handoff_acquire(ev.tag);
-        struct tag *t = ev.tag;
-        switch (t->kind) {
-        case TAG_NEW_CALL:
-            on_new_call(t->owner, ev.success);
-            break;
-        case TAG_NEW_GENERIC:
-            on_new_generic(t->owner, ev.success);
-            break;
-        case TAG_CLOSE:
-            on_close(t->owner);
-            break;
-        case TAG_SEND:
-            on_send_done(t->owner, ev.success);
-            break;
-        case TAG_SHUTDOWN:
-            pthread_mutex_lock(&s->mu);
-            s->shutdown_done = true;
-            pthread_cond_broadcast(&s->cv);
-            pthread_mutex_unlock(&s->mu);
-            break;
-        }
+    struct tag *t = (struct tag *)lt;
+    switch (t->kind) {
+    case TAG_NEW_CALL:
+        on_new_call(t->owner, ok);
+        break;
+    case TAG_NEW_GENERIC:
+        on_new_generic(t->owner, ok);
+        break;
+    case TAG_CLOSE:
+        on_close(t->owner);
+        break;
+    case TAG_SEND:
+        on_send_done(t->owner, ok);
+        break;
+    case TAG_SHUTDOWN: {
+        struct rpc_server *s = t->owner;
+        pthread_mutex_lock(&s->mu);
+        s->shutdown_done = true;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+        break;
+    }
     }
 }
 
@@ -1153,6 +1170,7 @@ static void post_slot(struct rpc_server *s, struct method *m)
         s->server, m->handle, &c->call, &c->deadline, &c->md, &c->payload, s->cq, s->cq, &c->t_new);
     if (e != GRPC_CALL_OK) {
         call_free(c);
+        slot_lost(s);
     }
 }
 
@@ -1164,6 +1182,7 @@ static void post_generic(struct rpc_server *s)
         grpc_server_request_call(s->server, &c->call, &c->details, &c->md, s->cq, s->cq, &c->t_new);
     if (e != GRPC_CALL_OK) {
         call_free(c);
+        slot_lost(s);
     }
 }
 
@@ -1284,11 +1303,6 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
     if (opts) {
         s->opts = *opts;
     }
-    if (s->opts.pollers <= 0) {
-        /* one: pollers sharing a completion queue kick each other awake on every event
-         * (measured on a unary Get: 11.5 context switches per call with two, 4.9 with one) */
-        s->opts.pollers = 1;
-    }
     if (s->opts.workers <= 0) {
         s->opts.workers = 8;
     }
@@ -1331,13 +1345,11 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
     };
     grpc_channel_args ca = {sizeof(args) / sizeof(args[0]), args};
     s->server = grpc_server_create(&ca, NULL);
-    s->cq = grpc_completion_queue_create_for_next(NULL);
-    grpc_server_register_completion_queue(s->server, s->cq, NULL);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     pthread_cond_init(&s->work_cv, NULL);
     pthread_cond_init(&s->spare_cv, NULL);
-    s->t_shutdown = (struct tag){TAG_SHUTDOWN, s};
+    s->t_shutdown = (struct tag){{on_event}, TAG_SHUTDOWN, s};
     s->serving = true;
     s->ready = true;
     const char *stats = getenv("CFLUE_RPC_STATS");
@@ -1428,17 +1440,11 @@ static void stop_threads(struct rpc_server *s)
         pthread_join(s->workers[i], NULL);
     }
     s->n_workers = 0;
-    grpc_completion_queue_shutdown(s->cq);
-    for (int i = 0; i < s->n_pollers; i++) {
-        pthread_join(s->pollers[i], NULL);
-    }
-    s->n_pollers = 0;
 }
 
 enum cf_status rpc_server_start(struct rpc_server *s)
 {
     struct cf_error err;
-    s->pollers = mem_alloc(sizeof(pthread_t) * (size_t)s->opts.pollers);
     s->workers = mem_alloc(sizeof(pthread_t) * (size_t)s->opts.workers);
     /* threads first: a server that cannot start them never accepts a call */
     for (int i = 0; i < s->opts.workers; i++) {
@@ -1447,12 +1453,14 @@ enum cf_status rpc_server_start(struct rpc_server *s)
         }
         s->n_workers++;
     }
-    for (int i = 0; i < s->opts.pollers; i++) {
-        if (thread_start(&s->pollers[i], "rpc-poller", 0, poller_main, s, &err) != CF_OK) {
-            goto fail;
-        }
-        s->n_pollers++;
+    if (rpc_loop_start(&err) != CF_OK) {
+        goto fail;
     }
+    s->cq = rpc_loop_cq();
+    grpc_server_register_completion_queue(s->server, s->cq, NULL);
+    pthread_mutex_lock(&s->mu);
+    s->slots_out = s->n_methods * SLOTS_PER_METHOD + GENERIC_SLOTS;
+    pthread_mutex_unlock(&s->mu);
     grpc_server_start(s->server);
     for (int i = 0; i < s->n_methods; i++) {
         for (int k = 0; k < SLOTS_PER_METHOD; k++) {
@@ -1467,8 +1475,8 @@ enum cf_status rpc_server_start(struct rpc_server *s)
 
 fail : {
     char q[CF_ERROR_MSG_MAX + 16];
-    log_error("rpc_start_failed", "workers=%d/%d pollers=%d/%d err=%s", s->n_workers,
-              s->opts.workers, s->n_pollers, s->opts.pollers, log_quote(q, sizeof(q), err.msg));
+    log_error("rpc_start_failed", "workers=%d/%d err=%s", s->n_workers, s->opts.workers,
+              log_quote(q, sizeof(q), err.msg));
     stop_threads(s);
     return CF_BUSY;
 }
@@ -1563,7 +1571,7 @@ static void end_async_calls(struct rpc_server *s)
 
 static bool no_live_calls(struct rpc_server *s)
 {
-    return s->live_calls == 0 && s->threads_running == 0;
+    return s->live_calls == 0 && s->threads_running == 0 && s->slots_out == 0;
 }
 
 void rpc_server_shutdown(struct rpc_server *s, int grace_ms)
@@ -1604,7 +1612,6 @@ void rpc_server_free(struct rpc_server *s)
         rpc_server_shutdown(s, 0);
     }
     grpc_server_destroy(s->server);
-    grpc_completion_queue_destroy(s->cq);
     if (s->creds) {
         grpc_server_credentials_release(s->creds);
     }
@@ -1612,7 +1619,6 @@ void rpc_server_free(struct rpc_server *s)
         free(s->methods[i].path);
         free(s->methods[i].service);
     }
-    free(s->pollers);
     free(s->workers);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);

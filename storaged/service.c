@@ -967,10 +967,10 @@ void service_register(struct service *svc, struct rpc_server *srv)
         bindings[i].m = &methods[i];
         bindings[i].svc = svc;
         snprintf(path, sizeof(path), "/cflue.v1.Store/%s", methods[i].name);
-        /* On the poller: writes (checked and queued for the writer thread; a request over
+        /* On the event loop: writes (checked and queued for the writer thread; a request over
          * 64 KiB, such as an Append or Settle whose records may be megabytes, is decoded and
          * checked on the pool instead: see rpc.h). On the pool: every read (one may open a
-         * connection or wait on a busy database, and the poller must keep answering heartbeats
+         * connection or wait on a busy database, and the loop must keep answering heartbeats
          * meanwhile). */
         enum rpc_mode mode = methods[i].write ? RPC_INLINE : RPC_POOL;
         rpc_server_add_method(srv, path, methods[i].req_desc, dispatch, &bindings[i], mode);

@@ -836,7 +836,7 @@ static int cmp_id_at(const void *a, const void *b)
 
 /* ids_unique tells whether no record of recs[0..n) repeats an earlier one's id (empty ids
  * aside), sorting a copy of the ids so that a batch of a thousand costs no million
- * comparisons (small Appends are checked on storaged's poller). When one does, *later_out is
+ * comparisons (small Appends are checked on storaged's event loop). When one does, *later_out is
  * the first record that repeats an id and *earlier_out the first record with that id. */
 static bool ids_unique(Cflue__V1__Record *const *recs, size_t n, size_t *later_out,
                        size_t *earlier_out)
