@@ -87,7 +87,8 @@ struct feed {
     bool ended;    /* the Follow's on_end ran */
     bool released; /* rpc_astream_release was called (closing, or at on_end) */
     Cflue__V1__Record *ring[RING_RECORDS];
-    size_t ring_size[RING_RECORDS];
+    grpc_byte_buffer *ring_packed[RING_RECORDS]; /* encoded once, when a watcher first pushes it */
+    uint32_t ring_size[RING_RECORDS]; /* encoded sizes (gRPC messages stay far below 4 GiB) */
     int ring_head, ring_n;
     size_t ring_bytes;
     int64_t ring_first; /* offset of the oldest record in the ring */
@@ -168,10 +169,20 @@ static void fin_run(struct fin *fl)
 
 /* ---------- feeds ---------- */
 
+/* ring_drop frees the ring's record in slot, and its encoding. */
+static void ring_drop(struct feed *f, int slot)
+{
+    protobuf_c_message_free_unpacked(&f->ring[slot]->base, NULL);
+    if (f->ring_packed[slot]) {
+        grpc_byte_buffer_destroy(f->ring_packed[slot]);
+        f->ring_packed[slot] = NULL;
+    }
+}
+
 static void feed_free_locked(struct feed *f)
 {
     for (int i = 0; i < f->ring_n; i++) {
-        protobuf_c_message_free_unpacked(&f->ring[(f->ring_head + i) % RING_RECORDS]->base, NULL);
+        ring_drop(f, (f->ring_head + i) % RING_RECORDS);
     }
     free(f->conversation_id);
     free(f);
@@ -276,10 +287,10 @@ static struct rpc_astream *detach_locked(struct watcher *w)
     return close;
 }
 
-/* ring_at returns the record at offset (ring_first <= offset <= last_off). */
-static Cflue__V1__Record *ring_at(struct feed *f, int64_t offset)
+/* ring_slot returns the ring's slot of the record at offset (ring_first <= offset <= last_off). */
+static int ring_slot(const struct feed *f, int64_t offset)
 {
-    return f->ring[(f->ring_head + (int)(offset - f->ring_first)) % RING_RECORDS];
+    return (f->ring_head + (int)(offset - f->ring_first)) % RING_RECORDS;
 }
 
 static void feed_on_message(void *arg, ProtobufCMessage *msg)
@@ -299,7 +310,7 @@ static void feed_on_message(void *arg, ProtobufCMessage *msg)
     }
     size_t size = protobuf_c_message_get_packed_size(msg);
     while (f->ring_n > 0 && (f->ring_n == RING_RECORDS || f->ring_bytes + size > RING_BYTES)) {
-        protobuf_c_message_free_unpacked(&f->ring[f->ring_head]->base, NULL);
+        ring_drop(f, f->ring_head);
         f->ring_bytes -= f->ring_size[f->ring_head];
         f->ring_head = (f->ring_head + 1) % RING_RECORDS;
         f->ring_n--;
@@ -311,7 +322,7 @@ static void feed_on_message(void *arg, ProtobufCMessage *msg)
     }
     int slot = (f->ring_head + f->ring_n) % RING_RECORDS;
     f->ring[slot] = rec;
-    f->ring_size[slot] = size;
+    f->ring_size[slot] = (uint32_t)size;
     f->ring_n++;
     f->ring_bytes += size;
     f->last_off = rec->offset;
@@ -410,9 +421,10 @@ static struct rpc_astream *end_locked(struct watcher *w, struct fin **fl, grpc_s
 }
 
 /* give_locked hands one record to w: pushed (W_WATCH) or scanned (W_WAIT). false when w must
- * stop for now (paused, dead, finished, or its settlement went by). */
-static bool give_locked(struct watcher *w, Cflue__V1__Record *rec, struct fin **fl,
-                        struct rpc_astream **close)
+ * stop for now (paused, dead, finished, or its settlement went by). packed: where the record's
+ * encoding is kept for the other watchers (a ring slot's; encoded at the first push), or NULL. */
+static bool give_locked(struct watcher *w, Cflue__V1__Record *rec, grpc_byte_buffer **packed,
+                        struct fin **fl, struct rpc_astream **close)
 {
     if (w->kind == W_WAIT) {
         w->offset = rec->offset;
@@ -424,7 +436,10 @@ static bool give_locked(struct watcher *w, Cflue__V1__Record *rec, struct fin **
         }
         return true;
     }
-    int r = rpc_call_push(w->call, &rec->base);
+    if (packed && !*packed) {
+        *packed = rpc_pack(&rec->base);
+    }
+    int r = packed ? rpc_call_push_packed(w->call, *packed) : rpc_call_push(w->call, &rec->base);
     if (r < 0) {
         *close = end_locked(w, fl, GRPC_STATUS_CANCELLED, "the watcher went away", NULL);
         return false;
@@ -462,7 +477,8 @@ static void deliver_locked(struct watcher *w, struct fin **fl)
         if (w->offset >= f->last_off) {
             break; /* up to date: idle */
         }
-        if (!give_locked(w, ring_at(f, w->offset + 1), fl, &close)) {
+        int slot = ring_slot(f, w->offset + 1);
+        if (!give_locked(w, f->ring[slot], &f->ring_packed[slot], fl, &close)) {
             break;
         }
     }
@@ -498,7 +514,7 @@ static void catch_up(struct watcher *w)
             if (page->records[i]->offset != w->offset + 1) {
                 continue;
             }
-            if (w->offset >= w->stop_at || !give_locked(w, page->records[i], &fl, &close)) {
+            if (w->offset >= w->stop_at || !give_locked(w, page->records[i], NULL, &fl, &close)) {
                 break;
             }
         }
@@ -638,8 +654,8 @@ static struct watcher *watcher_new(struct rpc_call *c, enum wkind kind)
     return w;
 }
 
-/* attach_call hands c to rpc's event-driven mode; false (the call finished, w freed) when the
- * caller already left or the server stops. */
+/* attach_call hands c to rpc's event-driven mode; false (the call finished, w freed whatever
+ * its references: nothing else has it yet) when the caller already left or the server stops. */
 static bool attach_call(struct watcher *w)
 {
     if (rpc_call_async(w->call, &watcher_ops, w)) {
@@ -680,17 +696,21 @@ void watch_start(struct rpc_call *c, const Cflue__V1__WatchRequest *req)
     if (!req->follow) {
         w->stop_at = HISTORY; /* set to the last offset by the page that says none is left */
     }
+    w->refs++; /* this handler's until it returns: once attached, the call may end at once */
     if (!attach_call(w)) {
         return;
     }
     struct fin *fl = NULL;
     pthread_mutex_lock(&g.mu);
-    if (req->follow) {
-        attach_locked(w, feed_get_locked(w->conversation_id, w->offset));
+    if (!w->finished) { /* else the caller left already (w_ended) */
+        if (req->follow) {
+            attach_locked(w, feed_get_locked(w->conversation_id, w->offset));
+        }
+        deliver_locked(w, &fl);
     }
-    deliver_locked(w, &fl);
     pthread_mutex_unlock(&g.mu);
     fin_run(fl);
+    watcher_unref(w);
 }
 
 /* reply_locked finishes w with *sub as its answer (taken: *sub is NULL afterwards); the
@@ -774,16 +794,17 @@ void watch_wait_settled(struct rpc_call *c, const char *submission_id)
     struct watcher *w = watcher_new(c, W_WAIT);
     w->submission_id = mem_strdup(submission_id);
     snprintf(w->settled_id, sizeof(w->settled_id), "settled:%s", submission_id);
+    w->refs++; /* this handler's until it returns: once attached, the call may end at once */
     if (!attach_call(w)) {
         return;
     }
-    if (wait_here(w)) {
-        return;
+    if (!wait_here(w)) {
+        pthread_mutex_lock(&g.mu);
+        w->job = true; /* this worker runs the first step, with wait_here's reference */
+        pthread_mutex_unlock(&g.mu);
+        watcher_work(&w->work);
     }
-    pthread_mutex_lock(&g.mu);
-    w->job = true; /* this worker runs the first step, with wait_here's reference */
-    pthread_mutex_unlock(&g.mu);
-    watcher_work(&w->work);
+    watcher_unref(w);
 }
 
 void watch_init(struct rpc_server *srv)

@@ -190,6 +190,11 @@ CF_MUST_CHECK bool rpc_call_async(struct rpc_call *c, const struct rpc_async_ops
  * is dead or finished (the message is dropped). Usable on any streaming call. */
 CF_MUST_CHECK int rpc_call_push(struct rpc_call *c, const ProtobufCMessage *msg);
 
+/* rpc_call_push_packed is rpc_call_push of a message already encoded (rpc_pack), so one message
+ * sent to many streams is encoded once: the call queues a copy sharing packed's bytes, and the
+ * caller keeps packed. */
+CF_MUST_CHECK int rpc_call_push_packed(struct rpc_call *c, grpc_byte_buffer *packed);
+
 /* rpc_server_post runs job(arg) on the server's worker pool (FIFO with the calls waiting for a
  * worker; one worker woken). For RPC_ASYNC feeders: reads that may block briefly. The work item
  * is caller-owned storage (rpc_work) that must stay valid until fn runs; each item may be

@@ -170,6 +170,7 @@ static grpc_completion_queue *loop_cq(void)
 }
 
 static int64_t probe_look(void);
+static void probes_start(void);
 
 void rpc_global_init(void)
 {
@@ -177,6 +178,7 @@ void rpc_global_init(void)
     log_capture_grpc();
     quiet_lock_order_checks();
     grpc_init();
+    probes_start();
     rpc_loop_set_tick(probe_look);
 }
 
@@ -1104,6 +1106,14 @@ static int64_t probe_look(void)
     }
     pthread_mutex_unlock(&g_open.mu);
     return keepalive / PROBE_TICKS;
+}
+
+/* probes_start lets probe_look start probes again (after an rpc_global_shutdown). */
+static void probes_start(void)
+{
+    pthread_mutex_lock(&g_open.mu);
+    probes_stopped = false;
+    pthread_mutex_unlock(&g_open.mu);
 }
 
 /* probes_stop cancels the probes in flight and starts no more (before the loop stops). */

@@ -504,9 +504,9 @@ bool rpc_call_send(struct rpc_call *c, const ProtobufCMessage *msg)
     return true;
 }
 
-int rpc_call_push(struct rpc_call *c, const ProtobufCMessage *msg)
+/* push queues bb (taken) on c: rpc_call_push's result. */
+static int push(struct rpc_call *c, grpc_byte_buffer *bb)
 {
-    grpc_byte_buffer *bb = rpc_pack(msg);
     pthread_mutex_lock(&c->mu);
     if (c->dead || c->finished) {
         pthread_mutex_unlock(&c->mu);
@@ -521,6 +521,16 @@ int rpc_call_push(struct rpc_call *c, const ProtobufCMessage *msg)
     }
     pthread_mutex_unlock(&c->mu);
     return full ? 0 : 1;
+}
+
+int rpc_call_push(struct rpc_call *c, const ProtobufCMessage *msg)
+{
+    return push(c, rpc_pack(msg));
+}
+
+int rpc_call_push_packed(struct rpc_call *c, grpc_byte_buffer *packed)
+{
+    return push(c, grpc_byte_buffer_copy(packed));
 }
 
 bool rpc_call_async(struct rpc_call *c, const struct rpc_async_ops *ops, void *arg)
