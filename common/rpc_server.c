@@ -1430,8 +1430,8 @@ void rpc_server_add_methods(struct rpc_server *s, const struct rpc_method_def *d
     }
 }
 
-/* stop_threads asks the workers to quit once the queue is empty, shuts the completion queue
- * down, and joins every thread started. */
+/* stop_threads asks the workers to quit once the queue is empty and joins every thread started
+ * (the event loop is the process's: rpc_global_shutdown stops it). */
 static bool no_stream_threads(struct rpc_server *s)
 {
     return s->threads_alive == 0;

@@ -17,12 +17,21 @@
 #include <unistd.h>
 
 static int handler_runs; /* "count" calls whose handler ran */
+static int slow_runs;    /* "slow" calls whose handler started */
 static pthread_mutex_t runs_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static int runs(void)
 {
     pthread_mutex_lock(&runs_mu);
     int n = handler_runs;
+    pthread_mutex_unlock(&runs_mu);
+    return n;
+}
+
+static int slow_started(void)
+{
+    pthread_mutex_lock(&runs_mu);
+    int n = slow_runs;
     pthread_mutex_unlock(&runs_mu);
     return n;
 }
@@ -34,6 +43,9 @@ static void on_get(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
     const Cflue__V1__GetRequest *req = (const void *)msg;
     Cflue__V1__Submission resp = CFLUE__V1__SUBMISSION__INIT;
     if (!strcmp(req->submission_id, "slow")) {
+        pthread_mutex_lock(&runs_mu);
+        slow_runs++;
+        pthread_mutex_unlock(&runs_mu);
         clock_sleep_ms(500);
     }
     if (!strcmp(req->submission_id, "count")) {
@@ -1391,9 +1403,14 @@ static void test_one_loop(void)
         ac_init(&slow);
         Cflue__V1__GetRequest req = CFLUE__V1__GET_REQUEST__INIT;
         req.submission_id = "slow"; /* answered after 500 ms */
+        int slow0 = slow_started();
         rpc_acall_start(ch, "/cflue.v1.Store/Get", &req.base, &cflue__v1__submission__descriptor,
                         5000, ac_done, &slow);
-        usleep(100 * 1000);                           /* the handler has it */
+        for (int64_t until = clock_mono_ms() + 5000;
+             slow_started() == slow0 && clock_mono_ms() < until;) {
+            clock_sleep_ms(5); /* until its handler runs */
+        }
+        CHECK(slow_started() > slow0);
         rpc_server_shutdown(s, round % 2 ? 0 : 1000); /* cancelled, or answered in the grace */
         rpc_server_free(s);
         ac_wait(&slow);
