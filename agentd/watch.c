@@ -5,8 +5,9 @@
  * RING_RECORDS and RING_BYTES; offsets in a conversation are consecutive, so the ring is
  * indexed by offset). Each caller is a "watcher" attached to the feed of its conversation, with
  * its own offset (the last record it was given) and its own backpressure:
- * - a record arriving on the feed is pushed (rpc_call_push, never blocking) to every watcher
- *   whose offset is right before it;
+ * - a record arriving on the feed is pushed (never blocking) to every watcher whose offset is
+ *   right before it, encoded once for all of them (kept in the ring beside the record:
+ *   rpc_call_push_packed);
  * - a watcher whose send queue is full is paused and resumes from rpc's drained callback;
  * - a watcher behind the ring (it started before the feed, or fell behind while paused)
  *   catches up with storaged Read pages on the server's worker pool, then continues from the
