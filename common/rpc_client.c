@@ -708,12 +708,12 @@ bool rpc_stream_finish(struct rpc_stream *s, struct rpc_status *st)
  * backpressure. The stream ends once the status arrived and no read is in flight; then on_end
  * runs (unless the owner released it first) and the stream is freed once released too. */
 
-enum atag_kind { ATAG_OPEN, ATAG_STATUS, ATAG_READ, ATAG_UNARY };
+enum atag_kind { ATAG_OPEN, ATAG_STATUS, ATAG_READ };
 
 struct atag {
     struct rpc_loop_tag base; /* first: the loop calls base.on_event */
     enum atag_kind kind;
-    struct rpc_astream *s; /* NULL for ATAG_UNARY */
+    struct rpc_astream *s;
 };
 
 struct rpc_astream {
@@ -786,7 +786,6 @@ static void on_acomplete(struct rpc_loop_tag *lt, bool success)
     s->pending--;
     switch (t->kind) {
     case ATAG_OPEN:
-    case ATAG_UNARY: /* on_aunary_complete's */
         break;
     case ATAG_STATUS:
         s->got_status = true;
@@ -843,7 +842,7 @@ static void on_acomplete(struct rpc_loop_tag *lt, bool success)
  * response and the status) whose completion on the loop decodes the response and calls done.
  * The tag is the first member, so the loop finds the call from it. */
 struct rpc_acall {
-    struct atag tag;
+    struct rpc_loop_tag tag;
     struct rpc_channel *ch;
     struct live_call lc;
     grpc_call *call;
@@ -987,7 +986,7 @@ static void acall_start(struct rpc_channel *ch, const char *method, const Protob
 {
     struct rpc_acall *a = mem_alloc(sizeof(*a));
     memset(a, 0, sizeof(*a));
-    a->tag = (struct atag){{on_aunary_complete}, ATAG_UNARY, NULL};
+    a->tag = (struct rpc_loop_tag){on_aunary_complete};
     a->ch = channel_ref(ch);
     a->desc = resp_desc;
     a->done = done;
