@@ -1308,40 +1308,11 @@ def require_namespace(case, problem):
             case.fail(problem)
         case.skipTest(problem)
 
-class TmpfsStoraged(Storaged):
-    """storaged in a mount namespace of its own, its database on a small tmpfs there (a disk
-    that can fill up: in_namespace writes and removes files on it)."""
-
-    SIZE = '4m'
-
-    def __init__(self, **kwargs):
-        workdir = kwargs.pop('workdir', None) or self._new_dir()
-        self.mount_dir = os.path.join(workdir, 'disk')
-        os.makedirs(self.mount_dir, exist_ok=True)
-        Storaged.__init__(self, workdir=workdir, db=os.path.join(self.mount_dir, 'store.db'),
-                          **kwargs)
-
-    @staticmethod
-    def _new_dir():
-        return tempfile.mkdtemp(prefix='cflue-full-')
-
-    def command(self):
-        return (['unshare', '-m', '--', 'sh', '-c',
-                 'mount -t tmpfs -o size=%s tmpfs "$0" && exec "$@"' % self.SIZE,
-                 self.mount_dir] + Storaged.command(self))
-
-    def in_namespace(self, script):
-        """Runs a shell script in storaged's mount namespace (where its tmpfs is)."""
-        return subprocess.run(['nsenter', '-t', str(self.proc.pid), '-m', '--', 'sh', '-c',
-                               script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
-
-
 class TmpfsNamespace(object):
     """A mount namespace holding a tmpfs of size_mib MiB at <workdir>/disk (self.dir), kept by
     a shell waiting on its stdin until close() (or until this process is gone and the pipe with
-    it): unlike TmpfsStoraged's, its files outlive each daemon started in it (command()), and
-    its size can change (resize) between runs."""
+    it): its files outlive each daemon started in it (command()), and its size can change
+    (resize) between runs."""
 
     def __init__(self, workdir, size_mib):
         self.workdir = workdir
@@ -1398,6 +1369,30 @@ class NamespacedStoraged(Storaged):
 
     def command(self):
         return self.ns.command(Storaged.command(self))
+
+
+class TmpfsStoraged(NamespacedStoraged):
+    """storaged on a small tmpfs of its own (a disk that can fill up): a TmpfsNamespace of SIZE_MIB
+    MiB made for it, its database there (mount_dir), ended by close() (so by the test cases' and
+    the stacks' clean-up) with everything on it."""
+
+    SIZE_MIB = 4
+
+    def __init__(self, **kwargs):
+        workdir = kwargs.pop('workdir', None) or tempfile.mkdtemp(prefix='cflue-full-')
+        ns = TmpfsNamespace(os.path.join(workdir, 'ns'), self.SIZE_MIB)
+        self.mount_dir = ns.dir
+        NamespacedStoraged.__init__(self, ns, workdir=workdir, db=ns.path('store.db'), **kwargs)
+
+    def in_namespace(self, script):
+        """Runs a shell script where the tmpfs is; returns the finished process (stdout holds
+        its output and errors), whatever its exit code."""
+        return subprocess.run(self.ns.command(['sh', '-c', script]), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+
+    def close(self):
+        NamespacedStoraged.close(self)
+        self.ns.close()
 
 
 class BenchBrainStack(object):
