@@ -28,6 +28,9 @@
  * usage: bench_admit --storaged PATH [--count N] [--clients N] [--dir DIR]
  *                    [--claim-sizes N,N,...] (0: skip the Claim part) [--json FILE]
  *
+ * Its databases go in a new directory made in --dir (default $TMPDIR or /tmp: the disk the
+ * figures are about), removed at the end, so every run starts from fresh files.
+ *
  * --json FILE also writes the key figures, each with its baseline, ratio and target, as JSON
  * (the format bench/run reads: bench/README.md).
  */
@@ -39,6 +42,8 @@
 #include "cflue/v1/store.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
 
+#include <errno.h>
+#include <ftw.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -441,6 +446,16 @@ static void claim_part(const char *dir)
     printf("largest / smallest-queue median: %.2f (target <= 1.20)\n", worst / (first ? first : 1));
 }
 
+/* remove_entry is nftw's callback removing each file, then its directory. */
+static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+    (void)st, (void)flag, (void)ftw;
+    if (remove(path) != 0) {
+        fprintf(stderr, "bench: could not remove %s: %s\n", path, strerror(errno));
+    }
+    return 0;
+}
+
 static int cmp_double(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
@@ -533,8 +548,20 @@ int main(int argc, char **argv)
     if (!claim_sizes) { /* a smoke run (ctest's bench/admit_smoke) keeps the Claim part short */
         claim_sizes = count < 1000 ? "100,1000" : "100,10000,100000";
     }
-    char tmpl[] = "/tmp/cflue-bench-XXXXXX";
-    const char *dir = dir_arg ? dir_arg : mkdtemp(tmpl);
+    const char *tmpdir = getenv("TMPDIR");
+    if (!dir_arg) {
+        dir_arg = tmpdir && *tmpdir ? tmpdir : "/tmp";
+    }
+    char dir[256]; /* room for the socket and database names beside it */
+    if (snprintf(dir, sizeof(dir), "%s/cflue-bench-admit-XXXXXX", dir_arg) >= (int)sizeof(dir) ||
+        strlen(dir) > 96) { /* a unix socket's path has 108 bytes */
+        fprintf(stderr, "bench: --dir %s is too long (at most 70 characters)\n", dir_arg);
+        return 2;
+    }
+    if (!mkdtemp(dir)) {
+        fprintf(stderr, "bench: cannot make a directory in %s: %s\n", dir_arg, strerror(errno));
+        return 2;
+    }
     double direct[16], served[16], ratio[16], cpu[16];
     int64_t started = clock_mono_ms();
     printf("admissions: %d per run, clients: %d, durability: WAL + synchronous=FULL; %d rounds "
@@ -568,12 +595,6 @@ int main(int argc, char **argv)
         write_json(direct[rounds / 2], served[rounds / 2], ratio[rounds / 2], cpu[rounds / 2],
                    (double)(clock_mono_ms() - started) / 1000.0);
     }
-    if (!dir_arg) {
-        char cmd[600];
-        snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-        if (system(cmd) != 0) {
-            fprintf(stderr, "bench: could not remove %s\n", dir);
-        }
-    }
+    nftw(dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
     return failures ? 1 : 0;
 }
