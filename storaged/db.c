@@ -12,6 +12,7 @@
 #include "migrate.h"
 #include "stmt.h"
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -206,8 +207,18 @@ static enum cf_status check_version(sqlite3 *db, const char *path, bool *fresh, 
                         atoi(DB_SCHEMA_VERSION) - 1);
 }
 
+/* configure_sqlite runs once, before SQLite initializes: no memory accounting. With it on (the
+ * default), every allocation SQLite makes and frees takes one process-wide mutex to count its
+ * bytes, for counters storaged never reads (sqlite3_memory_used). */
+static void configure_sqlite(void)
+{
+    (void)sqlite3_config(SQLITE_CONFIG_MEMSTATUS, 0);
+}
+
 enum cf_status db_open(const char *path, bool writer, sqlite3 **out, struct cf_error *err)
 {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, configure_sqlite);
     sqlite3 *db = NULL;
     enum cf_status rc;
     bool fresh;
