@@ -3,12 +3,53 @@
 
 #include "clock.h"
 
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/random.h>
 
 static const char crockford[] = "0123456789ABCDEFGHJKMNPQRSTVWXYZ";
+
+/* Each thread takes its ids' random bits from a pool of its own, refilled by one getrandom
+ * call per 25 ids instead of one call per id (a system call costs more than the rest of an
+ * id). A forked child empties the forking thread's pool (the only thread it has), so parent
+ * and child never hand out the same bits. */
+#define POOL_BYTES 250
+static _Thread_local uint8_t pool[POOL_BYTES];
+static _Thread_local size_t pool_left;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void empty_pool(void)
+{
+    memset(pool, 0, sizeof(pool));
+    pool_left = 0;
+}
+
+static void empty_pool_in_children(void)
+{
+    (void)pthread_atfork(NULL, NULL, empty_pool);
+}
+
+/* random_bytes fills out with n (at most POOL_BYTES) random bytes, each used once. */
+static void random_bytes(uint8_t *out, size_t n)
+{
+    pthread_once(&atfork_once, empty_pool_in_children);
+    if (pool_left < n) {
+        size_t got = 0;
+        while (got < POOL_BYTES) {
+            ssize_t r = getrandom(pool + got, POOL_BYTES - got, 0);
+            if (r > 0) {
+                got += (size_t)r;
+            }
+        }
+        pool_left = POOL_BYTES;
+    }
+    uint8_t *take = pool + POOL_BYTES - pool_left;
+    memcpy(out, take, n);
+    memset(take, 0, n);
+    pool_left -= n;
+}
 
 void ids_new(char out[IDS_MAX], const char *prefix)
 {
@@ -18,13 +59,7 @@ void ids_new(char out[IDS_MAX], const char *prefix)
         bytes[i] = (uint8_t)(ms & 0xff);
         ms >>= 8;
     }
-    size_t got = 0;
-    while (got < 10) {
-        ssize_t n = getrandom(bytes + 6 + got, 10 - got, 0);
-        if (n > 0) {
-            got += (size_t)n;
-        }
-    }
+    random_bytes(bytes + 6, 10);
     /* 128 bits -> 26 base32 characters, most significant first (2 leading pad bits). */
     char ulid[27];
     for (int i = 0; i < 26; i++) {

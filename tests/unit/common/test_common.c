@@ -20,8 +20,10 @@
 #include "utf8.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static void test_status(void)
@@ -215,6 +217,72 @@ static void test_ids(void)
     CHECK(!ids_valid_principal(""));
     CHECK(!ids_valid_principal(NULL));
     CHECK(!ids_valid_principal("a b"));
+}
+
+/* random_part is an id's last 16 characters: its 80 random bits. */
+static const char *random_part(const char *id)
+{
+    return id + strlen(id) - 16;
+}
+
+#define IDS_THREADS 4
+#define IDS_PER_THREAD 500
+static char thread_ids[IDS_THREADS][IDS_PER_THREAD][IDS_MAX];
+
+static void *make_ids(void *arg)
+{
+    char(*mine)[IDS_MAX] = arg;
+    for (int i = 0; i < IDS_PER_THREAD; i++) {
+        ids_new(mine[i], "att");
+    }
+    return NULL;
+}
+
+static int cmp_random_part(const void *a, const void *b)
+{
+    return strcmp(random_part(a), random_part(b));
+}
+
+/* Ids made at once on several threads, and in a forked child and its parent after the fork,
+ * never share their random bits (each thread draws from a pool of its own; a child empties
+ * the one it inherits). */
+static void test_ids_unique(void)
+{
+    pthread_t t[IDS_THREADS];
+    for (int i = 0; i < IDS_THREADS; i++) {
+        CHECK(pthread_create(&t[i], NULL, make_ids, thread_ids[i]) == 0);
+    }
+    for (int i = 0; i < IDS_THREADS; i++) {
+        pthread_join(t[i], NULL);
+    }
+    qsort(thread_ids, IDS_THREADS * IDS_PER_THREAD, IDS_MAX, cmp_random_part);
+    char(*all)[IDS_MAX] = thread_ids[0];
+    int repeats = 0;
+    for (int i = 1; i < IDS_THREADS * IDS_PER_THREAD; i++) {
+        repeats += strcmp(random_part(all[i - 1]), random_part(all[i])) == 0;
+    }
+    CHECK(repeats == 0);
+
+    char before[IDS_MAX], parent[IDS_MAX], child[IDS_MAX] = "";
+    ids_new(before, "sub"); /* the pool is full now: the child inherits it */
+    int fds[2];
+    CHECK(pipe(fds) == 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        char id[IDS_MAX];
+        ids_new(id, "sub");
+        _exit(write(fds[1], id, sizeof(id)) == (ssize_t)sizeof(id) ? 0 : 1);
+    }
+    CHECK(pid > 0);
+    ids_new(parent, "sub");
+    close(fds[1]);
+    CHECK(read(fds[0], child, sizeof(child)) == (ssize_t)sizeof(child));
+    close(fds[0]);
+    int status = -1;
+    CHECK(waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CHECK(strlen(child) == strlen(parent));
+    CHECK(strcmp(random_part(child), random_part(parent)) != 0);
+    CHECK(strcmp(random_part(before), random_part(parent)) != 0);
 }
 
 static void test_config(void)
@@ -501,6 +569,7 @@ int main(void)
     test_errinfo();
     test_buf();
     test_ids();
+    test_ids_unique();
     test_config();
     test_daemon_options();
     test_utf8();
