@@ -26,7 +26,8 @@ static int n_done;
 struct job {
     struct writer_job wj;
     int row;
-    bool interrupt; /* fail the way SQLite rolls the whole transaction back for */
+    bool interrupt;    /* fail the way SQLite rolls the whole transaction back for */
+    bool refuse_after; /* insert the row, then fail on its own */
     enum cf_status st;
     char msg[CF_ERROR_MSG_MAX];
 };
@@ -67,6 +68,10 @@ static enum cf_status run_job(struct ledger_ctx *c, void *arg, struct cf_error *
     struct job *j = arg;
     if (j->row == REFUSE_ROW) {
         return cf_error_set(err, CF_UNAVAILABLE, REFUSE_REASON);
+    }
+    if (j->refuse_after) {
+        enum cf_status st = insert(c->db, j->row, err);
+        return st != CF_OK ? st : cf_error_set(err, CF_UNAVAILABLE, REFUSE_REASON);
     }
     if (!j->interrupt) {
         return insert(c->db, j->row, err);
@@ -199,6 +204,60 @@ static void test_transaction_rolled_back_by_sqlite(const char *path, struct writ
     CHECK(count_rows(path) == rows + 1);
 }
 
+/* row_exists says whether some job's row x was committed. */
+static bool row_exists(const char *path, int x)
+{
+    sqlite3 *db = NULL;
+    sqlite3_stmt *s = NULL;
+    bool found = false;
+    if (sqlite3_open_v2(path, &db, SQLITE_OPEN_READONLY, NULL) == SQLITE_OK &&
+        sqlite3_prepare_v2(db, "SELECT 1 FROM t WHERE x = ?", -1, &s, NULL) == SQLITE_OK &&
+        sqlite3_bind_int(s, 1, x) == SQLITE_OK) {
+        found = sqlite3_step(s) == SQLITE_ROW;
+    }
+    sqlite3_finalize(s);
+    sqlite3_close(db);
+    return found;
+}
+
+/* A job that wrote and then failed on its own leaves nothing of its work behind, first in its
+ * batch, in the middle of it or alone, and its batch-mates' work is committed. */
+static void test_job_undone_after_writing(const char *path, struct writer *w)
+{
+    struct job before, partial, after, leading, behind, lone, next;
+    init_job(&before, 7, false);
+    init_job(&partial, 8, false);
+    partial.refuse_after = true;
+    init_job(&after, 9, false);
+    struct job *batch[] = {&before, &partial, &after};
+    run_as_one_batch(w, batch, 3);
+    CHECK(partial.st == CF_UNAVAILABLE);
+    CHECK_STR(partial.msg, REFUSE_REASON);
+    CHECK(before.st == CF_OK && after.st == CF_OK);
+    CHECK(row_exists(path, 7) && !row_exists(path, 8) && row_exists(path, 9));
+
+    init_job(&leading, 12, false);
+    leading.refuse_after = true;
+    init_job(&behind, 13, false);
+    struct job *led[] = {&leading, &behind};
+    run_as_one_batch(w, led, 2);
+    CHECK(leading.st == CF_UNAVAILABLE && behind.st == CF_OK);
+    CHECK(!row_exists(path, 12) && row_exists(path, 13));
+
+    init_job(&lone, 10, false);
+    lone.refuse_after = true;
+    struct job *alone[] = {&lone};
+    run_as_one_batch(w, alone, 1);
+    CHECK(lone.st == CF_UNAVAILABLE);
+    CHECK(!row_exists(path, 10));
+
+    init_job(&next, 11, false); /* the writer goes on as usual */
+    struct job *later[] = {&next};
+    run_as_one_batch(w, later, 1);
+    CHECK(next.st == CF_OK);
+    CHECK(row_exists(path, 11) && !row_exists(path, 10));
+}
+
 int main(void)
 {
     char path[128], side[160];
@@ -211,6 +270,7 @@ int main(void)
     CHECK(writer_start(&w, db, &cfg, 16, &err) == CF_OK);
     test_job_rolled_back_alone(path, w);
     test_transaction_rolled_back_by_sqlite(path, w);
+    test_job_undone_after_writing(path, w);
     writer_stop(w);
     unlink(path);
     snprintf(side, sizeof(side), "%s-wal", path);
