@@ -53,6 +53,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #define SLOTS_PER_METHOD 8
 #define GENERIC_SLOTS 2
@@ -1352,6 +1355,11 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
         {GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIME_MS, {.integer = rpc_keepalive_ms()}},
         {GRPC_ARG_INTEGER, GRPC_ARG_KEEPALIVE_TIMEOUT_MS, {.integer = rpc_keepalive_ms()}},
         {GRPC_ARG_INTEGER, GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, {.integer = 0}},
+        /* gRPC sets SO_REUSEPORT by default: a second daemon started on the same TCP port (a
+         * second storaged with another database, say) would bind too and get half of the
+         * connections without a word, and two servers binding port 0 can be handed the same
+         * port. Without it, the second bind fails: "address in use". */
+        {GRPC_ARG_INTEGER, GRPC_ARG_ALLOW_REUSEPORT, {.integer = 0}},
     };
     grpc_channel_args ca = {sizeof(args) / sizeof(args[0]), args};
     s->server = grpc_server_create(&ca, NULL);
@@ -1373,9 +1381,40 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
     return s;
 }
 
+/* unix_listener_alive tells whether a process accepts connections on the unix socket of
+ * addr ("unix:PATH" or "unix:///PATH"). gRPC removes the file of a unix socket before it
+ * binds its own, so a second daemon started on a live socket would take the path from the
+ * first, which would run on unreachable; a file no one listens on (left by a daemon that was
+ * killed) is replaced as before. */
+static bool unix_listener_alive(const char *addr)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    const char *path = addr + strlen("unix:");
+    if (!strncmp(path, "//", 2)) {
+        path += 2;
+    }
+    if (strlen(path) >= sizeof(sa.sun_path)) {
+        return false; /* gRPC says what is wrong with it */
+    }
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        return false;
+    }
+    bool alive = connect(fd, (const struct sockaddr *)&sa, sizeof(sa)) == 0;
+    close(fd);
+    return alive;
+}
+
 enum cf_status rpc_server_listen(struct rpc_server *s, const char *addr, int *port_out,
                                  struct cf_error *err)
 {
+    if (!strncmp(addr, "unix:", 5) && unix_listener_alive(addr)) {
+        return cf_error_set(err, CF_UNAVAILABLE,
+                            "cannot listen on '%s': another process is listening there (is a "
+                            "daemon already running on it?)",
+                            addr);
+    }
     grpc_server_credentials *creds =
         s->creds ? s->creds : grpc_insecure_server_credentials_create();
     int port = grpc_server_add_http2_port(s->server, addr, creds);
@@ -1384,8 +1423,8 @@ enum cf_status rpc_server_listen(struct rpc_server *s, const char *addr, int *po
     }
     if (port == 0) {
         return cf_error_set(err, CF_UNAVAILABLE,
-                            "cannot listen on '%s' (address in use, bad address, or no "
-                            "permission)",
+                            "cannot listen on '%s' (address in use: is a daemon already "
+                            "running on it?; or a bad address, or no permission)",
                             addr);
     }
     if (port_out) {

@@ -12,11 +12,15 @@
 #include "migrate.h"
 #include "stmt.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 static const char schema_sql[] =
     "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);"
@@ -205,6 +209,29 @@ static enum cf_status check_version(sqlite3 *db, const char *path, bool *fresh, 
                         "(and migrates versions %d to %d); refusing to open it",
                         path, v, DB_SCHEMA_VERSION, MIGRATE_OLDEST_VERSION,
                         atoi(DB_SCHEMA_VERSION) - 1);
+}
+
+enum cf_status db_hold(const char *path, bool *held, struct cf_error *err)
+{
+    *held = false;
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        return cf_error_set(err, errno == ENOSPC ? CF_FULL : CF_IO, "cannot open database %s: %s",
+                            path, strerror(errno));
+    }
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
+        *held = true; /* fd stays open: the lock lasts as long as the process */
+        return CF_OK;
+    }
+    int e = errno;
+    close(fd); /* SQLite has not opened the file yet: nothing of its is dropped */
+    if (e == EWOULDBLOCK) {
+        return cf_error_set(err, CF_PRECONDITION,
+                            "database %s is in use by another process (is another storaged "
+                            "running on it?)",
+                            path);
+    }
+    return CF_OK; /* no flock here (some network file systems): go on without */
 }
 
 /* configure_sqlite runs once, before SQLite initializes: no memory accounting. With it on (the

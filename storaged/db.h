@@ -105,6 +105,15 @@
  * of storaged's clock. 0 in every row of earlier versions. */
 #define DB_OWNER_STARTED_COLUMN "owner_started_at INTEGER NOT NULL DEFAULT 0"
 
+/* db_hold takes the database file at path for this process until it exits: an exclusive
+ * flock(2) on the file (created empty when missing, which SQLite reads as a new database), on a
+ * descriptor never closed (closing one would also drop SQLite's locks on the file: POSIX locks
+ * belong to the process). CF_PRECONDITION when another process holds it: a second storaged on
+ * the same database would commit beside the first without waking its followers, and stamp a
+ * clean stop into it when it stops. *held is false (CF_OK) where the file system does not lock
+ * files that way: the caller goes on without. Call it before db_open. */
+CF_MUST_CHECK enum cf_status db_hold(const char *path, bool *held, struct cf_error *err);
+
 /* db_open opens path. The writer connection creates the schema on first use (WAL mode,
  * synchronous=FULL, foreign keys on), migrates a database of an earlier schema version
  * (versions 1 to 8, or one stamped MIGRATE_MOVING_STAMP: migrate.h), and refuses one written by

@@ -72,13 +72,26 @@ struct storaged_opts {
     long long lease_ms, timeout_ms, max_attempts, max_msg, workers, group;
 };
 
-/* open_ledger opens (creating) the database and runs the boot check: a new boot after an
- * unclean stop fences running attempts. Prints and logs why it failed. */
+/* open_ledger takes the database for this process (db_hold), opens (creating) it and runs the
+ * boot check: a new boot after an unclean stop fences running attempts. Prints and logs why it
+ * failed. */
 static bool open_ledger(const struct daemon *d, const struct storaged_opts *o, sqlite3 **db)
 {
     struct cf_error err;
     char q[CF_ERROR_MSG_MAX + 16], boot_id[128];
     int fenced = 0;
+    bool held;
+    if (db_hold(o->db_path, &held, &err) != CF_OK) {
+        log_error("db_in_use", "db=%s err=%s", o->db_path, log_quote(q, sizeof(q), err.msg));
+        daemon_say(d, 1, "%s", err.msg);
+        return false;
+    }
+    if (!held) {
+        log_warn("db_not_locked",
+                 "db=%s: this file system does not lock files (flock): nothing "
+                 "keeps a second storaged from opening the database",
+                 o->db_path);
+    }
     if (db_open(o->db_path, true, db, &err) != CF_OK) {
         log_error("db_open_failed", "db=%s err=%s", o->db_path, log_quote(q, sizeof(q), err.msg));
         daemon_say(d, 1, "%s", err.msg);

@@ -3,7 +3,8 @@ error status (DATA_LOSS for corruption, INTERNAL or UNAVAILABLE otherwise), neve
 or "not found" answer. The fault is real: a page of the database file is overwritten while
 storaged is stopped, the way a bad disk sector or a stray writer would. And a disk that fills
 up under a running storaged (a real tmpfs, filled and emptied again) refuses writes
-RESOURCE_EXHAUSTED (STORAGE_FULL) until there is room, losing nothing.
+RESOURCE_EXHAUSTED (STORAGE_FULL) until there is room, losing nothing. A second storaged
+started on a running one's database or address is refused and leaves the first untouched.
 """
 
 import os
@@ -14,7 +15,7 @@ import unittest
 import grpc
 
 from cflue_harness import (
-    StoragedTestCase, TmpfsStoraged, admit, append, claim, common_pb2, error_reason, get,
+    Storaged, StoragedTestCase, StoreStub, TmpfsStoraged, admit, append, claim, common_pb2, error_reason, get,
     private_mount_problem, read_all, record, require_namespace, settle, store_pb2)
 
 ERROR_CODES = (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.INTERNAL,
@@ -155,6 +156,88 @@ class DiskFullTest(StoragedTestCase):
         for sid in ok + [after]:
             self.assertEqual(get(stub, sid).submission_id, sid)
         self.assertIsNone(sd.proc.poll())
+
+class ListeningOn(Storaged):
+    """A storaged listening on the address given (another daemon's, in these tests)."""
+
+    def __init__(self, listen, **kwargs):
+        self.listen = listen
+        Storaged.__init__(self, **kwargs)
+
+    def listen_args(self):
+        return ['--listen', self.listen]
+
+
+def meta(db, key):
+    con = sqlite3.connect('file:%s?mode=ro' % db, uri=True)
+    try:
+        row = con.execute('SELECT value FROM meta WHERE key = ?', (key,)).fetchone()
+        return row[0] if row else None
+    finally:
+        con.close()
+
+
+class SecondInstanceTest(StoragedTestCase):
+    """A storaged already running keeps its database and its address: a second one started on
+    either exits 1 saying what is in use, before it writes anything."""
+
+    def second(self, **kwargs):
+        sd = ListeningOn(start=False, **kwargs)
+        self._daemons.append(sd)
+        rc, err = sd.run_to_exit(timeout=15)
+        self.assertEqual(rc, 1, err)
+        return sd, err
+
+    def assert_serving(self, sd):
+        """Admits into sd and reads it back; returns the submission's id."""
+        sid = admit(sd.stub, conv='still-here').submission.submission_id
+        self.assertEqual(get(sd.stub, sid).submission_id, sid)
+        return sid
+
+    def test_the_same_database(self):
+        first = self.start_storaged()
+        before = self.assert_serving(first)
+        _, err = self.second(listen='unix:' + os.path.join(first.dir, 'other.sock'), db=first.db)
+        self.assertIn('database %s is in use by another process' % first.db, err)
+        # it wrote nothing: not the clean stop a storaged stamps when it stops
+        self.assertEqual(meta(first.db, 'clean_stop'), '0')
+        self.assert_serving(first)
+        first.stop()
+        self.assertEqual(meta(first.db, 'clean_stop'), '1')
+        # once the first is gone, the database is free
+        again = self.start_storaged(db=first.db)
+        self.assertEqual(get(again.stub, before).submission_id, before)
+
+    def test_the_same_tcp_port(self):
+        first = self.start_storaged(tcp=True)
+        port = int(first.target.rsplit(':', 1)[1])
+        _, err = self.second(listen='127.0.0.1:%d' % port)
+        self.assertIn("cannot listen on '127.0.0.1:%d' (address in use" % port, err)
+        # the port is the first one's alone: every new connection reaches it
+        for _ in range(5):
+            channel = grpc.insecure_channel(first.target)
+            try:
+                stub = StoreStub(lambda: channel)
+                sid = admit(stub, conv='still-here').submission.submission_id
+                self.assertEqual(get(first.stub, sid).submission_id, sid)
+            finally:
+                channel.close()
+
+    def test_the_same_unix_socket(self):
+        first = self.start_storaged()
+        _, err = self.second(listen='unix:' + first.sock)
+        self.assertIn("cannot listen on 'unix:%s': another process is listening there"
+                      % first.sock, err)
+        self.assertTrue(os.path.exists(first.sock))
+        self.assert_serving(first)
+
+    def test_a_socket_left_by_a_killed_storaged_is_reused(self):
+        first = self.start_storaged()
+        first.kill()
+        self.assertTrue(os.path.exists(first.sock))  # nobody listens on it now
+        first.start()
+        self.assert_serving(first)
+
 
 if __name__ == '__main__':
     unittest.main()
