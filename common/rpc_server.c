@@ -44,6 +44,7 @@
 
 #include "grpc/health/v1/health.pb-c.h"
 
+#include <errno.h>
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
@@ -1397,11 +1398,12 @@ static bool unix_listener_alive(const char *addr)
         return false; /* gRPC says what is wrong with it */
     }
     memcpy(sa.sun_path, path, strlen(path) + 1);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) {
         return false;
     }
-    bool alive = connect(fd, (const struct sockaddr *)&sa, sizeof(sa)) == 0;
+    /* EAGAIN: its backlog is full, so someone listens (and a blocking connect would wait) */
+    bool alive = connect(fd, (const struct sockaddr *)&sa, sizeof(sa)) == 0 || errno == EAGAIN;
     close(fd);
     return alive;
 }
