@@ -269,7 +269,7 @@ static void test_ids_unique(void)
     CHECK(pipe(fds) == 0);
     pid_t pid = fork();
     if (pid == 0) {
-        char id[IDS_MAX];
+        char id[IDS_MAX] = ""; /* every byte set: all of them are written */
         ids_new(id, "sub");
         _exit(write(fds[1], id, sizeof(id)) == (ssize_t)sizeof(id) ? 0 : 1);
     }
