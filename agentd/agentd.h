@@ -46,6 +46,9 @@ struct agentd {
     pthread_mutex_t mu;
     pthread_cond_t wake;
     bool stopping;
+    /* The drives' slots. Slots [0, active_used) have held a drive; the ones past it never
+     * have, and nothing reads them, so their pages are not resident until work needs them. */
+    int active_used;
     struct active active[ACTIVE_MAX];
 };
 

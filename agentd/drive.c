@@ -843,6 +843,7 @@ static bool begin_drive(struct drive *d)
     for (int i = 0; i < ACTIVE_MAX && !d->act; i++) {
         if (!g_agentd.active[i].in_use) {
             d->act = &g_agentd.active[i];
+            g_agentd.active_used = i >= g_agentd.active_used ? i + 1 : g_agentd.active_used;
             memset(d->act, 0, sizeof(*d->act));
             d->act->in_use = true;
             snprintf(d->act->submission_id, sizeof(d->act->submission_id), "%s",

@@ -189,7 +189,7 @@ bool agentd_mark_abort(const char *submission_id)
     bool here = false;
     uint64_t cancel = 0;
     pthread_mutex_lock(&g_agentd.mu);
-    for (int i = 0; i < ACTIVE_MAX; i++) {
+    for (int i = 0; i < g_agentd.active_used; i++) {
         struct active *a = &g_agentd.active[i];
         if (a->in_use && !strcmp(a->submission_id, submission_id)) {
             a->abort_requested = true;
@@ -206,7 +206,7 @@ bool agentd_note_queued(const char *conversation_id)
 {
     bool here = false;
     pthread_mutex_lock(&g_agentd.mu);
-    for (int i = 0; i < ACTIVE_MAX && !here; i++) {
+    for (int i = 0; i < g_agentd.active_used && !here; i++) {
         struct active *a = &g_agentd.active[i];
         if (a->in_use && !strcmp(a->conversation_id, conversation_id)) {
             a->queued_hint = true;
@@ -308,7 +308,7 @@ void engine_stop(void)
     int n = 0;
     pthread_mutex_lock(&g_agentd.mu);
     g_agentd.stopping = true;
-    for (int i = 0; i < ACTIVE_MAX; i++) {
+    for (int i = 0; i < g_agentd.active_used; i++) {
         struct active *a = &g_agentd.active[i];
         a->shutting_down = true;
         if (a->in_use) {
@@ -332,7 +332,7 @@ static bool driven_here(const char *submission_id)
 {
     bool here = false;
     pthread_mutex_lock(&g_agentd.mu);
-    for (int i = 0; i < ACTIVE_MAX && !here; i++) {
+    for (int i = 0; i < g_agentd.active_used && !here; i++) {
         here =
             g_agentd.active[i].in_use && !strcmp(g_agentd.active[i].submission_id, submission_id);
     }
@@ -757,7 +757,7 @@ static bool heartbeat_some(Cflue__V1__Fence **ptrs, size_t n)
         for (size_t k = 0; k < r->n_lost; k++) {
             uint64_t cancel = 0;
             pthread_mutex_lock(&g_agentd.mu);
-            for (int i = 0; i < ACTIVE_MAX; i++) {
+            for (int i = 0; i < g_agentd.active_used; i++) {
                 struct active *a = &g_agentd.active[i];
                 /* a drive whose Settle went out may be settled already: its Settle's answer,
                  * not the Heartbeat, says whether its lease was lost */
@@ -830,7 +830,7 @@ static void poll_aborts(void)
             const char *id = l->submissions[i]->submission_id;
             bool fresh = false;
             pthread_mutex_lock(&g_agentd.mu);
-            for (int k = 0; k < ACTIVE_MAX; k++) {
+            for (int k = 0; k < g_agentd.active_used; k++) {
                 struct active *a = &g_agentd.active[k];
                 fresh =
                     fresh || (a->in_use && !a->abort_requested && !strcmp(a->submission_id, id));
@@ -857,7 +857,7 @@ static void *heartbeat_main(void *arg)
         pthread_mutex_lock(&g_agentd.mu);
         bool stop = g_agentd.stopping;
         int n = 0;
-        for (int i = 0; i < ACTIVE_MAX; i++) {
+        for (int i = 0; i < g_agentd.active_used; i++) {
             if (g_agentd.active[i].in_use) {
                 snap[n++] = g_agentd.active[i];
             }

@@ -1394,10 +1394,11 @@ static bool unix_listener_alive(const char *addr)
     if (!strncmp(path, "//", 2)) {
         path += 2;
     }
-    if (strlen(path) >= sizeof(sa.sun_path)) {
+    size_t len = strlen(path);
+    if (len >= sizeof(sa.sun_path)) {
         return false; /* gRPC says what is wrong with it */
     }
-    memcpy(sa.sun_path, path, strlen(path) + 1);
+    memcpy(sa.sun_path, path, len + 1);
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) {
         return false;
