@@ -25,7 +25,7 @@ from cflue_harness import Agentd, FakeModel, Storaged, Toold, common_pb2
 import secret_scan
 
 M64 = (1 << 64) - 1
-CONVERSATIONS = 10
+PER_REPLICA = 3  # conversations the list test places on each replica
 
 
 def score(replica, sandbox):
@@ -43,6 +43,20 @@ def score(replica, sandbox):
 
 def owner(names, sandbox):
     return max(sorted(names), key=lambda n: score(n, sandbox))
+
+
+def spread(names, per):
+    """Conversation ids, `per` of them owned by each of names: which ids land where depends on
+    the replicas' ports, and ids taken in a fixed order put all of a few on one replica now and
+    then, which would leave the spread untested."""
+    mine = {n: [] for n in names}
+    i = 0
+    while min(len(v) for v in mine.values()) < per:
+        conv = 'conv_list_%03d' % i
+        if len(mine[owner(names, conv)]) < per:
+            mine[owner(names, conv)].append(conv)
+        i += 1
+    return sorted(c for v in mine.values() for c in v)
 
 
 AGENT = '''---
@@ -111,20 +125,19 @@ class ListTest(PlacementCase):
         names = [td.target for td in toolds]
         self.define('[%s]' % ', '.join('"%s"' % n for n in names))
         ad = self.keep(Agentd(self.sd.target, self.agents, env=self.model_env()))
-        used = set()
-        for i in range(CONVERSATIONS):
-            conv = 'conv_list_%02d' % i
+        convs = spread(names, PER_REPLICA)
+        for conv in convs:  # each replica gets its share: agentd uses them all
             self.converse(ad, conv)
             want = names.index(owner(names, conv))
-            self.assertEqual(self.where(toolds, conv), ([want], [want]), conv)
-            used.add(want)
-        self.assertGreater(len(used), 1)  # spread, not all on one
+            self.assertEqual(self.where(toolds, conv), ([want], [want]),
+                             '%s on the replicas %s' % (conv, names))
         # a second agentd places alike (nothing but the names decides)
         ad2 = self.keep(Agentd(self.sd.target, self.agents, env=self.model_env()))
-        conv = 'conv_list_00'
+        conv = 'conv_list_second_agentd'
         self.converse(ad2, conv)
         want = names.index(owner(names, conv))
-        self.assertEqual(self.where(toolds, conv)[0], [want])
+        self.assertEqual(self.where(toolds, conv), ([want], [want]),
+                         '%s on the replicas %s' % (conv, names))
 
     def test_stop_signals_reach_only_the_main_thread(self):
         """The placement watch (a dns: address) starts while the definitions load, before the
