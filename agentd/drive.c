@@ -139,7 +139,28 @@ void drive_fault(struct drive *d, const char *what, const struct cf_error *e)
 
 int64_t drive_time_left(struct drive *d)
 {
-    return d->timeout_at_ms ? d->timeout_at_ms - clock_now_ms() : INT64_MAX;
+    return d->timeout_at_mono_ms ? d->timeout_at_mono_ms - clock_mono_ms() : INT64_MAX;
+}
+
+/* local_deadline turns deadline_ms, a time of storaged's clock, into one of this process's
+ * monotonic clock (drive_set_deadline); 0 stays 0. */
+static int64_t local_deadline(const struct drive *d, int64_t deadline_ms)
+{
+    if (deadline_ms <= 0) {
+        return 0;
+    }
+    int64_t left = deadline_ms - pbtime_ms(d->sub->start_time);
+    /* always a claim's time by now; without one, this host's clock is all there is */
+    if (!d->sub->start_time) {
+        left = deadline_ms - clock_now_ms() + (clock_mono_ms() - d->claimed_mono_ms);
+    }
+    int64_t at = d->claimed_mono_ms + left;
+    return at != 0 ? at : -1; /* 0 means none: a limit that fell on it has passed */
+}
+
+void drive_set_deadline(struct drive *d, const Google__Protobuf__Timestamp *deadline)
+{
+    d->timeout_at_mono_ms = local_deadline(d, pbtime_ms(deadline));
 }
 
 bool drive_transient(enum cf_status rc)
@@ -429,7 +450,8 @@ static enum drive_state step_input(struct drive *d)
     if (!d->sub->input_apply_time && d->sub->start_time && d->agent->timeout_ms > 0) {
         /* the limit the stamp installs (storaged: this attempt's start plus the agent's limit),
          * in force before its answer: the first model call goes out beside the stamp */
-        d->timeout_at_ms = pbtime_ms(d->sub->start_time) + d->agent->timeout_ms;
+        d->timeout_at_mono_ms =
+            local_deadline(d, pbtime_ms(d->sub->start_time) + d->agent->timeout_ms);
     }
     if (!drive_halted(d)) {
         settle_repair(d, true);
@@ -911,6 +933,7 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
     memset(d, 0, sizeof(*d));
     d->claim = claim;
     d->sub = claim->submission;
+    d->claimed_mono_ms = clock_mono_ms();
     if (drive_sub_trace(d->sub, &d->trace)) {
         trace_child(&d->trace, &d->trace); /* the same trace, a span of this drive's own */
     } else {
@@ -920,7 +943,7 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
     trace_enter(&d->trace, &saved); /* its first lines, on the claimer's or a Submit's thread */
     d->takeover = claim->takeover;
     d->fence = *claim->fence;
-    d->timeout_at_ms = pbtime_ms(d->sub->deadline);
+    drive_set_deadline(d, d->sub->deadline);
     d->queued = claim->queued_behind;
     d->outcome = CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
     rlog_init(&d->log);

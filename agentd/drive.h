@@ -259,10 +259,13 @@ struct drive {
     struct buf delta;
     int64_t delta_flushed_ms;
     int delta_seq;
-    int turn;              /* the model turn being taken, from 1 (AssistantMessage.turn) */
-    bool quiet;            /* a call whose text is not shown to watchers (summaries) */
-    bool compact_request;  /* this submission asks for a compaction, not an answer */
-    int64_t timeout_at_ms; /* the time limit (epoch ms, 0: none), as storaged installed it */
+    int turn;             /* the model turn being taken, from 1 (AssistantMessage.turn) */
+    bool quiet;           /* a call whose text is not shown to watchers (summaries) */
+    bool compact_request; /* this submission asks for a compaction, not an answer */
+    /* The time limit storaged installed, on this process's monotonic clock (0: none): see
+     * drive_set_deadline. claimed_mono_ms: when the claim was answered, by that clock. */
+    int64_t timeout_at_mono_ms;
+    int64_t claimed_mono_ms;
     struct cf_error err;
     struct cf_error fault; /* the first storaged/toold failure: the attempt ends unsettled */
     int store_tries;       /* how many tries the last dstore_call took */
@@ -352,6 +355,13 @@ bool drive_halted(struct drive *d);
 void drive_fault(struct drive *d, const char *what, const struct cf_error *e);
 /* drive_time_left: milliseconds left before the time limit (INT64_MAX: none). */
 int64_t drive_time_left(struct drive *d);
+/* drive_set_deadline puts in force the time limit storaged gave the submission (deadline, a
+ * time of storaged's clock; NULL: none). It is kept as a time of this process's monotonic
+ * clock: as much time is left as was left at the claim by storaged's own clock (the deadline
+ * less the attempt's start_time, storaged's clock at the claim), counted from when the claim
+ * was answered here. So neither a clock that differs between the two hosts nor a step of
+ * either clock while the drive runs moves it. */
+void drive_set_deadline(struct drive *d, const Google__Protobuf__Timestamp *deadline);
 /* drive_transient: a status from storaged or toold that says "try again later". */
 bool drive_transient(enum cf_status rc);
 

@@ -237,7 +237,7 @@ class Stack(object):
 
     def __init__(self, agents=('runner-anthropic', 'runner-openai'), n_agentd=1,
                  agentd_args=(), owner_ids=None, with_toold=True, storaged_args=(),
-                 storaged_env=None):
+                 storaged_env=None, agentd_env=None):
         self.dir = tempfile.mkdtemp(prefix='cflue-agentd-it-')
         self.daemons = []
         self.agentds = []
@@ -266,6 +266,7 @@ class Stack(object):
                         'ANTHROPIC_API_KEY': 'test-anthropic-key',
                         'OPENAI_BASE_URL': self.fm.openai_base_url,
                         'OPENAI_API_KEY': 'test-openai-key'}
+            self.env.update(agentd_env or {})
             for i in range(n_agentd):
                 owner = owner_ids[i] if owner_ids else 'agentd-it-%d' % i
                 ad = Agentd(self.sd.target, self.agents_dir, owner_id=owner, env=self.env,

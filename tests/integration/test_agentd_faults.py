@@ -10,8 +10,10 @@ stream ends with a finished answer: the last assistant message asks for no tool 
 tool call has a recorded result (the real one, or "outcome unknown" after an interruption).
 """
 
+import calendar
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -445,6 +447,88 @@ class FaultsCase(FaultsBase):
         self.assertLess(took, 3.0, 'agentd took %.1f s to use storaged again' % took)
         sub = self.wait_settled(adm.submission_id, timeout=30)
         self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+
+
+FAKETIME_LIB = '/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1'
+
+
+def clock_apart_env(offset):
+    """The environment of a daemon whose wall clock reads `offset` (libfaketime's syntax: '+1h',
+    '-1h') from the host's, as on a host whose clock is off; its monotonic clock is the host's."""
+    asan = os.environ.get('ASAN_OPTIONS', '')
+    return {'LD_PRELOAD': FAKETIME_LIB, 'FAKETIME': offset, 'FAKETIME_DONT_FAKE_MONOTONIC': '1',
+            # an ASan build checks that its runtime is the first library loaded: here it is not
+            'ASAN_OPTIONS': (asan + ':' if asan else '') + 'verify_asan_link_order=0'}
+
+
+class ClockApartBase(FaultsBase):
+    """agentd on a wall clock an hour off storaged's. The 'brief' agent has 4 s per
+    submission: storaged's deadline, counted by agentd from the claim."""
+
+    @classmethod
+    def setUpClass(cls):
+        if not os.path.exists(FAKETIME_LIB):
+            raise unittest.SkipTest('libfaketime is not installed (scripts/setup installs it)')
+        if os.environ.get('CFLUE_TSAN'):
+            # libfaketime's pthread_cond_timedwait takes the mutex back behind ThreadSanitizer's
+            # back: it reports a double lock at every timed wait. The other stages run these.
+            raise unittest.SkipTest('libfaketime and ThreadSanitizer do not go together')
+        super(ClockApartBase, cls).setUpClass()
+
+    def assert_clock_apart(self, hours):
+        """agentd's log lines bear its clock's time: `hours` off this one's."""
+        stamps = re.findall(r'^ts=(\S+)Z ', self.ad.stderr_text(), re.M)
+        self.assertTrue(stamps, 'no log line with a time')
+        t = calendar.timegm(time.strptime(stamps[-1].split('.')[0], '%Y-%m-%dT%H:%M:%S'))
+        self.assertAlmostEqual((t - time.time()) / 3600.0, hours, delta=0.1, msg=stamps[-1])
+
+    def test_a_submission_has_its_whole_time(self):
+        conv = new_conv('clock-whole')
+        ws = self.workspace(conv)
+        self.fm.set_scenario(bind([
+            {'delay_ms': 1500, 'tool_calls': [{'name': 'bash', 'arguments': {
+                'command': 'echo ran > ran.txt'}}]},
+            {'text': 'done'}], conv))
+        adm = self.ad.submit('brief', 'quick (%s)' % conv, conversation_id=conv)
+        sub = self.wait_settled(adm.submission_id, timeout=30)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertTrue(os.path.exists(os.path.join(ws, 'ran.txt')))
+
+    def test_the_time_limit_ends_it_on_time(self):
+        conv = new_conv('clock-limit')
+        ws = self.workspace(conv)
+        # the model answers after the submission's 4 s are over, asking for a tool
+        self.fm.set_scenario(bind([
+            {'delay_ms': 5500, 'tool_calls': [{'name': 'bash', 'arguments': {
+                'command': 'echo late >> effects.txt'}}]},
+            {'text': 'should not be asked'}], conv))
+        t0 = time.monotonic()
+        adm = self.ad.submit('brief', 'slow (%s)' % conv, conversation_id=conv)
+        sub = self.wait_settled(adm.submission_id, timeout=30)
+        self.assertEqual(outcome_name(sub.outcome), 'FAILED', sub.error)
+        self.assertIn('time limit', sub.error)
+        self.assertGreater(time.monotonic() - t0, 3, 'the limit ended it early')
+        time.sleep(2)  # the late answer would have run its tool by now
+        self.assertFalse(os.path.exists(os.path.join(ws, 'effects.txt')),
+                         'a tool ran after the time limit')
+
+
+class ClockAheadTest(ClockApartBase):
+    """Counted by agentd's wall clock, every deadline would be an hour past at once."""
+    stack_kwargs = dict(FaultsBase.stack_kwargs, agentd_env=clock_apart_env('+1h'))
+
+    def setUp(self):
+        super(ClockAheadTest, self).setUp()
+        self.assert_clock_apart(+1)
+
+
+class ClockBehindTest(ClockApartBase):
+    """Counted by agentd's wall clock, no deadline would come for an hour."""
+    stack_kwargs = dict(FaultsBase.stack_kwargs, agentd_env=clock_apart_env('-1h'))
+
+    def setUp(self):
+        super(ClockBehindTest, self).setUp()
+        self.assert_clock_apart(-1)
 
 
 class ShortOutageTest(FaultsBase):
