@@ -585,7 +585,7 @@ static void *worker_main(void *arg)
             wait = until < 1 ? 1 : until < wait ? until : wait;
         }
         clock_deadline(&ts, wait);
-        pthread_cond_timedwait(&eng.work, &eng.mu, &ts);
+        clock_cond_wait(&eng.work, &eng.mu, &ts);
     }
     pthread_cond_broadcast(&eng.work); /* the other workers see the end too */
     pthread_mutex_unlock(&eng.mu);
@@ -706,7 +706,7 @@ static void *claimer_main(void *arg)
         clock_deadline(&ts, wait_ms);
         pthread_mutex_lock(&g_agentd.mu);
         if (!g_agentd.stopping && !woken) {
-            pthread_cond_timedwait(&g_agentd.wake, &g_agentd.mu, &ts);
+            clock_cond_wait(&g_agentd.wake, &g_agentd.mu, &ts);
         }
         pthread_mutex_unlock(&g_agentd.mu);
     }

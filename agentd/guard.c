@@ -13,7 +13,7 @@ static void *watch(void *arg)
     while (!g->over) {
         struct timespec ts;
         clock_deadline(&ts, 100);
-        pthread_cond_timedwait(&g->cv, &g->mu, &ts);
+        clock_cond_wait(&g->cv, &g->mu, &ts);
         if (!g->over && g->stop(g->ctx)) {
             rpc_stream_cancel(g->stream);
             break;

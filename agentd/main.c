@@ -92,7 +92,7 @@ static void *watch_definitions(void *arg)
         } else if (!g_watch.hup) {
             struct timespec until;
             clock_deadline(&until, g_watch.every_ms);
-            pthread_cond_timedwait(&g_watch.cond, &g_watch.mu, &until);
+            clock_cond_wait(&g_watch.cond, &g_watch.mu, &until);
         }
         bool hup = g_watch.hup, polled = g_watch.every_ms > 0;
         g_watch.hup = false;

@@ -372,8 +372,7 @@ static void *refresh_main(void *arg)
         lookup_all();
         struct timespec until;
         clock_deadline(&until, PLACEMENT_REFRESH_MS);
-        while (!g.stopping && g.added == added &&
-               pthread_cond_timedwait(&g.wake, &g.mu, &until) == 0) {
+        while (!g.stopping && g.added == added && clock_cond_wait(&g.wake, &g.mu, &until) == 0) {
         }
     }
     pthread_cond_broadcast(&g.looked);
@@ -434,7 +433,7 @@ static struct watched *await_first_lookup(const char *spec)
     clock_deadline(&until, PLACEMENT_FIRST_LOOKUP_MS);
     struct watched *w;
     while ((w = find(spec)) && !w->looked_up && g.started && !g.stopping &&
-           pthread_cond_timedwait(&g.looked, &g.mu, &until) == 0) {
+           clock_cond_wait(&g.looked, &g.mu, &until) == 0) {
     }
     return w;
 }

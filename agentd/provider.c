@@ -538,7 +538,7 @@ enum cf_status llm_complete(const struct provider_endpoint *ep, const struct llm
             if (poll) {
                 struct timespec ts;
                 clock_deadline(&ts, MODEL_IO_CANCEL_POLL_MS);
-                pthread_cond_timedwait(&w.cv, &w.mu, &ts);
+                clock_cond_wait(&w.cv, &w.mu, &ts);
             } else {
                 pthread_cond_wait(&w.cv, &w.mu);
             }

@@ -37,11 +37,16 @@ void clock_sleep_ms(int64_t ms)
 
 void clock_deadline(struct timespec *ts, int64_t ms)
 {
-    clock_gettime(CLOCK_REALTIME, ts);
+    clock_gettime(CLOCK_MONOTONIC, ts);
     ts->tv_sec += ms / 1000;
     ts->tv_nsec += (long)(ms % 1000) * 1000000L;
     if (ts->tv_nsec >= 1000000000L) {
         ts->tv_sec++;
         ts->tv_nsec -= 1000000000L;
     }
+}
+
+int clock_cond_wait(pthread_cond_t *cv, pthread_mutex_t *mu, const struct timespec *deadline)
+{
+    return pthread_cond_clockwait(cv, mu, CLOCK_MONOTONIC, deadline);
 }

@@ -41,7 +41,7 @@ static void *probe_main(void *arg)
         clock_deadline(&ts, READY_EVERY_MS);
         pthread_mutex_lock(&p->mu);
         if (!p->stop) {
-            pthread_cond_timedwait(&p->cv, &p->mu, &ts);
+            clock_cond_wait(&p->cv, &p->mu, &ts);
         }
         bool stop = p->stop;
         pthread_mutex_unlock(&p->mu);

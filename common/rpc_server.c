@@ -660,7 +660,7 @@ bool rpc_call_wait(struct rpc_call *c, int ms)
     clock_deadline(&ts, ms);
     pthread_mutex_lock(&c->mu);
     if (!c->dead && !c->closed) {
-        pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+        clock_cond_wait(&c->cv, &c->mu, &ts);
     }
     pthread_mutex_unlock(&c->mu);
     return rpc_call_cancelled(c);
@@ -827,7 +827,7 @@ static struct rpc_call *next_stream_call(struct rpc_server *s)
     clock_deadline(&ts, STREAM_SPARE_LINGER_MS);
     s->threads_spare++;
     while (!s->spare_head && !s->spares_quit) {
-        if (pthread_cond_timedwait(&s->spare_cv, &s->mu, &ts) != 0) {
+        if (clock_cond_wait(&s->spare_cv, &s->mu, &ts) != 0) {
             break;
         }
     }
@@ -1241,7 +1241,7 @@ static void health_wait(struct rpc_server *s, const char *service, int seen, int
     clock_deadline(&ts, ms);
     pthread_mutex_lock(&s->mu);
     if (serving_status_locked(s, is_liveness(service)) == seen) {
-        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+        clock_cond_wait(&s->cv, &s->mu, &ts);
     }
     pthread_mutex_unlock(&s->mu);
 }
@@ -1558,7 +1558,7 @@ static bool wait_until(struct rpc_server *s, bool (*cond)(struct rpc_server *), 
     while (!cond(s)) {
         if (ms < 0) {
             pthread_cond_wait(&s->cv, &s->mu);
-        } else if (pthread_cond_timedwait(&s->cv, &s->mu, &ts) != 0) {
+        } else if (clock_cond_wait(&s->cv, &s->mu, &ts) != 0) {
             break;
         }
     }

@@ -1,10 +1,11 @@
 /* Unit tests of common/: status table, bounded buffers, ids, config and daemon options, UTF-8,
- * arena, log quoting, base64, image bounds. */
+ * arena, log quoting, base64, image bounds, timed waits. */
 #include "../check.h"
 
 #include "arena.h"
 #include "base64.h"
 #include "buf.h"
+#include "clock.h"
 #include "config.h"
 #include "daemon.h"
 #include "errinfo.h"
@@ -19,6 +20,7 @@
 #include "thread.h"
 #include "utf8.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -475,6 +477,59 @@ static void *own_name(void *arg)
     return NULL;
 }
 
+struct waker {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool woken;
+};
+
+static void *wake_later(void *arg)
+{
+    struct waker *w = arg;
+    clock_sleep_ms(50);
+    pthread_mutex_lock(&w->mu);
+    w->woken = true;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    return NULL;
+}
+
+static void test_clock_wait(void)
+{
+    /* a deadline is a time of the monotonic clock (a wall-clock one would be decades ahead of
+     * it), so a step of the wall clock cannot move it */
+    struct timespec ts, mono;
+    clock_gettime(CLOCK_MONOTONIC, &mono);
+    clock_deadline(&ts, 1500);
+    int64_t ahead =
+        (int64_t)(ts.tv_sec - mono.tv_sec) * 1000 + (ts.tv_nsec - mono.tv_nsec) / 1000000;
+    CHECK(ahead >= 1500 && ahead < 60000);
+    /* a wait nobody ends times out at its deadline, not before */
+    struct waker w = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, false};
+    pthread_mutex_lock(&w.mu);
+    int64_t t0 = clock_mono_ms();
+    clock_deadline(&ts, 100);
+    int rc = 0;
+    while (rc == 0) { /* a wake-up without a signal may end a wait early: wait again */
+        rc = clock_cond_wait(&w.cv, &w.mu, &ts);
+    }
+    CHECK(rc == ETIMEDOUT);
+    CHECK(clock_mono_ms() - t0 >= 100);
+    /* a signal ends it */
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, wake_later, &w) == 0);
+    clock_deadline(&ts, 20000);
+    t0 = clock_mono_ms();
+    rc = 0;
+    while (!w.woken && rc == 0) {
+        rc = clock_cond_wait(&w.cv, &w.mu, &ts);
+    }
+    CHECK(rc == 0 && w.woken);
+    CHECK(clock_mono_ms() - t0 < 15000);
+    pthread_mutex_unlock(&w.mu);
+    pthread_join(t, NULL);
+}
+
 static void test_thread(void)
 {
     struct cf_error err;
@@ -576,6 +631,7 @@ int main(void)
     test_arena();
     test_log_quote();
     test_thread();
+    test_clock_wait();
     test_base64();
     test_image();
     return check_done("test_common");

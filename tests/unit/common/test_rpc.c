@@ -1048,7 +1048,7 @@ static bool ar_wait(struct areader *r, int got, int ms)
     clock_deadline(&ts, ms);
     pthread_mutex_lock(&r->mu);
     while (!r->ended && (got < 0 || r->got < got)) {
-        if (pthread_cond_timedwait(&r->cv, &r->mu, &ts) != 0) {
+        if (clock_cond_wait(&r->cv, &r->mu, &ts) != 0) {
             break;
         }
     }
@@ -1188,7 +1188,7 @@ static void ac_wait(struct acaller *a)
     struct timespec ts;
     clock_deadline(&ts, 5000);
     pthread_mutex_lock(&a->mu);
-    while (!a->ended && pthread_cond_timedwait(&a->cv, &a->mu, &ts) == 0) {
+    while (!a->ended && clock_cond_wait(&a->cv, &a->mu, &ts) == 0) {
     }
     pthread_mutex_unlock(&a->mu);
 }
