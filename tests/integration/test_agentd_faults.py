@@ -486,8 +486,7 @@ class ClockApartBase(FaultsBase):
         conv = new_conv('clock-whole')
         ws = self.workspace(conv)
         self.fm.set_scenario(bind([
-            {'delay_ms': 1500, 'tool_calls': [{'name': 'bash', 'arguments': {
-                'command': 'echo ran > ran.txt'}}]},
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'echo ran > ran.txt'}}]},
             {'text': 'done'}], conv))
         adm = self.ad.submit('brief', 'quick (%s)' % conv, conversation_id=conv)
         sub = self.wait_settled(adm.submission_id, timeout=30)
