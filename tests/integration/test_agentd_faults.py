@@ -137,6 +137,25 @@ class FaultsBase(AgentdCase):
         self.fail('submission %s did not settle within %.0f s (last: %s %s)'
                   % (sid, timeout, last and last.code(), last and last.details()))
 
+    def assert_limit_ends_a_late_answer(self, tag):
+        """The 'brief' agent's 4 s end a submission whose model answers after 5.5 s, asking
+        for a tool: it fails saying so, not before its time, and the tool never runs."""
+        conv = new_conv(tag)
+        ws = self.workspace(conv)
+        self.fm.set_scenario(bind([
+            {'delay_ms': 5500, 'tool_calls': [{'name': 'bash', 'arguments': {
+                'command': 'echo late >> effects.txt'}}]},
+            {'text': 'should not be asked'}], conv))
+        t0 = time.monotonic()
+        adm = self.ad.submit('brief', 'slow (%s)' % conv, conversation_id=conv)
+        sub = self.wait_settled(adm.submission_id, timeout=30)
+        self.assertEqual(outcome_name(sub.outcome), 'FAILED', sub.error)
+        self.assertIn('time limit', sub.error)
+        self.assertGreater(time.monotonic() - t0, 3, 'the limit ended it early')
+        time.sleep(2)  # the late answer would have run its tool by now
+        self.assertFalse(os.path.exists(os.path.join(ws, 'effects.txt')),
+                         'a tool ran after the time limit')
+
     def wait_record(self, conv, pred, what, timeout=20):
         return self.wait_for(what, lambda: [r for r in self.records(conv) if pred(r)],
                              timeout=timeout)
@@ -368,20 +387,7 @@ class FaultsCase(FaultsBase):
     # ---- limits that are limits ----
 
     def test_time_limit_settles_failed_and_no_tool_runs_after_it(self):
-        conv = new_conv('deadline')
-        ws = self.workspace(conv)
-        # the model answers after the submission's 4 s are over, asking for a tool
-        self.fm.set_scenario(bind([
-            {'delay_ms': 5500, 'tool_calls': [{'name': 'bash', 'arguments': {
-                'command': 'echo late >> effects.txt'}}]},
-            {'text': 'should not be asked'}], conv))
-        adm = self.ad.submit('brief', 'quick (%s)' % conv, conversation_id=conv)
-        sub = self.wait_settled(adm.submission_id, timeout=30)
-        self.assertEqual(outcome_name(sub.outcome), 'FAILED', sub.error)
-        self.assertIn('time limit', sub.error)
-        time.sleep(2)  # the late answer would have run its tool by now
-        self.assertFalse(os.path.exists(os.path.join(ws, 'effects.txt')),
-                         'a tool ran after the time limit')
+        self.assert_limit_ends_a_late_answer('deadline')
 
     def test_time_limit_bounds_a_running_tool_call(self):
         conv = new_conv('deadline-tool')
@@ -494,22 +500,7 @@ class ClockApartBase(FaultsBase):
         self.assertTrue(os.path.exists(os.path.join(ws, 'ran.txt')))
 
     def test_the_time_limit_ends_it_on_time(self):
-        conv = new_conv('clock-limit')
-        ws = self.workspace(conv)
-        # the model answers after the submission's 4 s are over, asking for a tool
-        self.fm.set_scenario(bind([
-            {'delay_ms': 5500, 'tool_calls': [{'name': 'bash', 'arguments': {
-                'command': 'echo late >> effects.txt'}}]},
-            {'text': 'should not be asked'}], conv))
-        t0 = time.monotonic()
-        adm = self.ad.submit('brief', 'slow (%s)' % conv, conversation_id=conv)
-        sub = self.wait_settled(adm.submission_id, timeout=30)
-        self.assertEqual(outcome_name(sub.outcome), 'FAILED', sub.error)
-        self.assertIn('time limit', sub.error)
-        self.assertGreater(time.monotonic() - t0, 3, 'the limit ended it early')
-        time.sleep(2)  # the late answer would have run its tool by now
-        self.assertFalse(os.path.exists(os.path.join(ws, 'effects.txt')),
-                         'a tool ran after the time limit')
+        self.assert_limit_ends_a_late_answer('clock-limit')
 
 
 class ClockAheadTest(ClockApartBase):
