@@ -450,8 +450,7 @@ static enum drive_state step_input(struct drive *d)
     if (!d->sub->input_apply_time && d->sub->start_time && d->agent->timeout_ms > 0) {
         /* the limit the stamp installs (storaged: this attempt's start plus the agent's limit),
          * in force before its answer: the first model call goes out beside the stamp */
-        d->timeout_at_mono_ms =
-            local_deadline(d, pbtime_ms(d->sub->start_time) + d->agent->timeout_ms);
+        d->timeout_at_mono_ms = d->claimed_mono_ms + d->agent->timeout_ms;
     }
     if (!drive_halted(d)) {
         settle_repair(d, true);
