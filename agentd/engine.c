@@ -606,7 +606,9 @@ static bool resume_one(void)
     }
     int64_t next = r.delay_ms * 2 < RESUME_MAX_MS ? r.delay_ms * 2 : RESUME_MAX_MS;
     Cflue__V1__ClaimResponse *cl = NULL;
-    enum cf_status rc = claim(r.submission_id, clock_now_ms() + 1, &cl, &err);
+    /* This process's attempts carry its start (owner_started_at): asking by that, not by the
+     * clock now, a wall clock set back since the start still finds them. */
+    enum cf_status rc = claim(r.submission_id, started_ms + 1, &cl, &err);
     if (rc == CF_OK && cl->submission) {
         log_sub_info(cl->submission, "resumed", "submission=%s attempt=%s count=%d",
                      r.submission_id, cl->fence->attempt_id, cl->submission->attempt_count);

@@ -14,9 +14,11 @@ import calendar
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import unittest
@@ -467,26 +469,54 @@ def clock_apart_env(offset):
             'ASAN_OPTIONS': (asan + ':' if asan else '') + 'verify_asan_link_order=0'}
 
 
-class ClockApartBase(FaultsBase):
-    """agentd on a wall clock an hour off storaged's. The 'brief' agent has 4 s per
-    submission: storaged's deadline, counted by agentd from the claim."""
+def settable_clock_env(path):
+    """The environment of a daemon whose wall clock reads the offset written in the file at
+    `path` (libfaketime's syntax) from the host's, read again every second: a clock that can
+    be set while the daemon runs (set_clock)."""
+    env = clock_apart_env('+0')
+    del env['FAKETIME']
+    env.update({'FAKETIME_TIMESTAMP_FILE': path, 'FAKETIME_CACHE_DURATION': '1'})
+    return env
+
+
+def set_clock(path, offset):
+    """Sets the clock of the daemons started with settable_clock_env(path) to `offset` from the
+    host's; they read it within a second."""
+    with open(path + '.new', 'w') as f:
+        f.write(offset + '\n')
+    os.rename(path + '.new', path)
+
+
+def skip_without_faketime():
+    if not os.path.exists(FAKETIME_LIB):
+        raise unittest.SkipTest('libfaketime is not installed (scripts/setup installs it)')
+    if os.environ.get('CFLUE_TSAN'):
+        # libfaketime's pthread_cond_timedwait takes the mutex back behind ThreadSanitizer's
+        # back: it reports a double lock at every timed wait. The other stages run these.
+        raise unittest.SkipTest('libfaketime and ThreadSanitizer do not go together')
+
+
+class ClockCase(FaultsBase):
+    """A stack whose daemons run on wall clocks of their own (no tests of its own)."""
 
     @classmethod
     def setUpClass(cls):
-        if not os.path.exists(FAKETIME_LIB):
-            raise unittest.SkipTest('libfaketime is not installed (scripts/setup installs it)')
-        if os.environ.get('CFLUE_TSAN'):
-            # libfaketime's pthread_cond_timedwait takes the mutex back behind ThreadSanitizer's
-            # back: it reports a double lock at every timed wait. The other stages run these.
-            raise unittest.SkipTest('libfaketime and ThreadSanitizer do not go together')
-        super(ClockApartBase, cls).setUpClass()
+        skip_without_faketime()
+        super(ClockCase, cls).setUpClass()
 
-    def assert_clock_apart(self, hours):
-        """agentd's log lines bear its clock's time: `hours` off this one's."""
-        stamps = re.findall(r'^ts=(\S+)Z ', self.ad.stderr_text(), re.M)
-        self.assertTrue(stamps, 'no log line with a time')
+    def assert_clock_apart(self, hours, daemon=None, event=None):
+        """A daemon's log lines (agentd's by default; the last one, or the last of `event`)
+        bear its clock's time: `hours` off this one's."""
+        text = (daemon or self.ad).stderr_text()
+        stamps = re.findall(r'^ts=(\S+)Z .*?event=%s\b' % (event or r'\S+'), text, re.M)
+        self.assertTrue(stamps, 'no log line with a time (%s)' % (event or 'any event'))
         t = calendar.timegm(time.strptime(stamps[-1].split('.')[0], '%Y-%m-%dT%H:%M:%S'))
         self.assertAlmostEqual((t - time.time()) / 3600.0, hours, delta=0.1, msg=stamps[-1])
+
+
+class ClockApartBase(ClockCase):
+    """agentd on a wall clock an hour off storaged's. The 'brief' agent has 4 s per
+    submission: storaged's deadline, counted by agentd from the claim."""
 
     def test_a_submission_has_its_whole_time(self):
         conv = new_conv('clock-whole')
@@ -519,6 +549,51 @@ class ClockBehindTest(ClockApartBase):
     def setUp(self):
         super(ClockBehindTest, self).setUp()
         self.assert_clock_apart(-1)
+
+
+class ClockSetBackTest(ClockCase):
+    """agentd's wall clock set back an hour while it runs, then its drive interrupted: the
+    claim that resumes the work must still find the attempt, which carries agentd's start by
+    the clock of before. A 60 s lease: work that waited for it would be late."""
+
+    @classmethod
+    def setUpClass(cls):
+        skip_without_faketime()
+        cls.clock_dir = tempfile.mkdtemp(prefix='cflue-clock-')
+        cls.clock_file = os.path.join(cls.clock_dir, 'offset')
+        set_clock(cls.clock_file, '+0')
+        cls.stack_kwargs = {'agents': ('runner-anthropic',),
+                            'agentd_args': ('--lease-ms', '60000'),
+                            'agentd_env': settable_clock_env(cls.clock_file)}
+        super(ClockSetBackTest, cls).setUpClass()
+
+    @classmethod
+    def tearDownClass(cls):
+        super(ClockSetBackTest, cls).tearDownClass()
+        shutil.rmtree(cls.clock_dir, ignore_errors=True)
+
+    def test_work_interrupted_after_the_clock_was_set_back_resumes_at_once(self):
+        conv = new_conv('clock-back')
+        ws = self.workspace(conv)
+        self.fm.set_scenario(bind([
+            {'tool_calls': [{'name': 'bash', 'arguments': {
+                'command': 'touch started; sleep 30; echo slept'}}]},
+            {'text': 'done'}], conv))
+        adm = self.ad.submit('runner-anthropic', 'sleep (%s)' % conv, conversation_id=conv)
+        self.wait_for('the tool call to start',
+                      lambda: os.path.exists(os.path.join(ws, 'started')), timeout=30)
+        set_clock(self.clock_file, '-1h')
+        time.sleep(1.5)  # agentd reads the offset again within a second
+        self.stack.td.kill()  # the drive is interrupted: its work goes on the resume list
+        t0 = time.monotonic()
+        self.stack.td.start()
+        sub = self.wait_settled(adm.submission_id, timeout=40)
+        took = time.monotonic() - t0
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertEqual(sub.attempt_count, 2)
+        self.assertLess(took, 20, 'the work waited for its lease instead of being resumed')
+        self.assert_outcome_true(conv, adm.submission_id)
+        self.assert_clock_apart(-1, event='resumed')
 
 
 class ShortOutageTest(FaultsBase):
