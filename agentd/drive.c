@@ -142,25 +142,20 @@ int64_t drive_time_left(struct drive *d)
     return d->timeout_at_mono_ms ? d->timeout_at_mono_ms - clock_mono_ms() : INT64_MAX;
 }
 
-/* local_deadline turns deadline_ms, a time of storaged's clock, into one of this process's
- * monotonic clock (drive_set_deadline); 0 stays 0. */
-static int64_t local_deadline(const struct drive *d, int64_t deadline_ms)
+void drive_set_deadline(struct drive *d, const Cflue__V1__Submission *sub)
 {
+    int64_t deadline_ms = pbtime_ms(sub->deadline);
     if (deadline_ms <= 0) {
-        return 0;
+        d->timeout_at_mono_ms = 0;
+        return;
     }
-    int64_t left = deadline_ms - pbtime_ms(d->sub->start_time);
+    int64_t left = deadline_ms - pbtime_ms(sub->start_time);
     /* always a claim's time by now; without one, this host's clock is all there is */
-    if (!d->sub->start_time) {
+    if (!sub->start_time) {
         left = deadline_ms - clock_now_ms() + (clock_mono_ms() - d->claimed_mono_ms);
     }
     int64_t at = d->claimed_mono_ms + left;
-    return at != 0 ? at : -1; /* 0 means none: a limit that fell on it has passed */
-}
-
-void drive_set_deadline(struct drive *d, const Google__Protobuf__Timestamp *deadline)
-{
-    d->timeout_at_mono_ms = local_deadline(d, pbtime_ms(deadline));
+    d->timeout_at_mono_ms = at != 0 ? at : -1; /* 0 means none: one that fell on it has passed */
 }
 
 bool drive_transient(enum cf_status rc)
@@ -942,7 +937,7 @@ struct drive *drive_new(Cflue__V1__ClaimResponse *claim)
     trace_enter(&d->trace, &saved); /* its first lines, on the claimer's or a Submit's thread */
     d->takeover = claim->takeover;
     d->fence = *claim->fence;
-    drive_set_deadline(d, d->sub->deadline);
+    drive_set_deadline(d, d->sub);
     d->queued = claim->queued_behind;
     d->outcome = CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
     rlog_init(&d->log);

@@ -355,13 +355,14 @@ bool drive_halted(struct drive *d);
 void drive_fault(struct drive *d, const char *what, const struct cf_error *e);
 /* drive_time_left: milliseconds left before the time limit (INT64_MAX: none). */
 int64_t drive_time_left(struct drive *d);
-/* drive_set_deadline puts in force the time limit storaged gave the submission (deadline, a
- * time of storaged's clock; NULL: none). It is kept as a time of this process's monotonic
- * clock: as much time is left as was left at the claim by storaged's own clock (the deadline
- * less the attempt's start_time, storaged's clock at the claim), counted from when the claim
- * was answered here. So neither a clock that differs between the two hosts nor a step of
- * either clock while the drive runs moves it. */
-void drive_set_deadline(struct drive *d, const Google__Protobuf__Timestamp *deadline);
+/* drive_set_deadline puts in force the time limit storaged gave the submission (sub's
+ * deadline, a time of storaged's clock; none: no limit). It is kept as a time of this
+ * process's monotonic clock: as much time is left as was left at the claim by storaged's own
+ * clock (the deadline less the attempt's start_time, storaged's clock at the claim, both
+ * read from sub: storaged moves both when its clock steps), counted from when the claim was
+ * answered here. So neither a clock that differs between the two hosts nor a step of either
+ * clock while the drive runs moves it. */
+void drive_set_deadline(struct drive *d, const Cflue__V1__Submission *sub);
 /* drive_transient: a status from storaged or toold that says "try again later". */
 bool drive_transient(enum cf_status rc);
 

@@ -182,7 +182,7 @@ static enum cf_status mark_applied(struct drive *d, Cflue__V1__MarkInputAppliedR
         }
         return rc;
     }
-    drive_set_deadline(d, ((const Cflue__V1__Submission *)resp)->deadline);
+    drive_set_deadline(d, (const Cflue__V1__Submission *)resp);
     protobuf_c_message_free_unpacked(resp, NULL);
     return CF_OK;
 }
@@ -234,7 +234,7 @@ static void appended(struct drive *d, const Cflue__V1__AppendResponse *ar, size_
     if (mark) {
         if (ar->submission) {
             /* the budgets as now installed (the claim carried the defaults) */
-            drive_set_deadline(d, ar->submission->deadline);
+            drive_set_deadline(d, ar->submission);
         }
         d->mark_pending = false;
     }

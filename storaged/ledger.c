@@ -1094,6 +1094,29 @@ enum cf_status ledger_release(struct ledger_ctx *c, const Cflue__V1__ReleaseRequ
                       &out->n_released, &out->lost, &out->n_lost, err);
 }
 
+enum cf_status ledger_shift_times(struct ledger_ctx *c, int64_t step_ms, int *moved,
+                                  struct cf_error *err)
+{
+    static const char sql[] =
+        "UPDATE submissions SET "
+        "lease_expires_at = CASE WHEN lease_expires_at > 0 THEN lease_expires_at + ?1 "
+        "ELSE lease_expires_at END, "
+        "timeout_at = CASE WHEN timeout_at > 0 THEN timeout_at + ?1 ELSE timeout_at END, "
+        "started_at = CASE WHEN started_at > 0 THEN started_at + ?1 ELSE started_at END "
+        "WHERE status IN " UNSETTLED " AND (lease_expires_at > 0 OR timeout_at > 0 OR "
+        "started_at > 0)";
+    struct stmt s;
+    enum cf_status rc = stmt_open(&s, c->db, sql, "move times by a clock step", err);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    stmt_int(&s, 1, step_ms);
+    if ((rc = stmt_done(&s, err)) == CF_OK) {
+        *moved = sqlite3_changes(c->db);
+    }
+    return rc;
+}
+
 /* stamp_input does MarkInputApplied's work on row, read through its fence in this transaction:
  * stamps the input applied and installs req's budgets (first stamp only; req's own fence is
  * not read). The row must be running; on success it is read again after the stamp. */

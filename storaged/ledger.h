@@ -93,6 +93,12 @@ CF_MUST_CHECK enum cf_status ledger_release(struct ledger_ctx *c,
                                             const Cflue__V1__ReleaseRequest *req,
                                             Cflue__V1__ReleaseResponse *out, struct cf_error *err);
 
+/* ledger_shift_times moves the times of the unsettled work that are compared with the store
+ * clock (leases' ends, time limits, attempts' starts) by step_ms, after a step of the clock
+ * (store_clock.h), so that each keeps the time it had left. *moved: how many submissions. */
+CF_MUST_CHECK enum cf_status ledger_shift_times(struct ledger_ctx *c, int64_t step_ms, int *moved,
+                                                struct cf_error *err);
+
 /* ledger_mark_input_applied stamps the input and installs budgets (first call only). */
 CF_MUST_CHECK enum cf_status
 ledger_mark_input_applied(struct ledger_ctx *c, const Cflue__V1__MarkInputAppliedRequest *req,

@@ -5,7 +5,6 @@
  * ran out while it was down are found by ScanExpired and Claim.
  */
 #include "backup.h"
-#include "clock.h"
 #include "daemon.h"
 #include "db.h"
 #include "failpoint.h"
@@ -13,6 +12,7 @@
 #include "log.h"
 #include "rpc.h"
 #include "service.h"
+#include "store_clock.h"
 #include "writer.h"
 
 #include <stdio.h>
@@ -39,7 +39,7 @@ static void log_startup_state(const char *path)
                            "('running','terminalizing') AND lease_expires_at < ?),"
                            " (SELECT count(*) FROM conversations)",
                            -1, &st, NULL) == SQLITE_OK) {
-        sqlite3_bind_int64(st, 1, clock_now_ms());
+        sqlite3_bind_int64(st, 1, store_clock_now());
         if (sqlite3_step(st) == SQLITE_ROW) {
             log_info("recovered", "unsettled=%d expired_leases=%d conversations=%d",
                      sqlite3_column_int(st, 0), sqlite3_column_int(st, 1),
@@ -111,6 +111,7 @@ static bool open_ledger(const struct daemon *d, const struct storaged_opts *o, s
                  "off and recovery continues them",
                  fenced, boot_id);
     }
+    store_clock_start();
     log_startup_state(o->db_path);
     backup_sweep(o->db_path);
     return true;

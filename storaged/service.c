@@ -34,6 +34,7 @@
 #include "mem.h"
 #include "metrics.h"
 #include "stmt.h"
+#include "store_clock.h"
 #include "trace.h"
 #include "validate.h"
 
@@ -159,7 +160,7 @@ static enum cf_status read_snapshot(struct service *svc, struct arena *a, ledger
     if (rc != CF_OK) {
         return rc;
     }
-    struct ledger_ctx ctx = {.db = db, .arena = a, .cfg = svc->cfg, .now = clock_now_ms()};
+    struct ledger_ctx ctx = {.db = db, .arena = a, .cfg = svc->cfg, .now = store_clock_now()};
     rc = fn(&ctx, req, resp, err);
     reader_end(svc, db);
     return rc;
@@ -697,7 +698,7 @@ static bool read_batch(struct follower *f, bool *more_out)
     rq.page_size = FOLLOW_PAGE;
     arena_init(&a);
     if ((st = reader_begin(svc, &db, &err)) == CF_OK) {
-        struct ledger_ctx ctx = {.db = db, .arena = &a, .cfg = svc->cfg, .now = clock_now_ms()};
+        struct ledger_ctx ctx = {.db = db, .arena = &a, .cfg = svc->cfg, .now = store_clock_now()};
         int64_t budget = ledger_page_bytes(svc->cfg);
         st = ledger_read_bytes(
             &ctx, &rq, budget < LEDGER_FOLLOW_BYTES ? budget : LEDGER_FOLLOW_BYTES, &rs, &err);
@@ -795,7 +796,7 @@ static void follow(struct rpc_call *call, const ProtobufCMessage *msg, void *use
     probe.page_size = 1;
     sqlite3 *db;
     if ((st = reader_begin(svc, &db, &err)) == CF_OK) {
-        struct ledger_ctx ctx = {.db = db, .arena = &a, .cfg = svc->cfg, .now = clock_now_ms()};
+        struct ledger_ctx ctx = {.db = db, .arena = &a, .cfg = svc->cfg, .now = store_clock_now()};
         st = ledger_read(&ctx, &probe, &page, &err);
         if (st == CF_OK && *req->until_settled) {
             Cflue__V1__Submission sub;

@@ -11,12 +11,12 @@
  */
 #include "writer.h"
 
-#include "clock.h"
 #include "db.h"
 #include "failpoint.h"
 #include "log.h"
 #include "mem.h"
 #include "stmt.h"
+#include "store_clock.h"
 #include "thread.h"
 
 #include <pthread.h>
@@ -109,12 +109,54 @@ static enum cf_status set_sync(struct writer *w, bool durable, struct cf_error *
     return st;
 }
 
+/* take_clock_step sets c->now for the batch whose transaction was just begun: the store clock
+ * (store_clock.h), or the wall clock once a step of it was taken in. A small step is adopted
+ * at once; a larger one moves the unsettled work's times by the step in a savepoint
+ * (ledger_shift_times) and sets *moved (the writer adopts it after the COMMIT). A step that
+ * cannot be taken in now is tried again with the next batch, this one running on the store
+ * clock, which the stored times still follow. Returns CF_OK, or the status with err set when
+ * the transaction cannot go on. */
+static enum cf_status take_clock_step(struct writer *w, struct ledger_ctx *c,
+                                      const struct store_clock_reading *r, int *moved,
+                                      struct cf_error *err)
+{
+    *moved = -1;
+    if (r->step_ms > -STORE_CLOCK_STEP_MS && r->step_ms < STORE_CLOCK_STEP_MS) {
+        store_clock_adopt(r);
+        c->now = r->wall_ms;
+        return CF_OK;
+    }
+    struct cf_error why;
+    enum cf_status st = run(w, savepoint_sql, err);
+    if (st != CF_OK) {
+        return st;
+    }
+    if ((st = ledger_shift_times(c, r->step_ms, moved, &why)) == CF_OK) {
+        c->now = r->wall_ms;
+    } else if (sqlite3_get_autocommit(w->db)) {
+        *err = why; /* SQLite rolled the transaction back */
+        return st;
+    } else {
+        char q[CF_ERROR_MSG_MAX + 16];
+        log_warn("clock_step_deferred", "step_ms=%lld err=%s", (long long)r->step_ms,
+                 log_quote(q, sizeof(q), why.msg));
+        *moved = -1;
+        if ((st = run(w, rollback_to_sql, err)) != CF_OK) {
+            return st;
+        }
+    }
+    return run(w, release_sql, err);
+}
+
 static void run_batch(struct writer *w, struct writer_job *jobs)
 {
     struct cf_error err;
     enum cf_status st;
-    struct ledger_ctx ctx = {.db = w->db, .cfg = w->cfg, .now = clock_now_ms()};
+    struct store_clock_reading clock;
+    store_clock_read(&clock);
+    struct ledger_ctx ctx = {.db = w->db, .cfg = w->cfg, .now = clock.wall_ms - clock.step_ms};
     bool any_ok = false, durable = false;
+    int moved = -1; /* submissions whose times a clock step moved in this batch; -1: none */
 
     for (struct writer_job *j = jobs; j; j = j->next) {
         durable = durable || j->durable;
@@ -136,6 +178,9 @@ static void run_batch(struct writer *w, struct writer_job *jobs)
     if ((st = run(w, begin_sql, &err)) != CF_OK) {
         fail_rest(jobs, st, "cannot begin transaction: ", err.msg);
         return;
+    }
+    if ((st = take_clock_step(w, &ctx, &clock, &moved, &err)) != CF_OK) {
+        goto broken;
     }
     for (struct writer_job *j = jobs; j; j = j->next) {
         ctx.arena = j->arena;
@@ -175,6 +220,11 @@ static void run_batch(struct writer *w, struct writer_job *jobs)
         return;
     }
     failpoint_hit("storaged.commit.after");
+    if (moved >= 0) {
+        store_clock_adopt(&clock);
+        log_warn("clock_stepped", "step_ms=%lld submissions_moved=%d", (long long)clock.step_ms,
+                 moved);
+    }
     return;
 
 broken : {

@@ -551,10 +551,10 @@ class ClockBehindTest(ClockApartBase):
         self.assert_clock_apart(-1)
 
 
-class ClockSetBackTest(ClockCase):
-    """agentd's wall clock set back an hour while it runs, then its drive interrupted: the
-    claim that resumes the work must still find the attempt, which carries agentd's start by
-    the clock of before. A 60 s lease: work that waited for it would be late."""
+class SettableClockCase(ClockCase):
+    """A stack whose agentd or storaged (clock_daemon) runs on a wall clock the tests set
+    while it runs (set_clock, self.clock_file); no tests of its own."""
+    clock_daemon = 'agentd'
 
     @classmethod
     def setUpClass(cls):
@@ -562,26 +562,39 @@ class ClockSetBackTest(ClockCase):
         cls.clock_dir = tempfile.mkdtemp(prefix='cflue-clock-')
         cls.clock_file = os.path.join(cls.clock_dir, 'offset')
         set_clock(cls.clock_file, '+0')
-        cls.stack_kwargs = {'agents': ('runner-anthropic',),
-                            'agentd_args': ('--lease-ms', '60000'),
-                            'agentd_env': settable_clock_env(cls.clock_file)}
-        super(ClockSetBackTest, cls).setUpClass()
+        cls.stack_kwargs = dict(cls.stack_kwargs, **{
+            cls.clock_daemon + '_env': settable_clock_env(cls.clock_file)})
+        super(SettableClockCase, cls).setUpClass()
 
     @classmethod
     def tearDownClass(cls):
-        super(ClockSetBackTest, cls).tearDownClass()
+        super(SettableClockCase, cls).tearDownClass()
         shutil.rmtree(cls.clock_dir, ignore_errors=True)
 
-    def test_work_interrupted_after_the_clock_was_set_back_resumes_at_once(self):
-        conv = new_conv('clock-back')
-        ws = self.workspace(conv)
+    def sleep_tool(self, conv):
+        """The scenario of a bash call that touches `started` and sleeps 30 s, then an answer."""
         self.fm.set_scenario(bind([
             {'tool_calls': [{'name': 'bash', 'arguments': {
                 'command': 'touch started; sleep 30; echo slept'}}]},
             {'text': 'done'}], conv))
-        adm = self.ad.submit('runner-anthropic', 'sleep (%s)' % conv, conversation_id=conv)
+
+    def wait_started(self, ws):
         self.wait_for('the tool call to start',
                       lambda: os.path.exists(os.path.join(ws, 'started')), timeout=30)
+
+
+class ClockSetBackTest(SettableClockCase):
+    """agentd's wall clock set back an hour while it runs, then its drive interrupted: the
+    claim that resumes the work must still find the attempt, which carries agentd's start by
+    the clock of before. A 60 s lease: work that waited for it would be late."""
+    stack_kwargs = {'agents': ('runner-anthropic',), 'agentd_args': ('--lease-ms', '60000')}
+
+    def test_work_interrupted_after_the_clock_was_set_back_resumes_at_once(self):
+        conv = new_conv('clock-back')
+        ws = self.workspace(conv)
+        self.sleep_tool(conv)
+        adm = self.ad.submit('runner-anthropic', 'sleep (%s)' % conv, conversation_id=conv)
+        self.wait_started(ws)
         set_clock(self.clock_file, '-1h')
         time.sleep(1.5)  # agentd reads the offset again within a second
         self.stack.td.kill()  # the drive is interrupted: its work goes on the resume list
@@ -594,6 +607,58 @@ class ClockSetBackTest(ClockCase):
         self.assertLess(took, 20, 'the work waited for its lease instead of being resumed')
         self.assert_outcome_true(conv, adm.submission_id)
         self.assert_clock_apart(-1, event='resumed')
+
+
+class StoragedClockStepTest(SettableClockCase):
+    """storaged's wall clock stepped an hour while work runs. Its leases, time limits and
+    attempts' starts are times of its clock: the step must not end every lease at once
+    (forward), hold a dead agentd's work for the hour (back), or take the hour off a time
+    limit. A 10 s lease renewed every 4 s; agentd claims every 0.5 s, so a lease that looked
+    ended after the step would be taken over before its next renewal."""
+    clock_daemon = 'storaged'
+    stack_kwargs = {'agents': ('runner-anthropic', 'timed'),
+                    'agentd_args': ('--lease-ms', '10000', '--heartbeat-ms', '4000')}
+
+    def setUp(self):
+        set_clock(self.clock_file, '+0')  # each test starts on the host's clock
+        super(StoragedClockStepTest, self).setUp()
+        time.sleep(1.2)
+
+    def test_a_step_forward_keeps_leases_and_time_limits(self):
+        conv = new_conv('sd-forward')
+        ws = self.workspace(conv)
+        self.sleep_tool(conv)
+        adm = self.ad.submit('timed', 'sleep (%s)' % conv, conversation_id=conv)
+        self.wait_started(ws)
+        set_clock(self.clock_file, '+1h')
+        time.sleep(3)  # storaged reads the offset within 1 s; agentd claims every 0.5 s
+        sub = self.ad.get_submission(adm.submission_id)
+        self.assertEqual(sub.attempt_count, 1, 'the step ended the lease of running work')
+        # interrupted: a new claim after the step reads the 20 s limit as storaged keeps it
+        self.stack.td.kill()
+        self.stack.td.start()
+        sub = self.wait_settled(adm.submission_id, timeout=30)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertEqual(sub.attempt_count, 2)
+        self.assert_outcome_true(conv, adm.submission_id)
+        self.assert_clock_apart(+1, daemon=self.stack.sd, event='clock_stepped')
+
+    def test_a_step_back_does_not_hold_a_dead_agentds_work(self):
+        conv = new_conv('sd-back')
+        ws = self.workspace(conv)
+        self.sleep_tool(conv)
+        adm = self.ad.submit('runner-anthropic', 'sleep (%s)' % conv, conversation_id=conv)
+        self.wait_started(ws)
+        self.ad.kill()  # its lease ends within 10 s of its last renewal
+        set_clock(self.clock_file, '-1h')
+        time.sleep(1.2)
+        self.ad.owner_id += '-next'  # not a restart of the same owner: a takeover after the lease
+        self.ad.start()
+        sub = self.wait_settled(adm.submission_id, timeout=40)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertEqual(sub.attempt_count, 2)
+        self.assert_outcome_true(conv, adm.submission_id)
+        self.assert_clock_apart(-1, daemon=self.stack.sd, event='clock_stepped')
 
 
 class ShortOutageTest(FaultsBase):

@@ -40,18 +40,25 @@ static Cflue__V1__Submission *admit(const char *conv, const char *text, const ch
     return st == CF_OK ? out.submission : NULL;
 }
 
-static Cflue__V1__ClaimResponse claim(const char *owner, int64_t lease)
+/* claim_at claims as owner with the store clock at now. */
+static Cflue__V1__ClaimResponse claim_at(const char *owner, int64_t lease, int64_t now)
 {
     Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
     Cflue__V1__ClaimResponse out = CFLUE__V1__CLAIM_RESPONSE__INIT;
     struct cf_error err;
     struct ledger_ctx c = ctx();
+    c.now = now;
     Google__Protobuf__Duration d = GOOGLE__PROTOBUF__DURATION__INIT;
     pbdur_set(&d, lease);
     req.owner_id = (char *)owner;
     req.lease_duration = &d;
     CHECK(ledger_claim(&c, &req, &out, &err) == CF_OK);
     return out;
+}
+
+static Cflue__V1__ClaimResponse claim(const char *owner, int64_t lease)
+{
+    return claim_at(owner, lease, clock_now_ms());
 }
 
 static enum cf_status settle(const Cflue__V1__Fence *f, Cflue__V1__Outcome o, const char *error,
@@ -162,6 +169,49 @@ static void test_takeover(void)
     CHECK(b.submission->attempt_count == 2);
     CHECK(append_one(a.fence, "late", "{}") == CF_STALE);
     CHECK(append_one(b.fence, "fresh", "{}") == CF_OK);
+}
+
+/* After a step of the clock, the unsettled work's leases, time limits and starts move with
+ * it, so that a lease taken before a step forward has its time still; settled rows keep
+ * theirs. */
+static void test_clock_step(void)
+{
+    const int64_t hour = 3600000;
+    struct cf_error err;
+    Cflue__V1__Submission *run = admit("step-run", "x", "");
+    Cflue__V1__Submission *done = admit("step-done", "x", "");
+    CHECK(run && done);
+    Cflue__V1__ClaimResponse a = claim_until(run, "A", 30000);
+    Cflue__V1__ClaimResponse b = claim_until(done, "A", 30000);
+    CHECK(a.submission && b.submission);
+    CHECK(settle(b.fence, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, "",
+                 &(Cflue__V1__SettleResponse){0}) == CF_OK);
+    struct ledger_ctx c = ctx();
+    Cflue__V1__Submission before_run, before_done, after;
+    CHECK(ledger_get(&c, run->submission_id, &before_run, &err) == CF_OK);
+    CHECK(ledger_get(&c, done->submission_id, &before_done, &err) == CF_OK);
+    CHECK(pbtime_ms(before_run.lease_expire_time) > 0 && pbtime_ms(before_run.deadline) > 0 &&
+          pbtime_ms(before_run.start_time) > 0);
+
+    int moved = -1;
+    c.now += hour;
+    CHECK(ledger_shift_times(&c, hour, &moved, &err) == CF_OK);
+    CHECK(moved >= 1); /* with the earlier tests' unsettled work */
+    CHECK(ledger_get(&c, run->submission_id, &after, &err) == CF_OK);
+    CHECK(pbtime_ms(after.lease_expire_time) == pbtime_ms(before_run.lease_expire_time) + hour);
+    CHECK(pbtime_ms(after.deadline) == pbtime_ms(before_run.deadline) + hour);
+    CHECK(pbtime_ms(after.start_time) == pbtime_ms(before_run.start_time) + hour);
+    CHECK(pbtime_ms(after.create_time) == pbtime_ms(before_run.create_time));
+    CHECK(ledger_get(&c, done->submission_id, &after, &err) == CF_OK);
+    CHECK(pbtime_ms(after.start_time) == pbtime_ms(before_done.start_time));
+    CHECK(pbtime_ms(after.settle_time) == pbtime_ms(before_done.settle_time));
+
+    /* an hour on, the lease has its 30 s still: nothing to take over */
+    Cflue__V1__ClaimResponse other = claim_at("B", 30000, c.now);
+    CHECK(other.submission == NULL);
+    CHECK(append_one(a.fence, "after-step", "{}") == CF_OK);
+    CHECK(settle(a.fence, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, "",
+                 &(Cflue__V1__SettleResponse){0}) == CF_OK);
 }
 
 /* reclaim_claim claims as a process of owner that started at started_ms (its own clock;
@@ -936,6 +986,7 @@ int main(void)
     arena_init(&arena);
     test_fifo_and_fencing();
     test_takeover();
+    test_clock_step();
     test_reclaim_by_owner_start();
     test_idempotency();
     test_trace_context();
