@@ -30,9 +30,15 @@ case "$what" in
 esac
 # the limits podman's defaults ask for cannot be given where root lacks CAP_SYS_RESOURCE
 ulimits=(--ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" --ulimit nproc=8192:8192)
-runtime=()
-podman run --rm "${ulimits[@]}" "$base" true 2>/dev/null ||
-  runtime=(--runtime "$(command -v runc || echo runc)")
+work="$(mktemp -d /tmp/cflue-fresh.XXXXXX)"
+trap 'rm -rf "$work"' EXIT
+# shellcheck source=tests/image/podman_runtime.sh
+. "$root/tests/image/podman_runtime.sh"
+podman_runtime "$base" "$work" || {
+  echo "fresh_machine: podman cannot start a container here: $(tail -1 "$work/probe.log")" >&2
+  exit 2
+}
+[ -z "$podman_runtime_note" ] || echo "== $podman_runtime_note"
 # a site's own certificate authorities (a proxy's, say) are trusted inside as on the host: the
 # container's ca-certificates picks them up when scripts/setup installs it
 local_ca=()
@@ -41,7 +47,7 @@ compgen -G '/usr/local/share/ca-certificates/*.crt' >/dev/null &&
 name="cflue-fresh-$$"
 echo "== a fresh Debian 12 container ($base) runs: $steps   (log: $log)"
 git -C "$root" archive --format=tar --prefix=cflue/ HEAD |
-  podman "${runtime[@]}" run --rm -i --name "$name" --network host "${ulimits[@]}" \
+  podman run --rm -i --name "$name" --network host "${ulimits[@]}" \
     --security-opt seccomp=unconfined --security-opt systempaths=unconfined \
     ${local_ca[@]+"${local_ca[@]}"} -e DEBIAN_FRONTEND=noninteractive "$base" \
     bash -c "tar -C /root -x && cd /root/cflue && ($steps)" 2>&1 | tee "$log" | tail -60 &&

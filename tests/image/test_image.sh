@@ -89,24 +89,11 @@ SOURCES
   say "base $base: $(podman image inspect --format '{{.Size}}' "$base") bytes"
 fi
 
-# Hosts whose root lacks CAP_SYS_RESOURCE cannot give a container podman's default limits
-# (1M open files), and crun refuses a cgroup v1 host with an empty v2 hierarchy mounted: where
-# a plain run fails, try runc with the host's own open-file limit before giving up.
-if ! podman run --rm "$base" true >"$work/probe.log" 2>&1; then
-  conf="$work/containers.conf"
-  cat >"$conf" <<CONF
-[containers]
-default_ulimits = ["nofile=$(ulimit -Hn):$(ulimit -Hn)", "nproc=8192:8192"]
-[engine]
-runtime = "$(command -v runc || echo runc)"
-CONF
-  if CONTAINERS_CONF="$conf" podman run --rm "$base" true >>"$work/probe.log" 2>&1; then
-    export CONTAINERS_CONF="$conf"
-    say "podman's defaults cannot start a container here ($(head -1 "$work/probe.log")); using runc with nofile=$(ulimit -Hn), nproc=8192"
-  else
-    skip "podman cannot start a container here: $(tail -1 "$work/probe.log")"
-  fi
-fi
+# podman's defaults cannot start containers on every host: podman_runtime finds a runtime that can.
+# shellcheck source=tests/image/podman_runtime.sh
+. "$root/tests/image/podman_runtime.sh"
+podman_runtime "$base" "$work" || skip "podman cannot start a container here: $(tail -1 "$work/probe.log")"
+[ -z "$podman_runtime_note" ] || say "$podman_runtime_note"
 
 # 2. The image, from the repository's Dockerfile.
 say "podman build -t $image (BASE=$base)"
