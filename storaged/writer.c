@@ -140,7 +140,6 @@ static enum cf_status take_clock_step(struct writer *w, struct ledger_ctx *c,
         char q[CF_ERROR_MSG_MAX + 16];
         log_warn("clock_step_deferred", "step_ms=%lld err=%s", (long long)r->step_ms,
                  log_quote(q, sizeof(q), why.msg));
-        *moved = -1;
         if ((st = run(w, rollback_to_sql, err)) != CF_OK) {
             return st;
         }
