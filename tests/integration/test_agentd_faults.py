@@ -571,16 +571,27 @@ class SettableClockCase(ClockCase):
         super(SettableClockCase, cls).tearDownClass()
         shutil.rmtree(cls.clock_dir, ignore_errors=True)
 
-    def sleep_tool(self, conv):
-        """The scenario of a bash call that touches `started` and sleeps 30 s, then an answer."""
+    def start_sleeping_tool(self, tag, agent='runner-anthropic'):
+        """Submits a conversation whose model calls bash to sleep 30 s, then answers; returns
+        (conversation, submission id) once the command runs."""
+        conv = new_conv(tag)
+        ws = self.workspace(conv)
         self.fm.set_scenario(bind([
             {'tool_calls': [{'name': 'bash', 'arguments': {
                 'command': 'touch started; sleep 30; echo slept'}}]},
             {'text': 'done'}], conv))
-
-    def wait_started(self, ws):
+        sid = self.ad.submit(agent, 'sleep (%s)' % conv, conversation_id=conv).submission_id
         self.wait_for('the tool call to start',
                       lambda: os.path.exists(os.path.join(ws, 'started')), timeout=30)
+        return conv, sid
+
+    def assert_completed_in_second_attempt(self, conv, sid, timeout):
+        """The sleeping tool's submission, interrupted once, completes in its second attempt
+        within timeout seconds."""
+        sub = self.wait_settled(sid, timeout=timeout)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertEqual(sub.attempt_count, 2)
+        self.assert_outcome_true(conv, sid)
 
 
 class ClockSetBackTest(SettableClockCase):
@@ -590,22 +601,15 @@ class ClockSetBackTest(SettableClockCase):
     stack_kwargs = {'agents': ('runner-anthropic',), 'agentd_args': ('--lease-ms', '60000')}
 
     def test_work_interrupted_after_the_clock_was_set_back_resumes_at_once(self):
-        conv = new_conv('clock-back')
-        ws = self.workspace(conv)
-        self.sleep_tool(conv)
-        adm = self.ad.submit('runner-anthropic', 'sleep (%s)' % conv, conversation_id=conv)
-        self.wait_started(ws)
+        conv, sid = self.start_sleeping_tool('clock-back')
         set_clock(self.clock_file, '-1h')
         time.sleep(1.5)  # agentd reads the offset again within a second
         self.stack.td.kill()  # the drive is interrupted: its work goes on the resume list
         t0 = time.monotonic()
         self.stack.td.start()
-        sub = self.wait_settled(adm.submission_id, timeout=40)
-        took = time.monotonic() - t0
-        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
-        self.assertEqual(sub.attempt_count, 2)
-        self.assertLess(took, 20, 'the work waited for its lease instead of being resumed')
-        self.assert_outcome_true(conv, adm.submission_id)
+        self.assert_completed_in_second_attempt(conv, sid, timeout=40)
+        self.assertLess(time.monotonic() - t0, 20,
+                        'the work waited for its lease instead of being resumed')
         self.assert_clock_apart(-1, event='resumed')
 
 
@@ -625,39 +629,25 @@ class StoragedClockStepTest(SettableClockCase):
         time.sleep(1.2)
 
     def test_a_step_forward_keeps_leases_and_time_limits(self):
-        conv = new_conv('sd-forward')
-        ws = self.workspace(conv)
-        self.sleep_tool(conv)
-        adm = self.ad.submit('timed', 'sleep (%s)' % conv, conversation_id=conv)
-        self.wait_started(ws)
+        conv, sid = self.start_sleeping_tool('sd-forward', agent='timed')
         set_clock(self.clock_file, '+1h')
         time.sleep(3)  # storaged reads the offset within 1 s; agentd claims every 0.5 s
-        sub = self.ad.get_submission(adm.submission_id)
-        self.assertEqual(sub.attempt_count, 1, 'the step ended the lease of running work')
+        self.assertEqual(self.ad.get_submission(sid).attempt_count, 1,
+                         'the step ended the lease of running work')
         # interrupted: a new claim after the step reads the 20 s limit as storaged keeps it
         self.stack.td.kill()
         self.stack.td.start()
-        sub = self.wait_settled(adm.submission_id, timeout=30)
-        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
-        self.assertEqual(sub.attempt_count, 2)
-        self.assert_outcome_true(conv, adm.submission_id)
+        self.assert_completed_in_second_attempt(conv, sid, timeout=30)
         self.assert_clock_apart(+1, daemon=self.stack.sd, event='clock_stepped')
 
     def test_a_step_back_does_not_hold_a_dead_agentds_work(self):
-        conv = new_conv('sd-back')
-        ws = self.workspace(conv)
-        self.sleep_tool(conv)
-        adm = self.ad.submit('runner-anthropic', 'sleep (%s)' % conv, conversation_id=conv)
-        self.wait_started(ws)
+        conv, sid = self.start_sleeping_tool('sd-back')
         self.ad.kill()  # its lease ends within 10 s of its last renewal
         set_clock(self.clock_file, '-1h')
         time.sleep(1.2)
         self.ad.owner_id += '-next'  # not a restart of the same owner: a takeover after the lease
         self.ad.start()
-        sub = self.wait_settled(adm.submission_id, timeout=40)
-        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
-        self.assertEqual(sub.attempt_count, 2)
-        self.assert_outcome_true(conv, adm.submission_id)
+        self.assert_completed_in_second_attempt(conv, sid, timeout=40)
         self.assert_clock_apart(-1, daemon=self.stack.sd, event='clock_stepped')
 
 
