@@ -50,13 +50,13 @@ def spread(names, per):
     the replicas' ports, and ids taken in a fixed order put all of a few on one replica now and
     then, which would leave the spread untested."""
     mine = {n: [] for n in names}
-    i = 0
-    while min(len(v) for v in mine.values()) < per:
+    for i in range(1000 * per * len(names)):
         conv = 'conv_list_%03d' % i
         if len(mine[owner(names, conv)]) < per:
             mine[owner(names, conv)].append(conv)
-        i += 1
-    return sorted(c for v in mine.values() for c in v)
+        if min(len(v) for v in mine.values()) == per:
+            return sorted(c for v in mine.values() for c in v)
+    raise AssertionError('after %d ids, too few land on some replica: %s' % (i + 1, mine))
 
 
 AGENT = '''---
