@@ -785,7 +785,9 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
  *   rows by lease expiry; expired ones are few;
  * - the caller's own earlier attempts (reclaim_started_before, a restarted agentd's claims
  *   until the first that is no takeover): that owner's rows (submissions_by_owner, settled
- *   ones too), the running and terminalizing ones among them;
+ *   ones too), the running and terminalizing ones among them, of another process (another
+ *   owner_started_at, or started before); a targeted reclaim (a resume) takes only those
+ *   started before;
  * - a conversation whose head (first unsettled submission) is queued: the `runnable` table,
  *   kept by triggers on every insert and status change of submissions, one row per such
  *   conversation, keyed by the head's sequence, so the oldest is its first row.
@@ -815,9 +817,12 @@ static enum cf_status pick_takeover(struct ledger_ctx *c, const Cflue__V1__Claim
         "WHERE status IN ('running','terminalizing') AND lease_expires_at > 0 "
         "AND lease_expires_at < ?1 AND (?2 = '' OR conversation_id = ?2) "
         "ORDER BY sequence LIMIT 1";
+    /* another process's attempts: one that said another start than this claim's, whether its
+     * clock read earlier or later (the clock set back between the two), or one started before */
     static const char owned_sql[] =
         "SELECT sequence, submission_id FROM submissions WHERE status IN "
-        "('running','terminalizing') AND owner_id = ?1 AND " LEDGER_CLAIMER_STARTED " < ?2 "
+        "('running','terminalizing') AND owner_id = ?1 AND (" LEDGER_CLAIMER_STARTED " < ?2 "
+        "OR (owner_started_at > 0 AND owner_started_at != ?4)) "
         "AND (?3 = '' OR conversation_id = ?3) ORDER BY sequence LIMIT 1";
     struct stmt s;
     enum cf_status rc;
@@ -837,6 +842,7 @@ static enum cf_status pick_takeover(struct ledger_ctx *c, const Cflue__V1__Claim
     stmt_text(&s, 1, req->owner_id);
     stmt_int(&s, 2, before);
     stmt_text(&s, 3, req->conversation_id);
+    stmt_int(&s, 4, pbtime_ms(req->owner_started_at));
     return pick_one(&s, &seq, id, id_len, err);
 }
 

@@ -595,10 +595,27 @@ class SettableClockCase(ClockCase):
 
 
 class ClockSetBackTest(SettableClockCase):
-    """agentd's wall clock set back an hour while it runs, then its drive interrupted: the
-    claim that resumes the work must still find the attempt, which carries agentd's start by
-    the clock of before. A 60 s lease: work that waited for it would be late."""
+    """agentd's wall clock set back an hour, while it runs or between a crash and its restart.
+    Its attempts carry its start by the clock of before: the claim that resumes interrupted
+    work, and the restarted process's claims that take back its work, must still find them.
+    A 60 s lease: work that waited for it would be late."""
     stack_kwargs = {'agents': ('runner-anthropic',), 'agentd_args': ('--lease-ms', '60000')}
+
+    def setUp(self):
+        set_clock(self.clock_file, '+0')  # each test starts on the host's clock
+        super(ClockSetBackTest, self).setUp()
+        time.sleep(1.2)
+
+    def test_a_restart_on_a_clock_set_back_takes_its_work_back_at_once(self):
+        conv, sid = self.start_sleeping_tool('clock-restart')
+        self.ad.kill()
+        set_clock(self.clock_file, '-1h')
+        t0 = time.monotonic()
+        self.ad.start()  # the same owner id, its start an hour before the last one's
+        self.assert_completed_in_second_attempt(conv, sid, timeout=40)
+        self.assertLess(time.monotonic() - t0, 20,
+                        'the work waited for its lease instead of being taken back')
+        self.assert_clock_apart(-1, event='reclaimed')
 
     def test_work_interrupted_after_the_clock_was_set_back_resumes_at_once(self):
         conv, sid = self.start_sleeping_tool('clock-back')

@@ -281,6 +281,21 @@ static void test_reclaim_by_owner_start(void)
                  &(Cflue__V1__SettleResponse){0}) == CF_OK);
     CHECK(settle(nc.fence, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, "",
                  &(Cflue__V1__SettleResponse){0}) == CF_OK);
+
+    /* a process whose clock reads an hour before the previous one's start (set back between
+     * the two): its open reclaim still takes that one's attempt back; a targeted one (a
+     * resume, which asks for its own) does not */
+    int64_t behind = new_start - ahead;
+    Cflue__V1__Submission *d = admit("c-reclaim-d", "d", "");
+    CHECK(d != NULL);
+    Cflue__V1__ClaimResponse od = reclaim_claim("R", new_start, 0, d->submission_id);
+    CHECK(od.submission && !od.takeover);
+    CHECK(reclaim_claim("R", behind, behind + 1, d->submission_id).submission == NULL);
+    Cflue__V1__ClaimResponse nd = reclaim_claim("R", behind, behind, "");
+    CHECK(nd.submission && nd.takeover && !strcmp(nd.submission->submission_id, d->submission_id));
+    CHECK(append_one(od.fence, "stale", "{}") == CF_STALE);
+    CHECK(settle(nd.fence, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, "",
+                 &(Cflue__V1__SettleResponse){0}) == CF_OK);
 }
 
 static void test_idempotency(void)
