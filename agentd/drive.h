@@ -391,9 +391,14 @@ bool dcall_take(struct drive_call *c, struct rpc_status *st, ProtobufCMessage **
  * *resp is the caller's to free; the last failure is in d->err. */
 enum cf_status dstore_call(struct drive *d, const char *method, const ProtobufCMessage *req,
                            const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp);
-/* dstore_retry_window: how long a failed Store call is tried again, in milliseconds (as long
- * as the lease lasts, at least 5 s). */
-int64_t dstore_retry_window(void);
+/* dstore_retry_again tells whether a Store call of d that failed with err (the first try at
+ * first_try_ms, monotonic) is tried again wait_ms from now: while the failure is transient and
+ * the drive goes on, for as long as the lease lasts (at least 5 s); past that only when
+ * storaged refused for want of room (STORAGE_FULL), while the submission has time left: no
+ * claim takes the work over meanwhile, and storaged counts the time it could not write
+ * against no lease. */
+bool dstore_retry_again(struct drive *d, const struct cf_error *err, int64_t first_try_ms,
+                        int64_t wait_ms);
 /* dstore_load reads the whole conversation into d->log, paging with page tokens, blocking
  * (the rarer paths). A failure is a fault. */
 enum cf_status dstore_load(struct drive *d);

@@ -32,16 +32,24 @@
 #define STORE_TIMEOUT_MS 15000
 #define STORE_RETRY_MIN_MS 5000 /* a Store call is retried at least this long */
 
-int64_t dstore_retry_window(void)
+bool dstore_retry_again(struct drive *d, const struct cf_error *err, int64_t first_try_ms,
+                        int64_t wait_ms)
 {
-    return g_agentd.lease_ms > STORE_RETRY_MIN_MS ? g_agentd.lease_ms : STORE_RETRY_MIN_MS;
+    if (!drive_transient(err->code) || drive_lost_or_down(d)) {
+        return false;
+    }
+    int64_t window =
+        g_agentd.lease_ms > STORE_RETRY_MIN_MS ? g_agentd.lease_ms : STORE_RETRY_MIN_MS;
+    if (clock_mono_ms() - first_try_ms + wait_ms <= window) {
+        return true;
+    }
+    return !strcmp(err->reason, "STORAGE_FULL") && drive_time_left(d) > wait_ms;
 }
 
 enum cf_status dstore_call(struct drive *d, const char *method, const ProtobufCMessage *req,
                            const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp)
 {
     int64_t start = clock_mono_ms(), wait = 100;
-    int64_t window = dstore_retry_window();
     for (d->store_tries = 1;; d->store_tries++) {
         *resp = NULL;
         enum cf_status rc =
@@ -49,8 +57,7 @@ enum cf_status dstore_call(struct drive *d, const char *method, const ProtobufCM
         if (rc == CF_STALE) {
             drive_mark_lease_lost(d); /* ABORTED, STALE_FENCE: another attempt holds the work */
         }
-        if (!drive_transient(rc) || drive_lost_or_down(d) ||
-            clock_mono_ms() - start + wait > window) {
+        if (rc == CF_OK || !dstore_retry_again(d, &d->err, start, wait)) {
             d->store_down = d->store_down || drive_transient(rc);
             return rc;
         }
@@ -356,13 +363,15 @@ enum flight_state dstore_flight_take(struct drive *d, void (*resend)(struct driv
         drive_mark_lease_lost(d); /* ABORTED, STALE_FENCE: another attempt holds the work */
     }
     int64_t now = clock_mono_ms();
-    if (*rc != CF_OK && drive_transient(*rc) && !drive_lost_or_down(d) &&
-        now - f->first_try_ms + f->backoff_ms <= dstore_retry_window()) {
+    if (*rc != CF_OK && dstore_retry_again(d, &d->err, f->first_try_ms, f->backoff_ms)) {
         int64_t wait = f->backoff_ms + thread_jitter_ms(f->backoff_ms / 2 + 1);
-        char q[600];
-        log_warn("store_retry", "submission=%s method=%s try=%d wait_ms=%lld err=%s",
-                 d->sub->submission_id, f->method, d->store_tries, (long long)wait,
-                 log_quote(q, sizeof(q), d->err.msg));
+        if ((d->store_tries & (d->store_tries - 1)) == 0) {
+            /* tries 1, 2, 4, 8, ...: a full disk may keep a drive retrying for long */
+            char q[600];
+            log_warn("store_retry", "submission=%s method=%s try=%d wait_ms=%lld err=%s",
+                     d->sub->submission_id, f->method, d->store_tries, (long long)wait,
+                     log_quote(q, sizeof(q), d->err.msg));
+        }
         f->retry_at_ms = now + wait;
         f->backoff_ms = f->backoff_ms * 2 < 2000 ? f->backoff_ms * 2 : 2000;
         engine_post_at(d, f->retry_at_ms);

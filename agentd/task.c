@@ -212,8 +212,7 @@ static void retry_or_fault(struct task_call *tc, const char *what, const struct 
         tc->first_fail_ms = now;
         tc->backoff_ms = 100;
     }
-    if (drive_transient(e->code) &&
-        now - tc->first_fail_ms + tc->backoff_ms <= dstore_retry_window()) {
+    if (dstore_retry_again(tc->d, e, tc->first_fail_ms, tc->backoff_ms)) {
         tc->retry_at_ms = now + tc->backoff_ms + thread_jitter_ms(tc->backoff_ms / 2 + 1);
         tc->backoff_ms = tc->backoff_ms * 2 < 2000 ? tc->backoff_ms * 2 : 2000;
         log_info("task_retry", "submission=%s call=%s what=%s", tc->d->sub->submission_id,

@@ -1123,6 +1123,25 @@ enum cf_status ledger_shift_times(struct ledger_ctx *c, int64_t step_ms, int *mo
     return rc;
 }
 
+enum cf_status ledger_extend_leases(struct ledger_ctx *c, int64_t outage_ms, int *moved,
+                                    struct cf_error *err)
+{
+    static const char sql[] = "UPDATE submissions SET lease_expires_at = "
+                              "lease_expires_at + ?1 WHERE status IN ('running','terminalizing') "
+                              "AND lease_expires_at >= ?2";
+    struct stmt s;
+    enum cf_status rc = stmt_open(&s, c->db, sql, "extend leases over an outage", err);
+    if (rc != CF_OK) {
+        return rc;
+    }
+    stmt_int(&s, 1, outage_ms);
+    stmt_int(&s, 2, c->now - outage_ms);
+    if ((rc = stmt_done(&s, err)) == CF_OK) {
+        *moved = sqlite3_changes(c->db);
+    }
+    return rc;
+}
+
 /* stamp_input does MarkInputApplied's work on row, read through its fence in this transaction:
  * stamps the input applied and installs req's budgets (first stamp only; req's own fence is
  * not read). The row must be running; on success it is read again after the stamp. */

@@ -99,6 +99,12 @@ CF_MUST_CHECK enum cf_status ledger_release(struct ledger_ctx *c,
 CF_MUST_CHECK enum cf_status ledger_shift_times(struct ledger_ctx *c, int64_t step_ms, int *moved,
                                                 struct cf_error *err);
 
+/* ledger_extend_leases extends by outage_ms the leases that were still running outage_ms
+ * ago: storaged could not write for that long (its disk full or failing), so no heartbeat
+ * could be stored, and that time counts against no lease. *moved: how many submissions. */
+CF_MUST_CHECK enum cf_status ledger_extend_leases(struct ledger_ctx *c, int64_t outage_ms,
+                                                  int *moved, struct cf_error *err);
+
 /* ledger_mark_input_applied stamps the input and installs budgets (first call only). */
 CF_MUST_CHECK enum cf_status
 ledger_mark_input_applied(struct ledger_ctx *c, const Cflue__V1__MarkInputAppliedRequest *req,

@@ -11,6 +11,7 @@
  */
 #include "writer.h"
 
+#include "clock.h"
 #include "db.h"
 #include "failpoint.h"
 #include "log.h"
@@ -42,6 +43,9 @@ struct writer {
     bool completer_busy;                      /* the completer is answering a batch */
     bool synced;                              /* the connection is at synchronous=FULL */
     uint64_t batches, jobs;                   /* logged at stop */
+    /* when the first batch since the last COMMIT failed for want of room or by the disk
+     * (monotonic ms; 0: none): the start of an outage no lease is counted against */
+    int64_t refused_since_mono;
 };
 
 /* The transaction statements, compiled once on the writer's connection (stmt.c). */
@@ -109,13 +113,42 @@ static enum cf_status set_sync(struct writer *w, bool durable, struct cf_error *
     return st;
 }
 
+/* move_times runs move (ledger_shift_times, ledger_extend_leases) by ms in a savepoint of the
+ * open transaction. Returns CF_OK with *moved set (how many submissions; -1 when the move
+ * failed on its own: it is rolled back alone, logged as `what`, and the next batch tries
+ * again), or the status with err set when the transaction cannot go on. */
+static enum cf_status move_times(struct writer *w, struct ledger_ctx *c,
+                                 enum cf_status (*move)(struct ledger_ctx *, int64_t, int *,
+                                                        struct cf_error *),
+                                 int64_t ms, const char *what, int *moved, struct cf_error *err)
+{
+    struct cf_error why;
+    *moved = -1;
+    enum cf_status st = run(w, savepoint_sql, err);
+    if (st != CF_OK) {
+        return st;
+    }
+    if ((st = move(c, ms, moved, &why)) != CF_OK) {
+        if (sqlite3_get_autocommit(w->db)) {
+            *err = why; /* SQLite rolled the transaction back */
+            return st;
+        }
+        char q[CF_ERROR_MSG_MAX + 16];
+        log_warn(what, "ms=%lld err=%s", (long long)ms, log_quote(q, sizeof(q), why.msg));
+        if ((st = run(w, rollback_to_sql, err)) != CF_OK) {
+            return st;
+        }
+    }
+    return run(w, release_sql, err);
+}
+
 /* take_clock_step sets c->now for the batch whose transaction was just begun: the store clock
  * (store_clock.h), or the wall clock once a step of it was taken in. A small step is adopted
- * at once; a larger one moves the unsettled work's times by the step in a savepoint
- * (ledger_shift_times) and sets *moved (the writer adopts it after the COMMIT). A step that
- * cannot be taken in now is tried again with the next batch, this one running on the store
- * clock, which the stored times still follow. Returns CF_OK, or the status with err set when
- * the transaction cannot go on. */
+ * at once; a larger one moves the unsettled work's times by the step (ledger_shift_times) and
+ * sets *moved (the writer adopts it after the COMMIT). A step that cannot be taken in now is
+ * tried again with the next batch, this one running on the store clock, which the stored
+ * times still follow. Returns CF_OK, or the status with err set when the transaction cannot
+ * go on. */
 static enum cf_status take_clock_step(struct writer *w, struct ledger_ctx *c,
                                       const struct store_clock_reading *r, int *moved,
                                       struct cf_error *err)
@@ -126,28 +159,28 @@ static enum cf_status take_clock_step(struct writer *w, struct ledger_ctx *c,
         c->now = r->wall_ms;
         return CF_OK;
     }
-    struct cf_error why;
-    enum cf_status st = run(w, savepoint_sql, err);
-    if (st != CF_OK) {
-        return st;
-    }
-    if ((st = ledger_shift_times(c, r->step_ms, moved, &why)) == CF_OK) {
+    enum cf_status st =
+        move_times(w, c, ledger_shift_times, r->step_ms, "clock_step_deferred", moved, err);
+    if (st == CF_OK && *moved >= 0) {
         c->now = r->wall_ms;
-    } else if (sqlite3_get_autocommit(w->db)) {
-        *err = why; /* SQLite rolled the transaction back */
-        return st;
-    } else {
-        char q[CF_ERROR_MSG_MAX + 16];
-        log_warn("clock_step_deferred", "step_ms=%lld err=%s", (long long)r->step_ms,
-                 log_quote(q, sizeof(q), why.msg));
-        if ((st = run(w, rollback_to_sql, err)) != CF_OK) {
-            return st;
-        }
     }
-    return run(w, release_sql, err);
+    return st;
 }
 
-static void run_batch(struct writer *w, struct writer_job *jobs)
+/* failed_for_room tells whether a batch that did not commit failed for want of room or by the
+ * disk (a job's status). */
+static bool failed_for_room(const struct writer_job *jobs)
+{
+    for (const struct writer_job *j = jobs; j; j = j->next) {
+        if (j->st == CF_FULL || j->st == CF_IO) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* run_batch runs jobs as one transaction; returns whether it committed. */
+static bool run_batch(struct writer *w, struct writer_job *jobs)
 {
     struct cf_error err;
     enum cf_status st;
@@ -155,7 +188,9 @@ static void run_batch(struct writer *w, struct writer_job *jobs)
     store_clock_read(&clock);
     struct ledger_ctx ctx = {.db = w->db, .cfg = w->cfg, .now = clock.wall_ms - clock.step_ms};
     bool any_ok = false, durable = false;
-    int moved = -1; /* submissions whose times a clock step moved in this batch; -1: none */
+    int moved = -1;    /* submissions whose times a clock step moved in this batch; -1: none */
+    int extended = -1; /* submissions whose leases an outage extended in this batch */
+    int64_t outage_ms = w->refused_since_mono ? clock.mono_ms - w->refused_since_mono : 0;
 
     for (struct writer_job *j = jobs; j; j = j->next) {
         durable = durable || j->durable;
@@ -168,17 +203,22 @@ static void run_batch(struct writer *w, struct writer_job *jobs)
                   "the database connection is stuck in a transaction that cannot be rolled "
                   "back (see the log); nothing was written",
                   "");
-        return;
+        return false;
     }
     if ((st = set_sync(w, durable, &err)) != CF_OK) {
         fail_rest(jobs, st, "cannot set synchronous=FULL: ", err.msg);
-        return;
+        return false;
     }
     if ((st = run(w, begin_sql, &err)) != CF_OK) {
         fail_rest(jobs, st, "cannot begin transaction: ", err.msg);
-        return;
+        return false;
     }
     if ((st = take_clock_step(w, &ctx, &clock, &moved, &err)) != CF_OK) {
+        goto broken;
+    }
+    if (outage_ms >= STORE_CLOCK_STEP_MS &&
+        (st = move_times(w, &ctx, ledger_extend_leases, outage_ms, "lease_extension_deferred",
+                         &extended, &err)) != CF_OK) {
         goto broken;
     }
     for (struct writer_job *j = jobs; j; j = j->next) {
@@ -207,7 +247,7 @@ static void run_batch(struct writer *w, struct writer_job *jobs)
     }
     if (!any_ok) {
         end_transaction(w);
-        return;
+        return false;
     }
     failpoint_hit("storaged.commit.before");
     if ((st = run(w, commit_sql, &err)) != CF_OK) {
@@ -216,7 +256,7 @@ static void run_batch(struct writer *w, struct writer_job *jobs)
                   log_quote(q, sizeof(q), err.msg));
         end_transaction(w);
         fail_rest(jobs, st, "commit failed: ", err.msg);
-        return;
+        return false;
     }
     failpoint_hit("storaged.commit.after");
     if (moved >= 0) {
@@ -224,7 +264,11 @@ static void run_batch(struct writer *w, struct writer_job *jobs)
         log_warn("clock_stepped", "step_ms=%lld submissions_moved=%d", (long long)clock.step_ms,
                  moved);
     }
-    return;
+    if (extended >= 0) {
+        log_warn("leases_extended", "outage_ms=%lld submissions=%d", (long long)outage_ms,
+                 extended);
+    }
+    return true;
 
 broken : {
     /* A savepoint statement failed, or SQLite rolled the transaction back itself: which work
@@ -235,6 +279,7 @@ broken : {
               log_quote(q, sizeof(q), err.msg));
     end_transaction(w);
     fail_rest(jobs, st, "the batch was rolled back: ", err.msg);
+    return false;
 }
 }
 
@@ -343,7 +388,11 @@ static void *writer_main(void *arg)
 
         w->batches++;
         w->jobs += (uint64_t)n;
-        run_batch(w, batch);
+        if (run_batch(w, batch)) {
+            w->refused_since_mono = 0;
+        } else if (!w->refused_since_mono && failed_for_room(batch)) {
+            w->refused_since_mono = clock_mono_ms();
+        }
         finish(w, batch);
     }
 }

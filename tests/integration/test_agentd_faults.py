@@ -1103,12 +1103,14 @@ class DiskFullTest(unittest.TestCase):
     STORAGE_FULL, meanwhile; the conversations under way retry their writes (an outage
     shorter than their retry window, the lease: 30 s) and all complete, each in its one
     attempt, once there is room."""
+    agentd_args = ()
 
     def setUp(self):
         H.require_namespace(self, H.private_mount_problem())
         self.stack = H.BenchBrainStack(500, 'a line of the file the bench brain reads\n' * 10,
                                        prefix='cflue-disk-full-it-',
-                                       storaged_cls=H.TmpfsStoraged)
+                                       storaged_cls=H.TmpfsStoraged,
+                                       agentd_args=self.agentd_args)
 
     def tearDown(self):
         self.stack.remove()
@@ -1141,6 +1143,14 @@ class DiskFullTest(unittest.TestCase):
         self.assertIn('event=store_retry', st.ad.stderr_text())
         self.assertIsNone(st.sd.proc.poll())
         self.assertIsNone(st.ad.proc.poll())
+
+class LongDiskFullTest(DiskFullTest):
+    """The same, with the disk full for longer than the lease (3 s, renewed every second):
+    no heartbeat is stored meanwhile, and the writes are refused past the usual retry window.
+    Time that storaged could not write counts against no lease, and a write refused for want
+    of room is retried until there is room: the work still completes in its one attempt."""
+    agentd_args = ('--lease-ms', '3000', '--heartbeat-ms', '1000')
+
 
 class HungPeerTest(unittest.TestCase):
     """A storaged that hangs (SIGSTOP: its connections stay open, nothing answers, as when

@@ -214,6 +214,37 @@ static void test_clock_step(void)
                  &(Cflue__V1__SettleResponse){0}) == CF_OK);
 }
 
+/* After an outage during which storaged could not write, the leases still running when it
+ * began are extended by its length; one that had run out before stays so. */
+static void test_extend_leases(void)
+{
+    const int64_t outage = 60000;
+    struct cf_error err;
+    Cflue__V1__Submission *live = admit("ext-live", "x", "");
+    Cflue__V1__Submission *gone = admit("ext-gone", "x", "");
+    CHECK(live && gone);
+    Cflue__V1__ClaimResponse a = claim_until(live, "A", 30000);
+    Cflue__V1__ClaimResponse b = claim_until(gone, "A", 100);
+    CHECK(a.submission && b.submission);
+    clock_sleep_ms(150); /* gone's lease runs out before the outage */
+    struct ledger_ctx c = ctx();
+    Cflue__V1__Submission live0, gone0, after;
+    CHECK(ledger_get(&c, live->submission_id, &live0, &err) == CF_OK);
+    CHECK(ledger_get(&c, gone->submission_id, &gone0, &err) == CF_OK);
+    c.now += outage; /* the outage began now and lasted a minute */
+    int moved = -1;
+    CHECK(ledger_extend_leases(&c, outage, &moved, &err) == CF_OK && moved >= 1);
+    CHECK(ledger_get(&c, live->submission_id, &after, &err) == CF_OK);
+    CHECK(pbtime_ms(after.lease_expire_time) == pbtime_ms(live0.lease_expire_time) + outage);
+    CHECK(pbtime_ms(after.start_time) == pbtime_ms(live0.start_time));
+    CHECK(ledger_get(&c, gone->submission_id, &after, &err) == CF_OK);
+    CHECK(pbtime_ms(after.lease_expire_time) == pbtime_ms(gone0.lease_expire_time));
+    CHECK(settle(a.fence, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, "",
+                 &(Cflue__V1__SettleResponse){0}) == CF_OK);
+    CHECK(settle(b.fence, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, "",
+                 &(Cflue__V1__SettleResponse){0}) == CF_OK);
+}
+
 /* reclaim_claim claims as a process of owner that started at started_ms (its own clock;
  * 0: not said), taking back this owner's attempts of processes started before before_ms
  * (0: none); submission_id "" for any. */
@@ -1002,6 +1033,7 @@ int main(void)
     test_fifo_and_fencing();
     test_takeover();
     test_clock_step();
+    test_extend_leases();
     test_reclaim_by_owner_start();
     test_idempotency();
     test_trace_context();
