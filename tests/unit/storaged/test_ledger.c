@@ -171,6 +171,20 @@ static void test_takeover(void)
     CHECK(append_one(b.fence, "fresh", "{}") == CF_OK);
 }
 
+/* claimed_pair admits a submission into each of the conversations c1 and c2 and claims each
+ * as owner A, with leases of lease1 and lease2 ms; *s1 and *s2 are their admitted rows. */
+static void claimed_pair(const char *c1, int64_t lease1, const char *c2, int64_t lease2,
+                         Cflue__V1__Submission **s1, Cflue__V1__ClaimResponse *cl1,
+                         Cflue__V1__Submission **s2, Cflue__V1__ClaimResponse *cl2)
+{
+    *s1 = admit(c1, "x", "");
+    *s2 = admit(c2, "x", "");
+    CHECK(*s1 && *s2);
+    *cl1 = claim_until(*s1, "A", lease1);
+    *cl2 = claim_until(*s2, "A", lease2);
+    CHECK(cl1->submission && cl2->submission);
+}
+
 /* After a step of the clock, the unsettled work's leases, time limits and starts move with
  * it, so that a lease taken before a step forward has its time still; settled rows keep
  * theirs. */
@@ -178,12 +192,9 @@ static void test_clock_step(void)
 {
     const int64_t hour = 3600000;
     struct cf_error err;
-    Cflue__V1__Submission *run = admit("step-run", "x", "");
-    Cflue__V1__Submission *done = admit("step-done", "x", "");
-    CHECK(run && done);
-    Cflue__V1__ClaimResponse a = claim_until(run, "A", 30000);
-    Cflue__V1__ClaimResponse b = claim_until(done, "A", 30000);
-    CHECK(a.submission && b.submission);
+    Cflue__V1__Submission *run, *done;
+    Cflue__V1__ClaimResponse a, b;
+    claimed_pair("step-run", 30000, "step-done", 30000, &run, &a, &done, &b);
     CHECK(settle(b.fence, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, "",
                  &(Cflue__V1__SettleResponse){0}) == CF_OK);
     struct ledger_ctx c = ctx();
@@ -220,12 +231,9 @@ static void test_extend_leases(void)
 {
     const int64_t outage = 60000;
     struct cf_error err;
-    Cflue__V1__Submission *live = admit("ext-live", "x", "");
-    Cflue__V1__Submission *gone = admit("ext-gone", "x", "");
-    CHECK(live && gone);
-    Cflue__V1__ClaimResponse a = claim_until(live, "A", 30000);
-    Cflue__V1__ClaimResponse b = claim_until(gone, "A", 100);
-    CHECK(a.submission && b.submission);
+    Cflue__V1__Submission *live, *gone;
+    Cflue__V1__ClaimResponse a, b;
+    claimed_pair("ext-live", 30000, "ext-gone", 100, &live, &a, &gone, &b);
     clock_sleep_ms(150); /* gone's lease runs out before the outage */
     struct ledger_ctx c = ctx();
     Cflue__V1__Submission live0, gone0, after;
