@@ -111,7 +111,6 @@ static bool open_ledger(const struct daemon *d, const struct storaged_opts *o, s
                  "off and recovery continues them",
                  fenced, boot_id);
     }
-    store_clock_start();
     log_startup_state(o->db_path);
     backup_sweep(o->db_path);
     return true;

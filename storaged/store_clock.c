@@ -9,12 +9,7 @@
 /* wall less monotonic, as last adopted; 0: not started (never so once started) */
 static _Atomic int64_t offset_ms;
 
-void store_clock_start(void)
-{
-    atomic_store_explicit(&offset_ms, clock_now_ms() - clock_mono_ms(), memory_order_relaxed);
-}
-
-/* offset returns the offset, starting the clock on first use (a program that did not). */
+/* offset returns the offset, setting it to the wall clock's on first use. */
 static int64_t offset(void)
 {
     int64_t off = atomic_load_explicit(&offset_ms, memory_order_relaxed);

@@ -24,10 +24,8 @@ struct store_clock_reading {
     int64_t step_ms; /* wall_ms less the store clock's time */
 };
 
-/* store_clock_start sets the store clock to the wall clock (at start, before any call). */
-void store_clock_start(void);
-
-/* store_clock_now returns the store clock's time (epoch ms): what readers compare with. */
+/* store_clock_now returns the store clock's time (epoch ms): what readers compare with. The
+ * first call of the process (of this or store_clock_read) sets the clock to the wall clock. */
 int64_t store_clock_now(void);
 
 /* store_clock_read reads both clocks into r. */

@@ -48,6 +48,9 @@ struct writer {
     int64_t refused_since_mono;
 };
 
+/* A write outage at least this long (ms) extends the leases that ran meanwhile. */
+#define OUTAGE_MIN_MS 1000
+
 /* The transaction statements, compiled once on the writer's connection (stmt.c). */
 static const char begin_sql[] = "BEGIN IMMEDIATE", commit_sql[] = "COMMIT",
                   rollback_sql[] = "ROLLBACK", savepoint_sql[] = "SAVEPOINT job",
@@ -216,7 +219,7 @@ static bool run_batch(struct writer *w, struct writer_job *jobs)
     if ((st = take_clock_step(w, &ctx, &clock, &moved, &err)) != CF_OK) {
         goto broken;
     }
-    if (outage_ms >= STORE_CLOCK_STEP_MS &&
+    if (outage_ms >= OUTAGE_MIN_MS &&
         (st = move_times(w, &ctx, ledger_extend_leases, outage_ms, "lease_extension_deferred",
                          &extended, &err)) != CF_OK) {
         goto broken;
