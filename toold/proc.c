@@ -474,6 +474,9 @@ enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out, s
                     .rep_fd = {-1, -1},
                     .start = clock_mono_ms()};
     r.deadline = spec->timeout_ms > 0 ? r.start + spec->timeout_ms : INT64_MAX;
+    if (spec->deadline_ms > 0 && spec->deadline_ms < r.deadline) {
+        r.deadline = spec->deadline_ms;
+    }
     memset(out, 0, sizeof(*out));
     enum cf_status rc = open_pipes(&r, err);
     if (rc != CF_OK) {

@@ -77,6 +77,7 @@ struct proc_spec {
     char **envp;            /* full environment */
     int extra_fd;           /* the command inherits it as fd 4 (0: none) */
     int64_t timeout_ms;     /* <= 0: none */
+    int64_t deadline_ms;    /* monotonic; the earlier of it and the timeout applies (0: none) */
     const void *stdin_data; /* NULL: /dev/null */
     size_t stdin_len;
     /* on_output receives each chunk as it arrives; returning false kills the group */

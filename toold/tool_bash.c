@@ -11,6 +11,7 @@
 
 #include "clock.h"
 #include "driver.h"
+#include "failpoint.h"
 #include "ids.h"
 #include "log.h"
 #include "mem.h"
@@ -189,10 +190,12 @@ static bool on_output(void *arg, const char *p, size_t n)
     return true;
 }
 
+/* cancelled: the caller went away. The call's deadline is not a cancel: it is the command's
+ * own deadline (proc_spec.deadline_ms), so that its end reads as a timeout. */
 static bool cancelled(void *arg)
 {
-    struct capture *c = arg;
-    return tool_cancelled(c->ctx);
+    struct tool_ctx *ctx = ((struct capture *)arg)->ctx;
+    return ctx->cancelled && ctx->cancelled(ctx->cancel_ctx);
 }
 
 /* tail_view copies the last lines of the output (ring order) into a contiguous buffer. */
@@ -261,8 +264,12 @@ static enum cf_status run_command(struct capture *c, const char *command, int64_
     struct tool_ctx *ctx = c->ctx;
     char cwd[PATH_MAX];
     ws_host_path(ctx->sb, ctx->cwd ? ctx->cwd : ".", cwd, sizeof(cwd));
-    struct proc_spec spec = {
-        .timeout_ms = timeout_ms, .on_output = on_output, .cancelled = cancelled, .ctx = c};
+    failpoint_hit("toold.bash.before_start"); /* a slow sandbox start */
+    struct proc_spec spec = {.timeout_ms = timeout_ms,
+                             .deadline_ms = ctx->deadline_ms,
+                             .on_output = on_output,
+                             .cancelled = cancelled,
+                             .ctx = c};
     return driver_run(ctx->sb, ctx->limits, cwd, command, NULL, 0, &spec, pr, err);
 }
 

@@ -497,6 +497,18 @@ class TestFailpointAndThreads(HostileBase):
         with open(os.path.join(td.workspace('fp'), 'marker')) as f:
             self.assertEqual(f.read(), 'ran\n')  # it ran; its result was never sent
 
+    def test_caller_deadline_after_a_slow_start(self):
+        """A command that starts late still ends at its caller's deadline as a timeout (124),
+        not as a cancel: the deadline was once read as a cancel in the gap between the two."""
+        td = self.start('local', env={'CFLUE_FAILPOINTS': 'toold.bash.before_start=sleep:400'})
+        t0 = time.monotonic()
+        res = self.call('fp2', 'bash', {'command': 'sleep 5'}, td=td, timeout_ms=1000)
+        self.assertLess(time.monotonic() - t0, 4)
+        self.assertFalse(res.is_error, res.text)
+        self.assertEqual(result_details(res).get('exit_code'), 124)
+        self.assertTrue(result_details(res).get('timed_out'))
+        self.assertIn('time left for this call', res.text)
+
     def limited_toold(self, limit):
         """A LimitedToold (not started yet) over directories its user owns."""
         td = LimitedToold(start=False, driver='local', limit=limit)
