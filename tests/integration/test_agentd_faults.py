@@ -514,9 +514,10 @@ class ClockCase(FaultsBase):
         self.assertAlmostEqual((t - time.time()) / 3600.0, hours, delta=0.1, msg=stamps[-1])
 
 
-class ClockApartBase(ClockCase):
-    """agentd on a wall clock an hour off storaged's. The 'brief' agent has 4 s per
-    submission: storaged's deadline, counted by agentd from the claim."""
+class ClockApart(object):
+    """agentd on a wall clock an hour off storaged's (mixed into a ClockCase that sets the
+    clock; no tests run from it alone). The 'brief' agent has 4 s per submission: storaged's
+    deadline, counted by agentd from the claim."""
 
     def test_a_submission_has_its_whole_time(self):
         conv = new_conv('clock-whole')
@@ -533,7 +534,7 @@ class ClockApartBase(ClockCase):
         self.assert_limit_ends_a_late_answer('clock-limit')
 
 
-class ClockAheadTest(ClockApartBase):
+class ClockAheadTest(ClockCase, ClockApart):
     """Counted by agentd's wall clock, every deadline would be an hour past at once."""
     stack_kwargs = dict(FaultsBase.stack_kwargs, agentd_env=clock_apart_env('+1h'))
 
@@ -542,7 +543,7 @@ class ClockAheadTest(ClockApartBase):
         self.assert_clock_apart(+1)
 
 
-class ClockBehindTest(ClockApartBase):
+class ClockBehindTest(ClockCase, ClockApart):
     """Counted by agentd's wall clock, no deadline would come for an hour."""
     stack_kwargs = dict(FaultsBase.stack_kwargs, agentd_env=clock_apart_env('-1h'))
 
