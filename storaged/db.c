@@ -328,21 +328,49 @@ static enum cf_status meta_set(sqlite3 *db, const char *key, const char *value,
     return stmt_done(&s, err);
 }
 
-enum cf_status db_boot(sqlite3 *db, const char *boot_id, int *fenced_out, struct cf_error *err)
+/* meta_int reads a meta value written by meta_set_int (0 when absent or not a number). */
+static enum cf_status meta_int(sqlite3 *db, const char *key, int64_t *out, struct cf_error *err)
+{
+    char text[32], *end;
+    bool found;
+    enum cf_status rc = meta_get(db, key, text, sizeof(text), &found, err);
+    *out = 0;
+    if (rc == CF_OK && found) {
+        long long v = strtoll(text, &end, 10);
+        *out = end != text && *end == '\0' ? (int64_t)v : 0;
+    }
+    return rc;
+}
+
+static enum cf_status meta_set_int(sqlite3 *db, const char *key, int64_t value,
+                                   struct cf_error *err)
+{
+    char text[32];
+    snprintf(text, sizeof(text), "%lld", (long long)value);
+    return meta_set(db, key, text, err);
+}
+
+enum cf_status db_boot(sqlite3 *db, const char *boot_id, int *fenced_out, struct db_last_run *last,
+                       struct cf_error *err)
 {
     char prev[128], clean[8];
     bool have_prev, have_clean;
     enum cf_status rc;
     *fenced_out = 0;
+    memset(last, 0, sizeof(*last));
     if ((rc = db_exec(db, "PRAGMA synchronous=FULL", err)) != CF_OK ||
         (rc = db_exec(db, "BEGIN IMMEDIATE", err)) != CF_OK) {
         return rc;
     }
     if ((rc = meta_get(db, "boot_id", prev, sizeof(prev), &have_prev, err)) != CF_OK ||
-        (rc = meta_get(db, "clean_stop", clean, sizeof(clean), &have_clean, err)) != CF_OK) {
+        (rc = meta_get(db, "clean_stop", clean, sizeof(clean), &have_clean, err)) != CF_OK ||
+        (rc = meta_int(db, "stopped_at_ms", &last->stopped_at_ms, err)) != CF_OK ||
+        (rc = meta_int(db, "stopped_boot_ms", &last->stopped_boot_ms, err)) != CF_OK) {
         goto fail;
     }
-    if (have_prev && strcmp(prev, boot_id) != 0 && strcmp(clean, "1") != 0) {
+    last->clean = strcmp(clean, "1") == 0;
+    last->same_boot = have_prev && *boot_id && strcmp(prev, boot_id) == 0;
+    if (have_prev && strcmp(prev, boot_id) != 0 && !last->clean) {
         if ((rc = db_exec(db,
                           "UPDATE submissions SET attempt_id = 'att_fenced_' || "
                           "lower(hex(randomblob(10))), lease_expires_at = 1 "
@@ -364,7 +392,8 @@ fail:
     return rc;
 }
 
-enum cf_status db_clean_stop(sqlite3 *db, struct cf_error *err)
+enum cf_status db_clean_stop(sqlite3 *db, int64_t stopped_at_ms, int64_t stopped_boot_ms,
+                             struct cf_error *err)
 {
     enum cf_status rc;
     if ((rc = db_exec(db, "PRAGMA synchronous=FULL", err)) != CF_OK ||
@@ -372,6 +401,8 @@ enum cf_status db_clean_stop(sqlite3 *db, struct cf_error *err)
         return rc;
     }
     if ((rc = meta_set(db, "clean_stop", "1", err)) != CF_OK ||
+        (rc = meta_set_int(db, "stopped_at_ms", stopped_at_ms, err)) != CF_OK ||
+        (rc = meta_set_int(db, "stopped_boot_ms", stopped_boot_ms, err)) != CF_OK ||
         (rc = db_exec(db, "COMMIT", err)) != CF_OK) {
         return rc; /* closing the connection rolls the transaction back */
     }

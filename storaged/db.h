@@ -144,6 +144,15 @@ CF_MUST_CHECK enum cf_status db_fail(sqlite3 *db, const char *what, struct cf_er
 CF_MUST_CHECK enum cf_status db_step_fail(sqlite3 *db, int step_rc, const char *what,
                                           struct cf_error *err);
 
+/* The previous run's stop, as db_boot found it (what downtime.h needs to tell how long
+ * storaged was down). */
+struct db_last_run {
+    bool clean;              /* it stopped cleanly, stamping the two times below */
+    bool same_boot;          /* on this machine's current boot (the boot ids match) */
+    int64_t stopped_at_ms;   /* the store clock at the clean stop (0: not stamped) */
+    int64_t stopped_boot_ms; /* CLOCK_BOOTTIME at the clean stop (0: not stamped) */
+};
+
 /* db_boot runs once at start-up on the writer connection, before anything is served. It
  * detects a restart after the machine itself went down: the kernel's boot id (boot_id, e.g. from
  * /proc/sys/kernel/random/boot_id; "" when unknown) differs from the one stored by the previous
@@ -154,14 +163,16 @@ CF_MUST_CHECK enum cf_status db_step_fail(sqlite3 *db, int step_rc, const char *
  * is durable. After a process crash on the same boot nothing was lost (the OS kept the page
  * cache) and nothing is fenced. A database without a stored boot id (first start) fences nothing.
  * Stores the boot id and clears the clean-stop stamp, committed with synchronous=FULL. Sets
- * *fenced_out to the number of attempts fenced off. On failure the caller closes the connection
- * (rolling back) and must not serve. */
+ * *fenced_out to the number of attempts fenced off, and *last to what the previous run left.
+ * On failure the caller closes the connection (rolling back) and must not serve. */
 CF_MUST_CHECK enum cf_status db_boot(sqlite3 *db, const char *boot_id, int *fenced_out,
-                                     struct cf_error *err);
+                                     struct db_last_run *last, struct cf_error *err);
 
-/* db_clean_stop stamps a clean stop, committed with synchronous=FULL (which also syncs every
- * earlier commit): the next start fences nothing even on a new boot. Call last, when no more
- * writes will come. On failure the caller closes the connection (rolling back). */
-CF_MUST_CHECK enum cf_status db_clean_stop(sqlite3 *db, struct cf_error *err);
+/* db_clean_stop stamps a clean stop with its times (the store clock's and CLOCK_BOOTTIME's,
+ * ms), committed with synchronous=FULL (which also syncs every earlier commit): the next start
+ * fences nothing even on a new boot, and knows how long storaged was down. Call last, when no
+ * more writes will come. On failure the caller closes the connection (rolling back). */
+CF_MUST_CHECK enum cf_status db_clean_stop(sqlite3 *db, int64_t stopped_at_ms,
+                                           int64_t stopped_boot_ms, struct cf_error *err);
 
 #endif

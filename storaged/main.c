@@ -7,6 +7,7 @@
 #include "backup.h"
 #include "daemon.h"
 #include "db.h"
+#include "downtime.h"
 #include "failpoint.h"
 #include "ledger.h"
 #include "log.h"
@@ -73,14 +74,15 @@ struct storaged_opts {
 };
 
 /* open_ledger takes the database for this process (db_hold), opens (creating) it and runs the
- * boot check: a new boot after an unclean stop fences running attempts. Prints and logs why it
- * failed. */
+ * boot check: a new boot after an unclean stop fences running attempts; then takes in the time
+ * storaged was down (downtime.h). Prints and logs why it failed. */
 static bool open_ledger(const struct daemon *d, const struct storaged_opts *o, sqlite3 **db)
 {
     struct cf_error err;
     char q[CF_ERROR_MSG_MAX + 16], boot_id[128];
     int fenced = 0;
     bool held;
+    struct db_last_run last;
     if (db_hold(o->db_path, &held, &err) != CF_OK) {
         log_error("db_in_use", "db=%s err=%s", o->db_path, log_quote(q, sizeof(q), err.msg));
         daemon_say(d, 1, "%s", err.msg);
@@ -92,13 +94,15 @@ static bool open_ledger(const struct daemon *d, const struct storaged_opts *o, s
                  "keeps a second storaged from opening the database",
                  o->db_path);
     }
+    int64_t last_write_ms = downtime_last_write_ms(o->db_path); /* before any write of ours */
     if (db_open(o->db_path, true, db, &err) != CF_OK) {
         log_error("db_open_failed", "db=%s err=%s", o->db_path, log_quote(q, sizeof(q), err.msg));
         daemon_say(d, 1, "%s", err.msg);
         return false;
     }
     read_boot_id(o->boot_id_file, boot_id, sizeof(boot_id));
-    if (db_boot(*db, boot_id, &fenced, &err) != CF_OK) {
+    if (db_boot(*db, boot_id, &fenced, &last, &err) != CF_OK ||
+        downtime_take_in(*db, &last, last_write_ms, &err) != CF_OK) {
         log_error("db_boot_failed", "db=%s err=%s", o->db_path, log_quote(q, sizeof(q), err.msg));
         daemon_say(d, 1, "%s", err.msg);
         sqlite3_close(*db);

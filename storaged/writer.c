@@ -13,6 +13,7 @@
 
 #include "clock.h"
 #include "db.h"
+#include "downtime.h"
 #include "failpoint.h"
 #include "log.h"
 #include "mem.h"
@@ -476,7 +477,7 @@ void writer_stop(struct writer *w)
              (unsigned long long)w->batches, (unsigned long long)w->jobs,
              w->batches ? (double)w->jobs / (double)w->batches : 0.0);
     struct cf_error err;
-    if (db_clean_stop(w->db, &err) != CF_OK) {
+    if (db_clean_stop(w->db, store_clock_now(), downtime_boot_ms(), &err) != CF_OK) {
         char q[CF_ERROR_MSG_MAX + 16];
         log_warn("clean_stop_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
     }

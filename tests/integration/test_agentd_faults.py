@@ -479,9 +479,14 @@ def settable_clock_env(path):
     return env
 
 
+# libfaketime reads the offset file again once its copy is more than a second old, counted in
+# whole seconds: a daemon sees a new offset within two seconds.
+CLOCK_READ_S = 2.2
+
+
 def set_clock(path, offset):
     """Sets the clock of the daemons started with settable_clock_env(path) to `offset` from the
-    host's; they read it within a second."""
+    host's; they read it within CLOCK_READ_S."""
     with open(path + '.new', 'w') as f:
         f.write(offset + '\n')
     os.rename(path + '.new', path)
@@ -572,14 +577,14 @@ class SettableClockCase(ClockCase):
         super(SettableClockCase, cls).tearDownClass()
         shutil.rmtree(cls.clock_dir, ignore_errors=True)
 
-    def start_sleeping_tool(self, tag, agent='runner-anthropic'):
-        """Submits a conversation whose model calls bash to sleep 30 s, then answers; returns
-        (conversation, submission id) once the command runs."""
+    def start_sleeping_tool(self, tag, agent='runner-anthropic', secs=30):
+        """Submits a conversation whose model calls bash to sleep secs seconds, then answers;
+        returns (conversation, submission id) once the command runs."""
         conv = new_conv(tag)
         ws = self.workspace(conv)
         self.fm.set_scenario(bind([
             {'tool_calls': [{'name': 'bash', 'arguments': {
-                'command': 'touch started; sleep 30; echo slept'}}]},
+                'command': 'touch started; sleep %d; echo slept' % secs}}]},
             {'text': 'done'}], conv))
         sid = self.ad.submit(agent, 'sleep (%s)' % conv, conversation_id=conv).submission_id
         self.wait_for('the tool call to start',
@@ -605,7 +610,7 @@ class ClockSetBackTest(SettableClockCase):
     def setUp(self):
         set_clock(self.clock_file, '+0')  # each test starts on the host's clock
         super(ClockSetBackTest, self).setUp()
-        time.sleep(1.2)
+        time.sleep(CLOCK_READ_S)
 
     def test_a_restart_on_a_clock_set_back_takes_its_work_back_at_once(self):
         conv, sid = self.start_sleeping_tool('clock-restart')
@@ -621,7 +626,7 @@ class ClockSetBackTest(SettableClockCase):
     def test_work_interrupted_after_the_clock_was_set_back_resumes_at_once(self):
         conv, sid = self.start_sleeping_tool('clock-back')
         set_clock(self.clock_file, '-1h')
-        time.sleep(1.5)  # agentd reads the offset again within a second
+        time.sleep(CLOCK_READ_S)
         self.stack.td.kill()  # the drive is interrupted: its work goes on the resume list
         t0 = time.monotonic()
         self.stack.td.start()
@@ -644,7 +649,7 @@ class StoragedClockStepTest(SettableClockCase):
     def setUp(self):
         set_clock(self.clock_file, '+0')  # each test starts on the host's clock
         super(StoragedClockStepTest, self).setUp()
-        time.sleep(1.2)
+        time.sleep(CLOCK_READ_S)
 
     def test_a_step_forward_keeps_leases_and_time_limits(self):
         conv, sid = self.start_sleeping_tool('sd-forward', agent='timed')
@@ -662,11 +667,49 @@ class StoragedClockStepTest(SettableClockCase):
         conv, sid = self.start_sleeping_tool('sd-back')
         self.ad.kill()  # its lease ends within 10 s of its last renewal
         set_clock(self.clock_file, '-1h')
-        time.sleep(1.2)
+        time.sleep(CLOCK_READ_S)
         self.ad.owner_id += '-next'  # not a restart of the same owner: a takeover after the lease
         self.ad.start()
         self.assert_completed_in_second_attempt(conv, sid, timeout=40)
         self.assert_clock_apart(-1, daemon=self.stack.sd, event='clock_stepped')
+
+    def assert_completed_in_one_attempt(self, conv, sid, timeout):
+        """The sleeping tool's submission completes in its first attempt within timeout s."""
+        sub = self.wait_settled(sid, timeout=timeout)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertEqual(sub.attempt_count, 1)
+        self.assert_outcome_true(conv, sid)
+
+    def test_a_stop_longer_than_a_lease_keeps_the_running_work(self):
+        """storaged stopped for 12 s (the lease: 10 s) while a tool runs: no heartbeat is
+        stored meanwhile, and the work is not taken over when it is back."""
+        conv, sid = self.start_sleeping_tool('sd-down', secs=16)
+        self.stack.sd.stop()
+        time.sleep(12)
+        self.stack.sd.start()
+        time.sleep(2)  # agentd claims every 0.5 s
+        self.assertEqual(self.ad.get_submission(sid).attempt_count, 1,
+                         'a lease that ran while storaged was down was taken over')
+        self.assert_completed_in_one_attempt(conv, sid, timeout=30)
+        self.assertRegex(self.stack.sd.stderr_text(),
+                         r'event=downtime_taken_in down_ms=1\d{4} measured_by=boot_clock '
+                         r'leases_extended=1 ')
+
+    def test_a_step_while_storaged_is_down_keeps_leases_and_time_limits(self):
+        """storaged's clock stepped an hour forward while it was stopped: every lease would
+        look ended and the 20 s time limit an hour past. (A quick restart: the step is moved,
+        no lease extended.)"""
+        conv, sid = self.start_sleeping_tool('sd-down-step', agent='timed', secs=8)
+        self.stack.sd.stop()
+        set_clock(self.clock_file, '+1h')
+        self.stack.sd.start()
+        time.sleep(2)  # agentd claims every 0.5 s
+        self.assertEqual(self.ad.get_submission(sid).attempt_count, 1,
+                         'the step ended the lease of running work')
+        self.assert_completed_in_one_attempt(conv, sid, timeout=30)
+        self.assertRegex(self.stack.sd.stderr_text(),
+                         r'event=downtime_taken_in down_ms=\d+ measured_by=boot_clock '
+                         r'leases_extended=0 clock_step_ms=36\d{5} submissions_moved=1')
 
 
 class ShortOutageTest(FaultsBase):

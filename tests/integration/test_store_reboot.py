@@ -8,8 +8,10 @@ The boot id is read from --boot-id-file, which the test rewrites to simulate a r
 """
 
 import os
+import re
 import shutil
 import tempfile
+import time
 import unittest
 
 import grpc
@@ -83,6 +85,77 @@ class RebootFencingTest(StoragedTestCase):
         self.assertEqual(c.submission.submission_id, q.submission_id)
         self.assertFalse(c.takeover)
         self.assertNotIn('fenced_after_reboot', sd.stderr_text())
+
+
+class DowntimeTest(StoragedTestCase):
+    """storaged down for longer than a lease: no agentd could renew one meanwhile, so the
+    leases that still ran when it stopped are extended by the time it was down, and no Claim
+    takes their work over when it is back. A lease that had run out before it stopped stays
+    run out. Leases of 2 s; storaged down 3.5 s."""
+
+    LEASE_MS = 2000
+    DOWN_S = 3.5
+
+    def running_and_lapsed(self, sd):
+        """Claims two submissions: one with a running lease (renewed just now), one whose
+        lease ran out before the stop. Returns their claims."""
+        stub = sd.stub
+        for conv in ('down-run', 'down-lapsed'):
+            admit(stub, conv=conv, text='hi')
+        lapsed = claim(stub, owner='gone', conversation_id='down-lapsed', lease_ms=300)
+        running = claim(stub, owner='runner', conversation_id='down-run',
+                        lease_ms=self.LEASE_MS)
+        time.sleep(0.5)  # the short lease runs out
+        self.assertEqual(heartbeat(stub, 'runner', [running.fence],
+                                   lease_ms=self.LEASE_MS).renewed,
+                         [running.submission.submission_id])
+        return running, lapsed
+
+    def assert_kept(self, sd, running, lapsed, measured_by):
+        stub = sd.stub
+        # only the lease that had run out is found, and only its work is taken over
+        self.assertEqual([s.submission_id for s in scan_expired(stub)],
+                         [lapsed.submission.submission_id])
+        t = claim(stub, owner='other')
+        self.assertTrue(t.takeover)
+        self.assertEqual(t.submission.submission_id, lapsed.submission.submission_id)
+        self.assertFalse(claim(stub, owner='other').HasField('submission'))
+        self.assertEqual(heartbeat(stub, 'runner', [running.fence],
+                                   lease_ms=self.LEASE_MS).renewed,
+                         [running.submission.submission_id])
+        m = re.search(r'event=downtime_taken_in down_ms=(\d+) measured_by=(\S+) '
+                      r'leases_extended=(\d+)', sd.stderr_text())
+        self.assertIsNotNone(m, sd.stderr_text())
+        self.assertEqual(m.group(2), measured_by)
+        self.assertEqual(int(m.group(3)), 1)
+        self.assertGreaterEqual(int(m.group(1)), self.DOWN_S * 1000)
+
+    def test_a_clean_stop_longer_than_a_lease_keeps_the_leases_that_ran(self):
+        sd = self.start_storaged()
+        running, lapsed = self.running_and_lapsed(sd)
+        sd.stop()
+        time.sleep(self.DOWN_S)
+        sd.start()
+        self.assert_kept(sd, running, lapsed, 'boot_clock')
+
+    def test_a_crash_longer_than_a_lease_keeps_the_leases_that_ran(self):
+        """Told by the database files' last change: the renewal just before the kill."""
+        sd = self.start_storaged()
+        running, lapsed = self.running_and_lapsed(sd)
+        sd.kill()
+        time.sleep(self.DOWN_S)
+        sd.start()
+        self.assert_kept(sd, running, lapsed, 'last_write')
+
+    def test_a_quick_restart_moves_nothing(self):
+        sd = self.start_storaged()
+        running, _ = self.running_and_lapsed(sd)
+        sd.stop()
+        sd.start()
+        self.assertNotIn('downtime_taken_in', sd.stderr_text())
+        self.assertEqual(heartbeat(sd.stub, 'runner', [running.fence],
+                                   lease_ms=self.LEASE_MS).renewed,
+                         [running.submission.submission_id])
 
 
 if __name__ == '__main__':
