@@ -79,8 +79,8 @@ static const char *source_name(enum downtime_source s)
     return "unknown";
 }
 
-enum cf_status downtime_take_in(sqlite3 *db, const struct db_last_run *last,
-                                int64_t last_write_ms, struct cf_error *err)
+enum cf_status downtime_take_in(sqlite3 *db, const struct db_last_run *last, int64_t last_write_ms,
+                                struct cf_error *err)
 {
     struct ledger_ctx ctx = {.db = db, .now = store_clock_now()};
     int64_t down_ms, step_ms;

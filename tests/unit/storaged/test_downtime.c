@@ -17,13 +17,10 @@
 static void test_measure(void)
 {
     int64_t down, step;
-    struct db_last_run clean_same = {.clean = true,
-                                     .same_boot = true,
-                                     .stopped_at_ms = NOW - 7000,
-                                     .stopped_boot_ms = BOOT};
+    struct db_last_run clean_same = {
+        .clean = true, .same_boot = true, .stopped_at_ms = NOW - 7000, .stopped_boot_ms = BOOT};
     /* same boot: the boot clock tells the time down; the wall clock agrees: no step */
-    CHECK(downtime_measure(&clean_same, 0, NOW, BOOT + 7000, &down, &step) ==
-          DOWNTIME_BOOT_CLOCK);
+    CHECK(downtime_measure(&clean_same, 0, NOW, BOOT + 7000, &down, &step) == DOWNTIME_BOOT_CLOCK);
     CHECK(down == 7000 && step == 0);
     /* the wall clock went an hour forward meanwhile: 7 s down, a step of an hour */
     CHECK(downtime_measure(&clean_same, 0, NOW + 3600000, BOOT + 7000, &down, &step) ==
