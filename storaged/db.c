@@ -350,8 +350,8 @@ static enum cf_status meta_set_int(sqlite3 *db, const char *key, int64_t value,
     return meta_set(db, key, text, err);
 }
 
-enum cf_status db_boot(sqlite3 *db, const char *boot_id, int *fenced_out, struct db_last_run *last,
-                       struct cf_error *err)
+enum cf_status db_boot(sqlite3 *db, const char *boot_id, db_boot_step then, void *arg,
+                       int *fenced_out, struct db_last_run *last, struct cf_error *err)
 {
     char prev[128], clean[8];
     bool have_prev, have_clean;
@@ -380,7 +380,8 @@ enum cf_status db_boot(sqlite3 *db, const char *boot_id, int *fenced_out, struct
         }
         *fenced_out = sqlite3_changes(db);
     }
-    if ((rc = meta_set(db, "boot_id", boot_id, err)) != CF_OK ||
+    if ((then && (rc = then(db, last, arg, err)) != CF_OK) ||
+        (rc = meta_set(db, "boot_id", boot_id, err)) != CF_OK ||
         (rc = meta_set(db, "clean_stop", "0", err)) != CF_OK ||
         (rc = db_exec(db, "COMMIT", err)) != CF_OK) {
         goto fail;

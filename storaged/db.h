@@ -153,6 +153,11 @@ struct db_last_run {
     int64_t stopped_boot_ms; /* CLOCK_BOOTTIME at the clean stop (0: not stamped) */
 };
 
+/* A step of the start-up that db_boot runs in its transaction, after the fencing, given what
+ * the previous run left (last) and the caller's arg. A failure rolls the whole start-up back. */
+typedef enum cf_status (*db_boot_step)(sqlite3 *db, const struct db_last_run *last, void *arg,
+                                       struct cf_error *err);
+
 /* db_boot runs once at start-up on the writer connection, before anything is served. It
  * detects a restart after the machine itself went down: the kernel's boot id (boot_id, e.g. from
  * /proc/sys/kernel/random/boot_id; "" when unknown) differs from the one stored by the previous
@@ -162,11 +167,13 @@ struct db_last_run {
  * lease, so those attempts are fenced off (ABORTED, STALE_FENCE) and recovery continues from what
  * is durable. After a process crash on the same boot nothing was lost (the OS kept the page
  * cache) and nothing is fenced. A database without a stored boot id (first start) fences nothing.
- * Stores the boot id and clears the clean-stop stamp, committed with synchronous=FULL. Sets
- * *fenced_out to the number of attempts fenced off, and *last to what the previous run left.
- * On failure the caller closes the connection (rolling back) and must not serve. */
-CF_MUST_CHECK enum cf_status db_boot(sqlite3 *db, const char *boot_id, int *fenced_out,
-                                     struct db_last_run *last, struct cf_error *err);
+ * Then runs then(db, last, arg) when it is set. Stores the boot id and clears the clean-stop
+ * stamp, all in one transaction committed with synchronous=FULL. Sets *fenced_out to the number
+ * of attempts fenced off, and *last to what the previous run left. On failure the caller closes
+ * the connection (rolling back) and must not serve. */
+CF_MUST_CHECK enum cf_status db_boot(sqlite3 *db, const char *boot_id, db_boot_step then, void *arg,
+                                     int *fenced_out, struct db_last_run *last,
+                                     struct cf_error *err);
 
 /* db_clean_stop stamps a clean stop with its times (the store clock's and CLOCK_BOOTTIME's,
  * ms), committed with synchronous=FULL (which also syncs every earlier commit): the next start

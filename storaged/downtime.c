@@ -6,6 +6,7 @@
 #include "store_clock.h"
 
 #include <stdio.h>
+#include <string.h>
 #include <sys/stat.h>
 #include <time.h>
 
@@ -80,32 +81,30 @@ static const char *source_name(enum downtime_source s)
 }
 
 enum cf_status downtime_take_in(sqlite3 *db, const struct db_last_run *last, int64_t last_write_ms,
-                                struct cf_error *err)
+                                struct downtime_moves *moves, struct cf_error *err)
 {
     struct ledger_ctx ctx = {.db = db, .now = store_clock_now()};
-    int64_t down_ms, step_ms;
-    enum downtime_source source =
-        downtime_measure(last, last_write_ms, ctx.now, downtime_boot_ms(), &down_ms, &step_ms);
-    int moved = 0, extended = 0;
-    if (step_ms == 0 && down_ms < DOWNTIME_MIN_MS) {
-        return CF_OK;
+    enum cf_status rc = CF_OK;
+    memset(moves, 0, sizeof(*moves));
+    moves->source = downtime_measure(last, last_write_ms, ctx.now, downtime_boot_ms(),
+                                     &moves->down_ms, &moves->step_ms);
+    if (moves->step_ms != 0) {
+        rc = ledger_shift_times(&ctx, moves->step_ms, &moves->submissions_moved, err);
     }
-    enum cf_status rc = db_exec(db, "BEGIN IMMEDIATE", err);
-    if (rc == CF_OK && step_ms != 0) {
-        rc = ledger_shift_times(&ctx, step_ms, &moved, err);
+    if (rc == CF_OK && moves->down_ms >= DOWNTIME_MIN_MS) {
+        rc = ledger_extend_leases(&ctx, moves->down_ms, &moves->leases_extended, err);
     }
-    if (rc == CF_OK && down_ms >= DOWNTIME_MIN_MS) {
-        rc = ledger_extend_leases(&ctx, down_ms, &extended, err);
-    }
-    if (rc == CF_OK) {
-        rc = db_exec(db, "COMMIT", err);
-    }
-    if (rc != CF_OK) {
-        return rc; /* closing the connection rolls the transaction back */
+    return rc;
+}
+
+void downtime_log(const struct downtime_moves *moves)
+{
+    if (moves->step_ms == 0 && moves->down_ms < DOWNTIME_MIN_MS) {
+        return;
     }
     log_info("downtime_taken_in",
              "down_ms=%lld measured_by=%s leases_extended=%d clock_step_ms=%lld "
              "submissions_moved=%d",
-             (long long)down_ms, source_name(source), extended, (long long)step_ms, moved);
-    return CF_OK;
+             (long long)moves->down_ms, source_name(moves->source), moves->leases_extended,
+             (long long)moves->step_ms, moves->submissions_moved);
 }

@@ -52,12 +52,25 @@ enum downtime_source downtime_measure(const struct db_last_run *last, int64_t la
                                       int64_t now_ms, int64_t boot_now_ms, int64_t *down_ms,
                                       int64_t *step_ms);
 
-/* downtime_take_in runs once at start-up on the writer connection, after db_boot and before
- * anything is served: measures the time down (downtime_measure), and in one transaction moves
- * the unsettled work's times by the step and extends the leases that ran at the stop by the
- * time down. Logs what it did (`downtime_taken_in`). On failure the caller closes the
- * connection (rolling back) and must not serve. */
+/* What downtime_take_in found and moved. */
+struct downtime_moves {
+    enum downtime_source source;
+    int64_t down_ms, step_ms; /* as downtime_measure told them */
+    int leases_extended;      /* submissions whose lease was extended by down_ms */
+    int submissions_moved;    /* submissions whose times were moved by step_ms */
+};
+
+/* downtime_take_in runs once at start-up on the writer connection, inside the start-up's
+ * transaction (a step of db_boot), before anything is served: measures the time down
+ * (downtime_measure), moves the unsettled work's times by the step and extends the leases that
+ * ran at the stop by the time down (nothing when it was under DOWNTIME_MIN_MS and no step).
+ * Fills *moves. On failure the caller rolls back and must not serve. */
 CF_MUST_CHECK enum cf_status downtime_take_in(sqlite3 *db, const struct db_last_run *last,
-                                              int64_t last_write_ms, struct cf_error *err);
+                                              int64_t last_write_ms, struct downtime_moves *moves,
+                                              struct cf_error *err);
+
+/* downtime_log logs what downtime_take_in moved (`downtime_taken_in`), once its transaction
+ * committed; nothing when it moved nothing. */
+void downtime_log(const struct downtime_moves *moves);
 
 #endif

@@ -73,6 +73,19 @@ struct storaged_opts {
     long long lease_ms, timeout_ms, max_attempts, max_msg, workers, group;
 };
 
+/* The time storaged was down, taken in as a step of db_boot. */
+struct downtime_step {
+    int64_t last_write_ms; /* the database files' last change before this start */
+    struct downtime_moves moves;
+};
+
+static enum cf_status take_in_downtime(sqlite3 *db, const struct db_last_run *last, void *arg,
+                                       struct cf_error *err)
+{
+    struct downtime_step *s = arg;
+    return downtime_take_in(db, last, s->last_write_ms, &s->moves, err);
+}
+
 /* open_ledger takes the database for this process (db_hold), opens (creating) it and runs the
  * boot check: a new boot after an unclean stop fences running attempts; then takes in the time
  * storaged was down (downtime.h). Prints and logs why it failed. */
@@ -83,6 +96,7 @@ static bool open_ledger(const struct daemon *d, const struct storaged_opts *o, s
     int fenced = 0;
     bool held;
     struct db_last_run last;
+    struct downtime_step downtime;
     if (db_hold(o->db_path, &held, &err) != CF_OK) {
         log_error("db_in_use", "db=%s err=%s", o->db_path, log_quote(q, sizeof(q), err.msg));
         daemon_say(d, 1, "%s", err.msg);
@@ -94,15 +108,14 @@ static bool open_ledger(const struct daemon *d, const struct storaged_opts *o, s
                  "keeps a second storaged from opening the database",
                  o->db_path);
     }
-    int64_t last_write_ms = downtime_last_write_ms(o->db_path); /* before any write of ours */
+    downtime.last_write_ms = downtime_last_write_ms(o->db_path); /* before any write of ours */
     if (db_open(o->db_path, true, db, &err) != CF_OK) {
         log_error("db_open_failed", "db=%s err=%s", o->db_path, log_quote(q, sizeof(q), err.msg));
         daemon_say(d, 1, "%s", err.msg);
         return false;
     }
     read_boot_id(o->boot_id_file, boot_id, sizeof(boot_id));
-    if (db_boot(*db, boot_id, &fenced, &last, &err) != CF_OK ||
-        downtime_take_in(*db, &last, last_write_ms, &err) != CF_OK) {
+    if (db_boot(*db, boot_id, take_in_downtime, &downtime, &fenced, &last, &err) != CF_OK) {
         log_error("db_boot_failed", "db=%s err=%s", o->db_path, log_quote(q, sizeof(q), err.msg));
         daemon_say(d, 1, "%s", err.msg);
         sqlite3_close(*db);
@@ -115,6 +128,7 @@ static bool open_ledger(const struct daemon *d, const struct storaged_opts *o, s
                  "off and recovery continues them",
                  fenced, boot_id);
     }
+    downtime_log(&downtime.moves);
     log_startup_state(o->db_path);
     backup_sweep(o->db_path);
     return true;

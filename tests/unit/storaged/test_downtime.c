@@ -63,6 +63,15 @@ static void test_measure(void)
     CHECK(down == 0 && step == 0);
 }
 
+static enum cf_status failing_step(sqlite3 *db, const struct db_last_run *last, void *arg,
+                                   struct cf_error *err)
+{
+    (void)db;
+    (void)last;
+    (*(int *)arg)++;
+    return cf_error_set(err, CF_IO, "the step failed");
+}
+
 /* db_boot reports what db_clean_stop stamped, once: a crash after the next start leaves no
  * clean stop to read */
 static void test_stamps(void)
@@ -75,18 +84,29 @@ static void test_stamps(void)
     snprintf(path, sizeof(path), "/tmp/cflue-test-downtime-%d.db", (int)getpid());
     unlink(path);
     CHECK(db_open(path, true, &db, &err) == CF_OK);
-    CHECK(db_boot(db, "boot-A", &fenced, &last, &err) == CF_OK);
+    CHECK(db_boot(db, "boot-A", NULL, NULL, &fenced, &last, &err) == CF_OK);
     CHECK(!last.clean && !last.same_boot && last.stopped_at_ms == 0); /* first start */
     CHECK(db_clean_stop(db, NOW, BOOT, &err) == CF_OK);
-    CHECK(db_boot(db, "boot-A", &fenced, &last, &err) == CF_OK);
+    CHECK(db_boot(db, "boot-A", NULL, NULL, &fenced, &last, &err) == CF_OK);
     CHECK(last.clean && last.same_boot && last.stopped_at_ms == NOW &&
           last.stopped_boot_ms == BOOT);
-    CHECK(db_boot(db, "boot-B", &fenced, &last, &err) == CF_OK); /* no stop between */
+    /* a start-up whose step fails is rolled back whole: the next start reads the same stop */
+    CHECK(db_clean_stop(db, NOW, BOOT, &err) == CF_OK);
+    int calls = 0;
+    CHECK(db_boot(db, "boot-A", failing_step, &calls, &fenced, &last, &err) == CF_IO);
+    CHECK(calls == 1);
+    sqlite3_close(db);
+    CHECK(db_open(path, true, &db, &err) == CF_OK);
+    CHECK(db_boot(db, "boot-A", NULL, NULL, &fenced, &last, &err) == CF_OK);
+    CHECK(last.clean && last.same_boot && last.stopped_at_ms == NOW);
+    CHECK(db_boot(db, "boot-B", NULL, NULL, &fenced, &last, &err) == CF_OK); /* no stop between */
     CHECK(!last.clean && !last.same_boot);
-    CHECK(db_boot(db, "", &fenced, &last, &err) == CF_OK);
+    CHECK(db_boot(db, "", NULL, NULL, &fenced, &last, &err) == CF_OK);
     CHECK(!last.same_boot); /* an unknown boot id is never the same boot */
-    /* the start-up with nothing to move changes nothing and says nothing */
-    CHECK(downtime_take_in(db, &last, 0, &err) == CF_OK);
+    /* the start-up with nothing to move changes nothing */
+    struct downtime_moves moves;
+    CHECK(downtime_take_in(db, &last, 0, &moves, &err) == CF_OK);
+    CHECK(moves.source == DOWNTIME_UNKNOWN && moves.down_ms == 0 && moves.leases_extended == 0);
     sqlite3_close(db);
     unlink(path);
     for (const char *tail = "-wal"; tail; tail = *tail == '-' && tail[1] == 'w' ? "-shm" : NULL) {
