@@ -47,7 +47,18 @@ struct writer {
     /* when the first batch since the last COMMIT failed for want of room or by the disk
      * (monotonic ms; 0: none): the start of an outage no lease is counted against */
     int64_t refused_since_mono;
+    /* the writer's last stamp awake (monotonic ms): it wakes at least every WRITER_TICK_MS */
+    int64_t awake_mono;
+    /* when a stall began that no COMMIT has ended yet (0: none): the writer found it had not
+     * run for STALL_MIN_MS (the process frozen, its host paused, or one batch that long), a
+     * time in which no heartbeat could be stored either, so no lease counts it */
+    int64_t stalled_since_mono;
 };
+
+/* The writer wakes at least this often (ms), so a gap in its stamps tells a stall. */
+#define WRITER_TICK_MS 1000
+/* A gap in the writer's stamps this long (ms) is a stall. */
+#define STALL_MIN_MS 3000
 
 /* A write outage at least this long (ms) extends the leases that ran meanwhile. */
 #define OUTAGE_MIN_MS 1000
@@ -171,6 +182,25 @@ static enum cf_status take_clock_step(struct writer *w, struct ledger_ctx *c,
     return st;
 }
 
+/* note_awake stamps the writer awake now; a gap of STALL_MIN_MS or more since the last stamp
+ * starts a stall. */
+static void note_awake(struct writer *w)
+{
+    int64_t now = clock_mono_ms();
+    if (now - w->awake_mono >= STALL_MIN_MS && !w->stalled_since_mono) {
+        w->stalled_since_mono = w->awake_mono;
+    }
+    w->awake_mono = now;
+}
+
+/* outage_since is when the outage that no lease counts against began (monotonic ms; 0: none):
+ * the earlier of a refused write's and a stall's start. */
+static int64_t outage_since(const struct writer *w)
+{
+    int64_t a = w->refused_since_mono, b = w->stalled_since_mono;
+    return a && (!b || a < b) ? a : b;
+}
+
 /* failed_for_room tells whether a batch that did not commit failed for want of room or by the
  * disk (a job's status). */
 static bool failed_for_room(const struct writer_job *jobs)
@@ -194,7 +224,7 @@ static bool run_batch(struct writer *w, struct writer_job *jobs)
     bool any_ok = false, durable = false;
     int moved = -1;    /* submissions whose times a clock step moved in this batch; -1: none */
     int extended = -1; /* submissions whose leases an outage extended in this batch */
-    int64_t outage_ms = w->refused_since_mono ? clock.mono_ms - w->refused_since_mono : 0;
+    int64_t since = outage_since(w), outage_ms = since ? clock.mono_ms - since : 0;
 
     for (struct writer_job *j = jobs; j; j = j->next) {
         durable = durable || j->durable;
@@ -269,8 +299,8 @@ static bool run_batch(struct writer *w, struct writer_job *jobs)
                  moved);
     }
     if (extended >= 0) {
-        log_warn("leases_extended", "outage_ms=%lld submissions=%d", (long long)outage_ms,
-                 extended);
+        log_warn("leases_extended", "outage_ms=%lld submissions=%d cause=%s", (long long)outage_ms,
+                 extended, since == w->refused_since_mono ? "writes_refused" : "writer_stalled");
     }
     return true;
 
@@ -359,6 +389,7 @@ static void *writer_main(void *arg)
     struct writer *w = arg;
     for (;;) {
         pthread_mutex_lock(&w->mu);
+        note_awake(w);
         while (!w->head && !w->stopping) {
             if (w->release_asked) {
                 w->release_asked = false;
@@ -367,7 +398,10 @@ static void *writer_main(void *arg)
                 pthread_mutex_lock(&w->mu);
                 continue;
             }
-            pthread_cond_wait(&w->cv, &w->mu);
+            struct timespec tick;
+            clock_deadline(&tick, WRITER_TICK_MS);
+            clock_cond_wait(&w->cv, &w->mu, &tick);
+            note_awake(w);
         }
         if (!w->head) {
             pthread_mutex_unlock(&w->mu);
@@ -394,6 +428,7 @@ static void *writer_main(void *arg)
         w->jobs += (uint64_t)n;
         if (run_batch(w, batch)) {
             w->refused_since_mono = 0;
+            w->stalled_since_mono = 0;
         } else if (!w->refused_since_mono && failed_for_room(batch)) {
             w->refused_since_mono = clock_mono_ms();
         }
@@ -418,6 +453,7 @@ enum cf_status writer_start(struct writer **out, sqlite3 *db, const struct ledge
     w->cfg = cfg;
     w->max_batch = max_batch > 0 ? max_batch : 256;
     w->synced = true; /* db_open sets FULL */
+    w->awake_mono = clock_mono_ms();
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv, NULL);
     pthread_mutex_init(&w->done_mu, NULL);

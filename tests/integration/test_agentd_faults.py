@@ -158,6 +158,35 @@ class FaultsBase(AgentdCase):
         self.assertFalse(os.path.exists(os.path.join(ws, 'effects.txt')),
                          'a tool ran after the time limit')
 
+    def start_sleeping_tool(self, tag, agent='runner-anthropic', secs=30):
+        """Submits a conversation whose model calls bash to sleep secs seconds, then answers;
+        returns (conversation, submission id) once the command runs."""
+        conv = new_conv(tag)
+        ws = self.workspace(conv)
+        self.fm.set_scenario(bind([
+            {'tool_calls': [{'name': 'bash', 'arguments': {
+                'command': 'touch started; sleep %d; echo slept' % secs}}]},
+            {'text': 'done'}], conv))
+        sid = self.ad.submit(agent, 'sleep (%s)' % conv, conversation_id=conv).submission_id
+        self.wait_for('the tool call to start',
+                      lambda: os.path.exists(os.path.join(ws, 'started')), timeout=30)
+        return conv, sid
+
+    def assert_completed_in_second_attempt(self, conv, sid, timeout):
+        """The sleeping tool's submission, interrupted once, completes in its second attempt
+        within timeout seconds."""
+        sub = self.wait_settled(sid, timeout=timeout)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertEqual(sub.attempt_count, 2)
+        self.assert_outcome_true(conv, sid)
+
+    def assert_completed_in_one_attempt(self, conv, sid, timeout):
+        """The sleeping tool's submission completes in its first attempt within timeout s."""
+        sub = self.wait_settled(sid, timeout=timeout)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertEqual(sub.attempt_count, 1)
+        self.assert_outcome_true(conv, sid)
+
     def wait_record(self, conv, pred, what, timeout=20):
         return self.wait_for(what, lambda: [r for r in self.records(conv) if pred(r)],
                              timeout=timeout)
@@ -577,28 +606,6 @@ class SettableClockCase(ClockCase):
         super(SettableClockCase, cls).tearDownClass()
         shutil.rmtree(cls.clock_dir, ignore_errors=True)
 
-    def start_sleeping_tool(self, tag, agent='runner-anthropic', secs=30):
-        """Submits a conversation whose model calls bash to sleep secs seconds, then answers;
-        returns (conversation, submission id) once the command runs."""
-        conv = new_conv(tag)
-        ws = self.workspace(conv)
-        self.fm.set_scenario(bind([
-            {'tool_calls': [{'name': 'bash', 'arguments': {
-                'command': 'touch started; sleep %d; echo slept' % secs}}]},
-            {'text': 'done'}], conv))
-        sid = self.ad.submit(agent, 'sleep (%s)' % conv, conversation_id=conv).submission_id
-        self.wait_for('the tool call to start',
-                      lambda: os.path.exists(os.path.join(ws, 'started')), timeout=30)
-        return conv, sid
-
-    def assert_completed_in_second_attempt(self, conv, sid, timeout):
-        """The sleeping tool's submission, interrupted once, completes in its second attempt
-        within timeout seconds."""
-        sub = self.wait_settled(sid, timeout=timeout)
-        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
-        self.assertEqual(sub.attempt_count, 2)
-        self.assert_outcome_true(conv, sid)
-
 
 class ClockSetBackTest(SettableClockCase):
     """agentd's wall clock set back an hour, while it runs or between a crash and its restart.
@@ -673,12 +680,30 @@ class StoragedClockStepTest(SettableClockCase):
         self.assert_completed_in_second_attempt(conv, sid, timeout=40)
         self.assert_clock_apart(-1, daemon=self.stack.sd, event='clock_stepped')
 
-    def assert_completed_in_one_attempt(self, conv, sid, timeout):
-        """The sleeping tool's submission completes in its first attempt within timeout s."""
-        sub = self.wait_settled(sid, timeout=timeout)
-        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
-        self.assertEqual(sub.attempt_count, 1)
-        self.assert_outcome_true(conv, sid)
+    def test_a_step_while_storaged_is_down_keeps_leases_and_time_limits(self):
+        """storaged's clock stepped an hour forward while it was stopped: every lease would
+        look ended and the 20 s time limit an hour past. (A quick restart: the step is moved,
+        no lease extended.)"""
+        conv, sid = self.start_sleeping_tool('sd-down-step', agent='timed', secs=8)
+        self.stack.sd.stop()
+        set_clock(self.clock_file, '+1h')
+        self.stack.sd.start()
+        time.sleep(2)  # agentd claims every 0.5 s
+        self.assertEqual(self.ad.get_submission(sid).attempt_count, 1,
+                         'the step ended the lease of running work')
+        self.assert_completed_in_one_attempt(conv, sid, timeout=30)
+        self.assertRegex(self.stack.sd.stderr_text(),
+                         r'event=downtime_taken_in down_ms=\d+ measured_by=boot_clock '
+                         r'leases_extended=0 clock_step_ms=36\d{5} submissions_moved=1')
+
+
+class StoragedAwayTest(FaultsBase):
+    """storaged stopped, or frozen, for longer than a lease while a tool runs: no heartbeat
+    can be stored meanwhile, and the time it was away counts against no lease, so the work is
+    not taken over when it is back. A 10 s lease renewed every 4 s; agentd claims every 0.5 s,
+    so a lease that looked ended would be taken over at once."""
+    stack_kwargs = {'agents': ('runner-anthropic',),
+                    'agentd_args': ('--lease-ms', '10000', '--heartbeat-ms', '4000')}
 
     def test_a_stop_longer_than_a_lease_keeps_the_running_work(self):
         """storaged stopped for 12 s (the lease: 10 s) while a tool runs: no heartbeat is
@@ -695,21 +720,22 @@ class StoragedClockStepTest(SettableClockCase):
                          r'event=downtime_taken_in down_ms=1\d{4} measured_by=boot_clock '
                          r'leases_extended=1 ')
 
-    def test_a_step_while_storaged_is_down_keeps_leases_and_time_limits(self):
-        """storaged's clock stepped an hour forward while it was stopped: every lease would
-        look ended and the 20 s time limit an hour past. (A quick restart: the step is moved,
-        no lease extended.)"""
-        conv, sid = self.start_sleeping_tool('sd-down-step', agent='timed', secs=8)
-        self.stack.sd.stop()
-        set_clock(self.clock_file, '+1h')
-        self.stack.sd.start()
+    def test_a_freeze_longer_than_a_lease_keeps_the_running_work(self):
+        """storaged frozen (SIGSTOP) for 12 s: agentd's calls meanwhile wait or time out, and
+        the first batch its writer runs after SIGCONT finds the stall."""
+        conv, sid = self.start_sleeping_tool('sd-frozen', secs=16)
+        sd = self.stack.sd
+        sd.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(12)
+        finally:
+            sd.proc.send_signal(signal.SIGCONT)
         time.sleep(2)  # agentd claims every 0.5 s
         self.assertEqual(self.ad.get_submission(sid).attempt_count, 1,
-                         'the step ended the lease of running work')
+                         'a lease that ran while storaged was frozen was taken over')
         self.assert_completed_in_one_attempt(conv, sid, timeout=30)
-        self.assertRegex(self.stack.sd.stderr_text(),
-                         r'event=downtime_taken_in down_ms=\d+ measured_by=boot_clock '
-                         r'leases_extended=0 clock_step_ms=36\d{5} submissions_moved=1')
+        self.assertRegex(sd.stderr_text(), r'event=leases_extended outage_ms=1\d{4} '
+                         r'submissions=1 cause=writer_stalled')
 
 
 class ShortOutageTest(FaultsBase):
