@@ -154,35 +154,6 @@ class FaultsBase(AgentdCase):
         self.assertFalse(os.path.exists(os.path.join(ws, 'effects.txt')),
                          'a tool ran after the time limit')
 
-    def start_sleeping_tool(self, tag, agent='runner-anthropic', secs=30):
-        """Submits a conversation whose model calls bash to sleep secs seconds, then answers;
-        returns (conversation, submission id) once the command runs."""
-        conv = new_conv(tag)
-        ws = self.workspace(conv)
-        self.fm.set_scenario(bind([
-            {'tool_calls': [{'name': 'bash', 'arguments': {
-                'command': 'touch started; sleep %d; echo slept' % secs}}]},
-            {'text': 'done'}], conv))
-        sid = self.ad.submit(agent, 'sleep (%s)' % conv, conversation_id=conv).submission_id
-        self.wait_for('the tool call to start',
-                      lambda: os.path.exists(os.path.join(ws, 'started')), timeout=30)
-        return conv, sid
-
-    def assert_completed_in_second_attempt(self, conv, sid, timeout):
-        """The sleeping tool's submission, interrupted once, completes in its second attempt
-        within timeout seconds."""
-        sub = self.wait_settled(sid, timeout=timeout)
-        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
-        self.assertEqual(sub.attempt_count, 2)
-        self.assert_outcome_true(conv, sid)
-
-    def assert_completed_in_one_attempt(self, conv, sid, timeout):
-        """The sleeping tool's submission completes in its first attempt within timeout s."""
-        sub = self.wait_settled(sid, timeout=timeout)
-        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
-        self.assertEqual(sub.attempt_count, 1)
-        self.assert_outcome_true(conv, sid)
-
     def wait_record(self, conv, pred, what, timeout=20):
         return self.wait_for(what, lambda: [r for r in self.records(conv) if pred(r)],
                              timeout=timeout)

@@ -66,7 +66,46 @@ def skip_without_faketime():
         raise unittest.SkipTest('libfaketime and ThreadSanitizer do not go together')
 
 
-class ClockCase(FaultsBase):
+class SleepingToolCase(FaultsBase):
+    """Work whose tool call sleeps through the fault a test makes (no tests of its own)."""
+
+    def start_sleeping_tool(self, tag, agent='runner-anthropic', secs=30):
+        """Submits a conversation whose model calls bash to sleep secs seconds, then answers;
+        returns (conversation, submission id) once the command runs."""
+        conv = new_conv(tag)
+        ws = self.workspace(conv)
+        self.fm.set_scenario(bind([
+            {'tool_calls': [{'name': 'bash', 'arguments': {
+                'command': 'touch started; sleep %d; echo slept' % secs}}]},
+            {'text': 'done'}], conv))
+        sid = self.ad.submit(agent, 'sleep (%s)' % conv, conversation_id=conv).submission_id
+        self.wait_for('the tool call to start',
+                      lambda: os.path.exists(os.path.join(ws, 'started')), timeout=30)
+        return conv, sid
+
+    def assert_completed_in_second_attempt(self, conv, sid, timeout):
+        """The sleeping tool's submission, interrupted once, completes in its second attempt
+        within timeout seconds."""
+        sub = self.wait_settled(sid, timeout=timeout)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertEqual(sub.attempt_count, 2)
+        self.assert_outcome_true(conv, sid)
+
+    def assert_kept(self, conv, sid, what, storaged_says):
+        """storaged back after an absence: the sleeping tool's submission is still in its first
+        attempt 2 s later (agentd claims every 0.5 s: a lease that looked ended would have been
+        taken over; else the failure says what), completes in it, and storaged's log says
+        storaged_says (a regular expression)."""
+        time.sleep(2)
+        self.assertEqual(self.ad.get_submission(sid).attempt_count, 1, what)
+        sub = self.wait_settled(sid, timeout=30)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertEqual(sub.attempt_count, 1)
+        self.assert_outcome_true(conv, sid)
+        self.assertRegex(self.stack.sd.stderr_text(), storaged_says)
+
+
+class ClockCase(SleepingToolCase):
     """A stack whose daemons run on wall clocks of their own (no tests of its own)."""
 
     @classmethod
@@ -224,16 +263,12 @@ class StoragedClockStepTest(SettableClockCase):
         self.stack.sd.stop()
         set_clock(self.clock_file, '+1h')
         self.stack.sd.start()
-        time.sleep(2)  # agentd claims every 0.5 s
-        self.assertEqual(self.ad.get_submission(sid).attempt_count, 1,
-                         'the step ended the lease of running work')
-        self.assert_completed_in_one_attempt(conv, sid, timeout=30)
-        self.assertRegex(self.stack.sd.stderr_text(),
+        self.assert_kept(conv, sid, 'the step ended the lease of running work',
                          r'event=downtime_taken_in down_ms=\d+ measured_by=boot_clock '
                          r'leases_extended=0 clock_step_ms=36\d{5} submissions_moved=1')
 
 
-class StoragedAwayTest(FaultsBase):
+class StoragedAwayTest(SleepingToolCase):
     """storaged stopped, or frozen, for longer than a lease while a tool runs: no heartbeat
     can be stored meanwhile, and the time it was away counts against no lease, so the work is
     not taken over when it is back. A 10 s lease renewed every 4 s; agentd claims every 0.5 s,
@@ -248,11 +283,7 @@ class StoragedAwayTest(FaultsBase):
         self.stack.sd.stop()
         time.sleep(12)
         self.stack.sd.start()
-        time.sleep(2)  # agentd claims every 0.5 s
-        self.assertEqual(self.ad.get_submission(sid).attempt_count, 1,
-                         'a lease that ran while storaged was down was taken over')
-        self.assert_completed_in_one_attempt(conv, sid, timeout=30)
-        self.assertRegex(self.stack.sd.stderr_text(),
+        self.assert_kept(conv, sid, 'a lease that ran while storaged was down was taken over',
                          r'event=downtime_taken_in down_ms=1\d{4} measured_by=boot_clock '
                          r'leases_extended=1 ')
 
@@ -266,12 +297,9 @@ class StoragedAwayTest(FaultsBase):
             time.sleep(12)
         finally:
             sd.proc.send_signal(signal.SIGCONT)
-        time.sleep(2)  # agentd claims every 0.5 s
-        self.assertEqual(self.ad.get_submission(sid).attempt_count, 1,
-                         'a lease that ran while storaged was frozen was taken over')
-        self.assert_completed_in_one_attempt(conv, sid, timeout=30)
-        self.assertRegex(sd.stderr_text(), r'event=leases_extended outage_ms=1\d{4} '
-                         r'submissions=1 cause=writer_stalled')
+        self.assert_kept(conv, sid, 'a lease that ran while storaged was frozen was taken over',
+                         r'event=leases_extended outage_ms=1\d{4} submissions=1 '
+                         r'cause=writer_stalled')
 
 
 if __name__ == '__main__':
