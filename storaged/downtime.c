@@ -92,7 +92,8 @@ enum cf_status downtime_take_in(sqlite3 *db, const struct db_last_run *last, int
         rc = ledger_shift_times(&ctx, moves->step_ms, &moves->submissions_moved, err);
     }
     if (rc == CF_OK && moves->down_ms >= DOWNTIME_MIN_MS) {
-        rc = ledger_extend_leases(&ctx, moves->down_ms, &moves->leases_extended, err);
+        rc = ledger_extend_leases(&ctx, ctx.now - moves->down_ms, moves->down_ms,
+                                  &moves->leases_extended, err);
     }
     return rc;
 }

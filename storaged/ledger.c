@@ -1123,8 +1123,8 @@ enum cf_status ledger_shift_times(struct ledger_ctx *c, int64_t step_ms, int *mo
     return rc;
 }
 
-enum cf_status ledger_extend_leases(struct ledger_ctx *c, int64_t outage_ms, int *moved,
-                                    struct cf_error *err)
+enum cf_status ledger_extend_leases(struct ledger_ctx *c, int64_t since_ms, int64_t outage_ms,
+                                    int *moved, struct cf_error *err)
 {
     static const char sql[] = "UPDATE submissions SET lease_expires_at = "
                               "lease_expires_at + ?1 WHERE status IN ('running','terminalizing') "
@@ -1135,7 +1135,7 @@ enum cf_status ledger_extend_leases(struct ledger_ctx *c, int64_t outage_ms, int
         return rc;
     }
     stmt_int(&s, 1, outage_ms);
-    stmt_int(&s, 2, c->now - outage_ms);
+    stmt_int(&s, 2, since_ms);
     if ((rc = stmt_done(&s, err)) == CF_OK) {
         *moved = sqlite3_changes(c->db);
     }

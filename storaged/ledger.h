@@ -99,11 +99,13 @@ CF_MUST_CHECK enum cf_status ledger_release(struct ledger_ctx *c,
 CF_MUST_CHECK enum cf_status ledger_shift_times(struct ledger_ctx *c, int64_t step_ms, int *moved,
                                                 struct cf_error *err);
 
-/* ledger_extend_leases extends by outage_ms the leases that were still running outage_ms
- * ago: storaged could not write for that long (its disk full or failing), so no heartbeat
- * could be stored, and that time counts against no lease. *moved: how many submissions. */
-CF_MUST_CHECK enum cf_status ledger_extend_leases(struct ledger_ctx *c, int64_t outage_ms,
-                                                  int *moved, struct cf_error *err);
+/* ledger_extend_leases extends by outage_ms the leases that were still running at since_ms (a
+ * time of the store clock, when the outage began): storaged could not store a heartbeat for
+ * that long (it was down or stalled, or its disk full or failing), and that time counts
+ * against no lease. *moved: how many submissions. */
+CF_MUST_CHECK enum cf_status ledger_extend_leases(struct ledger_ctx *c, int64_t since_ms,
+                                                  int64_t outage_ms, int *moved,
+                                                  struct cf_error *err);
 
 /* ledger_mark_input_applied stamps the input and installs budgets (first call only). */
 CF_MUST_CHECK enum cf_status

@@ -49,10 +49,10 @@ struct writer {
     int64_t refused_since_mono;
     /* the writer's last stamp awake (monotonic ms): it wakes at least every WRITER_TICK_MS */
     int64_t awake_mono;
-    /* when a stall began that no COMMIT has ended yet (0: none): the writer found it had not
-     * run for STALL_MIN_MS (the process frozen, its host paused, or one batch that long), a
-     * time in which no heartbeat could be stored either, so no lease counts it */
-    int64_t stalled_since_mono;
+    /* a stall no COMMIT has taken in yet (monotonic ms; since 0: none): the writer found it
+     * had not run from since to until, STALL_MIN_MS or more (the process frozen, its host
+     * paused, or one batch that long), a time in which no heartbeat could be stored either */
+    int64_t stalled_since_mono, stalled_until_mono;
 };
 
 /* The writer wakes at least this often (ms), so a gap in its stamps tells a stall. */
@@ -128,14 +128,14 @@ static enum cf_status set_sync(struct writer *w, bool durable, struct cf_error *
     return st;
 }
 
-/* move_times runs move (ledger_shift_times, ledger_extend_leases) by ms in a savepoint of the
+/* move_times runs move (shift_times, ledger_extend_leases) with a and b in a savepoint of the
  * open transaction. Returns CF_OK with *moved set (how many submissions; -1 when the move
  * failed on its own: it is rolled back alone, logged as `what`, and the next batch tries
  * again), or the status with err set when the transaction cannot go on. */
-static enum cf_status move_times(struct writer *w, struct ledger_ctx *c,
-                                 enum cf_status (*move)(struct ledger_ctx *, int64_t, int *,
-                                                        struct cf_error *),
-                                 int64_t ms, const char *what, int *moved, struct cf_error *err)
+static enum cf_status
+move_times(struct writer *w, struct ledger_ctx *c,
+           enum cf_status (*move)(struct ledger_ctx *, int64_t, int64_t, int *, struct cf_error *),
+           int64_t a, int64_t b, const char *what, int *moved, struct cf_error *err)
 {
     struct cf_error why;
     *moved = -1;
@@ -143,18 +143,26 @@ static enum cf_status move_times(struct writer *w, struct ledger_ctx *c,
     if (st != CF_OK) {
         return st;
     }
-    if ((st = move(c, ms, moved, &why)) != CF_OK) {
+    if ((st = move(c, a, b, moved, &why)) != CF_OK) {
         if (sqlite3_get_autocommit(w->db)) {
             *err = why; /* SQLite rolled the transaction back */
             return st;
         }
         char q[CF_ERROR_MSG_MAX + 16];
-        log_warn(what, "ms=%lld err=%s", (long long)ms, log_quote(q, sizeof(q), why.msg));
+        log_warn(what, "err=%s", log_quote(q, sizeof(q), why.msg));
         if ((st = run(w, rollback_to_sql, err)) != CF_OK) {
             return st;
         }
     }
     return run(w, release_sql, err);
+}
+
+/* shift_times is ledger_shift_times in move_times' form (the second number unused). */
+static enum cf_status shift_times(struct ledger_ctx *c, int64_t step_ms, int64_t unused, int *moved,
+                                  struct cf_error *err)
+{
+    (void)unused;
+    return ledger_shift_times(c, step_ms, moved, err);
 }
 
 /* take_clock_step sets c->now for the batch whose transaction was just begun: the store clock
@@ -175,7 +183,7 @@ static enum cf_status take_clock_step(struct writer *w, struct ledger_ctx *c,
         return CF_OK;
     }
     enum cf_status st =
-        move_times(w, c, ledger_shift_times, r->step_ms, "clock_step_deferred", moved, err);
+        move_times(w, c, shift_times, r->step_ms, 0, "clock_step_deferred", moved, err);
     if (st == CF_OK && *moved >= 0) {
         c->now = r->wall_ms;
     }
@@ -183,22 +191,29 @@ static enum cf_status take_clock_step(struct writer *w, struct ledger_ctx *c,
 }
 
 /* note_awake stamps the writer awake now; a gap of STALL_MIN_MS or more since the last stamp
- * starts a stall. */
+ * is a stall (joined to one not taken in yet). */
 static void note_awake(struct writer *w)
 {
     int64_t now = clock_mono_ms();
-    if (now - w->awake_mono >= STALL_MIN_MS && !w->stalled_since_mono) {
-        w->stalled_since_mono = w->awake_mono;
+    if (now - w->awake_mono >= STALL_MIN_MS) {
+        if (!w->stalled_since_mono) {
+            w->stalled_since_mono = w->awake_mono;
+        }
+        w->stalled_until_mono = now;
     }
     w->awake_mono = now;
 }
 
-/* outage_since is when the outage that no lease counts against began (monotonic ms; 0: none):
- * the earlier of a refused write's and a stall's start. */
-static int64_t outage_since(const struct writer *w)
+/* outage_of tells the outage no lease counts against, as of mono_now: when it began (*since,
+ * monotonic ms; 0: none) and how long it lasted (returned). Writes refused for want of room
+ * make one that lasts until a batch commits; a stall ended when the writer found it, so time
+ * after it counts as usual however long the next batch takes to come. */
+static int64_t outage_of(const struct writer *w, int64_t mono_now, int64_t *since)
 {
-    int64_t a = w->refused_since_mono, b = w->stalled_since_mono;
-    return a && (!b || a < b) ? a : b;
+    int64_t refused = w->refused_since_mono, stalled = w->stalled_since_mono;
+    *since = refused && (!stalled || refused < stalled) ? refused : stalled;
+    int64_t until = refused ? mono_now : w->stalled_until_mono;
+    return *since ? until - *since : 0;
 }
 
 /* failed_for_room tells whether a batch that did not commit failed for want of room or by the
@@ -224,7 +239,7 @@ static bool run_batch(struct writer *w, struct writer_job *jobs)
     bool any_ok = false, durable = false;
     int moved = -1;    /* submissions whose times a clock step moved in this batch; -1: none */
     int extended = -1; /* submissions whose leases an outage extended in this batch */
-    int64_t since = outage_since(w), outage_ms = since ? clock.mono_ms - since : 0;
+    int64_t outage_since, outage_ms = outage_of(w, clock.mono_ms, &outage_since);
 
     for (struct writer_job *j = jobs; j; j = j->next) {
         durable = durable || j->durable;
@@ -251,8 +266,8 @@ static bool run_batch(struct writer *w, struct writer_job *jobs)
         goto broken;
     }
     if (outage_ms >= OUTAGE_MIN_MS &&
-        (st = move_times(w, &ctx, ledger_extend_leases, outage_ms, "lease_extension_deferred",
-                         &extended, &err)) != CF_OK) {
+        (st = move_times(w, &ctx, ledger_extend_leases, ctx.now - (clock.mono_ms - outage_since),
+                         outage_ms, "lease_extension_deferred", &extended, &err)) != CF_OK) {
         goto broken;
     }
     for (struct writer_job *j = jobs; j; j = j->next) {
@@ -300,7 +315,8 @@ static bool run_batch(struct writer *w, struct writer_job *jobs)
     }
     if (extended >= 0) {
         log_warn("leases_extended", "outage_ms=%lld submissions=%d cause=%s", (long long)outage_ms,
-                 extended, since == w->refused_since_mono ? "writes_refused" : "writer_stalled");
+                 extended,
+                 outage_since == w->refused_since_mono ? "writes_refused" : "writer_stalled");
     }
     return true;
 

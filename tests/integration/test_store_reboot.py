@@ -10,6 +10,7 @@ The boot id is read from --boot-id-file, which the test rewrites to simulate a r
 import os
 import re
 import shutil
+import signal
 import tempfile
 import time
 import unittest
@@ -17,7 +18,7 @@ import unittest
 import grpc
 STALE = grpc.StatusCode.ABORTED  # a stale fence (reason STALE_FENCE)
 from cflue_harness import (
-    FAILED_PRECONDITION, StoragedTestCase, admit, append, claim, common_pb2, heartbeat, read_all,
+    StoragedTestCase, admit, append, claim, common_pb2, heartbeat, read_all,
     record, scan_expired, settle)
 
 
@@ -146,6 +147,31 @@ class DowntimeTest(StoragedTestCase):
         time.sleep(self.DOWN_S)
         sd.start()
         self.assert_kept(sd, running, lapsed, 'last_write')
+
+    def test_a_stall_counts_only_its_own_length(self):
+        """storaged frozen for 4 s, then idle for 8 s: the stall extends the lease that ran
+        through it by its own length (about 4 s), not by the time until the next write, so the
+        lease of an owner that is gone still runs out and its work is taken over."""
+        sd = self.start_storaged()
+        stub = sd.stub
+        admit(stub, conv='stall-gone', text='hi')
+        gone = claim(stub, owner='gone', conversation_id='stall-gone', lease_ms=6000)
+        t0 = time.monotonic()
+        sd.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(4)
+        finally:
+            sd.proc.send_signal(signal.SIGCONT)
+        time.sleep(12.5 - (time.monotonic() - t0))  # its lease ends at 6 s plus the stall
+        t = claim(stub, owner='other')
+        self.assertTrue(t.HasField('submission'), 'the lease was extended past the stall')
+        self.assertTrue(t.takeover)
+        self.assertEqual(t.submission.submission_id, gone.submission.submission_id)
+        m = re.search(r'event=leases_extended outage_ms=(\d+) submissions=1 '
+                      r'cause=writer_stalled', sd.stderr_text())
+        self.assertIsNotNone(m, sd.stderr_text())
+        self.assertGreaterEqual(int(m.group(1)), 3000)
+        self.assertLess(int(m.group(1)), 6500)
 
     def test_a_quick_restart_moves_nothing(self):
         sd = self.start_storaged()

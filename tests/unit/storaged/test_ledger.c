@@ -241,7 +241,7 @@ static void test_extend_leases(void)
     CHECK(ledger_get(&c, gone->submission_id, &gone0, &err) == CF_OK);
     c.now += outage; /* the outage began now and lasted a minute */
     int moved = -1;
-    CHECK(ledger_extend_leases(&c, outage, &moved, &err) == CF_OK && moved >= 1);
+    CHECK(ledger_extend_leases(&c, c.now - outage, outage, &moved, &err) == CF_OK && moved >= 1);
     CHECK(ledger_get(&c, live->submission_id, &after, &err) == CF_OK);
     CHECK(pbtime_ms(after.lease_expire_time) == pbtime_ms(live0.lease_expire_time) + outage);
     CHECK(pbtime_ms(after.start_time) == pbtime_ms(live0.start_time));
