@@ -163,12 +163,14 @@ enum cf_status tool_resolve(const struct tool_ctx *ctx, const char *path, char *
     return ws_relative_from(ctx->sb, ctx->cwd, path, out, out_len, err);
 }
 
+bool tool_caller_gone(struct tool_ctx *ctx)
+{
+    return ctx->cancelled && ctx->cancelled(ctx->cancel_ctx);
+}
+
 bool tool_cancelled(struct tool_ctx *ctx)
 {
-    if (ctx->deadline_ms && clock_mono_ms() >= ctx->deadline_ms) {
-        return true;
-    }
-    return ctx->cancelled && ctx->cancelled(ctx->cancel_ctx);
+    return (ctx->deadline_ms && clock_mono_ms() >= ctx->deadline_ms) || tool_caller_gone(ctx);
 }
 
 static void describe_value(char *out, size_t len, json_t *v)

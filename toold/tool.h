@@ -104,6 +104,9 @@ void tool_fail_error(struct tool_result *res, const struct cf_error *err);
 CF_MUST_CHECK enum cf_status tool_resolve(const struct tool_ctx *ctx, const char *path, char *out,
                                           size_t out_len, struct cf_error *err);
 
+/* tool_caller_gone reports whether the call's caller went away. */
+bool tool_caller_gone(struct tool_ctx *ctx);
+
 /* tool_cancelled reports whether the call's caller went away or its deadline passed. */
 bool tool_cancelled(struct tool_ctx *ctx);
 

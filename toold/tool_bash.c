@@ -194,8 +194,7 @@ static bool on_output(void *arg, const char *p, size_t n)
  * own deadline (proc_spec.deadline_ms), so that its end reads as a timeout. */
 static bool cancelled(void *arg)
 {
-    struct tool_ctx *ctx = ((struct capture *)arg)->ctx;
-    return ctx->cancelled && ctx->cancelled(ctx->cancel_ctx);
+    return tool_caller_gone(((struct capture *)arg)->ctx);
 }
 
 /* tail_view copies the last lines of the output (ring order) into a contiguous buffer. */
