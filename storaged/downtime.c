@@ -61,6 +61,10 @@ enum downtime_source downtime_measure(const struct db_last_run *last, int64_t la
     }
     if (source != DOWNTIME_UNKNOWN && now_ms > since) {
         *down_ms = now_ms - since;
+    } else if (source != DOWNTIME_UNKNOWN && since - now_ms >= STORE_CLOCK_STEP_MS) {
+        /* the stop lies ahead: the clock was set back meanwhile, by at least this (the time
+         * down, unknown, is taken as none: the work keeps at least what it had left) */
+        *step_ms = now_ms - since;
     }
     return source;
 }

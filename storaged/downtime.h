@@ -44,10 +44,11 @@ int64_t downtime_boot_ms(void);
 int64_t downtime_last_write_ms(const char *db_path);
 
 /* downtime_measure tells how long storaged was down (*down_ms, never negative) and by how much
- * the wall clock was stepped meanwhile (*step_ms: only told on the same boot after a clean
- * stop, and 0 when under STORE_CLOCK_STEP_MS), from the previous run's stop (last), the files'
- * last change (last_write_ms, 0: unknown), the store clock now (now_ms) and CLOCK_BOOTTIME now
- * (boot_now_ms). Returns how it was told. */
+ * the wall clock was stepped meanwhile (*step_ms, 0 when under STORE_CLOCK_STEP_MS: told by
+ * the boot clock on the same boot after a clean stop; otherwise only a step back, by the stop
+ * lying ahead of the clock now, by at least that much), from the previous run's stop (last),
+ * the files' last change (last_write_ms, 0: unknown), the store clock now (now_ms) and
+ * CLOCK_BOOTTIME now (boot_now_ms). Returns how it was told. */
 enum downtime_source downtime_measure(const struct db_last_run *last, int64_t last_write_ms,
                                       int64_t now_ms, int64_t boot_now_ms, int64_t *down_ms,
                                       int64_t *step_ms);

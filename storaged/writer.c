@@ -44,15 +44,21 @@ struct writer {
     bool completer_busy;                      /* the completer is answering a batch */
     bool synced;                              /* the connection is at synchronous=FULL */
     uint64_t batches, jobs;                   /* logged at stop */
-    /* when the first batch since the last COMMIT failed for want of room or by the disk
-     * (monotonic ms; 0: none): the start of an outage no lease is counted against */
+    /* An outage no lease is counted against, not taken in yet (outage_of): time in which
+     * no heartbeat could be stored. Its parts: stalls, where the writer found it had not run
+     * for STALL_MIN_MS or more (the process frozen, its host paused, or one batch that long),
+     * and writes refused for want of room or by the disk, from the first batch since the last
+     * COMMIT that failed so (refused_since_mono, monotonic ms; 0: none) until one commits.
+     * outage_since_mono: when its first part began (0: none); outage_ended_ms: the length of
+     * its parts that ended; the two flags name them in the log. Only the writer thread
+     * touches these. */
     int64_t refused_since_mono;
+    int64_t outage_since_mono, outage_ended_ms;
+    bool outage_stalled, outage_refused;
+    /* a stall was found while nothing was queued: the idle writer takes it in at once */
+    bool stall_found;
     /* the writer's last stamp awake (monotonic ms): it wakes at least every WRITER_TICK_MS */
     int64_t awake_mono;
-    /* a stall no COMMIT has taken in yet (monotonic ms; since 0: none): the writer found it
-     * had not run from since to until, STALL_MIN_MS or more (the process frozen, its host
-     * paused, or one batch that long), a time in which no heartbeat could be stored either */
-    int64_t stalled_since_mono, stalled_until_mono;
 };
 
 /* The writer wakes at least this often (ms), so a gap in its stamps tells a stall. */
@@ -191,29 +197,68 @@ static enum cf_status take_clock_step(struct writer *w, struct ledger_ctx *c,
 }
 
 /* note_awake stamps the writer awake now; a gap of STALL_MIN_MS or more since the last stamp
- * is a stall (joined to one not taken in yet). */
+ * is a stall, added to the outage not taken in yet (while writes are refused, their part
+ * counts that time already). */
 static void note_awake(struct writer *w)
 {
-    int64_t now = clock_mono_ms();
-    if (now - w->awake_mono >= STALL_MIN_MS) {
-        if (!w->stalled_since_mono) {
-            w->stalled_since_mono = w->awake_mono;
+    int64_t now = clock_mono_ms(), gap = now - w->awake_mono;
+    if (gap >= STALL_MIN_MS && !w->refused_since_mono) {
+        if (!w->outage_since_mono) {
+            w->outage_since_mono = w->awake_mono;
         }
-        w->stalled_until_mono = now;
+        w->outage_ended_ms += gap;
+        w->outage_stalled = true;
+        w->stall_found = true;
     }
     w->awake_mono = now;
 }
 
+/* note_refused starts the refused part of the outage (a batch failed for want of room or by
+ * the disk), unless one runs. */
+static void note_refused(struct writer *w)
+{
+    if (!w->refused_since_mono) {
+        w->refused_since_mono = clock_mono_ms();
+        if (!w->outage_since_mono) {
+            w->outage_since_mono = w->refused_since_mono;
+        }
+        w->outage_refused = true;
+    }
+}
+
 /* outage_of tells the outage no lease counts against, as of mono_now: when it began (*since,
- * monotonic ms; 0: none) and how long it lasted (returned). Writes refused for want of room
- * make one that lasts until a batch commits; a stall ended when the writer found it, so time
- * after it counts as usual however long the next batch takes to come. */
+ * monotonic ms; 0: none) and how long it lasted (returned): its stalls' own lengths (time
+ * between them counted as usual, however long the next write took to come) and writes
+ * refused until mono_now. */
 static int64_t outage_of(const struct writer *w, int64_t mono_now, int64_t *since)
 {
-    int64_t refused = w->refused_since_mono, stalled = w->stalled_since_mono;
-    *since = refused && (!stalled || refused < stalled) ? refused : stalled;
-    int64_t until = refused ? mono_now : w->stalled_until_mono;
-    return *since ? until - *since : 0;
+    *since = w->outage_since_mono;
+    return w->outage_ended_ms + (w->refused_since_mono ? mono_now - w->refused_since_mono : 0);
+}
+
+/* outage_cause names the outage's parts for the log. */
+static const char *outage_cause(const struct writer *w)
+{
+    if (w->outage_stalled && w->outage_refused) {
+        return "writer_stalled,writes_refused";
+    }
+    return w->outage_stalled ? "writer_stalled" : "writes_refused";
+}
+
+/* outage_committed notes a COMMIT at mono_now: writes are no longer refused; the outage is
+ * over when the batch took it in (or it was too short to extend anything), else it waits
+ * for the next batch, its refused part ended now. */
+static void outage_committed(struct writer *w, bool taken_in, int64_t mono_now)
+{
+    if (taken_in) {
+        w->outage_since_mono = w->outage_ended_ms = w->refused_since_mono = 0;
+        w->outage_stalled = w->outage_refused = false;
+        return;
+    }
+    if (w->refused_since_mono) {
+        w->outage_ended_ms += mono_now - w->refused_since_mono;
+        w->refused_since_mono = 0;
+    }
 }
 
 /* failed_for_room tells whether a batch that did not commit failed for want of room or by the
@@ -228,7 +273,8 @@ static bool failed_for_room(const struct writer_job *jobs)
     return false;
 }
 
-/* run_batch runs jobs as one transaction; returns whether it committed. */
+/* run_batch runs jobs as one transaction; returns whether it committed. With no jobs, it
+ * takes in what is pending alone (an outage, a clock step) and commits if there was any. */
 static bool run_batch(struct writer *w, struct writer_job *jobs)
 {
     struct cf_error err;
@@ -294,7 +340,7 @@ static bool run_batch(struct writer *w, struct writer_job *jobs)
         }
         any_ok = any_ok || j->st == CF_OK;
     }
-    if (!any_ok) {
+    if (!any_ok && (jobs || (extended < 0 && moved < 0))) {
         end_transaction(w);
         return false;
     }
@@ -315,9 +361,9 @@ static bool run_batch(struct writer *w, struct writer_job *jobs)
     }
     if (extended >= 0) {
         log_warn("leases_extended", "outage_ms=%lld submissions=%d cause=%s", (long long)outage_ms,
-                 extended,
-                 outage_since == w->refused_since_mono ? "writes_refused" : "writer_stalled");
+                 extended, outage_cause(w));
     }
+    outage_committed(w, extended >= 0 || outage_ms < OUTAGE_MIN_MS, clock_mono_ms());
     return true;
 
 broken : {
@@ -406,7 +452,7 @@ static void *writer_main(void *arg)
     for (;;) {
         pthread_mutex_lock(&w->mu);
         note_awake(w);
-        while (!w->head && !w->stopping) {
+        while (!w->head && !w->stopping && !w->stall_found) {
             if (w->release_asked) {
                 w->release_asked = false;
                 pthread_mutex_unlock(&w->mu);
@@ -418,6 +464,15 @@ static void *writer_main(void *arg)
             clock_deadline(&tick, WRITER_TICK_MS);
             clock_cond_wait(&w->cv, &w->mu, &tick);
             note_awake(w);
+        }
+        bool stall_found = w->stall_found;
+        w->stall_found = false;
+        if (!w->head && stall_found) {
+            /* nothing queued (or stopping): the stall is taken in now, not with a next write
+             * that may be long in coming; if that fails, the next batch tries again */
+            pthread_mutex_unlock(&w->mu);
+            run_batch(w, NULL);
+            continue;
         }
         if (!w->head) {
             pthread_mutex_unlock(&w->mu);
@@ -442,11 +497,8 @@ static void *writer_main(void *arg)
 
         w->batches++;
         w->jobs += (uint64_t)n;
-        if (run_batch(w, batch)) {
-            w->refused_since_mono = 0;
-            w->stalled_since_mono = 0;
-        } else if (!w->refused_since_mono && failed_for_room(batch)) {
-            w->refused_since_mono = clock_mono_ms();
+        if (!run_batch(w, batch) && failed_for_room(batch)) {
+            note_refused(w);
         }
         finish(w, batch);
     }

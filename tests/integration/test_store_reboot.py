@@ -157,11 +157,7 @@ class DowntimeTest(StoragedTestCase):
         admit(stub, conv='stall-gone', text='hi')
         gone = claim(stub, owner='gone', conversation_id='stall-gone', lease_ms=6000)
         t0 = time.monotonic()
-        sd.proc.send_signal(signal.SIGSTOP)
-        try:
-            time.sleep(4)
-        finally:
-            sd.proc.send_signal(signal.SIGCONT)
+        self.freeze(sd, 4)
         time.sleep(12.5 - (time.monotonic() - t0))  # its lease ends at 6 s plus the stall
         t = claim(stub, owner='other')
         self.assertTrue(t.HasField('submission'), 'the lease was extended past the stall')
@@ -172,6 +168,38 @@ class DowntimeTest(StoragedTestCase):
         self.assertIsNotNone(m, sd.stderr_text())
         self.assertGreaterEqual(int(m.group(1)), 3000)
         self.assertLess(int(m.group(1)), 6500)
+
+    def test_two_stalls_count_only_their_own_lengths(self):
+        """Frozen 4 s with nothing to write: the idle writer takes the stall in at once (not
+        with a next write that may be long in coming). Then idle until the lease of an owner
+        that is gone has run out, frozen 4 s again, and its work is taken over: the second
+        stall extends only the leases that ran when it began. (Taken in together with the first,
+        from the first's start, it would have counted the idle time between them too and
+        brought the lease back.)"""
+        sd = self.start_storaged()
+        stub = sd.stub
+        admit(stub, conv='stalls-gone', text='hi')
+        gone = claim(stub, owner='gone', conversation_id='stalls-gone', lease_ms=6000)
+        t0 = time.monotonic()
+        self.freeze(sd, 4)
+        time.sleep(2)  # the writer wakes within a second and finds the stall
+        self.assertRegex(sd.stderr_text(), r'event=leases_extended outage_ms=\d+ submissions=1 '
+                         r'cause=writer_stalled',
+                         'a stall with nothing queued waited for a write to be taken in')
+        time.sleep(15 - (time.monotonic() - t0))  # the lease ended at about 6 + 4 s
+        self.freeze(sd, 4)
+        time.sleep(1.5)
+        t = claim(stub, owner='other')
+        self.assertTrue(t.HasField('submission'), 'the second stall brought the lease back')
+        self.assertTrue(t.takeover)
+        self.assertEqual(t.submission.submission_id, gone.submission.submission_id)
+
+    def freeze(self, sd, secs):
+        sd.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(secs)
+        finally:
+            sd.proc.send_signal(signal.SIGCONT)
 
     def test_a_quick_restart_moves_nothing(self):
         sd = self.start_storaged()

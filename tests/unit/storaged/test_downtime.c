@@ -41,8 +41,12 @@ static void test_measure(void)
     CHECK(downtime_measure(&clean_other, 0, NOW + 3600000, 1000, &down, &step) ==
           DOWNTIME_STOP_STAMP);
     CHECK(down == 3600000 + 7000 && step == 0);
-    /* a stamp that lies ahead of the clock now: no time down */
+    /* a stamp that lies ahead of the clock now: the clock was set back at least that much */
     CHECK(downtime_measure(&clean_other, 0, NOW - 3600000, 1000, &down, &step) ==
+          DOWNTIME_STOP_STAMP);
+    CHECK(down == 0 && step == -(3600000 - 7000));
+    /* ahead by less than a second: time passing, no time down */
+    CHECK(downtime_measure(&clean_other, 0, NOW - 7000 - 900, 1000, &down, &step) ==
           DOWNTIME_STOP_STAMP);
     CHECK(down == 0 && step == 0);
     /* the boot clock behind the stamp's (not the same boot after all): the wall clock */
@@ -55,6 +59,10 @@ static void test_measure(void)
     CHECK(downtime_measure(&crashed, NOW - 4000, NOW, BOOT + 99999, &down, &step) ==
           DOWNTIME_LAST_WRITE);
     CHECK(down == 4000 && step == 0);
+    /* the files changed an hour after now: set back */
+    CHECK(downtime_measure(&crashed, NOW + 3600000, NOW, BOOT + 99999, &down, &step) ==
+          DOWNTIME_LAST_WRITE);
+    CHECK(down == 0 && step == -3600000);
     CHECK(downtime_measure(&crashed, 0, NOW, BOOT, &down, &step) == DOWNTIME_UNKNOWN);
     CHECK(down == 0 && step == 0);
     /* a clean stop without stamps (an earlier version's): unknown */
