@@ -152,17 +152,9 @@ class DowntimeTest(StoragedTestCase):
         """storaged frozen for 4 s, then idle for 8 s: the stall extends the lease that ran
         through it by its own length (about 4 s), not by the time until the next write, so the
         lease of an owner that is gone still runs out and its work is taken over."""
-        sd = self.start_storaged()
-        stub = sd.stub
-        admit(stub, conv='stall-gone', text='hi')
-        gone = claim(stub, owner='gone', conversation_id='stall-gone', lease_ms=6000)
-        t0 = time.monotonic()
-        self.freeze(sd, 4)
+        sd, gone, t0 = self.frozen_under_a_gone_owner('stall-gone')
         time.sleep(12.5 - (time.monotonic() - t0))  # its lease ends at 6 s plus the stall
-        t = claim(stub, owner='other')
-        self.assertTrue(t.HasField('submission'), 'the lease was extended past the stall')
-        self.assertTrue(t.takeover)
-        self.assertEqual(t.submission.submission_id, gone.submission.submission_id)
+        self.assert_taken_over(sd, gone, 'the lease was extended past the stall')
         m = re.search(r'event=leases_extended outage_ms=(\d+) submissions=1 '
                       r'cause=writer_stalled', sd.stderr_text())
         self.assertIsNotNone(m, sd.stderr_text())
@@ -176,12 +168,7 @@ class DowntimeTest(StoragedTestCase):
         stall extends only the leases that ran when it began. (Taken in together with the first,
         from the first's start, it would have counted the idle time between them too and
         brought the lease back.)"""
-        sd = self.start_storaged()
-        stub = sd.stub
-        admit(stub, conv='stalls-gone', text='hi')
-        gone = claim(stub, owner='gone', conversation_id='stalls-gone', lease_ms=6000)
-        t0 = time.monotonic()
-        self.freeze(sd, 4)
+        sd, gone, t0 = self.frozen_under_a_gone_owner('stalls-gone')
         time.sleep(2)  # the writer wakes within a second and finds the stall
         self.assertRegex(sd.stderr_text(), r'event=leases_extended outage_ms=\d+ submissions=1 '
                          r'cause=writer_stalled',
@@ -189,8 +176,22 @@ class DowntimeTest(StoragedTestCase):
         time.sleep(15 - (time.monotonic() - t0))  # the lease ended at about 6 + 4 s
         self.freeze(sd, 4)
         time.sleep(1.5)
-        t = claim(stub, owner='other')
-        self.assertTrue(t.HasField('submission'), 'the second stall brought the lease back')
+        self.assert_taken_over(sd, gone, 'the second stall brought the lease back')
+
+    def frozen_under_a_gone_owner(self, conv):
+        """Starts storaged, claims a submission of conv with a 6 s lease for an owner that
+        will not renew it, and freezes storaged 4 s. Returns storaged, the claim and when the
+        freeze began (monotonic)."""
+        sd = self.start_storaged()
+        admit(sd.stub, conv=conv, text='hi')
+        gone = claim(sd.stub, owner='gone', conversation_id=conv, lease_ms=6000)
+        t0 = time.monotonic()
+        self.freeze(sd, 4)
+        return sd, gone, t0
+
+    def assert_taken_over(self, sd, gone, why):
+        t = claim(sd.stub, owner='other')
+        self.assertTrue(t.HasField('submission'), why)
         self.assertTrue(t.takeover)
         self.assertEqual(t.submission.submission_id, gone.submission.submission_id)
 
