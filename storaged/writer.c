@@ -245,17 +245,18 @@ static const char *outage_cause(const struct writer *w)
     return w->outage_stalled ? "writer_stalled" : "writes_refused";
 }
 
-/* outage_committed notes a COMMIT at mono_now: writes are no longer refused; the outage is
- * over when the batch took it in (or it was too short to extend anything), else it waits
- * for the next batch, its refused part ended now. */
-static void outage_committed(struct writer *w, bool taken_in, int64_t mono_now)
+/* outage_committed notes a COMMIT at mono_now: the outage is over when the batch took it in;
+ * else, if the batch wrote something, writes are no longer refused and the outage waits for
+ * the next batch, its refused part ended now. A COMMIT that wrote nothing (a Claim that found
+ * nothing) tells nothing of the room: writes may still be refused, and their part goes on. */
+static void outage_committed(struct writer *w, bool taken_in, bool wrote, int64_t mono_now)
 {
     if (taken_in) {
         w->outage_since_mono = w->outage_ended_ms = w->refused_since_mono = 0;
         w->outage_stalled = w->outage_refused = false;
         return;
     }
-    if (w->refused_since_mono) {
+    if (wrote && w->refused_since_mono) {
         w->outage_ended_ms += mono_now - w->refused_since_mono;
         w->refused_since_mono = 0;
     }
@@ -308,6 +309,7 @@ static bool run_batch(struct writer *w, struct writer_job *jobs)
         fail_rest(jobs, st, "cannot begin transaction: ", err.msg);
         return false;
     }
+    sqlite3_int64 changes_before = sqlite3_total_changes64(w->db);
     if ((st = take_clock_step(w, &ctx, &clock, &moved, &err)) != CF_OK) {
         goto broken;
     }
@@ -363,7 +365,9 @@ static bool run_batch(struct writer *w, struct writer_job *jobs)
         log_warn("leases_extended", "outage_ms=%lld submissions=%d cause=%s", (long long)outage_ms,
                  extended, outage_cause(w));
     }
-    outage_committed(w, extended >= 0 || outage_ms < OUTAGE_MIN_MS, clock_mono_ms());
+    bool wrote = sqlite3_total_changes64(w->db) != changes_before;
+    outage_committed(w, extended >= 0 || (outage_ms < OUTAGE_MIN_MS && wrote), wrote,
+                     clock_mono_ms());
     return true;
 
 broken : {
