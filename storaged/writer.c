@@ -47,8 +47,9 @@ struct writer {
     /* An outage no lease is counted against, not taken in yet (outage_of): time in which
      * no heartbeat could be stored. Its parts: stalls, where the writer found it had not run
      * for STALL_MIN_MS or more (the process frozen, its host paused, or one batch that long),
-     * and writes refused for want of room or by the disk, from the first batch since the last
-     * COMMIT that failed so (refused_since_mono, monotonic ms; 0: none) until one commits.
+     * and writes refused for want of room or by the disk, from the first batch that failed so
+     * (refused_since_mono, monotonic ms; 0: none) until a batch that wrote something commits
+     * (outage_committed).
      * outage_since_mono: when its first part began (0: none); outage_ended_ms: the length of
      * its parts that ended; the two flags name them in the log. Only the writer thread
      * touches these. */
