@@ -1,8 +1,10 @@
 /* Unit tests of storaged/writer.c on a real SQLite file: how a batch's jobs are answered when
- * one of them fails. */
+ * one of them fails, and how writes refused for want of room extend the running leases. */
 #include "../check.h"
 
+#include "clock.h"
 #include "db.h"
+#include "store_clock.h"
 #include "writer.h"
 
 #include <pthread.h>
@@ -19,7 +21,7 @@ static bool gate_entered, gate_open;
 static int n_done;
 
 /* One job of a test: the row it inserts (0: none, the gate; REFUSE_ROW: none, it fails on
- * its own with CF_UNAVAILABLE), once done, how it was answered. */
+ * its own with CF_UNAVAILABLE) or the SQL it runs instead, once done, how it was answered. */
 #define REFUSE_ROW (-2)
 #define REFUSE_REASON "the job's own reason"
 
@@ -28,6 +30,7 @@ struct job {
     int row;
     bool interrupt;    /* fail the way SQLite rolls the whole transaction back for */
     bool refuse_after; /* insert the row, then fail on its own */
+    const char *sql;   /* set: run this instead (sql_job) */
     enum cf_status st;
     char msg[CF_ERROR_MSG_MAX];
 };
@@ -66,6 +69,9 @@ static int stop_statement(void *arg)
 static enum cf_status run_job(struct ledger_ctx *c, void *arg, struct cf_error *err)
 {
     struct job *j = arg;
+    if (j->sql) {
+        return db_exec(c->db, j->sql, err);
+    }
     if (j->row == REFUSE_ROW) {
         return cf_error_set(err, CF_UNAVAILABLE, REFUSE_REASON);
     }
@@ -258,6 +264,77 @@ static void test_job_undone_after_writing(const char *path, struct writer *w)
     CHECK(row_exists(path, 11) && !row_exists(path, 10));
 }
 
+/* lease_of reads the lease end of submission id (store clock ms; -1: not found). */
+static int64_t lease_of(const char *path, const char *id)
+{
+    sqlite3 *db = NULL;
+    sqlite3_stmt *s = NULL;
+    int64_t lease = -1;
+    if (sqlite3_open_v2(path, &db, SQLITE_OPEN_READONLY, NULL) == SQLITE_OK &&
+        sqlite3_prepare_v2(db, "SELECT lease_expires_at FROM submissions WHERE submission_id = ?",
+                           -1, &s, NULL) == SQLITE_OK &&
+        sqlite3_bind_text(s, 1, id, -1, SQLITE_STATIC) == SQLITE_OK &&
+        sqlite3_step(s) == SQLITE_ROW) {
+        lease = sqlite3_column_int64(s, 0);
+    }
+    sqlite3_finalize(s);
+    sqlite3_close(db);
+    return lease;
+}
+
+/* sql_job has w run sql as a batch of its own and checks how it was answered. */
+static void sql_job(struct writer *w, const char *sql, enum cf_status want)
+{
+    struct job j;
+    init_job(&j, 1, false);
+    j.sql = sql;
+    pthread_mutex_lock(&mu);
+    n_done = 0;
+    pthread_mutex_unlock(&mu);
+    writer_submit(w, &j.wj);
+    pthread_mutex_lock(&mu);
+    while (n_done < 1) {
+        pthread_cond_wait(&cv, &mu);
+    }
+    pthread_mutex_unlock(&mu);
+    CHECK(j.st == want);
+    if (j.st != want) {
+        fprintf(stderr, "  %s: status %d, want %d (%s)\n", sql, j.st, want, j.msg);
+    }
+}
+
+/* The disk is full for 3 s (SQLITE_FULL: max_page_count held at the database's size), and
+ * between the writes it refuses, batches commit that write nothing, as a Claim that finds
+ * nothing does. Such a COMMIT tells nothing of the room: the refused time stays one outage,
+ * and the lease that ran through it is extended by about its length once writes land again.
+ * (Ended by every empty COMMIT, as before 8b73e27, the outage never reached a second and
+ * nothing was extended.) */
+static void test_empty_commits_do_not_end_refused_writes(const char *path, struct writer *w)
+{
+    int64_t before = lease_of(path, "sub_running");
+    CHECK(before > 0);
+    sql_job(w, "PRAGMA max_page_count = 1", CF_OK); /* never below the size: no new page */
+    int64_t start = clock_mono_ms();
+    while (clock_mono_ms() - start < 3000) {
+        sql_job(w, "INSERT INTO big(b) VALUES (zeroblob(200000))", CF_FULL);
+        usleep(300 * 1000);
+        sql_job(w, "SELECT 1", CF_OK);
+        usleep(300 * 1000);
+    }
+    sql_job(w, "PRAGMA max_page_count = 1073741823", CF_OK);
+    sql_job(w, "INSERT INTO big(b) VALUES (zeroblob(200000))", CF_OK);
+    int64_t refused_ms = clock_mono_ms() - start, extended = lease_of(path, "sub_running") - before;
+    /* the refused writes' parts: not the gap between a part taken in (by an empty batch once
+     * it reached a second: the extension fits in place) and the next refusal, 300 ms, nor a
+     * last part under a second, ended by the write without extending anything */
+    CHECK(extended >= refused_ms / 2);
+    CHECK(extended <= refused_ms);
+    if (extended < refused_ms / 2 || extended > refused_ms) {
+        fprintf(stderr, "  refused for %lld ms, lease extended by %lld ms\n", (long long)refused_ms,
+                (long long)extended);
+    }
+}
+
 int main(void)
 {
     char path[128], side[160];
@@ -267,10 +344,21 @@ int main(void)
     snprintf(path, sizeof(path), "/tmp/cflue-test-writer-%d.db", (int)getpid());
     CHECK(db_open(path, true, &db, &err) == CF_OK);
     CHECK(db_exec(db, "CREATE TABLE t(x INTEGER CHECK (x > 0))", &err) == CF_OK);
+    CHECK(db_exec(db, "CREATE TABLE big(b BLOB)", &err) == CF_OK);
+    /* one running submission whose lease runs for a minute */
+    char running[512];
+    snprintf(running, sizeof(running),
+             "INSERT INTO conversations(conversation_id, agent, created_at) VALUES ('c', 'a', 0);"
+             "INSERT INTO submissions(submission_id, conversation_id, agent, payload, status, "
+             "attempt_id, lease_expires_at, accepted_at, admit_pos) VALUES ('sub_running', 'c', "
+             "'a', x'', 'running', 'att_1', %lld, 0, 0)",
+             (long long)(store_clock_now() + 60000));
+    CHECK(db_exec(db, running, &err) == CF_OK);
     CHECK(writer_start(&w, db, &cfg, 16, &err) == CF_OK);
     test_job_rolled_back_alone(path, w);
     test_transaction_rolled_back_by_sqlite(path, w);
     test_job_undone_after_writing(path, w);
+    test_empty_commits_do_not_end_refused_writes(path, w);
     writer_stop(w);
     unlink(path);
     snprintf(side, sizeof(side), "%s-wal", path);
