@@ -92,10 +92,12 @@ class DowntimeTest(StoragedTestCase):
     """storaged down for longer than a lease: no agentd could renew one meanwhile, so the
     leases that still ran when it stopped are extended by the time it was down, and no Claim
     takes their work over when it is back. A lease that had run out before it stopped stays
-    run out. Leases of 2 s; storaged down 3.5 s."""
+    run out. Leases of 4 s; storaged down 5 s. The time storaged takes to stop after its
+    last renewal, and to answer once it took the time down in, counts against the lease: 4 s
+    leave room for both under ThreadSanitizer on a busy machine (2 s did not, once)."""
 
-    LEASE_MS = 2000
-    DOWN_S = 3.5
+    LEASE_MS = 4000
+    DOWN_S = 5.0
 
     def running_and_lapsed(self, sd):
         """Claims two submissions: one with a running lease (renewed just now), one whose
