@@ -213,6 +213,7 @@ int main(int argc, char **argv)
              d.port, o.db_path, o.lease_ms, page_bytes, (long long)ledger_record_bytes_max(&cfg));
 
     daemon_wait_for_stop(service_release_memory, svc);
+    writer_note_stop(writer);
     daemon_stop_serving(&d);
     writer_stop(writer);
     service_free(svc);

@@ -60,6 +60,9 @@ struct writer {
     bool stall_found;
     /* the writer's last stamp awake (monotonic ms): it wakes at least every WRITER_TICK_MS */
     int64_t awake_mono;
+    /* writer_note_stop's times (the store clock's and CLOCK_BOOTTIME's, ms; 0: not noted),
+     * which the clean-stop stamp carries. Main thread only. */
+    int64_t stop_at_ms, stop_boot_ms;
 };
 
 /* The writer wakes at least this often (ms), so a gap in its stamps tells a stall. */
@@ -574,6 +577,12 @@ void writer_submit(struct writer *w, struct writer_job *job)
     pthread_mutex_unlock(&w->mu);
 }
 
+void writer_note_stop(struct writer *w)
+{
+    w->stop_at_ms = store_clock_now();
+    w->stop_boot_ms = downtime_boot_ms();
+}
+
 void writer_stop(struct writer *w)
 {
     pthread_mutex_lock(&w->mu);
@@ -586,7 +595,10 @@ void writer_stop(struct writer *w)
              (unsigned long long)w->batches, (unsigned long long)w->jobs,
              w->batches ? (double)w->jobs / (double)w->batches : 0.0);
     struct cf_error err;
-    if (db_clean_stop(w->db, store_clock_now(), downtime_boot_ms(), &err) != CF_OK) {
+    if (!w->stop_at_ms) {
+        writer_note_stop(w);
+    }
+    if (db_clean_stop(w->db, w->stop_at_ms, w->stop_boot_ms, &err) != CF_OK) {
         char q[CF_ERROR_MSG_MAX + 16];
         log_warn("clean_stop_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
     }

@@ -58,8 +58,14 @@ void writer_submit(struct writer *w, struct writer_job *job);
  * time it has nothing queued (at once when idle). */
 void writer_release_memory(struct writer *w);
 
-/* writer_stop commits what is queued, stops the thread, stamps a clean stop (db_clean_stop),
- * closes the database and frees w. */
+/* writer_note_stop takes now as the time storaged stopped: call it when the server stops
+ * taking calls. From then on no agentd can renew a lease, though the calls in flight still
+ * drain (for up to --grace-ms), so the next start counts the drain as time down (downtime.h).
+ * Main thread only, before writer_stop. */
+void writer_note_stop(struct writer *w);
+
+/* writer_stop commits what is queued, stops the thread, stamps a clean stop (db_clean_stop)
+ * with the time writer_note_stop took (else now), closes the database and frees w. */
 void writer_stop(struct writer *w);
 
 #endif

@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import unittest
 
@@ -19,7 +20,7 @@ import grpc
 STALE = grpc.StatusCode.ABORTED  # a stale fence (reason STALE_FENCE)
 from cflue_harness import (
     StoragedTestCase, admit, append, claim, common_pb2, heartbeat, read_all,
-    record, scan_expired, settle)
+    record, scan_expired, settle, store_pb2)
 
 
 class RebootFencingTest(StoragedTestCase):
@@ -149,6 +150,45 @@ class DowntimeTest(StoragedTestCase):
         time.sleep(self.DOWN_S)
         sd.start()
         self.assert_kept(sd, running, lapsed, 'last_write')
+
+    def test_a_stop_counts_its_drain_as_time_down(self):
+        """A stop whose calls in flight take long to drain: storaged took no call meanwhile, so
+        the drain counts as time down. A Backup held 4.5 s after its copy (a failpoint; no
+        write waits on it) is in flight when storaged is stopped, 0.5 s after a claim with a 4 s
+        lease; the stop drains it, then storaged stays down 1.5 s. Timed from the end of the
+        drain, the stop would have found the lease run out and left it so, and the work would
+        be taken over."""
+        sd = self.start_storaged(env={'CFLUE_FAILPOINTS': 'storaged.backup.copied=sleep:4500'})
+        admit(sd.stub, conv='drain-run', text='hi')
+        backup = sd.channel.unary_stream(
+            '/cflue.v1.Store/Backup',
+            request_serializer=store_pb2.BackupRequest.SerializeToString,
+            response_deserializer=store_pb2.BackupChunk.FromString)
+        chunks = []
+        copying = threading.Thread(target=lambda: chunks.extend(
+            backup(store_pb2.BackupRequest(), timeout=60)))
+        running = claim(sd.stub, owner='runner', conversation_id='drain-run',
+                        lease_ms=self.LEASE_MS)
+        copying.start()
+        time.sleep(0.5)  # the copy is taken; its sending waits
+        t0 = time.monotonic()
+        sd.stop()
+        drained_s = time.monotonic() - t0
+        copying.join()
+        self.assertTrue(chunks and chunks[-1].done, 'the Backup in flight was not drained')
+        self.assertGreater(drained_s, 3.0, 'the stop did not wait for the call in flight')
+        time.sleep(1.5)
+        sd.start()
+        self.assertEqual(scan_expired(sd.stub), [], 'the drain was not counted as time down')
+        self.assertFalse(claim(sd.stub, owner='other').HasField('submission'))
+        self.assertEqual(heartbeat(sd.stub, 'runner', [running.fence],
+                                   lease_ms=self.LEASE_MS).renewed,
+                         [running.submission.submission_id])
+        m = re.search(r'event=downtime_taken_in down_ms=(\d+) measured_by=boot_clock '
+                      r'leases_extended=1', sd.stderr_text())
+        self.assertIsNotNone(m, sd.stderr_text())
+        self.assertGreaterEqual(int(m.group(1)), 1500 + 3000)
+        self.assertNotIn('writer_stalled', sd.stderr_text())
 
     def test_a_stall_counts_only_its_own_length(self):
         """storaged frozen for 4 s, then idle for 8 s: the stall extends the lease that ran
