@@ -47,9 +47,10 @@
  * Nor does a compaction's summary (COMPACT_WAIT), the conversation's pages (LOAD_WAIT) or the
  * first turn's Glance to toold (PROMPT_WAIT). Appends do not hold it either: the
  * first turn's input, an answer's calls before they run, tool results as they arrive and a
- * batch's last results beside the next model call go out as one Append at a time per drive
- * (dstore_stored, dstore_write_behind), and a drive that must wait parks until the Append's
- * end posts it. The Settle of an outcome goes out the same way. The other Store
+ * batch's last results beside the next model call (or with its answer, when it comes within
+ * --hold-results-ms) go out as one Append at a time per drive (dstore_stored,
+ * dstore_write_behind, dstore_write_behind_held), and a drive that must wait parks until the
+ * Append's end posts it. The Settle of an outcome goes out the same way. The other Store
  * calls (reading the conversation, joins, compaction, settlements on the rarer paths) block the
  * engine thread for their (short) duration, and only once no call is in flight. A drive ends in one
  * of three ways (enum drive_end): settled; stopped (lease lost or shutdown: whoever holds the work
@@ -659,11 +660,13 @@ static enum drive_state model_done(struct drive *d, enum cf_status rc)
 
 /* step_model asks the model for the next turn, compacting first when the context is too
  * large (once per turn). The turn's records not stored yet (the input and its stamp on the
- * first turn, the tool results on later ones) are written behind while the model is asked: an
- * answer is only ever appended after them, so a crash between the two loses the answer with
- * them, and the stream never holds one without the other; a write that fails for good cancels
- * the call. Only a stamp with no record to carry it (a recovery whose input is stored) is
- * waited for; the time limit the stamp installs is in force already (step_input). */
+ * first turn, the tool results on later ones) are written behind while the model is asked
+ * (the tool results after waiting --hold-results-ms for the answer, which goes out with them
+ * when it comes sooner): an answer is only ever appended after them, so a crash between the
+ * two loses the answer with them, and the stream never holds one without the other; a write
+ * that fails for good cancels the call. Only a stamp with no record to carry it (a recovery
+ * whose input is stored) is waited for; the time limit the stamp installs is in force already
+ * (step_input). */
 static enum drive_state step_model(struct drive *d)
 {
     size_t pending;
@@ -700,7 +703,7 @@ static enum drive_state step_model(struct drive *d)
         context_free(&ctx);
         return DRIVE_SETTLE;
     }
-    dstore_write_behind(d);
+    dstore_write_behind_held(d);
     model_call_start(d, d->system_text, &ctx, d->tools.tools, d->tools.n);
     return DRIVE_MODEL_WAIT;
 }
@@ -711,10 +714,12 @@ static enum drive_state step_model_wait(struct drive *d)
 {
     enum cf_status rc;
     (void)dstore_writes_done(d);
+    (void)dstore_release_held(d, drive_halted(d));
     if (!model_call_poll(d, &rc)) {
         d->parked = true;
         return DRIVE_MODEL_WAIT;
     }
+    d->hold_until_ms = 0; /* what is still pending goes out with the answer */
     return model_done(d, rc);
 }
 

@@ -270,6 +270,8 @@ struct drive {
     struct cf_error fault; /* the first storaged/toold failure: the attempt ends unsettled */
     int store_tries;       /* how many tries the last dstore_call took */
     bool mark_pending;     /* the next flush stamps the input applied (budgets installed) */
+    int64_t hold_until_ms; /* monotonic: the pending records wait for the model's answer until
+                            * then (dstore_write_behind_held; 0: they do not) */
     bool store_down;       /* a Store call failed for good (storaged unreachable or busy) */
     int32_t queued;        /* submissions queued behind, as storaged last said */
     /* the state machine */
@@ -456,6 +458,18 @@ bool dstore_writes_done(struct drive *d);
  * when none is in flight (and the drive can still write). For records that must reach the
  * stream soon but need not be waited for: tool results as they arrive. */
 void dstore_write_behind(struct drive *d);
+/* dstore_write_behind_held is dstore_write_behind for the records pending as a model call
+ * starts (a batch's last tool results): they wait up to --hold-results-ms for its answer, and
+ * an answer that comes sooner goes out with them, in one Append or the Settle, an Append saved.
+ * A crash meanwhile loses them (the next attempt records the outcome of their calls as
+ * unknown), as one before their Append committed always could. The input's first Append (it
+ * stamps the input applied) is not held. */
+void dstore_write_behind_held(struct drive *d);
+/* dstore_release_held starts the Append of held records once their time is up, or at once when
+ * now is set (the model's output began to stream, or the drive halted: the results of commands
+ * that ran are stored even while agentd shuts down, unless the lease is lost); until then it
+ * sets the drive's timer for that time. Returns whether it let them go. */
+bool dstore_release_held(struct drive *d, bool now);
 /* dstore_stored is dstore_write_behind reporting whether every record written so far is
  * stored, or can no longer be (a fault, a lost lease, shutdown: drive_broken); the drive parks
  * while false. The input is stamped applied by the Append that carries it (a Compact request,

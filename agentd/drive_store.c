@@ -8,7 +8,8 @@
  * stored). What must be durable before the drive goes on is waited for (dstore_stored): an
  * answer's tool calls before they run, a joined message's input before its join is final, a
  * compaction with its prompt; tool results are written behind (dstore_write_behind: as they
- * arrive, and a batch's last ones beside the next model call); the input and
+ * arrive; a batch's last ones beside the next model call, or with its answer when it comes
+ * within --hold-results-ms: dstore_write_behind_held); the input and
  * the system prompt wait for the first model call (one Append, which also stamps the input
  * applied), the final answer for the Settle. The answers' hints are kept: an abort intent, and how
  * much is queued behind (ClaimJoinable only then). Attachments' bytes come from the claim's
@@ -341,7 +342,8 @@ enum flight_state dstore_flight_take(struct drive *d, void (*resend)(struct driv
             return FLIGHT_ENDED;
         }
         if (clock_mono_ms() < f->retry_at_ms) {
-            return FLIGHT_WAITING; /* the timer posts the drive */
+            engine_post_at(d, f->retry_at_ms); /* posted early: the timer again */
+            return FLIGHT_WAITING;
         }
         f->retry_at_ms = 0;
         resend(d);
@@ -429,6 +431,37 @@ void dstore_write_behind(struct drive *d)
     if (dstore_writes_done(d) && rlog_pending(&d->log, &n) && !drive_broken(d)) {
         send_write(d, false);
     }
+}
+
+void dstore_write_behind_held(struct drive *d)
+{
+    size_t n;
+    if (d->mark_pending || !g_agentd.hold_results_ms || !rlog_pending(&d->log, &n)) {
+        dstore_write_behind(d);
+        return;
+    }
+    d->hold_until_ms = clock_mono_ms() + g_agentd.hold_results_ms;
+    engine_post_at(d, d->hold_until_ms);
+}
+
+bool dstore_release_held(struct drive *d, bool now)
+{
+    size_t n;
+    if (!d->hold_until_ms) {
+        return false;
+    }
+    if (!now && clock_mono_ms() < d->hold_until_ms) {
+        engine_post_at(d, d->hold_until_ms);
+        return false;
+    }
+    d->hold_until_ms = 0;
+    pthread_mutex_lock(&g_agentd.mu);
+    bool lost = d->act->lease_lost;
+    pthread_mutex_unlock(&g_agentd.mu);
+    if (dstore_writes_done(d) && rlog_pending(&d->log, &n) && d->fault.code == CF_OK && !lost) {
+        send_write(d, false);
+    }
+    return true;
 }
 
 bool dstore_stored(struct drive *d)

@@ -85,7 +85,9 @@ void engine_post(struct drive *d);
  * the unlock. */
 void engine_post_unlock(struct drive *d, pthread_mutex_t *held);
 
-/* engine_post_at posts d at monotonic time due_ms (a timer; replaces d's earlier one). */
+/* engine_post_at posts d at monotonic time due_ms, or sooner: a drive has one timer, which
+ * keeps the earliest time asked of it until it fires. So a waiter posted before its own time
+ * (by another's timer, or an event) asks again for the time it still waits for. */
 void engine_post_at(struct drive *d, int64_t due_ms);
 
 #endif

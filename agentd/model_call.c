@@ -40,8 +40,8 @@
  * attempt. Deltas stay out of the log. */
 static void flush_delta(struct drive *d)
 {
-    if (!d->delta.len || !dstore_writes_done(d)) {
-        return;
+    if (!d->delta.len || !dstore_writes_done(d) || dstore_release_held(d, true)) {
+        return; /* the text waits for the next flush (held records go first, in order) */
     }
     char id[512];
     snprintf(id, sizeof(id), "delta:%s:%d:%s:%d", d->sub->submission_id, d->turn,
@@ -265,7 +265,8 @@ bool model_call_poll(struct drive *d, enum cf_status *out)
                 return finished(d, CF_CANCELLED, out);
             }
             if (clock_mono_ms() < w->backoff_until) {
-                return false; /* the timer posts the drive */
+                engine_post_at(d, w->backoff_until); /* posted early: the timer again */
+                return false;
             }
             w->backing_off = false;
             w->attempt++;

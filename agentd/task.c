@@ -758,9 +758,7 @@ bool task_poll(struct drive *d)
         any = any || in_flight(tc);
     }
     if (due) {
-        /* one timer per drive: keep the Append's retry if it is due first */
-        int64_t store_due = d->sf.retry_at_ms;
-        engine_post_at(d, store_due && store_due < due ? store_due : due);
+        engine_post_at(d, due);
     }
     if (any) {
         return false;

@@ -1462,6 +1462,21 @@ class BenchBrainStack(object):
         self.daemons.append(d)
         return d
 
+    def store_counts(self):
+        """Stops the agentds, then storaged (started with store_env CFLUE_RPC_STATS=1); returns
+        storaged's {method: calls}, as it logged them."""
+        for ad in self.ads:
+            if ad.alive():
+                ad.stop()
+        self.sd.stop()
+        counts = {}
+        for m in re.finditer(r'event=rpc_stats method=/cflue\.v1\.Store/(\w+) calls=(\d+)',
+                             self.sd.stderr_text()):
+            counts[m.group(1)] = int(m.group(2))
+        if not counts:
+            raise AssertionError('storaged logged no rpc_stats\n' + self.sd.stderr_text())
+        return counts
+
     def remove(self):
         for d in reversed(self.daemons):
             try:

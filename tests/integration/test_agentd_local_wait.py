@@ -43,20 +43,6 @@ class Stack(BenchBrainStack):
                                     store_env={'CFLUE_RPC_STATS': '1'},
                                     prefix='cflue-local-wait-it-')
 
-    def store_counts(self):
-        """Stops the agentds, then storaged; returns storaged's {method: calls}."""
-        for ad in self.ads:
-            if ad.alive():
-                ad.stop()
-        self.sd.stop()
-        counts = {}
-        for m in re.finditer(r'event=rpc_stats method=/cflue\.v1\.Store/(\w+) calls=(\d+)',
-                             self.sd.stderr_text()):
-            counts[m.group(1)] = int(m.group(2))
-        if not counts:
-            raise AssertionError('storaged logged no rpc_stats\n' + self.sd.stderr_text())
-        return counts
-
 
 def wait_for_drive(ads, submission_id, timeout=30):
     """Returns the agentd of ads whose drive of submission_id started (its 'drive' log line)."""
