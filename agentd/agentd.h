@@ -40,8 +40,8 @@ struct agentd {
     const char *owner_id;
     int64_t lease_ms;
     int64_t heartbeat_ms;
-    int64_t hold_results_ms; /* --hold-results-ms (dstore_write_behind_held) */
-    bool stream;             /* ask providers to stream */
+    int64_t hold_writes_ms; /* --hold-writes-ms (dstore_write_behind_held) */
+    bool stream;            /* ask providers to stream */
     struct provider_endpoint anthropic, openai;
     struct rpc_channel *store;
     pthread_mutex_t mu;

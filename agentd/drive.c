@@ -23,8 +23,9 @@
  *    conversation's reading started (none when the claim saw it empty);
  *  - LOAD_WAIT: parked on its pages, read once into the record log; then an earlier
  *    attempt's half-joins settled and its finished answer recognized (takeover);
- *  - INPUT: the input written (pending: the first model call's Append stores it and stamps
- *    it applied, installing the budgets), unresolved calls repaired;
+ *  - INPUT: the input written (pending: stored beside the first model call, or with its
+ *    answer, by the Append or Settle that stamps it applied, installing the budgets),
+ *    unresolved calls repaired;
  *  - PROMPT(_WAIT): the tool set listed and the sandbox looked at in one Sandbox.Glance (the
  *    drive parked meanwhile), the system prompt frozen (a sandboxed agent never reaches the
  *    model without its tool set, nor a prompt composed from a partial environment); a
@@ -48,7 +49,7 @@
  * first turn's Glance to toold (PROMPT_WAIT). Appends do not hold it either: the
  * first turn's input, an answer's calls before they run, tool results as they arrive and a
  * batch's last results beside the next model call (or with its answer, when it comes within
- * --hold-results-ms) go out as one Append at a time per drive (dstore_stored,
+ * --hold-writes-ms) go out as one Append at a time per drive (dstore_stored,
  * dstore_write_behind, dstore_write_behind_held), and a drive that must wait parks until the
  * Append's end posts it. The Settle of an outcome goes out the same way. The other Store
  * calls (reading the conversation, joins, compaction, settlements on the rarer paths) block the
@@ -442,7 +443,7 @@ static enum drive_state step_input(struct drive *d)
         snprintf(id, sizeof(id), "input:%s", d->sub->submission_id);
         (void)dstore_append_input(d, id, d->sub); /* pending: the first model call flushes it */
     }
-    d->mark_pending = true; /* stamped applied by the Append that stores the input */
+    d->mark_pending = true; /* stamped applied by the Append (or Settle) storing the input */
     if (!d->sub->input_apply_time && d->sub->start_time && d->agent->timeout_ms > 0) {
         /* the limit the stamp installs (storaged: this attempt's start plus the agent's limit),
          * in force before its answer: the first model call goes out beside the stamp */
@@ -661,8 +662,8 @@ static enum drive_state model_done(struct drive *d, enum cf_status rc)
 /* step_model asks the model for the next turn, compacting first when the context is too
  * large (once per turn). The turn's records not stored yet (the input and its stamp on the
  * first turn, the tool results on later ones) are written behind while the model is asked
- * (the tool results after waiting --hold-results-ms for the answer, which goes out with them
- * when it comes sooner): an answer is only ever appended after them, so a crash between the
+ * (after waiting --hold-writes-ms for the answer, which goes out with them when it comes
+ * sooner): an answer is only ever appended after them, so a crash between the
  * two loses the answer with them, and the stream never holds one without the other; a write
  * that fails for good cancels the call. Only a stamp with no record to carry it (a recovery
  * whose input is stored) is waited for; the time limit the stamp installs is in force already

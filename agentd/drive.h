@@ -459,17 +459,23 @@ bool dstore_writes_done(struct drive *d);
  * stream soon but need not be waited for: tool results as they arrive. */
 void dstore_write_behind(struct drive *d);
 /* dstore_write_behind_held is dstore_write_behind for the records pending as a model call
- * starts (a batch's last tool results): they wait up to --hold-results-ms for its answer, and
- * an answer that comes sooner goes out with them, in one Append or the Settle, an Append saved.
- * A crash meanwhile loses them (the next attempt records the outcome of their calls as
- * unknown), as one before their Append committed always could. The input's first Append (it
- * stamps the input applied) is not held. */
+ * starts (the first turn's input and prompt, with the input's stamp; a batch's last tool
+ * results): they wait up to --hold-writes-ms for its answer, and an answer that comes sooner
+ * goes out with them, in one Append or the Settle (which stamps the input too), an Append
+ * saved. A crash meanwhile loses them, as one before their Append committed always could: the
+ * next attempt appends the input again, and records the outcome of the results' calls as
+ * unknown. */
 void dstore_write_behind_held(struct drive *d);
 /* dstore_release_held starts the Append of held records once their time is up, or at once when
  * now is set (the model's output began to stream, or the drive halted: the results of commands
  * that ran are stored even while agentd shuts down, unless the lease is lost); until then it
  * sets the drive's timer for that time. Returns whether it let them go. */
 bool dstore_release_held(struct drive *d, bool now);
+/* dstore_mark fills mark (and limit, its time limit) with the budgets the drive's input stamp
+ * installs: the agent's max_attempts and time limit. Returns mark. */
+Cflue__V1__MarkInputAppliedRequest *dstore_mark(const struct drive *d,
+                                                Cflue__V1__MarkInputAppliedRequest *mark,
+                                                Google__Protobuf__Duration *limit);
 /* dstore_stored is dstore_write_behind reporting whether every record written so far is
  * stored, or can no longer be (a fault, a lost lease, shutdown: drive_broken); the drive parks
  * while false. The input is stamped applied by the Append that carries it (a Compact request,

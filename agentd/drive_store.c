@@ -9,9 +9,9 @@
  * answer's tool calls before they run, a joined message's input before its join is final, a
  * compaction with its prompt; tool results are written behind (dstore_write_behind: as they
  * arrive; a batch's last ones beside the next model call, or with its answer when it comes
- * within --hold-results-ms: dstore_write_behind_held); the input and
- * the system prompt wait for the first model call (one Append, which also stamps the input
- * applied), the final answer for the Settle. The answers' hints are kept: an abort intent, and how
+ * within --hold-writes-ms: dstore_write_behind_held); the input and the system prompt wait
+ * for the first model call in the same way (one Append or the Settle, which also stamps the
+ * input applied), the final answer for the Settle. The answers' hints are kept: an abort intent, and how
  * much is queued behind (ClaimJoinable only then). Attachments' bytes come from the claim's
  * submission or a joined delivery's (kept from ClaimJoinable), and otherwise from one
  * Store.Get per submission for the life of the drive.
@@ -195,6 +195,19 @@ static enum cf_status mark_applied(struct drive *d, Cflue__V1__MarkInputAppliedR
     return CF_OK;
 }
 
+Cflue__V1__MarkInputAppliedRequest *dstore_mark(const struct drive *d,
+                                                Cflue__V1__MarkInputAppliedRequest *mark,
+                                                Google__Protobuf__Duration *limit)
+{
+    cflue__v1__mark_input_applied_request__init(mark);
+    mark->max_attempts = d->agent->max_attempts;
+    if (d->agent->timeout_ms > 0) {
+        pbdur_set(limit, d->agent->timeout_ms);
+        mark->timeout = limit;
+    }
+    return mark;
+}
+
 /* append_request fills req (and mark, limit: the caller's) with the pending records (at most
  * max and PROTO_RECORDS_MAX of them, and DSTORE_APPEND_BYTES_MAX of bytes unless one
  * record alone is more) under the
@@ -220,12 +233,7 @@ static size_t append_request(struct drive *d, Cflue__V1__AppendRequest *req,
         n = k;
     }
     if (d->mark_pending) {
-        mark->max_attempts = d->agent->max_attempts;
-        if (d->agent->timeout_ms > 0) {
-            pbdur_set(limit, d->agent->timeout_ms);
-            mark->timeout = limit;
-        }
-        req->mark_input_applied = mark;
+        req->mark_input_applied = dstore_mark(d, mark, limit);
     }
     req->fence = &d->fence;
     req->records = recs;
@@ -436,11 +444,11 @@ void dstore_write_behind(struct drive *d)
 void dstore_write_behind_held(struct drive *d)
 {
     size_t n;
-    if (d->mark_pending || !g_agentd.hold_results_ms || !rlog_pending(&d->log, &n)) {
+    if (!g_agentd.hold_writes_ms || !rlog_pending(&d->log, &n)) {
         dstore_write_behind(d);
         return;
     }
-    d->hold_until_ms = clock_mono_ms() + g_agentd.hold_results_ms;
+    d->hold_until_ms = clock_mono_ms() + g_agentd.hold_writes_ms;
     engine_post_at(d, d->hold_until_ms);
 }
 

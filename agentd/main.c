@@ -50,7 +50,7 @@ static const char usage[] =
 struct agentd_opts {
     const char *store, *agents_dir, *owner, *models, *tokens;
     long long workers, lease_ms, heartbeat_ms, model_timeout, agents_poll_ms, drain_ms;
-    long long keepalive_ms, replica_linger_ms, hold_results_ms;
+    long long keepalive_ms, replica_linger_ms, hold_writes_ms;
     bool no_stream;
 };
 
@@ -179,7 +179,7 @@ static void set_engine(const struct agentd_opts *o)
     g_agentd.owner_id = o->owner;
     g_agentd.lease_ms = o->lease_ms;
     g_agentd.heartbeat_ms = o->heartbeat_ms;
-    g_agentd.hold_results_ms = o->hold_results_ms;
+    g_agentd.hold_writes_ms = o->hold_writes_ms;
     g_agentd.stream = !o->no_stream;
     const char *ab = getenv("ANTHROPIC_BASE_URL"), *ob = getenv("OPENAI_BASE_URL");
     g_agentd.anthropic =
@@ -338,7 +338,7 @@ int main(int argc, char **argv)
                             .model_timeout = 600000,
                             .agents_poll_ms = 2000,
                             .keepalive_ms = 10000,
-                            .hold_results_ms = 50,
+                            .hold_writes_ms = 50,
                             .replica_linger_ms = PLACEMENT_LINGER_DEFAULT_MS};
     const struct config_opt opts[] = {
         DAEMON_OPT_LISTEN(&d, "address to serve the Agent API on"),
@@ -357,10 +357,10 @@ int main(int argc, char **argv)
         CONFIG_OPT_INT("lease-ms", &o.lease_ms, 500, 3600000, "lease on claimed work"),
         CONFIG_OPT_INT("heartbeat-ms", &o.heartbeat_ms, 100, 3600000, "lease renewal interval"),
         CONFIG_OPT_INT("model-timeout-ms", &o.model_timeout, 1000, 3600000, "one model call"),
-        CONFIG_OPT_INT("hold-results-ms", &o.hold_results_ms, 0, 10000,
-                       "how long a tool batch's last results wait for the next model answer, to "
-                       "be stored with it in one write (0: stored at once); a crash meanwhile "
-                       "loses them"),
+        CONFIG_OPT_INT("hold-writes-ms", &o.hold_writes_ms, 0, 10000,
+                       "how long the records a model call is asked with (the first turn's "
+                       "input, a tool batch's last results) wait for its answer, to be stored "
+                       "with it in one write (0: stored at once); a crash meanwhile loses them"),
         CONFIG_OPT_BOOL("no-stream", &o.no_stream, "ask providers for whole responses"),
         CONFIG_OPT_STRING("models", &o.models,
                           "model catalog JSON (context window, output limit, prices)"),

@@ -145,6 +145,8 @@ static bool checked(struct drive *d, Cflue__V1__Outcome outcome)
 struct settle_req {
     Cflue__V1__SettleRequest req;
     Cflue__V1__Usage usage;
+    Cflue__V1__MarkInputAppliedRequest mark;
+    Google__Protobuf__Duration limit;
     char cut[8192];
 };
 
@@ -173,6 +175,10 @@ static void settle_request(struct drive *d, Cflue__V1__Outcome outcome, const ch
         }
     }
     s->req.records = rlog_pending(&d->log, &s->req.n_records);
+    if (d->mark_pending && s->req.n_records) {
+        /* the input held for the first answer, which ends the work (dstore_write_behind_held) */
+        s->req.mark_input_applied = dstore_mark(d, &s->mark, &s->limit);
+    }
 }
 
 /* settle_answered_with takes the Settle's end (rc; resp on CF_OK, freed here): the outcome

@@ -1599,18 +1599,21 @@ static enum cf_status append_batch(struct ledger_ctx *c, const Cflue__V1__Submis
                                    int64_t *last_out, bool *dedup_out, struct cf_error *err);
 
 /* settle_records appends a Settle's records on behalf of row (fenced, running or terminalizing)
- * before its settlement, through Append's own path. */
+ * before its settlement, through Append's own path, then stamps its input applied when the
+ * Settle asks (row is read again then). */
 static enum cf_status settle_records(struct ledger_ctx *c, const Cflue__V1__SettleRequest *req,
-                                     const Cflue__V1__Submission *row,
-                                     Cflue__V1__SettleResponse *out, struct cf_error *err)
+                                     Cflue__V1__Submission *row, Cflue__V1__SettleResponse *out,
+                                     struct cf_error *err)
 {
     int64_t last;
     bool dedup;
-    if (req->n_records == 0) {
-        return CF_OK;
+    enum cf_status rc;
+    if (req->n_records &&
+        (rc = append_batch(c, row, req->records, req->n_records, &out->records_first_offset,
+                           &last, &dedup, err)) != CF_OK) {
+        return rc;
     }
-    return append_batch(c, row, req->records, req->n_records, &out->records_first_offset, &last,
-                        &dedup, err);
+    return req->mark_input_applied ? stamp_input(c, req->mark_input_applied, row, err) : CF_OK;
 }
 
 /* settle_row is Settle's decision on the row it names (see ledger_settle). */

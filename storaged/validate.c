@@ -492,6 +492,16 @@ enum cf_status validate_settle(const Cflue__V1__SettleRequest *r, struct cf_erro
                             r->outcome == CFLUE__V1__OUTCOME__OUTCOME_FAILED ? "FAILED"
                                                                              : "ABORTED");
     }
+    if (r->mark_input_applied) {
+        if (!*r->fence->attempt_id) {
+            return cf_error_set(err, CF_INVALID,
+                                "mark_input_applied needs a fence with an attempt "
+                                "(fence.attempt_id is required)");
+        }
+        if ((rc = input_budgets("mark_input_applied.", r->mark_input_applied, err)) != CF_OK) {
+            return rc;
+        }
+    }
     if (r->n_records == 0) {
         return CF_OK;
     }

@@ -925,7 +925,11 @@ class TestAgentdCrash(AgentdCase):
         self.wait_for('the second model call',
                       lambda: [e for e in self.model_requests(conv) if e['step'] == 1],
                       timeout=60)
-        self.assertTrue([r for r in self.records(conv) if kind(r) == 'tool_result'])
+        # stored while the model is asked (after agentd's --hold-writes-ms, 50 ms, the wait
+        # for an answer that could have carried it), before the answer comes at 5 s
+        self.wait_for('the tool result stored',
+                      lambda: [r for r in self.records(conv) if kind(r) == 'tool_result'],
+                      timeout=3)
         self.crash_and_restart()
         s, recs, assistants = self.settled(conv, sid)
         with open(os.path.join(ws, 'counter')) as f:

@@ -462,9 +462,11 @@ class ShortOutageTest(FaultsBase):
     def test_a_tool_result_written_during_a_short_outage_is_stored_by_the_same_attempt(self):
         conv = new_conv('blip')
         ws = self.workspace(conv)
+        # the answer comes 1 s after the result: past agentd's --hold-writes-ms (50 ms), the
+        # result's own Append meets the outage
         self.fm.set_scenario(bind([
             gated_bash('date +%s.%N >> effects.txt'),
-            {'text': 'Done despite the blip.'}], conv))
+            {'text': 'Done despite the blip.', 'delay_ms': 1000}], conv))
         adm = self.ad.submit('runner-anthropic', 'run it (%s)' % conv, conversation_id=conv)
         # the tool finishes once storaged is down (a 'sleep 1' in it could finish first when
         # the test saw the record late on a loaded machine), and storaged stays down a while
@@ -503,6 +505,9 @@ class ShortOutageTest(FaultsBase):
         self.wait_for('the model call', lambda: self.model_requests(conv), timeout=20,
                       interval=0.02)
         asked_at = time.time()
+        # the input is stored while the model is asked (after agentd's --hold-writes-ms, the
+        # wait for an answer that could have carried it): the Settle alone meets the outage
+        self.wait_for('the input stored', lambda: self.records(conv), timeout=3, interval=0.02)
         self.stack.sd.kill()
         time.sleep(6)
         up_at = time.time()

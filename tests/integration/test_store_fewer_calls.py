@@ -41,9 +41,14 @@ def append_marking(stub, fence_, records, max_attempts=0, timeout_ms=0):
 
 
 def settle_with(stub, fence_, records, outcome=common_pb2.OUTCOME_COMPLETED, error='',
-                reserve_only=False):
+                reserve_only=False, mark=None):
+    """Settle with records; mark: (max_attempts, timeout_ms) of a mark_input_applied."""
     req = store_pb2.SettleRequest(fence=fence_, outcome=outcome, error=error,
                                   reserve_only=reserve_only, records=records)
+    if mark:
+        req.mark_input_applied.max_attempts = mark[0]
+        if mark[1]:
+            req.mark_input_applied.timeout.CopyFrom(duration(mark[1]))
     return stub.settle(req, timeout=10)
 
 
@@ -284,6 +289,40 @@ class SettleRecordsTest(StoragedTestCase):
         self.assertEqual(again.record_offset, 3)
         self.assertEqual(again.records_first_offset, -1)
         self.assertEqual(len(read_all(self.stub, 'sr')), 4)
+
+    def test_the_input_is_stamped_applied_with_the_settlement(self):
+        """A first answer that ends the work: the input, the answer and the input's stamp in
+        the Settle. Stamped after the records and before the settlement; on a submission whose
+        outcome is reserved the whole Settle is refused, records included; and the stamp needs
+        an attempt's fence."""
+        sid, f = self.running('sr-mark')
+        s = settle_with(self.stub, f, [record('user_message', id_='in'),
+                                       record(id_='ans-1', body={'text': 'final'})],
+                        mark=(3, 60000))
+        self.assertEqual(s.submission.status, SETTLED)
+        self.assertEqual(s.submission.max_attempts, 3)
+        applied = ts_ms(s.submission.input_apply_time)
+        self.assertGreater(applied, 0)
+        self.assertLessEqual(applied, ts_ms(s.submission.settle_time))
+        self.assertEqual(ts_ms(s.submission.deadline), ts_ms(s.submission.start_time) + 60000)
+        self.assertEqual(get(self.stub, sid), s.submission)
+        self.assertEqual([x.id for x in read_all(self.stub, 'sr-mark')],
+                         ['in', 'ans-1', 'settled:' + sid])
+
+        sid, f = self.running('sr-mark-res')
+        settle(self.stub, f, common_pb2.OUTCOME_FAILED, 'x', reserve_only=True)
+        self.assertRpcError(FAILED_PRECONDITION, settle_with, self.stub, f,
+                            [record(id_='late')], common_pb2.OUTCOME_FAILED, 'x', mark=(3, 0))
+        self.assertEqual(read_all(self.stub, 'sr-mark-res'), [])
+        self.assertEqual(ts_ms(get(self.stub, sid).input_apply_time), 0)
+
+        sid, f = self.running('sr-mark-bad')
+        self.assertRpcError(INVALID_ARGUMENT, settle_with, self.stub, f, [record(id_='a')],
+                            mark=(-1, 0), details_has='mark_input_applied.max_attempts')
+        no_attempt = store_pb2.Fence(submission_id=sid)
+        self.assertRpcError(INVALID_ARGUMENT, settle_with, self.stub, no_attempt, [],
+                            mark=(3, 0), details_has='mark_input_applied needs a fence')
+        self.assertEqual(get(self.stub, sid).status, RUNNING)
 
     def test_without_records_the_offset_is_minus_one(self):
         sid, f = self.running('sr-none')
