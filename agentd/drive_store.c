@@ -11,10 +11,10 @@
  * arrive; a batch's last ones beside the next model call, or with its answer when it comes
  * within --hold-writes-ms: dstore_write_behind_held); the input and the system prompt wait
  * for the first model call in the same way (one Append or the Settle, which also stamps the
- * input applied), the final answer for the Settle. The answers' hints are kept: an abort intent, and how
- * much is queued behind (ClaimJoinable only then). Attachments' bytes come from the claim's
- * submission or a joined delivery's (kept from ClaimJoinable), and otherwise from one
- * Store.Get per submission for the life of the drive.
+ * input applied), the final answer for the Settle. The answers' hints are kept: an abort
+ * intent, and how much is queued behind (ClaimJoinable only then). Attachments' bytes come
+ * from the claim's submission or a joined delivery's (kept from ClaimJoinable), and otherwise
+ * from one Store.Get per submission for the life of the drive.
  */
 #include "clients.h"
 #include "clock.h"
