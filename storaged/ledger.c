@@ -1609,8 +1609,8 @@ static enum cf_status settle_records(struct ledger_ctx *c, const Cflue__V1__Sett
     bool dedup;
     enum cf_status rc;
     if (req->n_records &&
-        (rc = append_batch(c, row, req->records, req->n_records, &out->records_first_offset,
-                           &last, &dedup, err)) != CF_OK) {
+        (rc = append_batch(c, row, req->records, req->n_records, &out->records_first_offset, &last,
+                           &dedup, err)) != CF_OK) {
         return rc;
     }
     return req->mark_input_applied ? stamp_input(c, req->mark_input_applied, row, err) : CF_OK;
