@@ -93,9 +93,11 @@ class TraceCase(AgentdCase):
         (admission, settled submission, conv, the call's id)."""
         conv = new_conv(tag)
         self.workspace(conv)
+        # the answer comes after agentd's --hold-writes-ms (50 ms), so the tool result goes in
+        # an Append of its own, not with the Settle: two Appends to compare
         self.fm.set_scenario(bind([
             {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'echo traced'}}]},
-            {'text': 'Done.'},
+            {'text': 'Done.', 'delay_ms': 500},
         ], conv))
         adm = submit(self.ad, 'runner-anthropic', 'run it', conv, metadata)
         sub = self.wait_settled(adm.submission_id)
