@@ -441,7 +441,7 @@ static enum drive_state step_input(struct drive *d)
     if (!d->compact_request && !has_input(d)) {
         char id[256];
         snprintf(id, sizeof(id), "input:%s", d->sub->submission_id);
-        (void)dstore_append_input(d, id, d->sub); /* pending: the first model call flushes it */
+        (void)dstore_append_input(d, id, d->sub); /* pending: goes with the first model call */
     }
     d->mark_pending = true; /* stamped applied by the Append (or Settle) storing the input */
     if (!d->sub->input_apply_time && d->sub->start_time && d->agent->timeout_ms > 0) {
