@@ -706,6 +706,13 @@ def release(stub, owner, fences, expire_after_ms=0):
     return stub.release(req)
 
 
+def backup_call(sd):
+    """Store.Backup on sd's channel: call it with a BackupRequest for the stream of chunks."""
+    return sd.channel.unary_stream(
+        '/cflue.v1.Store/Backup', request_serializer=store_pb2.BackupRequest.SerializeToString,
+        response_deserializer=store_pb2.BackupChunk.FromString)
+
+
 def scan_expired(stub, limit=0):
     """The first page of ScanExpired (limit is its page_size)."""
     return list(stub.scan_expired(store_pb2.ScanExpiredRequest(page_size=limit)).submissions)

@@ -23,14 +23,8 @@ import unittest
 import grpc
 
 import cflue_harness as H
-from cflue_harness import Storaged, store_pb2
+from cflue_harness import Storaged, backup_call, store_pb2
 from test_cli import run_cli
-
-
-def backup_call(sd):
-    return sd.channel.unary_stream(
-        '/cflue.v1.Store/Backup', request_serializer=store_pb2.BackupRequest.SerializeToString,
-        response_deserializer=store_pb2.BackupChunk.FromString)
 
 
 class BackupCase(unittest.TestCase):

@@ -19,7 +19,7 @@ import unittest
 import grpc
 STALE = grpc.StatusCode.ABORTED  # a stale fence (reason STALE_FENCE)
 from cflue_harness import (
-    StoragedTestCase, admit, append, claim, common_pb2, heartbeat, read_all,
+    StoragedTestCase, admit, append, backup_call, claim, common_pb2, heartbeat, read_all,
     record, scan_expired, settle, store_pb2)
 
 
@@ -160,10 +160,7 @@ class DowntimeTest(StoragedTestCase):
         be taken over."""
         sd = self.start_storaged(env={'CFLUE_FAILPOINTS': 'storaged.backup.copied=sleep:4500'})
         admit(sd.stub, conv='drain-run', text='hi')
-        backup = sd.channel.unary_stream(
-            '/cflue.v1.Store/Backup',
-            request_serializer=store_pb2.BackupRequest.SerializeToString,
-            response_deserializer=store_pb2.BackupChunk.FromString)
+        backup = backup_call(sd)
         chunks = []
         copying = threading.Thread(target=lambda: chunks.extend(
             backup(store_pb2.BackupRequest(), timeout=60)))
