@@ -242,11 +242,23 @@ class DowntimeTest(StoragedTestCase):
             sd.proc.send_signal(signal.SIGCONT)
 
     def test_a_quick_restart_moves_nothing(self):
+        """A restart under DOWNTIME_MIN_MS (1 s) extends no lease. On a machine too busy to
+        restart within it (seen under ASan beside other tests: 1.4 s), the time taken in is
+        checked instead: no longer than the restart took, seen from here."""
         sd = self.start_storaged()
         running, _ = self.running_and_lapsed(sd)
+        t0 = time.monotonic()
         sd.stop()
         sd.start()
-        self.assertNotIn('downtime_taken_in', sd.stderr_text())
+        outside_ms = (time.monotonic() - t0) * 1000
+        m = re.search(r'event=downtime_taken_in down_ms=(\d+) .*leases_extended=(\d+)',
+                      sd.stderr_text())
+        if outside_ms < 1000:
+            self.assertIsNone(m, sd.stderr_text())
+        elif m is not None:
+            self.assertGreaterEqual(int(m.group(1)), 1000)
+            self.assertLessEqual(int(m.group(1)), outside_ms)
+            self.assertEqual(int(m.group(2)), 1, 'only the running lease is extended')
         self.assertEqual(heartbeat(sd.stub, 'runner', [running.fence],
                                    lease_ms=self.LEASE_MS).renewed,
                          [running.submission.submission_id])
