@@ -147,14 +147,10 @@ void engine_post_unlock(struct drive *d, pthread_mutex_t *held)
 void engine_post_at(struct drive *d, int64_t due_ms)
 {
     pthread_mutex_lock(&eng.mu);
-    if (engine_queue_queued(&d->eng.timer) && d->eng.timer.key <= due_ms) {
-        pthread_mutex_unlock(&eng.mu);
-        return; /* an earlier one is set: the waiter asks again when it finds itself early */
+    /* kept when an earlier one is set: the waiter asks again when it finds itself early */
+    if (engine_queue_push_earliest(&eng.timers, &d->eng.timer, due_ms)) {
+        pthread_cond_broadcast(&eng.work); /* the waits recompute their deadline */
     }
-    engine_queue_remove(&eng.timers, &d->eng.timer);
-    d->eng.timer.key = due_ms;
-    engine_queue_push(&eng.timers, &d->eng.timer);
-    pthread_cond_broadcast(&eng.work); /* the waits recompute their deadline */
     pthread_mutex_unlock(&eng.mu);
 }
 

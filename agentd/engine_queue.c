@@ -71,6 +71,16 @@ bool engine_queue_push(struct engine_queue *q, struct engine_queue_item *it)
     return true;
 }
 
+bool engine_queue_push_earliest(struct engine_queue *q, struct engine_queue_item *it, int64_t key)
+{
+    if (it->pos && it->key <= key) {
+        return false;
+    }
+    engine_queue_remove(q, it);
+    it->key = key;
+    return engine_queue_push(q, it);
+}
+
 struct engine_queue_item *engine_queue_peek(const struct engine_queue *q)
 {
     return q->n ? q->heap[0] : NULL;

@@ -28,6 +28,11 @@ void engine_queue_free(struct engine_queue *q);
 /* engine_queue_push adds it with its key; false (nothing changed) when it is queued already. */
 bool engine_queue_push(struct engine_queue *q, struct engine_queue_item *it);
 
+/* engine_queue_push_earliest queues it at key, or keeps it where it is when it is queued at
+ * key or earlier (a drive's one timer keeps the earliest time asked of it). Returns whether
+ * it was queued or moved. */
+bool engine_queue_push_earliest(struct engine_queue *q, struct engine_queue_item *it, int64_t key);
+
 /* engine_queue_peek: the item with the smallest key, or NULL when q is empty. */
 struct engine_queue_item *engine_queue_peek(const struct engine_queue *q);
 

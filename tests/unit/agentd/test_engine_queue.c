@@ -1,6 +1,7 @@
 /* test_engine_queue.c - the engine's priority queue (agentd/engine_queue.c): the ready drives
  * come out oldest first and timers earliest first, whatever order they went in; an item is
- * queued once; one taken out of the middle leaves the rest in order. */
+ * queued once; one taken out of the middle leaves the rest in order; a timer set again keeps
+ * the earliest time asked of it. */
 #include "../check.h"
 
 #include "engine_queue.h"
@@ -82,10 +83,33 @@ static void test_remove(void)
     engine_queue_free(&q);
 }
 
+/* A drive's one timer, asked for by two waiters (a model backoff and a Store retry): whichever
+ * asks first, it fires at the earlier time, and asking again after it moved it earlier keeps
+ * that. Replacing the time instead left one waiter to the other's later time (or none). */
+static void test_push_earliest(void)
+{
+    struct engine_queue_item other = {.key = 150}, timer = {.key = 0};
+    struct engine_queue q;
+    engine_queue_init(&q);
+    CHECK(engine_queue_push(&q, &other));
+    CHECK(engine_queue_push_earliest(&q, &timer, 200)); /* not queued: queued at 200 */
+    CHECK(timer.key == 200 && engine_queue_peek(&q) == &other);
+    CHECK(!engine_queue_push_earliest(&q, &timer, 300)); /* later: the earlier time stays */
+    CHECK(!engine_queue_push_earliest(&q, &timer, 200)); /* the same: nothing moves */
+    CHECK(timer.key == 200);
+    CHECK(engine_queue_push_earliest(&q, &timer, 100)); /* earlier: moved, ahead of other */
+    CHECK(timer.key == 100 && q.n == 2 && engine_queue_peek(&q) == &timer);
+    CHECK(engine_queue_pop(&q) == &timer);
+    CHECK(engine_queue_push_earliest(&q, &timer, 400)); /* fired: any time may be set again */
+    CHECK(engine_queue_pop(&q) == &other && engine_queue_pop(&q) == &timer);
+    engine_queue_free(&q);
+}
+
 int main(void)
 {
     test_order();
     test_push_once();
     test_remove();
+    test_push_earliest();
     return check_done("test_engine_queue");
 }
