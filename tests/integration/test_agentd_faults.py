@@ -314,7 +314,9 @@ class FaultsCase(FaultsBase):
         self.stack.td.kill()
         try:
             # the stream breaks at once (the drive is interrupted); 4 s of resumes that find
-            # toold down, within the agent's 5 attempts
+            # toold down (attempts 2 and 3, 1 and 2 s apart); with the agent's 8 attempts
+            # (backoff doubling to 30 s), toold may take a minute to come back, as a busy
+            # machine's TSan build once took too long for 5
             time.sleep(4)
             late = [body(r).index for r in self.records(conv) if kind(r) == 'tool_result'
                     and body(r).index >= 64 and not body(r).outcome_unknown]
