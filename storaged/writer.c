@@ -60,9 +60,9 @@ struct writer {
     bool stall_found;
     /* the writer's last stamp awake (monotonic ms): it wakes at least every WRITER_TICK_MS */
     int64_t awake_mono;
-    /* writer_note_stop's times (the store clock's and CLOCK_BOOTTIME's, ms; 0: not noted),
-     * which the clean-stop stamp carries. Main thread only. */
-    int64_t stop_at_ms, stop_boot_ms;
+    /* when writer_note_stop was called, by CLOCK_BOOTTIME (ms; 0: not noted). Main thread
+     * only. */
+    int64_t stop_boot_ms;
 };
 
 /* The writer wakes at least this often (ms), so a gap in its stamps tells a stall. */
@@ -579,7 +579,6 @@ void writer_submit(struct writer *w, struct writer_job *job)
 
 void writer_note_stop(struct writer *w)
 {
-    w->stop_at_ms = store_clock_now();
     w->stop_boot_ms = downtime_boot_ms();
 }
 
@@ -595,10 +594,15 @@ void writer_stop(struct writer *w)
              (unsigned long long)w->batches, (unsigned long long)w->jobs,
              w->batches ? (double)w->jobs / (double)w->batches : 0.0);
     struct cf_error err;
-    if (!w->stop_at_ms) {
-        writer_note_stop(w);
+    int64_t at = store_clock_now(), boot = downtime_boot_ms();
+    if (w->stop_boot_ms > 0 && boot >= w->stop_boot_ms) {
+        /* the noted moment on the store clock as it is now: a step of the wall clock that the
+         * writer took in during the drain (its times moved) is not taken in again at the next
+         * start, as it would be from the clock's reading before the step */
+        at -= boot - w->stop_boot_ms;
+        boot = w->stop_boot_ms;
     }
-    if (db_clean_stop(w->db, w->stop_at_ms, w->stop_boot_ms, &err) != CF_OK) {
+    if (db_clean_stop(w->db, at, boot, &err) != CF_OK) {
         char q[CF_ERROR_MSG_MAX + 16];
         log_warn("clean_stop_failed", "err=%s", log_quote(q, sizeof(q), err.msg));
     }

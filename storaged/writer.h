@@ -65,7 +65,8 @@ void writer_release_memory(struct writer *w);
 void writer_note_stop(struct writer *w);
 
 /* writer_stop commits what is queued, stops the thread, stamps a clean stop (db_clean_stop)
- * with the time writer_note_stop took (else now), closes the database and frees w. */
+ * with the time writer_note_stop took (else now), read on the store clock as it is at the
+ * stamp, closes the database and frees w. */
 void writer_stop(struct writer *w);
 
 #endif

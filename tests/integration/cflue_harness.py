@@ -692,11 +692,11 @@ def request_abort(stub, conversation_id='', submission_id='', reason='stop'):
     return stub.request_abort(req)
 
 
-def heartbeat(stub, owner, fences, lease_ms=30000):
+def heartbeat(stub, owner, fences, lease_ms=30000, timeout=None):
     req = store_pb2.HeartbeatRequest(owner_id=owner, fences=fences)
     if lease_ms:
         req.lease_duration.CopyFrom(duration(lease_ms))
-    return stub.heartbeat(req)
+    return stub.heartbeat(req, timeout=timeout)
 
 
 def release(stub, owner, fences, expire_after_ms=0):

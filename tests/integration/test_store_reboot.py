@@ -21,6 +21,7 @@ STALE = grpc.StatusCode.ABORTED  # a stale fence (reason STALE_FENCE)
 from cflue_harness import (
     StoragedTestCase, admit, append, backup_call, claim, common_pb2, heartbeat, read_all,
     record, scan_expired, settle, store_pb2)
+from test_agentd_time import set_clock, settable_clock_env, skip_without_faketime
 
 
 class RebootFencingTest(StoragedTestCase):
@@ -186,6 +187,47 @@ class DowntimeTest(StoragedTestCase):
         self.assertIsNotNone(m, sd.stderr_text())
         self.assertGreaterEqual(int(m.group(1)), 1500 + 3000)
         self.assertNotIn('writer_stalled', sd.stderr_text())
+
+    def test_a_clock_step_taken_in_during_the_drain_is_not_taken_in_again(self):
+        """storaged's wall clock stepped an hour forward and storaged stopped while a write
+        commits: the write queued behind it, its batch begun during the drain, moves the
+        work's times by the step. The clean stop's stamp must read on the clock as it is after
+        that, or the next start, finding the hour again between the stamp and the clock, moves
+        the times a second time. Every commit takes 2.5 s (a failpoint; a stall is 3 s): two
+        heartbeats, the second queued behind the first's batch, which began before the step."""
+        skip_without_faketime()
+        clock = os.path.join(tempfile.mkdtemp(prefix='cflue-clock-'), 'offset')
+        self.addCleanup(shutil.rmtree, os.path.dirname(clock), True)
+        set_clock(clock, '+0')
+        env = dict(settable_clock_env(clock), CFLUE_GRACE_MS='30000',
+                   CFLUE_FAILPOINTS='storaged.commit.before=sleep:2500')
+        sd = self.start_storaged(env=env)
+        admit(sd.stub, conv='step-drain', text='hi', timeout=30)
+        running = claim(sd.stub, owner='runner', conversation_id='step-drain', lease_ms=30000,
+                        timeout=30)
+        beats = [threading.Thread(target=heartbeat, args=(sd.stub, 'runner', [running.fence]),
+                                  kwargs={'lease_ms': 30000, 'timeout': 30}) for _ in range(2)]
+        stopping = threading.Thread(target=sd.stop)
+        beats[0].start()
+        time.sleep(0.2)  # its batch began, on the clock before the step
+        set_clock(clock, '+1h')
+        time.sleep(1.1)  # storaged's wall clock reads the step (within 1 s)
+        beats[1].start()  # queued: its batch begins when the first one's ends
+        time.sleep(0.2)
+        stopping.start()
+        for t in beats + [stopping]:
+            t.join()
+        first_run = sd.stderr_text()
+        self.assertRegex(first_run, r'event=stopping[\s\S]*event=clock_stepped '
+                         r'step_ms=3(599|600)\d{3} submissions_moved=1[\s\S]*event=stopped',
+                         'the step was not taken in during the drain')
+        sd.start()
+        m = re.search(r'event=downtime_taken_in down_ms=\d+ measured_by=boot_clock '
+                      r'leases_extended=\d+ clock_step_ms=(-?\d+) submissions_moved=(\d+)',
+                      sd.stderr_text()[len(first_run):])
+        self.assertIsNotNone(m, sd.stderr_text())
+        self.assertEqual((m.group(1), m.group(2)), ('0', '0'),
+                         'the step taken in during the drain was taken in again')
 
     def test_a_stall_counts_only_its_own_length(self):
         """storaged frozen for 4 s, then idle for 8 s: the stall extends the lease that ran
