@@ -58,6 +58,8 @@ struct writer {
     bool outage_stalled, outage_refused;
     /* a stall was found while nothing was queued: the idle writer takes it in at once */
     bool stall_found;
+    /* a stall was taken in with nothing queued after the stop began (under mu) */
+    bool stall_taken_stopping;
     /* the writer's last stamp awake (monotonic ms): it wakes at least every WRITER_TICK_MS */
     int64_t awake_mono;
     /* when writer_note_stop was called, by CLOCK_BOOTTIME (ms; 0: not noted). Main thread
@@ -475,9 +477,13 @@ static void *writer_main(void *arg)
         }
         bool stall_found = w->stall_found;
         w->stall_found = false;
-        if (!w->head && stall_found) {
+        if (!w->head && stall_found && !w->stall_taken_stopping) {
             /* nothing queued (or stopping): the stall is taken in now, not with a next write
-             * that may be long in coming; if that fails, the next batch tries again */
+             * that may be long in coming; if that fails, the next batch tries again. Once
+             * only after the stop began: on a disk so slow that the batch taking a stall in
+             * is itself one, the writer would never stop (a stall from the stop on is time
+             * down, counted at the next start from the stop: writer_note_stop) */
+            w->stall_taken_stopping = w->stopping;
             pthread_mutex_unlock(&w->mu);
             run_batch(w, NULL);
             continue;

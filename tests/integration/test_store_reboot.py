@@ -229,6 +229,18 @@ class DowntimeTest(StoragedTestCase):
         self.assertEqual((m.group(1), m.group(2)), ('0', '0'),
                          'the step taken in during the drain was taken in again')
 
+    def test_a_stop_on_a_disk_slower_than_a_stall_ends(self):
+        """Every commit takes 3.5 s (a failpoint; a stall is 3 s), so each batch that takes a
+        stall in is a stall itself. A stop still ends: once it began, a stall with nothing
+        queued is taken in once (the time after the stop is time down, counted at the next
+        start)."""
+        sd = self.start_storaged(env={'CFLUE_FAILPOINTS': 'storaged.commit.before=sleep:3500'})
+        admit(sd.stub, conv='slow-disk', text='hi', timeout=30)  # its batch is a stall
+        t0 = time.monotonic()
+        sd.stop(timeout=30)
+        self.assertLess(time.monotonic() - t0, 15, 'the stop waited on stall after stall')
+        self.assertIn('cause=writer_stalled', sd.stderr_text())
+
     def test_a_stall_counts_only_its_own_length(self):
         """storaged frozen for 4 s, then idle for 8 s: the stall extends the lease that ran
         through it by its own length (about 4 s), not by the time until the next write, so the
