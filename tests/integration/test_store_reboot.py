@@ -208,12 +208,17 @@ class DowntimeTest(StoragedTestCase):
         beats = [threading.Thread(target=heartbeat, args=(sd.stub, 'runner', [running.fence]),
                                   kwargs={'lease_ms': 30000, 'timeout': 30}) for _ in range(2)]
         stopping = threading.Thread(target=sd.stop)
+        # t: the first batch begins (at once; its clock read before the step) and commits at
+        # t + 2.5; the second heartbeat is queued behind it at 0.4; the step is written at
+        # 0.8, and any read of the clock from 1.8 on sees it (storaged reads the file again
+        # when its copy is a second old); the stop is noted at 1.9; the second batch begins
+        # at 2.5 and takes the step in
         beats[0].start()
-        time.sleep(0.2)  # its batch began, on the clock before the step
+        time.sleep(0.4)
+        beats[1].start()
+        time.sleep(0.4)
         set_clock(clock, '+1h')
-        time.sleep(1.1)  # storaged's wall clock reads the step (within 1 s)
-        beats[1].start()  # queued: its batch begins when the first one's ends
-        time.sleep(0.2)
+        time.sleep(1.1)
         stopping.start()
         for t in beats + [stopping]:
             t.join()
