@@ -450,7 +450,10 @@ class FaultsCase(FaultsBase):
                 time.sleep(0.1)
         took = time.monotonic() - t0
         self.assertIsNotNone(adm, 'agentd never reached storaged again')
-        self.assertLess(took, 3.0, 'agentd took %.1f s to use storaged again' % took)
+        # gRPC's own reconnect backoff would be 6-10 s apart by now; agentd's is 1 s at most
+        # (ThreadSanitizer's daemons, beside two other tests, get more for the Submit itself)
+        self.assertLess(took, 5.0 if os.environ.get('CFLUE_TSAN') else 3.0,
+                        'agentd took %.1f s to use storaged again' % took)
         sub = self.wait_settled(adm.submission_id, timeout=30)
         self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
 

@@ -267,9 +267,11 @@ class DowntimeTest(StoragedTestCase):
         from the first's start, it would have counted the idle time between them too and
         brought the lease back.)"""
         sd, gone, t0 = self.frozen_under_a_gone_owner('stalls-gone')
-        time.sleep(2)  # the writer wakes within a second and finds the stall
-        self.assertRegex(sd.stderr_text(), r'event=leases_extended outage_ms=\d+ submissions=1 '
-                         r'cause=writer_stalled',
+        # the writer wakes within a second and finds the stall; nothing is written meanwhile
+        stall = r'event=leases_extended outage_ms=\d+ submissions=1 cause=writer_stalled'
+        while not re.search(stall, sd.stderr_text()) and time.monotonic() - t0 < 4 + 6:
+            time.sleep(0.1)
+        self.assertRegex(sd.stderr_text(), stall,
                          'a stall with nothing queued waited for a write to be taken in')
         time.sleep(15 - (time.monotonic() - t0))  # the lease ended at about 6 + 4 s
         self.freeze(sd, 4)
