@@ -62,9 +62,9 @@ struct writer {
     bool stall_taken_stopping;
     /* the writer's last stamp awake (monotonic ms): it wakes at least every WRITER_TICK_MS */
     int64_t awake_mono;
-    /* when writer_note_stop was called, by CLOCK_BOOTTIME (ms; 0: not noted). Main thread
-     * only. */
-    int64_t stop_boot_ms;
+    /* when writer_note_stop was called, by the monotonic clock (0: not noted) and by
+     * CLOCK_BOOTTIME (ms). Main thread only. */
+    int64_t stop_mono_ms, stop_boot_ms;
 };
 
 /* The writer wakes at least this often (ms), so a gap in its stamps tells a stall. */
@@ -585,6 +585,7 @@ void writer_submit(struct writer *w, struct writer_job *job)
 
 void writer_note_stop(struct writer *w)
 {
+    w->stop_mono_ms = clock_mono_ms();
     w->stop_boot_ms = downtime_boot_ms();
 }
 
@@ -601,11 +602,13 @@ void writer_stop(struct writer *w)
              w->batches ? (double)w->jobs / (double)w->batches : 0.0);
     struct cf_error err;
     int64_t at = store_clock_now(), boot = downtime_boot_ms();
-    if (w->stop_boot_ms > 0 && boot >= w->stop_boot_ms) {
-        /* the noted moment on the store clock as it is now: a step of the wall clock that the
-         * writer took in during the drain (its times moved) is not taken in again at the next
-         * start, as it would be from the clock's reading before the step */
-        at -= boot - w->stop_boot_ms;
+    if (w->stop_mono_ms > 0) {
+        /* the noted moment on the store clock as it is now (it runs with the monotonic
+         * clock): a step of the wall clock that the writer took in during the drain (its
+         * times moved) is not taken in again at the next start, as it would be from the
+         * clock's reading before the step. A suspend meanwhile is time down (the boot clock
+         * counts it) and, once a batch took it in, a step the next start undoes. */
+        at -= clock_mono_ms() - w->stop_mono_ms;
         boot = w->stop_boot_ms;
     }
     if (db_clean_stop(w->db, at, boot, &err) != CF_OK) {
