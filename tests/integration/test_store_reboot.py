@@ -189,37 +189,35 @@ class DowntimeTest(StoragedTestCase):
         self.assertNotIn('writer_stalled', sd.stderr_text())
 
     def test_a_clock_step_taken_in_during_the_drain_is_not_taken_in_again(self):
-        """storaged's wall clock stepped an hour forward and storaged stopped while a write
-        commits: the write queued behind it, its batch begun during the drain, moves the
-        work's times by the step. The clean stop's stamp must read on the clock as it is after
-        that, or the next start, finding the hour again between the stamp and the clock, moves
-        the times a second time. Every commit takes 2.5 s (a failpoint; a stall is 3 s): two
-        heartbeats, the second queued behind the first's batch, which began before the step."""
+        """storaged stopped, then its wall clock stepped an hour forward, while it drains: a
+        batch begun during the drain moves the work's times by the step. The clean stop's
+        stamp must read on the clock as it is after that, or the next start, finding the hour
+        again between the stamp and the clock, moves the times a second time.
+
+        Every commit takes 4 s (a failpoint): more than a stall (3 s), so each batch is
+        followed by another that takes its stall in, and after the stop by one more. Two
+        heartbeats are queued before the stop; the stall batch after theirs begins at least
+        4 s after the stop, when storaged's wall clock has read the step (libfaketime reads
+        the file again within about 2 s)."""
         skip_without_faketime()
         clock = os.path.join(tempfile.mkdtemp(prefix='cflue-clock-'), 'offset')
         self.addCleanup(shutil.rmtree, os.path.dirname(clock), True)
         set_clock(clock, '+0')
-        env = dict(settable_clock_env(clock), CFLUE_GRACE_MS='30000',
-                   CFLUE_FAILPOINTS='storaged.commit.before=sleep:2500')
+        env = dict(settable_clock_env(clock), CFLUE_GRACE_MS='60000',
+                   CFLUE_FAILPOINTS='storaged.commit.before=sleep:4000')
         sd = self.start_storaged(env=env)
-        admit(sd.stub, conv='step-drain', text='hi', timeout=30)
-        running = claim(sd.stub, owner='runner', conversation_id='step-drain', lease_ms=30000,
-                        timeout=30)
+        admit(sd.stub, conv='step-drain', text='hi', timeout=60)
+        running = claim(sd.stub, owner='runner', conversation_id='step-drain', lease_ms=60000,
+                        timeout=60)
         beats = [threading.Thread(target=heartbeat, args=(sd.stub, 'runner', [running.fence]),
-                                  kwargs={'lease_ms': 30000, 'timeout': 30}) for _ in range(2)]
-        stopping = threading.Thread(target=sd.stop)
-        # t: the first batch begins (at once; its clock read before the step) and commits at
-        # t + 2.5; the second heartbeat is queued behind it at 0.4; the step is written at
-        # 0.8, and any read of the clock from 1.8 on sees it (storaged reads the file again
-        # when its copy is a second old); the stop is noted at 1.9; the second batch begins
-        # at 2.5 and takes the step in
-        beats[0].start()
-        time.sleep(0.4)
-        beats[1].start()
-        time.sleep(0.4)
-        set_clock(clock, '+1h')
-        time.sleep(1.1)
+                                  kwargs={'lease_ms': 60000, 'timeout': 60}) for _ in range(2)]
+        for t in beats:
+            t.start()
+        time.sleep(0.5)  # both received: their jobs are queued
+        stopping = threading.Thread(target=sd.stop, kwargs={'timeout': 60})
         stopping.start()
+        time.sleep(0.2)  # the stop is noted on the clock before the step
+        set_clock(clock, '+1h')
         for t in beats + [stopping]:
             t.join()
         first_run = sd.stderr_text()
