@@ -18,52 +18,10 @@ import tempfile
 import time
 import unittest
 
+from cflue_harness import (
+    CLOCK_READ_S, clock_apart_env, set_clock, settable_clock_env, skip_without_faketime)
 from test_agentd import bind, new_conv, outcome_name
 from test_agentd_faults import FaultsBase
-
-
-FAKETIME_LIB = '/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1'
-
-
-def clock_apart_env(offset):
-    """The environment of a daemon whose wall clock reads `offset` (libfaketime's syntax: '+1h',
-    '-1h') from the host's, as on a host whose clock is off; its monotonic clock is the host's."""
-    asan = os.environ.get('ASAN_OPTIONS', '')
-    return {'LD_PRELOAD': FAKETIME_LIB, 'FAKETIME': offset, 'FAKETIME_DONT_FAKE_MONOTONIC': '1',
-            # an ASan build checks that its runtime is the first library loaded: here it is not
-            'ASAN_OPTIONS': (asan + ':' if asan else '') + 'verify_asan_link_order=0'}
-
-
-def settable_clock_env(path):
-    """The environment of a daemon whose wall clock reads the offset written in the file at
-    `path` (libfaketime's syntax) from the host's, read again every second: a clock that can
-    be set while the daemon runs (set_clock)."""
-    env = clock_apart_env('+0')
-    del env['FAKETIME']
-    env.update({'FAKETIME_TIMESTAMP_FILE': path, 'FAKETIME_CACHE_DURATION': '1'})
-    return env
-
-
-# libfaketime reads the offset file again once its copy is more than a second old, counted in
-# whole seconds: a daemon sees a new offset within two seconds.
-CLOCK_READ_S = 2.2
-
-
-def set_clock(path, offset):
-    """Sets the clock of the daemons started with settable_clock_env(path) to `offset` from the
-    host's; they read it within CLOCK_READ_S."""
-    with open(path + '.new', 'w') as f:
-        f.write(offset + '\n')
-    os.rename(path + '.new', path)
-
-
-def skip_without_faketime():
-    if not os.path.exists(FAKETIME_LIB):
-        raise unittest.SkipTest('libfaketime is not installed (scripts/setup installs it)')
-    if os.environ.get('CFLUE_TSAN'):
-        # libfaketime's pthread_cond_timedwait takes the mutex back behind ThreadSanitizer's
-        # back: it reports a double lock at every timed wait. The other stages run these.
-        raise unittest.SkipTest('libfaketime and ThreadSanitizer do not go together')
 
 
 class SleepingToolCase(FaultsBase):

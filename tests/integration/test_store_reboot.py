@@ -20,8 +20,8 @@ import grpc
 STALE = grpc.StatusCode.ABORTED  # a stale fence (reason STALE_FENCE)
 from cflue_harness import (
     StoragedTestCase, admit, append, backup_call, claim, common_pb2, heartbeat, read_all,
-    record, scan_expired, settle, store_pb2)
-from test_agentd_time import set_clock, settable_clock_env, skip_without_faketime
+    record, scan_expired, set_clock, settable_clock_env, settle, skip_without_faketime,
+    store_pb2)
 
 
 class RebootFencingTest(StoragedTestCase):
