@@ -147,9 +147,13 @@ void engine_post_unlock(struct drive *d, pthread_mutex_t *held)
 void engine_post_at(struct drive *d, int64_t due_ms)
 {
     pthread_mutex_lock(&eng.mu);
-    /* kept when an earlier one is set: the waiter asks again when it finds itself early */
-    if (engine_queue_push_earliest(&eng.timers, &d->eng.timer, due_ms)) {
-        pthread_cond_broadcast(&eng.work); /* the waits recompute their deadline */
+    /* kept when an earlier one is set: the waiter asks again when it finds itself early.
+     * Only a new earliest timer changes a wait's deadline, and one waiting worker taking it
+     * is enough (a running worker reads the timers before it waits again): waking them all
+     * costs every worker a wake-up and a turn at eng.mu on every model call's hold. */
+    if (engine_queue_push_earliest(&eng.timers, &d->eng.timer, due_ms) &&
+        engine_queue_peek(&eng.timers) == &d->eng.timer) {
+        pthread_cond_signal(&eng.work);
     }
     pthread_mutex_unlock(&eng.mu);
 }
