@@ -16,6 +16,8 @@ struct sse {
     bool (*on_event)(void *ctx, const char *event, const char *data);
     void *ctx;
     bool too_big;
+    bool has_data; /* the event being read has a data line (it may be empty) */
+    bool after_cr; /* the last piece ended with a CR: a LF beginning the next one is its pair */
 };
 
 /* sse_init prepares a parser whose lines and events are at most max bytes. */

@@ -246,6 +246,24 @@ static void test_sse(void)
     CHECK_STR(s.events[1], "");
     CHECK_STR(s.data[1], "{\"x\":1}");
     sse_cleanup(&p);
+
+    /* an event with no data line (a bare keep-alive "event: ping") is dropped, an empty data
+     * line is an event; lines may end with a CR alone, and a CRLF split between two pieces
+     * is one line end, not two (which would end the event early) */
+    memset(&s, 0, sizeof(s));
+    sse_init(&p, 1024, collect, &s);
+    const char *pieces[] = {"event: ping\n\n", "event: e\rdata:\r\r", "data: a\r",
+                            "\ndata: b\r\n\r\n", "data: c\r\r"};
+    for (size_t i = 0; i < sizeof(pieces) / sizeof(pieces[0]); i++) {
+        CHECK(sse_feed(&p, pieces[i], strlen(pieces[i])));
+    }
+    CHECK(s.n == 3);
+    CHECK_STR(s.events[0], "e");
+    CHECK_STR(s.data[0], "");
+    CHECK_STR(s.events[1], "");
+    CHECK_STR(s.data[1], "a\nb");
+    CHECK_STR(s.data[2], "c");
+    sse_cleanup(&p);
     sse_init(&p, 16, collect, &s);
     CHECK(!sse_feed(&p, "data: this line is far too long\n", 33));
     CHECK(p.too_big);
