@@ -49,7 +49,7 @@ static const char usage[] =
 /* agentd's own options (the shared ones are in struct daemon) */
 struct agentd_opts {
     const char *store, *agents_dir, *owner, *models, *tokens;
-    long long workers, lease_ms, heartbeat_ms, model_timeout, agents_poll_ms, drain_ms;
+    long long workers, lease_ms, heartbeat_ms, model_timeout, model_stall, agents_poll_ms, drain_ms;
     long long keepalive_ms, replica_linger_ms, hold_writes_ms;
     bool no_stream;
 };
@@ -185,11 +185,13 @@ static void set_engine(const struct agentd_opts *o)
     g_agentd.anthropic =
         (struct provider_endpoint){.base_url = ab && *ab ? ab : "https://api.anthropic.com",
                                    .api_key = getenv("ANTHROPIC_API_KEY"),
-                                   .timeout_ms = o->model_timeout};
+                                   .timeout_ms = o->model_timeout,
+                                   .stall_ms = o->model_stall};
     g_agentd.openai =
         (struct provider_endpoint){.base_url = ob && *ob ? ob : "https://api.openai.com/v1",
                                    .api_key = getenv("OPENAI_API_KEY"),
-                                   .timeout_ms = o->model_timeout};
+                                   .timeout_ms = o->model_timeout,
+                                   .stall_ms = o->model_stall};
     pthread_mutex_init(&g_agentd.mu, NULL);
     pthread_cond_init(&g_agentd.wake, NULL);
 }
@@ -336,6 +338,7 @@ int main(int argc, char **argv)
                             .lease_ms = 30000,
                             .heartbeat_ms = 10000,
                             .model_timeout = 600000,
+                            .model_stall = PROVIDER_STALL_MS,
                             .agents_poll_ms = 2000,
                             .keepalive_ms = 10000,
                             .hold_writes_ms = 50,
@@ -357,6 +360,9 @@ int main(int argc, char **argv)
         CONFIG_OPT_INT("lease-ms", &o.lease_ms, 500, 3600000, "lease on claimed work"),
         CONFIG_OPT_INT("heartbeat-ms", &o.heartbeat_ms, 100, 3600000, "lease renewal interval"),
         CONFIG_OPT_INT("model-timeout-ms", &o.model_timeout, 1000, 3600000, "one model call"),
+        CONFIG_OPT_INT("model-stall-ms", &o.model_stall, 1000, 3600000,
+                       "a streamed answer silent this long is a network failure, retried (a "
+                       "whole answer, --no-stream, is bounded by --model-timeout-ms only)"),
         CONFIG_OPT_INT("hold-writes-ms", &o.hold_writes_ms, 0, 10000,
                        "how long the records a model call is asked with (the first turn's "
                        "input, a tool batch's last results) wait for its answer, to be stored "

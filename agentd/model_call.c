@@ -71,15 +71,12 @@ int64_t model_output_tokens(const char *model)
     return mi.max_output_tokens < 16384 ? mi.max_output_tokens : 16384;
 }
 
-/* backoff_ms is how long to wait before try `attempt` + 1 (logged). */
-static int64_t backoff_ms(struct drive *d, int attempt, const struct llm_response *out)
+/* backoff_ms is how long to wait before try `attempt` + 1: what the provider asked
+ * (retry-after), else a doubling wait, with jitter. */
+static int64_t backoff_ms(int attempt, const struct llm_response *out)
 {
     int64_t wait = out->retry_after_ms > 0 ? out->retry_after_ms : (500LL << attempt);
-    wait += thread_jitter_ms(250);
-    char q[600];
-    log_warn("model_retry", "submission=%s attempt=%d wait_ms=%lld err=%s", d->sub->submission_id,
-             attempt + 1, (long long)wait, log_quote(q, sizeof(q), d->err.msg));
-    return wait;
+    return wait + thread_jitter_ms(250);
 }
 
 /* request is the model request of drive d for system, c and the tools. */
@@ -292,8 +289,23 @@ bool model_call_poll(struct drive *d, enum cf_status *out)
             w->attempt == MODEL_RETRIES) {
             return finished(d, rc, out);
         }
+        int64_t wait = backoff_ms(w->attempt, &d->answer), left = drive_time_left(d);
+        if (left != INT64_MAX && wait > left - DRIVE_MODEL_MIN_MS) {
+            /* the next try could not start before the time limit: the call ends now, not
+             * after a wait that holds the lease for nothing */
+            size_t n = strlen(d->err.msg);
+            snprintf(d->err.msg + n, sizeof(d->err.msg) - n,
+                     "; the next try would start %lld ms from now, past the submission's time "
+                     "limit (%lld ms left)",
+                     (long long)wait, (long long)(left > 0 ? left : 0));
+            return finished(d, rc, out);
+        }
+        char q[600];
+        log_warn("model_retry", "submission=%s attempt=%d wait_ms=%lld err=%s",
+                 d->sub->submission_id, w->attempt + 1, (long long)wait,
+                 log_quote(q, sizeof(q), d->err.msg));
         w->backing_off = true;
-        w->backoff_until = clock_mono_ms() + backoff_ms(d, w->attempt, &d->answer);
+        w->backoff_until = clock_mono_ms() + wait;
         engine_post_at(d, w->backoff_until);
         return false;
     }

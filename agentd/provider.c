@@ -14,6 +14,7 @@
 #include "sse.h"
 #include "trace.h"
 
+#include <curl/curl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -90,12 +91,21 @@ enum cf_status llm_text_delta(struct llm_response *out, const struct llm_events 
     return CF_OK;
 }
 
-enum cf_status llm_args_delta(struct buf *args, json_t *piece, struct cf_error *err)
+enum cf_status llm_args_delta(struct llm_response *out, struct buf *args, json_t *piece,
+                              struct cf_error *err)
 {
-    if (json_is_string(piece) &&
-        buf_append(args, json_string_value(piece), json_string_length(piece)) != CF_OK) {
-        return cf_error_set(err, CF_TOOBIG, "a tool call's arguments passed %zu bytes", args->max);
+    size_t n = json_string_length(piece);
+    if (!json_is_string(piece)) {
+        return CF_OK;
     }
+    if (out->args_bytes + n + out->text.len > PROVIDER_RESPONSE_MAX ||
+        buf_append(args, json_string_value(piece), n) != CF_OK) {
+        return cf_error_set(err, CF_TOOBIG,
+                            "the model's answer passed %d bytes (its text and tool call "
+                            "arguments together)",
+                            PROVIDER_RESPONSE_MAX);
+    }
+    out->args_bytes += n;
     return CF_OK;
 }
 
@@ -208,6 +218,28 @@ static void call_free(struct call *c)
     free(c);
 }
 
+int64_t llm_retry_after_ms(const char *value, time_t now)
+{
+    const char *v = value + strspn(value, " \t");
+    char *end;
+    if (*v >= '0' && *v <= '9') {
+        /* delay-seconds (a fraction, which some servers send, is taken too) */
+        double secs = strtod(v, &end);
+        end += strspn(end, " \t\r\n");
+        if (*end) {
+            return 0;
+        }
+        return secs * 1000 < (double)LLM_RETRY_AFTER_MAX_MS ? (int64_t)(secs * 1000)
+                                                            : LLM_RETRY_AFTER_MAX_MS;
+    }
+    time_t at = curl_getdate(v, NULL); /* an HTTP-date */
+    if (at == (time_t)-1 || at <= now) {
+        return 0;
+    }
+    int64_t ms = ((int64_t)at - (int64_t)now) * 1000;
+    return ms < LLM_RETRY_AFTER_MAX_MS ? ms : LLM_RETRY_AFTER_MAX_MS;
+}
+
 static bool on_sse(void *ctx, const char *event, const char *data)
 {
     struct call *c = ctx;
@@ -232,12 +264,9 @@ static bool on_header(void *ctx, const char *p, size_t len)
     } else if (len > 13 && !strncasecmp(p, "content-type:", 13)) {
         c->not_sse = !memmem(p, len, "text/event-stream", 17);
     } else if (len > 12 && !strncasecmp(p, "retry-after:", 12)) {
-        char v[32];
+        char v[64];
         snprintf(v, sizeof(v), "%.*s", (int)(len - 12), p + 12);
-        double secs = atof(v);
-        if (secs > 0 && secs < 3600) {
-            c->retry_after_ms = (int64_t)(secs * 1000);
-        }
+        c->retry_after_ms = llm_retry_after_ms(v, time(NULL));
     }
     return true;
 }
@@ -311,7 +340,11 @@ static enum cf_status verdict(struct call *c, const struct model_io_result *res,
         out->retryable = out->retryable && c->parse_rc == CF_UNAVAILABLE;
         return c->parse_rc;
     }
-    if (res->status != CF_OK) {
+    bool whole_stream =
+        c->stream && !c->not_sse && out->stream_ended && c->status >= 200 && c->status < 300;
+    if (res->status != CF_OK && !whole_stream) {
+        /* (a connection that breaks after the stream's last event lost nothing: the answer
+         * stands, rather than being asked for again) */
         out->retryable = true;
         if (c->status) {
             return cf_error_set(err, CF_UNAVAILABLE,
@@ -445,7 +478,7 @@ enum cf_status llm_start(const struct provider_endpoint *ep, const struct llm_re
         .body_len = payload_len,
         .timeout_ms = timeout,
         .connect_timeout_ms = 10000,
-        .stall_ms = 60000, /* a stream without a byte for 60 s is a network failure */
+        .stall_ms = req->stream ? (ep->stall_ms > 0 ? ep->stall_ms : PROVIDER_STALL_MS) : 0,
         .on_header = on_header,
         .on_body = on_body,
         .cancelled = ev && ev->cancelled ? on_cancelled : NULL,

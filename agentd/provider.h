@@ -20,9 +20,14 @@
 #include <jansson.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <time.h>
 
+/* An answer at most: a whole body, or a streamed answer's text and tool call arguments
+ * together (its framing, the events' JSON, is not counted: a stream of small deltas carries
+ * several times its content) */
 #define PROVIDER_RESPONSE_MAX (16 << 20)
 #define PROVIDER_TEXT_MAX (4 << 20)
+#define PROVIDER_STALL_MS 60000 /* the default silence after which a stream is given up */
 /* A streamed answer's content blocks (Anthropic) or tool calls (OpenAI) at most: an index
  * past it is refused as a bad answer, never dropped */
 #define PROVIDER_STREAM_PARTS_MAX 4096
@@ -78,6 +83,9 @@ struct llm_response {
     struct llm_call *calls;
     size_t n_calls;
     char stop_reason[32]; /* "end_turn", "tool_use", "max_tokens", ... as the provider said */
+    size_t args_bytes;    /* a streamed answer's tool call arguments so far, all calls */
+    bool stream_ended;    /* the stream's last event came (message_stop, [DONE]): the answer
+                           * is whole, whatever happens to the connection after it */
     int64_t input_tokens, output_tokens;
     /* on failure */
     int http_status;
@@ -100,6 +108,10 @@ struct provider_endpoint {
     const char *base_url; /* e.g. https://api.anthropic.com */
     const char *api_key;
     int64_t timeout_ms;
+    /* a streamed answer silent this long is a network failure (0: the default, 60 s); a
+     * whole answer (no stream) sends nothing until it is written, so only timeout_ms and the
+     * submission's time left bound it */
+    int64_t stall_ms;
 };
 
 /* llm_response_init / llm_response_cleanup manage a response. */
@@ -167,14 +179,22 @@ const struct provider_wire *provider_wire_find(const char *provider);
  * provider's stream `who`) when it is not JSON. The caller decrefs the result. */
 json_t *llm_event_json(const char *who, const char *data, struct cf_error *err);
 
+/* llm_retry_after_ms reads a Retry-After header's value: delay-seconds or an HTTP-date (as
+ * of now), in ms, at most LLM_RETRY_AFTER_MAX_MS; 0 when it says nothing usable (empty,
+ * negative, malformed, a date past). */
+#define LLM_RETRY_AFTER_MAX_MS (24LL * 3600 * 1000)
+int64_t llm_retry_after_ms(const char *value, time_t now);
+
 /* llm_text_delta appends a piece of the model's text to out and passes it to ev->on_text.
  * CF_TOOBIG (err set, nothing passed on) past PROVIDER_TEXT_MAX. */
 CF_MUST_CHECK enum cf_status llm_text_delta(struct llm_response *out, const struct llm_events *ev,
                                             json_t *piece, struct cf_error *err);
 
-/* llm_args_delta appends a piece of a streamed tool call's arguments to args. CF_TOOBIG (err
- * set) past args' cap. */
-CF_MUST_CHECK enum cf_status llm_args_delta(struct buf *args, json_t *piece, struct cf_error *err);
+/* llm_args_delta appends a piece of a streamed tool call's arguments to args, one of out's
+ * calls. CF_TOOBIG (err set) when the answer's text and arguments together pass
+ * PROVIDER_RESPONSE_MAX. */
+CF_MUST_CHECK enum cf_status llm_args_delta(struct llm_response *out, struct buf *args,
+                                            json_t *piece, struct cf_error *err);
 
 /* llm_schema_text returns a tool's parameter schema (JSON text, NULL read as "") as compact
  * JSON text of an object, which the caller frees: schema_json re-encoded, or {} when it is not

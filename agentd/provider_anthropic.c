@@ -279,7 +279,7 @@ enum cf_status anthropic_parse_event(void *state, const char *event, const char 
         if (dt && !strcmp(dt, "text_delta")) {
             rc = llm_text_delta(out, ev, json_object_get(d, "text"), err);
         } else if (dt && !strcmp(dt, "input_json_delta")) {
-            rc = llm_args_delta(&s->args, json_object_get(d, "partial_json"), err);
+            rc = llm_args_delta(out, &s->args, json_object_get(d, "partial_json"), err);
         }
     } else if (!strcmp(type, "content_block_stop")) {
         if (s->blocks[i].type == 2 && s->args.len) {
@@ -288,6 +288,8 @@ enum cf_status anthropic_parse_event(void *state, const char *event, const char 
             c->arguments_json = mem_strdup(buf_cstr(&s->args));
         }
         buf_reset(&s->args);
+    } else if (!strcmp(type, "message_stop")) {
+        out->stream_ended = true;
     } else if (!strcmp(type, "message_delta")) {
         const char *stop =
             json_string_value(json_object_get(json_object_get(j, "delta"), "stop_reason"));

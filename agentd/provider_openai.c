@@ -230,7 +230,6 @@ enum cf_status openai_parse_body(const char *body, size_t len, struct llm_respon
 struct ostream {
     struct buf *args;
     size_t n_args;
-    bool done;
 };
 
 void *openai_stream_new(void)
@@ -284,7 +283,7 @@ enum cf_status openai_parse_event(void *state, const char *event, const char *da
         if (!out->stop_reason[0]) {
             set_stop(out, out->n_calls ? "tool_calls" : "stop");
         }
-        s->done = true;
+        out->stream_ended = true;
         return CF_OK;
     }
     json_t *j = llm_event_json("OpenAI", data, err);
@@ -329,7 +328,8 @@ enum cf_status openai_parse_event(void *state, const char *event, const char *da
             free(out->calls[idx].name);
             out->calls[idx].name = mem_strdup(name);
         }
-        enum cf_status arc = llm_args_delta(args_of(s, idx), json_object_get(f, "arguments"), err);
+        enum cf_status arc =
+            llm_args_delta(out, args_of(s, idx), json_object_get(f, "arguments"), err);
         if (arc != CF_OK) {
             rc = arc;
         }

@@ -1084,6 +1084,38 @@ class TestAgentdReadiness(AgentdCase):
             lonely.close()
 
 
+class TestAgentdModelWait(AgentdCase):
+    """A model call told to come back later (retry-after) waits that long, however long, unless
+    the next try could not start before the submission's time limit (here 20 s from its
+    claim): then it fails at once, saying why, rather than parking until the limit."""
+    stack_kwargs = {'agents': ('runner-anthropic',), 'storaged_args': ('--timeout-ms', '20000')}
+
+    def converse(self, steps):
+        conv = new_conv('wait')
+        self.workspace(conv)
+        self.fm.set_scenario(bind(steps, conv))
+        t0 = time.monotonic()
+        sid = self.ad.submit('runner-anthropic', 'hello', conversation_id=conv).submission_id
+        sub = self.wait_settled(sid, timeout=60)
+        return sub, time.monotonic() - t0, [r for r in self.fm.requests()
+                                            if conv in json.dumps(r.get('body', r))]
+
+    def test_a_wait_past_the_time_limit_fails_at_once(self):
+        # an hour (once read as nothing, and retried after half a second, three times)
+        sub, took, asked = self.converse([{'error': {'status': 429, 'retry_after': 3600}}] * 4)
+        self.assertEqual(outcome_name(sub.outcome), 'FAILED', sub)
+        self.assertIn('past the submission\'s time limit', sub.error)
+        self.assertLess(took, 15, 'it waited for the time limit')
+        self.assertEqual(len(asked), 1, 'asked again within the wait it was told to keep')
+
+    def test_a_wait_within_the_time_limit_is_kept(self):
+        sub, took, asked = self.converse([{'error': {'status': 529, 'retry_after': 2}},
+                                          {'text': 'done'}])
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertGreaterEqual(took, 2)
+        self.assertEqual(len(asked), 2)
+
+
 class TestAgentdBadInput(AgentdCase):
 
     def assertRpcError(self, code, fn, *args, **kwargs):

@@ -5,6 +5,7 @@
 #include "agents.h"
 #include "clock.h"
 #include "drive.h"
+#include "mem.h"
 #include "metadata.h"
 #include "page_token.h"
 #include "provider.h"
@@ -268,6 +269,72 @@ static void test_sse(void)
     CHECK(!sse_feed(&p, "data: this line is far too long\n", 33));
     CHECK(p.too_big);
     sse_cleanup(&p);
+}
+
+/* A streamed answer's tool call arguments and text together are bounded (PROVIDER_RESPONSE_MAX)
+ * however they are spread over calls: 17 calls of 1 MiB each are refused at the 17th, for
+ * either provider, where each call alone is within the bound. */
+static void test_streamed_answer_bound(void)
+{
+    size_t mib = 1 << 20;
+    char *piece = mem_alloc(mib + 1);
+    memset(piece, 'a', mib);
+    piece[mib] = '\0';
+    for (int openai = 0; openai < 2; openai++) {
+        struct llm_response r;
+        struct cf_error err = {0};
+        llm_response_init(&r);
+        void *st = openai ? openai_stream_new() : anthropic_stream_new();
+        enum cf_status rc = CF_OK;
+        int i;
+        for (i = 0; i < 17 && rc == CF_OK; i++) {
+            char *start = mem_asprintf(
+                "{\"type\":\"content_block_start\",\"index\":%d,\"content_block\":{\"type\":"
+                "\"tool_use\",\"id\":\"t%d\",\"name\":\"write\",\"input\":{}}}",
+                i, i);
+            char *delta =
+                openai ? mem_asprintf("{\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{"
+                                      "\"index\":%d,\"id\":\"t%d\",\"function\":{\"name\":"
+                                      "\"write\",\"arguments\":\"%s\"}}]}}]}",
+                                      i, i, piece)
+                       : mem_asprintf("{\"type\":\"content_block_delta\",\"index\":%d,\"delta\":{"
+                                      "\"type\":\"input_json_delta\",\"partial_json\":\"%s\"}}",
+                                      i, piece);
+            char *stop = mem_asprintf("{\"type\":\"content_block_stop\",\"index\":%d}", i);
+            if (openai) {
+                rc = openai_parse_event(st, "", delta, NULL, &r, &err);
+            } else if ((rc = anthropic_parse_event(st, "", start, NULL, &r, &err)) == CF_OK &&
+                       (rc = anthropic_parse_event(st, "", delta, NULL, &r, &err)) == CF_OK) {
+                rc = anthropic_parse_event(st, "", stop, NULL, &r, &err);
+            }
+            free(start);
+            free(delta);
+            free(stop);
+        }
+        CHECK(rc == CF_TOOBIG);
+        CHECK(i == 17); /* the first 16 MiB were taken */
+        CHECK(strstr(err.msg, "answer passed") != NULL);
+        openai ? openai_stream_free(st) : anthropic_stream_free(st);
+        llm_response_cleanup(&r);
+    }
+    free(piece);
+    /* the last event marks the stream whole */
+    struct llm_response r;
+    struct cf_error err = {0};
+    llm_response_init(&r);
+    void *st = anthropic_stream_new();
+    CHECK(!r.stream_ended);
+    CHECK(anthropic_parse_event(st, "message_stop", "{\"type\":\"message_stop\"}", NULL, &r,
+                                &err) == CF_OK);
+    CHECK(r.stream_ended);
+    anthropic_stream_free(st);
+    llm_response_cleanup(&r);
+    llm_response_init(&r);
+    st = openai_stream_new();
+    CHECK(openai_parse_event(st, "", "[DONE]", NULL, &r, &err) == CF_OK);
+    CHECK(r.stream_ended);
+    openai_stream_free(st);
+    llm_response_cleanup(&r);
 }
 
 static void test_anthropic_stream(void)
@@ -876,6 +943,7 @@ int main(void)
     test_metadata();
     test_sse();
     test_anthropic_stream();
+    test_streamed_answer_bound();
     test_openai_stream();
     test_streams_with_many_calls();
     test_schema_text();

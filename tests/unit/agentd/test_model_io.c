@@ -529,6 +529,85 @@ static void test_broken(void)
     llm_response_cleanup(&r);
 }
 
+/* A connection that breaks after the stream's last event (message_stop, [DONE]) lost nothing:
+ * the answer stands. One that breaks a step before it is cut short, as before. */
+static void test_cut_after_the_end(void)
+{
+    /* "abcdefg" streams in 3 text pieces: Anthropic sends 9 events (message_start,
+     * content_block_start, ping, 3 deltas, content_block_stop, message_delta, message_stop),
+     * OpenAI 7 (the role, 3 pieces, the finish, the usage, [DONE]) */
+    scenario("{\"steps\": ["
+             "{\"text\": \"abcdefg\", \"disconnect_after_chunks\": 9},"
+             "{\"text\": \"abcdefg\", \"disconnect_after_chunks\": 7},"
+             "{\"text\": \"abcdefg\", \"disconnect_after_chunks\": 8},"
+             "{\"text\": \"abcdefg\", \"disconnect_after_chunks\": 6}]}");
+    struct {
+        bool anthropic;
+        enum cf_status rc;
+    } cases[] = {{true, CF_OK}, {false, CF_OK}, {true, CF_UNAVAILABLE}, {false, CF_UNAVAILABLE}};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        struct llm_response r;
+        struct cf_error err = {0};
+        enum cf_status rc = call(cases[i].anthropic, true, "hi", 0, &r, &err);
+        if (rc != cases[i].rc) {
+            fprintf(stderr, "cut case %zu: rc=%d err=%s\n", i, rc, err.msg);
+        }
+        CHECK(rc == cases[i].rc);
+        if (rc == CF_OK) {
+            CHECK_STR(buf_cstr(&r.text), "abcdefg");
+            CHECK(r.output_tokens > 0); /* the usage came, before the end */
+        } else {
+            CHECK(r.retryable);
+        }
+        llm_response_cleanup(&r);
+    }
+}
+
+/* The stall window (60 s by default) bounds a streamed answer's silences only: a whole
+ * answer (no stream) sends nothing until it is written, however long that takes. (libcurl
+ * averages the speed over its last few seconds: a 1 s window notices a silence after about
+ * 6 s, hence the 9 s gap.) */
+static void test_stall_is_for_streams(void)
+{
+    scenario("{\"steps\": ["
+             "{\"text\": \"slow but whole\", \"delay_ms\": 2500},"
+             "{\"text\": \"one two three four\", \"chunk_delay_ms\": 9000}]}");
+    struct provider_endpoint ep = {
+        .base_url = g_anthropic_url, .api_key = "k", .timeout_ms = 30000, .stall_ms = 1000};
+    struct llm_message m = {.role = LLM_USER, .text = "hi"};
+    struct llm_request req = {
+        .provider = "anthropic", .model = "m", .messages = &m, .n_messages = 1, .max_tokens = 64};
+    struct llm_response r;
+    struct cf_error err = {0};
+    llm_response_init(&r);
+    CHECK(llm_complete(&ep, &req, NULL, &r, &err) == CF_OK);
+    CHECK_STR(buf_cstr(&r.text), "slow but whole");
+    llm_response_cleanup(&r);
+    req.stream = true;
+    llm_response_init(&r);
+    enum cf_status rc = llm_complete(&ep, &req, NULL, &r, &err);
+    CHECK(rc != CF_OK && r.retryable);
+    llm_response_cleanup(&r);
+}
+
+/* Retry-After: delay-seconds of any size (up to a day), a fraction, an HTTP-date; nothing
+ * usable is 0. */
+static void test_retry_after(void)
+{
+    time_t now = curl_getdate("Wed, 21 Oct 2026 07:28:00 GMT", NULL);
+    CHECK(now > 0);
+    CHECK(llm_retry_after_ms("2", now) == 2000);
+    CHECK(llm_retry_after_ms(" 1.5\r\n", now) == 1500);
+    CHECK(llm_retry_after_ms("7200", now) == 7200000); /* was dropped, then retried at once */
+    CHECK(llm_retry_after_ms("999999999", now) == LLM_RETRY_AFTER_MAX_MS);
+    CHECK(llm_retry_after_ms("Wed, 21 Oct 2026 07:28:30 GMT", now) == 30000);
+    CHECK(llm_retry_after_ms("Wed, 21 Oct 2026 07:27:00 GMT", now) == 0); /* past */
+    CHECK(llm_retry_after_ms("-5", now) == 0);
+    CHECK(llm_retry_after_ms("soon", now) == 0);
+    CHECK(llm_retry_after_ms("3 s", now) == 0);
+    CHECK(llm_retry_after_ms("", now) == 0);
+}
+
 struct raw_done {
     atomic_int calls;
     atomic_int cancelled;
@@ -724,6 +803,9 @@ int main(void)
     test_cancel();
     test_async();
     test_broken();
+    test_cut_after_the_end();
+    test_stall_is_for_streams();
+    test_retry_after();
     test_cap_and_free();
     test_unwatched();
     test_shutdown();
