@@ -2148,8 +2148,11 @@ enum cf_status ledger_read_bytes(struct ledger_ctx *c, const Cflue__V1__ReadRequ
     while ((rc = stmt_step(&s, &row, err)) == CF_OK && row) {
         Cflue__V1__Record *rec;
         size_t framed;
-        /* the first record always fits (Append bounds every record by the page budget) */
-        size_t room = out->n_records > 0 ? (size_t)budget - used : SIZE_MAX;
+        /* the first record always fits (Append bounds every record by the page budget; a
+         * smaller budget, Follow's, may be passed by the first alone: then nothing is left) */
+        size_t room = out->n_records == 0      ? SIZE_MAX
+                      : used >= (size_t)budget ? 0
+                                               : (size_t)budget - used;
         if ((rc = row_record(c, s.st, room, &rec, &framed, err)) != CF_OK || !rec) {
             break; /* an error, or the page is full: the rest comes with the next one */
         }

@@ -465,6 +465,23 @@ static void test_page_bytes(void)
     }
     CHECK(seen == 10 && pages >= 4);
 
+    /* a first record larger than the budget (it always goes) fills the page: the budget left
+     * is none, not a count wrapped around to "all of them" (Follow's 1 MiB batches decoded up
+     * to 200 records of any size after one large one) */
+    {
+        Cflue__V1__ReadRequest rq = CFLUE__V1__READ_REQUEST__INIT;
+        Cflue__V1__ReadResponse rs = CFLUE__V1__READ_RESPONSE__INIT;
+        struct cf_error err;
+        struct ledger_ctx c = ctx();
+        rq.conversation_id = "c-pages";
+        rq.after_offset = -1;
+        rq.page_token = "";
+        rq.page_size = 1000;
+        CHECK(ledger_read_bytes(&c, &rq, 500, &rs, &err) == CF_OK);
+        CHECK(rs.n_records == 1);
+        CHECK(*rs.next_page_token != '\0');
+    }
+
     /* a record over the limit is refused before anything is written */
     char *huge = arena_alloc(&arena, 4096);
     memset(huge, 'b', 4095);
