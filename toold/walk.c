@@ -21,10 +21,14 @@
 #include <unistd.h>
 
 #define IGNORE_FILE_MAX (1 << 20) /* bytes of one .gitignore or .ignore that are read */
+#define WALK_DEPTH_MAX 256        /* directories below the start a walk enters */
 
 struct rule {
     char *pattern; /* without '!', trailing '/', leading '/' */
-    char *base;    /* directory of the ignore file, relative to the root ("" for the root) */
+    char **segs;   /* an anchored pattern with a "**": its segments (split_segments) */
+    int n_segs;
+    int n_fixed; /* segments other than "**": a path with fewer components cannot match */
+    char *base;  /* directory of the ignore file, relative to the root ("" for the root) */
     bool negate, dir_only, anchored;
 };
 
@@ -33,45 +37,76 @@ struct rules {
     size_t n, cap;
 };
 
-/* glob_match matches with '**' support: "**" spans any number of path components. */
-static bool glob_match(const char *pat, const char *str)
+/* A rule's pattern with a "**" segment is matched segment by segment (split_segments); one
+ * with more segments than this can match no path (each segment other than "**" takes a
+ * component, a component at least two bytes of the path with its '/', and runs of "**" are
+ * one), and is dropped. */
+#define RULE_SEGMENTS_MAX (WS_PATH_MAX + 1)
+
+/* split_segments splits pat (modified in place) at '/' into segs, a run of "**" segments
+ * kept as one; returns how many, or -1 when more than max. */
+static int split_segments(char *pat, char **segs, int max)
 {
-    const char *dstar = strstr(pat, "**");
-    if (!dstar) {
-        return fnmatch(pat, str, FNM_PATHNAME) == 0;
+    int n = 0;
+    for (char *p = pat, *slash;; p = slash + 1) {
+        slash = strchr(p, '/');
+        if (slash) {
+            *slash = '\0';
+        }
+        if (!(n > 0 && !strcmp(p, "**") && !strcmp(segs[n - 1], "**"))) {
+            if (n == max) {
+                return -1;
+            }
+            segs[n++] = p;
+        }
+        if (!slash) {
+            return n;
+        }
     }
-    /* split at the first "**": prefix must match a leading part, suffix the rest */
-    size_t plen = (size_t)(dstar - pat);
-    char prefix[1024];
-    if (plen >= sizeof(prefix)) {
+}
+
+/* glob_match tells whether path (relative to the rule's directory) matches the rule's
+ * segments: "**" spans any number of components (a trailing one at least one: everything
+ * inside), every other segment matches one component as fnmatch does ("**" within a segment
+ * is a '*'). Dynamic programming over (segment, component), from the end: time grows with
+ * their product, never exponentially however many "**" a hostile pattern holds, and no
+ * recursion. */
+static bool glob_match(char *const *segs, int n_segs, int n_fixed, const char *path)
+{
+    char copy[WS_PATH_MAX];
+    const char *comps[WS_PATH_MAX / 2 + 1]; /* each component takes a byte and a '/' */
+    int n = 0;
+    if (snprintf(copy, sizeof(copy), "%s", path) >= (int)sizeof(copy)) {
         return false;
     }
-    memcpy(prefix, pat, plen);
-    prefix[plen] = '\0';
-    const char *rest = dstar + 2;
-    if (*rest == '/') {
-        rest++;
-    }
-    /* try every split point of str at a component boundary */
-    for (const char *s = str;; s++) {
-        if (s == str || s[-1] == '/') {
-            char head[4096];
-            size_t hlen = (size_t)(s - str);
-            if (hlen < sizeof(head)) {
-                memcpy(head, str, hlen);
-                head[hlen] = '\0';
-                /* head must match the prefix (which ends with '/' or is empty) */
-                bool head_ok = plen == 0 ? true : fnmatch(prefix, head, FNM_PATHNAME) == 0;
-                if (head_ok && (!*rest || glob_match(rest, s))) {
-                    return true;
-                }
-            }
-        }
-        if (!*s) {
+    for (char *p = copy, *slash;; p = slash + 1) {
+        comps[n++] = p;
+        if (!(slash = strchr(p, '/'))) {
             break;
         }
+        *slash = '\0';
     }
-    return false;
+    if (n < n_fixed) {
+        return false;
+    }
+    /* next[j]: segments i+1.. match components j..; cur[j]: segments i.. do */
+    bool rows[2][WS_PATH_MAX / 2 + 2];
+    bool *next = rows[0], *cur = rows[1];
+    for (int j = 0; j <= n; j++) {
+        next[j] = j == n;
+    }
+    for (int i = n_segs - 1; i >= 0; i--) {
+        bool dstar = !strcmp(segs[i], "**"), last = i == n_segs - 1;
+        cur[n] = dstar && !last && next[n]; /* no component left: the rest must match none */
+        for (int j = n - 1; j >= 0; j--) {
+            cur[j] = dstar ? next[j] || cur[j + 1] || (last && j < n)
+                           : next[j + 1] && fnmatch(segs[i], comps[j], 0) == 0;
+        }
+        bool *t = next;
+        next = cur;
+        cur = t;
+    }
+    return next[0];
 }
 
 /* add_rule parses one ignore-file line (NUL-terminated, modified in place). */
@@ -109,6 +144,23 @@ static void add_rule(struct rules *r, char *line, const char *base)
     }
     if (!rule.anchored && !strncmp(p, "**/", 3)) {
         p += 3;
+    }
+    if (rule.anchored && strstr(p, "**")) {
+        int slashes = 0;
+        for (const char *q = p; (q = strchr(q, '/')); q++) {
+            slashes++;
+        }
+        char *copy = mem_strdup(p);
+        rule.segs = mem_alloc(sizeof(char *) * (size_t)(slashes + 1));
+        rule.n_segs = split_segments(copy, rule.segs, RULE_SEGMENTS_MAX);
+        if (rule.n_segs < 0) {
+            free(copy);
+            free(rule.segs);
+            return; /* matches no path */
+        }
+        for (int i = 0; i < rule.n_segs; i++) {
+            rule.n_fixed += strcmp(rule.segs[i], "**") != 0;
+        }
     }
     rule.pattern = mem_strdup(p);
     rule.base = mem_strdup(base);
@@ -162,6 +214,10 @@ static void drop_rules(struct rules *r, size_t keep)
         r->n--;
         free(r->items[r->n].pattern);
         free(r->items[r->n].base);
+        if (r->items[r->n].segs) {
+            free(r->items[r->n].segs[0]); /* the copy the segments point into */
+            free(r->items[r->n].segs);
+        }
     }
 }
 
@@ -181,7 +237,9 @@ static bool ignored(const struct rules *r, const char *rel, const char *name, bo
             }
             sub = rel + blen + 1;
         }
-        bool hit = x->anchored ? glob_match(x->pattern, sub) : fnmatch(x->pattern, name, 0) == 0;
+        bool hit = x->segs       ? glob_match(x->segs, x->n_segs, x->n_fixed, sub)
+                   : x->anchored ? fnmatch(x->pattern, sub, FNM_PATHNAME) == 0
+                                 : fnmatch(x->pattern, name, 0) == 0;
         if (hit) {
             out = !x->negate;
         }
@@ -195,8 +253,6 @@ struct walker {
     bool stop;
     int depth;
 };
-
-#define WALK_DEPTH_MAX 256
 
 /* walk_dir walks the directory open as dirfd, whose path relative to the root is dir ("." for
  * the root itself). */

@@ -7,6 +7,7 @@
 #include "driver.h"
 #include "locks.h"
 #include "proc.h"
+#include "walk.h"
 #include "workspace.h"
 
 #include <fcntl.h>
@@ -121,6 +122,95 @@ static int cmp_str(const void *a, const void *b)
 
 /* dirpage: pages cut at names make the sorted listing, whatever readdir's order; memory holds
  * one page; names added or removed between pages never repeat or skip the others */
+struct walked {
+    char names[64][WS_PATH_MAX];
+    int n;
+};
+
+static bool walked_visit(void *ctx, const char *rel_path, int dirfd, const char *name)
+{
+    (void)dirfd;
+    (void)name;
+    struct walked *w = ctx;
+    if (w->n < 64) {
+        snprintf(w->names[w->n++], WS_PATH_MAX, "%s", rel_path);
+    }
+    return true;
+}
+
+static bool walked_has(const struct walked *w, const char *path)
+{
+    for (int i = 0; i < w->n; i++) {
+        if (!strcmp(w->names[i], path)) {
+            return true;
+        }
+    }
+    return false;
+}
+
+static void put_file(const char *rel_path, const char *text)
+{
+    char path[PATH_MAX + WS_PATH_MAX];
+    snprintf(path, sizeof(path), "%s/%s", sb->root, rel_path);
+    for (char *p = path + strlen(sb->root) + 1; (p = strchr(p, '/')); p++) {
+        *p = '\0';
+        (void)mkdir(path, 0755);
+        *p = '/';
+    }
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL);
+    if (f) {
+        fputs(text, f);
+        fclose(f);
+    }
+}
+
+/* Ignore rules with a "**" segment: any number of directories between, a trailing one everything
+ * inside, runs of them one; a hostile line of thousands of "**" segments over a deep tree
+ * is matched in bounded time and stack (it overflowed the stack, one recursion a "**", and
+ * took exponential time short of that). */
+static void test_walk_double_star(void)
+{
+    char deep[WS_PATH_MAX] = "ws/deep";
+    for (int i = 0; i < 40; i++) {
+        strcat(deep, "/d");
+    }
+    strcat(deep, "/leaf.txt");
+    put_file("ws/a/b", "x");
+    put_file("ws/a/x/y/b", "x");
+    put_file("ws/a/bb", "x");
+    put_file("ws/keep/one", "x");
+    put_file("ws/keep/sub/two", "x");
+    put_file("ws/m/n/o/p", "x");
+    put_file(deep, "x");
+    struct buf hostile;
+    buf_init(&hostile, 1 << 20);
+    for (int i = 0; i < 3000; i++) {
+        CHECK(buf_append_str(&hostile, "**/") == CF_OK);
+    }
+    CHECK(buf_append_str(&hostile, "zzz\n") == CF_OK);
+    for (int i = 0; i < 30; i++) {
+        CHECK(buf_append_str(&hostile, "d/**/") == CF_OK);
+    }
+    CHECK(buf_append_str(&hostile, "nomatch\na/**/b\nkeep/**\nm/**/**/**/p\n") == CF_OK);
+    put_file("ws/.gitignore", buf_cstr(&hostile));
+    buf_cleanup(&hostile);
+    struct walked w = {0};
+    struct walk_opts o = {.gitignore = true, .visit = walked_visit, .ctx = &w};
+    struct cf_error err;
+    int64_t t0 = clock_mono_ms();
+    CHECK(walk_tree(sb, "ws", "ws", &o, &err) == CF_OK);
+    CHECK(clock_mono_ms() - t0 < 5000);
+    CHECK(!walked_has(&w, "ws/a/b"));     /* a, any directories, b: none between */
+    CHECK(!walked_has(&w, "ws/a/x/y/b")); /* two between */
+    CHECK(walked_has(&w, "ws/a/bb"));
+    CHECK(!walked_has(&w, "ws/keep/one")); /* keep and a trailing double star */
+    CHECK(!walked_has(&w, "ws/keep/sub/two"));
+    CHECK(!walked_has(&w, "ws/m/n/o/p")); /* a run of "**" is one */
+    CHECK(walked_has(&w, deep + 0));
+    CHECK(walked_has(&w, "ws/.gitignore"));
+}
+
 static void test_dirpage(void)
 {
     enum { N = 2500 };
@@ -464,6 +554,7 @@ int main(int argc, char **argv)
     test_paths_from_a_directory();
     test_confined_io();
     test_dirpage();
+    test_walk_double_star();
     test_locks();
     test_proc();
     test_proc_streams();
