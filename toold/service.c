@@ -190,13 +190,33 @@ static enum cf_status command_limits(const struct sandbox *sb, const Cflue__V1__
     return CF_OK;
 }
 
+/* A write or edit call's turn at its path within a batch (locks.h): taken in batch order
+ * before any call runs, and passed on however the call ends, used or not, or every later
+ * call on the path would wait for it for good. */
+struct path_turn {
+    struct sandbox *sb; /* the sandbox whose locks hold it (sandboxes live as long as toold) */
+    char key[WS_PATH_MAX];
+    uint64_t ticket;
+};
+
+/* pass_turn passes on a turn the call did not use, after the turns before it. */
+static void pass_turn(const struct path_turn *t)
+{
+    locks_wait(t->sb->locks, t->key, t->ticket);
+    locks_release(t->sb->locks, t->key);
+}
+
+/* run_call runs one call; turn (NULL: none) is its turn at its path. */
 static enum cf_status run_call(const Cflue__V1__ToolCall *call, struct rpc_call *rpc,
-                               const char *ticket_key, uint64_t ticket, struct tool_result *res,
+                               const struct path_turn *turn, struct tool_result *res,
                                struct cf_error *err)
 {
     struct sandbox *sb;
     enum cf_status rc = workspaces_get(server_state.ws, call->sandbox, &sb, err);
     if (rc != CF_OK) {
+        if (turn) {
+            pass_turn(turn); /* the workspace cannot be used now (a failed revive) */
+        }
         return rc;
     }
     int64_t t0 = clock_mono_ms();
@@ -225,16 +245,15 @@ static enum cf_status run_call(const Cflue__V1__ToolCall *call, struct rpc_call 
                                    .deadline_ms = call->timeout ? t0 + dur_ms(call->timeout) : 0,
                                    .cancelled = call_gone,
                                    .cancel_ctx = rpc,
-                                   .has_ticket = ticket_key != NULL,
-                                   .lock_ticket = ticket};
+                                   .has_ticket = turn != NULL,
+                                   .lock_ticket = turn ? turn->ticket : 0};
             t->run(&ctx, args, res);
             json_decref(args);
-            ticket_key = ctx.ticket_used ? NULL : ticket_key;
+            turn = ctx.ticket_used ? NULL : turn;
         }
     }
-    if (ticket_key) {
-        locks_wait(sb->locks, ticket_key, ticket);
-        locks_release(sb->locks, ticket_key);
+    if (turn) {
+        pass_turn(turn);
     }
     failpoint_hit("toold.tool.after_run"); /* ran; its result not yet sent */
     count_call(t ? t->name : "unknown", res, clock_mono_ms() - t0);
@@ -273,7 +292,7 @@ static void on_execute(struct rpc_call *c, const ProtobufCMessage *msg, void *us
                   "UTF-8 text.",
                   problem);
     } else if (pbdur_check(call->timeout, "timeout", 0, &err) != CF_OK ||
-               run_call(call, c, NULL, 0, &res, &err) != CF_OK) {
+               run_call(call, c, NULL, &res, &err) != CF_OK) {
         tool_result_cleanup(&res);
         rpc_call_fail_error(c, &err);
         return;
@@ -294,9 +313,8 @@ struct batch_item {
     struct batch *b;
     int index;
     const Cflue__V1__ToolCall *call;
-    char key[WS_PATH_MAX];
-    bool has_ticket;
-    uint64_t ticket;
+    struct path_turn turn;
+    bool has_turn;
     struct tool_result res;
     enum cf_status st;
     struct cf_error err;
@@ -317,8 +335,7 @@ static void *batch_worker(void *arg)
     struct batch_item *it = arg;
     struct trace_ctx saved;
     trace_enter(&it->b->trace, &saved);
-    it->st = run_call(it->call, it->b->rpc, it->has_ticket ? it->key : NULL, it->ticket, &it->res,
-                      &it->err);
+    it->st = run_call(it->call, it->b->rpc, it->has_turn ? &it->turn : NULL, &it->res, &it->err);
     trace_leave(&saved);
     pthread_mutex_lock(&it->b->mu);
     it->done = true;
@@ -343,9 +360,11 @@ static void reserve(struct batch_item *it)
     }
     json_t *args = json_loads(it->call->arguments_json, JSON_REJECT_DUPLICATES, NULL);
     const char *path = json_string_value(json_object_get(args, "path"));
-    if (path && ws_relative_from(sb, cwd, path, it->key, sizeof(it->key), &err) == CF_OK) {
-        it->ticket = locks_ticket(sb->locks, it->key);
-        it->has_ticket = true;
+    if (path &&
+        ws_relative_from(sb, cwd, path, it->turn.key, sizeof(it->turn.key), &err) == CF_OK) {
+        it->turn.sb = sb;
+        it->turn.ticket = locks_ticket(sb->locks, it->turn.key);
+        it->has_turn = true;
     }
     json_decref(args);
 }
@@ -395,6 +414,7 @@ static void on_execute_batch(struct rpc_call *c, const ProtobufCMessage *msg, vo
         tool_result_init(&items[i].res);
         reserve(&items[i]);
     }
+    failpoint_hit("toold.batch.reserved"); /* the turns taken, no call started */
     for (size_t i = 0; i < req->n_calls; i++) {
         if (req->n_calls == 1) {
             batch_worker(&items[0]); /* a lone call runs on the stream's thread */
@@ -403,13 +423,8 @@ static void on_execute_batch(struct rpc_call *c, const ProtobufCMessage *msg, vo
         if (thread_start(&items[i].thread, "tool-call", 0, batch_worker, &items[i],
                          &items[i].err) != CF_OK) {
             /* this call gets an error result; its per-path turn is passed on unused */
-            if (items[i].has_ticket) {
-                struct sandbox *sb;
-                struct cf_error e2;
-                if (workspaces_get(server_state.ws, items[i].call->sandbox, &sb, &e2) == CF_OK) {
-                    locks_wait(sb->locks, items[i].key, items[i].ticket);
-                    locks_release(sb->locks, items[i].key);
-                }
+            if (items[i].has_turn) {
+                pass_turn(&items[i].turn);
             }
             tool_fail(&items[i].res, "The call could not start (%s); it did not run.",
                       items[i].err.msg);

@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import unittest
 from concurrent.futures import ThreadPoolExecutor
@@ -508,6 +509,36 @@ class TestFailpointAndThreads(HostileBase):
         self.assertEqual(result_details(res).get('exit_code'), 124)
         self.assertTrue(result_details(res).get('timed_out'))
         self.assertIn('time left for this call', res.text)
+
+    def test_a_call_that_cannot_run_passes_its_path_turn_on(self):
+        """Same-path writes of a batch take their turns at the path before any runs; a call
+        that then cannot run (here its workspace's root became a file meanwhile, so the
+        workspace cannot be made again) passes its turn on: the next call on the path once
+        waited for it for good, and with it the batch and every later write of the path."""
+        td = self.start('local', env={'CFLUE_FAILPOINTS': 'toold.batch.reserved=sleep:1500'})
+        sb = 'turns'
+        self.call(sb, 'write', {'path': 'f', 'content': 'A'}, td=td)
+        root = td.workspace(sb)
+        calls = [tool_call(sb, 'write', {'path': 'f', 'content': 'B'}),
+                 tool_call(sb, 'edit', {'path': 'f', 'oldText': 'B', 'newText': 'C'})]
+        got = {}
+        t = threading.Thread(target=lambda: got.update(out=td.execute_batch(calls, timeout=30)))
+        t.start()
+        time.sleep(0.7)  # the turns are taken; the calls wait at the failpoint
+        shutil.rmtree(root)
+        with open(root, 'w') as f:
+            f.write('not a directory')
+        t.join(40)
+        self.assertIn('out', got, 'the batch never ended')
+        self.assertEqual(sorted(r.index for r in got['out']), [0, 1])
+        for r in got['out']:
+            self.assertTrue(r.result.is_error, r.result.text)
+        os.remove(root)
+        out = td.execute_batch(calls, timeout=30)  # the workspace is made again
+        self.assertEqual([r.result.is_error for r in sorted(out, key=lambda r: r.index)],
+                         [False, False])
+        with open(os.path.join(root, 'f')) as f:
+            self.assertEqual(f.read(), 'C')
 
     def limited_toold(self, limit):
         """A LimitedToold (not started yet) over directories its user owns."""
