@@ -496,11 +496,14 @@ enum cf_status ws_write_file(const struct sandbox *sb, const char *rel, const vo
         p += w;
         left -= (size_t)w;
     }
-    if (fsync(fd) != 0 || close(fd) != 0) {
-        int e = errno;
+    /* closed whether the sync worked or not: an open descriptor of the unlinked copy would
+     * hold its blocks (a full disk stays full) until toold exits */
+    int synced = fsync(fd) == 0 ? 0 : errno;
+    int closed = close(fd) == 0 ? 0 : errno;
+    if (synced || closed) {
         unlinkat(dirfd, tmp, 0);
         close(dirfd);
-        return ws_errno_error(e, "write", shown_path, err);
+        return ws_errno_error(synced ? synced : closed, "write", shown_path, err);
     }
     if (renameat(dirfd, tmp, dirfd, base) != 0) {
         int e = errno;

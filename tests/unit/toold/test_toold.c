@@ -10,6 +10,8 @@
 #include "walk.h"
 #include "workspace.h"
 
+#include <dirent.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
@@ -209,6 +211,62 @@ static void test_walk_double_star(void)
     CHECK(!walked_has(&w, "ws/m/n/o/p")); /* a run of "**" is one */
     CHECK(walked_has(&w, deep + 0));
     CHECK(walked_has(&w, "ws/.gitignore"));
+}
+
+static int g_fsync_errno; /* set: the next fsync fails with it, once */
+
+int __real_fsync(int fd);
+int __wrap_fsync(int fd);
+int __wrap_fsync(int fd)
+{
+    if (g_fsync_errno) {
+        errno = g_fsync_errno;
+        g_fsync_errno = 0;
+        return -1;
+    }
+    return __real_fsync(fd);
+}
+
+static int open_fds(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    for (struct dirent *e; d && (e = readdir(d));) {
+        n += e->d_name[0] != '.';
+    }
+    if (d) {
+        closedir(d);
+    }
+    return n;
+}
+
+/* A write whose sync fails (EIO, a full disk on NFS) is refused, leaves the file as it was,
+ * and keeps no descriptor of the copy it wrote (whose blocks it would hold until exit). */
+static void test_write_sync_failure(void)
+{
+    struct cf_error err;
+    char path[PATH_MAX + 32], text[16] = "";
+    CHECK(ws_write_file(sb, "synced.txt", "old", 3, 0, "synced.txt", &err) == CF_OK);
+    int before = open_fds();
+    g_fsync_errno = EIO;
+    CHECK(ws_write_file(sb, "synced.txt", "new!", 4, 0, "synced.txt", &err) == CF_IO);
+    CHECK(strstr(err.msg, "synced.txt") != NULL);
+    CHECK(open_fds() == before);
+    snprintf(path, sizeof(path), "%s/synced.txt", sb->root);
+    FILE *f = fopen(path, "r");
+    CHECK(f && fgets(text, sizeof(text), f));
+    if (f) {
+        fclose(f);
+    }
+    CHECK_STR(text, "old");
+    /* and no copy is left beside it */
+    DIR *d = opendir(sb->root);
+    for (struct dirent *e; d && (e = readdir(d));) {
+        CHECK(strstr(e->d_name, ".cflue-") == NULL);
+    }
+    if (d) {
+        closedir(d);
+    }
 }
 
 static void test_dirpage(void)
@@ -555,6 +613,7 @@ int main(int argc, char **argv)
     test_confined_io();
     test_dirpage();
     test_walk_double_star();
+    test_write_sync_failure();
     test_locks();
     test_proc();
     test_proc_streams();
