@@ -332,7 +332,7 @@ static void view_tail(struct capture *c, uint64_t total_lines, struct tool_resul
     uint64_t first_line = total_lines - shown_lines + 1;
     uint64_t shown_bytes = n - start;
     res->trunc.truncated = true;
-    res->trunc.by = c->newlines > TOOL_LINES_MAX && shown_lines == TOOL_LINES_MAX
+    res->trunc.by = total_lines > TOOL_LINES_MAX && shown_lines == TOOL_LINES_MAX
                         ? CFLUE__V1__TRUNCATED_BY__TRUNCATED_BY_LINES
                         : CFLUE__V1__TRUNCATED_BY__TRUNCATED_BY_BYTES;
     res->trunc.shown_first_line = (int64_t)first_line;

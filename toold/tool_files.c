@@ -306,7 +306,8 @@ static enum cf_status read_page(struct reader *r, const struct stat *st, int64_t
     int64_t shown = 0;
     size_t page_end = 0, budget = TOOL_BYTES_MAX;
     bool bytes_hit = false;
-    for (const char *p = data, *end = data + wlen; p < end && shown < max_lines;) {
+    const char *p = data, *end = data + wlen;
+    while (p < end && shown < max_lines) {
         const char *nl = memchr(p, '\n', (size_t)(end - p));
         if (!nl && !window_reaches_end) {
             bytes_hit = true; /* the line goes on past the window: over the budget */
@@ -321,6 +322,9 @@ static enum cf_status read_page(struct reader *r, const struct stat *st, int64_t
         page_end = need;
         shown++;
         p = nl ? nl + 1 : end;
+    }
+    if (p == end && !window_reaches_end && shown < max_lines) {
+        bytes_hit = true; /* a line ended on the window's last byte: the budget is spent */
     }
     int64_t first = offset, last = offset + shown - 1;
     if (shown == 0) {
