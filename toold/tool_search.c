@@ -333,9 +333,10 @@ static bool engine_output(void *arg, const char *p, size_t n)
     for (size_t i = 0; i < n;) {
         const char *nl = memchr(p + i, '\n', n - i);
         size_t k = nl ? (size_t)(nl - (p + i)) : n - i;
-        if (buf_append(&g->line, p + i, k) != CF_OK) {
-            /* a line longer than the buffer: keep its start, which is all we print */
-        }
+        /* a line longer than the buffer keeps its start (its path, number and the head of
+         * its text, which is all that is printed); the rest is dropped up to its end */
+        size_t room = g->line.max - g->line.len;
+        (void)buf_append(&g->line, p + i, k < room ? k : room);
         if (!nl) {
             break;
         }
