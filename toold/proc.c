@@ -314,7 +314,9 @@ static void feed_stdin(struct run *r)
  * false when the pump should stop reading. */
 static bool enforce(struct run *r, int64_t now)
 {
-    if (!r->killing && now >= r->deadline) {
+    if (!r->killing && !r->exited && now >= r->deadline) {
+        /* (a command that exited before its deadline did not time out, however long what it
+         * left holding its pipes is read after) */
         r->out->timed_out = true;
         r->killing = true;
     }
