@@ -344,13 +344,16 @@ static void look_at_tree(struct watch *w)
 }
 
 /* dir_usage adds the bytes allocated under the directory dfd (closed here) to *sum, without
- * following links or leaving its filesystem. */
-static void dir_usage(int dfd, dev_t dev, int depth, int64_t *sum)
+ * following links or leaving its filesystem. Sets *partial when some of it could not be seen:
+ * a directory it cannot open or list (an unprivileged command's chmod 300), or one deeper
+ * than DISK_DEPTH_MAX. */
+static void dir_usage(int dfd, dev_t dev, int depth, int64_t *sum, bool *partial)
 {
     DIR *d = fdopendir(dfd);
     struct dirent *e;
     if (!d) {
         close(dfd);
+        *partial = true;
         return;
     }
     while ((e = readdir(d))) {
@@ -360,19 +363,26 @@ static void dir_usage(int dfd, dev_t dev, int depth, int64_t *sum)
             continue;
         }
         *sum += (int64_t)st.st_blocks * 512;
-        if (S_ISDIR(st.st_mode) && depth < DISK_DEPTH_MAX) {
-            int sub = openat(dirfd(d), e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-            if (sub >= 0) {
-                dir_usage(sub, dev, depth + 1, sum);
-            }
+        if (!S_ISDIR(st.st_mode)) {
+            continue;
+        }
+        int sub = depth < DISK_DEPTH_MAX
+                      ? openat(dirfd(d), e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+                      : -1;
+        if (sub >= 0) {
+            dir_usage(sub, dev, depth + 1, sum, partial);
+        } else {
+            *partial = true;
         }
     }
     closedir(d);
 }
 
-/* workspace_size walks the workspace; -1 when it cannot be read. */
-static int64_t workspace_size(const struct watch *w)
+/* workspace_size walks the workspace; -1 when it cannot be read. *partial: what it found is
+ * a lower bound only (see dir_usage). */
+static int64_t workspace_size(const struct watch *w, bool *partial)
 {
+    *partial = false;
     struct stat st;
     int fd = open(w->lim.disk_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0 || fstat(fd, &st) != 0) {
@@ -382,7 +392,7 @@ static int64_t workspace_size(const struct watch *w)
         return -1;
     }
     int64_t sum = 0;
-    dir_usage(fd, st.st_dev, 0, &sum);
+    dir_usage(fd, st.st_dev, 0, &sum, partial);
     return sum;
 }
 
@@ -420,9 +430,14 @@ static void watch_disk_start(struct watch *w)
          * after removals can stay high until the filesystem frees their blocks (ext4 does
          * at its next journal commit), and a stale size over the bound would let this
          * command grow the workspace up to it */
-        int64_t t0 = mono_ms();
-        w->lim.disk_known = workspace_size(w);
+        int64_t t0 = mono_ms(), known = w->lim.disk_known;
+        bool partial;
+        w->lim.disk_known = workspace_size(w, &partial);
         w->walk_ms = mono_ms() - t0;
+        if (partial && known > w->lim.disk_known) {
+            /* what the walk could not see may hold what the estimate counted */
+            w->lim.disk_known = known;
+        }
     }
     if (w->lim.disk_known < 0) {
         w->lim.disk_bytes = 0; /* no workspace to measure */
@@ -450,7 +465,8 @@ static void look_at_disk(struct watch *w, int64_t now, bool exited)
         return;
     }
     int64_t t0 = mono_ms();
-    int64_t size = workspace_size(w);
+    bool partial;
+    int64_t size = workspace_size(w, &partial);
     int64_t took = mono_ms() - t0;
     w->walk_ms = took;
     /* walks of a large workspace are spaced out: at most about 5% of the time */
@@ -460,6 +476,13 @@ static void look_at_disk(struct watch *w, int64_t now, bool exited)
     }
     if (size < 0) {
         return;
+    }
+    if (partial && size < w->lim.disk_known + (grown > 0 ? grown : 0)) {
+        /* a walk that could not see everything only raises the estimate: what it missed (a
+         * directory it cannot read, or one deeper than it goes) may hold all that the
+         * filesystem gained; counted from its lower bound, a command could fill such a
+         * directory without end */
+        size = w->lim.disk_known + (grown > 0 ? grown : 0);
     }
     w->lim.disk_known = size; /* from here on, growth is counted from this walk */
     w->fs_used0 = used;
