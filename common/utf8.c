@@ -72,7 +72,7 @@ enum cf_status utf8_sanitize(struct buf *out, const char *p, size_t n)
     size_t i = 0, run = 0;
     enum cf_status rc;
     while (i < n) {
-        size_t len = s[i] < 0x80 ? 1 : utf8_seq_len(p + i, n - i);
+        size_t len = s[i] == 0 ? 0 : s[i] < 0x80 ? 1 : utf8_seq_len(p + i, n - i);
         if (len) {
             i += len;
             run += len;

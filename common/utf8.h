@@ -13,8 +13,10 @@ bool utf8_valid(const char *p, size_t n, size_t *bad_at);
 struct buf;
 #include "status.h"
 
-/* utf8_sanitize appends p[0..n) to out, each invalid byte replaced by U+FFFD. A sequence cut
- * at the end of the input counts as invalid. CF_TOOBIG when out's cap is reached. */
+/* utf8_sanitize appends p[0..n) to out, each invalid byte, and each NUL, replaced by U+FFFD:
+ * what it gives is text for a protobuf string, which ends at a NUL (protobuf-c's strings are
+ * C strings), so a NUL kept would drop the rest. A sequence cut at the end of the input counts
+ * as invalid. CF_TOOBIG when out's cap is reached. */
 enum cf_status utf8_sanitize(struct buf *out, const char *p, size_t n);
 
 /* utf8_seq_len returns the length (1 to 4) of the well-formed sequence that starts p[0..n), or

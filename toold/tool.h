@@ -24,6 +24,9 @@
 #define TOOL_GLOB_PATHS_MAX 1000
 #define TOOL_PATTERN_MAX 65536
 #define TOOL_EDIT_FILE_MAX (64 << 20) /* files edit will load */
+/* bash's saved full outputs, in the workspace: read pages them as text whatever bytes the
+ * commands wrote (a NUL, from find -print0 say, shows as U+FFFD) */
+#define TOOL_SPILL_DIR ".cflue/spill"
 
 struct toold_config {
     int64_t bash_default_timeout_ms; /* when the model gives no timeout */

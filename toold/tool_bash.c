@@ -149,7 +149,7 @@ static void open_spill(struct capture *c)
     int dirfd;
     char base[256];
     ids_new(id, "bash");
-    snprintf(c->spill_rel, sizeof(c->spill_rel), ".cflue/spill/%s.log", id);
+    snprintf(c->spill_rel, sizeof(c->spill_rel), TOOL_SPILL_DIR "/%s.log", id);
     if (ws_open_parent(c->ctx->sb, c->spill_rel, true, c->spill_rel, &dirfd, base, sizeof(base),
                        &err) != CF_OK) {
         c->spill_failed = true;

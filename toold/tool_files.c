@@ -58,7 +58,8 @@ struct reader {
     int fd;
     size_t size;
     const char *path;
-    char *chunk; /* READ_CHUNK bytes */
+    bool saved_output; /* a file of TOOL_SPILL_DIR: text, whatever its bytes */
+    char *chunk;       /* READ_CHUNK bytes */
 };
 
 static bool same_version(const struct line_index *x, const struct stat *st)
@@ -264,7 +265,7 @@ static enum cf_status read_page(struct reader *r, const struct stat *st, int64_t
     if ((rc = pread_full(r, r->chunk, sniff, 0, err)) != CF_OK) {
         return rc;
     }
-    if (memchr(r->chunk, '\0', sniff)) {
+    if (!r->saved_output && memchr(r->chunk, '\0', sniff)) {
         buf_printf(&res->text,
                    "%s is a binary file (%zu bytes, %s); its bytes are not shown as text.", path,
                    size, binary_kind((const unsigned char *)r->chunk, sniff));
@@ -399,8 +400,12 @@ void tool_read_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
         }
         return;
     }
-    struct reader r = {
-        .ctx = ctx, .fd = fd, .size = (size_t)st.st_size, .path = path, .chunk = NULL};
+    struct reader r = {.ctx = ctx,
+                       .fd = fd,
+                       .size = (size_t)st.st_size,
+                       .path = path,
+                       .saved_output = !strncmp(rel, TOOL_SPILL_DIR "/", sizeof(TOOL_SPILL_DIR)),
+                       .chunk = NULL};
     json_object_set_new(res->details, "bytes", json_integer((json_int_t)r.size));
     res->trunc.total_bytes = (int64_t)r.size;
     r.chunk = mem_alloc(READ_CHUNK);

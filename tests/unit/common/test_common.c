@@ -432,6 +432,15 @@ static void test_utf8(void)
     CHECK(!utf8_valid("x\xed\xa0\x80", 4, &bad) && bad == 1); /* surrogate */
     CHECK(!utf8_valid("\xf4\x90\x80\x80", 4, NULL));          /* > U+10FFFF */
     CHECK(!utf8_valid("\xff", 1, NULL));
+    /* sanitized text is a protobuf string: a NUL would end it, so it goes as U+FFFD too */
+    struct buf b;
+    buf_init(&b, 64);
+    CHECK(utf8_sanitize(&b, "a\0b\xff\xc3\xa9\n", 7) == CF_OK);
+    CHECK(b.len == 11 && !memcmp(buf_cstr(&b),
+                                 "a\xef\xbf\xbd"
+                                 "b\xef\xbf\xbd\xc3\xa9\n",
+                                 11));
+    buf_cleanup(&b);
 }
 
 static void test_arena(void)
