@@ -158,6 +158,11 @@ static void kill_all(void)
 
 #define WATCH_PIDS_MAX 16384 /* processes one look follows; more is past any process limit */
 #define DISK_DEPTH_MAX 256   /* directory levels one walk of the workspace goes down */
+/* The walk before a command starts (its workspace's size unknown, or over the bound as last
+ * estimated) stops after this long, well within the time toold gives the runner to report
+ * the start (proc.c, RUNNER_START_MS): a workspace too large to walk in it is counted from
+ * what the walk saw, its growth from there, where every command once failed to start */
+#define DISK_START_WALK_MS 4000
 #define DISK_FULL_WALK_MS                                                                          \
     2000 /* the most between walks not asked for by statvfs, unless a                              \
           * walk takes over 5% of it (then 20 times the walk's time) */
@@ -343,26 +348,39 @@ static void look_at_tree(struct watch *w)
     }
 }
 
-/* dir_usage adds the bytes allocated under the directory dfd (closed here) to *sum, without
- * following links or leaving its filesystem. Sets *partial when some of it could not be seen:
- * a directory it cannot open or list (an unprivileged command's chmod 300), or one deeper
- * than DISK_DEPTH_MAX. */
-static void dir_usage(int dfd, dev_t dev, int depth, int64_t *sum, bool *partial)
+/* One walk of the workspace: the bytes allocated so far, and whether some of it could not be
+ * seen (then the sum is a lower bound): a directory it cannot open or list (an unprivileged
+ * command's chmod 300), one deeper than DISK_DEPTH_MAX, or the rest once its time ran out. */
+struct walk {
+    dev_t dev;       /* the workspace's filesystem: the walk does not leave it */
+    int64_t until;   /* monotonic ms it stops at (0: none) */
+    unsigned long n; /* entries seen */
+    int64_t sum;
+    bool partial, out_of_time;
+};
+
+/* dir_usage adds what the directory dfd (closed here) holds to the walk, without following
+ * links or leaving the filesystem. */
+static void dir_usage(int dfd, int depth, struct walk *k)
 {
     DIR *d = fdopendir(dfd);
     struct dirent *e;
     if (!d) {
         close(dfd);
-        *partial = true;
+        k->partial = true;
         return;
     }
-    while ((e = readdir(d))) {
+    while (!k->out_of_time && (e = readdir(d))) {
         struct stat st;
+        if (k->until && ++k->n % 256 == 0 && mono_ms() >= k->until) {
+            k->out_of_time = k->partial = true;
+            break;
+        }
         if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") ||
-            fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_dev != dev) {
+            fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_dev != k->dev) {
             continue;
         }
-        *sum += (int64_t)st.st_blocks * 512;
+        k->sum += (int64_t)st.st_blocks * 512;
         if (!S_ISDIR(st.st_mode)) {
             continue;
         }
@@ -370,17 +388,17 @@ static void dir_usage(int dfd, dev_t dev, int depth, int64_t *sum, bool *partial
                       ? openat(dirfd(d), e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
                       : -1;
         if (sub >= 0) {
-            dir_usage(sub, dev, depth + 1, sum, partial);
+            dir_usage(sub, depth + 1, k);
         } else {
-            *partial = true;
+            k->partial = true;
         }
     }
     closedir(d);
 }
 
-/* workspace_size walks the workspace; -1 when it cannot be read. *partial: what it found is
- * a lower bound only (see dir_usage). */
-static int64_t workspace_size(const struct watch *w, bool *partial)
+/* workspace_size walks the workspace, for at most max_ms (0: no bound); -1 when it cannot be
+ * read. *partial: what it found is a lower bound only (see struct walk). */
+static int64_t workspace_size(const struct watch *w, int64_t max_ms, bool *partial)
 {
     *partial = false;
     struct stat st;
@@ -391,9 +409,10 @@ static int64_t workspace_size(const struct watch *w, bool *partial)
         }
         return -1;
     }
-    int64_t sum = 0;
-    dir_usage(fd, st.st_dev, 0, &sum, partial);
-    return sum;
+    struct walk k = {.dev = st.st_dev, .until = max_ms ? mono_ms() + max_ms : 0};
+    dir_usage(fd, 0, &k);
+    *partial = k.partial;
+    return k.sum;
 }
 
 /* fs_used is the bytes in use on the workspace's filesystem (-1 when unknown). */
@@ -432,7 +451,7 @@ static void watch_disk_start(struct watch *w)
          * command grow the workspace up to it */
         int64_t t0 = mono_ms(), known = w->lim.disk_known;
         bool partial;
-        w->lim.disk_known = workspace_size(w, &partial);
+        w->lim.disk_known = workspace_size(w, DISK_START_WALK_MS, &partial);
         w->walk_ms = mono_ms() - t0;
         if (partial && known > w->lim.disk_known) {
             /* what the walk could not see may hold what the estimate counted */
@@ -466,7 +485,7 @@ static void look_at_disk(struct watch *w, int64_t now, bool exited)
     }
     int64_t t0 = mono_ms();
     bool partial;
-    int64_t size = workspace_size(w, &partial);
+    int64_t size = workspace_size(w, 0, &partial);
     int64_t took = mono_ms() - t0;
     w->walk_ms = took;
     /* walks of a large workspace are spaced out: at most about 5% of the time */
