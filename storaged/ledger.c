@@ -2122,6 +2122,9 @@ enum cf_status ledger_read_bytes(struct ledger_ctx *c, const Cflue__V1__ReadRequ
     enum cf_status rc;
     int64_t next_pos, after = req->after_offset, last;
     size_t used = 0;
+    size_t first_room = c->cfg && c->cfg->send_bytes > LEDGER_RECORD_SLACK
+                            ? (size_t)(c->cfg->send_bytes - LEDGER_RECORD_SLACK)
+                            : SIZE_MAX;
     int limit = page_limit(req->page_size);
     if (*req->page_token &&
         (rc = page_token_parse_int(req->page_token, req->conversation_id, &after, err)) != CF_OK) {
@@ -2147,14 +2150,28 @@ enum cf_status ledger_read_bytes(struct ledger_ctx *c, const Cflue__V1__ReadRequ
     last = after;
     while ((rc = stmt_step(&s, &row, err)) == CF_OK && row) {
         Cflue__V1__Record *rec;
-        size_t framed;
-        /* the first record always fits (Append bounds every record by the page budget; a
-         * smaller budget, Follow's, may be passed by the first alone: then nothing is left) */
-        size_t room = out->n_records == 0      ? SIZE_MAX
+        size_t framed = 0;
+        /* the first record always goes if a message can carry it (Append bounds every record
+         * by the page budget; a smaller budget, Follow's, may be passed by the first alone:
+         * then nothing is left) */
+        size_t room = out->n_records == 0      ? first_room
                       : used >= (size_t)budget ? 0
                                                : (size_t)budget - used;
-        if ((rc = row_record(c, s.st, room, &rec, &framed, err)) != CF_OK || !rec) {
-            break; /* an error, or the page is full: the rest comes with the next one */
+        if ((rc = row_record(c, s.st, room, &rec, &framed, err)) != CF_OK) {
+            break;
+        }
+        if (!rec && out->n_records == 0) {
+            rc = cf_error_setr(
+                err, CF_PRECONDITION, "RECORD_OVER_MESSAGE_LIMIT",
+                "record %lld of conversation %s takes %zu bytes in a message, more than this "
+                "storaged sends (--max-message-bytes %lld); it was stored under a larger limit: "
+                "start storaged with --max-message-bytes %zu or more to read it",
+                (long long)sqlite3_column_int64(s.st, 0), req->conversation_id, framed,
+                (long long)c->cfg->send_bytes, framed + LEDGER_RECORD_SLACK);
+            break;
+        }
+        if (!rec) {
+            break; /* the page is full: the rest comes with the next one */
         }
         used += framed;
         out->records[out->n_records++] = rec;

@@ -37,6 +37,10 @@ struct ledger_config {
     int64_t timeout_ms;   /* default submission deadline, from the first claim */
     int32_t max_attempts; /* default budget of claims */
     int64_t page_bytes;   /* Read page budget; 0: LEDGER_PAGE_BYTES_MAX */
+    /* the largest message the server sends (--max-message-bytes; 0: no bound): a record
+     * stored under a larger limit, which would not fit a message alone, is refused by name
+     * (RECORD_OVER_MESSAGE_LIMIT) rather than failing every read of its conversation */
+    int64_t send_bytes;
 };
 
 /* ledger_page_bytes returns the page budget of cfg (its default when 0). */

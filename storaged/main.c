@@ -185,7 +185,8 @@ int main(int argc, char **argv)
     struct ledger_config cfg = {.lease_ms = o.lease_ms,
                                 .timeout_ms = o.timeout_ms,
                                 .max_attempts = (int32_t)o.max_attempts,
-                                .page_bytes = page_bytes};
+                                .page_bytes = page_bytes,
+                                .send_bytes = o.max_msg};
     struct writer *writer;
     struct cf_error err;
     if (writer_start(&writer, db, &cfg, (int)o.group, &err) != CF_OK) {

@@ -480,6 +480,19 @@ static void test_page_bytes(void)
         CHECK(ledger_read_bytes(&c, &rq, 500, &rs, &err) == CF_OK);
         CHECK(rs.n_records == 1);
         CHECK(*rs.next_page_token != '\0');
+        /* a record no message of this storaged can carry (stored before --max-message-bytes
+         * was lowered) is refused by name, with the limit that would read it */
+        struct ledger_config lowered = cfg;
+        lowered.send_bytes = 1500;
+        c.cfg = &lowered;
+        cflue__v1__read_response__init(&rs);
+        CHECK(ledger_read_bytes(&c, &rq, 500, &rs, &err) == CF_PRECONDITION);
+        CHECK_STR(cf_error_reason(&err), "RECORD_OVER_MESSAGE_LIMIT");
+        CHECK(strstr(err.msg, "record 0 of conversation c-pages") != NULL);
+        CHECK(strstr(err.msg, "--max-message-bytes") != NULL);
+        lowered.send_bytes = 4096;
+        cflue__v1__read_response__init(&rs);
+        CHECK(ledger_read_bytes(&c, &rq, 500, &rs, &err) == CF_OK && rs.n_records == 1);
     }
 
     /* a record over the limit is refused before anything is written */
