@@ -50,7 +50,7 @@ static const char usage[] =
 struct agentd_opts {
     const char *store, *agents_dir, *owner, *models, *tokens;
     long long workers, lease_ms, heartbeat_ms, model_timeout, model_stall, agents_poll_ms, drain_ms;
-    long long keepalive_ms, replica_linger_ms, hold_writes_ms;
+    long long keepalive_ms, replica_linger_ms, hold_writes_ms, watch_cache_mib;
     bool no_stream;
 };
 
@@ -307,6 +307,7 @@ static int prepare(struct daemon *d, struct agentd_opts *o, char owner[OWNER_MAX
         o->heartbeat_ms = o->lease_ms / 3;
     }
     placement_set_linger_ms(o->replica_linger_ms); /* before the definitions' first lookups */
+    watch_set_cache_bytes((size_t)o->watch_cache_mib << 20);
     if (!load_definitions(d, o)) {
         return 1;
     }
@@ -342,7 +343,8 @@ int main(int argc, char **argv)
                             .agents_poll_ms = 2000,
                             .keepalive_ms = 10000,
                             .hold_writes_ms = 50,
-                            .replica_linger_ms = PLACEMENT_LINGER_DEFAULT_MS};
+                            .replica_linger_ms = PLACEMENT_LINGER_DEFAULT_MS,
+                            .watch_cache_mib = WATCH_CACHE_DEFAULT >> 20};
     const struct config_opt opts[] = {
         DAEMON_OPT_LISTEN(&d, "address to serve the Agent API on"),
         CONFIG_OPT_STRING("store", &o.store, "storaged address"),
@@ -378,6 +380,10 @@ int main(int argc, char **argv)
                        "on SIGTERM, how long the drives in flight may run on to settle before "
                        "the rest are stopped and handed back (0: at once; a second SIGTERM "
                        "ends the wait)"),
+        CONFIG_OPT_INT("watch-cache-mib", &o.watch_cache_mib, 0, 65536,
+                       "records kept in memory for watchers catching up, every watched "
+                       "conversation together (0: each delivered and let go; watchers behind "
+                       "read from storaged)"),
         CONFIG_OPT_INT("replica-linger-ms", &o.replica_linger_ms, 0, 86400000,
                        "a toold replica that a lookup of a dns: sandbox.tools no longer finds "
                        "keeps its sandboxes this long (a pod restarting)"),

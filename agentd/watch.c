@@ -39,6 +39,7 @@
 #include "errinfo.h"
 #include "log.h"
 #include "mem.h"
+#include "metrics.h"
 #include "settled_here.h"
 #include "trace.h"
 
@@ -50,6 +51,9 @@
 
 #define RING_RECORDS 256
 #define RING_BYTES (1 << 20)
+/* What a ring's record is taken to cost: its decoded form and its encoding (made when a
+ * watcher first pushes it) are about its encoded size each. */
+#define RING_COST(size) (2 * (size_t)(size))
 #define CATCHUP_PAGE 200
 #define STORE_TIMEOUT_MS 15000
 #define FEED_BUCKETS 4096
@@ -116,7 +120,13 @@ static struct {
     struct rpc_server *srv;
     struct feed *buckets[FEED_BUCKETS];
     int n_feeds, n_watchers;
-} g = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    /* every feed's ring together (RING_COST), and its bound: a feed taking a record past it
+     * first gives up its own oldest ones, down to the new record alone (watchers behind it
+     * then catch up from storaged), so thousands of watched conversations do not hold a
+     * ring each of RING_BYTES */
+    size_t cache_bytes, cache_max;
+    struct metric *m_feeds, *m_watchers, *m_cache;
+} g = {.mu = PTHREAD_MUTEX_INITIALIZER, .cache_max = WATCH_CACHE_DEFAULT};
 
 static void deliver_locked(struct watcher *w, struct fin **fl);
 static void feed_on_message(void *arg, ProtobufCMessage *msg);
@@ -170,9 +180,11 @@ static void fin_run(struct fin *fl)
 
 /* ---------- feeds ---------- */
 
-/* ring_drop frees the ring's record in slot, and its encoding. */
+/* ring_drop frees the ring's record in slot, and its encoding, and takes its bytes off. */
 static void ring_drop(struct feed *f, int slot)
 {
+    f->ring_bytes -= f->ring_size[slot];
+    g.cache_bytes -= RING_COST(f->ring_size[slot]);
     protobuf_c_message_free_unpacked(&f->ring[slot]->base, NULL);
     if (f->ring_packed[slot]) {
         grpc_byte_buffer_destroy(f->ring_packed[slot]);
@@ -310,9 +322,9 @@ static void feed_on_message(void *arg, ProtobufCMessage *msg)
         return;
     }
     size_t size = protobuf_c_message_get_packed_size(msg);
-    while (f->ring_n > 0 && (f->ring_n == RING_RECORDS || f->ring_bytes + size > RING_BYTES)) {
+    while (f->ring_n > 0 && (f->ring_n == RING_RECORDS || f->ring_bytes + size > RING_BYTES ||
+                             g.cache_bytes + RING_COST(size) > g.cache_max)) {
         ring_drop(f, f->ring_head);
-        f->ring_bytes -= f->ring_size[f->ring_head];
         f->ring_head = (f->ring_head + 1) % RING_RECORDS;
         f->ring_n--;
         f->ring_first++;
@@ -326,6 +338,7 @@ static void feed_on_message(void *arg, ProtobufCMessage *msg)
     f->ring_size[slot] = (uint32_t)size;
     f->ring_n++;
     f->ring_bytes += size;
+    g.cache_bytes += RING_COST(size);
     f->last_off = rec->offset;
     for (struct watcher *w = f->watchers, *next; w; w = next) {
         next = w->next; /* deliver may detach w */
@@ -808,9 +821,32 @@ void watch_wait_settled(struct rpc_call *c, const char *submission_id)
     watcher_unref(w);
 }
 
+/* collect sets the module's gauges when metrics are scraped. */
+static void collect(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&g.mu);
+    double feeds = g.n_feeds, watchers = g.n_watchers, cached = (double)g.cache_bytes;
+    pthread_mutex_unlock(&g.mu);
+    metrics_set(g.m_feeds, NULL, feeds);
+    metrics_set(g.m_watchers, NULL, watchers);
+    metrics_set(g.m_cache, NULL, cached);
+}
+
 void watch_init(struct rpc_server *srv)
 {
     g.srv = srv;
+    g.m_feeds = metrics_gauge("cflue_agentd_watch_feeds",
+                              "storaged Follow streams held for Watch and GetSubmission(wait), "
+                              "one per watched conversation.",
+                              "");
+    g.m_watchers = metrics_gauge("cflue_agentd_watchers",
+                                 "Watch(follow) and GetSubmission(wait) calls being served.", "");
+    g.m_cache = metrics_gauge("cflue_agentd_watch_cache_bytes",
+                              "Records kept in memory for watchers, every watched conversation "
+                              "together (bounded by --watch-cache-mib).",
+                              "");
+    metrics_on_scrape(collect, NULL);
 }
 
 void watch_counts(int *feeds_out, int *watchers_out)
@@ -818,5 +854,12 @@ void watch_counts(int *feeds_out, int *watchers_out)
     pthread_mutex_lock(&g.mu);
     *feeds_out = g.n_feeds;
     *watchers_out = g.n_watchers;
+    pthread_mutex_unlock(&g.mu);
+}
+
+void watch_set_cache_bytes(size_t max)
+{
+    pthread_mutex_lock(&g.mu);
+    g.cache_max = max;
     pthread_mutex_unlock(&g.mu);
 }

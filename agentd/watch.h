@@ -21,8 +21,15 @@ void watch_start(struct rpc_call *c, const Cflue__V1__WatchRequest *req);
  * itself, now or later. */
 void watch_wait_settled(struct rpc_call *c, const char *submission_id);
 
-/* watch_feeds returns how many storaged Follow streams the module holds (one per watched
+/* watch_counts returns how many storaged Follow streams the module holds (one per watched
  * conversation), and watchers how many callers are attached to them. */
 void watch_counts(int *feeds_out, int *watchers_out);
+
+/* The records kept in memory for watchers catching up, every watched conversation together
+ * (--watch-cache-mib), by default. */
+#define WATCH_CACHE_DEFAULT ((size_t)64 << 20)
+
+/* watch_set_cache_bytes bounds those records (call before serving). */
+void watch_set_cache_bytes(size_t max);
 
 #endif

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import unittest
 
@@ -227,6 +228,65 @@ class WatchStreamsTest(AgentdCase):
         self.assertEqual(report['delivered'], HOT)
         self.assertLess(report['last_ms'], 10000)
         self.assertTrue(report['same_records'])
+
+
+class WatchCacheTest(AgentdCase):
+    """The records agentd keeps for watchers are bounded all together (--watch-cache-mib, here
+    1 MiB), not 1 MiB for each watched conversation: eight conversations watched, each given
+    a 300 KB answer, hold about one conversation's worth (they held 4.8 MiB). Every watcher
+    still gets every record, and one that starts behind reads them from storaged."""
+    stack_kwargs = {'agents': ('plain',),
+                    'agentd_args': ('--watch-cache-mib', '1', '--metrics-listen', '127.0.0.1:0')}
+    N = 8
+
+    def watch(self, conv, after, got, done):
+        """A Watch(follow) read on a thread into got; done is set at the settlement record.
+        Returns the call (cancel it to end the watch)."""
+        call = self.ad.watch(conv, after_offset=after, follow=True, timeout=60)
+
+        def run():
+            try:
+                for r in call:
+                    got.append(r.id)
+                    if sum(i.startswith('settled:') for i in got) == 2:
+                        done.set()  # the second submission's settlement
+            except grpc.RpcError:
+                pass
+        threading.Thread(target=run, daemon=True).start()
+        return call
+
+    def test_the_records_kept_for_watchers_are_bounded_together(self):
+        from test_metrics import samples, scrape
+        convs = [new_conv('cache-%d' % i) for i in range(self.N)]
+        self.fm.set_scenario([{'text': 'hi'}] * self.N)
+        for c in convs:  # a conversation is watched once it exists
+            sid = self.ad.submit('plain', 'hello', conversation_id=c).submission_id
+            self.ad.get_submission(sid, wait=True, timeout=60)
+        watched = []
+        for c in convs:
+            got, done = [], threading.Event()
+            watched.append((got, done, self.watch(c, -1, got, done)))
+        time.sleep(1)  # every Watch attached to its conversation's feed
+        self.fm.set_scenario([{'text': 'x' * 300000}] * self.N)
+        for c in convs:
+            sid = self.ad.submit('plain', 'big answer', conversation_id=c).submission_id
+            sub = self.ad.get_submission(sid, wait=True, timeout=60)
+            self.assertEqual(sub.outcome, common_pb2.OUTCOME_COMPLETED, sub.error)
+        for got, done, _ in watched:
+            self.assertTrue(done.wait(30), got)
+        _, text = scrape(self.ad)  # the watchers still attached
+        cached = samples(text)[('cflue_agentd_watch_cache_bytes', '')]
+        self.assertLessEqual(cached, 1.25 * (1 << 20))
+        self.assertGreater(cached, 0)
+        # every watcher had every record, and a watcher behind the cache reads them too
+        want = self.records(convs[0])
+        late, done = [], threading.Event()
+        call = self.watch(convs[0], -1, late, done)
+        self.assertTrue(done.wait(30))
+        self.assertEqual(late, [r.id for r in want])
+        self.assertEqual(watched[0][0], [r.id for r in want])
+        for _, _, c in watched + [(None, None, call)]:
+            c.cancel()
 
 
 if __name__ == '__main__':
