@@ -189,10 +189,11 @@ class EngineReclaimManyTest(unittest.TestCase):
         self.stack.remove()
 
     def park_kill_and_restart(self, n, storaged_down_s=0):
-        """n drives parked on the model (told to come back in 600 s), agentd killed and started
+        """n drives parked on the model (told to come back in 100 s, within the agent's 120 s
+        time limit: a longer wait fails the call at once), agentd killed and started
         again, storaged away for storaged_down_s meanwhile; returns the submissions once
         settled and the seconds from the restart (or storaged's return) until then."""
-        busy = {'error': {'status': 529, 'message': 'overloaded', 'retry_after': 600}}
+        busy = {'error': {'status': 529, 'message': 'overloaded', 'retry_after': 100}}
         self.stack.fm.set_scenario([busy] * n + [{'text': 'ok'}] * n)
         ad, fm = self.stack.ad, self.stack.fm
         with ThreadPoolExecutor(16) as ex:

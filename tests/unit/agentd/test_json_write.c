@@ -140,6 +140,9 @@ static void test_bad_utf8(void)
         for (size_t i = 0; i < n; i++) {
             seed = seed * 1103515245u + 12345u;
             s[i] = (char)(seed >> 16);
+            /* NUL is well-formed UTF-8, written as \u0000; utf8_sanitize replaces it (its text
+             * is a protobuf-c string): not a byte the two are compared on */
+            s[i] = s[i] ? s[i] : 1;
         }
         struct buf want;
         buf_init(&want, SIZE_MAX);
