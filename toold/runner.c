@@ -173,6 +173,10 @@ struct watch {
     int64_t walk_ms;   /* how long the last walk of the workspace took */
     int64_t fs_used0;  /* bytes in use on the workspace's filesystem at the start */
     int64_t disk_base; /* the larger of the bound and the size at the start */
+    int64_t fs_start;  /* the filesystem's use when the command started */
+    bool start_cut;    /* the walk at the start ran out of time: the size at the start is
+                        * learnt from the first whole walk (less the growth since) */
+    bool unmeasured;   /* the last walk could not see part of the workspace */
     long ticks_per_s;
     pid_t pids[WATCH_PIDS_MAX];
     enum proc_limit hit;
@@ -357,6 +361,7 @@ struct walk {
     unsigned long n; /* entries seen */
     int64_t sum;
     bool partial, out_of_time;
+    bool unseen; /* a part it could not see, time aside */
 };
 
 /* dir_usage adds what the directory dfd (closed here) holds to the walk, without following
@@ -367,7 +372,7 @@ static void dir_usage(int dfd, int depth, struct walk *k)
     struct dirent *e;
     if (!d) {
         close(dfd);
-        k->partial = true;
+        k->partial = k->unseen = true;
         return;
     }
     while (!k->out_of_time && (e = readdir(d))) {
@@ -376,8 +381,17 @@ static void dir_usage(int dfd, int depth, struct walk *k)
             k->out_of_time = k->partial = true;
             break;
         }
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") ||
-            fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_dev != k->dev) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) {
+            continue;
+        }
+        if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+            /* gone meanwhile, or unseen: a directory listed but not searchable (chmod 600) */
+            if (errno != ENOENT) {
+                k->partial = k->unseen = true;
+            }
+            continue;
+        }
+        if (st.st_dev != k->dev) {
             continue;
         }
         k->sum += (int64_t)st.st_blocks * 512;
@@ -390,17 +404,18 @@ static void dir_usage(int dfd, int depth, struct walk *k)
         if (sub >= 0) {
             dir_usage(sub, depth + 1, k);
         } else {
-            k->partial = true;
+            k->partial = k->unseen = true;
         }
     }
     closedir(d);
 }
 
 /* workspace_size walks the workspace, for at most max_ms (0: no bound); -1 when it cannot be
- * read. *partial: what it found is a lower bound only (see struct walk). */
-static int64_t workspace_size(const struct watch *w, int64_t max_ms, bool *partial)
+ * read. *partial: what it found is a lower bound only (see struct walk); *cut: for that the
+ * time ran out, and no part was unseen otherwise. */
+static int64_t workspace_size(const struct watch *w, int64_t max_ms, bool *partial, bool *cut)
 {
-    *partial = false;
+    *partial = *cut = false;
     struct stat st;
     int fd = open(w->lim.disk_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0 || fstat(fd, &st) != 0) {
@@ -412,6 +427,7 @@ static int64_t workspace_size(const struct watch *w, int64_t max_ms, bool *parti
     struct walk k = {.dev = st.st_dev, .until = max_ms ? mono_ms() + max_ms : 0};
     dir_usage(fd, 0, &k);
     *partial = k.partial;
+    *cut = k.out_of_time && !k.unseen;
     return k.sum;
 }
 
@@ -443,7 +459,7 @@ static void watch_disk_start(struct watch *w)
         w->lim.disk_bytes = 0;
         return;
     }
-    w->fs_used0 = fs_used(w);
+    w->fs_used0 = w->fs_start = fs_used(w);
     if (w->lim.disk_known < 0 || w->lim.disk_known > w->lim.disk_bytes) {
         /* unknown, or over the bound as last estimated: walked afresh, since an estimate
          * after removals can stay high until the filesystem frees their blocks (ext4 does
@@ -451,8 +467,9 @@ static void watch_disk_start(struct watch *w)
          * command grow the workspace up to it */
         int64_t t0 = mono_ms(), known = w->lim.disk_known;
         bool partial;
-        w->lim.disk_known = workspace_size(w, DISK_START_WALK_MS, &partial);
+        w->lim.disk_known = workspace_size(w, DISK_START_WALK_MS, &partial, &w->start_cut);
         w->walk_ms = mono_ms() - t0;
+        w->unmeasured = partial && !w->start_cut;
         if (partial && known > w->lim.disk_known) {
             /* what the walk could not see may hold what the estimate counted */
             w->lim.disk_known = known;
@@ -484,8 +501,8 @@ static void look_at_disk(struct watch *w, int64_t now, bool exited)
         return;
     }
     int64_t t0 = mono_ms();
-    bool partial;
-    int64_t size = workspace_size(w, 0, &partial);
+    bool partial, cut;
+    int64_t size = workspace_size(w, 0, &partial, &cut);
     int64_t took = mono_ms() - t0;
     w->walk_ms = took;
     /* walks of a large workspace are spaced out: at most about 5% of the time */
@@ -502,6 +519,14 @@ static void look_at_disk(struct watch *w, int64_t now, bool exited)
          * filesystem gained; counted from its lower bound, a command could fill such a
          * directory without end */
         size = w->lim.disk_known + (grown > 0 ? grown : 0);
+    }
+    w->unmeasured = partial;
+    if (w->start_cut && !partial && used >= 0 && w->fs_start >= 0) {
+        /* the first whole walk of a workspace too large to walk before the start: what it
+         * held then, as near as can be told, is its size less the filesystem's growth since */
+        int64_t at_start = size - (used > w->fs_start ? used - w->fs_start : 0);
+        w->disk_base = at_start > w->disk_base ? at_start : w->disk_base;
+        w->start_cut = false;
     }
     w->lim.disk_known = size; /* from here on, growth is counted from this walk */
     w->fs_used0 = used;
@@ -544,7 +569,8 @@ static void watch_tick(struct watch *w, int64_t now)
 /* send_end tells toold how the command ended (struct runner_end) and closes fd 3. */
 static void send_end(int fd, const struct watch *w)
 {
-    struct runner_end end = {(int32_t)w->hit, w->after_exit, w->used, disk_estimate(w)};
+    struct runner_end end = {(int32_t)w->hit,  w->after_exit, w->used,
+                             disk_estimate(w), w->unmeasured, 0};
     ssize_t n = write(fd, &end, sizeof(end));
     (void)n;
     close(fd);

@@ -170,12 +170,20 @@ class LimitCases(object):
         what it saw, such a filler was never stopped."""
         deep = '/'.join(['d'] * 300)
         res, _ = self.bash('hide', 'mkdir -p %s && cd %s && %s' % (deep, deep, DISK_FILLER))
-        self.assertStoppedBy(res, 'disk', 'disk limit of 8.0 MiB')
+        self.assertStoppedBy(res, 'disk', 'disk limit of 8.0 MiB', 'cannot be measured')
         res, _ = self.bash('hide', 'rm -rf d; echo cleaned')
         self.assertEqual(res.text, 'cleaned')
         self.assertNotIn('limit', result_details(res))
         if self.unprivileged:
             res, _ = self.bash('hide', 'mkdir h && chmod 300 h && cd h && ' + DISK_FILLER)
+            self.assertStoppedBy(res, 'disk', 'disk limit of 8.0 MiB')
+            res, _ = self.bash('hide', 'chmod 700 h && rm -rf h; echo cleaned')
+            self.assertEqual(res.text, 'cleaned')
+            # a directory that can be listed but not searched (its entries cannot be stat'ed):
+            # four files under the file size limit, written through descriptors opened before
+            res, _ = self.bash('hide', 'mkdir h && exec 3>h/a 4>h/b 5>h/c 6>h/d && chmod 600 h '
+                               '&& sleep 0.3 && for fd in 3 4 5 6; do for i in 1 2 3; do '
+                               'head -c 1M /dev/zero >&$fd; sleep 0.03; done; done')
             self.assertStoppedBy(res, 'disk', 'disk limit of 8.0 MiB')
             res, _ = self.bash('hide', 'chmod 700 h && rm -rf h; echo cleaned')
             self.assertEqual(res.text, 'cleaned')
