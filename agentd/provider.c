@@ -82,6 +82,12 @@ enum cf_status llm_text_delta(struct llm_response *out, const struct llm_events 
     if (!p || !n) {
         return CF_OK;
     }
+    if (out->args_bytes + out->text.len + n > PROVIDER_RESPONSE_MAX) {
+        return cf_error_set(err, CF_TOOBIG,
+                            "the model's answer passed %d bytes (its text and tool call "
+                            "arguments together)",
+                            PROVIDER_RESPONSE_MAX);
+    }
     if (buf_append(&out->text, p, n) != CF_OK) {
         return cf_error_set(err, CF_TOOBIG, "the model's text passed %d bytes", PROVIDER_TEXT_MAX);
     }

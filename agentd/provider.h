@@ -186,7 +186,8 @@ json_t *llm_event_json(const char *who, const char *data, struct cf_error *err);
 int64_t llm_retry_after_ms(const char *value, time_t now);
 
 /* llm_text_delta appends a piece of the model's text to out and passes it to ev->on_text.
- * CF_TOOBIG (err set, nothing passed on) past PROVIDER_TEXT_MAX. */
+ * CF_TOOBIG (err set, nothing passed on) past PROVIDER_TEXT_MAX, or when the answer's text and
+ * arguments together pass PROVIDER_RESPONSE_MAX. */
 CF_MUST_CHECK enum cf_status llm_text_delta(struct llm_response *out, const struct llm_events *ev,
                                             json_t *piece, struct cf_error *err);
 

@@ -60,6 +60,7 @@ void failpoint_hit(const char *name)
 {
     for (int i = 0; i < n_points; i++) {
         if (points[i].sleep_ms && !strcmp(points[i].name, name)) {
+            log_info("failpoint_sleep", "point=%s ms=%d", name, points[i].sleep_ms);
             struct timespec ts = {points[i].sleep_ms / 1000,
                                   (points[i].sleep_ms % 1000) * 1000000L};
             while (nanosleep(&ts, &ts) != 0) {

@@ -524,7 +524,9 @@ class TestFailpointAndThreads(HostileBase):
         got = {}
         t = threading.Thread(target=lambda: got.update(out=td.execute_batch(calls, timeout=30)))
         t.start()
-        time.sleep(0.7)  # the turns are taken; the calls wait at the failpoint
+        # the turns are taken; the calls wait at the failpoint (1.5 s)
+        self.assertTrue(poll_until(lambda: 'event=failpoint_sleep point=toold.batch.reserved'
+                                   in td.stderr_text(), 20, 0.02), 'the batch never started')
         shutil.rmtree(root)
         with open(root, 'w') as f:
             f.write('not a directory')

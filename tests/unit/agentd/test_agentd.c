@@ -314,6 +314,16 @@ static void test_streamed_answer_bound(void)
         CHECK(rc == CF_TOOBIG);
         CHECK(i == 17); /* the first 16 MiB were taken */
         CHECK(strstr(err.msg, "answer passed") != NULL);
+        /* and no text fits after them */
+        rc = openai ? openai_parse_event(st, "",
+                                         "{\"choices\":[{\"index\":0,\"delta\":{\"content\":"
+                                         "\"x\"}}]}",
+                                         NULL, &r, &err)
+                    : anthropic_parse_event(st, "",
+                                            "{\"type\":\"content_block_delta\",\"index\":0,"
+                                            "\"delta\":{\"type\":\"text_delta\",\"text\":\"x\"}}",
+                                            NULL, &r, &err);
+        CHECK(rc == CF_TOOBIG && r.text.len == 0);
         openai ? openai_stream_free(st) : anthropic_stream_free(st);
         llm_response_cleanup(&r);
     }

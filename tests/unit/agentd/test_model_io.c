@@ -566,11 +566,11 @@ static void test_cut_after_the_end(void)
 /* The stall window (60 s by default) bounds a streamed answer's silences only: a whole
  * answer (no stream) sends nothing until it is written, however long that takes. (libcurl
  * averages the speed over its last few seconds: a 1 s window notices a silence after about
- * 6 s, hence the 9 s gap.) */
+ * 6 s, hence the 9 s silences of both.) */
 static void test_stall_is_for_streams(void)
 {
     scenario("{\"steps\": ["
-             "{\"text\": \"slow but whole\", \"delay_ms\": 2500},"
+             "{\"text\": \"slow but whole\", \"delay_ms\": 9000},"
              "{\"text\": \"one two three four\", \"chunk_delay_ms\": 9000}]}");
     struct provider_endpoint ep = {
         .base_url = g_anthropic_url, .api_key = "k", .timeout_ms = 30000, .stall_ms = 1000};
