@@ -134,6 +134,11 @@ struct grep {
     const char *include;
     struct buf line; /* partial output line of an external engine */
     int engine_errors;
+    /* an external engine's stderr: its partial line, and its complete lines, those that do
+     * not say "Permission denied" apart (the first kept, for the error) */
+    struct buf err_line;
+    int err_lines, err_other;
+    char err_first[256];
     char *data; /* the built-in engine's read buffer */
     size_t data_cap;
 };
@@ -347,6 +352,39 @@ static bool engine_output(void *arg, const char *p, size_t n)
     return true;
 }
 
+/* engine_err_line ends the engine's stderr line in g->err_line, counting it. */
+static void engine_err_line(struct grep *g)
+{
+    const char *l = buf_cstr(&g->err_line);
+    if (g->err_line.len) {
+        g->err_lines++;
+        if (!strstr(l, "Permission denied")) {
+            if (!g->err_other++) {
+                snprintf(g->err_first, sizeof(g->err_first), "%s", l);
+            }
+        }
+    }
+    buf_reset(&g->err_line);
+}
+
+/* engine_stderr takes an engine's stderr: what it could not read, and why it failed. */
+static bool engine_stderr(void *arg, const char *p, size_t n)
+{
+    struct grep *g = arg;
+    for (size_t i = 0; i < n;) {
+        const char *nl = memchr(p + i, '\n', n - i);
+        size_t k = nl ? (size_t)(nl - (p + i)) : n - i;
+        size_t room = g->err_line.max - g->err_line.len;
+        (void)buf_append(&g->err_line, p + i, k < room ? k : room);
+        if (!nl) {
+            break;
+        }
+        engine_err_line(g);
+        i += k + 1;
+    }
+    return true;
+}
+
 static void shell_quote(struct buf *b, const char *s)
 {
     buf_append_str(b, " '");
@@ -365,14 +403,18 @@ static enum cf_status run_engine(struct grep *g, const char *command, int *exit_
 {
     struct sandbox *sb = g->ctx->sb;
     const char *const env[] = {"LC_ALL=C.UTF-8"};
-    struct proc_spec spec = {
-        .timeout_ms = 600000, .on_output = engine_output, .cancelled = grep_cancelled, .ctx = g};
+    struct proc_spec spec = {.timeout_ms = 600000,
+                             .on_output = engine_output,
+                             .on_stderr = engine_stderr,
+                             .cancelled = grep_cancelled,
+                             .ctx = g};
     struct proc_result pr = {0};
     enum cf_status rc = driver_run(sb, g->ctx->limits, sb->root, command, env, 1, &spec, &pr, err);
     if (g->line.len) {
         parse_engine_line(g, buf_cstr(&g->line), g->line.len);
         buf_reset(&g->line);
     }
+    engine_err_line(g);
     *exit_code = pr.exit_code;
     return rc;
 }
@@ -550,10 +592,12 @@ static bool search(struct grep *g, const char *engine, const char *pattern, bool
         tool_fail(res, "The search could not run: %s", err.msg);
         return false;
     }
-    if (code > 1 && g->hits.total == 0) {
-        tool_fail(res, "The search failed (%s exited with code %d).", engine, code);
+    if (code > 1 && g->hits.total == 0 && (g->err_other || !g->err_lines)) {
+        tool_fail(res, "The search failed (%s exited with code %d%s%s).", engine, code,
+                  g->err_other ? ": " : "", g->err_first);
         return false;
     }
+    /* directories it could not read are passed over, as toold's own walk does */
     return true;
 }
 
@@ -589,6 +633,7 @@ void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
     g.hits.cap = TOOL_GREP_MATCHES_MAX;
     g.hits.items = mem_alloc(g.hits.cap * sizeof(struct hit));
     buf_init(&g.line, 8192);
+    buf_init(&g.err_line, 1024);
     const char *engine = ctx->cfg->grep_engine;
     if (!strcmp(engine, "auto")) {
         engine = rel[0] != '/' && rg_available(ctx) ? "rg" : "pcre2";
@@ -614,6 +659,7 @@ out:
     ignore_filter_free(g.filter);
     topk_free(&g.hits);
     buf_cleanup(&g.line);
+    buf_cleanup(&g.err_line);
     pcre2_match_data_free(g.md);
     pcre2_code_free(g.re);
     free(g.data);

@@ -477,6 +477,28 @@ class Names(object):
             self.assertEqual(res.text, 'bad\ufffdname.txt:1:needle\nsub/caf\ufffd.txt:1:needle',
                              engine)
 
+    def test_grep_unreadable_directory_each_engine(self):
+        """A directory the search cannot read is passed over by every engine alike (toold's own
+        walk skips it; rg and grep exit 2 and say "Permission denied"): hits elsewhere are
+        found, and no hit is "No matches", not a failed search. Unprivileged toold only: root
+        reads every directory."""
+        if not self.unprivileged:
+            self.skipTest('root reads every directory')
+        out = {}
+        for engine in ('rg', 'pcre2', 'grep'):
+            if engine == 'rg' and not shutil.which('rg'):
+                continue
+            td = self.start(self.driver, grep_engine=engine)
+            self.call('u4', 'bash', {'command': 'mkdir -p shut open && echo needle > shut/a && '
+                                     'echo needle > open/b && chmod 000 shut'}, td=td)
+            found = self.call('u4', 'grep', {'pattern': 'needle'}, td=td)
+            none = self.call('u4', 'grep', {'pattern': 'absent'}, td=td)
+            self.call('u4', 'bash', {'command': 'chmod 700 shut'}, td=td)
+            out[engine] = (found.is_error, found.text, none.is_error, none.text)
+        self.assertEqual(out['pcre2'], (False, 'open/b:1:needle', False, out['pcre2'][3]))
+        for engine, got in out.items():
+            self.assertEqual(got, out['pcre2'], engine)
+
     def test_glob_pattern_over_64k(self):
         res = self.call('u3', 'glob', {'pattern': 'a' * (64 * 1024 + 1)})
         self.assertTrue(res.is_error)
