@@ -421,7 +421,7 @@ static void pump(struct run *r)
  * notes a process killed by the file size limit (SIGXFSZ, seen only in the exit status). */
 static void read_end(struct run *r)
 {
-    struct runner_end end = {0, 0, 0, -1, 0, 0};
+    struct runner_end end = {0, 0, 0, -1};
     r->out->disk_size = -1;
     if (r->rep_fd[0] >= 0) {
         fcntl(r->rep_fd[0], F_SETFL, O_NONBLOCK);
@@ -432,7 +432,6 @@ static void read_end(struct run *r)
             r->out->limit_after_exit = end.after_exit != 0;
         }
         r->out->disk_size = end.disk_size;
-        r->out->disk_unmeasured = end.unmeasured != 0;
         close_fd(&r->rep_fd[0]);
     }
     if (!r->out->limit && r->spec->limits && r->spec->limits->file_bytes > 0 &&

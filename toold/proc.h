@@ -99,7 +99,6 @@ struct proc_result {
     int64_t limit_used; /* what it had used when stopped (ms, bytes or processes; 0 if unknown) */
     bool limit_after_exit; /* disk only: found over the bound once the command had exited */
     int64_t disk_size;     /* the workspace's size as the runner last knew it (-1: unknown) */
-    bool disk_unmeasured;  /* its last walk could not see part of the workspace */
 };
 
 #define PROC_KILL_GRACE_MS 2000      /* SIGTERM to SIGKILL */
@@ -119,8 +118,6 @@ struct runner_end {
     int32_t after_exit;
     int64_t used;
     int64_t disk_size;
-    int32_t unmeasured; /* the last walk could not see part of the workspace */
-    int32_t unused;
 };
 
 /* PROC_RUNNER_FLAG as argv[1] makes a program that calls proc_runner_main act as the runner. */

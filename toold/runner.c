@@ -176,7 +176,6 @@ struct watch {
     int64_t fs_start;  /* the filesystem's use when the command started */
     bool start_cut;    /* the walk at the start ran out of time: the size at the start is
                         * learnt from the first whole walk (less the growth since) */
-    bool unmeasured;   /* the last walk could not see part of the workspace */
     long ticks_per_s;
     pid_t pids[WATCH_PIDS_MAX];
     enum proc_limit hit;
@@ -352,16 +351,15 @@ static void look_at_tree(struct watch *w)
     }
 }
 
-/* One walk of the workspace: the bytes allocated so far, and whether some of it could not be
- * seen (then the sum is a lower bound): a directory it cannot open or list (an unprivileged
- * command's chmod 300), one deeper than DISK_DEPTH_MAX, or the rest once its time ran out. */
+/* One walk of the workspace: the bytes allocated so far. What it cannot see is not counted:
+ * a directory it cannot open or list (for an unprivileged toold, one its owner made
+ * unreadable), one deeper than DISK_DEPTH_MAX, and, when its time runs out, the rest. */
 struct walk {
     dev_t dev;       /* the workspace's filesystem: the walk does not leave it */
     int64_t until;   /* monotonic ms it stops at (0: none) */
     unsigned long n; /* entries seen */
     int64_t sum;
-    bool partial, out_of_time;
-    bool unseen; /* a part it could not see, time aside */
+    bool out_of_time;
 };
 
 /* dir_usage adds what the directory dfd (closed here) holds to the walk, without following
@@ -372,50 +370,34 @@ static void dir_usage(int dfd, int depth, struct walk *k)
     struct dirent *e;
     if (!d) {
         close(dfd);
-        k->partial = k->unseen = true;
         return;
     }
     while (!k->out_of_time && (e = readdir(d))) {
         struct stat st;
         if (k->until && ++k->n % 256 == 0 && mono_ms() >= k->until) {
-            k->out_of_time = k->partial = true;
+            k->out_of_time = true;
             break;
         }
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) {
-            continue;
-        }
-        if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
-            /* gone meanwhile, or unseen: a directory listed but not searchable (chmod 600) */
-            if (errno != ENOENT) {
-                k->partial = k->unseen = true;
-            }
-            continue;
-        }
-        if (st.st_dev != k->dev) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") ||
+            fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_dev != k->dev) {
             continue;
         }
         k->sum += (int64_t)st.st_blocks * 512;
-        if (!S_ISDIR(st.st_mode)) {
-            continue;
-        }
-        int sub = depth < DISK_DEPTH_MAX
-                      ? openat(dirfd(d), e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
-                      : -1;
-        if (sub >= 0) {
-            dir_usage(sub, depth + 1, k);
-        } else {
-            k->partial = k->unseen = true;
+        if (S_ISDIR(st.st_mode) && depth < DISK_DEPTH_MAX) {
+            int sub = openat(dirfd(d), e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            if (sub >= 0) {
+                dir_usage(sub, depth + 1, k);
+            }
         }
     }
     closedir(d);
 }
 
 /* workspace_size walks the workspace, for at most max_ms (0: no bound); -1 when it cannot be
- * read. *partial: what it found is a lower bound only (see struct walk); *cut: for that the
- * time ran out, and no part was unseen otherwise. */
-static int64_t workspace_size(const struct watch *w, int64_t max_ms, bool *partial, bool *cut)
+ * read. *cut: the time ran out (the size is a lower bound). */
+static int64_t workspace_size(const struct watch *w, int64_t max_ms, bool *cut)
 {
-    *partial = *cut = false;
+    *cut = false;
     struct stat st;
     int fd = open(w->lim.disk_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0 || fstat(fd, &st) != 0) {
@@ -426,8 +408,7 @@ static int64_t workspace_size(const struct watch *w, int64_t max_ms, bool *parti
     }
     struct walk k = {.dev = st.st_dev, .until = max_ms ? mono_ms() + max_ms : 0};
     dir_usage(fd, 0, &k);
-    *partial = k.partial;
-    *cut = k.out_of_time && !k.unseen;
+    *cut = k.out_of_time;
     return k.sum;
 }
 
@@ -466,13 +447,10 @@ static void watch_disk_start(struct watch *w)
          * at its next journal commit), and a stale size over the bound would let this
          * command grow the workspace up to it */
         int64_t t0 = mono_ms(), known = w->lim.disk_known;
-        bool partial;
-        w->lim.disk_known = workspace_size(w, DISK_START_WALK_MS, &partial, &w->start_cut);
+        w->lim.disk_known = workspace_size(w, DISK_START_WALK_MS, &w->start_cut);
         w->walk_ms = mono_ms() - t0;
-        w->unmeasured = partial && !w->start_cut;
-        if (partial && known > w->lim.disk_known) {
-            /* what the walk could not see may hold what the estimate counted */
-            w->lim.disk_known = known;
+        if (w->start_cut && known > w->lim.disk_known) {
+            w->lim.disk_known = known; /* the last estimate knew more than the part walked */
         }
     }
     if (w->lim.disk_known < 0) {
@@ -501,8 +479,8 @@ static void look_at_disk(struct watch *w, int64_t now, bool exited)
         return;
     }
     int64_t t0 = mono_ms();
-    bool partial, cut;
-    int64_t size = workspace_size(w, 0, &partial, &cut);
+    bool cut;
+    int64_t size = workspace_size(w, 0, &cut);
     int64_t took = mono_ms() - t0;
     w->walk_ms = took;
     /* walks of a large workspace are spaced out: at most about 5% of the time */
@@ -513,15 +491,7 @@ static void look_at_disk(struct watch *w, int64_t now, bool exited)
     if (size < 0) {
         return;
     }
-    if (partial && size < w->lim.disk_known + (grown > 0 ? grown : 0)) {
-        /* a walk that could not see everything only raises the estimate: what it missed (a
-         * directory it cannot read, or one deeper than it goes) may hold all that the
-         * filesystem gained; counted from its lower bound, a command could fill such a
-         * directory without end */
-        size = w->lim.disk_known + (grown > 0 ? grown : 0);
-    }
-    w->unmeasured = partial;
-    if (w->start_cut && !partial && used >= 0 && w->fs_start >= 0) {
+    if (w->start_cut && used >= 0 && w->fs_start >= 0) {
         /* the first whole walk of a workspace too large to walk before the start: what it
          * held then, as near as can be told, is its size less the filesystem's growth since */
         int64_t at_start = size - (used > w->fs_start ? used - w->fs_start : 0);
@@ -569,8 +539,7 @@ static void watch_tick(struct watch *w, int64_t now)
 /* send_end tells toold how the command ended (struct runner_end) and closes fd 3. */
 static void send_end(int fd, const struct watch *w)
 {
-    struct runner_end end = {(int32_t)w->hit,  w->after_exit, w->used,
-                             disk_estimate(w), w->unmeasured, 0};
+    struct runner_end end = {(int32_t)w->hit, w->after_exit, w->used, disk_estimate(w)};
     ssize_t n = write(fd, &end, sizeof(end));
     (void)n;
     close(fd);

@@ -461,13 +461,6 @@ static void note_limit(const struct proc_result *pr, const struct proc_limits *l
                        "room. Exit code %d.]",
                        used, bound, pr->exit_code);
         }
-        if (pr->disk_unmeasured) {
-            buf_printf(&res->text,
-                       "\n\n[Part of the workspace cannot be measured: a directory deeper than "
-                       "256 levels, or one that cannot be read. All that the disk gains while "
-                       "it is there counts against this sandbox, other sandboxes' writes too. "
-                       "Remove that directory or make it readable (chmod u+rx).]");
-        }
         break;
     case PROC_LIMIT_NONE:
         return;
