@@ -332,24 +332,11 @@ static void parse_engine_line(struct grep *g, const char *p, size_t n)
     topk_add(&g->hits, h);
 }
 
-static bool engine_output(void *arg, const char *p, size_t n)
+/* engine_out_line ends the engine's output line in g->line: a hit, or an error. */
+static void engine_out_line(struct grep *g)
 {
-    struct grep *g = arg;
-    for (size_t i = 0; i < n;) {
-        const char *nl = memchr(p + i, '\n', n - i);
-        size_t k = nl ? (size_t)(nl - (p + i)) : n - i;
-        /* a line longer than the buffer keeps its start (its path, number and the head of
-         * its text, which is all that is printed); the rest is dropped up to its end */
-        size_t room = g->line.max - g->line.len;
-        (void)buf_append(&g->line, p + i, k < room ? k : room);
-        if (!nl) {
-            break;
-        }
-        parse_engine_line(g, buf_cstr(&g->line), g->line.len);
-        buf_reset(&g->line);
-        i += k + 1;
-    }
-    return true;
+    parse_engine_line(g, buf_cstr(&g->line), g->line.len);
+    buf_reset(&g->line);
 }
 
 /* engine_err_line ends the engine's stderr line in g->err_line, counting it. */
@@ -367,21 +354,38 @@ static void engine_err_line(struct grep *g)
     buf_reset(&g->err_line);
 }
 
+/* engine_lines gathers an engine's bytes into lines in line, ending each with end. A line
+ * longer than the buffer keeps its start (a hit's path, number and the head of its text,
+ * which is all that is printed); the rest is dropped up to its end. */
+static void engine_lines(struct grep *g, struct buf *line, void (*end)(struct grep *),
+                         const char *p, size_t n)
+{
+    for (size_t i = 0; i < n;) {
+        const char *nl = memchr(p + i, '\n', n - i);
+        size_t k = nl ? (size_t)(nl - (p + i)) : n - i;
+        size_t room = line->max - line->len;
+        (void)buf_append(line, p + i, k < room ? k : room);
+        if (!nl) {
+            break;
+        }
+        end(g);
+        i += k + 1;
+    }
+}
+
+/* engine_output takes an engine's stdout: its hits. */
+static bool engine_output(void *arg, const char *p, size_t n)
+{
+    struct grep *g = arg;
+    engine_lines(g, &g->line, engine_out_line, p, n);
+    return true;
+}
+
 /* engine_stderr takes an engine's stderr: what it could not read, and why it failed. */
 static bool engine_stderr(void *arg, const char *p, size_t n)
 {
     struct grep *g = arg;
-    for (size_t i = 0; i < n;) {
-        const char *nl = memchr(p + i, '\n', n - i);
-        size_t k = nl ? (size_t)(nl - (p + i)) : n - i;
-        size_t room = g->err_line.max - g->err_line.len;
-        (void)buf_append(&g->err_line, p + i, k < room ? k : room);
-        if (!nl) {
-            break;
-        }
-        engine_err_line(g);
-        i += k + 1;
-    }
+    engine_lines(g, &g->err_line, engine_err_line, p, n);
     return true;
 }
 
@@ -411,8 +415,7 @@ static enum cf_status run_engine(struct grep *g, const char *command, int *exit_
     struct proc_result pr = {0};
     enum cf_status rc = driver_run(sb, g->ctx->limits, sb->root, command, env, 1, &spec, &pr, err);
     if (g->line.len) {
-        parse_engine_line(g, buf_cstr(&g->line), g->line.len);
-        buf_reset(&g->line);
+        engine_out_line(g);
     }
     engine_err_line(g);
     *exit_code = pr.exit_code;
