@@ -173,9 +173,8 @@ struct watch {
     int64_t walk_ms;   /* how long the last walk of the workspace took */
     int64_t fs_used0;  /* bytes in use on the workspace's filesystem at the start */
     int64_t disk_base; /* the larger of the bound and the size at the start */
-    int64_t fs_start;  /* the filesystem's use when the command started */
     bool start_cut;    /* the walk at the start ran out of time: the size at the start is
-                        * learnt from the first whole walk (less the growth since) */
+                        * taken from the first whole walk, made at the first look */
     long ticks_per_s;
     pid_t pids[WATCH_PIDS_MAX];
     enum proc_limit hit;
@@ -440,7 +439,7 @@ static void watch_disk_start(struct watch *w)
         w->lim.disk_bytes = 0;
         return;
     }
-    w->fs_used0 = w->fs_start = fs_used(w);
+    w->fs_used0 = fs_used(w);
     if (w->lim.disk_known < 0 || w->lim.disk_known > w->lim.disk_bytes) {
         /* unknown, or over the bound as last estimated: walked afresh, since an estimate
          * after removals can stay high until the filesystem frees their blocks (ext4 does
@@ -458,7 +457,7 @@ static void watch_disk_start(struct watch *w)
         return;
     }
     w->disk_base = w->lim.disk_known > w->lim.disk_bytes ? w->lim.disk_known : w->lim.disk_bytes;
-    w->next_full_walk = mono_ms() + walk_spacing(w->walk_ms);
+    w->next_full_walk = w->start_cut ? 0 : mono_ms() + walk_spacing(w->walk_ms);
 }
 
 /* look_at_disk checks whether the command grew the workspace past its bound: cheaply from the
@@ -491,11 +490,12 @@ static void look_at_disk(struct watch *w, int64_t now, bool exited)
     if (size < 0) {
         return;
     }
-    if (w->start_cut && used >= 0 && w->fs_start >= 0) {
-        /* the first whole walk of a workspace too large to walk before the start: what it
-         * held then, as near as can be told, is its size less the filesystem's growth since */
-        int64_t at_start = size - (used > w->fs_start ? used - w->fs_start : 0);
-        w->disk_base = at_start > w->disk_base ? at_start : w->disk_base;
+    if (w->start_cut) {
+        /* the first whole walk of a workspace too large to walk before the start, made at
+         * the first look: its size stands for the size at the start (what the command wrote
+         * meanwhile is not told apart; counted from the filesystem's use, other writers'
+         * growth would stop the command, a cleanup too) */
+        w->disk_base = size > w->disk_base ? size : w->disk_base;
         w->start_cut = false;
     }
     w->lim.disk_known = size; /* from here on, growth is counted from this walk */
@@ -515,8 +515,8 @@ static void look_at_disk(struct watch *w, int64_t now, bool exited)
  * costs a walk at the next start, never a stop. */
 static int64_t disk_estimate(const struct watch *w)
 {
-    if (w->lim.disk_bytes <= 0) {
-        return -1;
+    if (w->lim.disk_bytes <= 0 || w->start_cut) {
+        return -1; /* (a walk cut short at the start measured part of it only) */
     }
     int64_t used = w->fs_used0 >= 0 ? fs_used(w) : -1;
     int64_t grown = used > w->fs_used0 ? used - w->fs_used0 : 0;

@@ -138,6 +138,7 @@ struct grep {
      * not say "Permission denied" apart (the first kept, for the error) */
     struct buf err_line;
     int err_lines, err_other;
+    bool engine_stopped; /* by a limit or its time, not by its own end */
     char err_first[256];
     char *data; /* the built-in engine's read buffer */
     size_t data_cap;
@@ -419,6 +420,7 @@ static enum cf_status run_engine(struct grep *g, const char *command, int *exit_
     }
     engine_err_line(g);
     *exit_code = pr.exit_code;
+    g->engine_stopped = pr.timed_out || pr.cancelled || pr.limit != PROC_LIMIT_NONE;
     return rc;
 }
 
@@ -568,7 +570,7 @@ static void engine_command(const struct grep *g, const char *engine, const char 
  * paths outside the workspace) by walking the tree here, else by running engine in the
  * sandbox. Fails the result and returns false when the search could not run. */
 static bool search(struct grep *g, const char *engine, const char *pattern, bool literal,
-                   const char *rel, const char *path, struct tool_result *res)
+                   const char *rel, const char *path, bool is_dir, struct tool_result *res)
 {
     struct cf_error err;
     if (!strcmp(engine, "pcre2") || rel[0] == '/') {
@@ -583,6 +585,16 @@ static bool search(struct grep *g, const char *engine, const char *pattern, bool
         }
         return true;
     }
+    /* a start the search cannot read is refused as toold's own walk refuses it (the engines
+     * would pass it over, as they do a directory below it, and say there are no matches) */
+    int fd;
+    if (is_dir && ws_open(g->ctx->sb, rel, O_RDONLY | O_DIRECTORY, 0, path, &fd, &err) != CF_OK) {
+        tool_fail_error(res, &err);
+        return false;
+    }
+    if (is_dir) {
+        close(fd);
+    }
     struct buf cmd;
     int code;
     buf_init(&cmd, TOOL_PATTERN_MAX * 4 + 8192);
@@ -595,7 +607,9 @@ static bool search(struct grep *g, const char *engine, const char *pattern, bool
         tool_fail(res, "The search could not run: %s", err.msg);
         return false;
     }
-    if (code > 1 && g->hits.total == 0 && (g->err_other || !g->err_lines)) {
+    /* exit 2 whose every complaint is "Permission denied": directories it could not read */
+    bool unreadable_only = code == 2 && !g->engine_stopped && g->err_lines && !g->err_other;
+    if (code > 1 && g->hits.total == 0 && !unreadable_only) {
         tool_fail(res, "The search failed (%s exited with code %d%s%s).", engine, code,
                   g->err_other ? ": " : "", g->err_first);
         return false;
@@ -636,13 +650,13 @@ void tool_grep_run(struct tool_ctx *ctx, json_t *args, struct tool_result *res)
     g.hits.cap = TOOL_GREP_MATCHES_MAX;
     g.hits.items = mem_alloc(g.hits.cap * sizeof(struct hit));
     buf_init(&g.line, 8192);
-    buf_init(&g.err_line, 1024);
+    buf_init(&g.err_line, 2 * WS_PATH_MAX); /* a path and what the engine says of it */
     const char *engine = ctx->cfg->grep_engine;
     if (!strcmp(engine, "auto")) {
         engine = rel[0] != '/' && rg_available(ctx) ? "rg" : "pcre2";
     }
     json_object_set_new(res->details, "engine", json_string(engine));
-    if (!search(&g, engine, pattern, literal, rel, path, res) ||
+    if (!search(&g, engine, pattern, literal, rel, path, S_ISDIR(st.st_mode), res) ||
         !list_hits(ctx, &g.hits, true, res)) {
         goto out;
     }

@@ -493,9 +493,13 @@ class Names(object):
                                      'echo needle > open/b && chmod 000 shut'}, td=td)
             found = self.call('u4', 'grep', {'pattern': 'needle'}, td=td)
             none = self.call('u4', 'grep', {'pattern': 'absent'}, td=td)
+            # the start itself unreadable: refused, not "no matches"
+            start = self.call('u4', 'grep', {'pattern': 'needle', 'path': 'shut'}, td=td)
             self.call('u4', 'bash', {'command': 'chmod 700 shut'}, td=td)
-            out[engine] = (found.is_error, found.text, none.is_error, none.text)
-        self.assertEqual(out['pcre2'], (False, 'open/b:1:needle', False, out['pcre2'][3]))
+            out[engine] = (found.is_error, found.text, none.is_error, none.text, start.is_error,
+                           start.text)
+        self.assertEqual(out['pcre2'][:3], (False, 'open/b:1:needle', False))
+        self.assertTrue(out['pcre2'][4], out['pcre2'][5])
         for engine, got in out.items():
             self.assertEqual(got, out['pcre2'], engine)
 

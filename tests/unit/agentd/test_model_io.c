@@ -585,8 +585,10 @@ static void test_stall_is_for_streams(void)
     llm_response_cleanup(&r);
     req.stream = true;
     llm_response_init(&r);
+    int64_t t0 = clock_mono_ms();
     enum cf_status rc = llm_complete(&ep, &req, NULL, &r, &err);
     CHECK(rc != CF_OK && r.retryable);
+    CHECK(clock_mono_ms() - t0 < 20000); /* the stall, not the call's 30 s */
     llm_response_cleanup(&r);
 }
 
