@@ -74,6 +74,19 @@ json_t *llm_event_json(const char *who, const char *data, struct cf_error *err)
     return j;
 }
 
+/* answer_room refuses n more bytes of a streamed answer's text or arguments past
+ * PROVIDER_RESPONSE_MAX (CF_TOOBIG, err set). */
+static enum cf_status answer_room(const struct llm_response *out, size_t n, struct cf_error *err)
+{
+    if (out->args_bytes + out->text.len + n > PROVIDER_RESPONSE_MAX) {
+        return cf_error_set(err, CF_TOOBIG,
+                            "the model's answer passed %d bytes (its text and tool call "
+                            "arguments together)",
+                            PROVIDER_RESPONSE_MAX);
+    }
+    return CF_OK;
+}
+
 enum cf_status llm_text_delta(struct llm_response *out, const struct llm_events *ev, json_t *piece,
                               struct cf_error *err)
 {
@@ -82,11 +95,8 @@ enum cf_status llm_text_delta(struct llm_response *out, const struct llm_events 
     if (!p || !n) {
         return CF_OK;
     }
-    if (out->args_bytes + out->text.len + n > PROVIDER_RESPONSE_MAX) {
-        return cf_error_set(err, CF_TOOBIG,
-                            "the model's answer passed %d bytes (its text and tool call "
-                            "arguments together)",
-                            PROVIDER_RESPONSE_MAX);
+    if (answer_room(out, n, err) != CF_OK) {
+        return CF_TOOBIG;
     }
     if (buf_append(&out->text, p, n) != CF_OK) {
         return cf_error_set(err, CF_TOOBIG, "the model's text passed %d bytes", PROVIDER_TEXT_MAX);
@@ -104,12 +114,11 @@ enum cf_status llm_args_delta(struct llm_response *out, struct buf *args, json_t
     if (!json_is_string(piece)) {
         return CF_OK;
     }
-    if (out->args_bytes + n + out->text.len > PROVIDER_RESPONSE_MAX ||
-        buf_append(args, json_string_value(piece), n) != CF_OK) {
-        return cf_error_set(err, CF_TOOBIG,
-                            "the model's answer passed %d bytes (its text and tool call "
-                            "arguments together)",
-                            PROVIDER_RESPONSE_MAX);
+    if (answer_room(out, n, err) != CF_OK) {
+        return CF_TOOBIG;
+    }
+    if (buf_append(args, json_string_value(piece), n) != CF_OK) {
+        return cf_error_set(err, CF_TOOBIG, "a tool call's arguments passed %zu bytes", args->max);
     }
     out->args_bytes += n;
     return CF_OK;

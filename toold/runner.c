@@ -393,10 +393,12 @@ static void dir_usage(int dfd, int depth, struct walk *k)
 }
 
 /* workspace_size walks the workspace, for at most max_ms (0: no bound); -1 when it cannot be
- * read. *cut: the time ran out (the size is a lower bound). */
+ * read. *cut (when given): the time ran out (the size is a lower bound). */
 static int64_t workspace_size(const struct watch *w, int64_t max_ms, bool *cut)
 {
-    *cut = false;
+    if (cut) {
+        *cut = false;
+    }
     struct stat st;
     int fd = open(w->lim.disk_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0 || fstat(fd, &st) != 0) {
@@ -407,7 +409,9 @@ static int64_t workspace_size(const struct watch *w, int64_t max_ms, bool *cut)
     }
     struct walk k = {.dev = st.st_dev, .until = max_ms ? mono_ms() + max_ms : 0};
     dir_usage(fd, 0, &k);
-    *cut = k.out_of_time;
+    if (cut) {
+        *cut = k.out_of_time;
+    }
     return k.sum;
 }
 
@@ -478,8 +482,7 @@ static void look_at_disk(struct watch *w, int64_t now, bool exited)
         return;
     }
     int64_t t0 = mono_ms();
-    bool cut;
-    int64_t size = workspace_size(w, 0, &cut);
+    int64_t size = workspace_size(w, 0, NULL);
     int64_t took = mono_ms() - t0;
     w->walk_ms = took;
     /* walks of a large workspace are spaced out: at most about 5% of the time */

@@ -587,12 +587,12 @@ static bool search(struct grep *g, const char *engine, const char *pattern, bool
     }
     /* a start the search cannot read is refused as toold's own walk refuses it (the engines
      * would pass it over, as they do a directory below it, and say there are no matches) */
-    int fd;
-    if (is_dir && ws_open(g->ctx->sb, rel, O_RDONLY | O_DIRECTORY, 0, path, &fd, &err) != CF_OK) {
-        tool_fail_error(res, &err);
-        return false;
-    }
     if (is_dir) {
+        int fd;
+        if (ws_open(g->ctx->sb, rel, O_RDONLY | O_DIRECTORY, 0, path, &fd, &err) != CF_OK) {
+            tool_fail_error(res, &err);
+            return false;
+        }
         close(fd);
     }
     struct buf cmd;
