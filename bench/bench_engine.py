@@ -785,8 +785,9 @@ def section3(root, a):
 # ---------------------------------------------------------------------------------------------
 
 
-# the daemons give free memory back every 10 s (common/daemon.c): "idle" is measured after that
-IDLE_WAIT_S = 12
+# the daemons give free memory back every 10 s (common/daemon.c), and agentd forgets the
+# submissions it settled after 10 to 20 s (agentd/settled_here.c): "idle" is measured after both
+IDLE_WAIT_S = 22
 # conversations that fill the daemons' caches, connections and thread stacks first: the RSS
 # after them is the one to compare with after the whole run (growth past them is per-work)
 WARM_UP = 100
