@@ -327,6 +327,55 @@ static int prepare(struct daemon *d, struct agentd_opts *o, char owner[OWNER_MAX
     return DAEMON_RUN;
 }
 
+/* run serves the Agent API with the options main read until a stop signal: the exit status. */
+static int run(struct daemon *d, struct agentd_opts *o)
+{
+    char owner[OWNER_MAX + 1];
+    int rc = prepare(d, o, owner);
+    if (rc != DAEMON_RUN) {
+        return rc;
+    }
+    set_engine(o);
+    stats_init();
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    rpc_global_init();
+    rpc_set_keepalive_ms((int)o->keepalive_ms);
+    g_agentd.store = rpc_channel_new(o->store, 64 << 20);
+    struct cf_error err;
+    struct agent_defs *defs = defs_get();
+    enum cf_status checked = tool_servers_check(&defs->agents, &err);
+    size_t n_agents = defs->agents.n;
+    defs_put(defs);
+    if (checked != CF_OK) {
+        daemon_say(d, 1, "%s", err.msg);
+        log_error("agents_invalid", "dir=%s", o->agents_dir);
+        close_clients();
+        return 1;
+    }
+
+    struct rpc_server_opts ro = {.workers = 8,
+                                 .max_threads = 1024,
+                                 .max_queue = (int)d->max_queue,
+                                 .max_stream_memory = (int64_t)d->max_stream_mib << 20};
+    struct rpc_server *srv = rpc_server_new(&ro);
+    api_register(srv);
+    engine_note_start();
+    if (!daemon_serve(d, srv)) {
+        close_clients();
+        return 1;
+    }
+    if (!engine_start(d, o->workers)) {
+        d->grace_ms = 0;
+        daemon_stop_serving(d);
+        close_clients();
+        return 1;
+    }
+    struct ready_probe *ready = start_serving_extras(d, o, srv, n_agents);
+    daemon_wait_for_stop_or_hup(release_memory, reload_on_hup, NULL);
+    stop(d, ready, o->drain_ms);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     struct daemon d = DAEMON_INIT("agentd", usage, "127.0.0.1:7100");
@@ -402,50 +451,5 @@ int main(int argc, char **argv)
         DAEMON_OPTS_PEER_TLS(&d),
     };
     int rc = daemon_configure(&d, opts, CONFIG_COUNT(opts), argc, argv);
-    if (rc != DAEMON_RUN) {
-        return rc;
-    }
-    char owner[OWNER_MAX + 1];
-    if ((rc = prepare(&d, &o, owner)) != DAEMON_RUN) {
-        return rc;
-    }
-    set_engine(&o);
-    stats_init();
-    curl_global_init(CURL_GLOBAL_DEFAULT);
-    rpc_global_init();
-    rpc_set_keepalive_ms((int)o.keepalive_ms);
-    g_agentd.store = rpc_channel_new(o.store, 64 << 20);
-    struct cf_error err;
-    struct agent_defs *defs = defs_get();
-    enum cf_status checked = tool_servers_check(&defs->agents, &err);
-    size_t n_agents = defs->agents.n;
-    defs_put(defs);
-    if (checked != CF_OK) {
-        daemon_say(&d, 1, "%s", err.msg);
-        log_error("agents_invalid", "dir=%s", o.agents_dir);
-        close_clients();
-        return 1;
-    }
-
-    struct rpc_server_opts ro = {.workers = 8,
-                                 .max_threads = 1024,
-                                 .max_queue = (int)d.max_queue,
-                                 .max_stream_memory = (int64_t)d.max_stream_mib << 20};
-    struct rpc_server *srv = rpc_server_new(&ro);
-    api_register(srv);
-    engine_note_start();
-    if (!daemon_serve(&d, srv)) {
-        close_clients();
-        return 1;
-    }
-    if (!engine_start(&d, o.workers)) {
-        d.grace_ms = 0;
-        daemon_stop_serving(&d);
-        close_clients();
-        return 1;
-    }
-    struct ready_probe *ready = start_serving_extras(&d, &o, srv, n_agents);
-    daemon_wait_for_stop_or_hup(release_memory, reload_on_hup, NULL);
-    stop(&d, ready, o.drain_ms);
-    return 0;
+    return rc == DAEMON_RUN ? run(&d, &o) : rc;
 }
