@@ -656,8 +656,10 @@ static void on_write_file(struct rpc_call *c, const ProtobufCMessage *msg, void 
     if (!target_open(c, req->sandbox, req->path, OPEN_NONE, &t)) {
         return;
     }
-    if (req->mode > 07777) {
-        rpc_call_fail(c, CF_INVALID, "mode must be permission bits (at most 07777)");
+    if (req->mode > 0777) {
+        rpc_call_fail(c, CF_INVALID,
+                      "mode must be read, write and execute bits (at most 0777): no set-user-ID, "
+                      "set-group-ID or sticky bit");
         return;
     }
     uint64_t ticket = locks_ticket(t.sb->locks, t.rel);

@@ -456,7 +456,7 @@ enum cf_status ws_write_file(const struct sandbox *sb, const char *rel, const vo
                                  shown_path);
         }
         if (S_ISREG(st.st_mode)) {
-            mode = st.st_mode & 07777;
+            mode = st.st_mode & 0777; /* a set-user-ID bit a command set does not survive */
         }
     }
     if (!mode) {
@@ -515,11 +515,35 @@ enum cf_status ws_write_file(const struct sandbox *sb, const char *rel, const vo
     return CF_OK;
 }
 
+/* make_private keeps other users out of the workspace root: a command may leave a
+ * set-user-ID program of its user in its workspace (a chmod of its own file), which anyone who
+ * can reach the workspace could run as that user. The root is made 0700 when toold owns it.
+ * One it cannot change (a volume another user owns) is logged: as a warning for a root toold,
+ * whose commands' files are root's; for an unprivileged one (a volume of a pod, which no other
+ * user reaches) as information. The workspaces are the commands' own: they may open theirs. */
+static void make_private(const char *root)
+{
+    struct stat st;
+    if (stat(root, &st) != 0 || !(st.st_mode & 077)) {
+        return;
+    }
+    if (st.st_uid == geteuid() && chmod(root, st.st_mode & 07700) == 0) {
+        log_info("root_made_private", "root=%s mode_was=%04o", root, st.st_mode & 07777);
+        return;
+    }
+    log_write(
+        geteuid() == 0 ? LOG_WARN : LOG_INFO, "root_not_private",
+        "root=%s mode=%04o owner=%u note=\"other users can reach the workspaces: a set-user-ID "
+        "program a command leaves there runs as toold's user for them; give toold a root of its "
+        "own (mode 0700)\"",
+        root, st.st_mode & 07777, (unsigned)st.st_uid);
+}
+
 enum cf_status workspaces_new(const char *root, bool confine, const struct driver *driver,
                               struct workspaces **out, struct cf_error *err)
 {
     struct workspaces *w = mem_alloc(sizeof(*w));
-    if (mkdir(root, 0755) != 0 && errno != EEXIST) {
+    if (mkdir(root, 0700) != 0 && errno != EEXIST) {
         free(w);
         return cf_error_set(err, CF_IO, "cannot create the workspace root %s: %s", root,
                             strerror(errno));
@@ -529,6 +553,7 @@ enum cf_status workspaces_new(const char *root, bool confine, const struct drive
         return cf_error_set(err, CF_IO, "cannot resolve the workspace root %s: %s", root,
                             strerror(errno));
     }
+    make_private(w->root);
     w->confine = confine;
     w->driver = driver;
     pthread_mutex_init(&w->mu, NULL);
@@ -560,7 +585,7 @@ void workspaces_free(struct workspaces *w)
     free(w);
 }
 
-/* make_dirs creates path and its missing parents (mode 0755). */
+/* make_dirs creates path and its missing parents (mode 0700: see make_private). */
 static int make_dirs(const char *path)
 {
     char tmp[PATH_MAX];
@@ -568,13 +593,13 @@ static int make_dirs(const char *path)
     for (char *p = tmp + 1; *p; p++) {
         if (*p == '/') {
             *p = '\0';
-            if (mkdir(tmp, 0755) != 0 && errno != EEXIST) {
+            if (mkdir(tmp, 0700) != 0 && errno != EEXIST) {
                 return -1;
             }
             *p = '/';
         }
     }
-    return mkdir(tmp, 0755) != 0 && errno != EEXIST ? -1 : 0;
+    return mkdir(tmp, 0700) != 0 && errno != EEXIST ? -1 : 0;
 }
 
 /* revive checks that the sandbox's directory is still the one root_fd holds; when a command

@@ -21,6 +21,7 @@ read or changed.
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import threading
 import unittest
@@ -154,6 +155,28 @@ class EscapeCases(object):
         self.assertFalse(os.path.exists('/tmp/' + self.marker))
         self.assertEqual(self.bash('echo x > %s && cat %s' % (self.marker, self.marker)), 'x')
         self.assertTrue(os.path.exists(os.path.join(self.ws, self.marker)))
+
+    def test_a_set_user_id_program_left_behind_runs_for_no_other_user(self):
+        # the command may mark its own file set-user-ID (as root in its namespace, a root
+        # toold's commands make files of the host's root); no other user of the host may reach
+        # it: toold's root is its own
+        out = self.bash('cp "$(command -v id)" ./ids && chmod 4755 ids && stat -c %a ids')
+        self.assertEqual(out.strip(), '4755')
+        self.assertEqual(os.stat(self.td.root).st_mode & 0o077, 0, oct(os.stat(self.td.root).st_mode))
+        if os.geteuid() != 0 or not shutil.which('setpriv'):
+            self.skipTest('needs root and setpriv to run it as another user')
+        # (through sh: setpriv itself execs with root's capabilities still held)
+        other = subprocess.run(['setpriv', '--reuid=54321', '--regid=54321', '--clear-groups',
+                                'sh', '-c', '"$0" -u', os.path.join(self.ws, 'ids')],
+                               capture_output=True, text=True)
+        self.assertNotEqual(other.returncode, 0, other.stdout)
+        self.assertIn('Permission denied', other.stderr)
+        # and toold's own writes keep no such bit, nor take one
+        self.td.sandbox('WriteFile', sandbox=self.sb, path='ids', data=b'#!/bin/sh\n')
+        self.assertEqual(os.stat(os.path.join(self.ws, 'ids')).st_mode & 0o7777, 0o755)
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.td.sandbox('WriteFile', sandbox=self.sb, path='s', data=b'x', mode=0o4755)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
 
     def test_secrets_and_other_sandboxes_are_not_there(self):
         victim = os.path.realpath(self.td.workspace('victim', create=True))
