@@ -680,13 +680,24 @@ static void on_write_file(struct rpc_call *c, const ProtobufCMessage *msg, void 
 struct file_info {
     Cflue__V1__FileInfo fi;
     Google__Protobuf__Timestamp mtime;
+    struct buf shown; /* the name with its bytes that are not UTF-8 replaced, when it has any */
 };
 
+/* file_info_fill describes name's st in f. A name that is not UTF-8 (a command may make one)
+ * is shown with U+FFFD for its bad bytes: a protobuf string must be UTF-8, and one bad name
+ * would make the whole answer unreadable to most clients. file_infos_free releases f. */
 static void file_info_fill(struct file_info *f, const char *name, const struct stat *st)
 {
     Cflue__V1__FileInfo *fi = &f->fi;
     cflue__v1__file_info__init(fi);
     fi->name = (char *)name;
+    if (!utf8_valid(name, strlen(name), NULL)) {
+        buf_init(&f->shown, 4 * strlen(name) + 1);
+        if (utf8_sanitize(&f->shown, name, strlen(name)) == CF_OK &&
+            buf_append(&f->shown, "", 1) == CF_OK) {
+            fi->name = f->shown.data;
+        }
+    }
     fi->type = S_ISLNK(st->st_mode)   ? CFLUE__V1__FILE_TYPE__FILE_TYPE_SYMLINK
                : S_ISREG(st->st_mode) ? CFLUE__V1__FILE_TYPE__FILE_TYPE_REGULAR
                : S_ISDIR(st->st_mode) ? CFLUE__V1__FILE_TYPE__FILE_TYPE_DIRECTORY
@@ -697,6 +708,14 @@ static void file_info_fill(struct file_info *f, const char *name, const struct s
     f->mtime.nanos = (int32_t)st->st_mtim.tv_nsec;
     fi->modify_time = &f->mtime;
     fi->mode = st->st_mode & 07777;
+}
+
+static void file_infos_free(struct file_info *infos, size_t n)
+{
+    for (size_t i = 0; i < n && infos; i++) {
+        buf_cleanup(&infos[i].shown);
+    }
+    free(infos);
 }
 
 static void on_stat(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
@@ -714,10 +733,11 @@ static void on_stat(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
         fail_errno(c, st_errno, "stat", req->path);
         return;
     }
-    struct file_info f;
+    struct file_info f = {.shown.data = NULL};
     const char *base = strrchr(t.rel, '/');
     file_info_fill(&f, base ? base + 1 : t.rel, &st);
     rpc_call_reply(c, &f.fi.base);
+    buf_cleanup(&f.shown);
 }
 
 /* ReadDir pages: page_size 0 means READ_DIR_PAGE_DEFAULT, more than READ_DIR_PAGE_MAX is
@@ -776,7 +796,7 @@ static void on_read_dir(struct rpc_call *c, const ProtobufCMessage *msg, void *u
     resp.next_page_token = next;
     rpc_call_reply(c, &resp.base);
     free(entries);
-    free(infos);
+    file_infos_free(infos, resp.n_entries);
     dirpage_cleanup(&page);
 }
 
@@ -871,6 +891,9 @@ static enum cf_status glance_skills(struct rpc_call *c, struct sandbox *sb, cons
     gs->ptrs = mem_alloc(sizeof(*gs->ptrs) * (page.n + 1));
     gs->paths = mem_alloc(sizeof(*gs->paths) * (page.n + 1));
     for (size_t i = 0; i < page.n && rc == CF_OK; i++) {
+        if (!utf8_valid(page.names[i], strlen(page.names[i]), NULL)) {
+            continue; /* no skill's name (its directory's) is other than UTF-8 */
+        }
         char *path = mem_asprintf("%s/%s/SKILL.md", req->skills_dir, page.names[i]);
         char prel[WS_PATH_MAX];
         int fd = -1;
@@ -983,7 +1006,7 @@ static void on_glance(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     tool_specs_cleanup(&ts);
     glance_skills_cleanup(&gs);
     free(entries);
-    free(infos);
+    file_infos_free(infos, resp.n_entries);
     free(resp.file_data.data);
     /* not `if (req->max_entries > 0)`: the reply freed the call and req with it (a
      * heap-use-after-free under ASan); an unlisted page is still {0}, which cleans up to nothing */
@@ -1059,7 +1082,16 @@ static void on_remove(struct rpc_call *c, const ProtobufCMessage *msg, void *use
 struct exec_out {
     struct buf out, err; /* share EXEC_OUTPUT_MAX between them */
     bool overflow;
+    struct rpc_call *call;
 };
+
+/* exec_gone: Exec's caller went away (its deadline passed, or it cancelled): the command is
+ * stopped rather than left to run to its own timeout, holding a call's place. */
+static bool exec_gone(void *arg)
+{
+    const struct exec_out *o = arg;
+    return call_gone(o->call);
+}
 
 static bool exec_collect_to(struct exec_out *o, struct buf *b, const char *p, size_t n)
 {
@@ -1110,7 +1142,7 @@ static void on_exec(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
     for (size_t i = 0; i < req->n_env; i++) {
         env[i] = mem_asprintf("%s=%s", req->env[i]->key, req->env[i]->value);
     }
-    struct exec_out o = {.overflow = false};
+    struct exec_out o = {.overflow = false, .call = c};
     buf_init(&o.out, EXEC_OUTPUT_MAX);
     buf_init(&o.err, EXEC_OUTPUT_MAX);
     int64_t timeout = req->timeout ? dur_ms(req->timeout) : 0;
@@ -1122,6 +1154,7 @@ static void on_exec(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
                              .stdin_len = req->stdin.len,
                              .on_output = exec_collect,
                              .on_stderr = exec_collect_err,
+                             .cancelled = exec_gone,
                              .ctx = &o};
     struct proc_result pr;
     enum cf_status rc = driver_run(t.sb, &limits, cwd, req->command, (const char *const *)env,

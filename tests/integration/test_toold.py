@@ -707,6 +707,25 @@ class TestSandboxService(TooldBase):
         self.assertEqual(cm.exception.code(), INVALID_ARGUMENT)
         self.assertEqual(error_reason(cm.exception), 'NOT_A_DIRECTORY')
 
+    def test_names_that_are_not_utf8_are_shown_not_fatal(self):
+        # a command may name a file with any bytes; a listing still reaches every client (a
+        # protobuf string must be UTF-8), the bad bytes shown as U+FFFD
+        os.makedirs(self.host('odd/.agents/skills/ok'), exist_ok=True)
+        for name in (b'bad\xff.txt', b'good.txt'):
+            with open(os.path.join(self.host('odd').encode(), name), 'w') as f:
+                f.write('x')
+        os.makedirs(os.path.join(self.host('odd/.agents/skills').encode(), b'sk\xfe'))
+        for d in (b'ok', b'sk\xfe'):
+            with open(os.path.join(self.host('odd/.agents/skills').encode(), d, b'SKILL.md'),
+                      'w') as f:
+                f.write('s')
+        self.assertEqual([e.name for e in self.sbx('ReadDir', path='odd').entries],
+                         ['.agents', 'bad\ufffd.txt', 'good.txt'])
+        g = self.sbx('Glance', cwd='odd', max_entries=10, skills_dir='.agents/skills',
+                     max_skills=10)
+        self.assertEqual([e.name for e in g.entries], ['.agents', 'bad\ufffd.txt', 'good.txt'])
+        self.assertEqual([k.dir for k in g.skills], ['ok'])
+
     def test_glance_reads_the_first_readable_note_and_lists_the_top(self):
         self.sbx('Mkdir', path='AGENTS.md')  # a directory by that name is skipped
         self.sbx('WriteFile', path='CLAUDE.md', data=b'# notes\n' + b'n' * 100)
@@ -1319,6 +1338,14 @@ class TestProcessHygiene(TooldBase):
         self.assertEqual(wait_no_process(['sleep', '1000']), [])
         self.assertEqual(wait_no_zombies(self.td.pid), [])
         self.assertHealthy()
+
+    def test_cancelled_exec_kills_its_command(self):
+        # Sandbox.Exec alike: not left to run to its own timeout (300 s), holding a call's place
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.td.sandbox('Exec', sandbox='cancel', command='sleep 1000', timeout=1)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.assertEqual(wait_no_process(['sleep', '1000']), [])
+        self.assertEqual(wait_no_zombies(self.td.pid), [])
 
     def test_caller_deadline_ends_command(self):
         t0 = time.monotonic()
