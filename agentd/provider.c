@@ -13,6 +13,7 @@
 #include "model_io.h"
 #include "sse.h"
 #include "trace.h"
+#include "utf8.h"
 
 #include <curl/curl.h>
 #include <pthread.h>
@@ -322,7 +323,8 @@ static enum cf_status classify(struct call *c, struct cf_error *err)
     char msg[300] = "";
     json_t *j = json_loads(buf_cstr(&c->body), 0, NULL);
     const char *m = json_string_value(json_object_get(json_object_get(j, "error"), "message"));
-    snprintf(msg, sizeof(msg), "%s", m ? m : (c->body.len ? "(no error message)" : "(empty body)"));
+    m = m ? m : (c->body.len ? "(no error message)" : "(empty body)");
+    snprintf(msg, sizeof(msg), "%.*s", (int)utf8_prefix_len(m, strlen(m), sizeof(msg) - 1), m);
     json_decref(j);
     struct llm_response *out = c->out;
     out->http_status = (int)s;

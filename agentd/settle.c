@@ -160,8 +160,10 @@ static void settle_request(struct drive *d, Cflue__V1__Outcome outcome, const ch
     s->req.fence = &d->fence;
     s->req.usage = &s->usage;
     s->req.outcome = outcome;
-    if (error) {
-        snprintf(s->cut, sizeof(s->cut), "%s", error);
+    if (error) { /* storaged refuses an error that is not UTF-8: a provider's text may not be */
+        struct buf clean;
+        snprintf(s->cut, sizeof(s->cut), "%s", dstore_utf8(error, &clean));
+        buf_cleanup(&clean);
         s->cut[utf8_prefix_len(s->cut, strlen(s->cut), SETTLE_ERROR_MAX)] = '\0';
     }
     s->req.error =

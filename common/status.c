@@ -1,8 +1,11 @@
 /* status.c - names, messages and gRPC codes of enum cf_status. */
 #include "status.h"
 
+#include "utf8.h"
+
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 static const struct {
     const char *name;
@@ -86,7 +89,12 @@ __attribute__((format(printf, 4, 0))) static void
 vset(struct cf_error *err, enum cf_status code, const char *reason, const char *fmt, va_list ap)
 {
     err->code = code;
-    vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
+    char text[2 * sizeof(err->msg)]; /* one past the cut shows where a character starts */
+    int n = vsnprintf(text, sizeof(text), fmt, ap);
+    size_t len = n < 0 ? 0 : (size_t)n < sizeof(text) ? (size_t)n : sizeof(text) - 1;
+    len = utf8_prefix_len(text, len, sizeof(err->msg) - 1); /* a cut between characters */
+    memcpy(err->msg, text, len);
+    err->msg[len] = '\0';
     snprintf(err->reason, sizeof(err->reason), "%s", reason ? reason : "");
 }
 

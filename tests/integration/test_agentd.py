@@ -1342,6 +1342,19 @@ class TestAgentdBadInput(AgentdCase):
                                 s.error)
                 self.assertIn('401', s.error)
 
+    def test_an_error_text_cut_inside_a_character_still_fails_once(self):
+        # a provider's message quoting text cut mid-character: the failure is recorded as it
+        # is (storaged refuses a Settle whose error is not UTF-8; the drive then tried again)
+        for agent in ('runner-anthropic', 'runner-openai'):
+            with self.subTest(agent=agent):
+                msg = 'x' * 298 + '\u00e9' + ' quoted from the request'
+                conv, sid, t0 = self.submit(agent, [{'error': {'status': 400, 'message': msg}}] * 3)
+                s = self.wait_settled(sid, timeout=30)
+                self.assertEqual(outcome_name(s.outcome), 'FAILED', s.error)
+                self.assertEqual(len(self.model_requests(conv)), 1, 'the 400 was asked again')
+                self.assertEqual(s.attempt_count, 1)
+                self.assertIn('xxx', s.error)
+
     def test_http_5xx_once_then_success(self):
         for agent, status in (('runner-anthropic', 529), ('runner-anthropic', 500),
                               ('runner-openai', 500), ('runner-openai', 529)):

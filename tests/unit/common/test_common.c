@@ -64,6 +64,13 @@ static void test_status(void)
     CHECK(cf_error_set(&err, CF_INVALID, "field %s", "x") == CF_INVALID);
     CHECK_STR(err.msg, "field x");
     CHECK(cf_error_set(NULL, CF_IO, "ignored") == CF_IO);
+    /* a message over the limit is cut between characters, never inside one */
+    char long_text[CF_ERROR_MSG_MAX + 8];
+    memset(long_text, 'x', CF_ERROR_MSG_MAX - 2);
+    strcpy(long_text + CF_ERROR_MSG_MAX - 2, "\xc3\xa9 more"); /* an e-acute over the cut */
+    cf_error_set(&err, CF_INVALID, "%s", long_text);
+    CHECK(strlen(err.msg) == CF_ERROR_MSG_MAX - 2);
+    CHECK(utf8_valid(err.msg, strlen(err.msg), NULL));
 }
 
 static void test_pbtime(void)
