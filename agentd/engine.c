@@ -655,6 +655,69 @@ static bool taken_from_self(const Cflue__V1__ClaimResponse *cl)
     return false;
 }
 
+/* list_own calls each(submission) for this owner's submissions in one of n statuses (with an
+ * abort intent only when abort_requested), a List page of 1000 at a time; false when storaged
+ * did not answer (the caller asks again later). */
+static bool list_own(const Cflue__V1__SubmissionStatus *statuses, size_t n, bool abort_requested,
+                     void (*each)(const Cflue__V1__Submission *s))
+{
+    char *token = NULL;
+    do {
+        Cflue__V1__ListRequest lr = CFLUE__V1__LIST_REQUEST__INIT;
+        ProtobufCMessage *resp = NULL;
+        struct cf_error err;
+        lr.owner_id = (char *)g_agentd.owner_id;
+        lr.abort_requested = abort_requested;
+        lr.statuses = (Cflue__V1__SubmissionStatus *)statuses;
+        lr.n_statuses = n;
+        lr.page_size = 1000;
+        lr.page_token = token ? token : "";
+        enum cf_status rc = store_call(g_agentd.store, "List", &lr.base,
+                                       &cflue__v1__list_response__descriptor, 5000, &resp, &err);
+        free(token);
+        token = NULL;
+        if (rc != CF_OK) {
+            return false;
+        }
+        const Cflue__V1__ListResponse *l = (const Cflue__V1__ListResponse *)resp;
+        for (size_t i = 0; i < l->n_submissions; i++) {
+            each(l->submissions[i]);
+        }
+        if (*l->next_page_token && l->n_submissions) {
+            token = mem_strdup(l->next_page_token);
+        }
+        protobuf_c_message_free_unpacked(resp, NULL);
+    } while (token);
+    return true;
+}
+
+/* take_back_if_idle resumes s at once when no drive here holds it and no resume waits for it. */
+static void take_back_if_idle(const Cflue__V1__Submission *s)
+{
+    bool waiting = false;
+    pthread_mutex_lock(&g_agentd.mu);
+    for (int i = 0; i < n_resumes && !waiting; i++) {
+        waiting = !strcmp(resumes[i].submission_id, s->submission_id);
+    }
+    pthread_mutex_unlock(&g_agentd.mu);
+    if (!waiting && !driven_here(s->submission_id)) {
+        log_sub_info(s, "take_back", "submission=%s after=unanswered_claim", s->submission_id);
+        resume_later(s->submission_id, s->attempt_id, s->epoch, 0);
+    }
+}
+
+/* take_back_unanswered_claims: a Claim that got no answer (storaged went away, or the deadline
+ * passed) may still have committed: its submission is then RUNNING under this owner with no
+ * drive until the lease runs out. After one, before claiming again, this owner's RUNNING
+ * submissions that no drive here holds are resumed at once (engine_admitted does the same for
+ * an Admit). false when storaged did not answer (asked again at the next claim). */
+static bool take_back_unanswered_claims(void)
+{
+    static const Cflue__V1__SubmissionStatus running[] = {
+        CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING};
+    return list_own(running, 1, false, take_back_if_idle);
+}
+
 /* claim_some admits one drive (a due resume, or a new claim: at first also the work this owner
  * held before the start);
  * returns whether it found something (the claimer asks again at once). *wait_ms is how long
@@ -666,11 +729,20 @@ static bool claim_some(int64_t *wait_ms)
     if (!engine_has_room()) {
         return false; /* a drive's end wakes the claimer; a stop or a drain ends the claims */
     }
+    static bool claim_unanswered; /* only the claimer claims */
+    if (claim_unanswered) {
+        if (!take_back_unanswered_claims()) {
+            *wait_ms = 1000;
+            return false;
+        }
+        claim_unanswered = false;
+    }
     if (resume_one()) {
         return true;
     }
     Cflue__V1__ClaimResponse *cl = NULL;
     enum cf_status rc = claim(NULL, reclaim_before_ms, &cl, &err);
+    claim_unanswered = rc == CF_UNAVAILABLE;
     if (rc == CF_OK && cl->submission && reclaim_before_ms && taken_from_self(cl)) {
         protobuf_c_message_free_unpacked(&cl->base, NULL);
         return true;
@@ -805,52 +877,32 @@ static bool heartbeat(const struct active *snap, int n)
     return ok;
 }
 
-/* poll_aborts asks storaged, in one List (a page per 1000 of them), which of this owner's
- * running submissions have an abort intent (aborts through this agentd's API arrive at once;
- * this finds those asked through another agentd). */
+/* mark_if_fresh marks an abort intent on the drive here of s, when there is one that has not
+ * heard of it yet. */
+static void mark_if_fresh(const Cflue__V1__Submission *s)
+{
+    bool fresh = false;
+    pthread_mutex_lock(&g_agentd.mu);
+    for (int k = 0; k < g_agentd.active_used; k++) {
+        struct active *a = &g_agentd.active[k];
+        fresh = fresh ||
+                (a->in_use && !a->abort_requested && !strcmp(a->submission_id, s->submission_id));
+    }
+    pthread_mutex_unlock(&g_agentd.mu);
+    if (fresh) {
+        agentd_mark_abort(s->submission_id);
+    }
+}
+
+/* poll_aborts asks storaged which of this owner's running submissions have an abort intent
+ * (aborts through this agentd's API arrive at once; this finds those asked through another
+ * agentd). Not the settled ones: they keep their owner and intent for good. */
 static void poll_aborts(void)
 {
-    Cflue__V1__SubmissionStatus held[] = {
+    static const Cflue__V1__SubmissionStatus held[] = {
         CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING,
         CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_TERMINALIZING};
-    char *token = NULL;
-    do {
-        Cflue__V1__ListRequest lr = CFLUE__V1__LIST_REQUEST__INIT;
-        ProtobufCMessage *resp = NULL;
-        struct cf_error err;
-        lr.owner_id = (char *)g_agentd.owner_id;
-        lr.abort_requested = true;
-        lr.statuses = held; /* not the settled ones: they keep their owner and intent for good */
-        lr.n_statuses = 2;
-        lr.page_size = 1000;
-        lr.page_token = token ? token : "";
-        enum cf_status rc = store_call(g_agentd.store, "List", &lr.base,
-                                       &cflue__v1__list_response__descriptor, 5000, &resp, &err);
-        free(token);
-        token = NULL;
-        if (rc != CF_OK) {
-            return; /* the next tick asks again */
-        }
-        const Cflue__V1__ListResponse *l = (const Cflue__V1__ListResponse *)resp;
-        for (size_t i = 0; i < l->n_submissions; i++) {
-            const char *id = l->submissions[i]->submission_id;
-            bool fresh = false;
-            pthread_mutex_lock(&g_agentd.mu);
-            for (int k = 0; k < g_agentd.active_used; k++) {
-                struct active *a = &g_agentd.active[k];
-                fresh =
-                    fresh || (a->in_use && !a->abort_requested && !strcmp(a->submission_id, id));
-            }
-            pthread_mutex_unlock(&g_agentd.mu);
-            if (fresh) {
-                agentd_mark_abort(id);
-            }
-        }
-        if (*l->next_page_token && l->n_submissions) {
-            token = mem_strdup(l->next_page_token);
-        }
-        protobuf_c_message_free_unpacked(resp, NULL);
-    } while (token);
+    (void)list_own(held, 2, true, mark_if_fresh); /* unanswered: the next tick asks again */
 }
 
 /* heartbeat_main renews leases every heartbeat_ms and polls abort intents every tick. */

@@ -609,6 +609,39 @@ class LostAdmitAnswerTest(FaultsBase):
         self.assert_outcome_true(conv, adm.submission_id)
 
 
+class LostClaimAnswerTest(AgentdCase):
+    """storaged commits the claimer's Claim and dies before answering (failpoint
+    storaged.reply.Claim): the submission is RUNNING under agentd's lease with no drive.
+    Once storaged is back, agentd finds it among its own and runs it at once, instead of
+    waiting out a 20 s lease."""
+    stack_kwargs = {'agents': ('runner-anthropic',), 'n_agentd': 0,
+                    'storaged_env': {'CFLUE_FAILPOINTS': 'storaged.reply.Claim=crash'}}
+
+    def test_work_whose_claim_lost_its_answer_runs_at_once(self):
+        st = self.stack
+        conv = new_conv('lostclaim')
+        st.td.workspace(conv, create=True)
+        st.fm.set_scenario(bind([{'text': 'Taken back after the lost Claim.'}], conv))
+        sid = H.admit(st.sd.stub, agent='runner-anthropic', conv=conv,
+                      text='hi (%s)' % conv).submission.submission_id
+        ad = H.Agentd(st.sd.target, st.agents_dir, owner_id='agentd-lost-claim', env=st.env,
+                      extra_args=('--lease-ms', '20000', '--heartbeat-ms', '2000'),
+                      workdir=st._sub('agentd-lost-claim'))
+        st.daemons.append(('agentd-lost-claim', ad))
+        st.sd.proc.wait(30)
+        self.assertIn('failpoint_crash point=storaged.reply.Claim', st.sd.stderr_text())
+        del st.sd.env['CFLUE_FAILPOINTS']
+        st.sd.start()
+        t0 = time.monotonic()
+        self.wait_for('the submission to settle',
+                      lambda: H.get(st.sd.stub, sid).status == SETTLED, timeout=40)
+        took = time.monotonic() - t0
+        sub = H.get(st.sd.stub, sid)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertLess(took, 10.0, 'the work waited %.1f s: the lease ran out first' % took)
+        self.assertIn('take_back submission=%s after=unanswered_claim' % sid, ad.stderr_text())
+
+
 class LostJoinAnswerTest(FaultsBase):
     """storaged commits a ClaimJoinable (two follow-ups become JOINING into the running host)
     and dies before answering (failpoint storaged.reply.ClaimJoinable), and is back a moment
