@@ -1105,10 +1105,10 @@ enum cf_status ledger_shift_times(struct ledger_ctx *c, int64_t step_ms, int *mo
 {
     static const char sql[] =
         "UPDATE submissions SET "
-        "lease_expires_at = CASE WHEN lease_expires_at > 0 THEN lease_expires_at + ?1 "
+        "lease_expires_at = CASE WHEN lease_expires_at > 1 THEN MAX(1, lease_expires_at + ?1) "
         "ELSE lease_expires_at END, "
-        "timeout_at = CASE WHEN timeout_at > 0 THEN timeout_at + ?1 ELSE timeout_at END, "
-        "started_at = CASE WHEN started_at > 0 THEN started_at + ?1 ELSE started_at END "
+        "timeout_at = CASE WHEN timeout_at > 0 THEN MAX(1, timeout_at + ?1) ELSE timeout_at END, "
+        "started_at = CASE WHEN started_at > 0 THEN MAX(1, started_at + ?1) ELSE started_at END "
         "WHERE status IN " UNSETTLED " AND (lease_expires_at > 0 OR timeout_at > 0 OR "
         "started_at > 0)";
     struct stmt s;

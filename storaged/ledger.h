@@ -99,7 +99,9 @@ CF_MUST_CHECK enum cf_status ledger_release(struct ledger_ctx *c,
 
 /* ledger_shift_times moves the times of the unsettled work that are compared with the store
  * clock (leases' ends, time limits, attempts' starts) by step_ms, after a step of the clock
- * (store_clock.h), so that each keeps the time it had left. *moved: how many submissions. */
+ * (store_clock.h), so that each keeps the time it had left; none goes below 1 ms (a time at
+ * or below 0 reads as none: a lease so moved would never run out), and a lease ended at a
+ * start (1 ms) stays ended. *moved: how many submissions. */
 CF_MUST_CHECK enum cf_status ledger_shift_times(struct ledger_ctx *c, int64_t step_ms, int *moved,
                                                 struct cf_error *err);
 

@@ -225,6 +225,33 @@ static void test_clock_step(void)
                  &(Cflue__V1__SettleResponse){0}) == CF_OK);
 }
 
+/* A step back longer than the times themselves (a clock set far back, or a fenced lease of
+ * 1 ms after a reboot) leaves them at 1 ms at the least: a lease at or below 0 reads as no
+ * lease, and the work would never be taken over. */
+static void test_clock_step_back_keeps_times_positive(void)
+{
+    struct cf_error err;
+    Cflue__V1__Submission *run, *other;
+    Cflue__V1__ClaimResponse a, b;
+    claimed_pair("back-run", 30000, "back-other", 30000, &run, &a, &other, &b);
+    struct ledger_ctx c = ctx();
+    Cflue__V1__Submission before, after;
+    CHECK(ledger_get(&c, run->submission_id, &before, &err) == CF_OK);
+    const int64_t step = -(pbtime_ms(before.lease_expire_time) + 3600000);
+    int moved = -1;
+    CHECK(ledger_shift_times(&c, step, &moved, &err) == CF_OK);
+    CHECK(ledger_get(&c, run->submission_id, &after, &err) == CF_OK);
+    CHECK(pbtime_ms(after.lease_expire_time) == 1);
+    CHECK(pbtime_ms(after.deadline) == 1 && pbtime_ms(after.start_time) == 1);
+    CHECK(ledger_shift_times(&c, -1000, &moved, &err) == CF_OK); /* a lease at 1 stays there */
+    CHECK(ledger_get(&c, run->submission_id, &after, &err) == CF_OK);
+    CHECK(pbtime_ms(after.lease_expire_time) == 1);
+    CHECK(settle(a.fence, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, "",
+                 &(Cflue__V1__SettleResponse){0}) == CF_OK);
+    CHECK(settle(b.fence, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, "",
+                 &(Cflue__V1__SettleResponse){0}) == CF_OK);
+}
+
 /* After an outage during which storaged could not write, the leases still running when it
  * began are extended by its length; one that had run out before stays so. */
 static void test_extend_leases(void)
@@ -1071,6 +1098,7 @@ int main(void)
     test_fifo_and_fencing();
     test_takeover();
     test_clock_step();
+    test_clock_step_back_keeps_times_positive();
     test_extend_leases();
     test_reclaim_by_owner_start();
     test_idempotency();
