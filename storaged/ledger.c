@@ -1636,9 +1636,12 @@ static enum cf_status settle_row(struct ledger_ctx *c, const Cflue__V1__SettleRe
     }
     if (row->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_SETTLED) {
         assert(row->outcome != 0); /* exactly one outcome, set with the status */
-        bool same = *f->attempt_id && !strcmp(f->attempt_id, row->attempt_id) &&
-                    f->epoch == row->epoch && (int)row->outcome == outcome &&
-                    !strcmp(row->error, error ? error : "");
+        /* the same Settle again: the same attempt's, or (a queued submission's) none */
+        bool same_fence = *f->attempt_id
+                              ? !strcmp(f->attempt_id, row->attempt_id) && f->epoch == row->epoch
+                              : !*row->attempt_id;
+        bool same =
+            same_fence && (int)row->outcome == outcome && !strcmp(row->error, error ? error : "");
         if (!same && *f->attempt_id &&
             (strcmp(f->attempt_id, row->attempt_id) != 0 || f->epoch != row->epoch)) {
             return cf_error_set(err, CF_STALE,

@@ -225,6 +225,22 @@ static void test_clock_step(void)
                  &(Cflue__V1__SettleResponse){0}) == CF_OK);
 }
 
+/* A Settle of a queued submission (a fence without an attempt) retried as it was, its first
+ * answer lost, is answered as settled already; another outcome is refused. */
+static void test_settle_without_attempt_retried(void)
+{
+    Cflue__V1__Submission *q = admit("bare-settle", "x", "");
+    CHECK(q != NULL);
+    Cflue__V1__Fence bare = CFLUE__V1__FENCE__INIT;
+    bare.submission_id = q->submission_id;
+    Cflue__V1__SettleResponse out;
+    CHECK(settle(&bare, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "stopped", &out) == CF_OK);
+    CHECK(!out.already_settled);
+    CHECK(settle(&bare, CFLUE__V1__OUTCOME__OUTCOME_ABORTED, "stopped", &out) == CF_OK);
+    CHECK(out.already_settled);
+    CHECK(settle(&bare, CFLUE__V1__OUTCOME__OUTCOME_FAILED, "stopped", &out) == CF_PRECONDITION);
+}
+
 /* A step back longer than the times themselves (a clock set far back, or a fenced lease of
  * 1 ms after a reboot) leaves them at 1 ms at the least: a lease at or below 0 reads as no
  * lease, and the work would never be taken over. */
@@ -1099,6 +1115,7 @@ int main(void)
     test_takeover();
     test_clock_step();
     test_clock_step_back_keeps_times_positive();
+    test_settle_without_attempt_retried();
     test_extend_leases();
     test_reclaim_by_owner_start();
     test_idempotency();
