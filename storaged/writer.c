@@ -220,11 +220,12 @@ static void note_awake(struct writer *w)
 }
 
 /* note_refused starts the refused part of the outage (a batch failed for want of room or by
- * the disk), unless one runs. */
+ * the disk), unless one runs: from the failed batch's start (the writer's last awake stamp),
+ * since no lease could be renewed while it ran, however long the disk took to fail it. */
 static void note_refused(struct writer *w)
 {
     if (!w->refused_since_mono) {
-        w->refused_since_mono = clock_mono_ms();
+        w->refused_since_mono = w->awake_mono;
         if (!w->outage_since_mono) {
             w->outage_since_mono = w->refused_since_mono;
         }

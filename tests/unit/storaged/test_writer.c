@@ -335,6 +335,31 @@ static void test_empty_commits_do_not_end_refused_writes(const char *path, struc
     }
 }
 
+/* A batch that takes 2 s or so and then fails for want of room (a disk that hangs, then refuses):
+ * no lease could be renewed while it ran, so the refused time counts from its start, and the
+ * running lease is extended by about that much once writes land. (Counted from its failure,
+ * as before, the refused part was the few ms until the next write, and nothing moved.) */
+static void test_slow_refused_batch_counts_whole(const char *path, struct writer *w)
+{
+    int64_t before = lease_of(path, "sub_running");
+    sql_job(w, "PRAGMA max_page_count = 1", CF_OK);
+    int64_t start = clock_mono_ms();
+    sql_job(w,
+            "SELECT count(*) FROM (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c "
+            "WHERE x < 20000000) SELECT x FROM c); INSERT INTO big(b) VALUES (zeroblob(200000))",
+            CF_FULL);
+    int64_t slow_ms = clock_mono_ms() - start;
+    sql_job(w, "PRAGMA max_page_count = 1073741823", CF_OK);
+    sql_job(w, "INSERT INTO big(b) VALUES (zeroblob(200000))", CF_OK);
+    int64_t extended = lease_of(path, "sub_running") - before;
+    CHECK(slow_ms >= 1000); /* long enough to be an outage */
+    CHECK(extended >= slow_ms / 2);
+    if (extended < slow_ms / 2) {
+        fprintf(stderr, "  the batch took %lld ms, the lease extended by %lld ms\n",
+                (long long)slow_ms, (long long)extended);
+    }
+}
+
 int main(void)
 {
     char path[128], side[160];
@@ -359,6 +384,7 @@ int main(void)
     test_transaction_rolled_back_by_sqlite(path, w);
     test_job_undone_after_writing(path, w);
     test_empty_commits_do_not_end_refused_writes(path, w);
+    test_slow_refused_batch_counts_whole(path, w);
     writer_stop(w);
     unlink(path);
     snprintf(side, sizeof(side), "%s-wal", path);
