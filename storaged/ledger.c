@@ -298,14 +298,18 @@ static Cflue__V1__Submission *new_sub(struct ledger_ctx *c)
     return s;
 }
 
-/* list_subs collects every row of an open statement selecting SUB_COLS, and closes it. */
+/* list_subs collects the rows of an open statement selecting SUB_COLS while their encoded size
+ * stays within the page budget (ledger_page_bytes; always at least one row: an answer of them
+ * must fit a gRPC message), and closes it. *cut: a row was left for another time. */
 static enum cf_status list_subs(struct ledger_ctx *c, struct stmt *s,
-                                Cflue__V1__Submission ***items, size_t *n, struct cf_error *err)
+                                Cflue__V1__Submission ***items, size_t *n, bool *cut,
+                                struct cf_error *err)
 {
-    size_t cap = 16;
+    size_t cap = 16, used = 0, budget = (size_t)ledger_page_bytes(c->cfg);
     enum cf_status rc;
     bool row;
     *n = 0;
+    *cut = false;
     *items = arena_alloc(c->arena, sizeof(void *) * cap);
     while ((rc = stmt_step(s, &row, err)) == CF_OK && row) {
         if (*n == cap) {
@@ -316,6 +320,12 @@ static enum cf_status list_subs(struct ledger_ctx *c, struct stmt *s,
         }
         Cflue__V1__Submission *sub = new_sub(c);
         row_to_sub(c, s->st, sub);
+        size_t size = protobuf_c_message_get_packed_size(&sub->base) + 16;
+        if (*n && used + size > budget) {
+            *cut = true; /* the rest another time: an answer must fit a message */
+            break;
+        }
+        used += size;
         (*items)[(*n)++] = sub;
     }
     stmt_close(s);
@@ -1257,7 +1267,8 @@ enum cf_status ledger_claim_joinable(struct ledger_ctx *c,
     stmt_text(&s, 1, host.conversation_id);
     stmt_int(&s, 2, host.sequence);
     stmt_int(&s, 3, req->limit > 0 ? req->limit : -1); /* no more rows than may join */
-    if ((rc = list_subs(c, &s, &rows, &n, err)) != CF_OK) {
+    bool cut; /* the rest stays queued: it joins at a later turn, or runs after the host */
+    if ((rc = list_subs(c, &s, &rows, &n, &cut, err)) != CF_OK) {
         return rc;
     }
     out->submissions = rows;
@@ -1923,15 +1934,19 @@ static int page_limit(int32_t page_size)
 }
 
 /* page_of trims rows fetched with LIMIT page + 1 to one page and makes the token of the next
- * page (the last sequence returned) when there was a row more. */
-static void page_of(struct ledger_ctx *c, const char *scope, int limit,
+ * page (the last sequence returned) when there was a row more, or list_subs cut the page at
+ * its byte budget. */
+static void page_of(struct ledger_ctx *c, const char *scope, int limit, bool cut,
                     Cflue__V1__ListResponse *out)
 {
     out->next_page_token = "";
-    if (out->n_submissions > (size_t)limit) {
-        out->n_submissions = (size_t)limit;
+    if (out->n_submissions > (size_t)limit || (cut && out->n_submissions)) {
+        if (out->n_submissions > (size_t)limit) {
+            out->n_submissions = (size_t)limit;
+        }
         out->next_page_token = arena_alloc(c->arena, PAGE_TOKEN_MAX);
-        page_token_make_int(out->next_page_token, scope, out->submissions[limit - 1]->sequence);
+        page_token_make_int(out->next_page_token, scope,
+                            out->submissions[out->n_submissions - 1]->sequence);
     }
 }
 
@@ -1973,10 +1988,11 @@ enum cf_status ledger_list(struct ledger_ctx *c, const Cflue__V1__ListRequest *r
     if (*req->owner_id) {
         stmt_text(&s, 5, req->owner_id);
     }
-    if ((rc = list_subs(c, &s, &out->submissions, &out->n_submissions, err)) != CF_OK) {
+    bool cut;
+    if ((rc = list_subs(c, &s, &out->submissions, &out->n_submissions, &cut, err)) != CF_OK) {
         return rc;
     }
-    page_of(c, scope, limit, out);
+    page_of(c, scope, limit, cut, out);
     return CF_OK;
 }
 
@@ -2001,10 +2017,11 @@ enum cf_status ledger_scan_expired(struct ledger_ctx *c, const Cflue__V1__ScanEx
     stmt_int(&s, 1, c->now);
     stmt_int(&s, 2, after);
     stmt_int(&s, 3, limit + 1);
-    if ((rc = list_subs(c, &s, &out->submissions, &out->n_submissions, err)) != CF_OK) {
+    bool cut;
+    if ((rc = list_subs(c, &s, &out->submissions, &out->n_submissions, &cut, err)) != CF_OK) {
         return rc;
     }
-    page_of(c, "scan", limit, out);
+    page_of(c, "scan", limit, cut, out);
     return CF_OK;
 }
 

@@ -614,6 +614,60 @@ static void test_compact_not_joined(void)
     CHECK(jo.n_submissions == 1 && !strcmp(jo.submissions[0]->submission_id, p1->submission_id));
 }
 
+/* Four 3 MiB messages queued behind a running host: a List page, and what ClaimJoinable joins,
+ * stop at the page budget (8 MiB here) rather than make an answer no message can carry; the
+ * rest comes on the next page, and what is not joined stays queued in order. */
+static void test_pages_bounded_by_bytes(void)
+{
+    struct cf_error err;
+    size_t big = 3 << 20;
+    char *text = malloc(big + 1);
+    memset(text, 'm', big);
+    text[big] = '\0';
+    Cflue__V1__Submission *host = admit("c-bytes", "host", "");
+    Cflue__V1__Submission *q[4];
+    for (int i = 0; i < 4; i++) {
+        q[i] = admit("c-bytes", text, "");
+        CHECK(q[i] != NULL);
+    }
+    free(text);
+    Cflue__V1__ListRequest lr = CFLUE__V1__LIST_REQUEST__INIT;
+    Cflue__V1__ListResponse lo = CFLUE__V1__LIST_RESPONSE__INIT;
+    lr.conversation_id = "c-bytes";
+    struct ledger_ctx c = ctx();
+    CHECK(ledger_list(&c, &lr, &lo, &err) == CF_OK);
+    CHECK(lo.n_submissions == 3 && *lo.next_page_token); /* the host and two 3 MiB messages */
+    size_t seen = lo.n_submissions;
+    for (int pages = 0; *lo.next_page_token && pages < 8; pages++) {
+        lr.page_token = lo.next_page_token;
+        c = ctx();
+        CHECK(ledger_list(&c, &lr, &lo, &err) == CF_OK);
+        seen += lo.n_submissions;
+    }
+    CHECK(seen == 5);
+
+    Cflue__V1__ClaimRequest cr = CFLUE__V1__CLAIM_REQUEST__INIT;
+    Cflue__V1__ClaimResponse cl = CFLUE__V1__CLAIM_RESPONSE__INIT;
+    cr.owner_id = "J";
+    cr.submission_id = host->submission_id;
+    c = ctx();
+    CHECK(ledger_claim(&c, &cr, &cl, &err) == CF_OK && cl.submission);
+    Cflue__V1__ClaimJoinableRequest jr = CFLUE__V1__CLAIM_JOINABLE_REQUEST__INIT;
+    Cflue__V1__ClaimJoinableResponse jo = CFLUE__V1__CLAIM_JOINABLE_RESPONSE__INIT;
+    jr.host = cl.fence;
+    c = ctx();
+    CHECK(ledger_claim_joinable(&c, &jr, &jo, &err) == CF_OK);
+    CHECK(jo.n_submissions == 2);
+    CHECK(!strcmp(jo.submissions[0]->submission_id, q[0]->submission_id) &&
+          !strcmp(jo.submissions[1]->submission_id, q[1]->submission_id));
+    Cflue__V1__Submission left;
+    c = ctx();
+    CHECK(ledger_get(&c, q[2]->submission_id, &left, &err) == CF_OK &&
+          left.status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_QUEUED);
+    CHECK(settle(cl.fence, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, "",
+                 &(Cflue__V1__SettleResponse){0}) == CF_OK);
+}
+
 static void test_schema_version(const char *path)
 {
     struct cf_error err;
@@ -1116,6 +1170,7 @@ int main(void)
     test_clock_step();
     test_clock_step_back_keeps_times_positive();
     test_settle_without_attempt_retried();
+    test_pages_bounded_by_bytes();
     test_extend_leases();
     test_reclaim_by_owner_start();
     test_idempotency();
