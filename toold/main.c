@@ -118,6 +118,7 @@ int main(int argc, char **argv)
     if (argc > 1 && !strcmp(argv[1], PROC_RUNNER_FLAG)) {
         return proc_runner_main(argc, argv); /* a command's runner (proc.h), not the daemon */
     }
+    proc_keep_fds_from_commands(3);
     struct daemon d = DAEMON_INIT("toold", usage, "127.0.0.1:7102");
     struct toold_opts o = {.root = "workspaces",
                            .driver = "local",

@@ -134,6 +134,12 @@ void proc_set_runner(const char *exe);
  * returns the exit code for main to return. Only for the runner process. */
 int proc_runner_main(int argc, char **argv);
 
+/* proc_keep_fds_from_commands marks every descriptor from `from` on close-on-exec: those this
+ * process was started with (a launcher's pipe left open) would otherwise reach every command.
+ * toold calls it at start (from 3), the runner before it starts the command (from 5: 3 and 4
+ * are its report pipe and bwrap's filter, which it hands on itself). */
+void proc_keep_fds_from_commands(int from);
+
 /* proc_run runs the command to completion. CF_UNAVAILABLE when it cannot be started (the
  * message says why); every command that started yields CF_OK with its result. */
 CF_MUST_CHECK enum cf_status proc_run(const struct proc_spec *spec, struct proc_result *out,

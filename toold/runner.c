@@ -9,6 +9,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/close_range.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +18,7 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -539,6 +541,24 @@ static void watch_tick(struct watch *w, int64_t now)
     }
 }
 
+void proc_keep_fds_from_commands(int from)
+{
+    if (syscall(SYS_close_range, (unsigned)from, ~0U, CLOSE_RANGE_CLOEXEC) == 0) {
+        return;
+    }
+    DIR *d = opendir("/proc/self/fd"); /* before Linux 5.11 */
+    if (!d) {
+        return;
+    }
+    for (struct dirent *e; (e = readdir(d));) {
+        int fd = atoi(e->d_name);
+        if (fd >= from && fd != dirfd(d)) {
+            fcntl(fd, F_SETFD, fcntl(fd, F_GETFD) | FD_CLOEXEC);
+        }
+    }
+    closedir(d);
+}
+
 /* send_end tells toold how the command ended (struct runner_end) and closes fd 3. */
 static void send_end(int fd, const struct watch *w)
 {
@@ -636,6 +656,7 @@ int proc_runner_main(int argc, char **argv)
     char **cmd = argv + dashes + 1;
     w.ticks_per_s = sysconf(_SC_CLK_TCK) > 0 ? sysconf(_SC_CLK_TCK) : 100;
     fcntl(report_fd, F_SETFD, FD_CLOEXEC);
+    proc_keep_fds_from_commands(5); /* 4, bwrap's filter, is its to pass on */
     prctl(PR_SET_PDEATHSIG, SIGTERM);
     if (getppid() != (pid_t)atol(argv[2])) {
         return 127; /* toold is already gone */

@@ -227,7 +227,8 @@ class Daemon(object):
                     .encode())
             f.flush()
             self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
-                                         stdout=f, stderr=f, env=env)
+                                         stdout=f, stderr=f, env=env,
+                                         pass_fds=getattr(self, 'pass_fds', ()))
 
     def start(self, timeout=READY_TIMEOUT_S):
         self._spawn()

@@ -21,7 +21,7 @@ import grpc
 
 from cflue_harness import (INVALID_ARGUMENT, NOT_FOUND, SERVING, TooldTestCase, result_details,
                            sandbox_pb2, tools_pb2)
-from cflue_harness import error_reason, poll_until, tool_call, truncation_dict  # noqa: E402
+from cflue_harness import Toold, error_reason, poll_until, tool_call, truncation_dict  # noqa: E402
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -1338,6 +1338,25 @@ class TestProcessHygiene(TooldBase):
         self.assertEqual(wait_no_process(['sleep', '1000']), [])
         self.assertEqual(wait_no_zombies(self.td.pid), [])
         self.assertHealthy()
+
+    def test_descriptors_toold_was_started_with_reach_no_command(self):
+        # a launcher's descriptor left open (not close-on-exec) when it started toold
+        r, w = os.pipe()
+        os.set_inheritable(r, True)
+        td = Toold(start=False)
+        td.pass_fds = (r,)
+        try:
+            td.start()
+            os.close(r)
+            listing = 'ls /proc/$$/fd; true'  # the shell's own, listed by its child
+            fds = td.execute('fds', 'bash', {'command': listing}).text.split()
+            self.assertNotIn(str(r), fds)
+            self.assertTrue(set(fds) <= {'0', '1', '2', '255'}, fds)
+            out = td.sandbox('Exec', sandbox='fds', command=listing).stdout.decode().split()
+            self.assertTrue(set(out) <= {'0', '1', '2', '255'}, out)
+        finally:
+            os.close(w)
+            td.close()
 
     def test_cancelled_exec_kills_its_command(self):
         # Sandbox.Exec alike: not left to run to its own timeout (300 s), holding a call's place
