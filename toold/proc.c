@@ -128,6 +128,7 @@ struct run {
     pid_t group;                      /* the command's process group */
     int64_t start, deadline;          /* monotonic */
     /* the pump */
+    size_t in_sent; /* of stdin_data, written to the command's stdin so far */
     bool exited, out_open, err_open, killing;
     int64_t kill_at, drain_until;
     int status;
@@ -169,6 +170,8 @@ static enum cf_status open_pipes(struct run *r, struct cf_error *err)
     }
     if (r->spec->stdin_data && pipe2(r->in_fd, O_CLOEXEC) != 0) {
         r->in_fd[0] = r->in_fd[1] = -1;
+    } else if (r->in_fd[1] >= 0) {
+        fcntl(r->in_fd[1], F_SETFL, O_NONBLOCK); /* toold's end: fed as the command reads */
     }
     if (r->in_fd[0] < 0) {
         r->null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
@@ -296,16 +299,25 @@ static int await_start(struct run *r)
     return rc;
 }
 
-/* feed_stdin writes the input and closes the pipe: small inputs only (bounded by the request
- * size); a full pipe is not waited for. */
+/* feed_stdin writes what the command's stdin takes of the input now (the pipe is
+ * non-blocking; the pump calls again when it has room) and closes it once all is written, or
+ * when the command stopped reading it (EPIPE). */
 static void feed_stdin(struct run *r)
 {
-    if (r->in_fd[1] >= 0) {
-        fcntl(r->in_fd[1], F_SETFL, O_NONBLOCK);
-        ssize_t w = write(r->in_fd[1], r->spec->stdin_data, r->spec->stdin_len);
-        (void)w;
-        close_fd(&r->in_fd[1]);
+    while (r->in_fd[1] >= 0 && r->in_sent < r->spec->stdin_len) {
+        ssize_t w = write(r->in_fd[1], (const char *)r->spec->stdin_data + r->in_sent,
+                          r->spec->stdin_len - r->in_sent);
+        if (w > 0) {
+            r->in_sent += (size_t)w;
+        } else if (w < 0 && errno == EINTR) {
+            continue;
+        } else if (w < 0 && errno == EAGAIN) {
+            return;
+        } else {
+            break;
+        }
     }
+    close_fd(&r->in_fd[1]);
 }
 
 /* enforce starts stopping the command at the deadline or on cancel (the runner stops the
@@ -376,8 +388,15 @@ static void pump(struct run *r)
         if (!enforce(r, now)) {
             break;
         }
-        struct pollfd pfd[3];
-        int n = 0, out_i = -1, err_i = -1;
+        if (r->exited) {
+            close_fd(&r->in_fd[1]); /* no one is left to read it */
+        }
+        struct pollfd pfd[4];
+        int n = 0, out_i = -1, err_i = -1, in_i = -1;
+        if (r->in_fd[1] >= 0) {
+            in_i = n;
+            pfd[n++] = (struct pollfd){.fd = r->in_fd[1], .events = POLLOUT};
+        }
         if (r->out_open) {
             out_i = n;
             pfd[n++] = (struct pollfd){.fd = r->out_fd[0], .events = POLLIN};
@@ -399,6 +418,9 @@ static void pump(struct run *r)
         int pr = n ? poll(pfd, (nfds_t)n, (int)wait_ms) : (clock_sleep_ms(10), 0);
         if (pr < 0 && errno != EINTR) {
             break;
+        }
+        if (in_i >= 0 && pr > 0 && pfd[in_i].revents) {
+            feed_stdin(r);
         }
         if (err_i >= 0 && pr > 0 && (pfd[err_i].revents & (POLLIN | POLLHUP | POLLERR))) {
             drain_one(r, r->err_fd[0], r->spec->on_stderr, &r->err_open);
@@ -444,6 +466,7 @@ static void read_end(struct run *r)
 /* reap makes sure nothing of the command is left and fills in its result. */
 static void reap(struct run *r)
 {
+    close_fd(&r->in_fd[1]);
     close_fd(&r->out_fd[0]);
     close_fd(&r->err_fd[0]);
     if (!r->exited) {

@@ -870,6 +870,15 @@ class TestSandboxService(TooldBase):
         r = self.sbx('Exec', command='echo "$LAYER/$PATH_SET"; cat',
                      env={'LAYER': 'command', 'PATH_SET': 'yes'}, stdin=b'from stdin\n')
         self.assertEqual(r.stdout, b'command/yes\nfrom stdin\n')
+        # stdin larger than a pipe holds reaches the command whole, as it reads; one that
+        # reads a part, or none, ends as usual
+        big = bytes(range(256)) * 4096 * 3  # 3 MiB
+        r = self.sbx('Exec', command='sleep 0.3; wc -c', stdin=big)
+        self.assertEqual((r.stdout.strip(), r.exit_code), (str(len(big)).encode(), 0))
+        r = self.sbx('Exec', command='head -c 5 | od -An -tx1', stdin=big)
+        self.assertEqual((r.stdout.split(), r.exit_code), ([b'00', b'01', b'02', b'03', b'04'], 0))
+        r = self.sbx('Exec', command='echo ignored', stdin=big, timeout_ms=20000)
+        self.assertEqual((r.stdout, r.exit_code, r.timed_out), (b'ignored\n', 0, False))
         r = self.sbx('Exec', command="printf 'stdout text'; printf 'stderr text' >&2; exit 7")
         self.assertEqual(r.exit_code, 7)
         self.assertFalse(r.timed_out)
