@@ -362,7 +362,7 @@ static void lanes_free(struct tool_wait *w)
 }
 
 /* lane_add puts call c, index `index` of the answer, in l. Its timeout is what is left of the
- * submission's time (at least 1 ms; unset means no limit). */
+ * submission's time (at least 1 ms; unset means no limit), set again when the lane opens. */
 static void lane_add(struct tool_lane *l, const Cflue__V1__ToolCall *c, int index)
 {
     int64_t left = drive_time_left(l->d);
@@ -474,6 +474,12 @@ static void lane_open(struct tool_lane *l)
 {
     struct drive *d = l->d;
     l->opened = true;
+    int64_t left = drive_time_left(d);
+    for (size_t k = 0; k < l->m && left != INT64_MAX; k++) {
+        /* what is left now: a lane opened after another (a batch past PROTO_BATCH_CALLS_MAX)
+         * has less than when its calls were put in */
+        pbdur_set(&l->limits[k], left > 1 ? left : 1);
+    }
     struct rpc_channel *ch = l->mcp ? NULL : tools_channel_at(l->server);
     if (!ch && !l->mcp) {
         l->ended = l->released = true; /* no stream: the lane ends at once */
@@ -484,7 +490,6 @@ static void lane_open(struct tool_lane *l)
     }
     int64_t deadline = 0;
     if (own_server(d, l->server)) {
-        int64_t left = drive_time_left(d);
         deadline = left == INT64_MAX ? CUSTOM_CALL_MS : left + 1000;
     }
     if (l->mcp) {
