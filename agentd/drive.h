@@ -299,6 +299,7 @@ struct drive {
         int joined;  /* how many joined */
         bool before_first_turn;
         Cflue__V1__ListResponse *earlier; /* takeover: what an earlier attempt left joining */
+        char *page_token; /* the List's next page (NULL: its first): pages end at a byte budget */
     } joining;
     bool threshold_checked;               /* this turn's context was compacted for size already */
     bool overflow_retried;                /* a context overflow was compacted once (per drive) */

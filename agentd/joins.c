@@ -15,8 +15,10 @@
 #include "drive.h"
 #include "failpoint.h"
 #include "log.h"
+#include "mem.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* An Append of joined inputs stops growing past this (storaged's requests are at most 16 MiB
@@ -35,6 +37,7 @@ static Cflue__V1__ListRequest joining_list_request(struct drive *d)
     lr.statuses = &joining_status;
     lr.n_statuses = 1;
     lr.page_size = 1000;
+    lr.page_token = d->joining.page_token ? d->joining.page_token : "";
     return lr;
 }
 
@@ -98,6 +101,7 @@ bool joins_start(struct drive *d)
     if (!worth_asking(d)) {
         return false;
     }
+    free(d->joining.page_token);
     memset(&d->joining, 0, sizeof(d->joining));
     d->joining.phase = JOIN_CLAIM;
     send_claim(d);
@@ -183,6 +187,7 @@ static bool finalized(struct drive *d, enum cf_status rc)
 
 void joins_recover_start(struct drive *d)
 {
+    free(d->joining.page_token);
     memset(&d->joining, 0, sizeof(d->joining));
     d->joining.phase = JOIN_EARLIER;
     send_list(d);
@@ -212,6 +217,17 @@ static void send_earlier(struct drive *d)
  * is left (or the drive cannot go on). */
 static bool earlier_next(struct drive *d)
 {
+    if (!drive_broken(d) && d->joining.next >= d->joining.earlier->n_submissions &&
+        *d->joining.earlier->next_page_token && d->joining.earlier->n_submissions) {
+        /* the next page of them (a page ends at storaged's byte budget) */
+        d->joining.page_token = mem_strdup(d->joining.earlier->next_page_token);
+        protobuf_c_message_free_unpacked(&d->joining.earlier->base, NULL);
+        d->joining.earlier = NULL;
+        d->joining.next = 0;
+        d->joining.phase = JOIN_EARLIER;
+        send_list(d);
+        return false;
+    }
     if (drive_broken(d) || d->joining.next >= d->joining.earlier->n_submissions) {
         joins_cleanup(d);
         return true;
@@ -239,6 +255,8 @@ static bool earlier_take(struct drive *d)
             return true;
         }
         d->joining.earlier = (Cflue__V1__ListResponse *)resp;
+        free(d->joining.page_token);
+        d->joining.page_token = NULL;
         d->joining.phase = JOIN_EARLIER_EACH;
         return earlier_next(d);
     }
@@ -262,6 +280,8 @@ static bool earlier_take(struct drive *d)
 
 void joins_cleanup(struct drive *d)
 {
+    free(d->joining.page_token);
+    d->joining.page_token = NULL;
     if (d->joining.earlier) {
         protobuf_c_message_free_unpacked(&d->joining.earlier->base, NULL);
         d->joining.earlier = NULL;
@@ -304,7 +324,23 @@ bool joins_take(struct drive *d, int *joined)
             break;
         }
         Cflue__V1__ListResponse *l = (Cflue__V1__ListResponse *)resp;
-        claimed(d, resp, l->submissions, &l->n_submissions);
+        bool first_page = !d->joining.page_token;
+        free(d->joining.page_token);
+        d->joining.page_token = *l->next_page_token && l->n_submissions
+                                    ? mem_strdup(l->next_page_token)
+                                    : NULL; /* a page ends at storaged's byte budget */
+        if (first_page) {
+            claimed(d, resp, l->submissions, &l->n_submissions);
+        } else { /* the next page: kept after the first, in admission order */
+            d->joining.n += l->n_submissions;
+            take_submissions(d, resp, l->submissions, &l->n_submissions);
+        }
+        if (d->joining.page_token) {
+            d->joining.phase = JOIN_LIST;
+            send_list(d);
+            return false;
+        }
+        d->joining.phase = JOIN_INPUTS;
         return joins_take(d, joined);
     case JOIN_INPUTS:
         if (!append_inputs(d)) {
