@@ -707,15 +707,16 @@ static void take_back_if_idle(const Cflue__V1__Submission *s)
 }
 
 /* take_back_unanswered_claims: a Claim that got no answer (storaged went away, or the deadline
- * passed) may still have committed: its submission is then RUNNING under this owner with no
- * drive until the lease runs out. After one, before claiming again, this owner's RUNNING
- * submissions that no drive here holds are resumed at once (engine_admitted does the same for
- * an Admit). false when storaged did not answer (asked again at the next claim). */
+ * passed) may still have committed: its submission is then running (or terminalizing, taken
+ * over) under this owner with no drive until the lease runs out. After one, before claiming
+ * again, this owner's such submissions that no drive here holds are resumed at once
+ * (engine_admitted does the same for an Admit). false when storaged did not answer. */
 static bool take_back_unanswered_claims(void)
 {
-    static const Cflue__V1__SubmissionStatus running[] = {
-        CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING};
-    return list_own(running, 1, false, take_back_if_idle);
+    static const Cflue__V1__SubmissionStatus held[] = {
+        CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING,
+        CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_TERMINALIZING};
+    return list_own(held, 2, false, take_back_if_idle);
 }
 
 /* claim_some admits one drive (a due resume, or a new claim: at first also the work this owner
@@ -730,19 +731,18 @@ static bool claim_some(int64_t *wait_ms)
         return false; /* a drive's end wakes the claimer; a stop or a drain ends the claims */
     }
     static bool claim_unanswered; /* only the claimer claims */
-    if (claim_unanswered) {
-        if (!take_back_unanswered_claims()) {
-            *wait_ms = 1000;
-            return false;
-        }
+    if (claim_unanswered && !reclaim_before_ms) {
+        /* once (an unanswered List leaves it to the lease, as before), and not while the
+         * previous process's work is being reclaimed: that would be taken back as this one's */
         claim_unanswered = false;
+        (void)take_back_unanswered_claims();
     }
     if (resume_one()) {
         return true;
     }
     Cflue__V1__ClaimResponse *cl = NULL;
     enum cf_status rc = claim(NULL, reclaim_before_ms, &cl, &err);
-    claim_unanswered = rc == CF_UNAVAILABLE;
+    claim_unanswered = claim_unanswered || rc == CF_UNAVAILABLE;
     if (rc == CF_OK && cl->submission && reclaim_before_ms && taken_from_self(cl)) {
         protobuf_c_message_free_unpacked(&cl->base, NULL);
         return true;
