@@ -515,20 +515,16 @@ enum cf_status ws_write_file(const struct sandbox *sb, const char *rel, const vo
     return CF_OK;
 }
 
-/* make_private keeps other users out of the workspace root: a command may leave a
+/* warn_if_shared logs a workspace root other users can reach (one toold did not create: toold
+ * makes its own 0700, and changes no mode of a directory it was given). A command may leave a
  * set-user-ID program of its user in its workspace (a chmod of its own file), which anyone who
- * can reach the workspace could run as that user. The root is made 0700 when toold owns it.
- * One it cannot change (a volume another user owns) is logged: as a warning for a root toold,
- * whose commands' files are root's; for an unprivileged one (a volume of a pod, which no other
- * user reaches) as information. The workspaces are the commands' own: they may open theirs. */
-static void make_private(const char *root)
+ * can reach the workspace could run as that user: a warning for a root toold, whose commands'
+ * files are root's; information for an unprivileged one (a pod's volume, which no other user
+ * reaches). */
+static void warn_if_shared(const char *root)
 {
     struct stat st;
-    if (stat(root, &st) != 0 || !(st.st_mode & 077)) {
-        return;
-    }
-    if (st.st_uid == geteuid() && chmod(root, st.st_mode & 07700) == 0) {
-        log_info("root_made_private", "root=%s mode_was=%04o", root, st.st_mode & 07777);
+    if (stat(root, &st) != 0 || !(st.st_mode & 011)) {
         return;
     }
     log_write(
@@ -543,7 +539,8 @@ enum cf_status workspaces_new(const char *root, bool confine, const struct drive
                               struct workspaces **out, struct cf_error *err)
 {
     struct workspaces *w = mem_alloc(sizeof(*w));
-    if (mkdir(root, 0700) != 0 && errno != EEXIST) {
+    bool made = mkdir(root, 0700) == 0;
+    if (!made && errno != EEXIST) {
         free(w);
         return cf_error_set(err, CF_IO, "cannot create the workspace root %s: %s", root,
                             strerror(errno));
@@ -553,7 +550,9 @@ enum cf_status workspaces_new(const char *root, bool confine, const struct drive
         return cf_error_set(err, CF_IO, "cannot resolve the workspace root %s: %s", root,
                             strerror(errno));
     }
-    make_private(w->root);
+    if (!made) {
+        warn_if_shared(w->root);
+    }
     w->confine = confine;
     w->driver = driver;
     pthread_mutex_init(&w->mu, NULL);
@@ -585,7 +584,7 @@ void workspaces_free(struct workspaces *w)
     free(w);
 }
 
-/* make_dirs creates path and its missing parents (mode 0700: see make_private). */
+/* make_dirs creates path and its missing parents (mode 0700: see warn_if_shared). */
 static int make_dirs(const char *path)
 {
     char tmp[PATH_MAX];
