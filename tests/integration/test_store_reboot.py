@@ -19,8 +19,8 @@ import unittest
 import grpc
 STALE = grpc.StatusCode.ABORTED  # a stale fence (reason STALE_FENCE)
 from cflue_harness import (
-    StoragedTestCase, admit, append, backup_call, claim, common_pb2, heartbeat, read_all,
-    record, scan_expired, set_clock, settable_clock_env, settle, skip_without_faketime,
+    StoragedTestCase, admit, append, backup_call, claim, common_pb2, heartbeat, poll_until,
+    read_all, record, scan_expired, set_clock, settable_clock_env, settle, skip_without_faketime,
     store_pb2)
 
 
@@ -168,7 +168,11 @@ class DowntimeTest(StoragedTestCase):
         running = claim(sd.stub, owner='runner', conversation_id='drain-run',
                         lease_ms=self.LEASE_MS)
         copying.start()
-        time.sleep(0.5)  # the copy is taken; its sending waits
+        # the copy is taken; its sending waits (on a busy machine the call may take a while to
+        # get there: a stop before it would find no call in flight)
+        self.assertTrue(poll_until(
+            lambda: 'event=failpoint_sleep point=storaged.backup.copied' in sd.stderr_text(),
+            30, 0.05), 'the Backup never reached its copy')
         t0 = time.monotonic()
         sd.stop()
         drained_s = time.monotonic() - t0
