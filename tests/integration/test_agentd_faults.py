@@ -69,9 +69,10 @@ class FaultsBase(AgentdCase):
 
         self.wait_for('agentd to reach storaged', store_reachable, timeout=60, interval=0.2)
 
-    def host_with_follow_ups(self, tag):
+    def host_with_follow_ups(self, tag, pad=''):
         """A host running a 3 s tool call (the `joins` scenario) and two follow-ups submitted
-        behind it meanwhile; returns (conversation, host, [follow-ups])."""
+        behind it meanwhile (their texts padded with pad); returns (conversation, host,
+        [follow-ups])."""
         conv = new_conv(tag)
         ws = self.workspace(conv)
         self.fm.set_scenario(load_scenario('joins', conv))
@@ -79,7 +80,7 @@ class FaultsBase(AgentdCase):
                               conversation_id=conv).submission_id
         self.wait_for('the host tool call to start',
                       lambda: os.path.exists(os.path.join(ws, 'started.txt')), timeout=60)
-        joined = [self.ad.submit('runner-anthropic', 'follow-up %d for %s' % (i, conv),
+        joined = [self.ad.submit('runner-anthropic', 'follow-up %d for %s%s' % (i, conv, pad),
                                  conversation_id=conv).submission_id for i in range(2)]
         return conv, host, joined
 
@@ -651,9 +652,10 @@ class LostJoinAnswerTest(FaultsBase):
     covers all three messages, and nothing is interrupted."""
     stack_kwargs = dict(FaultsBase.stack_kwargs, agents=('runner-anthropic',),
                         storaged_env={'CFLUE_FAILPOINTS': 'storaged.reply.ClaimJoinable=crash'})
+    pad = ''
 
     def test_a_lost_claim_joinable_answer_is_retried_and_the_follow_ups_join_once(self):
-        conv, host, joined = self.host_with_follow_ups('lostjoin')
+        conv, host, joined = self.host_with_follow_ups('lostjoin', self.pad)
         self.stack.sd.proc.wait(15)  # the tool call ends, the drive claims the follow-ups
         self.assertIn('failpoint_crash point=storaged.reply.ClaimJoinable',
                       self.stack.sd.stderr_text())
@@ -674,38 +676,14 @@ class LostJoinAnswerTest(FaultsBase):
         self.assert_outcome_true(conv, host)
 
 
-class LostJoinAnswerPagedTest(FaultsBase):
+class LostJoinAnswerPagedTest(LostJoinAnswerTest):
     """The same with large follow-ups and a storaged of 1 MiB messages (pages of 512 KiB): the
     lost ClaimJoinable joins the first 300 KB follow-up only, the retry the second, and the
     List of what is joining takes two pages. Both are taken, in order (with the first page
     only, the second would go back to the queue and run after the host, answered apart)."""
-    stack_kwargs = dict(FaultsBase.stack_kwargs, agents=('runner-anthropic',),
-                        storaged_args=('--max-message-bytes', str(1 << 20)),
-                        storaged_env={'CFLUE_FAILPOINTS': 'storaged.reply.ClaimJoinable=crash'})
-
-    def test_what_is_joining_is_listed_page_by_page(self):
-        conv = new_conv('lostjoinpaged')
-        ws = self.workspace(conv)
-        self.fm.set_scenario(load_scenario('joins', conv))
-        host = self.ad.submit('runner-anthropic', 'host message %s' % conv,
-                              conversation_id=conv).submission_id
-        self.wait_for('the host tool call to start',
-                      lambda: os.path.exists(os.path.join(ws, 'started.txt')), timeout=60)
-        joined = [self.ad.submit('runner-anthropic', 'follow-up %d for %s %s'
-                                 % (i, conv, 'x' * 300000), conversation_id=conv).submission_id
-                  for i in range(2)]
-        self.stack.sd.proc.wait(15)
-        self.assertIn('failpoint_crash point=storaged.reply.ClaimJoinable',
-                      self.stack.sd.stderr_text())
-        del self.stack.sd.env['CFLUE_FAILPOINTS']
-        self.stack.sd.start()
-        subs = {sid: self.wait_settled(sid, timeout=30) for sid in [host] + joined}
-        for sid, sub in subs.items():
-            self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', (sid, sub.error))
-            self.assertEqual(sub.answered_by, host, sid)
-        recs = self.records(conv)
-        inputs = [r.id for r in recs if kind(r) == 'user_message']
-        self.assertEqual(inputs, ['input:' + s for s in [host] + joined])
+    stack_kwargs = dict(LostJoinAnswerTest.stack_kwargs,
+                        storaged_args=('--max-message-bytes', str(1 << 20)))
+    pad = ' ' + 'x' * 300000
 
 
 class LongJoinOutageTest(FaultsBase):
