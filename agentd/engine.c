@@ -331,15 +331,22 @@ void engine_stop(void)
     pthread_mutex_unlock(&eng.mu);
 }
 
-/* driven_here reports whether a drive of this process holds the submission now. */
-static bool driven_here(const char *submission_id)
+/* driven_here_locked reports whether a drive of this process holds the submission now
+ * (g_agentd.mu held); driven_here takes the lock. */
+static bool driven_here_locked(const char *submission_id)
 {
     bool here = false;
-    pthread_mutex_lock(&g_agentd.mu);
     for (int i = 0; i < g_agentd.active_used && !here; i++) {
         here =
             g_agentd.active[i].in_use && !strcmp(g_agentd.active[i].submission_id, submission_id);
     }
+    return here;
+}
+
+static bool driven_here(const char *submission_id)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    bool here = driven_here_locked(submission_id);
     pthread_mutex_unlock(&g_agentd.mu);
     return here;
 }
@@ -357,16 +364,26 @@ static struct resume {
 } resumes[RESUME_MAX];
 static int n_resumes;
 
-/* resume_later puts an interrupted submission, held under the fence (submission_id,
- * attempt_id, epoch), on the resume list (or backs it off again). */
-static void resume_later(const char *submission_id, const char *attempt_id, int64_t epoch,
-                         int64_t delay_ms)
+/* resume_find returns submission_id's place on the resume list, or NULL (g_agentd.mu held). */
+static struct resume *resume_find(const char *submission_id)
 {
-    pthread_mutex_lock(&g_agentd.mu);
-    struct resume *r = NULL;
-    for (int i = 0; i < n_resumes && !r; i++) {
-        r = !strcmp(resumes[i].submission_id, submission_id) ? &resumes[i] : NULL;
+    for (int i = 0; i < n_resumes; i++) {
+        if (!strcmp(resumes[i].submission_id, submission_id)) {
+            return &resumes[i];
+        }
     }
+    return NULL;
+}
+
+/* resume_later_locked puts an interrupted submission, held under the fence (submission_id,
+ * attempt_id, epoch), on the resume list (or backs it off again), due in delay_ms; its next
+ * backoff is delay_ms, or RESUME_FIRST_MS for one due at once (a backoff of 0 would double to
+ * 0: a claim storaged does not answer would be asked again without a pause). g_agentd.mu held;
+ * resume_later takes it. */
+static void resume_later_locked(const char *submission_id, const char *attempt_id, int64_t epoch,
+                                int64_t delay_ms)
+{
+    struct resume *r = resume_find(submission_id);
     if (!r && n_resumes < RESUME_MAX) {
         r = &resumes[n_resumes++];
         snprintf(r->submission_id, sizeof(r->submission_id), "%s", submission_id);
@@ -374,10 +391,17 @@ static void resume_later(const char *submission_id, const char *attempt_id, int6
     if (r) {
         snprintf(r->attempt_id, sizeof(r->attempt_id), "%s", attempt_id);
         r->epoch = epoch;
-        r->delay_ms = delay_ms;
+        r->delay_ms = delay_ms > 0 ? delay_ms : RESUME_FIRST_MS;
         r->due_ms = clock_mono_ms() + delay_ms + thread_jitter_ms(delay_ms / 4 + 1);
     }
     /* a full list leaves the rest to lease expiry: another claim takes them in time */
+}
+
+static void resume_later(const char *submission_id, const char *attempt_id, int64_t epoch,
+                         int64_t delay_ms)
+{
+    pthread_mutex_lock(&g_agentd.mu);
+    resume_later_locked(submission_id, attempt_id, epoch, delay_ms);
     pthread_mutex_unlock(&g_agentd.mu);
 }
 
@@ -691,25 +715,27 @@ static bool list_own(const Cflue__V1__SubmissionStatus *statuses, size_t n, bool
     return true;
 }
 
-/* take_back_if_idle resumes s at once when no drive here holds it and no resume waits for it. */
+/* take_back_if_idle resumes s in RESUME_FIRST_MS when no drive here holds it and no resume
+ * waits for it (one check under one lock: a drive ending meanwhile puts its own resume first).
+ * Not at once: a Submit's Admit that claimed s may have its answer on the way, and the resume
+ * finds its drive here by then and leaves it alone. */
 static void take_back_if_idle(const Cflue__V1__Submission *s)
 {
-    bool waiting = false;
     pthread_mutex_lock(&g_agentd.mu);
-    for (int i = 0; i < n_resumes && !waiting; i++) {
-        waiting = !strcmp(resumes[i].submission_id, s->submission_id);
+    bool idle = !resume_find(s->submission_id) && !driven_here_locked(s->submission_id);
+    if (idle) {
+        resume_later_locked(s->submission_id, s->attempt_id, s->epoch, RESUME_FIRST_MS);
     }
     pthread_mutex_unlock(&g_agentd.mu);
-    if (!waiting && !driven_here(s->submission_id)) {
+    if (idle) {
         log_sub_info(s, "take_back", "submission=%s after=unanswered_claim", s->submission_id);
-        resume_later(s->submission_id, s->attempt_id, s->epoch, 0);
     }
 }
 
 /* take_back_unanswered_claims: a Claim that got no answer (storaged went away, or the deadline
  * passed) may still have committed: its submission is then running (or terminalizing, taken
  * over) under this owner with no drive until the lease runs out. After one, before claiming
- * again, this owner's such submissions that no drive here holds are resumed at once
+ * again, this owner's such submissions that no drive here holds are resumed within a second
  * (engine_admitted does the same for an Admit). false when storaged did not answer. */
 static bool take_back_unanswered_claims(void)
 {

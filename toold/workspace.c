@@ -515,17 +515,17 @@ enum cf_status ws_write_file(const struct sandbox *sb, const char *rel, const vo
     return CF_OK;
 }
 
-/* warn_if_shared logs a workspace root other users can reach (one toold did not create: toold
- * makes its own 0700, and changes no mode of a directory it was given). A command may leave a
- * set-user-ID program of its user in its workspace (a chmod of its own file), which anyone who
- * can reach the workspace could run as that user: a warning for a root toold, whose commands'
- * files are root's; information for an unprivileged one (a pod's volume, which no other user
- * reaches). */
+/* warn_if_shared logs a workspace root other users can reach: one toold was given (it creates
+ * its own 0700, and changes no mode of a directory it is given) whose mode lets others pass, or
+ * that another user owns. A command may leave a set-user-ID program of its user in its
+ * workspace (a chmod of its own file), which anyone who can reach it could run as that user: a
+ * warning for a root toold, whose commands' files are root's; information for an unprivileged
+ * one (a pod's volume, which no other user reaches). */
 static void warn_if_shared(const char *root)
 {
     struct stat st;
-    if (stat(root, &st) != 0 || !(st.st_mode & 011)) {
-        return;
+    if (stat(root, &st) != 0 || (!(st.st_mode & 011) && st.st_uid == geteuid())) {
+        return; /* none but toold's user may pass through it */
     }
     log_write(
         geteuid() == 0 ? LOG_WARN : LOG_INFO, "root_not_private",

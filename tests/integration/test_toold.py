@@ -1348,6 +1348,24 @@ class TestProcessHygiene(TooldBase):
         self.assertEqual(wait_no_zombies(self.td.pid), [])
         self.assertHealthy()
 
+    def test_a_root_toold_makes_is_its_own_and_a_given_one_is_left_as_it_is(self):
+        made = Toold(start=False)
+        given = Toold(start=False)
+        os.makedirs(given.root)
+        os.chmod(given.root, 0o755)
+        try:
+            made.start()
+            given.start()
+            made.execute('s', 'bash', {'command': 'true'})
+            self.assertEqual(os.stat(made.root).st_mode & 0o777, 0o700)
+            self.assertEqual(os.stat(made.workspace('s')).st_mode & 0o777, 0o700)
+            self.assertNotIn('event=root_not_private', made.stderr_text())
+            self.assertEqual(os.stat(given.root).st_mode & 0o777, 0o755)
+            self.assertIn('event=root_not_private', given.stderr_text())
+        finally:
+            made.close()
+            given.close()
+
     def test_descriptors_toold_was_started_with_reach_no_command(self):
         # a launcher's descriptor left open (not close-on-exec) when it started toold
         r, w = os.pipe()
