@@ -201,7 +201,7 @@ class StoragedClockStepTest(SettableClockCase):
         self.stack.td.kill()
         self.stack.td.start()
         self.assert_completed_in_second_attempt(conv, sid, timeout=30)
-        self.assert_clock_apart(+1, daemon=self.stack.sd, event='clock_stepped')
+        self.assert_clock_apart(+1, daemon=self.stack.sd, event=r'clock_stepped step_ms=\d+')
 
     def test_a_step_back_does_not_hold_a_dead_agentds_work(self):
         conv, sid = self.start_sleeping_tool('sd-back')
@@ -211,7 +211,10 @@ class StoragedClockStepTest(SettableClockCase):
         self.ad.owner_id += '-next'  # not a restart of the same owner: a takeover after the lease
         self.ad.start()
         self.assert_completed_in_second_attempt(conv, sid, timeout=40)
-        self.assert_clock_apart(-1, daemon=self.stack.sd, event='clock_stepped')
+        # the step back, stamped by storaged's clock (the event of this step, not the last one:
+        # libfaketime, rereading the offset file, has been seen to hand out the host's clock
+        # for a moment, a step of its own)
+        self.assert_clock_apart(-1, daemon=self.stack.sd, event=r'clock_stepped step_ms=-\d+')
 
     def test_a_step_while_storaged_is_down_keeps_leases_and_time_limits(self):
         """storaged's clock stepped an hour forward while it was stopped: every lease would
