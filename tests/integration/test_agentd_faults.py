@@ -617,6 +617,7 @@ class LostClaimAnswerTest(AgentdCase):
     waiting out a 20 s lease."""
     stack_kwargs = {'agents': ('runner-anthropic',), 'n_agentd': 0,
                     'storaged_env': {'CFLUE_FAILPOINTS': 'storaged.reply.Claim=crash'}}
+    down_s = 0
 
     def test_work_whose_claim_lost_its_answer_runs_at_once(self):
         st = self.stack
@@ -631,6 +632,7 @@ class LostClaimAnswerTest(AgentdCase):
         st.daemons.append(('agentd-lost-claim', ad))
         st.sd.proc.wait(30)
         self.assertIn('failpoint_crash point=storaged.reply.Claim', st.sd.stderr_text())
+        time.sleep(self.down_s)  # the claimer's Claims and take-back Lists fail meanwhile
         del st.sd.env['CFLUE_FAILPOINTS']
         st.sd.start()
         t0 = time.monotonic()
@@ -641,6 +643,13 @@ class LostClaimAnswerTest(AgentdCase):
         self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
         self.assertLess(took, 10.0, 'the work waited %.1f s: the lease ran out first' % took)
         self.assertIn('take_back submission=%s after=unanswered_claim' % sid, ad.stderr_text())
+
+
+class LostClaimAnswerLongOutageTest(LostClaimAnswerTest):
+    """The same with storaged down 6 s before it is back, far longer than the claimer's 1 s
+    between tries: every Claim and take-back List meanwhile fails, and the first answered List
+    still takes the work back."""
+    down_s = 6
 
 
 class LostJoinAnswerTest(FaultsBase):

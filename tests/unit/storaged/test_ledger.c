@@ -577,6 +577,25 @@ static void test_page_bytes(void)
 }
 
 /* A Compact submission is never joined, and the joinable run stops before it (defect 9). */
+/* claim_with_joinable claims host as owner J (*cl) and asks what joins it. */
+static Cflue__V1__ClaimJoinableResponse claim_with_joinable(const Cflue__V1__Submission *host,
+                                                            Cflue__V1__ClaimResponse *cl)
+{
+    struct cf_error err;
+    Cflue__V1__ClaimRequest cr = CFLUE__V1__CLAIM_REQUEST__INIT;
+    cflue__v1__claim_response__init(cl);
+    cr.owner_id = "J";
+    cr.submission_id = host->submission_id;
+    struct ledger_ctx c = ctx();
+    CHECK(ledger_claim(&c, &cr, cl, &err) == CF_OK && cl->submission);
+    Cflue__V1__ClaimJoinableRequest jr = CFLUE__V1__CLAIM_JOINABLE_REQUEST__INIT;
+    Cflue__V1__ClaimJoinableResponse jo = CFLUE__V1__CLAIM_JOINABLE_RESPONSE__INIT;
+    jr.host = cl->fence;
+    c = ctx();
+    CHECK(ledger_claim_joinable(&c, &jr, &jo, &err) == CF_OK);
+    return jo;
+}
+
 static void test_compact_not_joined(void)
 {
     Cflue__V1__AdmitRequest req = CFLUE__V1__ADMIT_REQUEST__INIT;
@@ -600,17 +619,8 @@ static void test_compact_not_joined(void)
     Cflue__V1__Submission *p2 = admit("c-compact", "p2", "");
     CHECK(host && p1 && p2);
 
-    Cflue__V1__ClaimRequest cr = CFLUE__V1__CLAIM_REQUEST__INIT;
-    Cflue__V1__ClaimResponse cl = CFLUE__V1__CLAIM_RESPONSE__INIT;
-    cr.owner_id = "J";
-    cr.submission_id = host->submission_id;
-    c = ctx();
-    CHECK(ledger_claim(&c, &cr, &cl, &err) == CF_OK && cl.submission);
-    Cflue__V1__ClaimJoinableRequest jr = CFLUE__V1__CLAIM_JOINABLE_REQUEST__INIT;
-    Cflue__V1__ClaimJoinableResponse jo = CFLUE__V1__CLAIM_JOINABLE_RESPONSE__INIT;
-    jr.host = cl.fence;
-    c = ctx();
-    CHECK(ledger_claim_joinable(&c, &jr, &jo, &err) == CF_OK);
+    Cflue__V1__ClaimResponse cl;
+    Cflue__V1__ClaimJoinableResponse jo = claim_with_joinable(host, &cl);
     CHECK(jo.n_submissions == 1 && !strcmp(jo.submissions[0]->submission_id, p1->submission_id));
 }
 
@@ -646,17 +656,8 @@ static void test_pages_bounded_by_bytes(void)
     }
     CHECK(seen == 5);
 
-    Cflue__V1__ClaimRequest cr = CFLUE__V1__CLAIM_REQUEST__INIT;
-    Cflue__V1__ClaimResponse cl = CFLUE__V1__CLAIM_RESPONSE__INIT;
-    cr.owner_id = "J";
-    cr.submission_id = host->submission_id;
-    c = ctx();
-    CHECK(ledger_claim(&c, &cr, &cl, &err) == CF_OK && cl.submission);
-    Cflue__V1__ClaimJoinableRequest jr = CFLUE__V1__CLAIM_JOINABLE_REQUEST__INIT;
-    Cflue__V1__ClaimJoinableResponse jo = CFLUE__V1__CLAIM_JOINABLE_RESPONSE__INIT;
-    jr.host = cl.fence;
-    c = ctx();
-    CHECK(ledger_claim_joinable(&c, &jr, &jo, &err) == CF_OK);
+    Cflue__V1__ClaimResponse cl;
+    Cflue__V1__ClaimJoinableResponse jo = claim_with_joinable(host, &cl);
     CHECK(jo.n_submissions == 2);
     CHECK(!strcmp(jo.submissions[0]->submission_id, q[0]->submission_id) &&
           !strcmp(jo.submissions[1]->submission_id, q[1]->submission_id));
