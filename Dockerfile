@@ -24,7 +24,7 @@ RUN apt-get update \
       build-essential cmake pkg-config libgrpc-dev protobuf-c-compiler libprotobuf-c-dev \
       protobuf-compiler grpc-proto libprotobuf-dev golang-github-gogo-googleapis-dev \
       libsqlite3-dev libjansson-dev libcurl4-openssl-dev libpcre2-dev libyaml-dev \
-      libseccomp-dev libssl-dev libmicrohttpd-dev python3 \
+      libseccomp-dev libssl-dev libmicrohttpd-dev musl-tools python3 \
  && rm -rf /var/lib/apt/lists/*
 COPY . /src
 RUN cmake -S /src -B /build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCFLUE_TESTS=OFF >/dev/null \

@@ -4,12 +4,11 @@
  * the standalone toold-runner program, which starts in a fraction of the time toold's own
  * binary with its gRPC libraries needs. It uses libc only.
  */
-#include "proc.h"
+#include "runner.h"
 
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <linux/close_range.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +21,10 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#ifndef CLOSE_RANGE_CLOEXEC
+#define CLOSE_RANGE_CLOEXEC (1U << 2) /* Linux's value; not in every C library's headers */
+#endif
 
 static int64_t mono_ms(void)
 {

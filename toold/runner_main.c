@@ -1,5 +1,5 @@
 /* runner_main.c - toold-runner: the runner of proc.h as a program of its own. */
-#include "proc.h"
+#include "runner.h"
 
 int main(int argc, char **argv)
 {
