@@ -28,7 +28,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 COPY . /src
 RUN cmake -S /src -B /build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCFLUE_TESTS=OFF >/dev/null \
- && cmake --build /build -j"$(nproc)" --target storaged toold toold-runner agentd cflue \
+ && cmake --build /build -j"$(nproc)" --target storaged toold toold_runner agentd cflue \
  && mkdir -p /out/bin \
  && for b in storaged/storaged toold/toold toold/toold-runner agentd/agentd cli/cflue; do \
       install -s -m 0755 "/build/$b" /out/bin/; \

@@ -4,8 +4,9 @@
  * stdout and stderr on one pipe, so output arrives in the order it was written. Output is
  * handed to a callback chunk by chunk; proc keeps none of it.
  *
- * Method: the command does not run as toold's child but under a runner, toold's own binary
- * re-executed with PROC_RUNNER_FLAG (see proc_set_runner). The runner makes itself a child
+ * Method: the command does not run as toold's child but under a runner (runner.h, runner.c):
+ * the toold-runner program found next to toold, or toold's own binary re-executed with
+ * PROC_RUNNER_FLAG when it is missing (see proc_set_runner). The runner makes itself a child
  * subreaper (prctl PR_SET_CHILD_SUBREAPER), so every descendant of the command, including one
  * that left the session with setsid and lost its parent, stays in the runner's subtree instead
  * of going to init. When the command's main process exits, the runner gives what is left

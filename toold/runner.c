@@ -194,7 +194,7 @@ static int64_t parse_i64(const char *v)
     return *end || x < 0 ? 0 : (int64_t)x;
 }
 
-/* watch_parse reads the KEY=VALUE arguments before "--" (proc.h); returns the index of "--",
+/* watch_parse reads the KEY=VALUE arguments before "--" (runner.h); returns the index of "--",
  * or -1 when one is not understood. */
 static int watch_parse(struct watch *w, int argc, char **argv, int from)
 {
