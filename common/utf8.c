@@ -2,6 +2,30 @@
 #include "utf8.h"
 
 #include <stdint.h>
+#include <string.h>
+
+#define HIGH_BITS 0x8080808080808080ULL
+#define LOW_BITS 0x0101010101010101ULL
+
+/* ascii_run returns the length of the run of ASCII bytes (NUL excluded when no_nul) that
+ * starts p[0..n), looked at eight bytes at a time and then byte by byte: tool output and
+ * model text are mostly ASCII, and a byte at a time was most of a large result's cost. */
+static size_t ascii_run(const uint8_t *p, size_t n, bool no_nul)
+{
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        /* a byte >= 0x80, or (when asked) a zero byte: (w - 0x01..) & ~w has its high bit */
+        if ((w & HIGH_BITS) || (no_nul && ((w - LOW_BITS) & ~w & HIGH_BITS))) {
+            break;
+        }
+    }
+    while (i < n && p[i] < 0x80 && (p[i] || !no_nul)) {
+        i++;
+    }
+    return i;
+}
 
 bool utf8_valid(const char *p, size_t n, size_t *bad_at)
 {
@@ -12,7 +36,7 @@ bool utf8_valid(const char *p, size_t n, size_t *bad_at)
         size_t len;
         uint32_t cp, min;
         if (c < 0x80) {
-            i++;
+            i += ascii_run(s + i, n - i, false);
             continue;
         } else if ((c & 0xe0) == 0xc0) {
             len = 2, cp = c & 0x1f, min = 0x80;
@@ -72,7 +96,9 @@ enum cf_status utf8_sanitize(struct buf *out, const char *p, size_t n)
     size_t i = 0, run = 0;
     enum cf_status rc;
     while (i < n) {
-        size_t len = s[i] == 0 ? 0 : s[i] < 0x80 ? 1 : utf8_seq_len(p + i, n - i);
+        size_t len = s[i] == 0     ? 0
+                     : s[i] < 0x80 ? ascii_run(s + i, n - i, true)
+                                   : utf8_seq_len(p + i, n - i);
         if (len) {
             i += len;
             run += len;

@@ -448,6 +448,32 @@ static void test_utf8(void)
                                  "b\xef\xbf\xbd\xc3\xa9\n",
                                  11));
     buf_cleanup(&b);
+    /* text is looked at eight bytes at a time: a NUL, a bad byte or a character of two bytes
+     * at each offset of a 40-byte ASCII text, whatever its place in a word */
+    for (size_t k = 0; k + 2 <= 40; k++) {
+        char t[40], want[42];
+        memset(t, 'x', sizeof(t));
+        t[k] = '\0';
+        CHECK(utf8_valid(t, sizeof(t), NULL));
+        buf_init(&b, 64);
+        CHECK(utf8_sanitize(&b, t, sizeof(t)) == CF_OK);
+        memset(want, 'x', sizeof(want));
+        memcpy(want + k, "\xef\xbf\xbd", 3);
+        CHECK(b.len == 42 && !memcmp(b.data, want, 42));
+        buf_cleanup(&b);
+        t[k] = '\xff';
+        CHECK(!utf8_valid(t, sizeof(t), &bad) && bad == k);
+        buf_init(&b, 64);
+        CHECK(utf8_sanitize(&b, t, sizeof(t)) == CF_OK);
+        CHECK(b.len == 42 && !memcmp(b.data, want, 42));
+        buf_cleanup(&b);
+        memcpy(t + k, "\xc3\xa9", 2);
+        CHECK(utf8_valid(t, sizeof(t), NULL));
+        buf_init(&b, 64);
+        CHECK(utf8_sanitize(&b, t, sizeof(t)) == CF_OK);
+        CHECK(b.len == 40 && !memcmp(b.data, t, 40));
+        buf_cleanup(&b);
+    }
 }
 
 static void test_arena(void)
