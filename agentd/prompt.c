@@ -44,6 +44,7 @@ struct sandbox_view {
     Cflue__V1__FileInfo **entries;
     size_t n_entries;
     bool more_entries;
+    bool entries_unreadable; /* the working directory could not be listed */
 };
 
 /* view_by_calls fills v with ReadFile and ReadDir, for a toold without Glance; false (with a
@@ -73,6 +74,8 @@ static bool view_by_calls(struct drive *d, struct rpc_channel *ch, struct sandbo
     if (!rpc_unary(ch, "/cflue.v1.Sandbox/ReadDir", &rq.base,
                    &cflue__v1__read_dir_response__descriptor, SANDBOX_TIMEOUT_MS, &v->listing,
                    &st)) {
+        v->entries_unreadable =
+            st.code == GRPC_STATUS_INVALID_ARGUMENT && !strcmp(st.reason, "PERMISSION_DENIED");
         return !tools_failed(d, "listing the working directory failed", &st);
     }
     const Cflue__V1__ReadDirResponse *r = (const void *)v->listing;
@@ -112,6 +115,7 @@ static void view_of_glance(struct sandbox_view *v, const Cflue__V1__GlanceRespon
     v->entries = g->entries;
     v->n_entries = g->n_entries;
     v->more_entries = g->more_entries;
+    v->entries_unreadable = g->entries_unreadable;
 }
 
 static void view_cleanup(struct sandbox_view *v)
@@ -131,6 +135,9 @@ static void add_listing(struct buf *b, const struct sandbox_view *v, const char 
         buf_printf(b, "\nWorking directory: %s", working_directory);
     }
     buf_append_str(b, "\nTop-level entries of the working directory:");
+    if (v->entries_unreadable) {
+        buf_append_str(b, " not shown: reading the directory was refused (permission denied)");
+    }
     size_t shown = v->n_entries < LISTING_MAX ? v->n_entries : LISTING_MAX;
     for (size_t i = 0; i < shown; i++) {
         bool dir = v->entries[i]->type == CFLUE__V1__FILE_TYPE__FILE_TYPE_DIRECTORY;

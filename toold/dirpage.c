@@ -2,6 +2,7 @@
 #include "dirpage.h"
 
 #include "mem.h"
+#include "workspace.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -61,13 +62,14 @@ enum cf_status dirpage_select(int dirfd, const char *after, size_t limit, bool (
     memset(out, 0, sizeof(*out));
     int fd = openat(dirfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC); /* own offset */
     if (fd < 0) {
-        return cf_error_set(err, CF_IO, "cannot read the directory: %s", strerror(errno));
+        /* (EACCES: a directory an unprivileged toold may not read, PERMISSION_DENIED) */
+        return ws_errno_error(errno, "read", "the directory", err);
     }
     DIR *d = fdopendir(fd);
     if (!d) {
         int e = errno;
         close(fd);
-        return cf_error_set(err, CF_IO, "cannot read the directory: %s", strerror(e));
+        return ws_errno_error(e, "read", "the directory", err);
     }
     size_t keep = limit + 1, n = 0, seen = 0; /* one more than a page tells whether more exist */
     char **heap = mem_alloc(sizeof(char *) * keep);

@@ -864,7 +864,8 @@ static void glance_skills_cleanup(struct glance_skills *gs)
 }
 
 /* glance_skills reads the SKILL.md of each subdirectory of req->skills_dir (the first
- * max_skills entries by name) into gs; a directory that is missing, or not one, holds none,
+ * max_skills entries by name) into gs; a directory that is missing, or not one, or that cannot
+ * be listed, holds none,
  * and an entry without a readable SKILL.md is skipped. */
 static enum cf_status glance_skills(struct rpc_call *c, struct sandbox *sb, const char *cwd,
                                     const Cflue__V1__GlanceRequest *req, struct glance_skills *gs,
@@ -884,7 +885,7 @@ static enum cf_status glance_skills(struct rpc_call *c, struct sandbox *sb, cons
     rc = dirpage_select(dirfd, "", (size_t)req->max_skills, call_gone, c, &page, err);
     close(dirfd);
     if (rc != CF_OK) {
-        return rc;
+        return rc == CF_INVALID ? CF_OK : rc; /* one its owner made unreadable holds none */
     }
     *more = page.more;
     gs->items = mem_alloc(sizeof(*gs->items) * (page.n + 1));
@@ -963,17 +964,27 @@ static void on_glance(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     int dirfd = -1;
     struct file_info *infos = NULL;
     Cflue__V1__FileInfo **entries = NULL;
+    enum cf_status listed = CF_OK;
     if (req->max_entries > 0 &&
-        (ws_open(sb, here, O_PATH | O_DIRECTORY, 0, *req->cwd ? req->cwd : ".", &dirfd, &err) !=
-             CF_OK ||
-         dirpage_select(dirfd, "", (size_t)req->max_entries, call_gone, c, &page, &err) != CF_OK)) {
+        ((listed = ws_open(sb, here, O_PATH | O_DIRECTORY, 0, *req->cwd ? req->cwd : ".", &dirfd,
+                           &err)) != CF_OK ||
+         (listed = dirpage_select(dirfd, "", (size_t)req->max_entries, call_gone, c, &page,
+                                  &err)) != CF_OK)) {
+        /* a working directory its owner may not list (an unprivileged toold) is told as such:
+         * the prompt says so rather than the sandbox failing every submission */
+        bool unreadable =
+            dirfd >= 0 && listed == CF_INVALID && !strcmp(err.reason, "PERMISSION_DENIED");
         if (dirfd >= 0) {
             close(dirfd);
+            dirfd = -1;
         }
-        free(resp.file_data.data);
-        glance_skills_cleanup(&gs);
-        rpc_call_fail_error(c, &err);
-        return;
+        if (!unreadable) {
+            free(resp.file_data.data);
+            glance_skills_cleanup(&gs);
+            rpc_call_fail_error(c, &err);
+            return;
+        }
+        resp.entries_unreadable = true;
     }
     infos = mem_alloc(sizeof(*infos) * (page.n + 1));
     entries = mem_alloc(sizeof(*entries) * (page.n + 1));

@@ -503,6 +503,34 @@ class Names(object):
         for engine, got in out.items():
             self.assertEqual(got, out['pcre2'], engine)
 
+    def test_directories_it_may_not_list(self):
+        """A directory toold may not list is refused by ReadDir with its reason (it said
+        INTERNAL), holds no skills for Glance, and as the working directory is told unlisted
+        by Glance rather than failing it (agentd would fail every submission of the sandbox).
+        Unprivileged toold only: root lists every directory."""
+        if not self.unprivileged:
+            self.skipTest('root lists every directory')
+        self.bash('u6', 'mkdir -p shut .agents/skills/s && echo skill > .agents/skills/s/SKILL.md '
+                  '&& echo notes > AGENTS.md && chmod 000 shut && chmod 300 .agents/skills')
+        try:
+            with self.assertRaises(grpc.RpcError) as cm:
+                self.td.sandbox('ReadDir', sandbox='u6', path='shut')
+            self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertEqual(error_reason(cm.exception), 'PERMISSION_DENIED')
+            g = self.td.sandbox('Glance', sandbox='u6', skills_dir='.agents/skills', max_skills=8,
+                                max_entries=50, files=['AGENTS.md'], max_file_bytes=100)
+            self.assertEqual(len(g.skills), 0)
+            self.assertEqual([e.name for e in g.entries], ['.agents', 'AGENTS.md', 'shut'])
+            self.assertFalse(g.entries_unreadable)
+            self.bash('u6', 'chmod 700 .agents/skills && chmod 300 .')
+            g = self.td.sandbox('Glance', sandbox='u6', skills_dir='.agents/skills', max_skills=8,
+                                max_entries=50, files=['AGENTS.md'], max_file_bytes=100)
+            self.assertTrue(g.entries_unreadable)
+            self.assertEqual((len(g.entries), g.file, g.file_data), (0, 'AGENTS.md', b'notes\n'))
+            self.assertEqual([k.dir for k in g.skills], ['s'])
+        finally:
+            self.bash('u6', 'chmod 700 . .agents/skills shut')
+
     def test_glob_pattern_over_64k(self):
         res = self.call('u3', 'glob', {'pattern': 'a' * (64 * 1024 + 1)})
         self.assertTrue(res.is_error)
