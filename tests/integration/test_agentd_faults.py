@@ -70,18 +70,21 @@ class FaultsBase(AgentdCase):
         self.wait_for('agentd to reach storaged', store_reachable, timeout=60, interval=0.2)
 
     def host_with_follow_ups(self, tag, pad=''):
-        """A host running a 3 s tool call (the `joins` scenario) and two follow-ups submitted
-        behind it meanwhile (their texts padded with pad); returns (conversation, host,
+        """A host running a tool call (the `joins_gated` scenario) and two follow-ups submitted
+        behind it meanwhile (their texts padded with pad); the call ends once both are admitted
+        (queued behind the host), however long their Submits took. Returns (conversation, host,
         [follow-ups])."""
         conv = new_conv(tag)
         ws = self.workspace(conv)
-        self.fm.set_scenario(load_scenario('joins', conv))
+        self.fm.set_scenario(load_scenario('joins_gated', conv))
         host = self.ad.submit('runner-anthropic', 'host message %s' % conv,
                               conversation_id=conv).submission_id
         self.wait_for('the host tool call to start',
                       lambda: os.path.exists(os.path.join(ws, 'started.txt')), timeout=60)
         joined = [self.ad.submit('runner-anthropic', 'follow-up %d for %s%s' % (i, conv, pad),
                                  conversation_id=conv).submission_id for i in range(2)]
+        with open(os.path.join(ws, 'go'), 'w'):
+            pass
         return conv, host, joined
 
     def storaged_down_then_go(self, conv, ws):
@@ -689,7 +692,9 @@ class LostJoinAnswerPagedTest(LostJoinAnswerTest):
     """The same with large follow-ups and a storaged of 1 MiB messages (pages of 512 KiB): the
     lost ClaimJoinable joins the first 300 KB follow-up only, the retry the second, and the
     List of what is joining takes two pages. Both are taken, in order (with the first page
-    only, the second would go back to the queue and run after the host, answered apart)."""
+    only, the second would go back to the queue and run after the host, answered apart). Both
+    follow-ups are queued before the host's tool call ends (the call waits for them), so the
+    pages are there on any machine."""
     stack_kwargs = dict(LostJoinAnswerTest.stack_kwargs,
                         storaged_args=('--max-message-bytes', str(1 << 20)))
     pad = ' ' + 'x' * 300000
