@@ -29,6 +29,13 @@ static Cflue__V1__SubmissionStatus joining_status =
     CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_JOINING;
 
 /* joining_list_request asks for the deliveries JOINING into this host, in admission order. */
+/* next_page_of returns a copy of l's next page token, or NULL on its last page (a page ends at
+ * storaged's byte budget; an empty page is the last). */
+static char *next_page_of(const Cflue__V1__ListResponse *l)
+{
+    return *l->next_page_token && l->n_submissions ? mem_strdup(l->next_page_token) : NULL;
+}
+
 static Cflue__V1__ListRequest joining_list_request(struct drive *d)
 {
     Cflue__V1__ListRequest lr = CFLUE__V1__LIST_REQUEST__INIT;
@@ -218,9 +225,8 @@ static void send_earlier(struct drive *d)
 static bool earlier_next(struct drive *d)
 {
     if (!drive_broken(d) && d->joining.next >= d->joining.earlier->n_submissions &&
-        *d->joining.earlier->next_page_token && d->joining.earlier->n_submissions) {
-        /* the next page of them (a page ends at storaged's byte budget) */
-        d->joining.page_token = mem_strdup(d->joining.earlier->next_page_token);
+        (d->joining.page_token = next_page_of(d->joining.earlier)) != NULL) {
+        /* the next page of them */
         protobuf_c_message_free_unpacked(&d->joining.earlier->base, NULL);
         d->joining.earlier = NULL;
         d->joining.next = 0;
@@ -326,9 +332,7 @@ bool joins_take(struct drive *d, int *joined)
         Cflue__V1__ListResponse *l = (Cflue__V1__ListResponse *)resp;
         bool first_page = !d->joining.page_token;
         free(d->joining.page_token);
-        d->joining.page_token = *l->next_page_token && l->n_submissions
-                                    ? mem_strdup(l->next_page_token)
-                                    : NULL; /* a page ends at storaged's byte budget */
+        d->joining.page_token = next_page_of(l);
         if (first_page) {
             claimed(d, resp, l->submissions, &l->n_submissions);
         } else { /* the next page: kept after the first, in admission order */

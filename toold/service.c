@@ -865,8 +865,7 @@ static void glance_skills_cleanup(struct glance_skills *gs)
 
 /* glance_skills reads the SKILL.md of each subdirectory of req->skills_dir (the first
  * max_skills entries by name) into gs; a directory that is missing, or not one, or that cannot
- * be listed, holds none,
- * and an entry without a readable SKILL.md is skipped. */
+ * be listed, holds none, and an entry without a readable SKILL.md is skipped. */
 static enum cf_status glance_skills(struct rpc_call *c, struct sandbox *sb, const char *cwd,
                                     const Cflue__V1__GlanceRequest *req, struct glance_skills *gs,
                                     bool *more, struct cf_error *err)

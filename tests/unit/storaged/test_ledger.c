@@ -576,7 +576,6 @@ static void test_page_bytes(void)
     CHECK(!strcmp(cf_error_reason(&err), "OFFSET_BEYOND_HEAD"));
 }
 
-/* A Compact submission is never joined, and the joinable run stops before it (defect 9). */
 /* claim_with_joinable claims host as owner J (*cl) and asks what joins it. */
 static Cflue__V1__ClaimJoinableResponse claim_with_joinable(const Cflue__V1__Submission *host,
                                                             Cflue__V1__ClaimResponse *cl)
@@ -596,6 +595,7 @@ static Cflue__V1__ClaimJoinableResponse claim_with_joinable(const Cflue__V1__Sub
     return jo;
 }
 
+/* A Compact submission is never joined, and the joinable run stops before it (defect 9). */
 static void test_compact_not_joined(void)
 {
     Cflue__V1__AdmitRequest req = CFLUE__V1__ADMIT_REQUEST__INIT;
