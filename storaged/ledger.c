@@ -1969,13 +1969,24 @@ enum cf_status ledger_list(struct ledger_ctx *c, const Cflue__V1__ListRequest *r
         strncat(in, part, sizeof(in) - strlen(in) - 1);
     }
     /* owner and abort filters are written only when set, so that their partial indexes
-     * (submissions_by_owner, submissions_abort_requested) can serve them */
+     * (submissions_by_owner, submissions_abort_requested) can serve them; but an owner's held
+     * work alone (agentd's take-back after a claim that got no answer) is found through the
+     * status index: submissions_by_owner holds every row the owner ever claimed, and walking
+     * it costs the owner's whole history, where the held rows of all owners are only the work
+     * in flight */
+    bool held_only = *req->owner_id && req->n_statuses > 0;
+    for (size_t i = 0; i < req->n_statuses; i++) {
+        held_only =
+            held_only &&
+            (req->statuses[i] == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING ||
+             req->statuses[i] == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_TERMINALIZING);
+    }
     snprintf(sql, sizeof(sql),
-             "SELECT " SUB_COLS " FROM submissions WHERE sequence > ?1 "
+             "SELECT " SUB_COLS " FROM submissions%s WHERE sequence > ?1 "
              "AND (?2 = '' OR conversation_id = ?2) AND (?3 = '' OR joined_into = ?3) %s%s%s%s%s"
              "ORDER BY sequence LIMIT ?4",
-             *in ? "AND status IN (" : "", in, *in ? ") " : "",
-             *req->owner_id ? "AND owner_id = ?5 " : "",
+             held_only ? " INDEXED BY submissions_by_status" : "", *in ? "AND status IN (" : "", in,
+             *in ? ") " : "", *req->owner_id ? "AND owner_id = ?5 " : "",
              req->abort_requested ? "AND abort_requested_at IS NOT NULL " : "");
     /* built per status filter: compiled for this call only */
     if ((rc = stmt_open_once(&s, c->db, sql, "list submissions", err)) != CF_OK) {
