@@ -186,6 +186,7 @@ struct submit {
     const Cflue__V1__SubmitRequest *req;   /* the call's: valid until the call is answered */
     char principal[IDS_PRINCIPAL_MAX + 1]; /* the caller's ("" without --tokens) */
     struct trace_ctx trace;                /* the Submit's (submission_trace) */
+    uint64_t admit_ticket;                 /* engine_claim_with_admit's (0: no claim) */
 };
 
 /* on_admitted (rpc's client loop) answers the Submit with what its Admit did. Nothing here
@@ -197,19 +198,21 @@ static void on_admitted(void *arg, const struct rpc_status *st, ProtobufCMessage
     const Cflue__V1__SubmitRequest *req = s->req;
     char principal[IDS_PRINCIPAL_MAX + 1];
     struct trace_ctx saved;
+    uint64_t ticket = s->admit_ticket;
     snprintf(principal, sizeof(principal), "%s", s->principal);
     trace_enter(&s->trace, &saved); /* on the client loop: the Submit's lines carry its trace */
     free(s);
     atomic_fetch_sub(&submits_in_flight, 1);
     struct cf_error err;
     if (store_status("Admit", st, &err) != CF_OK) {
+        engine_admit_unanswered(ticket, err.code); /* its claim may have committed */
         fail_err(c, &err);
         trace_leave(&saved);
         return;
     }
     Cflue__V1__AdmitResponse *r = (Cflue__V1__AdmitResponse *)resp;
     bool claimed = r->claim && r->claim->submission;
-    (void)engine_admitted(r); /* a retried Submit's earlier claim is taken back too */
+    (void)engine_admitted(ticket, r); /* a retried Submit's earlier claim is taken back too */
     Cflue__V1__Admission out = CFLUE__V1__ADMISSION__INIT;
     out.submission_id = r->submission->submission_id;
     out.conversation_id = r->submission->conversation_id;
@@ -317,6 +320,7 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     struct trace_ctx saved;
     s->c = c;
     s->req = req;
+    s->admit_ticket = claim.ticket;
     snprintf(s->principal, sizeof(s->principal), "%s", p.name);
     submission_trace(&s->trace);
     trace_enter(&s->trace, &saved); /* the Admit call carries it too */

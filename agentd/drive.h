@@ -165,6 +165,7 @@ struct task_call {
     size_t n_atts;
     bool done;                 /* its result is recorded (or the drive halted) */
     struct drive_call admit;   /* the Admit */
+    uint64_t admit_ticket;     /* the Admit's claim in flight (engine_claim_with_admit; 0: none) */
     char *child_submission_id; /* once admitted */
     char *child_conversation_id;
     struct rpc_astream *follow; /* the Follow of the child's conversation, or NULL */

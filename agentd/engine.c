@@ -40,6 +40,7 @@
  * lock (ready queue, timers, counts), never after.
  */
 #include "engine.h"
+#include "admit_gate.h"
 #include "agentd.h"
 #include "clients.h"
 #include "clock.h"
@@ -50,6 +51,7 @@
 #include "proto_limits.h"
 #include "thread.h"
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -82,6 +84,15 @@ static struct engine {
 } eng = {.mu = PTHREAD_MUTEX_INITIALIZER, .work = PTHREAD_COND_INITIALIZER};
 
 static bool woken; /* under g_agentd.mu: agentd_wake since the claimer last looked */
+
+/* The Admits in flight that claim for this process (admit_gate.h): a take-back waits for those
+ * started before it. */
+static struct admit_gate admits = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+/* A Claim, or an Admit with a claim, ended without an answer: it may have committed, leaving
+ * its submission RUNNING under this owner with no drive. The claimer takes such work back
+ * (take_back_unanswered_claims) before it claims again. */
+static atomic_bool claims_unanswered;
 
 /* log_sub_info logs an info line about submission s under the trace it was admitted with
  * (drive_sub_trace; none: no trace), whatever thread logs it. */
@@ -361,6 +372,8 @@ static struct resume {
     int64_t epoch;
     int64_t due_ms;   /* monotonic */
     int64_t delay_ms; /* the next backoff */
+    uint64_t behind;  /* a take-back: not due before the claiming Admits up to this ticket have
+                       * ended (admit_gate.h); 0: an interrupted drive's resume */
 } resumes[RESUME_MAX];
 static int n_resumes;
 
@@ -376,12 +389,13 @@ static struct resume *resume_find(const char *submission_id)
 }
 
 /* resume_later_locked puts an interrupted submission, held under the fence (submission_id,
- * attempt_id, epoch), on the resume list (or backs it off again), due in delay_ms; its next
+ * attempt_id, epoch), on the resume list (or backs it off again), due in delay_ms, and for a
+ * take-back (behind > 0) not before the claiming Admits up to that ticket have ended; its next
  * backoff is delay_ms, or RESUME_FIRST_MS for one due at once (a backoff of 0 would double to
  * 0: a claim storaged does not answer would be asked again without a pause). g_agentd.mu held;
  * resume_later takes it. */
 static void resume_later_locked(const char *submission_id, const char *attempt_id, int64_t epoch,
-                                int64_t delay_ms)
+                                int64_t delay_ms, uint64_t behind)
 {
     struct resume *r = resume_find(submission_id);
     if (!r && n_resumes < RESUME_MAX) {
@@ -391,6 +405,7 @@ static void resume_later_locked(const char *submission_id, const char *attempt_i
     if (r) {
         snprintf(r->attempt_id, sizeof(r->attempt_id), "%s", attempt_id);
         r->epoch = epoch;
+        r->behind = behind;
         r->delay_ms = delay_ms > 0 ? delay_ms : RESUME_FIRST_MS;
         r->due_ms = clock_mono_ms() + delay_ms + thread_jitter_ms(delay_ms / 4 + 1);
     }
@@ -398,21 +413,22 @@ static void resume_later_locked(const char *submission_id, const char *attempt_i
 }
 
 static void resume_later(const char *submission_id, const char *attempt_id, int64_t epoch,
-                         int64_t delay_ms)
+                         int64_t delay_ms, uint64_t behind)
 {
     pthread_mutex_lock(&g_agentd.mu);
-    resume_later_locked(submission_id, attempt_id, epoch, delay_ms);
+    resume_later_locked(submission_id, attempt_id, epoch, delay_ms, behind);
     pthread_mutex_unlock(&g_agentd.mu);
 }
 
-/* take_due_resume removes and returns a resume whose time has come. */
+/* take_due_resume removes and returns a resume whose time has come (a take-back's once the
+ * Admits it waits behind have ended). */
 static bool take_due_resume(struct resume *out)
 {
     bool found = false;
     int64_t now = clock_mono_ms();
     pthread_mutex_lock(&g_agentd.mu);
     for (int i = 0; i < n_resumes && !found; i++) {
-        if (resumes[i].due_ms <= now) {
+        if (resumes[i].due_ms <= now && admit_gate_passed(&admits, resumes[i].behind)) {
             *out = resumes[i];
             resumes[i] = resumes[--n_resumes];
             found = true;
@@ -482,10 +498,15 @@ void engine_claim_with_admit(Cflue__V1__AdmitRequest *ar, struct engine_admit_cl
         c->claim.lease_duration = &c->lease;
         c->claim.owner_started_at = owner_started(&c->started);
         ar->claim = &c->claim;
+        c->ticket = admit_gate_enter(&admits);
+    } else {
+        c->ticket = 0;
     }
 }
 
-bool engine_admitted(Cflue__V1__AdmitResponse *r)
+/* taken_in takes the answer of an Admit that had a claim: a claimed submission's drive starts
+ * here; a deduplicated one this owner holds with no drive here is taken back. */
+static bool taken_in(Cflue__V1__AdmitResponse *r)
 {
     const Cflue__V1__Submission *s = r->submission;
     if (r->claim && r->claim->submission) {
@@ -500,12 +521,29 @@ bool engine_admitted(Cflue__V1__AdmitResponse *r)
         return false;
     }
     if (!driven_here(s->submission_id)) {
-        /* no drive holds the lease: take it back now rather than when the lease runs out */
+        /* no drive holds the lease: take it back now rather than when the lease runs out, once
+         * the Admits started so far have ended (the first one's answer may be on the way) */
         log_sub_info(s, "take_back", "submission=%s", s->submission_id);
-        resume_later(s->submission_id, s->attempt_id, s->epoch, 0);
+        resume_later(s->submission_id, s->attempt_id, s->epoch, 0, admit_gate_last(&admits));
         agentd_wake();
     }
     return true;
+}
+
+bool engine_admitted(uint64_t ticket, Cflue__V1__AdmitResponse *r)
+{
+    bool here = taken_in(r);
+    admit_gate_leave(&admits, ticket); /* after: its drive, if any, is known here now */
+    return here;
+}
+
+void engine_admit_unanswered(uint64_t ticket, enum cf_status code)
+{
+    if (ticket && code == CF_UNAVAILABLE) {
+        atomic_store(&claims_unanswered, true);
+        agentd_wake(); /* the claimer takes it back now, not at its next poll */
+    }
+    admit_gate_leave(&admits, ticket);
 }
 
 /* hold_locked keeps a lease to hand back at the stop (eng.mu held). */
@@ -553,7 +591,8 @@ static void retire(struct drive *d)
     struct active held;
     bool keep = drive_lease_held(d, &held);
     if (drive_end_of(d) == DRIVE_INTERRUPTED) {
-        resume_later(d->fence.submission_id, d->fence.attempt_id, d->fence.epoch, d->eng.resume_ms);
+        resume_later(d->fence.submission_id, d->fence.attempt_id, d->fence.epoch, d->eng.resume_ms,
+                     0);
     }
     pthread_mutex_lock(&eng.mu);
     engine_queue_remove(&eng.timers, &d->eng.timer);
@@ -645,7 +684,8 @@ static bool resume_one(void)
     }
     if (rc == CF_UNAVAILABLE || rc == CF_BUSY) {
         /* storaged is away: no attempt was spent; ask again soon */
-        resume_later(r.submission_id, r.attempt_id, r.epoch, r.delay_ms < 2000 ? r.delay_ms : 2000);
+        resume_later(r.submission_id, r.attempt_id, r.epoch, r.delay_ms < 2000 ? r.delay_ms : 2000,
+                     0);
     } else if (rc != CF_OK) {
         char q[600];
         log_warn("resume_dropped", "submission=%s err=%s", r.submission_id,
@@ -715,16 +755,16 @@ static bool list_own(const Cflue__V1__SubmissionStatus *statuses, size_t n, bool
     return true;
 }
 
-/* take_back_if_idle resumes s in RESUME_FIRST_MS when no drive here holds it and no resume
- * waits for it (one check under one lock: a drive ending meanwhile puts its own resume first).
- * Not at once: a Submit's Admit that claimed s may have its answer on the way, and the resume
- * finds its drive here by then and leaves it alone. */
+/* take_back_if_idle resumes s when no drive here holds it and no resume waits for it (one
+ * check under one lock: a drive ending meanwhile puts its own resume first), once the claiming
+ * Admits started so far have ended: one that claimed s may have its answer on the way, and the
+ * resume then finds its drive here and leaves it alone. */
 static void take_back_if_idle(const Cflue__V1__Submission *s)
 {
     pthread_mutex_lock(&g_agentd.mu);
     bool idle = !resume_find(s->submission_id) && !driven_here_locked(s->submission_id);
     if (idle) {
-        resume_later_locked(s->submission_id, s->attempt_id, s->epoch, RESUME_FIRST_MS);
+        resume_later_locked(s->submission_id, s->attempt_id, s->epoch, 0, admit_gate_last(&admits));
     }
     pthread_mutex_unlock(&g_agentd.mu);
     if (idle) {
@@ -732,11 +772,12 @@ static void take_back_if_idle(const Cflue__V1__Submission *s)
     }
 }
 
-/* take_back_unanswered_claims: a Claim that got no answer (storaged went away, or the deadline
- * passed) may still have committed: its submission is then running (or terminalizing, taken
- * over) under this owner with no drive until the lease runs out. After one, before claiming
- * again, this owner's such submissions that no drive here holds are resumed within a second
- * (engine_admitted does the same for an Admit). false when storaged did not answer. */
+/* take_back_unanswered_claims: a Claim, or an Admit with a claim, that got no answer (storaged
+ * went away, or the deadline passed) may still have committed: its submission is then running
+ * (or terminalizing, taken over) under this owner with no drive until the lease runs out.
+ * After one, before claiming again, this owner's such submissions that no drive here holds are
+ * resumed (engine_admitted does the same for a retried Submit's Admit). false when storaged
+ * did not answer. */
 static bool take_back_unanswered_claims(void)
 {
     static const Cflue__V1__SubmissionStatus held[] = {
@@ -756,11 +797,9 @@ static bool claim_some(int64_t *wait_ms)
     if (!engine_has_room()) {
         return false; /* a drive's end wakes the claimer; a stop or a drain ends the claims */
     }
-    static bool claim_unanswered; /* only the claimer claims */
-    if (claim_unanswered && !reclaim_before_ms) {
+    if (!reclaim_before_ms && atomic_exchange(&claims_unanswered, false)) {
         /* once (an unanswered List leaves it to the lease, as before), and not while the
          * previous process's work is being reclaimed: that would be taken back as this one's */
-        claim_unanswered = false;
         (void)take_back_unanswered_claims();
     }
     if (resume_one()) {
@@ -768,7 +807,9 @@ static bool claim_some(int64_t *wait_ms)
     }
     Cflue__V1__ClaimResponse *cl = NULL;
     enum cf_status rc = claim(NULL, reclaim_before_ms, &cl, &err);
-    claim_unanswered = claim_unanswered || rc == CF_UNAVAILABLE;
+    if (rc == CF_UNAVAILABLE) {
+        atomic_store(&claims_unanswered, true);
+    }
     if (rc == CF_OK && cl->submission && reclaim_before_ms && taken_from_self(cl)) {
         protobuf_c_message_free_unpacked(&cl->base, NULL);
         return true;

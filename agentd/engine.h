@@ -4,6 +4,7 @@
 #define CFLUE_AGENTD_ENGINE_H
 
 #include "daemon.h"
+#include "status.h"
 
 #include "cflue/v1/store.pb-c.h"
 
@@ -60,18 +61,28 @@ struct engine_admit_claim {
     Cflue__V1__ClaimRequest claim;
     Google__Protobuf__Duration lease;
     Google__Protobuf__Timestamp started; /* claim.owner_started_at */
+    uint64_t ticket; /* the Admit's place among those in flight (admit_gate.h); 0: no claim */
 };
 
 /* engine_claim_with_admit makes ar claim the submission it admits for this process too
  * (AdmitRequest.claim) when a drive has room: no Claim call, and the drive starts here when
- * the answer comes (engine_admitted). c must live until ar is sent. */
+ * the answer comes (engine_admitted). c must live until ar is sent; the caller keeps c->ticket
+ * and ends it with exactly one of engine_admitted and engine_admit_unanswered, however the
+ * call ends: take-backs wait for it meanwhile. */
 void engine_claim_with_admit(Cflue__V1__AdmitRequest *ar, struct engine_admit_claim *c);
 
-/* engine_admitted takes the answer of an Admit made with engine_claim_with_admit: a claimed
- * submission's drive starts here (the claim is taken from r); a deduplicated one this owner
- * holds with no drive here (an earlier Admit claimed it and lost its answer) is taken back by
- * the claimer at once. true in those two cases: the submission is driven here. */
-bool engine_admitted(Cflue__V1__AdmitResponse *r);
+/* engine_admitted takes the answer of an Admit made with engine_claim_with_admit (ticket: its
+ * c->ticket): a claimed submission's drive starts here (the claim is taken from r); a
+ * deduplicated one this owner holds with no drive here (an earlier Admit claimed it and lost
+ * its answer) is taken back by the claimer once the Admits started before have ended. true in
+ * those two cases: the submission is driven here. */
+bool engine_admitted(uint64_t ticket, Cflue__V1__AdmitResponse *r);
+
+/* engine_admit_unanswered ends ticket for an Admit that ended without its answer (code: how,
+ * as store_status gave it), or whose answer is dropped unread. One that had a claim and may
+ * have committed it (CF_UNAVAILABLE: lost, or past its deadline) makes the claimer take this
+ * owner's undriven work back, as after an unanswered Claim. */
+void engine_admit_unanswered(uint64_t ticket, enum cf_status code);
 
 /* engine_post makes d ready: an engine thread steps it (drive_run) soon. Thread-safe and
  * non-blocking: the model I/O loop's callbacks call it. A drive posted while it is being

@@ -269,6 +269,7 @@ static void admit_send(struct task_call *tc)
     ar.tracestate = child.state;
     struct engine_admit_claim claim; /* the child driven here at once when there is room */
     engine_claim_with_admit(&ar, &claim);
+    tc->admit_ticket = claim.ticket;
     dcall_start(&tc->admit, g_agentd.store, "/cflue.v1.Store/Admit", &ar.base,
                 &cflue__v1__admit_response__descriptor, ADMIT_TIMEOUT_MS);
 }
@@ -282,7 +283,9 @@ static void admitted(struct task_call *tc, Cflue__V1__AdmitResponse *r)
     tc->child_submission_id = mem_strdup(s->submission_id);
     tc->child_conversation_id = mem_strdup(s->conversation_id);
     tc->first_fail_ms = 0;
-    if (!engine_admitted(r)) {
+    uint64_t ticket = tc->admit_ticket;
+    tc->admit_ticket = 0;
+    if (!engine_admitted(ticket, r)) {
         agentd_wake(); /* queued: a claimer of any agentd takes it */
     }
     log_info("task_admitted",
@@ -645,7 +648,11 @@ static void poll_admit(struct task_call *tc)
     if (store_status("Admit", &st, &e) == CF_OK) {
         admitted(tc, (Cflue__V1__AdmitResponse *)resp); /* the claim, if any, even when halted */
         protobuf_c_message_free_unpacked(resp, NULL);
-    } else if (drive_halted(tc->d)) {
+        return;
+    }
+    engine_admit_unanswered(tc->admit_ticket, e.code); /* its claim may have committed */
+    tc->admit_ticket = 0;
+    if (drive_halted(tc->d)) {
         tc->done = true;
     } else if (drive_transient(e.code)) {
         retry_or_fault(tc, "admitting a subagent's task failed", &e);
@@ -814,6 +821,8 @@ void task_wait_cleanup(struct drive *d)
     struct task_wait *tw = &d->tasks;
     for (size_t i = 0; i < tw->n; i++) {
         struct task_call *tc = &tw->calls[i];
+        /* an Admit's answer not taken: its claim, if it made one, is lost with it */
+        engine_admit_unanswered(tc->admit_ticket, CF_UNAVAILABLE);
         dcall_cleanup(&tc->admit);
         if (tc->record) {
             protobuf_c_message_free_unpacked(tc->record, NULL);

@@ -571,6 +571,12 @@ static void dispatch(struct rpc_call *call, const ProtobufCMessage *req, void *u
         writer_submit(b->svc->writer, &p->job);
         return;
     }
+    if (failpoint_armed()) {
+        /* storaged.read.<Method>: a slow read (it reads the store as it is after the wait) */
+        char point[64];
+        snprintf(point, sizeof(point), "storaged.read.%s", m->name);
+        failpoint_hit(point);
+    }
     st = read_snapshot(b->svc, &p->arena, m->run, req, p->resp, &err);
     complete(p, st, &err);
 }

@@ -613,6 +613,85 @@ class LostAdmitAnswerTest(FaultsBase):
         self.assert_outcome_true(conv, adm.submission_id)
 
 
+class LostAdmitAnswerNotRetriedTest(FaultsBase):
+    """The same lost answer, and the client does not try again (it gave up, or its retry went
+    to another agentd): agentd takes the work its Admit may have claimed back by itself, as
+    after a Claim that got no answer, instead of leaving it to the 30 s lease."""
+    stack_kwargs = {'agents': ('runner-anthropic',),
+                    'storaged_env': {'CFLUE_FAILPOINTS': 'storaged.reply.Admit=crash'}}
+
+    def test_a_claimed_admit_that_lost_its_answer_runs_without_a_retry(self):
+        conv = new_conv('lostadmit1')
+        self.workspace(conv)
+        self.fm.set_scenario(bind([{'text': 'Taken back without a retry.'}], conv))
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.ad.submit('runner-anthropic', 'hi (%s)' % conv, conversation_id=conv)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
+        self.stack.sd.proc.wait(10)
+        self.assertIn('failpoint_crash point=storaged.reply.Admit', self.stack.sd.stderr_text())
+        del self.stack.sd.env['CFLUE_FAILPOINTS']
+        self.stack.sd.start()
+        t0 = time.monotonic()
+        subs = H.list_all(self.stack.sd.stub, conversation_id=conv)
+        self.assertEqual(len(subs), 1, 'the Admit was not committed')
+        sid = subs[0].submission_id
+        sub = self.wait_settled(sid, timeout=40)
+        took = time.monotonic() - t0
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        self.assertLess(took, 10.0, 'the work waited %.1f s: the lease ran out first' % took)
+        self.assertIn('take_back submission=%s after=unanswered_claim' % sid,
+                      self.ad.stderr_text())
+        self.assert_outcome_true(conv, sid)
+
+
+class TakeBackWhileAnAdmitIsAnsweredTest(FaultsBase):
+    """A take-back runs while another Submit's Admit, which claimed its submission for this
+    agentd, is committed and its answer not yet back (failpoints: storaged's List reads 3 s
+    late, its Admit answers 6 s late). The take-back finds that submission RUNNING under this
+    agentd with no drive; it must wait for the Admit's answer, which starts the drive, instead
+    of taking the work over from it (an extra attempt, the first drive stopped at its first
+    write)."""
+    stack_kwargs = {'agents': ('runner-anthropic',),
+                    'storaged_env': {'CFLUE_FAILPOINTS': 'storaged.reply.Admit=crash'}}
+
+    def test_the_take_back_waits_for_the_admit_on_its_way(self):
+        lost, slow = new_conv('tbw-lost'), new_conv('tbw-slow')
+        self.workspace(slow)
+        self.fm.set_scenario(bind([{'text': 'Done.'}], slow))
+        with self.assertRaises(grpc.RpcError) as cm:  # a lost answer: a take-back is due
+            self.ad.submit('runner-anthropic', 'hi (%s)' % lost, conversation_id=lost)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
+        self.stack.sd.proc.wait(10)
+        self.stack.sd.env['CFLUE_FAILPOINTS'] = ('storaged.read.List=sleep:3000,'
+                                                 'storaged.reply.Admit=sleep:6000')
+        self.stack.sd.start()
+        # the lost Submit's work is settled here, before the take-back's List reads: the List
+        # finds the slow Submit's alone (a take-back of both would claim the lost one first,
+        # and wait behind the slow Admit's answer in storaged's writer)
+        a = H.list_all(self.stack.sd.stub, conversation_id=lost)[0]
+        H.settle(self.stack.sd.stub, H.fence(a.submission_id, a.attempt_id, a.epoch),
+                 common_pb2.OUTCOME_FAILED, 'settled by the test')
+        adm = None
+        t0 = time.monotonic()
+        while adm is None and time.monotonic() < t0 + 20:
+            try:
+                adm = self.ad.submit('runner-anthropic', 'hi (%s)' % slow, conversation_id=slow,
+                                     idempotency_key='tbw-' + slow, timeout=30)
+            except grpc.RpcError as e:
+                self.assertEqual(e.code(), grpc.StatusCode.UNAVAILABLE, e.details())
+                time.sleep(0.1)
+        self.assertIsNotNone(adm, 'agentd never reached storaged again')
+        del self.stack.sd.env['CFLUE_FAILPOINTS']
+        sub = self.wait_settled(adm.submission_id, timeout=40)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        # the scenario happened: the take-back's List saw the slow Submit's work undriven
+        self.assertIn('take_back submission=%s after=unanswered_claim' % adm.submission_id,
+                      self.ad.stderr_text())
+        self.assertEqual(sub.attempt_count, 1, 'the take-back took the work over from the drive '
+                         'its Admit was about to start')
+        self.assert_outcome_true(slow, adm.submission_id)
+
+
 class LostClaimAnswerTest(AgentdCase):
     """storaged commits the claimer's Claim and dies before answering (failpoint
     storaged.reply.Claim): the submission is RUNNING under agentd's lease with no drive.

@@ -1,0 +1,93 @@
+/* test_admit_gate.c - the claiming Admits in flight (agentd/admit_gate.c): a take-back waits
+ * behind every Admit started before it, whatever order they end in, and not behind one started
+ * after it; tickets left twice or never handed out change nothing; many threads entering and
+ * leaving at once lose no ticket. */
+#include "../check.h"
+
+#include "admit_gate.h"
+
+#include <pthread.h>
+
+static void test_behind_the_earlier_ones(void)
+{
+    struct admit_gate g;
+    admit_gate_init(&g);
+    CHECK(admit_gate_last(&g) == 0);
+    CHECK(admit_gate_passed(&g, 0)); /* no take-back waits on nothing */
+    uint64_t a = admit_gate_enter(&g), b = admit_gate_enter(&g);
+    CHECK(a > 0 && b > a && admit_gate_last(&g) == b);
+    uint64_t behind = admit_gate_last(&g); /* a take-back made now */
+    uint64_t later = admit_gate_enter(&g); /* an Admit started after it */
+    CHECK(!admit_gate_passed(&g, behind));
+    admit_gate_leave(&g, b); /* the later of the two ends first */
+    CHECK(!admit_gate_passed(&g, behind));
+    admit_gate_leave(&g, a);
+    CHECK(admit_gate_passed(&g, behind)); /* not held up by the one started after */
+    CHECK(!admit_gate_passed(&g, later));
+    admit_gate_leave(&g, later);
+    CHECK(admit_gate_passed(&g, later));
+    CHECK(g.n == 0);
+    admit_gate_free(&g);
+}
+
+static void test_leaving_what_is_not_held(void)
+{
+    struct admit_gate g;
+    admit_gate_init(&g);
+    uint64_t a = admit_gate_enter(&g), b = admit_gate_enter(&g);
+    admit_gate_leave(&g, 0); /* an Admit without a claim */
+    admit_gate_leave(&g, a);
+    admit_gate_leave(&g, a); /* twice: b stays held */
+    CHECK(g.n == 1 && !admit_gate_passed(&g, b) && admit_gate_passed(&g, a));
+    admit_gate_leave(&g, b);
+    CHECK(admit_gate_passed(&g, b));
+    admit_gate_free(&g);
+}
+
+#define THREADS 4
+#define ROUNDS 20000
+
+static struct admit_gate shared;
+
+static void *churn(void *arg)
+{
+    (void)arg;
+    for (int i = 0; i < ROUNDS; i++) {
+        uint64_t t = admit_gate_enter(&shared);
+        if (i % 3 == 0) {
+            uint64_t u = admit_gate_enter(&shared);
+            admit_gate_leave(&shared, t);
+            t = u;
+        }
+        admit_gate_leave(&shared, t);
+    }
+    return NULL;
+}
+
+static void test_threads(void)
+{
+    pthread_t th[THREADS];
+    admit_gate_init(&shared);
+    uint64_t held = admit_gate_enter(&shared); /* in flight throughout */
+    for (int i = 0; i < THREADS; i++) {
+        pthread_create(&th[i], NULL, churn, NULL);
+    }
+    for (int i = 0; i < THREADS; i++) {
+        pthread_join(th[i], NULL);
+    }
+    uint64_t expect = 1 + THREADS * (ROUNDS + (ROUNDS + 2) / 3);
+    CHECK(admit_gate_last(&shared) == expect); /* every ticket handed out once */
+    CHECK(shared.n == 1 && !admit_gate_passed(&shared, held));
+    CHECK(!admit_gate_passed(&shared, admit_gate_last(&shared)));
+    admit_gate_leave(&shared, held);
+    CHECK(admit_gate_passed(&shared, admit_gate_last(&shared)));
+    admit_gate_free(&shared);
+}
+
+int main(void)
+{
+    test_behind_the_earlier_ones();
+    test_leaving_what_is_not_held();
+    test_threads();
+    return check_done("test_admit_gate");
+}
