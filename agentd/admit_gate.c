@@ -1,8 +1,9 @@
 /* admit_gate.c - the Admits that claim for this process, while their answers are on the way.
  * A small set of tickets under a lock: an Admit in flight enters it and leaves it once; the
- * claimer asks, for each take-back due, whether the Admits it waits behind have all left. The
- * set holds as many tickets as claiming Admits are in flight (the API's Submits are capped,
- * the drives' Admits bounded by their tool calls), and a scan of it is cheap next to a call. */
+ * claimer asks for the oldest still in flight once per look at its resume list: a take-back is
+ * due when the ticket it waits behind is older. The set holds as many tickets as claiming
+ * Admits are in flight (the API's Submits are capped, the drives' Admits bounded by their tool
+ * calls), and a scan of it is cheap next to a call. */
 #include "admit_gate.h"
 #include "mem.h"
 
@@ -12,7 +13,7 @@
 void admit_gate_init(struct admit_gate *g)
 {
     pthread_mutex_init(&g->mu, NULL);
-    g->last = 0;
+    g->last = g->watched = 0;
     g->open = NULL;
     g->n = g->cap = 0;
 }
@@ -38,40 +39,46 @@ uint64_t admit_gate_enter(struct admit_gate *g)
     return ticket;
 }
 
-void admit_gate_leave(struct admit_gate *g, uint64_t ticket)
+bool admit_gate_leave(struct admit_gate *g, uint64_t ticket)
 {
+    bool held = false;
     if (!ticket) {
-        return;
+        return false;
     }
     pthread_mutex_lock(&g->mu);
-    for (size_t i = 0; i < g->n; i++) {
+    assert(ticket <= g->last);
+    for (size_t i = 0; i < g->n && !held; i++) {
         if (g->open[i] == ticket) {
             g->open[i] = g->open[--g->n];
-            break;
+            held = true;
         }
     }
-    assert(ticket <= g->last);
+    bool waited_on = held && ticket <= g->watched;
     pthread_mutex_unlock(&g->mu);
+    return waited_on;
 }
 
-uint64_t admit_gate_last(struct admit_gate *g)
+uint64_t admit_gate_behind_now(struct admit_gate *g)
 {
     pthread_mutex_lock(&g->mu);
     uint64_t last = g->last;
+    g->watched = last;
     pthread_mutex_unlock(&g->mu);
     return last;
 }
 
-bool admit_gate_passed(struct admit_gate *g, uint64_t behind)
+uint64_t admit_gate_oldest(struct admit_gate *g)
 {
-    bool passed = true;
-    if (!behind) {
-        return true;
-    }
+    uint64_t oldest = UINT64_MAX;
     pthread_mutex_lock(&g->mu);
-    for (size_t i = 0; i < g->n && passed; i++) {
-        passed = g->open[i] > behind;
+    for (size_t i = 0; i < g->n; i++) {
+        oldest = g->open[i] < oldest ? g->open[i] : oldest;
     }
     pthread_mutex_unlock(&g->mu);
-    return passed;
+    return oldest;
+}
+
+bool admit_gate_passed(struct admit_gate *g, uint64_t behind)
+{
+    return behind < admit_gate_oldest(g);
 }

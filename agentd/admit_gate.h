@@ -21,8 +21,9 @@
 
 struct admit_gate {
     pthread_mutex_t mu;
-    uint64_t last;  /* the newest ticket handed out (0: none yet) */
-    uint64_t *open; /* the tickets of the Admits in flight, in no order */
+    uint64_t last;    /* the newest ticket handed out (0: none yet) */
+    uint64_t watched; /* the newest ticket a take-back waits behind (0: none) */
+    uint64_t *open;   /* the tickets of the Admits in flight, in no order */
     size_t n, cap;
 };
 
@@ -35,12 +36,17 @@ void admit_gate_free(struct admit_gate *g);
 uint64_t admit_gate_enter(struct admit_gate *g);
 
 /* admit_gate_leave ends ticket's hold (its Admit ended: answered, failed or abandoned). A
- * ticket of 0, or one not held, changes nothing. */
-void admit_gate_leave(struct admit_gate *g, uint64_t ticket);
+ * ticket of 0, or one not held, changes nothing. Returns whether a take-back waits behind it
+ * (the caller wakes whoever takes them). */
+bool admit_gate_leave(struct admit_gate *g, uint64_t ticket);
 
-/* admit_gate_last: the newest ticket handed out so far (0: none); what a take-back made now
- * waits behind. */
-uint64_t admit_gate_last(struct admit_gate *g);
+/* admit_gate_behind_now: the ticket a take-back made now waits behind, the newest handed out
+ * so far (0: none; admit_gate_leave of it and of every older one says so). */
+uint64_t admit_gate_behind_now(struct admit_gate *g);
+
+/* admit_gate_oldest: the oldest ticket in flight (UINT64_MAX: none). A take-back behind
+ * ticket b is due once b < admit_gate_oldest. */
+uint64_t admit_gate_oldest(struct admit_gate *g);
 
 /* admit_gate_passed: no Admit holding a ticket up to `behind` is in flight (always true for 0). */
 bool admit_gate_passed(struct admit_gate *g, uint64_t behind);

@@ -37,7 +37,8 @@
  * about one submission carry its trace (log_sub_info), their calls none.
  *
  * Locks: g_agentd.mu (the active table, flags, resume list) is taken before the engine's own
- * lock (ready queue, timers, counts), never after.
+ * lock (ready queue, timers, counts), never after; the claiming Admits' gate (admit_gate.h) has
+ * a lock of its own, taken under either or none, and takes no other.
  */
 #include "engine.h"
 #include "admit_gate.h"
@@ -398,14 +399,17 @@ static void resume_later_locked(const char *submission_id, const char *attempt_i
                                 int64_t delay_ms, uint64_t behind)
 {
     struct resume *r = resume_find(submission_id);
+    bool listed = r != NULL;
     if (!r && n_resumes < RESUME_MAX) {
         r = &resumes[n_resumes++];
         snprintf(r->submission_id, sizeof(r->submission_id), "%s", submission_id);
     }
     if (r) {
         snprintf(r->attempt_id, sizeof(r->attempt_id), "%s", attempt_id);
+        /* one listed already waits behind what it waited behind, at most: a later Admit of
+         * this submission (a retried Submit's) is deduplicated and claims nothing */
+        r->behind = !listed || behind < r->behind ? behind : r->behind;
         r->epoch = epoch;
-        r->behind = behind;
         r->delay_ms = delay_ms > 0 ? delay_ms : RESUME_FIRST_MS;
         r->due_ms = clock_mono_ms() + delay_ms + thread_jitter_ms(delay_ms / 4 + 1);
     }
@@ -427,8 +431,9 @@ static bool take_due_resume(struct resume *out)
     bool found = false;
     int64_t now = clock_mono_ms();
     pthread_mutex_lock(&g_agentd.mu);
+    uint64_t oldest = admit_gate_oldest(&admits);
     for (int i = 0; i < n_resumes && !found; i++) {
-        if (resumes[i].due_ms <= now && admit_gate_passed(&admits, resumes[i].behind)) {
+        if (resumes[i].due_ms <= now && resumes[i].behind < oldest) {
             *out = resumes[i];
             resumes[i] = resumes[--n_resumes];
             found = true;
@@ -524,7 +529,7 @@ static bool taken_in(Cflue__V1__AdmitResponse *r)
         /* no drive holds the lease: take it back now rather than when the lease runs out, once
          * the Admits started so far have ended (the first one's answer may be on the way) */
         log_sub_info(s, "take_back", "submission=%s", s->submission_id);
-        resume_later(s->submission_id, s->attempt_id, s->epoch, 0, admit_gate_last(&admits));
+        resume_later(s->submission_id, s->attempt_id, s->epoch, 0, admit_gate_behind_now(&admits));
         agentd_wake();
     }
     return true;
@@ -533,17 +538,22 @@ static bool taken_in(Cflue__V1__AdmitResponse *r)
 bool engine_admitted(uint64_t ticket, Cflue__V1__AdmitResponse *r)
 {
     bool here = taken_in(r);
-    admit_gate_leave(&admits, ticket); /* after: its drive, if any, is known here now */
+    /* after: its drive, if any, is known here now; a take-back waiting for it is due */
+    if (admit_gate_leave(&admits, ticket)) {
+        agentd_wake();
+    }
     return here;
 }
 
 void engine_admit_unanswered(uint64_t ticket, enum cf_status code)
 {
-    if (ticket && code == CF_UNAVAILABLE) {
+    bool lost = ticket && code == CF_UNAVAILABLE;
+    if (lost) {
         atomic_store(&claims_unanswered, true);
+    }
+    if (admit_gate_leave(&admits, ticket) || lost) {
         agentd_wake(); /* the claimer takes it back now, not at its next poll */
     }
-    admit_gate_leave(&admits, ticket);
 }
 
 /* hold_locked keeps a lease to hand back at the stop (eng.mu held). */
@@ -764,7 +774,8 @@ static void take_back_if_idle(const Cflue__V1__Submission *s)
     pthread_mutex_lock(&g_agentd.mu);
     bool idle = !resume_find(s->submission_id) && !driven_here_locked(s->submission_id);
     if (idle) {
-        resume_later_locked(s->submission_id, s->attempt_id, s->epoch, 0, admit_gate_last(&admits));
+        resume_later_locked(s->submission_id, s->attempt_id, s->epoch, 0,
+                            admit_gate_behind_now(&admits));
     }
     pthread_mutex_unlock(&g_agentd.mu);
     if (idle) {

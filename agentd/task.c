@@ -821,7 +821,8 @@ void task_wait_cleanup(struct drive *d)
     struct task_wait *tw = &d->tasks;
     for (size_t i = 0; i < tw->n; i++) {
         struct task_call *tc = &tw->calls[i];
-        /* an Admit's answer not taken: its claim, if it made one, is lost with it */
+        /* poll_admit takes every Admit's end before the drive is freed, and ends its ticket;
+         * one left here anyway would hold every later take-back: treated as lost */
         engine_admit_unanswered(tc->admit_ticket, CF_UNAVAILABLE);
         dcall_cleanup(&tc->admit);
         if (tc->record) {

@@ -12,6 +12,7 @@ tool call has a recorded result (the real one, or "outcome unknown" after an int
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -662,13 +663,17 @@ class TakeBackWhileAnAdmitIsAnsweredTest(FaultsBase):
             self.ad.submit('runner-anthropic', 'hi (%s)' % lost, conversation_id=lost)
         self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
         self.stack.sd.proc.wait(10)
+        found = re.search(r'event=store\.admit submission=(\S+) conversation=%s ' % lost,
+                          self.stack.sd.stderr_text())
+        self.assertIsNotNone(found, 'storaged did not commit the lost Admit')
         self.stack.sd.env['CFLUE_FAILPOINTS'] = ('storaged.read.List=sleep:3000,'
                                                  'storaged.reply.Admit=sleep:6000')
         self.stack.sd.start()
-        # the lost Submit's work is settled here, before the take-back's List reads: the List
-        # finds the slow Submit's alone (a take-back of both would claim the lost one first,
-        # and wait behind the slow Admit's answer in storaged's writer)
-        a = H.list_all(self.stack.sd.stub, conversation_id=lost)[0]
+        # the lost Submit's work is settled at once (a Get: no List, which would wait), well
+        # before the take-back's List reads, 3 s after it arrives: the List finds the slow
+        # Submit's alone (a take-back of both would claim the lost one first, and wait behind
+        # the slow Admit's answer in storaged's writer)
+        a = H.get(self.stack.sd.stub, found.group(1))
         H.settle(self.stack.sd.stub, H.fence(a.submission_id, a.attempt_id, a.epoch),
                  common_pb2.OUTCOME_FAILED, 'settled by the test')
         adm = None

@@ -1,7 +1,7 @@
 /* test_admit_gate.c - the claiming Admits in flight (agentd/admit_gate.c): a take-back waits
  * behind every Admit started before it, whatever order they end in, and not behind one started
- * after it; tickets left twice or never handed out change nothing; many threads entering and
- * leaving at once lose no ticket. */
+ * after it; leaving says whether a take-back waits on the ticket; tickets left twice or never
+ * handed out change nothing; many threads entering and leaving at once lose no ticket. */
 #include "../check.h"
 
 #include "admit_gate.h"
@@ -12,20 +12,21 @@ static void test_behind_the_earlier_ones(void)
 {
     struct admit_gate g;
     admit_gate_init(&g);
-    CHECK(admit_gate_last(&g) == 0);
+    CHECK(admit_gate_oldest(&g) == UINT64_MAX);
     CHECK(admit_gate_passed(&g, 0)); /* no take-back waits on nothing */
     uint64_t a = admit_gate_enter(&g), b = admit_gate_enter(&g);
-    CHECK(a > 0 && b > a && admit_gate_last(&g) == b);
-    uint64_t behind = admit_gate_last(&g); /* a take-back made now */
+    CHECK(a > 0 && b > a && admit_gate_oldest(&g) == a);
+    uint64_t behind = admit_gate_behind_now(&g); /* a take-back made now */
+    CHECK(behind == b);
     uint64_t later = admit_gate_enter(&g); /* an Admit started after it */
     CHECK(!admit_gate_passed(&g, behind));
-    admit_gate_leave(&g, b); /* the later of the two ends first */
-    CHECK(!admit_gate_passed(&g, behind));
-    admit_gate_leave(&g, a);
+    CHECK(admit_gate_leave(&g, b)); /* the later of the two ends first: the take-back waits */
+    CHECK(!admit_gate_passed(&g, behind) && admit_gate_oldest(&g) == a);
+    CHECK(admit_gate_leave(&g, a));
     CHECK(admit_gate_passed(&g, behind)); /* not held up by the one started after */
-    CHECK(!admit_gate_passed(&g, later));
-    admit_gate_leave(&g, later);
-    CHECK(admit_gate_passed(&g, later));
+    CHECK(!admit_gate_passed(&g, later) && admit_gate_oldest(&g) == later);
+    CHECK(!admit_gate_leave(&g, later)); /* no take-back waits behind it: nobody to wake */
+    CHECK(admit_gate_passed(&g, later) && admit_gate_oldest(&g) == UINT64_MAX);
     CHECK(g.n == 0);
     admit_gate_free(&g);
 }
@@ -35,11 +36,12 @@ static void test_leaving_what_is_not_held(void)
     struct admit_gate g;
     admit_gate_init(&g);
     uint64_t a = admit_gate_enter(&g), b = admit_gate_enter(&g);
-    admit_gate_leave(&g, 0); /* an Admit without a claim */
-    admit_gate_leave(&g, a);
-    admit_gate_leave(&g, a); /* twice: b stays held */
+    CHECK(admit_gate_behind_now(&g) == b);
+    CHECK(!admit_gate_leave(&g, 0)); /* an Admit without a claim */
+    CHECK(admit_gate_leave(&g, a));
+    CHECK(!admit_gate_leave(&g, a)); /* twice: b stays held, and nobody is woken again */
     CHECK(g.n == 1 && !admit_gate_passed(&g, b) && admit_gate_passed(&g, a));
-    admit_gate_leave(&g, b);
+    CHECK(admit_gate_leave(&g, b));
     CHECK(admit_gate_passed(&g, b));
     admit_gate_free(&g);
 }
@@ -76,11 +78,12 @@ static void test_threads(void)
         pthread_join(th[i], NULL);
     }
     uint64_t expect = 1 + THREADS * (ROUNDS + (ROUNDS + 2) / 3);
-    CHECK(admit_gate_last(&shared) == expect); /* every ticket handed out once */
-    CHECK(shared.n == 1 && !admit_gate_passed(&shared, held));
-    CHECK(!admit_gate_passed(&shared, admit_gate_last(&shared)));
-    admit_gate_leave(&shared, held);
-    CHECK(admit_gate_passed(&shared, admit_gate_last(&shared)));
+    uint64_t behind = admit_gate_behind_now(&shared);
+    CHECK(behind == expect); /* every ticket handed out once */
+    CHECK(shared.n == 1 && admit_gate_oldest(&shared) == held);
+    CHECK(!admit_gate_passed(&shared, behind));
+    CHECK(admit_gate_leave(&shared, held));
+    CHECK(admit_gate_passed(&shared, behind));
     admit_gate_free(&shared);
 }
 
