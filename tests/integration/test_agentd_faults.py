@@ -70,6 +70,19 @@ class FaultsBase(AgentdCase):
 
         self.wait_for('agentd to reach storaged', store_reachable, timeout=60, interval=0.2)
 
+    def submit_losing_its_answer(self, conv, key=''):
+        """A Submit whose Admit storaged commits and dies before answering (the stack's
+        storaged runs with storaged.reply.Admit=crash): the Submit fails UNAVAILABLE, and
+        storaged is down. Returns storaged's output up to its crash."""
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.ad.submit('runner-anthropic', 'hi (%s)' % conv, conversation_id=conv,
+                           idempotency_key=key)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
+        self.stack.sd.proc.wait(10)
+        text = self.stack.sd.stderr_text()
+        self.assertIn('failpoint_crash point=storaged.reply.Admit', text)
+        return text
+
     def host_with_follow_ups(self, tag, pad=''):
         """A host running a tool call (the `joins_gated` scenario) and two follow-ups submitted
         behind it meanwhile (their texts padded with pad); the call ends once both are admitted
@@ -587,12 +600,7 @@ class LostAdmitAnswerTest(FaultsBase):
         self.workspace(conv)
         self.fm.set_scenario(bind([{'text': 'Taken back at once.'}], conv))
         key = 'lost-admit-' + conv
-        with self.assertRaises(grpc.RpcError) as cm:
-            self.ad.submit('runner-anthropic', 'hi (%s)' % conv, conversation_id=conv,
-                           idempotency_key=key)
-        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
-        self.stack.sd.proc.wait(10)
-        self.assertIn('failpoint_crash point=storaged.reply.Admit', self.stack.sd.stderr_text())
+        self.submit_losing_its_answer(conv, key)
         del self.stack.sd.env['CFLUE_FAILPOINTS']
         self.stack.sd.start()
         t0 = time.monotonic()
@@ -625,11 +633,7 @@ class LostAdmitAnswerNotRetriedTest(FaultsBase):
         conv = new_conv('lostadmit1')
         self.workspace(conv)
         self.fm.set_scenario(bind([{'text': 'Taken back without a retry.'}], conv))
-        with self.assertRaises(grpc.RpcError) as cm:
-            self.ad.submit('runner-anthropic', 'hi (%s)' % conv, conversation_id=conv)
-        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
-        self.stack.sd.proc.wait(10)
-        self.assertIn('failpoint_crash point=storaged.reply.Admit', self.stack.sd.stderr_text())
+        self.submit_losing_its_answer(conv)
         del self.stack.sd.env['CFLUE_FAILPOINTS']
         self.stack.sd.start()
         t0 = time.monotonic()
@@ -659,12 +663,8 @@ class TakeBackWhileAnAdmitIsAnsweredTest(FaultsBase):
         lost, slow = new_conv('tbw-lost'), new_conv('tbw-slow')
         self.workspace(slow)
         self.fm.set_scenario(bind([{'text': 'Done.'}], slow))
-        with self.assertRaises(grpc.RpcError) as cm:  # a lost answer: a take-back is due
-            self.ad.submit('runner-anthropic', 'hi (%s)' % lost, conversation_id=lost)
-        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
-        self.stack.sd.proc.wait(10)
-        found = re.search(r'event=store\.admit submission=(\S+) conversation=%s ' % lost,
-                          self.stack.sd.stderr_text())
+        log = self.submit_losing_its_answer(lost)  # a lost answer: a take-back is due
+        found = re.search(r'event=store\.admit submission=(\S+) conversation=%s ' % lost, log)
         self.assertIsNotNone(found, 'storaged did not commit the lost Admit')
         self.stack.sd.env['CFLUE_FAILPOINTS'] = ('storaged.read.List=sleep:3000,'
                                                  'storaged.reply.Admit=sleep:6000')

@@ -709,22 +709,6 @@ static size_t held_by(const char *owner, int64_t *steps)
     return lo.n_submissions;
 }
 
-/* claim_one claims submission s for owner (by its id). */
-static Cflue__V1__ClaimResponse claim_one(const Cflue__V1__Submission *s, const char *owner)
-{
-    Cflue__V1__ClaimRequest req = CFLUE__V1__CLAIM_REQUEST__INIT;
-    Cflue__V1__ClaimResponse out = CFLUE__V1__CLAIM_RESPONSE__INIT;
-    Google__Protobuf__Duration d = GOOGLE__PROTOBUF__DURATION__INIT;
-    struct cf_error err;
-    struct ledger_ctx c = ctx();
-    pbdur_set(&d, 30000);
-    req.owner_id = (char *)owner;
-    req.lease_duration = &d;
-    req.submission_id = s->submission_id;
-    CHECK(ledger_claim(&c, &req, &out, &err) == CF_OK && out.submission);
-    return out;
-}
-
 /* An owner's held work is listed without walking the owner's history: the List costs SQLite
  * as many steps with 3,000 settled submissions of the owner behind it as with none (it walked
  * them all, through submissions_by_owner), and finds the same two. */
@@ -736,14 +720,15 @@ static void test_held_work_listed_without_the_history(void)
     for (int i = 0; i < 2; i++) {
         snprintf(conv, sizeof(conv), "c-held-%d", i);
         Cflue__V1__Submission *s = admit(conv, "held", "");
-        CHECK(s && claim_one(s, owner).submission);
+        CHECK(s && reclaim_claim(owner, 0, 0, s->submission_id).submission);
     }
     CHECK(held_by(owner, &before) == 2);
     CHECK(sqlite3_exec(db, "BEGIN", NULL, NULL, NULL) == SQLITE_OK);
     for (int i = 0; i < 3000; i++) {
         snprintf(conv, sizeof(conv), "c-history-%d", i);
         Cflue__V1__Submission *s = admit(conv, "done long ago", "");
-        Cflue__V1__ClaimResponse cl = s ? claim_one(s, owner) : (Cflue__V1__ClaimResponse){0};
+        Cflue__V1__ClaimResponse cl =
+            s ? reclaim_claim(owner, 0, 0, s->submission_id) : (Cflue__V1__ClaimResponse){0};
         CHECK(cl.fence && settle(cl.fence, CFLUE__V1__OUTCOME__OUTCOME_COMPLETED, "",
                                  &(Cflue__V1__SettleResponse){0}) == CF_OK);
     }
