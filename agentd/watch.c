@@ -36,6 +36,7 @@
 
 #include "agentd.h"
 #include "clients.h"
+#include "clock.h"
 #include "errinfo.h"
 #include "log.h"
 #include "mem.h"
@@ -80,6 +81,9 @@ struct watcher {
     bool job;             /* work is queued or running */
     bool finished;        /* the call is being or was finished */
     bool seen;            /* W_WAIT: the settlement record went by */
+    bool feed_lost;       /* W_WAIT: its feed ended, and no record came since it looked again */
+    int64_t deadline_ms;  /* monotonic: the caller's deadline (0: none), which bounds the
+                           * Store calls made for it */
     int refs;             /* the call (until release), and a queued job */
 };
 
@@ -375,8 +379,24 @@ static void feed_on_end(void *arg, const struct rpc_status *st)
         if (w->finished) {
             continue;
         }
+        if (w->kind == W_WAIT && !w->feed_lost &&
+            (st->code == GRPC_STATUS_OK || st->code == GRPC_STATUS_UNAVAILABLE)) {
+            /* storaged ended the Follow or went away: look again (the look fails the wait
+             * while storaged is away, and attaches to a new Follow once it is back) */
+            w->feed_lost = true;
+            schedule_locked(w);
+            continue;
+        }
         if (w->kind == W_WAIT) {
-            schedule_locked(w); /* checks again and re-attaches, or fails */
+            /* refused (out of streams, a read that failed), or lost again before a record came:
+             * looking again would meet it at once, in a loop against storaged; it ends the
+             * wait with storaged's error, as it ends a Watch */
+            if (st->code == GRPC_STATUS_OK) {
+                cf_error_set(&e, CF_UNAVAILABLE,
+                             "storaged ended the stream of the conversation again; ask again");
+            }
+            w->finished = true;
+            fin_add(&fl, w->call, GRPC_STATUS_OK, NULL, &e);
             continue;
         }
         w->finished = true;
@@ -442,6 +462,7 @@ static bool give_locked(struct watcher *w, Cflue__V1__Record *rec, grpc_byte_buf
 {
     if (w->kind == W_WAIT) {
         w->offset = rec->offset;
+        w->feed_lost = false;
         if (!strcmp(rec->id, w->settled_id)) {
             w->seen = true;
             *close = detach_locked(w);
@@ -499,6 +520,26 @@ static void deliver_locked(struct watcher *w, struct fin **fl)
     release_stream(close);
 }
 
+/* store_timeout: how long a Store call made for w may take: STORE_TIMEOUT_MS, or what is left
+ * of the caller's deadline (a worker is not held for a caller that gave up). */
+static int64_t store_timeout(const struct watcher *w)
+{
+    if (!w->deadline_ms) {
+        return STORE_TIMEOUT_MS;
+    }
+    int64_t left = w->deadline_ms - clock_mono_ms();
+    return left < 1 ? 1 : left < STORE_TIMEOUT_MS ? left : STORE_TIMEOUT_MS;
+}
+
+/* still_waiting: w's caller has not gone away (a wait step stops between its calls). */
+static bool still_waiting(struct watcher *w)
+{
+    pthread_mutex_lock(&g.mu);
+    bool on = !w->finished;
+    pthread_mutex_unlock(&g.mu);
+    return on;
+}
+
 /* catch_up reads a page after w's offset from storaged (on a worker) and gives it to w. */
 static void catch_up(struct watcher *w)
 {
@@ -516,7 +557,7 @@ static void catch_up(struct watcher *w)
     enum cf_status st = CF_OK;
     if (!finished) {
         st = store_call(g_agentd.store, "Read", &rq.base, &cflue__v1__read_response__descriptor,
-                        STORE_TIMEOUT_MS, &resp, &err);
+                        store_timeout(w), &resp, &err);
     }
     pthread_mutex_lock(&g.mu);
     w->job = false;
@@ -554,16 +595,19 @@ static void wait_step(struct watcher *w)
     Cflue__V1__GetRequest gr = CFLUE__V1__GET_REQUEST__INIT;
     ProtobufCMessage *sub = NULL, *conv = NULL;
     gr.submission_id = w->submission_id;
-    enum cf_status st =
-        store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
-                   STORE_TIMEOUT_MS, &sub, &err);
+    enum cf_status st = CF_CANCELLED;
+    if (still_waiting(w)) {
+        st = store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
+                        store_timeout(w), &sub, &err);
+    }
     int64_t head = -1;
-    if (st == CF_OK && ((Cflue__V1__Submission *)sub)->status !=
-                           CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_SETTLED) {
+    if (st == CF_OK && still_waiting(w) &&
+        ((Cflue__V1__Submission *)sub)->status !=
+            CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_SETTLED) {
         Cflue__V1__ConversationRequest cr = CFLUE__V1__CONVERSATION_REQUEST__INIT;
         cr.conversation_id = ((Cflue__V1__Submission *)sub)->conversation_id;
         st = store_call(g_agentd.store, "GetConversation", &cr.base,
-                        &cflue__v1__conversation__descriptor, STORE_TIMEOUT_MS, &conv, &err);
+                        &cflue__v1__conversation__descriptor, store_timeout(w), &conv, &err);
         if (st == CF_OK) {
             head = ((Cflue__V1__Conversation *)conv)->head_offset;
             free(w->conversation_id);
@@ -573,7 +617,7 @@ static void wait_step(struct watcher *w)
             sub = NULL;
             /* settled between the two reads? then its record is at or before head */
             st = store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
-                            STORE_TIMEOUT_MS, &sub, &err);
+                            store_timeout(w), &sub, &err);
         }
     }
     pthread_mutex_lock(&g.mu);
@@ -662,6 +706,8 @@ static struct watcher *watcher_new(struct rpc_call *c, enum wkind kind)
     struct watcher *w = mem_alloc(sizeof(*w));
     w->kind = kind;
     w->call = c;
+    int64_t left = rpc_call_remaining_ms(c);
+    w->deadline_ms = left >= 0 ? clock_mono_ms() + left : 0;
     w->stop_at = NO_STOP;
     w->work.fn = watcher_work;
     w->refs = 1; /* the call */

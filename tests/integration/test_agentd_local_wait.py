@@ -36,11 +36,11 @@ class Stack(BenchBrainStack):
     """BenchBrainStack with storaged counting its calls (CFLUE_RPC_STATS=1) and n_agentd
     agentds (owners a0, a1, ...)."""
 
-    def __init__(self, delay_ms, n_agentd=1):
+    def __init__(self, delay_ms, n_agentd=1, store_env=None):
         super(Stack, self).__init__(delay_ms, 'a line of the file the bench brain reads\n' * 100,
                                     n_agentd=n_agentd,
                                     owner_ids=['a%d' % i for i in range(n_agentd)],
-                                    store_env={'CFLUE_RPC_STATS': '1'},
+                                    store_env=dict(store_env or {}, CFLUE_RPC_STATS='1'),
                                     prefix='cflue-local-wait-it-')
 
 
@@ -211,6 +211,65 @@ class LocalWaitTest(unittest.TestCase):
         self.assertEqual(len(set(ids)), 20)
         for sid in ids:
             self.assertEqual(get_wait(ad, sid).outcome, COMPLETED)
+
+    def test_waits_that_gave_up_hold_no_worker(self):
+        # with storaged frozen, waits on the storaged path whose callers gave up after 1 s
+        # hold agentd's RPC workers (8) no longer than that: a wait answered from memory
+        # comes through after them (it waited out their 15 s Store calls before)
+        self.stack = Stack(delay_ms=0)
+        ad, sd = self.stack.ad, self.stack.sd
+        adm = ad.submit(AGENT, 'settled before the freeze')
+        settled = get_wait(ad, adm.submission_id)
+        os.kill(sd.pid, signal.SIGSTOP)
+        try:
+            def gives_up(i):
+                with self.assertRaises(grpc.RpcError) as cm:
+                    get_wait(ad, 'sub_01NOWHERE%02d' % i, timeout=1)
+                return cm.exception.code()
+
+            with ThreadPoolExecutor(8) as pool:
+                codes = set(pool.map(gives_up, range(8)))
+            self.assertEqual(codes, {grpc.StatusCode.DEADLINE_EXCEEDED})
+            t0 = time.monotonic()
+            self.assertEqual(get_wait(ad, adm.submission_id, timeout=10), settled)
+            self.assertLess(time.monotonic() - t0, 3.0)
+        finally:
+            os.kill(sd.pid, signal.SIGCONT)
+
+    def test_a_wait_whose_follow_storaged_refuses_ends_with_its_error(self):
+        # storaged out of streams (1 MiB of stream memory: 64) answers a wait's Follow with
+        # RESOURCE_EXHAUSTED while it still answers Get: the wait ends with that error at once,
+        # instead of looking again and opening another Follow in a loop until its deadline
+        self.stack = Stack(delay_ms=30000, store_env={'CFLUE_MAX_STREAM_MEMORY': '1'})
+        ad, sd = self.stack.ad, self.stack.sd
+        first = ad.submit(AGENT, 'its model call takes 30 s')
+        queued = ad.submit(AGENT, 'queued behind it', conversation_id=first.conversation_id)
+        head = ad.get_conversation(first.conversation_id).head_offset
+        held = [sd.stub.follow(store_pb2.FollowRequest(conversation_id=first.conversation_id,
+                                                       after_offset=head), timeout=60)
+                for _ in range(80)]
+        try:
+            self.wait_for_refusals(held)
+            t0 = time.monotonic()
+            with self.assertRaises(grpc.RpcError) as cm:
+                get_wait(ad, queued.submission_id, timeout=20)
+            took = time.monotonic() - t0
+        finally:
+            for c in held:
+                c.cancel()
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         cm.exception.details())
+        self.assertLess(took, 5.0)
+        self.assertLess(len(re.findall(r'event=watch\.feed_ended', ad.stderr_text())), 3)
+
+    def wait_for_refusals(self, calls):
+        """Waits until some of storaged's Follows were refused (its streams are all taken)."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if any(c.done() and c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for c in calls):
+                return
+            time.sleep(0.05)
+        self.fail('storaged refused none of %d Follows' % len(calls))
 
 
 if __name__ == '__main__':
