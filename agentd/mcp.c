@@ -402,8 +402,11 @@ static void on_done(void *ctx, const struct model_io_result *res)
         fail(op, "cancelled");
     } else if (res->status != CF_OK) {
         fail(op, "%s", res->err.msg);
-    } else if (http == 404 && op->session_id[0] && !op->retried) {
-        session_drop(op); /* the server forgot the session: set it up again, once */
+    } else if ((http == 404 || http == 400) && op->session_id[0] && !op->retried) {
+        /* the server forgot the session (404, as the specification has it; 400 from servers
+         * that answer a session they do not know so, the reference server among them, e.g.
+         * after a restart): set it up again, once */
+        session_drop(op);
         op->retried = true;
         op->phase = PH_INIT;
         step(op);

@@ -38,6 +38,10 @@
 #define TOOLS_TIMEOUT_MS 10000 /* Tools.List */
 
 #define CUSTOM_CALL_MS 600000 /* an own tool server's call with no time limit: 10 min */
+/* An own tool server's result text shown to the model, at most (as an MCP server's): the
+ * server is not trusted to bound it, and a record holds 8 MiB at most (a longer text failed
+ * the submission). toold's results are bounded by the tools' contract. */
+#define SERVER_TEXT_MAX MCP_TEXT_MAX
 
 /* The channels to tool servers and which servers have no ExecuteBatch, for the process's life
  * (an agent's servers are a handful; reloads reuse them). */
@@ -490,7 +494,9 @@ static void lane_open(struct tool_lane *l)
     }
     int64_t deadline = 0;
     if (own_server(d, l->server)) {
-        deadline = left == INT64_MAX ? CUSTOM_CALL_MS : left + 1000;
+        /* a lane opened after another that took the time (a batch past PROTO_BATCH_CALLS_MAX)
+         * has none left: it gets the second, not a deadline of 0, which is none at all */
+        deadline = left == INT64_MAX ? CUSTOM_CALL_MS : (left > 0 ? left : 0) + 1000;
     }
     if (l->mcp) {
         const char *tool = l->calls[0].name + strlen("mcp__") + strlen(l->mcp->name) + 2;
@@ -538,8 +544,20 @@ static void lane_record(struct drive *d, struct tool_lane *l, ProtobufCMessage *
         const Cflue__V1__ToolCall *c = &l->calls[at];
         failpoint_hit("agentd.tools.before_record");
         if (d->fault.code == CF_OK && !drive_lost_or_down(d)) {
-            tools_record_images(d, l->index[at], c->call_id, c->name, r->text, r->is_error,
+            struct buf cut = {0};
+            const char *text = r->text;
+            size_t len = strlen(text);
+            if (own_server(d, l->server) && len > SERVER_TEXT_MAX) {
+                size_t keep = utf8_prefix_len(text, len, SERVER_TEXT_MAX);
+                buf_init(&cut, keep + 128);
+                buf_append(&cut, text, keep);
+                buf_printf(&cut, "\n[cut: the result has %zu bytes; only the first %zu are shown]",
+                           len, keep);
+                text = buf_cstr(&cut);
+            }
+            tools_record_images(d, l->index[at], c->call_id, c->name, text, r->is_error,
                                 r->truncation, r->images, r->n_images);
+            buf_cleanup(&cut);
         }
     }
     protobuf_c_message_free_unpacked(msg, NULL);

@@ -19,6 +19,7 @@
 #include "log.h"
 #include "mem.h"
 #include "placement.h"
+#include "utf8.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -250,8 +251,8 @@ static char *own(struct tool_servers *s, char *p)
     return p;
 }
 
-/* mcp_tool_name_ok: a name every provider takes for a tool ([A-Za-z0-9_-]{1,64}). */
-static bool mcp_tool_name_ok(const char *n)
+/* tool_name_ok: a name every provider takes for a tool ([A-Za-z0-9_-]{1,64}). */
+static bool tool_name_ok(const char *n)
 {
     size_t len = strlen(n);
     return len && len <= 64 &&
@@ -267,7 +268,7 @@ static bool add_mcp_tools(struct drive *d, struct tool_source *t)
     {
         const char *raw = json_string_value(json_object_get(tool, "name"));
         char *name = mem_asprintf("mcp__%s__%s", t->mcp->name, raw ? raw : "");
-        if (!raw || !mcp_tool_name_ok(name)) {
+        if (!raw || !tool_name_ok(name)) {
             char q[200];
             log_warn("mcp_tool_skipped", "submission=%s server=%s tool=%s why=%s",
                      d->sub->submission_id, t->mcp->name, log_quote(q, sizeof(q), raw ? raw : ""),
@@ -319,11 +320,28 @@ bool servers_tools_add(struct drive *d)
         const Cflue__V1__ListToolsResponse *list = (const void *)t->answer;
         for (size_t i = 0; list && i < list->n_tools; i++) {
             const Cflue__V1__ToolSpec *spec = list->tools[i];
+            if (!tool_name_ok(spec->name)) {
+                /* a provider refuses the whole request over one such name */
+                char q[200];
+                log_warn("tool_skipped", "submission=%s server=%s tool=%s why=%s",
+                         d->sub->submission_id, t->source, log_quote(q, sizeof(q), spec->name),
+                         "\"its name is not 1 to 64 of A-Z a-z 0-9 _ -\"");
+                continue;
+            }
             if (servers_clash(&d->tools, spec->name, t->source, d->tools_addr, d->error,
                               sizeof(d->error))) {
                 return false;
             }
-            toolset_add(&d->tools, spec->name, spec->description, spec->parameters_json, t->source);
+            /* the description goes into the system prompt, which storaged takes as UTF-8 only:
+             * a server's bytes that are not are replaced, not stored to be refused each attempt */
+            const char *desc = spec->description;
+            if (!utf8_valid(desc, strlen(desc), NULL)) {
+                struct buf clean;
+                buf_init(&clean, strlen(desc) + 16);
+                (void)utf8_sanitize(&clean, desc, strlen(desc));
+                desc = own(&d->servers, buf_take(&clean));
+            }
+            toolset_add(&d->tools, spec->name, desc, spec->parameters_json, t->source);
         }
     }
     tell_unlisted(d);

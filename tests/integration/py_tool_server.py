@@ -6,8 +6,9 @@ with whatever tools they need.
         "schema": {...}, "reply": "echoed", "sleep": 0}]' [--no-batch]
 
 It binds 127.0.0.1 on a free port and prints "listening on PORT" once serving. Each call's
-result text is the tool's `reply` followed by the call's arguments JSON, after sleeping `sleep`
-seconds; a tool's `images` ([{"name", "mime_type", "data" (base64) or "size" (that many
+result text is the tool's `reply` (`repeat` times) followed by the call's arguments JSON, after
+sleeping `sleep` seconds; a tool's `description_hex` lists it with those bytes as its
+description, UTF-8 or not (a broken server's); a tool's `images` ([{"name", "mime_type", "data" (base64) or "size" (that many
 bytes, made up)}]) go with each result as ToolResult.images. With --no-batch, ExecuteBatch is left unimplemented (UNIMPLEMENTED, as the protocol
 allows): the caller must use Execute per call. Every call is appended to --log as one JSON line.
 """
@@ -51,14 +52,30 @@ def main():
                                         data=base64.b64decode(i['data']) if 'data' in i
                                         else (b'\x89PNG' * i['size'])[:i['size']])
                   for i in t.get('images', ())]
-        return tools_pb2.ToolResult(text='%s %s' % (t.get('reply', ''), call.arguments_json),
-                                    images=images)
+        reply = t.get('reply', '') * t.get('repeat', 1)
+        return tools_pb2.ToolResult(text='%s %s' % (reply, call.arguments_json), images=images)
+
+    def description(t):
+        """The description, or a stand-in of the raw bytes' length (list_bytes swaps them)."""
+        if 'description_hex' in t:
+            return '\x01' * len(bytes.fromhex(t['description_hex']))
+        return t.get('description', t['name'])
 
     def list_tools(req, ctx):
         return tools_pb2.ListToolsResponse(tools=[
-            tools_pb2.ToolSpec(name=t['name'], description=t.get('description', t['name']),
+            tools_pb2.ToolSpec(name=t['name'], description=description(t),
                                parameters_json=json.dumps(t.get('schema', {'type': 'object'})))
             for t in tools])
+
+    def list_bytes(resp):
+        """The encoded listing, each raw description put in place of its stand-in (of the same
+        length: the encoding's lengths stay right)."""
+        data = resp.SerializeToString()
+        for t in tools:
+            if 'description_hex' in t:
+                raw = bytes.fromhex(t['description_hex'])
+                data = data.replace(b'\x01' * len(raw), raw, 1)
+        return data
 
     def execute(call, ctx):
         return run(call)
@@ -70,7 +87,7 @@ def main():
     handlers = {
         'List': grpc.unary_unary_rpc_method_handler(
             list_tools, request_deserializer=tools_pb2.ListToolsRequest.FromString,
-            response_serializer=tools_pb2.ListToolsResponse.SerializeToString),
+            response_serializer=list_bytes),
         'Execute': grpc.unary_unary_rpc_method_handler(
             execute, request_deserializer=tools_pb2.ToolCall.FromString,
             response_serializer=tools_pb2.ToolResult.SerializeToString),

@@ -58,6 +58,7 @@ class MiniMCP(object):
 
     def __init__(self):
         self.sessions = set()
+        self.unknown_session = 404  # what it answers a session it does not know
         self.initializes = 0
         self.auth_seen = []
         self.lock = threading.Lock()
@@ -96,7 +97,7 @@ class MiniMCP(object):
                 with mini.lock:
                     known = self.headers.get('Mcp-Session-Id') in mini.sessions
                 if not known:
-                    return self.answer(404, {'error': 'no such session'})
+                    return self.answer(mini.unknown_session, {'error': 'no such session'})
                 if method == 'notifications/initialized':
                     return self.answer(202)
                 if method == 'tools/list':
@@ -308,6 +309,18 @@ class MCPTest(ServersCase):
             role('mcp-mini', text='Ran again.')])
         self.assertEqual(results[1][0].text, 'lookup: again')
         self.assertEqual(self.mini.initializes, before + 1)
+        # a server that answers an unknown session 400 (as the reference server does after a
+        # restart) gets a new one too, instead of failing every call until agentd restarts
+        self.mini.unknown_session = 400
+        self.mini.forget_sessions()
+        try:
+            _, results, _ = self.run_agent('mcp-mini', [
+                role('mcp-mini', tool_calls=[call('mcp__mini__lookup', q='after 400')]),
+                role('mcp-mini', text='Ran after the 400.')])
+        finally:
+            self.mini.unknown_session = 404
+        self.assertEqual(results[1][0].text, 'lookup: after 400')
+        self.assertEqual(self.mini.initializes, before + 2)
 
     def test_a_server_killed_during_a_call_gives_an_error_result_and_a_signal(self):
         def kill_during_the_call(conv):

@@ -96,12 +96,12 @@ def tool(name, reply='ran', sleep=0, images=()):
             'reply': reply, 'sleep': sleep, 'images': list(images)}
 
 
-def agent_md(name, servers, toold=None):
+def agent_md(name, servers, toold=None, timeout_ms=120000):
     sandbox = ('sandbox:\n  tools: "%s"\n  workspace: "{conversation}"\n' % toold) if toold else ''
     return ('---\nname: %s\ndescription: Uses tool servers (%s).\n'
             'model: anthropic/claude-test-1\n%stools: [%s]\n'
-            'durability:\n  max_attempts: 3\n  timeout_ms: 120000\n---\n\nROLE %s.\n'
-            % (name, name, sandbox, ', '.join('"%s"' % s for s in servers), name))
+            'durability:\n  max_attempts: 3\n  timeout_ms: %d\n---\n\nROLE %s.\n'
+            % (name, name, sandbox, ', '.join('"%s"' % s for s in servers), timeout_ms, name))
 
 
 def role(name, **step):
@@ -159,6 +159,11 @@ class ToolServersTest(ServersCase):
             cls.scans = cls._keep(py_server([tool('scan', 'scanned', images=[
                 {'name': 'scan.png', 'mime_type': 'image/png', 'size': 4500 << 10}])],
                 log=cls.scan_log))
+            cls.odd = cls._keep(py_server([
+                tool('bad name'),  # no provider takes it
+                dict(tool('rawdesc'), description_hex=b'Ok \xff byte.'.hex()),
+                dict(tool('chatty', 'x'), repeat=200000)]))
+            cls.stuck = cls._keep(py_server([tool('crunch', sleep=60)]))  # hurried's alone
             cls.absent_port = free_port()  # nothing listens there
             cls.late_port = free_port()  # a server starts there after agentd
             toold = cls.stack.td.target
@@ -171,6 +176,8 @@ class ToolServersTest(ServersCase):
                 'late': agent_md('late', ['127.0.0.1:%d' % cls.late_port], toold),
                 'snapper': agent_md('snapper', [cls.pics.addr]),
                 'scanner': agent_md('scanner', [cls.scans.addr]),
+                'oddities': agent_md('oddities', [cls.odd.addr]),
+                'hurried': agent_md('hurried', [cls.stuck.addr], timeout_ms=6000),
             })
         except BaseException:
             cls.tearDownClass()
@@ -238,6 +245,44 @@ class ToolServersTest(ServersCase):
             {'type': 'text', 'text': res.text},
             {'type': 'image', 'source': {'type': 'base64', 'media_type': 'image/png',
                                          'data': PNG}}])
+
+    def test_a_servers_bad_names_bytes_and_long_texts_are_kept_from_the_model(self):
+        """A server's tool named against every provider's pattern is left out (a provider
+        refuses the whole request over it); a description that is not UTF-8 is offered with
+        the bad byte replaced (it stopped the system prompt from being stored, and the
+        submission was tried again to its attempt limit); a 200 KB result text is cut to
+        51,200 bytes with a note (9 MiB failed the submission)."""
+        sub, recs, reqs = self.run_agent('oddities', [
+            role('oddities', tool_calls=[call('chatty', q='all of it')]),
+            role('oddities', text='Read it.')])
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        self.assertEqual(sub.attempt_count, 1)
+        self.assertEqual([t['name'] for t in reqs[0]['body']['tools']],
+                         ['task', 'rawdesc', 'chatty'])
+        self.assertIn('Ok \ufffd byte.', request_system(reqs[0]))
+        [res] = [body(r) for r in recs if kind(r) == 'tool_result']
+        self.assertFalse(res.is_error, res.text[-200:])
+        head, note = res.text.split('\n[cut: ')
+        self.assertEqual(head, 'x' * 51200)
+        full = len('x' * 200000 + ' ' + '{"q":"all of it"}')  # the reply, then the arguments
+        self.assertEqual(note, 'the result has %d bytes; only the first 51200 are shown]' % full)
+        self.assertIn('tool_skipped', self.ad.stderr_text())
+
+    def test_a_second_batch_to_a_server_ends_at_the_time_limit(self):
+        """65 calls to one server go as two batches, the second once the first is over. The
+        first ran into the 6 s time limit; the second had no deadline at all (a second past a
+        time left of 0 or less read as none) and the submission ran on for as long as the
+        server took (60 s). It ends at the limit now, failed, every call answered."""
+        t0 = time.monotonic()
+        sub, recs, _ = self.run_agent('hurried', [
+            role('hurried', tool_calls=[call('crunch', q=str(i)) for i in range(65)]),
+            role('hurried', text='Not reached.')], timeout=50)
+        self.assertLess(time.monotonic() - t0, 20)
+        self.assertEqual(sub.outcome, FAILED, sub)
+        self.assertIn('time limit', sub.error)
+        results = [body(r) for r in recs if kind(r) == 'tool_result']
+        self.assertEqual(sorted(r.index for r in results), list(range(65)))
+        self.assertTrue(all(r.is_error for r in results))
 
     def test_large_results_of_one_turn_are_stored_in_several_appends(self):
         """Six results of 4.5 MiB images each (27 MiB together, past storaged's 16 MiB message
