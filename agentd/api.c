@@ -53,6 +53,14 @@
 
 #define STORE_TIMEOUT_MS 15000
 
+/* store_timeout: how long a Store call made for call c may take: STORE_TIMEOUT_MS, or what is
+ * left of the caller's deadline (a worker is not held for a caller that gave up). */
+static int64_t store_timeout(struct rpc_call *c)
+{
+    int64_t left = rpc_call_remaining_ms(c);
+    return left < 0 || left > STORE_TIMEOUT_MS ? STORE_TIMEOUT_MS : left < 1 ? 1 : left;
+}
+
 static void fail_err(struct rpc_call *c, const struct cf_error *err)
 {
     rpc_call_fail_error(c, err);
@@ -136,7 +144,7 @@ static bool owns_conversation(struct rpc_call *c, const struct principal *p,
     Cflue__V1__ConversationRequest cr = CFLUE__V1__CONVERSATION_REQUEST__INIT;
     cr.conversation_id = (char *)conversation_id;
     if (store_call(g_agentd.store, "GetConversation", &cr.base,
-                   &cflue__v1__conversation__descriptor, STORE_TIMEOUT_MS, &conv, &err) != CF_OK) {
+                   &cflue__v1__conversation__descriptor, store_timeout(c), &conv, &err) != CF_OK) {
         fail_err(c, &err);
         return false;
     }
@@ -423,7 +431,7 @@ static void on_get(struct rpc_call *c, const ProtobufCMessage *msg, void *user)
         return;
     }
     if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
-                   STORE_TIMEOUT_MS, &resp, &err) != CF_OK) {
+                   store_timeout(c), &resp, &err) != CF_OK) {
         resp = NULL;
     }
     if (!resp) {

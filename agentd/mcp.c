@@ -389,6 +389,17 @@ static void answered(struct mcp_op *op)
     json_decref(r);
 }
 
+/* answers_request: op's answer body is a JSON-RPC response to its request (an error the
+ * server meant for that request, not a session it does not know). */
+static bool answers_request(const struct mcp_op *op)
+{
+    json_t *j = json_loadb(op->body.data ? op->body.data : "", op->body.len, 0, NULL);
+    json_t *id = json_object_get(j, "id");
+    bool ours = json_is_integer(id) && json_integer_value(id) == op->want_id;
+    json_decref(j);
+    return ours;
+}
+
 static void on_done(void *ctx, const struct model_io_result *res)
 {
     struct mcp_op *op = ctx;
@@ -402,10 +413,11 @@ static void on_done(void *ctx, const struct model_io_result *res)
         fail(op, "cancelled");
     } else if (res->status != CF_OK) {
         fail(op, "%s", res->err.msg);
-    } else if ((http == 404 || http == 400) && op->session_id[0] && !op->retried) {
-        /* the server forgot the session (404, as the specification has it; 400 from servers
-         * that answer a session they do not know so, the reference server among them, e.g.
-         * after a restart): set it up again, once */
+    } else if ((http == 404 || (http == 400 && !answers_request(op))) && op->session_id[0] &&
+               !op->retried) {
+        /* the server forgot the session (404, as the specification has it; 400 without a
+         * response to the request from servers that answer a session they do not know so,
+         * the reference server among them, e.g. after a restart): set it up again, once */
         session_drop(op);
         op->retried = true;
         op->phase = PH_INIT;

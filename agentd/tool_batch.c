@@ -546,8 +546,10 @@ static void lane_record(struct drive *d, struct tool_lane *l, ProtobufCMessage *
         if (d->fault.code == CF_OK && !drive_lost_or_down(d)) {
             struct buf cut = {0};
             const char *text = r->text;
+            const Cflue__V1__Truncation *trunc = r->truncation;
             size_t len = strlen(text);
             if (own_server(d, l->server) && len > SERVER_TEXT_MAX) {
+                trunc = NULL; /* the server's said where its own text stopped, not this one */
                 size_t keep = utf8_prefix_len(text, len, SERVER_TEXT_MAX);
                 buf_init(&cut, keep + 128);
                 buf_append(&cut, text, keep);
@@ -555,8 +557,8 @@ static void lane_record(struct drive *d, struct tool_lane *l, ProtobufCMessage *
                            len, keep);
                 text = buf_cstr(&cut);
             }
-            tools_record_images(d, l->index[at], c->call_id, c->name, text, r->is_error,
-                                r->truncation, r->images, r->n_images);
+            tools_record_images(d, l->index[at], c->call_id, c->name, text, r->is_error, trunc,
+                                r->images, r->n_images);
             buf_cleanup(&cut);
         }
     }
@@ -706,6 +708,17 @@ static bool lane_waits(struct drive *d, struct tool_lane *l)
         return true;
     }
     if (drive_halted(d) || d->fault.code != CF_OK) {
+        l->over = true;
+        return false;
+    }
+    if (drive_time_left(d) <= 0) {
+        /* the batch before took the time: these calls are not sent at all */
+        for (size_t k = 0; k < l->m && d->fault.code == CF_OK; k++) {
+            l->done[k] = true;
+            tools_record_result(d, l->index[k], l->calls[k].call_id, l->calls[k].name,
+                                "This call was not run: the submission reached its time limit.",
+                                true, NULL, false);
+        }
         l->over = true;
         return false;
     }

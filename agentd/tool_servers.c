@@ -435,6 +435,9 @@ static enum cf_status check_agent(const struct agent_def *a, struct listed **see
         const char *addr = k ? a->tool_servers[k - 1] : sandbox;
         const Cflue__V1__ListToolsResponse *l = addr ? listing(seen, n, addr, ws) : NULL;
         for (size_t i = 0; l && i < l->n_tools && rc == CF_OK; i++) {
+            if (k && !tool_name_ok(l->tools[i]->name)) {
+                continue; /* left out of every tool set (servers_tools_add) */
+            }
             if (servers_clash(&ts, l->tools[i]->name, addr, sandbox, why, sizeof(why))) {
                 rc = cf_error_set(err, CF_INVALID, "agent %s: %s", a->name, why);
             } else {

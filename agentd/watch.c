@@ -23,8 +23,9 @@
  * GetSubmission(wait) is a watcher that is given no records: it scans them for the
  * submission's "settled:<id>" record, then reads the submission and replies. It attaches at
  * the conversation's head read before its last check that the submission was not settled, so
- * the settlement record cannot fall before it. If the feed ends, it checks again and
- * re-attaches (or fails with storaged's error).
+ * the settlement record cannot fall before it. If storaged ends the feed or goes away, it
+ * checks again and re-attaches (or fails while storaged is away); a feed storaged refused, or
+ * one lost again within WAIT_RELOOK_MS with no record between, fails it with storaged's error.
  *
  * One mutex (mu) guards every feed and watcher: pushes are cheap and no blocking call is made
  * under it. rpc_call_finish / rpc_call_reply are called after it is released (a finish may
@@ -57,6 +58,8 @@
 #define RING_COST(size) (2 * (size_t)(size))
 #define CATCHUP_PAGE 200
 #define STORE_TIMEOUT_MS 15000
+/* A wait whose Follow ended looks again at most this often (more often: it ends instead) */
+#define WAIT_RELOOK_MS 5000
 #define FEED_BUCKETS 4096
 #define NO_STOP INT64_MAX       /* follow: no last offset */
 #define HISTORY (INT64_MAX - 1) /* Watch without follow, before its last page */
@@ -81,7 +84,8 @@ struct watcher {
     bool job;             /* work is queued or running */
     bool finished;        /* the call is being or was finished */
     bool seen;            /* W_WAIT: the settlement record went by */
-    bool feed_lost;       /* W_WAIT: its feed ended, and no record came since it looked again */
+    int64_t lost_ms;      /* W_WAIT: monotonic, when its feed last ended with no record since
+                           * (0: none) */
     int64_t deadline_ms;  /* monotonic: the caller's deadline (0: none), which bounds the
                            * Store calls made for it */
     int refs;             /* the call (until release), and a queued job */
@@ -379,18 +383,19 @@ static void feed_on_end(void *arg, const struct rpc_status *st)
         if (w->finished) {
             continue;
         }
-        if (w->kind == W_WAIT && !w->feed_lost &&
-            (st->code == GRPC_STATUS_OK || st->code == GRPC_STATUS_UNAVAILABLE)) {
+        if (w->kind == W_WAIT &&
+            (st->code == GRPC_STATUS_OK || st->code == GRPC_STATUS_UNAVAILABLE) &&
+            (!w->lost_ms || clock_mono_ms() - w->lost_ms > WAIT_RELOOK_MS)) {
             /* storaged ended the Follow or went away: look again (the look fails the wait
              * while storaged is away, and attaches to a new Follow once it is back) */
-            w->feed_lost = true;
+            w->lost_ms = clock_mono_ms();
             schedule_locked(w);
             continue;
         }
         if (w->kind == W_WAIT) {
-            /* refused (out of streams, a read that failed), or lost again before a record came:
-             * looking again would meet it at once, in a loop against storaged; it ends the
-             * wait with storaged's error, as it ends a Watch */
+            /* refused (out of streams, a read that failed), or lost again soon after the last
+             * look with no record between: looking again would meet it at once, in a loop
+             * against storaged; it ends the wait with storaged's error, as it ends a Watch */
             if (st->code == GRPC_STATUS_OK) {
                 cf_error_set(&e, CF_UNAVAILABLE,
                              "storaged ended the stream of the conversation again; ask again");
@@ -462,7 +467,7 @@ static bool give_locked(struct watcher *w, Cflue__V1__Record *rec, grpc_byte_buf
 {
     if (w->kind == W_WAIT) {
         w->offset = rec->offset;
-        w->feed_lost = false;
+        w->lost_ms = 0;
         if (!strcmp(rec->id, w->settled_id)) {
             w->seen = true;
             *close = detach_locked(w);
@@ -616,8 +621,10 @@ static void wait_step(struct watcher *w)
             protobuf_c_message_free_unpacked(sub, NULL);
             sub = NULL;
             /* settled between the two reads? then its record is at or before head */
-            st = store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
-                            store_timeout(w), &sub, &err);
+            st = !still_waiting(w)
+                     ? CF_CANCELLED
+                     : store_call(g_agentd.store, "Get", &gr.base,
+                                  &cflue__v1__submission__descriptor, store_timeout(w), &sub, &err);
         }
     }
     pthread_mutex_lock(&g.mu);
@@ -744,8 +751,12 @@ void watch_start(struct rpc_call *c, const Cflue__V1__WatchRequest *req)
     rq.conversation_id = req->conversation_id;
     rq.after_offset = req->after_offset;
     rq.page_size = 1;
+    int64_t left = rpc_call_remaining_ms(c);
     if (store_call(g_agentd.store, "Read", &rq.base, &cflue__v1__read_response__descriptor,
-                   STORE_TIMEOUT_MS, &resp, &err) != CF_OK) {
+                   left < 0 || left > STORE_TIMEOUT_MS ? STORE_TIMEOUT_MS
+                   : left < 1                          ? 1
+                                                       : left,
+                   &resp, &err) != CF_OK) {
         rpc_call_fail_error(c, &err);
         return;
     }

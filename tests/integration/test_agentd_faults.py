@@ -652,7 +652,7 @@ class LostAdmitAnswerNotRetriedTest(FaultsBase):
 class TakeBackWhileAnAdmitIsAnsweredTest(FaultsBase):
     """A take-back runs while another Submit's Admit, which claimed its submission for this
     agentd, is committed and its answer not yet back (failpoints: storaged's List reads 3 s
-    late, its Admit answers 6 s late). The take-back finds that submission RUNNING under this
+    late, its Admit answers 9 s late). The take-back finds that submission RUNNING under this
     agentd with no drive; it must wait for the Admit's answer, which starts the drive, instead
     of taking the work over from it (an extra attempt, the first drive stopped at its first
     write)."""
@@ -666,8 +666,10 @@ class TakeBackWhileAnAdmitIsAnsweredTest(FaultsBase):
         log = self.submit_losing_its_answer(lost)  # a lost answer: a take-back is due
         found = re.search(r'event=store\.admit submission=(\S+) conversation=%s ' % lost, log)
         self.assertIsNotNone(found, 'storaged did not commit the lost Admit')
+        # the claimer's List arrives within about a second of storaged's return and reads 3 s
+        # later, after the slow Submit's commit and well before its answer, 9 s after it
         self.stack.sd.env['CFLUE_FAILPOINTS'] = ('storaged.read.List=sleep:3000,'
-                                                 'storaged.reply.Admit=sleep:6000')
+                                                 'storaged.reply.Admit=sleep:9000')
         self.stack.sd.start()
         # the lost Submit's work is settled at once (a Get: no List, which would wait), well
         # before the take-back's List reads, 3 s after it arrives: the List finds the slow
