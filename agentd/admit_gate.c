@@ -77,8 +77,3 @@ uint64_t admit_gate_oldest(struct admit_gate *g)
     pthread_mutex_unlock(&g->mu);
     return oldest;
 }
-
-bool admit_gate_passed(struct admit_gate *g, uint64_t behind)
-{
-    return behind < admit_gate_oldest(g);
-}

@@ -7,7 +7,7 @@
  * such submissions, and one made while the answer is still on the way would take the work
  * over from the drive about to start: an extra attempt, and the first drive stopped at its
  * first write. So each claiming Admit holds a ticket from its start to its end, and a
- * take-back waits until every Admit started before it has ended (admit_gate_passed).
+ * take-back waits until every Admit started before it has ended (admit_gate_oldest).
  *
  * Thread-safe: the API's and the drives' Admits enter and leave it from any thread.
  */
@@ -47,8 +47,5 @@ uint64_t admit_gate_behind_now(struct admit_gate *g);
 /* admit_gate_oldest: the oldest ticket in flight (UINT64_MAX: none). A take-back behind
  * ticket b is due once b < admit_gate_oldest. */
 uint64_t admit_gate_oldest(struct admit_gate *g);
-
-/* admit_gate_passed: no Admit holding a ticket up to `behind` is in flight (always true for 0). */
-bool admit_gate_passed(struct admit_gate *g, uint64_t behind);
 
 #endif

@@ -51,14 +51,10 @@
 #include <string.h>
 #include <time.h>
 
-#define STORE_TIMEOUT_MS 15000
-
-/* store_timeout: how long a Store call made for call c may take: STORE_TIMEOUT_MS, or what is
- * left of the caller's deadline (a worker is not held for a caller that gave up). */
+/* store_timeout: how long a Store call made for call c may take. */
 static int64_t store_timeout(struct rpc_call *c)
 {
-    int64_t left = rpc_call_remaining_ms(c);
-    return left < 0 || left > STORE_TIMEOUT_MS ? STORE_TIMEOUT_MS : left < 1 ? 1 : left;
+    return store_timeout_within(rpc_call_remaining_ms(c));
 }
 
 static void fail_err(struct rpc_call *c, const struct cf_error *err)

@@ -6,6 +6,11 @@
 #include <stdio.h>
 #include <string.h>
 
+int64_t store_timeout_within(int64_t left_ms)
+{
+    return left_ms < 0 || left_ms > STORE_TIMEOUT_MS ? STORE_TIMEOUT_MS : left_ms < 1 ? 1 : left_ms;
+}
+
 enum cf_status store_status(const char *method, const struct rpc_status *st, struct cf_error *err)
 {
     if (st->code == GRPC_STATUS_OK) {

@@ -8,6 +8,18 @@
 #include "cflue/v1/store.pb-c.h"
 #include "cflue/v1/tools.pb-c.h"
 
+#include <stdint.h>
+
+/* STORE_TIMEOUT_MS bounds each Store call agentd makes (a caller's shorter deadline bounds the
+ * calls made for it: store_timeout_within). */
+#define STORE_TIMEOUT_MS 15000
+
+/* store_timeout_within returns how long a Store call made for a caller with left_ms
+ * milliseconds left of its deadline (negative: it has none) may take: STORE_TIMEOUT_MS or
+ * left_ms, whichever is shorter, and at least 1 ms (a worker is not held for a caller that
+ * gave up; 0 would read as no timeout). */
+int64_t store_timeout_within(int64_t left_ms);
+
 /* store_call makes one Store RPC ("Admit", "Claim", ...). On success *resp_out holds the
  * decoded response (free with protobuf_c_message_free_unpacked). On failure err carries the
  * server's message, a status mapped back from the gRPC code (status_from_grpc: ABORTED ->

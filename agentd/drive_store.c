@@ -30,7 +30,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define STORE_TIMEOUT_MS 15000
 #define STORE_RETRY_MIN_MS 5000 /* a Store call is retried at least this long */
 
 bool dstore_retry_again(struct drive *d, const struct cf_error *err, int64_t first_try_ms,

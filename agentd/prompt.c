@@ -26,6 +26,7 @@
 #include <time.h>
 
 #define SANDBOX_TIMEOUT_MS 10000 /* the Sandbox reads of the system prompt */
+#define TOOL_LINE_MAX 300        /* bytes of a tool's description quoted in the prompt */
 #define NOTES_MAX 65536
 #define LISTING_MAX 200
 #define SKILLS_DIR ".agents/skills" /* where skills are found in the sandbox */
@@ -188,10 +189,13 @@ static char *compose(struct drive *d, const struct sandbox_view *v)
     if (d->tools.n) {
         buf_append_str(&b, "\n\n## Tools you can call\n");
         for (size_t i = 0; i < d->tools.n; i++) {
+            /* its first sentence: the whole description goes with each model call */
             const char *desc = d->tools.tools[i].description;
             const char *dot = strchr(desc, '.');
-            buf_printf(&b, "\n- %s: %.*s", d->tools.tools[i].name,
-                       dot ? (int)(dot - desc + 1) : (int)strlen(desc), desc);
+            size_t len = dot ? (size_t)(dot - desc + 1) : strlen(desc);
+            size_t keep = utf8_prefix_len(desc, len, TOOL_LINE_MAX);
+            buf_printf(&b, "\n- %s: %.*s%s", d->tools.tools[i].name, (int)keep, desc,
+                       keep < len ? "..." : "");
         }
     }
     buf_printf(&b, "\n\n## Environment\n\nToday's date: %s", when);

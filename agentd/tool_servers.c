@@ -29,6 +29,13 @@
 #define CHECK_TIMEOUT_MS 3000 /* start-up's, per server */
 #define REASON_MAX 300        /* characters of a server's failure told to the model */
 
+/* What a drive offers of its servers' tools (docs/tool-servers.md). Every description and
+ * schema goes out with each model call, and a provider refuses a whole request with more than
+ * 128 tools (OpenAI's bound): past these a server's tool is left out, or its description cut. */
+#define TOOLS_OFFERED_MAX 128         /* tools in a model call, the framework's included */
+#define SERVER_DESCRIPTION_MAX 8192   /* bytes of a server tool's description */
+#define SERVER_SCHEMA_MAX (64 * 1024) /* bytes of a server tool's parameter schema */
+
 void servers_init(struct drive *d)
 {
     memset(&d->servers, 0, sizeof(d->servers));
@@ -251,6 +258,45 @@ static char *own(struct tool_servers *s, char *p)
     return p;
 }
 
+/* offered_description: desc as the model is offered it: its first SERVER_DESCRIPTION_MAX bytes,
+ * cut between characters with a note, as valid UTF-8 (storaged takes the system prompt, which
+ * quotes it, as UTF-8 only: bytes that are not are replaced rather than stored to be refused
+ * each attempt). */
+static const char *offered_description(struct tool_servers *s, const char *desc)
+{
+    size_t len = strlen(desc), keep = utf8_prefix_len(desc, len, SERVER_DESCRIPTION_MAX);
+    if (keep == len && utf8_valid(desc, len, NULL)) {
+        return desc;
+    }
+    struct buf clean;
+    buf_init(&clean, 3 * keep + 128); /* each byte replaced by at most 3, and the note */
+    (void)utf8_sanitize(&clean, desc, keep);
+    if (keep < len) {
+        (void)buf_printf(&clean, " [the rest of this description, %zu bytes in all, is cut]", len);
+    }
+    return own(s, buf_take(&clean));
+}
+
+/* offer adds a server's tool to d's tool set unless its schema is too long or the set is full
+ * (logged: a tool the model never sees is not missed by it, but whoever runs the agent should
+ * know). */
+static void offer(struct drive *d, const struct tool_source *t, const char *name, const char *desc,
+                  const char *schema_json)
+{
+    const char *why = NULL;
+    if (strlen(schema_json) > SERVER_SCHEMA_MAX) {
+        why = "\"its parameter schema is over 65536 bytes\"";
+    } else if (d->tools.n >= TOOLS_OFFERED_MAX) {
+        why = "\"a model call offers at most 128 tools\"";
+    }
+    if (why) {
+        log_warn("tool_skipped", "submission=%s server=%s tool=%s why=%s", d->sub->submission_id,
+                 t->source, name, why);
+        return;
+    }
+    toolset_add(&d->tools, name, offered_description(&d->servers, desc), schema_json, t->source);
+}
+
 /* tool_name_ok: a name every provider takes for a tool ([A-Za-z0-9_-]{1,64}). */
 static bool tool_name_ok(const char *n)
 {
@@ -270,16 +316,16 @@ static bool add_mcp_tools(struct drive *d, struct tool_source *t)
         char *name = mem_asprintf("mcp__%s__%s", t->mcp->name, raw ? raw : "");
         if (!raw || !tool_name_ok(name)) {
             char q[200];
-            log_warn("mcp_tool_skipped", "submission=%s server=%s tool=%s why=%s",
-                     d->sub->submission_id, t->mcp->name, log_quote(q, sizeof(q), raw ? raw : ""),
+            log_warn("tool_skipped", "submission=%s server=%s tool=%s why=%s",
+                     d->sub->submission_id, t->source, log_quote(q, sizeof(q), raw ? raw : ""),
                      "\"its name as mcp__<server>__<tool> is not 1 to 64 of A-Z a-z 0-9 _ -\"");
             free(name);
             continue;
         }
         int twin = toolset_find(&d->tools, name);
         if (twin >= 0 && d->tools.source[twin] && !strcmp(d->tools.source[twin], t->source)) {
-            log_warn("mcp_tool_skipped", "submission=%s server=%s tool=%s why=%s",
-                     d->sub->submission_id, t->mcp->name, name, "\"listed twice\"");
+            log_warn("tool_skipped", "submission=%s server=%s tool=%s why=%s",
+                     d->sub->submission_id, t->source, name, "\"listed twice\"");
             free(name);
             continue; /* the server's own repeat: its first listing stands */
         }
@@ -290,15 +336,13 @@ static bool add_mcp_tools(struct drive *d, struct tool_source *t)
         const char *desc = json_string_value(json_object_get(tool, "description"));
         json_t *schema = json_object_get(tool, "inputSchema");
         char *schema_json = json_is_object(schema) ? json_dumps(schema, JSON_COMPACT) : NULL;
-        toolset_add(&d->tools, own(&d->servers, name),
-                    desc && *desc ? desc
-                                  : own(&d->servers, mem_asprintf("The %s tool of the MCP server "
-                                                                  "%s.",
-                                                                  raw, t->mcp->name)),
-                    own(&d->servers, schema_json ? schema_json
-                                                 : mem_strdup("{\"type\":\"object\","
-                                                              "\"properties\":{}}")),
-                    t->source);
+        offer(d, t, own(&d->servers, name),
+              desc && *desc ? desc
+                            : own(&d->servers, mem_asprintf("The %s tool of the MCP server %s.",
+                                                            raw, t->mcp->name)),
+              own(&d->servers, schema_json
+                                   ? schema_json
+                                   : mem_strdup("{\"type\":\"object\",\"properties\":{}}")));
     }
     return true;
 }
@@ -332,16 +376,7 @@ bool servers_tools_add(struct drive *d)
                               sizeof(d->error))) {
                 return false;
             }
-            /* the description goes into the system prompt, which storaged takes as UTF-8 only:
-             * a server's bytes that are not are replaced, not stored to be refused each attempt */
-            const char *desc = spec->description;
-            if (!utf8_valid(desc, strlen(desc), NULL)) {
-                struct buf clean;
-                buf_init(&clean, strlen(desc) + 16);
-                (void)utf8_sanitize(&clean, desc, strlen(desc));
-                desc = own(&d->servers, buf_take(&clean));
-            }
-            toolset_add(&d->tools, spec->name, desc, spec->parameters_json, t->source);
+            offer(d, t, spec->name, spec->description, spec->parameters_json);
         }
     }
     tell_unlisted(d);

@@ -57,7 +57,6 @@
  * watcher first pushes it) are about its encoded size each. */
 #define RING_COST(size) (2 * (size_t)(size))
 #define CATCHUP_PAGE 200
-#define STORE_TIMEOUT_MS 15000
 /* A wait whose Follow ended looks again at most this often (more often: it ends instead) */
 #define WAIT_RELOOK_MS 5000
 #define FEED_BUCKETS 4096
@@ -525,15 +524,15 @@ static void deliver_locked(struct watcher *w, struct fin **fl)
     release_stream(close);
 }
 
-/* store_timeout: how long a Store call made for w may take: STORE_TIMEOUT_MS, or what is left
- * of the caller's deadline (a worker is not held for a caller that gave up). */
+/* store_timeout: how long a Store call made for w may take (bounded by the deadline its
+ * caller had when w was made). */
 static int64_t store_timeout(const struct watcher *w)
 {
     if (!w->deadline_ms) {
         return STORE_TIMEOUT_MS;
     }
     int64_t left = w->deadline_ms - clock_mono_ms();
-    return left < 1 ? 1 : left < STORE_TIMEOUT_MS ? left : STORE_TIMEOUT_MS;
+    return store_timeout_within(left < 0 ? 0 : left);
 }
 
 /* still_waiting: w's caller has not gone away (a wait step stops between its calls). */
@@ -751,12 +750,8 @@ void watch_start(struct rpc_call *c, const Cflue__V1__WatchRequest *req)
     rq.conversation_id = req->conversation_id;
     rq.after_offset = req->after_offset;
     rq.page_size = 1;
-    int64_t left = rpc_call_remaining_ms(c);
     if (store_call(g_agentd.store, "Read", &rq.base, &cflue__v1__read_response__descriptor,
-                   left < 0 || left > STORE_TIMEOUT_MS ? STORE_TIMEOUT_MS
-                   : left < 1                          ? 1
-                                                       : left,
-                   &resp, &err) != CF_OK) {
+                   store_timeout_within(rpc_call_remaining_ms(c)), &resp, &err) != CF_OK) {
         rpc_call_fail_error(c, &err);
         return;
     }

@@ -162,7 +162,10 @@ class ToolServersTest(ServersCase):
             cls.odd = cls._keep(py_server([
                 tool('bad name'),  # no provider takes it
                 dict(tool('rawdesc'), description_hex=b'Ok \xff byte.'.hex()),
-                dict(tool('chatty', 'x'), repeat=200000)]))
+                dict(tool('chatty', 'x'), repeat=200000),
+                dict(tool('wordy'), description='w' * 20000 + '. Then more.'),
+                dict(tool('vast'), schema={'type': 'object', 'description': 's' * 70000})]))
+            cls.crowd = cls._keep(py_server([tool('t%03d' % i) for i in range(130)]))
             cls.stuck = cls._keep(py_server([tool('crunch', sleep=60)]))  # hurried's alone
             cls.absent_port = free_port()  # nothing listens there
             cls.late_port = free_port()  # a server starts there after agentd
@@ -177,6 +180,7 @@ class ToolServersTest(ServersCase):
                 'snapper': agent_md('snapper', [cls.pics.addr]),
                 'scanner': agent_md('scanner', [cls.scans.addr]),
                 'oddities': agent_md('oddities', [cls.odd.addr]),
+                'crowded': agent_md('crowded', [cls.crowd.addr], toold),
                 'hurried': agent_md('hurried', [cls.stuck.addr], timeout_ms=6000),
             })
         except BaseException:
@@ -258,8 +262,13 @@ class ToolServersTest(ServersCase):
         self.assertEqual(sub.outcome, COMPLETED, sub)
         self.assertEqual(sub.attempt_count, 1)
         self.assertEqual([t['name'] for t in reqs[0]['body']['tools']],
-                         ['task', 'rawdesc', 'chatty'])
+                         ['task', 'rawdesc', 'chatty', 'wordy'])  # vast's schema is too long
         self.assertIn('Ok \ufffd byte.', request_system(reqs[0]))
+        # a 20 KB description: its first 8,192 bytes offered, and 300 quoted in the prompt
+        [wordy] = [t for t in reqs[0]['body']['tools'] if t['name'] == 'wordy']
+        self.assertEqual(wordy['description'], 'w' * 8192 + ' [the rest of this description, '
+                         '20012 bytes in all, is cut]')
+        self.assertIn('\n- wordy: %s...\n' % ('w' * 300), request_system(reqs[0]))
         [res] = [body(r) for r in recs if kind(r) == 'tool_result']
         self.assertFalse(res.is_error, res.text[-200:])
         head, note = res.text.split('\n[cut: ')
@@ -267,6 +276,19 @@ class ToolServersTest(ServersCase):
         full = len('x' * 200000 + ' ' + '{"q":"all of it"}')  # the reply, then the arguments
         self.assertEqual(note, 'the result has %d bytes; only the first 51200 are shown]' % full)
         self.assertIn('tool_skipped', self.ad.stderr_text())
+        self.assertIn('tool=vast why="its parameter schema is over 65536 bytes"',
+                      self.ad.stderr_text())
+
+    def test_a_model_call_offers_at_most_128_tools(self):
+        """A server listing 130 tools beside the sandbox's: a model call offers 128 tools in
+        all, the server's last ones left out and logged (a provider refuses a whole request
+        with more: every model call failed)."""
+        sub, _, reqs = self.run_agent('crowded', [role('crowded', text='Plenty.')])
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        names = [t['name'] for t in reqs[0]['body']['tools']]
+        self.assertEqual(names, SANDBOX_TOOLS + ['task'] + ['t%03d' % i for i in range(121)])
+        self.assertIn('tool=t121 why="a model call offers at most 128 tools"',
+                      self.ad.stderr_text())
 
     def test_a_second_batch_to_a_server_ends_at_the_time_limit(self):
         """65 calls to one server go as two batches, the second once the first is over. The
