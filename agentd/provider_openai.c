@@ -63,8 +63,9 @@ static void results_images(struct jw *w, const struct llm_message *msgs, size_t 
     jw_end(w);
 }
 
-/* assistant_message writes assistant message m: its text (null when it has none) and its
- * calls, their arguments as the model wrote them. */
+/* assistant_message writes assistant message m: its text and its calls, their arguments as
+ * the model wrote them. Without text its content is null when it has calls, and a stand-in
+ * when it has none (an empty answer: the API refuses it content both null and empty). */
 static void assistant_message(struct jw *w, const struct llm_message *m)
 {
     jw_object(w);
@@ -72,8 +73,10 @@ static void assistant_message(struct jw *w, const struct llm_message *m)
     jw_key(w, "content");
     if (m->text && *m->text) {
         jw_string(w, m->text);
-    } else {
+    } else if (m->n_calls) {
         jw_null(w);
+    } else {
+        jw_string(w, "(no text)");
     }
     if (m->n_calls) {
         jw_key(w, "tool_calls");

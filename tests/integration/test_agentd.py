@@ -1289,6 +1289,20 @@ class TestAgentdBadInput(AgentdCase):
         self.assertTrue(self.ad.alive())
         self.assertEqual(self.ad.health_check(), H.SERVING)
 
+    def test_an_empty_answer_leaves_the_conversation_usable(self):
+        """An answer with no text and no calls (a reasoning model that spent its output on
+        reasoning) completes its submission. On OpenAI it went back to the model with content
+        null, which the API refuses: every later submission of the conversation failed."""
+        for agent in ('runner-anthropic', 'runner-openai'):
+            with self.subTest(agent=agent):
+                conv, sid, _ = self.submit(agent, [{'text': ''}])
+                self.assertEqual(outcome_name(self.wait_settled(sid, timeout=30).outcome),
+                                 'COMPLETED')
+                self.fm.set_scenario(bind([{'text': 'Here now.'}], conv))
+                sid = self.ad.submit(agent, 'Still there?', conversation_id=conv).submission_id
+                s = self.wait_settled(sid, timeout=30)
+                self.assertEqual(outcome_name(s.outcome), 'COMPLETED', s.error)
+
     def test_broken_event_stream_fails(self):
         for agent in ('runner-anthropic', 'runner-openai'):
             with self.subTest(agent=agent):
