@@ -520,6 +520,10 @@ void prompt_recompose_start(struct drive *d);
  * and top-level listing; the caller frees it), or NULL with a fault when toold could not be
  * read: no prompt is frozen from a partial environment. */
 bool prompt_recompose_take(struct drive *d, char **text);
+/* prompt_line appends s[0..n) to b on one line: each line break, tab or other control
+ * character becomes a space (what a skill or tool server describes cannot add lines, or
+ * sections, to the system prompt). */
+void prompt_line(struct buf *b, const char *s, size_t n);
 /* prompt_start asks toold, in one call that holds no thread, for the tool set and (unless the
  * conversation holds a frozen prompt still in force) what the prompt shows of the sandbox.
  * Without a sandbox it starts nothing; a toold that cannot be reached is a fault. */

@@ -194,8 +194,9 @@ static char *compose(struct drive *d, const struct sandbox_view *v)
             const char *dot = strchr(desc, '.');
             size_t len = dot ? (size_t)(dot - desc + 1) : strlen(desc);
             size_t keep = utf8_prefix_len(desc, len, TOOL_LINE_MAX);
-            buf_printf(&b, "\n- %s: %.*s%s", d->tools.tools[i].name, (int)keep, desc,
-                       keep < len ? "..." : "");
+            buf_printf(&b, "\n- %s: ", d->tools.tools[i].name);
+            prompt_line(&b, desc, keep);
+            buf_append_str(&b, keep < len ? "..." : "");
         }
     }
     buf_printf(&b, "\n\n## Environment\n\nToday's date: %s", when);
@@ -239,6 +240,20 @@ bool prompt_recompose_take(struct drive *d, char **text)
     }
     view_cleanup(&v);
     return true;
+}
+
+void prompt_line(struct buf *b, const char *s, size_t n)
+{
+    size_t from = 0;
+    for (size_t i = 0; i <= n; i++) {
+        if (i == n || (unsigned char)s[i] < 0x20 || s[i] == 0x7f) {
+            (void)buf_append(b, s + from, i - from);
+            if (i < n) {
+                (void)buf_append(b, " ", 1);
+            }
+            from = i + 1;
+        }
+    }
 }
 
 /* in_force returns the latest recorded system prompt when no compaction came after it. */

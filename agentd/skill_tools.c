@@ -71,10 +71,13 @@ void skill_roster(struct buf *b, const struct drive *d)
                       "supporting files stay unread until you read them.\n");
     for (size_t i = 0; i < a->n_skills; i++) {
         const struct skill *s = skills_find(&d->defs->skills, a->skills[i]);
-        buf_printf(b, "\n- %s%s%s", a->skills[i], s ? ": " : "", s ? s->description : "");
+        buf_printf(b, "\n- %s%s", a->skills[i], s ? ": " : "");
+        prompt_line(b, s ? s->description : "", s ? strlen(s->description) : 0);
     }
     for (size_t i = 0; i < d->ws_skills.n; i++) {
-        buf_printf(b, "\n- %s: %s", d->ws_skills.items[i].name, d->ws_skills.items[i].description);
+        const struct skill *s = &d->ws_skills.items[i];
+        buf_printf(b, "\n- %s: ", s->name);
+        prompt_line(b, s->description, strlen(s->description));
     }
 }
 
@@ -90,8 +93,9 @@ bool skill_tools_discover(struct drive *d, Cflue__V1__GlanceSkill *const *found,
         if (skill_parse((const char *)g->data.data, g->data.len, g->path, g->dir, &s, &err) !=
             CF_OK) {
             char q[600];
-            log_warn("skill_skipped", "submission=%s path=%s err=%s", d->sub->submission_id,
-                     g->path, log_quote(q, sizeof(q), err.msg));
+            log_warn("skill_skipped", "submission=%s path=%s err=%s%s", d->sub->submission_id,
+                     g->path, log_quote(q, sizeof(q), err.msg),
+                     g->truncated ? " truncated=\"only its first 64 KiB were read\"" : "");
             continue;
         }
         for (size_t k = 0; k < d->agent->n_skills; k++) {
@@ -129,20 +133,33 @@ bool skill_tools_activated(struct drive *d, const struct skill *s, const uint8_t
 {
     struct skill now;
     struct cf_error err;
+    if (len > SKILL_FILE_MAX) {
+        buf_printf(out,
+                   "The skill \"%s\" could not be activated: its SKILL.md (%s) has %zu bytes, "
+                   "more than the %d a skill may have.",
+                   s->name, s->origin, len, SKILL_FILE_MAX);
+        return false;
+    }
     if (skill_parse((const char *)data, len, s->origin, s->name, &now, &err) != CF_OK) {
         buf_printf(out, "The skill \"%s\" could not be activated: %s", s->name, err.msg);
         return false;
     }
     const char *slash = strrchr(s->origin, '/');
     const char *wd = d->tools.working_directory ? d->tools.working_directory : "";
-    buf_printf(out,
-               "Skill \"%s\" is active. Follow these instructions for the work at hand:\n\n"
-               "<skill_instructions>\n%s\n</skill_instructions>\n\n"
-               "Its supporting files, if any, are in the sandbox beside its SKILL.md; read only "
-               "the ones you need, with paths relative to this directory:\n<skill_resources>\n"
-               "- Base directory: %s%s%.*s\n</skill_resources>",
-               now.name, now.body, wd, *wd ? "/" : "", (int)(slash - s->origin), s->origin);
+    enum cf_status rc = buf_printf(
+        out,
+        "Skill \"%s\" is active. Follow these instructions for the work at hand:\n\n"
+        "<skill_instructions>\n%s\n</skill_instructions>\n\n"
+        "Its supporting files, if any, are in the sandbox beside its SKILL.md; read only "
+        "the ones you need, with paths relative to this directory:\n<skill_resources>\n"
+        "- Base directory: %s%s%.*s\n</skill_resources>",
+        now.name, now.body, wd, *wd ? "/" : "", (int)(slash - s->origin), s->origin);
     skill_free(&now);
+    if (rc != CF_OK) { /* out is left as it was: empty */
+        buf_printf(out, "The skill \"%s\" could not be activated: its instructions are too long.",
+                   s->name);
+        return false;
+    }
     return true;
 }
 

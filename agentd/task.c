@@ -609,10 +609,17 @@ static void skill_read(struct task_call *tc, const struct rpc_status *st, Protob
     if (tc->done) {
         return;
     }
-    buf_init(&out, SKILL_FILE_MAX + 4096);
+    buf_init(&out, SKILL_FILE_MAX + 16384); /* the body, the paths and the words around them */
     if (st->code == GRPC_STATUS_OK) {
         const Cflue__V1__ReadFileResponse *f = (const void *)resp;
         ok = skill_tools_activated(d, tc->skill, f->data.data, f->data.len, &out);
+    } else if (st->code == GRPC_STATUS_RESOURCE_EXHAUSTED &&
+               !strcmp(st->reason, "FILE_TOO_LARGE")) {
+        /* the file, not toold: an answer, not a fault to try again */
+        buf_printf(&out,
+                   "The skill \"%s\" could not be activated: its SKILL.md (%s) is larger than "
+                   "the %d bytes a skill may have.",
+                   tc->skill->name, tc->skill->origin, SKILL_FILE_MAX);
     } else if (drive_halted(d) || tools_failed(d, "reading a skill from the sandbox failed", st)) {
         tc->done = true; /* the drive ends interrupted; the next attempt asks again */
         buf_cleanup(&out);
