@@ -88,9 +88,10 @@ struct model_info catalog_lookup(const char *model)
 
 double catalog_cost(const struct model_info *m, int64_t input_tokens, int64_t output_tokens)
 {
-    return ((double)input_tokens * m->input_usd_per_mtok +
-            (double)output_tokens * m->output_usd_per_mtok) /
-           1e6;
+    double usd = ((double)input_tokens * m->input_usd_per_mtok +
+                  (double)output_tokens * m->output_usd_per_mtok) /
+                 1e6;
+    return usd < CATALOG_COST_MAX ? usd : CATALOG_COST_MAX;
 }
 
 void catalog_free(void)

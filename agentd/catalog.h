@@ -29,7 +29,10 @@ CF_MUST_CHECK enum cf_status catalog_load(const char *path, struct cf_error *err
 /* catalog_lookup returns what is known of model ("provider/id"). */
 struct model_info catalog_lookup(const char *model);
 
-/* catalog_cost prices a call's usage. */
+/* The most a usage may cost, in USD, as storaged takes it (a call's, a submission's) */
+#define CATALOG_COST_MAX 1e9
+
+/* catalog_cost prices a call's usage, at most CATALOG_COST_MAX. */
 double catalog_cost(const struct model_info *m, int64_t input_tokens, int64_t output_tokens);
 
 /* catalog_free releases entries loaded from files. */

@@ -260,6 +260,7 @@ struct drive {
     struct buf delta;
     int64_t delta_flushed_ms;
     int delta_seq;
+    bool delta_restart;   /* the next delta is the first of its try (AssistantDelta.restart) */
     int turn;             /* the model turn being taken, from 1 (AssistantMessage.turn) */
     bool quiet;           /* a call whose text is not shown to watchers (summaries) */
     bool compact_request; /* this submission asks for a compaction, not an answer */

@@ -51,6 +51,7 @@ static void flush_delta(struct drive *d)
     Cflue__V1__AppendRequest req = CFLUE__V1__APPEND_REQUEST__INIT;
     body.turn = d->turn;
     body.text = (char *)buf_cstr(&d->delta);
+    body.restart = d->delta_restart;
     rec.id = id;
     rec.submission_id = (char *)d->sub->submission_id;
     rec.body_case = CFLUE__V1__RECORD__BODY_ASSISTANT_DELTA;
@@ -60,6 +61,7 @@ static void flush_delta(struct drive *d)
     req.n_records = 1;
     if (dstore_send_delta(d, &req.base, DELTA_TIMEOUT_MS)) {
         d->delta_seq++;
+        d->delta_restart = false;
         buf_reset(&d->delta);
         d->delta_flushed_ms = clock_mono_ms();
     }
@@ -168,6 +170,7 @@ static void try_start(struct drive *d)
     llm_response_cleanup(&d->answer);
     llm_response_init(&d->answer);
     buf_reset(&d->delta);
+    d->delta_restart = true; /* a try's text replaces any an earlier try streamed */
     d->delta_flushed_ms = clock_mono_ms();
     pthread_mutex_lock(&w->mu);
     buf_reset(&w->pending);

@@ -7,6 +7,7 @@
 #include "provider.h"
 
 #include "clock.h"
+#include "ids.h"
 #include "json_write.h"
 #include "log.h"
 #include "mem.h"
@@ -42,13 +43,65 @@ void llm_response_cleanup(struct llm_response *r)
     r->n_calls = 0;
 }
 
-void llm_add_call(struct llm_response *r, const char *id, const char *name, const char *args)
+enum cf_status llm_call_field(const char *what, const char *s, struct cf_error *err)
 {
+    if (s && strlen(s) > LLM_CALL_FIELD_MAX) {
+        return cf_error_set(err, CF_INVALID, "the model's answer has a tool call %s of %zu bytes",
+                            what, strlen(s));
+    }
+    return CF_OK;
+}
+
+enum cf_status llm_add_call(struct llm_response *r, const char *id, const char *name,
+                            const char *args, struct cf_error *err)
+{
+    enum cf_status rc;
+    if (r->n_calls >= PROVIDER_STREAM_PARTS_MAX) {
+        return cf_error_set(err, CF_INVALID, "the model made more than %d tool calls",
+                            PROVIDER_STREAM_PARTS_MAX);
+    }
+    if ((rc = llm_call_field("id", id, err)) != CF_OK ||
+        (rc = llm_call_field("name", name, err)) != CF_OK) {
+        return rc;
+    }
     r->calls = mem_realloc(r->calls, sizeof(*r->calls) * (r->n_calls + 1));
     r->calls[r->n_calls].id = mem_strdup(id ? id : "");
     r->calls[r->n_calls].name = mem_strdup(name ? name : "");
     r->calls[r->n_calls].arguments_json = mem_strdup(args && *args ? args : "{}");
     r->n_calls++;
+    return CF_OK;
+}
+
+/* answer_mend makes a whole answer one storaged takes and the provider can be shown again:
+ * each call with an id of its own (a call without one, or repeating an earlier one's, gets a
+ * new one: storaged refuses the answer otherwise, and the input held with it), the token
+ * counts within 0..LLM_TOKENS_MAX. A call without a name is a bad answer (CF_INVALID, asked
+ * again): no tool can be found for it. */
+static enum cf_status answer_mend(struct llm_response *out, const char *who, struct cf_error *err)
+{
+    for (size_t i = 0; i < out->n_calls; i++) {
+        struct llm_call *c = &out->calls[i];
+        if (!c->name[0]) {
+            out->retryable = true;
+            return cf_error_set(err, CF_INVALID,
+                                "the %s API answered with a tool call that has no name", who);
+        }
+        bool repeated = false;
+        for (size_t k = 0; k < i && !repeated; k++) {
+            repeated = !strcmp(out->calls[k].id, c->id);
+        }
+        if (!c->id[0] || repeated) {
+            char id[IDS_MAX];
+            ids_new(id, "call");
+            free(c->id);
+            c->id = mem_strdup(id);
+        }
+    }
+    int64_t *counts[] = {&out->input_tokens, &out->output_tokens};
+    for (size_t i = 0; i < 2; i++) {
+        *counts[i] = *counts[i] < 0 ? 0 : *counts[i] > LLM_TOKENS_MAX ? LLM_TOKENS_MAX : *counts[i];
+    }
+    return CF_OK;
 }
 
 /* ---------- helpers for the provider modules ---------- */
@@ -223,7 +276,21 @@ struct call {
     struct cf_error parse_err;
     bool not_sse;        /* a 2xx answer to a streaming request that is not text/event-stream */
     const char *api_key; /* the endpoint's (it outlives the call), kept out of every error */
+    /* a stream's progress, on the loop thread: when an event with content last came (a
+     * keep-alive is none), the stall bound on the silence between them, and when the
+     * stream's last event came (the transfer ends at most STREAM_LINGER_MS later) */
+    int64_t progress_ms, stall_ms, ended_ms;
+    int64_t limit_ms; /* when the request's timeout_ms (the work's time limit) runs out, or 0 */
+    bool stalled;     /* ended for want of content for stall_ms */
+    bool lingered;    /* ended after the last event, the server keeping the connection */
 };
+
+/* How long a stream's transfer may go on after its last event (message_stop, [DONE]) before
+ * it is ended: the server should end the response there (a kept-alive connection is only
+ * kept when it does). */
+#define STREAM_LINGER_MS 1000
+/* An error answer's body kept to read its message: the rest is not needed */
+#define ERROR_BODY_MAX (64 * 1024)
 
 static void call_free(struct call *c)
 {
@@ -259,11 +326,17 @@ int64_t llm_retry_after_ms(const char *value, time_t now)
 static bool on_sse(void *ctx, const char *event, const char *data)
 {
     struct call *c = ctx;
+    if (!event || strcmp(event, "ping") != 0) {
+        c->progress_ms = clock_mono_ms();
+    }
     enum cf_status rc =
         c->wire->parse_event(c->stream_state, event, data, c->ev, c->out, &c->parse_err);
     if (rc != CF_OK) {
         c->parse_rc = rc;
         return false;
+    }
+    if (c->out->stream_ended && !c->ended_ms) {
+        c->ended_ms = clock_mono_ms();
     }
     return true;
 }
@@ -301,6 +374,13 @@ static bool on_body(void *ctx, const char *p, size_t len)
         }
         return true;
     }
+    if (c->status < 200 || c->status >= 300) {
+        /* an error's message is near its start: a long body (an HTML page) is not kept whole,
+         * and its status still decides whether a retry may mend it */
+        size_t room = c->body.len < ERROR_BODY_MAX ? ERROR_BODY_MAX - c->body.len : 0;
+        (void)buf_append(&c->body, p, len < room ? len : room);
+        return true;
+    }
     if (buf_append(&c->body, p, len) != CF_OK) {
         c->parse_rc = cf_error_set(&c->parse_err, CF_TOOBIG, "the %s API's answer passed %d bytes",
                                    c->wire->name, PROVIDER_RESPONSE_MAX);
@@ -309,10 +389,39 @@ static bool on_body(void *ctx, const char *p, size_t len)
     return true;
 }
 
+/* on_cancelled ends a transfer the drive gave up, a stream whose server sends keep-alives
+ * but no content for stall_ms (libcurl's speed bound counts their bytes), and one whose
+ * server keeps it open past its last event. */
 static bool on_cancelled(void *ctx)
 {
     struct call *c = ctx;
-    return c->ev->cancelled(c->ev->ctx);
+    int64_t now = clock_mono_ms();
+    if (c->ended_ms) {
+        c->lingered = now - c->ended_ms >= STREAM_LINGER_MS;
+        if (c->lingered) {
+            return true;
+        }
+    } else if (c->stall_ms > 0 && c->progress_ms && now - c->progress_ms >= c->stall_ms) {
+        c->stalled = true;
+        return true;
+    }
+    return c->ev && c->ev->cancelled && c->ev->cancelled(c->ev->ctx);
+}
+
+/* overflow_said: an error message in which the provider says the request's context is over
+ * the model's window (Anthropic: "prompt is too long: ..."; OpenAI and servers like it:
+ * "This model's maximum context length is ...", code context_length_exceeded), and not one
+ * that only has such a word (a schema's "maximum"). */
+static bool overflow_said(const char *msg)
+{
+    static const char *const said[] = {"prompt is too long", "context length",
+                                       "context_length_exceeded", "context window"};
+    for (size_t i = 0; i < sizeof(said) / sizeof(said[0]); i++) {
+        if (strcasestr(msg, said[i])) {
+            return true;
+        }
+    }
+    return false;
 }
 
 /* classify turns an HTTP error answer into a status and message. */
@@ -330,8 +439,7 @@ static enum cf_status classify(struct call *c, struct cf_error *err)
     out->http_status = (int)s;
     out->retry_after_ms = c->retry_after_ms;
     out->retryable = s == 408 || s == 409 || s == 429 || s >= 500;
-    out->context_overflow =
-        s == 400 && (strstr(msg, "context") || strstr(msg, "too long") || strstr(msg, "maximum"));
+    out->context_overflow = s == 400 && overflow_said(msg);
     if (s == 401 || s == 403) {
         return cf_error_set(err, CF_INVALID,
                             "the %s API refused the credentials (HTTP %ld): %s; check the API key",
@@ -341,14 +449,46 @@ static enum cf_status classify(struct call *c, struct cf_error *err)
                         "the %s API answered HTTP %ld: %s", who, s, msg);
 }
 
+/* body_error: a 2xx body that is an error (`{"error": {...}}`, as a provider overloaded
+ * answers a streaming request now and then): true, err set, retryable unless the error says
+ * the request itself is wrong. */
+static bool body_error(struct call *c, struct cf_error *err)
+{
+    json_t *j = json_loads(buf_cstr(&c->body), 0, NULL);
+    json_t *e = json_object_get(j, "error");
+    if (!json_is_object(e)) {
+        json_decref(j);
+        return false;
+    }
+    const char *type = json_string_value(json_object_get(e, "type"));
+    const char *m = json_string_value(json_object_get(e, "message"));
+    c->out->retryable = !type || !strstr(type, "invalid_request");
+    cf_error_set(err, c->out->retryable ? CF_UNAVAILABLE : CF_INVALID,
+                 "the %s API answered with an error: %s%s%.300s", c->wire->name, type ? type : "",
+                 type && m ? ": " : "", m ? m : "");
+    json_decref(j);
+    return true;
+}
+
 /* verdict decides what a finished transfer means for the call. */
 static enum cf_status verdict(struct call *c, const struct model_io_result *res,
                               struct cf_error *err)
 {
     struct llm_response *out = c->out;
     const char *who = c->wire->name;
-    if (res->status == CF_CANCELLED) {
+    if (c->stalled) {
+        out->retryable = true;
+        return cf_error_set(err, CF_UNAVAILABLE,
+                            "the %s stream sent nothing but keep-alives for %lld ms", who,
+                            (long long)c->stall_ms);
+    }
+    if (res->status == CF_CANCELLED && !c->lingered) {
         return cf_error_set(err, CF_CANCELLED, "the model call was cancelled (%s)", res->err.msg);
+    }
+    if (res->status == CF_DEADLINE && c->limit_ms && clock_mono_ms() >= c->limit_ms - 100 &&
+        !out->stream_ended) {
+        out->retryable = false;
+        return cf_error_set(err, CF_DEADLINE, "the work's time limit came during the model call");
     }
     if (c->parse_rc != CF_OK) {
         /* the provider said what went wrong in its stream (an overload may be retried), or
@@ -377,18 +517,21 @@ static enum cf_status verdict(struct call *c, const struct model_io_result *res,
     if (!c->stream || c->not_sse) {
         /* to a streaming request, a whole JSON message is acceptable; anything else is a
          * broken provider, which a retry will not mend */
+        if (body_error(c, err)) {
+            return CF_UNAVAILABLE;
+        }
         enum cf_status rc = c->wire->parse_body(buf_cstr(&c->body), c->body.len, out, err);
         if (c->stream) {
             out->retryable = false;
         }
-        return rc;
+        return rc == CF_OK ? answer_mend(out, who, err) : rc;
     }
     if (!out->stop_reason[0]) {
         out->retryable = true;
         return cf_error_set(err, CF_UNAVAILABLE,
                             "the %s stream ended before the message was complete", who);
     }
-    return CF_OK;
+    return answer_mend(out, who, err);
 }
 
 /* redact replaces each occurrence of key in err's message with "[redacted]": a provider that
@@ -465,6 +608,8 @@ enum cf_status llm_start(const struct provider_endpoint *ep, const struct llm_re
     c->done_ctx = done_ctx;
     c->url = request_url(ep->base_url, wire->path);
     c->api_key = ep->api_key;
+    c->stall_ms = req->stream ? (ep->stall_ms > 0 ? ep->stall_ms : PROVIDER_STALL_MS) : 0;
+    c->progress_ms = clock_mono_ms();
     buf_init(&c->body, PROVIDER_RESPONSE_MAX);
     sse_init(&c->sse, PROVIDER_RESPONSE_MAX, on_sse, c);
     c->stream_state = wire->stream_new();
@@ -486,6 +631,7 @@ enum cf_status llm_start(const struct provider_endpoint *ep, const struct llm_re
     int64_t timeout = ep->timeout_ms > 0 ? ep->timeout_ms : 600000;
     if (req->timeout_ms > 0 && req->timeout_ms < timeout) {
         timeout = req->timeout_ms;
+        c->limit_ms = clock_mono_ms() + timeout;
     }
     struct model_io_request r = {
         .url = c->url,
@@ -495,10 +641,10 @@ enum cf_status llm_start(const struct provider_endpoint *ep, const struct llm_re
         .body_len = payload_len,
         .timeout_ms = timeout,
         .connect_timeout_ms = 10000,
-        .stall_ms = req->stream ? (ep->stall_ms > 0 ? ep->stall_ms : PROVIDER_STALL_MS) : 0,
+        .stall_ms = c->stall_ms,
         .on_header = on_header,
         .on_body = on_body,
-        .cancelled = ev && ev->cancelled ? on_cancelled : NULL,
+        .cancelled = req->stream || (ev && ev->cancelled) ? on_cancelled : NULL,
         .on_done = on_done,
         .ctx = c,
     };

@@ -75,7 +75,8 @@ struct llm_request {
     size_t n_tools;
     int64_t max_tokens;
     bool stream;
-    int64_t timeout_ms; /* the whole call, if shorter than the endpoint's timeout (0: none) */
+    int64_t timeout_ms; /* the whole call, if shorter than the endpoint's timeout (0: none):
+                         * the time left of the work's limit (a call it ends is CF_DEADLINE) */
 };
 
 struct llm_response {
@@ -238,7 +239,21 @@ CF_MUST_CHECK enum cf_status openai_parse_event(void *state, const char *event, 
 void *openai_stream_new(void);
 void openai_stream_free(void *state);
 
-/* llm_add_call appends a tool call to the response (copies the strings). */
-void llm_add_call(struct llm_response *r, const char *id, const char *name, const char *args);
+/* A tool call's id or name the model sends at most (longer: a bad answer, not kept) */
+#define LLM_CALL_FIELD_MAX 256
+/* Tokens one answer may report for its input or output: a provider's larger or negative
+ * figure is taken as this or 0 (storaged refuses a negative one, and the sum over a
+ * submission must not overflow) */
+#define LLM_TOKENS_MAX 1000000000LL
+
+/* llm_add_call appends a tool call to the response (copies the strings; NULL as ""). A bad
+ * answer (CF_INVALID, err set, nothing appended) when the response holds
+ * PROVIDER_STREAM_PARTS_MAX calls already or id or name is over LLM_CALL_FIELD_MAX bytes. */
+CF_MUST_CHECK enum cf_status llm_add_call(struct llm_response *r, const char *id, const char *name,
+                                          const char *args, struct cf_error *err);
+
+/* llm_call_field checks a tool call's id or name as the model sent it (what, "id" or "name",
+ * names it in the error): CF_INVALID past LLM_CALL_FIELD_MAX bytes. */
+CF_MUST_CHECK enum cf_status llm_call_field(const char *what, const char *s, struct cf_error *err);
 
 #endif

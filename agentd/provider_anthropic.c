@@ -172,17 +172,25 @@ enum cf_status anthropic_parse_body(const char *body, size_t len, struct llm_res
     }
     size_t i;
     json_t *b;
+    enum cf_status rc = CF_OK;
     json_array_foreach(content, i, b)
     {
         const char *type = json_string_value(json_object_get(b, "type"));
         if (type && !strcmp(type, "text")) {
             const char *t = json_string_value(json_object_get(b, "text"));
-            buf_append_str(&out->text, t ? t : "");
+            if (buf_append_str(&out->text, t ? t : "") != CF_OK) {
+                rc = cf_error_set(err, CF_TOOBIG, "the model's text passed %d bytes",
+                                  PROVIDER_TEXT_MAX);
+            }
         } else if (type && !strcmp(type, "tool_use")) {
             char *args = json_dumps(json_object_get(b, "input"), JSON_COMPACT | JSON_ENCODE_ANY);
-            llm_add_call(out, json_string_value(json_object_get(b, "id")),
-                         json_string_value(json_object_get(b, "name")), args);
+            rc = llm_add_call(out, json_string_value(json_object_get(b, "id")),
+                              json_string_value(json_object_get(b, "name")), args, err);
             free(args);
+        }
+        if (rc != CF_OK) {
+            json_decref(j);
+            return rc;
         }
     }
     const char *stop = json_string_value(json_object_get(j, "stop_reason"));
@@ -196,17 +204,19 @@ enum cf_status anthropic_parse_body(const char *body, size_t len, struct llm_res
  * PROVIDER_STREAM_PARTS_MAX). */
 struct astream {
     struct ablock {
-        int type; /* 1 text, 2 tool_use */
+        int type; /* 0 not started, 1 text (or another kind), 2 tool_use */
         int call; /* a tool_use block's index in the answer's calls */
     } * blocks;
     size_t cap;
-    struct buf args; /* partial_json of the open tool_use block */
+    int open;        /* the tool_use block whose arguments are streaming (-1: none) */
+    struct buf args; /* its partial_json */
 };
 
 void *anthropic_stream_new(void)
 {
     struct astream *s = mem_alloc(sizeof(*s));
     buf_init(&s->args, PROVIDER_RESPONSE_MAX);
+    s->open = -1;
     return s;
 }
 
@@ -238,6 +248,35 @@ static bool block_room(struct astream *s, int i)
     return true;
 }
 
+/* block_start takes the start of content block i (b): each index starts once, and a tool
+ * call's block only once the one before it stopped (the API streams one block at a time; a
+ * stream that does otherwise would mix their inputs). */
+static enum cf_status block_start(struct astream *s, int i, json_t *b, struct llm_response *out,
+                                  struct cf_error *err)
+{
+    const char *bt = json_string_value(json_object_get(b, "type"));
+    bool tool = bt && !strcmp(bt, "tool_use");
+    if (s->blocks[i].type) {
+        return cf_error_set(err, CF_INVALID, "the Anthropic stream started content block %d twice",
+                            i);
+    }
+    if (tool && s->open >= 0) {
+        return cf_error_set(err, CF_INVALID,
+                            "the Anthropic stream started tool call block %d before block %d "
+                            "stopped",
+                            i, s->open);
+    }
+    s->blocks[i].type = tool ? 2 : 1;
+    if (!tool) {
+        return CF_OK;
+    }
+    s->blocks[i].call = (int)out->n_calls;
+    s->open = i;
+    buf_reset(&s->args);
+    return llm_add_call(out, json_string_value(json_object_get(b, "id")),
+                        json_string_value(json_object_get(b, "name")), "{}", err);
+}
+
 enum cf_status anthropic_parse_event(void *state, const char *event, const char *data,
                                      const struct llm_events *ev, struct llm_response *out,
                                      struct cf_error *err)
@@ -262,32 +301,30 @@ enum cf_status anthropic_parse_event(void *state, const char *event, const char 
     } else if (!strcmp(type, "message_start")) {
         usage_from(json_object_get(json_object_get(j, "message"), "usage"), out);
     } else if (!strcmp(type, "content_block_start")) {
-        json_t *b = json_object_get(j, "content_block");
-        const char *bt = json_string_value(json_object_get(b, "type"));
-        if (bt && !strcmp(bt, "tool_use")) {
-            s->blocks[i].type = 2;
-            s->blocks[i].call = (int)out->n_calls;
-            llm_add_call(out, json_string_value(json_object_get(b, "id")),
-                         json_string_value(json_object_get(b, "name")), "{}");
-            buf_reset(&s->args);
-        } else {
-            s->blocks[i].type = 1;
-        }
+        rc = block_start(s, i, json_object_get(j, "content_block"), out, err);
     } else if (!strcmp(type, "content_block_delta")) {
         json_t *d = json_object_get(j, "delta");
         const char *dt = json_string_value(json_object_get(d, "type"));
         if (dt && !strcmp(dt, "text_delta")) {
             rc = llm_text_delta(out, ev, json_object_get(d, "text"), err);
         } else if (dt && !strcmp(dt, "input_json_delta")) {
-            rc = llm_args_delta(out, &s->args, json_object_get(d, "partial_json"), err);
+            rc = i == s->open
+                     ? llm_args_delta(out, &s->args, json_object_get(d, "partial_json"), err)
+                     : cf_error_set(err, CF_INVALID,
+                                    "the Anthropic stream sent tool input for block %d, "
+                                    "which is no tool call being streamed",
+                                    i);
         }
     } else if (!strcmp(type, "content_block_stop")) {
-        if (s->blocks[i].type == 2 && s->args.len) {
+        if (i == s->open && s->args.len) {
             struct llm_call *c = &out->calls[s->blocks[i].call];
             free(c->arguments_json);
             c->arguments_json = mem_strdup(buf_cstr(&s->args));
         }
-        buf_reset(&s->args);
+        if (i == s->open) {
+            s->open = -1;
+            buf_reset(&s->args);
+        }
     } else if (!strcmp(type, "message_stop")) {
         out->stream_ended = true;
     } else if (!strcmp(type, "message_delta")) {

@@ -210,15 +210,24 @@ enum cf_status openai_parse_body(const char *body, size_t len, struct llm_respon
                             j ? "no choices[0].message" : je.text);
     }
     const char *text = json_string_value(json_object_get(msg, "content"));
-    buf_append_str(&out->text, text ? text : "");
+    enum cf_status rc = CF_OK;
+    if (buf_append_str(&out->text, text ? text : "") != CF_OK) {
+        rc = cf_error_set(err, CF_TOOBIG, "the model's text passed %d bytes", PROVIDER_TEXT_MAX);
+    }
     size_t i;
     json_t *c;
     json_array_foreach(json_object_get(msg, "tool_calls"), i, c)
     {
         json_t *f = json_object_get(c, "function");
-        llm_add_call(out, json_string_value(json_object_get(c, "id")),
-                     json_string_value(json_object_get(f, "name")),
-                     json_string_value(json_object_get(f, "arguments")));
+        if (rc == CF_OK) {
+            rc = llm_add_call(out, json_string_value(json_object_get(c, "id")),
+                              json_string_value(json_object_get(f, "name")),
+                              json_string_value(json_object_get(f, "arguments")), err);
+        }
+    }
+    if (rc != CF_OK) {
+        json_decref(j);
+        return rc;
     }
     const char *finish = json_string_value(
         json_object_get(json_array_get(json_object_get(j, "choices"), 0), "finish_reason"));
@@ -295,7 +304,7 @@ enum cf_status openai_parse_event(void *state, const char *event, const char *da
     }
     enum cf_status rc = CF_OK;
     json_t *e = json_object_get(j, "error");
-    if (e) {
+    if (json_is_object(e)) { /* (some servers send "error": null in every chunk) */
         const char *m = json_string_value(json_object_get(e, "message"));
         out->retryable = true;
         rc = cf_error_set(err, CF_UNAVAILABLE, "the OpenAI stream reported an error: %s",
@@ -318,11 +327,15 @@ enum cf_status openai_parse_event(void *state, const char *event, const char *da
             break;
         }
         json_t *f = json_object_get(tc, "function");
-        while (out->n_calls <= idx) {
-            llm_add_call(out, "", "", "{}");
+        while (out->n_calls <= idx && rc == CF_OK) {
+            rc = llm_add_call(out, "", "", "{}", err);
         }
         const char *id = json_string_value(json_object_get(tc, "id"));
         const char *name = json_string_value(json_object_get(f, "name"));
+        if (rc != CF_OK || (rc = llm_call_field("id", id, err)) != CF_OK ||
+            (rc = llm_call_field("name", name, err)) != CF_OK) {
+            break;
+        }
         if (id && *id) {
             free(out->calls[idx].id);
             out->calls[idx].id = mem_strdup(id);

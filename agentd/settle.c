@@ -18,6 +18,7 @@
  * A takeover first settles an earlier attempt's half-finished joins (joins.c), so later
  * messages never join past them.
  */
+#include "catalog.h"
 #include "drive.h"
 #include "failpoint.h"
 #include "log.h"
@@ -170,11 +171,14 @@ static void settle_request(struct drive *d, Cflue__V1__Outcome outcome, const ch
         outcome == CFLUE__V1__OUTCOME__OUTCOME_COMPLETED ? "" : (error ? s->cut : "failed");
     for (size_t i = 0; i < d->log.n; i++) {
         const Cflue__V1__AssistantMessage *am = own_assistant(d, d->log.recs[i]);
-        if (am && am->usage) {
+        if (am && am->usage) { /* each within 0..LLM_TOKENS_MAX: no sum of them overflows */
             s->usage.input_tokens += am->usage->input_tokens;
             s->usage.output_tokens += am->usage->output_tokens;
             s->usage.cost_usd += am->usage->cost_usd;
         }
+    }
+    if (s->usage.cost_usd > CATALOG_COST_MAX) {
+        s->usage.cost_usd = CATALOG_COST_MAX;
     }
     s->req.records = rlog_pending(&d->log, &s->req.n_records);
     if (d->mark_pending && s->req.n_records) {

@@ -169,6 +169,12 @@ static bool show(struct view *v, const Cflue__V1__Record *r)
         break;
     case CFLUE__V1__RECORD__BODY_ASSISTANT_DELTA: {
         const char *text = r->assistant_delta->text;
+        if (r->assistant_delta->restart && v->streamed) {
+            /* the text shown so far was abandoned: the answer starts over */
+            newline(v);
+            putf(v, "%s[the answer started over]%s\n", dim(), reset());
+            v->streamed = 0;
+        }
         put(v, text);
         v->streamed += strlen(text);
         break;

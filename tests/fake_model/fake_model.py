@@ -54,7 +54,7 @@ OPENAI_PATHS = ("/v1/chat/completions", "/chat/completions")
 STEP_KEYS = {
     "text", "thinking", "signature", "tool_calls", "error", "garbage", "content_type",
     "disconnect_after_chunks", "delay_ms", "chunk_delay_ms", "usage", "match",
-    "stop_reason", "finish_reason", "model", "comment",
+    "stop_reason", "finish_reason", "model", "comment", "keepalive",
 }
 MATCH_KEYS = {"last_user_contains", "system_contains", "model", "provider"}
 
@@ -1066,6 +1066,9 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.end_headers()
         self.wfile.flush()
+        keep = step.get("keepalive") or {}
+        if keep.get("at") == "start":
+            self.keep_alive(keep)
         for i, ev in enumerate(events):
             if limit is not None and i >= limit:
                 raise Dropped()
@@ -1076,8 +1079,21 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
         if limit is not None and limit <= len(events):
             raise Dropped()
+        if keep.get("at") == "end":
+            self.keep_alive(keep)
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
+
+    def keep_alive(self, keep):
+        """Keep-alives and no content: an SSE comment (or, with "ping", Anthropic's ping
+        event) every every_ms for for_ms."""
+        beat = (b'event: ping\ndata: {"type": "ping"}\n\n' if keep.get("ping")
+                else b": keep-alive\n\n")
+        every = max(1, int(keep.get("every_ms", 500)))
+        for _ in range(int(keep.get("for_ms", 0)) // every):
+            self.wfile.pause(every / 1000.0)
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(beat), beat))
+            self.wfile.flush()
 
     # -- requests --------------------------------------------------------------------------
 

@@ -461,8 +461,9 @@ static void test_async(void)
     pthread_mutex_destroy(&d.mu);
 }
 
-/* A server that closes the connection mid-answer gives a retryable error at once; so do a
- * timeout and HTTP errors that a retry may mend; the next call works. */
+/* A server that closes the connection mid-answer gives a retryable error at once; so do HTTP
+ * errors that a retry may mend; the request's timeout (the work's time left) running out is
+ * CF_DEADLINE, not retried; the next call works. */
 static void test_broken(void)
 {
     scenario("{\"steps\": ["
@@ -485,7 +486,7 @@ static void test_broken(void)
         {true, true, 0, CF_UNAVAILABLE, true},  {false, true, 0, CF_UNAVAILABLE, true},
         {true, false, 0, CF_UNAVAILABLE, true}, {false, false, 0, CF_UNAVAILABLE, true},
         {true, true, 0, CF_UNAVAILABLE, true},  {true, false, 0, CF_INVALID, false},
-        {true, false, 0, CF_INVALID, false},    {true, true, 300, CF_UNAVAILABLE, true},
+        {true, false, 0, CF_INVALID, false},    {true, true, 300, CF_DEADLINE, false},
         {false, true, 0, CF_OK, false},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
