@@ -78,6 +78,12 @@ enum drive_end {
 #define AGENTD_NOTHING_TO_COMPACT                                                                  \
     "nothing to compact: the conversation is no longer than the recent part that compaction "      \
     "keeps verbatim"
+/* The same when what is kept is a single turn larger than the model's context allows: there is
+ * nothing older to summarize, and every request sends that turn shortened to fit. */
+#define AGENTD_NOTHING_TO_COMPACT_OVERSIZED                                                        \
+    "nothing to compact: the conversation since its last compaction is a single turn, too large "  \
+    "for the model's context by itself; each request sends it with its largest texts shortened "   \
+    "to fit"
 
 /* api_register adds the Agent service to srv. */
 void api_register(struct rpc_server *srv);

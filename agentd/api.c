@@ -755,13 +755,15 @@ static void compact(struct rpc_call *c, const Cflue__V1__CompactRequest *req)
      * there was anything to compact */
     rc = find_compaction(req->conversation_id, sid, head, &out, &err);
     bool failed = done->outcome != CFLUE__V1__OUTCOME__OUTCOME_COMPLETED;
-    bool nothing =
-        failed && out.record_offset < 0 && !strcmp(done->error, AGENTD_NOTHING_TO_COMPACT);
+    bool oversized = !strcmp(done->error, AGENTD_NOTHING_TO_COMPACT_OVERSIZED);
+    bool nothing = failed && out.record_offset < 0 &&
+                   (oversized || !strcmp(done->error, AGENTD_NOTHING_TO_COMPACT));
     char why[600];
     snprintf(why, sizeof(why), "the compaction did not complete: %s", done->error);
     protobuf_c_message_free_unpacked(&done->base, NULL);
     if (nothing || (!failed && rc == CF_OK && out.record_offset < 0)) {
-        cf_error_setr(&err, CF_PRECONDITION, "NOTHING_TO_COMPACT", "%s", AGENTD_NOTHING_TO_COMPACT);
+        cf_error_setr(&err, CF_PRECONDITION, "NOTHING_TO_COMPACT", "%s",
+                      oversized ? AGENTD_NOTHING_TO_COMPACT_OVERSIZED : AGENTD_NOTHING_TO_COMPACT);
         fail_err(c, &err);
         return;
     }

@@ -4,15 +4,17 @@
  * the provider said the context overflowed, or someone asked with Compact), the older part of
  * the conversation is replaced by a summary the model writes. The most recent
  * keep_recent_tokens stay verbatim; the cut falls only before a user or assistant message, so
- * a tool call never loses its result. The summary and the offset of the first kept record go
- * into a `compaction` record (compaction:<sub>:<n>); the system prompt is composed again
- * (`system_prompt` system:<n + 1>). The record log then drops what the context no longer
- * needs (rlog_trim).
+ * a tool call never loses its result. A kept part larger than a request has room for moves the
+ * cut later, down to the newest turn (context_choose_cut): one oversized turn must not leave
+ * every later compaction with nothing older to summarize. What is still too large is
+ * shortened in the request only (compaction_fit: a turn's request and the summary's). The
+ * summary and the offset of the first kept record go into a `compaction` record
+ * (compaction:<sub>:<n>); the system prompt is composed again (`system_prompt`
+ * system:<n + 1>). The record log then drops what the context no longer needs (rlog_trim).
  */
 #include "catalog.h"
 #include "drive.h"
 #include "log.h"
-#include "record_kind.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,22 +29,6 @@
     "files read or changed and their current state, commands run and their results, and what "     \
     "is still open. Be complete but brief. Answer with the summary only."
 
-static int64_t estimate_tokens(const char *system, const struct context *c,
-                               const struct toolset *ts)
-{
-    size_t chars = strlen(system ? system : "");
-    for (size_t i = 0; i < c->n; i++) {
-        chars += strlen(c->msgs[i].text ? c->msgs[i].text : "") + 16;
-        for (size_t k = 0; k < c->msgs[i].n_calls; k++) {
-            chars += strlen(c->msgs[i].calls[k].arguments_json) + strlen(c->msgs[i].calls[k].name);
-        }
-    }
-    for (size_t i = 0; ts && i < ts->n; i++) {
-        chars += strlen(ts->tools[i].description) + strlen(ts->tools[i].schema_json);
-    }
-    return (int64_t)(chars / 4);
-}
-
 static int64_t reserve_tokens(const struct agent_def *a, const struct model_info *mi)
 {
     if (a->reserve_tokens) {
@@ -54,17 +40,32 @@ static int64_t reserve_tokens(const struct agent_def *a, const struct model_info
     return mi->max_output_tokens < 20000 ? mi->max_output_tokens : 20000;
 }
 
-bool compaction_needed(struct drive *d, const struct context *c)
+/* room is what a request may take of the model's context, its output budget aside: the window
+ * less the reserve the threshold keeps free and the output every request asks for. */
+static int64_t room(const struct drive *d)
 {
     struct model_info mi = catalog_lookup(d->model);
-    return estimate_tokens(d->system_text, c, &d->tools) + model_output_tokens(d->model) >
-           mi.context_window - reserve_tokens(d->agent, &mi);
+    return mi.context_window - reserve_tokens(d->agent, &mi) - model_output_tokens(d->model);
 }
 
-static bool is_message_start(const Cflue__V1__Record *r)
+bool compaction_needed(struct drive *d, const struct context *c)
 {
-    return r->body_case == CFLUE__V1__RECORD__BODY_USER_MESSAGE ||
-           r->body_case == CFLUE__V1__RECORD__BODY_ASSISTANT_MESSAGE;
+    return context_tokens(d->system_text, c, d->tools.tools, d->tools.n) > room(d);
+}
+
+void compaction_fit(struct drive *d, struct context *c, const char *system, bool tools)
+{
+    const struct llm_tool *ts = tools ? d->tools.tools : NULL;
+    size_t n_tools = tools ? d->tools.n : 0;
+    int64_t before = context_tokens(system, c, ts, n_tools), budget = room(d);
+    if (before <= budget) {
+        return;
+    }
+    size_t cut = context_fit(c, system, ts, n_tools, budget);
+    log_info("context_fitted",
+             "submission=%s tokens_before=%lld tokens_after=%lld room=%lld parts_cut=%zu",
+             d->sub->submission_id, (long long)before,
+             (long long)context_tokens(system, c, ts, n_tools), (long long)budget, cut);
 }
 
 /* trigger_name names why a compaction ran, for the log. */
@@ -82,45 +83,20 @@ static const char *trigger_name(Cflue__V1__CompactionTrigger t)
     }
 }
 
-/* record_chars estimates how much of the model's context a record takes: its body's encoded
- * size (text dominates it); deltas take none (the context never holds them). */
-static int64_t record_chars(const Cflue__V1__Record *r)
+/* find_cut returns the offset of the first kept record (-1: nothing older than the kept part
+ * to compact) and the kept part's tokens in *tail (with -1: those of everything in force);
+ * *over says whether that is more than a request has room for beside the prompt and tools. */
+static int64_t find_cut(struct drive *d, int64_t *tail, bool *over)
 {
-    const ProtobufCMessage *body = record_body(r);
-    if (!body || r->body_case == CFLUE__V1__RECORD__BODY_ASSISTANT_DELTA) {
-        return 0;
-    }
-    return (int64_t)protobuf_c_message_get_packed_size(body);
-}
-
-/* find_cut returns the offset of the first kept record (-1: nothing older than the kept tail
- * to compact) and the kept tail's tokens in *tail. */
-static int64_t find_cut(struct drive *d, int64_t *tail)
-{
-    const struct record_log *log = &d->log;
-    const Cflue__V1__Record *last = rlog_latest(log, CFLUE__V1__RECORD__BODY_COMPACTION);
-    int64_t keep =
-        d->agent->keep_recent_tokens ? d->agent->keep_recent_tokens : KEEP_RECENT_DEFAULT;
-    int64_t first = last ? last->compaction->first_kept_offset : -1, cut = -1;
-    *tail = 0;
-    /* walk back from the end until keep tokens are behind us, then to a message start */
-    for (size_t i = log->n; i-- > 0;) {
-        const Cflue__V1__Record *r = log->recs[i];
-        if (r->offset < first) {
-            break;
-        }
-        *tail += record_chars(r) / 4;
-        if (*tail >= keep && is_message_start(r)) {
-            cut = r->offset;
-            break;
-        }
-    }
-    bool older = false;
-    for (size_t i = 0; cut >= 0 && i < log->n; i++) {
-        const Cflue__V1__Record *r = log->recs[i];
-        older = older || (r->offset >= first && r->offset < cut && is_message_start(r));
-    }
-    return older ? cut : -1;
+    const Cflue__V1__Record *last = rlog_latest(&d->log, CFLUE__V1__RECORD__BODY_COMPACTION);
+    struct context_cut_rule rule = {
+        .first = last ? last->compaction->first_kept_offset : -1,
+        .keep = d->agent->keep_recent_tokens ? d->agent->keep_recent_tokens : KEEP_RECENT_DEFAULT,
+        .budget = room(d) - context_tokens(d->system_text, NULL, d->tools.tools, d->tools.n),
+        .forced = d->trigger == CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_OVERFLOW};
+    int64_t cut = context_choose_cut(d->log.recs, d->log.n, &rule, tail);
+    *over = *tail > rule.budget;
+    return cut;
 }
 
 /* Where a compaction stands after compaction_start (d->compacting.phase). */
@@ -181,11 +157,12 @@ bool compaction_start(struct drive *d, enum compact_result *over)
     if (drive_broken(d)) {
         return false; /* what was pending could not be stored: the cut needs their offsets */
     }
-    int64_t cut = find_cut(d, &d->compacting.tail);
+    bool oversized;
+    int64_t cut = find_cut(d, &d->compacting.tail, &oversized);
     if (cut < 0) {
-        log_info("compaction_skipped", "submission=%s reason=%s", d->sub->submission_id,
-                 trigger_name(d->trigger));
-        *over = COMPACT_NOTHING;
+        log_info("compaction_skipped", "submission=%s reason=%s oversized=%d",
+                 d->sub->submission_id, trigger_name(d->trigger), oversized);
+        *over = oversized ? COMPACT_NOTHING_OVERSIZED : COMPACT_NOTHING;
         return false;
     }
     struct context ctx = {0};
@@ -195,10 +172,12 @@ bool compaction_start(struct drive *d, enum compact_result *over)
         return false;
     }
     d->compacting.cut = cut;
-    d->compacting.before = estimate_tokens(d->system_text, &ctx, &d->tools);
+    d->compacting.before = context_tokens(d->system_text, &ctx, d->tools.tools, d->tools.n);
+    (void)context_images_to_notes(&ctx); /* the summary is text: images add only size */
     struct llm_message *ask = context_push(&ctx);
     ask->role = LLM_USER;
     ask->text = SUMMARY_ASK;
+    compaction_fit(d, &ctx, SUMMARY_SYSTEM, false);
     d->quiet = true;
     d->compacting.phase = COMPACTING_SUMMARY;
     model_call_start(d, SUMMARY_SYSTEM, &ctx, NULL, 0);

@@ -23,8 +23,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ATTACHMENT_TEXT_MAX (64 * 1024)
-
 const char *context_keep(struct context *c, char *s)
 {
     c->strings = mem_realloc(c->strings, sizeof(char *) * (c->n_strings + 1));
@@ -92,7 +90,8 @@ static void add_attachments(struct context *c, struct llm_message *m, const Cflu
         if (add_image(c, images, &n_images, a)) {
             buf_printf(&text, "\n\n[Attached image %s (%s) follows.]", a->name, mt);
         } else if (!strncmp(mt, "text/", 5) || !strcmp(mt, "application/json")) {
-            size_t n = a->data.len < ATTACHMENT_TEXT_MAX ? a->data.len : ATTACHMENT_TEXT_MAX;
+            size_t n = a->data.len < CONTEXT_ATTACHMENT_TEXT_MAX ? a->data.len
+                                                                 : CONTEXT_ATTACHMENT_TEXT_MAX;
             buf_printf(&text, "\n\n[Attached file %s (%s, %zu bytes)%s:]\n", a->name, mt,
                        a->data.len, n < a->data.len ? ", first 64 KiB" : "");
             utf8_sanitize(&text, (const char *)a->data.data, n);

@@ -7,6 +7,7 @@
 
 #include "cflue/v1/common.pb-c.h"
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -14,6 +15,9 @@
 #define CONTEXT_INTERRUPTED_RESULT                                                                 \
     "This tool call was interrupted before its result was recorded; whether it took effect is "    \
     "unknown."
+
+/* The most of an attached text file the context shows inline. */
+#define CONTEXT_ATTACHMENT_TEXT_MAX (64 * 1024)
 
 /* Provider-neutral messages for one request. Texts point into the records they came from
  * (which must outlive the context) or into strings the context keeps. */
@@ -67,5 +71,67 @@ void context_free(struct context *c);
  * of turn `turn` of submission `submission_id`: tool:<sub>:<turn>:<call>. */
 void context_tool_result_id(char *out, size_t out_len, const char *submission_id, int turn,
                             const char *call_id);
+
+/* ---- context_fit.c: the size of a request, and making it fit ---- */
+
+/* The tokens one image counts for in an estimate, whatever its size: Anthropic scales an image
+ * down until it costs at most about 1,600 tokens. */
+#define CONTEXT_IMAGE_TOKENS 1600
+
+/* Texts context_fit never cuts below (bytes, head and tail together), and the part of a text
+ * kept when one is cut: its head and tail, with a note between them. */
+#define CONTEXT_FIT_KEEP_MIN 1024
+
+/* context_tokens estimates what the request of system, c and the tools costs of the model's
+ * context: characters / 4 (texts, call arguments, tool descriptions and schemas, 16 characters
+ * of framing per message) plus CONTEXT_IMAGE_TOKENS per image. c may be NULL (system and tools
+ * only). Pure. */
+int64_t context_tokens(const char *system, const struct context *c, const struct llm_tool *tools,
+                       size_t n_tools);
+
+/* context_record_tokens estimates what record r adds to the model's context, on the same scale
+ * as context_tokens: user messages (attached images at CONTEXT_IMAGE_TOKENS, text files up to
+ * the 64 KiB the context shows), assistant messages, tool results (images at
+ * CONTEXT_IMAGE_TOKENS, not by their bytes) and signals; 0 for every other record (prompts,
+ * compactions, deltas, settlements: the context does not hold them as messages). Pure. */
+int64_t context_record_tokens(const Cflue__V1__Record *r);
+
+/* What context_choose_cut chooses by. */
+struct context_cut_rule {
+    int64_t first;  /* the offset of the first record in force (the newest compaction's first
+                     * kept offset; -1: none) */
+    int64_t keep;   /* the tokens to keep verbatim (keep_recent_tokens) */
+    int64_t budget; /* the most the kept part may take: what a request has room for, less the
+                     * system prompt and the tools */
+    bool forced;    /* the provider refused the request as too long (or too large) */
+};
+
+/* context_choose_cut returns the offset of the first record a compaction keeps, or -1 when
+ * there is nothing older than the kept part to summarize; *tail is the kept part's tokens
+ * (context_record_tokens; with -1, those of every record from rule->first on). records are a
+ * conversation's in offset order (none pending). A cut falls only before a user or assistant
+ * message: a tool result is always shown right after its assistant message, so no call loses its
+ * result. The cut is the first such boundary before the newest rule->keep tokens; when the part
+ * that leaves kept is larger than rule->budget (or rule->forced and that cut leaves nothing older),
+ * it moves later: to the oldest boundary whose kept part fits the budget, else the newest boundary
+ * (its turn alone does not fit; context_fit shrinks what is sent). Pure. */
+int64_t context_choose_cut(const Cflue__V1__Record *const *records, size_t n,
+                           const struct context_cut_rule *rule, int64_t *tail);
+
+/* context_fit shrinks the request of system, c and the tools until context_tokens is at most
+ * budget, in c only (the records stay as they are): it cuts the largest text, keeping its head
+ * and tail and a note saying how many bytes were left out, first among tool results, then
+ * among the user and assistant texts before the newest user message, then it leaves out
+ * images (oldest first, a note in their place), then any text; no text is cut below
+ * CONTEXT_FIT_KEEP_MIN. Returns the number of texts cut and images left out (0: it fitted
+ * already); when even that does not fit, it returns with what it could do. Strings it makes
+ * are c's (context_keep). */
+size_t context_fit(struct context *c, const char *system, const struct llm_tool *tools,
+                   size_t n_tools, int64_t budget);
+
+/* context_images_to_notes replaces every image of c with a note in its message's text (the
+ * request for a summary, which is text: images would add only size). Returns how many images
+ * it left out. */
+size_t context_images_to_notes(struct context *c);
 
 #endif

@@ -704,6 +704,7 @@ static enum drive_state step_model(struct drive *d)
         context_free(&ctx);
         return DRIVE_SETTLE;
     }
+    compaction_fit(d, &ctx, d->system_text, true); /* what compaction could not make small */
     dstore_write_behind_held(d);
     model_call_start(d, d->system_text, &ctx, d->tools.tools, d->tools.n);
     return DRIVE_MODEL_WAIT;
@@ -735,7 +736,11 @@ static enum drive_state compacted(struct drive *d, enum compact_result cr)
             return failed(d, why);
         }
         /* the request could not be done: it says so, with no record written */
-        return cr == COMPACT_NOTHING ? failed(d, AGENTD_NOTHING_TO_COMPACT) : DRIVE_SETTLE;
+        if (cr == COMPACT_NOTHING || cr == COMPACT_NOTHING_OVERSIZED) {
+            return failed(d, cr == COMPACT_NOTHING ? AGENTD_NOTHING_TO_COMPACT
+                                                   : AGENTD_NOTHING_TO_COMPACT_OVERSIZED);
+        }
+        return DRIVE_SETTLE;
     case CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_OVERFLOW:
         return cr == COMPACT_DONE ? DRIVE_MODEL : model_failed(d, d->model_rc);
     default:

@@ -741,15 +741,23 @@ enum cf_status model_record_answer(struct drive *d, const struct llm_response *r
 enum compact_result {
     COMPACT_DONE,    /* a compaction record and a recomposed system prompt were recorded */
     COMPACT_NOTHING, /* nothing older than the kept tail: nothing to do */
-    COMPACT_FAILED,  /* the summary could not be had from the model (d->err), or a fault */
+    COMPACT_NOTHING_OVERSIZED, /* nothing older than the newest turn, which alone is larger
+                                * than a request has room for (compaction_fit shrinks it) */
+    COMPACT_FAILED, /* the summary could not be had from the model (d->err), or a fault */
 };
 
-/* compaction_needed: the context c with d->system_text would not leave the reserve free. */
+/* compaction_needed: the context c with d->system_text would not leave the reserve free (its
+ * estimate, context_tokens, plus the output asked for, over the window less the reserve). */
 bool compaction_needed(struct drive *d, const struct context *c);
+/* compaction_fit makes the request of system, c (and d's tools when `tools`) fit what the
+ * threshold allows when it does not (context_fit: the largest texts cut in c only, the records
+ * untouched), and logs `context_fitted` when it cut anything. Strings it makes are c's. */
+void compaction_fit(struct drive *d, struct context *c, const char *system, bool tools);
 /* compaction_start finds the cut (nothing may be pending: DRIVE_COMPACT waits until it is
  * stored) and starts the summary of what comes before it (model_call_start, quiet: no
  * deltas): true, and the drive parks until compaction_take. false when it is over at once:
- * *over is COMPACT_NOTHING or COMPACT_FAILED. */
+ * *over is COMPACT_NOTHING, COMPACT_NOTHING_OVERSIZED or COMPACT_FAILED. The summary request
+ * shows images as notes and is fitted like any request (compaction_fit). */
 bool compaction_start(struct drive *d, enum compact_result *over);
 /* compaction_take: false while the summary call, the Glance for the recomposed prompt or the
  * Append of both is in flight (each holds no thread); then true, with the summary recorded

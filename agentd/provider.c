@@ -439,7 +439,8 @@ static enum cf_status classify(struct call *c, struct cf_error *err)
     out->http_status = (int)s;
     out->retry_after_ms = c->retry_after_ms;
     out->retryable = s == 408 || s == 409 || s == 429 || s >= 500;
-    out->context_overflow = s == 400 && overflow_said(msg);
+    /* 413: the request is too large (bytes): compacting the context mends it too */
+    out->context_overflow = s == 413 || (s == 400 && overflow_said(msg));
     if (s == 401 || s == 403) {
         return cf_error_set(err, CF_INVALID,
                             "the %s API refused the credentials (HTTP %ld): %s; check the API key",

@@ -384,16 +384,34 @@ def load_scenario(data):
         raise ValueError('a scenario is {"steps": [STEP, ...]}')
     for i, step in enumerate(data["steps"]):
         check_step(i, step)
-    return data["steps"]
+    window = data.get("context_window")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError("context_window must be a positive integer")
+    return Script(data["steps"], window)
 
 
 class Script:
-    """Scripted steps, consumed one per request; matched steps are tried first."""
+    """Scripted steps, consumed one per request; matched steps are tried first. With a
+    context_window, a request whose input (about 4 characters a token of its JSON body) and
+    max_tokens exceed it is refused as a real provider would, consuming no step."""
 
-    def __init__(self, steps):
+    def __init__(self, steps, context_window=None):
         self.lock = threading.Lock()
         self.steps = list(steps)
         self.used = [False] * len(self.steps)
+        self.context_window = context_window
+
+    def too_long(self, body):
+        """The refusal (an error step) when body does not fit the context window, else None."""
+        if not self.context_window:
+            return None
+        tokens = estimate_tokens(dumps(body))
+        asked = body.get("max_tokens") or body.get("max_completion_tokens") or 0
+        if tokens + asked <= self.context_window:
+            return None
+        return {"error": {"status": 400, "type": "invalid_request_error",
+                          "message": "prompt is too long: %d tokens + %d max_tokens > %d "
+                                     "maximum" % (tokens, asked, self.context_window)}}
 
     def left(self):
         with self.lock:
@@ -1131,12 +1149,12 @@ class Handler(BaseHTTPRequestHandler):
             return
         if path == "/_fake/scenario":
             try:
-                steps = load_scenario(json.loads(raw.decode("utf-8")))
+                script = load_scenario(json.loads(raw.decode("utf-8")))
             except ValueError as e:
                 self.send_json(400, {"error": str(e)})
                 return
-            self.server.script = Script(steps)
-            self.send_json(200, {"ok": True, "steps": len(steps)})
+            self.server.script = script
+            self.send_json(200, {"ok": True, "steps": len(script.steps)})
             return
         if path in ANTHROPIC_PATHS:
             provider = "anthropic"
@@ -1189,7 +1207,9 @@ class Handler(BaseHTTPRequestHandler):
                "last_user": newest_user_text(msgs)}
         script = self.server.script
         if script is not None:
-            index, step = script.take(ctx)
+            index, step = "too_long", script.too_long(body)
+            if step is None:
+                index, step = script.take(ctx)
             if step is None:
                 step, label = {"text": "(scenario finished)"}, "finished"
             else:
@@ -1407,7 +1427,7 @@ def main(argv=None):
     if args.scenario:
         try:
             with open(args.scenario, encoding="utf-8") as f:
-                script = Script(load_scenario(json.load(f)))
+                script = load_scenario(json.load(f))
         except (OSError, ValueError) as e:
             sys.stderr.write("fake_model: bad scenario %s: %s\n" % (args.scenario, e))
             return 2

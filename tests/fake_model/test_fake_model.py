@@ -566,6 +566,21 @@ class ScenarioTest(ServerCase):
         rc, out = curl(fm.base + "/chat/completions", openai_body(USER_HI), OPENAI_HEADERS)
         self.assertEqual(assemble_openai(self, out)[0]["content"], "(scenario finished)")
 
+    def test_context_window(self):
+        """A request over the scenario's context_window is refused as too long, consuming no
+        step; one that fits gets the next step."""
+        fm = self.start([])
+        post(fm.base + "/_fake/scenario",
+             {"steps": [{"text": "fits"}], "context_window": 2000}, {})
+        big = anthropic_body([{"role": "user", "content": "x" * 8000}], stream=False)
+        code, _, body = post(fm.base + "/v1/messages", big, ANTHROPIC_HEADERS)
+        self.assertEqual(code, 400)
+        self.assertIn("prompt is too long", json.loads(body)["error"]["message"])
+        _, _, body = post(fm.base + "/v1/messages", anthropic_body(USER_HI, stream=False),
+                          ANTHROPIC_HEADERS)
+        self.assertEqual(json.loads(body)["content"][0]["text"], "fits")
+        self.assertEqual([e["step"] for e in fm.log()], ["too_long", 0])
+
     def test_log(self):
         fm = self.start([{"text": "a"}, {"error": {"status": 500}}])
         post(fm.base + "/v1/messages", anthropic_body(USER_HI), ANTHROPIC_HEADERS)

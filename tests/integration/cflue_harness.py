@@ -1133,8 +1133,12 @@ class FakeModel(object):
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read().decode())
 
-    def set_scenario(self, steps):
-        return self._http('POST', '/_fake/scenario', {'steps': list(steps)})
+    def set_scenario(self, steps, context_window=None):
+        """Replace the script; with context_window, larger requests are refused as too long."""
+        body = {'steps': list(steps)}
+        if context_window is not None:
+            body['context_window'] = context_window
+        return self._http('POST', '/_fake/scenario', body)
 
     def health(self):
         return self._http('GET', '/_fake/health')

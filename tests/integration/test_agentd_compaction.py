@@ -10,6 +10,8 @@ import time
 import unittest
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cflue_harness import agent_pb2, common_pb2  # noqa: E402
 from test_agentd import AgentdCase, kind, request_system  # noqa: E402
@@ -31,8 +33,8 @@ def models_file():
 class CompactionCase(AgentdCase):
     stack_kwargs = {'agents': ('compactor',), 'agentd_args': ('--models', models_file())}
 
-    def run_one(self, text, steps, conversation_id=''):
-        self.stack.fm.set_scenario(steps)
+    def run_one(self, text, steps, conversation_id='', context_window=None):
+        self.stack.fm.set_scenario(steps, context_window=context_window)
         adm = self.ad.submit('compactor', text, conversation_id=conversation_id)
         sub = self.ad.get_submission(adm.submission_id, wait=True, timeout=60)
         return adm, sub
@@ -166,6 +168,117 @@ class CompactionTest(CompactionCase):
         comp = [x.compaction for x in self.records(adm.conversation_id)
                 if kind(x) == 'compaction']
         self.assertEqual([c.trigger for c in comp], [common_pb2.COMPACTION_TRIGGER_OVERFLOW])
+
+
+    def test_a_request_too_large_compacts_and_retries_once(self):
+        """HTTP 413 (the request is too large) is an overflow: compact, then ask again."""
+        adm, sub = self.run_one('tell me a lot', [{'text': 'word ' * 200}])
+        self.assertEqual(sub.outcome, COMPLETED, sub.error)
+        adm2, sub2 = self.run_one('and more', [
+            {'error': {'status': 413, 'type': 'request_too_large',
+                       'message': 'Request exceeds the maximum allowed size.'}},
+            {'text': 'SUMMARY-413'},
+            {'text': 'Fine.'}], adm.conversation_id)
+        self.assertEqual(sub2.outcome, COMPLETED, sub2.error)
+        comp = [x.compaction for x in self.records(adm.conversation_id)
+                if kind(x) == 'compaction']
+        self.assertEqual([c.trigger for c in comp], [common_pb2.COMPACTION_TRIGGER_OVERFLOW])
+        self.assertIn('SUMMARY-413', comp[0].summary)
+
+
+WINDOW = MODELS['models']['anthropic/tiny-window']['context_window']
+# summaries answer the summary calls whenever they come (matched steps are tried first)
+SUMMARIES = [{'match': {'system_contains': 'summaries of agent work'}, 'text': 'SUMMARY-%d' % i}
+             for i in range(4)]
+
+
+def request_tokens(body):
+    """What the fake model counts of a request against its window: input and output asked."""
+    return (len(json.dumps(body, separators=(',', ':'))) + 3) // 4 + body['max_tokens']
+
+
+class OversizedTurnTest(CompactionCase):
+    """One turn larger than the whole window (a tool result of about 11 KB against 3,000
+    tokens; the fake model refuses what does not fit, as a provider does): compaction cuts
+    after it as soon as something follows it, and every request is sent shortened to fit.
+    Before, the cut could only fall before it; once a compaction had cut there, nothing was
+    left to compact and every later submission of the conversation failed."""
+
+    def oversized_turn(self):
+        """hello, then a turn whose tool result is larger than the window: (conversation id,
+        the second submission, its model requests)."""
+        adm, sub = self.run_one('hello', [{'text': 'hi'}], context_window=WINDOW)
+        self.assertEqual(sub.outcome, COMPLETED, sub.error)
+        n0 = len(self.stack.fm.requests())
+        adm, sub = self.run_one('print a long list', [
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 2500'}}]},
+            {'text': 'Listed.'}] + SUMMARIES, adm.conversation_id, context_window=WINDOW)
+        return adm.conversation_id, sub, self.stack.fm.requests()[n0:]
+
+    def assert_fitted(self, requests):
+        for q in requests:
+            self.assertNotEqual(q['step'], 'too_long', q['body'])
+            self.assertLessEqual(request_tokens(q['body']), WINDOW)
+
+    def test_later_submissions_complete_within_the_window(self):
+        conv, sub, reqs = self.oversized_turn()
+        outcomes, asked = [(sub.outcome, sub.error)], [reqs]
+        for i in range(3):
+            n0 = len(self.stack.fm.requests())
+            adm, sub = self.run_one('what now? %d' % i, [{'text': 'fine %d' % i}] + SUMMARIES,
+                                    conv, context_window=WINDOW)
+            outcomes.append((sub.outcome, sub.error))
+            asked.append(self.stack.fm.requests()[n0:])
+        # the oversized turn and every submission after it complete
+        self.assertEqual(outcomes, [(COMPLETED, '')] * 4)
+        for i, reqs in enumerate(asked):
+            self.assert_fitted(reqs)
+            if i:
+                self.assertIn('what now? %d' % (i - 1), json.dumps(reqs[-1]['body']['messages']))
+        # the model was shown the long result shortened, with a note saying so
+        self.assertIn('left out here so that the request fits', json.dumps(asked[0][-1]['body']))
+        recs = self.records(conv)
+        result = [x for x in recs if kind(x) == 'tool_result'][0]
+        # the record is whole: only what was sent was cut
+        self.assertGreater(len(result.tool_result.text), 2 * 4 * WINDOW / 3)
+        self.assertNotIn('left out here', result.tool_result.text)
+        # the newest compaction cut after the oversized turn: it is summarized, not kept
+        comp = [x.compaction for x in recs if kind(x) == 'compaction']
+        self.assertGreater(comp[-1].first_kept_offset, result.offset)
+
+    def test_compact_cuts_after_a_turn_too_large_to_keep(self):
+        conv, sub, _ = self.oversized_turn()
+        self.assertEqual(sub.outcome, COMPLETED, sub.error)
+        result = [x for x in self.records(conv) if kind(x) == 'tool_result'][0]
+        self.stack.fm.set_scenario(SUMMARIES, context_window=WINDOW)
+        r = self.ad.call('Compact', agent_pb2.CompactRequest(conversation_id=conv), timeout=60)
+        comp = [x for x in self.records(conv) if kind(x) == 'compaction']
+        self.assertEqual(comp[-1].offset, r.record_offset)
+        self.assertGreater(comp[-1].compaction.first_kept_offset, result.offset)
+        self.assertGreater(r.tokens_before, r.tokens_after)
+
+    def test_compact_of_a_single_oversized_answer_says_so(self):
+        """An answer larger than the window is kept when compacting (nothing may cut inside
+        it); compacting again finds nothing older, and says why, not that the conversation is
+        short."""
+        adm, sub = self.run_one('hello', [{'text': 'hi'}])
+        self.assertEqual(sub.outcome, COMPLETED, sub.error)
+        conv = adm.conversation_id
+        adm, sub = self.run_one('tell me everything', [{'text': 'word ' * 3000}], conv)
+        self.assertEqual(sub.outcome, COMPLETED, sub.error)
+        self.stack.fm.set_scenario(SUMMARIES)
+        self.ad.call('Compact', agent_pb2.CompactRequest(conversation_id=conv), timeout=60)
+        with self.assertRaises(grpc.RpcError) as e:
+            self.ad.call('Compact', agent_pb2.CompactRequest(conversation_id=conv), timeout=60)
+        self.assertEqual(e.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn('too large for the model', e.exception.details())
+        self.assertNotIn('no longer than', e.exception.details())
+        # and the conversation goes on: the answer is sent shortened
+        n0 = len(self.stack.fm.requests())
+        adm, sub = self.run_one('and now?', [{'text': 'ok'}] + SUMMARIES, conv,
+                                context_window=WINDOW)
+        self.assertEqual(sub.outcome, COMPLETED, sub.error)
+        self.assert_fitted(self.stack.fm.requests()[n0:])
 
 
 class ToolServerGoneDuringSummaryTest(CompactionCase):
