@@ -95,6 +95,9 @@ static bool add_page(struct drive *d, ProtobufCMessage *resp)
     d->load_token =
         *page->next_page_token && page->n_records ? mem_strdup(page->next_page_token) : NULL;
     rlog_add_page(&d->log, page);
+    /* what no context needs goes as the pages come: a long history (compacted many times)
+     * is never held whole (the same log as one trim after the last page) */
+    rlog_trim(&d->log, d->sub->submission_id);
     return d->load_token != NULL;
 }
 

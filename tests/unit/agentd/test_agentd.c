@@ -776,6 +776,25 @@ static void test_record_log(void)
     rlog_trim(&log, "old");
     CHECK(log.n == 5 && rlog_find(&log, "input:old") != NULL && !rlog_find(&log, "delta:x"));
     rlog_cleanup(&log);
+    /* trimmed after each page (as a drive reads a long history): the same log as one trim
+     * after the last page, for each submission */
+    static const char *const owners[] = {"me", "old"};
+    for (int k = 0; k < 2; k++) {
+        struct record_log whole;
+        rlog_init(&whole);
+        rlog_add_page(&whole, page(ptrs, 6));
+        rlog_trim(&whole, owners[k]);
+        for (int at = 0; at < 6; at += 2) {
+            rlog_add_page(&log, page(ptrs + at, 2));
+            rlog_trim(&log, owners[k]);
+        }
+        CHECK(log.n == whole.n);
+        for (size_t i = 0; i < log.n && i < whole.n; i++) {
+            CHECK(log.recs[i]->offset == whole.recs[i]->offset);
+        }
+        rlog_cleanup(&whole);
+        rlog_cleanup(&log);
+    }
     rlog_cleanup(&log);
     CHECK(log.n == 0);
 }
