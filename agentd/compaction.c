@@ -29,6 +29,8 @@
     "files read or changed and their current state, commands run and their results, and what "     \
     "is still open. Be complete but brief. Answer with the summary only."
 
+#define SUMMARY_TOKENS_EXPECTED 2000 /* a summary's size, as the cut leaves room for it */
+
 static int64_t reserve_tokens(const struct agent_def *a, const struct model_info *mi)
 {
     if (a->reserve_tokens) {
@@ -83,6 +85,14 @@ static const char *trigger_name(Cflue__V1__CompactionTrigger t)
     }
 }
 
+/* summary_tokens is what the summary the compaction writes is expected to take of the next
+ * request: SUMMARY_TOKENS_EXPECTED, or the output a call may ask for when that is less. */
+static int64_t summary_tokens(const struct drive *d)
+{
+    int64_t out = model_output_tokens(d->model);
+    return out < SUMMARY_TOKENS_EXPECTED ? out : SUMMARY_TOKENS_EXPECTED;
+}
+
 /* find_cut returns the offset of the first kept record (-1: nothing older than the kept part
  * to compact) and the kept part's tokens in *tail (with -1: those of everything in force);
  * *over says whether that is more than a request has room for beside the prompt and tools. */
@@ -92,7 +102,8 @@ static int64_t find_cut(struct drive *d, int64_t *tail, bool *over)
     struct context_cut_rule rule = {
         .first = last ? last->compaction->first_kept_offset : -1,
         .keep = d->agent->keep_recent_tokens ? d->agent->keep_recent_tokens : KEEP_RECENT_DEFAULT,
-        .budget = room(d) - context_tokens(d->system_text, NULL, d->tools.tools, d->tools.n),
+        .budget = room(d) - context_tokens(d->system_text, NULL, d->tools.tools, d->tools.n) -
+                  summary_tokens(d),
         .forced = d->trigger == CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_OVERFLOW};
     int64_t cut = context_choose_cut(d->log.recs, d->log.n, &rule, tail);
     *over = *tail > rule.budget;

@@ -412,8 +412,9 @@ int main(int argc, char **argv)
         CONFIG_OPT_INT("heartbeat-ms", &o.heartbeat_ms, 100, 3600000, "lease renewal interval"),
         CONFIG_OPT_INT("model-timeout-ms", &o.model_timeout, 1000, 3600000, "one model call"),
         CONFIG_OPT_INT("model-stall-ms", &o.model_stall, 1000, 3600000,
-                       "a streamed answer silent this long is a network failure, retried (a "
-                       "whole answer, --no-stream, is bounded by --model-timeout-ms only)"),
+                       "a streamed answer silent this long is a network failure, retried, and "
+                       "so is one sending keep-alives only for five times this (a whole "
+                       "answer, --no-stream, is bounded by --model-timeout-ms only)"),
         CONFIG_OPT_INT("hold-writes-ms", &o.hold_writes_ms, 0, 10000,
                        "how long the records a model call is asked with (the first turn's "
                        "input, a tool batch's last results) wait for its answer, to be stored "

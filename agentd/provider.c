@@ -289,6 +289,11 @@ struct call {
  * it is ended: the server should end the response there (a kept-alive connection is only
  * kept when it does). */
 #define STREAM_LINGER_MS 1000
+/* A stream whose server sends keep-alives (SSE comments, Anthropic's pings) but no content
+ * is given up after this many times the stall bound (libcurl's speed bound counts their bytes):
+ * long enough for a provider that buffers a long tool input (pinging meanwhile) or a reasoning
+ * model queued behind a proxy, short of holding a try for the whole model timeout. */
+#define KEEPALIVE_ONLY_TIMES 5
 /* An error answer's body kept to read its message: the rest is not needed */
 #define ERROR_BODY_MAX (64 * 1024)
 
@@ -327,7 +332,7 @@ static bool on_sse(void *ctx, const char *event, const char *data)
 {
     struct call *c = ctx;
     if (!event || strcmp(event, "ping") != 0) {
-        c->progress_ms = clock_mono_ms();
+        c->progress_ms = clock_mono_ms(); /* content (a ping is a keep-alive) */
     }
     enum cf_status rc =
         c->wire->parse_event(c->stream_state, event, data, c->ev, c->out, &c->parse_err);
@@ -350,6 +355,7 @@ static bool on_header(void *ctx, const char *p, size_t len)
         c->status = sp ? strtol(sp + 1, NULL, 10) : 0;
         c->not_sse = false;
         c->retry_after_ms = 0;
+        c->progress_ms = clock_mono_ms(); /* the answer has begun: its content is waited for */
     } else if (len > 13 && !strncasecmp(p, "content-type:", 13)) {
         c->not_sse = !memmem(p, len, "text/event-stream", 17);
     } else if (len > 12 && !strncasecmp(p, "retry-after:", 12)) {
@@ -401,27 +407,34 @@ static bool on_cancelled(void *ctx)
         if (c->lingered) {
             return true;
         }
-    } else if (c->stall_ms > 0 && c->progress_ms && now - c->progress_ms >= c->stall_ms) {
+    } else if (c->stall_ms > 0 && c->progress_ms &&
+               now - c->progress_ms >= KEEPALIVE_ONLY_TIMES * c->stall_ms) {
         c->stalled = true;
         return true;
     }
     return c->ev && c->ev->cancelled && c->ev->cancelled(c->ev->ctx);
 }
 
-/* overflow_said: an error message in which the provider says the request's context is over
- * the model's window (Anthropic: "prompt is too long: ..."; OpenAI and servers like it:
- * "This model's maximum context length is ...", code context_length_exceeded), and not one
- * that only has such a word (a schema's "maximum"). */
-static bool overflow_said(const char *msg)
+/* overflow_said: an error (its message, and its code or type when it has them) in which the
+ * provider says the request is over the model's context: Anthropic's "prompt is too long" and
+ * "input length and `max_tokens` exceed context limit", OpenAI's code context_length_exceeded
+ * ("This model's maximum context length is ..."), llama.cpp's "exceeds the available context
+ * size", Gemini's "input token count ... exceeds the maximum number of tokens"; not one that
+ * only has such a word (a schema's "maximum"). */
+static bool overflow_said(const char *msg, const char *code, const char *type)
 {
-    static const char *const said[] = {"prompt is too long", "context length",
-                                       "context_length_exceeded", "context window"};
-    for (size_t i = 0; i < sizeof(said) / sizeof(said[0]); i++) {
-        if (strcasestr(msg, said[i])) {
-            return true;
+    static const char *const said[] = {"prompt is too long", "context length", "context limit",
+                                       "context size",       "context window", "context_length",
+                                       "exceed_context"};
+    const char *const texts[] = {msg, code ? code : "", type ? type : ""};
+    for (size_t t = 0; t < 3; t++) {
+        for (size_t i = 0; i < sizeof(said) / sizeof(said[0]); i++) {
+            if (strcasestr(texts[t], said[i])) {
+                return true;
+            }
         }
     }
-    return false;
+    return strcasestr(msg, "exceed") && strcasestr(msg, "token");
 }
 
 /* classify turns an HTTP error answer into a status and message. */
@@ -430,17 +443,19 @@ static enum cf_status classify(struct call *c, struct cf_error *err)
     long s = c->status;
     const char *who = c->wire->name;
     char msg[300] = "";
-    json_t *j = json_loads(buf_cstr(&c->body), 0, NULL);
-    const char *m = json_string_value(json_object_get(json_object_get(j, "error"), "message"));
+    json_t *j = json_loads(buf_cstr(&c->body), 0, NULL), *e = json_object_get(j, "error");
+    const char *m = json_string_value(json_object_get(e, "message"));
     m = m ? m : (c->body.len ? "(no error message)" : "(empty body)");
     snprintf(msg, sizeof(msg), "%.*s", (int)utf8_prefix_len(m, strlen(m), sizeof(msg) - 1), m);
-    json_decref(j);
     struct llm_response *out = c->out;
     out->http_status = (int)s;
     out->retry_after_ms = c->retry_after_ms;
     out->retryable = s == 408 || s == 409 || s == 429 || s >= 500;
     /* 413: the request is too large (bytes): compacting the context mends it too */
-    out->context_overflow = s == 413 || (s == 400 && overflow_said(msg));
+    out->context_overflow =
+        s == 413 || (s == 400 && overflow_said(msg, json_string_value(json_object_get(e, "code")),
+                                               json_string_value(json_object_get(e, "type"))));
+    json_decref(j);
     if (s == 401 || s == 403) {
         return cf_error_set(err, CF_INVALID,
                             "the %s API refused the credentials (HTTP %ld): %s; check the API key",
@@ -481,7 +496,7 @@ static enum cf_status verdict(struct call *c, const struct model_io_result *res,
         out->retryable = true;
         return cf_error_set(err, CF_UNAVAILABLE,
                             "the %s stream sent nothing but keep-alives for %lld ms", who,
-                            (long long)c->stall_ms);
+                            (long long)(KEEPALIVE_ONLY_TIMES * c->stall_ms));
     }
     if (res->status == CF_CANCELLED && !c->lingered) {
         return cf_error_set(err, CF_CANCELLED, "the model call was cancelled (%s)", res->err.msg);
@@ -610,7 +625,6 @@ enum cf_status llm_start(const struct provider_endpoint *ep, const struct llm_re
     c->url = request_url(ep->base_url, wire->path);
     c->api_key = ep->api_key;
     c->stall_ms = req->stream ? (ep->stall_ms > 0 ? ep->stall_ms : PROVIDER_STALL_MS) : 0;
-    c->progress_ms = clock_mono_ms();
     buf_init(&c->body, PROVIDER_RESPONSE_MAX);
     sse_init(&c->sse, PROVIDER_RESPONSE_MAX, on_sse, c);
     c->stream_state = wire->stream_new();

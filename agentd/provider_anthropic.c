@@ -307,14 +307,14 @@ enum cf_status anthropic_parse_event(void *state, const char *event, const char 
         const char *dt = json_string_value(json_object_get(d, "type"));
         if (dt && !strcmp(dt, "text_delta")) {
             rc = llm_text_delta(out, ev, json_object_get(d, "text"), err);
-        } else if (dt && !strcmp(dt, "input_json_delta")) {
-            rc = i == s->open
-                     ? llm_args_delta(out, &s->args, json_object_get(d, "partial_json"), err)
-                     : cf_error_set(err, CF_INVALID,
-                                    "the Anthropic stream sent tool input for block %d, "
-                                    "which is no tool call being streamed",
-                                    i);
-        }
+        } else if (dt && !strcmp(dt, "input_json_delta") && i == s->open) {
+            rc = llm_args_delta(out, &s->args, json_object_get(d, "partial_json"), err);
+        } else if (dt && !strcmp(dt, "input_json_delta") && s->blocks[i].type == 2) {
+            rc = cf_error_set(err, CF_INVALID,
+                              "the Anthropic stream sent tool input for block %d, a tool call "
+                              "that is not the one streaming",
+                              i);
+        } /* (the input of a block of another kind, a server tool's, is not ours to run) */
     } else if (!strcmp(type, "content_block_stop")) {
         if (i == s->open && s->args.len) {
             struct llm_call *c = &out->calls[s->blocks[i].call];

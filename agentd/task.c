@@ -614,8 +614,9 @@ static void skill_read(struct task_call *tc, const struct rpc_status *st, Protob
         const Cflue__V1__ReadFileResponse *f = (const void *)resp;
         ok = skill_tools_activated(d, tc->skill, f->data.data, f->data.len, &out);
     } else if (st->code == GRPC_STATUS_RESOURCE_EXHAUSTED &&
-               !strcmp(st->reason, "FILE_TOO_LARGE")) {
-        /* the file, not toold: an answer, not a fault to try again */
+               (!strcmp(st->reason, "FILE_TOO_LARGE") || strstr(st->details, "larger than max"))) {
+        /* the file (toold's FILE_TOO_LARGE, or gRPC's bound on the answer), not toold: an
+         * answer, not a fault to try again */
         buf_printf(&out,
                    "The skill \"%s\" could not be activated: its SKILL.md (%s) is larger than "
                    "the %d bytes a skill may have.",
