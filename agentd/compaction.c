@@ -24,7 +24,7 @@
 
 #define SUMMARY_SYSTEM "You write faithful, compact summaries of agent work."
 #define SUMMARY_ASK                                                                                \
-    "Write a summary of the conversation above for your own later use; it will replace those "     \
+    "Write a summary of that conversation for your own later use; it will replace those "          \
     "messages. Keep: the user's goals and requests, decisions made and why, facts learned, "       \
     "files read or changed and their current state, commands run and their results, and what "     \
     "is still open. Be complete but brief. Answer with the summary only."
@@ -184,10 +184,7 @@ bool compaction_start(struct drive *d, enum compact_result *over)
     }
     d->compacting.cut = cut;
     d->compacting.before = context_tokens(d->system_text, &ctx, d->tools.tools, d->tools.n);
-    (void)context_images_to_notes(&ctx); /* the summary is text: images add only size */
-    struct llm_message *ask = context_push(&ctx);
-    ask->role = LLM_USER;
-    ask->text = SUMMARY_ASK;
+    context_transcript(&ctx, SUMMARY_ASK); /* one text: no calls, no images */
     compaction_fit(d, &ctx, SUMMARY_SYSTEM, false);
     d->quiet = true;
     d->compacting.phase = COMPACTING_SUMMARY;

@@ -18,6 +18,7 @@
  */
 #include "context.h"
 
+#include "buf.h"
 #include "image.h"
 #include "mem.h"
 #include "utf8.h"
@@ -176,18 +177,6 @@ static void drop_images(struct context *c, struct llm_message *m, const char *wh
     m->n_images = 0;
 }
 
-size_t context_images_to_notes(struct context *c)
-{
-    size_t n = 0;
-    for (size_t i = 0; i < c->n; i++) {
-        if (c->msgs[i].n_images) {
-            n += c->msgs[i].n_images;
-            drop_images(c, &c->msgs[i], "(this request asks for a summary, which is text)");
-        }
-    }
-    return n;
-}
-
 /* Which texts a pass of context_fit may cut. */
 enum fit_tier {
     FIT_TOOL_RESULTS, /* tool results */
@@ -286,4 +275,58 @@ size_t context_fit(struct context *c, const char *system, const struct llm_tool 
     done += fit_images(&f);
     done += fit_texts(&f, newest_user, FIT_ANY_TEXT);
     return done;
+}
+
+/* transcript_entry appends message m to the transcript b. */
+static void transcript_entry(struct buf *b, const struct llm_message *m)
+{
+    const char *text = m->text ? m->text : "";
+    switch (m->role) {
+    case LLM_USER:
+        (void)buf_printf(b, "User: %s", text);
+        break;
+    case LLM_ASSISTANT:
+        if (*text || !m->n_calls) {
+            (void)buf_printf(b, "Assistant: %s", *text ? text : "(no text)");
+        }
+        for (size_t k = 0; k < m->n_calls; k++) {
+            (void)buf_printf(b, "%sAssistant called %s with %s", *text || k ? "\n" : "",
+                             m->calls[k].name, m->calls[k].arguments_json);
+        }
+        break;
+    case LLM_TOOL_RESULT: {
+        size_t len = strlen(text);
+        size_t keep = utf8_prefix_len(text, len, CONTEXT_TRANSCRIPT_RESULT_MAX);
+        (void)buf_printf(b, "Result of %s%s: %.*s", m->tool_name ? m->tool_name : "a tool call",
+                         m->is_error ? " (an error)" : "", (int)keep, text);
+        if (keep < len) {
+            (void)buf_printf(b, " [%zu more bytes of this result are not shown]", len - keep);
+        }
+        break;
+    }
+    }
+    if (m->n_images) {
+        (void)buf_printf(b, " [%zu image%s]", m->n_images, m->n_images == 1 ? "" : "s");
+    }
+    (void)buf_append_str(b, "\n\n");
+}
+
+void context_transcript(struct context *c, const char *ask)
+{
+    struct buf b;
+    buf_init(&b, SIZE_MAX);
+    (void)buf_append_str(&b, "The conversation to summarize:\n\n<conversation>\n");
+    for (size_t i = 0; i < c->n; i++) {
+        transcript_entry(&b, &c->msgs[i]);
+    }
+    (void)buf_printf(&b, "</conversation>\n\n%s", ask);
+    const char *text = context_keep(c, buf_take(&b));
+    for (size_t i = 0; i < c->n; i++) { /* the messages' own arrays, as context_free does */
+        free((void *)c->msgs[i].calls);
+        free((void *)c->msgs[i].images);
+    }
+    c->n = 0;
+    struct llm_message *m = context_push(c);
+    m->role = LLM_USER;
+    m->text = text;
 }

@@ -260,22 +260,52 @@ static void test_fit_images_and_newest(void)
     check_cut(c.msgs[1].text, huge);
     context_free(&c);
 
-    struct context s = {0};
-    m = context_push(&s);
-    m->role = LLM_USER;
-    m->text = "look";
-    m->images = images(1);
-    m->n_images = 1;
-    CHECK(context_images_to_notes(&s) == 1);
-    CHECK(s.msgs[0].n_images == 0);
-    CHECK(!strncmp(s.msgs[0].text, "look\n\n[1 image left out here", 28));
-    CHECK(context_tokens(NULL, &s, NULL, 0) < 50);
-    context_free(&s);
     free(huge);
+}
+
+/* The summary's request: one user message, a transcript of who said what, each call and its
+ * result (a long one cut at 2,000 bytes, saying how much is not shown), images as notes, then
+ * the ask; nothing of the messages' own left to free twice. */
+static void test_transcript(void)
+{
+    struct context c = {0};
+    struct llm_message *m = context_push(&c);
+    m->role = LLM_USER;
+    m->text = "fix it";
+    m->images = images(2);
+    m->n_images = 2;
+    struct llm_call *call = calloc(1, sizeof(*call));
+    call->name = "bash";
+    call->arguments_json = "{\"command\":\"make\"}";
+    m = context_push(&c);
+    m->role = LLM_ASSISTANT;
+    m->text = "";
+    m->calls = call;
+    m->n_calls = 1;
+    char *long_result = malloc(5001);
+    memset(long_result, 'r', 5000);
+    long_result[5000] = '\0';
+    m = context_push(&c);
+    m->role = LLM_TOOL_RESULT;
+    m->tool_name = "bash";
+    m->is_error = true;
+    m->text = long_result;
+    context_transcript(&c, "Summarize.");
+    CHECK(c.n == 1 && c.msgs[0].role == LLM_USER && !c.msgs[0].n_images && !c.msgs[0].n_calls);
+    const char *t = c.msgs[0].text;
+    CHECK(strstr(t, "<conversation>\nUser: fix it [2 images]\n\n") != NULL);
+    CHECK(strstr(t, "\n\nAssistant called bash with {\"command\":\"make\"}\n\n") != NULL);
+    CHECK(strstr(t, "Result of bash (an error): rrr") != NULL);
+    CHECK(strstr(t, " [3000 more bytes of this result are not shown]") != NULL);
+    CHECK(strstr(t, "r r") == NULL && strlen(t) < 2300);
+    CHECK(strstr(t, "</conversation>\n\nSummarize.") != NULL);
+    context_free(&c);
+    free(long_result);
 }
 
 int main(void)
 {
+    test_transcript();
     test_image_estimate();
     test_cut();
     test_fit_tool_result();
