@@ -30,6 +30,7 @@
     "is still open. Be complete but brief. Answer with the summary only."
 
 #define SUMMARY_TOKENS_EXPECTED 2000 /* a summary's size, as the cut leaves room for it */
+#define TRANSCRIPT_SPARE_TOKENS 256  /* the summary request's ask and tags */
 
 static int64_t reserve_tokens(const struct agent_def *a, const struct model_info *mi)
 {
@@ -55,11 +56,11 @@ bool compaction_needed(struct drive *d, const struct context *c)
     return context_tokens(d->system_text, c, d->tools.tools, d->tools.n) > room(d);
 }
 
-void compaction_fit(struct drive *d, struct context *c, const char *system, bool tools)
+/* fit makes the request of system, c and the tools fit budget (context_fit), logging it. */
+static void fit(struct drive *d, struct context *c, const char *system, const struct llm_tool *ts,
+                size_t n_tools, int64_t budget)
 {
-    const struct llm_tool *ts = tools ? d->tools.tools : NULL;
-    size_t n_tools = tools ? d->tools.n : 0;
-    int64_t before = context_tokens(system, c, ts, n_tools), budget = room(d);
+    int64_t before = context_tokens(system, c, ts, n_tools);
     if (before <= budget) {
         return;
     }
@@ -68,6 +69,11 @@ void compaction_fit(struct drive *d, struct context *c, const char *system, bool
              "submission=%s tokens_before=%lld tokens_after=%lld room=%lld parts_cut=%zu",
              d->sub->submission_id, (long long)before,
              (long long)context_tokens(system, c, ts, n_tools), (long long)budget, cut);
+}
+
+void compaction_fit(struct drive *d, struct context *c, const char *system, bool tools)
+{
+    fit(d, c, system, tools ? d->tools.tools : NULL, tools ? d->tools.n : 0, room(d));
 }
 
 /* trigger_name names why a compaction ran, for the log. */
@@ -85,12 +91,16 @@ static const char *trigger_name(Cflue__V1__CompactionTrigger t)
     }
 }
 
-/* summary_tokens is what the summary the compaction writes is expected to take of the next
- * request: SUMMARY_TOKENS_EXPECTED, or the output a call may ask for when that is less. */
-static int64_t summary_tokens(const struct drive *d)
+/* kept_budget is the most a compaction keeps verbatim: the room less the system prompt and the
+ * tools, and less the summary it writes (SUMMARY_TOKENS_EXPECTED, or the output a call may ask
+ * for when that is less) while that leaves any (a window the prompt and tools all but fill
+ * has no room for a summary either way; compacting what fits would only lose it). */
+static int64_t kept_budget(const struct drive *d)
 {
     int64_t out = model_output_tokens(d->model);
-    return out < SUMMARY_TOKENS_EXPECTED ? out : SUMMARY_TOKENS_EXPECTED;
+    int64_t summary = out < SUMMARY_TOKENS_EXPECTED ? out : SUMMARY_TOKENS_EXPECTED;
+    int64_t left = room(d) - context_tokens(d->system_text, NULL, d->tools.tools, d->tools.n);
+    return left - summary > 0 ? left - summary : left;
 }
 
 /* find_cut returns the offset of the first kept record (-1: nothing older than the kept part
@@ -102,8 +112,7 @@ static int64_t find_cut(struct drive *d, int64_t *tail, bool *over)
     struct context_cut_rule rule = {
         .first = last ? last->compaction->first_kept_offset : -1,
         .keep = d->agent->keep_recent_tokens ? d->agent->keep_recent_tokens : KEEP_RECENT_DEFAULT,
-        .budget = room(d) - context_tokens(d->system_text, NULL, d->tools.tools, d->tools.n) -
-                  summary_tokens(d),
+        .budget = kept_budget(d),
         .forced = d->trigger == CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_OVERFLOW};
     int64_t cut = context_choose_cut(d->log.recs, d->log.n, &rule, tail);
     *over = *tail > rule.budget;
@@ -184,7 +193,11 @@ bool compaction_start(struct drive *d, enum compact_result *over)
     }
     d->compacting.cut = cut;
     d->compacting.before = context_tokens(d->system_text, &ctx, d->tools.tools, d->tools.n);
-    context_transcript(&ctx, SUMMARY_ASK); /* one text: no calls, no images */
+    /* fitted message by message first (each long text keeps its head and tail), with room
+     * for the ask and the transcript's tags; then made one text (no calls, no images); then,
+     * were it still over, fitted as one */
+    fit(d, &ctx, SUMMARY_SYSTEM, NULL, 0, room(d) - TRANSCRIPT_SPARE_TOKENS);
+    context_transcript(&ctx, SUMMARY_ASK);
     compaction_fit(d, &ctx, SUMMARY_SYSTEM, false);
     d->quiet = true;
     d->compacting.phase = COMPACTING_SUMMARY;

@@ -129,14 +129,16 @@ int64_t context_choose_cut(const Cflue__V1__Record *const *records, size_t n,
 size_t context_fit(struct context *c, const char *system, const struct llm_tool *tools,
                    size_t n_tools, int64_t budget);
 
-/* A tool result's text shown in a transcript at most (bytes; the rest is said, not shown). */
+/* A tool call's arguments or result shown in a transcript at most (bytes; the rest is said,
+ * not shown). */
 #define CONTEXT_TRANSCRIPT_RESULT_MAX 2000
 
 /* context_transcript replaces c's messages with one user message: a transcript of them as
- * text (who said what, the calls made and their results, each result's first
- * CONTEXT_TRANSCRIPT_RESULT_MAX bytes, images as notes) between <conversation> tags, then
- * `ask`. What a summary is written from: a model shown the messages themselves may go on with
- * the conversation, and a provider refuses tool calls in a request that offers no tools. */
+ * text (who said what, the calls made and their results, the first
+ * CONTEXT_TRANSCRIPT_RESULT_MAX bytes of each call's arguments and result, images as notes) between
+ * <conversation> tags, then `ask`. What a summary is written from: a model shown the messages
+ * themselves may go on with the conversation, and a provider refuses tool calls in a request that
+ * offers no tools. */
 void context_transcript(struct context *c, const char *ask);
 
 #endif

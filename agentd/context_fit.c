@@ -277,6 +277,17 @@ size_t context_fit(struct context *c, const char *system, const struct llm_tool 
     return done;
 }
 
+/* transcript_part appends the first CONTEXT_TRANSCRIPT_RESULT_MAX bytes of text (a call's
+ * arguments or result: `what`) to b, saying how many more it had. */
+static void transcript_part(struct buf *b, const char *text, const char *what)
+{
+    size_t len = strlen(text), keep = utf8_prefix_len(text, len, CONTEXT_TRANSCRIPT_RESULT_MAX);
+    (void)buf_printf(b, "%.*s", (int)keep, text);
+    if (keep < len) {
+        (void)buf_printf(b, " [%zu more bytes of this %s are not shown]", len - keep, what);
+    }
+}
+
 /* transcript_entry appends message m to the transcript b. */
 static void transcript_entry(struct buf *b, const struct llm_message *m)
 {
@@ -290,20 +301,16 @@ static void transcript_entry(struct buf *b, const struct llm_message *m)
             (void)buf_printf(b, "Assistant: %s", *text ? text : "(no text)");
         }
         for (size_t k = 0; k < m->n_calls; k++) {
-            (void)buf_printf(b, "%sAssistant called %s with %s", *text || k ? "\n" : "",
-                             m->calls[k].name, m->calls[k].arguments_json);
+            (void)buf_printf(b, "%sAssistant called %s with ", *text || k ? "\n" : "",
+                             m->calls[k].name);
+            transcript_part(b, m->calls[k].arguments_json, "arguments");
         }
         break;
-    case LLM_TOOL_RESULT: {
-        size_t len = strlen(text);
-        size_t keep = utf8_prefix_len(text, len, CONTEXT_TRANSCRIPT_RESULT_MAX);
-        (void)buf_printf(b, "Result of %s%s: %.*s", m->tool_name ? m->tool_name : "a tool call",
-                         m->is_error ? " (an error)" : "", (int)keep, text);
-        if (keep < len) {
-            (void)buf_printf(b, " [%zu more bytes of this result are not shown]", len - keep);
-        }
+    case LLM_TOOL_RESULT:
+        (void)buf_printf(b, "Result of %s%s: ", m->tool_name ? m->tool_name : "a tool call",
+                         m->is_error ? " (an error)" : "");
+        transcript_part(b, text, "result");
         break;
-    }
     }
     if (m->n_images) {
         (void)buf_printf(b, " [%zu image%s]", m->n_images, m->n_images == 1 ? "" : "s");

@@ -756,8 +756,8 @@ void compaction_fit(struct drive *d, struct context *c, const char *system, bool
 /* compaction_start finds the cut (nothing may be pending: DRIVE_COMPACT waits until it is
  * stored) and starts the summary of what comes before it (model_call_start, quiet: no
  * deltas): true, and the drive parks until compaction_take. false when it is over at once:
- * *over is COMPACT_NOTHING, COMPACT_NOTHING_OVERSIZED or COMPACT_FAILED. The summary request
- * shows images as notes and is fitted like any request (compaction_fit). */
+ * *over is COMPACT_NOTHING, COMPACT_NOTHING_OVERSIZED or COMPACT_FAILED. The summary is
+ * asked for with a transcript of that part (context_transcript), fitted like any request. */
 bool compaction_start(struct drive *d, enum compact_result *over);
 /* compaction_take: false while the summary call, the Glance for the recomposed prompt or the
  * Append of both is in flight (each holds no thread); then true, with the summary recorded

@@ -407,8 +407,8 @@ static bool on_cancelled(void *ctx)
         if (c->lingered) {
             return true;
         }
-    } else if (c->stall_ms > 0 && c->progress_ms &&
-               now - c->progress_ms >= KEEPALIVE_ONLY_TIMES * c->stall_ms) {
+    } else if (c->stall_ms > 0 && c->progress_ms && c->status >= 200 && c->status < 300 &&
+               !c->not_sse && now - c->progress_ms >= KEEPALIVE_ONLY_TIMES * c->stall_ms) {
         c->stalled = true;
         return true;
     }
@@ -423,9 +423,9 @@ static bool on_cancelled(void *ctx)
  * only has such a word (a schema's "maximum"). */
 static bool overflow_said(const char *msg, const char *code, const char *type)
 {
-    static const char *const said[] = {"prompt is too long", "context length", "context limit",
-                                       "context size",       "context window", "context_length",
-                                       "exceed_context"};
+    static const char *const said[] = {"prompt is too long", "prompt length", "context length",
+                                       "context limit",      "context size",  "context window",
+                                       "context_length",     "exceed_context"};
     const char *const texts[] = {msg, code ? code : "", type ? type : ""};
     for (size_t t = 0; t < 3; t++) {
         for (size_t i = 0; i < sizeof(said) / sizeof(said[0]); i++) {
@@ -434,7 +434,13 @@ static bool overflow_said(const char *msg, const char *code, const char *type)
             }
         }
     }
-    return strcasestr(msg, "exceed") && strcasestr(msg, "token");
+    /* "exceed" with "token" only of the input (not a max_tokens that passes the model's
+     * output limit: compacting mends nothing there) */
+    bool input =
+        strcasestr(msg, "input") || strcasestr(msg, "prompt") || strcasestr(msg, "context");
+    bool output = strcasestr(msg, "max_tokens") || strcasestr(msg, "max_completion_tokens") ||
+                  strcasestr(msg, "output") || strcasestr(msg, "completion");
+    return strcasestr(msg, "exceed") && strcasestr(msg, "token") && input && !output;
 }
 
 /* classify turns an HTTP error answer into a status and message. */
