@@ -276,12 +276,12 @@ struct call {
     struct cf_error parse_err;
     bool not_sse;        /* a 2xx answer to a streaming request that is not text/event-stream */
     const char *api_key; /* the endpoint's (it outlives the call), kept out of every error */
-    /* a stream's progress, on the loop thread: when an event with content last came (a
-     * keep-alive is none), the stall bound on the silence between them, and when the
+    /* a stream's progress, on the loop thread: when its headers or an event with content
+     * last came (a keep-alive is none), the stall bound (--model-stall-ms), and when the
      * stream's last event came (the transfer ends at most STREAM_LINGER_MS later) */
     int64_t progress_ms, stall_ms, ended_ms;
     int64_t limit_ms; /* when the request's timeout_ms (the work's time limit) runs out, or 0 */
-    bool stalled;     /* ended for want of content for stall_ms */
+    bool stalled;     /* ended for want of content (KEEPALIVE_ONLY_TIMES x stall_ms) */
     bool lingered;    /* ended after the last event, the server keeping the connection */
 };
 
@@ -395,9 +395,9 @@ static bool on_body(void *ctx, const char *p, size_t len)
     return true;
 }
 
-/* on_cancelled ends a transfer the drive gave up, a stream whose server sends keep-alives
- * but no content for stall_ms (libcurl's speed bound counts their bytes), and one whose
- * server keeps it open past its last event. */
+/* on_cancelled ends a transfer the drive gave up, an event stream whose server sends
+ * keep-alives but no content for KEEPALIVE_ONLY_TIMES x stall_ms (libcurl's speed bound counts
+ * their bytes), and one whose server keeps it open past its last event. */
 static bool on_cancelled(void *ctx)
 {
     struct call *c = ctx;
