@@ -478,6 +478,26 @@ class CliAgentTest(unittest.TestCase):
         self.assertEqual(rc, 1, out)
         self.assertIn('[NOTHING_TO_COMPACT]', err)
 
+    def test_an_answer_that_starts_over_is_shown_so(self):
+        """A stream that broke off after some text is asked again: the watcher showed the
+        abandoned text run into the new answer. It says the answer started over and prints
+        the new text whole."""
+        from test_agentd import bind
+        conv = 'c-cli-' + uuid.uuid4().hex[:8]
+        self.stack.td.workspace(conv, create=True)
+        first = ' '.join('first%02d' % i for i in range(100))
+        second = ' '.join('second%02d' % i for i in range(100))
+        self.stack.fm.set_scenario(bind([
+            {'text': first, 'chunk_delay_ms': 60, 'disconnect_after_chunks': 14},
+            {'text': second, 'chunk_delay_ms': 60}], conv))
+        rc, out, err = run_cli(['submit', '--agent', 'runner-anthropic', '--conversation', conv,
+                                'tell me'] + self.agentd)
+        self.assertEqual(rc, 0, out + err)
+        self.assertIn('first00', out)  # shown while it streamed
+        head, after = out.split('[the answer started over]\n')
+        self.assertIn(second + '\n', after)
+        self.assertNotIn('first', after)
+
     def test_agents_and_errors(self):
         rc, out, err = run_cli(['agents'] + self.agentd)
         self.assertEqual(rc, 0, err)
