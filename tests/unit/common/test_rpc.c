@@ -377,7 +377,9 @@ static void test_async_streams(void)
     }
     rpc_stream_finish(bs, &st);
     CHECK(got == 3000 && st.code == GRPC_STATUS_OK);
-    CHECK(tail_pauses > 0 && tail_drains == tail_pauses);
+    /* every pause was ended by a drain; a push that filled the queue with the last record
+     * (no pause: nothing was left to send) may get a drain of its own too */
+    CHECK(tail_pauses > 0 && tail_drains >= tail_pauses && tail_drains <= tail_pauses + 1);
     fprintf(stderr, "async backpressure: %d pauses, %d drains\n", (int)tail_pauses,
             (int)tail_drains);
     CHECK(wait_for(released_is, 1, 2000));
