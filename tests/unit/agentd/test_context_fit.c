@@ -238,7 +238,7 @@ static void test_fit_tool_result(void)
 }
 
 /* Images go (oldest first) before the newest user text is cut; that is cut last, and a cut
- * never splits a UTF-8 sequence. Summary requests show every image as a note. */
+ * never splits a UTF-8 sequence. */
 static void test_fit_images_and_newest(void)
 {
     char *huge = filled("\xc3\xa9t\xc3\xa9 ", 60000); /* "été " */
@@ -259,7 +259,6 @@ static void test_fit_images_and_newest(void)
     CHECK(utf8_valid(c.msgs[1].text, strlen(c.msgs[1].text), NULL));
     check_cut(c.msgs[1].text, huge);
     context_free(&c);
-
     free(huge);
 }
 
