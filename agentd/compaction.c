@@ -51,9 +51,9 @@ static int64_t room(const struct drive *d)
     return mi.context_window - reserve_tokens(d->agent, &mi) - model_output_tokens(d->model);
 }
 
-bool compaction_needed(struct drive *d, const struct context *c)
+bool compaction_needed(const struct drive *d, int64_t tokens)
 {
-    return context_tokens(d->system_text, c, d->tools.tools, d->tools.n) > room(d);
+    return tokens > room(d);
 }
 
 /* fit makes the request of system, c and the tools fit budget (context_fit), logging it. */

@@ -693,7 +693,10 @@ static enum drive_state step_model(struct drive *d)
     }
     struct context ctx = {0};
     dstore_build_context(d, &ctx, INT64_MAX);
-    if (d->fault.code == CF_OK && !d->threshold_checked && compaction_needed(d, &ctx)) {
+    bool over =
+        d->fault.code == CF_OK &&
+        compaction_needed(d, context_tokens(d->system_text, &ctx, d->tools.tools, d->tools.n));
+    if (over && !d->threshold_checked) {
         context_free(&ctx);
         d->threshold_checked = true;
         d->trigger = CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_THRESHOLD;
@@ -704,7 +707,9 @@ static enum drive_state step_model(struct drive *d)
         context_free(&ctx);
         return DRIVE_SETTLE;
     }
-    compaction_fit(d, &ctx, d->system_text, true); /* what compaction could not make small */
+    if (over) {
+        compaction_fit(d, &ctx, d->system_text, true); /* what compaction could not make small */
+    }
     dstore_write_behind_held(d);
     model_call_start(d, d->system_text, &ctx, d->tools.tools, d->tools.n);
     return DRIVE_MODEL_WAIT;

@@ -746,12 +746,13 @@ enum compact_result {
     COMPACT_FAILED, /* the summary could not be had from the model (d->err), or a fault */
 };
 
-/* compaction_needed: the context c with d->system_text would not leave the reserve free (its
- * estimate, context_tokens, plus the output asked for, over the window less the reserve). */
-bool compaction_needed(struct drive *d, const struct context *c);
+/* compaction_needed: a request estimated at `tokens` (context_tokens) would not leave the
+ * reserve free (it and the output asked for over the window less the reserve). */
+bool compaction_needed(const struct drive *d, int64_t tokens);
 /* compaction_fit makes the request of system, c (and d's tools when `tools`) fit what the
- * threshold allows when it does not (context_fit: the largest texts cut in c only, the records
- * untouched), and logs `context_fitted` when it cut anything. Strings it makes are c's. */
+ * threshold allows when it does not (a turn's request: called once compaction_needed says so)
+ * (context_fit: the largest texts cut in c only, the records untouched), and logs `context_fitted`
+ * when it cut anything. Strings it makes are c's. */
 void compaction_fit(struct drive *d, struct context *c, const char *system, bool tools);
 /* compaction_start finds the cut (nothing may be pending: DRIVE_COMPACT waits until it is
  * stored) and starts the summary of what comes before it (model_call_start, quiet: no
