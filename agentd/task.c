@@ -595,6 +595,7 @@ static void skill_read_start(struct drive *d, struct task_call *tc, int index, c
     char *path = mem_asprintf("%s%s%s", d->cwd, d->cwd[0] ? "/" : "", s->origin);
     rq.sandbox = d->workspace;
     rq.path = path; /* the Glance named it from the drive's working directory */
+    rq.max_bytes = SKILL_FILE_MAX;
     dcall_start(&tc->admit, tools_channel(d), "/cflue.v1.Sandbox/ReadFile", &rq.base,
                 &cflue__v1__read_file_response__descriptor, ADMIT_TIMEOUT_MS);
     free(path);
@@ -615,8 +616,8 @@ static void skill_read(struct task_call *tc, const struct rpc_status *st, Protob
         ok = skill_tools_activated(d, tc->skill, f->data.data, f->data.len, &out);
     } else if (st->code == GRPC_STATUS_RESOURCE_EXHAUSTED &&
                (!strcmp(st->reason, "FILE_TOO_LARGE") || strstr(st->details, "larger than max"))) {
-        /* the file (toold's FILE_TOO_LARGE, or gRPC's bound on the answer), not toold: an
-         * answer, not a fault to try again */
+        /* the file (toold's FILE_TOO_LARGE, or, from a tool server that ignores max_bytes,
+         * gRPC's bound on the answer), not toold: an answer, not a fault to try again */
         buf_printf(&out,
                    "The skill \"%s\" could not be activated: its SKILL.md (%s) is larger than "
                    "the %d bytes a skill may have.",

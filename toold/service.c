@@ -572,7 +572,7 @@ static void fail_errno(struct rpc_call *c, int e, const char *op, const char *pa
 static enum cf_status file_too_large(struct cf_error *err, const char *shown, size_t max)
 {
     return cf_error_setr(err, CF_TOOBIG, "FILE_TOO_LARGE",
-                         "%s is over %zu bytes, the most ReadFile returns", shown, max);
+                         "%s is over %zu bytes, the most this ReadFile returns", shown, max);
 }
 
 /* read_upto reads fd from its start in bounded steps that stop when the caller leaves, at most
@@ -632,13 +632,18 @@ static void on_read_file(struct rpc_call *c, const ProtobufCMessage *msg, void *
     struct target t;
     struct cf_error err;
     Cflue__V1__ReadFileResponse resp = CFLUE__V1__READ_FILE_RESPONSE__INIT;
+    if (req->max_bytes < 0 || req->max_bytes > SANDBOX_FILE_MAX) {
+        rpc_call_fail(c, CF_INVALID, "max_bytes is 0 (64 MiB) to %d", SANDBOX_FILE_MAX);
+        return;
+    }
+    size_t max = req->max_bytes ? (size_t)req->max_bytes : SANDBOX_FILE_MAX;
     if (!target_open(c, req->sandbox, req->path, OPEN_REGULAR, &t)) {
         return;
     }
-    enum cf_status rc = t.st.st_size > SANDBOX_FILE_MAX
-                            ? file_too_large(&err, req->path, SANDBOX_FILE_MAX)
-                            : read_upto(c, t.fd, req->path, SANDBOX_FILE_MAX, NULL, &resp.data.data,
-                                        &resp.data.len, &err);
+    enum cf_status rc =
+        t.st.st_size > (off_t)max
+            ? file_too_large(&err, req->path, max)
+            : read_upto(c, t.fd, req->path, max, NULL, &resp.data.data, &resp.data.len, &err);
     target_close(&t);
     if (rc != CF_OK) {
         rpc_call_fail_error(c, &err);

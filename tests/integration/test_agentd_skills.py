@@ -215,7 +215,8 @@ class WorkspaceTest(SkillsCase):
         """A SKILL.md that grew past 1 MiB after it was found answers activate_skill with an
         error saying so: 2 MB gave an empty result that was not an error; 65 MiB (past what
         toold's ReadFile returns) was taken for toold failing, each attempt ended interrupted
-        and the next asked again until the attempts ran out."""
+        and the next asked again until the attempts ran out. agentd asks ReadFile for at most
+        1 MiB (max_bytes): toold refuses both without sending them."""
         conv = new_conv('wsbig')
         head = '---\nname: %s\ndescription: Big.\n---\n'
         ws = self.sandbox_skills(conv, {'big': head % 'big', 'huge': head % 'huge'})
@@ -238,9 +239,8 @@ class WorkspaceTest(SkillsCase):
         results = {body(r).index: body(r) for r in self.records(conv)
                    if kind(r) == 'tool_result'}
         self.assertTrue(results[0].is_error and results[1].is_error, results)
-        self.assertIn('has %d bytes, more than the 1048576 a skill may have'
-                      % (len(head % 'big') + 2000000), results[0].text)
-        self.assertIn('is larger than the 1048576 bytes a skill may have', results[1].text)
+        for i in (0, 1):
+            self.assertIn('is larger than the 1048576 bytes a skill may have', results[i].text)
 
     def test_a_sandbox_skill_with_a_declared_name_fails_the_submission(self):
         conv = new_conv('wsclash')

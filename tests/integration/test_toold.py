@@ -836,6 +836,19 @@ class TestSandboxService(TooldBase):
         self.assertEqual((cm.exception.code(), error_reason(cm.exception)),
                          (NOT_FOUND, 'NOT_FOUND'))
 
+    def test_read_file_max_bytes(self):
+        self.sbx('WriteFile', path='ten.txt', data=b'0123456789')
+        self.assertEqual(self.sbx('ReadFile', path='ten.txt', max_bytes=10).data, b'0123456789')
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.sbx('ReadFile', path='ten.txt', max_bytes=9)
+        self.assertEqual((cm.exception.code(), error_reason(cm.exception)),
+                         (grpc.StatusCode.RESOURCE_EXHAUSTED, 'FILE_TOO_LARGE'))
+        self.assertIn('over 9 bytes', cm.exception.details())
+        for bad in (-1, 64 * MiB + 1):
+            with self.assertRaises(grpc.RpcError) as cm:
+                self.sbx('ReadFile', path='ten.txt', max_bytes=bad)
+            self.assertEqual(cm.exception.code(), INVALID_ARGUMENT, bad)
+
     def test_mkdir_and_remove(self):
         with self.assertRaises(grpc.RpcError) as cm:
             self.sbx('Mkdir', path='m/n/o')
