@@ -73,7 +73,8 @@ static void fit(struct drive *d, struct context *c, const char *system, const st
 
 void compaction_fit(struct drive *d, struct context *c, const char *system, bool tools)
 {
-    fit(d, c, system, tools ? d->tools.tools : NULL, tools ? d->tools.n : 0, room(d));
+    int64_t budget = d->fit_tightened ? room(d) / 2 : room(d);
+    fit(d, c, system, tools ? d->tools.tools : NULL, tools ? d->tools.n : 0, budget);
 }
 
 /* trigger_name names why a compaction ran, for the log. */

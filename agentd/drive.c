@@ -623,6 +623,21 @@ static enum drive_state model_failed(struct drive *d, enum cf_status rc)
     return failed(d, why);
 }
 
+/* tighten_fit: after a context overflow that compaction did not mend (nothing older to
+ * compact, or still too long), the estimate fell short of the provider's count for this
+ * conversation: requests are fitted to half the room from now on, and the turn asked again
+ * once. false when that was done already (or the drive stops): the overflow fails it. */
+static bool tighten_fit(struct drive *d)
+{
+    if (d->fit_tightened || d->fault.code != CF_OK || drive_halted(d)) {
+        return false;
+    }
+    d->fit_tightened = true;
+    log_warn("context_fit_tightened", "submission=%s turn=%lld", d->sub->submission_id,
+             (long long)d->turn);
+    return true;
+}
+
 /* model_done handles the model's answer (in d->answer): recorded as the turn's assistant
  * message, then its calls run (TOOLS) or the next queued messages join (JOIN). */
 static enum drive_state model_done(struct drive *d, enum cf_status rc)
@@ -633,6 +648,9 @@ static enum drive_state model_done(struct drive *d, enum cf_status rc)
         d->overflow_retried = true;
         d->trigger = CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_OVERFLOW;
         return DRIVE_COMPACT;
+    }
+    if (rc != CF_OK && d->answer.context_overflow && tighten_fit(d)) {
+        return DRIVE_MODEL; /* compacted, still too long: once more, fitted tighter */
     }
     if (rc != CF_OK || drive_halted(d)) {
         return model_failed(d, rc);
@@ -707,7 +725,7 @@ static enum drive_state step_model(struct drive *d)
         context_free(&ctx);
         return DRIVE_SETTLE;
     }
-    if (over) {
+    if (over || d->fit_tightened) {
         compaction_fit(d, &ctx, d->system_text, true); /* what compaction could not make small */
     }
     dstore_write_behind_held(d);
@@ -747,7 +765,9 @@ static enum drive_state compacted(struct drive *d, enum compact_result cr)
         }
         return DRIVE_SETTLE;
     case CFLUE__V1__COMPACTION_TRIGGER__COMPACTION_TRIGGER_OVERFLOW:
-        return cr == COMPACT_DONE ? DRIVE_MODEL : model_failed(d, d->model_rc);
+        return cr == COMPACT_DONE || (cr != COMPACT_FAILED && tighten_fit(d))
+                   ? DRIVE_MODEL
+                   : model_failed(d, d->model_rc);
     default:
         return DRIVE_MODEL; /* threshold: ask with what there is now */
     }

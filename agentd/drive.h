@@ -305,6 +305,8 @@ struct drive {
     } joining;
     bool threshold_checked;               /* this turn's context was compacted for size already */
     bool overflow_retried;                /* a context overflow was compacted once (per drive) */
+    bool fit_tightened;                   /* an overflow compaction did not mend: requests
+                                           * fitted to half the room from then on (per drive) */
     enum cf_status model_rc;              /* the last model call's status */
     Cflue__V1__CompactionTrigger trigger; /* why DRIVE_COMPACT runs */
     struct {
@@ -750,7 +752,8 @@ enum compact_result {
  * reserve free (it and the output asked for over the window less the reserve). */
 bool compaction_needed(const struct drive *d, int64_t tokens);
 /* compaction_fit makes the request of system, c (and d's tools when `tools`) fit what the
- * threshold allows when it does not (a turn's request: called once compaction_needed says so)
+ * threshold allows (half of it once d->fit_tightened) when it does not (a turn's request:
+ * called once compaction_needed says so, or the fit is tightened)
  * (context_fit: the largest texts cut in c only, the records untouched), and logs `context_fitted`
  * when it cut anything. Strings it makes are c's. */
 void compaction_fit(struct drive *d, struct context *c, const char *system, bool tools);

@@ -23,10 +23,13 @@ MODELS = {"models": {"anthropic/tiny-window": {
     "input_usd_per_mtok": 1, "output_usd_per_mtok": 2}}}
 
 
-def models_file():
+def models_file(window=None):
+    models = json.loads(json.dumps(MODELS))
+    if window:
+        models['models']['anthropic/tiny-window']['context_window'] = window
     fd, path = tempfile.mkstemp(prefix='cflue-models-', suffix='.json')
     with os.fdopen(fd, 'w') as f:
-        json.dump(MODELS, f)
+        json.dump(models, f)
     return path
 
 
@@ -371,6 +374,33 @@ class SummaryWaitTest(CompactionCase):
         summaries = sorted(x.compaction.summary for conv in convs for x in self.records(conv)
                            if kind(x) == 'compaction')
         self.assertEqual(summaries, ['SUMMARY-0', 'SUMMARY-1', 'SUMMARY-2'])
+
+
+
+class MisjudgedRequestTest(CompactionCase):
+    """A request the estimate says fits and the provider refuses as too long, with nothing
+    older to compact (a conversation's first turn): its tool result is 18,000 double quotes,
+    one character each in the estimate, two bytes each as the provider counts the JSON it is
+    sent. Before, the submission failed (compacting could not make the turn smaller); the turn
+    is now asked once more, fitted to half the room."""
+    stack_kwargs = {'agents': ('compactor',), 'agentd_args': ('--models', models_file(10000))}
+
+    def test_the_turn_is_asked_again_fitted_tighter(self):
+        n0 = len(self.stack.fm.requests())
+        adm, sub = self.run_one('print quotes', [
+            {'tool_calls': [{'name': 'bash', 'arguments': {
+                'command': "head -c 18000 /dev/zero | tr '\\0' '\"'"}}]},
+            {'text': 'Printed.'}] + SUMMARIES, context_window=10000)
+        self.assertEqual((sub.outcome, sub.error), (COMPLETED, ''))
+        reqs = self.stack.fm.requests()[n0:]
+        steps = [q['step'] for q in reqs]
+        # refused, compacted what came before the turn (its user message), refused again as
+        # the turn alone is what the provider counts too long; then fitted tighter
+        self.assertEqual(steps, [0, 'too_long', 2, 'too_long', 1])
+        self.assertLessEqual(request_tokens(reqs[-1]['body']), 10000)
+        self.assertIn('left out here so that the request fits', json.dumps(reqs[-1]['body']))
+        result = [x for x in self.records(adm.conversation_id) if kind(x) == 'tool_result'][0]
+        self.assertEqual(result.tool_result.text.count('"'), 18000)  # the record is whole
 
 
 if __name__ == '__main__':
