@@ -752,10 +752,10 @@ enum compact_result {
  * reserve free (it and the output asked for over the window less the reserve). */
 bool compaction_needed(const struct drive *d, int64_t tokens);
 /* compaction_fit makes the request of system, c (and d's tools when `tools`) fit what the
- * threshold allows (half of it once d->fit_tightened) when it does not (a turn's request:
- * called once compaction_needed says so, or the fit is tightened)
- * (context_fit: the largest texts cut in c only, the records untouched), and logs `context_fitted`
- * when it cut anything. Strings it makes are c's. */
+ * threshold allows (half of it once d->fit_tightened) when it does not (context_fit: the
+ * largest texts cut in c only, the records untouched), and logs `context_fitted` when it cut
+ * anything. Strings it makes are c's. A turn's request calls it only when compaction_needed
+ * says so or the fit is tightened. */
 void compaction_fit(struct drive *d, struct context *c, const char *system, bool tools);
 /* compaction_start finds the cut (nothing may be pending: DRIVE_COMPACT waits until it is
  * stored) and starts the summary of what comes before it (model_call_start, quiet: no
