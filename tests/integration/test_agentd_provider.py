@@ -22,11 +22,17 @@ def sse(events):
                    for t, d in events)
 
 
+def message_start(input_tokens=1):
+    """Anthropic's first event of a stream."""
+    return ('message_start', {'message': {'id': 'msg_x', 'type': 'message', 'role': 'assistant',
+                                          'model': 'claude-test-1', 'content': [],
+                                          'usage': {'input_tokens': input_tokens,
+                                                    'output_tokens': 1}}})
+
+
 def anthropic_calls(calls, usage=None):
     """An Anthropic stream whose answer is the tool calls (id, name, input), one block each."""
-    ev = [('message_start', {'message': {'id': 'msg_x', 'type': 'message', 'role': 'assistant',
-                                         'model': 'claude-test-1', 'content': [],
-                                         'usage': {'input_tokens': 10, 'output_tokens': 1}}})]
+    ev = [message_start(10)]
     for i, (cid, name, args) in enumerate(calls):
         block = {'type': 'tool_use', 'name': name, 'input': {}}
         if cid is not None:
@@ -112,8 +118,7 @@ class HostileModelTest(AgentdCase):
         both inputs run together (invalid JSON), the second with none. A stream the API never
         sends is a bad answer now; no tool runs."""
         stream = sse([
-            ('message_start', {'message': {'id': 'm', 'type': 'message', 'role': 'assistant',
-                                           'content': [], 'usage': {'input_tokens': 1}}}),
+            message_start(),
             ('content_block_start', {'index': 0, 'content_block': {
                 'type': 'tool_use', 'id': 'c0', 'name': 'bash', 'input': {}}}),
             ('content_block_start', {'index': 1, 'content_block': {
@@ -178,7 +183,9 @@ class HostileModelTest(AgentdCase):
     def test_the_providers_overflow_errors_compact(self):
         """An OpenAI-style error that says so in its code alone (context_length_exceeded) was
         not taken for an overflow: no compaction was tried. Anthropic's "input length and
-        `max_tokens` exceed context limit" (the estimate a little short) must stay one."""
+        `max_tokens` exceed context limit" (the estimate a little short) must stay one. With
+        nothing to compact, the turn is asked once more, fitted tighter; a second overflow
+        fails it."""
         for agent, err in (
                 ('runner-anthropic', {'status': 400, 'type': 'invalid_request_error',
                                       'message': 'input length and `max_tokens` exceed context '
@@ -188,16 +195,18 @@ class HostileModelTest(AgentdCase):
                                    'message': 'Your input is too large for this model.'})):
             with self.subTest(agent=agent):
                 before = self.ad.stderr_text().count('reason=overflow')
-                sub, _, _ = self.run_steps(agent, [{'error': err}])
+                tightened = self.ad.stderr_text().count('context_fit_tightened')
+                sub, _, _ = self.run_steps(agent, [{'error': err}, {'error': err}])
                 self.assertEqual(outcome_name(sub.outcome), 'FAILED')
                 self.assertEqual(self.ad.stderr_text().count('reason=overflow'), before + 1)
+                self.assertEqual(self.ad.stderr_text().count('context_fit_tightened'),
+                                 tightened + 1)
 
     def test_a_server_tools_input_is_not_ours(self):
         """A block of another kind (a server tool's, as a proxy may add) streams input too:
         it is left alone, not refused."""
         stream = sse([
-            ('message_start', {'message': {'id': 'm', 'type': 'message', 'role': 'assistant',
-                                           'content': [], 'usage': {'input_tokens': 1}}}),
+            message_start(),
             ('content_block_start', {'index': 0, 'content_block': {
                 'type': 'server_tool_use', 'id': 'srv_1', 'name': 'web_search', 'input': {}}}),
             ('content_block_delta', {'index': 0, 'delta': {
