@@ -208,13 +208,14 @@ static bool delta(struct buf *b, const struct drive *d, int which, const char *k
 }
 
 /* tell records one signal of kind (about resource: "tool", "skill", "agent", or "") with text b
- * and the new state (id ...:<what>). */
+ * and the new state (id ...:<what>). The id names the definitions' generation too: two reloads
+ * taken up at one turn boundary tell two signals (the same id would drop the second). */
 static void tell(struct drive *d, const char *kind, const char *resource, const char *what,
                  struct buf *b, struct narrated *now)
 {
     char id[256];
-    snprintf(id, sizeof(id), "signal:%s:e%lld:t%d:%s", d->sub->submission_id,
-             (long long)d->fence.epoch, d->turn, what);
+    snprintf(id, sizeof(id), "signal:%s:e%lld:t%d:g%llu:%s", d->sub->submission_id,
+             (long long)d->fence.epoch, d->turn, (unsigned long long)d->defs->generation, what);
     struct buf clean;
     Cflue__V1__Signal sig = CFLUE__V1__SIGNAL__INIT;
     sig.kind = (char *)kind;

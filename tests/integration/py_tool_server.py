@@ -3,7 +3,7 @@ example of a custom tool server (docs/tool-servers.md), and the one the tool-ser
 with whatever tools they need.
 
     /usr/bin/python3 py_tool_server.py --tools '[{"name": "echo", "description": "...",
-        "schema": {...}, "reply": "echoed", "sleep": 0}]' [--no-batch]
+        "schema": {...}, "reply": "echoed", "sleep": 0}]' [--no-batch] [--list-sleep S]
 
 It binds 127.0.0.1 on a free port and prints "listening on PORT" once serving. Each call's
 result text is the tool's `reply` (`repeat` times) followed by the call's arguments JSON, after
@@ -33,6 +33,7 @@ def main():
     ap.add_argument('--no-batch', action='store_true')
     ap.add_argument('--log', default='')
     ap.add_argument('--port', type=int, default=0)
+    ap.add_argument('--list-sleep', type=float, default=0, help='seconds each List takes')
     args = ap.parse_args()
     tools = json.loads(args.tools)
     by_name = {t['name']: t for t in tools}
@@ -62,6 +63,7 @@ def main():
         return t.get('description', t['name'])
 
     def list_tools(req, ctx):
+        time.sleep(args.list_sleep)
         return tools_pb2.ListToolsResponse(tools=[
             tools_pb2.ToolSpec(name=t['name'], description=description(t),
                                parameters_json=json.dumps(t.get('schema', {'type': 'object'})))

@@ -269,6 +269,50 @@ class ReloadTest(AgentdCase):
         self.assertEqual([t['name'] for t in reqs[1]['body']['tools']], SANDBOX_TOOLS + ['task'])
         self.assertIn('event=drive_rebound', self.ad.stderr_text())
 
+    def test_two_reloads_at_one_turn_boundary_are_both_told(self):
+        """A reload ends while the drive is taking up the one before (the agent's tool server
+        answers each List in 3 s: the drive's prompt stage and each reload's check list it):
+        the drive rebinds twice at one turn boundary. Both signals had the same id and the
+        second was dropped: the model went on with the older instructions. Timeline, from the
+        first model request at T (answered at T+6 s): reload TWO from T to T+3; reload THREE
+        from T+4.5 to T+7.5; the drive rebinds to TWO at T+6 and lists until T+9, then
+        rebinds to THREE."""
+        addr = '127.0.0.1:%d' % free_port()
+        server = py_server([tool('lookup')], port=int(addr.split(':')[1]), list_sleep=3)
+        try:
+            self.write('twice', agent_md('twice', 'Way ONE.', servers=[addr]))
+            self.wait_reload(self.reloads(), hup=True)
+            conv = new_conv('twice')
+            self.fm.set_scenario([
+                role('twice', delay_ms=6000, tool_calls=[{'name': 'lookup', 'arguments': {}}]),
+                role('twice', text='Done.')])
+            seen = len(self.fm.requests())
+            rebound = self.ad.stderr_text().count('event=drive_rebound')
+            sid = self.ad.submit('twice', 'Go.', conversation_id=conv).submission_id
+            deadline = time.monotonic() + 60
+            while len(self.fm.requests()) == seen:  # the first turn is being answered
+                self.assertLess(time.monotonic(), deadline)
+                time.sleep(0.02)
+            asked = time.monotonic()
+            before = self.reloads()
+            self.write('twice', agent_md('twice', 'Way TWO.', servers=[addr]))
+            self.wait_reload(before, hup=True)
+            time.sleep(max(0, asked + 4.5 - time.monotonic()))
+            before = self.reloads()
+            self.write('twice', agent_md('twice', 'Way THREE.', servers=[addr]))
+            self.wait_reload(before, hup=True)
+            sub = self.wait_settled(sid, timeout=60)
+            self.assertEqual(sub.outcome, COMPLETED, sub)
+            self.assertEqual(self.ad.stderr_text().count('event=drive_rebound'), rebound + 2)
+            texts = [s.text for s in self.signals(conv, sid) if s.kind == 'instructions']
+            self.assertEqual(len(texts), 2, texts)
+            self.assertIn('Way TWO.', texts[0])
+            self.assertIn('Way THREE.', texts[1])
+            last = [e for e in self.fm.requests()[seen:] if 'ROLE twice.' in request_system(e)][-1]
+            self.assertIn('Way THREE.', json.dumps(last['body']['messages']))
+        finally:
+            server.close()
+
     def test_a_reload_whose_tools_clash_is_refused(self):
         server = py_server([tool('lookup'), tool('activate_skill')])
         try:

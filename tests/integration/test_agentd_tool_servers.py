@@ -76,10 +76,10 @@ def example_server(port=None):
     return ToolServer([EXAMPLE_BIN, '--listen', '127.0.0.1:%d' % port], port)
 
 
-def py_server(tools, port=None, no_batch=False, log=''):
+def py_server(tools, port=None, no_batch=False, log='', list_sleep=0):
     port = port or free_port()
     cmd = [sys.executable, os.path.join(HERE, 'py_tool_server.py'), '--port', str(port),
-           '--tools', json.dumps(tools)]
+           '--tools', json.dumps(tools), '--list-sleep', str(list_sleep)]
     if no_batch:
         cmd.append('--no-batch')
     if log:
