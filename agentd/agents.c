@@ -2,10 +2,11 @@
 #include "agents.h"
 
 #include "buf.h"
-
+#include "file_read.h"
 #include "ids.h"
 #include "mem.h"
 #include "placement.h"
+#include "yaml_load.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -586,30 +587,23 @@ static enum cf_status parse_fields(yaml_document_t *doc, const char *name_hint, 
 enum cf_status agents_parse(const char *text, const char *name_hint, const char *file,
                             struct agent_def *a, struct cf_error *err)
 {
-    yaml_parser_t parser;
     yaml_document_t doc;
-    const char *fm = NULL, *body = NULL;
-    size_t fm_len = 0;
+    const char *fm = NULL, *body = NULL, *problem;
+    size_t fm_len = 0, line;
     enum cf_status rc;
     memset(a, 0, sizeof(*a));
     if ((rc = split_frontmatter(text, file, &fm, &fm_len, &body, err)) != CF_OK) {
         return rc;
     }
-    yaml_parser_initialize(&parser);
-    yaml_parser_set_input_string(&parser, (const unsigned char *)fm, fm_len);
-    if (!yaml_parser_load(&parser, &doc)) {
-        rc = cf_error_set(err, CF_INVALID, "%s: frontmatter line %zu: %s", file,
-                          parser.problem_mark.line + 2,
-                          parser.problem ? parser.problem : "invalid YAML");
-        yaml_parser_delete(&parser);
-        return rc;
+    if (yaml_load(fm, fm_len, &doc, &problem, &line) != CF_OK) {
+        return cf_error_set(err, CF_INVALID, "%s: frontmatter line %zu: %s", file, line + 2,
+                            problem);
     }
     rc = parse_fields(&doc, name_hint, file, a, err);
     if (rc == CF_OK) {
         a->instructions = mem_strdup(body);
     }
     yaml_document_delete(&doc);
-    yaml_parser_delete(&parser);
     if (rc != CF_OK) {
         agents_free_one(a);
     }
@@ -641,20 +635,11 @@ enum cf_status agents_load(const char *dir, struct agent_set *out, struct cf_err
         char path[4096], stem[256];
         snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
         snprintf(stem, sizeof(stem), "%.*s", (int)(len - 3), e->d_name);
-        FILE *f = fopen(path, "r");
-        if (!f) {
-            rc = cf_error_set(err, CF_IO, "%s: cannot open: %s", path, strerror(errno));
-            break;
+        char *text;
+        size_t n;
+        if ((rc = file_read_regular(path, AGENT_FILE_MAX, false, &text, &n, err)) != CF_OK) {
+            break; /* a FIFO or a device named NAME.md is refused, never waited on */
         }
-        char *text = mem_alloc(AGENT_FILE_MAX + 1);
-        size_t n = fread(text, 1, AGENT_FILE_MAX + 1, f);
-        fclose(f);
-        if (n > AGENT_FILE_MAX) {
-            free(text);
-            rc = cf_error_set(err, CF_INVALID, "%s: larger than %d bytes", path, AGENT_FILE_MAX);
-            break;
-        }
-        text[n] = '\0';
         if (out->n == cap) {
             cap *= 2;
             out->items = mem_realloc(out->items, sizeof(*out->items) * cap);

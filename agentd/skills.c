@@ -2,8 +2,10 @@
  * agents directory with their supporting files. */
 #include "skills.h"
 
+#include "file_read.h"
 #include "mem.h"
 #include "utf8.h"
+#include "yaml_load.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -239,21 +241,15 @@ enum cf_status skill_parse(const char *text, size_t len, const char *path, const
                             "line",
                             path);
     }
-    yaml_parser_t parser;
     yaml_document_t doc;
-    enum cf_status rc;
-    yaml_parser_initialize(&parser);
-    yaml_parser_set_input_string(&parser, (const unsigned char *)yaml, yaml_len);
-    if (!yaml_parser_load(&parser, &doc)) {
-        rc = cf_error_set(err, CF_INVALID, "%s: the frontmatter is not valid YAML: %s (line %zu)",
-                          path, parser.problem ? parser.problem : "parse error",
-                          parser.problem_mark.line + 2);
-        yaml_parser_delete(&parser);
-        return rc;
+    const char *problem;
+    size_t line;
+    if (yaml_load(yaml, yaml_len, &doc, &problem, &line) != CF_OK) {
+        return cf_error_set(err, CF_INVALID, "%s: the frontmatter is not valid YAML: %s (line %zu)",
+                            path, problem, line + 2);
     }
-    rc = fields(&doc, path, dir_name, out, err);
+    enum cf_status rc = fields(&doc, path, dir_name, out, err);
     yaml_document_delete(&doc);
-    yaml_parser_delete(&parser);
     if (rc == CF_OK) {
         out->body = trimmed(body, body_len);
     } else {
@@ -290,38 +286,6 @@ struct walk {
     struct skill *s;
     size_t cap;
 };
-
-static enum cf_status read_file(const char *path, char **data, size_t *len, struct cf_error *err)
-{
-    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-    struct stat st;
-    if (fd < 0 || fstat(fd, &st) != 0) {
-        int e = errno;
-        if (fd >= 0) {
-            close(fd);
-        }
-        return cf_error_set(err, e == ENOENT ? CF_NOT_FOUND : CF_INVALID, "%s: cannot read: %s",
-                            path, strerror(e));
-    }
-    if (st.st_size > SKILL_FILE_MAX) {
-        close(fd);
-        return cf_error_set(err, CF_INVALID, "%s: larger than %d bytes", path, SKILL_FILE_MAX);
-    }
-    char *buf = mem_alloc((size_t)st.st_size + 1);
-    size_t got = 0;
-    while (got < (size_t)st.st_size) {
-        ssize_t r = read(fd, buf + got, (size_t)st.st_size - got);
-        if (r <= 0) {
-            break;
-        }
-        got += (size_t)r;
-    }
-    close(fd);
-    buf[got] = '\0';
-    *data = buf;
-    *len = got;
-    return CF_OK;
-}
 
 /* walk_dir adds the supporting files under dir (rel: its path inside the skill, "" at the
  * top). */
@@ -376,7 +340,8 @@ static enum cf_status walk_dir(struct walk *w, const char *dir, const char *rel,
                 w->s->files = mem_realloc(w->s->files, sizeof(*w->s->files) * w->cap);
             }
             struct skill_file *f = &w->s->files[w->s->n_files];
-            if ((rc = read_file(path, &f->data, &f->len, err)) == CF_OK) {
+            if ((rc = file_read_regular(path, SKILL_FILE_MAX, true, &f->data, &f->len, err)) ==
+                CF_OK) {
                 f->path = mem_strdup(sub);
                 w->s->n_files++;
             }
@@ -401,7 +366,7 @@ static enum cf_status load_one(const char *agents_dir, const char *name, struct 
     enum cf_status rc;
     snprintf(dir, sizeof(dir), "%s/skills/%s", agents_dir, name);
     snprintf(path, sizeof(path), "%s/SKILL.md", dir);
-    if ((rc = read_file(path, &text, &len, err)) != CF_OK) {
+    if ((rc = file_read_regular(path, SKILL_FILE_MAX, true, &text, &len, err)) != CF_OK) {
         return rc == CF_NOT_FOUND
                    ? cf_error_set(err, CF_INVALID,
                                   "skill \"%s\": no %s (a declared skill is a directory "

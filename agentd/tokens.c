@@ -1,8 +1,10 @@
 /* tokens.c - the Agent API's bearer tokens: the file, the set in force, its reload (tokens.h). */
 #include "tokens.h"
 
+#include "file_read.h"
 #include "log.h"
 #include "mem.h"
+#include "yaml_load.h"
 
 #include <errno.h>
 #include <openssl/crypto.h>
@@ -263,26 +265,22 @@ static enum cf_status parse_root(yaml_document_t *doc, const char *file, struct 
 enum cf_status tokens_parse(const char *text, size_t len, const char *file, struct token_set **out,
                             struct cf_error *err)
 {
-    yaml_parser_t parser;
     yaml_document_t doc;
-    enum cf_status rc;
+    const char *problem;
+    size_t line;
     struct token_set *set = mem_alloc(sizeof(*set));
     *out = NULL;
-    yaml_parser_initialize(&parser);
-    yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
-    if (!yaml_parser_load(&parser, &doc)) {
-        const char *problem = parser.problem ? parser.problem : "invalid YAML";
+    enum cf_status rc = yaml_load(text, len, &doc, &problem, &line);
+    if (rc != CF_OK) {
         /* what libyaml says of a bare * (an alias without a name) */
         bool alias = strstr(problem, "alphabetic or numeric") != NULL;
-        rc = cf_error_set(err, CF_INVALID, "%s:%zu: %s%s", file, parser.problem_mark.line + 1,
-                          problem, alias ? " (any agent is \"*\", in quotes)" : "");
-        yaml_parser_delete(&parser);
+        rc = cf_error_set(err, CF_INVALID, "%s:%zu: %s%s", file, line + 1, problem,
+                          alias ? " (any agent is \"*\", in quotes)" : "");
         tokens_set_free(set);
         return rc;
     }
     rc = parse_root(&doc, file, set, err);
     yaml_document_delete(&doc);
-    yaml_parser_delete(&parser);
     if (rc != CF_OK) {
         tokens_set_free(set);
         return rc;
@@ -303,26 +301,16 @@ static uint64_t fingerprint(const char *path)
     return ids_hash64_more(IDS_HASH64_INIT, v, sizeof(v));
 }
 
-/* load reads and parses path. */
+/* load reads and parses path (a FIFO or a device is refused, never waited on). */
 static enum cf_status load(const char *path, struct token_set **out, struct cf_error *err)
 {
-    FILE *f = fopen(path, "r");
-    if (!f) {
-        return cf_error_set(err, CF_IO, "%s: cannot open the token file: %s", path,
-                            strerror(errno));
+    char *text;
+    size_t n;
+    enum cf_status rc = file_read_regular(path, TOKENS_FILE_MAX, false, &text, &n, err);
+    if (rc != CF_OK) {
+        return rc;
     }
-    char *text = mem_alloc(TOKENS_FILE_MAX + 1);
-    size_t n = fread(text, 1, TOKENS_FILE_MAX + 1, f);
-    bool failed = ferror(f);
-    fclose(f);
-    enum cf_status rc;
-    if (failed) {
-        rc = cf_error_set(err, CF_IO, "%s: cannot read the token file", path);
-    } else if (n > TOKENS_FILE_MAX) {
-        rc = cf_error_set(err, CF_INVALID, "%s: larger than %d bytes", path, TOKENS_FILE_MAX);
-    } else {
-        rc = tokens_parse(text, n, path, out, err);
-    }
+    rc = tokens_parse(text, n, path, out, err);
     free(text);
     return rc;
 }

@@ -385,7 +385,7 @@ class AgentdAuthTest(unittest.TestCase):
              'tokens.yaml:2', 'name'),
             ('top level', 'token:\n  - name: x\n', 'tokens.yaml:1', 'unknown key'),
             ('not yaml', 'tokens: [\n', 'tokens.yaml:', ''),
-            ('missing', None, 'tokens.yaml', 'cannot open'),
+            ('missing', None, 'tokens.yaml', 'cannot read'),
         ]
         for what, text, where, word in cases:
             d = tempfile.mkdtemp(dir=self.dir)

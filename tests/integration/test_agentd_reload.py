@@ -350,6 +350,29 @@ class ReloadTest(AgentdCase):
         info = [a for a in self.ad.list_all_agents() if a.name == 'steady'][0]
         self.assertEqual(info.description, 'Mended.')
 
+    def test_a_fifo_or_deep_brackets_are_refused_at_once(self):
+        """A FIFO named like a definition hung the reload in open() (no later reload ran,
+        SIGTERM waited on it); a frontmatter of brackets nested 200,000 deep held the reload
+        in libyaml for minutes. Both are refused at once, the definitions in force kept."""
+        self.write('calm', agent_md('calm', 'Stay calm.'))
+        self.wait_reload(self.reloads(), hup=True)
+        fifo = os.path.join(self.stack.agents_dir, 'pipe.md')
+        os.mkfifo(fifo)
+        try:
+            failed = self.reloads('agents_reload_failed')
+            self.wait_reload(failed, event='agents_reload_failed', hup=True)
+            self.assertIn('pipe.md: not a regular file', self.ad.stderr_text())
+        finally:
+            os.unlink(fifo)
+        failed = self.reloads('agents_reload_failed')
+        started = time.monotonic()
+        self.write('deep', '---\nname: deep\ndescription: x\nagents: ' + '[' * 200000 + '\n---\n')
+        self.wait_reload(failed, event='agents_reload_failed', hup=True)
+        self.assertLess(time.monotonic() - started, 10)
+        self.assertIn('nest more than 64 deep', self.ad.stderr_text())
+        os.unlink(os.path.join(self.stack.agents_dir, 'deep.md'))
+        self.submit('calm', new_conv('calm'), [role('calm', text='still calm')])
+
 
 if __name__ == '__main__':
     unittest.main()

@@ -2,7 +2,9 @@
  * declared skills loaded from a directory with their supporting files. */
 #include "../check.h"
 
+#include "mem.h"
 #include "skills.h"
+#include "yaml_load.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -124,6 +126,29 @@ static void test_invalid(void)
             "allowed-tools must be a string");
 }
 
+/* Brackets nested past YAML_FLOW_DEPTH_MAX are refused before libyaml sees them (whose time
+ * is quadratic in the depth: 1 MiB of "[" took minutes); as deep as allowed still parses. */
+static void test_deep_brackets(void)
+{
+    size_t n = 1 << 20;
+    char *text = mem_alloc(n + 64);
+    struct skill s;
+    int len = snprintf(text, n + 64, "---\nname: a\ndescription: d\nx: ");
+    memset(text + len, '[', n - (size_t)len);
+    snprintf(text + n, 64, "\n---\n");
+    CHECK(skill_parse(text, strlen(text), "SKILL.md", "a", &s, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "nest more than 64 deep") != NULL);
+    len = snprintf(text, n + 64, "---\nname: a\ndescription: d\nx: ");
+    for (int i = 0; i < YAML_FLOW_DEPTH_MAX; i++) {
+        text[len + i] = '[';
+        text[len + YAML_FLOW_DEPTH_MAX + i] = ']';
+    }
+    snprintf(text + len + 2 * YAML_FLOW_DEPTH_MAX, 64, "\n---\nbody\n");
+    CHECK(skill_parse(text, strlen(text), "SKILL.md", "a", &s, &err) == CF_OK);
+    skill_free(&s);
+    free(text);
+}
+
 static void put(const char *path, const char *text)
 {
     FILE *f = fopen(path, "w");
@@ -197,5 +222,6 @@ int main(void)
     test_valid();
     test_invalid();
     test_load();
+    test_deep_brackets();
     return check_done("test_skills");
 }

@@ -1,5 +1,5 @@
 /* Unit tests of common/: status table, bounded buffers, ids, config and daemon options, UTF-8,
- * arena, log quoting, base64, image bounds, timed waits. */
+ * arena, log quoting, base64, image bounds, timed waits, bounded file reads. */
 #include "../check.h"
 
 #include "arena.h"
@@ -9,6 +9,7 @@
 #include "config.h"
 #include "daemon.h"
 #include "errinfo.h"
+#include "file_read.h"
 #include "ids.h"
 #include "image.h"
 #include "log.h"
@@ -25,6 +26,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -657,6 +659,42 @@ static void test_image(void)
     CHECK(image_refusal("image/gif", 1, 1, IMAGE_RESULT_BYTES_MAX - 1) == NULL);
 }
 
+/* file_read_regular: whole files within the bound; a FIFO refused at once (opening one to
+ * read waits for a writer); a file past the bound, a link with nofollow, a missing file. */
+static void test_file_read(void)
+{
+    char dir[] = "/tmp/cflue-file-read-XXXXXX", path[256], link[256];
+    struct cf_error err;
+    char *data;
+    size_t len;
+    CHECK(mkdtemp(dir) != NULL);
+    snprintf(path, sizeof(path), "%s/f.md", dir);
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL);
+    fputs("0123456789", f);
+    fclose(f);
+    CHECK(file_read_regular(path, 10, true, &data, &len, &err) == CF_OK);
+    CHECK(len == 10 && !strcmp(data, "0123456789"));
+    free(data);
+    CHECK(file_read_regular(path, 9, true, &data, &len, &err) == CF_TOOBIG && data == NULL);
+    CHECK(strstr(err.msg, "larger than 9 bytes") != NULL);
+    snprintf(link, sizeof(link), "%s/l.md", dir);
+    CHECK(symlink(path, link) == 0);
+    CHECK(file_read_regular(link, 64, false, &data, &len, &err) == CF_OK && len == 10);
+    free(data);
+    CHECK(file_read_regular(link, 64, true, &data, &len, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "symbolic link") != NULL);
+    unlink(link);
+    CHECK(mkfifo(link, 0600) == 0);
+    CHECK(file_read_regular(link, 64, false, &data, &len, &err) == CF_INVALID);
+    CHECK(strstr(err.msg, "not a regular file") != NULL);
+    CHECK(file_read_regular(dir, 64, false, &data, &len, &err) == CF_INVALID);
+    unlink(link);
+    CHECK(file_read_regular(link, 64, false, &data, &len, &err) == CF_NOT_FOUND);
+    unlink(path);
+    rmdir(dir);
+}
+
 int main(void)
 {
     test_status();
@@ -676,5 +714,6 @@ int main(void)
     test_clock_wait();
     test_base64();
     test_image();
+    test_file_read();
     return check_done("test_common");
 }
