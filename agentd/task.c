@@ -224,6 +224,12 @@ static void retry_or_fault(struct task_call *tc, const char *what, const struct 
 
 /* ---------- admission ---------- */
 
+/* task_record_id names the task_started record of call call_id of d's turn. */
+static void task_record_id(const struct drive *d, const char *call_id, char *id, size_t size)
+{
+    snprintf(id, size, "task:%s:%d:%s", d->sub->submission_id, d->turn, call_id);
+}
+
 static void admit_send(struct task_call *tc)
 {
     struct drive *d = tc->d;
@@ -299,7 +305,7 @@ static void admitted(struct task_call *tc, Cflue__V1__AdmitResponse *r)
         return;
     }
     char id[600];
-    snprintf(id, sizeof(id), "task:%s:%d:%s", d->sub->submission_id, d->turn, tc->call_id);
+    task_record_id(d, tc->call_id, id, sizeof(id));
     if (!rlog_find(&d->log, id)) {
         Cflue__V1__TaskStarted ts = CFLUE__V1__TASK_STARTED__INIT;
         ts.turn = d->turn;
@@ -353,7 +359,10 @@ static json_t *check_call(struct drive *d, int index, const struct llm_call *c)
         return NULL;
     }
     const char *name = json_string_value(agent);
-    bool declared = false;
+    char id[600];
+    task_record_id(d, c->id, id, sizeof(id));
+    /* a call an earlier attempt started is followed whatever the definitions say now */
+    bool declared = rlog_find(&d->log, id) != NULL;
     for (size_t i = 0; i < d->agent->n_subagents; i++) {
         declared = declared || !strcmp(d->agent->subagents[i], name);
     }

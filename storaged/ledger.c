@@ -478,10 +478,10 @@ static enum cf_status insert_records(struct ledger_ctx *c, const char *conv,
 
 /* ---------- admission ---------- */
 
-/* where_reached packs a delegated admission's payload without where its parent's sandbox is
- * reached (Delegation.sandbox_tools and .sandbox_placement): NULL when it has no delegation or
- * does not unpack. */
-static uint8_t *where_reached(struct ledger_ctx *c, const uint8_t *payload, size_t len,
+/* call_identity packs a delegated admission's payload without what its parent's definitions
+ * and placement decide (Delegation.sandbox_tools, .sandbox_placement, .sandbox, .model and
+ * .sandbox_limits): NULL when it has no delegation or does not unpack. */
+static uint8_t *call_identity(struct ledger_ctx *c, const uint8_t *payload, size_t len,
                               size_t *len_out)
 {
     Cflue__V1__AdmitRequest *r = (Cflue__V1__AdmitRequest *)protobuf_c_message_unpack(
@@ -491,6 +491,9 @@ static uint8_t *where_reached(struct ledger_ctx *c, const uint8_t *payload, size
     }
     r->delegation->sandbox_tools = "";
     r->delegation->sandbox_placement = "";
+    r->delegation->sandbox = "";
+    r->delegation->model = "";
+    r->delegation->sandbox_limits = NULL;
     *len_out = protobuf_c_message_get_packed_size(&r->base);
     uint8_t *buf = arena_alloc(c->arena, *len_out + 1);
     protobuf_c_message_pack(&r->base, buf);
@@ -498,10 +501,11 @@ static uint8_t *where_reached(struct ledger_ctx *c, const uint8_t *payload, size
 }
 
 /* same_admission: a stored payload and a request's (canonical_payload) are the same
- * admission. A delegated one is the same task call whatever address its parent's sandbox is
- * reached at: that may change between the parent's attempts (its replica given up, an agentd
- * of another version or with reloaded definitions), and a retry of the call must find its
- * child, not a conflict. */
+ * admission. A delegated one is the same task call (its parent, call, agent, message and
+ * working directory) whatever its parent's definitions and placement say now: its sandbox's
+ * address, name and limits and its model may change between the parent's attempts (its replica
+ * given up, an agentd of another version, definitions reloaded), and a retry of the call must
+ * find its child, not a conflict (the child keeps what it was admitted with). */
 static bool same_admission(struct ledger_ctx *c, const void *stored, size_t stored_len,
                            const uint8_t *payload, size_t payload_len)
 {
@@ -509,8 +513,8 @@ static bool same_admission(struct ledger_ctx *c, const void *stored, size_t stor
         return true;
     }
     size_t a_len = 0, b_len = 0;
-    const uint8_t *a = where_reached(c, stored, stored_len, &a_len);
-    const uint8_t *b = a ? where_reached(c, payload, payload_len, &b_len) : NULL;
+    const uint8_t *a = call_identity(c, stored, stored_len, &a_len);
+    const uint8_t *b = a ? call_identity(c, payload, payload_len, &b_len) : NULL;
     return b && a_len == b_len && !memcmp(a, b, a_len);
 }
 

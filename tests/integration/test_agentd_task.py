@@ -17,7 +17,6 @@ cannot be submitted to directly.
 
 import json
 import os
-import sys
 import time
 import unittest
 
@@ -227,7 +226,7 @@ class ChainTest(TaskCase):
         sub = self.wait_settled(sid, timeout=90)
         self.assertEqual(sub.outcome, COMPLETED, sub)
         # walk down: depths 1..4 exist, and the depth-4 child's own task call was refused
-        c, depth, last_conv = conv, 0, None
+        c, depth = conv, 0
         while True:
             started = self.children(c)
             if not started:
@@ -235,7 +234,7 @@ class ChainTest(TaskCase):
             [s] = started
             depth += 1
             self.assertEqual(s.depth, depth)
-            last_conv, c = c, s.child_conversation_id
+            c = s.child_conversation_id
         self.assertEqual(depth, 4)
         [refused] = self.task_results(c)
         self.assertTrue(refused.is_error, refused)
@@ -328,6 +327,55 @@ class CrashTest(TaskCase):
         self.assertGreaterEqual(csub.attempt_count, 2)
         settled = [r for r in self.records(child_conv) if kind(r) == 'submission_settled']
         self.assertEqual(len(settled), 1)
+
+
+class ReloadedBetweenAttemptsTest(TaskCase):
+    def test_a_child_started_before_is_followed_whatever_the_definitions_say_now(self):
+        """The lead's definition changes while agentd is down (another model, and the scout
+        no longer among its subagents): the resumed lead's Admit of the same call was refused
+        as an IDEMPOTENCY_CONFLICT (its delegation named the new model), or the call as naming
+        no subagent; the model heard the task "could not be started" while the child ran on
+        unobserved. The resumed lead follows the child it started."""
+        path = os.path.join(self.stack.agents_dir, 'task-lead.md')
+        with open(path) as f:
+            original = f.read()
+        conv = new_conv('rebound')
+        self.workspace(conv)
+        self.fm.set_scenario([
+            role('lead', tool_calls=[task_call('task-scout', 'Survive a reload.')]),
+            role('scout', delay_ms=4000, text='the answer before the crash'),
+            role('scout', text='the answer after the crash'),
+            role('lead', match={'last_user_contains': 'the answer after the crash'},
+                 text='The scout was followed.'),
+        ])
+        sid = self.ad.submit('task-lead', 'Delegate, then change.',
+                             conversation_id=conv).submission_id
+        started = self.wait_for('the child to be admitted', lambda: self.children(conv),
+                                timeout=20)[0]
+        self.wait_for('the child to ask the model',
+                      lambda: [e for e in self.fm.requests()
+                               if 'ROLE scout.' in request_system(e)], timeout=20)
+        self.ad.kill()
+        try:
+            with open(path, 'w') as f:
+                f.write(original.replace('model: anthropic/claude-test-1',
+                                         'model: anthropic/claude-test-2').replace(
+                    'agents: [task-helper, task-scout, task-deep]',
+                    'agents: [task-helper, task-deep]'))
+            self.ad.start()
+            sub = self.wait_settled(sid, timeout=60)
+        finally:
+            with open(path, 'w') as f:
+                f.write(original)
+            self.ad.kill()
+            self.ad.start()
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        [res] = self.task_results(conv, sid)
+        self.assertFalse(res.is_error, res)
+        self.assertEqual(res.text, 'the answer after the crash')
+        self.assertEqual(self.final_text(conv, sid), 'The scout was followed.')
+        self.assertEqual({s.child_submission_id for s in self.children(conv)},
+                         {started.child_submission_id})
 
 
 class StoreOutageTest(TaskCase):

@@ -198,8 +198,9 @@ class AdmitTest(DelegationCase):
 
     def test_a_retry_reaching_the_sandbox_elsewhere_finds_its_child(self):
         """Where the parent's sandbox is reached may change between the parent's attempts (its
-        replica given up, an agentd of another version): the task call is the same, and its
-        retry finds the child admitted first, as it was admitted."""
+        replica given up, an agentd of another version), and what its definitions say (its
+        sandbox's name, limits, model: reloaded): the task call is the same, and its retry
+        finds the child admitted first, as it was admitted."""
         parent, _ = self.running()
         a = self.delegate(parent, key='task:call_9', sandbox_tools='toold-0.toold:7102',
                           sandbox='sb', sandbox_placement='dns:toold:7102')
@@ -210,13 +211,16 @@ class AdmitTest(DelegationCase):
         self.assertEqual(b.submission.submission_id, a.submission.submission_id)
         self.assertEqual(b.submission.delegation.sandbox_placement, 'dns:toold:7102')
         self.assertEqual(b.submission.delegation.sandbox_tools, 'toold-0.toold:7102')
-        # another sandbox, or another directory of it, is another admission
-        for kw in (dict(sandbox='other'), dict(sandbox='sb', cwd='pkg')):
-            with self.subTest(kw):
-                e = self.assertRpcError(ALREADY_EXISTS, self.delegate, parent,
-                                        key='task:call_9', sandbox_tools='toold-0.toold:7102',
-                                        sandbox_placement='dns:toold:7102', **kw)
-                self.assertEqual(error_reason(e), 'IDEMPOTENCY_CONFLICT')
+        c = self.delegate(parent, key='task:call_9', sandbox_tools='toold-0.toold:7102',
+                          sandbox='renamed', model='anthropic/other')
+        self.assertTrue(c.deduplicated)
+        self.assertEqual(c.submission.submission_id, a.submission.submission_id)
+        self.assertEqual(c.submission.delegation.sandbox, 'sb')
+        # another directory (the call's own argument) is another admission
+        e = self.assertRpcError(ALREADY_EXISTS, self.delegate, parent, key='task:call_9',
+                                sandbox_tools='toold-0.toold:7102',
+                                sandbox_placement='dns:toold:7102', sandbox='sb', cwd='pkg')
+        self.assertEqual(error_reason(e), 'IDEMPOTENCY_CONFLICT')
         self.assertEqual(len(list_all(self.stub)), 2)
 
     def test_child_of_a_stopped_parent_is_admitted_with_an_abort_intent(self):
