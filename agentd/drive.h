@@ -670,6 +670,9 @@ const char *narrate_skill_description(const struct drive *d, const char *name);
 /* The depth below which a drive may still delegate: a `task` call made at this depth fails
  * with delegation_depth_exceeded. */
 #define TASK_DEPTH_MAX 4
+/* The most `task` calls one answer starts (the first, in the answer's order); each one past
+ * it gets an error result. With the depth bound, a tree of work stays within bounds. */
+#define TASK_CALLS_MAX 16
 
 /* task_is_framework: name is a tool agentd runs itself (never sent to a tool server). */
 bool task_is_framework(const char *name);

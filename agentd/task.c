@@ -546,12 +546,24 @@ bool task_start(struct drive *d, const struct llm_response *resp)
     struct task_wait *tw = &d->tasks;
     tw->calls = mem_alloc(sizeof(*tw->calls) * (resp->n_calls + 1));
     tw->n = 0;
+    int tasks = 0; /* the answer's task calls so far, whether run before or not */
     for (size_t i = 0; i < resp->n_calls && d->fault.code == CF_OK; i++) {
         const struct llm_call *c = &resp->calls[i];
         char id[600];
+        bool is_task = !strcmp(c->name, TASK_TOOL);
+        tasks += is_task;
         context_tool_result_id(id, sizeof(id), d->sub->submission_id, d->turn, c->id);
         if (!task_is_framework(c->name) || rlog_find(&d->log, id)) {
             continue; /* not agentd's, or run before (a resumed turn) */
+        }
+        if (is_task && tasks > TASK_CALLS_MAX) {
+            char text[256];
+            snprintf(text, sizeof(text),
+                     "The task was not started: one answer may start at most %d tasks. Start "
+                     "the rest in a later turn, once these have answered.",
+                     TASK_CALLS_MAX);
+            refuse(d, (int)i, c->id, text, true); /* the first ones, by their order, run */
+            continue;
         }
         const struct skill *in_sandbox = skill_tools_in_sandbox(d, c);
         if (in_sandbox) {

@@ -251,6 +251,31 @@ class ParallelTest(TaskCase):
                         'two 1.5 s children took as long as running one after the other')
 
 
+class FanOutTest(TaskCase):
+    def test_one_answer_starts_at_most_16_tasks(self):
+        """An answer of 18 task calls: every one made a child (a hostile model's 4,096 calls
+        made 4,096, each with its own copy of the attachments); the first 16 run, the last two
+        get an error result."""
+        conv = new_conv('fanout')
+        self.workspace(conv)
+        self.fm.set_scenario(
+            [role('lead', tool_calls=[task_call('task-scout', 'Part %d.' % i)
+                                      for i in range(18)])]
+            + [role('scout', text='part done') for _ in range(16)]
+            + [role('lead', text='Sixteen parts done.')])
+        sid = self.ad.submit('task-lead', 'Fan out.', conversation_id=conv).submission_id
+        sub = self.wait_settled(sid, timeout=120)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        self.assertEqual(len(self.children(conv)), 16)
+        results = {r.index: r for r in self.task_results(conv, sid)}
+        self.assertEqual(sorted(results), list(range(18)))
+        for i in range(16):
+            self.assertEqual((results[i].is_error, results[i].text), (False, 'part done'))
+        for i in (16, 17):
+            self.assertTrue(results[i].is_error)
+            self.assertIn('at most 16 tasks', results[i].text)
+
+
 class OtherReplicaTest(TaskCase):
     """Children left to the ledger are driven by whichever agentd claims them: here agentd0 has
     one drive slot (held by the parent), so a second agentd runs both children."""
