@@ -826,6 +826,7 @@ static enum drive_state step_tools_wait(struct drive *d)
     (void)dstore_writes_done(d); /* first: a write that failed halts the batch now */
     bool batch_over = !d->tw.running || tools_poll(d);
     bool tasks_over = task_poll(d);
+    engine_on_children(d, batch_over && !tasks_over);
     if (!batch_over || !tasks_over) {
         if (!tasks_over || !tools_all_answered(d)) {
             dstore_write_behind(d);

@@ -214,6 +214,8 @@ struct engine_link {
     bool running;                   /* an engine thread is stepping it */
     bool again;                     /* posted while running: step it again */
     int64_t resume_ms;              /* the backoff before claiming it again if it is interrupted */
+    bool on_children;               /* parked on its task children: not counted against
+                                     * --max-drives (engine_on_children) */
 };
 
 struct drive {

@@ -75,6 +75,7 @@ static struct engine {
     struct engine_queue timers; /* drives with a timer, the earliest first */
     int64_t admitted;           /* drives ever admitted: the ready queue's key */
     long long live;             /* drives admitted and not yet freed */
+    long long on_children;      /* of those, parked on their task children */
     bool claimer_done;          /* the claimer exited: no drive is admitted any more */
     bool stopping;              /* engine_stop was called (g_agentd.stopping, under eng.mu) */
     bool draining;              /* engine_drain: nothing new is claimed here */
@@ -485,12 +486,33 @@ static void admit(Cflue__V1__ClaimResponse *cl, int64_t resume_ms)
     pthread_mutex_unlock(&g_agentd.mu);
 }
 
+/* full_locked: --max-drives drives are live, those on their children aside. */
+static bool full_locked(void)
+{
+    return eng.live - eng.on_children >= engine_max_drives;
+}
+
 bool engine_has_room(void)
 {
     pthread_mutex_lock(&eng.mu);
-    bool room = eng.live < engine_max_drives && !eng.stopping && !eng.draining;
+    bool room = !full_locked() && eng.live < ACTIVE_MAX && !eng.stopping && !eng.draining;
     pthread_mutex_unlock(&eng.mu);
     return room;
+}
+
+void engine_on_children(struct drive *d, bool waiting)
+{
+    pthread_mutex_lock(&eng.mu);
+    bool was_full = full_locked();
+    if (d->eng.on_children != waiting) {
+        d->eng.on_children = waiting;
+        eng.on_children += waiting ? 1 : -1;
+    }
+    bool freed = was_full && !full_locked();
+    pthread_mutex_unlock(&eng.mu);
+    if (freed) {
+        agentd_wake(); /* room for one more: the claimer waits for it */
+    }
 }
 
 void engine_claim_with_admit(Cflue__V1__AdmitRequest *ar, struct engine_admit_claim *c)
@@ -610,9 +632,11 @@ static void retire(struct drive *d)
         hold_locked(&held);
     }
     pthread_mutex_unlock(&eng.mu);
+    engine_on_children(d, false);
     drive_free(d); /* its slot goes first: nothing posts it afterwards */
     pthread_mutex_lock(&eng.mu);
-    bool was_full = eng.live-- >= engine_max_drives;
+    bool was_full = full_locked();
+    eng.live--;
     pthread_mutex_unlock(&eng.mu);
     if (was_full) {
         agentd_wake(); /* room for one more: the claimer waits for it */

@@ -53,8 +53,16 @@ void engine_join(void);
  * leases run out as before. */
 void engine_release_leases(void);
 
-/* engine_has_room: fewer than --max-drives drives are live and the engine is not stopping. */
+/* engine_has_room: fewer than --max-drives drives are live (those waiting on their task
+ * children aside: engine_on_children), fewer than ACTIVE_MAX in all, and the engine is not
+ * stopping. */
 bool engine_has_room(void);
+/* engine_on_children says whether drive d waits on its task children (with nothing else it
+ * could go on with meanwhile). Such a drive holds no --max-drives slot: a parent waiting on
+ * children that need slots of their own would otherwise hold the one they need, and parents
+ * filling every slot would stall the agentd until their time limits. */
+struct drive;
+void engine_on_children(struct drive *d, bool waiting);
 
 /* What an Admit carries to claim the admitted submission for this process too. */
 struct engine_admit_claim {

@@ -407,7 +407,8 @@ int main(int argc, char **argv)
         CONFIG_OPT_INT("workers", &o.workers, 1, 1024,
                        "engine threads that step drives (a drive waiting on the model holds none)"),
         CONFIG_OPT_INT("max-drives", &engine_max_drives, 1, ACTIVE_MAX,
-                       "submissions in flight at once"),
+                       "submissions in flight at once (not counting those waiting on their "
+                       "task children)"),
         CONFIG_OPT_INT("lease-ms", &o.lease_ms, 500, 3600000, "lease on claimed work"),
         CONFIG_OPT_INT("heartbeat-ms", &o.heartbeat_ms, 100, 3600000, "lease renewal interval"),
         CONFIG_OPT_INT("model-timeout-ms", &o.model_timeout, 1000, 3600000, "one model call"),
