@@ -76,6 +76,8 @@ static struct engine {
     int64_t admitted;           /* drives ever admitted: the ready queue's key */
     long long live;             /* drives admitted and not yet freed */
     long long on_children;      /* of those, parked on their task children */
+    long long claiming;         /* Admits in flight that claim for this process: each may
+                                 * bring a drive, so each holds a slot until it ends */
     bool claimer_done;          /* the claimer exited: no drive is admitted any more */
     bool stopping;              /* engine_stop was called (g_agentd.stopping, under eng.mu) */
     bool draining;              /* engine_drain: nothing new is claimed here */
@@ -486,18 +488,42 @@ static void admit(Cflue__V1__ClaimResponse *cl, int64_t resume_ms)
     pthread_mutex_unlock(&g_agentd.mu);
 }
 
-/* full_locked: --max-drives drives are live, those on their children aside. */
+/* full_locked: --max-drives drives are live or on their way (claiming Admits), those on their
+ * children aside. */
 static bool full_locked(void)
 {
-    return eng.live - eng.on_children >= engine_max_drives;
+    return eng.live + eng.claiming - eng.on_children >= engine_max_drives;
+}
+
+/* room_locked: engine_has_room, eng.mu held. */
+static bool room_locked(void)
+{
+    return !full_locked() && eng.live + eng.claiming < ACTIVE_MAX && !eng.stopping && !eng.draining;
 }
 
 bool engine_has_room(void)
 {
     pthread_mutex_lock(&eng.mu);
-    bool room = !full_locked() && eng.live < ACTIVE_MAX && !eng.stopping && !eng.draining;
+    bool room = room_locked();
     pthread_mutex_unlock(&eng.mu);
     return room;
+}
+
+/* claim_ended gives back the slot a claiming Admit held (ticket 0: it claimed nothing); the
+ * claimer is woken when that leaves room (the Admit brought no drive). */
+static void claim_ended(uint64_t ticket)
+{
+    if (!ticket) {
+        return;
+    }
+    pthread_mutex_lock(&eng.mu);
+    bool was_full = full_locked();
+    eng.claiming--;
+    bool freed = was_full && !full_locked();
+    pthread_mutex_unlock(&eng.mu);
+    if (freed) {
+        agentd_wake();
+    }
 }
 
 void engine_on_children(struct drive *d, bool waiting)
@@ -519,7 +545,11 @@ void engine_claim_with_admit(Cflue__V1__AdmitRequest *ar, struct engine_admit_cl
 {
     cflue__v1__claim_request__init(&c->claim);
     google__protobuf__duration__init(&c->lease);
-    if (engine_has_room()) {
+    pthread_mutex_lock(&eng.mu);
+    bool room = room_locked();
+    eng.claiming += room; /* held until the Admit ends: a burst of them cannot pass the bound */
+    pthread_mutex_unlock(&eng.mu);
+    if (room) {
         c->claim.owner_id = (char *)g_agentd.owner_id;
         pbdur_set(&c->lease, g_agentd.lease_ms);
         c->claim.lease_duration = &c->lease;
@@ -560,6 +590,7 @@ static bool taken_in(Cflue__V1__AdmitResponse *r)
 bool engine_admitted(uint64_t ticket, Cflue__V1__AdmitResponse *r)
 {
     bool here = taken_in(r);
+    claim_ended(ticket); /* its drive, if any, is live now */
     /* after: its drive, if any, is known here now; a take-back waiting for it is due */
     if (admit_gate_leave(&admits, ticket)) {
         agentd_wake();
@@ -570,6 +601,7 @@ bool engine_admitted(uint64_t ticket, Cflue__V1__AdmitResponse *r)
 void engine_admit_unanswered(uint64_t ticket, enum cf_status code)
 {
     bool lost = ticket && code == CF_UNAVAILABLE;
+    claim_ended(ticket);
     if (lost) {
         atomic_store(&claims_unanswered, true);
     }

@@ -301,6 +301,25 @@ class FewDrivesTest(TaskCase):
         self.assertEqual([r.text for r in self.task_results(conv, sid)], ['helper answer'] * 2)
         self.assertEqual(self.final_text(conv, sid), 'Both halves done.')
 
+    def test_claiming_admits_hold_their_slots(self):
+        """Four task calls in one answer: each Admit claimed its child while the room was
+        checked before any of them was answered, so all four did, past --max-drives. Each
+        claiming Admit holds a slot until it ends: the lead's Submit claims the lead, one
+        Admit its child, and the other three children wait for a claimer."""
+        conv = new_conv('slots')
+        self.workspace(conv)
+        self.fm.set_scenario(
+            [role('lead', tool_calls=[task_call('task-scout', 'Part %d.' % i)
+                                      for i in range(4)])]
+            + [role('scout', text='part done') for _ in range(4)]
+            + [role('lead', text='Four parts done.')])
+        before = self.ad.stderr_text().count('at=admit')
+        sid = self.ad.submit('task-lead', 'Four parts.', conversation_id=conv).submission_id
+        sub = self.wait_settled(sid, timeout=60)
+        self.assertEqual(sub.outcome, COMPLETED, sub)
+        self.assertEqual(len(self.children(conv)), 4)
+        self.assertEqual(self.ad.stderr_text().count('at=admit') - before, 2)
+
 
 class OtherReplicaTest(TaskCase):
     """Children left to the ledger are driven by whichever agentd claims them: here agentd0 has
