@@ -600,7 +600,7 @@ bool engine_admitted(uint64_t ticket, Cflue__V1__AdmitResponse *r)
 
 void engine_admit_unanswered(uint64_t ticket, enum cf_status code)
 {
-    bool lost = ticket && code == CF_UNAVAILABLE;
+    bool lost = ticket && (code == CF_UNAVAILABLE || code == CF_CANCELLED); /* unknown end */
     claim_ended(ticket);
     if (lost) {
         atomic_store(&claims_unanswered, true);

@@ -88,8 +88,8 @@ bool engine_admitted(uint64_t ticket, Cflue__V1__AdmitResponse *r);
 
 /* engine_admit_unanswered ends ticket for an Admit that ended without its answer (code: how,
  * as store_status gave it), or whose answer is dropped unread. One that had a claim and may
- * have committed it (CF_UNAVAILABLE: lost, or past its deadline) makes the claimer take this
- * owner's undriven work back, as after an unanswered Claim. */
+ * have committed it (CF_UNAVAILABLE: lost, or past its deadline; CF_CANCELLED) makes the claimer
+ * take this owner's undriven work back, as after an unanswered Claim. */
 void engine_admit_unanswered(uint64_t ticket, enum cf_status code);
 
 /* engine_post makes d ready: an engine thread steps it (drive_run) soon. Thread-safe and

@@ -684,7 +684,9 @@ static void poll_admit(struct task_call *tc)
     tc->admit_ticket = 0;
     if (drive_halted(tc->d)) {
         tc->done = true;
-    } else if (drive_transient(e.code)) {
+    } else if (drive_transient(e.code) || e.code == CF_CANCELLED) {
+        /* cancelled by storaged (a stop past its grace): it may have committed, so the same
+         * Admit again, which finds the child if it did */
         retry_or_fault(tc, "admitting a subagent's task failed", &e);
     } else {
         /* refused for good: the model hears why; nothing was admitted */
