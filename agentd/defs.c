@@ -15,7 +15,9 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#define WALK_DEPTH_MAX 6     /* directory levels under skills/ looked at for changes */
+/* directory levels under skills/ looked at for changes: a skill's directory, and every level
+ * of supporting files below it that skills.c reads */
+#define WALK_DEPTH_MAX (SKILL_DEPTH_MAX + 1)
 #define WALK_FILES_MAX 10000 /* files looked at for changes */
 
 static struct {

@@ -19,7 +19,6 @@
 #include <unistd.h>
 #include <yaml.h>
 
-#define SKILL_DEPTH_MAX 8 /* directory levels of supporting files */
 
 /* ---------- the frontmatter ---------- */
 

@@ -30,6 +30,7 @@
 #define SKILL_DESCRIPTION_MAX 1024  /* Unicode characters */
 #define SKILL_COMPATIBILITY_MAX 500 /* Unicode characters */
 #define SKILL_FILE_MAX (1 << 20)    /* bytes of SKILL.md, and of one supporting file */
+#define SKILL_DEPTH_MAX 8           /* directory levels of a skill's supporting files */
 #define SKILL_FILES_MAX 256         /* supporting files of one skill */
 
 /* One supporting file of a skill (not SKILL.md). */

@@ -373,6 +373,25 @@ class ReloadTest(AgentdCase):
         os.unlink(os.path.join(self.stack.agents_dir, 'deep.md'))
         self.submit('calm', new_conv('calm'), [role('calm', text='still calm')])
 
+    def test_an_edit_deep_in_a_skill_is_picked_up(self):
+        """A declared skill's supporting file 8 levels below its directory (the deepest a
+        skill may have) was read at a reload, but the watch looked 6 levels deep: editing it
+        reloaded nothing until a SIGHUP."""
+        deep = os.path.join(self.stack.agents_dir, 'skills', 'deepskill', *'abcdefgh')
+        os.makedirs(deep)
+        with open(os.path.join(self.stack.agents_dir, 'skills', 'deepskill', 'SKILL.md'),
+                  'w') as f:
+            f.write('---\nname: deepskill\ndescription: Deep.\n---\nRead the notes.\n')
+        with open(os.path.join(deep, 'notes.md'), 'w') as f:
+            f.write('first\n')
+        self.write('deepuser', agent_md('deepuser', 'Use skills.').replace(
+            'durability:', 'skills: [deepskill]\ndurability:'))
+        self.wait_reload(self.reloads(), hup=True)
+        before = self.reloads()
+        with open(os.path.join(deep, 'notes.md'), 'w') as f:
+            f.write('second, longer\n')
+        self.wait_reload(before)  # the watch, no SIGHUP
+
 
 if __name__ == '__main__':
     unittest.main()
