@@ -1167,7 +1167,7 @@ enum cf_status ledger_extend_leases(struct ledger_ctx *c, int64_t since_ms, int6
 
 /* stamp_input does MarkInputApplied's work on row, read through its fence in this transaction:
  * stamps the input applied and installs req's budgets (first stamp only; req's own fence is
- * not read). The row must be running; on success *row is as stamped. */
+ * not read). The row must be running; on success it is read again after the stamp. */
 static enum cf_status stamp_input(struct ledger_ctx *c,
                                   const Cflue__V1__MarkInputAppliedRequest *req,
                                   Cflue__V1__Submission *row, struct cf_error *err)
@@ -1176,7 +1176,7 @@ static enum cf_status stamp_input(struct ledger_ctx *c,
         "UPDATE submissions SET input_applied_at = COALESCE(input_applied_at, ?1), "
         "max_attempts = CASE WHEN input_applied_at IS NULL AND ?2 > 0 THEN ?2 ELSE max_attempts "
         "END, timeout_at = CASE WHEN input_applied_at IS NULL AND ?3 > 0 THEN started_at + ?3 "
-        "ELSE timeout_at END WHERE submission_id = ?4 RETURNING " SUB_COLS;
+        "ELSE timeout_at END WHERE submission_id = ?4";
     struct stmt s;
     enum cf_status rc;
     if (row->status != CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_RUNNING) {
@@ -1191,7 +1191,10 @@ static enum cf_status stamp_input(struct ledger_ctx *c,
     stmt_int(&s, 2, req->max_attempts);
     stmt_int(&s, 3, pbdur_ms(req->timeout));
     stmt_text(&s, 4, row->submission_id);
-    if ((rc = step_sub(c, &s, row->submission_id, row, err)) != CF_OK) {
+    if ((rc = stmt_done(&s, err)) != CF_OK) {
+        return rc;
+    }
+    if ((rc = load_sub(c, row->submission_id, row, err)) != CF_OK) {
         return rc;
     }
     assert(row->input_apply_time != NULL); /* stamped now or by an earlier call, never moved */
