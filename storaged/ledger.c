@@ -270,37 +270,25 @@ static void check_row(const Cflue__V1__Submission *s)
            *s->joined_into);
 }
 
-/* step_sub steps s, a statement (bound by the caller) that selects or returns SUB_COLS of
- * submission id's row, into *out, and closes s: CF_NOT_FOUND without a row. A write's
- * RETURNING row comes once its change is made; it is stepped to its end all the same. */
-static enum cf_status step_sub(struct ledger_ctx *c, struct stmt *s, const char *id,
-                               Cflue__V1__Submission *out, struct cf_error *err)
-{
-    bool row;
-    enum cf_status rc = stmt_step(s, &row, err);
-    if (rc == CF_OK && row) {
-        row_to_sub(c, s->st, out);
-        check_row(out);
-        rc = stmt_step(s, &row, err);
-        assert(rc != CF_OK || !row); /* one row: submission_id is unique */
-    } else if (rc == CF_OK) {
-        rc = cf_error_set(err, CF_NOT_FOUND, "no submission with id '%s'", id);
-    }
-    stmt_close(s);
-    return rc;
-}
-
 static enum cf_status load_sub(struct ledger_ctx *c, const char *id, Cflue__V1__Submission *out,
                                struct cf_error *err)
 {
     static const char sql[] = "SELECT " SUB_COLS " FROM submissions WHERE submission_id = ?";
     struct stmt s;
+    bool row;
     enum cf_status rc = stmt_open(&s, c->db, sql, "read submission", err);
     if (rc != CF_OK) {
         return rc;
     }
     stmt_text(&s, 1, id);
-    return step_sub(c, &s, id, out, err);
+    if ((rc = stmt_step(&s, &row, err)) == CF_OK && row) {
+        row_to_sub(c, s.st, out);
+        check_row(out);
+    } else if (rc == CF_OK) {
+        rc = cf_error_set(err, CF_NOT_FOUND, "no submission with id '%s'", id);
+    }
+    stmt_close(&s);
+    return rc;
 }
 
 static Cflue__V1__Submission *new_sub(struct ledger_ctx *c)
@@ -742,7 +730,7 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
         "INSERT INTO submissions(submission_id, conversation_id, agent, idempotency_key, "
         "payload, status, max_attempts, accepted_at, admit_pos, kind, parent_submission_id, "
         "abort_requested_at, abort_reason, principal, traceparent, tracestate) "
-        "VALUES (?,?,?,?,?,'queued',?,?,?,?,?,NULLIF(?,0),?,?,?,?) RETURNING " SUB_COLS;
+        "VALUES (?,?,?,?,?,'queued',?,?,?,?,?,NULLIF(?,0),?,?,?,?)";
     struct stmt s;
     enum cf_status rc;
     size_t payload_len;
@@ -791,9 +779,12 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
     stmt_opt_text(&s, 13, principal);        /* the conversation's, never changed: Get answers it */
     stmt_opt_text(&s, 14, req->traceparent); /* kept as admitted, outside the payload */
     stmt_opt_text(&s, 15, req->tracestate);
+    if ((rc = stmt_done(&s, err)) != CF_OK) {
+        return rc;
+    }
     out->submission = new_sub(c);
     out->offset = next_pos - 1;
-    if ((rc = step_sub(c, &s, sub, out->submission, err)) != CF_OK) {
+    if ((rc = load_sub(c, sub, out->submission, err)) != CF_OK) {
         return rc;
     }
     assert(out->submission->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_QUEUED);
@@ -971,10 +962,9 @@ static enum cf_status pick_target(struct ledger_ctx *c, const Cflue__V1__ClaimRe
 }
 
 /* start_attempt bumps the conversation's epoch and gives the row a new attempt, owner and
- * lease (a queued row starts running; a taken-over one keeps its status); *row becomes the row
- * as updated. */
+ * lease (a queued row starts running; a taken-over one keeps its status). */
 static enum cf_status start_attempt(struct ledger_ctx *c, const Cflue__V1__ClaimRequest *req,
-                                    Cflue__V1__Submission *row, struct cf_error *err)
+                                    const Cflue__V1__Submission *row, struct cf_error *err)
 {
     static const char epoch_sql[] =
         "UPDATE conversations SET epoch = epoch + 1 WHERE conversation_id = ? RETURNING epoch";
@@ -983,7 +973,7 @@ static enum cf_status start_attempt(struct ledger_ctx *c, const Cflue__V1__Claim
         "END, attempt_id = ?1, epoch = ?2, owner_id = ?3, lease_expires_at = ?4, "
         "started_at = ?5, owner_started_at = ?8, attempt_count = attempt_count + 1, "
         "timeout_at = CASE timeout_at WHEN 0 THEN ?6 ELSE timeout_at END "
-        "WHERE submission_id = ?7 RETURNING " SUB_COLS;
+        "WHERE submission_id = ?7";
     int64_t lease = req->lease_duration ? pbdur_ms(req->lease_duration) : c->cfg->lease_ms;
     struct stmt s;
     bool got;
@@ -1017,7 +1007,7 @@ static enum cf_status start_attempt(struct ledger_ctx *c, const Cflue__V1__Claim
     stmt_int(&s, 6, c->now + c->cfg->timeout_ms);
     stmt_text(&s, 7, row->submission_id);
     stmt_int(&s, 8, pbtime_ms(req->owner_started_at));
-    return step_sub(c, &s, row->submission_id, row, err);
+    return stmt_done(&s, err);
 }
 
 enum cf_status ledger_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRequest *req,
@@ -1045,7 +1035,8 @@ enum cf_status ledger_claim(struct ledger_ctx *c, const Cflue__V1__ClaimRequest 
     }
     /* runnable holds queued heads only; a takeover holds a running or terminalizing row */
     assert(takeover != (row->status == CFLUE__V1__SUBMISSION_STATUS__SUBMISSION_STATUS_QUEUED));
-    if ((rc = start_attempt(c, req, row, err)) != CF_OK) {
+    if ((rc = start_attempt(c, req, row, err)) != CF_OK ||
+        (rc = load_sub(c, id, row, err)) != CF_OK) {
         return rc;
     }
     out->submission = row;
