@@ -736,6 +736,16 @@ enum cf_status ledger_admit(struct ledger_ctx *c, const Cflue__V1__AdmitRequest 
     size_t payload_len;
     uint8_t *payload = canonical_payload(c, req, &payload_len);
     char conv[VALIDATE_NAME_MAX + 1], sub[IDS_MAX], principal[IDS_PRINCIPAL_MAX + 1];
+    if (c->cfg->send_bytes > 0 && (int64_t)payload_len > c->cfg->send_bytes - LEDGER_ADMIT_SLACK) {
+        /* admitted, it would be answered in messages larger than this storaged sends: every
+         * Admit, Claim, Get and List of it would fail, and it would never settle */
+        return cf_error_setr(err, CF_INVALID, "ADMISSION_TOO_LARGE",
+                             "the admission is %zu bytes encoded (message, attachments, metadata); "
+                             "at most %lld (--max-message-bytes %lld less %d for the rest of a "
+                             "submission)",
+                             payload_len, (long long)(c->cfg->send_bytes - LEDGER_ADMIT_SLACK),
+                             (long long)c->cfg->send_bytes, LEDGER_ADMIT_SLACK);
+    }
     int64_t next_pos = 0;
     bool found = false;
     bool compact = req->kind == CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;

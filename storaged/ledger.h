@@ -28,6 +28,11 @@
  * send limit and under the 16 MiB receive limit gRPC clients of this project default to. */
 #define LEDGER_PAGE_BYTES_MAX (8 << 20)
 #define LEDGER_RECORD_SLACK 1024
+/* What a Submission carries beside its admission (ids, times, an error of up to 8 KiB, an
+ * abort reason, usage) and a response beside the Submission: an admission whose payload is
+ * within the message limit less this is always sent whole (Admit's, Claim's, Get's and List's
+ * answers). */
+#define LEDGER_ADMIT_SLACK (64 << 10)
 #define LEDGER_FOLLOW_BYTES                                                                        \
     (1 << 20) /* what one Follow read holds in memory (at least 1 record)                          \
                */

@@ -220,6 +220,26 @@ class BadInputTest(StoragedTestCase):
         again = admit(self.stub, key='oversized')
         self.assertFalse(again.deduplicated)
 
+    def test_admission_that_no_answer_could_carry(self):
+        """An attachment that brings the admission just under the 16 MiB limit: the Admit
+        committed, its answer (the Submission carries the message) was over the limit and was
+        never sent (the caller heard RESOURCE_EXHAUSTED), every Claim of it failed the same way
+        and it never settled, its conversation blocked behind it. Refused now, by name; one
+        64 KiB under the limit is admitted, claimed and read whole."""
+        conv = 'c-near-limit'
+        near = b'\0' * (16 * MiB - 2048)
+        e = self.invalid(admit, self.stub, conv=conv, key='near-limit', field='at most',
+                         attachments=[{'mime_type': 'application/octet-stream', 'data': near}],
+                         timeout=30)
+        self.assertEqual(error_reason(e), 'ADMISSION_TOO_LARGE')
+        fits = b'\0' * (16 * MiB - 65 * 1024 - 4096)
+        sub = admit(self.stub, conv=conv, key='fits', timeout=30,
+                    attachments=[{'mime_type': 'application/octet-stream', 'data': fits}])
+        c = claim(self.stub, submission_id=sub.submission.submission_id, timeout=30)
+        self.assertEqual(len(c.submission.message.attachments[0].data), len(fits))
+        self.assertEqual(len(get(self.stub, sub.submission.submission_id)
+                             .message.attachments[0].data), len(fits))
+
     # ---- unknown ids ----
 
     def test_unknown_submission(self):
