@@ -98,16 +98,28 @@ enum cf_status db_code(int sqlite_rc)
     }
 }
 
+/* code_of is db_code of rc, an error db just had: an I/O error that is the disk filling (the
+ * WAL's index growing finds no room: SQLITE_IOERR_SHMSIZE; any I/O error with ENOSPC under
+ * it) is SQLITE_FULL's CF_FULL, retried, not a fault. */
+static enum cf_status code_of(sqlite3 *db, int rc)
+{
+    if ((rc & 0xff) == SQLITE_IOERR && (sqlite3_extended_errcode(db) == SQLITE_IOERR_SHMSIZE ||
+                                        sqlite3_system_errno(db) == ENOSPC)) {
+        return CF_FULL;
+    }
+    return db_code(rc);
+}
+
 enum cf_status db_step_fail(sqlite3 *db, int step_rc, const char *what, struct cf_error *err)
 {
-    return cf_error_set(err, db_code(step_rc), "%s: %s (%s)", what, sqlite3_errmsg(db),
+    return cf_error_set(err, code_of(db, step_rc), "%s: %s (%s)", what, sqlite3_errmsg(db),
                         sqlite3_errstr(step_rc));
 }
 
 enum cf_status db_fail(sqlite3 *db, const char *what, struct cf_error *err)
 {
     int rc = sqlite3_extended_errcode(db);
-    return cf_error_set(err, db_code(rc == SQLITE_OK ? SQLITE_ERROR : rc), "%s: %s", what,
+    return cf_error_set(err, code_of(db, rc == SQLITE_OK ? SQLITE_ERROR : rc), "%s: %s", what,
                         sqlite3_errmsg(db));
 }
 
@@ -117,7 +129,7 @@ enum cf_status db_exec(sqlite3 *db, const char *sql, struct cf_error *err)
     int rc = sqlite3_exec(db, sql, NULL, NULL, &msg);
     if (rc != SQLITE_OK) {
         enum cf_status st =
-            cf_error_set(err, db_code(rc), "%s: %s", sql, msg ? msg : sqlite3_errmsg(db));
+            cf_error_set(err, code_of(db, rc), "%s: %s", sql, msg ? msg : sqlite3_errmsg(db));
         sqlite3_free(msg);
         return st;
     }

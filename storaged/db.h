@@ -136,7 +136,10 @@ CF_MUST_CHECK enum cf_status db_exec(sqlite3 *db, const char *sql, struct cf_err
 enum cf_status db_code(int sqlite_rc);
 
 /* db_fail turns the connection's current SQLite error into the status db_code gives, with a
- * message naming what failed and SQLite's own message. Returns that status (never CF_OK). */
+ * message naming what failed and SQLite's own message. Returns that status (never CF_OK). An
+ * I/O error that is the disk filling (the WAL index finding no room to grow,
+ * SQLITE_IOERR_SHMSIZE, or ENOSPC under it) is CF_FULL, as SQLITE_FULL is (so are db_exec's
+ * and db_step_fail's). */
 CF_MUST_CHECK enum cf_status db_fail(sqlite3 *db, const char *what, struct cf_error *err);
 
 /* db_step_fail is db_fail for a statement whose sqlite3_step returned step_rc, something other
