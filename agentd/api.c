@@ -481,7 +481,7 @@ static void on_abort(struct rpc_call *c, const ProtobufCMessage *msg, void *user
         Cflue__V1__GetRequest gr = CFLUE__V1__GET_REQUEST__INIT;
         gr.submission_id = ar.submission_id;
         if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
-                       STORE_TIMEOUT_MS, &resp, &err) != CF_OK) {
+                       store_timeout(c), &resp, &err) != CF_OK) {
             fail_err(c, &err);
             return;
         }
@@ -494,7 +494,7 @@ static void on_abort(struct rpc_call *c, const ProtobufCMessage *msg, void *user
         }
     }
     if (store_call(g_agentd.store, "RequestAbort", &ar.base,
-                   &cflue__v1__request_abort_response__descriptor, STORE_TIMEOUT_MS, &resp,
+                   &cflue__v1__request_abort_response__descriptor, store_timeout(c), &resp,
                    &err) != CF_OK) {
         fail_err(c, &err);
         return;
@@ -584,7 +584,7 @@ static void on_get_conversation(struct rpc_call *c, const ProtobufCMessage *msg,
         return;
     }
     if (store_call(g_agentd.store, "GetConversation", &cr.base,
-                   &cflue__v1__conversation__descriptor, STORE_TIMEOUT_MS, &conv, &err) != CF_OK) {
+                   &cflue__v1__conversation__descriptor, store_timeout(c), &conv, &err) != CF_OK) {
         fail_err(c, &err);
         return;
     }
@@ -597,7 +597,7 @@ static void on_get_conversation(struct rpc_call *c, const ProtobufCMessage *msg,
     lr.conversation_id = req->conversation_id;
     lr.page_size = 1000;
     if (store_call(g_agentd.store, "List", &lr.base, &cflue__v1__list_response__descriptor,
-                   STORE_TIMEOUT_MS, &list, &err) != CF_OK) {
+                   store_timeout(c), &list, &err) != CF_OK) {
         protobuf_c_message_free_unpacked(conv, NULL);
         fail_err(c, &err);
         return;
@@ -620,7 +620,7 @@ static void on_get_conversation(struct rpc_call *c, const ProtobufCMessage *msg,
         rq.page_size = req->page_size;
         rq.page_token = req->page_token;
         if (store_call(g_agentd.store, "Read", &rq.base, &cflue__v1__read_response__descriptor,
-                       STORE_TIMEOUT_MS, &page, &err) != CF_OK) {
+                       store_timeout(c), &page, &err) != CF_OK) {
             protobuf_c_message_free_unpacked(conv, NULL);
             protobuf_c_message_free_unpacked(list, NULL);
             fail_err(c, &err);
@@ -694,7 +694,7 @@ static void compact(struct rpc_call *c, const Cflue__V1__CompactRequest *req)
         return;
     }
     if (store_call(g_agentd.store, "GetConversation", &cr.base,
-                   &cflue__v1__conversation__descriptor, STORE_TIMEOUT_MS, &conv, &err) != CF_OK) {
+                   &cflue__v1__conversation__descriptor, store_timeout(c), &conv, &err) != CF_OK) {
         fail_err(c, &err);
         return;
     }
@@ -731,7 +731,7 @@ static void compact(struct rpc_call *c, const Cflue__V1__CompactRequest *req)
     admit_trace(&ar, traceparent);
     enum cf_status rc =
         store_call(g_agentd.store, "Admit", &ar.base, &cflue__v1__admit_response__descriptor,
-                   STORE_TIMEOUT_MS, &resp, &err);
+                   store_timeout(c), &resp, &err);
     protobuf_c_message_free_unpacked(conv, NULL);
     if (rc != CF_OK) {
         fail_err(c, &err);

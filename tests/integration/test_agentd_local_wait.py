@@ -236,6 +236,31 @@ class LocalWaitTest(unittest.TestCase):
         finally:
             os.kill(sd.pid, signal.SIGCONT)
 
+    def test_aborts_and_reads_that_gave_up_hold_no_worker(self):
+        # the same with Abort and GetConversation, whose Store calls took 15 s whatever the
+        # caller's deadline: 8 of them that gave up after 1 s held every worker that long
+        self.stack = Stack(delay_ms=0)
+        ad, sd = self.stack.ad, self.stack.sd
+        adm = ad.submit(AGENT, 'settled before the freeze')
+        settled = get_wait(ad, adm.submission_id)
+        os.kill(sd.pid, signal.SIGSTOP)
+        try:
+            def gives_up(i):
+                req = (agent_pb2.AbortRequest(conversation_id='c-nowhere-%d' % i) if i % 2
+                       else agent_pb2.GetConversationRequest(conversation_id='c-nowhere-%d' % i))
+                with self.assertRaises(grpc.RpcError) as cm:
+                    ad.call('Abort' if i % 2 else 'GetConversation', req, timeout=1)
+                return cm.exception.code()
+
+            with ThreadPoolExecutor(8) as pool:
+                codes = set(pool.map(gives_up, range(8)))
+            self.assertEqual(codes, {grpc.StatusCode.DEADLINE_EXCEEDED})
+            t0 = time.monotonic()
+            self.assertEqual(get_wait(ad, adm.submission_id, timeout=10), settled)
+            self.assertLess(time.monotonic() - t0, 3.0)
+        finally:
+            os.kill(sd.pid, signal.SIGCONT)
+
     def test_a_wait_whose_follow_storaged_refuses_ends_with_its_error(self):
         # storaged out of streams (1 MiB of stream memory: 64) answers a wait's Follow with
         # RESOURCE_EXHAUSTED while it still answers Get: the wait ends with that error at once,
