@@ -32,7 +32,8 @@ struct daemon {
     /* the options every daemon takes (defaults from DAEMON_INIT) */
     const char *listen, *port_file, *log_level;
     long long grace_ms, max_queue;
-    long long max_stream_mib; /* streams served without a thread (RPC_ASYNC): memory bound */
+    long long max_stream_mib;  /* streams served without a thread (RPC_ASYNC): memory bound */
+    long long stream_stall_ms; /* a blocking stream's client taking nothing: cut after this */
     /* set by daemon_serve */
     struct rpc_server *server;
     int port; /* the bound TCP port (0 for a unix socket) */
@@ -46,8 +47,8 @@ struct daemon {
 
 #define DAEMON_INIT(name, usage, listen)                                                           \
     {                                                                                              \
-        (name), (usage), (listen), "", "info", 5000, 256, 256, NULL, 0, "", "", "", "", "", "",    \
-            "", NULL, 0                                                                            \
+        (name), (usage), (listen), "", "info", 5000, 256, 256, RPC_STALL_MS_DEFAULT, NULL, 0, "",  \
+            "", "", "", "", "", "", NULL, 0                                                        \
     }
 
 /* The log levels --log-level takes (log.h), for a choices list. */
@@ -62,6 +63,9 @@ extern const char *const daemon_log_levels[];
     CONFIG_OPT_INT("max-stream-memory", &(d)->max_stream_mib, 1, 65536,                            \
                    "MiB for open streams, 16 KiB each (256: 16,384 streams); more are refused "    \
                    "RESOURCE_EXHAUSTED")
+#define DAEMON_OPT_STREAM_STALL_MS(d)                                                              \
+    CONFIG_OPT_INT("stream-stall-ms", &(d)->stream_stall_ms, 100, 86400000,                        \
+                   "a stream whose client takes nothing for this long is cut (DEADLINE_EXCEEDED)")
 #define DAEMON_OPT_LOG_LEVEL(d)                                                                    \
     CONFIG_OPT_CHOICE("log-level", &(d)->log_level, daemon_log_levels, "debug, info, warn or error")
 

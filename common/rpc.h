@@ -56,7 +56,11 @@ struct rpc_server_opts {
     int max_queue;             /* calls waiting for a worker; 0: 256 */
     int max_queue_bytes;       /* undecoded request bytes waiting for a worker; 0: 64 MiB */
     int64_t max_stream_memory; /* bytes for open RPC_ASYNC calls; 0: RPC_STREAM_MEMORY_DEFAULT */
+    int64_t stall_ms; /* a blocking stream (rpc_call_send) whose client takes nothing for this
+                       * long is cancelled (DEADLINE_EXCEEDED); 0: RPC_STALL_MS_DEFAULT */
 };
+
+#define RPC_STALL_MS_DEFAULT 60000
 
 /* What one open RPC_ASYNC call is charged against max_stream_memory: an idle stream's state in
  * the gRPC core (call arena, HTTP/2 stream) and ours, measured at about 10 KiB, rounded up. A
@@ -151,8 +155,10 @@ void rpc_server_free(struct rpc_server *s);
 void rpc_call_reply(struct rpc_call *c, const ProtobufCMessage *resp);
 
 /* rpc_call_send queues one message of a server stream. Blocks while too many messages are
- * queued (backpressure). Returns false once the call is dead (cancelled, deadline, client
- * gone): the handler should stop producing and finish. */
+ * queued (backpressure), at most the server's stall_ms without the client taking any: then
+ * the call is cancelled (a client that stopped reading holds no handler, nor what it holds,
+ * for ever). Returns false once the call is dead (cancelled, deadline, client gone, stalled):
+ * the handler should stop producing and finish. */
 CF_MUST_CHECK bool rpc_call_send(struct rpc_call *c, const ProtobufCMessage *msg);
 
 /* ---- event-driven streams (RPC_ASYNC) ----

@@ -493,9 +493,25 @@ void rpc_call_reply(struct rpc_call *c, const ProtobufCMessage *resp)
 bool rpc_call_send(struct rpc_call *c, const ProtobufCMessage *msg)
 {
     grpc_byte_buffer *bb = rpc_pack(msg);
+    int64_t stall = c->srv->opts.stall_ms, until = clock_mono_ms() + stall;
     pthread_mutex_lock(&c->mu);
+    int queued = c->q_len;
     while (!c->dead && !c->finished && c->q_len >= SEND_BACKLOG) {
-        pthread_cond_wait(&c->cv, &c->mu);
+        int64_t now = clock_mono_ms();
+        if (c->q_len < queued) {
+            until = now + stall; /* the client took some: it is reading, however slowly */
+        }
+        queued = c->q_len;
+        if (now >= until) {
+            log_warn("rpc_stream_stalled", "method=%s stall_ms=%lld", c->m->path, (long long)stall);
+            grpc_call_cancel_with_status(c->call, GRPC_STATUS_DEADLINE_EXCEEDED,
+                                         "the client read nothing for too long", NULL);
+            c->dead = true;
+            break;
+        }
+        struct timespec ts;
+        clock_deadline(&ts, until - now);
+        clock_cond_wait(&c->cv, &c->mu, &ts);
     }
     if (c->dead || c->finished) {
         pthread_mutex_unlock(&c->mu);
@@ -1331,6 +1347,9 @@ struct rpc_server *rpc_server_new(const struct rpc_server_opts *opts)
     }
     if (s->opts.max_queue_bytes <= 0) {
         s->opts.max_queue_bytes = DEFAULT_QUEUE_BYTES;
+    }
+    if (s->opts.stall_ms <= 0) {
+        s->opts.stall_ms = RPC_STALL_MS_DEFAULT;
     }
     if (s->opts.max_stream_memory <= 0) {
         s->opts.max_stream_memory = RPC_STREAM_MEMORY_DEFAULT;

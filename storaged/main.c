@@ -161,6 +161,7 @@ int main(int argc, char **argv)
         DAEMON_OPT_GRACE_MS(&d, "how long shutdown waits for live calls"),
         DAEMON_OPT_MAX_QUEUE(&d, "calls waiting for a thread; more are refused RESOURCE_EXHAUSTED"),
         DAEMON_OPT_MAX_STREAM_MEMORY(&d),
+        DAEMON_OPT_STREAM_STALL_MS(&d),
         DAEMON_OPT_LOG_LEVEL(&d),
         DAEMON_OPTS_TLS(&d),
         DAEMON_OPT_METRICS(&d),
@@ -200,7 +201,8 @@ int main(int argc, char **argv)
     struct rpc_server_opts ro = {.workers = (int)o.workers,
                                  .max_message_bytes = (int)o.max_msg,
                                  .max_queue = (int)d.max_queue,
-                                 .max_stream_memory = (int64_t)d.max_stream_mib << 20};
+                                 .max_stream_memory = (int64_t)d.max_stream_mib << 20,
+                                 .stall_ms = d.stream_stall_ms};
     struct rpc_server *srv = rpc_server_new(&ro);
     service_register(svc, srv);
     if (!daemon_serve(&d, srv)) {

@@ -170,6 +170,7 @@ int main(int argc, char **argv)
         DAEMON_OPT_GRACE_MS(&d, "how long shutdown waits for calls"),
         DAEMON_OPT_MAX_QUEUE(
             &d, "Sandbox calls waiting for a thread; more are refused RESOURCE_EXHAUSTED"),
+        DAEMON_OPT_STREAM_STALL_MS(&d),
         DAEMON_OPT_LOG_LEVEL(&d),
         DAEMON_OPTS_TLS(&d),
         DAEMON_OPT_METRICS(&d),
@@ -199,7 +200,8 @@ int main(int argc, char **argv)
     struct rpc_server_opts ro = {.workers = (int)o.workers,
                                  .max_threads = (int)o.max_calls,
                                  .max_message_bytes = (int)o.max_msg,
-                                 .max_queue = (int)d.max_queue};
+                                 .max_queue = (int)d.max_queue,
+                                 .stall_ms = d.stream_stall_ms};
     struct rpc_server *srv = rpc_server_new(&ro);
     toold_register(srv, ws, &cfg);
     if (!daemon_serve(&d, srv)) {

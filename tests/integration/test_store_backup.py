@@ -124,6 +124,26 @@ class BackupTest(BackupCase):
         self.assertIn('sent=0', sd.stderr_text())  # the cancelled one, logged as not sent
         self.assertEqual(self.leftovers(sd), [])
 
+    def test_a_client_that_stops_reading_is_cut_off(self):
+        """A Backup client that read one chunk and then nothing held the backup open for
+        ever: every later backup was refused, and the copy stayed on disk. Past
+        --stream-stall-ms without the client taking anything, the stream is cut."""
+        sd = self.storaged(env={'CFLUE_STREAM_STALL_MS': '1500'})
+        for i in range(24):
+            H.admit(sd.stub, text='%d ' % i + 'y' * (1 << 20))
+        stuck = backup_call(sd)(store_pb2.BackupRequest(), timeout=120)
+        self.assertGreater(len(next(stuck).data), 0)  # then nothing more is read
+        deadline = time.monotonic() + 30
+        while 'rpc_stream_stalled' not in sd.stderr_text():
+            self.assertLess(time.monotonic(), deadline, 'the stalled stream was not cut')
+            time.sleep(0.1)
+        rc, _, err, path = self.backup(sd, 'after-stall.db')
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(self.leftovers(sd), [])
+        with self.assertRaises(grpc.RpcError) as cm:
+            list(stuck)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+
 
 class BackupFaultTest(BackupCase):
     def test_storaged_killed_mid_stream_leaves_nothing(self):
