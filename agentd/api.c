@@ -179,10 +179,14 @@ static void admit_trace(Cflue__V1__AdmitRequest *ar, char traceparent[TRACE_PARE
     ar->tracestate = t ? (char *)t->state : "";
 }
 
-/* Submits whose Admit is in flight (no thread holds them); past SUBMITS_IN_FLIGHT_MAX a
- * Submit is refused as busy, so a flood of them cannot queue unbounded work on storaged. */
+/* Submits whose Admit is in flight (no thread holds them); past SUBMITS_IN_FLIGHT_MAX of
+ * them, or SUBMIT_BYTES_IN_FLIGHT_MAX of their messages (one is always let in), a Submit is
+ * refused as busy, so a flood of them cannot queue unbounded work on storaged, nor hold
+ * gigabytes here while storaged is slow to answer (each holds its request and its Admit). */
 #define SUBMITS_IN_FLIGHT_MAX 4096
+#define SUBMIT_BYTES_IN_FLIGHT_MAX ((long long)256 << 20)
 static atomic_int submits_in_flight;
+static atomic_llong submit_bytes_in_flight;
 
 /* A Submit between its Admit's start and its answer. */
 struct submit {
@@ -191,6 +195,7 @@ struct submit {
     char principal[IDS_PRINCIPAL_MAX + 1]; /* the caller's ("" without --tokens) */
     struct trace_ctx trace;                /* the Submit's (submission_trace) */
     uint64_t admit_ticket;                 /* engine_claim_with_admit's (0: no claim) */
+    long long bytes;                       /* its message's, in submit_bytes_in_flight */
 };
 
 /* on_admitted (rpc's client loop) answers the Submit with what its Admit did. Nothing here
@@ -205,6 +210,7 @@ static void on_admitted(void *arg, const struct rpc_status *st, ProtobufCMessage
     uint64_t ticket = s->admit_ticket;
     snprintf(principal, sizeof(principal), "%s", s->principal);
     trace_enter(&s->trace, &saved); /* on the client loop: the Submit's lines carry its trace */
+    atomic_fetch_sub(&submit_bytes_in_flight, s->bytes);
     free(s);
     atomic_fetch_sub(&submits_in_flight, 1);
     struct cf_error err;
@@ -285,10 +291,16 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
         fail_err(c, &err);
         return;
     }
-    if (atomic_fetch_add(&submits_in_flight, 1) >= SUBMITS_IN_FLIGHT_MAX) {
+    long long bytes = (long long)protobuf_c_message_get_packed_size(&req->message->base);
+    long long held = atomic_fetch_add(&submit_bytes_in_flight, bytes);
+    if (atomic_fetch_add(&submits_in_flight, 1) >= SUBMITS_IN_FLIGHT_MAX ||
+        (held > 0 && held + bytes > SUBMIT_BYTES_IN_FLIGHT_MAX)) {
         atomic_fetch_sub(&submits_in_flight, 1);
-        rpc_call_fail(c, CF_BUSY, "agentd busy: %d Submits are being admitted; retry later",
-                      SUBMITS_IN_FLIGHT_MAX);
+        atomic_fetch_sub(&submit_bytes_in_flight, bytes);
+        rpc_call_fail(c, CF_BUSY,
+                      "agentd busy: the Submits being admitted hold %lld MiB of messages (at "
+                      "most %d Submits and %lld MiB at once); retry later",
+                      held >> 20, SUBMITS_IN_FLIGHT_MAX, SUBMIT_BYTES_IN_FLIGHT_MAX >> 20);
         return;
     }
     Cflue__V1__AdmitRequest ar = CFLUE__V1__ADMIT_REQUEST__INIT;
@@ -325,6 +337,7 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     s->c = c;
     s->req = req;
     s->admit_ticket = claim.ticket;
+    s->bytes = bytes;
     snprintf(s->principal, sizeof(s->principal), "%s", p.name);
     submission_trace(&s->trace);
     trace_enter(&s->trace, &saved); /* the Admit call carries it too */

@@ -261,6 +261,34 @@ class LocalWaitTest(unittest.TestCase):
         finally:
             os.kill(sd.pid, signal.SIGCONT)
 
+    def test_submits_waiting_on_storaged_hold_a_bounded_memory(self):
+        # with storaged frozen, 80 Submits of 4 MiB each: all were held (their requests and
+        # Admits, 836 MiB of agentd for 100 of them); past 256 MiB of messages in flight a
+        # Submit is refused as busy at once
+        self.stack = Stack(delay_ms=0)
+        ad, sd = self.stack.ad, self.stack.sd
+        os.kill(sd.pid, signal.SIGSTOP)
+        try:
+            blob = b'\0' * (4 << 20)
+
+            def submit(i):
+                req = agent_pb2.SubmitRequest(agent=AGENT, message=common_pb2.Message(
+                    text='big %d' % i, attachments=[common_pb2.Attachment(
+                        name='b.bin', mime_type='application/octet-stream', data=blob)]))
+                try:
+                    ad.call('Submit', req, timeout=2)
+                    return None
+                except grpc.RpcError as e:
+                    return e.code(), e.details()
+
+            with ThreadPoolExecutor(40) as pool:
+                ends = list(pool.map(submit, range(80)))
+            busy = [e for e in ends if e and e[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+            self.assertGreaterEqual(len(busy), 80 - 64, ends[:3])
+            self.assertIn('MiB of messages', busy[0][1])
+        finally:
+            os.kill(sd.pid, signal.SIGCONT)
+
     def test_a_wait_whose_follow_storaged_refuses_ends_with_its_error(self):
         # storaged out of streams (1 MiB of stream memory: 64) answers a wait's Follow with
         # RESOURCE_EXHAUSTED while it still answers Get: the wait ends with that error at once,
