@@ -212,10 +212,10 @@ class LocalWaitTest(unittest.TestCase):
         for sid in ids:
             self.assertEqual(get_wait(ad, sid).outcome, COMPLETED)
 
-    def test_waits_that_gave_up_hold_no_worker(self):
-        # with storaged frozen, waits on the storaged path whose callers gave up after 1 s
-        # hold agentd's RPC workers (8) no longer than that: a wait answered from memory
-        # comes through after them (it waited out their 15 s Store calls before)
+    def assert_callers_that_gave_up_hold_no_worker(self, call):
+        """With storaged frozen, 8 calls call(ad, i) whose callers give up after 1 s end
+        DEADLINE_EXCEEDED and hold agentd's RPC workers (8) no longer than that: a wait
+        answered from memory comes through right after them."""
         self.stack = Stack(delay_ms=0)
         ad, sd = self.stack.ad, self.stack.sd
         adm = ad.submit(AGENT, 'settled before the freeze')
@@ -224,7 +224,7 @@ class LocalWaitTest(unittest.TestCase):
         try:
             def gives_up(i):
                 with self.assertRaises(grpc.RpcError) as cm:
-                    get_wait(ad, 'sub_01NOWHERE%02d' % i, timeout=1)
+                    call(ad, i)
                 return cm.exception.code()
 
             with ThreadPoolExecutor(8) as pool:
@@ -235,31 +235,22 @@ class LocalWaitTest(unittest.TestCase):
             self.assertLess(time.monotonic() - t0, 3.0)
         finally:
             os.kill(sd.pid, signal.SIGCONT)
+
+    def test_waits_that_gave_up_hold_no_worker(self):
+        # waits on the storaged path (it waited out their 15 s Store calls before)
+        self.assert_callers_that_gave_up_hold_no_worker(
+            lambda ad, i: get_wait(ad, 'sub_01NOWHERE%02d' % i, timeout=1))
 
     def test_aborts_and_reads_that_gave_up_hold_no_worker(self):
-        # the same with Abort and GetConversation, whose Store calls took 15 s whatever the
-        # caller's deadline: 8 of them that gave up after 1 s held every worker that long
-        self.stack = Stack(delay_ms=0)
-        ad, sd = self.stack.ad, self.stack.sd
-        adm = ad.submit(AGENT, 'settled before the freeze')
-        settled = get_wait(ad, adm.submission_id)
-        os.kill(sd.pid, signal.SIGSTOP)
-        try:
-            def gives_up(i):
-                req = (agent_pb2.AbortRequest(conversation_id='c-nowhere-%d' % i) if i % 2
-                       else agent_pb2.GetConversationRequest(conversation_id='c-nowhere-%d' % i))
-                with self.assertRaises(grpc.RpcError) as cm:
-                    ad.call('Abort' if i % 2 else 'GetConversation', req, timeout=1)
-                return cm.exception.code()
-
-            with ThreadPoolExecutor(8) as pool:
-                codes = set(pool.map(gives_up, range(8)))
-            self.assertEqual(codes, {grpc.StatusCode.DEADLINE_EXCEEDED})
-            t0 = time.monotonic()
-            self.assertEqual(get_wait(ad, adm.submission_id, timeout=10), settled)
-            self.assertLess(time.monotonic() - t0, 3.0)
-        finally:
-            os.kill(sd.pid, signal.SIGCONT)
+        # Abort and GetConversation, whose Store calls took 15 s whatever the caller's deadline
+        def call(ad, i):
+            conv = 'c-nowhere-%d' % i
+            if i % 2:
+                ad.call('Abort', agent_pb2.AbortRequest(conversation_id=conv), timeout=1)
+            else:
+                ad.call('GetConversation', agent_pb2.GetConversationRequest(
+                    conversation_id=conv), timeout=1)
+        self.assert_callers_that_gave_up_hold_no_worker(call)
 
     def test_submits_waiting_on_storaged_hold_a_bounded_memory(self):
         # with storaged frozen, 80 Submits of 4 MiB each: all were held (their requests and
