@@ -528,12 +528,13 @@ static void claim_ended(uint64_t ticket)
 
 void engine_on_children(struct drive *d, bool waiting)
 {
+    if (d->eng.on_children == waiting) {
+        return; /* only the thread stepping d writes it */
+    }
     pthread_mutex_lock(&eng.mu);
     bool was_full = full_locked();
-    if (d->eng.on_children != waiting) {
-        d->eng.on_children = waiting;
-        eng.on_children += waiting ? 1 : -1;
-    }
+    d->eng.on_children = waiting;
+    eng.on_children += waiting ? 1 : -1;
     bool freed = was_full && !full_locked();
     pthread_mutex_unlock(&eng.mu);
     if (freed) {
