@@ -41,6 +41,7 @@ struct agentd {
     int64_t lease_ms;
     int64_t heartbeat_ms;
     int64_t hold_writes_ms; /* --hold-writes-ms (dstore_write_behind_held) */
+    long long submit_mib;   /* --submit-memory-mib: messages of Submits waiting on storaged */
     bool stream;            /* ask providers to stream */
     struct provider_endpoint anthropic, openai;
     struct rpc_channel *store;

@@ -180,11 +180,10 @@ static void admit_trace(Cflue__V1__AdmitRequest *ar, char traceparent[TRACE_PARE
 }
 
 /* Submits whose Admit is in flight (no thread holds them); past SUBMITS_IN_FLIGHT_MAX of
- * them, or SUBMIT_BYTES_IN_FLIGHT_MAX of their messages (one is always let in), a Submit is
- * refused as busy, so a flood of them cannot queue unbounded work on storaged, nor hold
- * gigabytes here while storaged is slow to answer (each holds its request and its Admit). */
+ * them, or --submit-memory-mib of their messages (one is always let in), a Submit is refused
+ * as busy, so a flood of them cannot queue unbounded work on storaged, nor hold gigabytes
+ * here while storaged is slow to answer (each holds its request and its Admit). */
 #define SUBMITS_IN_FLIGHT_MAX 4096
-#define SUBMIT_BYTES_IN_FLIGHT_MAX ((long long)256 << 20)
 static atomic_int submits_in_flight;
 static atomic_llong submit_bytes_in_flight;
 
@@ -294,13 +293,13 @@ static void on_submit(struct rpc_call *c, const ProtobufCMessage *msg, void *use
     long long bytes = (long long)protobuf_c_message_get_packed_size(&req->message->base);
     long long held = atomic_fetch_add(&submit_bytes_in_flight, bytes);
     if (atomic_fetch_add(&submits_in_flight, 1) >= SUBMITS_IN_FLIGHT_MAX ||
-        (held > 0 && held + bytes > SUBMIT_BYTES_IN_FLIGHT_MAX)) {
+        (held > 0 && held + bytes > g_agentd.submit_mib << 20)) {
         atomic_fetch_sub(&submits_in_flight, 1);
         atomic_fetch_sub(&submit_bytes_in_flight, bytes);
         rpc_call_fail(c, CF_BUSY,
-                      "agentd busy: the Submits being admitted hold %lld MiB of messages (at "
-                      "most %d Submits and %lld MiB at once); retry later",
-                      held >> 20, SUBMITS_IN_FLIGHT_MAX, SUBMIT_BYTES_IN_FLIGHT_MAX >> 20);
+                      "agentd busy: Submits being admitted hold %lld MiB of messages (at most "
+                      "%d Submits, %lld MiB, at once); retry later",
+                      held >> 20, SUBMITS_IN_FLIGHT_MAX, g_agentd.submit_mib);
         return;
     }
     Cflue__V1__AdmitRequest ar = CFLUE__V1__ADMIT_REQUEST__INIT;
@@ -378,7 +377,7 @@ static Cflue__V1__Submission *wait_settled(struct rpc_call *c, const char *submi
     for (int round = 0;; round++) {
         ProtobufCMessage *resp = NULL, *conv = NULL;
         if (store_call(g_agentd.store, "Get", &gr.base, &cflue__v1__submission__descriptor,
-                       STORE_TIMEOUT_MS, &resp, err) != CF_OK) {
+                       store_timeout(c), &resp, err) != CF_OK) {
             return NULL;
         }
         Cflue__V1__Submission *s = (Cflue__V1__Submission *)resp;
@@ -388,7 +387,7 @@ static Cflue__V1__Submission *wait_settled(struct rpc_call *c, const char *submi
         Cflue__V1__ConversationRequest cr = CFLUE__V1__CONVERSATION_REQUEST__INIT;
         cr.conversation_id = s->conversation_id;
         if (store_call(g_agentd.store, "GetConversation", &cr.base,
-                       &cflue__v1__conversation__descriptor, STORE_TIMEOUT_MS, &conv,
+                       &cflue__v1__conversation__descriptor, store_timeout(c), &conv,
                        err) == CF_OK) {
             /* a settlement that lands between Get and here is at or before the head, and
              * Follow then ends at once */

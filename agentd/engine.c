@@ -488,11 +488,13 @@ static void admit(Cflue__V1__ClaimResponse *cl, int64_t resume_ms)
     pthread_mutex_unlock(&g_agentd.mu);
 }
 
-/* full_locked: --max-drives drives are live or on their way (claiming Admits), those on their
- * children aside. */
+/* full_locked: --max-drives drives are live or on their way (claiming Admits, the claimer's
+ * Claim), up to --max-drives of those parked on their children aside (so at most twice
+ * --max-drives drives are held in all). */
 static bool full_locked(void)
 {
-    return eng.live + eng.claiming - eng.on_children >= engine_max_drives;
+    long long aside = eng.on_children < engine_max_drives ? eng.on_children : engine_max_drives;
+    return eng.live + eng.claiming - aside >= engine_max_drives;
 }
 
 /* room_locked: engine_has_room, eng.mu held. */
@@ -509,13 +511,21 @@ bool engine_has_room(void)
     return room;
 }
 
-/* claim_ended gives back the slot a claiming Admit held (ticket 0: it claimed nothing); the
- * claimer is woken when that leaves room (the Admit brought no drive). */
-static void claim_ended(uint64_t ticket)
+/* slot_take holds a slot for a claim on its way (a claiming Admit, the claimer's Claim) until
+ * slot_give_back: false, holding none, when there is no room. */
+static bool slot_take(void)
 {
-    if (!ticket) {
-        return;
-    }
+    pthread_mutex_lock(&eng.mu);
+    bool room = room_locked();
+    eng.claiming += room;
+    pthread_mutex_unlock(&eng.mu);
+    return room;
+}
+
+/* slot_give_back ends slot_take's hold (the claim's drive, if any, is live by now); the
+ * claimer is woken when that leaves room (the claim brought no drive). */
+static void slot_give_back(void)
+{
     pthread_mutex_lock(&eng.mu);
     bool was_full = full_locked();
     eng.claiming--;
@@ -523,6 +533,14 @@ static void claim_ended(uint64_t ticket)
     pthread_mutex_unlock(&eng.mu);
     if (freed) {
         agentd_wake();
+    }
+}
+
+/* claim_ended gives back the slot a claiming Admit held (ticket 0: it claimed nothing). */
+static void claim_ended(uint64_t ticket)
+{
+    if (ticket) {
+        slot_give_back();
     }
 }
 
@@ -546,11 +564,7 @@ void engine_claim_with_admit(Cflue__V1__AdmitRequest *ar, struct engine_admit_cl
 {
     cflue__v1__claim_request__init(&c->claim);
     google__protobuf__duration__init(&c->lease);
-    pthread_mutex_lock(&eng.mu);
-    bool room = room_locked();
-    eng.claiming += room; /* held until the Admit ends: a burst of them cannot pass the bound */
-    pthread_mutex_unlock(&eng.mu);
-    if (room) {
+    if (slot_take()) { /* held until the Admit ends: a burst of them cannot pass the bound */
         c->claim.owner_id = (char *)g_agentd.owner_id;
         pbdur_set(&c->lease, g_agentd.lease_ms);
         c->claim.lease_duration = &c->lease;
@@ -854,17 +868,12 @@ static bool take_back_unanswered_claims(void)
     return list_own(held, 2, false, take_back_if_idle);
 }
 
-/* claim_some admits one drive (a due resume, or a new claim: at first also the work this owner
- * held before the start);
- * returns whether it found something (the claimer asks again at once). *wait_ms is how long
- * to wait otherwise. */
-static bool claim_some(int64_t *wait_ms)
+/* claim_held admits one drive (a due resume, or a new claim: at first also the work this owner
+ * held before the start), a slot held for it; returns whether it found something (the claimer
+ * asks again at once). *wait_ms is how long to wait otherwise. */
+static bool claim_held(int64_t *wait_ms)
 {
     struct cf_error err;
-    *wait_ms = CLAIM_POLL_MS;
-    if (!engine_has_room()) {
-        return false; /* a drive's end wakes the claimer; a stop or a drain ends the claims */
-    }
     if (!reclaim_before_ms && atomic_exchange(&claims_unanswered, false)) {
         /* once (an unanswered List leaves it to the lease, as before), and not while the
          * previous process's work is being reclaimed: that would be taken back as this one's */
@@ -897,6 +906,19 @@ static bool claim_some(int64_t *wait_ms)
     note_claim_result(rc, &err);
     *wait_ms = rc == CF_OK ? CLAIM_POLL_MS : 1000;
     return false;
+}
+
+/* claim_some runs claim_held with a slot held, so that Admits claiming meanwhile see it
+ * taken. */
+static bool claim_some(int64_t *wait_ms)
+{
+    *wait_ms = CLAIM_POLL_MS;
+    if (!slot_take()) {
+        return false; /* a drive's end wakes the claimer; a stop or a drain ends the claims */
+    }
+    bool found = claim_held(wait_ms);
+    slot_give_back();
+    return found;
 }
 
 /* claimer_main claims while there is room, then waits for agentd_wake or the poll interval. */

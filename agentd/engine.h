@@ -17,7 +17,8 @@ struct drive;
 /* the default of --max-drives: drives in flight at once (at most ACTIVE_MAX) */
 #define ENGINE_MAX_DRIVES_DEFAULT 4096
 
-/* --max-drives: how many drives may be in flight at once; the claimer claims while fewer are. */
+/* --max-drives: how many drives may be in flight at once, up to as many more of them waiting
+ * on their task children aside (engine_on_children); the claimer claims while fewer are. */
 extern long long engine_max_drives;
 
 /* engine_note_start records this process's start, before it serves anything: the claimer's

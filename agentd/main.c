@@ -50,7 +50,7 @@ static const char usage[] =
 struct agentd_opts {
     const char *store, *agents_dir, *owner, *models, *tokens;
     long long workers, lease_ms, heartbeat_ms, model_timeout, model_stall, agents_poll_ms, drain_ms;
-    long long keepalive_ms, replica_linger_ms, hold_writes_ms, watch_cache_mib;
+    long long keepalive_ms, replica_linger_ms, hold_writes_ms, watch_cache_mib, submit_mib;
     bool no_stream;
 };
 
@@ -180,6 +180,7 @@ static void set_engine(const struct agentd_opts *o)
     g_agentd.lease_ms = o->lease_ms;
     g_agentd.heartbeat_ms = o->heartbeat_ms;
     g_agentd.hold_writes_ms = o->hold_writes_ms;
+    g_agentd.submit_mib = o->submit_mib;
     g_agentd.stream = !o->no_stream;
     const char *ab = getenv("ANTHROPIC_BASE_URL"), *ob = getenv("OPENAI_BASE_URL");
     g_agentd.anthropic =
@@ -392,6 +393,7 @@ int main(int argc, char **argv)
                             .agents_poll_ms = 2000,
                             .keepalive_ms = 10000,
                             .hold_writes_ms = 50,
+                            .submit_mib = 256,
                             .replica_linger_ms = PLACEMENT_LINGER_DEFAULT_MS,
                             .watch_cache_mib = WATCH_CACHE_DEFAULT >> 20};
     const struct config_opt opts[] = {
@@ -406,6 +408,9 @@ int main(int argc, char **argv)
                           "address; on port 0, pid and start time too)"),
         CONFIG_OPT_INT("workers", &o.workers, 1, 1024,
                        "engine threads that step drives (a drive waiting on the model holds none)"),
+        CONFIG_OPT_INT("submit-memory-mib", &o.submit_mib, 1, 65536,
+                       "MiB of messages the Submits waiting on storaged may hold; past it a "
+                       "Submit is refused RESOURCE_EXHAUSTED"),
         CONFIG_OPT_INT("max-drives", &engine_max_drives, 1, ACTIVE_MAX,
                        "submissions in flight at once (not counting those waiting on their "
                        "task children)"),

@@ -19,7 +19,6 @@
 #include <unistd.h>
 #include <yaml.h>
 
-
 /* ---------- the frontmatter ---------- */
 
 /* fence_line: p starts a line that is "---" (trailing blanks allowed) ended by a newline or

@@ -224,18 +224,18 @@ static void retry_or_fault(struct task_call *tc, const char *what, const struct 
 
 /* ---------- admission ---------- */
 
-/* task_record_id names the task_started record of call call_id of d's turn. */
-static void task_record_id(const struct drive *d, const char *call_id, char *id, size_t size)
+/* task_record_id names the task_started record of call call_id of d's turn (also its child's
+ * idempotency key, when that short); returns snprintf's count. */
+static int task_record_id(const struct drive *d, const char *call_id, char *id, size_t size)
 {
-    snprintf(id, size, "task:%s:%d:%s", d->sub->submission_id, d->turn, call_id);
+    return snprintf(id, size, "task:%s:%d:%s", d->sub->submission_id, d->turn, call_id);
 }
 
 static void admit_send(struct task_call *tc)
 {
     struct drive *d = tc->d;
     char key[KEY_MAX + 1];
-    int n =
-        snprintf(key, sizeof(key), "task:%s:%d:%s", d->sub->submission_id, d->turn, tc->call_id);
+    int n = task_record_id(d, tc->call_id, key, sizeof(key));
     if (n < 0 || n > KEY_MAX) {
         snprintf(key, sizeof(key), "task:%.128s:%d:%016" PRIx64, d->sub->submission_id, d->turn,
                  ids_hash64(tc->call_id));
@@ -686,7 +686,10 @@ static void poll_admit(struct task_call *tc)
         tc->done = true;
     } else if (drive_transient(e.code) || e.code == CF_CANCELLED) {
         /* cancelled by storaged (a stop past its grace): it may have committed, so the same
-         * Admit again, which finds the child if it did */
+         * Admit again, which finds the child if it did, as after a lost answer */
+        if (e.code == CF_CANCELLED) {
+            e.code = CF_UNAVAILABLE;
+        }
         retry_or_fault(tc, "admitting a subagent's task failed", &e);
     } else {
         /* refused for good: the model hears why; nothing was admitted */

@@ -98,13 +98,14 @@ enum cf_status db_code(int sqlite_rc)
     }
 }
 
-/* code_of is db_code of rc, an error db just had: an I/O error that is the disk filling (the
- * WAL's index growing finds no room: SQLITE_IOERR_SHMSIZE; any I/O error with ENOSPC under
- * it) is SQLITE_FULL's CF_FULL, retried, not a fault. */
+/* code_of is db_code of rc, an error db just had: an I/O error that is the disk filling
+ * (ENOSPC or EDQUOT under it; or the WAL's index that cannot grow, SQLITE_IOERR_SHMSIZE, when
+ * SQLite kept no errno for it) is SQLITE_FULL's CF_FULL, waited out, not a fault. */
 static enum cf_status code_of(sqlite3 *db, int rc)
 {
-    if ((rc & 0xff) == SQLITE_IOERR && (sqlite3_extended_errcode(db) == SQLITE_IOERR_SHMSIZE ||
-                                        sqlite3_system_errno(db) == ENOSPC)) {
+    int e = sqlite3_system_errno(db);
+    bool shm = sqlite3_extended_errcode(db) == SQLITE_IOERR_SHMSIZE && e == 0;
+    if ((rc & 0xff) == SQLITE_IOERR && (e == ENOSPC || e == EDQUOT || shm)) {
         return CF_FULL;
     }
     return db_code(rc);

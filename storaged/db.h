@@ -137,8 +137,8 @@ enum cf_status db_code(int sqlite_rc);
 
 /* db_fail turns the connection's current SQLite error into the status db_code gives, with a
  * message naming what failed and SQLite's own message. Returns that status (never CF_OK). An
- * I/O error that is the disk filling (the WAL index finding no room to grow,
- * SQLITE_IOERR_SHMSIZE, or ENOSPC under it) is CF_FULL, as SQLITE_FULL is (so are db_exec's
+ * I/O error that is the disk filling (ENOSPC or EDQUOT under it, or the WAL index that
+ * cannot grow with no errno kept) is CF_FULL, as SQLITE_FULL is (so are db_exec's
  * and db_step_fail's). */
 CF_MUST_CHECK enum cf_status db_fail(sqlite3 *db, const char *what, struct cf_error *err);
 

@@ -271,20 +271,21 @@ class ReloadTest(AgentdCase):
 
     def test_two_reloads_at_one_turn_boundary_are_both_told(self):
         """A reload ends while the drive is taking up the one before (the agent's tool server
-        answers each List in 3 s: the drive's prompt stage and each reload's check list it):
+        answers each List in 4 s: the drive's prompt stage and each reload's check list it):
         the drive rebinds twice at one turn boundary. Both signals had the same id and the
         second was dropped: the model went on with the older instructions. Timeline, from the
-        first model request at T (answered at T+6 s): reload TWO from T to T+3; reload THREE
-        from T+4.5 to T+7.5; the drive rebinds to TWO at T+6 and lists until T+9, then
-        rebinds to THREE."""
+        first model request at T (answered at T+7 s): reload TWO from T to T+4; reload THREE
+        from T+6 to T+10; the drive rebinds to TWO at T+7 (it has until T+10: 3 s for the
+        tool call and the turn's end on a slow machine) and lists until T+11, then rebinds to
+        THREE."""
         addr = '127.0.0.1:%d' % free_port()
-        server = py_server([tool('lookup')], port=int(addr.split(':')[1]), list_sleep=3)
+        server = py_server([tool('lookup')], port=int(addr.split(':')[1]), list_sleep=4)
         try:
             self.write('twice', agent_md('twice', 'Way ONE.', servers=[addr]))
             self.wait_reload(self.reloads(), hup=True)
             conv = new_conv('twice')
             self.fm.set_scenario([
-                role('twice', delay_ms=6000, tool_calls=[{'name': 'lookup', 'arguments': {}}]),
+                role('twice', delay_ms=7000, tool_calls=[{'name': 'lookup', 'arguments': {}}]),
                 role('twice', text='Done.')])
             seen = len(self.fm.requests())
             rebound = self.ad.stderr_text().count('event=drive_rebound')
@@ -297,7 +298,7 @@ class ReloadTest(AgentdCase):
             before = self.reloads()
             self.write('twice', agent_md('twice', 'Way TWO.', servers=[addr]))
             self.wait_reload(before, hup=True)
-            time.sleep(max(0, asked + 4.5 - time.monotonic()))
+            time.sleep(max(0, asked + 6 - time.monotonic()))
             before = self.reloads()
             self.write('twice', agent_md('twice', 'Way THREE.', servers=[addr]))
             self.wait_reload(before, hup=True)
@@ -387,10 +388,11 @@ class ReloadTest(AgentdCase):
         self.write('deepuser', agent_md('deepuser', 'Use skills.').replace(
             'durability:', 'skills: [deepskill]\ndurability:'))
         self.wait_reload(self.reloads(), hup=True)
-        before = self.reloads()
+        time.sleep(1)  # the watch (every 200 ms) has seen the files written above
+        before = self.reloads('agents_reloaded why=files_changed')
         with open(os.path.join(deep, 'notes.md'), 'w') as f:
             f.write('second, longer\n')
-        self.wait_reload(before)  # the watch, no SIGHUP
+        self.wait_reload(before, event='agents_reloaded why=files_changed')  # no SIGHUP
 
 
 if __name__ == '__main__':

@@ -304,8 +304,9 @@ class FewDrivesTest(TaskCase):
     def test_claiming_admits_hold_their_slots(self):
         """Four task calls in one answer: each Admit claimed its child while the room was
         checked before any of them was answered, so all four did, past --max-drives. Each
-        claiming Admit holds a slot until it ends: the lead's Submit claims the lead, one
-        Admit its child, and the other three children wait for a claimer."""
+        claiming Admit holds a slot until it ends (so does the claimer's Claim): the lead's
+        Submit claims the lead (or the claimer does), one Admit at most its child, and the
+        other children wait for a claimer."""
         conv = new_conv('slots')
         self.workspace(conv)
         self.fm.set_scenario(
@@ -318,7 +319,7 @@ class FewDrivesTest(TaskCase):
         sub = self.wait_settled(sid, timeout=60)
         self.assertEqual(sub.outcome, COMPLETED, sub)
         self.assertEqual(len(self.children(conv)), 4)
-        self.assertEqual(self.ad.stderr_text().count('at=admit') - before, 2)
+        self.assertLessEqual(self.ad.stderr_text().count('at=admit') - before, 2)
 
 
 class OtherReplicaTest(TaskCase):
