@@ -61,6 +61,17 @@ class ReloadTest(AgentdCase):
         reqs = [e for e in self.fm.requests()[seen:] if 'ROLE %s.' % agent in request_system(e)]
         return sid, reqs
 
+    def submit_asked(self, agent, conv):
+        """Submits 'Go.' to agent in conv and returns (its id, the model requests before it)
+        once the model has been asked: the first turn is being answered."""
+        seen = len(self.fm.requests())
+        sid = self.ad.submit(agent, 'Go.', conversation_id=conv).submission_id
+        deadline = time.monotonic() + 60
+        while len(self.fm.requests()) == seen:
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.02)
+        return sid, seen
+
     def signals(self, conv, sid=None):
         return [body(r) for r in self.records(conv)
                 if kind(r) == 'signal' and (sid is None or r.submission_id == sid)]
@@ -247,12 +258,7 @@ class ReloadTest(AgentdCase):
                  tool_calls=[{'name': 'bash', 'arguments': {'command': 'echo hi'}}]),
             role('longrun', text='Done the new way.'),
         ])
-        seen = len(self.fm.requests())
-        sid = self.ad.submit('longrun', 'Go.', conversation_id=conv).submission_id
-        deadline = time.monotonic() + 60
-        while len(self.fm.requests()) == seen:  # the first turn is being answered
-            self.assertLess(time.monotonic(), deadline)
-            time.sleep(0.05)
+        sid, seen = self.submit_asked('longrun', conv)
         before = self.reloads()
         self.write('longrun', agent_md('longrun', 'New way: be quick.', toold))
         self.wait_reload(before, hup=True)
@@ -287,13 +293,8 @@ class ReloadTest(AgentdCase):
             self.fm.set_scenario([
                 role('twice', delay_ms=7000, tool_calls=[{'name': 'lookup', 'arguments': {}}]),
                 role('twice', text='Done.')])
-            seen = len(self.fm.requests())
             rebound = self.ad.stderr_text().count('event=drive_rebound')
-            sid = self.ad.submit('twice', 'Go.', conversation_id=conv).submission_id
-            deadline = time.monotonic() + 60
-            while len(self.fm.requests()) == seen:  # the first turn is being answered
-                self.assertLess(time.monotonic(), deadline)
-                time.sleep(0.02)
+            sid, seen = self.submit_asked('twice', conv)
             asked = time.monotonic()
             before = self.reloads()
             self.write('twice', agent_md('twice', 'Way TWO.', servers=[addr]))
