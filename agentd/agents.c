@@ -637,7 +637,7 @@ enum cf_status agents_load(const char *dir, struct agent_set *out, struct cf_err
         snprintf(stem, sizeof(stem), "%.*s", (int)(len - 3), e->d_name);
         char *text;
         size_t n;
-        if ((rc = file_read_regular(path, AGENT_FILE_MAX, false, &text, &n, err)) != CF_OK) {
+        if ((rc = file_read_regular(path, AGENT_FILE_MAX, 0, &text, &n, err)) != CF_OK) {
             break; /* a FIFO or a device named NAME.md is refused, never waited on */
         }
         if (out->n == cap) {

@@ -338,8 +338,8 @@ static enum cf_status walk_dir(struct walk *w, const char *dir, const char *rel,
                 w->s->files = mem_realloc(w->s->files, sizeof(*w->s->files) * w->cap);
             }
             struct skill_file *f = &w->s->files[w->s->n_files];
-            if ((rc = file_read_regular(path, SKILL_FILE_MAX, true, &f->data, &f->len, err)) ==
-                CF_OK) {
+            if ((rc = file_read_regular(path, SKILL_FILE_MAX, FILE_READ_NOFOLLOW, &f->data, &f->len,
+                                        err)) == CF_OK) {
                 f->path = mem_strdup(sub);
                 w->s->n_files++;
             }
@@ -364,7 +364,8 @@ static enum cf_status load_one(const char *agents_dir, const char *name, struct 
     enum cf_status rc;
     snprintf(dir, sizeof(dir), "%s/skills/%s", agents_dir, name);
     snprintf(path, sizeof(path), "%s/SKILL.md", dir);
-    if ((rc = file_read_regular(path, SKILL_FILE_MAX, true, &text, &len, err)) != CF_OK) {
+    if ((rc = file_read_regular(path, SKILL_FILE_MAX, FILE_READ_NOFOLLOW, &text, &len, err)) !=
+        CF_OK) {
         return rc == CF_NOT_FOUND
                    ? cf_error_set(err, CF_INVALID,
                                   "skill \"%s\": no %s (a declared skill is a directory "

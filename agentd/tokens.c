@@ -306,7 +306,7 @@ static enum cf_status load(const char *path, struct token_set **out, struct cf_e
 {
     char *text;
     size_t n;
-    enum cf_status rc = file_read_regular(path, TOKENS_FILE_MAX, false, &text, &n, err);
+    enum cf_status rc = file_read_regular(path, TOKENS_FILE_MAX, 0, &text, &n, err);
     if (rc != CF_OK) {
         return rc;
     }

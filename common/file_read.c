@@ -19,12 +19,36 @@ static enum cf_status fail_errno(int e, const char *path, struct cf_error *err)
                         strerror(e));
 }
 
-enum cf_status file_read_regular(const char *path, size_t max, bool nofollow, char **data,
+/* drop frees buf (n bytes used), wiping them first when they are secret. */
+static void drop(char *buf, size_t n, bool secret)
+{
+    if (secret) {
+        explicit_bzero(buf, n);
+    }
+    free(buf);
+}
+
+/* grow returns buf (n bytes used) moved to a buffer of cap bytes. A secret one is copied and
+ * wiped, never left behind by realloc. */
+static char *grow(char *buf, size_t n, size_t cap, bool secret)
+{
+    if (!secret) {
+        return mem_realloc(buf, cap);
+    }
+    char *to = mem_alloc(cap);
+    memcpy(to, buf, n);
+    drop(buf, n, true);
+    return to;
+}
+
+enum cf_status file_read_regular(const char *path, size_t max, unsigned flags, char **data,
                                  size_t *len, struct cf_error *err)
 {
+    bool secret = flags & FILE_READ_SECRET;
     *data = NULL;
     *len = 0;
-    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | (nofollow ? O_NOFOLLOW : 0));
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC |
+                            (flags & FILE_READ_NOFOLLOW ? O_NOFOLLOW : 0));
     struct stat st;
     if (fd < 0 || fstat(fd, &st) != 0) {
         int e = errno;
@@ -51,7 +75,7 @@ enum cf_status file_read_regular(const char *path, size_t max, bool nofollow, ch
         if (r < 0) {
             int e = errno;
             close(fd);
-            free(buf);
+            drop(buf, got, secret);
             return fail_errno(e, path, err);
         }
         got += (size_t)r;
@@ -60,12 +84,12 @@ enum cf_status file_read_regular(const char *path, size_t max, bool nofollow, ch
         }
         if (got == cap) {
             cap = cap * 2 < max + 1 ? cap * 2 : max + 1;
-            buf = mem_realloc(buf, cap + 1);
+            buf = grow(buf, got, cap + 1, secret);
         }
     }
     close(fd);
     if (got > max) {
-        free(buf);
+        drop(buf, got, secret);
         return cf_error_set(err, CF_TOOBIG, "%s: larger than %zu bytes", path, max);
     }
     buf[got] = '\0';

@@ -13,11 +13,10 @@
  */
 #include "tls.h"
 
+#include "file_read.h"
 #include "log.h"
 #include "mem.h"
 
-#include <errno.h>
-#include <fcntl.h>
 #include <openssl/crypto.h>
 #include <openssl/err.h>
 #include <openssl/pem.h>
@@ -27,9 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <time.h>
-#include <unistd.h>
 
 /* One set of PEM texts (NUL-terminated; NULL: not given) and what the log says of it. */
 struct pem_set {
@@ -53,55 +50,16 @@ static bool given(const char *path)
     return path && *path;
 }
 
-/* read_pem reads path whole (at most TLS_PEM_MAX bytes) into a new NUL-terminated buffer. */
+/* read_pem reads path whole (at most TLS_PEM_MAX bytes) into a new NUL-terminated buffer. A
+ * FIFO or a device there is refused without waiting; key material is wiped wherever it was. */
 static enum cf_status read_pem(const char *flag, const char *path, char **out, size_t *out_len,
                                struct cf_error *err)
 {
-    *out = NULL;
-    *out_len = 0;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    struct stat st;
-    if (fd < 0 || fstat(fd, &st) != 0) {
-        int e = errno;
-        if (fd >= 0) {
-            close(fd);
-        }
-        return cf_error_set(err, CF_INVALID, "%s: cannot read '%s': %s", flag, path, strerror(e));
+    struct cf_error why;
+    enum cf_status rc = file_read_regular(path, TLS_PEM_MAX, FILE_READ_SECRET, out, out_len, &why);
+    if (rc != CF_OK) {
+        return cf_error_set(err, CF_INVALID, "%s: %s", flag, why.msg);
     }
-    if (!S_ISREG(st.st_mode)) {
-        close(fd);
-        return cf_error_set(err, CF_INVALID, "%s: '%s' is not a regular file", flag, path);
-    }
-    size_t cap = TLS_PEM_MAX + 1, n = 0;
-    char *buf = mem_alloc(cap + 1);
-    while (n < cap) {
-        ssize_t r = read(fd, buf + n, cap - n);
-        if (r < 0 && errno == EINTR) {
-            continue;
-        }
-        if (r < 0) {
-            int e = errno;
-            close(fd);
-            OPENSSL_cleanse(buf, n);
-            free(buf);
-            return cf_error_set(err, CF_INVALID, "%s: cannot read '%s': %s", flag, path,
-                                strerror(e));
-        }
-        if (r == 0) {
-            break;
-        }
-        n += (size_t)r;
-    }
-    close(fd);
-    if (n > TLS_PEM_MAX) {
-        OPENSSL_cleanse(buf, n);
-        free(buf);
-        return cf_error_set(err, CF_INVALID, "%s: '%s' is larger than %d bytes", flag, path,
-                            TLS_PEM_MAX);
-    }
-    buf[n] = '\0';
-    *out = buf;
-    *out_len = n;
     return CF_OK;
 }
 

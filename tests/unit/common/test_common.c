@@ -673,24 +673,28 @@ static void test_file_read(void)
     CHECK(f != NULL);
     fputs("0123456789", f);
     fclose(f);
-    CHECK(file_read_regular(path, 10, true, &data, &len, &err) == CF_OK);
+    CHECK(file_read_regular(path, 10, FILE_READ_NOFOLLOW, &data, &len, &err) == CF_OK);
     CHECK(len == 10 && !strcmp(data, "0123456789"));
     free(data);
-    CHECK(file_read_regular(path, 9, true, &data, &len, &err) == CF_TOOBIG && data == NULL);
+    CHECK(file_read_regular(path, 9, FILE_READ_NOFOLLOW, &data, &len, &err) == CF_TOOBIG &&
+          data == NULL);
     CHECK(strstr(err.msg, "larger than 9 bytes") != NULL);
+    CHECK(file_read_regular(path, 10, FILE_READ_SECRET, &data, &len, &err) == CF_OK);
+    CHECK(len == 10 && !strcmp(data, "0123456789"));
+    free(data);
     snprintf(link, sizeof(link), "%s/l.md", dir);
     CHECK(symlink(path, link) == 0);
-    CHECK(file_read_regular(link, 64, false, &data, &len, &err) == CF_OK && len == 10);
+    CHECK(file_read_regular(link, 64, 0, &data, &len, &err) == CF_OK && len == 10);
     free(data);
-    CHECK(file_read_regular(link, 64, true, &data, &len, &err) == CF_INVALID);
+    CHECK(file_read_regular(link, 64, FILE_READ_NOFOLLOW, &data, &len, &err) == CF_INVALID);
     CHECK(strstr(err.msg, "symbolic link") != NULL);
     unlink(link);
     CHECK(mkfifo(link, 0600) == 0);
-    CHECK(file_read_regular(link, 64, false, &data, &len, &err) == CF_INVALID);
+    CHECK(file_read_regular(link, 64, 0, &data, &len, &err) == CF_INVALID);
     CHECK(strstr(err.msg, "not a regular file") != NULL);
-    CHECK(file_read_regular(dir, 64, false, &data, &len, &err) == CF_INVALID);
+    CHECK(file_read_regular(dir, 64, 0, &data, &len, &err) == CF_INVALID);
     unlink(link);
-    CHECK(file_read_regular(link, 64, false, &data, &len, &err) == CF_NOT_FOUND);
+    CHECK(file_read_regular(link, 64, 0, &data, &len, &err) == CF_NOT_FOUND);
     unlink(path);
     rmdir(dir);
 }
