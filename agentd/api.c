@@ -737,6 +737,7 @@ static void compact(struct rpc_call *c, const Cflue__V1__CompactRequest *req)
     ar.agent = (char *)agent;
     ar.conversation_id = req->conversation_id;
     ar.kind = CFLUE__V1__SUBMISSION_KIND__SUBMISSION_KIND_COMPACT;
+    ar.idempotency_key = req->idempotency_key; /* a retry waits on the same compaction */
     ar.principal = p.name; /* storaged checks the conversation's principal again */
     ar.admin = p.admin;
     char traceparent[TRACE_PARENT_SIZE];

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cflue_harness import agent_pb2, common_pb2  # noqa: E402
+from cflue_harness import agent_pb2, common_pb2, error_reason  # noqa: E402
 from test_agentd import AgentdCase, kind, request_system  # noqa: E402
 
 COMPLETED = common_pb2.OUTCOME_COMPLETED
@@ -92,6 +92,38 @@ class CompactionTest(CompactionCase):
         self.assertIn('<context_summary>', first)
         self.assertIn('SUMMARY-RPC', first)
         self.assertNotIn('list some numbers', json.dumps(self.last_request()['messages']))
+
+    def test_a_compact_retried_with_its_key_waits_on_the_same_compaction(self):
+        adm, sub = self.run_one('list some numbers', [
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'seq 1 250'}}]},
+            {'text': 'Here are the numbers.'}])
+        self.assertEqual(sub.outcome, COMPLETED, sub.error)
+        self.stack.fm.set_scenario([{'text': 'SUMMARY-KEY: numbers were listed.',
+                                     'delay_ms': 3000}])
+        asked = len(self.stack.fm.requests())
+        req = agent_pb2.CompactRequest(conversation_id=adm.conversation_id,
+                                       idempotency_key='compact-1')
+        # the caller gives up while the summary is made, after the compaction was admitted
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.ad.call('Compact', req, timeout=1)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        r = self.ad.call('Compact', req, timeout=60)
+        self.assertGreaterEqual(r.record_offset, 0)
+        comp = [x for x in self.records(adm.conversation_id) if kind(x) == 'compaction']
+        self.assertEqual([(x.submission_id, x.offset) for x in comp],
+                         [(r.submission_id, r.record_offset)])
+        self.assertEqual(len(self.stack.fm.requests()), asked + 1)  # one summary made
+        # once settled, the same key answers the same compaction again
+        again = self.ad.call('Compact', req, timeout=60)
+        self.assertEqual((again.submission_id, again.record_offset, again.tokens_after),
+                         (r.submission_id, r.record_offset, r.tokens_after))
+        # the key on another conversation of the agent is another admission: refused
+        other, _ = self.run_one('something else', [{'text': 'fine'}])
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.ad.call('Compact', agent_pb2.CompactRequest(
+                conversation_id=other.conversation_id, idempotency_key='compact-1'), timeout=30)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.ALREADY_EXISTS)
+        self.assertIn('IDEMPOTENCY_CONFLICT', error_reason(cm.exception))
 
     def test_a_compaction_rebases_the_prompt_on_the_definitions_in_force(self):
         """Instructions edited after the prompt froze are told once as a signal; a compaction
