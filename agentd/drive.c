@@ -580,8 +580,9 @@ static enum drive_state step_join(struct drive *d)
     if (!first && drive_halted(d)) {
         return DRIVE_SETTLE;
     }
-    if (!first && d->more && rebound(d)) {
+    if (!first && d->more && d->rebinds < DRIVE_REBINDS_MAX && rebound(d)) {
         /* reloaded definitions: the tool set and the model again, and the changes told */
+        d->rebinds++;
         if (!pick_model(d)) {
             char why[sizeof(d->error)];
             snprintf(why, sizeof(why), "%s", d->error);
@@ -690,6 +691,7 @@ static enum drive_state step_model(struct drive *d)
 {
     size_t pending;
     d->more = false;
+    d->rebinds = 0;
     if (!drive_halted(d) && d->mark_pending && !rlog_pending(&d->log, &pending) &&
         !dstore_stored(d)) {
         d->parked = true;

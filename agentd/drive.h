@@ -26,6 +26,10 @@
 
 #define DRIVE_MODEL_MIN_MS 1000 /* a model call needs at least this much of the time limit */
 #define DRIVE_CWD_MAX 1024      /* characters of a subagent's working directory (Delegation.cwd) */
+/* Reloads a drive takes up at one turn boundary: later ones wait for the next boundary, so
+ * that reloads landing faster than the prompt stage lists its tools cannot keep the drive
+ * from its model call. */
+#define DRIVE_REBINDS_MAX 4
 
 /* The states of a drive; see the essay at the top of drive.c. */
 enum drive_state {
@@ -307,6 +311,7 @@ struct drive {
     } joining;
     bool threshold_checked;               /* this turn's context was compacted for size already */
     bool overflow_retried;                /* a context overflow was compacted once (per drive) */
+    int rebinds;                          /* reloads taken up since the last model call */
     bool fit_tightened;                   /* an overflow compaction did not mend: requests
                                            * fitted to half the room from then on (per drive) */
     enum cf_status model_rc;              /* the last model call's status */

@@ -34,6 +34,8 @@ def main():
     ap.add_argument('--log', default='')
     ap.add_argument('--port', type=int, default=0)
     ap.add_argument('--list-sleep', type=float, default=0, help='seconds each List takes')
+    ap.add_argument('--list-sleep-sandbox', default='',
+                    help='only a List for this sandbox takes --list-sleep (default: every List)')
     args = ap.parse_args()
     tools = json.loads(args.tools)
     by_name = {t['name']: t for t in tools}
@@ -63,7 +65,8 @@ def main():
         return t.get('description', t['name'])
 
     def list_tools(req, ctx):
-        time.sleep(args.list_sleep)
+        if not args.list_sleep_sandbox or req.sandbox == args.list_sleep_sandbox:
+            time.sleep(args.list_sleep)
         return tools_pb2.ListToolsResponse(tools=[
             tools_pb2.ToolSpec(name=t['name'], description=description(t),
                                parameters_json=json.dumps(t.get('schema', {'type': 'object'})))

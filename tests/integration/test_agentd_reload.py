@@ -13,6 +13,7 @@ agentd; the fake model plays the agents.
 import json
 import os
 import signal
+import threading
 import time
 import unittest
 
@@ -313,6 +314,49 @@ class ReloadTest(AgentdCase):
             last = [e for e in self.fm.requests()[seen:] if 'ROLE twice.' in request_system(e)][-1]
             self.assertIn('Way THREE.', json.dumps(last['body']['messages']))
         finally:
+            server.close()
+
+    def test_reloads_faster_than_the_prompt_stage_do_not_hold_the_model_call(self):
+        """Definitions rewritten every 0.3 s (another agent's) while the agent's tool server
+        takes 1.5 s to list its tools for the drive (and answers the reloads' checks at once):
+        every turn boundary found a newer generation than the one its prompt stage had just
+        listed, and the drive rebound again and again without asking the model until the
+        rewriting stopped. It takes up a few reloads at one boundary, then goes on."""
+        toold = self.stack.td.target
+        addr = '127.0.0.1:%d' % free_port()
+        conv = new_conv('churn')
+        server = py_server([tool('lookup')], port=int(addr.split(':')[1]), list_sleep=1.5,
+                           list_sleep_sandbox=conv)
+        stop = threading.Event()
+
+        def storm():
+            n = 0
+            while not stop.wait(0.3):
+                n += 1
+                self.write('bystander', agent_md('bystander', 'Way %d.' % n, toold))
+        try:
+            self.write('churn', agent_md('churn', 'Way 0.', toold, servers=[addr]))
+            self.workspace(conv)
+            self.wait_reload(self.reloads(), hup=True)
+            self.fm.set_scenario([
+                role('churn', delay_ms=2000, tool_calls=[{'name': 'lookup', 'arguments': {}}]),
+                role('churn', text='Done.')])
+            rebound = self.ad.stderr_text().count('event=drive_rebound')
+            sid, _ = self.submit_asked('churn', conv)
+            churner = threading.Thread(target=storm)
+            churner.start()
+            started = time.monotonic()
+            # DRIVE_REBINDS_MAX (4) prompt stages of 1.5 s, the turn, and room on a slow machine
+            sub = self.wait_settled(sid, timeout=25)
+            settled_after = time.monotonic() - started
+            self.assertFalse(stop.is_set())
+            stop.set()
+            churner.join()
+            self.assertEqual(sub.outcome, COMPLETED, sub)
+            self.assertLess(settled_after, 25)
+            self.assertEqual(self.ad.stderr_text().count('event=drive_rebound') - rebound, 4)
+        finally:
+            stop.set()
             server.close()
 
     def test_a_reload_whose_tools_clash_is_refused(self):

@@ -76,10 +76,11 @@ def example_server(port=None):
     return ToolServer([EXAMPLE_BIN, '--listen', '127.0.0.1:%d' % port], port)
 
 
-def py_server(tools, port=None, no_batch=False, log='', list_sleep=0):
+def py_server(tools, port=None, no_batch=False, log='', list_sleep=0, list_sleep_sandbox=''):
     port = port or free_port()
     cmd = [sys.executable, os.path.join(HERE, 'py_tool_server.py'), '--port', str(port),
-           '--tools', json.dumps(tools), '--list-sleep', str(list_sleep)]
+           '--tools', json.dumps(tools), '--list-sleep', str(list_sleep),
+           '--list-sleep-sandbox', list_sleep_sandbox]
     if no_batch:
         cmd.append('--no-batch')
     if log:
