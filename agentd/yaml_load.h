@@ -18,7 +18,8 @@
 #define YAML_FLOW_DEPTH_MAX 64
 
 /* yaml_load loads text[0..len) as one document into *doc (the caller yaml_document_delete()s
- * it on CF_OK). CF_INVALID when the brackets nest too deep or libyaml refuses the text:
+ * it on CF_OK). CF_INVALID when the brackets nest too deep, libyaml refuses the text, or a
+ * mapping has one key twice (YAML wants them unique; a reader would take either):
  * *problem then says why (static text) and *line is the 0-based line it points at. */
 CF_MUST_CHECK enum cf_status yaml_load(const char *text, size_t len, yaml_document_t *doc,
                                        const char **problem, size_t *line);

@@ -124,6 +124,8 @@ static void test_invalid(void)
             "map strings to strings");
     refused("---\nname: a\ndescription: d\nallowed-tools: [read]\n---\n", "a",
             "allowed-tools must be a string");
+    refused("---\nname: a\ndescription: d\ndescription: e\n---\n", "a",
+            "a key appears twice in one mapping");
 }
 
 /* Brackets nested past YAML_FLOW_DEPTH_MAX are refused before libyaml sees them (whose time

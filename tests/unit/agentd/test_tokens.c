@@ -84,6 +84,14 @@ static void test_parse(void)
              "tokens:\n  - name: x\n    sha256: %s\n  - name: y\n    sha256: %s\n", a, a);
     refused(text, "t.yaml:4: tokens[1].sha256: the same hash as the entry at line 2");
     refused("tokens: [\n", "t.yaml:");
+    /* a key twice: libyaml keeps both; the second agents list was written past the first's
+     * (agents[0] left NULL: the first Submit with that token crashed agentd) */
+    snprintf(text, sizeof(text),
+             "tokens:\n  - name: x\n    sha256: %s\n    agents: [plain]\n    agents: [plain]\n", a);
+    refused(text, "t.yaml:5: a key appears twice in one mapping");
+    snprintf(text, sizeof(text), "tokens:\n  - name: x\n    sha256: %s\n    name: y\n", a);
+    refused(text, "t.yaml:4: a key appears twice");
+    refused("tokens: []\ntokens: []\n", "t.yaml:2: a key appears twice");
 }
 
 /* authenticated: the authorization value authenticates as name (admin or not). */
