@@ -422,6 +422,32 @@ class FaultsCase(FaultsBase):
         results = [body(r) for r in self.records(conv) if kind(r) == 'tool_result']
         self.assertEqual(len(results), 1, results)
 
+    def test_time_limit_bounds_a_toold_that_does_not_answer(self):
+        """A toold that takes the batch and answers nothing for 20 s (its connection alive):
+        the sandbox's stream had no deadline, and the 'brief' agent's 4 s limit ended the
+        submission only when toold answered. The stream ends a few seconds past the limit."""
+        td = self.stack.td
+        td.stop()
+        td.env['CFLUE_FAILPOINTS'] = 'toold.bash.before_start=sleep:20000'
+        try:
+            td.start()
+            conv = new_conv('slow-toold')
+            self.workspace(conv)
+            self.fm.set_scenario(bind([
+                {'tool_calls': [{'name': 'bash', 'arguments': {'command': 'echo ran'}}]},
+                {'text': 'should not be asked'}], conv))
+            t0 = time.monotonic()
+            adm = self.ad.submit('brief', 'go (%s)' % conv, conversation_id=conv)
+            sub = self.wait_settled(adm.submission_id, timeout=40)
+            took = time.monotonic() - t0
+        finally:
+            del td.env['CFLUE_FAILPOINTS']
+            td.stop()
+            td.start()
+        self.assertEqual(outcome_name(sub.outcome), 'FAILED', sub.error)
+        self.assertIn('time limit', sub.error)
+        self.assertLess(took, 16, 'the drive waited for toold past its limit')
+
     def test_turn_cap_settles_failed_saying_so(self):
         conv = new_conv('turns')
         self.workspace(conv)
@@ -474,6 +500,54 @@ class FaultsCase(FaultsBase):
                         'agentd took %.1f s to use storaged again' % took)
         sub = self.wait_settled(adm.submission_id, timeout=30)
         self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+
+
+class FencedOffSecondBatchTest(AgentdCase):
+    """An answer of 70 calls runs as two batches (64, then 6). Its agentd is frozen while the
+    first batch's first call runs; another agentd takes the work over once the lease (3 s) has
+    run out and writes same.txt itself. The frozen one, continued, opened its second batch
+    with a lease it no longer held: its stale writes replaced the new attempt's file. The
+    next batch waits until the results before it are stored, through the fence."""
+    stack_kwargs = {'agents': ('runner-anthropic',), 'n_agentd': 2,
+                    'agentd_args': ('--lease-ms', '3000', '--heartbeat-ms', '1000')}
+
+    def test_a_fenced_off_attempt_opens_no_second_batch(self):
+        a, b = self.stack.agentds
+        conv = new_conv('stale')
+        ws = self.workspace(conv)
+        same = os.path.join(ws, 'same.txt')
+        calls = ([{'name': 'bash', 'arguments': {'command': 'touch started; sleep 6'}}] +
+                 [{'name': 'write', 'arguments': {'path': 'f%02d.txt' % i, 'content': 'x'}}
+                  for i in range(1, 64)] +
+                 [{'name': 'write', 'arguments': {'path': 'same.txt', 'content': 'STALE %d' % i}}
+                  for i in range(64, 70)])
+        self.fm.set_scenario(bind([
+            {'tool_calls': calls},
+            {'tool_calls': [{'name': 'write', 'arguments': {
+                'path': 'same.txt', 'content': 'the attempt that holds the lease'}}]},
+            {'text': 'finished'}], conv))
+        sid = a.submit('runner-anthropic', 'go (%s)' % conv, conversation_id=conv).submission_id
+        self.wait_for('the first call to start',
+                      lambda: os.path.exists(os.path.join(ws, 'started')), timeout=30)
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            sub = self.wait_settled(sid, timeout=60, ad=b)
+            self.assertEqual(sub.outcome, COMPLETED, sub)
+            with open(same) as f:
+                self.assertEqual(f.read(), 'the attempt that holds the lease')
+            # continued before toold's pings give its connection up (about 20 s)
+            time.sleep(max(0, 9 - (time.monotonic() - t0)))
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        self.wait_for('the frozen attempt to learn it lost the work',
+                      lambda: 'event=drive_stopped submission=%s' % sid in a.stderr_text(),
+                      timeout=30)
+        time.sleep(1)
+        with open(same) as f:
+            self.assertEqual(f.read(), 'the attempt that holds the lease')
+        settled = [r for r in self.records(conv) if kind(r) == 'submission_settled']
+        self.assertEqual(len(settled), 1)
 
 
 class ShortOutageTest(FaultsBase):
