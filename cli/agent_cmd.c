@@ -74,22 +74,52 @@ struct view {
     int depth;                  /* how deep in subagents this view is (0: the conversation asked) */
 };
 
-/* put writes s, with the view's indent at the start of each line, so a subagent's activity
- * shows nested under the call that delegated it. */
-static void put(struct view *v, const char *s)
+/* indent writes the view's indent when a line starts, so a subagent's activity shows nested
+ * under the call that delegated it. */
+static void indent(struct view *v)
 {
-    for (; *s; s++) {
-        for (int i = 0; !v->mid_line && i < v->depth; i++) {
-            fputs(tty ? "\033[2m  | \033[0m" : "  | ", stdout);
-        }
-        fputc(*s, stdout);
-        v->mid_line = *s != '\n';
+    for (int i = 0; !v->mid_line && i < v->depth; i++) {
+        fputs(tty ? "\033[2m  | \033[0m" : "  | ", stdout);
     }
 }
 
-static void putf(struct view *v, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* put writes s (model, tool or user text as much as cflue's own) through print_text, so that
+ * nothing in it reaches the terminal as a control, with the view's indent at each line. */
+static void put(struct view *v, const char *s)
+{
+    while (*s) {
+        size_t n = strcspn(s, "\n");
+        if (n) {
+            indent(v);
+            print_text(stdout, s, n, 0);
+            v->mid_line = true;
+            s += n;
+        }
+        if (*s == '\n') {
+            indent(v);
+            fputc('\n', stdout);
+            v->mid_line = false;
+            s++;
+        }
+    }
+}
 
-static void putf(struct view *v, const char *fmt, ...)
+/* style writes one of cflue's own escape sequences (dim(), reset(): "" when stdout is not a
+ * terminal), the only ones that reach stdout. */
+static void style(struct view *v, const char *esc)
+{
+    if (*esc) {
+        indent(v);
+        fputs(esc, stdout);
+        v->mid_line = true;
+    }
+}
+
+/* note writes one dimmed line (cflue's commentary on the conversation), formatted as printf
+ * does; its text through put. */
+static void note(struct view *v, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void note(struct view *v, const char *fmt, ...)
 {
     char small[1024], *big = NULL;
     va_list ap;
@@ -98,11 +128,16 @@ static void putf(struct view *v, const char *fmt, ...)
     va_end(ap);
     if (n >= (int)sizeof(small)) {
         big = malloc((size_t)n + 1);
-        va_start(ap, fmt);
-        vsnprintf(big, (size_t)n + 1, fmt, ap);
-        va_end(ap);
+        if (big) {
+            va_start(ap, fmt);
+            vsnprintf(big, (size_t)n + 1, fmt, ap);
+            va_end(ap);
+        }
     }
+    style(v, dim());
     put(v, n < 0 ? "" : big ? big : small);
+    style(v, reset());
+    put(v, "\n");
     free(big);
 }
 
@@ -127,10 +162,10 @@ static void show_result(struct view *v, const Cflue__V1__ToolCallResult *t)
         fclose(mem);
     }
     newline(v);
-    putf(v, "%s  <- %s%s%s: %s%s\n", dim(), t->name, t->is_error ? " (error)" : "",
-         t->outcome_unknown ? " (outcome unknown)" : "", head ? head : "", reset());
+    note(v, "  <- %s%s%s: %s", t->name, t->is_error ? " (error)" : "",
+         t->outcome_unknown ? " (outcome unknown)" : "", head ? head : "");
     if (more) {
-        putf(v, "%s     (%d more lines)%s\n", dim(), more, reset());
+        note(v, "     (%d more lines)", more);
     }
     free(head);
 }
@@ -140,15 +175,15 @@ static void show_result(struct view *v, const Cflue__V1__ToolCallResult *t)
 static void show_task(struct view *v, const Cflue__V1__TaskStarted *t)
 {
     newline(v);
-    putf(v, "%s  => %s (subagent, depth %d): conversation %s%s\n", dim(), t->agent, t->depth,
-         t->child_conversation_id, reset());
+    note(v, "  => %s (subagent, depth %d): conversation %s", t->agent, t->depth,
+         t->child_conversation_id);
     struct view child = {.submission_id = t->child_submission_id,
                          .ch = v->ch,
                          .follow = v->follow,
                          .depth = v->depth + 1};
     fflush(stdout);
     if (watch_stream(v->ch, t->child_conversation_id, -1, v->follow, &child) != 0) {
-        putf(v, "%s  (the subagent's conversation could not be watched)%s\n", dim(), reset());
+        note(v, "  (the subagent's conversation could not be watched)");
     }
     newline(&child);
 }
@@ -160,11 +195,11 @@ static bool show(struct view *v, const Cflue__V1__Record *r)
     switch (r->body_case) {
     case CFLUE__V1__RECORD__BODY_USER_MESSAGE:
         newline(v);
-        putf(v, "%s> %s%s\n", dim(), r->user_message->text, reset());
+        note(v, "> %s", r->user_message->text);
         for (size_t i = 0; i < r->user_message->n_attachments; i++) {
             const Cflue__V1__AttachmentRef *a = r->user_message->attachments[i];
-            putf(v, "%s  [attachment %s, %s, %lld bytes]%s\n", dim(), a->name, a->mime_type,
-                 (long long)a->size_bytes, reset());
+            note(v, "  [attachment %s, %s, %lld bytes]", a->name, a->mime_type,
+                 (long long)a->size_bytes);
         }
         break;
     case CFLUE__V1__RECORD__BODY_ASSISTANT_DELTA: {
@@ -172,7 +207,7 @@ static bool show(struct view *v, const Cflue__V1__Record *r)
         if (r->assistant_delta->restart && v->streamed) {
             /* the text shown so far was abandoned: the answer starts over */
             newline(v);
-            putf(v, "%s[the answer started over]%s\n", dim(), reset());
+            note(v, "[the answer started over]");
             v->streamed = 0;
         }
         put(v, text);
@@ -188,8 +223,7 @@ static bool show(struct view *v, const Cflue__V1__Record *r)
         newline(v);
         v->streamed = 0;
         for (size_t i = 0; i < m->n_tool_calls; i++) {
-            putf(v, "%s  -> %s %s%s\n", dim(), m->tool_calls[i]->name,
-                 m->tool_calls[i]->arguments_json, reset());
+            note(v, "  -> %s %s", m->tool_calls[i]->name, m->tool_calls[i]->arguments_json);
         }
         break;
     }
@@ -201,14 +235,14 @@ static bool show(struct view *v, const Cflue__V1__Record *r)
         break;
     case CFLUE__V1__RECORD__BODY_SIGNAL:
         newline(v);
-        putf(v, "%s[signal %s] %s%s\n", dim(), r->signal->kind, r->signal->text, reset());
+        note(v, "[signal %s] %s", r->signal->kind, r->signal->text);
         break;
     case CFLUE__V1__RECORD__BODY_COMPACTION: {
         const Cflue__V1__Compaction *c = r->compaction;
         newline(v);
-        putf(v, "%s[compaction (%s): %lld -> %lld tokens, records from offset %lld kept]%s\n",
-             dim(), print_trigger_name(c->trigger), (long long)c->tokens_before,
-             (long long)c->tokens_after, (long long)c->first_kept_offset, reset());
+        note(v, "[compaction (%s): %lld -> %lld tokens, records from offset %lld kept]",
+             print_trigger_name(c->trigger), (long long)c->tokens_before,
+             (long long)c->tokens_after, (long long)c->first_kept_offset);
         break;
     }
     case CFLUE__V1__RECORD__BODY_SUBMISSION_SETTLED: {
@@ -216,8 +250,8 @@ static bool show(struct view *v, const Cflue__V1__Record *r)
         bool mine = v->submission_id && !strcmp(r->submission_id, v->submission_id);
         newline(v);
         if (!v->submission_id || mine) {
-            putf(v, "%s[%s %s%s%s]%s\n", dim(), r->submission_id, print_outcome_name(s->outcome),
-                 *s->error ? ": " : "", s->error, reset());
+            note(v, "[%s %s%s%s]", r->submission_id, print_outcome_name(s->outcome),
+                 *s->error ? ": " : "", s->error);
         }
         if (mine) {
             v->outcome = s->outcome;

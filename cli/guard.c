@@ -10,6 +10,7 @@
 
 #include "clock.h"
 #include "mem.h"
+#include "print.h"
 #include "thread.h"
 
 #include <errno.h>
@@ -167,9 +168,13 @@ int guard_fail(const struct rpc_status *st)
         fire(-1); /* gRPC's deadline for the call is the command's: guard_exit_code says so */
     }
     if (!guard_fired()) {
-        fprintf(stderr, "cflue: %s%s%s%s (gRPC status %d)\n",
-                st->details[0] ? st->details : "call failed", st->reason[0] ? " [" : "", st->reason,
-                st->reason[0] ? "]" : "", (int)st->code);
+        /* the details may quote a model's or a tool's text */
+        const char *details = st->details[0] ? st->details : "call failed";
+        fputs("cflue: ", stderr);
+        print_text(stderr, details, strlen(details), PRINT_ONE_LINE);
+        fputs(st->reason[0] ? " [" : "", stderr);
+        print_text(stderr, st->reason, strlen(st->reason), PRINT_ONE_LINE);
+        fprintf(stderr, "%s (gRPC status %d)\n", st->reason[0] ? "]" : "", (int)st->code);
     }
     return 1;
 }

@@ -17,6 +17,9 @@
  * Listing commands page through the server's page tokens to the end. A server error prints
  * as "cflue: MESSAGE [REASON] (gRPC status N)", REASON the ErrorInfo reason.
  *
+ * Text from models, tools, users and servers goes through print_text (print.h): its control
+ * characters are shown, never sent to the terminal.
+ *
  * Exit codes: 0 success, 1 the server answered with an error, 2 usage error, 3 aborted
  * (submit), 4 the deadline passed, 130/143 SIGINT/SIGTERM.
  */
@@ -87,7 +90,10 @@ static const char usage_text[] =
     "ends within N ms (calls cancelled, exit 4). Without it one call may take 5 s (health),\n"
     "10 s (store), 15 s (agent commands), the tool's --timeout-ms + 10 s or 10 min (tool);\n"
     "submit, watch --follow and store read --follow wait until done. SIGINT/SIGTERM cancel\n"
-    "the call and exit 130/143.\n";
+    "the call and exit 130/143.\n"
+    "text from models, tools, users and servers is printed with its control characters shown,\n"
+    "never sent: ESC as \\x1b, a carriage return as \\x0d, C1 controls as \\u0080..\\u009f\n"
+    "(newlines and tabs kept; valid UTF-8 unchanged), whether stdout is a terminal or not.\n";
 
 struct args {
     const char *store, *agent, *conversation, *key;
@@ -363,9 +369,11 @@ static int cmd_tool(int argc, char **argv)
     }
     Cflue__V1__ToolResult *r = (Cflue__V1__ToolResult *)resp;
     const Cflue__V1__Truncation *t = r->truncation;
-    printf("%s\n", r->text);
-    fprintf(stderr, "-- %s; details %s\n", r->is_error ? "error result" : "result",
-            r->details_json);
+    print_text(stdout, r->text, strlen(r->text), 0);
+    putchar('\n');
+    fprintf(stderr, "-- %s; details ", r->is_error ? "error result" : "result");
+    print_text(stderr, r->details_json, strlen(r->details_json), PRINT_ONE_LINE);
+    fputc('\n', stderr);
     if (t) {
         fprintf(
             stderr,

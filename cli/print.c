@@ -4,8 +4,80 @@
 #include "pbtime.h"
 #include "record_kind.h"
 
+#include <errno.h>
 #include <string.h>
 #include <time.h>
+
+/* utf8_len returns the length of the valid UTF-8 sequence at p (at most n bytes: the bytes
+ * left), 0 when p does not start one (a stray continuation byte, an overlong form, a
+ * surrogate, a code point above U+10FFFF, or a sequence cut short) */
+static size_t utf8_len(const unsigned char *p, size_t n)
+{
+    size_t len;
+    unsigned char lo = 0x80, hi = 0xBF; /* the range of the second byte */
+    if (p[0] < 0x80) {
+        return 1;
+    } else if (p[0] >= 0xC2 && p[0] <= 0xDF) {
+        len = 2;
+    } else if (p[0] >= 0xE0 && p[0] <= 0xEF) {
+        len = 3;
+        lo = p[0] == 0xE0 ? 0xA0 : 0x80;
+        hi = p[0] == 0xED ? 0x9F : 0xBF;
+    } else if (p[0] >= 0xF0 && p[0] <= 0xF4) {
+        len = 4;
+        lo = p[0] == 0xF0 ? 0x90 : 0x80;
+        hi = p[0] == 0xF4 ? 0x8F : 0xBF;
+    } else {
+        return 0;
+    }
+    if (n < len || p[1] < lo || p[1] > hi) {
+        return 0;
+    }
+    for (size_t i = 2; i < len; i++) {
+        if ((p[i] & 0xC0) != 0x80) {
+            return 0;
+        }
+    }
+    return len;
+}
+
+void print_text(FILE *out, const char *text, size_t len, unsigned flags)
+{
+    const unsigned char *p = (const unsigned char *)text, *end = p + len;
+    while (p < end) {
+        size_t n = utf8_len(p, (size_t)(end - p));
+        if (n == 1 && *p == '\n') {
+            fputs(flags & PRINT_ONE_LINE ? "\\n" : "\n", out);
+        } else if (n == 1 && (*p == '\t' || (*p >= 0x20 && *p != 0x7F))) {
+            fputc(*p, out);
+        } else if (n == 1 || n == 0) {
+            /* a C0 control, DEL, or a byte that is not text */
+            fprintf(out, "\\x%02x", *p);
+            n = 1;
+        } else if (n == 2 && p[0] == 0xC2 && p[1] <= 0x9F) {
+            /* a C1 control: U+0080..U+009F (CSI is U+009B) */
+            fprintf(out, "\\u%04x", (unsigned)p[1]);
+        } else {
+            fwrite(p, 1, n, out);
+        }
+        p += n;
+    }
+}
+
+bool print_output_ok(FILE *out)
+{
+    static bool failed;
+    errno = 0;
+    if (fflush(out) == 0 && !ferror(out)) {
+        return true;
+    }
+    int e = errno;
+    if (!failed && e != EPIPE) {
+        fprintf(stderr, "cflue: cannot write the output: %s\n", e ? strerror(e) : "write error");
+    }
+    failed = true;
+    return false;
+}
 
 const char *print_status_name(Cflue__V1__SubmissionStatus st)
 {
@@ -51,41 +123,62 @@ static void when(FILE *out, const char *label, const Google__Protobuf__Timestamp
     fprintf(out, "%-16s %s.%03dZ\n", label, buf, (int)(ms % 1000));
 }
 
+/* str writes a string of a record or submission on the current line (print_text) */
+static void str(FILE *out, const char *s)
+{
+    print_text(out, s, strlen(s), PRINT_ONE_LINE);
+}
+
+/* field writes one "label value" line of a submission, the value through print_text */
+static void field(FILE *out, const char *label, const char *value)
+{
+    fprintf(out, "%-16s ", label);
+    str(out, value);
+    fputc('\n', out);
+}
+
 void print_submission(FILE *out, const Cflue__V1__Submission *s)
 {
-    fprintf(out, "%-16s %s\n", "submission", s->submission_id);
-    fprintf(out, "%-16s %s\n", "conversation", s->conversation_id);
-    fprintf(out, "%-16s %s\n", "agent", s->agent);
+    field(out, "submission", s->submission_id);
+    field(out, "conversation", s->conversation_id);
+    field(out, "agent", s->agent);
     fprintf(out, "%-16s %s\n", "kind", kind_name(s->kind));
     fprintf(out, "%-16s %s\n", "source", source_name(s->source));
     fprintf(out, "%-16s %s\n", "status", print_status_name(s->status));
     fprintf(out, "%-16s %s\n", "outcome", print_outcome_name(s->outcome));
     if (*s->error) {
-        fprintf(out, "%-16s %s\n", "error", s->error);
+        field(out, "error", s->error);
     }
     fprintf(out, "%-16s %d of %d\n", "attempts", s->attempt_count, s->max_attempts);
     if (*s->attempt_id) {
-        fprintf(out, "%-16s %s (epoch %lld, owner %s)\n", "attempt", s->attempt_id,
-                (long long)s->epoch, *s->owner_id ? s->owner_id : "-");
+        fprintf(out, "%-16s ", "attempt");
+        str(out, s->attempt_id);
+        fprintf(out, " (epoch %lld, owner ", (long long)s->epoch);
+        str(out, *s->owner_id ? s->owner_id : "-");
+        fputs(")\n", out);
     }
     if (*s->joined_into) {
-        fprintf(out, "%-16s %s\n", "joined into", s->joined_into);
+        field(out, "joined into", s->joined_into);
     }
     if (*s->answered_by) {
-        fprintf(out, "%-16s %s\n", "answered by", s->answered_by);
+        field(out, "answered by", s->answered_by);
     }
     if (s->usage && (s->usage->input_tokens || s->usage->output_tokens)) {
         fprintf(out, "%-16s %lld in, %lld out, $%.4f\n", "usage", (long long)s->usage->input_tokens,
                 (long long)s->usage->output_tokens, s->usage->cost_usd);
     }
     if (*s->idempotency_key) {
-        fprintf(out, "%-16s %s\n", "idempotency key", s->idempotency_key);
+        field(out, "idempotency key", s->idempotency_key);
     }
     if (*s->traceparent) {
-        fprintf(out, "%-16s %s\n", "trace", s->traceparent);
+        field(out, "trace", s->traceparent);
     }
     for (size_t i = 0; i < s->n_metadata; i++) {
-        fprintf(out, "%-16s %s=%s\n", "metadata", s->metadata[i]->key, s->metadata[i]->value);
+        fprintf(out, "%-16s ", "metadata");
+        str(out, s->metadata[i]->key);
+        fputc('=', out);
+        str(out, s->metadata[i]->value);
+        fputc('\n', out);
     }
     when(out, "created", s->create_time);
     when(out, "started", s->start_time);
@@ -95,11 +188,16 @@ void print_submission(FILE *out, const Cflue__V1__Submission *s)
     when(out, "abort requested", s->abort_request_time);
     when(out, "settled", s->settle_time);
     if (s->message) {
-        fprintf(out, "%-16s %s\n", "text", s->message->text);
+        /* the text keeps its lines, as it was written */
+        fprintf(out, "%-16s ", "text");
+        print_text(out, s->message->text, strlen(s->message->text), 0);
+        fputc('\n', out);
         for (size_t i = 0; i < s->message->n_attachments; i++) {
-            fprintf(out, "%-16s %s (%s, %zu bytes)\n", "attachment",
-                    s->message->attachments[i]->name, s->message->attachments[i]->mime_type,
-                    s->message->attachments[i]->data.len);
+            fprintf(out, "%-16s ", "attachment");
+            str(out, s->message->attachments[i]->name);
+            fputs(" (", out);
+            str(out, s->message->attachments[i]->mime_type);
+            fprintf(out, ", %zu bytes)\n", s->message->attachments[i]->data.len);
         }
     }
 }
@@ -117,68 +215,76 @@ int print_result_head(FILE *out, const char *text)
         lines--;
     }
     bool cut = head > PRINT_RESULT_MAX;
-    fprintf(out, "%.*s%s", (int)(cut ? PRINT_RESULT_MAX : head), text, cut || lines ? " ..." : "");
-    return lines;
-}
-
-/* one_line writes text with its newlines shown as "\n", so that a record stays on its line */
-static void one_line(FILE *out, const char *text)
-{
-    for (const char *p = text; *p; p++) {
-        if (*p == '\n') {
-            fputs("\\n", out);
-        } else {
-            fputc(*p, out);
-        }
+    size_t shown = cut ? PRINT_RESULT_MAX : head;
+    /* a cut inside a UTF-8 sequence would leave bytes that are not text: cut before it */
+    while (cut && shown > 0 && ((unsigned char)text[shown] & 0xC0) == 0x80) {
+        shown--;
     }
+    print_text(out, text, shown, 0);
+    fputs(cut || lines ? " ..." : "", out);
+    return lines;
 }
 
 void print_record(FILE *out, const Cflue__V1__Record *r)
 {
-    fprintf(out, "%lld %s %s", (long long)r->offset, record_kind_name(r->body_case),
-            *r->submission_id ? r->submission_id : "-");
+    fprintf(out, "%lld %s ", (long long)r->offset, record_kind_name(r->body_case));
+    str(out, *r->submission_id ? r->submission_id : "-");
     switch (r->body_case) {
     case CFLUE__V1__RECORD__BODY_USER_MESSAGE:
         fputc(' ', out);
-        one_line(out, r->user_message->text);
+        str(out, r->user_message->text);
         for (size_t i = 0; i < r->user_message->n_attachments; i++) {
             const Cflue__V1__AttachmentRef *a = r->user_message->attachments[i];
-            fprintf(out, " [attachment %s %s %lld bytes]", a->name, a->mime_type,
-                    (long long)a->size_bytes);
+            fputs(" [attachment ", out);
+            str(out, a->name);
+            fputc(' ', out);
+            str(out, a->mime_type);
+            fprintf(out, " %lld bytes]", (long long)a->size_bytes);
         }
         fputc('\n', out);
         break;
     case CFLUE__V1__RECORD__BODY_SYSTEM_PROMPT:
         fprintf(out, " (%zu bytes) ", strlen(r->system_prompt->text));
-        one_line(out, r->system_prompt->text);
+        str(out, r->system_prompt->text);
         fputc('\n', out);
         break;
     case CFLUE__V1__RECORD__BODY_ASSISTANT_DELTA:
         fprintf(out, " turn %d: ", r->assistant_delta->turn);
-        one_line(out, r->assistant_delta->text);
+        str(out, r->assistant_delta->text);
         fputc('\n', out);
         break;
     case CFLUE__V1__RECORD__BODY_ASSISTANT_MESSAGE: {
         const Cflue__V1__AssistantMessage *m = r->assistant_message;
-        fprintf(out, " turn %d, %s, stop %s", m->turn, *m->model ? m->model : "-",
-                *m->stop_reason ? m->stop_reason : "-");
+        fprintf(out, " turn %d, ", m->turn);
+        str(out, *m->model ? m->model : "-");
+        fputs(", stop ", out);
+        str(out, *m->stop_reason ? m->stop_reason : "-");
         if (m->usage) {
             fprintf(out, ", %lld in, %lld out", (long long)m->usage->input_tokens,
                     (long long)m->usage->output_tokens);
         }
         fputs(": ", out);
-        one_line(out, m->text);
+        str(out, m->text);
         fputc('\n', out);
         for (size_t i = 0; i < m->n_tool_calls; i++) {
-            fprintf(out, "    -> %s %s (%s)\n", m->tool_calls[i]->name,
-                    m->tool_calls[i]->arguments_json, m->tool_calls[i]->id);
+            fputs("    -> ", out);
+            str(out, m->tool_calls[i]->name);
+            fputc(' ', out);
+            str(out, m->tool_calls[i]->arguments_json);
+            fputs(" (", out);
+            str(out, m->tool_calls[i]->id);
+            fputs(")\n", out);
         }
         break;
     }
     case CFLUE__V1__RECORD__BODY_TOOL_RESULT: {
         const Cflue__V1__ToolCallResult *t = r->tool_result;
-        fprintf(out, " turn %d #%d %s (%s)%s%s%s: ", t->turn, t->index, t->name, t->tool_call_id,
-                t->is_error ? " error" : "", t->outcome_unknown ? " outcome-unknown" : "",
+        fprintf(out, " turn %d #%d ", t->turn, t->index);
+        str(out, t->name);
+        fputs(" (", out);
+        str(out, t->tool_call_id);
+        fprintf(out, ")%s%s%s: ", t->is_error ? " error" : "",
+                t->outcome_unknown ? " outcome-unknown" : "",
                 t->truncation && t->truncation->truncated ? " truncated" : "");
         int more = print_result_head(out, t->text);
         if (more) {
@@ -188,8 +294,10 @@ void print_record(FILE *out, const Cflue__V1__Record *r)
         break;
     }
     case CFLUE__V1__RECORD__BODY_SIGNAL:
-        fprintf(out, " %s: ", r->signal->kind);
-        one_line(out, r->signal->text);
+        fputc(' ', out);
+        str(out, r->signal->kind);
+        fputs(": ", out);
+        str(out, r->signal->text);
         fputc('\n', out);
         break;
     case CFLUE__V1__RECORD__BODY_COMPACTION: {
@@ -198,7 +306,7 @@ void print_record(FILE *out, const Cflue__V1__Record *r)
                 " %s, %lld -> %lld tokens, kept from offset %lld: ", print_trigger_name(c->trigger),
                 (long long)c->tokens_before, (long long)c->tokens_after,
                 (long long)c->first_kept_offset);
-        one_line(out, c->summary);
+        str(out, c->summary);
         fputc('\n', out);
         break;
     }
@@ -206,20 +314,28 @@ void print_record(FILE *out, const Cflue__V1__Record *r)
         const Cflue__V1__SubmissionSettled *s = r->submission_settled;
         fprintf(out, " %s", print_outcome_name(s->outcome));
         if (*s->answered_by) {
-            fprintf(out, " (answered by %s)", s->answered_by);
+            fputs(" (answered by ", out);
+            str(out, s->answered_by);
+            fputc(')', out);
         }
         if (*s->error) {
             fputs(": ", out);
-            one_line(out, s->error);
+            str(out, s->error);
         }
         fputc('\n', out);
         break;
     }
     case CFLUE__V1__RECORD__BODY_TASK_STARTED: {
         const Cflue__V1__TaskStarted *t = r->task_started;
-        fprintf(out, " turn %d #%d (%s): %s at depth %d, submission %s in conversation %s\n",
-                t->turn, t->index, t->tool_call_id, t->agent, t->depth, t->child_submission_id,
-                t->child_conversation_id);
+        fprintf(out, " turn %d #%d (", t->turn, t->index);
+        str(out, t->tool_call_id);
+        fputs("): ", out);
+        str(out, t->agent);
+        fprintf(out, " at depth %d, submission ", t->depth);
+        str(out, t->child_submission_id);
+        fputs(" in conversation ", out);
+        str(out, t->child_conversation_id);
+        fputc('\n', out);
         break;
     }
     default:

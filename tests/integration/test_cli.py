@@ -14,6 +14,7 @@ and must end on SIGTERM/SIGINT within about a second (exit 143/130, the call can
 the server) and at --deadline-ms / CFLUE_DEADLINE_MS (exit 4), with a message saying which.
 """
 
+import json
 import os
 import signal
 import socket
@@ -285,6 +286,33 @@ def run_cli(argv, timeout=60):
     return p.returncode, p.stdout.decode('utf-8', 'replace'), p.stderr.decode('utf-8', 'replace')
 
 
+# Text that, printed raw, would retitle the terminal window, clear the screen, turn it red,
+# overwrite the line (carriage return), ring the bell, and start a C1 CSI (U+009B).
+EVIL = 'A\x1b]0;TITLE\x07\x1b[2J\x1b[31mB\rC\x7f\x9b31m'
+# valid UTF-8 around it must come through unchanged
+KIND = 'h\u00e9llo \u2713 \u65e5\u672c \U0001f600\tend'
+
+
+def controls(text):
+    """The control characters in text that a terminal would act on: C0 but newline and tab,
+    DEL, and C1 (U+0080..U+009F)."""
+    return sorted(set(c for c in text if (ord(c) < 0x20 and c not in '\n\t') or
+                      0x7f <= ord(c) <= 0x9f))
+
+
+class ControlsMixin(object):
+
+    def assertNoControls(self, text, what):
+        self.assertEqual(controls(text), [], '%s printed control characters raw: %r'
+                         % (what, text[:2000]))
+
+    def assertShownVisibly(self, text, what):
+        """EVIL shown visibly: its escapes written out as text."""
+        self.assertNoControls(text, what)
+        self.assertIn('A\\x1b]0;TITLE\\x07\\x1b[2J\\x1b[31mB\\x0dC\\x7f\\u009b31m', text,
+                      what)
+
+
 RECORD_LINE = re.compile(r'^(\d+) (\w+) (\S+)(.*)$')
 
 
@@ -299,7 +327,7 @@ def record_lines(out):
     return got
 
 
-class CliOutputTest(unittest.TestCase):
+class CliOutputTest(unittest.TestCase, ControlsMixin):
     """`cflue store ...` against a real storaged: every record type printed by its typed body,
     Read and List paged to the end, times as ISO 8601, errors with their ErrorInfo reason."""
 
@@ -391,6 +419,42 @@ class CliOutputTest(unittest.TestCase):
         self.assertEqual([o for o, _, _, _ in record_lines(out)],
                          list(range(6, self.n_records)))
 
+    def test_control_characters_are_shown_not_sent(self):
+        """Terminal escape injection: a record's text (the model's answer, tool names and
+        arguments, a tool result, a signal, a settlement error, a submission's text) printed
+        raw reached the terminal as escape sequences. Every one shows visibly instead; valid
+        UTF-8 is printed unchanged."""
+        stub = self.sd.stub
+        conv = 'c-cli-esc-' + uuid.uuid4().hex[:8]
+        adm = stub.admit(store_pb2.AdmitRequest(agent='cli', conversation_id=conv,
+                                                message=common_pb2.Message(text=EVIL + KIND)))
+        sid = adm.submission.submission_id
+        f = stub.claim(store_pb2.ClaimRequest(owner_id='cli-test', submission_id=sid)).fence
+        c = common_pb2
+        stub.append(store_pb2.AppendRequest(fence=f, records=[
+            c.Record(id='assistant:%s:1' % sid, submission_id=sid,
+                     assistant_message=c.AssistantMessage(
+                         turn=1, text=EVIL + KIND, stop_reason='tool_use', model='m' + EVIL,
+                         tool_calls=[c.ToolCallRequest(id='call' + EVIL, name='bash' + EVIL,
+                                                       arguments_json='{"x": "%s"}' % EVIL)])),
+            c.Record(id='tool:%s:1:call-1' % sid, submission_id=sid,
+                     tool_result=c.ToolCallResult(turn=1, index=0, tool_call_id='call-1',
+                                                  name='bash' + EVIL, text=EVIL + '\nmore')),
+            c.Record(id='signal:1', submission_id=sid,
+                     signal=c.Signal(kind='resources', text=EVIL)),
+        ]))
+        stub.settle(store_pb2.SettleRequest(fence=f, outcome=c.OUTCOME_FAILED, error=EVIL))
+        rc, out, err = run_cli(['store', 'read', conv] + self.store)
+        self.assertEqual(rc, 0, err)
+        self.assertShownVisibly(out, 'store read')
+        self.assertIn(KIND, out)
+        self.assertEqual([k for _, k, _, _ in record_lines(out)],
+                         ['assistant_message', 'tool_result', 'signal', 'submission_settled'])
+        rc, out, err = run_cli(['store', 'get', sid] + self.store)
+        self.assertEqual(rc, 0, err)
+        self.assertShownVisibly(out, 'store get')
+        self.assertIn(KIND, out)
+
     def test_store_get_and_list(self):
         rc, out, err = run_cli(['store', 'get', self.sid] + self.store)
         self.assertEqual(rc, 0, err)
@@ -417,7 +481,7 @@ class CliOutputTest(unittest.TestCase):
         self.assertRegex(err, r'^cflue: .*\[[A-Z_]+\] \(gRPC status 5\)\n$')
 
 
-class CliAgentTest(unittest.TestCase):
+class CliAgentTest(unittest.TestCase, ControlsMixin):
     """`cflue submit/watch/status/conversation/agents/compact/abort` against a whole stack."""
 
     @classmethod
@@ -477,6 +541,35 @@ class CliAgentTest(unittest.TestCase):
         rc, out, err = run_cli(['compact', conv] + self.agentd)
         self.assertEqual(rc, 1, out)
         self.assertIn('[NOTHING_TO_COMPACT]', err)
+
+    def test_control_characters_are_shown_not_sent(self):
+        """Terminal escape injection: the model's answer, its tool call, the tool's result and
+        `cflue tool`'s output reached the terminal raw. They show visibly instead."""
+        from test_agentd import bind
+        conv = 'c-cli-' + uuid.uuid4().hex[:8]
+        self.stack.td.workspace(conv, create=True)
+        printf = "printf '%s\\n'" % EVIL.replace('\x1b', '\\033').replace('\x07', '\\007') \
+            .replace('\r', '\\r').replace('\x7f', '\\177').replace('\x9b', '\\302\\233')
+        self.stack.fm.set_scenario(bind([
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': printf}}]},
+            {'text': EVIL + KIND}], conv))
+        rc, out, err = run_cli(['submit', '--agent', 'runner-anthropic', '--conversation', conv,
+                                'say ' + EVIL] + self.agentd)
+        self.assertEqual(rc, 0, out + err)
+        self.assertShownVisibly(out, 'submit')
+        self.assertIn(KIND, out)
+        self.assertIn('> say A\\x1b]0;', out)           # the user's text
+        self.assertIn('  <- bash: A\\x1b]0;TITLE', out)  # the tool result's head
+        self.assertIn('  -> bash {"command":', out)
+        rc, wout, err = run_cli(['watch', conv] + self.agentd)
+        self.assertEqual(rc, 0, err)
+        self.assertShownVisibly(wout, 'watch')
+        # `cflue tool` prints the result text, and details on stderr, the same way
+        rc, tout, terr = run_cli(['tool', self.stack.td.target, 'bash',
+                                  json.dumps({'command': printf}), '--sandbox', conv])
+        self.assertEqual(rc, 0, terr)
+        self.assertShownVisibly(tout, 'tool')
+        self.assertNoControls(terr, 'tool (stderr)')
 
     def test_an_answer_that_starts_over_is_shown_so(self):
         """A stream that broke off after some text is asked again: the watcher showed the
