@@ -262,8 +262,7 @@ static bool show(struct view *v, const Cflue__V1__Record *r)
     default: /* system prompts are for the model; bodies this build does not know are skipped */
         break;
     }
-    fflush(stdout);
-    return done;
+    return done; /* the caller flushes (print_output_ok) */
 }
 
 static int watch_stream(struct rpc_channel *ch, const char *conversation, int64_t after,
@@ -279,15 +278,21 @@ static int watch_stream(struct rpc_channel *ch, const char *conversation, int64_
         rpc_stream_open(ch, "/cflue.v1.Agent/Watch", &req.base, guard_timeout_ms(0));
     ProtobufCMessage *m;
     bool done = false;
-    while (!done && rpc_stream_read(s, &cflue__v1__record__descriptor, &m) == 1) {
+    bool written = true;
+    while (!done && written && rpc_stream_read(s, &cflue__v1__record__descriptor, &m) == 1) {
         done = show(v, (Cflue__V1__Record *)m);
         protobuf_c_message_free_unpacked(m, NULL);
+        written = print_output_ok(stdout);
     }
-    if (done) {
+    if (done || !written) {
         rpc_stream_cancel(s);
     }
     struct rpc_status st;
     rpc_stream_finish(s, &st);
+    if (!written) {
+        /* the reader went away (`| head`) or the output cannot be written: stop watching */
+        return 1;
+    }
     if (!done && st.code != GRPC_STATUS_OK) {
         return guard_fail(&st);
     }

@@ -2,6 +2,7 @@
 #include "call.h"
 
 #include "guard.h"
+#include "print.h"
 
 #include <stdio.h>
 
@@ -35,6 +36,10 @@ int call_pages(struct rpc_channel *ch, const char *service, const char *method,
         }
         prev = resp;
         const char *next = show(ctx, resp, first);
+        if (!print_output_ok(stdout)) {
+            rc = 1; /* no one reads the rest, or it cannot be written: stop asking for it */
+            break;
+        }
         if (!next || !*next) {
             break;
         }

@@ -21,7 +21,8 @@ typedef const char *(*call_show_fn)(void *ctx, const ProtobufCMessage *page, boo
 
 /* call_pages calls METHOD with req as call_unary does, shows the page, and calls again with
  * *page_token (a field of req) set to the page's next token until show returns none. Returns
- * 0, or 1 once a call failed (printed; the pages before it were shown). */
+ * 0, or 1 once a call failed (printed; the pages before it were shown) or a page could not be
+ * written to stdout (print_output_ok: the reader went away, the disk is full). */
 int call_pages(struct rpc_channel *ch, const char *service, const char *method,
                const ProtobufCMessage *req, char **page_token,
                const ProtobufCMessageDescriptor *desc, int64_t timeout_ms, call_show_fn show,

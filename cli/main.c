@@ -20,7 +20,12 @@
  * Text from models, tools, users and servers goes through print_text (print.h): its control
  * characters are shown, never sent to the terminal.
  *
- * Exit codes: 0 success, 1 the server answered with an error, 2 usage error, 3 aborted
+ * Output is checked as it is written (after each page or streamed record, and at the end): when
+ * it cannot be written the command stops, cancelling its call, and exits 1, with a message on
+ * stderr unless the reader just went away (EPIPE, `| head`), which ends it quietly.
+ *
+ * Exit codes: 0 success, 1 the server answered with an error or the output could not be
+ * written, 2 usage error, 3 aborted
  * (submit), 4 the deadline passed, 130/143 SIGINT/SIGTERM.
  */
 #include "agent_cmd.h"
@@ -93,7 +98,9 @@ static const char usage_text[] =
     "the call and exit 130/143.\n"
     "text from models, tools, users and servers is printed with its control characters shown,\n"
     "never sent: ESC as \\x1b, a carriage return as \\x0d, C1 controls as \\u0080..\\u009f\n"
-    "(newlines and tabs kept; valid UTF-8 unchanged), whether stdout is a terminal or not.\n";
+    "(newlines and tabs kept; valid UTF-8 unchanged), whether stdout is a terminal or not.\n"
+    "output that cannot be written ends the command (its call cancelled) with exit 1: quietly\n"
+    "when the reader went away (| head), with a message otherwise (a full disk).\n";
 
 struct args {
     const char *store, *agent, *conversation, *key;
@@ -241,10 +248,17 @@ static int store_read(struct rpc_channel *ch, const struct args *a)
     struct rpc_stream *s =
         rpc_stream_open(ch, "/cflue.v1.Store/Follow", &req.base, guard_timeout_ms(0));
     ProtobufCMessage *m;
-    while (rpc_stream_read(s, &cflue__v1__record__descriptor, &m) == 1) {
+    bool written = true;
+    while (written && rpc_stream_read(s, &cflue__v1__record__descriptor, &m) == 1) {
         print_record(stdout, (Cflue__V1__Record *)m);
-        fflush(stdout);
         protobuf_c_message_free_unpacked(m, NULL);
+        written = print_output_ok(stdout);
+    }
+    if (!written) {
+        /* the reader went away (`| head`) or the output cannot be written: stop following */
+        rpc_stream_cancel(s);
+        rpc_stream_finish(s, &st);
+        return 1;
     }
     return rpc_stream_finish(s, &st) ? 0 : fail(&st);
 }
@@ -453,6 +467,11 @@ int main(int argc, char **argv)
         rc = cmd_agent(argc, argv);
     } else {
         rc = usage();
+    }
+    /* output still buffered (a short listing to a file) is written now: a failure there is
+     * the command's failure too (`cflue store read C > /dev/full` exits 1) */
+    if (!print_output_ok(stdout) && rc == 0) {
+        rc = 1;
     }
     rc = guard_exit_code(rc);
     if (guard_fired()) {

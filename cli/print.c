@@ -5,6 +5,7 @@
 #include "record_kind.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <string.h>
 #include <time.h>
 
@@ -64,6 +65,14 @@ void print_text(FILE *out, const char *text, size_t len, unsigned flags)
     }
 }
 
+/* sigpipe_pending reports whether a write hit a pipe without a reader: SIGPIPE is blocked in
+ * cflue (rpc_global_init), so the write failed with EPIPE and the signal stays pending. */
+static bool sigpipe_pending(void)
+{
+    sigset_t set;
+    return sigpending(&set) == 0 && sigismember(&set, SIGPIPE) == 1;
+}
+
 bool print_output_ok(FILE *out)
 {
     static bool failed;
@@ -71,8 +80,9 @@ bool print_output_ok(FILE *out)
     if (fflush(out) == 0 && !ferror(out)) {
         return true;
     }
+    /* errno is the flush's; a write that failed earlier may have left it unset */
     int e = errno;
-    if (!failed && e != EPIPE) {
+    if (!failed && e != EPIPE && !sigpipe_pending()) {
         fprintf(stderr, "cflue: cannot write the output: %s\n", e ? strerror(e) : "write error");
     }
     failed = true;

@@ -455,6 +455,60 @@ class CliOutputTest(unittest.TestCase, ControlsMixin):
         self.assertShownVisibly(out, 'store get')
         self.assertIn(KIND, out)
 
+    def test_output_that_cannot_be_written_fails(self):
+        """SIGPIPE is blocked in cflue and write errors were ignored: `store read > /dev/full`
+        exited 0 having written nothing. It exits 1 and says why, for a listing (checked each
+        page) and for a short answer (checked at the end)."""
+        for argv in (['store', 'read', self.conv], ['store', 'get', self.sid],
+                     ['store', 'list', '--conversation', self.conv]):
+            with open('/dev/full', 'w') as full:
+                p = subprocess.run([CFLUE_BIN] + argv + self.store, stdin=subprocess.DEVNULL,
+                                   stdout=full, stderr=subprocess.PIPE, timeout=60)
+            err = p.stderr.decode('utf-8', 'replace')
+            self.assertEqual(p.returncode, 1, '%s > /dev/full: %s' % (argv[:2], err))
+            self.assertIn('cflue: cannot write the output: No space left on device', err,
+                          argv[:2])
+
+    def test_follow_ends_when_the_reader_goes_away(self):
+        """`store read CONV --follow | head -c 10` kept following (and its call open) after
+        head exited: SIGPIPE is blocked and the failed writes were ignored. The next record
+        it cannot write ends it: the stream is cancelled, exit 1, quietly (EPIPE)."""
+        stub = self.sd.stub
+        conv = 'c-cli-pipe-' + uuid.uuid4().hex[:8]
+        sid = stub.admit(store_pb2.AdmitRequest(agent='cli', conversation_id=conv,
+                                                message=common_pb2.Message(text='hi'))) \
+            .submission.submission_id
+        f = stub.claim(store_pb2.ClaimRequest(owner_id='cli-test', submission_id=sid)).fence
+
+        def delta(i):
+            stub.append(store_pb2.AppendRequest(fence=f, records=[common_pb2.Record(
+                id='delta:p:%d' % i, submission_id=sid,
+                assistant_delta=common_pb2.AssistantDelta(turn=1, text='line %d' % i))]))
+        for i in range(3):
+            delta(i)
+        p = subprocess.Popen([CFLUE_BIN, 'store', 'read', conv, '--follow'] + self.store,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+        try:
+            self.assertEqual(len(p.stdout.read(10)), 10)
+            p.stdout.close()  # what head -c 10 does when it has its bytes
+            deadline = time.monotonic() + 15.0
+            i = 3
+            while p.poll() is None and time.monotonic() < deadline:
+                delta(i)
+                i += 1
+                time.sleep(0.2)
+            self.assertIsNotNone(p.poll(), 'store read --follow still running after its '
+                                 'reader went away (%d records appended since)' % (i - 3))
+            err = p.stderr.read().decode('utf-8', 'replace')
+            self.assertEqual(p.returncode, 1, err)
+            self.assertNotIn('cannot write', err)  # EPIPE ends it quietly
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stderr.close()
+
     def test_store_get_and_list(self):
         rc, out, err = run_cli(['store', 'get', self.sid] + self.store)
         self.assertEqual(rc, 0, err)
@@ -570,6 +624,40 @@ class CliAgentTest(unittest.TestCase, ControlsMixin):
         self.assertEqual(rc, 0, terr)
         self.assertShownVisibly(tout, 'tool')
         self.assertNoControls(terr, 'tool (stderr)')
+
+    def test_watch_follow_ends_when_the_reader_goes_away(self):
+        """`cflue watch CONV --follow | head -c 10` kept watching after head exited. The next
+        record it cannot write ends it (exit 1, quietly)."""
+        from test_agentd import bind
+        conv = 'c-cli-' + uuid.uuid4().hex[:8]
+        self.stack.td.workspace(conv, create=True)
+        self.stack.fm.set_scenario(bind([{'text': 'first answer'}, {'text': 'second answer'}],
+                                        conv))
+        submit = ['submit', '--agent', 'runner-anthropic', '--conversation', conv]
+        rc, out, err = run_cli(submit + ['one'] + self.agentd)
+        self.assertEqual(rc, 0, out + err)
+        p = subprocess.Popen([CFLUE_BIN, 'watch', conv, '--follow'] + self.agentd,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+        try:
+            self.assertEqual(len(p.stdout.read(10)), 10)
+            p.stdout.close()
+            time.sleep(0.3)
+            rc, out, err = run_cli(submit + ['two'] + self.agentd)  # records it cannot write
+            self.assertEqual(rc, 0, out + err)
+            deadline = time.monotonic() + 10.0
+            while p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertIsNotNone(p.poll(), 'watch --follow still running after its reader '
+                                 'went away')
+            err = p.stderr.read().decode('utf-8', 'replace')
+            self.assertEqual(p.returncode, 1, err)
+            self.assertNotIn('cannot write', err)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stderr.close()
 
     def test_an_answer_that_starts_over_is_shown_so(self):
         """A stream that broke off after some text is asked again: the watcher showed the
