@@ -13,6 +13,7 @@
 #include "agent_cmd.h"
 
 #include "call.h"
+#include "flags.h"
 #include "guard.h"
 #include "print.h"
 #include "rpc.h"
@@ -21,6 +22,7 @@
 
 #include "cflue/v1/agent.pb-c.h"
 
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -455,22 +457,35 @@ static int do_compact(struct rpc_channel *ch, const struct opts *o)
 
 int cmd_agent(int argc, char **argv)
 {
-    const char *cmd = argv[1], *addr = NULL, *token = NULL, *token_file = NULL;
+    const char *cmd = argv[1], *addr = NULL, *token = NULL, *token_file = NULL, *after = NULL;
     struct opts o = {.after = -1};
     tty = isatty(STDOUT_FILENO);
     for (int i = 2; i < argc; i++) {
-        if (!strcmp(argv[i], "--agentd") && i + 1 < argc) {
-            addr = argv[++i];
-        } else if (!strcmp(argv[i], "--token") && i + 1 < argc) {
-            token = argv[++i];
-        } else if (!strcmp(argv[i], "--token-file") && i + 1 < argc) {
-            token_file = argv[++i];
-        } else if (!strcmp(argv[i], "--agent") && i + 1 < argc) {
-            o.agent = argv[++i];
-        } else if (!strcmp(argv[i], "--conversation") && i + 1 < argc) {
-            o.conv = argv[++i];
-        } else if ((!strcmp(argv[i], "--after") || !strcmp(argv[i], "--from")) && i + 1 < argc) {
-            o.after = strtoll(argv[++i], NULL, 10);
+        const char **value = NULL; /* where a flag that takes a value puts it */
+        if (!strcmp(argv[i], "--agentd")) {
+            value = &addr;
+        } else if (!strcmp(argv[i], "--token")) {
+            value = &token;
+        } else if (!strcmp(argv[i], "--token-file")) {
+            value = &token_file;
+        } else if (!strcmp(argv[i], "--agent")) {
+            value = &o.agent;
+        } else if (!strcmp(argv[i], "--conversation")) {
+            value = &o.conv;
+        } else if (!strcmp(argv[i], "--after") || !strcmp(argv[i], "--from")) {
+            value = &after;
+        }
+        if (value && i + 1 >= argc) {
+            fprintf(stderr, "cflue: %s needs a value\n", argv[i]);
+            return 2;
+        } else if (value == &after) {
+            /* -1: from the start */
+            if (!flags_number(argv[i], argv[i + 1], -1, LLONG_MAX, &o.after)) {
+                return 2;
+            }
+            i++;
+        } else if (value) {
+            *value = argv[++i];
         } else if (!strcmp(argv[i], "--follow")) {
             o.follow = true;
         } else if (!strcmp(argv[i], "--records")) {
@@ -484,6 +499,10 @@ int cmd_agent(int argc, char **argv)
             fprintf(stderr, "cflue: unexpected argument %s\n", argv[i]);
             return 2;
         }
+    }
+    if (!strcmp(cmd, "status") && !o.pos) {
+        fprintf(stderr, "usage: cflue status SUBMISSION\n");
+        return 2;
     }
     struct rpc_channel *ch = guard_channel(agentd_addr(addr), 64 << 20);
     ProtobufCMessage *resp = NULL;
@@ -505,7 +524,7 @@ int cmd_agent(int argc, char **argv)
         }
     } else if (!strcmp(cmd, "status")) {
         Cflue__V1__GetSubmissionRequest req = CFLUE__V1__GET_SUBMISSION_REQUEST__INIT;
-        req.submission_id = (char *)(o.pos ? o.pos : "");
+        req.submission_id = (char *)o.pos;
         if (!call(ch, "GetSubmission", &req.base, &cflue__v1__submission__descriptor, &resp)) {
             rc = 1;
         } else {

@@ -30,6 +30,7 @@
  */
 #include "agent_cmd.h"
 #include "call.h"
+#include "flags.h"
 #include "guard.h"
 #include "log.h"
 #include "pbtime.h"
@@ -43,6 +44,7 @@
 #include "cflue/v1/tools.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
 
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,6 +54,7 @@
 #define HEALTH_TIMEOUT_MS 5000 /* a health check */
 #define TOOL_MARGIN_MS 10000   /* a tool call: its own timeout plus this */
 #define TOOL_DEFAULT_MS 600000 /* a tool call without a timeout */
+#define TOOL_MAX_MS 86400000LL /* the longest --timeout-ms: a day */
 
 static const char usage_text[] =
     "usage:\n"
@@ -116,6 +119,9 @@ static int usage(void)
     return 2;
 }
 
+/* parse reads the store commands' flags and arguments into a: 0, -1 for --help or too many
+ * arguments (the caller prints the usage), -2 for a flag without its value, a bad number or
+ * an unknown flag (printed, naming the flag) */
 static int parse(int argc, char **argv, int from, struct args *a)
 {
     a->store = getenv("CFLUE_STORE") ? getenv("CFLUE_STORE") : "127.0.0.1:7101";
@@ -136,15 +142,19 @@ static int parse(int argc, char **argv, int from, struct args *a)
             continue;
         } else if (!strcmp(s, "--after")) {
             if (i + 1 >= argc) {
-                return -1;
+                fprintf(stderr, "cflue: %s needs a value\n", s);
+                return -2;
             }
-            a->after = strtoll(argv[++i], NULL, 10);
+            /* -1: from the start */
+            if (!flags_number(s, argv[++i], -1, LLONG_MAX, &a->after)) {
+                return -2;
+            }
             continue;
         } else if (!strcmp(s, "--help") || !strcmp(s, "-h")) {
             return -1;
         } else if (s[0] == '-' && s[1] == '-') {
             fprintf(stderr, "cflue: unknown flag %s\n", s);
-            return -1;
+            return -2;
         } else {
             if (a->n_pos == 4) {
                 return -1;
@@ -154,7 +164,7 @@ static int parse(int argc, char **argv, int from, struct args *a)
         }
         if (i + 1 >= argc) {
             fprintf(stderr, "cflue: %s needs a value\n", s);
-            return -1;
+            return -2;
         }
         *target = argv[++i];
     }
@@ -310,7 +320,11 @@ static int store_backup(struct rpc_channel *ch, const struct args *a)
 static int cmd_store(int argc, char **argv)
 {
     struct args a = {0};
-    if (argc < 3 || parse(argc, argv, 3, &a) != 0) {
+    int parsed = argc < 3 ? -1 : parse(argc, argv, 3, &a);
+    if (parsed == -2) {
+        fputs("cflue: see cflue --help\n", stderr);
+        return 2;
+    } else if (parsed != 0) {
         return usage();
     }
     const char *sub = argv[2];
@@ -347,10 +361,21 @@ static int cmd_tool(int argc, char **argv)
     const char *pos[3];
     int n_pos = 0;
     for (int i = 2; i < argc; i++) {
-        if (!strcmp(argv[i], "--sandbox") && i + 1 < argc) {
+        bool sandbox_flag = !strcmp(argv[i], "--sandbox");
+        if ((sandbox_flag || !strcmp(argv[i], "--timeout-ms")) && i + 1 >= argc) {
+            fprintf(stderr, "cflue: %s needs a value\n", argv[i]);
+            return 2;
+        } else if (sandbox_flag) {
             sandbox = argv[++i];
-        } else if (!strcmp(argv[i], "--timeout-ms") && i + 1 < argc) {
-            timeout_ms = strtoll(argv[++i], NULL, 10);
+        } else if (!strcmp(argv[i], "--timeout-ms")) {
+            /* bounded so that adding TOOL_MARGIN_MS cannot overflow */
+            if (!flags_number(argv[i], argv[i + 1], 1, TOOL_MAX_MS, &timeout_ms)) {
+                return 2;
+            }
+            i++;
+        } else if (argv[i][0] == '-' && argv[i][1] == '-') {
+            fprintf(stderr, "cflue: unknown flag %s\n", argv[i]);
+            return 2;
         } else if (n_pos < 3) {
             pos[n_pos++] = argv[i];
         } else {

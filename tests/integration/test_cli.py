@@ -217,6 +217,47 @@ class CliGuardTest(unittest.TestCase):
         self.assertEqual(p.returncode, 2)
         self.assertIn('--deadline-ms', err.decode())
 
+    def test_bad_flag_values_are_usage_errors(self):
+        """Numbers in flags were read unchecked (`--after banana` as 0, `--after 3x` as 3,
+        `tool --timeout-ms abc` as 0), `watch --agentd` without a value was "unknown flag",
+        and `status` without a submission called the server. Each is a usage error (exit 2)
+        that names the flag, before any call."""
+        t = self.target
+        cases = [
+            (['store', 'read', 'conv-1', '--after', 'banana', '--store', t], "--after"),
+            (['store', 'read', 'conv-1', '--after', '3x', '--store', t], "--after"),
+            (['store', 'read', 'conv-1', '--after', '', '--store', t], "--after"),
+            (['store', 'read', 'conv-1', '--after', '-2', '--store', t], "--after"),
+            (['store', 'read', 'conv-1', '--after', '99999999999999999999', '--store', t],
+             "--after"),
+            (['store', 'read', 'conv-1', '--store', t, '--after'], "--after needs a value"),
+            (['watch', 'conv-1', '--after', 'banana', '--agentd', t], "--after"),
+            (['watch', 'conv-1', '--from', '3x', '--agentd', t], "--from"),
+            (['tool', t, 'bash', '{"command": "true"}', '--timeout-ms', 'abc'], "--timeout-ms"),
+            (['tool', t, 'bash', '{"command": "true"}', '--timeout-ms', '0'], "--timeout-ms"),
+            (['tool', t, 'bash', '{"command": "true"}', '--timeout-ms'],
+             "--timeout-ms needs a value"),
+            (['watch', 'conv-1', '--agentd'], "--agentd needs a value"),
+            (['submit', '--agent', 'a', 'hi', '--agentd', t, '--conversation'],
+             "--conversation needs a value"),
+            (['status', '--agentd', t], "usage: cflue status"),
+        ]
+        started0, _ = self.hang.counts()
+        for argv, want in cases:
+            # bounded: before the fix some of these called the (silent) server
+            p = self.spawn(argv + ['--deadline-ms', '3000'])
+            _, err = p.communicate(timeout=30)
+            err = err.decode('utf-8', 'replace')
+            self.assertEqual(p.returncode, 2, '%s: exit %r; stderr: %s' % (argv, p.returncode, err))
+            self.assertIn(want, err, argv)
+            self.assertNotIn('unknown flag', err, argv)
+        self.assertEqual(self.hang.counts()[0], started0, 'a usage error called the server')
+        # the values that are numbers still work (-1: from the start)
+        p = self.spawn(['store', 'read', 'conv-1', '--after', '-1', '--store', t,
+                        '--deadline-ms', '1500'])
+        _, err = p.communicate(timeout=30)
+        self.assertEqual(p.returncode, 4, err)
+
     def test_silent_socket(self):
         """A socket that accepts and never speaks: every command ends by itself within its
         deadline, and at once on SIGTERM."""
