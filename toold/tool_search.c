@@ -534,7 +534,7 @@ static void engine_command(const struct grep *g, const char *engine, const char 
 {
     if (!strcmp(engine, "rg")) {
         buf_append_str(cmd, "exec rg --no-config --null --line-number --with-filename "
-                            "--no-heading --color=never --no-require-git --engine=auto "
+                            "--no-heading --color=never --no-require-git --engine=auto --no-mmap "
                             "--no-ignore-global --no-ignore-exclude --no-ignore-parent");
         if (literal) {
             buf_append_str(cmd, " --fixed-strings");

@@ -659,6 +659,39 @@ class TestFailpointAndThreads(HostileBase):
         self.assertEqual(self.call(sb, 'read', {'path': 'a.txt'}, td=td).text, 'x')
 
 
+class TestSearchAndRemove(HostileBase):
+    """Workspaces built to exhaust toold through grep and Sandbox.Remove (hunt of toold,
+    defects 1-4)."""
+
+    def engines(self):
+        return ['pcre2'] + (['rg'] if shutil.which('rg') else [])
+
+    def test_rg_lone_file_truncated_while_searched(self):
+        # rg mapped a file named alone: truncated under it, rg died of SIGBUS (exit 135)
+        if not shutil.which('rg'):
+            self.skipTest('rg not installed')
+        td = self.start(self.driver, grep_engine='rg')
+        sb = 'rgtrunc'
+        self.assertFalse(self.call(sb, 'bash', {'command': 'head -c 64M /dev/zero | tr "\\0" a '
+                                                '| fold -w 100 > src && cp src big && echo ok'},
+                                   td=td).is_error)
+        outcomes = {}
+        with ThreadPoolExecutor(1) as pool:
+            churn = pool.submit(self.call, sb, 'bash', {
+                'command': 'for i in $(seq 60); do truncate -s 4096 big; cat src > big; done',
+                'timeout': 120}, td=td, timeout_ms=150000)
+            while not churn.done():
+                res = self.call(sb, 'grep', {'pattern': 'zzz', 'path': 'big'}, td=td,
+                                timeout_ms=60000)
+                key = (res.is_error, res.text[:80])
+                outcomes[key] = outcomes.get(key, 0) + 1
+            self.assertFalse(churn.result().is_error, churn.result().text)
+        sys.stderr.write('\nrg over a file truncated meanwhile: %r\n' % outcomes)
+        self.assertGreater(sum(outcomes.values()), 5)
+        for (is_error, text), n in outcomes.items():
+            self.assertFalse(is_error, '%d greps: %s' % (n, text))
+
+
 class TestLocalRoot(HostileBase, ChangingFiles, SpecialFiles, Processes, Names):
     pass
 
