@@ -373,16 +373,11 @@ enum cf_status walk_tree(const struct sandbox *sb, const char *start_rel, const 
         return ws_errno_error(e, "stat", shown_path, err);
     }
     if (S_ISREG(st.st_mode)) {
-        /* a file named explicitly: reopen it through its parent like any walked file */
-        char base[NAME_MAX + 1];
-        int dirfd;
+        /* a file named explicitly: visit the descriptor ws_open resolved (confined, an
+         * in-workspace symbolic link followed, as read and the rg engine do), not the name
+         * again through its parent, which would refuse the link */
+        opts->visit(opts->ctx, start_rel, fd, "");
         close(fd);
-        if ((rc = ws_open_parent(sb, start_rel, false, shown_path, &dirfd, base, sizeof(base),
-                                 err)) != CF_OK) {
-            return rc;
-        }
-        opts->visit(opts->ctx, start_rel, dirfd, base);
-        close(dirfd);
         return CF_OK;
     }
     close(fd);

@@ -17,8 +17,9 @@ struct walk_opts {
     bool skip_hidden;
     bool gitignore;
     /* visit is called for each regular file: its path relative to the root, and the
-     * directory descriptor and name to open it with (openat, never following links).
-     * Returning false stops the walk. */
+     * directory descriptor and name to open it with (openat, never following links), or,
+     * for a start that is a file, name "" and an O_PATH descriptor of the file itself
+     * (ws_open_regular_at takes both). Returning false stops the walk. */
     bool (*visit)(void *ctx, const char *rel_path, int dirfd, const char *name);
     bool (*cancelled)(void *ctx);
     void *ctx;

@@ -328,7 +328,8 @@ enum cf_status ws_open_regular_at(int dirfd, const char *name, const char *shown
                                   struct stat *st_out, struct cf_error *err)
 {
     memset(st_out, 0, sizeof(*st_out));
-    int pfd = openat(dirfd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+    int pfd = *name ? openat(dirfd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC)
+                    : fcntl(dirfd, F_DUPFD_CLOEXEC, 0);
     if (pfd < 0) {
         return ws_errno_error(errno, "open", shown_path, err);
     }

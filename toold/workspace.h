@@ -104,7 +104,8 @@ CF_MUST_CHECK enum cf_status ws_open_regular(const struct sandbox *sb, const cha
                                              struct stat *st_out, struct cf_error *err);
 
 /* ws_open_regular_at is ws_open_regular for name in the directory dirfd, never following a
- * symbolic link (for walks). */
+ * symbolic link (for walks). With name "", dirfd is itself an O_PATH descriptor of the file
+ * (already confined; not closed here), and that file is checked and reopened. */
 CF_MUST_CHECK enum cf_status ws_open_regular_at(int dirfd, const char *name, const char *shown_path,
                                                 int *fd_out, struct stat *st_out,
                                                 struct cf_error *err);

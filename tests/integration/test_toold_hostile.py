@@ -691,6 +691,23 @@ class TestSearchAndRemove(HostileBase):
         for (is_error, text), n in outcomes.items():
             self.assertFalse(is_error, '%d greps: %s' % (n, text))
 
+    def test_grep_a_file_through_an_in_workspace_symlink(self):
+        # the pcre2 walk reopened a file named as the start with O_NOFOLLOW: "No matches"
+        for engine in self.engines():
+            td = self.start(self.driver, grep_engine=engine)
+            sb = 'link-' + engine
+            self.assertEqual(self.call(sb, 'bash', {
+                'command': 'echo needle > real.txt && ln -s real.txt link.txt && echo ok'},
+                td=td).text, 'ok')
+            res = self.call(sb, 'grep', {'pattern': 'needle', 'path': 'link.txt'}, td=td)
+            self.assertEqual(res.text, 'link.txt:1:needle', engine)
+            # a link leading out of the workspace is still refused
+            self.assertEqual(self.call(sb, 'bash', {'command': 'ln -s /etc/passwd out && echo ok'},
+                                       td=td).text, 'ok')
+            res = self.call(sb, 'grep', {'pattern': 'root', 'path': 'out'}, td=td)
+            self.assertTrue(res.is_error, res.text)
+            self.assertNotIn('root:', res.text)
+
 
 class TestLocalRoot(HostileBase, ChangingFiles, SpecialFiles, Processes, Names):
     pass
