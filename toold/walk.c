@@ -23,18 +23,42 @@
 #define IGNORE_FILE_MAX (1 << 20) /* bytes of one .gitignore or .ignore that are read */
 #define WALK_DEPTH_MAX 256        /* directories below the start a walk enters */
 
+/* The rules one walk (or one ignore filter) holds at once: past either bound, further rules
+ * are not read (docs/toold.md). Without it every line of every ignore file on the way down
+ * became a rule of its own (256 levels of 1 MiB files): a hostile workspace took toold's
+ * memory and the time of every name's check with it. */
+#define RULES_MAX 32768
+#define RULES_BYTES_MAX (4u << 20) /* what the rules held take: patterns, segments, bases */
+
 struct rule {
     char *pattern; /* without '!', trailing '/', leading '/' */
     char **segs;   /* an anchored pattern with a "**": its segments (split_segments) */
     int n_segs;
     int n_fixed; /* segments other than "**": a path with fewer components cannot match */
-    char *base;  /* directory of the ignore file, relative to the root ("" for the root) */
-    bool negate, dir_only, anchored;
+    /* directory of the ignore file, relative to the root ("" for the root): one copy per
+     * ignore file, shared by its rules and owned by the first of them (rules are dropped
+     * last first) */
+    const char *base;
+    size_t base_len;
+    size_t cost; /* bytes counted against the budget */
+    bool owns_base, negate, dir_only, anchored;
 };
 
 struct rules {
     struct rule *items;
     size_t n, cap;
+};
+
+/* What the rules held by one walk or filter take, against RULES_MAX and RULES_BYTES_MAX. */
+struct rule_budget {
+    size_t rules, bytes;
+    bool over; /* some rule was left out */
+};
+
+/* One ignore file being read: its base, copied when its first rule is kept. */
+struct ignore_file {
+    const char *base;
+    char *copy;
 };
 
 /* A rule's pattern with a "**" segment is matched segment by segment (split_segments); one
@@ -109,8 +133,9 @@ static bool glob_match(char *const *segs, int n_segs, int n_fixed, const char *p
     return next[0];
 }
 
-/* add_rule parses one ignore-file line (NUL-terminated, modified in place). */
-static void add_rule(struct rules *r, char *line, const char *base)
+/* add_rule parses one ignore-file line (NUL-terminated, modified in place), kept when the
+ * budget has room for it. */
+static void add_rule(struct rules *r, struct rule_budget *b, struct ignore_file *file, char *line)
 {
     size_t n = strcspn(line, "\r\n");
     line[n] = '\0';
@@ -145,6 +170,14 @@ static void add_rule(struct rules *r, char *line, const char *base)
     if (!rule.anchored && !strncmp(p, "**/", 3)) {
         p += 3;
     }
+    size_t cost = sizeof(rule) + strlen(p) + 1 + (file->copy ? 0 : strlen(file->base) + 1);
+    if (rule.anchored && strstr(p, "**")) {
+        cost += (strlen(p) + 1) * (1 + sizeof(char *)); /* the copy, at most one segment a byte */
+    }
+    if (b->rules >= RULES_MAX || cost > RULES_BYTES_MAX - b->bytes) {
+        b->over = true;
+        return;
+    }
     if (rule.anchored && strstr(p, "**")) {
         int slashes = 0;
         for (const char *q = p; (q = strchr(q, '/')); q++) {
@@ -163,7 +196,15 @@ static void add_rule(struct rules *r, char *line, const char *base)
         }
     }
     rule.pattern = mem_strdup(p);
-    rule.base = mem_strdup(base);
+    if (!file->copy) {
+        file->copy = mem_strdup(file->base);
+        rule.owns_base = true;
+    }
+    rule.base = file->copy;
+    rule.base_len = strlen(file->copy);
+    rule.cost = cost;
+    b->rules++;
+    b->bytes += cost;
     if (r->n == r->cap) {
         r->cap = r->cap ? r->cap * 2 : 16;
         r->items = mem_realloc(r->items, sizeof(*r->items) * r->cap);
@@ -172,15 +213,21 @@ static void add_rule(struct rules *r, char *line, const char *base)
 }
 
 /* add_rules reads the ignore file name in dirfd: only a regular file (a FIFO there must not
- * block the walk), only its first IGNORE_FILE_MAX bytes. */
-static void add_rules(struct rules *r, int dirfd, const char *name, const char *base)
+ * block the walk), only its first IGNORE_FILE_MAX bytes, and only while b has room. */
+static void add_rules(struct rules *r, struct rule_budget *b, int dirfd, const char *name,
+                      const char *base)
 {
     int fd;
     struct stat st;
     struct cf_error err;
+    if (b->rules >= RULES_MAX || b->bytes >= RULES_BYTES_MAX) {
+        b->over = true; /* not even read */
+        return;
+    }
     if (ws_open_regular_at(dirfd, name, name, &fd, &st, &err) != CF_OK) {
         return;
     }
+    struct ignore_file file = {.base = base};
     char *text = mem_alloc(IGNORE_FILE_MAX + 1);
     size_t got = 0;
     while (got < IGNORE_FILE_MAX) {
@@ -202,18 +249,23 @@ static void add_rules(struct rules *r, int dirfd, const char *name, const char *
             *nl = '\0';
         }
         if (!memchr(line, '\0', (size_t)((nl ? nl : text + got) - line))) {
-            add_rule(r, line, base);
+            add_rule(r, b, &file, line);
         }
     }
     free(text);
 }
 
-static void drop_rules(struct rules *r, size_t keep)
+/* drop_rules frees r's rules past the first keep, giving their room back to b. */
+static void drop_rules(struct rules *r, struct rule_budget *b, size_t keep)
 {
     while (r->n > keep) {
         r->n--;
+        b->rules--;
+        b->bytes -= r->items[r->n].cost;
         free(r->items[r->n].pattern);
-        free(r->items[r->n].base);
+        if (r->items[r->n].owns_base) {
+            free((char *)r->items[r->n].base);
+        }
         if (r->items[r->n].segs) {
             free(r->items[r->n].segs[0]); /* the copy the segments point into */
             free(r->items[r->n].segs);
@@ -221,15 +273,17 @@ static void drop_rules(struct rules *r, size_t keep)
     }
 }
 
-static bool ignored(const struct rules *r, const char *rel, const char *name, bool is_dir)
+/* apply_rules sets *out as r's last rule matching rel (name its last component) says, and
+ * leaves it when none does: rules of several directories apply root first. */
+static void apply_rules(const struct rules *r, const char *rel, const char *name, bool is_dir,
+                        bool *out)
 {
-    bool out = false;
     for (size_t i = 0; i < r->n; i++) {
         const struct rule *x = &r->items[i];
         if (x->dir_only && !is_dir) {
             continue;
         }
-        size_t blen = strlen(x->base);
+        size_t blen = x->base_len;
         const char *sub = rel;
         if (blen) {
             if (strncmp(rel, x->base, blen) != 0 || rel[blen] != '/') {
@@ -241,15 +295,22 @@ static bool ignored(const struct rules *r, const char *rel, const char *name, bo
                    : x->anchored ? fnmatch(x->pattern, sub, FNM_PATHNAME) == 0
                                  : fnmatch(x->pattern, name, 0) == 0;
         if (hit) {
-            out = !x->negate;
+            *out = !x->negate;
         }
     }
+}
+
+static bool ignored(const struct rules *r, const char *rel, const char *name, bool is_dir)
+{
+    bool out = false;
+    apply_rules(r, rel, name, is_dir, &out);
     return out;
 }
 
 struct walker {
     const struct walk_opts *o;
     struct rules rules;
+    struct rule_budget budget;
     bool stop;
     int depth;
 };
@@ -264,8 +325,8 @@ static void walk_dir(struct walker *w, int dirfd, const char *dir)
         return;
     }
     if (w->o->gitignore) {
-        add_rules(&w->rules, dirfd, ".gitignore", base);
-        add_rules(&w->rules, dirfd, ".ignore", base);
+        add_rules(&w->rules, &w->budget, dirfd, ".gitignore", base);
+        add_rules(&w->rules, &w->budget, dirfd, ".ignore", base);
     }
     int fd = openat(dirfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
@@ -273,7 +334,7 @@ static void walk_dir(struct walker *w, int dirfd, const char *dir)
         if (fd >= 0) {
             close(fd);
         }
-        drop_rules(&w->rules, keep);
+        drop_rules(&w->rules, &w->budget, keep);
         return;
     }
     char *child = mem_alloc(WS_PATH_MAX);
@@ -320,7 +381,7 @@ static void walk_dir(struct walker *w, int dirfd, const char *dir)
     w->depth--;
     free(child);
     closedir(d);
-    drop_rules(&w->rules, keep);
+    drop_rules(&w->rules, &w->budget, keep);
 }
 
 /* load_parent_rules reads ignore files of the directories above the start, root first. */
@@ -332,8 +393,8 @@ static void load_parent_rules(struct walker *w, const struct sandbox *sb, const 
     if (fd < 0) {
         return;
     }
-    add_rules(&w->rules, fd, ".gitignore", "");
-    add_rules(&w->rules, fd, ".ignore", "");
+    add_rules(&w->rules, &w->budget, fd, ".gitignore", "");
+    add_rules(&w->rules, &w->budget, fd, ".ignore", "");
     snprintf(copy, sizeof(copy), "%s", start);
     char *slash = strrchr(copy, '/');
     if (!slash) {
@@ -351,8 +412,8 @@ static void load_parent_rules(struct walker *w, const struct sandbox *sb, const 
         fd = sub;
         size_t n = strlen(part);
         snprintf(part + n, sizeof(part) - n, "%s%s", n ? "/" : "", seg);
-        add_rules(&w->rules, fd, ".gitignore", part);
-        add_rules(&w->rules, fd, ".ignore", part);
+        add_rules(&w->rules, &w->budget, fd, ".gitignore", part);
+        add_rules(&w->rules, &w->budget, fd, ".ignore", part);
     }
     close(fd);
 }
@@ -397,7 +458,7 @@ enum cf_status walk_tree(const struct sandbox *sb, const char *start_rel, const 
     }
     walk_dir(w, fd, start_rel);
     close(fd);
-    drop_rules(&w->rules, 0);
+    drop_rules(&w->rules, &w->budget, 0);
     free(w->rules.items);
     free(w);
     return CF_OK;
@@ -414,6 +475,7 @@ struct dir_rules {
 struct ignore_filter {
     const struct sandbox *sb;
     struct dir_rules *dirs;
+    struct rule_budget budget; /* over every directory's rules, as for one walk */
     char last_file[WS_PATH_MAX];
     bool last_skip;
 };
@@ -433,7 +495,7 @@ void ignore_filter_free(struct ignore_filter *f)
     while (f->dirs) {
         struct dir_rules *d = f->dirs;
         f->dirs = d->next;
-        drop_rules(&d->rules, 0);
+        drop_rules(&d->rules, &f->budget, 0);
         free(d->rules.items);
         free(d->dir);
         free(d);
@@ -456,8 +518,8 @@ static struct rules *rules_of(struct ignore_filter *f, const char *dir)
     int fd;
     struct cf_error err;
     if (ws_open(f->sb, *dir ? dir : ".", O_RDONLY | O_DIRECTORY, 0, dir, &fd, &err) == CF_OK) {
-        add_rules(&d->rules, fd, ".gitignore", dir);
-        add_rules(&d->rules, fd, ".ignore", dir);
+        add_rules(&d->rules, &f->budget, fd, ".gitignore", dir);
+        add_rules(&d->rules, &f->budget, fd, ".ignore", dir);
         close(fd);
     }
     return &d->rules;
@@ -471,20 +533,13 @@ static bool excluded_by(struct ignore_filter *f, const char *path, size_t upto, 
     snprintf(partial, sizeof(partial), "%.*s", (int)upto, path);
     const char *name = strrchr(partial, '/');
     name = name ? name + 1 : partial;
-    struct rules all = {0};
+    bool out = false;
     for (size_t i = 0; i < upto; i++) {
         if (i == 0 || path[i - 1] == '/') {
             snprintf(dir, sizeof(dir), "%.*s", i ? (int)(i - 1) : 0, path);
-            struct rules *r = rules_of(f, dir);
-            if (r->n) {
-                all.items = mem_realloc(all.items, sizeof(struct rule) * (all.n + r->n));
-                memcpy(all.items + all.n, r->items, sizeof(struct rule) * r->n);
-                all.n += r->n;
-            }
+            apply_rules(rules_of(f, dir), partial, name, is_dir, &out);
         }
     }
-    bool out = ignored(&all, partial, name, is_dir);
-    free(all.items);
     return out;
 }
 

@@ -659,12 +659,63 @@ class TestFailpointAndThreads(HostileBase):
         self.assertEqual(self.call(sb, 'read', {'path': 'a.txt'}, td=td).text, 'x')
 
 
+def _vm_hwm_kib(pid):
+    with open('/proc/%d/status' % pid) as f:
+        for line in f:
+            if line.startswith('VmHWM:'):
+                return int(line.split()[1])
+    raise AssertionError('no VmHWM for %d' % pid)
+
+
 class TestSearchAndRemove(HostileBase):
     """Workspaces built to exhaust toold through grep and Sandbox.Remove (hunt of toold,
     defects 1-4)."""
 
     def engines(self):
         return ['pcre2'] + (['rg'] if shutil.which('rg') else [])
+
+    def test_huge_ignore_file_keeps_memory_small(self):
+        # 256 KiB of one-byte rules in a directory whose path is 3.7 KB: every rule used to
+        # copy that path (~500 MB for one grep); now one copy per ignore file, and rules past
+        # the walk's budget are not held
+        for engine in self.engines():
+            td = self.start(self.driver, grep_engine=engine)
+            sb = 'ign-' + engine
+            deep = os.path.join(*['%0250d' % i for i in range(1, 16)])
+            d = os.path.join(td.workspace(sb, create=True), deep)
+            os.makedirs(d)
+            with open(os.path.join(d, '.gitignore'), 'w') as f:
+                # rg holds every rule with the path too (about 8 KB a rule, in its own
+                # process, under the command limits): half the lines keep it under 1 GiB
+                f.write('a\n' * (131072 if engine == 'pcre2' else 65536))
+            with open(os.path.join(d, 'x.txt'), 'w') as f:
+                f.write('needle\n')
+            self.assertEqual(self.call(sb, 'read', {'path': deep + '/x.txt'}, td=td).text,
+                             'needle')
+            before = _vm_hwm_kib(td.pid)
+            res = self.call(sb, 'grep', {'pattern': 'needle'}, td=td, timeout_ms=120000)
+            self.assertEqual(res.text, deep + '/x.txt:1:needle', engine)
+            grown = _vm_hwm_kib(td.pid) - before
+            sys.stderr.write('\n%s: peak memory grew %d KiB\n' % (engine, grown))
+            self.assertLess(grown, 64 * 1024, engine)
+            self.assertServing(td)
+
+    def test_ignore_rules_past_the_budget_are_not_applied(self):
+        # the rules of a walk are capped (docs/toold.md): one past 32768 lines is not held,
+        # those within it still apply
+        for engine in self.engines():
+            td = self.start(self.driver, grep_engine=engine)
+            sb = 'cap-' + engine
+            ws = td.workspace(sb, create=True)
+            with open(os.path.join(ws, '.ignore'), 'w') as f:
+                f.write('early.txt\n' + 'zz-no-such-name\n' * 40000 + 'late.txt\n')
+            for name in ('early.txt', 'late.txt', 'kept.txt'):
+                with open(os.path.join(ws, name), 'w') as f:
+                    f.write('needle\n')
+            res = self.call(sb, 'grep', {'pattern': 'needle'}, td=td)
+            # rg reads the file itself and applies every line; toold's walk stops at its cap
+            want = ['kept.txt:1:needle'] + ([] if engine == 'rg' else ['late.txt:1:needle'])
+            self.assertEqual(sorted(res.text.splitlines()), want, engine)
 
     def test_rg_lone_file_truncated_while_searched(self):
         # rg mapped a file named alone: truncated under it, rg died of SIGBUS (exit 135)
