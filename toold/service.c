@@ -1046,6 +1046,44 @@ static void on_mkdir(struct rpc_call *c, const ProtobufCMessage *msg, void *user
     rpc_call_reply(c, &resp.base);
 }
 
+/* Directories remove_tree holds open at once (each a descriptor and a DIR buffer): a deeper
+ * one is moved up into the directory being removed and taken apart from there. */
+#define REMOVE_OPEN_MAX 64
+
+/* remove_open opens name in parent as a directory to read, never following a link. */
+static DIR *remove_open(int parent, const char *name)
+{
+    int fd = openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    DIR *d = fd >= 0 ? fdopendir(fd) : NULL;
+    if (!d && fd >= 0) {
+        int e = errno;
+        close(fd);
+        errno = e;
+    }
+    return d;
+}
+
+/* remove_hoist moves the directory name in dirfd into the top directory under a new name,
+ * so that what is below it is reached again from there: never a descriptor per level, and
+ * never ".." (which would leave the tree if a command moved it meanwhile). */
+static int remove_hoist(int dirfd, const char *name, int top, unsigned *serial)
+{
+    char tmp[64];
+    for (int tries = 0; tries < 1000; tries++) {
+        snprintf(tmp, sizeof(tmp), ".cflue-rm-%u", (*serial)++);
+        if (renameat2(dirfd, name, top, tmp, RENAME_NOREPLACE) == 0) {
+            return 0;
+        }
+        if (errno != EEXIST) {
+            return -1;
+        }
+    }
+    errno = EEXIST;
+    return -1;
+}
+
+/* remove_tree removes name in parent and all below it, whatever its depth, holding at most
+ * REMOVE_OPEN_MAX directories open and without recursion. -1 with errno on failure. */
 static int remove_tree(int parent, const char *name)
 {
     if (unlinkat(parent, name, 0) == 0) {
@@ -1054,23 +1092,76 @@ static int remove_tree(int parent, const char *name)
     if (errno != EISDIR && errno != EPERM) {
         return -1;
     }
-    int fd = openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (fd < 0) {
-        return -1;
+    DIR **dirs = mem_alloc(sizeof(*dirs) * REMOVE_OPEN_MAX);
+    char(*names)[NAME_MAX + 1] = mem_alloc(sizeof(*names) * REMOVE_OPEN_MAX);
+    int depth = 0, rc = -1, e = 0;
+    unsigned serial = 0;
+    bool hoisted = false; /* moved into the top since its last pass: read it again */
+    snprintf(names[0], sizeof(names[0]), "%s", name);
+    if (!(dirs[depth++] = remove_open(parent, name))) {
+        e = errno;
+        goto out;
     }
-    DIR *d = fdopendir(fd);
-    struct dirent *e;
-    while (d && (e = readdir(d))) {
-        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") &&
-            remove_tree(dirfd(d), e->d_name) != 0) {
+    while (depth > 0) {
+        DIR *d = dirs[depth - 1];
+        errno = 0;
+        struct dirent *ent = readdir(d);
+        if (!ent) {
+            if (errno) {
+                e = errno;
+                goto out;
+            }
+            if (depth == 1 && hoisted) {
+                hoisted = false;
+                rewinddir(d);
+                continue;
+            }
             closedir(d);
-            return -1;
+            depth--;
+            int up = depth ? dirfd(dirs[depth - 1]) : parent;
+            if (unlinkat(up, names[depth], AT_REMOVEDIR) != 0) {
+                e = errno;
+                goto out;
+            }
+            continue;
         }
+        if (!strcmp(ent->d_name, ".") || !strcmp(ent->d_name, "..")) {
+            continue;
+        }
+        if (unlinkat(dirfd(d), ent->d_name, 0) == 0) {
+            continue;
+        }
+        if (errno == ENOENT) {
+            continue; /* gone meanwhile */
+        }
+        if (errno != EISDIR && errno != EPERM) {
+            e = errno;
+            goto out;
+        }
+        if (depth == REMOVE_OPEN_MAX) {
+            if (remove_hoist(dirfd(d), ent->d_name, dirfd(dirs[0]), &serial) != 0) {
+                e = errno;
+                goto out;
+            }
+            hoisted = true;
+            continue;
+        }
+        snprintf(names[depth], sizeof(names[depth]), "%s", ent->d_name);
+        if (!(dirs[depth] = remove_open(dirfd(d), ent->d_name))) {
+            e = errno;
+            goto out;
+        }
+        depth++;
     }
-    if (d) {
-        closedir(d);
+    rc = 0;
+out:
+    while (depth > 0) {
+        closedir(dirs[--depth]);
     }
-    return unlinkat(parent, name, AT_REMOVEDIR);
+    free(dirs);
+    free(names);
+    errno = e;
+    return rc;
 }
 
 static void on_remove(struct rpc_call *c, const ProtobufCMessage *msg, void *user)

@@ -659,6 +659,18 @@ class TestFailpointAndThreads(HostileBase):
         self.assertEqual(self.call(sb, 'read', {'path': 'a.txt'}, td=td).text, 'x')
 
 
+class NofileToold(Toold):
+    """toold under a small RLIMIT_NOFILE (prlimit), whatever the host's."""
+
+    def __init__(self, nofile, **kw):
+        self.nofile = nofile
+        super(NofileToold, self).__init__(**kw)
+
+    def command(self):
+        return ['prlimit', '--nofile=%d:%d' % (self.nofile, self.nofile)] + \
+            super(NofileToold, self).command()
+
+
 def _vm_hwm_kib(pid):
     with open('/proc/%d/status' % pid) as f:
         for line in f:
@@ -758,6 +770,26 @@ class TestSearchAndRemove(HostileBase):
             res = self.call(sb, 'grep', {'pattern': 'root', 'path': 'out'}, td=td)
             self.assertTrue(res.is_error, res.text)
             self.assertNotIn('root:', res.text)
+
+    def test_remove_a_tree_deeper_than_the_descriptors(self):
+        # Remove(recursive) held a descriptor per level: under 256 descriptors a 5,000-level
+        # tree failed with EMFILE and could never be removed
+        td = NofileToold(256, start=False, driver=self.driver)
+        self._toolds.append(td)
+        td.start()
+        sb = 'deep'
+        res = self.call(sb, 'bash', {'command': '/usr/bin/python3 -c "\nimport os\n'
+                                     'for i in range(5000):\n  os.mkdir(\'d\'); os.chdir(\'d\')\n'
+                                     'open(\'f\', \'w\').close()\n"; echo made'},
+                        td=td, timeout_ms=120000)
+        self.assertEqual(res.text, 'made')
+        try:
+            td.sandbox('Remove', sandbox=sb, path='d', recursive=True, timeout=120)
+            self.assertEqual(os.listdir(td.workspace(sb)), [])
+        finally:
+            # what is left: the harness's rmtree recurses in Python, too deep for this tree
+            subprocess.run(['rm', '-rf', os.path.join(td.workspace(sb), 'd')])
+        self.assertTrue(td.alive(), 'toold died\n' + td.stderr_text())
 
 
 class TestLocalRoot(HostileBase, ChangingFiles, SpecialFiles, Processes, Names):
