@@ -6,6 +6,7 @@
  * and 15 ms of start-up CPU. The build names the library (CFLUE_MHD_SONAME, CMakeLists.txt). */
 #include "metrics_http.h"
 
+#include "clock.h"
 #include "log.h"
 #include "mem.h"
 #include "metrics.h"
@@ -16,6 +17,8 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -154,14 +157,44 @@ static bool every_address(const struct sockaddr_storage *ss)
     return ((const struct sockaddr_in *)ss)->sin_addr.s_addr == htonl(INADDR_ANY);
 }
 
+/* The endpoint's bounds: a scraper needs one connection and a few hundred bytes of request.
+ * The per-address share keeps one client's idle or trickling connections (a slow-loris) from
+ * taking every slot; the timeout counts idleness only. */
+#define HTTP_CONNECTIONS_MAX 64
+#define HTTP_CONNECTIONS_PER_ADDRESS 8
+#define HTTP_IDLE_TIMEOUT_S 10
+#define HTTP_REQUEST_MEMORY 16384 /* a connection's request line and headers */
+#define HTTP_LOG_GAP_MS 1000      /* libmicrohttpd's complaints: at most one line a second */
+
+/* mhd_log takes libmicrohttpd's error lines into our log, at most one every HTTP_LOG_GAP_MS
+ * (any client can make it complain: a closed connection, an oversized request). */
+static void mhd_log(void *cls, const char *fmt, va_list ap)
+{
+    static _Atomic int64_t last_ms;
+    (void)cls;
+    int64_t now = clock_mono_ms(), was = last_ms;
+    if (now - was < HTTP_LOG_GAP_MS || !atomic_compare_exchange_strong(&last_ms, &was, now)) {
+        return;
+    }
+    char msg[256], q[300];
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    msg[strcspn(msg, "\r\n")] = '\0';
+    log_warn("metrics_http", "msg=%s", log_quote(q, sizeof(q), msg));
+}
+
 /* start serves /metrics at sa with libmicrohttpd (family flags as MHD_USE_IPv6 or
- * MHD_USE_DUAL_STACK); NULL when it cannot bind there. */
+ * MHD_USE_DUAL_STACK); NULL when it cannot bind there. MHD_USE_AUTO: epoll or poll, never
+ * select(), which cannot take a descriptor past 1024 (a daemon with many gRPC connections
+ * open would refuse every scrape). */
 static struct MHD_Daemon *start(unsigned int family_flags, struct sockaddr *sa)
 {
-    return mhd.start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG | family_flags, 0,
-                            NULL, NULL, handle, NULL, MHD_OPTION_SOCK_ADDR, sa,
-                            MHD_OPTION_CONNECTION_LIMIT, (unsigned int)64,
-                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)30, MHD_OPTION_END);
+    return mhd.start_daemon(
+        MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_AUTO | MHD_USE_ERROR_LOG | family_flags, 0, NULL,
+        NULL, handle, NULL, MHD_OPTION_SOCK_ADDR, sa, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL,
+        MHD_OPTION_CONNECTION_LIMIT, (unsigned int)HTTP_CONNECTIONS_MAX,
+        MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned int)HTTP_CONNECTIONS_PER_ADDRESS,
+        MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)HTTP_REQUEST_MEMORY,
+        MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)HTTP_IDLE_TIMEOUT_S, MHD_OPTION_END);
 }
 
 enum cf_status metrics_http_start(const char *addr, struct metrics_http **out, int *port,

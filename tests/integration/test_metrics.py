@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 import unittest
 import urllib.error
 import urllib.request
@@ -182,6 +183,65 @@ class MetricsTest(unittest.TestCase):
         with self.assertRaises(urllib.error.HTTPError) as cm:
             urllib.request.urlopen(req, timeout=10)
         self.assertEqual(cm.exception.code, 405)
+
+    def test_scrapes_past_1024_open_descriptors(self):
+        """select() takes no descriptor past 1024: with 1,100 gRPC connections open every
+        scrape was reset ("not less than FD_SETSIZE"), metrics gone just when the daemon was
+        busiest. The endpoint polls with epoll or poll."""
+        sd = Storaged(extra_args=METRICS)
+        conns = []
+        try:
+            for _ in range(1100):
+                c = socket.socket(socket.AF_UNIX)
+                c.connect(sd.sock)
+                conns.append(c)
+            H.poll_until(lambda: len(os.listdir('/proc/%d/fd' % sd.pid)) > 1100, 10, 0.05)
+            self.assertGreater(len(os.listdir('/proc/%d/fd' % sd.pid)), 1100)
+            _, text = scrape(sd)
+            self.assertIn('cflue_', text)
+        finally:
+            for c in conns:
+                c.close()
+            sd.close()
+            sd.remove()
+
+    def test_one_client_cannot_take_every_connection(self):
+        """64 connections from one address that sent half a request held every slot: each
+        scrape was refused until they timed out (for ever, with a header line every few
+        seconds). One address holds at most 8; a scraper from another is served. The
+        library's complaints go to our log, one line a second at most."""
+        sd = Storaged(extra_args=METRICS)
+        port = metrics_port(sd)
+        conns = []
+        try:
+            for _ in range(64):
+                c = socket.create_connection(('127.0.0.1', port), timeout=5)
+                try:
+                    c.sendall(b'GET /metrics HTTP/1.1\r\nHost: x\r\n')
+                except OSError:
+                    pass  # refused past the address's share
+                conns.append(c)
+            scraper = socket.create_connection(('127.0.0.1', port), timeout=10,
+                                               source_address=('127.0.0.2', 0))
+            scraper.sendall(b'GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n')
+            answer = b''
+            while True:
+                chunk = scraper.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+            scraper.close()
+            self.assertTrue(answer.startswith(b'HTTP/1.1 200'), answer[:200])
+        finally:
+            for c in conns:
+                c.close()
+        time.sleep(0.5)
+        sd.close()
+        raw = [line for line in sd.stderr_text().splitlines()
+               if line and not line.startswith('ts=') and not line.startswith('----')]
+        self.assertEqual(raw, [], 'lines outside the log format')
+        self.assertLessEqual(sd.stderr_text().count('event=metrics_http '), 2)
+        sd.remove()
 
     def test_every_address_is_ipv6_and_ipv4(self):
         """':PORT', '[::]:PORT' and '0.0.0.0:PORT' take every address, as gRPC's listeners do:
