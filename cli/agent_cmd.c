@@ -337,8 +337,11 @@ static int do_submit(struct rpc_channel *ch, const struct opts *o)
         return 1;
     }
     Cflue__V1__Admission *a = (Cflue__V1__Admission *)resp;
-    fprintf(stderr, "%ssubmission %s in conversation %s (trace %s)%s\n", dim(), a->submission_id,
-            a->conversation_id, *a->traceparent ? a->traceparent : "none", reset());
+    const char *trace = *a->traceparent ? a->traceparent : "none";
+    fprintf(stderr, "%ssubmission %s in conversation %s (trace ", dim(), a->submission_id,
+            a->conversation_id);
+    print_text(stderr, trace, strlen(trace), PRINT_ONE_LINE);
+    fprintf(stderr, ")%s\n", reset());
     struct view v = {.submission_id = a->submission_id};
     int rc = watch_stream(ch, a->conversation_id, a->offset, true, &v);
     protobuf_c_message_free_unpacked(resp, NULL);
@@ -383,8 +386,12 @@ static const char *show_agents(void *ctx, const ProtobufCMessage *page, bool fir
 {
     const Cflue__V1__ListAgentsResponse *r = (const Cflue__V1__ListAgentsResponse *)page;
     for (size_t i = 0; i < r->n_agents; i++) {
-        printf("%-20s %-36s %s\n", r->agents[i]->name, r->agents[i]->model,
-               r->agents[i]->description);
+        const Cflue__V1__AgentInfo *a = r->agents[i];
+        printf("%-20s ", a->name); /* a name is [A-Za-z0-9._-] (agents.c) */
+        print_text(stdout, a->model, strlen(a->model), PRINT_ONE_LINE);
+        printf("%*s ", strlen(a->model) < 36 ? (int)(36 - strlen(a->model)) : 0, "");
+        print_text(stdout, a->description, strlen(a->description), PRINT_ONE_LINE);
+        putchar('\n');
     }
     return r->next_page_token;
 }

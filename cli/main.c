@@ -368,8 +368,9 @@ static int cmd_tool(int argc, char **argv)
         } else if (sandbox_flag) {
             sandbox = argv[++i];
         } else if (!strcmp(argv[i], "--timeout-ms")) {
-            /* bounded so that adding TOOL_MARGIN_MS cannot overflow */
-            if (!flags_number(argv[i], argv[i + 1], 1, TOOL_MAX_MS, &timeout_ms)) {
+            /* bounded so that adding TOOL_MARGIN_MS cannot overflow; 0: no limit from the
+             * caller (docs/toold.md) */
+            if (!flags_number(argv[i], argv[i + 1], 0, TOOL_MAX_MS, &timeout_ms)) {
                 return 2;
             }
             i++;

@@ -11,6 +11,7 @@
 
 #include "mem.h"
 
+#include <assert.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -52,7 +53,6 @@ struct rules {
 /* What the rules held by one walk or filter take, against RULES_MAX and RULES_BYTES_MAX. */
 struct rule_budget {
     size_t rules, bytes;
-    bool over; /* some rule was left out */
 };
 
 /* One ignore file being read: its base, copied when its first rule is kept. */
@@ -175,8 +175,7 @@ static void add_rule(struct rules *r, struct rule_budget *b, struct ignore_file 
         cost += (strlen(p) + 1) * (1 + sizeof(char *)); /* the copy, at most one segment a byte */
     }
     if (b->rules >= RULES_MAX || cost > RULES_BYTES_MAX - b->bytes) {
-        b->over = true;
-        return;
+        return; /* past the budget: left out */
     }
     if (rule.anchored && strstr(p, "**")) {
         int slashes = 0;
@@ -221,8 +220,7 @@ static void add_rules(struct rules *r, struct rule_budget *b, int dirfd, const c
     struct stat st;
     struct cf_error err;
     if (b->rules >= RULES_MAX || b->bytes >= RULES_BYTES_MAX) {
-        b->over = true; /* not even read */
-        return;
+        return; /* full: not even read */
     }
     if (ws_open_regular_at(dirfd, name, name, &fd, &st, &err) != CF_OK) {
         return;
@@ -466,16 +464,21 @@ enum cf_status walk_tree(const struct sandbox *sb, const char *start_rel, const 
 
 /* ---------- ignore filter ---------- */
 
+/* The ignore rules of one directory on the filter's path, "" for the root. */
 struct dir_rules {
-    char *dir; /* "" for the root */
+    char *dir;
     struct rules rules;
-    struct dir_rules *next;
 };
 
+/* The filter holds the rules of the directories above the path it checked last, root first,
+ * within one budget: what a walk holds when it reaches that path, so the rules past the budget
+ * are the walk's too, and the memory is one path's, however many directories the hits cross
+ * (an engine reports its hits directory by directory). */
 struct ignore_filter {
     const struct sandbox *sb;
-    struct dir_rules *dirs;
-    struct rule_budget budget; /* over every directory's rules, as for one walk */
+    struct dir_rules *stack;
+    size_t depth, cap;
+    struct rule_budget budget;
     char last_file[WS_PATH_MAX];
     bool last_skip;
 };
@@ -487,57 +490,82 @@ struct ignore_filter *ignore_filter_new(const struct sandbox *sb)
     return f;
 }
 
+/* pop_to lets go of the directories past the first depth, deepest first (the budget is
+ * given back in the order it was taken). */
+static void pop_to(struct ignore_filter *f, size_t depth)
+{
+    while (f->depth > depth) {
+        struct dir_rules *d = &f->stack[--f->depth];
+        drop_rules(&d->rules, &f->budget, 0);
+        free(d->rules.items);
+        free(d->dir);
+    }
+}
+
 void ignore_filter_free(struct ignore_filter *f)
 {
     if (!f) {
         return;
     }
-    while (f->dirs) {
-        struct dir_rules *d = f->dirs;
-        f->dirs = d->next;
-        drop_rules(&d->rules, &f->budget, 0);
-        free(d->rules.items);
-        free(d->dir);
-        free(d);
-    }
+    pop_to(f, 0);
+    free(f->stack);
     free(f);
 }
 
-/* rules_of returns the rules of the ignore files in dir (loaded once). */
-static struct rules *rules_of(struct ignore_filter *f, const char *dir)
+/* hold makes the directory rel[0..len) the filter's level-th (loading its rules unless it is
+ * already there, after letting go of what was held from that level on). */
+static void hold(struct ignore_filter *f, size_t level, const char *rel, size_t len)
 {
-    for (struct dir_rules *d = f->dirs; d; d = d->next) {
-        if (!strcmp(d->dir, dir)) {
-            return &d->rules;
-        }
+    if (level < f->depth && strlen(f->stack[level].dir) == len &&
+        !memcmp(f->stack[level].dir, rel, len)) {
+        return;
     }
-    struct dir_rules *d = mem_alloc(sizeof(*d));
-    d->dir = mem_strdup(dir);
-    d->next = f->dirs;
-    f->dirs = d;
+    pop_to(f, level);
+    if (f->depth == f->cap) {
+        f->cap = f->cap ? f->cap * 2 : 16;
+        f->stack = mem_realloc(f->stack, sizeof(*f->stack) * f->cap);
+    }
+    struct dir_rules *d = &f->stack[f->depth++];
+    memset(d, 0, sizeof(*d));
+    d->dir = mem_alloc(len + 1);
+    memcpy(d->dir, rel, len);
+    d->dir[len] = '\0';
     int fd;
     struct cf_error err;
-    if (ws_open(f->sb, *dir ? dir : ".", O_RDONLY | O_DIRECTORY, 0, dir, &fd, &err) == CF_OK) {
-        add_rules(&d->rules, &f->budget, fd, ".gitignore", dir);
-        add_rules(&d->rules, &f->budget, fd, ".ignore", dir);
+    if (ws_open(f->sb, len ? d->dir : ".", O_RDONLY | O_DIRECTORY, 0, d->dir, &fd, &err) == CF_OK) {
+        add_rules(&d->rules, &f->budget, fd, ".gitignore", d->dir);
+        add_rules(&d->rules, &f->budget, fd, ".ignore", d->dir);
         close(fd);
     }
-    return &d->rules;
+}
+
+/* hold_path holds the directories above rel, root first, and nothing else. */
+static void hold_path(struct ignore_filter *f, const char *rel)
+{
+    size_t level = 0;
+    hold(f, level++, rel, 0);
+    for (size_t i = 0; rel[i]; i++) {
+        if (rel[i] == '/') {
+            hold(f, level++, rel, i);
+        }
+    }
+    pop_to(f, level);
 }
 
 /* excluded_by checks the component path[0..upto) against the rules of every directory above
- * it, root first; the last matching rule wins, as in the walk. */
+ * it (held: hold_path), root first; the last matching rule wins, as in the walk. */
 static bool excluded_by(struct ignore_filter *f, const char *path, size_t upto, bool is_dir)
 {
-    char partial[WS_PATH_MAX], dir[WS_PATH_MAX];
+    char partial[WS_PATH_MAX];
     snprintf(partial, sizeof(partial), "%.*s", (int)upto, path);
     const char *name = strrchr(partial, '/');
     name = name ? name + 1 : partial;
     bool out = false;
+    size_t level = 0;
     for (size_t i = 0; i < upto; i++) {
         if (i == 0 || path[i - 1] == '/') {
-            snprintf(dir, sizeof(dir), "%.*s", i ? (int)(i - 1) : 0, path);
-            apply_rules(rules_of(f, dir), partial, name, is_dir, &out);
+            assert(level < f->depth);
+            apply_rules(&f->stack[level++].rules, partial, name, is_dir, &out);
         }
     }
     return out;
@@ -549,6 +577,7 @@ bool ignore_filter_skips(struct ignore_filter *f, const char *rel, const char *s
         return f->last_skip;
     }
     snprintf(f->last_file, sizeof(f->last_file), "%s", rel);
+    hold_path(f, rel);
     size_t start_len = strcmp(start_rel, ".") ? strlen(start_rel) : 0;
     bool skip = false;
     /* hidden components and ignore rules, below the start path */

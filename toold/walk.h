@@ -35,8 +35,9 @@ CF_MUST_CHECK enum cf_status walk_tree(const struct sandbox *sb, const char *sta
 /* An ignore filter answers, for paths an external engine (rg, grep) reported, whether toold's
  * own walk would have skipped them: a hidden component, an ignore-file rule on the file or a
  * directory above it, or binary content (a NUL in the first 64 KiB). Engines then agree
- * exactly. Rules of each directory are read once per filter, all of them within one budget as
- * in a walk (rules past it are not applied; docs/toold.md). */
+ * exactly. The filter holds the rules of the directories above the path it checked last,
+ * within one budget, as a walk holds them there (rules past it are not applied; docs/toold.md);
+ * a directory is read again when the hits come back to it. */
 struct ignore_filter;
 
 /* ignore_filter_new prepares a filter for one search in sb (never NULL). */

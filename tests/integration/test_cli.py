@@ -234,7 +234,7 @@ class CliGuardTest(unittest.TestCase):
             (['watch', 'conv-1', '--after', 'banana', '--agentd', t], "--after"),
             (['watch', 'conv-1', '--from', '3x', '--agentd', t], "--from"),
             (['tool', t, 'bash', '{"command": "true"}', '--timeout-ms', 'abc'], "--timeout-ms"),
-            (['tool', t, 'bash', '{"command": "true"}', '--timeout-ms', '0'], "--timeout-ms"),
+            (['tool', t, 'bash', '{"command": "true"}', '--timeout-ms', '-1'], "--timeout-ms"),
             (['tool', t, 'bash', '{"command": "true"}', '--timeout-ms'],
              "--timeout-ms needs a value"),
             (['watch', 'conv-1', '--agentd'], "--agentd needs a value"),

@@ -729,6 +729,28 @@ class TestSearchAndRemove(HostileBase):
             want = ['kept.txt:1:needle'] + ([] if engine == 'rg' else ['late.txt:1:needle'])
             self.assertEqual(sorted(res.text.splitlines()), want, engine)
 
+    def test_ignore_budget_is_a_path_s_as_in_a_walk(self):
+        # the budget holds the rules above one path, as a walk does: two sibling directories
+        # of 20,000 rules each are both within it. The grep engine's filter spent one budget
+        # over every directory its hits crossed: the second's rules were never read and its
+        # ignored file was reported (which one depended on the order of the hits)
+        out = {}
+        for engine in ('pcre2', 'grep'):
+            td = self.start(self.driver, grep_engine=engine)
+            sb = 'siblings-' + engine
+            ws = td.workspace(sb, create=True)
+            for d in ('a', 'b'):
+                os.makedirs(os.path.join(ws, d))
+                with open(os.path.join(ws, d, '.gitignore'), 'w') as f:
+                    f.write('zz-none\n' * 20000 + 'x.txt\n')
+                for name in ('x.txt', 'y.txt'):
+                    with open(os.path.join(ws, d, name), 'w') as f:
+                        f.write('needle\n')
+            out[engine] = sorted(self.call(sb, 'grep', {'pattern': 'needle'}, td=td)
+                                 .text.splitlines())
+        self.assertEqual(out['pcre2'], ['a/y.txt:1:needle', 'b/y.txt:1:needle'])
+        self.assertEqual(out['grep'], out['pcre2'])
+
     def test_rg_lone_file_truncated_while_searched(self):
         # rg mapped a file named alone: truncated under it, rg died of SIGBUS (exit 135)
         if not shutil.which('rg'):
