@@ -250,6 +250,25 @@ void tools_cleanup(struct drive *d)
     memset(&d->tools, 0, sizeof(d->tools));
 }
 
+/* metric_label is the tool label a result is counted under: its name when the drive offers
+ * that tool (or it is one of the sandbox's, whose results a recovery records before the tools
+ * are listed), else "unknown". A name the model made up must not become a series: the
+ * family's label sets are capped, and a few hundred made-up names would leave real tools
+ * uncounted until agentd restarts. */
+static const char *metric_label(const struct drive *d, const char *name)
+{
+    static const char *const sandbox[] = {"read", "write", "edit", "bash", "grep", "glob"};
+    if (toolset_find(&d->tools, name) >= 0) {
+        return name;
+    }
+    for (size_t i = 0; i < sizeof(sandbox) / sizeof(sandbox[0]); i++) {
+        if (!strcmp(name, sandbox[i])) {
+            return name;
+        }
+    }
+    return "unknown";
+}
+
 /* record writes one tool result as a pending record: tools_record_result and
  * tools_record_images. */
 static void record(struct drive *d, int index, const char *call_id, const char *name,
@@ -262,7 +281,7 @@ static void record(struct drive *d, int index, const char *call_id, const char *
     Cflue__V1__Attachment *kept[IMAGE_RESULT_MAX];
     size_t bytes = 0;
     context_tool_result_id(id, sizeof(id), d->sub->submission_id, d->turn, call_id);
-    stats_tool_result(name, is_error, t && t->truncated);
+    stats_tool_result(metric_label(d, name), is_error, t && t->truncated);
     body.turn = d->turn;
     body.index = index;
     body.tool_call_id = (char *)call_id;

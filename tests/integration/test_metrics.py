@@ -76,6 +76,48 @@ def samples(text):
 METRICS = ['--metrics-listen', '127.0.0.1:0']
 
 
+class MadeUpToolTest(unittest.TestCase):
+    """Each tool name a model called became a label set of the tool results family (capped at
+    512 sets): a model that made up a few hundred names left every real tool first seen later
+    uncounted until agentd restarted. A name the agent does not offer is counted as
+    tool="unknown"."""
+
+    def test_made_up_tool_names_are_counted_as_unknown(self):
+        work = tempfile.mkdtemp(prefix='cflue-metrics-made-up-')
+        daemons = []
+        try:
+            sd = Storaged(extra_args=METRICS)
+            daemons.append(sd)
+            td = Toold(tcp=True)
+            daemons.append(td)
+            fm = FakeModel()
+            daemons.append(fm)
+            agents = os.path.join(work, 'agents')
+            os.makedirs(agents)
+            with open(os.path.join(agents, 'measured.md'), 'w') as f:
+                f.write(AGENT % td.target)
+            env = {'ANTHROPIC_BASE_URL': fm.anthropic_base_url,
+                   'ANTHROPIC_API_KEY': secret_scan.secret('anthropic-key')}
+            ad = Agentd(sd.target, agents, env=env, extra_args=METRICS)
+            daemons.append(ad)
+            made_up = [{'name': 'made_up_%d' % i, 'arguments': {}} for i in range(3)]
+            fm.set_scenario([{'tool_calls': made_up + [
+                {'name': 'bash', 'arguments': {'command': 'true'}}]}, {'text': 'done'}])
+            sid = ad.submit('measured', 'Call things.', conversation_id='conv_made_up')
+            sub = ad.get_submission(sid.submission_id, wait=True, timeout=60)
+            self.assertEqual(sub.outcome, common_pb2.OUTCOME_COMPLETED, sub)
+            s = samples(scrape(ad)[1])
+            self.assertEqual(s[('cflue_agentd_tool_results_total',
+                                '{tool="unknown",error="true"}')], 3)
+            self.assertEqual(s[('cflue_agentd_tool_results_total',
+                                '{tool="bash",error="false"}')], 1)
+            self.assertFalse([k for k in s if 'made_up' in k[1]], s)
+        finally:
+            for d in reversed(daemons):
+                d.remove()
+            secret_scan.discard(work)
+
+
 class MetricsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
