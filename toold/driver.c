@@ -340,12 +340,17 @@ static enum cf_status bwrap_prepare(const struct sandbox *sb, const char *cwd, c
     arg(&a, "/dev");
     arg(&a, "--proc");
     arg(&a, "/proc");
-    if (c->tmp_bytes > 0) { /* /tmp is memory: bounded by the disk and memory limits */
-        arg3(&a, "--size", own(c, mem_asprintf("%lld", (long long)c->tmp_bytes)), "--tmpfs");
-    } else {
-        arg(&a, "--tmpfs");
+    /* /tmp and /dev/shm are memory: each bounded by the disk and memory limits (bwrap's /dev
+     * is a tmpfs of half the host's memory, its shm directory with it) */
+    const char *tmp_dirs[] = {"/tmp", "/dev/shm"};
+    for (size_t i = 0; i < sizeof(tmp_dirs) / sizeof(tmp_dirs[0]); i++) {
+        if (c->tmp_bytes > 0) {
+            arg3(&a, "--size", own(c, mem_asprintf("%lld", (long long)c->tmp_bytes)), "--tmpfs");
+        } else {
+            arg(&a, "--tmpfs");
+        }
+        arg(&a, tmp_dirs[i]);
     }
-    arg(&a, "/tmp");
     arg3(&a, "--bind", sb->root, sb->root);
     arg(&a, "--remount-ro"); /* the sandbox's own root: nothing but /tmp and the workspace */
     arg(&a, "/");

@@ -268,6 +268,26 @@ static bool read_small(const char *path, char *buf, size_t len)
     return true;
 }
 
+/* Past this many shared pages (file and shared memory) a process's share of shared memory is
+ * looked up (smaps_rollup walks its page tables: not for every small process every look). */
+#define SHMEM_LOOK_BYTES (8LL << 20)
+
+/* shmem_share is pid's proportional share, in bytes, of the shared memory it maps
+ * (MAP_SHARED anonymous, memfd, /dev/shm and SysV segments: Pss_Shmem): memory the command
+ * holds that its private pages do not show. Shared among its processes, each counts its part,
+ * so the group's sum is the memory once. 0 when the kernel does not say. */
+static long long shmem_share(pid_t pid)
+{
+    char path[64], buf[4096];
+    snprintf(path, sizeof(path), "/proc/%d/smaps_rollup", (int)pid);
+    if (!read_small(path, buf, sizeof(buf))) {
+        return 0;
+    }
+    const char *p = strstr(buf, "\nPss_Shmem:");
+    long long kib = 0;
+    return p && sscanf(p + strlen("\nPss_Shmem:"), "%lld", &kib) == 1 ? kib * 1024 : 0;
+}
+
 /* add_children appends the children of every thread of pid (at most max in all). */
 static int add_children(pid_t pid, long threads, pid_t *out, int n, int max)
 {
@@ -337,8 +357,13 @@ static void look_at_tree(struct watch *w)
         tasks += threads;
         snprintf(path, sizeof(path), "/proc/%d/statm", (int)w->pids[i]);
         if (read_small(path, buf, sizeof(buf)) &&
-            sscanf(buf, "%lld %lld %lld", &size, &resident, &shared) == 3 && resident > shared) {
-            mem += (resident - shared) * page; /* private: shared pages are not its own */
+            sscanf(buf, "%lld %lld %lld", &size, &resident, &shared) == 3) {
+            if (resident > shared) {
+                mem += (resident - shared) * page; /* private: file pages are not its own */
+            }
+            if (shared * page > SHMEM_LOOK_BYTES) {
+                mem += shmem_share(w->pids[i]);
+            }
         }
         n = add_children(w->pids[i], (long)threads, w->pids, n, WATCH_PIDS_MAX);
     }

@@ -31,6 +31,9 @@ FORK_BOMB = 'b() { if [ $1 -gt 0 ]; then b $(($1-1)) & b $(($1-1)) & wait; else 
 MEMORY_HOG = ('python3 -c "import time\nx=[]\nfor i in range(19):\n'
               '    x.append(bytearray(b\'%s\' * (16<<20)))\n    time.sleep(0.02)\ntime.sleep(5)"'
               % 'x')
+# 304 MiB of shared memory, a MAP_SHARED mapping its private pages do not show
+SHARED_HOG = ('python3 -c "import mmap, time\nm = mmap.mmap(-1, 19 << 24)\nfor i in range(19):\n'
+              '    m.write(b\'x\' * (16 << 20))\n    time.sleep(0.02)\ntime.sleep(5)"')
 DISK_FILLER = 'sleep 0.3; for i in $(seq 40); do head -c 1M /dev/zero > f$i; sleep 0.03; done'
 
 
@@ -120,6 +123,19 @@ class LimitCases(object):
         # 5 s was tight on a loaded machine; a hog not stopped ends with exit 0, not 137
         self.assertLess(took, 20)
         self.assertServes('hog')
+
+    def test_shared_memory_counts(self):
+        # the watch counted private pages only: a MAP_SHARED mapping (as memfd or SysV
+        # segments) of 304 MiB ran to its end under a bound of 64 MiB
+        res, took = self.bash('shared', SHARED_HOG)
+        self.assertStoppedBy(res, 'memory', 'limit of 64 MiB', 'Exit code 137')
+        self.assertLess(took, 20)
+        if self.driver == 'bwrap':
+            # /dev/shm was bwrap's /dev: a tmpfs of half the host's memory
+            res, _ = self.bash('shared', 'for i in $(seq 64); do '
+                               'head -c 1M /dev/zero > /dev/shm/x$i || break; done')
+            self.assertIn('No space left on device', res.text)
+        self.assertServes('shared')
 
     def test_cpu_burner_is_stopped(self):
         res, took = self.bash('burn', 'while :; do :; done')
