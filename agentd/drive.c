@@ -815,6 +815,12 @@ static enum drive_state step_tools(struct drive *d)
     if (drive_halted(d)) {
         return DRIVE_SETTLE;
     }
+    int64_t from = engine_commands_from_ms();
+    if (d->takeover && clock_mono_ms() < from) {
+        engine_post_at(d, from); /* an earlier attempt's commands may still be stopping */
+        d->parked = true;
+        return DRIVE_TOOLS;
+    }
     bool batch = tools_start(d, &d->answer);
     bool tasks = task_start(d, &d->answer);
     return batch || tasks ? DRIVE_TOOLS_WAIT : tools_done(d);

@@ -63,9 +63,9 @@ long long engine_max_drives = ENGINE_MAX_DRIVES_DEFAULT;
 #define CLAIM_POLL_MS 500       /* the claimer asks for work admitted elsewhere this often */
 #define RELEASE_TIMEOUT_MS 2000 /* a Release at shutdown: past it the leases run out instead */
 /* A released lease lasts this much longer: a command the stop cancelled in toold is still
- * being stopped (SIGTERM, 2 s of grace, SIGKILL) when agentd's side of its stream has ended,
- * and the workspace must not see the next attempt's commands before it is gone. */
-#define RELEASE_AFTER_MS 5000
+ * being stopped when agentd's side of its stream has ended, and the workspace must not see
+ * the next attempt's commands before it is gone. */
+#define RELEASE_AFTER_MS ENGINE_COMMANDS_GONE_MS
 #define DRAIN_POLL_MS 50 /* a drain looks whether the last drive has ended this often */
 
 static struct engine {
@@ -245,6 +245,7 @@ static int64_t reclaim_before_ms;
 /* This process's start (wall clock, ms, engine_note_start), sent with every claim as
  * owner_started_at: what a later start of this owner reclaims by. */
 static int64_t started_ms;
+static int64_t started_mono_ms;
 
 /* owner_started fills ts with started_ms for a claim. */
 static Google__Protobuf__Timestamp *owner_started(Google__Protobuf__Timestamp *ts)
@@ -281,8 +282,14 @@ static enum cf_status claim(const char *submission_id, int64_t before_ms,
     return rc;
 }
 
+int64_t engine_commands_from_ms(void)
+{
+    return started_mono_ms + ENGINE_COMMANDS_GONE_MS;
+}
+
 void engine_note_start(void)
 {
+    started_mono_ms = clock_mono_ms();
     started_ms = reclaim_before_ms = clock_now_ms();
 }
 
@@ -670,8 +677,12 @@ static void retire(struct drive *d)
     struct active held;
     bool keep = drive_lease_held(d, &held);
     if (drive_end_of(d) == DRIVE_INTERRUPTED) {
-        resume_later(d->fence.submission_id, d->fence.attempt_id, d->fence.epoch, d->eng.resume_ms,
-                     0);
+        /* a batch cut off leaves toold stopping its commands: the next attempt's wait */
+        int64_t delay = d->eng.resume_ms;
+        if (d->commands_cut && delay < ENGINE_COMMANDS_GONE_MS) {
+            delay = ENGINE_COMMANDS_GONE_MS;
+        }
+        resume_later(d->fence.submission_id, d->fence.attempt_id, d->fence.epoch, delay, 0);
     }
     pthread_mutex_lock(&eng.mu);
     engine_queue_remove(&eng.timers, &d->eng.timer);

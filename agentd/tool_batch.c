@@ -624,6 +624,7 @@ static void finish_lane(struct drive *d, struct tool_lane *l, struct rpc_status 
         snprintf(st->details, sizeof(st->details), "the stream ended with results missing");
     }
     bool own = own_server(d, l->server);
+    d->commands_cut = d->commands_cut || (missing && !own);
     if (!missing || drive_halted(d) || (!own && tools_failed(d, "the tool batch failed", st))) {
         return;
     }

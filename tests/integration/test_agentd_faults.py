@@ -550,6 +550,52 @@ class FencedOffSecondBatchTest(AgentdCase):
         self.assertEqual(len(settled), 1)
 
 
+class CommandsGoneFirstTest(FaultsBase):
+    """A command that ignores SIGTERM runs when its attempt is cut off; toold's runner kills it
+    2 s after the stream drops (docs/toold.md). The next attempt's command ran while the old one
+    still wrote: at once when agentd restarted with its owner id (its work taken back at once),
+    0.5 s into it when toold restarted (the resume came after 1 s). Neither overlaps now."""
+
+    OLD = ("trap '' TERM; touch started; "
+           "while true; do echo old $(date +%s.%N) >> log; sleep 0.05; done")
+
+    def run_cut(self, restart):
+        conv = new_conv('overlap')
+        ws = self.workspace(conv)
+        self.fm.set_scenario(bind([
+            {'tool_calls': [{'name': 'bash', 'arguments': {'command': self.OLD}}]},
+            {'tool_calls': [{'name': 'bash', 'arguments': {
+                'command': 'echo new $(date +%s.%N) >> log'}}]},
+            {'text': 'finished'}], conv))
+        adm = self.ad.submit('runner-anthropic', 'go (%s)' % conv, conversation_id=conv)
+        self.wait_for('the old command', lambda: os.path.exists(os.path.join(ws, 'started')),
+                      timeout=30)
+        time.sleep(0.5)
+        restart()
+        sub = self.wait_settled(adm.submission_id, timeout=60)
+        self.assertEqual(outcome_name(sub.outcome), 'COMPLETED', sub.error)
+        time.sleep(3)  # the old command, were it alive, would write on
+        with open(os.path.join(ws, 'log')) as f:
+            lines = [line.split() for line in f if line.strip()]
+        new = [float(t) for k, t in lines if k == 'new']
+        self.assertEqual(len(new), 1, lines[-5:])
+        after = [float(t) for k, t in lines if k == 'old' and float(t) > new[0]]
+        self.assertEqual(after, [], 'the old command wrote %d lines after the new one ran'
+                         % len(after))
+
+    def test_agentd_restarted_at_once(self):
+        def restart():
+            self.ad.kill()
+            self.ad.start()
+        self.run_cut(restart)
+
+    def test_toold_restarted_at_once(self):
+        def restart():
+            self.stack.td.kill()
+            self.stack.td.start()
+        self.run_cut(restart)
+
+
 class ShortOutageTest(FaultsBase):
     """storaged down or frozen for less than the retry window (a 60 s lease): the attempt rides
     it out. A tool result or a Settle made while storaged is away is tried again on a timer
