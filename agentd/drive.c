@@ -815,8 +815,8 @@ static enum drive_state step_tools(struct drive *d)
     if (drive_halted(d)) {
         return DRIVE_SETTLE;
     }
-    int64_t from = engine_commands_from_ms();
-    if (d->takeover && clock_mono_ms() < from) {
+    int64_t from = d->claimed_mono_ms + ENGINE_COMMANDS_GONE_MS;
+    if (d->commands_cut && clock_mono_ms() < from) {
         engine_post_at(d, from); /* an earlier attempt's commands may still be stopping */
         d->parked = true;
         return DRIVE_TOOLS;

@@ -309,14 +309,14 @@ struct drive {
         Cflue__V1__ListResponse *earlier; /* takeover: what an earlier attempt left joining */
         char *page_token; /* the List's next page (NULL: its first): pages end at a byte budget */
     } joining;
-    bool threshold_checked;  /* this turn's context was compacted for size already */
-    bool overflow_retried;   /* a context overflow was compacted once (per drive) */
-    int rebinds;             /* reloads taken up since the last model call */
-    bool commands_cut;       /* a sandbox batch ended with calls unanswered: toold may still be
-                              * stopping their commands (ENGINE_COMMANDS_GONE_MS) */
-    bool fit_tightened;      /* an overflow compaction did not mend: requests
-                              * fitted to half the room from then on (per drive) */
-    enum cf_status model_rc; /* the last model call's status */
+    bool threshold_checked; /* this turn's context was compacted for size already */
+    bool overflow_retried;  /* a context overflow was compacted once (per drive) */
+    int rebinds;            /* reloads taken up since the last model call */
+    bool commands_cut;      /* an earlier attempt's calls were found without results: their commands
+                             * may still be stopping in toold (ENGINE_COMMANDS_GONE_MS) */
+    bool fit_tightened;     /* an overflow compaction did not mend: requests
+                             * fitted to half the room from then on (per drive) */
+    enum cf_status model_rc;              /* the last model call's status */
     Cflue__V1__CompactionTrigger trigger; /* why DRIVE_COMPACT runs */
     struct {
         int64_t cut;             /* the offset of the first record kept verbatim */

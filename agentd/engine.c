@@ -245,7 +245,6 @@ static int64_t reclaim_before_ms;
 /* This process's start (wall clock, ms, engine_note_start), sent with every claim as
  * owner_started_at: what a later start of this owner reclaims by. */
 static int64_t started_ms;
-static int64_t started_mono_ms;
 
 /* owner_started fills ts with started_ms for a claim. */
 static Google__Protobuf__Timestamp *owner_started(Google__Protobuf__Timestamp *ts)
@@ -282,14 +281,8 @@ static enum cf_status claim(const char *submission_id, int64_t before_ms,
     return rc;
 }
 
-int64_t engine_commands_from_ms(void)
-{
-    return started_mono_ms + ENGINE_COMMANDS_GONE_MS;
-}
-
 void engine_note_start(void)
 {
-    started_mono_ms = clock_mono_ms();
     started_ms = reclaim_before_ms = clock_now_ms();
 }
 
@@ -677,12 +670,8 @@ static void retire(struct drive *d)
     struct active held;
     bool keep = drive_lease_held(d, &held);
     if (drive_end_of(d) == DRIVE_INTERRUPTED) {
-        /* a batch cut off leaves toold stopping its commands: the next attempt's wait */
-        int64_t delay = d->eng.resume_ms;
-        if (d->commands_cut && delay < ENGINE_COMMANDS_GONE_MS) {
-            delay = ENGINE_COMMANDS_GONE_MS;
-        }
-        resume_later(d->fence.submission_id, d->fence.attempt_id, d->fence.epoch, delay, 0);
+        resume_later(d->fence.submission_id, d->fence.attempt_id, d->fence.epoch, d->eng.resume_ms,
+                     0);
     }
     pthread_mutex_lock(&eng.mu);
     engine_queue_remove(&eng.timers, &d->eng.timer);

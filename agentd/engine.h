@@ -27,16 +27,6 @@ extern long long engine_max_drives;
  * time. */
 void engine_note_start(void);
 
-/* engine_commands_from_ms is the monotonic time before which a takeover runs no command in its
- * sandbox: RELEASE_AFTER_MS after this process started. Work this owner id took back at once
- * after a restart was cut off in toold only as the process died, and toold is still stopping
- * its commands (SIGTERM, 2 s of grace, SIGKILL): the workspace must not see the next
- * attempt's commands before they are gone. */
-int64_t engine_commands_from_ms(void);
-
-/* ENGINE_COMMANDS_GONE_MS: how long toold may take to stop the commands of a batch cut off
- * (SIGTERM, 2 s of grace, SIGKILL), with room; a released lease lasts this much longer, and
- * a drive whose batch was cut is resumed no sooner. */
 #define ENGINE_COMMANDS_GONE_MS 5000
 
 /* engine_start starts `workers` engine threads (they step ready drives), the claimer and the

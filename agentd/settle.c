@@ -77,6 +77,8 @@ static size_t unresolved_calls(struct drive *d, bool fix, bool keep_tasks)
             }
             missing++;
             if (fix && !(keep_tasks && i == last && task_is_framework(c->name))) {
+                /* cut off with the attempt before: its command may still be stopping */
+                d->commands_cut = d->commands_cut || !task_is_framework(c->name);
                 int saved = d->turn;
                 d->turn = am->turn;
                 tools_record_result(d, (int)k, c->id, c->name, CONTEXT_INTERRUPTED_RESULT, true,

@@ -624,7 +624,20 @@ static void finish_lane(struct drive *d, struct tool_lane *l, struct rpc_status 
         snprintf(st->details, sizeof(st->details), "the stream ended with results missing");
     }
     bool own = own_server(d, l->server);
-    d->commands_cut = d->commands_cut || (missing && !own);
+    if (missing && !own && st->code == GRPC_STATUS_DEADLINE_EXCEEDED && !drive_halted(d) &&
+        drive_time_left(d) <= 0) {
+        /* the stream's deadline is the time limit's (lane_open): the submission fails for its
+         * time, not as a toold that failed (another attempt, only to fail so) */
+        for (size_t k = 0; k < l->m && d->fault.code == CF_OK; k++) {
+            if (!l->done[k]) {
+                tools_record_result(d, l->index[k], l->calls[k].call_id, l->calls[k].name,
+                                    "The submission reached its time limit before this call "
+                                    "answered; whether it took effect is unknown.",
+                                    true, NULL, true);
+            }
+        }
+        return;
+    }
     if (!missing || drive_halted(d) || (!own && tools_failed(d, "the tool batch failed", st))) {
         return;
     }

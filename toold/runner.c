@@ -268,24 +268,35 @@ static bool read_small(const char *path, char *buf, size_t len)
     return true;
 }
 
-/* Past this many shared pages (file and shared memory) a process's share of shared memory is
- * looked up (smaps_rollup walks its page tables: not for every small process every look). */
-#define SHMEM_LOOK_BYTES (8LL << 20)
+/* status_kib reads the "Name:   N kB" line of a /proc/PID/status text (0 without it). */
+static long long status_kib(const char *status, const char *name)
+{
+    const char *p = strstr(status, name);
+    long long kib = 0;
+    return p && sscanf(p + strlen(name), "%lld", &kib) == 1 ? kib : 0;
+}
 
-/* shmem_share is pid's proportional share, in bytes, of the shared memory it maps
- * (MAP_SHARED anonymous, memfd, /dev/shm and SysV segments: Pss_Shmem): memory the command
- * holds that its private pages do not show. Shared among its processes, each counts its part,
- * so the group's sum is the memory once. 0 when the kernel does not say. */
-static long long shmem_share(pid_t pid)
+/* memory_of is what pid holds of its own, in bytes: its private pages (RssAnon; file pages are
+ * not its own) and its proportional share of the shared memory it maps (MAP_SHARED
+ * anonymous, memfd, /dev/shm and SysV segments: Pss_Shmem, from smaps_rollup, which walks the
+ * page tables, so read only when it maps any: RssShmem). Shared among the command's
+ * processes, each counts its part, and the group's sum is the memory once. A kernel that
+ * gives no Pss_Shmem gets RssShmem counted whole. 0 when pid is gone. */
+static long long memory_of(pid_t pid)
 {
     char path[64], buf[4096];
-    snprintf(path, sizeof(path), "/proc/%d/smaps_rollup", (int)pid);
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
     if (!read_small(path, buf, sizeof(buf))) {
         return 0;
     }
-    const char *p = strstr(buf, "\nPss_Shmem:");
-    long long kib = 0;
-    return p && sscanf(p + strlen("\nPss_Shmem:"), "%lld", &kib) == 1 ? kib * 1024 : 0;
+    long long anon = status_kib(buf, "\nRssAnon:"), shmem = status_kib(buf, "\nRssShmem:");
+    if (shmem > 0) {
+        snprintf(path, sizeof(path), "/proc/%d/smaps_rollup", (int)pid);
+        if (read_small(path, buf, sizeof(buf)) && strstr(buf, "\nPss_Shmem:")) {
+            shmem = status_kib(buf, "\nPss_Shmem:");
+        }
+    }
+    return (anon + shmem) * 1024;
 }
 
 /* add_children appends the children of every thread of pid (at most max in all). */
@@ -336,7 +347,6 @@ static void look_at_tree(struct watch *w)
 {
     struct rusage ru;
     int64_t cpu_ms = 0, mem = 0, tasks = 0;
-    long page = sysconf(_SC_PAGESIZE);
     getrusage(RUSAGE_CHILDREN, &ru); /* what the processes the runner reaped used */
     cpu_ms = (int64_t)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000 +
              (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1000;
@@ -344,7 +354,7 @@ static void look_at_tree(struct watch *w)
     for (int i = 0; i < n; i++) {
         char path[64], buf[1024];
         unsigned long long ut = 0, st = 0;
-        long long cut = 0, cst = 0, threads = 1, size = 0, resident = 0, shared = 0;
+        long long cut = 0, cst = 0, threads = 1;
         snprintf(path, sizeof(path), "/proc/%d/stat", (int)w->pids[i]);
         const char *rp = read_small(path, buf, sizeof(buf)) ? strrchr(buf, ')') : NULL;
         if (!rp || sscanf(rp + 2,
@@ -355,16 +365,7 @@ static void look_at_tree(struct watch *w)
         }
         cpu_ms += (int64_t)(ut + st + (unsigned long long)(cut + cst)) * 1000 / w->ticks_per_s;
         tasks += threads;
-        snprintf(path, sizeof(path), "/proc/%d/statm", (int)w->pids[i]);
-        if (read_small(path, buf, sizeof(buf)) &&
-            sscanf(buf, "%lld %lld %lld", &size, &resident, &shared) == 3) {
-            if (resident > shared) {
-                mem += (resident - shared) * page; /* private: file pages are not its own */
-            }
-            if (shared * page > SHMEM_LOOK_BYTES) {
-                mem += shmem_share(w->pids[i]);
-            }
-        }
+        mem += memory_of(w->pids[i]);
         n = add_children(w->pids[i], (long)threads, w->pids, n, WATCH_PIDS_MAX);
     }
     tasks -= w->lim.launcher_procs;

@@ -447,6 +447,9 @@ class FaultsCase(FaultsBase):
         self.assertEqual(outcome_name(sub.outcome), 'FAILED', sub.error)
         self.assertIn('time limit', sub.error)
         self.assertLess(took, 16, 'the drive waited for toold past its limit')
+        self.assertEqual(sub.attempt_count, 1, 'the time limit taken for a failing toold')
+        [res] = [body(r) for r in self.records(conv) if kind(r) == 'tool_result']
+        self.assertTrue(res.outcome_unknown, res)
 
     def test_turn_cap_settles_failed_saying_so(self):
         conv = new_conv('turns')
@@ -554,7 +557,8 @@ class CommandsGoneFirstTest(FaultsBase):
     """A command that ignores SIGTERM runs when its attempt is cut off; toold's runner kills it
     2 s after the stream drops (docs/toold.md). The next attempt's command ran while the old one
     still wrote: at once when agentd restarted with its owner id (its work taken back at once),
-    0.5 s into it when toold restarted (the resume came after 1 s). Neither overlaps now."""
+    0.5 s into it when toold restarted (the resume came after 1 s). An attempt that finds calls
+    of an earlier one without results runs no command before 5 s after its claim."""
 
     OLD = ("trap '' TERM; touch started; "
            "while true; do echo old $(date +%s.%N) >> log; sleep 0.05; done")

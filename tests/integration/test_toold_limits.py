@@ -34,6 +34,13 @@ MEMORY_HOG = ('python3 -c "import time\nx=[]\nfor i in range(19):\n'
 # 304 MiB of shared memory, a MAP_SHARED mapping its private pages do not show
 SHARED_HOG = ('python3 -c "import mmap, time\nm = mmap.mmap(-1, 19 << 24)\nfor i in range(19):\n'
               '    m.write(b\'x\' * (16 << 20))\n    time.sleep(0.02)\ntime.sleep(5)"')
+# 20 processes of 2 MiB of shared memory each: 40 MiB beside their 55 MiB private (under the
+# bound of 64), none with much shared (a python3 maps about 5 MiB of files: each stays under
+# the 8 MiB past which its share was looked up before)
+SHARED_SPREAD = ('python3 -c "import mmap, os, time\nfor i in range(20):\n'
+                 '    if os.fork() == 0:\n        m = mmap.mmap(-1, 2 << 20)\n'
+                 '        m.write(b\'x\' * (2 << 20))\n        time.sleep(8)\n        os._exit(0)\n'
+                 'time.sleep(8)"')
 DISK_FILLER = 'sleep 0.3; for i in $(seq 40); do head -c 1M /dev/zero > f$i; sleep 0.03; done'
 
 
@@ -128,6 +135,10 @@ class LimitCases(object):
         # the watch counted private pages only: a MAP_SHARED mapping (as memfd or SysV
         # segments) of 304 MiB ran to its end under a bound of 64 MiB
         res, took = self.bash('shared', SHARED_HOG)
+        self.assertStoppedBy(res, 'memory', 'limit of 64 MiB', 'Exit code 137')
+        self.assertLess(took, 20)
+        # each process's share looked up only past 8 MiB of shared pages: 20 of 2 MiB went by
+        res, took = self.bash('shared', SHARED_SPREAD)
         self.assertStoppedBy(res, 'memory', 'limit of 64 MiB', 'Exit code 137')
         self.assertLess(took, 20)
         if self.driver == 'bwrap':
