@@ -27,6 +27,11 @@ extern long long engine_max_drives;
  * time. */
 void engine_note_start(void);
 
+/* ENGINE_COMMANDS_GONE_MS: how long toold may take to stop the commands of a batch cut off
+ * (SIGTERM, 2 s of grace, SIGKILL), with room for the results' way back. A released lease
+ * lasts this much longer; an attempt that finds calls of an earlier one without results runs
+ * no sandbox command before this much after its claim; a sandbox batch's stream ends this
+ * much past the time left. */
 #define ENGINE_COMMANDS_GONE_MS 5000
 
 /* engine_start starts `workers` engine threads (they step ready drives), the claimer and the

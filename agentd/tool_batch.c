@@ -38,9 +38,6 @@
 #define TOOLS_TIMEOUT_MS 10000 /* Tools.List */
 
 #define CUSTOM_CALL_MS 600000 /* an own tool server's call with no time limit: 10 min */
-/* past a sandbox batch's time left: toold's SIGTERM-to-SIGKILL grace (2 s) and the results'
- * way back */
-#define SANDBOX_STOP_GRACE_MS 5000
 /* An own tool server's result text shown to the model, at most (as an MCP server's): the
  * server is not trusted to bound it, and a record holds 8 MiB at most (a longer text failed
  * the submission). toold's results are bounded by the tools' contract. */
@@ -494,7 +491,7 @@ static void on_lane_end(void *arg, const struct rpc_status *st)
 static const struct rpc_astream_ops lane_ops = {.on_message = on_result, .on_end = on_lane_end};
 
 /* lane_open starts l's stream. Each call carries the submission's time left (toold stops its
- * commands there); the stream ends SANDBOX_STOP_GRACE_MS after it for the sandbox (no
+ * commands there); the stream ends ENGINE_COMMANDS_GONE_MS after it for the sandbox (no
  * deadline without a limit: toold's own bound the calls), a second after it for an own
  * server, or after CUSTOM_CALL_MS without a limit. */
 static void lane_open(struct tool_lane *l)
@@ -521,10 +518,9 @@ static void lane_open(struct tool_lane *l)
          * has none left: it gets the second, not a deadline of 0, which is none at all */
         deadline = left == INT64_MAX ? CUSTOM_CALL_MS : (left > 0 ? left : 0) + 1000;
     } else if (left != INT64_MAX) {
-        /* toold stops each command at the time left (and kills it SANDBOX_STOP_GRACE_MS
-         * later); a toold that is slow or hung, yet answers pings, must not hold the drive
-         * past its limit */
-        deadline = (left > 0 ? left : 0) + SANDBOX_STOP_GRACE_MS;
+        /* toold stops each command at the time left; a toold that is slow or hung, yet
+         * answers pings, must not hold the drive past its limit */
+        deadline = (left > 0 ? left : 0) + ENGINE_COMMANDS_GONE_MS;
     }
     if (l->mcp) {
         const char *tool = l->calls[0].name + strlen("mcp__") + strlen(l->mcp->name) + 2;
