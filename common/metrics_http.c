@@ -168,7 +168,7 @@ static bool every_address(const struct sockaddr_storage *ss)
 
 /* mhd_log takes libmicrohttpd's error lines into our log, at most one every HTTP_LOG_GAP_MS
  * (any client can make it complain: a closed connection, an oversized request). */
-static void mhd_log(void *cls, const char *fmt, va_list ap)
+__attribute__((format(printf, 2, 0))) static void mhd_log(void *cls, const char *fmt, va_list ap)
 {
     static _Atomic int64_t last_ms;
     (void)cls;
