@@ -361,7 +361,6 @@ static int run(struct daemon *d, struct agentd_opts *o)
     struct rpc_server *srv = rpc_server_new(&ro);
     api_register(srv);
     engine_note_start();
-    rpc_server_set_ready(srv, false); /* until the readiness probe's first check passes */
     if (!daemon_serve(d, srv)) {
         close_clients();
         return 1;

@@ -23,11 +23,11 @@ struct ready_probe {
 static void *probe_main(void *arg)
 {
     struct ready_probe *p = arg;
-    bool ready = false, first = true; /* not ready until the first check passes (ready.h) */
+    bool ready = true; /* as a new server is */
     for (;;) {
         char why[512] = "";
         bool ok = p->check(p->arg, why, sizeof(why));
-        if (ok != ready || first) {
+        if (ok != ready) {
             rpc_server_set_ready(p->srv, ok);
             if (ok) {
                 log_info("ready", "need=%s", p->what);
@@ -36,7 +36,6 @@ static void *probe_main(void *arg)
                 log_warn("not_ready", "need=%s why=%s", p->what, log_quote(q, sizeof(q), why));
             }
             ready = ok;
-            first = false;
         }
         struct timespec ts;
         clock_deadline(&ts, READY_EVERY_MS);
@@ -63,7 +62,6 @@ struct ready_probe *ready_start(struct rpc_server *srv, const char *what, ready_
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
     if (thread_start(&p->thread, "ready-probe", 0, probe_main, p, err) != CF_OK) {
-        rpc_server_set_ready(srv, true);
         pthread_mutex_destroy(&p->mu);
         pthread_cond_destroy(&p->cv);
         free(p);

@@ -21,11 +21,8 @@ typedef bool (*ready_check_fn)(void *arg, char *why, size_t why_len);
 struct ready_probe;
 
 /* ready_start starts checking for srv every READY_EVERY_MS (the first check at once); what
- * names the need in the log ("storaged", "root"). srv is to be NOT_SERVING until the first
- * check passes: the caller sets it so before it serves (rpc_server_set_ready), or a probe
- * answered in the first moments would call a daemon ready that has not reached what it needs.
- * NULL with err set when the thread cannot start (srv is then set ready: it serves as if
- * there were no probe). */
+ * names the need in the log ("storaged", "root"). NULL with err set when the thread cannot
+ * start. */
 struct ready_probe *ready_start(struct rpc_server *srv, const char *what, ready_check_fn check,
                                 void *arg, struct cf_error *err);
 

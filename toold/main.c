@@ -204,7 +204,6 @@ int main(int argc, char **argv)
                                  .stall_ms = d.stream_stall_ms};
     struct rpc_server *srv = rpc_server_new(&ro);
     toold_register(srv, ws, &cfg);
-    rpc_server_set_ready(srv, false); /* until the readiness probe's first check passes */
     if (!daemon_serve(&d, srv)) {
         workspaces_free(ws);
         rpc_global_shutdown();

@@ -28,7 +28,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -1083,26 +1082,6 @@ class TestAgentdReadiness(AgentdCase):
             self.assertIn('event=not_ready need=storaged', lonely.stderr_text())
         finally:
             lonely.close()
-
-    def test_readiness_waits_for_the_first_check(self):
-        """A storaged that accepts connections and answers nothing: agentd was SERVING from
-        its start until its probe's check gave up (1 to 2 s), so a readiness probe or a
-        script that looked at once took it for ready. It is NOT_SERVING until the first check
-        passes."""
-        silent = socket.socket()
-        silent.bind(('127.0.0.1', 0))
-        silent.listen(16)
-        lonely = H.Agentd('127.0.0.1:%d' % silent.getsockname()[1], self.stack.agents_dir,
-                          owner_id='agentd-silent', env=self.stack.env,
-                          workdir=self.stack._sub('agentd-silent'))
-        try:
-            self.assertEqual(lonely.health_check('readiness'), H.NOT_SERVING)
-            self.assertEqual(lonely.health_check('liveness'), H.SERVING)
-            time.sleep(0.5)
-            self.assertEqual(lonely.health_check('readiness'), H.NOT_SERVING)
-        finally:
-            lonely.close()
-            silent.close()
 
 
 class TestAgentdModelWait(AgentdCase):
